@@ -1,0 +1,53 @@
+"""The one error vocabulary of the service.
+
+The core (shard, encoder, scorer, gateway logic) raises these; it never imports grpc.
+`services.common.server` maps them to gRPC status codes in one place (an interceptor),
+so a client's retry logic can rely on the code:
+
+=====================  =====================  ==========================
+error                  gRPC status            retry?
+=====================  =====================  ==========================
+InvalidArgument        INVALID_ARGUMENT       no: the request is wrong
+NotFound               NOT_FOUND              no
+Overloaded             RESOURCE_EXHAUSTED     yes, with backoff
+Unavailable            UNAVAILABLE            yes, another replica
+DeadlineExceeded       DEADLINE_EXCEEDED      no (the budget is spent)
+FailedPrecondition     FAILED_PRECONDITION    no: fix the system state
+=====================  =====================  ==========================
+
+Anything else that escapes is a bug and becomes INTERNAL.
+"""
+
+from __future__ import annotations
+
+
+class RetrievalError(Exception):
+    """Base of every error that the service reports to a client on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(RetrievalError):
+    """The request is malformed: the message says which field and why."""
+
+
+class NotFound(RetrievalError):
+    """A named document, model or shard does not exist."""
+
+
+class Overloaded(RetrievalError):
+    """A queue or a resource limit is full; the caller may retry later."""
+
+
+class Unavailable(RetrievalError):
+    """A dependency (Redis, Triton, a shard) cannot be reached right now."""
+
+
+class DeadlineExceeded(RetrievalError):
+    """The request's deadline passed before the work could finish."""
+
+
+class FailedPrecondition(RetrievalError):
+    """The system is not in a state to do this (e.g. the index is not trained)."""
