@@ -1,0 +1,181 @@
+"""Process bootstrap for every gRPC service: ``create_server(...) -> (server, port)``.
+
+Every server gets: the gRPC health service, reflection, the interceptor that maps domain
+errors to status codes and records latency, request bytes that fail to parse answered
+with INVALID_ARGUMENT (not INTERNAL), and a graceful stop on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from services.common import errors
+from services.common.metrics import RpcMetrics
+from services.common.settings import ServiceSettings
+from services.common.status import status_of
+from services.common.wire import WireTypeError, check_wire_types
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands in for a request whose bytes did not parse, so the handler can reject it."""
+
+    reason: str
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        if deserialize is None:
+            return data
+        try:
+            message = deserialize(data)
+            check_wire_types(message)
+            return message
+        except (DecodeError, WireTypeError, ValueError) as exc:
+            return _Malformed(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Maps :mod:`services.common.errors` to status codes and records RPC latency."""
+
+    def __init__(self, metrics: RpcMetrics | None) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        behavior = handler.unary_unary
+        metrics = self._metrics
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                if isinstance(request, _Malformed):
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    await context.abort(code, f"malformed request: {request.reason}")
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except errors.RetrievalError as exc:
+                code = status_of(exc)
+                await context.abort(code, exc.message)
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                code = grpc.StatusCode.INTERNAL
+                log.exception("unhandled error in %s", details.method)
+                await context.abort(code, f"internal error: {type(exc).__name__}")
+            finally:
+                if metrics is not None:
+                    metrics.observe(method, code.name, time.perf_counter() - start)
+
+        return grpc.unary_unary_rpc_method_handler(
+            wrapped,
+            request_deserializer=_safe_deserializer(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+
+@dataclass
+class Server:
+    """A started gRPC server, its bound port and its health servicer."""
+
+    grpc_server: grpc.aio.Server
+    port: int
+    health: HealthServicer
+    services: list[str] = field(default_factory=list)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.services]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self.grpc_server.stop(grace)
+
+
+Registrar = Callable[[grpc.aio.Server], Iterable[str]]
+
+
+async def create_server(
+    settings: ServiceSettings,
+    register: Registrar,
+    metrics: RpcMetrics | None = None,
+) -> tuple[Server, int]:
+    """Build, bind and start a server; ``register`` adds servicers and returns their names.
+
+    ``settings.port = 0`` binds a free port; the bound port is returned.
+    """
+    max_bytes = settings.max_message_mb * 1024 * 1024
+    server = grpc.aio.server(
+        interceptors=[ErrorAndLatencyInterceptor(metrics)],
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    names = list(register(server))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise errors.Unavailable(f"cannot bind {settings.host}:{settings.port}")
+    await server.start()
+    handle = Server(grpc_server=server, port=port, health=health, services=names)
+    await handle.set_serving(True)
+    if settings.port_file:
+        with open(settings.port_file, "w", encoding="utf-8") as fh:
+            fh.write(str(port))
+    return handle, port
+
+
+async def serve_until_signal(server: Server, grace: float) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully: NOT_SERVING, drain, stop."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(server.grpc_server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("signal received: draining for up to %.1f s", grace)
+        await server.stop(grace)
+    waiter.cancel()
+    stopper.cancel()

@@ -1,0 +1,39 @@
+"""The one place where domain errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common import errors
+
+STATUS_OF: dict[type[errors.RetrievalError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+ERROR_OF: dict[grpc.StatusCode, type[errors.RetrievalError]] = {
+    code: cls for cls, code in STATUS_OF.items()
+}
+
+
+def status_of(exc: errors.RetrievalError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_from_rpc(exc: grpc.RpcError, what: str) -> errors.RetrievalError:
+    """Turn a failed call to one of our own internal services back into a domain error.
+
+    Used by clients inside the system (gateway → shard, gateway → rerank) so that an
+    error keeps its meaning across a hop: a shard's INVALID_ARGUMENT stays one.
+    """
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = ERROR_OF.get(code, errors.Unavailable)
+    return cls(f"{what}: {details}")
