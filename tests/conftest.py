@@ -1,0 +1,45 @@
+"""Fixtures shared by every test: real servers on free ports."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import RedisServer, redis_binary, run_redis
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SHARED_DATA = Path(os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the session; tests isolate themselves by key prefix or FLUSHDB."""
+    if redis_binary() is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    with run_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """A clean database on the session's Redis for one test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    yield redis_server.url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def scifact_dir() -> Path:
+    path = SHARED_DATA / "scifact"
+    if not (path / "corpus.jsonl").exists():
+        pytest.skip(f"SciFact data not found at {path} (set GTR_DATA_DIR)")
+    return path

@@ -1,0 +1,74 @@
+"""Real servers for tests: free ports, a real redis-server, waiting for readiness."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
+
+
+@dataclass
+class RedisServer:
+    port: int
+    data_dir: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+def redis_binary() -> str | None:
+    return shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
+    )
+
+
+@contextmanager
+def run_redis(data_dir: Path) -> Iterator[RedisServer]:
+    """A real redis-server with AOF on (appendfsync always), on a free port."""
+    binary = redis_binary()
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+            "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, 20)
+        yield RedisServer(port=port, data_dir=data_dir, process=proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
