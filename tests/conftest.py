@@ -13,7 +13,9 @@ from tests.support.processes import RedisServer, redis_binary, run_redis
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-SHARED_DATA = Path(os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHARED_DATA = Path(
+    os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ServiceSettings(BaseSettings):
     """What every gRPC process needs: where to listen, how to log, how to stop."""
 
-    model_config = SettingsConfigDict(extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(
+        extra="forbid", validate_default=True, cli_kebab_case=True, cli_implicit_flags=True
+    )
 
     host: str = Field("127.0.0.1", description="Interface to listen on (0.0.0.0 in a pod).")
     port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one.")

@@ -1,0 +1,291 @@
+"""``gtr-retrieval ingest | search | get | delete``: a client of a running gateway."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from retrieval.v1 import (
+    common_pb2,
+    documents_pb2,
+    documents_pb2_grpc,
+    search_pb2,
+    search_pb2_grpc,
+)
+
+DEFAULT_RUN_DIR = ".run"
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str:
+    """--gateway, else $GTR_GATEWAY_ADDRESS, else the running local stack, else :50051."""
+    if explicit:
+        return explicit
+    if os.environ.get("GTR_GATEWAY_ADDRESS"):
+        return os.environ["GTR_GATEWAY_ADDRESS"]
+    state = Path(run_dir) / "stack.json"
+    if state.exists():
+        return str(json.loads(state.read_text(encoding="utf-8"))["gateway"])
+    return "127.0.0.1:50051"
+
+
+def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gateway",
+        default=None,
+        help="Gateway address host:port (default: $GTR_GATEWAY_ADDRESS, else the local "
+        "stack started by 'gtr-retrieval up', else 127.0.0.1:50051).",
+    )
+    parser.add_argument("--timeout", type=float, default=10.0, help="Deadline per call (s).")
+
+
+def add_cli(sub: Any) -> None:
+    ingest = sub.add_parser(
+        "ingest",
+        help="Upsert a corpus file through the gateway.",
+        description="Upsert every document of FILE (BEIR corpus.jsonl or JSONL with "
+        "id/_id, title, text, metadata) in batches, with a progress bar.",
+    )
+    ingest.add_argument("file", help="Corpus JSONL file.")
+    ingest.add_argument("--batch", type=int, default=64, help="Documents per Upsert (1..256).")
+    ingest.add_argument("--parallel", type=int, default=2, help="Upserts in flight.")
+    ingest.add_argument("--limit", type=int, default=None, help="Stop after N documents.")
+    _add_gateway_flag(ingest)
+    ingest.set_defaults(handler=_ingest, timeout=120.0)
+
+    search = sub.add_parser("search", help="Search and print the hits as a table.")
+    search.add_argument("query", help="Query text.")
+    search.add_argument("-k", type=int, default=5, help="Number of hits (1..1000).")
+    search.add_argument("--rerank", action="store_true", help="Rerank with CELI.")
+    search.add_argument("--depth", type=int, default=0, help="Rerank depth (0 = auto).")
+    search.add_argument(
+        "--consistency", choices=["eventual", "strong"], default="eventual", help="Freshness."
+    )
+    search.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="Metadata filter; repeatable (all must match).",
+    )
+    search.add_argument("--json", action="store_true", help="Print the response as JSON.")
+    _add_gateway_flag(search)
+    search.set_defaults(handler=_search)
+
+    get = sub.add_parser("get", help="Print one document.")
+    get.add_argument("id")
+    _add_gateway_flag(get)
+    get.set_defaults(handler=_get)
+
+    delete = sub.add_parser("delete", help="Delete documents by id.")
+    delete.add_argument("ids", nargs="+")
+    _add_gateway_flag(delete)
+    delete.set_defaults(handler=_delete)
+
+
+def _fail(exc: grpc.RpcError) -> int:
+    print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+    return 1
+
+
+def _batches(docs: Iterator[documents_pb2.Document], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def upsert_with_retry(
+    stub: documents_pb2_grpc.DocumentServiceStub,
+    docs: Sequence[documents_pb2.Document],
+    timeout: float,
+    attempts: int = 5,
+) -> documents_pb2.UpsertResponse:
+    delay = 0.2
+    for attempt in range(attempts):
+        try:
+            return stub.Upsert(documents_pb2.UpsertRequest(documents=docs), timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE or attempt == attempts - 1:  # type: ignore[attr-defined]
+                raise
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def ingest_file(
+    address: str,
+    path: str,
+    batch: int = 64,
+    parallel: int = 2,
+    limit: int | None = None,
+    timeout: float = 120.0,
+    progress: bool = True,
+) -> int:
+    """Upsert the corpus at ``path``; returns the number of documents upserted."""
+    from tqdm import tqdm
+
+    from services.corpus.readers import count_lines, read_corpus
+
+    total = count_lines(path) if limit is None else limit
+    docs = (
+        documents_pb2.Document(id=d.id, title=d.title, text=d.text, metadata=d.metadata)
+        for d in read_corpus(path, limit=limit)
+    )
+    done = 0
+    with (
+        grpc.insecure_channel(address) as channel,
+        ThreadPoolExecutor(max_workers=max(1, parallel)) as pool,
+        tqdm(total=total, unit="doc", desc="ingest", disable=not progress) as bar,
+    ):
+        stub = documents_pb2_grpc.DocumentServiceStub(channel)
+        pending: list[Future[documents_pb2.UpsertResponse]] = []
+        sizes: list[int] = []
+        for chunk in _batches(docs, max(1, min(batch, 256))):
+            pending.append(pool.submit(upsert_with_retry, stub, chunk, timeout))
+            sizes.append(len(chunk))
+            while len(pending) >= parallel * 2:
+                pending.pop(0).result()
+                n = sizes.pop(0)
+                done += n
+                bar.update(n)
+        for fut, n in zip(pending, sizes, strict=True):
+            fut.result()
+            done += n
+            bar.update(n)
+    return done
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    address = gateway_address(args.gateway)
+    try:
+        n = ingest_file(address, args.file, args.batch, args.parallel, args.limit, args.timeout)
+    except grpc.RpcError as exc:
+        return _fail(exc)
+    print(f"upserted {n} documents through {address}")
+    return 0
+
+
+def parse_filter(items: Sequence[str]) -> common_pb2.Filter:
+    must = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise SystemExit(f"--filter {item!r}: expected KEY=VALUE[,VALUE...]")
+        must.append(common_pb2.FieldCondition(key=key, any_of=values.split(",")))
+    return common_pb2.Filter(must=must)
+
+
+def search_once(
+    address: str, query: str, k: int = 5, timeout: float = 10.0, **options: Any
+) -> search_pb2.SearchResponse:
+    consistency = {
+        "eventual": common_pb2.CONSISTENCY_EVENTUAL,
+        "strong": common_pb2.CONSISTENCY_STRONG,
+    }[options.get("consistency", "eventual")]
+    request = search_pb2.SearchRequest(
+        query=query,
+        k=k,
+        consistency=consistency,
+        filter=parse_filter(options.get("filters", [])),
+        rerank=search_pb2.RerankOptions(
+            enabled=bool(options.get("rerank")), depth=int(options.get("depth", 0))
+        ),
+    )
+    with grpc.insecure_channel(address) as channel:
+        return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
+
+
+def format_hits(query: str, response: search_pb2.SearchResponse, width: int | None = None) -> str:
+    width = width or max(80, min(140, shutil.get_terminal_size((100, 20)).columns))
+    t = response.timings
+    head = (
+        f'"{query}"  ({len(response.hits)} hits, {t.total_ms:.0f} ms: encode '
+        f"{t.encode_ms:.0f}, search {t.search_ms:.0f}, fetch {t.fetch_ms:.0f}"
+        + (f", rerank {t.rerank_ms:.0f}" if response.reranked else "")
+        + f"; model {response.model})"
+    )
+    if response.partial:
+        head += f"  PARTIAL: shards {list(response.missing_shards)} missing"
+    lines = [head]
+    title_w = min(40, max((len(h.title or h.id) for h in response.hits), default=10))
+    snippet_w = max(20, width - title_w - 16)
+    lines.append(f"{'#':>2}  {'score':>6}  {'title':<{title_w}}  text")
+    for rank, hit in enumerate(response.hits, 1):
+        title = (hit.title or hit.id)[:title_w]
+        snippet = " ".join(hit.text.split())
+        snippet = textwrap.shorten(snippet, snippet_w, placeholder=" …") if snippet else ""
+        lines.append(f"{rank:>2}  {hit.score:6.3f}  {title:<{title_w}}  {snippet}")
+    return "\n".join(lines)
+
+
+def _search(args: argparse.Namespace) -> int:
+    address = gateway_address(args.gateway)
+    try:
+        response = search_once(
+            address,
+            args.query,
+            args.k,
+            args.timeout,
+            consistency=args.consistency,
+            filters=args.filter,
+            rerank=args.rerank,
+            depth=args.depth,
+        )
+    except grpc.RpcError as exc:
+        return _fail(exc)
+    if args.json:
+        from google.protobuf.json_format import MessageToJson
+
+        print(MessageToJson(response))
+    else:
+        print(format_hits(args.query, response))
+    return 0
+
+
+def _get(args: argparse.Namespace) -> int:
+    address = gateway_address(args.gateway)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = documents_pb2_grpc.DocumentServiceStub(channel).Get(
+                documents_pb2.GetRequest(id=args.id), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            return _fail(exc)
+    d = resp.document
+    print(
+        json.dumps(
+            {"id": d.id, "title": d.title, "text": d.text, "metadata": dict(d.metadata)},
+            indent=2,
+            ensure_ascii=False,
+        )
+    )
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    address = gateway_address(args.gateway)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = documents_pb2_grpc.DocumentServiceStub(channel).Delete(
+                documents_pb2.DeleteRequest(ids=args.ids), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            return _fail(exc)
+    print(f"deleted {resp.deleted}; not found: {list(resp.not_found)}")
+    return 0

@@ -1,0 +1,60 @@
+"""``gtr-retrieval``: the one command-line entry point.
+
+    gtr-retrieval up                  start the local stack, ingest the default corpus, serve
+    gtr-retrieval ingest FILE         upsert a corpus (BEIR corpus.jsonl or plain JSONL)
+    gtr-retrieval search "text"       print the hits as a table
+    gtr-retrieval get ID | delete ID  read or remove documents
+    gtr-retrieval corpus stdlib       write the embedded default corpus as JSONL
+    gtr-retrieval gateway serve       run the gateway (also: index serve, rerank serve)
+    gtr-retrieval encoder|index|rerank ...   model export, index training, reranker training
+
+Every subcommand has --help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.cli import client_commands, corpus_commands, stack_commands
+    from services.encoder import cli as encoder_cli
+    from services.gateway import cli as gateway_cli
+    from services.index import cli as index_cli
+    from services.rerank import cli as rerank_cli
+
+    parser = argparse.ArgumentParser(
+        prog="gtr-retrieval",
+        description="GTR retrieval service: GTR encoder on Triton, sharded FAISS IVF-PQ, "
+        "CELI rerank, gRPC gateway.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    stack_commands.add_cli(sub)
+    client_commands.add_cli(sub)
+    corpus_commands.add_cli(sub)
+    gateway_cli.add_cli(sub)
+    index_cli.add_cli(sub)
+    encoder_cli.add_cli(sub)
+    rerank_cli.add_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

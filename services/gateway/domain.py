@@ -1,0 +1,83 @@
+"""What the gateway works with, free of protobuf and grpc."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Consistency(enum.Enum):
+    EVENTUAL = "eventual"
+    SESSION = "session"
+    STRONG = "strong"
+
+
+@dataclass(frozen=True)
+class FieldCondition:
+    key: str
+    any_of: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SearchQuery:
+    text: str
+    k: int
+    filter: tuple[FieldCondition, ...] = ()
+    consistency: Consistency = Consistency.EVENTUAL
+    write_token: dict[int, str] = field(default_factory=dict)
+    require_complete: bool = False
+    rerank: bool = False
+    rerank_depth: int = 0  # 0 = choose by the remaining budget
+    nprobe: int = 0  # 0 = the shards' default
+    ids_only: bool = False
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    title: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def embedding_text(self) -> str:
+        """What the encoder sees: "title text" (the BEIR convention)."""
+        return f"{self.title} {self.text}" if self.title else self.text
+
+
+@dataclass
+class Hit:
+    id: str
+    score: float
+    first_stage_score: float
+    shard: int
+    document: Document | None = None
+
+
+@dataclass
+class Timings:
+    encode_ms: float = 0.0
+    search_ms: float = 0.0
+    fetch_ms: float = 0.0
+    rerank_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass
+class SearchResult:
+    hits: list[Hit]
+    model: str
+    partial: bool = False
+    missing_shards: list[int] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+    query_truncated: bool = False
+    reranked: bool = False
+    rerank_depth: int = 0
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    write_token: dict[int, str]
+    count: int
+    not_found: tuple[str, ...] = ()
+    truncated: int = 0

@@ -1,0 +1,59 @@
+"""Gateway metrics, on a registry injected by the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS
+from services.gateway.domain import SearchResult
+
+
+@dataclass
+class GatewayMetrics:
+    stage_seconds: Histogram
+    partial_results: Counter
+    searches: Counter
+    model: str
+    size: str
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, model: str, size: str) -> GatewayMetrics:
+        return cls(
+            stage_seconds=Histogram(
+                "gateway_stage_seconds",
+                "Wall time per search stage (encode, search, fetch, rerank, total).",
+                ["stage", "model", "size"],
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            partial_results=Counter(
+                "gateway_partial_results_total",
+                "Searches answered with some shards missing.",
+                registry=registry,
+            ),
+            searches=Counter(
+                "gateway_searches_total",
+                "Searches answered, by whether they were reranked.",
+                ["reranked"],
+                registry=registry,
+            ),
+            model=model,
+            size=size,
+        )
+
+    def observe_search(self, result: SearchResult) -> None:
+        t = result.timings
+        for stage, ms in (
+            ("encode", t.encode_ms),
+            ("search", t.search_ms),
+            ("fetch", t.fetch_ms),
+            ("rerank", t.rerank_ms),
+            ("total", t.total_ms),
+        ):
+            if ms or stage == "total":
+                self.stage_seconds.labels(stage, self.model, self.size).observe(ms / 1000.0)
+        if result.partial:
+            self.partial_results.inc()
+        self.searches.labels(str(result.reranked).lower()).inc()

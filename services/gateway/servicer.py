@@ -1,0 +1,52 @@
+"""The public gRPC servicers: proto → domain → pipeline → proto, nothing else."""
+
+from __future__ import annotations
+
+import grpc
+
+from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
+from services.gateway import convert
+from services.gateway.pipeline import DocumentPipeline, SearchPipeline
+
+
+class SearchServicer(search_pb2_grpc.SearchServiceServicer):
+    def __init__(self, pipeline: SearchPipeline) -> None:
+        self._pipeline = pipeline
+
+    async def Search(
+        self, request: search_pb2.SearchRequest, context: grpc.aio.ServicerContext
+    ) -> search_pb2.SearchResponse:
+        query = convert.query_from_pb(request)
+        result = await self._pipeline.search(query, context.time_remaining())
+        return convert.result_to_pb(result)
+
+    async def BatchSearch(
+        self, request: search_pb2.BatchSearchRequest, context: grpc.aio.ServicerContext
+    ) -> search_pb2.BatchSearchResponse:
+        queries = [convert.query_from_pb(r) for r in request.requests]
+        results = await self._pipeline.search_batch(queries, context.time_remaining())
+        return search_pb2.BatchSearchResponse(responses=[convert.result_to_pb(r) for r in results])
+
+
+class DocumentServicer(documents_pb2_grpc.DocumentServiceServicer):
+    def __init__(self, pipeline: DocumentPipeline) -> None:
+        self._pipeline = pipeline
+
+    async def Upsert(
+        self, request: documents_pb2.UpsertRequest, context: grpc.aio.ServicerContext
+    ) -> documents_pb2.UpsertResponse:
+        docs = [convert.document_from_pb(d) for d in request.documents]
+        result = await self._pipeline.upsert(docs, context.time_remaining())
+        return convert.upsert_result_to_pb(result)
+
+    async def Delete(
+        self, request: documents_pb2.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> documents_pb2.DeleteResponse:
+        result = await self._pipeline.delete(list(request.ids))
+        return convert.delete_result_to_pb(result)
+
+    async def Get(
+        self, request: documents_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> documents_pb2.GetResponse:
+        doc = await self._pipeline.get(request.id)
+        return documents_pb2.GetResponse(document=convert.document_to_pb(doc))

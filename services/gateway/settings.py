@@ -1,0 +1,59 @@
+"""Gateway configuration: env vars GTR_GATEWAY_<FIELD> or flags --<field>."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+def parse_shard_addresses(spec: str) -> list[list[str]]:
+    """ "a:1,a:2;b:1" → [["a:1", "a:2"], ["b:1"]]: shards split by ';', replicas by ','."""
+    shards = [[r.strip() for r in part.split(",") if r.strip()] for part in spec.split(";")]
+    if not shards or any(not replicas for replicas in shards):
+        raise ValueError("expected 'host:port[,host:port...][;host:port...]', one group per shard")
+    for replicas in shards:
+        for address in replicas:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"{address!r} is not host:port")
+    return shards
+
+
+class GatewaySettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="GTR_GATEWAY_", extra="forbid")
+
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Document store + change log.")
+    shards: str = Field(
+        ...,
+        description="Index shard replicas: 'host:port,host:port;host:port' "
+        "(';' between shards, ',' between replicas of one shard).",
+    )
+    encoder: Literal["triton", "inprocess"] = Field(
+        "triton", description="Where queries and documents are embedded."
+    )
+    triton_url: str = Field("127.0.0.1:8001", description="Triton KServe v2 gRPC address.")
+    triton_model: str = Field("embed", description="Name of the embedding model in Triton.")
+    model_dir: str | None = Field(
+        None, description="In-process encoder: sentence-transformers dir (default model if unset)."
+    )
+    model_size: str = Field(
+        "base", description="Encoder size profile label (base/large/xl/xxl) for metrics & SLO."
+    )
+    rerank_url: str | None = Field(None, description="RerankService address; unset = no rerank.")
+    rerank_depth_table: str | None = Field(
+        None, description="JSON from bench/rerank.py: ms per query at each rerank depth."
+    )
+    default_timeout_s: float = Field(
+        10.0, gt=0, description="Deadline used when a client sets none."
+    )
+
+    @field_validator("shards")
+    @classmethod
+    def _valid_shards(cls, value: str) -> str:
+        parse_shard_addresses(value)
+        return value
