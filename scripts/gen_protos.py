@@ -57,10 +57,40 @@ def generate(out: Path) -> list[Path]:
     return sorted(p for p in target.rglob("*") if p.is_file())
 
 
+def stale_files(out: Path) -> list[str]:
+    """Generate into a temporary root and list files that differ from ``out/retrieval``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh_root = Path(tmp)
+        generate(fresh_root)
+        fresh = {
+            p.relative_to(fresh_root): p.read_bytes()
+            for p in (fresh_root / "retrieval").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+        have = {
+            p.relative_to(out): p.read_bytes()
+            for p in (out / "retrieval").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+    return sorted(str(p) for p in set(fresh) | set(have) if fresh.get(p) != have.get(p))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT, help="output root (default: repo)")
+    parser.add_argument(
+        "--check", action="store_true", help="fail (exit 1) when the generated code is stale"
+    )
     ns = parser.parse_args()
+    if ns.check:
+        stale = stale_files(ns.out)
+        if stale:
+            print("generated code is stale; run scripts/gen_protos.py:\n  " + "\n  ".join(stale))
+            return 1
+        print("generated code is up to date")
+        return 0
     written = generate(ns.out)
     print(f"generated {len(written)} files under {ns.out / 'retrieval'}")
     return 0

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install everything the project needs on a fresh Debian machine; safe to run again.
+#   - Debian packages: redis-server (document store + change log), prometheus (promtool)
+#   - .venv/ in the project root: torch 2.13.0 CPU first (so nothing pulls a CUDA build),
+#     then the project with its dev tools, pinned in pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "bootstrap: apt-get install ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null 2>&1 || python=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv with $($python --version)"
+  "$python" -m venv .venv
+fi
+
+# Reinstall only when the dependency pins changed.
+stamp=.venv/.gtr-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: installing Python packages into .venv (torch 2.13.0 CPU first)"
+  .venv/bin/pip install -q "torch==2.13.0"
+  .venv/bin/pip install -q -e ".[dev]"
+  if .venv/bin/pip list 2>/dev/null | grep -qiE '^nvidia-(cublas|cudnn|cuda-runtime)'; then
+    echo "bootstrap: a CUDA build of a dependency was pulled in; refusing" >&2
+    exit 1
+  fi
+  echo "$want" > "$stamp"
+fi

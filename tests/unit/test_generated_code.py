@@ -1,0 +1,31 @@
+"""The generated package must match what protos/ generates now."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gen_module():
+    spec = importlib.util.spec_from_file_location("gen_protos", ROOT / "scripts" / "gen_protos.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gen_protos"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_code_is_fresh() -> None:
+    stale = _gen_module().stale_files(ROOT)
+    assert stale == [], f"run scripts/gen_protos.py; stale: {stale}"
+
+
+def test_staleness_is_detected(tmp_path: Path) -> None:
+    gen = _gen_module()
+    gen.generate(tmp_path)
+    target = tmp_path / "retrieval" / "v1" / "search_pb2.py"
+    target.write_text(target.read_text() + "\n# hand edit\n")
+    assert "retrieval/v1/search_pb2.py" in gen.stale_files(tmp_path)
