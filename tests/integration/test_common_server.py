@@ -1,0 +1,107 @@
+"""The shared server bootstrap: a real grpc.aio server on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest
+
+from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
+from services.common import errors
+from services.common.metrics import RpcMetrics
+from services.common.server import create_server
+from services.common.settings import ServiceSettings
+
+RAISES: dict[str, Exception] = {
+    "invalid": errors.InvalidArgument("query: must not be empty"),
+    "missing": errors.NotFound("document 'x' does not exist"),
+    "busy": errors.Overloaded("queue full"),
+    "down": errors.Unavailable("redis unreachable"),
+    "late": errors.DeadlineExceeded("deadline exceeded before search"),
+    "bug": RuntimeError("boom"),
+}
+
+
+class _Echo(rerank_pb2_grpc.RerankServiceServicer):
+    async def Rerank(self, request: Any, context: Any) -> rerank_pb2.RerankResponse:
+        if request.query in RAISES:
+            raise RAISES[request.query]
+        return rerank_pb2.RerankResponse(model=request.query)
+
+
+async def _with_server(body: Any) -> CollectorRegistry:
+    registry = CollectorRegistry()
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        rerank_pb2_grpc.add_RerankServiceServicer_to_server(_Echo(), server)
+        return ["retrieval.v1.RerankService"]
+
+    server, port = await create_server(
+        ServiceSettings(), register, RpcMetrics.create(registry, "test")
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await body(channel)
+    finally:
+        await server.stop(0.5)
+    return registry
+
+
+@pytest.mark.parametrize(
+    ("query", "code"),
+    [
+        ("invalid", grpc.StatusCode.INVALID_ARGUMENT),
+        ("missing", grpc.StatusCode.NOT_FOUND),
+        ("busy", grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("down", grpc.StatusCode.UNAVAILABLE),
+        ("late", grpc.StatusCode.DEADLINE_EXCEEDED),
+        ("bug", grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_domain_errors_map_to_status_codes(query: str, code: grpc.StatusCode) -> None:
+    async def body(channel: grpc.aio.Channel) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rerank_pb2_grpc.RerankServiceStub(channel).Rerank(
+                rerank_pb2.RerankRequest(query=query)
+            )
+        assert err.value.code() == code
+        if code != grpc.StatusCode.INTERNAL:
+            assert err.value.details() == str(RAISES[query])
+
+    asyncio.run(_with_server(body))
+
+
+def test_malformed_bytes_and_wrong_wire_types_are_invalid_argument() -> None:
+    async def body(channel: grpc.aio.Channel) -> None:
+        raw = channel.unary_unary("/retrieval.v1.RerankService/Rerank")
+        # field 3 (top_n, a varint) sent as a length-delimited string
+        wrong_type = bytes([0x0A, 1, ord("q"), 0x1A, 1, ord("A")])
+        for payload, needle in ((wrong_type, "top_n"), (b"\xff\xff\xff", "parsing")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await raw(payload)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in err.value.details()
+        # an unknown field number (a newer client) is accepted
+        unknown = bytes([0x0A, 1, ord("q"), 0xF8, 0x06, 0x05])  # field 111, varint 5
+        reply = rerank_pb2.RerankResponse.FromString(await raw(unknown))
+        assert reply.model == "q"
+
+    asyncio.run(_with_server(body))
+
+
+def test_health_reflection_and_metrics() -> None:
+    async def body(channel: grpc.aio.Channel) -> None:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(
+            health_pb2.HealthCheckRequest(service="retrieval.v1.RerankService")
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        await rerank_pb2_grpc.RerankServiceStub(channel).Rerank(rerank_pb2.RerankRequest(query="a"))
+
+    registry = asyncio.run(_with_server(body))
+    text = generate_latest(registry).decode()
+    assert 'grpc_server_handled_total{code="OK",method="Rerank",service="test"} 1.0' in text

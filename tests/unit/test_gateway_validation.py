@@ -1,0 +1,121 @@
+"""Validation of public requests: every rule rejects with a message naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from retrieval.v1 import common_pb2, documents_pb2, search_pb2
+from services.common.errors import InvalidArgument
+from services.gateway import convert, validation
+from services.gateway.domain import Consistency, Document, FieldCondition, SearchQuery
+from services.gateway.limits import Limits
+
+LIMITS = Limits()
+
+
+def _q(**kw: object) -> SearchQuery:
+    base: dict[str, object] = {"text": "read a csv file", "k": 10}
+    base.update(kw)
+    return SearchQuery(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        (_q(text=""), "query: must not be empty"),
+        (_q(text="   \n"), "query: must not be empty"),
+        (_q(text="x" * 9000), "query: 9000 bytes"),
+        (_q(text="\ud800"), "not valid UTF-8"),
+        (_q(k=0), "k: 0 is out of range 1..1000"),
+        (_q(k=100000), "k: 100000 is out of range"),
+        (_q(nprobe=10**6), "nprobe"),
+        (_q(consistency=Consistency.SESSION), "write_token: required"),
+        (_q(write_token={7: "1-0"}), "shard 7 does not exist"),
+        (_q(filter=(FieldCondition("", ("a",)),)), "filter.must[0].key"),
+        (_q(filter=(FieldCondition("lang", ()),)), "filter.must[0].any_of"),
+        (_q(rerank=True, rerank_depth=3), "rerank.depth"),
+    ],
+)
+def test_bad_queries_are_rejected(query: SearchQuery, needle: str) -> None:
+    with pytest.raises(InvalidArgument, match=None) as err:
+        validation.check_query(query, LIMITS, num_shards=2)
+    assert needle in err.value.message
+
+
+def test_good_query_passes() -> None:
+    validation.check_query(
+        _q(consistency=Consistency.SESSION, write_token={1: "5-0"}, rerank=True, rerank_depth=50),
+        LIMITS,
+        num_shards=2,
+    )
+
+
+def test_batch_limits() -> None:
+    with pytest.raises(InvalidArgument, match=r"a batch takes 1\.\.64"):
+        validation.check_batch([], LIMITS, 1)
+    with pytest.raises(InvalidArgument, match=r"a batch takes 1\.\.64"):
+        validation.check_batch([_q()] * 65, LIMITS, 1)
+    with pytest.raises(InvalidArgument, match=r"requests\[1\].k"):
+        validation.check_batch([_q(), _q(k=0)], LIMITS, 1)
+
+
+@pytest.mark.parametrize(
+    ("docs", "needle"),
+    [
+        ([], "documents: 0 given"),
+        ([Document("a", "t")] * 257, "documents: 257 given"),
+        ([Document("", "t")], "documents[0].id: must not be empty"),
+        ([Document("a\x00b", "t")], "control characters"),
+        ([Document("x" * 300, "t")], "at most 256"),
+        ([Document("a", "t"), Document("a", "u")], "appears twice"),
+        ([Document("a", "  ")], "documents[0].text: must not be empty"),
+        ([Document("a", "t", metadata={str(i): "v" for i in range(33)})], "33 keys"),
+    ],
+)
+def test_bad_documents_are_rejected(docs: list[Document], needle: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        validation.check_documents(docs, LIMITS)
+    assert needle in err.value.message
+
+
+def test_ids_rules() -> None:
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        validation.check_ids(["a", "a"], LIMITS)
+    with pytest.raises(InvalidArgument, match=r"takes 1\.\.1024"):
+        validation.check_ids([], LIMITS)
+
+
+def test_search_request_round_trip() -> None:
+    query = SearchQuery(
+        text="q",
+        k=7,
+        filter=(FieldCondition("lang", ("en", "de")),),
+        consistency=Consistency.SESSION,
+        write_token={0: "12-0", 3: "15-2"},
+        require_complete=True,
+        rerank=True,
+        rerank_depth=40,
+        nprobe=16,
+        ids_only=True,
+    )
+    assert convert.query_from_pb(convert.query_to_pb(query)) == query
+
+
+def test_unspecified_consistency_is_eventual() -> None:
+    assert convert.query_from_pb(search_pb2.SearchRequest(query="q", k=1)).consistency is (
+        Consistency.EVENTUAL
+    )
+
+
+def test_duplicate_shard_in_token_is_rejected() -> None:
+    token = common_pb2.WriteToken(
+        positions=[common_pb2.ShardPosition(shard=1), common_pb2.ShardPosition(shard=1)]
+    )
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        convert.token_from_pb(token)
+
+
+def test_document_round_trip() -> None:
+    doc = Document("id-1", "text", "title", {"lang": "en"})
+    assert convert.document_from_pb(convert.document_to_pb(doc)) == doc
+    assert isinstance(convert.document_to_pb(doc), documents_pb2.Document)
