@@ -1,0 +1,64 @@
+"""``gtr-retrieval up``: the local stack."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+
+def add_cli(sub: Any) -> None:
+    up = sub.add_parser(
+        "up",
+        help="Start the whole system locally, ingest a corpus, print example searches, serve.",
+        description="Starts redis-server, Triton (CPU model repository of the default "
+        "model), the index shards, the rerank service and the gateway as child "
+        "processes; trains the IVF-PQ index on the corpus on the first run; ingests the "
+        "corpus (default: the Python standard library documentation); prints a few "
+        "example searches; then serves until Ctrl-C. State lives in --run-dir, so a "
+        "second run resumes. Logs: <run-dir>/logs/.",
+    )
+    up.add_argument("--corpus", type=Path, default=None, help="JSONL corpus (default: stdlib).")
+    up.add_argument("--run-dir", type=Path, default=Path(".run"), help="State and logs.")
+    up.add_argument("--shards", type=int, default=2, help="Index shards (fixed per run dir).")
+    up.add_argument("--replicas", type=int, default=1, help="Replicas per shard.")
+    up.add_argument(
+        "--encoder",
+        choices=["triton", "inprocess"],
+        default="triton",
+        help="Embed through Triton (default) or inside the gateway process.",
+    )
+    up.add_argument("--no-rerank", action="store_true", help="Do not start the reranker.")
+    up.add_argument("--rerank-checkpoint", type=Path, default=None, help="CELI checkpoint dir.")
+    up.add_argument("--port", type=int, default=50051, help="Gateway port (0 = free port).")
+    up.add_argument(
+        "--no-serve", action="store_true", help="Exit after the example searches (for scripts)."
+    )
+    up.add_argument("--fresh", action="store_true", help="Delete --run-dir first.")
+    up.add_argument("--log-level", default=os.environ.get("GTR_LOG_LEVEL", "WARNING"))
+    up.set_defaults(handler=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    import shutil
+
+    from services.common.logs import configure_logging
+    from services.stack.config import StackConfig
+    from services.stack.launcher import run_stack
+
+    configure_logging("text", args.log_level.upper(), service="up")
+    if args.fresh and args.run_dir.exists():
+        shutil.rmtree(args.run_dir)
+    config = StackConfig(
+        run_dir=args.run_dir,
+        corpus=args.corpus,
+        shards=args.shards,
+        replicas=args.replicas,
+        encoder=args.encoder,
+        rerank=not args.no_rerank,
+        rerank_checkpoint=args.rerank_checkpoint,
+        gateway_port=args.port,
+        serve=not args.no_serve,
+    )
+    return run_stack(config)

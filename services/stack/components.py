@@ -1,0 +1,114 @@
+"""How the local stack starts each component (argv, environment, readiness)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.stack.children import Child, free_port, grpc_healthy
+from services.stack.config import StackConfig
+
+if TYPE_CHECKING:
+    from services.stack.launcher import Endpoints
+
+CLI = [sys.executable, "-m", "services.cli.main"]
+
+
+def redis_child(cfg: StackConfig) -> Child:
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not Path(binary).exists():
+        raise SystemExit("redis-server is not installed: run scripts/bootstrap.sh")
+    cfg.redis_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port(cfg.host)
+    argv = [
+        binary, "--port", str(port), "--bind", cfg.host, "--dir", str(cfg.redis_dir.resolve()),
+        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        "--daemonize", "no", "--protected-mode", "no",
+    ]  # fmt: skip
+    child = Child("redis", argv, cfg.logs / "redis.log")
+    child.address = f"redis://{cfg.host}:{port}/0"
+    return child
+
+
+def _redis(url: str):  # type: ignore[no-untyped-def]
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=2.0)
+
+
+def redis_ready(child: Child) -> bool:
+    import redis
+
+    try:
+        return bool(_redis(child.address).ping())
+    except redis.RedisError:
+        return False
+
+
+def redis_get(url: str, key: str) -> str | None:
+    value = _redis(url).get(key)
+    return value.decode() if value is not None else None
+
+
+def redis_set(url: str, key: str, value: str) -> None:
+    _redis(url).set(key, value)
+
+
+def grpc_ready(child: Child) -> bool:
+    return grpc_healthy(child.address)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+def triton_ready(http_address: str, model: str) -> bool:
+    return http_ok(f"http://{http_address}/v2/models/{model}/ready")
+
+
+def corpus_file(cfg: StackConfig) -> Path:
+    """The corpus to ingest: the given file, or the stdlib documentation written once."""
+    if cfg.corpus is not None:
+        if not cfg.corpus.exists():
+            raise SystemExit(f"corpus file {cfg.corpus} does not exist")
+        return cfg.corpus
+    path = cfg.run_dir / "corpus" / "stdlib.jsonl"
+    if not path.exists():
+        from services.corpus.stdlib import collect_in_subprocess, write_jsonl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_jsonl(collect_in_subprocess(), str(tmp))
+        tmp.replace(path)
+    return path
+
+
+def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
+    port = cfg.gateway_port or free_port(cfg.host)
+    metrics_port = free_port(cfg.host)
+    argv = [
+        *CLI, "gateway", "serve",
+        "--host", cfg.host, "--port", str(port), "--metrics-port", str(metrics_port),
+        "--redis-url", endpoints.redis_url,
+        "--shards", ";".join(",".join(r) for r in endpoints.shards),
+    ]  # fmt: skip
+    if cfg.encoder == "triton":
+        argv += ["--encoder", "triton", "--triton-url", endpoints.triton_grpc]
+    else:
+        argv += ["--encoder", "inprocess"]
+    if endpoints.rerank:
+        argv += ["--rerank-url", endpoints.rerank]
+    child = Child("gateway", argv, cfg.logs / "gateway.log")
+    child.address = f"{cfg.host}:{port}"
+    return child, f"{cfg.host}:{metrics_port}"
+
+
+Say = Callable[[str], None]

@@ -1,0 +1,50 @@
+"""What ``gtr-retrieval up`` starts, and where it keeps its files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    run_dir: Path = Path(".run")
+    corpus: Path | None = None  # None = the embedded stdlib documentation corpus
+    shards: int = 2
+    replicas: int = 1
+    encoder: Literal["triton", "inprocess"] = "triton"
+    rerank: bool = True
+    rerank_checkpoint: Path | None = None
+    gateway_port: int = 50051  # 0 = a free port
+    host: str = "127.0.0.1"
+    examples: tuple[str, ...] = (
+        "read a csv file",
+        "parse command line arguments",
+        "run a function in a thread pool",
+        "compute a sha256 hash of bytes",
+    )
+    serve: bool = True  # False: stop after ingest + examples (used by the tests)
+    train_sample: int = 20000
+    ingest_batch: int = 64
+    progress: bool = True
+    startup_timeout_s: float = 300.0
+
+    @property
+    def logs(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.run_dir / "redis"
+
+    @property
+    def model_repository(self) -> Path:
+        return self.run_dir / "model_repository"
+
+    @property
+    def index_dir(self) -> Path:
+        return self.run_dir / "index"
+
+    def snapshot_dir(self, shard: int, replica: int) -> Path:
+        return self.run_dir / "snapshots" / f"shard-{shard}-replica-{replica}"

@@ -1,0 +1,201 @@
+"""``gtr-retrieval up``: the whole system on this machine, as child processes.
+
+Order: Redis → Triton (encoder) → index training (first run only) → shards → rerank →
+gateway → ingest of the corpus (first run only) → example searches → serve until
+Ctrl-C/SIGTERM, then stop the children in reverse order. Every child logs to
+``<run_dir>/logs/<name>.log``; ``<run_dir>/stack.json`` says where everything listens.
+State (Redis AOF, the trained index, shard snapshots) lives in the run directory, so a
+second ``up`` resumes where the first one stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from services.stack import components
+from services.stack.children import Child, ChildFailed, Supervisor
+from services.stack.config import StackConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Endpoints:
+    redis_url: str = ""
+    triton_grpc: str = ""
+    triton_metrics: str = ""
+    shards: list[list[str]] = field(default_factory=list)
+    rerank: str = ""
+    gateway: str = ""
+    gateway_metrics: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return dict(vars(self))
+
+
+def _say(message: str) -> None:
+    print(f"[up] {message}", flush=True)
+
+
+def corpus_fingerprint(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.supervisor = Supervisor()
+        self.endpoints = Endpoints()
+        self._stop = threading.Event()
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.config
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            self.start()
+            corpus = self.ingest()
+            self.print_endpoints(corpus)
+            self.examples()
+            if cfg.serve:
+                _say("serving; Ctrl-C stops everything")
+                return self.wait()
+            return 0
+        except ChildFailed as exc:
+            _say(f"failed: {exc}")
+            return 1
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            _say("stopping")
+            self.supervisor.stop_all()
+            (cfg.run_dir / "stack.json").unlink(missing_ok=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        raise KeyboardInterrupt
+
+    def wait(self) -> int:
+        while not self._stop.wait(1.0):
+            dead = self.supervisor.first_dead()
+            if dead is not None:
+                _say(f"{dead.name} exited; last lines of {dead.log_path}:\n{dead.log_tail()}")
+                return 1
+        return 0
+
+    def start(self) -> None:
+        cfg = self.config
+        timeout = cfg.startup_timeout_s
+        redis = components.redis_child(cfg)
+        self.supervisor.start(redis, lambda: components.redis_ready(redis), timeout)
+        self.endpoints.redis_url = redis.address
+        _say(f"redis      {redis.address}  (data {cfg.redis_dir})")
+
+        if cfg.encoder == "triton":
+            triton, grpc_address, http_address, metrics = components.triton_child(cfg)
+            _say("triton     generating the CPU model repository and starting tritonserver")
+            self.supervisor.start(
+                triton, lambda: components.triton_ready(http_address, "embed"), timeout
+            )
+            self.endpoints.triton_grpc = grpc_address
+            self.endpoints.triton_metrics = metrics
+            _say(f"triton     {grpc_address}  (model 'embed')")
+
+        components.train_index_if_needed(cfg, self.endpoints.triton_grpc, _say)
+
+        for shard in range(cfg.shards):
+            replicas = []
+            for replica in range(cfg.replicas):
+                child = components.shard_child(cfg, shard, replica, redis.address)
+                self.supervisor.start(child, lambda c=child: components.grpc_ready(c), timeout)
+                replicas.append(child.address)
+            self.endpoints.shards.append(replicas)
+        _say(f"index      {cfg.shards} shard(s) x {cfg.replicas} replica(s)")
+
+        if cfg.rerank:
+            rerank = components.rerank_child(cfg)
+            self.supervisor.start(rerank, lambda: components.grpc_ready(rerank), timeout)
+            self.endpoints.rerank = rerank.address
+
+        gateway, metrics_address = components.gateway_child(cfg, self.endpoints)
+        self.supervisor.start(gateway, lambda: components.grpc_ready(gateway), timeout)
+        self.endpoints.gateway = gateway.address
+        self.endpoints.gateway_metrics = metrics_address
+        (cfg.run_dir / "stack.json").write_text(
+            json.dumps(self.endpoints.as_json(), indent=2), encoding="utf-8"
+        )
+
+    def ingest(self) -> Path:
+        cfg = self.config
+        corpus = components.corpus_file(cfg)
+        marker = f"stack:ingested:{corpus_fingerprint(corpus)}"
+        if components.redis_get(self.endpoints.redis_url, marker):
+            _say(f"corpus     {corpus} already ingested")
+            return corpus
+        from services.cli.client_commands import ingest_file
+
+        _say(f"ingest     {corpus}")
+        start = time.perf_counter()
+        n = ingest_file(
+            self.endpoints.gateway, str(corpus), batch=cfg.ingest_batch, progress=cfg.progress
+        )
+        components.redis_set(self.endpoints.redis_url, marker, str(n))
+        _say(f"ingest     {n} documents in {time.perf_counter() - start:.1f} s")
+        return corpus
+
+    def examples(self) -> None:
+        from services.cli.client_commands import format_hits, search_once
+
+        for query in self.config.examples:
+            response = search_once(
+                self.endpoints.gateway, query, k=3, timeout=30.0, consistency="strong"
+            )
+            print()
+            print(format_hits(query, response))
+        print(flush=True)
+
+    def print_endpoints(self, corpus: Path) -> None:
+        e = self.endpoints
+        rows = [
+            ("gateway (gRPC)", e.gateway),
+            ("gateway metrics", f"http://{e.gateway_metrics}/metrics" if e.gateway_metrics else ""),
+            ("triton (KServe v2 gRPC)", e.triton_grpc),
+            ("triton metrics", f"http://{e.triton_metrics}/metrics" if e.triton_metrics else ""),
+            ("rerank (gRPC)", e.rerank),
+            ("redis", e.redis_url),
+            *[(f"index shard {s}", ", ".join(r)) for s, r in enumerate(e.shards)],
+            ("corpus", str(corpus)),
+            ("logs", str(self.config.logs)),
+        ]
+        print()
+        for name, where in rows:
+            if where:
+                print(f"  {name:<24} {where}")
+        print('\n  try:  .venv/bin/gtr-retrieval search "read a csv file"\n', flush=True)
+
+
+def run_stack(config: StackConfig) -> int:
+    return Stack(config).run()
+
+
+__all__ = ["Child", "Stack", "StackConfig", "run_stack"]
