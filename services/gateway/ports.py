@@ -16,10 +16,16 @@ import numpy as np
 from services.gateway.domain import Consistency, Document, FieldCondition
 
 
-@dataclass(frozen=True)
-class Embedded:
-    vectors: np.ndarray  # float32 (n, dim), L2-normalised
-    truncated: list[bool]
+class Embedded(Protocol):
+    @property
+    def vectors(self) -> np.ndarray:
+        """float32 (n, dim), L2-normalised."""
+        ...
+
+    @property
+    def truncated(self) -> list[bool]:
+        """Per text: whether it was cut to the model's max length."""
+        ...
 
 
 class QueryEncoder(Protocol):
