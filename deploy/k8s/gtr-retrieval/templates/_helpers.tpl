@@ -1,0 +1,183 @@
+{{/*
+Shared names, labels and pod fragments. Every component template uses these, so that
+labels, selectors and security settings cannot drift apart.
+*/}}
+
+{{- define "gtr.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>-<chart>, or the release name when it already contains the chart name.
+Truncated to 40 characters: the longest suffix added below is "-shard-NNN-headless". */}}
+{{- define "gtr.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "gtr.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels common to every resource. */}}
+{{- define "gtr.labels" -}}
+helm.sh/chart: {{ include "gtr.chart" . }}
+app.kubernetes.io/name: {{ include "gtr.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gtr-retrieval
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "gateway"). */}}
+{{- define "gtr.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gtr.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All labels of one component. */}}
+{{- define "gtr.componentLabels" -}}
+{{ include "gtr.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "gtr.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "gtr.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The application image, by digest when one is given. */}}
+{{- define "gtr.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* The selected encoder profile (encoder.size must name one of encoder.profiles). */}}
+{{- define "gtr.encoderProfile" -}}
+{{- $p := get .Values.encoder.profiles .Values.encoder.size }}
+{{- if not $p }}
+{{- fail (printf "encoder.size %q has no entry in encoder.profiles" .Values.encoder.size) }}
+{{- end }}
+{{- toYaml $p }}
+{{- end }}
+
+{{- define "gtr.podSecurityContext" -}}
+{{- toYaml .Values.podSecurityContext }}
+{{- end }}
+
+{{- define "gtr.containerSecurityContext" -}}
+{{- toYaml .Values.containerSecurityContext }}
+{{- end }}
+
+{{/* Shard service name: (dict "root" $ "shard" 0). */}}
+{{- define "gtr.shardName" -}}
+{{- printf "%s-shard-%d" (include "gtr.fullname" .root) (int .shard) }}
+{{- end }}
+
+{{/* GTR_GATEWAY_SHARDS: shards separated by ";", replicas of a shard by ",".
+With index.gatewayAddressing=service a shard is one dns:/// target of its headless
+Service (the gateway balances over the A records, round_robin); with "pods" it is the
+list of its pods' stable DNS names. */}}
+{{- define "gtr.shardTargets" -}}
+{{- $root := . }}
+{{- $ns := .Release.Namespace }}
+{{- $targets := list }}
+{{- range $s := until (int .Values.index.shards) }}
+{{- $svc := printf "%s-headless" (include "gtr.shardName" (dict "root" $root "shard" $s)) }}
+{{- if eq $root.Values.index.gatewayAddressing "pods" }}
+{{- $pods := list }}
+{{- range $r := until (int $root.Values.index.replicas) }}
+{{- $pods = append $pods (printf "%s-%d.%s.%s.svc:%d" (include "gtr.shardName" (dict "root" $root "shard" $s)) $r $svc $ns (int $root.Values.index.port)) }}
+{{- end }}
+{{- $targets = append $targets (join "," $pods) }}
+{{- else }}
+{{- $targets = append $targets (printf "dns:///%s.%s.svc:%d" $svc $ns (int $root.Values.index.port)) }}
+{{- end }}
+{{- end }}
+{{- join ";" $targets }}
+{{- end }}
+
+{{/* Host name of the in-release Redis. */}}
+{{- define "gtr.redisHost" -}}
+{{- printf "%s-redis" (include "gtr.fullname" .) }}
+{{- end }}
+
+{{/* Env entries giving a process its Redis URL: (dict "root" $ "var" "GTR_GATEWAY_REDIS_URL"). */}}
+{{- define "gtr.redisEnv" -}}
+{{- $v := .root.Values.redis }}
+{{- if $v.enabled }}
+{{- if $v.auth.existingSecret }}
+- name: GTR_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.auth.existingSecret }}
+      key: {{ $v.auth.passwordKey }}
+- name: {{ .var }}
+  value: {{ printf "redis://:$(GTR_REDIS_PASSWORD)@%s:%d/0" (include "gtr.redisHost" .root) (int $v.port) | quote }}
+{{- else }}
+- name: {{ .var }}
+  value: {{ printf "redis://%s:%d/0" (include "gtr.redisHost" .root) (int $v.port) | quote }}
+{{- end }}
+{{- else if $v.external.existingSecret }}
+- name: {{ .var }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.external.existingSecret }}
+      key: {{ $v.external.urlKey }}
+{{- else }}
+- name: {{ .var }}
+  value: {{ required "redis.external.url (or redis.external.existingSecret) is required when redis.enabled is false" $v.external.url | quote }}
+{{- end }}
+{{- end }}
+
+{{/* True when a Secret is passed through env (checkov CKV_K8S_35 is then suppressed with a reason). */}}
+{{- define "gtr.redisUsesSecretEnv" -}}
+{{- if or (and .Values.redis.enabled .Values.redis.auth.existingSecret) (and (not .Values.redis.enabled) .Values.redis.external.existingSecret) }}true{{- end }}
+{{- end }}
+
+{{/* Checkov suppressions shared by the gtr-retrieval pods (each with its reason). */}}
+{{- define "gtr.checkovAppAnnotations" -}}
+checkov.io/skip1: CKV_K8S_43=Images are pinned by immutable release tag; set image.digest to pull by digest.
+checkov.io/skip2: CKV_K8S_15=Release tags are immutable, so IfNotPresent is as safe as Always and avoids registry load on every start.
+{{- if include "gtr.redisUsesSecretEnv" . }}
+checkov.io/skip3: CKV_K8S_35=The Redis client takes its URL from the environment; the Secret is referenced, never inlined.
+{{- end }}
+{{- end }}
+
+{{/* Volumes every gtr-retrieval container needs with a read-only root file system. */}}
+{{- define "gtr.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 256Mi
+{{- end }}
+
+{{/* Common process settings of one service: (dict "root" $ "prefix" "GTR_GATEWAY" "cfg" .Values.gateway). */}}
+{{- define "gtr.processConfig" -}}
+{{ .prefix }}_HOST: "0.0.0.0"
+{{ .prefix }}_PORT: {{ .cfg.port | quote }}
+{{ .prefix }}_METRICS_PORT: {{ .cfg.metricsPort | quote }}
+{{ .prefix }}_LOG_FORMAT: {{ .root.Values.logging.format | quote }}
+{{ .prefix }}_LOG_LEVEL: {{ .root.Values.logging.level | quote }}
+{{ .prefix }}_GRACE_SECONDS: {{ .cfg.graceSeconds | quote }}
+{{- range $k, $v := .cfg.extraEnv }}
+{{ $k }}: {{ $v | toString | quote }}
+{{- end }}
+{{- end }}
