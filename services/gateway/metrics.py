@@ -13,6 +13,7 @@ from services.gateway.domain import SearchResult
 @dataclass
 class GatewayMetrics:
     stage_seconds: Histogram
+    encode_seconds: Histogram
     partial_results: Counter
     searches: Counter
     model: str
@@ -25,6 +26,13 @@ class GatewayMetrics:
                 "gateway_stage_seconds",
                 "Wall time per search stage (encode, search, fetch, rerank, total).",
                 ["stage", "model", "size"],
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            encode_seconds=Histogram(
+                "gtr_encode_seconds",
+                "Query encoding time seen by the gateway (the encoder SLO's metric).",
+                ["model", "size"],
                 buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
@@ -54,6 +62,7 @@ class GatewayMetrics:
         ):
             if ms or stage == "total":
                 self.stage_seconds.labels(stage, self.model, self.size).observe(ms / 1000.0)
+        self.encode_seconds.labels(self.model, self.size).observe(t.encode_ms / 1000.0)
         if result.partial:
             self.partial_results.inc()
         self.searches.labels(str(result.reranked).lower()).inc()

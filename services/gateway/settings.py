@@ -41,8 +41,14 @@ class GatewaySettings(ServiceSettings):
     model_dir: str | None = Field(
         None, description="In-process encoder: sentence-transformers dir (default model if unset)."
     )
-    model_size: str = Field(
-        "base", description="Encoder size profile label (base/large/xl/xxl) for metrics & SLO."
+    encoder_size: str = Field(
+        "base", description="Encoder size profile (base/large/xl/xxl): a metrics label."
+    )
+    encode_slo_ms: float = Field(
+        17.0, gt=0, description="Encode latency SLO of the profile (GTR paper, batch 1)."
+    )
+    search_slo_ms: float = Field(
+        50.0, gt=0, description="End-to-end search SLO (encode + fan-out + fetch, no rerank)."
     )
     rerank_url: str | None = Field(None, description="RerankService address; unset = no rerank.")
     rerank_depth_table: str | None = Field(
