@@ -38,3 +38,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+
+# checkov (policy checks of the rendered Helm chart) pins old packaging/networkx: it gets
+# a venv of its own inside .venv/ so that it cannot downgrade the project's packages.
+if [ ! -x .venv/tools/checkov/bin/checkov ]; then
+  echo "bootstrap: installing checkov into .venv/tools/checkov"
+  "$python" -m venv .venv/tools/checkov
+  .venv/tools/checkov/bin/pip install -q "checkov==3.3.30"
+fi
