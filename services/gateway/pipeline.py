@@ -195,11 +195,18 @@ class DocumentPipeline:
 
     async def upsert(self, docs: Sequence[Document], timeout: float | None) -> WriteResult:
         validation.check_documents(docs, self.limits)
-        embedded = await self.encoder.encode(
-            [d.embedding_text for d in docs], "document", timeout=timeout
+        texts = [d.embedding_text for d in docs]
+        step = max(1, self.encoder.max_batch)
+        chunks = await asyncio.gather(
+            *[
+                self.encoder.encode(texts[i : i + step], "document", timeout=timeout)
+                for i in range(0, len(texts), step)
+            ]
         )
-        token = await self.store.upsert(docs, embedded.vectors)
-        return WriteResult(token, len(docs), truncated=sum(embedded.truncated))
+        vectors = np.concatenate([c.vectors for c in chunks])
+        truncated = sum(sum(c.truncated) for c in chunks)
+        token = await self.store.upsert(docs, vectors)
+        return WriteResult(token, len(docs), truncated=truncated)
 
     async def delete(self, ids: Sequence[str]) -> WriteResult:
         validation.check_ids(ids, self.limits)

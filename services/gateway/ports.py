@@ -31,6 +31,7 @@ class Embedded(Protocol):
 class QueryEncoder(Protocol):
     model_name: str
     dim: int
+    max_batch: int
 
     async def encode(
         self,

@@ -112,3 +112,36 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
 
 
 Say = Callable[[str], None]
+
+
+def onnx_export(cfg: StackConfig, say: Say) -> Path:
+    """The ONNX export of the default model, made once and cached under the run dir."""
+    from services.encoder.export import export_onnx
+    from services.encoder.model import default_model_dir
+
+    onnx_path = cfg.run_dir / "export" / "model.onnx"
+    if not (onnx_path.exists() and (onnx_path.parent / "encoder.json").exists()):
+        say("encoder    exporting the default model to ONNX (first run only)")
+        export_onnx(default_model_dir(), onnx_path)
+    return onnx_path
+
+
+def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str, str]:
+    """(child, gRPC address, HTTP address, metrics address) of a Triton serving ``embed``."""
+    from services.encoder.repository import generate_repository
+    from services.encoder.triton_server import TritonServerConfig, triton_command
+
+    generate_repository(onnx_export(cfg, say), cfg.model_repository)
+    ports = [free_port(cfg.host) for _ in range(3)]
+    server = TritonServerConfig(
+        model_repository=cfg.model_repository,
+        grpc_port=ports[0],
+        http_port=ports[1],
+        metrics_port=ports[2],
+        host=cfg.host,
+        backend_dir=cfg.run_dir / "triton-backends",
+    )
+    argv, env = triton_command(server)
+    child = Child("triton", argv, cfg.logs / "triton.log", env=env)
+    child.address = server.grpc_url
+    return child, server.grpc_url, f"{cfg.host}:{ports[1]}", f"{cfg.host}:{ports[2]}"

@@ -112,8 +112,8 @@ class Stack:
         _say(f"redis      {redis.address}  (data {cfg.redis_dir})")
 
         if cfg.encoder == "triton":
-            triton, grpc_address, http_address, metrics = components.triton_child(cfg)
             _say("triton     generating the CPU model repository and starting tritonserver")
+            triton, grpc_address, http_address, metrics = components.triton_child(cfg, _say)
             self.supervisor.start(
                 triton, lambda: components.triton_ready(http_address, "embed"), timeout
             )

@@ -1,0 +1,122 @@
+"""Gateway process: wire encoder, shard router, document store and reranker; serve."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
+from services.common.logs import configure_logging
+from services.common.metrics import RpcMetrics, serve_metrics
+from services.common.server import Server, create_server, serve_until_signal
+from services.common.settings import load_settings
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.pipeline import DocumentPipeline, SearchPipeline
+from services.gateway.rerank_client import RerankClient, load_depth_table
+from services.gateway.servicer import DocumentServicer, SearchServicer
+from services.gateway.settings import GatewaySettings, parse_shard_addresses
+
+log = logging.getLogger(__name__)
+
+
+async def build_encoder(settings: GatewaySettings):  # type: ignore[no-untyped-def]
+    """The configured encoder: Triton (production) or the model in this process."""
+    if settings.encoder == "triton":
+        from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+
+        return await TritonEncoder.connect(
+            TritonEncoderConfig(
+                url=settings.triton_url,
+                model=settings.triton_model,
+                default_timeout_s=settings.default_timeout_s,
+            )
+        )
+    from services.encoder.inprocess import InProcessEncoder
+
+    return InProcessEncoder.torch(Path(settings.model_dir) if settings.model_dir else None)
+
+
+@dataclass
+class Gateway:
+    """A running gateway and what it owns (closed in :meth:`close`)."""
+
+    server: Server
+    port: int
+    registry: CollectorRegistry
+    closers: list[object] = field(default_factory=list)
+
+    async def close(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        for part in reversed(self.closers):
+            close = getattr(part, "close", None)
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+
+
+async def start_gateway(settings: GatewaySettings) -> Gateway:
+    from services.index.changelog import RedisDocumentStore
+    from services.index.router import ShardRouter
+
+    registry = CollectorRegistry()
+    encoder = await build_encoder(settings)
+    router = ShardRouter(parse_shard_addresses(settings.shards))
+    store = RedisDocumentStore(settings.redis_url, num_shards=router.num_shards)
+    reranker = (
+        RerankClient(settings.rerank_url, load_depth_table(settings.rerank_depth_table))
+        if settings.rerank_url
+        else None
+    )
+    metrics = GatewayMetrics.create(registry, encoder.model_name, settings.encoder_size)
+    search = SearchPipeline(encoder, router, store, reranker, metrics=metrics)
+    documents = DocumentPipeline(encoder, store)
+
+    def register(server: grpc.aio.Server) -> Sequence[str]:
+        search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(search), server)
+        documents_pb2_grpc.add_DocumentServiceServicer_to_server(
+            DocumentServicer(documents), server
+        )
+        return [
+            search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
+            documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name,
+        ]
+
+    server, port = await create_server(settings, register, RpcMetrics.create(registry, "gateway"))
+    log.info(
+        "gateway serving on %s:%d (model %s, %d shards, rerank %s)",
+        settings.host,
+        port,
+        encoder.model_name,
+        router.num_shards,
+        settings.rerank_url or "off",
+    )
+    return Gateway(server, port, registry, [encoder, router, store, reranker])
+
+
+async def serve(settings: GatewaySettings) -> None:
+    gateway = await start_gateway(settings)
+    if settings.metrics_port is not None:
+        serve_metrics(gateway.registry, settings.metrics_port, settings.host)
+    try:
+        await serve_until_signal(gateway.server, settings.grace_seconds)
+    finally:
+        await gateway.close(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings(GatewaySettings, list(argv or []), prog="gtr-retrieval gateway serve")
+    configure_logging(settings.log_format, settings.log_level, service="gateway")
+    asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
