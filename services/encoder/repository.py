@@ -1,0 +1,214 @@
+"""Generate the Triton model repository for the encoder (never hand-written).
+
+Both flavours expose the same model ``embed``:
+``TEXT`` BYTES [1] + ``KIND`` BYTES [1] → ``EMBEDDING`` FP32 [dim] + ``TRUNCATED`` BOOL [1].
+
+* ``cpu``: ``embed`` is a Python-backend model (``triton_models/embed_onnx.py``) that
+  tokenizes and runs the ONNX export with ONNX Runtime.
+* ``gpu``: ``embed`` is an ensemble of ``tokenizer`` (Python backend, on CPU) and
+  ``encoder`` (``tensorrt_plan``, FP16 with FP32 norms, on the GPU).
+
+The configs are built as Triton's own ``ModelConfig`` protobuf and written with
+``text_format``, so a typo in a field name fails here, not in the server log.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.encoder.export import EncoderMeta
+from services.encoder.profiles import ModelProfile
+
+Flavor = Literal["cpu", "gpu"]
+MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
+TEXTCODEC = Path(__file__).resolve().parent / "textcodec.py"
+EMBED_MODEL = "embed"
+
+
+@dataclass(frozen=True)
+class RepositoryConfig:
+    """How to lay the repository out; defaults come from the model's profile."""
+
+    flavor: Flavor = "cpu"
+    # CPU: 2 single-threaded instances beat 1 instance with 2 ONNX Runtime threads on a
+    # 2-core box: same throughput, and the latter showed ~500 ms stalls in 5 % of the
+    # requests inside the Python-backend stub (see docs/encoder.md). GPU: the profile's.
+    instances: int | None = None
+    intra_op_threads: int = 0  # ONNX Runtime threads per CPU instance; 0 = cores / instances
+    max_batch: int | None = None  # None: the profile's
+    max_queue_delay_us: int = 1000
+    max_queue_size: int = 1024  # beyond this Triton rejects → the client says Overloaded
+    seq_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # gpu: pad-to lengths
+    plan_path: Path | None = None  # gpu: copy this TensorRT plan into encoder/1/
+    extra_parameters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Repository:
+    root: Path
+    models: tuple[str, ...]
+    meta: EncoderMeta
+
+    def config_path(self, model: str) -> Path:
+        return self.root / model / "config.pbtxt"
+
+
+def _tensor(name: str, dtype: int, dims: list[int]) -> tuple[str, int, list[int]]:
+    return name, dtype, dims
+
+
+def _add_io(config: mc.ModelConfig, inputs: list[tuple[str, int, list[int]]],
+            outputs: list[tuple[str, int, list[int]]]) -> None:  # fmt: skip
+    for name, dtype, dims in inputs:
+        config.input.add(name=name, data_type=dtype, dims=dims)  # type: ignore[arg-type]
+    for name, dtype, dims in outputs:
+        config.output.add(name=name, data_type=dtype, dims=dims)  # type: ignore[arg-type]
+
+
+def _text_io(dim: int) -> tuple[list[tuple[str, int, list[int]]], list[tuple[str, int, list[int]]]]:
+    inputs = [_tensor("TEXT", mc.TYPE_STRING, [1]), _tensor("KIND", mc.TYPE_STRING, [1])]
+    outputs = [_tensor("EMBEDDING", mc.TYPE_FP32, [dim]), _tensor("TRUNCATED", mc.TYPE_BOOL, [1])]
+    return inputs, outputs
+
+
+def _params(config: mc.ModelConfig, values: dict[str, str]) -> None:
+    for key, value in values.items():
+        config.parameters[key].string_value = value
+
+
+def _batching(config: mc.ModelConfig, max_batch: int, cfg: RepositoryConfig) -> None:
+    sizes = [s for s in (4, 8, 16, 32, 64) if s <= max_batch] or [max_batch]
+    config.dynamic_batching.preferred_batch_size.extend(sizes)
+    config.dynamic_batching.max_queue_delay_microseconds = cfg.max_queue_delay_us
+    config.dynamic_batching.default_queue_policy.max_queue_size = cfg.max_queue_size
+
+
+def _common_params(meta: EncoderMeta) -> dict[str, str]:
+    """What a client reads back from the config: model name, width, profile."""
+    return {"source_model": meta.model_name, "dim": str(meta.dim), "profile": meta.profile}
+
+
+def cpu_embed_config(meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig) -> mc.ModelConfig:  # noqa: E501
+    max_batch = cfg.max_batch or profile.max_batch
+    config = mc.ModelConfig(name=EMBED_MODEL, backend="python", max_batch_size=max_batch)
+    _add_io(config, *_text_io(meta.dim))
+    _batching(config, max_batch, cfg)
+    config.instance_group.add(count=cfg.instances or 2, kind=mc.ModelInstanceGroup.KIND_CPU)
+    threads = str(cfg.intra_op_threads)
+    _params(config, {**_common_params(meta), "onnx_file": "model.onnx",
+                     "intra_op_threads": threads, **cfg.extra_parameters})  # fmt: skip
+    return config
+
+
+def gpu_configs(meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig) -> dict[str, mc.ModelConfig]:  # noqa: E501
+    """``tokenizer`` (Python, CPU) → ``encoder`` (TensorRT, GPU), glued by ensemble ``embed``."""
+    max_batch = cfg.max_batch or profile.max_batch
+    text_in, text_out = _text_io(meta.dim)
+    ids = [_tensor("INPUT_IDS", mc.TYPE_INT64, [-1]),
+           _tensor("ATTENTION_MASK", mc.TYPE_INT64, [-1])]  # fmt: skip
+
+    tok = mc.ModelConfig(name="tokenizer", backend="python", max_batch_size=max_batch)
+    _add_io(tok, text_in, [*ids, _tensor("TRUNCATED", mc.TYPE_BOOL, [1])])
+    tok.instance_group.add(count=2, kind=mc.ModelInstanceGroup.KIND_CPU)
+    _params(tok, {**_common_params(meta), "seq_buckets": ",".join(map(str, cfg.seq_buckets))})
+
+    enc = mc.ModelConfig(name="encoder", platform="tensorrt_plan", max_batch_size=max_batch)
+    _add_io(enc, [_tensor("input_ids", mc.TYPE_INT64, [-1]),
+                  _tensor("attention_mask", mc.TYPE_INT64, [-1])],
+            [_tensor("embedding", mc.TYPE_FP32, [meta.dim])])  # fmt: skip
+    _batching(enc, max_batch, cfg)
+    enc.instance_group.add(
+        count=cfg.instances or profile.triton_instances, kind=mc.ModelInstanceGroup.KIND_GPU
+    )
+    _params(enc, _common_params(meta))
+
+    embed = mc.ModelConfig(name=EMBED_MODEL, platform="ensemble", max_batch_size=max_batch)
+    _add_io(embed, text_in, text_out)
+    step = embed.ensemble_scheduling.step.add(model_name="tokenizer", model_version=-1)
+    step.input_map.update({"TEXT": "TEXT", "KIND": "KIND"})
+    step.output_map.update({"INPUT_IDS": "ids", "ATTENTION_MASK": "mask", "TRUNCATED": "TRUNCATED"})
+    step = embed.ensemble_scheduling.step.add(model_name="encoder", model_version=-1)
+    step.input_map.update({"input_ids": "ids", "attention_mask": "mask"})
+    step.output_map.update({"embedding": "EMBEDDING"})
+    _params(embed, _common_params(meta))
+    return {"tokenizer": tok, "encoder": enc, EMBED_MODEL: embed}
+
+
+def _place(src: Path, dst: Path) -> None:
+    """Hard-link big artefacts when on the same filesystem, copy otherwise."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _write_config(root: Path, config: mc.ModelConfig) -> None:
+    model_dir = root / config.name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
+
+
+def _python_model(root: Path, name: str, source: Path, export_dir: Path) -> None:
+    version = root / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source, version / "model.py")
+    shutil.copy2(TEXTCODEC, version / "textcodec.py")
+    for artefact in ("tokenizer.json", "encoder.json"):
+        shutil.copy2(export_dir / artefact, version / artefact)
+
+
+def generate_repository(onnx_path: Path, out_dir: Path, cfg: RepositoryConfig | None = None) -> Repository:  # noqa: E501
+    """Write the ``cfg.flavor`` repository for the export at ``onnx_path`` into ``out_dir``.
+
+    Model folders this function owns are replaced; anything else in ``out_dir`` stays.
+    """
+    cfg = cfg or RepositoryConfig()
+    onnx_path = Path(onnx_path)
+    if not onnx_path.exists():
+        raise FailedPrecondition(f"no ONNX export at {onnx_path}: run `encoder export` first")
+    export_dir = onnx_path.parent
+    meta = EncoderMeta.read(export_dir)
+    profile = meta.profile_obj
+    root = Path(out_dir)
+    owned = ("embed", "tokenizer", "encoder")
+    for name in owned:
+        shutil.rmtree(root / name, ignore_errors=True)
+    if cfg.flavor == "cpu":
+        config = cpu_embed_config(meta, profile, cfg)
+        _write_config(root, config)
+        _python_model(root, EMBED_MODEL, MODELS_DIR / "embed_onnx.py", export_dir)
+        _place(onnx_path, root / EMBED_MODEL / "1" / "model.onnx")
+        return Repository(root, (EMBED_MODEL,), meta)
+    if cfg.flavor != "gpu":
+        raise InvalidArgument(f"unknown flavour {cfg.flavor!r}: use cpu or gpu")
+    for config in gpu_configs(meta, profile, cfg).values():
+        _write_config(root, config)
+    _python_model(root, "tokenizer", MODELS_DIR / "tokenize_text.py", export_dir)
+    (root / EMBED_MODEL / "1").mkdir(parents=True, exist_ok=True)  # ensembles need a version
+    plan_dir = root / "encoder" / "1"
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.plan_path is not None:
+        _place(Path(cfg.plan_path), plan_dir / "model.plan")
+    else:
+        (plan_dir / "README").write_text(
+            "Put the TensorRT plan here as model.plan:\n"
+            "  gtr-retrieval encoder build-plan --onnx <export>/model.onnx "
+            f"--out {plan_dir / 'model.plan'}\n"
+        )
+    return Repository(root, ("tokenizer", "encoder", EMBED_MODEL), meta)
+
+
+def read_config(path: Path) -> mc.ModelConfig:
+    """Parse a ``config.pbtxt`` with Triton's own schema (used by tests and ``repo --check``)."""
+    return text_format.Parse(Path(path).read_text(), mc.ModelConfig())

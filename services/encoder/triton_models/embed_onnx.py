@@ -1,0 +1,122 @@
+"""Triton Python-backend model ``embed`` (CPU flavour): raw text in, embedding out.
+
+Copied as ``<repo>/embed/1/model.py`` by ``services/encoder/repository.py`` together
+with ``textcodec.py``, ``tokenizer.json``, ``encoder.json`` and ``model.onnx``. It
+imports numpy, onnxruntime and tokenizers only, never the service package, so the
+repository can be shipped on its own.
+
+Contract (see config.pbtxt): ``TEXT`` BYTES [1], ``KIND`` BYTES [1] ("query" or
+"document") → ``EMBEDDING`` FP32 [dim] (L2-normalised), ``TRUNCATED`` BOOL [1].
+All rows of all requests that the dynamic batcher hands over are run together.
+A bad request (empty text, invalid UTF-8, unknown kind) gets its own error response;
+the other requests of the batch are answered, and the instance never dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from textcodec import TextCodec, TextError, parse_rows
+
+
+def _error(message: str, invalid: bool) -> Any:
+    code_name = "INVALID_ARG" if invalid else "INTERNAL"
+    code = getattr(pb_utils.TritonError, code_name, None)
+    err = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=err)
+
+
+def _threads(config: dict[str, Any], requested: int) -> int:
+    """0 means: share this machine's cores evenly among the model's instances."""
+    if requested > 0:
+        return requested
+    instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+    return max(1, len(os.sched_getaffinity(0)) // instances)
+
+
+def _column(request: Any, name: str) -> np.ndarray:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise TextError(f"input {name} is missing")
+    return tensor.as_numpy().reshape(-1)
+
+
+def parse_request(request: Any, kinds: set[str]) -> tuple[list[str], list[str]]:
+    """(texts, kinds) of one request, or TextError naming the offending row."""
+    return parse_rows(list(_column(request, "TEXT")), list(_column(request, "KIND")), kinds)
+
+
+class TritonPythonModel:
+    """Tokenize with ``textcodec`` and run ``model.onnx`` with ONNX Runtime."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        import onnxruntime as ort
+
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        here = os.path.join(args["model_repository"], args["model_version"])
+        with open(os.path.join(here, "encoder.json")) as f:
+            meta = json.load(f)
+        self.codec = TextCodec.from_file(
+            os.path.join(here, "tokenizer.json"), meta["max_lens"], int(meta["pad_id"])
+        )
+        self.kinds = set(meta["max_lens"])
+        self.max_rows = max(1, int(config.get("max_batch_size", 0)) or 64)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = _threads(config, int(params.get("intra_op_threads", "0")))
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(
+            os.path.join(here, params.get("onnx_file", "model.onnx")),
+            options,
+            providers=["CPUExecutionProvider"],
+        )
+
+    def _embed(self, texts: list[str], kinds: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        vectors, truncated = [], []
+        for start in range(0, len(texts), self.max_rows):
+            batch = self.codec.encode_mixed(
+                texts[start : start + self.max_rows], kinds[start : start + self.max_rows]
+            )
+            feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+            vectors.append(self.session.run(["embedding"], feeds)[0].astype(np.float32))
+            truncated.append(batch.truncated)
+        return np.concatenate(vectors), np.concatenate(truncated)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        spans: list[tuple[int, int, int]] = []  # (request index, first row, row count)
+        texts: list[str] = []
+        kinds: list[str] = []
+        for i, request in enumerate(requests):
+            try:
+                req_texts, req_kinds = parse_request(request, self.kinds)
+            except TextError as exc:
+                responses[i] = _error(str(exc), invalid=True)
+                continue
+            spans.append((i, len(texts), len(req_texts)))
+            texts.extend(req_texts)
+            kinds.extend(req_kinds)
+        if spans:
+            try:
+                vectors, truncated = self._embed(texts, kinds)
+            except Exception as exc:  # never kill the instance: fail these requests only
+                for i, _, _ in spans:
+                    responses[i] = _error(f"embedding failed: {exc}", invalid=False)
+                return responses
+            for i, first, count in spans:
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("EMBEDDING", vectors[first : first + count]),
+                    pb_utils.Tensor("TRUNCATED", truncated[first : first + count].reshape(-1, 1)),
+                ])  # fmt: skip
+        return responses
+
+    def finalize(self) -> None:
+        self.session = None

@@ -1,0 +1,61 @@
+"""Triton Python-backend model ``tokenizer`` (GPU flavour, first step of the ``embed`` ensemble).
+
+Copied as ``<repo>/tokenizer/1/model.py`` with ``textcodec.py``, ``tokenizer.json`` and
+``encoder.json``. It turns ``TEXT``/``KIND`` (BYTES) into ``INPUT_IDS``/``ATTENTION_MASK``
+(INT64, padded up to a length bucket so that the TensorRT model's dynamic batcher can
+merge requests of similar length) and ``TRUNCATED`` (BOOL). Bad requests get their own
+error response; the ensemble passes it to the client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from textcodec import TextCodec, TextError, parse_rows
+
+
+def _error(message: str) -> Any:
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+    err = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=err)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        here = os.path.join(args["model_repository"], args["model_version"])
+        with open(os.path.join(here, "encoder.json")) as f:
+            meta = json.load(f)
+        buckets = tuple(int(b) for b in params.get("seq_buckets", "").split(",") if b.strip())
+        self.codec = TextCodec.from_file(
+            os.path.join(here, "tokenizer.json"), meta["max_lens"], int(meta["pad_id"]), buckets
+        )
+        self.kinds = set(meta["max_lens"])
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            try:
+                texts, kinds = parse_rows(
+                    list(pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().ravel()),
+                    list(pb_utils.get_input_tensor_by_name(request, "KIND").as_numpy().ravel()),
+                    self.kinds,
+                )
+                batch = self.codec.encode_mixed(texts, kinds)
+            except TextError as exc:
+                responses.append(_error(str(exc)))
+                continue
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("INPUT_IDS", batch.input_ids),
+                pb_utils.Tensor("ATTENTION_MASK", batch.attention_mask),
+                pb_utils.Tensor("TRUNCATED", batch.truncated.reshape(-1, 1).astype(np.bool_)),
+            ]))  # fmt: skip
+        return responses

@@ -1,0 +1,207 @@
+"""Run NVIDIA Triton Inference Server from the ``nvidia-pytriton`` wheel, without a container.
+
+The wheel ships ``pytriton/tritonserver/bin/tritonserver``, the Python backend
+(``backends/python/``) and one backend stub per Python version
+(``python_backend_stubs/<X.Y>/triton_python_backend_stub``). What it takes to load a
+standard model repository with it:
+
+1. One backend folder ``<dir>/python/`` holding ``libtriton_python.so``,
+   ``triton_python_backend_utils.py`` and the stub of the *running* Python, passed as
+   ``--backend-directory=<dir>``.
+2. ``LD_LIBRARY_PATH=<sys.base_prefix>/lib:<site-packages>/nvidia_pytriton.libs``:
+   the stub links ``libpython3.X.so.1.0``. Its RPATH only works inside the wheel, and
+   a system libpython (``/lib/x86_64-linux-gnu``) would run against a different stdlib
+   than this interpreter's; so this interpreter's own ``lib/`` comes first.
+3. ``PATH=<venv>/bin:$PATH``. The stub embeds Python and ignores ``PYTHONPATH``; it
+   derives ``sys.prefix`` from the first ``python3`` on ``PATH``. With the virtualenv's
+   ``bin/`` first, the models run inside this virtualenv (its ``pyvenv.cfg`` is found,
+   its site-packages and ``.pth`` files are used) and import the same numpy,
+   onnxruntime and tokenizers as the service; otherwise they get the base
+   interpreter's site-packages (here: a numpy 2.x next to the venv's 1.26).
+
+``triton_command`` builds the command and environment (the local stack launcher uses
+it); ``run_triton`` starts the server, waits until ``embed`` is ready and stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import FailedPrecondition, Unavailable
+
+
+@dataclass(frozen=True)
+class TritonServerConfig:
+    """Where the repository is, which ports, which model must be ready."""
+
+    model_repository: Path
+    grpc_port: int = 8001
+    http_port: int = 8000
+    metrics_port: int = 8002
+    host: str = "127.0.0.1"
+    backend_dir: Path | None = None  # None: a per-user folder under the temp dir
+    ready_model: str = "embed"
+    startup_timeout_s: float = 120.0
+    stop_timeout_s: float = 20.0
+    log_verbose: int = 0
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def pytriton_root() -> Path:
+    """``<site-packages>/pytriton/tritonserver``, or FailedPrecondition naming the fix."""
+    root = site_packages() / "pytriton" / "tritonserver"
+    if not (root / "bin" / "tritonserver").exists():
+        raise FailedPrecondition(
+            f"tritonserver not found under {root}: pip install nvidia-pytriton (Linux x86_64)"
+        )
+    return root
+
+
+def prepare_backend_dir(dest: Path | None = None) -> Path:
+    """Assemble ``<dest>/python/`` (library, utils, this Python's stub); idempotent."""
+    root = pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise FailedPrecondition(f"the wheel has no Python backend stub for Python {version}")
+    dest = Path(dest or Path(tempfile.gettempdir()) / f"gtr-triton-backends-{os.getuid()}")
+    target = dest / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for src in (root / "backends" / "python" / "libtriton_python.so",
+                root / "backends" / "python" / "triton_python_backend_utils.py", stub):  # fmt: skip
+        dst = target / src.name
+        if not dst.exists() or dst.stat().st_size != src.stat().st_size:
+            shutil.copy2(src, dst)
+    return dest
+
+
+def triton_env_overrides(cfg: TritonServerConfig) -> dict[str, str]:
+    """Only the variables the server needs on top of the caller's environment."""
+    libs = [str(Path(sys.base_prefix) / "lib"), str(site_packages() / "nvidia_pytriton.libs")]
+    if os.environ.get("LD_LIBRARY_PATH"):
+        libs.append(os.environ["LD_LIBRARY_PATH"])
+    # sys.executable is <venv>/bin/python (a symlink: do not resolve it).
+    path = [str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")]
+    return {"LD_LIBRARY_PATH": ":".join(libs), "PATH": ":".join(path),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+
+
+def triton_command(cfg: TritonServerConfig) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` to start tritonserver; env is the *complete* environment for Popen.
+
+    Side effect: assembles the Python backend folder (see :func:`prepare_backend_dir`).
+    """
+    backend_dir = prepare_backend_dir(cfg.backend_dir)
+    argv = [
+        str(pytriton_root() / "bin" / "tritonserver"),
+        f"--model-repository={Path(cfg.model_repository).resolve()}",
+        f"--backend-directory={backend_dir}",
+        f"--grpc-port={cfg.grpc_port}",
+        f"--http-port={cfg.http_port}",
+        f"--metrics-port={cfg.metrics_port}",
+        f"--grpc-address={cfg.host}",
+        f"--http-address={cfg.host}",
+        "--allow-gpu-metrics=false",
+        "--exit-on-error=true",
+        "--strict-readiness=true",
+        f"--log-verbose={cfg.log_verbose}",
+        *cfg.extra_args,
+    ]
+    return argv, {**os.environ, **triton_env_overrides(cfg)}
+
+
+@dataclass
+class TritonHandle:
+    config: TritonServerConfig
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def grpc_url(self) -> str:
+        return self.config.grpc_url
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _ready(cfg: TritonServerConfig) -> bool:
+    url = f"{cfg.http_url}/v2/models/{cfg.ready_model}/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_ready(handle: TritonHandle) -> None:
+    """Poll the model's readiness; fail fast with the log tail if the server died."""
+    deadline = time.monotonic() + handle.config.startup_timeout_s
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise Unavailable(
+                f"tritonserver exited with {handle.process.returncode}:\n{handle.log_tail()}"
+            )
+        if _ready(handle.config):
+            return
+        time.sleep(0.2)
+    raise Unavailable(
+        f"model {handle.config.ready_model!r} not ready after "
+        f"{handle.config.startup_timeout_s:.0f} s:\n{handle.log_tail()}"
+    )
+
+
+def stop(handle: TritonHandle) -> None:
+    """SIGTERM (Triton drains in-flight requests), then SIGKILL after the timeout."""
+    if handle.process.poll() is not None:
+        return
+    handle.process.send_signal(signal.SIGTERM)
+    try:
+        handle.process.wait(handle.config.stop_timeout_s)
+    except subprocess.TimeoutExpired:
+        handle.process.kill()
+        handle.process.wait(10)
+
+
+@contextmanager
+def run_triton(cfg: TritonServerConfig, log_path: Path) -> Iterator[TritonHandle]:
+    """Start tritonserver, yield once ``cfg.ready_model`` is ready, stop it on exit."""
+    argv, env = triton_command(cfg)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    handle = TritonHandle(cfg, process, log_path)
+    try:
+        wait_ready(handle)
+        yield handle
+    finally:
+        stop(handle)

@@ -1,0 +1,108 @@
+"""ONNX export: graph contract, parity with PyTorch, and a parity check that can fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from services.encoder.export import (
+    EncoderMeta,
+    check_parity,
+    onnx_session,
+    quantize_int8,
+    row_cosines,
+)
+from services.encoder.model import default_model_dir
+from services.encoder.onnx_embedder import OnnxEmbedder
+from tests.encoder_fixtures import (
+    SAMPLE_DOCUMENTS,
+    SAMPLE_QUERIES,
+    encoder_base,
+    ensure_onnx,
+    ensure_tiny_t5,
+    torch_embedder,
+)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return encoder_base(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["minilm", "tiny-t5"])
+def exported(request: pytest.FixtureRequest, base: Path) -> tuple[Path, Path]:
+    model_dir = default_model_dir() if request.param == "minilm" else ensure_tiny_t5(base)
+    return model_dir, ensure_onnx(model_dir, base)
+
+
+def test_graph_contract(exported: tuple[Path, Path]) -> None:
+    _, onnx_path = exported
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    inputs = {i.name: i.type.tensor_type for i in graph.input}
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    for tensor in inputs.values():
+        assert tensor.elem_type == onnx.TensorProto.INT64
+        dims = [d.dim_param for d in tensor.shape.dim]
+        assert dims == ["batch", "seq"]  # dynamic batch and sequence
+    (output,) = graph.output
+    assert output.name == "embedding"
+    assert output.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert output.type.tensor_type.shape.dim[0].dim_param == "batch"
+
+
+def test_parity_with_pytorch(exported: tuple[Path, Path]) -> None:
+    model_dir, onnx_path = exported
+    report = check_parity(model_dir, onnx_path)
+    assert report.passed, report.summary()
+    assert report.min_cosine >= 0.9999 and len(report.cosines) >= 4
+
+
+def test_onnx_embedder_equals_torch_on_queries_and_documents(exported: tuple[Path, Path]) -> None:
+    model_dir, onnx_path = exported
+    ours = OnnxEmbedder(onnx_path, threads=2)
+    reference = torch_embedder(model_dir)
+    assert (ours.dim, ours.model_name) == (reference.dim, reference.model_name)
+    for texts, kind in ((SAMPLE_QUERIES, "query"), (SAMPLE_DOCUMENTS, "document")):
+        got, got_trunc = ours.embed(texts, kind)  # type: ignore[arg-type]
+        want, want_trunc = reference.embed(texts, kind)  # type: ignore[arg-type]
+        assert got_trunc == want_trunc
+        assert min(row_cosines(got, want)) >= 0.9999
+
+
+def test_sidecar_files_describe_the_export(exported: tuple[Path, Path]) -> None:
+    model_dir, onnx_path = exported
+    meta = EncoderMeta.read(onnx_path.parent)
+    assert meta.dim == torch_embedder(model_dir).dim
+    assert set(meta.max_lens) == {"query", "document"}
+    assert (onnx_path.parent / "tokenizer.json").exists()
+
+
+def test_parity_check_catches_a_broken_export(base: Path, tmp_path: Path) -> None:
+    """Perturb one weight matrix: the check must fail, or it proves nothing."""
+    model_dir = ensure_tiny_t5(base)
+    src = ensure_onnx(model_dir, base)
+    model = onnx.load(str(src))
+    target = next(i for i in model.graph.initializer if "MatMul" in i.name)
+    weights = numpy_helper.to_array(target)
+    noise = np.random.default_rng(0).normal(0, 1.0, weights.shape).astype(weights.dtype)
+    target.CopyFrom(numpy_helper.from_array(weights + noise, target.name))
+    broken = tmp_path / "model.onnx"
+    onnx.save(model, str(broken))
+    for sidecar in ("tokenizer.json", "encoder.json"):
+        (tmp_path / sidecar).write_text((src.parent / sidecar).read_text())
+    report = check_parity(model_dir, broken)
+    assert not report.passed and "FAILED" in report.summary()
+
+
+def test_int8_quantisation_stays_close(base: Path, tmp_path: Path) -> None:
+    src = ensure_onnx(default_model_dir(), base)
+    q_path = quantize_int8(src, tmp_path / "model.int8.onnx")
+    embedder = torch_embedder(default_model_dir())
+    batch = embedder.tokenize(SAMPLE_DOCUMENTS, "document")
+    feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    (got,) = onnx_session(q_path).run(["embedding"], feeds)  # type: ignore[attr-defined]
+    assert min(row_cosines(got, embedder.run(batch))) >= 0.97

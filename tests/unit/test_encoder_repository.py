@@ -1,0 +1,108 @@
+"""Generated Triton repositories, parsed with Triton's own ModelConfig protobuf."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from services.common.errors import FailedPrecondition
+from services.encoder.model import default_model_dir
+from services.encoder.repository import RepositoryConfig, generate_repository, read_config
+from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
+
+
+@pytest.fixture(scope="module")
+def minilm_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_onnx(default_model_dir(), encoder_base(tmp_path_factory))
+
+
+def _io(config: mc.ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    return {t.name: (t.data_type, list(t.dims)) for t in [*config.input, *config.output]}
+
+
+def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
+    repo = generate_repository(minilm_onnx, tmp_path, RepositoryConfig(intra_op_threads=2))
+    assert repo.models == ("embed",)
+    config = read_config(repo.config_path("embed"))
+    assert config.name == "embed" and config.backend == "python"
+    assert config.max_batch_size == 64
+    assert _io(config) == {
+        "TEXT": (mc.TYPE_STRING, [1]), "KIND": (mc.TYPE_STRING, [1]),
+        "EMBEDDING": (mc.TYPE_FP32, [384]), "TRUNCATED": (mc.TYPE_BOOL, [1]),
+    }  # fmt: skip
+    batching = config.dynamic_batching
+    assert list(batching.preferred_batch_size) == [4, 8, 16, 32, 64]
+    assert batching.max_queue_delay_microseconds == 1000
+    assert batching.default_queue_policy.max_queue_size == 1024
+    (group,) = config.instance_group
+    assert group.kind == mc.ModelInstanceGroup.KIND_CPU and group.count == 2
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["source_model"] == "all-MiniLM-L6-v2" and params["dim"] == "384"
+    assert params["intra_op_threads"] == "2"
+    version = tmp_path / "embed" / "1"
+    for name in ("model.py", "textcodec.py", "model.onnx", "tokenizer.json", "encoder.json"):
+        assert (version / name).is_file(), name
+    # model.py is the file from services/encoder/triton_models, not a generated string
+    source = Path("services/encoder/triton_models/embed_onnx.py").read_text()
+    assert (version / "model.py").read_text() == source
+
+
+def test_gpu_repository_is_an_ensemble(minilm_onnx: Path, tmp_path: Path) -> None:
+    plan = tmp_path / "fake.plan"
+    plan.write_bytes(b"not a real engine")
+    repo = generate_repository(
+        minilm_onnx, tmp_path / "repo", RepositoryConfig(flavor="gpu", plan_path=plan)
+    )
+    assert set(repo.models) == {"tokenizer", "encoder", "embed"}
+    tok, enc, embed = (read_config(repo.config_path(m)) for m in ("tokenizer", "encoder", "embed"))
+    assert tok.backend == "python" and enc.platform == "tensorrt_plan"
+    assert embed.platform == "ensemble"
+    assert {k: v for k, v in _io(tok).items() if k in ("TEXT", "KIND")} == {
+        "TEXT": (mc.TYPE_STRING, [1]), "KIND": (mc.TYPE_STRING, [1])}  # fmt: skip
+    assert _io(embed)["EMBEDDING"] == (mc.TYPE_FP32, [384])
+    assert _io(enc) == {"input_ids": (mc.TYPE_INT64, [-1]),
+                        "attention_mask": (mc.TYPE_INT64, [-1]),
+                        "embedding": (mc.TYPE_FP32, [384])}  # fmt: skip
+    (group,) = enc.instance_group
+    assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == 1  # minilm profile
+    assert list(enc.dynamic_batching.preferred_batch_size) == [4, 8, 16, 32, 64]
+    steps = list(embed.ensemble_scheduling.step)
+    assert [s.model_name for s in steps] == ["tokenizer", "encoder"]
+    assert dict(steps[0].output_map) == {"INPUT_IDS": "ids", "ATTENTION_MASK": "mask",
+                                         "TRUNCATED": "TRUNCATED"}  # fmt: skip
+    assert dict(steps[1].input_map) == {"input_ids": "ids", "attention_mask": "mask"}
+    assert dict(steps[1].output_map) == {"embedding": "EMBEDDING"}
+    # every ensemble tensor is produced before it is consumed
+    produced = {"TEXT", "KIND"}
+    for step in steps:
+        assert set(step.input_map.values()) <= produced
+        produced |= set(step.output_map.values())
+    assert {"EMBEDDING", "TRUNCATED"} <= produced
+    buckets = tok.parameters["seq_buckets"].string_value
+    assert buckets == "16,32,64,128,256,512"
+    assert (tmp_path / "repo" / "encoder" / "1" / "model.plan").read_bytes() == b"not a real engine"
+    assert (tmp_path / "repo" / "tokenizer" / "1" / "model.py").exists()
+
+
+def test_gtr_profile_sets_instances_on_gpu(tmp_path_factory: pytest.TempPathFactory,
+                                           tmp_path: Path) -> None:  # fmt: skip
+    base = encoder_base(tmp_path_factory)
+    onnx_path = ensure_onnx(ensure_tiny_t5(base), base)
+    repo = generate_repository(onnx_path, tmp_path, RepositoryConfig(flavor="gpu"))
+    enc = read_config(repo.config_path("encoder"))
+    assert enc.instance_group[0].count == 2  # GTR-base profile: two instances per GPU
+    assert (tmp_path / "encoder" / "1" / "README").exists()  # no plan given: instructions
+
+
+def test_regenerating_replaces_our_models_only(minilm_onnx: Path, tmp_path: Path) -> None:
+    (tmp_path / "other").mkdir()
+    generate_repository(minilm_onnx, tmp_path, RepositoryConfig(flavor="gpu"))
+    generate_repository(minilm_onnx, tmp_path, RepositoryConfig(flavor="cpu"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["embed", "other"]
+
+
+def test_missing_export_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FailedPrecondition, match="encoder export"):
+        generate_repository(tmp_path / "none.onnx", tmp_path / "repo")

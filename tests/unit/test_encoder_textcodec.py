@@ -1,0 +1,75 @@
+"""Tokenization, truncation flags and the row checks shared with the Triton models."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer
+
+from services.encoder.model import default_model_dir
+from services.encoder.textcodec import TextCodec, TextError, check_texts, parse_rows
+
+KINDS = {"query", "document"}
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    return TextCodec(tok, {"query": 8, "document": 16}, pad_id=0)
+
+
+def test_truncates_per_kind_and_says_so(codec: TextCodec) -> None:
+    long = "one two three four five six seven eight nine ten eleven twelve"
+    q = codec.encode([long, "short"], "query")
+    assert q.input_ids.shape == (2, 8)
+    assert q.truncated.tolist() == [True, False]
+    assert q.input_ids[0, 0] == 101 and q.input_ids[0, -1] == 102  # [CLS] … [SEP] kept
+    assert q.attention_mask[1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    d = codec.encode([long], "document")
+    assert d.input_ids.shape == (1, 14) and d.truncated.tolist() == [False]
+
+
+def test_mixed_kinds_pad_to_the_longest_row(codec: TextCodec) -> None:
+    long = "word " * 40
+    batch = codec.encode_mixed([long, long], ["query", "document"])
+    assert batch.input_ids.shape == (2, 16)
+    assert batch.attention_mask.sum(axis=1).tolist() == [8, 16]
+    assert batch.truncated.tolist() == [True, True]
+
+
+def test_buckets_round_the_sequence_length_up() -> None:
+    tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    codec = TextCodec(tok, {"query": 64, "document": 64}, 0, seq_buckets=(16, 32, 64))
+    assert codec.encode(["hello"], "query").input_ids.shape == (1, 16)
+    assert codec.encode(["word " * 20], "query").input_ids.shape == (1, 32)
+
+
+def test_unknown_kind_is_rejected(codec: TextCodec) -> None:
+    with pytest.raises(TextError, match="unknown kind 'passage'"):
+        codec.encode(["x"], "passage")
+
+
+@pytest.mark.parametrize(
+    ("texts", "kinds", "message"),
+    [
+        ([b""], [b"query"], "text 0 is empty"),
+        ([b"ok", b"   "], [b"query"], "text 1 is empty"),
+        ([b"\xff\xfe"], [b"query"], "text 0 is not valid UTF-8"),
+        ([b"ok"], [b"passage"], "kind 'passage' of row 0 is unknown"),
+        ([b"a", b"b", b"c"], [b"query", b"query"], "KIND has 2 rows for 3 texts"),
+        ([], [b"query"], "no texts"),
+    ],
+)
+def test_parse_rows_names_the_bad_row(texts: list[bytes], kinds: list[bytes], message: str) -> None:
+    with pytest.raises(TextError, match=message):
+        parse_rows(texts, kinds, KINDS)
+
+
+def test_parse_rows_broadcasts_one_kind_and_decodes_utf8() -> None:
+    texts, kinds = parse_rows(["ça va".encode(), b"b"], [b"Document"], KINDS)
+    assert texts == ["ça va", "b"] and kinds == ["document", "document"]
+
+
+def test_check_texts_limits_the_batch() -> None:
+    check_texts(["a", "b"], max_batch=2)
+    with pytest.raises(TextError, match="over the limit of 2"):
+        check_texts(["a", "b", "c"], max_batch=2)
