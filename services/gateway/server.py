@@ -63,7 +63,7 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    from services.index.changelog import RedisDocumentStore
+    from services.gateway.store import RedisDocumentStore
     from services.index.router import ShardRouter
 
     registry = CollectorRegistry()

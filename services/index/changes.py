@@ -1,0 +1,23 @@
+"""The changes a shard applies, as they come out of its log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Upsert:
+    doc_id: str
+    vector: np.ndarray  # float32 (dim,)
+    tags: dict[str, str] = field(default_factory=dict)
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class Delete:
+    doc_id: str
+
+
+Change = Upsert | Delete

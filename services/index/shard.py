@@ -1,0 +1,281 @@
+"""One shard of the IVF-PQ index, in memory: apply changes, search, report.
+
+No grpc and no Redis here: :mod:`services.index.replica` feeds it from the log and
+:mod:`services.index.servicer` exposes it. Thread-safe: searches take a read lock and
+run in parallel (FAISS releases the GIL); a batch of changes takes the write lock.
+
+Storage per vector: the IVF-PQ code (``pq_m`` bytes) and its id (8 bytes) in the
+inverted lists, an SQ8 code (``dim`` bytes) for the refine stage, the direct map entry.
+Removes go through the direct map (hash table id → list/offset), never a scan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+
+from services.common.errors import InvalidArgument
+from services.index import positions
+from services.index.changes import Change, Delete, Upsert
+from services.index.ids import faiss_id
+from services.index.rwlock import RWLock
+from services.index.train import TrainedIndex, pq_error
+
+log = logging.getLogger(__name__)
+
+MAX_K = 1000
+MAX_QUERIES = 256
+DRIFT_WINDOW = 10_000  # recent adds over which the PQ error is averaged
+
+Tag = tuple[str, str]
+Hit = tuple[str, float]  # (doc id, score)
+FilterSpec = Sequence[tuple[str, Sequence[str]]]  # (key, any_of) conditions, all must hold
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    added: int
+    removed: int
+    position: str
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    vectors: int
+    deleted: int
+    applied_position: str
+    bytes_per_vector: float
+    memory_bytes: int
+    train_pq_error: float
+    recent_pq_error: float
+    pq_error_ratio: float
+    list_imbalance: float
+
+
+def check_queries(queries: np.ndarray, dim: int) -> np.ndarray:
+    if queries.ndim != 2 or queries.shape[1] != dim:
+        got = queries.shape[1] if queries.ndim == 2 else queries.shape
+        raise InvalidArgument(f"queries: dimension {got}, the index has {dim}")
+    if not 1 <= queries.shape[0] <= MAX_QUERIES:
+        raise InvalidArgument(f"queries: {queries.shape[0]} vectors, takes 1..{MAX_QUERIES}")
+    if not np.isfinite(queries).all():
+        raise InvalidArgument("queries: NaN or Inf values")
+    return np.ascontiguousarray(queries, dtype=np.float32)
+
+
+class IvfPqShard:
+    def __init__(self, trained: TrainedIndex) -> None:
+        self.manifest = trained.manifest
+        self.dim = trained.manifest.dim
+        self.index = faiss.clone_index(trained.index)
+        self.ivf = faiss.extract_index_ivf(self.index)
+        self.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        self._refine_index = trained.refine  # owns the SQ8 codec that self.sq points into
+        self.sq = trained.sq
+        self.code_size = int(self.sq.code_size)
+        self._codes = np.zeros((1024, self.code_size), dtype=np.uint8)
+        self._slot: dict[int, int] = {}
+        self._free: list[int] = []
+        self._used = 0
+        self._doc: dict[int, str] = {}
+        self._tags: dict[int, tuple[Tag, ...]] = {}
+        self._postings: dict[Tag, set[int]] = {}
+        self._recent_errors: deque[tuple[int, float]] = deque()
+        self._recent_count = 0
+        self._recent_sum = 0.0
+        self.applied = positions.ZERO
+        self.deleted_total = 0
+        self.lock = RWLock()
+
+    # --- writes ----------------------------------------------------------------------
+
+    def apply(self, changes: Sequence[Change], position: str) -> ApplyResult:
+        """Apply a batch in log order: per id the last change wins; upsert = remove + add."""
+        last: dict[str, Change] = {}
+        for change in changes:
+            last.pop(change.doc_id, None)  # keep insertion order = order of last change
+            last[change.doc_id] = change
+        upserts = [c for c in last.values() if isinstance(c, Upsert)]
+        vectors = (
+            np.stack([np.asarray(u.vector, dtype=np.float32) for u in upserts])
+            if upserts
+            else np.zeros((0, self.dim), dtype=np.float32)
+        )
+        if len(vectors) and (vectors.shape[1] != self.dim or not np.isfinite(vectors).all()):
+            # The gateway validates before logging; a bad entry here means a foreign writer.
+            raise InvalidArgument(
+                f"log entry at {position}: vectors must be finite, dim {self.dim}"
+            )
+        fids = {doc_id: faiss_id(doc_id) for doc_id in last}
+        with self.lock.write():
+            present = {fids[d] for d in last if fids[d] in self._slot}
+            removed = self._remove(sorted(present))
+            self.deleted_total += sum(
+                1 for d, c in last.items() if isinstance(c, Delete) and fids[d] in present
+            )
+            if upserts:
+                self._add(upserts, vectors, [fids[u.doc_id] for u in upserts])
+            if positions.parse(position) > positions.parse(self.applied):
+                self.applied = position
+        if upserts:
+            self._track_error(vectors)
+        return ApplyResult(added=len(upserts), removed=removed, position=self.applied)
+
+    def _remove(self, fids: list[int]) -> int:
+        if not fids:
+            return 0
+        ids = np.asarray(fids, dtype=np.int64)
+        removed = int(self.index.remove_ids(faiss.IDSelectorArray(ids.size, faiss.swig_ptr(ids))))
+        for fid in fids:
+            self._free.append(self._slot.pop(fid))
+            self._doc.pop(fid, None)
+            for tag in self._tags.pop(fid, ()):
+                bucket = self._postings.get(tag)
+                if bucket is not None:
+                    bucket.discard(fid)
+                    if not bucket:
+                        del self._postings[tag]
+        return removed
+
+    def _add(self, upserts: list[Upsert], vectors: np.ndarray, fids: list[int]) -> None:
+        ids = np.asarray(fids, dtype=np.int64)
+        self.index.add_with_ids(vectors, ids)
+        codes = self.sq.compute_codes(vectors)
+        for row, (upsert, fid) in enumerate(zip(upserts, fids, strict=True)):
+            slot = self._take_slot()
+            self._codes[slot] = codes[row]
+            self._slot[fid] = slot
+            other = self._doc.get(fid)
+            if other is not None and other != upsert.doc_id:
+                log.error("63-bit id collision: %r replaces %r", upsert.doc_id, other)
+            self._doc[fid] = upsert.doc_id
+            tags = tuple(sorted(upsert.tags.items()))
+            if tags:
+                self._tags[fid] = tags
+                for tag in tags:
+                    self._postings.setdefault(tag, set()).add(fid)
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._used == len(self._codes):
+            grown = np.zeros((len(self._codes) * 2, self.code_size), dtype=np.uint8)
+            grown[: self._used] = self._codes[: self._used]
+            self._codes = grown
+        self._used += 1
+        return self._used - 1
+
+    def _track_error(self, vectors: np.ndarray) -> None:
+        error = pq_error(self.index, vectors)
+        n = len(vectors)
+        self._recent_errors.append((n, error * n))
+        self._recent_count += n
+        self._recent_sum += error * n
+        while self._recent_count - self._recent_errors[0][0] >= DRIFT_WINDOW:
+            old_n, old_sum = self._recent_errors.popleft()
+            self._recent_count -= old_n
+            self._recent_sum -= old_sum
+
+    # --- reads -----------------------------------------------------------------------
+
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int = 0,
+        filter: FilterSpec = (),
+    ) -> list[list[tuple[str, float]]]:
+        """Top-k (doc id, score) per query, best first; fewer when fewer documents match."""
+        queries = check_queries(queries, self.dim)
+        if not 1 <= k <= MAX_K:
+            raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
+        nlist = int(self.ivf.nlist)
+        if nprobe > nlist:
+            raise InvalidArgument(f"nprobe: {nprobe} exceeds nlist {nlist}")
+        nprobe = nprobe or self.manifest.nprobe
+        with self.lock.read():
+            selector = self._selector(filter)
+            if selector is None and filter:
+                return [[] for _ in range(len(queries))]
+            fetch = k * self.manifest.refine_factor if self.manifest.refine else k
+            params = faiss.SearchParametersIVF(nprobe=nprobe)
+            if selector is not None:
+                params.sel = selector
+            scores, ids = self.index.search(queries, fetch, params=params)
+            if self.manifest.refine:
+                return self._refine(queries, ids, k)
+            return [
+                [(self._doc[int(i)], float(s)) for s, i in zip(srow, irow, strict=True) if i >= 0]
+                for srow, irow in zip(scores, ids, strict=True)
+            ]
+
+    def _selector(self, filter: FilterSpec) -> faiss.IDSelector | None:
+        if not filter:
+            return None
+        allowed: set[int] | None = None
+        for key, values in filter:
+            matching: set[int] = set()
+            for value in values:
+                matching |= self._postings.get((key, value), set())
+            allowed = matching if allowed is None else allowed & matching
+            if not allowed:
+                return None
+        assert allowed is not None
+        return faiss.IDSelectorBatch(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
+
+    def _refine(
+        self, queries: np.ndarray, ids: np.ndarray, k: int
+    ) -> list[list[tuple[str, float]]]:
+        out = []
+        for query, row in zip(queries, ids, strict=True):
+            found = [int(i) for i in row if i >= 0]
+            if not found:
+                out.append([])
+                continue
+            slots = np.fromiter((self._slot[f] for f in found), dtype=np.int64, count=len(found))
+            decoded = self.sq.decode(self._codes[slots])
+            exact = decoded @ query
+            order = np.argsort(-exact, kind="stable")[:k]
+            out.append([(self._doc[found[j]], float(exact[j])) for j in order])
+        return out
+
+    # --- state -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self.index.ntotal)
+
+    def contains(self, doc_id: str) -> bool:
+        return faiss_id(doc_id) in self._slot
+
+    def doc_ids(self) -> Iterable[str]:
+        return list(self._doc.values())
+
+    def stats(self) -> ShardStats:
+        with self.lock.read():
+            n = int(self.index.ntotal)
+            per_vector = self.manifest.pq_m + 8 + (self.code_size if self.manifest.refine else 0)
+            memory = int(n * per_vector + self.ivf.nlist * self.dim * 4)
+            sizes = np.array(
+                [self.ivf.invlists.list_size(i) for i in range(self.ivf.nlist)], dtype=np.float64
+            )
+        total = sizes.sum()
+        imbalance = float((sizes**2).sum() * len(sizes) / total**2) if total else 1.0
+        recent = self._recent_sum / self._recent_count if self._recent_count else 0.0
+        train = self.manifest.train_pq_error
+        return ShardStats(
+            vectors=n,
+            deleted=self.deleted_total,
+            applied_position=self.applied,
+            bytes_per_vector=float(per_vector),
+            memory_bytes=memory,
+            train_pq_error=train,
+            recent_pq_error=recent,
+            pq_error_ratio=recent / train if train and self._recent_count else math.nan,
+            list_imbalance=imbalance,
+        )
