@@ -279,3 +279,60 @@ class IvfPqShard:
             pq_error_ratio=recent / train if train and self._recent_count else math.nan,
             list_imbalance=imbalance,
         )
+
+    # --- snapshot state --------------------------------------------------------------
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """A consistent copy of everything needed to rebuild this shard (for snapshots)."""
+        import json
+
+        with self.lock.read():
+            fids = np.fromiter(self._slot.keys(), dtype=np.int64, count=len(self._slot))
+            slots = np.fromiter(self._slot.values(), dtype=np.int64, count=len(self._slot))
+            meta = {
+                "applied": self.applied,
+                "deleted_total": self.deleted_total,
+                "recent_count": self._recent_count,
+                "recent_sum": self._recent_sum,
+                "docs": [self._doc[int(f)] for f in fids],
+                "tags": [dict(self._tags.get(int(f), ())) for f in fids],
+            }
+            return {
+                "index": faiss.serialize_index(self.index),
+                "fids": fids,
+                "codes": self._codes[slots].copy(),
+                "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+            }
+
+    @classmethod
+    def from_state(cls, trained: TrainedIndex, state: dict[str, np.ndarray]) -> IvfPqShard:
+        import json
+
+        shard = cls(trained)
+        shard.index = faiss.deserialize_index(np.asarray(state["index"], dtype=np.uint8))
+        shard.ivf = faiss.extract_index_ivf(shard.index)
+        shard.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        meta = json.loads(bytes(np.asarray(state["meta"], dtype=np.uint8)).decode())
+        fids = np.asarray(state["fids"], dtype=np.int64)
+        codes = np.asarray(state["codes"], dtype=np.uint8)
+        if len(fids) != int(shard.index.ntotal) or len(codes) != len(fids):
+            raise ValueError("snapshot is inconsistent: id count differs from the index")
+        shard._codes = np.zeros((max(1024, 2 * len(fids)), shard.code_size), dtype=np.uint8)
+        shard._codes[: len(fids)] = codes
+        shard._used = len(fids)
+        for slot, (fid, doc_id, tags) in enumerate(
+            zip(fids.tolist(), meta["docs"], meta["tags"], strict=True)
+        ):
+            shard._slot[fid] = slot
+            shard._doc[fid] = doc_id
+            if tags:
+                shard._tags[fid] = tuple(sorted(tags.items()))
+                for tag in shard._tags[fid]:
+                    shard._postings.setdefault(tag, set()).add(fid)
+        shard.applied = meta["applied"]
+        shard.deleted_total = meta["deleted_total"]
+        shard._recent_count = meta["recent_count"]
+        shard._recent_sum = meta["recent_sum"]
+        if shard._recent_count:
+            shard._recent_errors.append((shard._recent_count, shard._recent_sum))
+        return shard

@@ -1,0 +1,101 @@
+"""Shard metrics, on a registry injected by the server; gauges read the shard on scrape."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from services.index import positions
+from services.index.shard import IvfPqShard, ShardStats
+
+
+@dataclass
+class ShardMetrics:
+    search_seconds: Histogram
+    batch_size: Histogram
+    applied_vectors: Counter
+    log_lag: Gauge
+    labels: tuple[str, str]
+    registry: CollectorRegistry
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, shard: int, replica: str) -> ShardMetrics:
+        labels = ["shard", "replica"]
+        return cls(
+            search_seconds=Histogram(
+                "index_search_seconds",
+                "Time of one FAISS search call (a micro-batch of queries).",
+                labels,
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            batch_size=Histogram(
+                "index_search_batch_size",
+                "Query vectors per FAISS search call (after micro-batching).",
+                labels,
+                buckets=BATCH_BUCKETS,
+                registry=registry,
+            ),
+            applied_vectors=Counter(
+                "index_apply_vectors",
+                "Changes (upserts and deletes) applied from the log.",
+                labels,
+                registry=registry,
+            ),
+            log_lag=Gauge(
+                "index_log_lag_seconds",
+                "Age of the oldest log entry not yet applied (0 when caught up).",
+                labels,
+                registry=registry,
+            ),
+            labels=(str(shard), replica),
+            registry=registry,
+        )
+
+    def bind(self, shard: IvfPqShard) -> None:
+        """Gauges computed from the shard when Prometheus scrapes."""
+        cache: dict[str, tuple[float, ShardStats]] = {}
+
+        def stats() -> ShardStats:
+            now = time.monotonic()
+            if "s" not in cache or now - cache["s"][0] > 1.0:
+                cache["s"] = (now, shard.stats())
+            return cache["s"][1]
+
+        def gauge(name: str, doc: str, read: Callable[[ShardStats], float]) -> None:
+            g = Gauge(name, doc, ["shard", "replica"], registry=self.registry)
+            g.labels(*self.labels).set_function(lambda: float(read(stats())))
+
+        gauge("index_vectors", "Vectors in the shard.", lambda s: s.vectors)
+        gauge("index_deleted", "Documents deleted since start of the log.", lambda s: s.deleted)
+        gauge(
+            "index_applied_position_ms",
+            "Log position applied (stream entry time, ms).",
+            lambda s: positions.ms_of(s.applied_position),
+        )
+        gauge("index_bytes_per_vector", "Index bytes per vector.", lambda s: s.bytes_per_vector)
+        gauge(
+            "index_memory_bytes", "Index memory (codes, ids, centroids).", lambda s: s.memory_bytes
+        )
+        gauge(
+            "index_train_pq_error", "PQ reconstruction MSE at training.", lambda s: s.train_pq_error
+        )
+        gauge(
+            "index_recent_pq_error",
+            "PQ reconstruction MSE of recent adds.",
+            lambda s: s.recent_pq_error,
+        )
+        gauge(
+            "index_pq_error_ratio",
+            "Recent PQ error / training PQ error (> 1.5: retrain the quantizers).",
+            lambda s: s.pq_error_ratio,
+        )
+        gauge(
+            "index_list_imbalance",
+            "Inverted-list imbalance: sum(n_i^2)*nlist/(sum n_i)^2 (1 = even).",
+            lambda s: s.list_imbalance,
+        )

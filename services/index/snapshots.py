@@ -1,0 +1,112 @@
+"""Snapshots of a shard: durable files that record the last applied log position.
+
+A snapshot is one file ``snap-<ms>-<seq>.npz`` (uncompressed npz: the serialized FAISS
+index, the SQ8 codes, ids, doc ids, tags, positions) plus a sha256 of its bytes in
+``snap-<ms>-<seq>.sha256``. It is written to a temp file, fsynced, renamed, and the
+directory fsynced, so a crash leaves either the old set or the new one. On start the
+newest snapshot whose checksum matches and which loads is used; a corrupt or truncated
+one is logged and skipped. The newest ``keep`` snapshots are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.index import positions
+from services.index.shard import IvfPqShard
+from services.index.train import TrainedIndex
+
+log = logging.getLogger(__name__)
+
+PREFIX = "snap-"
+SUFFIX = ".npz"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    path: Path
+    position: str
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_snapshot(shard: IvfPqShard, directory: Path, keep: int = 3) -> Snapshot:
+    directory.mkdir(parents=True, exist_ok=True)
+    state = shard.export_state()
+    position = json.loads(bytes(state["meta"]))["applied"]
+    buffer = io.BytesIO()
+    np.savez(buffer, **state)
+    data = buffer.getvalue()
+    path = directory / f"{PREFIX}{position}{SUFFIX}"
+    _write_durably(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
+    _write_durably(path, data)
+    _fsync_dir(directory)
+    prune(directory, keep)
+    return Snapshot(path, position)
+
+
+def list_snapshots(directory: Path) -> list[Snapshot]:
+    """Snapshots in ``directory``, newest first."""
+    if not directory.exists():
+        return []
+    found = []
+    for path in directory.glob(f"{PREFIX}*{SUFFIX}"):
+        position = path.name[len(PREFIX) : -len(SUFFIX)]
+        try:
+            positions.parse(position)
+        except Exception:
+            continue
+        found.append(Snapshot(path, position))
+    return sorted(found, key=lambda s: positions.parse(s.position), reverse=True)
+
+
+def prune(directory: Path, keep: int) -> None:
+    for old in list_snapshots(directory)[keep:]:
+        old.path.unlink(missing_ok=True)
+        old.path.with_suffix(".sha256").unlink(missing_ok=True)
+
+
+def load_snapshot(snapshot: Snapshot, trained: TrainedIndex) -> IvfPqShard:
+    data = snapshot.path.read_bytes()
+    expected = snapshot.path.with_suffix(".sha256").read_text().strip()
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise ValueError(f"{snapshot.path.name}: checksum mismatch (corrupt or truncated)")
+    with np.load(io.BytesIO(data)) as arrays:
+        state = {name: arrays[name] for name in arrays.files}
+    shard = IvfPqShard.from_state(trained, state)
+    if shard.applied != snapshot.position:
+        raise ValueError(f"{snapshot.path.name}: records position {shard.applied}")
+    return shard
+
+
+def load_newest(directory: Path, trained: TrainedIndex) -> tuple[IvfPqShard, Snapshot | None]:
+    """The newest valid snapshot, or an empty shard from the trained index."""
+    for snapshot in list_snapshots(directory):
+        try:
+            return load_snapshot(snapshot, trained), snapshot
+        except Exception as exc:
+            log.error("snapshot %s unusable (%s); trying an older one", snapshot.path, exc)
+    return IvfPqShard(trained), None
