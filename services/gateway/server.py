@@ -63,8 +63,8 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
+    from services.gateway.router import ShardRouter
     from services.gateway.store import RedisDocumentStore
-    from services.index.router import ShardRouter
 
     registry = CollectorRegistry()
     encoder = await build_encoder(settings)

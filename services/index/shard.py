@@ -192,12 +192,7 @@ class IvfPqShard:
         filter: FilterSpec = (),
     ) -> list[list[tuple[str, float]]]:
         """Top-k (doc id, score) per query, best first; fewer when fewer documents match."""
-        queries = check_queries(queries, self.dim)
-        if not 1 <= k <= MAX_K:
-            raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
-        nlist = int(self.ivf.nlist)
-        if nprobe > nlist:
-            raise InvalidArgument(f"nprobe: {nprobe} exceeds nlist {nlist}")
+        queries = self.validate(queries, k, nprobe)
         nprobe = nprobe or self.manifest.nprobe
         with self.lock.read():
             selector = self._selector(filter)
@@ -214,6 +209,15 @@ class IvfPqShard:
                 [(self._doc[int(i)], float(s)) for s, i in zip(srow, irow, strict=True) if i >= 0]
                 for srow, irow in zip(scores, ids, strict=True)
             ]
+
+    def validate(self, queries: np.ndarray, k: int, nprobe: int) -> np.ndarray:
+        """InvalidArgument for a bad search; the queries as contiguous float32."""
+        queries = check_queries(queries, self.dim)
+        if not 1 <= k <= MAX_K:
+            raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
+        if not 0 <= nprobe <= int(self.ivf.nlist):
+            raise InvalidArgument(f"nprobe: {nprobe} exceeds nlist {int(self.ivf.nlist)}")
+        return queries
 
     def _selector(self, filter: FilterSpec) -> faiss.IDSelector | None:
         if not filter:

@@ -1,0 +1,126 @@
+"""Server-side micro-batching: concurrent single-query searches become one FAISS call.
+
+Requests queue while the worker threads are busy; a free worker takes every queued
+request with the same nprobe (up to ``max_rows`` vectors) and runs them as one batch,
+with k = the largest k asked. FAISS amortises the coarse quantizer and the lookup tables
+over the batch, so the service can beat one-query-at-a-time in-process throughput.
+Filtered searches (their own selector) run alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.index.metrics import ShardMetrics
+from services.index.shard import FilterSpec, Hit, IvfPqShard
+
+
+@dataclass
+class _Pending:
+    queries: np.ndarray
+    k: int
+    nprobe: int
+    future: asyncio.Future[list[list[Hit]]] = field(repr=False)
+
+
+class SearchBatcher:
+    def __init__(
+        self,
+        shard: IvfPqShard,
+        workers: int = 2,
+        max_rows: int = 256,
+        metrics: ShardMetrics | None = None,
+    ) -> None:
+        self.shard = shard
+        self.max_rows = max_rows
+        self.metrics = metrics
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="search")
+        self._slots = asyncio.Semaphore(workers)
+        self._queue: deque[_Pending] = deque()
+        self._draining = False
+        self._tasks: set[asyncio.Future[None]] = set()  # keep running tasks referenced
+
+    async def search(
+        self, queries: np.ndarray, k: int, nprobe: int, filter: FilterSpec
+    ) -> list[list[Hit]]:
+        queries = self.shard.validate(queries, k, nprobe)
+        loop = asyncio.get_running_loop()
+        if filter:
+            async with self._slots:
+                return await loop.run_in_executor(
+                    self._pool, self._timed, queries, k, nprobe, filter
+                )
+        pending = _Pending(queries, k, nprobe, loop.create_future())
+        self._queue.append(pending)
+        if not self._draining:
+            self._draining = True
+            self._keep(asyncio.ensure_future(self._drain()))
+        return await pending.future
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                await self._slots.acquire()
+                batch = self._take()
+                task = self._keep(asyncio.ensure_future(self._run(batch)))
+                task.add_done_callback(lambda _t: self._slots.release())
+        finally:
+            self._draining = False
+
+    def _keep(self, task: asyncio.Future[None]) -> asyncio.Future[None]:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _take(self) -> list[_Pending]:
+        first = self._queue.popleft()
+        batch, rows, rest = [first], len(first.queries), deque()
+        while self._queue:
+            item = self._queue.popleft()
+            if item.nprobe == first.nprobe and rows + len(item.queries) <= self.max_rows:
+                batch.append(item)
+                rows += len(item.queries)
+            else:
+                rest.append(item)
+        self._queue.extendleft(reversed(rest))
+        return batch
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        queries = np.concatenate([p.queries for p in batch]) if len(batch) > 1 else batch[0].queries
+        k = max(p.k for p in batch)
+        try:
+            hits = await loop.run_in_executor(
+                self._pool, self._timed, queries, k, batch[0].nprobe, ()
+            )
+        except Exception as exc:
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        row = 0
+        for p in batch:
+            n = len(p.queries)
+            if not p.future.done():
+                p.future.set_result([h[: p.k] for h in hits[row : row + n]])
+            row += n
+
+    def _timed(
+        self, queries: np.ndarray, k: int, nprobe: int, filter: FilterSpec
+    ) -> list[list[Hit]]:
+        start = time.perf_counter()
+        hits = self.shard.search(queries, k, nprobe, filter)
+        if self.metrics is not None:
+            labels = self.metrics.labels
+            self.metrics.search_seconds.labels(*labels).observe(time.perf_counter() - start)
+            self.metrics.batch_size.labels(*labels).observe(len(queries))
+        return hits
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

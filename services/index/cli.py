@@ -1,0 +1,122 @@
+"""``gtr-retrieval index train|serve|stats|snapshot``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_cli(sub: Any) -> None:
+    index = sub.add_parser("index", help="FAISS IVF-PQ shards: train, serve, inspect.")
+    isub = index.add_subparsers(dest="index_command", metavar="ACTION", required=True)
+
+    train = isub.add_parser(
+        "train",
+        help="Train the coarse quantizer and PQ codebooks; write the trained, empty index.",
+        description="Reads embeddings (.npy, float32 (n, dim), L2-normalised) or encodes a "
+        "corpus with the default model, trains IVF-PQ (+ the SQ8 refine codec) on a sample, "
+        "and writes trained.faiss, refine.faiss and manifest.json into --out. Defaults "
+        "follow the sample size: nlist ≈ 4·√N, PQ with dim/8 bytes, nprobe = nlist/8 (≥ 16).",
+    )
+    source = train.add_mutually_exclusive_group(required=True)
+    source.add_argument("--embeddings", type=Path, help="A .npy of embeddings.")
+    source.add_argument("--corpus", type=Path, help="A JSONL corpus to encode (default model).")
+    train.add_argument("--out", type=Path, required=True, help="Output directory.")
+    train.add_argument("--nlist", type=int, default=None, help="Coarse centroids.")
+    train.add_argument("--pq-m", type=int, default=None, help="PQ sub-quantizers (divides dim).")
+    train.add_argument("--pq-bits", type=int, default=8, help="Bits per PQ code.")
+    train.add_argument("--no-refine", action="store_true", help="No SQ8 re-ranking stage.")
+    train.add_argument("--refine-factor", type=int, default=4, help="k·factor candidates.")
+    train.add_argument("--nprobe", type=int, default=None, help="Default nprobe of searches.")
+    train.add_argument("--sample", type=int, default=100_000, help="Max training vectors.")
+    train.add_argument("--model", default=None, help="Model name recorded in the manifest.")
+    train.set_defaults(handler=_train)
+
+    serve = isub.add_parser(
+        "serve",
+        help="Run one shard replica (IndexShardService).",
+        description="Settings from GTR_SHARD_* env vars or flags; --help lists them.",
+        add_help=False,
+    )
+    serve.add_argument("settings", nargs=argparse.REMAINDER)
+    serve.set_defaults(handler=lambda a: _serve(a.settings))
+
+    for name, helptext in (
+        ("stats", "Print a replica's Stats (sizes, positions, quantizer drift) as JSON."),
+        ("snapshot", "Ask a replica to write a snapshot now."),
+    ):
+        cmd = isub.add_parser(name, help=helptext)
+        cmd.add_argument("address", help="host:port of the shard replica.")
+        cmd.set_defaults(handler=_stats if name == "stats" else _snapshot)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from services.index.train import TrainOptions, train_index
+
+    if args.embeddings:
+        vectors = np.load(args.embeddings)
+        model = args.model or "unknown"
+    else:
+        vectors, model = _encode_corpus(args.corpus, args.sample)
+    options = TrainOptions(
+        nlist=args.nlist,
+        pq_m=args.pq_m,
+        pq_bits=args.pq_bits,
+        refine=not args.no_refine,
+        refine_factor=args.refine_factor,
+        nprobe=args.nprobe,
+        max_train_points=args.sample,
+        model=args.model or model,
+    )
+    manifest = train_index(vectors, args.out, options)
+    print(json.dumps(vars(manifest), indent=2))
+    return 0
+
+
+def _encode_corpus(path: Path, limit: int) -> tuple[Any, str]:
+    import numpy as np
+
+    from services.corpus.readers import read_corpus
+    from services.encoder.model import TorchEmbedder
+
+    embedder = TorchEmbedder()
+    texts = [f"{d.title} {d.text}" if d.title else d.text for d in read_corpus(path, limit)]
+    rows = [embedder.embed(texts[i : i + 64], "document")[0] for i in range(0, len(texts), 64)]
+    return np.concatenate(rows), embedder.model_name
+
+
+def _serve(argv: list[str]) -> int:
+    from services.index.server import main
+
+    return main(argv)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToJson
+
+    from retrieval.v1 import index_pb2, index_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        reply = index_pb2_grpc.IndexShardServiceStub(channel).Stats(
+            index_pb2.ShardStatsRequest(), timeout=10
+        )
+    print(MessageToJson(reply))
+    return 0
+
+
+def _snapshot(args: argparse.Namespace) -> int:
+    import grpc
+
+    from retrieval.v1 import index_pb2, index_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        reply = index_pb2_grpc.IndexShardServiceStub(channel).Snapshot(
+            index_pb2.SnapshotRequest(), timeout=120
+        )
+    print(f"snapshot at {reply.position}: {reply.path}")
+    return 0

@@ -1,0 +1,116 @@
+"""IndexShardService protobuf ↔ domain conversions (round-trip tested)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from retrieval.v1 import common_pb2, index_pb2
+from services.common.errors import InvalidArgument
+from services.index.service import Consistency, ShardAnswer, ShardQuery
+from services.index.shard import MAX_QUERIES, ShardStats
+from services.index.train import Manifest
+
+_CONSISTENCY = {
+    common_pb2.CONSISTENCY_UNSPECIFIED: Consistency.EVENTUAL,
+    common_pb2.CONSISTENCY_EVENTUAL: Consistency.EVENTUAL,
+    common_pb2.CONSISTENCY_SESSION: Consistency.SESSION,
+    common_pb2.CONSISTENCY_STRONG: Consistency.STRONG,
+}
+_CONSISTENCY_PB = {v: k for k, v in _CONSISTENCY.items() if k != common_pb2.CONSISTENCY_UNSPECIFIED}
+
+
+def vectors_from_pb(batch: common_pb2.VectorBatch) -> np.ndarray:
+    if batch.dim == 0 or batch.count == 0:
+        raise InvalidArgument("queries: dim and count must be positive")
+    if batch.count > MAX_QUERIES:
+        raise InvalidArgument(f"queries: {batch.count} vectors, takes 1..{MAX_QUERIES}")
+    expected = 4 * batch.dim * batch.count
+    if len(batch.data) != expected:
+        raise InvalidArgument(
+            f"queries: {len(batch.data)} bytes of data, expected 4 × dim × count = {expected}"
+        )
+    return np.frombuffer(batch.data, dtype="<f4").reshape(batch.count, batch.dim)
+
+
+def vectors_to_pb(vectors: np.ndarray) -> common_pb2.VectorBatch:
+    v = np.ascontiguousarray(vectors, dtype="<f4")
+    return common_pb2.VectorBatch(data=v.tobytes(), dim=v.shape[1], count=v.shape[0])
+
+
+def filter_from_pb(f: common_pb2.Filter) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    return tuple((c.key, tuple(c.any_of)) for c in f.must)
+
+
+def query_from_pb(req: index_pb2.ShardSearchRequest) -> ShardQuery:
+    if req.consistency not in _CONSISTENCY:
+        raise InvalidArgument(f"consistency: unknown value {req.consistency}")
+    return ShardQuery(
+        shard=req.shard,
+        vectors=vectors_from_pb(req.queries),
+        k=req.k,
+        nprobe=req.nprobe,
+        filter=filter_from_pb(req.filter),
+        consistency=_CONSISTENCY[req.consistency],
+        min_position=req.min_position,
+    )
+
+
+def query_to_pb(q: ShardQuery) -> index_pb2.ShardSearchRequest:
+    return index_pb2.ShardSearchRequest(
+        shard=q.shard,
+        queries=vectors_to_pb(q.vectors),
+        k=q.k,
+        nprobe=q.nprobe,
+        filter=common_pb2.Filter(
+            must=[common_pb2.FieldCondition(key=k, any_of=v) for k, v in q.filter]
+        ),
+        consistency=_CONSISTENCY_PB[q.consistency],
+        min_position=q.min_position,
+    )
+
+
+def answer_to_pb(a: ShardAnswer) -> index_pb2.ShardSearchResponse:
+    return index_pb2.ShardSearchResponse(
+        results=[
+            index_pb2.ShardHits(ids=[h[0] for h in hits], scores=[h[1] for h in hits])
+            for hits in a.hits
+        ],
+        shard=a.shard,
+        replica=a.replica,
+        applied_position=a.applied_position,
+    )
+
+
+def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:
+    return ShardAnswer(
+        hits=[list(zip(h.ids, h.scores, strict=True)) for h in r.results],
+        shard=r.shard,
+        replica=r.replica,
+        applied_position=r.applied_position,
+    )
+
+
+def stats_to_pb(
+    s: ShardStats, shard: int, replica: str, m: Manifest, snapshot_position: str, lag: float
+) -> index_pb2.ShardStats:
+    return index_pb2.ShardStats(
+        shard=shard,
+        replica=replica,
+        dim=m.dim,
+        factory=m.factory,
+        metric=m.metric,
+        model=m.model,
+        nlist=m.nlist,
+        vectors=s.vectors,
+        deleted=s.deleted,
+        applied_position=s.applied_position,
+        log_lag_seconds=lag,
+        bytes_per_vector=s.bytes_per_vector,
+        memory_bytes=s.memory_bytes,
+        train_pq_error=s.train_pq_error,
+        recent_pq_error=s.recent_pq_error,
+        pq_error_ratio=s.pq_error_ratio,
+        list_imbalance=s.list_imbalance,
+        snapshot_position=snapshot_position,
+        gpu=False,
+    )

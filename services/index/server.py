@@ -1,0 +1,108 @@
+"""Shard replica process: load, replay the log, serve IndexShardService."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import grpc
+from prometheus_client import CollectorRegistry
+
+from retrieval.v1 import index_pb2, index_pb2_grpc
+from services.common.logs import configure_logging
+from services.common.metrics import RpcMetrics, serve_metrics
+from services.common.server import Server, create_server, serve_until_signal
+from services.common.settings import load_settings
+from services.index.batcher import SearchBatcher
+from services.index.metrics import ShardMetrics
+from services.index.replica import ReplicaConfig, ShardReplica
+from services.index.service import ShardService
+from services.index.servicer import ShardServicer
+from services.index.settings import ShardSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningShard:
+    server: Server
+    port: int
+    replica: ShardReplica
+    batcher: SearchBatcher
+    registry: CollectorRegistry
+
+    async def close(self, grace: float = 1.0, snapshot: bool = True) -> None:
+        await self.server.stop(grace)
+        self.batcher.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.replica.stop, snapshot)
+        await self.replica.close()
+
+
+async def start_shard(settings: ShardSettings) -> RunningShard:
+    """Load the shard, replay its log (health stays NOT_SERVING until then), serve."""
+    faiss.omp_set_num_threads(settings.omp_threads)
+    registry = CollectorRegistry()
+    metrics = ShardMetrics.create(registry, settings.shard, settings.replica)
+    config = ReplicaConfig(
+        shard=settings.shard,
+        num_shards=settings.shards,
+        replica=settings.replica,
+        redis_url=settings.redis_url,
+        index_dir=Path(settings.index_dir),
+        snapshot_dir=Path(settings.snapshot_dir),
+        snapshot_every_entries=settings.snapshot_every_entries,
+        snapshot_every_s=settings.snapshot_every_s,
+        keep_snapshots=settings.keep_snapshots,
+    )
+    loop = asyncio.get_running_loop()
+    replica = await loop.run_in_executor(None, ShardReplica, config, metrics)
+    replica.start(loop)
+    batcher = SearchBatcher(replica.shard, workers=settings.search_threads, metrics=metrics)
+    service = ShardService(replica, batcher)
+
+    def register(server: grpc.aio.Server) -> Sequence[str]:
+        index_pb2_grpc.add_IndexShardServiceServicer_to_server(ShardServicer(service), server)
+        return [index_pb2.DESCRIPTOR.services_by_name["IndexShardService"].full_name]
+
+    server, port = await create_server(settings, register, RpcMetrics.create(registry, "index"))
+    await server.set_serving(False)
+    ready = await loop.run_in_executor(None, replica.ready.wait, settings.ready_timeout_s)
+    if not ready:
+        raise TimeoutError(f"shard {settings.shard} did not replay its log in time")
+    await server.set_serving(True)
+    log.info(
+        "shard %d/%d replica %s serving on port %d at log position %s (%d vectors)",
+        settings.shard,
+        settings.shards,
+        settings.replica,
+        port,
+        replica.shard.applied,
+        len(replica.shard),
+    )
+    return RunningShard(server, port, replica, batcher, registry)
+
+
+async def serve(settings: ShardSettings) -> None:
+    running = await start_shard(settings)
+    if settings.metrics_port is not None:
+        serve_metrics(running.registry, settings.metrics_port, settings.host)
+    try:
+        await serve_until_signal(running.server, settings.grace_seconds)
+    finally:
+        await running.close(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings(ShardSettings, list(argv or []), prog="gtr-retrieval index serve")
+    configure_logging(settings.log_format, settings.log_level, service=f"shard-{settings.shard}")
+    asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,37 @@
+"""Shard replica configuration: env vars GTR_SHARD_<FIELD> or flags --<field>."""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class ShardSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="GTR_SHARD_", extra="forbid")
+
+    port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    shard: int = Field(..., ge=0, description="Which shard this replica serves (0..shards-1).")
+    shards: int = Field(..., ge=1, le=4096, description="Number of shards (fixed at creation).")
+    replica: str = Field(
+        default_factory=socket.gethostname,
+        description="Stable replica name (the pod name); keys its snapshot position.",
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Where the log lives.")
+    index_dir: str = Field(..., description="Directory of the trained index (`index train`).")
+    snapshot_dir: str = Field(..., description="This replica's snapshot directory.")
+    snapshot_every_entries: int = Field(20_000, ge=1, description="Snapshot after N changes.")
+    snapshot_every_s: float = Field(60.0, gt=0, description="…or after this many seconds.")
+    keep_snapshots: int = Field(3, ge=1, description="Snapshots kept on disk.")
+    search_threads: int = Field(2, ge=1, description="Threads running FAISS searches.")
+    omp_threads: int = Field(1, ge=1, description="OpenMP threads per FAISS call.")
+    ready_timeout_s: float = Field(1800.0, gt=0, description="Max time to replay the log.")
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> ShardSettings:
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} does not exist: shards are 0..{self.shards - 1}")
+        return self
