@@ -31,7 +31,7 @@ def check_wire_types(message: Message, path: str = "") -> None:
             continue
         if field.message_type.GetOptions().map_entry:
             continue
-        if field.label == FieldDescriptor.LABEL_REPEATED:
+        if field.is_repeated:
             for i, item in enumerate(value):
                 check_wire_types(item, f"{path}{field.name}[{i}].")
         else:

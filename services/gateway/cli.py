@@ -17,8 +17,7 @@ def add_cli(sub: Any) -> None:
         "127.0.0.1:50061;127.0.0.1:50062 --redis_url redis://127.0.0.1:6379/0",
         add_help=False,
     )
-    serve.add_argument("settings", nargs=argparse.REMAINDER)
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=_serve, passthrough=True)
 
 
 def _serve(args: argparse.Namespace) -> int:

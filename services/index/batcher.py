@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.index.metrics import ShardMetrics
-from services.index.shard import FilterSpec, Hit, IvfPqShard
+from services.index.query import FilterSpec, Hit
+from services.index.shard import IvfPqShard
 
 
 @dataclass
@@ -80,7 +81,7 @@ class SearchBatcher:
 
     def _take(self) -> list[_Pending]:
         first = self._queue.popleft()
-        batch, rows, rest = [first], len(first.queries), deque()
+        batch, rows, rest = [first], len(first.queries), deque[_Pending]()
         while self._queue:
             item = self._queue.popleft()
             if item.nprobe == first.nprobe and rows + len(item.queries) <= self.max_rows:

@@ -18,6 +18,7 @@ class Upsert:
 @dataclass(frozen=True)
 class Delete:
     doc_id: str
+    version: int = 0
 
 
 Change = Upsert | Delete

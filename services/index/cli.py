@@ -40,8 +40,7 @@ def add_cli(sub: Any) -> None:
         description="Settings from GTR_SHARD_* env vars or flags; --help lists them.",
         add_help=False,
     )
-    serve.add_argument("settings", nargs=argparse.REMAINDER)
-    serve.set_defaults(handler=lambda a: _serve(a.settings))
+    serve.set_defaults(handler=lambda a: _serve(a.settings), passthrough=True)
 
     for name, helptext in (
         ("stats", "Print a replica's Stats (sizes, positions, quantizer drift) as JSON."),

@@ -6,7 +6,7 @@ import numpy as np
 
 from retrieval.v1 import common_pb2, index_pb2
 from services.common.errors import InvalidArgument
-from services.index.service import Consistency, ShardAnswer, ShardQuery
+from services.index.query import Consistency, ShardAnswer, ShardQuery
 from services.index.shard import MAX_QUERIES, ShardStats
 from services.index.train import Manifest
 

@@ -29,3 +29,29 @@ def oldest(*positions: str) -> str:
 
 def ms_of(position: str) -> int:
     return parse(position)[0]
+
+
+def compare(a: str, b: str) -> int:
+    """-1, 0 or 1 as stream ID ``a`` is before, equal to or after ``b``."""
+    pa, pb = parse(a), parse(b)
+    return (pa > pb) - (pa < pb)
+
+
+# A write token: for every shard a write touched, the stream ID of its log entry.
+WriteToken = dict[int, str]
+
+
+def merge_tokens(*tokens: WriteToken) -> WriteToken:
+    """The token covering all of ``tokens``: the newest position per shard."""
+    merged: WriteToken = {}
+    for token in tokens:
+        for shard, position in token.items():
+            merged[shard] = newest(merged[shard], position) if shard in merged else position
+    return merged
+
+
+def covers(applied: WriteToken, token: WriteToken) -> bool:
+    """True when every shard in ``applied`` has reached its position in ``token``."""
+    return all(
+        shard in applied and at_least(applied[shard], position) for shard, position in token.items()
+    )

@@ -16,14 +16,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
-from services.common.errors import DeadlineExceeded, Unavailable
+from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.index import positions
-from services.index.changelog import SNAPSHOT_POSITIONS, decode_entry, log_key
-from services.index.changes import Change
+from services.index.changelog import LogReader, decode_entry, log_key
+from services.index.changes import Change, Upsert
 from services.index.metrics import ShardMetrics
 from services.index.snapshots import Snapshot, load_newest, write_snapshot
 from services.index.train import TrainedIndex
@@ -62,7 +63,10 @@ class ShardReplica:
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._sync = redis.Redis.from_url(config.redis_url, socket_timeout=10.0)
-        self._async = aioredis.Redis.from_url(config.redis_url, socket_timeout=5.0)
+        self.log = LogReader(self._sync, config.shard)
+        self.skipped_entries = 0
+        self._snapshot_lock = threading.Lock()
+        self._async: Any = aioredis.Redis.from_url(config.redis_url, socket_timeout=5.0)
         if metrics is not None:
             metrics.bind(self.shard)
 
@@ -73,8 +77,18 @@ class ShardReplica:
     # --- lifecycle -------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Register this replica's snapshot position, then consume the log in a thread.
+
+        FailedPrecondition when the log was trimmed past our position: a replay would
+        silently miss changes; seed the snapshot directory from a peer replica instead.
+        """
         self._loop = loop
-        self._register(self.snapshot_position)
+        if self.log.trimmed_past(self.shard.applied):
+            raise FailedPrecondition(
+                f"log:{self.config.shard} was trimmed past {self.shard.applied}: copy a "
+                f"snapshot of a peer replica into {self.config.snapshot_dir}"
+            )
+        self.log.register_snapshot(self.config.replica, self.snapshot_position)
         self._thread = threading.Thread(target=self._consume, name="log-consumer", daemon=True)
         self._thread.start()
 
@@ -93,25 +107,22 @@ class ShardReplica:
 
     def _consume(self) -> None:
         try:
-            tail = self._tail_sync()
+            tail = self.log.tail()
             if positions.at_least(self.shard.applied, tail):
                 self.ready.set()
             while not self._stop.is_set():
                 try:
-                    reply = self._sync.xread(
-                        {self.key: self.shard.applied},
-                        count=self.config.read_count,
-                        block=self.config.block_ms,
+                    entries = self.log.read(
+                        self.shard.applied, self.config.read_count, self.config.block_ms
                     )
                 except redis.RedisError as exc:
                     log.warning("reading %s failed (%s); retrying", self.key, exc)
                     self._stop.wait(0.5)
                     continue
-                entries = reply[0][1] if reply else []
                 if entries:
                     self._apply(entries)
                 else:
-                    self.log_lag_s = 0.0
+                    self._set_lag(0.0)
                 if not self.ready.is_set() and positions.at_least(self.shard.applied, tail):
                     log.info("shard %d replayed to %s", self.config.shard, self.shard.applied)
                     self.ready.set()
@@ -120,20 +131,42 @@ class ShardReplica:
             log.exception("log consumer of shard %d stopped", self.config.shard)
             raise
 
-    def _apply(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _decode(self, position: str, fields: dict[bytes, bytes]) -> list[Change]:
+        """The changes of one entry, or none when it is malformed (logged, skipped).
+
+        Every replica skips the same entries, so replicas still converge; the gateway
+        validates before logging, so a bad entry means a foreign or broken writer.
+        """
+        try:
+            changes = decode_entry(fields)
+            for change in changes:
+                if isinstance(change, Upsert):
+                    self.shard.check_vector(change.vector)
+            return changes
+        except Exception as exc:
+            self.skipped_entries += 1
+            log.error("log:%d entry %s skipped: %s", self.config.shard, position, exc)
+            return []
+
+    def _apply(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+        oldest_ms = positions.ms_of(entries[0][0])
         changes: list[Change] = []
-        for _entry_id, fields in entries:
-            changes.extend(decode_entry(fields))
-        last = entries[-1][0].decode()
+        for position, fields in entries:
+            changes.extend(self._decode(position, fields))
+        last = entries[-1][0]
         self.shard.apply(changes, last)
         self._since_snapshot += len(changes)
-        behind = len(entries) == self.config.read_count
-        self.log_lag_s = max(0.0, time.time() - positions.ms_of(last) / 1000.0) if behind else 0.0
+        # Age of the oldest entry of this batch when it became visible (0 when idle).
+        self._set_lag(max(0.0, time.time() - oldest_ms / 1000.0))
         if self.metrics is not None:
             self.metrics.applied_vectors.labels(*self.metrics.labels).inc(len(changes))
-            self.metrics.log_lag.labels(*self.metrics.labels).set(self.log_lag_s)
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake_waiters)
+
+    def _set_lag(self, seconds: float) -> None:
+        self.log_lag_s = seconds
+        if self.metrics is not None:
+            self.metrics.log_lag.labels(*self.metrics.labels).set(seconds)
 
     def _maybe_snapshot(self) -> None:
         due_entries = self._since_snapshot >= self.config.snapshot_every_entries
@@ -145,32 +178,19 @@ class ShardReplica:
             self.snapshot()
 
     def snapshot(self) -> Snapshot:
-        snap = write_snapshot(self.shard, self.config.snapshot_dir, self.config.keep_snapshots)
-        self.snapshot_position = snap.position
-        self._since_snapshot = 0
-        self._last_snapshot = time.monotonic()
+        """Write a snapshot now, record its position in Redis, trim the log below the
+        oldest snapshot position of all replicas of this shard."""
+        with self._snapshot_lock:
+            snap = write_snapshot(self.shard, self.config.snapshot_dir, self.config.keep_snapshots)
+            self.snapshot_position = snap.position
+            self._since_snapshot = 0
+            self._last_snapshot = time.monotonic()
         try:
-            self._register(snap.position)
-            self._trim()
+            self.log.register_snapshot(self.config.replica, snap.position)
+            self.log.trim_below_snapshots()
         except redis.RedisError as exc:
             log.warning("could not record snapshot position / trim (%s)", exc)
         return snap
-
-    def _register(self, position: str) -> None:
-        self._sync.hset(f"{SNAPSHOT_POSITIONS}{self.config.shard}", self.config.replica, position)
-
-    def _trim(self) -> None:
-        """Trim the log below the oldest snapshot position of every registered replica."""
-        known = self._sync.hvals(f"{SNAPSHOT_POSITIONS}{self.config.shard}")
-        if not known:
-            return
-        floor = positions.oldest(*[p.decode() for p in known])
-        if floor != positions.ZERO:
-            self._sync.xtrim(self.key, minid=floor, approximate=False)
-
-    def _tail_sync(self) -> str:
-        reply = self._sync.xrevrange(self.key, count=1)
-        return reply[0][0].decode() if reply else positions.ZERO
 
     # --- waiting for positions (event loop side) -----------------------------------------
 

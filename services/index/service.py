@@ -2,42 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument
 from services.index import positions
 from services.index.batcher import SearchBatcher
+from services.index.query import Consistency, ShardAnswer, ShardQuery
 from services.index.replica import ShardReplica
-from services.index.shard import FilterSpec, Hit, ShardStats
+from services.index.shard import ShardStats
 
-
-class Consistency(enum.Enum):
-    EVENTUAL = "eventual"
-    SESSION = "session"
-    STRONG = "strong"
-
-
-@dataclass(frozen=True)
-class ShardQuery:
-    shard: int
-    vectors: np.ndarray
-    k: int
-    nprobe: int = 0
-    filter: FilterSpec = ()
-    consistency: Consistency = Consistency.EVENTUAL
-    min_position: str = ""
-
-
-@dataclass
-class ShardAnswer:
-    hits: list[list[Hit]]
-    shard: int
-    replica: str
-    applied_position: str
+__all__ = ["Consistency", "ShardAnswer", "ShardQuery", "ShardService"]
 
 
 @dataclass
@@ -56,6 +31,9 @@ class ShardService:
                 f"shard: this replica serves shard {self.shard_id}, not {query.shard}"
             )
         deadline = Deadline.after(timeout)
+        # Validate before waiting: a bad request fails at once, whatever the consistency.
+        self.replica.shard.validate(query.vectors, query.k, query.nprobe)
+        self.replica.shard.check_filter(query.filter)
         if query.consistency is Consistency.SESSION and query.min_position:
             positions.parse(query.min_position)
             await self.replica.wait_for(query.min_position, deadline.remaining())

@@ -16,6 +16,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import faiss
 import numpy as np
@@ -24,6 +25,7 @@ from services.common.errors import InvalidArgument
 from services.index import positions
 from services.index.changes import Change, Delete, Upsert
 from services.index.ids import faiss_id
+from services.index.query import FilterSpec, Hit
 from services.index.rwlock import RWLock
 from services.index.train import TrainedIndex, pq_error
 
@@ -33,9 +35,10 @@ MAX_K = 1000
 MAX_QUERIES = 256
 DRIFT_WINDOW = 10_000  # recent adds over which the PQ error is averaged
 
+MAX_FILTER_KEY_BYTES = 128
+MAX_FILTER_VALUES = 1024
+
 Tag = tuple[str, str]
-Hit = tuple[str, float]  # (doc id, score)
-FilterSpec = Sequence[tuple[str, Sequence[str]]]  # (key, any_of) conditions, all must hold
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class IvfPqShard:
         self.dim = trained.manifest.dim
         self.index = faiss.clone_index(trained.index)
         self.ivf = faiss.extract_index_ivf(self.index)
-        self.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        self.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
         self._refine_index = trained.refine  # owns the SQ8 codec that self.sq points into
         self.sq = trained.sq
         self.code_size = int(self.sq.code_size)
@@ -190,7 +193,7 @@ class IvfPqShard:
         k: int,
         nprobe: int = 0,
         filter: FilterSpec = (),
-    ) -> list[list[tuple[str, float]]]:
+    ) -> list[list[Hit]]:
         """Top-k (doc id, score) per query, best first; fewer when fewer documents match."""
         queries = self.validate(queries, k, nprobe)
         nprobe = nprobe or self.manifest.nprobe
@@ -199,7 +202,7 @@ class IvfPqShard:
             if selector is None and filter:
                 return [[] for _ in range(len(queries))]
             fetch = k * self.manifest.refine_factor if self.manifest.refine else k
-            params = faiss.SearchParametersIVF(nprobe=nprobe)
+            params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
             if selector is not None:
                 params.sel = selector
             scores, ids = self.index.search(queries, fetch, params=params)
@@ -210,6 +213,14 @@ class IvfPqShard:
                 for srow, irow in zip(scores, ids, strict=True)
             ]
 
+    def check_vector(self, vector: np.ndarray) -> None:
+        """InvalidArgument unless ``vector`` is a finite vector of the index dimension."""
+        v = np.asarray(vector)
+        if v.shape != (self.dim,):
+            raise InvalidArgument(f"vector: shape {v.shape}, the index has dimension {self.dim}")
+        if not np.isfinite(v).all():
+            raise InvalidArgument("vector: NaN or Inf values")
+
     def validate(self, queries: np.ndarray, k: int, nprobe: int) -> np.ndarray:
         """InvalidArgument for a bad search; the queries as contiguous float32."""
         queries = check_queries(queries, self.dim)
@@ -218,6 +229,18 @@ class IvfPqShard:
         if not 0 <= nprobe <= int(self.ivf.nlist):
             raise InvalidArgument(f"nprobe: {nprobe} exceeds nlist {int(self.ivf.nlist)}")
         return queries
+
+    @staticmethod
+    def check_filter(filter: FilterSpec) -> None:
+        for key, values in filter:
+            if not key or len(key.encode("utf-8")) > MAX_FILTER_KEY_BYTES:
+                raise InvalidArgument(
+                    f"filter: key {key!r} must be 1..{MAX_FILTER_KEY_BYTES} bytes"
+                )
+            if not 1 <= len(values) <= MAX_FILTER_VALUES:
+                raise InvalidArgument(
+                    f"filter: key {key!r} has {len(values)} values, takes 1..{MAX_FILTER_VALUES}"
+                )
 
     def _selector(self, filter: FilterSpec) -> faiss.IDSelector | None:
         if not filter:
@@ -233,10 +256,8 @@ class IvfPqShard:
         assert allowed is not None
         return faiss.IDSelectorBatch(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
 
-    def _refine(
-        self, queries: np.ndarray, ids: np.ndarray, k: int
-    ) -> list[list[tuple[str, float]]]:
-        out = []
+    def _refine(self, queries: np.ndarray, ids: np.ndarray, k: int) -> list[list[Hit]]:
+        out: list[list[Hit]] = []
         for query, row in zip(queries, ids, strict=True):
             found = [int(i) for i in row if i >= 0]
             if not found:
@@ -263,10 +284,11 @@ class IvfPqShard:
     def stats(self) -> ShardStats:
         with self.lock.read():
             n = int(self.index.ntotal)
+            invlists: Any = self.ivf.invlists
             per_vector = self.manifest.pq_m + 8 + (self.code_size if self.manifest.refine else 0)
             memory = int(n * per_vector + self.ivf.nlist * self.dim * 4)
             sizes = np.array(
-                [self.ivf.invlists.list_size(i) for i in range(self.ivf.nlist)], dtype=np.float64
+                [invlists.list_size(i) for i in range(self.ivf.nlist)], dtype=np.float64
             )
         total = sizes.sum()
         imbalance = float((sizes**2).sum() * len(sizes) / total**2) if total else 1.0
@@ -315,7 +337,7 @@ class IvfPqShard:
         shard = cls(trained)
         shard.index = faiss.deserialize_index(np.asarray(state["index"], dtype=np.uint8))
         shard.ivf = faiss.extract_index_ivf(shard.index)
-        shard.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        shard.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
         meta = json.loads(bytes(np.asarray(state["meta"], dtype=np.uint8)).decode())
         fids = np.asarray(state["fids"], dtype=np.int64)
         codes = np.asarray(state["codes"], dtype=np.uint8)

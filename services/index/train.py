@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -139,7 +140,7 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
     ivf = faiss.extract_index_ivf(index)
     ivf.cp.seed = opts.seed
     ivf.cp.min_points_per_centroid = 1  # small corpora: no warnings, defaults bounded above
-    ivfpq = faiss.downcast_index(ivf)
+    ivfpq: Any = faiss.downcast_index(ivf)
     ivfpq.pq.cp.min_points_per_centroid = 1
     ivfpq.pq.cp.niter = 15  # codebooks converge well before the default 25 iterations
     ivfpq.do_polysemous_training = False  # we never use Hamming filtering: minutes saved
@@ -184,7 +185,7 @@ class TrainedIndex:
     @property
     def sq(self) -> faiss.ScalarQuantizer:
         # Non-owning references into ``refine``: keep ``refine`` alive while they are used.
-        return faiss.downcast_index(self.refine).sq
+        return faiss.downcast_index(self.refine).sq  # type: ignore[attr-defined]
 
     @classmethod
     def load(cls, directory: Path) -> TrainedIndex:

@@ -25,7 +25,7 @@ class StackConfig:
         "compute a sha256 hash of bytes",
     )
     serve: bool = True  # False: stop after ingest + examples (used by the tests)
-    train_sample: int = 20000
+    train_sample: int = 5000  # enough for nlist ≈ 4·√N up to ~100k documents
     ingest_batch: int = 64
     progress: bool = True
     startup_timeout_s: float = 300.0

@@ -1,0 +1,201 @@
+"""Fan-out of a search to every index shard and merge of the top-k (used by the gateway).
+
+Every shard gets the whole query batch in parallel with the remaining deadline (minus a
+small reserve for the merge and what the caller does next). Within a shard the replicas
+are tried round-robin, failing over to the next one on UNAVAILABLE. A shard that does
+not answer in time, or whose replicas are all down, is reported in ``missing_shards``
+(a partial result) unless the caller asked for complete results, in which case the
+search fails with that shard's error (Unavailable or DeadlineExceeded). A shard's
+INVALID_ARGUMENT fails the search: it is the caller's mistake, not an outage.
+
+The merge (:func:`merge_top_k`, :func:`merge_results`) is pure and unit-tested; only
+:class:`ShardRouter` touches grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from retrieval.v1 import index_pb2, index_pb2_grpc
+from services.common.deadline import Deadline
+from services.common.errors import DeadlineExceeded, InvalidArgument, RetrievalError, Unavailable
+from services.common.status import error_from_rpc
+from services.index import convert
+from services.index.positions import WriteToken
+from services.index.query import Consistency, FilterSpec, ShardAnswer, ShardQuery
+
+log = logging.getLogger(__name__)
+
+# Time kept back from the shards for merging and answering.
+RESERVE_FRACTION = 0.1
+RESERVE_MIN_S = 0.005
+OUTAGES = (Unavailable, DeadlineExceeded)
+
+
+@dataclass(frozen=True)
+class RoutedHit:
+    doc_id: str
+    score: float
+    shard: int
+
+
+@dataclass(frozen=True)
+class RoutedResult:
+    hits: list[list[RoutedHit]]  # per query, best first
+    missing_shards: list[int]  # shards that did not answer (partial result)
+
+
+def merge_top_k(per_shard: Sequence[Sequence[RoutedHit]], k: int) -> list[RoutedHit]:
+    """The k best hits over all shards by score (ties: lower shard first, stable)."""
+    return heapq.nlargest(k, itertools.chain.from_iterable(per_shard), key=lambda h: h.score)
+
+
+def merge_results(
+    answers: Sequence[ShardAnswer | BaseException],
+    num_queries: int,
+    k: int,
+    require_complete: bool,
+) -> RoutedResult:
+    """Merge the shards' answers (in shard order); outages become ``missing_shards``."""
+    per_query: list[list[list[RoutedHit]]] = [[] for _ in range(num_queries)]
+    missing: list[int] = []
+    for shard, answer in enumerate(answers):
+        if isinstance(answer, OUTAGES) and not require_complete:
+            log.warning("partial result without shard %d: %s", shard, answer)
+            missing.append(shard)
+            continue
+        if isinstance(answer, BaseException):
+            raise answer
+        if len(answer.hits) != num_queries:
+            raise Unavailable(f"shard {shard} answered {len(answer.hits)} of {num_queries}")
+        for row, hits in enumerate(answer.hits):
+            per_query[row].append([RoutedHit(d, float(s), shard) for d, s in hits])
+    return RoutedResult([merge_top_k(rows, k) for rows in per_query], missing)
+
+
+def shard_deadline(overall: Deadline) -> Deadline:
+    """The overall deadline minus the router's reserve."""
+    remaining = overall.remaining()
+    if remaining is None:
+        return overall
+    return Deadline.after(max(0.0, remaining - max(RESERVE_MIN_S, remaining * RESERVE_FRACTION)))
+
+
+class _Shard:
+    """The replicas of one shard: one channel each, round-robin with failover."""
+
+    def __init__(self, index: int, addresses: Sequence[str]) -> None:
+        if not addresses:
+            raise ValueError(f"shard {index} has no replica address")
+        self.index = index
+        self.addresses = list(addresses)
+        self.channels = [grpc.aio.insecure_channel(a) for a in addresses]
+        self.stubs = [index_pb2_grpc.IndexShardServiceStub(c) for c in self.channels]
+        self._next = itertools.cycle(range(len(addresses)))
+
+    async def search(
+        self, request: index_pb2.ShardSearchRequest, deadline: Deadline
+    ) -> ShardAnswer:
+        first = next(self._next)
+        error: RetrievalError = Unavailable(f"shard {self.index}: no replica")
+        for attempt in range(len(self.stubs)):
+            replica = (first + attempt) % len(self.stubs)
+            remaining = deadline.remaining()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"shard {self.index}: no time left")
+            try:
+                response = await self.stubs[replica].Search(request, timeout=remaining)
+                return convert.answer_from_pb(response)
+            except grpc.aio.AioRpcError as exc:
+                error = error_from_rpc(exc, f"shard {self.index} replica {self.addresses[replica]}")
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise error from None
+        raise error
+
+    async def stats(self) -> list[index_pb2.ShardStats | None]:
+        async def one(stub: index_pb2_grpc.IndexShardServiceStub) -> index_pb2.ShardStats | None:
+            try:
+                reply: index_pb2.ShardStats = await stub.Stats(
+                    index_pb2.ShardStatsRequest(), timeout=5.0
+                )
+                return reply
+            except grpc.aio.AioRpcError:
+                return None
+
+        return list(await asyncio.gather(*[one(s) for s in self.stubs]))
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+class ShardRouter:
+    """``ShardRouter([["host:port", ...replicas of shard 0], [...shard 1], ...])``."""
+
+    def __init__(self, shards: Sequence[Sequence[str]]) -> None:
+        if not shards:
+            raise ValueError("at least one shard is needed")
+        self._shards = [_Shard(i, replicas) for i, replicas in enumerate(shards)]
+        self.num_shards = len(self._shards)
+
+    async def search(
+        self,
+        vectors: np.ndarray,
+        k: int,
+        *,
+        nprobe: int = 0,
+        filter: FilterSpec = (),
+        consistency: Consistency = Consistency.EVENTUAL,
+        write_token: WriteToken | None = None,
+        timeout: float | None = None,
+        require_complete: bool = False,
+    ) -> RoutedResult:
+        """Top-k per query vector over all shards, best first.
+
+        ``write_token`` (SESSION): each shard waits for its position in it; a shard not
+        in the token has nothing to wait for. ``timeout`` in seconds (None = none).
+        """
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if vectors.ndim != 2 or len(vectors) == 0:
+            raise InvalidArgument(f"queries: expected a (n, dim) matrix, got {vectors.shape}")
+        if write_token:
+            unknown = [s for s in write_token if not 0 <= s < self.num_shards]
+            if unknown:
+                raise InvalidArgument(f"write_token: unknown shards {unknown}")
+        deadline = shard_deadline(Deadline.after(timeout))
+        token = write_token or {}
+
+        def request(shard: int) -> index_pb2.ShardSearchRequest:
+            return convert.query_to_pb(
+                ShardQuery(
+                    shard=shard,
+                    vectors=vectors,
+                    k=k,
+                    nprobe=nprobe,
+                    filter=filter,
+                    consistency=consistency,
+                    min_position=token.get(shard, "") if consistency is Consistency.SESSION else "",
+                )
+            )
+
+        answers = await asyncio.gather(
+            *[s.search(request(s.index), deadline) for s in self._shards],
+            return_exceptions=True,
+        )
+        return merge_results(answers, len(vectors), k, require_complete)
+
+    async def stats(self) -> list[list[index_pb2.ShardStats | None]]:
+        """Stats of every replica of every shard (None for a replica that did not answer)."""
+        return list(await asyncio.gather(*[s.stats() for s in self._shards]))
+
+    async def close(self) -> None:
+        for shard in self._shards:
+            await shard.close()
