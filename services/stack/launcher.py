@@ -10,6 +10,7 @@ second ``up`` resumes where the first one stopped.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -127,7 +128,8 @@ class Stack:
             replicas = []
             for replica in range(cfg.replicas):
                 child = components.shard_child(cfg, shard, replica, redis.address)
-                self.supervisor.start(child, lambda c=child: components.grpc_ready(c), timeout)
+                ready = functools.partial(components.grpc_ready, child)
+                self.supervisor.start(child, ready, timeout)
                 replicas.append(child.address)
             self.endpoints.shards.append(replicas)
         _say(f"index      {cfg.shards} shard(s) x {cfg.replicas} replica(s)")
