@@ -30,6 +30,9 @@ def add_cli(sub: Any) -> None:
         help="Embed through Triton (default) or inside the gateway process.",
     )
     up.add_argument("--no-rerank", action="store_true", help="Do not start the reranker.")
+    up.add_argument(
+        "--no-prometheus", action="store_true", help="Do not start Prometheus (if installed)."
+    )
     up.add_argument("--rerank-checkpoint", type=Path, default=None, help="CELI checkpoint dir.")
     up.add_argument("--port", type=int, default=50051, help="Gateway port (0 = free port).")
     up.add_argument(
@@ -57,6 +60,7 @@ def _up(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         encoder=args.encoder,
         rerank=not args.no_rerank,
+        prometheus=not args.no_prometheus,
         rerank_checkpoint=args.rerank_checkpoint,
         gateway_port=args.port,
         serve=not args.no_serve,

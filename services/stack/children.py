@@ -47,6 +47,8 @@ class Child:
     log_path: Path
     env: Mapping[str, str] = field(default_factory=dict)
     address: str = ""
+    metrics: str = ""  # host:port of its Prometheus endpoint, if it has one
+    job: str = ""  # Prometheus job label (gateway, index, rerank, triton)
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

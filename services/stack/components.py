@@ -106,8 +106,9 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         argv += ["--encoder", "inprocess"]
     if endpoints.rerank:
         argv += ["--rerank-url", endpoints.rerank]
-    child = Child("gateway", argv, cfg.logs / "gateway.log")
+    child = Child("gateway", argv, cfg.logs / "gateway.log", job="gateway")
     child.address = f"{cfg.host}:{port}"
+    child.metrics = f"{cfg.host}:{metrics_port}"
     return child, f"{cfg.host}:{metrics_port}"
 
 
@@ -142,8 +143,9 @@ def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str, str]:
         backend_dir=cfg.run_dir / "triton-backends",
     )
     argv, env = triton_command(server)
-    child = Child("triton", argv, cfg.logs / "triton.log", env=env)
+    child = Child("triton", argv, cfg.logs / "triton.log", env=env, job="triton")
     child.address = server.grpc_url
+    child.metrics = f"{cfg.host}:{ports[2]}"
     return child, server.grpc_url, f"{cfg.host}:{ports[1]}", f"{cfg.host}:{ports[2]}"
 
 
@@ -200,7 +202,7 @@ def train_index_if_needed(cfg: StackConfig, triton_grpc: str, say: Say) -> None:
 
 
 def shard_child(cfg: StackConfig, shard: int, replica: int, redis_url: str) -> Child:
-    port = free_port(cfg.host)
+    port, metrics_port = free_port(cfg.host), free_port(cfg.host)
     name = f"shard-{shard}-replica-{replica}"
     argv = [
         *CLI, "index", "serve",
@@ -208,18 +210,54 @@ def shard_child(cfg: StackConfig, shard: int, replica: int, redis_url: str) -> C
         "--shard", str(shard), "--shards", str(cfg.shards), "--replica", name,
         "--redis-url", redis_url, "--index-dir", str(cfg.index_dir),
         "--snapshot-dir", str(cfg.snapshot_dir(shard, replica)),
-        "--metrics-port", str(free_port(cfg.host)),
+        "--metrics-port", str(metrics_port),
     ]  # fmt: skip
-    child = Child(name, argv, cfg.logs / f"{name}.log")
+    child = Child(name, argv, cfg.logs / f"{name}.log", job="index")
     child.address = f"{cfg.host}:{port}"
+    child.metrics = f"{cfg.host}:{metrics_port}"
     return child
 
 
 def rerank_child(cfg: StackConfig) -> Child:
-    port = free_port(cfg.host)
-    argv = [*CLI, "rerank", "serve", "--host", cfg.host, "--port", str(port)]
+    port, metrics_port = free_port(cfg.host), free_port(cfg.host)
+    argv = [
+        *CLI, "rerank", "serve", "--host", cfg.host, "--port", str(port),
+        "--metrics-port", str(metrics_port),
+    ]  # fmt: skip
     if cfg.rerank_checkpoint is not None:
         argv += ["--checkpoint", str(cfg.rerank_checkpoint)]
-    child = Child("rerank", argv, cfg.logs / "rerank.log")
+    child = Child("rerank", argv, cfg.logs / "rerank.log", job="rerank")
+    child.address = f"{cfg.host}:{port}"
+    child.metrics = f"{cfg.host}:{metrics_port}"
+    return child
+
+
+PROMETHEUS_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
+
+
+def prometheus_child(cfg: StackConfig, children: list[Child]) -> Child | None:
+    """Prometheus scraping every child, with the SLO rules; None when not installed."""
+    import json
+
+    binary = shutil.which("prometheus")
+    if binary is None or not (PROMETHEUS_CONFIG / "prometheus.yml").exists():
+        return None
+    home = cfg.run_dir / "prometheus"
+    home.mkdir(parents=True, exist_ok=True)
+    for name in ("prometheus.yml", "rules.yml"):
+        shutil.copy2(PROMETHEUS_CONFIG / name, home / name)
+    targets = [
+        {"targets": [c.metrics], "labels": {"job": c.job, "instance": c.name}}
+        for c in children
+        if c.metrics and c.job
+    ]
+    (home / "targets.json").write_text(json.dumps(targets, indent=2), encoding="utf-8")
+    port = free_port(cfg.host)
+    argv = [
+        binary, f"--config.file={(home / 'prometheus.yml').resolve()}",
+        f"--storage.tsdb.path={(home / 'data').resolve()}",
+        f"--web.listen-address={cfg.host}:{port}",
+    ]  # fmt: skip
+    child = Child("prometheus", argv, cfg.logs / "prometheus.log")
     child.address = f"{cfg.host}:{port}"
     return child

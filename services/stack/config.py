@@ -24,6 +24,7 @@ class StackConfig:
         "run a function in a thread pool",
         "compute a sha256 hash of bytes",
     )
+    prometheus: bool = True  # when the prometheus binary is installed
     serve: bool = True  # False: stop after ingest + examples (used by the tests)
     train_sample: int = 5000  # enough for nlist ≈ 4·√N up to ~100k documents
     ingest_batch: int = 64

@@ -37,6 +37,7 @@ class Endpoints:
     rerank: str = ""
     gateway: str = ""
     gateway_metrics: str = ""
+    prometheus: str = ""
 
     def as_json(self) -> dict[str, object]:
         return dict(vars(self))
@@ -82,7 +83,7 @@ class Stack:
             _say(f"failed: {exc}")
             return 1
         except KeyboardInterrupt:
-            return 130
+            return 0 if self._stop.is_set() else 130  # a requested stop is a clean exit
         finally:
             _say("stopping")
             self.supervisor.stop_all()
@@ -143,6 +144,12 @@ class Stack:
         self.supervisor.start(gateway, lambda: components.grpc_ready(gateway), timeout)
         self.endpoints.gateway = gateway.address
         self.endpoints.gateway_metrics = metrics_address
+        if cfg.prometheus:
+            prom = components.prometheus_child(cfg, self.supervisor.children)
+            if prom is not None:
+                url = f"http://{prom.address}/-/ready"
+                self.supervisor.start(prom, functools.partial(components.http_ok, url), timeout)
+                self.endpoints.prometheus = f"http://{prom.address}"
         (cfg.run_dir / "stack.json").write_text(
             json.dumps(self.endpoints.as_json(), indent=2), encoding="utf-8"
         )
@@ -184,6 +191,7 @@ class Stack:
             ("triton (KServe v2 gRPC)", e.triton_grpc),
             ("triton metrics", f"http://{e.triton_metrics}/metrics" if e.triton_metrics else ""),
             ("rerank (gRPC)", e.rerank),
+            ("prometheus", e.prometheus),
             ("redis", e.redis_url),
             *[(f"index shard {s}", ", ".join(r)) for s, r in enumerate(e.shards)],
             ("corpus", str(corpus)),
