@@ -7,6 +7,5 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 .venv/bin/python scripts/gen_protos.py --check
 .venv/bin/ruff check .
-.venv/bin/ruff format --check services tests bench loadtest scripts
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"
