@@ -1,0 +1,34 @@
+"""Reranker metrics, created on an injected registry (never at import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from services.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+
+
+@dataclass
+class RerankMetrics:
+    latency: Histogram  # wall time of one scoring call (all batches of one request)
+    pairs: Counter  # (query, candidate) pairs scored
+    batch_size: Histogram  # pairs per forward pass
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> RerankMetrics:
+        return cls(
+            latency=Histogram(
+                "rerank_score_seconds",
+                "Time to score all pairs of one request.",
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            pairs=Counter("rerank_pairs", "(query, candidate) pairs scored.", registry=registry),
+            batch_size=Histogram(
+                "rerank_batch_pairs",
+                "Pairs per forward pass.",
+                buckets=BATCH_BUCKETS,
+                registry=registry,
+            ),
+        )

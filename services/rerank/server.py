@@ -1,0 +1,87 @@
+"""Reranker process: load the checkpoint, serve RerankService."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
+from services.common.logs import configure_logging
+from services.common.metrics import RpcMetrics, serve_metrics
+from services.common.server import Server, create_server, serve_until_signal
+from services.common.settings import load_settings
+from services.rerank.metrics import RerankMetrics
+from services.rerank.scorer import CeliScorer
+from services.rerank.servicer import RerankServicer
+from services.rerank.settings import RerankSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reranker:
+    """A running rerank server and its scorer."""
+
+    server: Server
+    port: int
+    registry: CollectorRegistry
+    scorer: CeliScorer
+
+    async def close(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+
+
+def load_scorer(settings: RerankSettings, metrics: RerankMetrics | None = None) -> CeliScorer:
+    import torch
+
+    from services.rerank.checkpoint import load_or_default
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    path = Path(settings.checkpoint) if settings.checkpoint else None
+    model, tokenizer, config = load_or_default(path)
+    model = model.to(settings.device)
+    name = f"{config.variant}:{config.backbone}" + ("" if config.trained else ":untrained")
+    return CeliScorer(model, tokenizer, config, name, settings.batch_size, metrics)
+
+
+async def start_rerank(settings: RerankSettings) -> Reranker:
+    registry = CollectorRegistry()
+    scorer = await asyncio.to_thread(load_scorer, settings, RerankMetrics.create(registry))
+
+    def register(server: grpc.aio.Server) -> Sequence[str]:
+        rerank_pb2_grpc.add_RerankServiceServicer_to_server(RerankServicer(scorer), server)
+        return [rerank_pb2.DESCRIPTOR.services_by_name["RerankService"].full_name]
+
+    server, port = await create_server(settings, register, RpcMetrics.create(registry, "rerank"))
+    log.info("rerank serving on %s:%d (model %s, batch %d)", settings.host, port, scorer.name,
+             settings.batch_size)  # fmt: skip
+    return Reranker(server, port, registry, scorer)
+
+
+async def serve(settings: RerankSettings) -> None:
+    reranker = await start_rerank(settings)
+    if settings.metrics_port is not None:
+        serve_metrics(reranker.registry, settings.metrics_port, settings.host)
+    try:
+        await serve_until_signal(reranker.server, settings.grace_seconds)
+    finally:
+        await reranker.close(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings(RerankSettings, list(argv or []), prog="gtr-retrieval rerank serve")
+    configure_logging(settings.log_format, settings.log_level, service="rerank")
+    asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

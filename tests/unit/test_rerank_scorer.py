@@ -1,0 +1,127 @@
+"""The scorer core without a server: validation, ordering, batching, deadline, conversions."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.deadline import Deadline
+from services.common.errors import DeadlineExceeded, InvalidArgument
+from services.rerank import convert
+from services.rerank.checkpoint import CeliConfig, build_model
+from services.rerank.domain import Candidate, RerankedHit, RerankQuery, RerankResult
+from services.rerank.metrics import RerankMetrics
+from services.rerank.scorer import CeliScorer
+from services.rerank.settings import RerankSettings
+from services.rerank.tiny import write_tiny_backbone
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+
+@pytest.fixture(scope="module")
+def scorer(tmp_path_factory: pytest.TempPathFactory) -> CeliScorer:
+    path = write_tiny_backbone(tmp_path_factory.mktemp("tiny") / "bert", WORDS, seed=5)
+    cfg = CeliConfig(max_len=32, max_query_len=8, d_tok=4)
+    model, tok = build_model(path, cfg, seed=2)
+    return CeliScorer(model, tok, cfg, "tiny", batch_size=3,
+                      metrics=RerankMetrics.create(CollectorRegistry()))  # fmt: skip
+
+
+def _query(texts: list[str], top_n: int = 0, query: str = "alpha beta") -> RerankQuery:
+    return RerankQuery(query, tuple(Candidate(f"c{i}", t) for i, t in enumerate(texts)), top_n)
+
+
+TEXTS = ["gamma", "alpha beta gamma delta " * 5, "", "zeta eta", "beta", "theta alpha"]
+
+
+def test_batched_scores_do_not_depend_on_batching_or_order(scorer: CeliScorer) -> None:
+    scores = scorer.score("alpha beta", TEXTS)
+    one_by_one = np.array([scorer.score("alpha beta", [t])[0] for t in TEXTS])
+    assert np.allclose(scores, one_by_one, atol=1e-5)
+    reversed_scores = scorer.score("alpha beta", TEXTS[::-1])[::-1]
+    assert np.allclose(scores, reversed_scores, atol=1e-5)
+
+
+def test_rerank_orders_by_score_and_keeps_request_positions(scorer: CeliScorer) -> None:
+    result = scorer.rerank(_query(TEXTS, top_n=4))
+    scores = scorer.score("alpha beta", TEXTS)
+    assert [h.index for h in result.hits] == list(np.argsort(-scores, kind="stable")[:4])
+    assert all(h.id == f"c{h.index}" for h in result.hits) and result.model == "tiny"
+    assert len(scorer.rerank(_query(TEXTS)).hits) == len(TEXTS)  # 0 = all
+
+
+def test_metrics_count_pairs_and_batches(scorer: CeliScorer) -> None:
+    assert scorer.metrics is not None
+    before = scorer.metrics.pairs._value.get()
+    scorer.score("alpha", TEXTS)
+    assert scorer.metrics.pairs._value.get() - before == len(TEXTS)
+
+
+@pytest.mark.parametrize(
+    ("request_", "why"),
+    [(_query(["a"], query=""), "query"), (_query(["a"], query=" \t"), "query"),
+     (_query([]), "candidates"), (_query(["a"] * 1001), "at most 1000"),
+     (_query(["a", "b"], top_n=3), "top_n")],
+)
+def test_invalid_requests(scorer: CeliScorer, request_: RerankQuery, why: str) -> None:
+    with pytest.raises(InvalidArgument, match=why):
+        scorer.rerank(request_)
+
+
+def test_deadline_is_checked_between_batches(scorer: CeliScorer) -> None:
+    with pytest.raises(DeadlineExceeded):
+        scorer.rerank(_query(TEXTS), Deadline(time.monotonic() - 1.0))
+
+    class OneBatch(Deadline):
+        calls = 0
+
+        def check(self, stage: str) -> None:
+            OneBatch.calls += 1
+            if OneBatch.calls > 2:  # tokenization and the first batch pass
+                raise DeadlineExceeded(f"deadline exceeded before {stage}")
+
+    with pytest.raises(DeadlineExceeded, match="batch 2/2"):
+        scorer.rerank(_query(TEXTS), OneBatch(None))
+
+
+def test_proto_round_trips() -> None:
+    query = _query(["x", ""], top_n=1, query="q")
+    assert convert.query_from_pb(convert.query_to_pb(query)) == query
+    result = RerankResult((RerankedHit("a", 1.5, 2), RerankedHit("b", -0.25, 0)), "celi:m")
+    assert convert.result_from_pb(convert.result_to_pb(result)) == result
+
+
+def test_settings_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RerankSettings().port == 50071 and RerankSettings().checkpoint is None
+    monkeypatch.setenv("GTR_RERANK_BATCH_SIZE", "8")
+    monkeypatch.setenv("GTR_RERANK_CHECKPOINT", "/ckpt")
+    settings = RerankSettings()
+    assert (settings.batch_size, settings.checkpoint) == (8, "/ckpt")
+
+
+def test_cli_registers_serve_train_eval() -> None:
+    import argparse
+
+    from services.rerank.cli import add_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    args, extra = parser.parse_known_args(["rerank", "serve", "--port", "0"])
+    assert args.passthrough and extra == ["--port", "0"]
+    args = parser.parse_args(["rerank", "train", "--data", "d", "--out", "o", "--resume"])
+    assert args.resume and args.negatives == 7 and args.variant == "celi"
+    args = parser.parse_args(["rerank", "eval", "--data", "d", "--checkpoint", "a",
+                              "--checkpoint", "b"])  # fmt: skip
+    assert args.checkpoint == ["a", "b"] and callable(args.handler)
+
+
+def test_checkpoint_config_round_trip(tmp_path: Path) -> None:
+    cfg = CeliConfig(variant="meanpool", d_tok=1, training={"steps": 3})
+    cfg.write(tmp_path / "c.json")
+    assert CeliConfig.read(tmp_path / "c.json") == cfg
+    with pytest.raises(InvalidArgument):
+        CeliConfig(max_len=40)
