@@ -13,7 +13,7 @@ from services.common.status import error_from_rpc
 
 # Conservative default cost table (ms per query at depth) used until a benchmark table
 # (bench/rerank.py writes one) is configured: CPU, MiniLM-sized backbone, 2 threads.
-DEFAULT_DEPTH_TABLE: dict[int, float] = {10: 60.0, 20: 110.0, 50: 260.0, 100: 520.0}
+DEFAULT_DEPTH_TABLE: dict[int, float] = {10: 510.0, 20: 1026.0, 50: 2854.0, 100: 5349.0}
 
 
 def load_depth_table(path: str | None) -> dict[int, float]:
