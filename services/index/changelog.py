@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -365,15 +364,23 @@ class LogReader:
         return _text(reply[0][0]) if reply else positions.ZERO
 
     def trimmed_past(self, position: str) -> bool:
-        """True when entries after ``position`` were trimmed away (a replay would miss them)."""
+        """True when entries after ``position`` may have been trimmed (a replay would miss them).
+
+        Only XTRIM removes entries (never XDEL), so the removed ones are all older than
+        the first entry left; a position older than that entry, on a stream that lost
+        entries, cannot be replayed. (Redis 7.0 does not update ``max-deleted-entry-id``
+        on XTRIM, so that field cannot be used.)
+        """
         try:
             info = self._redis.xinfo_stream(self.key)
         except redis.ResponseError:
             return False  # no stream yet: nothing was ever trimmed
-        deleted = info.get("max-deleted-entry-id")
-        if deleted is None:
+        removed = int(info.get("entries-added", info["length"])) - int(info["length"])
+        if removed <= 0:
             return False
-        return positions.compare(_text(deleted), position) > 0
+        first = info.get("first-entry")
+        oldest_kept = _text(first[0]) if first else _text(info["last-generated-id"])
+        return positions.compare(position, oldest_kept) < 0
 
     def register_snapshot(self, replica: str, position: str) -> None:
         self._redis.hset(snapshot_positions_key(self.shard), replica, position)
@@ -393,11 +400,3 @@ class LogReader:
         # and keeping it makes "max-deleted-entry-id" < every registered position.
         self._redis.xtrim(self.key, minid=floor, approximate=False)
         return floor
-
-
-def group_by_shard(ids: Sequence[str], num_shards: int) -> dict[int, list[int]]:
-    """Row indices of ``ids`` per shard."""
-    rows: dict[int, list[int]] = defaultdict(list)
-    for row, doc_id in enumerate(ids):
-        rows[shard_of(doc_id, num_shards)].append(row)
-    return dict(rows)

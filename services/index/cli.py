@@ -18,7 +18,7 @@ def add_cli(sub: Any) -> None:
         description="Reads embeddings (.npy, float32 (n, dim), L2-normalised) or encodes a "
         "corpus with the default model, trains IVF-PQ (+ the SQ8 refine codec) on a sample, "
         "and writes trained.faiss, refine.faiss and manifest.json into --out. Defaults "
-        "follow the sample size: nlist ≈ 4·√N, PQ with dim/8 bytes, nprobe = nlist/8 (≥ 16).",
+        "follow the sample size: nlist ≈ 4·√N, PQ with dim/4 bytes, nprobe = nlist/10 (≥ 32).",
     )
     source = train.add_mutually_exclusive_group(required=True)
     source.add_argument("--embeddings", type=Path, help="A .npy of embeddings.")

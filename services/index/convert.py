@@ -91,7 +91,13 @@ def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:
 
 
 def stats_to_pb(
-    s: ShardStats, shard: int, replica: str, m: Manifest, snapshot_position: str, lag: float
+    s: ShardStats,
+    shard: int,
+    replica: str,
+    m: Manifest,
+    snapshot_position: str,
+    lag: float,
+    gpu: bool = False,
 ) -> index_pb2.ShardStats:
     return index_pb2.ShardStats(
         shard=shard,
@@ -112,5 +118,5 @@ def stats_to_pb(
         pq_error_ratio=s.pq_error_ratio,
         list_imbalance=s.list_imbalance,
         snapshot_position=snapshot_position,
-        gpu=False,
+        gpu=gpu,
     )

@@ -26,7 +26,7 @@ from services.index import positions
 from services.index.changelog import LogReader, decode_entry, log_key
 from services.index.changes import Change, Upsert
 from services.index.metrics import ShardMetrics
-from services.index.snapshots import Snapshot, load_newest, write_snapshot
+from services.index.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
 from services.index.train import TrainedIndex
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class ShardReplica:
                 f"log:{self.config.shard} was trimmed past {self.shard.applied}: copy a "
                 f"snapshot of a peer replica into {self.config.snapshot_dir}"
             )
-        self.log.register_snapshot(self.config.replica, self.snapshot_position)
+        self.log.register_snapshot(self.config.replica, self.replay_floor())
         self._thread = threading.Thread(target=self._consume, name="log-consumer", daemon=True)
         self._thread.start()
 
@@ -186,11 +186,19 @@ class ShardReplica:
             self._since_snapshot = 0
             self._last_snapshot = time.monotonic()
         try:
-            self.log.register_snapshot(self.config.replica, snap.position)
+            self.log.register_snapshot(self.config.replica, self.replay_floor())
             self.log.trim_below_snapshots()
         except redis.RedisError as exc:
             log.warning("could not record snapshot position / trim (%s)", exc)
         return snap
+
+    def replay_floor(self) -> str:
+        """The oldest position this replica may need to replay from: that of its oldest
+        kept snapshot (a corrupt newer one falls back to it), or what it has loaded."""
+        kept = [s.position for s in list_snapshots(self.config.snapshot_dir)]
+        if not kept:
+            return self.snapshot_position
+        return positions.oldest(self.snapshot_position, *kept)
 
     # --- waiting for positions (event loop side) -----------------------------------------
 

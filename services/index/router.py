@@ -8,8 +8,17 @@ not answer in time, or whose replicas are all down, is reported in ``missing_sha
 search fails with that shard's error (Unavailable or DeadlineExceeded). A shard's
 INVALID_ARGUMENT fails the search: it is the caller's mistake, not an outage.
 
-The merge (:func:`merge_top_k`, :func:`merge_results`) is pure and unit-tested; only
-:class:`ShardRouter` touches grpc.
+Coalescing: concurrent single-vector, unfiltered EVENTUAL/STRONG searches are sent to
+the shards together. While ``max_waves`` fan-outs are in flight, new requests queue;
+the next wave carries every queued request with the same nprobe, consistency and
+completeness (up to 256 vectors, k = the largest k asked) as one ShardSearchRequest per
+shard, with the earliest deadline among them. An idle router sends a request at once.
+This cuts the RPCs per query by the batch size, and the shards run the batch as one
+FAISS call. SESSION and filtered searches are never coalesced (their waits and
+selectors are their own).
+
+The merge (:func:`merge_top_k`, :func:`merge_results`, :func:`split_result`) is pure and
+unit-tested; only :class:`ShardRouter` and its coalescer touch grpc.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from services.common.status import error_from_rpc
 from services.index import convert
 from services.index.positions import WriteToken
 from services.index.query import Consistency, FilterSpec, ShardAnswer, ShardQuery
+from services.index.shard import MAX_K
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +89,14 @@ def merge_results(
         for row, hits in enumerate(answer.hits):
             per_query[row].append([RoutedHit(d, float(s), shard) for d, s in hits])
     return RoutedResult([merge_top_k(rows, k) for rows in per_query], missing)
+
+
+def split_result(result: RoutedResult, ks: Sequence[int]) -> list[RoutedResult]:
+    """One result per coalesced request (one query row each), cut to its own k."""
+    return [
+        RoutedResult(hits=[row[:k]], missing_shards=list(result.missing_shards))
+        for row, k in zip(result.hits, ks, strict=True)
+    ]
 
 
 def shard_deadline(overall: Deadline) -> Deadline:
@@ -137,14 +155,102 @@ class _Shard:
             await channel.close()
 
 
-class ShardRouter:
-    """``ShardRouter([["host:port", ...replicas of shard 0], [...shard 1], ...])``."""
+@dataclass
+class _Waiting:
+    vector: np.ndarray  # (dim,)
+    k: int
+    deadline: Deadline
+    future: asyncio.Future[RoutedResult]
 
-    def __init__(self, shards: Sequence[Sequence[str]]) -> None:
+
+_WaveKey = tuple[int, Consistency, bool]  # nprobe, consistency, require_complete
+MAX_WAVE_ROWS = 256
+
+
+class _Coalescer:
+    def __init__(self, router: ShardRouter, max_waves: int) -> None:
+        self._router = router
+        self._waves = asyncio.Semaphore(max_waves)
+        self._queue: dict[_WaveKey, list[_Waiting]] = {}
+        self._draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def search(
+        self, vector: np.ndarray, k: int, key: _WaveKey, timeout: float | None
+    ) -> RoutedResult:
+        future: asyncio.Future[RoutedResult] = asyncio.get_running_loop().create_future()
+        self._queue.setdefault(key, []).append(_Waiting(vector, k, Deadline.after(timeout), future))
+        if not self._draining:
+            self._draining = True
+            self._keep(asyncio.ensure_future(self._drain()))
+        return await future
+
+    def _keep(self, task: asyncio.Future[None]) -> None:
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                await self._waves.acquire()
+                key = next(iter(self._queue))
+                waiting = self._queue[key]
+                # Everything queued goes in one wave: measured here, splitting the queue
+                # over free slots costs more RPCs than the overlap gains.
+                wave, rest = waiting[:MAX_WAVE_ROWS], waiting[MAX_WAVE_ROWS:]
+                if rest:
+                    self._queue[key] = rest
+                else:
+                    del self._queue[key]
+                task = asyncio.ensure_future(self._run(key, wave))
+                task.add_done_callback(self._wave_done)
+                self._keep(task)
+        finally:
+            self._draining = False
+
+    def _wave_done(self, _task: asyncio.Future[None]) -> None:
+        self._waves.release()
+
+    async def _run(self, key: _WaveKey, wave: list[_Waiting]) -> None:
+        nprobe, consistency, require_complete = key
+        known = [t for t in (w.deadline.remaining() for w in wave) if t is not None]
+        timeout = min(known) if known else None  # the earliest deadline of the wave
+        try:
+            result = await self._router.fan_out(
+                np.stack([w.vector for w in wave]),
+                max(w.k for w in wave),
+                nprobe=nprobe,
+                filter=(),
+                consistency=consistency,
+                token={},
+                timeout=timeout,
+                require_complete=require_complete,
+            )
+        except Exception as exc:
+            for w in wave:
+                if not w.future.done():
+                    w.future.set_exception(exc)
+            return
+        for w, one in zip(wave, split_result(result, [w.k for w in wave]), strict=True):
+            if not w.future.done():
+                w.future.set_result(one)
+
+
+class ShardRouter:
+    """``ShardRouter([["host:port", ...replicas of shard 0], [...shard 1], ...])``.
+
+    ``coalesce=True`` (default) batches concurrent single-query searches (see above);
+    ``max_waves`` fan-outs may be in flight at once.
+    """
+
+    def __init__(
+        self, shards: Sequence[Sequence[str]], *, coalesce: bool = True, max_waves: int = 2
+    ) -> None:
         if not shards:
             raise ValueError("at least one shard is needed")
         self._shards = [_Shard(i, replicas) for i, replicas in enumerate(shards)]
         self.num_shards = len(self._shards)
+        self._coalescer = _Coalescer(self, max_waves) if coalesce else None
 
     async def search(
         self,
@@ -170,8 +276,41 @@ class ShardRouter:
             unknown = [s for s in write_token if not 0 <= s < self.num_shards]
             if unknown:
                 raise InvalidArgument(f"write_token: unknown shards {unknown}")
+        if not 1 <= k <= MAX_K:
+            raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
+        if (
+            self._coalescer is not None
+            and len(vectors) == 1
+            and not filter
+            and consistency is not Consistency.SESSION
+        ):
+            key = (nprobe, consistency, require_complete)
+            return await self._coalescer.search(vectors[0], k, key, timeout)
+        return await self.fan_out(
+            vectors,
+            k,
+            nprobe=nprobe,
+            filter=filter,
+            consistency=consistency,
+            token=write_token or {},
+            timeout=timeout,
+            require_complete=require_complete,
+        )
+
+    async def fan_out(
+        self,
+        vectors: np.ndarray,
+        k: int,
+        *,
+        nprobe: int,
+        filter: FilterSpec,
+        consistency: Consistency,
+        token: WriteToken,
+        timeout: float | None,
+        require_complete: bool,
+    ) -> RoutedResult:
+        """One ShardSearchRequest per shard for the whole batch; merge the answers."""
         deadline = shard_deadline(Deadline.after(timeout))
-        token = write_token or {}
 
         def request(shard: int) -> index_pb2.ShardSearchRequest:
             return convert.query_to_pb(

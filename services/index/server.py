@@ -19,6 +19,7 @@ from services.common.metrics import RpcMetrics, serve_metrics
 from services.common.server import Server, create_server, serve_until_signal
 from services.common.settings import load_settings
 from services.index.batcher import SearchBatcher
+from services.index.gpu import GpuMirror, gpu_status
 from services.index.metrics import ShardMetrics
 from services.index.replica import ReplicaConfig, ShardReplica
 from services.index.service import ShardService
@@ -61,6 +62,12 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     )
     loop = asyncio.get_running_loop()
     replica = await loop.run_in_executor(None, ShardReplica, config, metrics)
+    usable, reason = gpu_status()
+    if settings.gpu and usable:
+        await loop.run_in_executor(None, replica.shard.attach_gpu, GpuMirror(settings.gpu_device))
+        log.info("searches served from GPU %d (%s)", settings.gpu_device, reason)
+    else:
+        log.info("GPU path skipped: %s", reason if settings.gpu else "disabled by settings")
     replica.start(loop)
     batcher = SearchBatcher(replica.shard, workers=settings.search_threads, metrics=metrics)
     service = ShardService(replica, batcher)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument
@@ -19,7 +19,6 @@ __all__ = ["Consistency", "ShardAnswer", "ShardQuery", "ShardService"]
 class ShardService:
     replica: ShardReplica
     batcher: SearchBatcher
-    stats_extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def shard_id(self) -> int:

@@ -33,6 +33,7 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
             replica.trained.manifest,
             replica.snapshot_position,
             replica.log_lag_s,
+            gpu=replica.shard.gpu is not None,
         )
 
     async def Snapshot(

@@ -28,6 +28,10 @@ class ShardSettings(ServiceSettings):
     keep_snapshots: int = Field(3, ge=1, description="Snapshots kept on disk.")
     search_threads: int = Field(2, ge=1, description="Threads running FAISS searches.")
     omp_threads: int = Field(1, ge=1, description="OpenMP threads per FAISS call.")
+    gpu: bool = Field(
+        True, description="Serve searches from a GPU copy when faiss sees a GPU (else CPU)."
+    )
+    gpu_device: int = Field(0, ge=0, description="GPU device of the copy.")
     ready_timeout_s: float = Field(1800.0, gt=0, description="Max time to replay the log.")
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ import numpy as np
 from services.common.errors import InvalidArgument
 from services.index import positions
 from services.index.changes import Change, Delete, Upsert
+from services.index.gpu import GpuMirror
 from services.index.ids import faiss_id
 from services.index.query import FilterSpec, Hit
 from services.index.rwlock import RWLock
@@ -95,6 +96,13 @@ class IvfPqShard:
         self.applied = positions.ZERO
         self.deleted_total = 0
         self.lock = RWLock()
+        self.gpu: GpuMirror | None = None
+
+    def attach_gpu(self, mirror: GpuMirror) -> None:
+        """Serve unfiltered searches from ``mirror`` (a GPU copy kept in step from now on)."""
+        with self.lock.write():
+            mirror.sync(self.index)
+            self.gpu = mirror
 
     # --- writes ----------------------------------------------------------------------
 
@@ -124,6 +132,12 @@ class IvfPqShard:
             )
             if upserts:
                 self._add(upserts, vectors, [fids[u.doc_id] for u in upserts])
+            if self.gpu is not None and (removed or upserts):
+                if removed:
+                    self.gpu.sync(self.index)
+                else:
+                    ids = np.asarray([fids[u.doc_id] for u in upserts], dtype=np.int64)
+                    self.gpu.add(vectors, ids)
             if positions.parse(position) > positions.parse(self.applied):
                 self.applied = position
         if upserts:
@@ -202,10 +216,13 @@ class IvfPqShard:
             if selector is None and filter:
                 return [[] for _ in range(len(queries))]
             fetch = k * self.manifest.refine_factor if self.manifest.refine else k
-            params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
-            if selector is not None:
-                params.sel = selector
-            scores, ids = self.index.search(queries, fetch, params=params)
+            if self.gpu is not None and selector is None:
+                scores, ids = self.gpu.search(queries, fetch, nprobe)
+            else:
+                params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
+                if selector is not None:
+                    params.sel = selector
+                scores, ids = self.index.search(queries, fetch, params=params)
             if self.manifest.refine:
                 return self._refine(queries, ids, k)
             return [
@@ -257,17 +274,23 @@ class IvfPqShard:
         return faiss.IDSelectorBatch(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
 
     def _refine(self, queries: np.ndarray, ids: np.ndarray, k: int) -> list[list[Hit]]:
+        """Re-rank the IVF-PQ candidates by their SQ8-decoded inner product (one batch)."""
+        valid = ids >= 0
+        flat_ids = ids[valid]
+        slots = np.fromiter(
+            (self._slot[int(f)] for f in flat_ids), dtype=np.int64, count=len(flat_ids)
+        )
+        decoded = np.zeros((*ids.shape, self.dim), dtype=np.float32)
+        if len(slots):
+            decoded[valid] = self.sq.decode(self._codes[slots])
+        exact = np.einsum("qcd,qd->qc", decoded, queries)
+        exact[~valid] = -np.inf
+        order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
         out: list[list[Hit]] = []
-        for query, row in zip(queries, ids, strict=True):
-            found = [int(i) for i in row if i >= 0]
-            if not found:
-                out.append([])
-                continue
-            slots = np.fromiter((self._slot[f] for f in found), dtype=np.int64, count=len(found))
-            decoded = self.sq.decode(self._codes[slots])
-            exact = decoded @ query
-            order = np.argsort(-exact, kind="stable")[:k]
-            out.append([(self._doc[found[j]], float(exact[j])) for j in order])
+        for row, cols in enumerate(order):
+            out.append(
+                [(self._doc[int(ids[row, c])], float(exact[row, c])) for c in cols if valid[row, c]]
+            )
         return out
 
     # --- state -----------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Snapshots of a shard: durable files that record the last applied log position.
 
 A snapshot is one file ``snap-<ms>-<seq>.npz`` (uncompressed npz: the serialized FAISS
-index, the SQ8 codes, ids, doc ids, tags, positions) plus a sha256 of its bytes in
-``snap-<ms>-<seq>.sha256``. It is written to a temp file, fsynced, renamed, and the
+index — ``faiss.serialize_index``, the bytes ``faiss.write_index`` writes — the SQ8
+codes, the id map, doc ids, tags, the applied position) plus its manifest
+``snap-<ms>-<seq>.json``: position, sha256 and size of the npz, vectors, factory,
+creation time. It is written to a temp file, fsynced, renamed, and the
 directory fsynced, so a crash leaves either the old set or the new one. On start the
 newest snapshot whose checksum matches and which loads is used; a corrupt or truncated
 one is logged and skipped. The newest ``keep`` snapshots are kept.
@@ -15,6 +17,7 @@ import io
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,8 +64,16 @@ def write_snapshot(shard: IvfPqShard, directory: Path, keep: int = 3) -> Snapsho
     np.savez(buffer, **state)
     data = buffer.getvalue()
     path = directory / f"{PREFIX}{position}{SUFFIX}"
-    _write_durably(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
+    manifest = {
+        "position": position,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+        "vectors": len(state["fids"]),
+        "factory": shard.manifest.factory,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     _write_durably(path, data)
+    _write_durably(path.with_suffix(".json"), json.dumps(manifest, indent=2).encode())
     _fsync_dir(directory)
     prune(directory, keep)
     return Snapshot(path, position)
@@ -86,13 +97,13 @@ def list_snapshots(directory: Path) -> list[Snapshot]:
 def prune(directory: Path, keep: int) -> None:
     for old in list_snapshots(directory)[keep:]:
         old.path.unlink(missing_ok=True)
-        old.path.with_suffix(".sha256").unlink(missing_ok=True)
+        old.path.with_suffix(".json").unlink(missing_ok=True)
 
 
 def load_snapshot(snapshot: Snapshot, trained: TrainedIndex) -> IvfPqShard:
     data = snapshot.path.read_bytes()
-    expected = snapshot.path.with_suffix(".sha256").read_text().strip()
-    if hashlib.sha256(data).hexdigest() != expected:
+    manifest = json.loads(snapshot.path.with_suffix(".json").read_text())
+    if len(data) != manifest["bytes"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
         raise ValueError(f"{snapshot.path.name}: checksum mismatch (corrupt or truncated)")
     with np.load(io.BytesIO(data)) as arrays:
         state = {name: arrays[name] for name in arrays.files}

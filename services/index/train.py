@@ -30,11 +30,11 @@ class TrainOptions:
     """Every knob of training; None = derived from the sample (see :func:`resolve`)."""
 
     nlist: int | None = None  # coarse centroids; default ≈ 4·√N, clamped
-    pq_m: int | None = None  # PQ sub-quantizers; default: dim/8 rounded to a divisor
+    pq_m: int | None = None  # PQ sub-quantizers; default: dim/4 rounded to a divisor
     pq_bits: int = 8
     refine: bool = True  # SQ8 re-ranking of the IVF-PQ candidates (recall ≥ 0.95)
     refine_factor: int = 4  # candidates re-ranked = k · refine_factor
-    nprobe: int | None = None  # default search nprobe; default nlist/8, at least 16
+    nprobe: int | None = None  # default search nprobe; default nlist/10, at least 32
     max_train_points: int = 100_000
     seed: int = 1234
     model: str = "unknown"
@@ -75,8 +75,13 @@ def default_nlist(n: int) -> int:
 
 
 def default_pq_m(dim: int) -> int:
-    """dim/8 sub-quantizers (8 dims each at 8 bits = 1 byte per 8 dims), a divisor of dim."""
-    target = max(1, dim // 8)
+    """dim/4 sub-quantizers (1 byte per 4 dims at 8 bits), a divisor of dim.
+
+    Measured on 49k SciFact sentences (384-d): with dim/8 (48 bytes) the PQ ranking of
+    the candidates caps recall@10 near 0.95 even with the SQ8 refine; dim/4 (96 bytes)
+    reaches 0.957 at nprobe 64 and 0.979 at nprobe 128 (docs/index.md).
+    """
+    target = max(1, dim // 4)
     for m in sorted(range(1, dim + 1), key=lambda c: (abs(c - target), -c)):
         if dim % m == 0:
             return m
@@ -90,7 +95,7 @@ def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
         raise InvalidArgument(f"pq_m={pq_m} must divide the dimension {dim}")
     if nlist > n:
         raise InvalidArgument(f"nlist={nlist} needs at least as many training vectors ({n})")
-    nprobe = options.nprobe or min(nlist, max(16, round(nlist / 8)))
+    nprobe = options.nprobe or min(nlist, max(32, round(nlist / 10)))
     return TrainOptions(
         nlist=nlist,
         pq_m=pq_m,

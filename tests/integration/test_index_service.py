@@ -1,0 +1,325 @@
+"""Shard servers (real processes, real Redis) behind the router, as the gateway uses them.
+
+One cluster of 2 shards × 2 replicas holds the 4,683 first SciFact documents for the
+whole module; the other 500 documents are the held-out queries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import faiss
+import grpc
+import numpy as np
+import pytest
+import redis
+
+from retrieval.v1 import common_pb2, index_pb2, index_pb2_grpc
+from services.common.errors import DeadlineExceeded, InvalidArgument
+from services.index import convert
+from services.index.changelog import ChangeLogWriter, DocRecord
+from services.index.positions import WriteToken, merge_tokens
+from services.index.query import Consistency
+from services.index.router import RoutedResult, ShardRouter
+from tests.support.processes import RedisServer
+from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
+
+N_BASE = 4683
+SHARDS = 2
+DB = 3  # this module's own database: the cluster outlives the per-test flush of db 0
+
+
+@pytest.fixture(scope="module")
+def vectors(scifact_dir: Path) -> np.ndarray:
+    return scifact_vectors(scifact_dir)
+
+
+@pytest.fixture(scope="module")
+def module_redis(redis_server: RedisServer) -> Iterator[str]:
+    url = f"redis://127.0.0.1:{redis_server.port}/{DB}"
+    redis.Redis.from_url(url).flushdb()
+    yield url
+    redis.Redis.from_url(url).flushdb()
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    vectors: np.ndarray, module_redis: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ShardCluster]:
+    index_dir = shared_test_index(tmp_path_factory.getbasetemp(), vectors)
+
+    async def load() -> None:
+        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        try:
+            for i in range(0, N_BASE, 500):
+                await writer.upsert(
+                    [
+                        DocRecord(str(j), vectors[j], text=f"doc {j}", metadata={"par": str(j % 2)})
+                        for j in range(i, min(i + 500, N_BASE))
+                    ]
+                )
+        finally:
+            await writer.close()
+
+    asyncio.run(load())  # logged before the shards start: they replay it
+    with run_shards(
+        index_dir, module_redis, tmp_path_factory.mktemp("cluster"), shards=SHARDS, replicas=2
+    ) as running:
+        yield running
+
+
+def search(cluster: ShardCluster, queries: np.ndarray, k: int = 10, **kw: object) -> RoutedResult:
+    async def run() -> RoutedResult:
+        router = ShardRouter(cluster.addresses)
+        try:
+            return await router.search(queries, k, **kw)  # type: ignore[arg-type]
+        finally:
+            await router.close()
+
+    return asyncio.run(run())
+
+
+def test_sharded_index_matches_exact_search(cluster: ShardCluster, vectors: np.ndarray) -> None:
+    queries = vectors[N_BASE:]
+    flat = faiss.IndexFlatIP(384)
+    flat.add(vectors[:N_BASE])
+    _, exact = flat.search(queries, 10)
+    result = search(cluster, queries[:256], nprobe=32, consistency=Consistency.STRONG, timeout=30)
+    result2 = search(cluster, queries[256:], nprobe=32, timeout=30)
+    hits = result.hits + result2.hits
+    assert result.missing_shards == [] and len(hits) == len(queries)
+    recall = np.mean(
+        [
+            len({int(h.doc_id) for h in row} & set(truth.tolist())) / 10
+            for row, truth in zip(hits, exact, strict=True)
+        ]
+    )
+    assert recall >= 0.95, recall
+    assert {h.shard for row in hits for h in row} == {0, 1}
+    for row in hits:
+        assert [h.score for h in row] == sorted((h.score for h in row), reverse=True)
+
+
+def test_replicas_answer_identical_top_k(cluster: ShardCluster, vectors: np.ndarray) -> None:
+    queries = vectors[N_BASE : N_BASE + 200]
+    for shard in range(SHARDS):
+        answers = []
+        for replica in cluster.processes[shard]:
+            with grpc.insecure_channel(replica.address) as channel:
+                reply = index_pb2_grpc.IndexShardServiceStub(channel).Search(
+                    index_pb2.ShardSearchRequest(
+                        shard=shard,
+                        queries=convert.vectors_to_pb(queries),
+                        k=10,
+                        consistency=common_pb2.CONSISTENCY_STRONG,
+                    ),
+                    timeout=30,
+                )
+            answers.append(convert.answer_from_pb(reply))
+        first, second = answers
+        assert first.applied_position == second.applied_position
+        assert first.hits == second.hits
+        assert first.replica != second.replica
+
+
+def test_session_reads_see_own_writes_and_deletes(
+    cluster: ShardCluster, module_redis: str, vectors: np.ndarray
+) -> None:
+    async def run() -> None:
+        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        router = ShardRouter(cluster.addresses)
+        try:
+            rng = np.random.default_rng(7)
+            for i in range(10):
+                v = rng.standard_normal(384).astype(np.float32)
+                v /= np.linalg.norm(v)
+                token = await writer.upsert([DocRecord(f"session-{i}", v)])
+                found = await router.search(
+                    v[None], 1, consistency=Consistency.SESSION, write_token=token, timeout=5
+                )
+                assert found.hits[0][0].doc_id == f"session-{i}"
+                token, _, _ = await writer.delete([f"session-{i}"])
+                found = await router.search(
+                    v[None], 10, consistency=Consistency.SESSION, write_token=token, timeout=5
+                )
+                assert all(h.doc_id != f"session-{i}" for h in found.hits[0])
+        finally:
+            await writer.close()
+            await router.close()
+
+    asyncio.run(run())
+
+
+def test_strong_reads_see_every_acknowledged_write(
+    cluster: ShardCluster, module_redis: str
+) -> None:
+    async def run() -> None:
+        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        router = ShardRouter(cluster.addresses)
+        try:
+            rng = np.random.default_rng(8)
+            v = rng.standard_normal((20, 384)).astype(np.float32)
+            v /= np.linalg.norm(v, axis=1, keepdims=True)
+            await writer.upsert([DocRecord(f"strong-{i}", v[i]) for i in range(20)])
+            found = await router.search(v, 1, consistency=Consistency.STRONG, timeout=5)
+            assert [row[0].doc_id for row in found.hits] == [f"strong-{i}" for i in range(20)]
+        finally:
+            await writer.close()
+            await router.close()
+
+    asyncio.run(run())
+
+
+def test_upsert_delete_upsert_deleted_never_comes_back(
+    cluster: ShardCluster, module_redis: str, vectors: np.ndarray
+) -> None:
+    async def run() -> None:
+        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        router = ShardRouter(cluster.addresses)
+        a, b = vectors[N_BASE + 300], vectors[N_BASE + 301]
+        try:
+            t1 = await writer.upsert([DocRecord("cycle", a)])
+            t2, _, _ = await writer.delete(["cycle"])
+            t3 = await writer.upsert([DocRecord("cycle", b)])
+            t4, _, _ = await writer.delete(["cycle"])
+            token: WriteToken = merge_tokens(t1, t2, t3, t4)
+            for _ in range(5):
+                found = await router.search(
+                    np.stack([a, b]), 50, consistency=Consistency.SESSION, write_token=token,
+                    timeout=5,
+                )  # fmt: skip
+                assert all(h.doc_id != "cycle" for row in found.hits for h in row)
+            t5 = await writer.upsert([DocRecord("cycle", b)])
+            found = await router.search(
+                b[None], 1, consistency=Consistency.SESSION, write_token=t5, timeout=5
+            )
+            assert found.hits[0][0].doc_id == "cycle"
+        finally:
+            await writer.close()
+            await router.close()
+
+    asyncio.run(run())
+
+
+def test_filters_pass_through_the_router(cluster: ShardCluster, vectors: np.ndarray) -> None:
+    found = search(cluster, vectors[N_BASE : N_BASE + 8], 20, filter=[("par", ["1"])], timeout=10)
+    assert all(int(h.doc_id) % 2 == 1 for row in found.hits for h in row)
+    assert all(len(row) == 20 for row in found.hits)
+
+
+def stats(address: str) -> index_pb2.ShardStats:
+    with grpc.insecure_channel(address) as channel:
+        reply: index_pb2.ShardStats = index_pb2_grpc.IndexShardServiceStub(channel).Stats(
+            index_pb2.ShardStatsRequest(), timeout=10
+        )
+        return reply
+
+
+def _queries(v: np.ndarray) -> Callable[[index_pb2.ShardSearchRequest], None]:
+    return lambda r: r.queries.CopyFrom(convert.vectors_to_pb(v))
+
+
+def _session_at(position: str) -> Callable[[index_pb2.ShardSearchRequest], None]:
+    def mutate(r: index_pb2.ShardSearchRequest) -> None:
+        r.consistency = common_pb2.CONSISTENCY_SESSION
+        r.min_position = position
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_queries(np.ones((1, 100), np.float32)), "dimension"),
+        (_queries(np.full((1, 384), np.nan, np.float32)), "NaN"),
+        (_queries(np.full((1, 384), np.inf, np.float32)), "NaN"),
+        (lambda r: setattr(r, "k", 0), "k"),
+        (lambda r: setattr(r, "k", 1001), "k"),
+        (lambda r: setattr(r, "nprobe", 100_000), "nprobe"),
+        (lambda r: setattr(r, "shard", 7), "shard"),
+        (lambda r: setattr(r.queries, "count", 2), "bytes"),
+        (_session_at("soon"), "position"),
+    ],
+)  # fmt: skip
+def test_invalid_requests_are_invalid_argument_and_change_nothing(
+    cluster: ShardCluster, vectors: np.ndarray, mutate: object, message: str
+) -> None:
+    replica = cluster.replica(0)
+    before = stats(replica.address)
+    request = index_pb2.ShardSearchRequest(
+        shard=0, queries=convert.vectors_to_pb(vectors[:1]), k=10
+    )
+    mutate(request)  # type: ignore[operator]
+    with grpc.insecure_channel(replica.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            index_pb2_grpc.IndexShardServiceStub(channel).Search(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    after = stats(replica.address)
+    assert (after.vectors, after.applied_position) == (before.vectors, before.applied_position)
+
+
+def test_router_keeps_errors_meaningful(cluster: ShardCluster, vectors: np.ndarray) -> None:
+    with pytest.raises(InvalidArgument, match="k"):
+        search(cluster, vectors[:1], 0, timeout=5)
+    with pytest.raises(InvalidArgument, match="unknown shards"):
+        search(cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token={9: "1-0"})
+    # a position no shard will reach in time: the deadline, not a hang
+    far = {0: "99999999999999-0"}
+    with pytest.raises(DeadlineExceeded):
+        search(
+            cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far,
+            timeout=0.5, require_complete=True,
+        )  # fmt: skip
+    partial = search(
+        cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far, timeout=0.5
+    )
+    assert partial.missing_shards == [0] and all(h.shard == 1 for h in partial.hits[0])
+
+
+def test_stats_report_the_shard(cluster: ShardCluster) -> None:
+    async def run() -> list[list[index_pb2.ShardStats | None]]:
+        router = ShardRouter(cluster.addresses)
+        try:
+            return await router.stats()
+        finally:
+            await router.close()
+
+    every = asyncio.run(run())
+    assert len(every) == SHARDS and all(len(r) == 2 for r in every)
+    total = 0
+    for shard, replicas in enumerate(every):
+        for s in replicas:
+            assert s is not None and s.shard == shard and s.dim == 384 and s.metric == "IP"
+            assert s.factory.startswith("IVF") and s.model == "all-MiniLM-L6-v2"
+            assert s.bytes_per_vector == 96 + 8 + 384 and 0.5 < s.pq_error_ratio < 1.5
+            assert s.list_imbalance >= 1.0 and s.memory_bytes > 0
+        assert replicas[0] is not None
+        total += replicas[0].vectors
+    assert total >= N_BASE
+
+
+def test_concurrent_single_queries_coalesce_to_the_same_answers(
+    cluster: ShardCluster, vectors: np.ndarray
+) -> None:
+    queries = vectors[N_BASE : N_BASE + 64]
+
+    async def run(coalesce: bool) -> list[RoutedResult]:
+        router = ShardRouter(cluster.addresses, coalesce=coalesce)
+        try:
+            return list(
+                await asyncio.gather(
+                    *[
+                        router.search(q[None], 3 + i % 5, nprobe=16, timeout=10)
+                        for i, q in enumerate(queries)
+                    ]
+                )
+            )
+        finally:
+            await router.close()
+
+    together, alone = asyncio.run(run(True)), asyncio.run(run(False))
+    assert [r.hits for r in together] == [r.hits for r in alone]
+    assert all(len(r.hits[0]) == 3 + i % 5 for i, r in enumerate(together))

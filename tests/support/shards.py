@@ -1,0 +1,279 @@
+"""Real index shard servers for tests: trained index, processes on free ports, readiness.
+
+Reusable by any test that needs shards (the gateway's too)::
+
+    index_dir = train_test_index(vectors, tmp_path / "index")
+    with run_shards(index_dir, redis_url, tmp_path, shards=2, replicas=1) as cluster:
+        router = ShardRouter(cluster.addresses)
+        ...
+        cluster.replica(0).kill()        # SIGKILL, like an OOM kill
+        cluster.replica(0).restart()     # same port, same snapshot directory
+
+Each replica is a separate ``python -m services.index.server`` process, so a kill -9 is
+a real crash. ``start_shard`` waits until the gRPC health service reports SERVING (the
+shard replays its log before it does).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Defaults that keep a test shard light on a 2-core machine.
+TEST_SETTINGS: dict[str, str] = {
+    "omp-threads": "1",
+    "search-threads": "2",
+    "snapshot-every-s": "3600",
+    "snapshot-every-entries": "1000000",
+    "grace-seconds": "1",
+    "log-level": "WARNING",
+}
+
+
+def train_test_index(
+    vectors: np.ndarray, out_dir: Path, *, nlist: int | None = None, **options: object
+) -> Path:
+    """Train IVF-PQ (+ SQ8 refine) on ``vectors`` into ``out_dir`` (reused when present)."""
+    from services.index.train import MANIFEST, TrainOptions, train_index
+
+    if not (out_dir / MANIFEST).exists():
+        train_index(
+            vectors,
+            out_dir,
+            TrainOptions(nlist=nlist, model="all-MiniLM-L6-v2", **options),  # type: ignore[arg-type]
+        )
+    return out_dir
+
+
+@dataclass
+class ShardProcess:
+    """One replica process of one shard."""
+
+    shard: int
+    replica: str
+    port: int
+    snapshot_dir: Path
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def spawn(self) -> None:
+        """Start the process (its output appends to ``log_path``); do not wait."""
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_env()
+            )
+
+    def launch(self, timeout: float = 60.0) -> None:
+        """Start the process and wait until it serves."""
+        self.spawn()
+        self.wait_serving(timeout)
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if not self.alive:
+                    raise RuntimeError(
+                        f"shard {self.shard} {self.replica} exited:\n{self.log_tail()}"
+                    )
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        raise TimeoutError(f"shard {self.shard} {self.replica} not serving:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no snapshot, no goodbye."""
+        if self.process is not None and self.alive:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM: drain, final snapshot, exit."""
+        if self.process is not None and self.alive:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start again on the same port with the same snapshot directory."""
+        self.stop()
+        self.launch(timeout)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def shard_argv(
+    *,
+    index_dir: Path,
+    redis_url: str,
+    shard: int,
+    shards: int,
+    replica: str,
+    port: int,
+    snapshot_dir: Path,
+    settings: Mapping[str, str] | None = None,
+) -> list[str]:
+    merged = {**TEST_SETTINGS, **(settings or {})}
+    argv = [
+        sys.executable, "-m", "services.index.server",
+        "--shard", str(shard), "--shards", str(shards), "--replica", replica,
+        "--port", str(port), "--redis-url", redis_url,
+        "--index-dir", str(index_dir), "--snapshot-dir", str(snapshot_dir),
+    ]  # fmt: skip
+    for key, value in merged.items():
+        argv += [f"--{key}", value]
+    return argv
+
+
+def start_shard(
+    *,
+    index_dir: Path,
+    redis_url: str,
+    shard: int,
+    shards: int,
+    work_dir: Path,
+    replica: str | None = None,
+    port: int | None = None,
+    settings: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+    wait: bool = True,
+) -> ShardProcess:
+    """Start one replica process; with ``wait``, until it serves (its log replayed)."""
+    replica = replica or f"shard-{shard}-r0"
+    port = port or free_port()
+    snapshot_dir = work_dir / "snapshots" / replica
+    proc = ShardProcess(
+        shard=shard,
+        replica=replica,
+        port=port,
+        snapshot_dir=snapshot_dir,
+        argv=shard_argv(
+            index_dir=index_dir,
+            redis_url=redis_url,
+            shard=shard,
+            shards=shards,
+            replica=replica,
+            port=port,
+            snapshot_dir=snapshot_dir,
+            settings=settings,
+        ),
+        log_path=work_dir / f"{replica}.log",
+    )
+    proc.spawn()
+    if wait:
+        proc.wait_serving(timeout)
+    return proc
+
+
+@dataclass
+class ShardCluster:
+    """Every replica of every shard: ``processes[shard][replica]``."""
+
+    processes: list[list[ShardProcess]]
+
+    @property
+    def addresses(self) -> list[list[str]]:
+        return [[p.address for p in replicas] for replicas in self.processes]
+
+    def replica(self, shard: int, index: int = 0) -> ShardProcess:
+        return self.processes[shard][index]
+
+    def all(self) -> Sequence[ShardProcess]:
+        return [p for replicas in self.processes for p in replicas]
+
+    def stop(self) -> None:
+        for proc in self.all():
+            proc.stop()
+
+
+@contextmanager
+def run_shards(
+    index_dir: Path,
+    redis_url: str,
+    work_dir: Path,
+    *,
+    shards: int,
+    replicas: int = 1,
+    settings: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Iterator[ShardCluster]:
+    """``shards`` × ``replicas`` shard processes on free ports; stopped on exit."""
+    cluster = ShardCluster([[] for _ in range(shards)])
+    try:
+        for shard in range(shards):
+            for r in range(replicas):
+                cluster.processes[shard].append(
+                    start_shard(
+                        index_dir=index_dir,
+                        redis_url=redis_url,
+                        shard=shard,
+                        shards=shards,
+                        work_dir=work_dir,
+                        replica=f"shard-{shard}-r{r}",
+                        settings=settings,
+                        wait=False,
+                    )
+                )
+        for proc in cluster.all():
+            proc.wait_serving(timeout)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def scifact_vectors(scifact_dir: Path) -> np.ndarray:
+    """The 5,183 SciFact document embeddings (float32, 384-d, L2-normalised)."""
+    path = scifact_dir / "corpus.all-MiniLM-L6-v2.npy"
+    if not path.exists():
+        import pytest
+
+        pytest.skip(f"{path} not found (set GTR_DATA_DIR)")
+    return np.load(path)
+
+
+def shared_test_index(base_tmp: Path, vectors: np.ndarray) -> Path:
+    """One trained index per test session (trained on first use, under pytest's basetemp)."""
+    return train_test_index(vectors, base_tmp / "index-scifact")

@@ -1,0 +1,34 @@
+"""`gtr-retrieval index ...` and the shard settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.cli.main import main
+from services.common.settings import SettingsError, load_settings
+from services.index.settings import ShardSettings
+
+
+def test_index_train_from_embeddings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    x = np.random.default_rng(0).standard_normal((2000, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "index"
+    argv = ["index", "train", "--embeddings", str(tmp_path / "x.npy"), "--out", str(out)]
+    assert main([*argv, "--nlist", "8", "--pq-m", "4", "--model", "m"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["factory"] == "IVF8,PQ4x8,Refine(SQ8)" and manifest["model"] == "m"
+    assert json.loads(capsys.readouterr().out)["nlist"] == 8
+
+
+def test_shard_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GTR_SHARD_INDEX_DIR", "/idx")
+    s = load_settings(
+        ShardSettings, ["--shard", "1", "--shards", "2", "--snapshot-dir", "/s", "--port", "0"]
+    )
+    assert (s.shard, s.shards, s.index_dir, s.port) == (1, 2, "/idx", 0)
+    with pytest.raises(SettingsError, match="shard 2 does not exist"):
+        load_settings(ShardSettings, ["--shard", "2", "--shards", "2", "--snapshot-dir", "/s"])
