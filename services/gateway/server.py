@@ -63,13 +63,16 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    from services.gateway.router import ShardRouter
-    from services.gateway.store import RedisDocumentStore
+    from services.gateway.index_adapters import LogStore, RouterIndex
+    from services.index.changelog import ChangeLogWriter
+    from services.index.router import ShardRouter
 
     registry = CollectorRegistry()
     encoder = await build_encoder(settings)
-    router = ShardRouter(parse_shard_addresses(settings.shards))
-    store = RedisDocumentStore(settings.redis_url, num_shards=router.num_shards)
+    router = RouterIndex(ShardRouter(parse_shard_addresses(settings.shards)))
+    store = LogStore(
+        ChangeLogWriter(settings.redis_url, num_shards=router.num_shards, dim=encoder.dim)
+    )
     reranker = (
         RerankClient(settings.rerank_url, load_depth_table(settings.rerank_depth_table))
         if settings.rerank_url
