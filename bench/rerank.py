@@ -6,7 +6,9 @@
 Candidates are SciFact documents (``title + " " + text``, the service's max length 256)
 with a SciFact query, so the lengths are realistic; without the data, synthetic
 ~200-word documents are used. The depth table (``{"ms_per_query_at_depth": {...}}``)
-is what the gateway's ``--rerank-depth-table`` reads. Prints one JSON line last.
+is what the gateway's ``--rerank-depth-table`` reads; ``depth_for_budget(budget_ms,
+table)`` (re-exported from ``services.rerank.depths``) picks the depth that fits a
+budget. Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from services.rerank.depths import depth_for_budget, load_depth_table
+
+__all__ = ["depth_for_budget", "load_depth_table", "main"]
+
 DEPTHS = (10, 20, 50, 100)
+BUDGETS_MS = (250, 500, 1000, 2000)
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "scifact"
 
 
@@ -109,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         "monobert_pairs_per_s": pairs_per_s["monobert"],
         "celi_cost_ratio": round(seconds["celi"] / seconds["monobert"], 3),
         "ms_per_query_at_depth": depths,
+        "depth_for_budget_ms": {
+            str(b): depth_for_budget(b, {int(d): ms for d, ms in depths.items()})
+            for b in BUDGETS_MS
+        },
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
     out = Path(args.out)

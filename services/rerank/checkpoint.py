@@ -6,7 +6,7 @@
       backbone/               backbone.save_pretrained() + tokenizer.save_pretrained()
       celi_head.safetensors   mono.weight [1, D], mono.bias [1], proj.weight [D_tok, D],
                               proj.bias [D_tok] (no proj.* for monobert)
-      celi_config.json        CeliConfig: variant, d_tok, max lengths, backbone, training
+      celi_config.json        CeliConfig: variant, d_tok, normalize, max lengths, backbone, training
       trainer_state.pt        optimizer, scheduler, step, RNG states (only for --resume)
       split.json              train/dev query ids of the trainer's split (trainer only)
 
@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from services.common.errors import InvalidArgument, NotFound
-from services.rerank.model import VARIANTS, CeliHead, CeliModel, SpecialIds, Variant
+from services.rerank.model import (
+    VARIANTS,
+    CeliHead,
+    CeliModel,
+    SpecialIds,
+    Variant,
+    init_for_training,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,7 @@ class CeliConfig:
 
     variant: Variant = "celi"
     d_tok: int = 32
+    normalize: bool = True  # unit-length token vectors before MaxSim (see model.py)
     max_query_len: int = MAX_QUERY_TOKENS
     max_len: int = 256
     backbone: str = "all-MiniLM-L6-v2"
@@ -63,6 +71,7 @@ class CeliConfig:
     def read(cls, path: Path) -> CeliConfig:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        known.setdefault("normalize", False)  # checkpoints written before the option
         return cls(**known)
 
     def write(self, path: Path) -> None:
@@ -103,7 +112,7 @@ def build_model(backbone_dir: Path, config: CeliConfig, seed: int = 0) -> tuple[
     hidden = int(backbone.config.hidden_size)  # type: ignore[union-attr,arg-type]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = CeliHead(hidden, config.d_tok, config.variant)
+        head = CeliHead(hidden, config.d_tok, config.variant, config.normalize)
     return CeliModel(backbone, head, special_ids_of(tokenizer)), tokenizer
 
 
@@ -164,4 +173,5 @@ def load_or_default(path: Path | None, config: CeliConfig | None = None) -> tupl
         config.variant, config.d_tok, config.backbone,
     )  # fmt: skip
     model, tokenizer = build_model(default_backbone_dir(), config)
+    init_for_training(model.head)  # neutral s_m, orthogonal W: s_l ≈ the backbone's MaxSim
     return model.eval(), tokenizer, config

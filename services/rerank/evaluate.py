@@ -3,6 +3,8 @@
 The dev queries are the ones the trainer held out (``split.json`` in the checkpoint);
 all checkpoints compared must have been trained on the same split. Reranking re-orders
 the dense top-``depth``; documents below ``depth`` keep their dense order after it.
+For CELI the report also gives nDCG@10 of ``s_m`` alone and ``s_l`` alone, and
+``untrained=True`` adds the untrained default head (the backbone's zero-shot MaxSim).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound
-from services.rerank.checkpoint import load_checkpoint
-from services.rerank.data import dense_run, load_beir, ndcg_at_k
+from services.rerank.checkpoint import CONFIG_FILE, CeliConfig, load_or_default
+from services.rerank.data import BeirData, dense_run, load_beir, ndcg_at_k, split_queries
 from services.rerank.scorer import CeliScorer
 
 
@@ -29,11 +31,20 @@ class EvalConfig:
     max_queries: int | None = None  # first N dev queries (sorted ids), to cap CPU time
     batch_size: int = 16
     k: int = 10
+    untrained: bool = False  # also the untrained default head (zero-shot MaxSim) as a row
+    seed: int = 13  # without checkpoints: the trainer's split for this seed / fraction
+    dev_fraction: float = 0.2
+    max_len: int = 256  # the untrained row's pair length when there is no checkpoint
 
 
-def dev_queries(checkpoints: tuple[Path, ...]) -> list[str]:
+def dev_queries(cfg: EvalConfig, data: BeirData) -> list[str]:
+    """The dev ids of the checkpoints' ``split.json`` (all must agree); without
+    checkpoints, the trainer's split recomputed from ``seed`` and ``dev_fraction``."""
+    if not cfg.checkpoints:
+        qids = sorted(q for q in data.qrels if data.qrels[q])
+        return split_queries(qids, cfg.seed, cfg.dev_fraction)[1]
     splits = []
-    for ckpt in checkpoints:
+    for ckpt in cfg.checkpoints:
         path = Path(ckpt) / "split.json"
         if not path.exists():
             raise NotFound(f"{path}: the checkpoint has no trainer split")
@@ -46,28 +57,41 @@ def dev_queries(checkpoints: tuple[Path, ...]) -> list[str]:
 def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 
+    if not cfg.checkpoints and not cfg.untrained:
+        raise InvalidArgument("nothing to evaluate: give checkpoints and/or untrained")
     data = load_beir(cfg.data_dir)
-    qids = dev_queries(cfg.checkpoints)
+    qids = dev_queries(cfg, data)
     if cfg.max_queries is not None:
         qids = qids[: cfg.max_queries]
     run = dense_run(data, qids, k=max(cfg.depth, cfg.k))
     report: dict[str, Any] = {
         "queries": len(qids), "depth": cfg.depth, "k": cfg.k,
         "ndcg@10": {"dense": _mean_ndcg(run, data.qrels, cfg.k)},
-        "seconds": {}, "pairs_per_s": {},
+        "terms": {}, "seconds": {}, "pairs_per_s": {},
     }  # fmt: skip
-    for ckpt in cfg.checkpoints:
-        model, tokenizer, config = load_checkpoint(ckpt)
+    systems: list[Path | None] = [*cfg.checkpoints, *([None] if cfg.untrained else [])]
+    first = (CeliConfig.read(Path(cfg.checkpoints[0]) / CONFIG_FILE) if cfg.checkpoints
+             else CeliConfig(max_len=cfg.max_len))  # fmt: skip
+    same_limits = CeliConfig(d_tok=first.d_tok, max_query_len=first.max_query_len,
+                             max_len=first.max_len)  # the untrained row: same lengths  # fmt: skip
+    for ckpt in systems:
+        model, tokenizer, config = load_or_default(ckpt, same_limits)
         scorer = CeliScorer(model, tokenizer, config, config.variant, cfg.batch_size)
-        label = f"+{config.variant} ({Path(ckpt).name})"
-        reranked, start = {}, time.perf_counter()
+        label = f"+{config.variant} ({Path(ckpt).name if ckpt else 'untrained'})"
+        reranked: dict[str, dict[str, list[str]]] = {"score": {}, "s_m": {}, "s_l": {}}
+        start = time.perf_counter()
         for qid in tqdm(qids, desc=label, disable=not progress):
             head, tail = run[qid][: cfg.depth], run[qid][cfg.depth :]
-            scores = scorer.score(data.queries[qid], [data.docs[d] for d in head])
-            order = np.argsort(-scores, kind="stable")
-            reranked[qid] = [head[i] for i in order] + tail
+            terms = scorer.score_terms(data.queries[qid], [data.docs[d] for d in head])
+            for name, ranking in reranked.items():
+                order = np.argsort(-terms[name], kind="stable")
+                ranking[qid] = [head[i] for i in order] + tail
         seconds = time.perf_counter() - start
-        report["ndcg@10"][label] = _mean_ndcg(reranked, data.qrels, cfg.k)
+        report["ndcg@10"][label] = _mean_ndcg(reranked["score"], data.qrels, cfg.k)
+        if config.variant != "monobert":  # the two terms alone, for diagnosis
+            for name in ("s_m", "s_l"):
+                report["terms"][f"{label} {name} only"] = _mean_ndcg(reranked[name], data.qrels,
+                                                                     cfg.k)  # fmt: skip
         report["seconds"][label] = round(seconds, 1)
         report["pairs_per_s"][label] = round(len(qids) * cfg.depth / seconds, 1)
     return report

@@ -8,6 +8,13 @@ One joint encoding of ``[CLS] q [SEP] d [SEP]`` gives final-layer token vectors 
   (no [CLS], no [SEP], no padding). A segment with no real token contributes 0.
 * ``score = s_m + s_l``.
 
+Option ``normalize`` (default of new checkpoints, as in ColBERT): ``v`` is scaled to
+unit length before MaxSim, so ``s_l`` is a sum of cosines. Off, it is the formula
+verbatim. On this backbone (a sentence-embedding model trained on cosines) the
+normalised MaxSim of the untrained joint encoding already ranks SciFact close to the
+dense first stage, while the unnormalised dot product is dominated by a few large
+dimensions (see docs/rerank.md).
+
 Variants, for comparison: ``monobert`` (``score = s_m``, no projection) and
 ``meanpool`` (``s_l = mean_q(v) · mean_d(v)``, the late term with mean pooling instead
 of MaxSim). Everything is batched tensor algebra: no Python loop over pairs or tokens.
@@ -100,13 +107,14 @@ def meanpool_sim(v: torch.Tensor, q_mask: torch.Tensor, d_mask: torch.Tensor) ->
 class CeliHead(nn.Module):
     """The parameters CELI adds to the backbone: ``W_m, b_m`` and (not monoBERT) ``W, b``."""
 
-    def __init__(self, hidden: int, d_tok: int, variant: Variant) -> None:
+    def __init__(self, hidden: int, d_tok: int, variant: Variant, normalize: bool = False) -> None:
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if d_tok < 1:
             raise ValueError("d_tok must be >= 1")
         self.variant = variant
+        self.normalize = normalize
         self.mono = nn.Linear(hidden, 1)
         self.proj: nn.Linear | None = None if variant == "monobert" else nn.Linear(hidden, d_tok)
 
@@ -142,9 +150,27 @@ class CeliModel(nn.Module):
         types = token_type_ids if self.uses_token_types else None
         q_mask, d_mask = segment_masks(input_ids, attention_mask, self.special, types)
         v = self.head.proj(hidden)
+        if self.head.normalize:
+            v = nn.functional.normalize(v, dim=-1)
         late = maxsim if self.head.variant == "celi" else meanpool_sim
         s_l = late(v, q_mask, d_mask)
         return CeliScores(s_m, s_l, s_m + s_l)
+
+
+def init_for_training(head: CeliHead) -> None:
+    """Start training from a neutral ``s_m`` and a length-preserving projection.
+
+    ``W_m, b_m = 0``: an untrained [CLS] head adds noise to every score; at zero it
+    starts neutral and grows only as far as LCE finds signal. ``W`` orthogonal,
+    ``b = 0``: the projected token vectors keep the backbone's geometry as far as
+    ``D_tok`` dimensions allow.
+    """
+    with torch.no_grad():
+        nn.init.zeros_(head.mono.weight)
+        nn.init.zeros_(head.mono.bias)
+        if head.proj is not None:
+            nn.init.orthogonal_(head.proj.weight)
+            nn.init.zeros_(head.proj.bias)
 
 
 def lce_loss(scores: torch.Tensor, group: int) -> torch.Tensor:

@@ -5,8 +5,9 @@
 * User text never produces special tokens (``split_special_tokens``): a literal
   "[SEP]" in a document is text, not a segment boundary.
 * Pairs are sorted by length and scored in batches of ``batch_size`` under
-  ``torch.inference_mode()``; the deadline is checked before every batch, so a call
-  fails with DeadlineExceeded instead of overrunning it (by at most one batch).
+  ``torch.inference_mode()`` on the model's device; the deadline is checked before
+  every batch, so a call fails with DeadlineExceeded instead of overrunning it (by at
+  most one batch).
 * An empty candidate text is scored as an empty document: no document tokens, so
   ``s_l = 0`` and the score is ``s_m`` (it is not an error).
 """
@@ -122,6 +123,7 @@ class CeliScorer:
         if batch_size < 1:
             raise InvalidArgument("batch_size must be >= 1")
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.config = config
         self.name = name
         self.batch_size = batch_size
@@ -131,23 +133,31 @@ class CeliScorer:
 
     def score(self, query: str, docs: list[str], deadline: Deadline | None = None) -> np.ndarray:
         """float32 scores (``s_m + s_l``), one per doc, in input order."""
+        return self.score_terms(query, docs, deadline)["score"]
+
+    def score_terms(
+        self, query: str, docs: list[str], deadline: Deadline | None = None
+    ) -> dict[str, np.ndarray]:
+        """``{"s_m", "s_l", "score"}``: float32 arrays, one value per doc, in input order."""
         deadline = deadline or Deadline(None)
         deadline.check("rerank tokenization")
         ids, types = self.pairs.encode(query, docs)
         batches = self.pairs.batches(ids, types, self.batch_size)
-        scores = np.empty(len(docs), dtype=np.float32)
+        terms = {name: np.empty(len(docs), dtype=np.float32) for name in ("s_m", "s_l", "score")}
         start = time.perf_counter()
         with self._lock, torch.inference_mode():
             for k, batch in enumerate(batches):
                 deadline.check(f"rerank batch {k + 1}/{len(batches)}")
-                out = self.model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-                scores[batch.rows] = out.score.float().numpy()
+                out = self.model(*(t.to(self.device) for t in (
+                    batch.input_ids, batch.attention_mask, batch.token_type_ids)))  # fmt: skip
+                for name, values in (("s_m", out.s_m), ("s_l", out.s_l), ("score", out.score)):
+                    terms[name][batch.rows] = values.float().cpu().numpy()
                 if self.metrics is not None:
                     self.metrics.batch_size.observe(len(batch.rows))
                     self.metrics.pairs.inc(len(batch.rows))
         if self.metrics is not None:
             self.metrics.latency.observe(time.perf_counter() - start)
-        return scores
+        return terms
 
     def rerank(self, request: RerankQuery, deadline: Deadline | None = None) -> RerankResult:
         top_n = validate(request)

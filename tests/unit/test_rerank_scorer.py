@@ -46,6 +46,13 @@ def test_batched_scores_do_not_depend_on_batching_or_order(scorer: CeliScorer) -
     assert np.allclose(scores, reversed_scores, atol=1e-5)
 
 
+def test_score_terms_add_up_and_empty_text_scores_s_m(scorer: CeliScorer) -> None:
+    terms = scorer.score_terms("alpha beta", TEXTS)
+    assert np.allclose(terms["score"], terms["s_m"] + terms["s_l"], atol=1e-5)
+    assert terms["s_l"][TEXTS.index("")] == 0.0  # empty document: no doc tokens
+    assert np.array_equal(terms["score"], scorer.score("alpha beta", TEXTS))
+
+
 def test_rerank_orders_by_score_and_keeps_request_positions(scorer: CeliScorer) -> None:
     result = scorer.rerank(_query(TEXTS, top_n=4))
     scores = scorer.score("alpha beta", TEXTS)

@@ -22,3 +22,10 @@ def test_config_parses_and_declares_the_contract(tmp_path: Path) -> None:
     assert config.instance_group[0].count == 2
     assert config.parameters["checkpoint"].string_value == str((tmp_path / "ckpt").resolve())
     assert (root / "1" / "model.py").read_text().startswith('"""Triton Python-backend model')
+
+
+def test_gpu_kind_makes_gpu_instances(tmp_path: Path) -> None:
+    root = write_rerank_model(tmp_path, TritonRerankConfig(kind="gpu"))
+    config = read_config(root / "config.pbtxt")
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert config.parameters["checkpoint"].string_value == ""  # untrained default head

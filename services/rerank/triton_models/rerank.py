@@ -50,6 +50,8 @@ class TritonPythonModel:
             torch.set_num_threads(threads)
         checkpoint = params.get("checkpoint") or None
         model, tokenizer, cfg = load_or_default(Path(checkpoint) if checkpoint else None)
+        if args.get("model_instance_kind") == "GPU":
+            model = model.to(f"cuda:{int(args.get('model_instance_device_id', 0))}")
         name = f"{cfg.variant}:{cfg.backbone}" + ("" if cfg.trained else ":untrained")
         batch = int(params.get("batch_size", "16") or 16)
         self.scorer = CeliScorer(model, tokenizer, cfg, name, batch)
