@@ -65,6 +65,7 @@ def _repo(args: argparse.Namespace) -> int:
         intra_op_threads=args.threads,
         max_batch=args.max_batch,
         max_queue_delay_us=args.queue_delay_us,
+        allow_spinning=args.allow_spinning,
         plan_path=Path(args.plan) if args.plan else None,
     )
     repo = generate_repository(Path(args.onnx), Path(args.out), cfg)
@@ -140,12 +141,16 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--flavor", choices=["cpu", "gpu"], default="cpu", help="default: cpu")
     p.add_argument("--plan", help="gpu: TensorRT plan to place in encoder/1/model.plan")
     p.add_argument("--instances", type=int,
-                   help="instances per device (default: 2 on CPU, the profile's on GPU)")
+                   help="instances per device (default: 1 on CPU, the profile's on GPU)")
     p.add_argument("--threads", type=int, default=0,
                    help="cpu: ONNX Runtime threads per instance (0 = cores / instances)")
     p.add_argument("--max-batch", type=int, help="max_batch_size (default: from profile)")
-    p.add_argument("--queue-delay-us", type=int, default=1000,
-                   help="dynamic batching max queue delay in µs (default 1000)")  # fmt: skip
+    p.add_argument("--queue-delay-us", type=int,
+                   help="dynamic batching max queue delay in µs (default: 4000 on CPU, "
+                   "1000 on GPU)")  # fmt: skip
+    p.add_argument("--allow-spinning", action="store_true",
+                   help="cpu: let ONNX Runtime threads busy-wait (off: they stall Triton "
+                   "on a small shared CPU)")  # fmt: skip
     p.set_defaults(func=lambda a: _run(_repo, a))
 
     p = commands.add_parser(

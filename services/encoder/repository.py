@@ -38,13 +38,18 @@ class RepositoryConfig:
     """How to lay the repository out; defaults come from the model's profile."""
 
     flavor: Flavor = "cpu"
-    # CPU: 2 single-threaded instances beat 1 instance with 2 ONNX Runtime threads on a
-    # 2-core box: same throughput, and the latter showed ~500 ms stalls in 5 % of the
-    # requests inside the Python-backend stub (see docs/encoder.md). GPU: the profile's.
-    instances: int | None = None
+    # CPU: one instance whose ONNX Runtime threads share the cores, with spinning off,
+    # large preferred batches and a 4 ms queue delay: measured on 2 cores it gives
+    # 0.85–0.92 of the in-process throughput, where 2 single-threaded instances with
+    # preferred sizes from 4 and a 1 ms delay gave 0.63–0.72 (small batches), and
+    # spinning threads stalled requests for ~500 ms (see docs/encoder.md). GPU: the
+    # profile's instances, preferred sizes from 4 and a 1 ms delay.
+    instances: int | None = None  # None: 1 on CPU, the profile's on GPU
     intra_op_threads: int = 0  # ONNX Runtime threads per CPU instance; 0 = cores / instances
+    allow_spinning: bool = False  # cpu: ONNX Runtime busy-waiting worker threads
     max_batch: int | None = None  # None: the profile's
-    max_queue_delay_us: int = 1000
+    max_queue_delay_us: int | None = None  # None: 4000 on CPU, 1000 on GPU
+    preferred_batch_sizes: tuple[int, ...] | None = None  # None: 16… on CPU, 4… on GPU
     max_queue_size: int = 1024  # beyond this Triton rejects → the client says Overloaded
     seq_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # gpu: pad-to lengths
     plan_path: Path | None = None  # gpu: copy this TensorRT plan into encoder/1/
@@ -84,10 +89,20 @@ def _params(config: mc.ModelConfig, values: dict[str, str]) -> None:
         config.parameters[key].string_value = value
 
 
+CPU_PREFERRED_FROM = 16  # CPU batches below this cost more per text than the hop saves
+CPU_QUEUE_DELAY_US = 4000
+GPU_QUEUE_DELAY_US = 1000
+
+
 def _batching(config: mc.ModelConfig, max_batch: int, cfg: RepositoryConfig) -> None:
-    sizes = [s for s in (4, 8, 16, 32, 64) if s <= max_batch] or [max_batch]
+    smallest = CPU_PREFERRED_FROM if cfg.flavor == "cpu" else 4
+    default = tuple(s for s in (4, 8, 16, 32, 64) if smallest <= s <= max_batch)
+    sizes = [s for s in (cfg.preferred_batch_sizes or default) if s <= max_batch] or [max_batch]
+    delay = cfg.max_queue_delay_us
+    if delay is None:
+        delay = CPU_QUEUE_DELAY_US if cfg.flavor == "cpu" else GPU_QUEUE_DELAY_US
     config.dynamic_batching.preferred_batch_size.extend(sizes)
-    config.dynamic_batching.max_queue_delay_microseconds = cfg.max_queue_delay_us
+    config.dynamic_batching.max_queue_delay_microseconds = delay
     config.dynamic_batching.default_queue_policy.max_queue_size = cfg.max_queue_size
 
 
@@ -101,10 +116,12 @@ def cpu_embed_config(meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryCo
     config = mc.ModelConfig(name=EMBED_MODEL, backend="python", max_batch_size=max_batch)
     _add_io(config, *_text_io(meta.dim))
     _batching(config, max_batch, cfg)
-    config.instance_group.add(count=cfg.instances or 2, kind=mc.ModelInstanceGroup.KIND_CPU)
+    config.instance_group.add(count=cfg.instances or 1, kind=mc.ModelInstanceGroup.KIND_CPU)
     threads = str(cfg.intra_op_threads)
+    spinning = "1" if cfg.allow_spinning else "0"
     _params(config, {**_common_params(meta), "onnx_file": "model.onnx",
-                     "intra_op_threads": threads, **cfg.extra_parameters})  # fmt: skip
+                     "intra_op_threads": threads, "allow_spinning": spinning,
+                     **cfg.extra_parameters})  # fmt: skip
     return config
 
 

@@ -33,14 +33,15 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
         "EMBEDDING": (mc.TYPE_FP32, [384]), "TRUNCATED": (mc.TYPE_BOOL, [1]),
     }  # fmt: skip
     batching = config.dynamic_batching
-    assert list(batching.preferred_batch_size) == [4, 8, 16, 32, 64]
-    assert batching.max_queue_delay_microseconds == 1000
+    assert list(batching.preferred_batch_size) == [16, 32, 64]  # CPU: no small batches
+    assert batching.max_queue_delay_microseconds == 4000
     assert batching.default_queue_policy.max_queue_size == 1024
     (group,) = config.instance_group
-    assert group.kind == mc.ModelInstanceGroup.KIND_CPU and group.count == 2
+    assert group.kind == mc.ModelInstanceGroup.KIND_CPU and group.count == 1
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["source_model"] == "all-MiniLM-L6-v2" and params["dim"] == "384"
     assert params["intra_op_threads"] == "2"
+    assert params["allow_spinning"] == "0"  # busy-waiting threads stall the stub
     version = tmp_path / "embed" / "1"
     for name in ("model.py", "textcodec.py", "model.onnx", "tokenizer.json", "encoder.json"):
         assert (version / name).is_file(), name
@@ -93,6 +94,8 @@ def test_gtr_profile_sets_instances_on_gpu(tmp_path_factory: pytest.TempPathFact
     repo = generate_repository(onnx_path, tmp_path, RepositoryConfig(flavor="gpu"))
     enc = read_config(repo.config_path("encoder"))
     assert enc.instance_group[0].count == 2  # GTR-base profile: two instances per GPU
+    assert list(enc.dynamic_batching.preferred_batch_size) == [4, 8, 16, 32, 64]
+    assert enc.dynamic_batching.max_queue_delay_microseconds == 1000
     assert (tmp_path / "encoder" / "1" / "README").exists()  # no plan given: instructions
 
 

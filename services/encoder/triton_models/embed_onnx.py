@@ -73,6 +73,14 @@ class TritonPythonModel:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = _threads(config, int(params.get("intra_op_threads", "0")))
         options.inter_op_num_threads = 1
+        # Busy-waiting worker threads take the cores that Triton's threads and this stub
+        # need between batches: on a 2-core box that stalled requests for ~500 ms.
+        spin = params.get("allow_spinning", "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        # Spinning worker threads burn the cores that Triton's own threads and the stub
+        # need between batches; on a shared CPU they cause ~500 ms stalls.
+        spin = params.get("allow_spinning", "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
         self.session = ort.InferenceSession(
             os.path.join(here, params.get("onnx_file", "model.onnx")),
             options,
