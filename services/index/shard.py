@@ -274,24 +274,28 @@ class IvfPqShard:
         return faiss.IDSelectorBatch(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
 
     def _refine(self, queries: np.ndarray, ids: np.ndarray, k: int) -> list[list[Hit]]:
-        """Re-rank the IVF-PQ candidates by their SQ8-decoded inner product (one batch)."""
+        """Re-rank the IVF-PQ candidates by their SQ8-decoded inner product (one batch).
+
+        Only real candidates are decoded (-1 pads stay at -inf), and ids cross into
+        Python as plain ints once (``tolist``): per-element numpy scalars made this
+        step cost as much as the FAISS search itself.
+        """
         valid = ids >= 0
-        flat_ids = ids[valid]
-        slots = np.fromiter(
-            (self._slot[int(f)] for f in flat_ids), dtype=np.int64, count=len(flat_ids)
-        )
-        decoded = np.zeros((*ids.shape, self.dim), dtype=np.float32)
+        slot_of = self._slot
+        slots = np.array([slot_of[f] for f in ids[valid].tolist()], dtype=np.int64)
+        exact = np.full(ids.shape, -np.inf, dtype=np.float32)
         if len(slots):
-            decoded[valid] = self.sq.decode(self._codes[slots])
-        exact = np.einsum("qcd,qd->qc", decoded, queries)
-        exact[~valid] = -np.inf
+            decoded = self.sq.decode(self._codes[slots])
+            rows = np.nonzero(valid)[0]
+            exact[valid] = np.einsum("cd,cd->c", decoded, queries[rows])
         order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
-        out: list[list[Hit]] = []
-        for row, cols in enumerate(order):
-            out.append(
-                [(self._doc[int(ids[row, c])], float(exact[row, c])) for c in cols if valid[row, c]]
-            )
-        return out
+        top_ids = np.take_along_axis(ids, order, axis=1).tolist()
+        top_scores = np.take_along_axis(exact, order, axis=1).tolist()
+        doc = self._doc
+        return [
+            [(doc[i], s) for i, s in zip(id_row, score_row, strict=True) if i >= 0]
+            for id_row, score_row in zip(top_ids, top_scores, strict=True)
+        ]
 
     # --- state -----------------------------------------------------------------------
 
