@@ -46,11 +46,11 @@ class TrainConfig:
     normalize: bool = True
     max_len: int = 256
     max_query_len: int = 64
-    steps: int = 300
+    steps: int = 700
     queries_per_step: int = 1
     negatives: int = 7
     negative_depth: int = 50
-    lr: float = 3e-5
+    lr: float = 5e-5
     head_lr: float = 1e-3
     warmup_fraction: float = 0.1
     weight_decay: float = 0.01
