@@ -18,7 +18,7 @@ The checkpoint directory holds backbone/ (save_pretrained + tokenizer),
 celi_head.safetensors, celi_config.json, trainer_state.pt (for --resume) and
 split.json (the train/dev query ids). See docs/rerank.md.
 
-Example (SciFact, ~10 min on 2 CPU cores):
+Example (SciFact, ~20 min on 2 CPU cores):
   gtr-retrieval rerank train --data /work/shared/data/scifact --out ckpt/celi \\
       --variant celi --steps 700 --max-len 192
 """
