@@ -343,7 +343,8 @@ async def load_log(writer: ChangeLogWriter, ids: list[str], vectors: np.ndarray)
 def start_cluster(
     index_dir: Path, redis_url: str, work: Path, shards: int
 ) -> tuple[Any, ShardCluster, float]:
-    settings = {"search-threads": "2", "omp-threads": "1", "log-level": "WARNING"}
+    # 2 shards on 2 cores: search inline on each shard's event loop (docs/index.md)
+    settings = {"search-threads": "0", "omp-threads": "1", "log-level": "WARNING"}
     t = time.perf_counter()
     ctx = run_shards(index_dir, redis_url, work, shards=shards, settings=settings, timeout=600)
     cluster = ctx.__enter__()

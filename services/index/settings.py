@@ -26,7 +26,12 @@ class ShardSettings(ServiceSettings):
     snapshot_every_entries: int = Field(20_000, ge=1, description="Snapshot after N changes.")
     snapshot_every_s: float = Field(60.0, gt=0, description="…or after this many seconds.")
     keep_snapshots: int = Field(3, ge=1, description="Snapshots kept on disk.")
-    search_threads: int = Field(2, ge=1, description="Threads running FAISS searches.")
+    search_threads: int = Field(
+        2,
+        ge=0,
+        description="Threads running FAISS searches; 0 = inline on the event loop (best "
+        "when the shards already outnumber the cores, see docs/index.md).",
+    )
     omp_threads: int = Field(1, ge=1, description="OpenMP threads per FAISS call.")
     gpu: bool = Field(
         True, description="Serve searches from a GPU copy when faiss sees a GPU (else CPU)."

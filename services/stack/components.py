@@ -211,6 +211,8 @@ def shard_child(cfg: StackConfig, shard: int, replica: int, redis_url: str) -> C
         "--redis-url", redis_url, "--index-dir", str(cfg.index_dir),
         "--snapshot-dir", str(cfg.snapshot_dir(shard, replica)),
         "--metrics-port", str(metrics_port),
+        # every replica of every shard shares this machine's cores: search inline
+        "--search-threads", "0",
     ]  # fmt: skip
     child = Child(name, argv, cfg.logs / f"{name}.log", job="index")
     child.address = f"{cfg.host}:{port}"

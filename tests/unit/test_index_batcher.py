@@ -1,0 +1,86 @@
+"""Server-side micro-batching: concurrent searches coalesce, answers equal the shard's own."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.index.batcher import SearchBatcher
+from services.index.changes import Upsert
+from services.index.shard import IvfPqShard
+from services.index.train import TrainedIndex
+from tests.support.shards import scifact_vectors, shared_test_index
+
+N_BASE = 4683
+
+
+@pytest.fixture(scope="module")
+def vectors(scifact_dir: Path) -> np.ndarray:
+    return scifact_vectors(scifact_dir)
+
+
+@pytest.fixture(scope="module")
+def shard(vectors: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> IvfPqShard:
+    trained = TrainedIndex.load(shared_test_index(tmp_path_factory.getbasetemp(), vectors))
+    loaded = IvfPqShard(trained)
+    loaded.apply([Upsert(str(i), vectors[i], {"parity": str(i % 2)})
+                  for i in range(N_BASE)], "1-0")  # fmt: skip
+    return loaded
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "pool"])
+def test_concurrent_searches_coalesce_and_match(
+    shard: IvfPqShard, vectors: np.ndarray, workers: int
+) -> None:
+    queries = vectors[N_BASE : N_BASE + 64]
+    calls: list[int] = []
+    original = shard.search
+
+    def counting(q: np.ndarray, k: int, nprobe: int = 0, filter=()):  # type: ignore[no-untyped-def]
+        calls.append(len(q))
+        return original(q, k, nprobe, filter)
+
+    async def run() -> list[list[list[tuple[str, float]]]]:
+        batcher = SearchBatcher(shard, workers=workers)
+        try:
+            return await asyncio.gather(*[
+                batcher.search(queries[i : i + 1], 5 + i % 3, 16, ()) for i in range(len(queries))
+            ])  # fmt: skip
+        finally:
+            batcher.close()
+
+    shard.search = counting  # type: ignore[method-assign,assignment]
+    try:
+        answers = asyncio.run(run())
+    finally:
+        del shard.search  # type: ignore[method-assign]
+    assert sum(calls) == len(queries)
+    assert len(calls) < len(queries) / 4  # coalesced: far fewer FAISS calls than queries
+    for i, answer in enumerate(answers):
+        direct = shard.search(queries[i : i + 1], 5 + i % 3, 16)
+        assert [d for d, _ in answer[0]] == [d for d, _ in direct[0]]
+        assert len(answer[0]) == 5 + i % 3  # each caller gets its own k
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "pool"])
+def test_filtered_search_and_errors(shard: IvfPqShard, vectors: np.ndarray, workers: int) -> None:
+    async def run() -> None:
+        batcher = SearchBatcher(shard, workers=workers)
+        try:
+            hits = await batcher.search(vectors[N_BASE:N_BASE + 2], 10, 16, (("parity", ("1",)),))
+            assert all(int(d) % 2 == 1 for row in hits for d, _ in row)
+            with pytest.raises(InvalidArgument):
+                await batcher.search(vectors[N_BASE:N_BASE + 1, :10], 10, 16, ())
+        finally:
+            batcher.close()
+
+    asyncio.run(run())
+
+
+def test_negative_workers_rejected(shard: IvfPqShard) -> None:
+    with pytest.raises(ValueError, match="workers"):
+        SearchBatcher(shard, workers=-1)
