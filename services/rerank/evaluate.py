@@ -5,6 +5,8 @@ all checkpoints compared must have been trained on the same split. Reranking re-
 the dense top-``depth``; documents below ``depth`` keep their dense order after it.
 For CELI the report also gives nDCG@10 of ``s_m`` alone and ``s_l`` alone, and
 ``untrained=True`` adds the untrained default head (the backbone's zero-shot MaxSim).
+``vs_dense`` compares each reranker with the dense order query by query (wins,
+losses, mean difference and its paired bootstrap 95 % interval).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     report: dict[str, Any] = {
         "queries": len(qids), "depth": cfg.depth, "k": cfg.k,
         "ndcg@10": {"dense": _mean_ndcg(run, data.qrels, cfg.k)},
-        "terms": {}, "seconds": {}, "pairs_per_s": {},
+        "terms": {}, "vs_dense": {}, "seconds": {}, "pairs_per_s": {},
     }  # fmt: skip
     systems: list[Path | None] = [*cfg.checkpoints, *([None] if cfg.untrained else [])]
     first = (CeliConfig.read(Path(cfg.checkpoints[0]) / CONFIG_FILE) if cfg.checkpoints
@@ -88,6 +90,10 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
                 ranking[qid] = [head[i] for i in order] + tail
         seconds = time.perf_counter() - start
         report["ndcg@10"][label] = _mean_ndcg(reranked["score"], data.qrels, cfg.k)
+        report["vs_dense"][label] = paired_comparison(
+            _per_query(run, data.qrels, cfg.k, qids),
+            _per_query(reranked["score"], data.qrels, cfg.k, qids),
+        )
         if config.variant != "monobert":  # the two terms alone, for diagnosis
             for name in ("s_m", "s_l"):
                 report["terms"][f"{label} {name} only"] = _mean_ndcg(reranked[name], data.qrels,
@@ -95,6 +101,35 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         report["seconds"][label] = round(seconds, 1)
         report["pairs_per_s"][label] = round(len(qids) * cfg.depth / seconds, 1)
     return report
+
+
+def paired_comparison(
+    base: list[float], system: list[float], resamples: int = 10_000, seed: int = 0
+) -> dict[str, Any]:
+    """Per-query comparison of a system with its baseline on the same queries.
+
+    ``wins``/``losses``/``ties`` count queries; ``mean_diff`` is the mean of the
+    per-query differences and ``ci95`` its paired bootstrap 95 % interval (queries
+    resampled with replacement, ``resamples`` times, fixed ``seed``): an interval that
+    contains 0 means the gain is within what the choice of queries can move.
+    """
+    if len(base) != len(system) or not base:
+        raise InvalidArgument("paired comparison needs the same, non-empty set of queries")
+    diff = np.asarray(system, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return {
+        "wins": int((diff > 1e-12).sum()), "losses": int((diff < -1e-12).sum()),
+        "ties": int((np.abs(diff) <= 1e-12).sum()), "mean_diff": round(float(diff.mean()), 4),
+        "ci95": [round(float(low), 4), round(float(high), 4)],
+    }  # fmt: skip
+
+
+def _per_query(
+    run: dict[str, list[str]], qrels: dict[str, dict[str, int]], k: int, qids: list[str]
+) -> list[float]:
+    return [ndcg_at_k(run[q], qrels[q], k) for q in qids]
 
 
 def _mean_ndcg(run: dict[str, list[str]], qrels: dict[str, dict[str, int]], k: int) -> float:
