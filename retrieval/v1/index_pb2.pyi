@@ -67,60 +67,41 @@ class ShardSearchRequest(_message.Message):
 Global___ShardSearchRequest: _TypeAlias = ShardSearchRequest  # noqa: Y015
 
 @_typing.final
-class ShardHits(_message.Message):
-    """The hits of one query, best first. ids[i] has score scores[i]; fewer than k when
-    the shard holds fewer matching documents.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    IDS_FIELD_NUMBER: _builtins.int
-    SCORES_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
-    @_builtins.property
-    def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
-    def __init__(
-        self,
-        *,
-        ids: _abc.Iterable[_builtins.str] | None = ...,
-        scores: _abc.Iterable[_builtins.float] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "scores", b"scores"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ShardHits: _TypeAlias = ShardHits  # noqa: Y015
-
-@_typing.final
 class ShardSearchResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    RESULTS_FIELD_NUMBER: _builtins.int
     SHARD_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
     APPLIED_POSITION_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    IDS_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     replica: _builtins.str
     applied_position: _builtins.str
     """The log position this answer reflects."""
+    width: _builtins.int
+    """The hits as a grid of `width` columns per query vector, rows in query order, each
+    row best first: ids[r * width + c] has score scores[r * width + c]. A row with fewer
+    hits (the shard holds fewer matching documents) is padded with "" and -inf.
+    """
+    scores: _builtins.bytes
+    """rows × width little-endian float32."""
     @_builtins.property
-    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardHits]:
-        """One entry per query vector, in order."""
-
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
-        results: _abc.Iterable[Global___ShardHits] | None = ...,
         shard: _builtins.int = ...,
         replica: _builtins.str = ...,
         applied_position: _builtins.str = ...,
+        width: _builtins.int = ...,
+        ids: _abc.Iterable[_builtins.str] | None = ...,
+        scores: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "replica", b"replica", "results", b"results", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "ids", b"ids", "replica", b"replica", "scores", b"scores", "shard", b"shard", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.index.metrics import ShardMetrics
-from services.index.query import FilterSpec, Hit
+from services.index.query import FilterSpec, TopK
 from services.index.shard import IvfPqShard
 
 
@@ -35,7 +35,7 @@ class _Pending:
     queries: np.ndarray
     k: int
     nprobe: int
-    future: asyncio.Future[list[list[Hit]]] = field(repr=False)
+    future: asyncio.Future[TopK] = field(repr=False)
 
 
 class SearchBatcher:
@@ -60,7 +60,7 @@ class SearchBatcher:
 
     async def search(
         self, queries: np.ndarray, k: int, nprobe: int, filter: FilterSpec
-    ) -> list[list[Hit]]:
+    ) -> TopK:
         queries = self.shard.validate(queries, k, nprobe)
         loop = asyncio.get_running_loop()
         if filter:
@@ -121,18 +121,20 @@ class SearchBatcher:
                 if not p.future.done():
                     p.future.set_exception(exc)
             return
+        if len(batch) == 1:
+            if not batch[0].future.done():
+                batch[0].future.set_result(hits)
+            return
         row = 0
         for p in batch:
             n = len(p.queries)
             if not p.future.done():
-                p.future.set_result([h[: p.k] for h in hits[row : row + n]])
+                p.future.set_result(hits.take(row, row + n, p.k))
             row += n
 
-    def _timed(
-        self, queries: np.ndarray, k: int, nprobe: int, filter: FilterSpec
-    ) -> list[list[Hit]]:
+    def _timed(self, queries: np.ndarray, k: int, nprobe: int, filter: FilterSpec) -> TopK:
         start = time.perf_counter()
-        hits = self.shard.search(queries, k, nprobe, filter)
+        hits = self.shard.search_top_k(queries, k, nprobe, filter)
         if self.metrics is not None:
             labels = self.metrics.labels
             self.metrics.search_seconds.labels(*labels).observe(time.perf_counter() - start)

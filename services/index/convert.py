@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from retrieval.v1 import common_pb2, index_pb2
-from services.common.errors import InvalidArgument
-from services.index.query import Consistency, ShardAnswer, ShardQuery
+from services.common.errors import InvalidArgument, Unavailable
+from services.index.query import Consistency, ShardAnswer, ShardQuery, TopK
 from services.index.shard import MAX_QUERIES, ShardStats
 from services.index.train import Manifest
 
@@ -71,10 +71,9 @@ def query_to_pb(q: ShardQuery) -> index_pb2.ShardSearchRequest:
 
 def answer_to_pb(a: ShardAnswer) -> index_pb2.ShardSearchResponse:
     return index_pb2.ShardSearchResponse(
-        results=[
-            index_pb2.ShardHits(ids=[h[0] for h in hits], scores=[h[1] for h in hits])
-            for hits in a.hits
-        ],
+        width=a.top.width,
+        ids=a.top.ids,
+        scores=np.ascontiguousarray(a.top.scores, dtype="<f4").tobytes(),
         shard=a.shard,
         replica=a.replica,
         applied_position=a.applied_position,
@@ -82,8 +81,18 @@ def answer_to_pb(a: ShardAnswer) -> index_pb2.ShardSearchResponse:
 
 
 def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:
+    """The answer; Unavailable when the grid does not add up (a broken replica)."""
+    ids = list(r.ids)
+    if 4 * len(ids) != len(r.scores) or (ids and (r.width == 0 or len(ids) % r.width)):
+        raise Unavailable(
+            f"shard {r.shard} replica {r.replica}: malformed answer "
+            f"({len(ids)} ids, {len(r.scores)} score bytes, width {r.width})"
+        )
+    scores = np.frombuffer(r.scores, dtype="<f4").reshape(-1, r.width or 1)
+    if not ids:
+        scores = np.zeros((0, r.width), np.float32)
     return ShardAnswer(
-        hits=[list(zip(h.ids, h.scores, strict=True)) for h in r.results],
+        top=TopK(ids, scores),
         shard=r.shard,
         replica=r.replica,
         applied_position=r.applied_position,

@@ -17,18 +17,18 @@ This cuts the RPCs per query by the batch size, and the shards run the batch as 
 FAISS call. SESSION and filtered searches are never coalesced (their waits and
 selectors are their own).
 
-The merge (:func:`merge_top_k`, :func:`merge_results`, :func:`split_result`) is pure and
+The merge (:func:`merge_results`, :func:`split_result`) is pure and
 unit-tested; only :class:`ShardRouter` and its coalescer touch grpc.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -39,7 +39,7 @@ from services.common.errors import DeadlineExceeded, InvalidArgument, RetrievalE
 from services.common.status import error_from_rpc
 from services.index import convert
 from services.index.positions import WriteToken
-from services.index.query import Consistency, FilterSpec, ShardAnswer, ShardQuery
+from services.index.query import PAD_ID, Consistency, FilterSpec, ShardAnswer, ShardQuery, TopK
 from services.index.shard import MAX_K
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,7 @@ RESERVE_MIN_S = 0.005
 OUTAGES = (Unavailable, DeadlineExceeded)
 
 
-@dataclass(frozen=True)
-class RoutedHit:
+class RoutedHit(NamedTuple):  # a tuple: ~4× cheaper to create than a frozen dataclass
     doc_id: str
     score: float
     shard: int
@@ -63,19 +62,20 @@ class RoutedResult:
     missing_shards: list[int]  # shards that did not answer (partial result)
 
 
-def merge_top_k(per_shard: Sequence[Sequence[RoutedHit]], k: int) -> list[RoutedHit]:
-    """The k best hits over all shards by score (ties: lower shard first, stable)."""
-    return heapq.nlargest(k, itertools.chain.from_iterable(per_shard), key=lambda h: h.score)
-
-
 def merge_results(
     answers: Sequence[ShardAnswer | BaseException],
     num_queries: int,
     k: int,
     require_complete: bool,
 ) -> RoutedResult:
-    """Merge the shards' answers (in shard order); outages become ``missing_shards``."""
-    per_query: list[list[list[RoutedHit]]] = [[] for _ in range(num_queries)]
+    """Merge the shards' answers (in shard order); outages become ``missing_shards``.
+
+    Vectorised over the batch: the shards' score grids side by side, one stable sort
+    per row (ties: the lower shard first, then the shard's own order), and Python
+    objects only for the k hits kept per query.
+    """
+    tops: list[TopK] = []
+    shard_of: list[int] = []
     missing: list[int] = []
     for shard, answer in enumerate(answers):
         if isinstance(answer, OUTAGES) and not require_complete:
@@ -84,11 +84,30 @@ def merge_results(
             continue
         if isinstance(answer, BaseException):
             raise answer
-        if len(answer.hits) != num_queries:
-            raise Unavailable(f"shard {shard} answered {len(answer.hits)} of {num_queries}")
-        for row, hits in enumerate(answer.hits):
-            per_query[row].append([RoutedHit(d, float(s), shard) for d, s in hits])
-    return RoutedResult([merge_top_k(rows, k) for rows in per_query], missing)
+        if answer.top.rows != num_queries:
+            raise Unavailable(f"shard {shard} answered {answer.top.rows} of {num_queries}")
+        if answer.top.width:
+            tops.append(answer.top)
+            shard_of.append(shard)
+    if not tops:
+        return RoutedResult([[] for _ in range(num_queries)], missing)
+    widths = np.array([t.width for t in tops])
+    starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
+    scores = np.concatenate([t.scores for t in tops], axis=1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    which = np.searchsorted(starts, order, side="right") - 1  # index into tops
+    flat = np.arange(num_queries)[:, None] * widths[which] + (order - starts[which])
+    kept = np.take_along_axis(scores, order, axis=1).tolist()
+    ids = [t.ids for t in tops]
+    hits = [
+        [
+            RoutedHit(ids[t][f], s, shard_of[t])
+            for t, f, s in zip(t_row, f_row, s_row, strict=True)
+            if ids[t][f] != PAD_ID
+        ]
+        for t_row, f_row, s_row in zip(which.tolist(), flat.tolist(), kept, strict=True)
+    ]
+    return RoutedResult(hits, missing)
 
 
 def split_result(result: RoutedResult, ks: Sequence[int]) -> list[RoutedResult]:

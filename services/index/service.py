@@ -39,9 +39,9 @@ class ShardService:
         elif query.consistency is Consistency.STRONG:
             await self.replica.wait_for(await self.replica.tail(), deadline.remaining())
         deadline.check("the search")
-        hits = await self.batcher.search(query.vectors, query.k, query.nprobe, query.filter)
+        top = await self.batcher.search(query.vectors, query.k, query.nprobe, query.filter)
         return ShardAnswer(
-            hits, self.shard_id, self.replica.config.replica, self.replica.shard.applied
+            top, self.shard_id, self.replica.config.replica, self.replica.shard.applied
         )
 
     def stats(self) -> ShardStats:

@@ -26,7 +26,7 @@ from services.index import positions
 from services.index.changes import Change, Delete, Upsert
 from services.index.gpu import GpuMirror
 from services.index.ids import faiss_id
-from services.index.query import FilterSpec, Hit
+from services.index.query import PAD_ID, FilterSpec, Hit, TopK
 from services.index.rwlock import RWLock
 from services.index.train import TrainedIndex, pq_error
 
@@ -209,12 +209,22 @@ class IvfPqShard:
         filter: FilterSpec = (),
     ) -> list[list[Hit]]:
         """Top-k (doc id, score) per query, best first; fewer when fewer documents match."""
+        return self.search_top_k(queries, k, nprobe, filter).hits()
+
+    def search_top_k(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int = 0,
+        filter: FilterSpec = (),
+    ) -> TopK:
+        """:meth:`search` as a ``(queries, k)`` grid, padded where fewer documents match."""
         queries = self.validate(queries, k, nprobe)
         nprobe = nprobe or self.manifest.nprobe
         with self.lock.read():
             selector = self._selector(filter)
             if selector is None and filter:
-                return [[] for _ in range(len(queries))]
+                return TopK.empty(len(queries), k)
             fetch = k * self.manifest.refine_factor if self.manifest.refine else k
             if self.gpu is not None and selector is None:
                 scores, ids = self.gpu.search(queries, fetch, nprobe)
@@ -224,11 +234,11 @@ class IvfPqShard:
                     params.sel = selector
                 scores, ids = self.index.search(queries, fetch, params=params)
             if self.manifest.refine:
-                return self._refine(queries, ids, k)
-            return [
-                [(self._doc[int(i)], float(s)) for s, i in zip(srow, irow, strict=True) if i >= 0]
-                for srow, irow in zip(scores, ids, strict=True)
-            ]
+                ids, scores = self._refine(queries, ids, k)
+            else:
+                scores = np.where(ids >= 0, scores, np.float32(-np.inf)).astype(np.float32)
+            doc = self._doc
+            return TopK([doc[i] if i >= 0 else PAD_ID for i in ids.ravel().tolist()], scores)
 
     def check_vector(self, vector: np.ndarray) -> None:
         """InvalidArgument unless ``vector`` is a finite vector of the index dimension."""
@@ -273,9 +283,12 @@ class IvfPqShard:
         assert allowed is not None
         return faiss.IDSelectorBatch(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
 
-    def _refine(self, queries: np.ndarray, ids: np.ndarray, k: int) -> list[list[Hit]]:
+    def _refine(
+        self, queries: np.ndarray, ids: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Re-rank the IVF-PQ candidates by their SQ8-decoded inner product (one batch).
 
+        Returns the top-k (ids, scores) grids, -1 / -inf where fewer candidates exist.
         Only real candidates are decoded (-1 pads stay at -inf), and ids cross into
         Python as plain ints once (``tolist``): per-element numpy scalars made this
         step cost as much as the FAISS search itself.
@@ -289,13 +302,7 @@ class IvfPqShard:
             rows = np.nonzero(valid)[0]
             exact[valid] = np.einsum("cd,cd->c", decoded, queries[rows])
         order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
-        top_ids = np.take_along_axis(ids, order, axis=1).tolist()
-        top_scores = np.take_along_axis(exact, order, axis=1).tolist()
-        doc = self._doc
-        return [
-            [(doc[i], s) for i, s in zip(id_row, score_row, strict=True) if i >= 0]
-            for id_row, score_row in zip(top_ids, top_scores, strict=True)
-        ]
+        return np.take_along_axis(ids, order, axis=1), np.take_along_axis(exact, order, axis=1)
 
     # --- state -----------------------------------------------------------------------
 

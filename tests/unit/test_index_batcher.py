@@ -11,6 +11,7 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.index.batcher import SearchBatcher
 from services.index.changes import Upsert
+from services.index.query import TopK
 from services.index.shard import IvfPqShard
 from services.index.train import TrainedIndex
 from tests.support.shards import scifact_vectors, shared_test_index
@@ -38,13 +39,13 @@ def test_concurrent_searches_coalesce_and_match(
 ) -> None:
     queries = vectors[N_BASE : N_BASE + 64]
     calls: list[int] = []
-    original = shard.search
+    original = shard.search_top_k
 
     def counting(q: np.ndarray, k: int, nprobe: int = 0, filter=()):  # type: ignore[no-untyped-def]
         calls.append(len(q))
         return original(q, k, nprobe, filter)
 
-    async def run() -> list[list[list[tuple[str, float]]]]:
+    async def run() -> list[TopK]:
         batcher = SearchBatcher(shard, workers=workers)
         try:
             return await asyncio.gather(*[
@@ -53,11 +54,11 @@ def test_concurrent_searches_coalesce_and_match(
         finally:
             batcher.close()
 
-    shard.search = counting  # type: ignore[method-assign,assignment]
+    shard.search_top_k = counting  # type: ignore[method-assign,assignment]
     try:
-        answers = asyncio.run(run())
+        answers = [top.hits() for top in asyncio.run(run())]
     finally:
-        del shard.search  # type: ignore[method-assign]
+        del shard.search_top_k  # type: ignore[method-assign]
     assert sum(calls) == len(queries)
     assert len(calls) < len(queries) / 4  # coalesced: far fewer FAISS calls than queries
     for i, answer in enumerate(answers):
@@ -71,7 +72,9 @@ def test_filtered_search_and_errors(shard: IvfPqShard, vectors: np.ndarray, work
     async def run() -> None:
         batcher = SearchBatcher(shard, workers=workers)
         try:
-            hits = await batcher.search(vectors[N_BASE:N_BASE + 2], 10, 16, (("parity", ("1",)),))
+            top = await batcher.search(vectors[N_BASE:N_BASE + 2], 10, 16, (("parity", ("1",)),))
+            hits = top.hits()
+            assert all(len(row) == 10 for row in hits)
             assert all(int(d) % 2 == 1 for row in hits for d, _ in row)
             with pytest.raises(InvalidArgument):
                 await batcher.search(vectors[N_BASE:N_BASE + 1, :10], 10, 16, ())

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from retrieval.v1 import common_pb2, index_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.index import convert
-from services.index.query import Consistency, ShardAnswer, ShardQuery
+from services.index.query import Consistency, ShardAnswer, ShardQuery, TopK
 from services.index.shard import ShardStats
 from services.index.train import Manifest
 
@@ -67,7 +67,7 @@ def test_unspecified_consistency_is_eventual_and_unknown_is_rejected() -> None:
 
 def test_answer_round_trip() -> None:
     answer = ShardAnswer(
-        hits=[[("a", 0.5), ("b", 0.25)], [], [("c", -1.0)]],
+        top=TopK.from_hits([[("a", 0.5), ("b", 0.25)], [], [("c", -1.0)]]),
         shard=1,
         replica="shard-1-r0",
         applied_position="5-1",
@@ -76,6 +76,15 @@ def test_answer_round_trip() -> None:
         convert.answer_to_pb(answer).SerializeToString()
     )
     assert convert.answer_from_pb(wire) == answer
+    assert convert.answer_from_pb(wire).hits == [[("a", 0.5), ("b", 0.25)], [], [("c", -1.0)]]
+
+
+def test_a_malformed_answer_is_an_outage_not_a_crash() -> None:
+    bad = index_pb2.ShardSearchResponse(width=2, ids=["a", "b"], scores=b"\0" * 4, shard=3)
+    with pytest.raises(Unavailable, match="shard 3"):
+        convert.answer_from_pb(bad)
+    with pytest.raises(Unavailable):
+        convert.answer_from_pb(index_pb2.ShardSearchResponse(width=0, ids=["a"], scores=b"\0" * 4))
 
 
 def test_stats_to_pb_carries_every_field() -> None:

@@ -6,21 +6,53 @@ import pytest
 
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.index.query import ShardAnswer
-from services.index.router import RoutedHit, merge_results, merge_top_k, shard_deadline
+from services.index.query import ShardAnswer, TopK
+from services.index.router import RoutedHit, merge_results, shard_deadline
 
 
-def answer(shard: int, *rows: list[tuple[str, float]]) -> ShardAnswer:
-    return ShardAnswer([list(r) for r in rows], shard, f"r{shard}", "1-0")
+def answer(shard: int, *rows: list[tuple[str, float]], width: int | None = None) -> ShardAnswer:
+    return ShardAnswer(TopK.from_hits(rows, width), shard, f"r{shard}", "1-0")
 
 
 def test_merge_top_k_by_score_across_shards() -> None:
-    a = [RoutedHit("a1", 0.9, 0), RoutedHit("a2", 0.5, 0)]
-    b = [RoutedHit("b1", 0.7, 1), RoutedHit("b2", 0.6, 1)]
-    assert [h.doc_id for h in merge_top_k([a, b], 3)] == ["a1", "b1", "b2"]
-    assert merge_top_k([[], []], 5) == []
-    tie = merge_top_k([[RoutedHit("x", 0.5, 0)], [RoutedHit("y", 0.5, 1)]], 1)
-    assert tie[0].doc_id == "x"  # ties: the lower shard first
+    a = answer(0, [("a1", 0.9), ("a2", 0.5)])
+    b = answer(1, [("b1", 0.7), ("b2", 0.6)], width=4)  # padded: 2 hits in 4 columns
+    merged = merge_results([a, b], 1, 3, True).hits[0]
+    assert [(h.doc_id, h.shard) for h in merged] == [("a1", 0), ("b1", 1), ("b2", 1)]
+    assert [h.score for h in merged] == pytest.approx([0.9, 0.7, 0.6])
+    assert [h.doc_id for h in merge_results([a, b], 1, 9, True).hits[0]] == [
+        "a1", "b1", "b2", "a2"
+    ]  # fmt: skip
+    empty = [answer(0, [], width=5), answer(1, [], width=0)]
+    assert merge_results(empty, 1, 5, True).hits == [[]]
+    tie = merge_results([answer(0, [("x", 0.5)]), answer(1, [("y", 0.5)])], 1, 1, True)
+    assert tie.hits[0][0].doc_id == "x"  # ties: the lower shard first
+
+
+def test_merge_matches_a_sort_of_every_hit() -> None:
+    """Random grids of different widths per shard: the same top-k as sorting all hits."""
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    for trial in range(20):
+        rows, k = 1 + trial % 4, 1 + trial % 7
+        per_shard = [
+            [
+                sorted(
+                    [(f"s{s}-q{q}-{i}", float(rng.integers(0, 20))) for i in range(n)],
+                    key=lambda h: -h[1],
+                )
+                for q in range(rows)
+                for n in [int(rng.integers(0, 6))]
+            ]
+            for s in range(3)
+        ]
+        answers = [answer(s, *per_shard[s], width=int(rng.integers(5, 8))) for s in range(3)]
+        merged = merge_results(answers, rows, k, True)
+        for q in range(rows):
+            every = [(d, sc, s) for s in range(3) for d, sc in per_shard[s][q]]
+            expected = sorted(every, key=lambda h: -h[1])[:k]  # stable: shard order on ties
+            assert [(h.doc_id, h.score, h.shard) for h in merged.hits[q]] == expected
 
 
 def test_merge_results_per_query_and_partial() -> None:
