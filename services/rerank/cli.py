@@ -18,9 +18,11 @@ The checkpoint directory holds backbone/ (save_pretrained + tokenizer),
 celi_head.safetensors, celi_config.json, trainer_state.pt (for --resume) and
 split.json (the train/dev query ids). See docs/rerank.md.
 
-Example (SciFact, ~20 min on 2 CPU cores):
+Example (SciFact, ~12 + ~11 min on 2 CPU cores; nDCG@10 0.670 -> 0.743):
   gtr-retrieval rerank train --data /work/shared/data/scifact --out ckpt/celi \\
-      --variant celi --steps 700 --max-len 192
+      --variant celi --steps 700 --max-len 192 --threads 2
+  gtr-retrieval rerank train --data /work/shared/data/scifact --out ckpt/celi \\
+      --variant celi --steps 1400 --max-len 192 --threads 2 --resume
 """
 
 
@@ -60,7 +62,7 @@ def _add_train(rsub: Any) -> None:
                    "unit-length ones (default: normalised, as ColBERT).")  # fmt: skip
     p.add_argument("--max-len", type=int, default=256, help="Max pair length in tokens (256).")
     p.add_argument("--steps", type=int, default=700,
-                   help="Optimizer steps (700: the SciFact recipe of docs/rerank.md).")
+                   help="Optimizer steps (700; docs/rerank.md then resumes to 1400).")
     p.add_argument("--queries-per-step", type=int, default=1, help="Queries per step (1).")
     p.add_argument("--negatives", type=int, default=7, help="Negatives per query (7).")
     p.add_argument("--negative-depth", type=int, default=50,
@@ -72,7 +74,12 @@ def _add_train(rsub: Any) -> None:
     p.add_argument("--max-train-queries", type=int, help="Use only the first N train queries.")
     p.add_argument("--checkpoint-every", type=int, default=100,
                    help="Checkpoint every N steps (100; 0 = only at the end).")  # fmt: skip
-    p.add_argument("--resume", action="store_true", help="Continue from --out's trainer_state.pt.")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue from --out's trainer_state.pt. With a larger --steps, train on to the "
+        "new total (the LR schedule restarts for it: docs/rerank.md).",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice).")
     p.set_defaults(handler=_train)
 
