@@ -108,6 +108,70 @@ class ShardSearchResponse(_message.Message):
 Global___ShardSearchResponse: _TypeAlias = ShardSearchResponse  # noqa: Y015
 
 @_typing.final
+class ShardStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAG_FIELD_NUMBER: _builtins.int
+    SEARCH_FIELD_NUMBER: _builtins.int
+    TIMEOUT_US_FIELD_NUMBER: _builtins.int
+    tag: _builtins.int
+    """Chosen by the caller, echoed in the response."""
+    timeout_us: _builtins.int
+    """This search's remaining budget in microseconds; 0 = none (a stream message has no
+    deadline of its own). Past it the search answers DEADLINE_EXCEEDED.
+    """
+    @_builtins.property
+    def search(self) -> Global___ShardSearchRequest: ...
+    def __init__(
+        self,
+        *,
+        tag: _builtins.int = ...,
+        search: Global___ShardSearchRequest | None = ...,
+        timeout_us: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["search", b"search"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["search", b"search", "tag", b"tag", "timeout_us", b"timeout_us"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardStreamRequest: _TypeAlias = ShardStreamRequest  # noqa: Y015
+
+@_typing.final
+class ShardStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAG_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
+    STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
+    tag: _builtins.int
+    status_code: _builtins.int
+    """A gRPC status code number (0 OK, 3 INVALID_ARGUMENT, 4 DEADLINE_EXCEEDED, 14
+    UNAVAILABLE, ...) and its message, as a unary Search would have answered.
+    """
+    status_message: _builtins.str
+    @_builtins.property
+    def result(self) -> Global___ShardSearchResponse:
+        """Set when status_code is 0 (OK)."""
+
+    def __init__(
+        self,
+        *,
+        tag: _builtins.int = ...,
+        result: Global___ShardSearchResponse | None = ...,
+        status_code: _builtins.int = ...,
+        status_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "status_code", b"status_code", "status_message", b"status_message", "tag", b"tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardStreamResponse: _TypeAlias = ShardStreamResponse  # noqa: Y015
+
+@_typing.final
 class ShardStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -39,6 +39,11 @@ class IndexShardServiceStub:
                 request_serializer=retrieval_dot_v1_dot_index__pb2.ShardSearchRequest.SerializeToString,
                 response_deserializer=retrieval_dot_v1_dot_index__pb2.ShardSearchResponse.FromString,
                 _registered_method=True)
+        self.SearchStream = channel.stream_stream(
+                '/retrieval.v1.IndexShardService/SearchStream',
+                request_serializer=retrieval_dot_v1_dot_index__pb2.ShardStreamRequest.SerializeToString,
+                response_deserializer=retrieval_dot_v1_dot_index__pb2.ShardStreamResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/retrieval.v1.IndexShardService/Stats',
                 request_serializer=retrieval_dot_v1_dot_index__pb2.ShardStatsRequest.SerializeToString,
@@ -57,6 +62,18 @@ class IndexShardServiceServicer:
     def Search(self, request, context):
         """Top-k for a batch of query vectors. Honors the deadline: waiting for a
         min_position (SESSION/STRONG) that is not reached in time gives DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SearchStream(self, request_iterator, context):
+        """The router's hot path: the same searches over one long-lived stream per replica
+        (a stream message costs a third of a unary call here, docs/index.md). Each request
+        gets exactly one response with its tag, in completion order. A search's error
+        travels in its response (status_code, status_message) and the stream stays open;
+        the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
+        message (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +100,11 @@ def add_IndexShardServiceServicer_to_server(servicer, server):
                     servicer.Search,
                     request_deserializer=retrieval_dot_v1_dot_index__pb2.ShardSearchRequest.FromString,
                     response_serializer=retrieval_dot_v1_dot_index__pb2.ShardSearchResponse.SerializeToString,
+            ),
+            'SearchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SearchStream,
+                    request_deserializer=retrieval_dot_v1_dot_index__pb2.ShardStreamRequest.FromString,
+                    response_serializer=retrieval_dot_v1_dot_index__pb2.ShardStreamResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -122,6 +144,33 @@ class IndexShardService:
             '/retrieval.v1.IndexShardService/Search',
             retrieval_dot_v1_dot_index__pb2.ShardSearchRequest.SerializeToString,
             retrieval_dot_v1_dot_index__pb2.ShardSearchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/retrieval.v1.IndexShardService/SearchStream',
+            retrieval_dot_v1_dot_index__pb2.ShardStreamRequest.SerializeToString,
+            retrieval_dot_v1_dot_index__pb2.ShardStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

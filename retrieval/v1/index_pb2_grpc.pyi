@@ -37,6 +37,14 @@ class IndexShardServiceStub:
     """Top-k for a batch of query vectors. Honors the deadline: waiting for a
     min_position (SESSION/STRONG) that is not reached in time gives DEADLINE_EXCEEDED.
     """
+    SearchStream: _grpc.StreamStreamMultiCallable[_index_pb2.ShardStreamRequest, _index_pb2.ShardStreamResponse]
+    """The router's hot path: the same searches over one long-lived stream per replica
+    (a stream message costs a third of a unary call here, docs/index.md). Each request
+    gets exactly one response with its tag, in completion order. A search's error
+    travels in its response (status_code, status_message) and the stream stays open;
+    the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
+    message (INVALID_ARGUMENT).
+    """
     Stats: _grpc.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]
     """Sizes, positions and quantizer health of this replica."""
     Snapshot: _grpc.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]
@@ -48,6 +56,14 @@ class IndexShardServiceAsyncStub(IndexShardServiceStub):
     Search: _aio.UnaryUnaryMultiCallable[_index_pb2.ShardSearchRequest, _index_pb2.ShardSearchResponse]  # type: ignore[assignment]
     """Top-k for a batch of query vectors. Honors the deadline: waiting for a
     min_position (SESSION/STRONG) that is not reached in time gives DEADLINE_EXCEEDED.
+    """
+    SearchStream: _aio.StreamStreamMultiCallable[_index_pb2.ShardStreamRequest, _index_pb2.ShardStreamResponse]  # type: ignore[assignment]
+    """The router's hot path: the same searches over one long-lived stream per replica
+    (a stream message costs a third of a unary call here, docs/index.md). Each request
+    gets exactly one response with its tag, in completion order. A search's error
+    travels in its response (status_code, status_message) and the stream stays open;
+    the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
+    message (INVALID_ARGUMENT).
     """
     Stats: _aio.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]  # type: ignore[assignment]
     """Sizes, positions and quantizer health of this replica."""
@@ -63,6 +79,20 @@ class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_index_pb2.ShardSearchResponse, _abc.Awaitable[_index_pb2.ShardSearchResponse]]:
         """Top-k for a batch of query vectors. Honors the deadline: waiting for a
         min_position (SESSION/STRONG) that is not reached in time gives DEADLINE_EXCEEDED.
+        """
+
+    @_abc_1.abstractmethod
+    def SearchStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_index_pb2.ShardStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_index_pb2.ShardStreamResponse], _abc.AsyncIterator[_index_pb2.ShardStreamResponse]]:
+        """The router's hot path: the same searches over one long-lived stream per replica
+        (a stream message costs a third of a unary call here, docs/index.md). Each request
+        gets exactly one response with its tag, in completion order. A search's error
+        travels in its response (status_code, status_message) and the stream stays open;
+        the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
+        message (INVALID_ARGUMENT).
         """
 
     @_abc_1.abstractmethod

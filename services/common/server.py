@@ -11,7 +11,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,8 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
+        if handler is not None and handler.stream_stream is not None:
+            return self._stream(handler, details)
         if handler is None or handler.unary_unary is None:
             return handler
         method = details.method.rsplit("/", 1)[-1]
@@ -95,6 +97,57 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
                     metrics.observe(method, code.name, time.perf_counter() - start)
 
         return grpc.unary_unary_rpc_method_handler(
+            wrapped,
+            request_deserializer=_safe_deserializer(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+    def _stream(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        """Bidirectional streams: a malformed message ends the stream with INVALID_ARGUMENT,
+        a domain error raised at stream level gets its code. (Per-message errors are the
+        servicer's: it answers them in the stream.) Latency is recorded per stream."""
+        method = details.method.rsplit("/", 1)[-1]
+        behavior = handler.stream_stream
+        metrics = self._metrics
+
+        async def checked(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, _Malformed):
+                    # raised, not aborted here: the handler may read in another task, and
+                    # the abort must happen in the handler's own (see `wrapped`)
+                    raise errors.InvalidArgument(f"malformed message: {request.reason}")
+                yield request
+
+        async def wrapped(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                async for reply in behavior(checked(requests, context), context):
+                    yield reply
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except errors.RetrievalError as exc:
+                code = status_of(exc)
+                await context.abort(code, exc.message)
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                code = grpc.StatusCode.INTERNAL
+                log.exception("unhandled error in %s", details.method)
+                await context.abort(code, f"internal error: {type(exc).__name__}")
+            finally:
+                if metrics is not None:
+                    metrics.observe(method, code.name, time.perf_counter() - start)
+
+        return grpc.stream_stream_rpc_method_handler(
             wrapped,
             request_deserializer=_safe_deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,

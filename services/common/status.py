@@ -37,3 +37,23 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> errors.RetrievalError:
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = ERROR_OF.get(code, errors.Unavailable)
     return cls(f"{what}: {details}")
+
+
+_CODE_OF_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_number(exc: BaseException) -> tuple[int, str]:
+    """(gRPC status code number, message) of an error, for answers carried in a message.
+
+    A domain error keeps its code; anything else is a bug and becomes INTERNAL.
+    """
+    if isinstance(exc, errors.RetrievalError):
+        return int(status_of(exc).value[0]), exc.message
+    return int(grpc.StatusCode.INTERNAL.value[0]), f"internal error: {type(exc).__name__}"
+
+
+def error_from_status(number: int, message: str, what: str) -> errors.RetrievalError:
+    """The domain error for a status code number carried in a message (see status_number)."""
+    code = _CODE_OF_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+    cls = ERROR_OF.get(code, errors.Unavailable)
+    return cls(f"{what}: {message}")

@@ -36,11 +36,11 @@ import numpy as np
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, InvalidArgument, RetrievalError, Unavailable
-from services.common.status import error_from_rpc
 from services.index import convert
 from services.index.positions import WriteToken
 from services.index.query import PAD_ID, Consistency, FilterSpec, ShardAnswer, ShardQuery, TopK
 from services.index.shard import MAX_K
+from services.index.shard_stream import ShardStream
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ def shard_deadline(overall: Deadline) -> Deadline:
 
 
 class _Shard:
-    """The replicas of one shard: one channel each, round-robin with failover."""
+    """The replicas of one shard: a channel and a search stream each, round-robin with
+    failover on Unavailable."""
 
     def __init__(self, index: int, addresses: Sequence[str]) -> None:
         if not addresses:
@@ -136,6 +137,10 @@ class _Shard:
         self.addresses = list(addresses)
         self.channels = [grpc.aio.insecure_channel(a) for a in addresses]
         self.stubs = [index_pb2_grpc.IndexShardServiceStub(c) for c in self.channels]
+        self.streams = [
+            ShardStream(stub, f"shard {index} replica {address}")
+            for stub, address in zip(self.stubs, self.addresses, strict=True)
+        ]
         self._next = itertools.cycle(range(len(addresses)))
 
     async def search(
@@ -143,18 +148,16 @@ class _Shard:
     ) -> ShardAnswer:
         first = next(self._next)
         error: RetrievalError = Unavailable(f"shard {self.index}: no replica")
-        for attempt in range(len(self.stubs)):
-            replica = (first + attempt) % len(self.stubs)
+        for attempt in range(len(self.streams)):
+            replica = (first + attempt) % len(self.streams)
             remaining = deadline.remaining()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"shard {self.index}: no time left")
             try:
-                response = await self.stubs[replica].Search(request, timeout=remaining)
+                response = await self.streams[replica].search(request, deadline)
                 return convert.answer_from_pb(response)
-            except grpc.aio.AioRpcError as exc:
-                error = error_from_rpc(exc, f"shard {self.index} replica {self.addresses[replica]}")
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise error from None
+            except Unavailable as exc:
+                error = exc
         raise error
 
     async def stats(self) -> list[index_pb2.ShardStats | None]:
@@ -170,6 +173,8 @@ class _Shard:
         return list(await asyncio.gather(*[one(s) for s in self.stubs]))
 
     async def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
         for channel in self.channels:
             await channel.close()
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
+from services.common.errors import RetrievalError
+from services.common.status import status_number
 from services.index import convert
 from services.index.service import ShardService
+
+log = logging.getLogger(__name__)
 
 
 class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
@@ -21,6 +27,55 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
         query = convert.query_from_pb(request)
         answer = await self._service.search(query, context.time_remaining())
         return convert.answer_to_pb(answer)
+
+    async def SearchStream(
+        self,
+        requests: AsyncIterator[index_pb2.ShardStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[index_pb2.ShardStreamResponse]:
+        """Every request runs as its own task (so they batch like unary calls); answers go
+        out as they complete. At the end of the input, in-flight searches finish first."""
+        out: asyncio.Queue[index_pb2.ShardStreamResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(msg: index_pb2.ShardStreamRequest) -> None:
+            try:
+                query = convert.query_from_pb(msg.search)
+                timeout = msg.timeout_us / 1e6 if msg.timeout_us else None
+                answer = await self._service.search(query, timeout)
+                out.put_nowait(
+                    index_pb2.ShardStreamResponse(tag=msg.tag, result=convert.answer_to_pb(answer))
+                )
+            except Exception as exc:  # each search answers for itself; the stream goes on
+                if not isinstance(exc, RetrievalError):
+                    log.exception("unhandled error in a streamed search")
+                code, message = status_number(exc)
+                out.put_nowait(
+                    index_pb2.ShardStreamResponse(
+                        tag=msg.tag, status_code=code, status_message=message
+                    )
+                )
+
+        async def read() -> None:
+            try:
+                async for msg in requests:
+                    task = asyncio.ensure_future(one(msg))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.gather(*running)
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (reply := await out.get()) is not None:
+                yield reply
+            await reader  # re-raises a failed read (e.g. a malformed message)
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
 
     async def Stats(
         self, request: index_pb2.ShardStatsRequest, context: grpc.aio.ServicerContext

@@ -323,3 +323,42 @@ def test_concurrent_single_queries_coalesce_to_the_same_answers(
     together, alone = asyncio.run(run(True)), asyncio.run(run(False))
     assert [r.hits for r in together] == [r.hits for r in alone]
     assert all(len(r.hits[0]) == 3 + i % 5 for i, r in enumerate(together))
+
+
+def test_search_stream_answers_each_message_with_its_own_status(
+    cluster: ShardCluster, vectors: np.ndarray
+) -> None:
+    """The router's stream: tagged answers, a bad search fails alone, the stream goes on;
+    a malformed message ends the stream with INVALID_ARGUMENT."""
+    address = cluster.replica(0).address
+
+    def request(tag: int, k: int, timeout_us: int = 5_000_000) -> index_pb2.ShardStreamRequest:
+        search = index_pb2.ShardSearchRequest(
+            shard=0, queries=convert.vectors_to_pb(vectors[N_BASE : N_BASE + 2]), k=k
+        )
+        return index_pb2.ShardStreamRequest(tag=tag, search=search, timeout_us=timeout_us)
+
+    with grpc.insecure_channel(address) as channel:
+        stub = index_pb2_grpc.IndexShardServiceStub(channel)
+        replies = list(stub.SearchStream(iter([request(7, 5), request(8, 0), request(9, 3)])))
+        by_tag = {r.tag: r for r in replies}
+        assert sorted(by_tag) == [7, 8, 9]
+        assert by_tag[8].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "k" in by_tag[8].status_message
+        for tag, k in ((7, 5), (9, 3)):
+            answer = convert.answer_from_pb(by_tag[tag].result)
+            assert by_tag[tag].status_code == 0 and [len(row) for row in answer.hits] == [k, k]
+        # the same search through the unary call: the same hits
+        unary = stub.Search(request(7, 5).search, timeout=10)
+        assert convert.answer_from_pb(unary).hits == convert.answer_from_pb(by_tag[7].result).hits
+
+        raw = channel.stream_stream(
+            "/retrieval.v1.IndexShardService/SearchStream",
+            request_serializer=lambda b: b,
+            response_deserializer=index_pb2.ShardStreamResponse.FromString,
+        )
+        wrong_type = b"\x08\x05" + b"\x11" + b"\x00" * 8  # field 2 (search) sent as fixed64
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(iter([request(1, 5).SerializeToString(), wrong_type]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed" in (info.value.details() or "")
