@@ -26,6 +26,7 @@ slot; this service runs one Redis (with replicas for failover), not a cluster.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,10 +42,13 @@ from services.index.changes import Change, Delete, Upsert
 from services.index.ids import shard_of
 from services.index.positions import WriteToken
 
+log = logging.getLogger(__name__)
+
 DOC_PREFIX = "doc:"
 LOG_PREFIX = "log:"
 VERSION_PREFIX = "ver:"
 SNAPSHOT_POSITIONS = "snap:"  # hash per shard: replica → newest snapshot position
+REPLICAS_SEEN = "snapseen:"  # hash per shard: replica → unix time of its last registration
 MAX_ID_BYTES = 512
 MAX_BATCH = 1024
 
@@ -59,6 +63,10 @@ def doc_key(doc_id: str) -> str:
 
 def snapshot_positions_key(shard: int) -> str:
     return f"{SNAPSHOT_POSITIONS}{shard}"
+
+
+def replicas_seen_key(shard: int) -> str:
+    return f"{REPLICAS_SEEN}{shard}"
 
 
 # --- entry format ---------------------------------------------------------------------
@@ -382,18 +390,47 @@ class LogReader:
         oldest_kept = _text(first[0]) if first else _text(info["last-generated-id"])
         return positions.compare(position, oldest_kept) < 0
 
-    def register_snapshot(self, replica: str, position: str) -> None:
-        self._redis.hset(snapshot_positions_key(self.shard), replica, position)
+    def register_snapshot(self, replica: str, position: str, now: float | None = None) -> None:
+        """Record ``replica``'s replay floor and that it is alive (a heartbeat: live replicas
+        call this at least every ``heartbeat_s``, with or without a new snapshot)."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(snapshot_positions_key(self.shard), replica, position)
+        pipe.hset(replicas_seen_key(self.shard), replica, repr(time.time() if now is None else now))
+        pipe.execute()
 
-    def trim_below_snapshots(self) -> str | None:
+    def trim_below_snapshots(
+        self, stale_after_s: float | None = None, now: float | None = None
+    ) -> str | None:
         """Trim entries below the oldest snapshot position of all registered replicas.
 
+        A replica not seen for ``stale_after_s`` seconds is taken as removed (scaled
+        down, renamed): its registration is deleted so that it no longer holds the log
+        back. Should it come back after all, its start finds the log trimmed past its
+        snapshot and refuses to serve (``ShardReplica.start``) instead of missing changes.
+        A registration without a heartbeat (written by an older version) counts as live.
         Returns the floor used (None when nothing may be trimmed).
         """
-        known = self._redis.hvals(snapshot_positions_key(self.shard))
+        key = snapshot_positions_key(self.shard)
+        known = {_text(r): _text(p) for r, p in self._redis.hgetall(key).items()}
+        if stale_after_s is not None and known:
+            now = time.time() if now is None else now
+            seen = {_text(r): float(t) for r, t in self._redis.hgetall(
+                replicas_seen_key(self.shard)).items()}  # fmt: skip
+            stale = [r for r in known if r in seen and now - seen[r] > stale_after_s]
+            if stale:
+                pipe = self._redis.pipeline(transaction=True)
+                pipe.hdel(key, *stale)
+                pipe.hdel(replicas_seen_key(self.shard), *stale)
+                pipe.execute()
+                for r in stale:
+                    del known[r]
+                log.warning(
+                    "log:%d: replicas %s not seen for %.0f s: no longer holding the log back",
+                    self.shard, ", ".join(sorted(stale)), stale_after_s,
+                )  # fmt: skip
         if not known:
             return None
-        floor = positions.oldest(*[_text(p) for p in known])
+        floor = positions.oldest(*known.values())
         if floor == positions.ZERO:
             return None
         # MINID keeps entries >= floor; the floor entry itself is applied already by all,

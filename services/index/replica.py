@@ -43,6 +43,8 @@ class ReplicaConfig:
     snapshot_every_entries: int = 20_000
     snapshot_every_s: float = 60.0
     keep_snapshots: int = 3
+    heartbeat_s: float = 30.0  # re-register (position + alive) at least this often
+    stale_replica_s: float = 86_400.0  # a replica unseen this long no longer holds the log
     read_count: int = 512  # stream entries per XREAD
     block_ms: int = 50
 
@@ -62,6 +64,7 @@ class ShardReplica:
         self._waiters: list[tuple[str, asyncio.Future[None]]] = []
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
+        self._last_heartbeat = time.monotonic()
         self._sync = redis.Redis.from_url(config.redis_url, socket_timeout=10.0)
         self.log = LogReader(self._sync, config.shard)
         self.skipped_entries = 0
@@ -127,6 +130,7 @@ class ShardReplica:
                     log.info("shard %d replayed to %s", self.config.shard, self.shard.applied)
                     self.ready.set()
                 self._maybe_snapshot()
+                self._maybe_heartbeat()
         except Exception:
             log.exception("log consumer of shard %d stopped", self.config.shard)
             raise
@@ -187,10 +191,21 @@ class ShardReplica:
             self._last_snapshot = time.monotonic()
         try:
             self.log.register_snapshot(self.config.replica, self.replay_floor())
-            self.log.trim_below_snapshots()
+            self.log.trim_below_snapshots(self.config.stale_replica_s)
         except redis.RedisError as exc:
             log.warning("could not record snapshot position / trim (%s)", exc)
         return snap
+
+    def _maybe_heartbeat(self) -> None:
+        """Re-register this replica's floor now and then, so that an idle but live replica
+        is never taken for a removed one (`stale_replica_s`)."""
+        if time.monotonic() - self._last_heartbeat < self.config.heartbeat_s:
+            return
+        self._last_heartbeat = time.monotonic()
+        try:
+            self.log.register_snapshot(self.config.replica, self.replay_floor())
+        except redis.RedisError as exc:
+            log.warning("could not refresh the replica registration (%s)", exc)
 
     def replay_floor(self) -> str:
         """The oldest position this replica may need to replay from: that of its oldest

@@ -59,6 +59,8 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
         snapshot_every_entries=settings.snapshot_every_entries,
         snapshot_every_s=settings.snapshot_every_s,
         keep_snapshots=settings.keep_snapshots,
+        heartbeat_s=settings.heartbeat_s,
+        stale_replica_s=settings.stale_replica_s,
     )
     loop = asyncio.get_running_loop()
     replica = await loop.run_in_executor(None, ShardReplica, config, metrics)

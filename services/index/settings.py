@@ -26,6 +26,15 @@ class ShardSettings(ServiceSettings):
     snapshot_every_entries: int = Field(20_000, ge=1, description="Snapshot after N changes.")
     snapshot_every_s: float = Field(60.0, gt=0, description="…or after this many seconds.")
     keep_snapshots: int = Field(3, ge=1, description="Snapshots kept on disk.")
+    heartbeat_s: float = Field(
+        30.0, gt=0, description="Re-register this replica's log floor (and that it is alive)."
+    )
+    stale_replica_s: float = Field(
+        86_400.0,
+        gt=0,
+        description="A replica of the shard unseen this long is taken as removed: it no "
+        "longer holds log trimming back (it must re-seed from a peer's snapshot to return).",
+    )
     search_threads: int = Field(
         2,
         ge=0,

@@ -133,3 +133,27 @@ def test_trim_below_the_oldest_registered_snapshot(redis_url: str) -> None:
     assert not reader.trimmed_past(ids[3]) and not reader.trimmed_past(ids[7])
     assert not LogReader(sync, 5).trimmed_past("0-0")  # no stream at all
     assert reader.trimmed_past("0-0") and reader.trimmed_past(ids[1])
+
+
+def test_a_replica_unseen_too_long_stops_holding_the_log_back(redis_url: str) -> None:
+    """A removed replica (scaled down, renamed) would hold trimming back forever: after
+    ``stale_after_s`` without a heartbeat its registration goes, a live one stays."""
+    sync: Any = redis.Redis.from_url(redis_url)
+    ids = [sync.xadd(log_key(0), {"op": "d", "ids": "[]"}).decode() for _ in range(10)]
+    reader = LogReader(sync, 0)
+    now = 1_000_000.0
+    reader.register_snapshot("gone", ids[1], now=now - 7200)  # last seen 2 h ago
+    reader.register_snapshot("live", ids[6], now=now - 10)
+    sync.hset("snap:0", "legacy", ids[2])  # registered without a heartbeat: counts as live
+    assert reader.trim_below_snapshots(stale_after_s=3600, now=now) == ids[2]
+    assert {r.decode() for r in sync.hkeys("snap:0")} == {"live", "legacy"}
+    assert {r.decode() for r in sync.hkeys("snapseen:0")} == {"live"}
+    sync.hdel("snap:0", "legacy")
+    # the heartbeat keeps an idle replica: seen 10 s ago is not stale
+    assert reader.trim_below_snapshots(stale_after_s=3600, now=now) == ids[6]
+    assert [e[0].decode() for e in sync.xrange(log_key(0))] == ids[6:]
+    # without a threshold nothing expires
+    reader.register_snapshot("old", ids[6], now=0.0)
+    assert reader.trim_below_snapshots() == ids[6] and sync.hexists("snap:0", "old")
+    # the removed replica, back after all, finds the log trimmed past its snapshot
+    assert reader.trimmed_past(ids[1])

@@ -362,3 +362,15 @@ def test_search_stream_answers_each_message_with_its_own_status(
             list(raw(iter([request(1, 5).SerializeToString(), wrong_type]), timeout=10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed" in (info.value.details() or "")
+
+
+def test_replicas_register_as_alive(cluster: ShardCluster, module_redis: str) -> None:
+    """Each replica records its log floor and a heartbeat time (stale-replica expiry)."""
+    import time
+
+    client = redis.Redis.from_url(module_redis)
+    for shard in range(SHARDS):
+        floors = client.hgetall(f"snap:{shard}")
+        seen = {r: float(t) for r, t in client.hgetall(f"snapseen:{shard}").items()}
+        assert len(floors) == 2 and set(seen) == set(floors)
+        assert all(time.time() - t < 3600 for t in seen.values())
