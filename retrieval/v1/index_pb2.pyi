@@ -32,6 +32,7 @@ class ShardSearchRequest(_message.Message):
     FILTER_FIELD_NUMBER: _builtins.int
     CONSISTENCY_FIELD_NUMBER: _builtins.int
     MIN_POSITION_FIELD_NUMBER: _builtins.int
+    PROBES_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     """The shard the caller means; a replica of another shard answers INVALID_ARGUMENT."""
     k: _builtins.int
@@ -47,6 +48,12 @@ class ShardSearchRequest(_message.Message):
 
     @_builtins.property
     def filter(self) -> _common_pb2.Filter: ...
+    @_builtins.property
+    def probes(self) -> Global___Probes:
+        """Optional: the coarse assignment, done by the caller once for all shards. Without it
+        the shard assigns the queries itself.
+        """
+
     def __init__(
         self,
         *,
@@ -57,14 +64,103 @@ class ShardSearchRequest(_message.Message):
         filter: _common_pb2.Filter | None = ...,
         consistency: _common_pb2.Consistency.ValueType = ...,
         min_position: _builtins.str = ...,
+        probes: Global___Probes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "queries", b"queries"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "probes", b"probes", "queries", b"queries"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "filter", b"filter", "k", b"k", "min_position", b"min_position", "nprobe", b"nprobe", "queries", b"queries", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "filter", b"filter", "k", b"k", "min_position", b"min_position", "nprobe", b"nprobe", "probes", b"probes", "queries", b"queries", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShardSearchRequest: _TypeAlias = ShardSearchRequest  # noqa: Y015
+
+@_typing.final
+class Probes(_message.Message):
+    """For each query, the inverted lists to scan and their coarse scores, row-major
+    (count × nprobe). `quantizer` must be the shard's QuantizerReply.id, else the search
+    fails with FAILED_PRECONDITION (the caller's quantizer is stale: fetch it again).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUANTIZER_FIELD_NUMBER: _builtins.int
+    NPROBE_FIELD_NUMBER: _builtins.int
+    LISTS_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
+    quantizer: _builtins.str
+    nprobe: _builtins.int
+    lists: _builtins.bytes
+    """count × nprobe little-endian int64, each in 0..nlist-1."""
+    scores: _builtins.bytes
+    """count × nprobe little-endian float32 (inner product or squared L2, as the metric)."""
+    def __init__(
+        self,
+        *,
+        quantizer: _builtins.str = ...,
+        nprobe: _builtins.int = ...,
+        lists: _builtins.bytes = ...,
+        scores: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lists", b"lists", "nprobe", b"nprobe", "quantizer", b"quantizer", "scores", b"scores"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Probes: _TypeAlias = Probes  # noqa: Y015
+
+@_typing.final
+class QuantizerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuantizerRequest: _TypeAlias = QuantizerRequest  # noqa: Y015
+
+@_typing.final
+class QuantizerReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    DIM_FIELD_NUMBER: _builtins.int
+    NLIST_FIELD_NUMBER: _builtins.int
+    METRIC_FIELD_NUMBER: _builtins.int
+    NPROBE_FIELD_NUMBER: _builtins.int
+    CENTROIDS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Names these centroids (a hash of them): Probes.quantizer."""
+    dim: _builtins.int
+    nlist: _builtins.int
+    metric: _builtins.str
+    """"IP" or "L2"."""
+    nprobe: _builtins.int
+    """The index's default nprobe (ShardSearchRequest.nprobe = 0)."""
+    centroids: _builtins.bytes
+    """nlist × dim little-endian float32."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        dim: _builtins.int = ...,
+        nlist: _builtins.int = ...,
+        metric: _builtins.str = ...,
+        nprobe: _builtins.int = ...,
+        centroids: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["centroids", b"centroids", "dim", b"dim", "id", b"id", "metric", b"metric", "nlist", b"nlist", "nprobe", b"nprobe"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuantizerReply: _TypeAlias = QuantizerReply  # noqa: Y015
 
 @_typing.final
 class ShardSearchResponse(_message.Message):

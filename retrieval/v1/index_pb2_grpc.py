@@ -44,6 +44,11 @@ class IndexShardServiceStub:
                 request_serializer=retrieval_dot_v1_dot_index__pb2.ShardStreamRequest.SerializeToString,
                 response_deserializer=retrieval_dot_v1_dot_index__pb2.ShardStreamResponse.FromString,
                 _registered_method=True)
+        self.Quantizer = channel.unary_unary(
+                '/retrieval.v1.IndexShardService/Quantizer',
+                request_serializer=retrieval_dot_v1_dot_index__pb2.QuantizerRequest.SerializeToString,
+                response_deserializer=retrieval_dot_v1_dot_index__pb2.QuantizerReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/retrieval.v1.IndexShardService/Stats',
                 request_serializer=retrieval_dot_v1_dot_index__pb2.ShardStatsRequest.SerializeToString,
@@ -79,6 +84,14 @@ class IndexShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quantizer(self, request, context):
+        """The trained coarse quantizer (the same for every shard of an index), so that a
+        caller can do the coarse assignment once for all shards (ShardSearchRequest.probes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Sizes, positions and quantizer health of this replica.
         """
@@ -105,6 +118,11 @@ def add_IndexShardServiceServicer_to_server(servicer, server):
                     servicer.SearchStream,
                     request_deserializer=retrieval_dot_v1_dot_index__pb2.ShardStreamRequest.FromString,
                     response_serializer=retrieval_dot_v1_dot_index__pb2.ShardStreamResponse.SerializeToString,
+            ),
+            'Quantizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quantizer,
+                    request_deserializer=retrieval_dot_v1_dot_index__pb2.QuantizerRequest.FromString,
+                    response_serializer=retrieval_dot_v1_dot_index__pb2.QuantizerReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -171,6 +189,33 @@ class IndexShardService:
             '/retrieval.v1.IndexShardService/SearchStream',
             retrieval_dot_v1_dot_index__pb2.ShardStreamRequest.SerializeToString,
             retrieval_dot_v1_dot_index__pb2.ShardStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quantizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/retrieval.v1.IndexShardService/Quantizer',
+            retrieval_dot_v1_dot_index__pb2.QuantizerRequest.SerializeToString,
+            retrieval_dot_v1_dot_index__pb2.QuantizerReply.FromString,
             options,
             channel_credentials,
             insecure,

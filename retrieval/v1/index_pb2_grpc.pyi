@@ -45,6 +45,10 @@ class IndexShardServiceStub:
     the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
     message (INVALID_ARGUMENT).
     """
+    Quantizer: _grpc.UnaryUnaryMultiCallable[_index_pb2.QuantizerRequest, _index_pb2.QuantizerReply]
+    """The trained coarse quantizer (the same for every shard of an index), so that a
+    caller can do the coarse assignment once for all shards (ShardSearchRequest.probes).
+    """
     Stats: _grpc.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]
     """Sizes, positions and quantizer health of this replica."""
     Snapshot: _grpc.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]
@@ -64,6 +68,10 @@ class IndexShardServiceAsyncStub(IndexShardServiceStub):
     travels in its response (status_code, status_message) and the stream stays open;
     the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
     message (INVALID_ARGUMENT).
+    """
+    Quantizer: _aio.UnaryUnaryMultiCallable[_index_pb2.QuantizerRequest, _index_pb2.QuantizerReply]  # type: ignore[assignment]
+    """The trained coarse quantizer (the same for every shard of an index), so that a
+    caller can do the coarse assignment once for all shards (ShardSearchRequest.probes).
     """
     Stats: _aio.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]  # type: ignore[assignment]
     """Sizes, positions and quantizer health of this replica."""
@@ -93,6 +101,16 @@ class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
         travels in its response (status_code, status_message) and the stream stays open;
         the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
         message (INVALID_ARGUMENT).
+        """
+
+    @_abc_1.abstractmethod
+    def Quantizer(
+        self,
+        request: _index_pb2.QuantizerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_index_pb2.QuantizerReply, _abc.Awaitable[_index_pb2.QuantizerReply]]:
+        """The trained coarse quantizer (the same for every shard of an index), so that a
+        caller can do the coarse assignment once for all shards (ShardSearchRequest.probes).
         """
 
     @_abc_1.abstractmethod

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.index.coarse import Probes
 from services.index.metrics import ShardMetrics
 from services.index.query import FilterSpec, TopK
 from services.index.shard import IvfPqShard
@@ -36,6 +37,25 @@ class _Pending:
     k: int
     nprobe: int
     future: asyncio.Future[TopK] = field(repr=False)
+    probes: Probes | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Requests batch together when their scans match: nprobe, and who assigned."""
+        return (self.nprobe, -1 if self.probes is None else self.probes.nprobe)
+
+
+def _joined(parts: list[Probes | None]) -> Probes | None:
+    """The probes of a batch (all of its requests have probes of one width, or none)."""
+    first = parts[0]
+    if first is None or len(parts) == 1:
+        return first
+    given = [p for p in parts if p is not None]
+    return Probes(
+        first.quantizer,
+        np.concatenate([p.lists for p in given]),
+        np.concatenate([p.scores for p in given]),
+    )
 
 
 class SearchBatcher:
@@ -59,18 +79,23 @@ class SearchBatcher:
         self._tasks: set[asyncio.Future[None]] = set()  # keep running tasks referenced
 
     async def search(
-        self, queries: np.ndarray, k: int, nprobe: int, filter: FilterSpec
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int,
+        filter: FilterSpec,
+        probes: Probes | None = None,
     ) -> TopK:
         queries = self.shard.validate(queries, k, nprobe)
         loop = asyncio.get_running_loop()
         if filter:
             async with self._slots:
                 if self.inline:
-                    return self._timed(queries, k, nprobe, filter)
+                    return self._timed(queries, k, nprobe, filter, probes)
                 return await loop.run_in_executor(
-                    self._pool, self._timed, queries, k, nprobe, filter
+                    self._pool, self._timed, queries, k, nprobe, filter, probes
                 )
-        pending = _Pending(queries, k, nprobe, loop.create_future())
+        pending = _Pending(queries, k, nprobe, loop.create_future(), probes)
         self._queue.append(pending)
         if not self._draining:
             self._draining = True
@@ -97,7 +122,7 @@ class SearchBatcher:
         batch, rows, rest = [first], len(first.queries), deque[_Pending]()
         while self._queue:
             item = self._queue.popleft()
-            if item.nprobe == first.nprobe and rows + len(item.queries) <= self.max_rows:
+            if item.key == first.key and rows + len(item.queries) <= self.max_rows:
                 batch.append(item)
                 rows += len(item.queries)
             else:
@@ -108,13 +133,14 @@ class SearchBatcher:
     async def _run(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         queries = np.concatenate([p.queries for p in batch]) if len(batch) > 1 else batch[0].queries
+        probes = _joined([p.probes for p in batch])
         k = max(p.k for p in batch)
         try:
             if self.inline:
-                hits = self._timed(queries, k, batch[0].nprobe, ())
+                hits = self._timed(queries, k, batch[0].nprobe, (), probes)
             else:
                 hits = await loop.run_in_executor(
-                    self._pool, self._timed, queries, k, batch[0].nprobe, ()
+                    self._pool, self._timed, queries, k, batch[0].nprobe, (), probes
                 )
         except Exception as exc:
             for p in batch:
@@ -132,9 +158,16 @@ class SearchBatcher:
                 p.future.set_result(hits.take(row, row + n, p.k))
             row += n
 
-    def _timed(self, queries: np.ndarray, k: int, nprobe: int, filter: FilterSpec) -> TopK:
+    def _timed(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int,
+        filter: FilterSpec,
+        probes: Probes | None = None,
+    ) -> TopK:
         start = time.perf_counter()
-        hits = self.shard.search_top_k(queries, k, nprobe, filter)
+        hits = self.shard.search_top_k(queries, k, nprobe, filter, probes)
         if self.metrics is not None:
             labels = self.metrics.labels
             self.metrics.search_seconds.labels(*labels).observe(time.perf_counter() - start)

@@ -6,6 +6,7 @@ import numpy as np
 
 from retrieval.v1 import common_pb2, index_pb2
 from services.common.errors import InvalidArgument, Unavailable
+from services.index.coarse import CoarseQuantizer, Probes
 from services.index.query import Consistency, ShardAnswer, ShardQuery, TopK
 from services.index.shard import MAX_QUERIES, ShardStats
 from services.index.train import Manifest
@@ -41,17 +42,42 @@ def filter_from_pb(f: common_pb2.Filter) -> tuple[tuple[str, tuple[str, ...]], .
     return tuple((c.key, tuple(c.any_of)) for c in f.must)
 
 
+def probes_to_pb(p: Probes) -> index_pb2.Probes:
+    return index_pb2.Probes(
+        quantizer=p.quantizer,
+        nprobe=p.nprobe,
+        lists=np.ascontiguousarray(p.lists, dtype="<i8").tobytes(),
+        scores=np.ascontiguousarray(p.scores, dtype="<f4").tobytes(),
+    )
+
+
+def probes_from_pb(p: index_pb2.Probes, rows: int) -> Probes:
+    expected = rows * p.nprobe
+    if p.nprobe == 0 or len(p.lists) != 8 * expected or len(p.scores) != 4 * expected:
+        raise InvalidArgument(
+            f"probes: {len(p.lists)} + {len(p.scores)} bytes for {rows} queries × nprobe "
+            f"{p.nprobe}, expected 8 and 4 bytes per probe"
+        )
+    return Probes(
+        quantizer=p.quantizer,
+        lists=np.frombuffer(p.lists, dtype="<i8").reshape(rows, p.nprobe),
+        scores=np.frombuffer(p.scores, dtype="<f4").reshape(rows, p.nprobe),
+    )
+
+
 def query_from_pb(req: index_pb2.ShardSearchRequest) -> ShardQuery:
     if req.consistency not in _CONSISTENCY:
         raise InvalidArgument(f"consistency: unknown value {req.consistency}")
+    vectors = vectors_from_pb(req.queries)
     return ShardQuery(
         shard=req.shard,
-        vectors=vectors_from_pb(req.queries),
+        vectors=vectors,
         k=req.k,
         nprobe=req.nprobe,
         filter=filter_from_pb(req.filter),
         consistency=_CONSISTENCY[req.consistency],
         min_position=req.min_position,
+        probes=probes_from_pb(req.probes, len(vectors)) if req.HasField("probes") else None,
     )
 
 
@@ -66,6 +92,7 @@ def query_to_pb(q: ShardQuery) -> index_pb2.ShardSearchRequest:
         ),
         consistency=_CONSISTENCY_PB[q.consistency],
         min_position=q.min_position,
+        probes=probes_to_pb(q.probes) if q.probes is not None else None,
     )
 
 
@@ -129,3 +156,27 @@ def stats_to_pb(
         snapshot_position=snapshot_position,
         gpu=gpu,
     )
+
+
+def quantizer_to_pb(q: CoarseQuantizer) -> index_pb2.QuantizerReply:
+    return index_pb2.QuantizerReply(
+        id=q.id,
+        dim=q.dim,
+        nlist=q.nlist,
+        metric=q.metric,
+        nprobe=q.default_nprobe,
+        centroids=np.ascontiguousarray(q.centroids, dtype="<f4").tobytes(),
+    )
+
+
+def quantizer_from_pb(r: index_pb2.QuantizerReply) -> CoarseQuantizer:
+    if r.dim == 0 or len(r.centroids) != 4 * r.dim * r.nlist:
+        raise Unavailable(f"quantizer: {len(r.centroids)} bytes for {r.nlist} × {r.dim}")
+    centroids = np.frombuffer(r.centroids, dtype="<f4").reshape(r.nlist, r.dim)
+    try:
+        quantizer = CoarseQuantizer(centroids, r.metric, r.nprobe)
+    except ValueError as exc:
+        raise Unavailable(f"quantizer: {exc}") from None
+    if quantizer.id != r.id:
+        raise Unavailable(f"quantizer: centroids do not hash to their id {r.id!r}")
+    return quantizer

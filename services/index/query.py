@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.index.coarse import Probes
+
 Hit = tuple[str, float]  # (doc id, score)
 FilterSpec = Sequence[tuple[str, Sequence[str]]]  # (key, any_of) conditions, all must hold
 
@@ -27,6 +29,7 @@ class ShardQuery:
     filter: FilterSpec = ()
     consistency: Consistency = Consistency.EVENTUAL
     min_position: str = ""
+    probes: Probes | None = None  # the coarse assignment, made once by the router
 
 
 PAD_ID = ""  # the id of an empty cell of a TopK grid (document ids are never empty)

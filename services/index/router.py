@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,8 +36,15 @@ import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.deadline import Deadline
-from services.common.errors import DeadlineExceeded, InvalidArgument, RetrievalError, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RetrievalError,
+    Unavailable,
+)
 from services.index import convert
+from services.index.coarse import CoarseQuantizer, Probes
 from services.index.positions import WriteToken
 from services.index.query import PAD_ID, Consistency, FilterSpec, ShardAnswer, ShardQuery, TopK
 from services.index.shard import MAX_K
@@ -48,6 +56,7 @@ log = logging.getLogger(__name__)
 RESERVE_FRACTION = 0.1
 RESERVE_MIN_S = 0.005
 OUTAGES = (Unavailable, DeadlineExceeded)
+QUANTIZER_RETRY_S = 30.0  # after a failed fetch of the shared quantizer
 
 
 class RoutedHit(NamedTuple):  # a tuple: ~4× cheaper to create than a frozen dataclass
@@ -160,6 +169,16 @@ class _Shard:
                 error = exc
         raise error
 
+    async def quantizer(self) -> CoarseQuantizer | None:
+        """The trained quantizer from the first replica that gives it (None if none)."""
+        for stub, address in zip(self.stubs, self.addresses, strict=True):
+            try:
+                reply = await stub.Quantizer(index_pb2.QuantizerRequest(), timeout=5.0)
+                return convert.quantizer_from_pb(reply)
+            except (grpc.aio.AioRpcError, RetrievalError) as exc:
+                log.warning("no quantizer from shard %d replica %s: %s", self.index, address, exc)
+        return None
+
     async def stats(self) -> list[index_pb2.ShardStats | None]:
         async def one(stub: index_pb2_grpc.IndexShardServiceStub) -> index_pb2.ShardStats | None:
             try:
@@ -264,17 +283,27 @@ class ShardRouter:
     """``ShardRouter([["host:port", ...replicas of shard 0], [...shard 1], ...])``.
 
     ``coalesce=True`` (default) batches concurrent single-query searches (see above);
-    ``max_waves`` fan-outs may be in flight at once.
+    ``max_waves`` fan-outs may be in flight at once. ``share_quantizer=True`` (default)
+    assigns each batch to its inverted lists once, here, instead of once per shard
+    (:mod:`services.index.coarse`).
     """
 
     def __init__(
-        self, shards: Sequence[Sequence[str]], *, coalesce: bool = True, max_waves: int = 2
+        self,
+        shards: Sequence[Sequence[str]],
+        *,
+        coalesce: bool = True,
+        max_waves: int = 2,
+        share_quantizer: bool = True,
     ) -> None:
         if not shards:
             raise ValueError("at least one shard is needed")
         self._shards = [_Shard(i, replicas) for i, replicas in enumerate(shards)]
         self.num_shards = len(self._shards)
         self._coalescer = _Coalescer(self, max_waves) if coalesce else None
+        self._share_quantizer = share_quantizer
+        self._quantizer: CoarseQuantizer | None = None
+        self._quantizer_retry_at = 0.0
 
     async def search(
         self,
@@ -333,10 +362,17 @@ class ShardRouter:
         timeout: float | None,
         require_complete: bool,
     ) -> RoutedResult:
-        """One ShardSearchRequest per shard for the whole batch; merge the answers."""
-        deadline = shard_deadline(Deadline.after(timeout))
+        """One ShardSearchRequest per shard for the whole batch; merge the answers.
 
-        def request(shard: int) -> index_pb2.ShardSearchRequest:
+        With the shared quantizer, the batch is assigned here; should a shard have other
+        centroids (FailedPrecondition: the index was retrained), the router forgets its
+        copy and runs the batch again with the shards assigning it themselves.
+        """
+        deadline = shard_deadline(Deadline.after(timeout))
+        quantizer = await self._coarse(vectors)
+        probes = quantizer.assign(vectors, nprobe) if quantizer is not None else None
+
+        def request(shard: int, probes: Probes | None) -> index_pb2.ShardSearchRequest:
             return convert.query_to_pb(
                 ShardQuery(
                     shard=shard,
@@ -346,14 +382,34 @@ class ShardRouter:
                     filter=filter,
                     consistency=consistency,
                     min_position=token.get(shard, "") if consistency is Consistency.SESSION else "",
+                    probes=probes,
                 )
             )
 
         answers = await asyncio.gather(
-            *[s.search(request(s.index), deadline) for s in self._shards],
+            *[s.search(request(s.index, probes), deadline) for s in self._shards],
             return_exceptions=True,
         )
+        if probes is not None and any(isinstance(a, FailedPrecondition) for a in answers):
+            log.warning("a shard refused this router's quantizer: fetching it again later")
+            self._quantizer = None
+            answers = await asyncio.gather(
+                *[s.search(request(s.index, None), deadline) for s in self._shards],
+                return_exceptions=True,
+            )
         return merge_results(answers, len(vectors), k, require_complete)
+
+    async def _coarse(self, vectors: np.ndarray) -> CoarseQuantizer | None:
+        """The shared quantizer when it applies to ``vectors`` (fetched on first use)."""
+        if not self._share_quantizer:
+            return None
+        if self._quantizer is None and time.monotonic() >= self._quantizer_retry_at:
+            self._quantizer_retry_at = time.monotonic() + QUANTIZER_RETRY_S
+            self._quantizer = await self._shards[0].quantizer()
+        q = self._quantizer
+        if q is None or vectors.shape[1] != q.dim or not np.isfinite(vectors).all():
+            return None  # the shards report the caller's mistake themselves
+        return q
 
     async def stats(self) -> list[list[index_pb2.ShardStats | None]]:
         """Stats of every replica of every shard (None for a replica that did not answer)."""

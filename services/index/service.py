@@ -39,7 +39,11 @@ class ShardService:
         elif query.consistency is Consistency.STRONG:
             await self.replica.wait_for(await self.replica.tail(), deadline.remaining())
         deadline.check("the search")
-        top = await self.batcher.search(query.vectors, query.k, query.nprobe, query.filter)
+        if query.probes is not None:
+            self.replica.shard.quantizer.check(query.probes, len(query.vectors))
+        top = await self.batcher.search(
+            query.vectors, query.k, query.nprobe, query.filter, query.probes
+        )
         return ShardAnswer(
             top, self.shard_id, self.replica.config.replica, self.replica.shard.applied
         )

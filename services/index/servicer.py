@@ -77,6 +77,11 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
             for task in list(running):
                 task.cancel()
 
+    async def Quantizer(
+        self, request: index_pb2.QuantizerRequest, context: grpc.aio.ServicerContext
+    ) -> index_pb2.QuantizerReply:
+        return convert.quantizer_to_pb(self._service.replica.shard.quantizer)
+
     async def Stats(
         self, request: index_pb2.ShardStatsRequest, context: grpc.aio.ServicerContext
     ) -> index_pb2.ShardStats:

@@ -24,6 +24,7 @@ import numpy as np
 from services.common.errors import InvalidArgument
 from services.index import positions
 from services.index.changes import Change, Delete, Upsert
+from services.index.coarse import CoarseQuantizer, Probes
 from services.index.gpu import GpuMirror
 from services.index.ids import faiss_id
 from services.index.query import PAD_ID, FilterSpec, Hit, TopK
@@ -97,6 +98,9 @@ class IvfPqShard:
         self.deleted_total = 0
         self.lock = RWLock()
         self.gpu: GpuMirror | None = None
+        # the trained centroids, for callers that assign queries once for all shards
+        m = self.manifest
+        self.quantizer = CoarseQuantizer.of_ivf(self.ivf, m.metric, m.nprobe)
 
     def attach_gpu(self, mirror: GpuMirror) -> None:
         """Serve unfiltered searches from ``mirror`` (a GPU copy kept in step from now on)."""
@@ -217,9 +221,16 @@ class IvfPqShard:
         k: int,
         nprobe: int = 0,
         filter: FilterSpec = (),
+        probes: Probes | None = None,
     ) -> TopK:
-        """:meth:`search` as a ``(queries, k)`` grid, padded where fewer documents match."""
+        """:meth:`search` as a ``(queries, k)`` grid, padded where fewer documents match.
+
+        ``probes``: the coarse assignment made by the caller (:mod:`.coarse`); it then
+        decides the lists scanned (and ``nprobe`` is theirs).
+        """
         queries = self.validate(queries, k, nprobe)
+        if probes is not None:
+            self.quantizer.check(probes, len(queries))
         nprobe = nprobe or self.manifest.nprobe
         with self.lock.read():
             selector = self._selector(filter)
@@ -227,7 +238,9 @@ class IvfPqShard:
                 return TopK.empty(len(queries), k)
             fetch = k * self.manifest.refine_factor if self.manifest.refine else k
             if self.gpu is not None and selector is None:
-                scores, ids = self.gpu.search(queries, fetch, nprobe)
+                scores, ids = self.gpu.search(queries, fetch, probes.nprobe if probes else nprobe)
+            elif probes is not None:
+                scores, ids = self._search_preassigned(queries, fetch, probes, selector)
             else:
                 params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
                 if selector is not None:
@@ -239,6 +252,25 @@ class IvfPqShard:
                 scores = np.where(ids >= 0, scores, np.float32(-np.inf)).astype(np.float32)
             doc = self._doc
             return TopK([doc[i] if i >= 0 else PAD_ID for i in ids.ravel().tolist()], scores)
+
+    def _search_preassigned(
+        self, queries: np.ndarray, k: int, probes: Probes, selector: faiss.IDSelector | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        # The Python wrapper of search_preassigned takes no SearchParameters (so no
+        # selector and no per-call nprobe): call the C++ method directly.
+        n = len(queries)
+        scores = np.empty((n, k), dtype=np.float32)
+        ids = np.empty((n, k), dtype=np.int64)
+        lists = np.ascontiguousarray(probes.lists, dtype=np.int64)
+        coarse = np.ascontiguousarray(probes.scores, dtype=np.float32)
+        params = faiss.SearchParametersIVF(nprobe=probes.nprobe)  # type: ignore[call-arg]
+        if selector is not None:
+            params.sel = selector
+        self.ivf.search_preassigned_c(  # type: ignore[attr-defined]
+            n, faiss.swig_ptr(queries), k, faiss.swig_ptr(lists), faiss.swig_ptr(coarse),
+            faiss.swig_ptr(scores), faiss.swig_ptr(ids), False, params,
+        )  # fmt: skip
+        return scores, ids
 
     def check_vector(self, vector: np.ndarray) -> None:
         """InvalidArgument unless ``vector`` is a finite vector of the index dimension."""

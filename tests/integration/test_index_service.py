@@ -374,3 +374,62 @@ def test_replicas_register_as_alive(cluster: ShardCluster, module_redis: str) ->
         seen = {r: float(t) for r, t in client.hgetall(f"snapseen:{shard}").items()}
         assert len(floors) == 2 and set(seen) == set(floors)
         assert all(time.time() - t < 3600 for t in seen.values())
+
+
+def test_shared_quantizer_gives_the_same_answers_and_survives_a_stale_copy(
+    cluster: ShardCluster, vectors: np.ndarray
+) -> None:
+    """The router assigns each batch to its lists once for all shards: same hits as the
+    shards assigning themselves; a router holding other centroids (the index was
+    retrained) is refused, answers anyway, and drops its copy."""
+    from services.index.coarse import CoarseQuantizer
+
+    queries = vectors[N_BASE : N_BASE + 200]
+
+    async def run() -> None:
+        shared = ShardRouter(cluster.addresses, share_quantizer=True)
+        own = ShardRouter(cluster.addresses, share_quantizer=False)
+        try:
+            a = await shared.search(queries, 10, nprobe=24, timeout=30)
+            b = await own.search(queries, 10, nprobe=24, timeout=30)
+            assert shared._quantizer is not None and own._quantizer is None
+            assert a.hits == b.hits and a.missing_shards == b.missing_shards == []
+            real = shared._quantizer
+            stale = CoarseQuantizer(real.centroids * 1.01, real.metric, real.default_nprobe)
+            shared._quantizer = stale
+            c = await shared.search(queries[:20], 10, nprobe=24, timeout=30)
+            assert c.hits == b.hits[:20]
+            assert shared._quantizer is None  # dropped; fetched again after a while
+        finally:
+            await shared.close()
+            await own.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("probes", "code", "message"),
+    [
+        (dict(quantizer="elsewhere"), grpc.StatusCode.FAILED_PRECONDITION, "quantizer"),
+        (dict(lists=b"\0" * 7), grpc.StatusCode.INVALID_ARGUMENT, "probes"),
+        (dict(lists=np.full(8, 10**6, "<i8").tobytes()), grpc.StatusCode.INVALID_ARGUMENT, "0.."),
+        (dict(scores=np.full(8, np.nan, "<f4").tobytes()), grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+    ],
+)  # fmt: skip
+def test_bad_probes_are_refused(
+    cluster: ShardCluster, vectors: np.ndarray, probes: dict, code: grpc.StatusCode, message: str
+) -> None:
+    address = cluster.replica(0).address
+    with grpc.insecure_channel(address) as channel:
+        stub = index_pb2_grpc.IndexShardServiceStub(channel)
+        q = convert.quantizer_from_pb(stub.Quantizer(index_pb2.QuantizerRequest(), timeout=10))
+        good = convert.probes_to_pb(q.assign(vectors[:1], 8))
+        request = index_pb2.ShardSearchRequest(
+            shard=0, queries=convert.vectors_to_pb(vectors[:1]), k=5, probes=good
+        )
+        assert len(stub.Search(request, timeout=10).ids) == 5  # the good probes work
+        for field, value in probes.items():
+            setattr(request.probes, field, value)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Search(request, timeout=10)
+    assert info.value.code() == code and message in (info.value.details() or "")

@@ -41,9 +41,9 @@ def test_concurrent_searches_coalesce_and_match(
     calls: list[int] = []
     original = shard.search_top_k
 
-    def counting(q: np.ndarray, k: int, nprobe: int = 0, filter=()):  # type: ignore[no-untyped-def]
+    def counting(q: np.ndarray, k: int, nprobe: int = 0, filter=(), probes=None):  # type: ignore[no-untyped-def]
         calls.append(len(q))
-        return original(q, k, nprobe, filter)
+        return original(q, k, nprobe, filter, probes)
 
     async def run() -> list[TopK]:
         batcher = SearchBatcher(shard, workers=workers)
