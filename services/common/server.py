@@ -8,6 +8,7 @@ with INVALID_ARGUMENT (not INTERNAL), and a graceful stop on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -67,34 +68,13 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
             return self._stream(handler, details)
         if handler is None or handler.unary_unary is None:
             return handler
-        method = details.method.rsplit("/", 1)[-1]
         behavior = handler.unary_unary
-        metrics = self._metrics
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start = time.perf_counter()
-            code = grpc.StatusCode.OK
-            try:
+            async with self._outcome(details, context):
                 if isinstance(request, _Malformed):
-                    code = grpc.StatusCode.INVALID_ARGUMENT
-                    await context.abort(code, f"malformed request: {request.reason}")
+                    raise errors.InvalidArgument(f"malformed request: {request.reason}")
                 return await behavior(request, context)
-            except grpc.aio.AbortError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            except errors.RetrievalError as exc:
-                code = status_of(exc)
-                await context.abort(code, exc.message)
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception as exc:
-                code = grpc.StatusCode.INTERNAL
-                log.exception("unhandled error in %s", details.method)
-                await context.abort(code, f"internal error: {type(exc).__name__}")
-            finally:
-                if metrics is not None:
-                    metrics.observe(method, code.name, time.perf_counter() - start)
 
         return grpc.unary_unary_rpc_method_handler(
             wrapped,
@@ -108,50 +88,56 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
         """Bidirectional streams: a malformed message ends the stream with INVALID_ARGUMENT,
         a domain error raised at stream level gets its code. (Per-message errors are the
         servicer's: it answers them in the stream.) Latency is recorded per stream."""
-        method = details.method.rsplit("/", 1)[-1]
         behavior = handler.stream_stream
-        metrics = self._metrics
 
-        async def checked(
-            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[Any]:
+        async def checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
             async for request in requests:
                 if isinstance(request, _Malformed):
                     # raised, not aborted here: the handler may read in another task, and
-                    # the abort must happen in the handler's own (see `wrapped`)
+                    # the abort must happen in the handler's own (`_outcome`)
                     raise errors.InvalidArgument(f"malformed message: {request.reason}")
                 yield request
 
         async def wrapped(
             requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
-            start = time.perf_counter()
-            code = grpc.StatusCode.OK
-            try:
-                async for reply in behavior(checked(requests, context), context):
+            async with self._outcome(details, context):
+                async for reply in behavior(checked(requests), context):
                     yield reply
-            except grpc.aio.AbortError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            except errors.RetrievalError as exc:
-                code = status_of(exc)
-                await context.abort(code, exc.message)
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception as exc:
-                code = grpc.StatusCode.INTERNAL
-                log.exception("unhandled error in %s", details.method)
-                await context.abort(code, f"internal error: {type(exc).__name__}")
-            finally:
-                if metrics is not None:
-                    metrics.observe(method, code.name, time.perf_counter() - start)
 
         return grpc.stream_stream_rpc_method_handler(
             wrapped,
             request_deserializer=_safe_deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+    @contextlib.asynccontextmanager
+    async def _outcome(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        """Around one call (unary or stream): domain errors abort with their status code,
+        anything else with INTERNAL; the call's code and latency go to the metrics."""
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        except errors.RetrievalError as exc:
+            code = status_of(exc)
+            await context.abort(code, exc.message)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("unhandled error in %s", details.method)
+            await context.abort(code, f"internal error: {type(exc).__name__}")
+        finally:
+            if self._metrics is not None:
+                method = details.method.rsplit("/", 1)[-1]
+                self._metrics.observe(method, code.name, time.perf_counter() - start)
 
 
 @dataclass

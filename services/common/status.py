@@ -35,8 +35,12 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> errors.RetrievalError:
     """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = ERROR_OF.get(code, errors.Unavailable)
-    return cls(f"{what}: {details}")
+    return _error(code, details, what)
+
+
+def _error(code: grpc.StatusCode, details: str, what: str) -> errors.RetrievalError:
+    """A code's domain error (an unknown code or INTERNAL: Unavailable, retry elsewhere)."""
+    return ERROR_OF.get(code, errors.Unavailable)(f"{what}: {details}")
 
 
 _CODE_OF_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
@@ -54,6 +58,4 @@ def status_number(exc: BaseException) -> tuple[int, str]:
 
 def error_from_status(number: int, message: str, what: str) -> errors.RetrievalError:
     """The domain error for a status code number carried in a message (see status_number)."""
-    code = _CODE_OF_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
-    cls = ERROR_OF.get(code, errors.Unavailable)
-    return cls(f"{what}: {message}")
+    return _error(_CODE_OF_NUMBER.get(number, grpc.StatusCode.UNKNOWN), message, what)

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.index.coarse import Probes
 from services.index.metrics import ShardMetrics
-from services.index.query import FilterSpec, TopK
+from services.index.query import FilterSpec, Probes, TopK
 from services.index.shard import IvfPqShard
 
 
@@ -45,12 +44,12 @@ class _Pending:
         return (self.nprobe, -1 if self.probes is None else self.probes.nprobe)
 
 
-def _joined(parts: list[Probes | None]) -> Probes | None:
-    """The probes of a batch (all of its requests have probes of one width, or none)."""
-    first = parts[0]
-    if first is None or len(parts) == 1:
+def _joined(batch: list[_Pending]) -> Probes | None:
+    """The probes of a batch: its requests share a key, so all have probes or none do."""
+    first = batch[0].probes
+    if first is None or len(batch) == 1:
         return first
-    given = [p for p in parts if p is not None]
+    given = [p.probes for p in batch if p.probes is not None]
     return Probes(
         first.quantizer,
         np.concatenate([p.lists for p in given]),
@@ -133,7 +132,7 @@ class SearchBatcher:
     async def _run(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         queries = np.concatenate([p.queries for p in batch]) if len(batch) > 1 else batch[0].queries
-        probes = _joined([p.probes for p in batch])
+        probes = _joined(batch)
         k = max(p.k for p in batch)
         try:
             if self.inline:

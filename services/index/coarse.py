@@ -13,28 +13,12 @@ refuses it (FailedPrecondition) rather than scan the wrong lists.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import faiss
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-
-
-@dataclass(frozen=True, eq=False)
-class Probes:
-    """Per query row: the lists to scan (int64) and their coarse scores (float32)."""
-
-    quantizer: str
-    lists: np.ndarray  # (rows, nprobe) int64
-    scores: np.ndarray  # (rows, nprobe) float32
-
-    @property
-    def nprobe(self) -> int:
-        return int(self.lists.shape[1])
-
-    def __len__(self) -> int:
-        return int(self.lists.shape[0])
+from services.index.query import Probes
 
 
 def quantizer_id(centroids: np.ndarray) -> str:

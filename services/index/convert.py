@@ -6,8 +6,8 @@ import numpy as np
 
 from retrieval.v1 import common_pb2, index_pb2
 from services.common.errors import InvalidArgument, Unavailable
-from services.index.coarse import CoarseQuantizer, Probes
-from services.index.query import Consistency, ShardAnswer, ShardQuery, TopK
+from services.index.coarse import CoarseQuantizer
+from services.index.query import Consistency, Probes, ShardAnswer, ShardQuery, TopK
 from services.index.shard import MAX_QUERIES, ShardStats
 from services.index.train import Manifest
 
@@ -18,6 +18,11 @@ _CONSISTENCY = {
     common_pb2.CONSISTENCY_STRONG: Consistency.STRONG,
 }
 _CONSISTENCY_PB = {v: k for k, v in _CONSISTENCY.items() if k != common_pb2.CONSISTENCY_UNSPECIFIED}
+
+
+def _f32(a: np.ndarray) -> bytes:
+    """Little-endian float32 bytes: how every float array of this API travels."""
+    return np.ascontiguousarray(a, dtype="<f4").tobytes()
 
 
 def vectors_from_pb(batch: common_pb2.VectorBatch) -> np.ndarray:
@@ -34,8 +39,9 @@ def vectors_from_pb(batch: common_pb2.VectorBatch) -> np.ndarray:
 
 
 def vectors_to_pb(vectors: np.ndarray) -> common_pb2.VectorBatch:
-    v = np.ascontiguousarray(vectors, dtype="<f4")
-    return common_pb2.VectorBatch(data=v.tobytes(), dim=v.shape[1], count=v.shape[0])
+    return common_pb2.VectorBatch(
+        data=_f32(vectors), dim=vectors.shape[1], count=vectors.shape[0]
+    )
 
 
 def filter_from_pb(f: common_pb2.Filter) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -47,7 +53,7 @@ def probes_to_pb(p: Probes) -> index_pb2.Probes:
         quantizer=p.quantizer,
         nprobe=p.nprobe,
         lists=np.ascontiguousarray(p.lists, dtype="<i8").tobytes(),
-        scores=np.ascontiguousarray(p.scores, dtype="<f4").tobytes(),
+        scores=_f32(p.scores),
     )
 
 
@@ -100,7 +106,7 @@ def answer_to_pb(a: ShardAnswer) -> index_pb2.ShardSearchResponse:
     return index_pb2.ShardSearchResponse(
         width=a.top.width,
         ids=a.top.ids,
-        scores=np.ascontiguousarray(a.top.scores, dtype="<f4").tobytes(),
+        scores=_f32(a.top.scores),
         shard=a.shard,
         replica=a.replica,
         applied_position=a.applied_position,
@@ -115,8 +121,9 @@ def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:
             f"shard {r.shard} replica {r.replica}: malformed answer "
             f"({len(ids)} ids, {len(r.scores)} score bytes, width {r.width})"
         )
-    scores = np.frombuffer(r.scores, dtype="<f4").reshape(-1, r.width or 1)
-    if not ids:
+    if ids:
+        scores = np.frombuffer(r.scores, dtype="<f4").reshape(-1, r.width)
+    else:
         scores = np.zeros((0, r.width), np.float32)
     return ShardAnswer(
         top=TopK(ids, scores),
@@ -165,7 +172,7 @@ def quantizer_to_pb(q: CoarseQuantizer) -> index_pb2.QuantizerReply:
         nlist=q.nlist,
         metric=q.metric,
         nprobe=q.default_nprobe,
-        centroids=np.ascontiguousarray(q.centroids, dtype="<f4").tobytes(),
+        centroids=_f32(q.centroids),
     )
 
 

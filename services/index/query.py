@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.index.coarse import Probes
-
 Hit = tuple[str, float]  # (doc id, score)
 FilterSpec = Sequence[tuple[str, Sequence[str]]]  # (key, any_of) conditions, all must hold
 
@@ -18,6 +16,21 @@ class Consistency(enum.Enum):
     EVENTUAL = "eventual"
     SESSION = "session"
     STRONG = "strong"
+
+
+@dataclass(frozen=True, eq=False)
+class Probes:
+    """A coarse assignment made by the caller (:mod:`services.index.coarse`): per query
+    row the inverted lists to scan (int64) and their coarse scores (float32), and the
+    quantizer they came from."""
+
+    quantizer: str
+    lists: np.ndarray  # (rows, nprobe) int64
+    scores: np.ndarray  # (rows, nprobe) float32
+
+    @property
+    def nprobe(self) -> int:
+        return int(self.lists.shape[1])
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,7 @@ class ShardReplica:
             self._last_snapshot = time.monotonic()
         try:
             self.log.register_snapshot(self.config.replica, self.replay_floor())
+            self._last_heartbeat = time.monotonic()
             self.log.trim_below_snapshots(self.config.stale_replica_s)
         except redis.RedisError as exc:
             log.warning("could not record snapshot position / trim (%s)", exc)

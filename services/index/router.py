@@ -44,9 +44,17 @@ from services.common.errors import (
     Unavailable,
 )
 from services.index import convert
-from services.index.coarse import CoarseQuantizer, Probes
+from services.index.coarse import CoarseQuantizer
 from services.index.positions import WriteToken
-from services.index.query import PAD_ID, Consistency, FilterSpec, ShardAnswer, ShardQuery, TopK
+from services.index.query import (
+    PAD_ID,
+    Consistency,
+    FilterSpec,
+    Probes,
+    ShardAnswer,
+    ShardQuery,
+    TopK,
+)
 from services.index.shard import MAX_K
 from services.index.shard_stream import ShardStream
 
@@ -407,8 +415,8 @@ class ShardRouter:
             self._quantizer_retry_at = time.monotonic() + QUANTIZER_RETRY_S
             self._quantizer = await self._shards[0].quantizer()
         q = self._quantizer
-        if q is None or vectors.shape[1] != q.dim or not np.isfinite(vectors).all():
-            return None  # the shards report the caller's mistake themselves
+        if q is None or vectors.shape[1] != q.dim:
+            return None  # a wrong dimension: the shards report it (FAISS would assert)
         return q
 
     async def stats(self) -> list[list[index_pb2.ShardStats | None]]:

@@ -33,14 +33,14 @@ class ShardService:
         # Validate before waiting: a bad request fails at once, whatever the consistency.
         self.replica.shard.validate(query.vectors, query.k, query.nprobe)
         self.replica.shard.check_filter(query.filter)
+        if query.probes is not None:
+            self.replica.shard.quantizer.check(query.probes, len(query.vectors))
         if query.consistency is Consistency.SESSION and query.min_position:
             positions.parse(query.min_position)
             await self.replica.wait_for(query.min_position, deadline.remaining())
         elif query.consistency is Consistency.STRONG:
             await self.replica.wait_for(await self.replica.tail(), deadline.remaining())
         deadline.check("the search")
-        if query.probes is not None:
-            self.replica.shard.quantizer.check(query.probes, len(query.vectors))
         top = await self.batcher.search(
             query.vectors, query.k, query.nprobe, query.filter, query.probes
         )

@@ -24,8 +24,12 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
     async def Search(
         self, request: index_pb2.ShardSearchRequest, context: grpc.aio.ServicerContext
     ) -> index_pb2.ShardSearchResponse:
-        query = convert.query_from_pb(request)
-        answer = await self._service.search(query, context.time_remaining())
+        return await self._answer(request, context.time_remaining())
+
+    async def _answer(
+        self, request: index_pb2.ShardSearchRequest, timeout: float | None
+    ) -> index_pb2.ShardSearchResponse:
+        answer = await self._service.search(convert.query_from_pb(request), timeout)
         return convert.answer_to_pb(answer)
 
     async def SearchStream(
@@ -40,12 +44,9 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
 
         async def one(msg: index_pb2.ShardStreamRequest) -> None:
             try:
-                query = convert.query_from_pb(msg.search)
                 timeout = msg.timeout_us / 1e6 if msg.timeout_us else None
-                answer = await self._service.search(query, timeout)
-                out.put_nowait(
-                    index_pb2.ShardStreamResponse(tag=msg.tag, result=convert.answer_to_pb(answer))
-                )
+                result = await self._answer(msg.search, timeout)
+                out.put_nowait(index_pb2.ShardStreamResponse(tag=msg.tag, result=result))
             except Exception as exc:  # each search answers for itself; the stream goes on
                 if not isinstance(exc, RetrievalError):
                     log.exception("unhandled error in a streamed search")

@@ -24,10 +24,10 @@ import numpy as np
 from services.common.errors import InvalidArgument
 from services.index import positions
 from services.index.changes import Change, Delete, Upsert
-from services.index.coarse import CoarseQuantizer, Probes
+from services.index.coarse import CoarseQuantizer
 from services.index.gpu import GpuMirror
 from services.index.ids import faiss_id
-from services.index.query import PAD_ID, FilterSpec, Hit, TopK
+from services.index.query import PAD_ID, FilterSpec, Hit, Probes, TopK
 from services.index.rwlock import RWLock
 from services.index.train import TrainedIndex, pq_error
 

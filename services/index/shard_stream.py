@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 
 import grpc
 
@@ -27,8 +26,6 @@ from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, RetrievalError, Unavailable
 from services.common.status import error_from_rpc, error_from_status
-
-log = logging.getLogger(__name__)
 
 
 class _Open:
