@@ -29,6 +29,7 @@ from services.index.gpu import GpuMirror
 from services.index.ids import faiss_id
 from services.index.query import PAD_ID, FilterSpec, Hit, Probes, TopK
 from services.index.rwlock import RWLock
+from services.index.slots import SlotTable
 from services.index.train import TrainedIndex, pq_error
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,12 @@ class IvfPqShard:
         self._refine_index = trained.refine  # owns the SQ8 codec that self.sq points into
         self.sq = trained.sq
         self.code_size = int(self.sq.code_size)
+        # per slot: the SQ8 code and the document id (None when free)
         self._codes = np.zeros((1024, self.code_size), dtype=np.uint8)
-        self._slot: dict[int, int] = {}
+        self._docs = np.full(1024, None, dtype=object)
+        self._slots = SlotTable()  # FAISS id → slot
         self._free: list[int] = []
         self._used = 0
-        self._doc: dict[int, str] = {}
         self._tags: dict[int, tuple[Tag, ...]] = {}
         self._postings: dict[Tag, set[int]] = {}
         self._recent_errors: deque[tuple[int, float]] = deque()
@@ -129,7 +131,7 @@ class IvfPqShard:
             )
         fids = {doc_id: faiss_id(doc_id) for doc_id in last}
         with self.lock.write():
-            present = {fids[d] for d in last if fids[d] in self._slot}
+            present = self._present(fids)
             removed = self._remove(sorted(present))
             self.deleted_total += sum(
                 1 for d, c in last.items() if isinstance(c, Delete) and fids[d] in present
@@ -148,14 +150,27 @@ class IvfPqShard:
             self._track_error(vectors)
         return ApplyResult(added=len(upserts), removed=removed, position=self.applied)
 
+    def _present(self, fids: dict[str, int]) -> set[int]:
+        """The ids of ``fids`` (doc id → FAISS id) held here; a collision is logged."""
+        ids = np.fromiter(fids.values(), dtype=np.int64, count=len(fids))
+        slots = self._slots.lookup(ids)
+        present: set[int] = set()
+        for doc_id, fid, slot in zip(fids, ids.tolist(), slots.tolist(), strict=True):
+            if slot >= 0:
+                present.add(fid)
+                if self._docs[slot] != doc_id:
+                    log.error("63-bit id collision: %r replaces %r", doc_id, self._docs[slot])
+        return present
+
     def _remove(self, fids: list[int]) -> int:
         if not fids:
             return 0
         ids = np.asarray(fids, dtype=np.int64)
         removed = int(self.index.remove_ids(faiss.IDSelectorArray(ids.size, faiss.swig_ptr(ids))))
+        slots = self._slots.remove(ids)
+        self._docs[slots] = None
+        self._free.extend(slots.tolist())
         for fid in fids:
-            self._free.append(self._slot.pop(fid))
-            self._doc.pop(fid, None)
             for tag in self._tags.pop(fid, ()):
                 bucket = self._postings.get(tag)
                 if bucket is not None:
@@ -167,15 +182,11 @@ class IvfPqShard:
     def _add(self, upserts: list[Upsert], vectors: np.ndarray, fids: list[int]) -> None:
         ids = np.asarray(fids, dtype=np.int64)
         self.index.add_with_ids(vectors, ids)
-        codes = self.sq.compute_codes(vectors)
-        for row, (upsert, fid) in enumerate(zip(upserts, fids, strict=True)):
-            slot = self._take_slot()
-            self._codes[slot] = codes[row]
-            self._slot[fid] = slot
-            other = self._doc.get(fid)
-            if other is not None and other != upsert.doc_id:
-                log.error("63-bit id collision: %r replaces %r", upsert.doc_id, other)
-            self._doc[fid] = upsert.doc_id
+        slots = np.array([self._take_slot() for _ in upserts], dtype=np.int64)
+        self._codes[slots] = self.sq.compute_codes(vectors)
+        self._docs[slots] = [u.doc_id for u in upserts]
+        self._slots.add(ids, slots)
+        for upsert, fid in zip(upserts, fids, strict=True):
             tags = tuple(sorted(upsert.tags.items()))
             if tags:
                 self._tags[fid] = tags
@@ -189,6 +200,9 @@ class IvfPqShard:
             grown = np.zeros((len(self._codes) * 2, self.code_size), dtype=np.uint8)
             grown[: self._used] = self._codes[: self._used]
             self._codes = grown
+            docs = np.full(len(grown), None, dtype=object)
+            docs[: self._used] = self._docs[: self._used]
+            self._docs = docs
         self._used += 1
         return self._used - 1
 
@@ -246,12 +260,13 @@ class IvfPqShard:
                 if selector is not None:
                     params.sel = selector
                 scores, ids = self.index.search(queries, fetch, params=params)
+            slots = self._slots.lookup(ids)
             if self.manifest.refine:
-                ids, scores = self._refine(queries, ids, k)
+                slots, scores = self._refine(queries, slots, k)
             else:
-                scores = np.where(ids >= 0, scores, np.float32(-np.inf)).astype(np.float32)
-            doc = self._doc
-            return TopK([doc[i] if i >= 0 else PAD_ID for i in ids.ravel().tolist()], scores)
+                scores = np.where(slots >= 0, scores, np.float32(-np.inf)).astype(np.float32)
+            names = np.where(slots >= 0, self._docs[np.maximum(slots, 0)], PAD_ID)
+            return TopK(names.ravel().tolist(), scores)
 
     def _search_preassigned(
         self, queries: np.ndarray, k: int, probes: Probes, selector: faiss.IDSelector | None
@@ -316,25 +331,20 @@ class IvfPqShard:
         return faiss.IDSelectorBatch(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
 
     def _refine(
-        self, queries: np.ndarray, ids: np.ndarray, k: int
+        self, queries: np.ndarray, slots: np.ndarray, k: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Re-rank the IVF-PQ candidates by their SQ8-decoded inner product (one batch).
-
-        Returns the top-k (ids, scores) grids, -1 / -inf where fewer candidates exist.
-        Only real candidates are decoded (-1 pads stay at -inf), and ids cross into
-        Python as plain ints once (``tolist``): per-element numpy scalars made this
-        step cost as much as the FAISS search itself.
+        """Re-rank the IVF-PQ candidates (a grid of slots) by their SQ8-decoded inner
+        product, all queries at once; the top-k (slots, scores) grids, -1 / -inf where
+        fewer candidates exist. A pad is decoded as slot 0 and then masked: cheaper than
+        gathering the real candidates and their queries apart.
         """
-        valid = ids >= 0
-        slot_of = self._slot
-        slots = np.array([slot_of[f] for f in ids[valid].tolist()], dtype=np.int64)
-        exact = np.full(ids.shape, -np.inf, dtype=np.float32)
-        if len(slots):
-            decoded = self.sq.decode(self._codes[slots])
-            rows = np.nonzero(valid)[0]
-            exact[valid] = np.einsum("cd,cd->c", decoded, queries[rows])
+        n, fetch = slots.shape
+        valid = slots >= 0
+        decoded = self.sq.decode(self._codes[np.maximum(slots, 0).ravel()])
+        exact = np.matmul(decoded.reshape(n, fetch, self.dim), queries[:, :, None])[:, :, 0]
+        exact[~valid] = -np.inf
         order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(ids, order, axis=1), np.take_along_axis(exact, order, axis=1)
+        return np.take_along_axis(slots, order, axis=1), np.take_along_axis(exact, order, axis=1)
 
     # --- state -----------------------------------------------------------------------
 
@@ -342,10 +352,10 @@ class IvfPqShard:
         return int(self.index.ntotal)
 
     def contains(self, doc_id: str) -> bool:
-        return faiss_id(doc_id) in self._slot
+        return faiss_id(doc_id) in self._slots
 
     def doc_ids(self) -> Iterable[str]:
-        return list(self._doc.values())
+        return [d for d in self._docs[: self._used].tolist() if d is not None]
 
     def stats(self) -> ShardStats:
         with self.lock.read():
@@ -379,14 +389,13 @@ class IvfPqShard:
         import json
 
         with self.lock.read():
-            fids = np.fromiter(self._slot.keys(), dtype=np.int64, count=len(self._slot))
-            slots = np.fromiter(self._slot.values(), dtype=np.int64, count=len(self._slot))
+            fids, slots = self._slots.items()
             meta = {
                 "applied": self.applied,
                 "deleted_total": self.deleted_total,
                 "recent_count": self._recent_count,
                 "recent_sum": self._recent_sum,
-                "docs": [self._doc[int(f)] for f in fids],
+                "docs": self._docs[slots].tolist(),
                 "tags": [dict(self._tags.get(int(f), ())) for f in fids],
             }
             return {
@@ -409,14 +418,15 @@ class IvfPqShard:
         codes = np.asarray(state["codes"], dtype=np.uint8)
         if len(fids) != int(shard.index.ntotal) or len(codes) != len(fids):
             raise ValueError("snapshot is inconsistent: id count differs from the index")
-        shard._codes = np.zeros((max(1024, 2 * len(fids)), shard.code_size), dtype=np.uint8)
+        capacity = max(1024, 2 * len(fids))
+        shard._codes = np.zeros((capacity, shard.code_size), dtype=np.uint8)
         shard._codes[: len(fids)] = codes
+        shard._docs = np.full(capacity, None, dtype=object)
+        shard._docs[: len(fids)] = meta["docs"]
         shard._used = len(fids)
-        for slot, (fid, doc_id, tags) in enumerate(
-            zip(fids.tolist(), meta["docs"], meta["tags"], strict=True)
-        ):
-            shard._slot[fid] = slot
-            shard._doc[fid] = doc_id
+        shard._slots = SlotTable(capacity)
+        shard._slots.add(fids, np.arange(len(fids), dtype=np.int64))
+        for fid, tags in zip(fids.tolist(), meta["tags"], strict=True):
             if tags:
                 shard._tags[fid] = tuple(sorted(tags.items()))
                 for tag in shard._tags[fid]:
