@@ -75,6 +75,22 @@ def check_queries(queries: np.ndarray, dim: int) -> np.ndarray:
     return np.ascontiguousarray(queries, dtype=np.float32)
 
 
+def _without_collisions(
+    last: dict[str, Change], fids: dict[str, int]
+) -> tuple[dict[str, Change], dict[str, int]]:
+    """Of the changes of one batch whose FAISS ids collide, the last one wins (logged)."""
+    winner: dict[int, str] = {}
+    for doc_id, fid in fids.items():
+        if fid in winner:
+            log.error("63-bit id collision: %r replaces %r", doc_id, winner[fid])
+        winner[fid] = doc_id
+    keep = set(winner.values())
+    return (
+        {d: c for d, c in last.items() if d in keep},
+        {d: f for d, f in fids.items() if d in keep},
+    )
+
+
 class IvfPqShard:
     def __init__(self, trained: TrainedIndex) -> None:
         self.manifest = trained.manifest
@@ -118,6 +134,9 @@ class IvfPqShard:
         for change in changes:
             last.pop(change.doc_id, None)  # keep insertion order = order of last change
             last[change.doc_id] = change
+        fids = {doc_id: faiss_id(doc_id) for doc_id in last}
+        if len(set(fids.values())) < len(fids):
+            last, fids = _without_collisions(last, fids)
         upserts = [c for c in last.values() if isinstance(c, Upsert)]
         vectors = (
             np.stack([np.asarray(u.vector, dtype=np.float32) for u in upserts])
@@ -129,7 +148,6 @@ class IvfPqShard:
             raise InvalidArgument(
                 f"log entry at {position}: vectors must be finite, dim {self.dim}"
             )
-        fids = {doc_id: faiss_id(doc_id) for doc_id in last}
         with self.lock.write():
             present = self._present(fids)
             removed = self._remove(sorted(present))

@@ -10,6 +10,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.index.changes import Delete, Upsert
+from services.index.ids import faiss_id
 from services.index.shard import IvfPqShard
 from services.index.snapshots import list_snapshots, load_newest, write_snapshot
 from services.index.train import TrainedIndex
@@ -82,6 +83,29 @@ def test_upsert_delete_upsert_same_id(trained: TrainedIndex, vectors: np.ndarray
     shard.apply([Upsert("z", a), Delete("z"), Upsert("w", b), Delete("w"), Upsert("w", a)], "5-0")
     assert not shard.contains("z") and shard.contains("w")
     assert shard.applied == "5-0" and shard.stats().deleted == 1
+
+
+def test_a_63_bit_id_collision_keeps_the_newer_document(
+    trained: TrainedIndex,
+    vectors: np.ndarray,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import services.index.shard as shard_module
+
+    def colliding(doc_id: str) -> int:  # "a…" ids all share one FAISS id
+        return 7 if doc_id.startswith("a") else faiss_id(doc_id)
+
+    monkeypatch.setattr(shard_module, "faiss_id", colliding)
+    shard = IvfPqShard(trained)
+    batch = [Upsert("a1", vectors[0]), Upsert("a2", vectors[1]), Upsert("b", vectors[2])]
+    shard.apply(batch, "1-0")
+    assert len(shard) == 2 and sorted(shard.doc_ids()) == ["a2", "b"]
+    assert shard.search(vectors[1][None], 1)[0][0][0] == "a2"
+    shard.apply([Upsert("a3", vectors[3])], "2-0")  # across batches: replaces a2
+    assert len(shard) == 2 and sorted(shard.doc_ids()) == ["a3", "b"]
+    assert shard.search(vectors[3][None], 1)[0][0][0] == "a3"
+    assert sum("63-bit id collision" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_filters_select_by_metadata(trained: TrainedIndex, vectors: np.ndarray) -> None:
