@@ -33,7 +33,10 @@ from typing import Any
 import numpy as np
 
 QUERY_TOKENS = 32
-SCIFACT = Path(os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")) / "scifact"  # noqa: E501
+SCIFACT = (
+    Path(os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    / "scifact"
+)
 
 
 @functools.cache
@@ -67,7 +70,9 @@ def timed(fn: Callable[[], object], seconds: float, warmup: int = 5) -> list[flo
     return samples
 
 
-def bench_onnx_vs_torch(model_dir: Path, onnx_path: Path, args: argparse.Namespace) -> dict[str, float]:  # noqa: E501
+def bench_onnx_vs_torch(
+    model_dir: Path, onnx_path: Path, args: argparse.Namespace
+) -> dict[str, float]:
     import torch
 
     from services.encoder.model import TorchEmbedder
@@ -183,12 +188,16 @@ def bench_triton(onnx_path: Path, args: argparse.Namespace) -> dict[str, float]:
         with run_triton(cfg, Path(tmp) / "triton.log") as handle:
             figures = asyncio.run(_triton_figures(handle.grpc_url, texts, inproc_rate, args))
     ratio = figures["triton_texts_per_s"] / figures["inprocess_texts_per_s"]
-    print(f"in-process ONNX, batches of 16: {figures['inprocess_texts_per_s']:.0f} texts/s "
-          f"(median of {args.rounds} rounds)")
-    print(f"Triton: p50 {figures['p50_ms']:.2f} ms, p99 {figures['p99_ms']:.2f} ms at "
-          f"concurrency 1; {figures['triton_texts_per_s']:.0f} texts/s at concurrency 16 "
-          f"(ratio {ratio:.2f}, rounds {figures['rounds_ratio_min']:.2f}–"
-          f"{figures['rounds_ratio_max']:.2f})")
+    print(
+        f"in-process ONNX, batches of 16: {figures['inprocess_texts_per_s']:.0f} texts/s "
+        f"(median of {args.rounds} rounds)"
+    )
+    print(
+        f"Triton: p50 {figures['p50_ms']:.2f} ms, p99 {figures['p99_ms']:.2f} ms at "
+        f"concurrency 1; {figures['triton_texts_per_s']:.0f} texts/s at concurrency 16 "
+        f"(ratio {ratio:.2f}, rounds {figures['rounds_ratio_min']:.2f}–"
+        f"{figures['rounds_ratio_max']:.2f})"
+    )
     return figures | {"triton_vs_inprocess": ratio}
 
 
@@ -200,8 +209,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-int8", action="store_true", help="skip the int8 measurement")
     parser.add_argument("--skip-triton", action="store_true", help="skip the Triton part")
     parser.add_argument("--instances", type=int, help="Triton CPU instances (default: repo's)")
-    parser.add_argument("--rounds", type=int, default=4,
-                        help="alternations of in-process and Triton throughput (4)")
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="alternations of in-process and Triton throughput (4)"
+    )
     parser.add_argument("--queue-delay-us", type=int, help="dynamic batching delay (repo's)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -39,8 +39,17 @@ def _texts(data_dir: Path, n: int) -> tuple[str, list[str]]:
         data = load_beir(data_dir)
         qid = sorted(data.qrels)[0]
         return data.queries[qid], [data.docs[d] for d in data.doc_ids[:n]]
-    words = ["protein", "cell", "expression", "gene", "cancer", "patients", "study",
-             "results", "increased"]
+    words = [
+        "protein",
+        "cell",
+        "expression",
+        "gene",
+        "cancer",
+        "patients",
+        "study",
+        "results",
+        "increased",
+    ]
     return "what protein drives cancer", [" ".join(words * 22)] * n
 
 

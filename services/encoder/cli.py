@@ -140,10 +140,17 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="repository folder (our models are replaced)")
     p.add_argument("--flavor", choices=["cpu", "gpu"], default="cpu", help="default: cpu")
     p.add_argument("--plan", help="gpu: TensorRT plan to place in encoder/1/model.plan")
-    p.add_argument("--instances", type=int,
-                   help="instances per device (default: 1 on CPU, the profile's on GPU)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="cpu: ONNX Runtime threads per instance (0 = cores / instances)")
+    p.add_argument(
+        "--instances",
+        type=int,
+        help="instances per device (default: 1 on CPU, the profile's on GPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="cpu: ONNX Runtime threads per instance (0 = cores / instances)",
+    )
     p.add_argument("--max-batch", type=int, help="max_batch_size (default: from profile)")
     p.add_argument("--queue-delay-us", type=int,
                    help="dynamic batching max queue delay in µs (default: 4000 on CPU, "

@@ -111,7 +111,9 @@ def _common_params(meta: EncoderMeta) -> dict[str, str]:
     return {"source_model": meta.model_name, "dim": str(meta.dim), "profile": meta.profile}
 
 
-def cpu_embed_config(meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig) -> mc.ModelConfig:  # noqa: E501
+def cpu_embed_config(
+    meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig
+) -> mc.ModelConfig:
     max_batch = cfg.max_batch or profile.max_batch
     config = mc.ModelConfig(name=EMBED_MODEL, backend="python", max_batch_size=max_batch)
     _add_io(config, *_text_io(meta.dim))
@@ -125,7 +127,9 @@ def cpu_embed_config(meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryCo
     return config
 
 
-def gpu_configs(meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig) -> dict[str, mc.ModelConfig]:  # noqa: E501
+def gpu_configs(
+    meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig
+) -> dict[str, mc.ModelConfig]:
     """``tokenizer`` (Python, CPU) → ``encoder`` (TensorRT, GPU), glued by ensemble ``embed``."""
     max_batch = cfg.max_batch or profile.max_batch
     text_in, text_out = _text_io(meta.dim)
@@ -185,7 +189,9 @@ def _python_model(root: Path, name: str, source: Path, export_dir: Path) -> None
         shutil.copy2(export_dir / artefact, version / artefact)
 
 
-def generate_repository(onnx_path: Path, out_dir: Path, cfg: RepositoryConfig | None = None) -> Repository:  # noqa: E501
+def generate_repository(
+    onnx_path: Path, out_dir: Path, cfg: RepositoryConfig | None = None
+) -> Repository:
     """Write the ``cfg.flavor`` repository for the export at ``onnx_path`` into ``out_dir``.
 
     Model folders this function owns are replaced; anything else in ``out_dir`` stays.

@@ -39,9 +39,7 @@ def vectors_from_pb(batch: common_pb2.VectorBatch) -> np.ndarray:
 
 
 def vectors_to_pb(vectors: np.ndarray) -> common_pb2.VectorBatch:
-    return common_pb2.VectorBatch(
-        data=_f32(vectors), dim=vectors.shape[1], count=vectors.shape[0]
-    )
+    return common_pb2.VectorBatch(data=_f32(vectors), dim=vectors.shape[1], count=vectors.shape[0])
 
 
 def filter_from_pb(f: common_pb2.Filter) -> tuple[tuple[str, tuple[str, ...]], ...]:

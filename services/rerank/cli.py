@@ -61,8 +61,12 @@ def _add_train(rsub: Any) -> None:
                    help="Score raw projected token vectors (the formula verbatim) instead of "
                    "unit-length ones (default: normalised, as ColBERT).")  # fmt: skip
     p.add_argument("--max-len", type=int, default=256, help="Max pair length in tokens (256).")
-    p.add_argument("--steps", type=int, default=700,
-                   help="Optimizer steps (700; docs/rerank.md then resumes to 1400).")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=700,
+        help="Optimizer steps (700; docs/rerank.md then resumes to 1400).",
+    )
     p.add_argument("--queries-per-step", type=int, default=1, help="Queries per step (1).")
     p.add_argument("--negatives", type=int, default=7, help="Negatives per query (7).")
     p.add_argument("--negative-depth", type=int, default=50,

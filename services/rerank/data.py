@@ -65,7 +65,9 @@ def load_beir(root: Path, split: str = "train") -> BeirData:
     return BeirData(doc_ids, docs, queries, qrels, root)
 
 
-def split_queries(qids: list[str], seed: int, dev_fraction: float = 0.2) -> tuple[list[str], list[str]]:  # noqa: E501
+def split_queries(
+    qids: list[str], seed: int, dev_fraction: float = 0.2
+) -> tuple[list[str], list[str]]:
     """Deterministic train/dev split: sorted ids shuffled by ``seed``; dev gets the fraction."""
     if not 0.0 < dev_fraction < 1.0:
         raise InvalidArgument("dev_fraction must be in (0, 1)")

@@ -163,7 +163,5 @@ class CeliScorer:
         top_n = validate(request)
         scores = self.score(request.query, [c.text for c in request.candidates], deadline)
         order = np.argsort(-scores, kind="stable")[:top_n]
-        hits = tuple(
-            RerankedHit(request.candidates[i].id, float(scores[i]), int(i)) for i in order
-        )
+        hits = tuple(RerankedHit(request.candidates[i].id, float(scores[i]), int(i)) for i in order)
         return RerankResult(hits, self.name)

@@ -135,8 +135,7 @@ def test_server_reranks_with_the_trained_model(server) -> None:
 
 @pytest.mark.parametrize(
     ("query", "texts", "top_n"),
-    [("", ["a"], 0), ("   ", ["a"], 0), ("q", [], 0), ("q", ["a", "b"], 3),
-     ("q", ["x"] * 1001, 0)],
+    [("", ["a"], 0), ("   ", ["a"], 0), ("q", [], 0), ("q", ["a", "b"], 3), ("q", ["x"] * 1001, 0)],
 )
 def test_invalid_requests_are_invalid_argument(server, query: str, texts: list[str],
                                                top_n: int) -> None:  # fmt: skip

@@ -57,7 +57,9 @@ def test_t5_rms_norms_are_pinned_whole(t5_onnx: onnx.ModelProto) -> None:
 def test_t5_residual_adds_and_ffn_output(t5_onnx: onnx.ModelProto) -> None:
     selection = select_fp32_nodes(t5_onnx)
     assert sorted(selection.residual_adds) == [
-        f"/backbone/encoder/block.{b}/layer.{l}/Add" for b in (0, 1) for l in (0, 1)  # noqa: E741
+        f"/backbone/encoder/block.{b}/layer.{l}/Add"
+        for b in (0, 1)
+        for l in (0, 1)  # noqa: E741
     ]
     assert sorted(selection.ffn_out) == [
         f"/backbone/encoder/block.{b}/layer.1/DenseReluDense/wo/MatMul" for b in (0, 1)

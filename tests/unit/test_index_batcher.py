@@ -72,12 +72,12 @@ def test_filtered_search_and_errors(shard: IvfPqShard, vectors: np.ndarray, work
     async def run() -> None:
         batcher = SearchBatcher(shard, workers=workers)
         try:
-            top = await batcher.search(vectors[N_BASE:N_BASE + 2], 10, 16, (("parity", ("1",)),))
+            top = await batcher.search(vectors[N_BASE : N_BASE + 2], 10, 16, (("parity", ("1",)),))
             hits = top.hits()
             assert all(len(row) == 10 for row in hits)
             assert all(int(d) % 2 == 1 for row in hits for d, _ in row)
             with pytest.raises(InvalidArgument):
-                await batcher.search(vectors[N_BASE:N_BASE + 1, :10], 10, 16, ())
+                await batcher.search(vectors[N_BASE : N_BASE + 1, :10], 10, 16, ())
         finally:
             batcher.close()
 

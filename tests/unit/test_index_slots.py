@@ -38,7 +38,7 @@ def test_grows_past_its_first_size_and_keeps_the_shape_of_a_lookup() -> None:
     fids = np.arange(n, dtype=np.int64) * 1_000_003
     table.add(fids, np.arange(n))
     assert len(table) == n
-    grid = fids[: 12].reshape(3, 4)
+    grid = fids[:12].reshape(3, 4)
     assert table.lookup(grid).tolist() == np.arange(12).reshape(3, 4).tolist()
 
 

@@ -19,8 +19,22 @@ from services.rerank.model import (
 from services.rerank.scorer import PairEncoder
 from services.rerank.tiny import write_tiny_backbone
 
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
-         "theta", "iota", "kappa", "lambda", "mu", "nu", "xi"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+]
 
 
 @pytest.fixture(scope="module")

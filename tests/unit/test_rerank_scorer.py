@@ -70,9 +70,13 @@ def test_metrics_count_pairs_and_batches(scorer: CeliScorer) -> None:
 
 @pytest.mark.parametrize(
     ("request_", "why"),
-    [(_query(["a"], query=""), "query"), (_query(["a"], query=" \t"), "query"),
-     (_query([]), "candidates"), (_query(["a"] * 1001), "at most 1000"),
-     (_query(["a", "b"], top_n=3), "top_n")],
+    [
+        (_query(["a"], query=""), "query"),
+        (_query(["a"], query=" \t"), "query"),
+        (_query([]), "candidates"),
+        (_query(["a"] * 1001), "at most 1000"),
+        (_query(["a", "b"], top_n=3), "top_n"),
+    ],
 )
 def test_invalid_requests(scorer: CeliScorer, request_: RerankQuery, why: str) -> None:
     with pytest.raises(InvalidArgument, match=why):
