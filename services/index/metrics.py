@@ -79,7 +79,9 @@ class ShardMetrics:
         )
         gauge("index_bytes_per_vector", "Index bytes per vector.", lambda s: s.bytes_per_vector)
         gauge(
-            "index_memory_bytes", "Index memory (codes, ids, centroids).", lambda s: s.memory_bytes
+            "index_memory_bytes",
+            "Index memory: codes, ids, centroids, id maps (not the id strings).",
+            lambda s: s.memory_bytes,
         )
         gauge(
             "index_train_pq_error", "PQ reconstruction MSE at training.", lambda s: s.train_pq_error

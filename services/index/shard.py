@@ -380,7 +380,13 @@ class IvfPqShard:
             n = int(self.index.ntotal)
             invlists: Any = self.ivf.invlists
             per_vector = self.manifest.pq_m + 8 + (self.code_size if self.manifest.refine else 0)
-            memory = int(n * per_vector + self.ivf.nlist * self.dim * 4)
+            memory = int(
+                n * (self.manifest.pq_m + 8)  # inverted lists: PQ codes and ids
+                + self.ivf.nlist * self.dim * 4  # centroids
+                + self._codes.nbytes  # SQ8 codes, by slot (allocated capacity)
+                + self._docs.nbytes  # string id references, by slot
+                + self._slots.nbytes  # FAISS id → slot
+            )
             sizes = np.array(
                 [invlists.list_size(i) for i in range(self.ivf.nlist)], dtype=np.float64
             )

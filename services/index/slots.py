@@ -30,6 +30,10 @@ class SlotTable:
     def __len__(self) -> int:
         return self._live
 
+    @property
+    def nbytes(self) -> int:
+        return int(self._keys.nbytes + self._slots.nbytes)
+
     def __contains__(self, fid: int) -> bool:
         return bool(self._find(np.array([fid], dtype=np.int64))[0] >= 0)
 

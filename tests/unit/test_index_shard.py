@@ -162,6 +162,9 @@ def test_stats_report_size_and_quantizer_health(loaded: IvfPqShard) -> None:
     stats = loaded.stats()
     assert stats.vectors == N_BASE
     assert stats.bytes_per_vector == 96 + 8 + 384
+    # the memory adds to the codes the centroids, the free capacity and the id maps
+    codes = N_BASE * stats.bytes_per_vector
+    assert codes + 384 * 4 * loaded.manifest.nlist + N_BASE * 16 < stats.memory_bytes < 3 * codes
     assert 0.5 < stats.pq_error_ratio < 1.5  # same distribution as the training sample
     assert 1.0 <= stats.list_imbalance < 3.0
 
