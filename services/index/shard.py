@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 MAX_K = 1000
 MAX_QUERIES = 256
+# Candidates decoded at once by the refine: bounds its float buffer (× dim × 4 bytes) for
+# the largest request (256 queries × k 1,000 × refine 4 would otherwise take 1.5 GB).
+REFINE_BLOCK = 8192
 DRIFT_WINDOW = 10_000  # recent adds over which the PQ error is averaged
 
 MAX_FILTER_KEY_BYTES = 128
@@ -354,9 +357,17 @@ class IvfPqShard:
         """Re-rank the IVF-PQ candidates (a grid of slots) by their SQ8-decoded inner
         product, all queries at once; the top-k (slots, scores) grids, -1 / -inf where
         fewer candidates exist. A pad is decoded as slot 0 and then masked: cheaper than
-        gathering the real candidates and their queries apart.
+        gathering the real candidates and their queries apart. Large grids go by blocks
+        of rows (:data:`REFINE_BLOCK` candidates).
         """
         n, fetch = slots.shape
+        rows = max(1, REFINE_BLOCK // fetch)
+        if n > rows:
+            parts = [
+                self._refine(queries[i : i + rows], slots[i : i + rows], k)
+                for i in range(0, n, rows)
+            ]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         valid = slots >= 0
         decoded = self.sq.decode(self._codes[np.maximum(slots, 0).ravel()])
         exact = np.matmul(decoded.reshape(n, fetch, self.dim), queries[:, :, None])[:, :, 0]

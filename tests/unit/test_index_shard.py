@@ -108,6 +108,19 @@ def test_a_63_bit_id_collision_keeps_the_newer_document(
     assert sum("63-bit id collision" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_refine_by_blocks_gives_the_same_answers(
+    loaded: IvfPqShard, vectors: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import services.index.shard as shard_module
+
+    queries = vectors[N_BASE : N_BASE + 60]
+    whole = loaded.search_top_k(queries, 10, 8)
+    monkeypatch.setattr(shard_module, "REFINE_BLOCK", 3 * 40 + 1)  # 3 rows of 40 per block
+    blocks = loaded.search_top_k(queries, 10, 8)
+    assert blocks.ids == whole.ids
+    np.testing.assert_array_equal(blocks.scores, whole.scores)
+
+
 def test_filters_select_by_metadata(trained: TrainedIndex, vectors: np.ndarray) -> None:
     shard = IvfPqShard(trained)
     shard.apply(
