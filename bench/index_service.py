@@ -13,6 +13,9 @@ one JSON line printed last:
 * ``ratio`` = service_qps / raw_qps (micro-batching coalesces concurrent queries); the
   two are measured in ``--rounds`` alternating slices with the shards up, so that drift
   of a shared machine hits both, and their medians compared;
+* ``cpu_us_per_query``: CPU time per query (``/proc``, all threads) of the raw loop, of
+  the service's client + router process and of all shard processes together: where the
+  ratio goes;
 * ``visibility_p99_ms``: acknowledged upsert → applied (visible to an EVENTUAL search)
   at 1,000 upserts/s;
 * ``apply_vectors_per_s``: per shard, replaying its log at start;
@@ -44,6 +47,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from services.index import positions
 from services.index.changelog import ChangeLogWriter, DocRecord
@@ -180,15 +184,25 @@ def pick_nprobe(
     return max(sweep), sweep
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of ``pids`` so far (all their threads), from /proc."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def raw_qps(shard: IvfPqShard, queries: np.ndarray, nprobe: int, seconds: float) -> float:
     faiss.omp_set_num_threads(1)
     done, i = 0, 0
-    end = time.perf_counter() + seconds
-    start = time.perf_counter()
-    while time.perf_counter() < end:
-        shard.search(queries[i % len(queries)][None], 10, nprobe)
-        done += 1
-        i += 1
+    with threadpool_limits(1, user_api="blas"):  # one thread, as a shard (``index serve``)
+        end = time.perf_counter() + seconds
+        start = time.perf_counter()
+        while time.perf_counter() < end:
+            shard.search(queries[i % len(queries)][None], 10, nprobe)
+            done += 1
+            i += 1
     return done / (time.perf_counter() - start)
 
 
@@ -206,9 +220,10 @@ async def service_recall(
 
 async def service_qps(
     router: ShardRouter, queries: np.ndarray, nprobe: int, seconds: float, clients: int = 16
-) -> tuple[float, float]:
+) -> tuple[float, float, int]:
+    """(queries/s, p99 ms, queries sent including the warm-up)."""
     latencies: list[float] = []
-    stop = time.perf_counter() + seconds
+    warm_up = 50
 
     async def client(offset: int) -> None:
         i = offset
@@ -218,12 +233,17 @@ async def service_qps(
             latencies.append(time.perf_counter() - t)
             i += clients
 
-    for _ in range(50):  # warm the channels and the shards
+    for _ in range(warm_up):  # warm the channels and the shards
         await router.search(queries[:1], 10, nprobe=nprobe, timeout=5)
     start = time.perf_counter()
+    stop = start + seconds
     await asyncio.gather(*[client(c) for c in range(clients)])
     elapsed = time.perf_counter() - start
-    return len(latencies) / elapsed, float(np.percentile(latencies, 99) * 1000)
+    return (
+        len(latencies) / elapsed,
+        float(np.percentile(latencies, 99) * 1000),
+        len(latencies) + warm_up,
+    )
 
 
 async def visibility(
@@ -434,9 +454,17 @@ def main() -> int:
                     say(f"service recall@10 {result['recall_at_10']}")
                     slice_s = args.seconds / args.rounds
                     raws, services, p99s = [], [], []
+                    here = [os.getpid()]
+                    shard_pids = [p.process.pid for p in cluster.all() if p.process is not None]
+                    cpu: dict[str, list[float]] = {"raw": [], "router": [], "shards": []}
                     for _ in range(args.rounds):
+                        c0 = cpu_seconds(here)
                         raws.append(raw_qps(inproc, queries, nprobe, slice_s))
-                        qps, p99 = await service_qps(router, queries, nprobe, slice_s)
+                        cpu["raw"].append((cpu_seconds(here) - c0) / (raws[-1] * slice_s))
+                        c0, s0 = cpu_seconds(here), cpu_seconds(shard_pids)
+                        qps, p99, served = await service_qps(router, queries, nprobe, slice_s)
+                        cpu["router"].append((cpu_seconds(here) - c0) / served)
+                        cpu["shards"].append((cpu_seconds(shard_pids) - s0) / served)
                         services.append(qps)
                         p99s.append(p99)
                     ratios = [sv / rw for sv, rw in zip(services, raws, strict=True)]
@@ -445,6 +473,12 @@ def main() -> int:
                     result["service_p99_ms"] = round(statistics.median(p99s), 2)
                     result["rounds_ratio_min"] = round(min(ratios), 3)
                     result["rounds_ratio_max"] = round(max(ratios), 3)
+                    # CPU per query (medians of the rounds): the raw loop; the service's
+                    # client + router process and all shard processes (warm-up included)
+                    result["cpu_us_per_query"] = {
+                        k: round(statistics.median(v) * 1e6) for k, v in cpu.items()
+                    }
+                    say(f"CPU per query (µs): {result['cpu_us_per_query']}")
                     say(f"raw in-process: {result['raw_qps']:.0f} q/s; service: "
                         f"{result['service_qps']:.0f} q/s, p99 {result['service_p99_ms']:.1f} ms "
                         f"(medians of {args.rounds} alternating rounds; round ratios "

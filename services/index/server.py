@@ -12,6 +12,7 @@ from pathlib import Path
 import faiss
 import grpc
 from prometheus_client import CollectorRegistry
+from threadpoolctl import threadpool_limits
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.logs import configure_logging
@@ -109,6 +110,10 @@ async def serve(settings: ShardSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings(ShardSettings, list(argv or []), prog="gtr-retrieval index serve")
     configure_logging(settings.log_format, settings.log_level, service=f"shard-{settings.shard}")
+    # numpy's BLAS (the refine's batched matmul) gets the thread count of a FAISS call;
+    # left at one thread per core, its worker spins between calls: measured, a whole core
+    # kept busy beside a shard's search loop.
+    threadpool_limits(settings.omp_threads, user_api="blas")
     asyncio.run(serve(settings))
     return 0
 

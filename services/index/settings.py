@@ -41,7 +41,9 @@ class ShardSettings(ServiceSettings):
         description="Threads running FAISS searches; 0 = inline on the event loop (best "
         "when the shards already outnumber the cores, see docs/index.md).",
     )
-    omp_threads: int = Field(1, ge=1, description="OpenMP threads per FAISS call.")
+    omp_threads: int = Field(
+        1, ge=1, description="Threads per FAISS call (OpenMP) and per numpy BLAS call."
+    )
     gpu: bool = Field(
         True, description="Serve searches from a GPU copy when faiss sees a GPU (else CPU)."
     )
