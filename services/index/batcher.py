@@ -23,6 +23,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import faiss
 import numpy as np
 
 from services.index.metrics import ShardMetrics
@@ -64,6 +65,7 @@ class SearchBatcher:
         workers: int = 2,
         max_rows: int = 256,
         metrics: ShardMetrics | None = None,
+        omp_threads: int = 1,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0 (0 = inline on the event loop)")
@@ -71,7 +73,14 @@ class SearchBatcher:
         self.max_rows = max_rows
         self.metrics = metrics
         self.inline = workers == 0
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="search")
+        # OpenMP's thread count is per thread: a worker would otherwise use the process
+        # default (every core) in each of its FAISS calls.
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, workers),
+            thread_name_prefix="search",
+            initializer=faiss.omp_set_num_threads,
+            initargs=(omp_threads,),
+        )
         self._slots = asyncio.Semaphore(max(1, workers))
         self._queue: deque[_Pending] = deque()
         self._draining = False

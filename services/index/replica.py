@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import faiss
 import redis
 import redis.asyncio as aioredis
 
@@ -47,6 +48,7 @@ class ReplicaConfig:
     stale_replica_s: float = 86_400.0  # a replica unseen this long no longer holds the log
     read_count: int = 512  # stream entries per XREAD
     block_ms: int = 50
+    omp_threads: int = 1  # OpenMP threads of the FAISS calls in the consumer thread
 
 
 class ShardReplica:
@@ -109,6 +111,7 @@ class ShardReplica:
     # --- the consumer thread -----------------------------------------------------------
 
     def _consume(self) -> None:
+        faiss.omp_set_num_threads(self.config.omp_threads)  # per thread: not inherited
         try:
             tail = self.log.tail()
             if positions.at_least(self.shard.applied, tail):

@@ -62,6 +62,7 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
         keep_snapshots=settings.keep_snapshots,
         heartbeat_s=settings.heartbeat_s,
         stale_replica_s=settings.stale_replica_s,
+        omp_threads=settings.omp_threads,
     )
     loop = asyncio.get_running_loop()
     replica = await loop.run_in_executor(None, ShardReplica, config, metrics)
@@ -72,7 +73,12 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     else:
         log.info("GPU path skipped: %s", reason if settings.gpu else "disabled by settings")
     replica.start(loop)
-    batcher = SearchBatcher(replica.shard, workers=settings.search_threads, metrics=metrics)
+    batcher = SearchBatcher(
+        replica.shard,
+        workers=settings.search_threads,
+        metrics=metrics,
+        omp_threads=settings.omp_threads,
+    )
     service = ShardService(replica, batcher)
 
     def register(server: grpc.aio.Server) -> Sequence[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import faiss
 import numpy as np
 import pytest
 
@@ -87,3 +88,30 @@ def test_filtered_search_and_errors(shard: IvfPqShard, vectors: np.ndarray, work
 def test_negative_workers_rejected(shard: IvfPqShard) -> None:
     with pytest.raises(ValueError, match="workers"):
         SearchBatcher(shard, workers=-1)
+
+
+def test_pool_workers_run_faiss_with_the_configured_threads(
+    shard: IvfPqShard, vectors: np.ndarray
+) -> None:
+    # OpenMP's thread count is per thread: without the pool's initializer a worker sees
+    # the process default (its core count), whatever the main thread set.
+    seen: list[int] = []
+    original = shard.search_top_k
+
+    def recording(q: np.ndarray, k: int, nprobe: int = 0, filter=(), probes=None):  # type: ignore[no-untyped-def]
+        seen.append(faiss.omp_get_max_threads())
+        return original(q, k, nprobe, filter, probes)
+
+    async def run() -> None:
+        batcher = SearchBatcher(shard, workers=2, omp_threads=3)
+        try:
+            await asyncio.gather(*[batcher.search(vectors[i : i + 1], 5, 16, ()) for i in range(8)])
+        finally:
+            batcher.close()
+
+    shard.search_top_k = recording  # type: ignore[method-assign,assignment]
+    try:
+        asyncio.run(run())
+    finally:
+        del shard.search_top_k  # type: ignore[method-assign]
+    assert seen and set(seen) == {3}
