@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import faiss
 import grpc
 from prometheus_client import CollectorRegistry
 
@@ -117,6 +118,9 @@ async def serve(settings: GatewaySettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings(GatewaySettings, list(argv or []), prog="gtr-retrieval gateway serve")
     configure_logging(settings.log_format, settings.log_level, service="gateway")
+    # The router assigns each wave on this (the event loop's) thread; OpenMP's count is
+    # per thread, and its default (every core) leaves idle workers spinning per wave.
+    faiss.omp_set_num_threads(settings.quantizer_threads)
     asyncio.run(serve(settings))
     return 0
 

@@ -57,6 +57,12 @@ class GatewaySettings(ServiceSettings):
     default_timeout_s: float = Field(
         10.0, gt=0, description="Deadline used when a client sets none."
     )
+    quantizer_threads: int = Field(
+        1,
+        ge=1,
+        description="OpenMP threads of the shared coarse quantizer (one pass per wave of "
+        "searches); more only when the gateway has idle cores.",
+    )
 
     @field_validator("shards")
     @classmethod
