@@ -98,11 +98,7 @@ class SearchBatcher:
         loop = asyncio.get_running_loop()
         if filter:
             async with self._slots:
-                if self.inline:
-                    return self._timed(queries, k, nprobe, filter, probes)
-                return await loop.run_in_executor(
-                    self._pool, self._timed, queries, k, nprobe, filter, probes
-                )
+                return await self._call(queries, k, nprobe, filter, probes)
         pending = _Pending(queries, k, nprobe, loop.create_future(), probes)
         self._queue.append(pending)
         if not self._draining:
@@ -139,17 +135,11 @@ class SearchBatcher:
         return batch
 
     async def _run(self, batch: list[_Pending]) -> None:
-        loop = asyncio.get_running_loop()
         queries = np.concatenate([p.queries for p in batch]) if len(batch) > 1 else batch[0].queries
         probes = _joined(batch)
         k = max(p.k for p in batch)
         try:
-            if self.inline:
-                hits = self._timed(queries, k, batch[0].nprobe, (), probes)
-            else:
-                hits = await loop.run_in_executor(
-                    self._pool, self._timed, queries, k, batch[0].nprobe, (), probes
-                )
+            hits = await self._call(queries, k, batch[0].nprobe, (), probes)
         except Exception as exc:
             for p in batch:
                 if not p.future.done():
@@ -165,6 +155,21 @@ class SearchBatcher:
             if not p.future.done():
                 p.future.set_result(hits.take(row, row + n, p.k))
             row += n
+
+    async def _call(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int,
+        filter: FilterSpec,
+        probes: Probes | None,
+    ) -> TopK:
+        """One FAISS call: inline on the event loop, or on a worker thread."""
+        if self.inline:
+            return self._timed(queries, k, nprobe, filter, probes)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._timed, queries, k, nprobe, filter, probes
+        )
 
     def _timed(
         self,

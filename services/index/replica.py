@@ -193,8 +193,7 @@ class ShardReplica:
             self._since_snapshot = 0
             self._last_snapshot = time.monotonic()
         try:
-            self.log.register_snapshot(self.config.replica, self.replay_floor())
-            self._last_heartbeat = time.monotonic()
+            self._register()
             self.log.trim_below_snapshots(self.config.stale_replica_s)
         except redis.RedisError as exc:
             log.warning("could not record snapshot position / trim (%s)", exc)
@@ -205,11 +204,15 @@ class ShardReplica:
         is never taken for a removed one (`stale_replica_s`)."""
         if time.monotonic() - self._last_heartbeat < self.config.heartbeat_s:
             return
-        self._last_heartbeat = time.monotonic()
         try:
-            self.log.register_snapshot(self.config.replica, self.replay_floor())
+            self._register()
         except redis.RedisError as exc:
             log.warning("could not refresh the replica registration (%s)", exc)
+
+    def _register(self) -> None:
+        """Record this replica's replay floor and that it is alive (the heartbeat)."""
+        self._last_heartbeat = time.monotonic()
+        self.log.register_snapshot(self.config.replica, self.replay_floor())
 
     def replay_floor(self) -> str:
         """The oldest position this replica may need to replay from: that of its oldest

@@ -105,11 +105,12 @@ class IvfPqShard:
         self.sq = trained.sq
         self.code_size = int(self.sq.code_size)
         # per slot: the SQ8 code and the document id (None when free)
-        self._codes = np.zeros((1024, self.code_size), dtype=np.uint8)
-        self._docs = np.full(1024, None, dtype=object)
+        self._codes = np.zeros((0, self.code_size), dtype=np.uint8)
+        self._docs = np.full(0, None, dtype=object)
+        self._used = 0
+        self._reserve(1024)
         self._slots = SlotTable()  # FAISS id → slot
         self._free: list[int] = []
-        self._used = 0
         self._tags: dict[int, tuple[Tag, ...]] = {}
         self._postings: dict[Tag, set[int]] = {}
         self._recent_errors: deque[tuple[int, float]] = deque()
@@ -218,14 +219,17 @@ class IvfPqShard:
         if self._free:
             return self._free.pop()
         if self._used == len(self._codes):
-            grown = np.zeros((len(self._codes) * 2, self.code_size), dtype=np.uint8)
-            grown[: self._used] = self._codes[: self._used]
-            self._codes = grown
-            docs = np.full(len(grown), None, dtype=object)
-            docs[: self._used] = self._docs[: self._used]
-            self._docs = docs
+            self._reserve(2 * len(self._codes))
         self._used += 1
         return self._used - 1
+
+    def _reserve(self, capacity: int) -> None:
+        """Grow the per-slot arrays (codes, doc ids) to ``capacity``, keeping used slots."""
+        codes = np.zeros((capacity, self.code_size), dtype=np.uint8)
+        codes[: self._used] = self._codes[: self._used]
+        docs = np.full(capacity, None, dtype=object)
+        docs[: self._used] = self._docs[: self._used]
+        self._codes, self._docs = codes, docs
 
     def _track_error(self, vectors: np.ndarray) -> None:
         error = pq_error(self.index, vectors)
@@ -390,9 +394,10 @@ class IvfPqShard:
         with self.lock.read():
             n = int(self.index.ntotal)
             invlists: Any = self.ivf.invlists
-            per_vector = self.manifest.pq_m + 8 + (self.code_size if self.manifest.refine else 0)
+            in_lists = self.manifest.pq_m + 8  # PQ code and id, in the inverted lists
+            per_vector = in_lists + (self.code_size if self.manifest.refine else 0)
             memory = int(
-                n * (self.manifest.pq_m + 8)  # inverted lists: PQ codes and ids
+                n * in_lists
                 + self.ivf.nlist * self.dim * 4  # centroids
                 + self._codes.nbytes  # SQ8 codes, by slot (allocated capacity)
                 + self._docs.nbytes  # string id references, by slot
@@ -454,9 +459,8 @@ class IvfPqShard:
         if len(fids) != int(shard.index.ntotal) or len(codes) != len(fids):
             raise ValueError("snapshot is inconsistent: id count differs from the index")
         capacity = max(1024, 2 * len(fids))
-        shard._codes = np.zeros((capacity, shard.code_size), dtype=np.uint8)
+        shard._reserve(capacity)
         shard._codes[: len(fids)] = codes
-        shard._docs = np.full(capacity, None, dtype=object)
         shard._docs[: len(fids)] = meta["docs"]
         shard._used = len(fids)
         shard._slots = SlotTable(capacity)

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import faiss
-import numpy as np
 import pytest
 
 from services.index.changelog import ChangeLogWriter, DocRecord
@@ -58,4 +57,4 @@ def test_the_consumer_thread_applies_with_the_configured_omp_threads(
 
         asyncio.run(run())
     assert seen and set(seen) == {3}
-    assert replica.shard.contains("d4") and not np.isnan(replica.log_lag_s)
+    assert all(replica.shard.contains(f"d{i}") for i in range(5))
