@@ -75,24 +75,26 @@ def _repo(args: argparse.Namespace) -> int:
 
 
 def _build_plan(args: argparse.Namespace) -> int:
-    from services.encoder.model import TorchEmbedder
-    from services.encoder.tensorrt_build import PlanConfig, build_plan
+    from services.encoder.profiles import profile_for_model_dir
+    from services.encoder.tensorrt_build import PlanConfig, build_plan_from_model
 
-    embedder = TorchEmbedder(_model_dir(args))
-    base = PlanConfig.for_profile(embedder.profile)
+    model_dir = _model_dir(args)
+    base = PlanConfig.for_profile(profile_for_model_dir(model_dir))
+    extra = frozenset(n.strip() for n in (args.extra_fp32_nodes or "").split(",") if n.strip())
     cfg = PlanConfig(
         opt_shape=(args.opt_batch or base.opt_shape[0], args.opt_seq or base.opt_shape[1]),
         max_shape=(args.max_batch or base.max_shape[0], args.max_seq or base.max_shape[1]),
         workspace_gb=args.workspace_gb,
         min_cosine=args.min_cosine,
+        extra_fp32_nodes=extra,
+        precision=args.precision,
     )
-    from services.encoder.export import PROBE_TEXTS
-
-    batch = embedder.tokenize(list(PROBE_TEXTS), "document")
-    report = build_plan(Path(args.onnx), Path(args.out), cfg, batch.input_ids,
-                        batch.attention_mask, embedder.run(batch))  # fmt: skip
-    print(f"wrote {report.plan_path}: min cosine {report.min_cosine:.5f}, "
-          f"{report.fp32_layers}/{report.total_layers} layers pinned to FP32")  # fmt: skip
+    report = build_plan_from_model(model_dir, Path(args.onnx), Path(args.out), cfg)
+    for reason in report.rejected:
+        print(f"refused: {reason}", file=sys.stderr)
+    print(f"wrote {report.plan_path} ({report.precision}): min cosine {report.min_cosine:.5f} "
+          f"at batch {cfg.max_shape[0]} x {cfg.max_shape[1]} tokens, {report.fp32_layers} "
+          f"ONNX nodes kept in FP32, {report.total_layers} network layers")  # fmt: skip
     return 0
 
 
@@ -163,9 +165,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p = commands.add_parser(
         "build-plan",
         help="build a TensorRT FP16 plan (GPU machine only)",
-        description="FP16 engine from the ONNX export with norms, residual adds, FFN output "
-        "and pooling kept in FP32; the plan is written only if its cosine vs PyTorch is "
-        ">= --min-cosine on the probe batch. Needs tensorrt and a CUDA GPU.",
+        description="Strongly typed FP16 engine from the ONNX export cast to FP16 except "
+        "norms, residual adds, FFN output and pooling; written (with <plan>.json: TensorRT "
+        "version, precision, shapes) only if, at max batch x max sequence, every row is "
+        "finite, non-zero and has cosine >= --min-cosine vs PyTorch. Needs the pinned "
+        "TensorRT (pip install '.[gpu]') and a CUDA GPU.",
     )
     p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
     p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
@@ -176,5 +180,17 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-seq", type=int, help="max sequence length (default: profile, 512)")
     p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
     p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "fp16", "fp32"],
+        default="auto",
+        help="fp16: strongly typed FP16 with the overflow-prone nodes in FP32; fp32: all FP32; "
+        "auto (default): fp16, and fp32 if the FP16 plan fails the gate",
+    )
+    p.add_argument(
+        "--extra-fp32-nodes",
+        metavar="NODE[,NODE...]",
+        help="more ONNX node names to keep in FP32 (comma-separated)",
+    )
     p.set_defaults(func=lambda a: _run(_build_plan, a))
     return encoder

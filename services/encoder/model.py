@@ -115,11 +115,14 @@ def _load_backbone(transformer_dir: Path) -> nn.Module:
     config = AutoConfig.from_pretrained(transformer_dir)
     # The encoder half only: GTR never runs the T5 decoder. Eager attention traces to
     # plain MatMul/Softmax, which both ONNX export and TensorRT handle everywhere.
-    if config.model_type in {"t5", "mt5"}:
-        backbone = T5EncoderModel.from_pretrained(transformer_dir, attn_implementation="eager")
-    else:
-        backbone = AutoModel.from_pretrained(transformer_dir, attn_implementation="eager")
-    return backbone.eval()
+    # float32 always: published GTR checkpoints are saved in float16 ("torch_dtype" in
+    # their config.json) and transformers 5 loads in the saved dtype; an FP16 backbone
+    # breaks the FP32 Dense layer and the FP32 reference of every parity check.
+    cls = T5EncoderModel if config.model_type in {"t5", "mt5"} else AutoModel
+    backbone = cls.from_pretrained(
+        transformer_dir, attn_implementation="eager", dtype=torch.float32
+    )
+    return backbone.float().eval()
 
 
 class DualEncoder(nn.Module):
@@ -151,8 +154,8 @@ class DualEncoder(nn.Module):
 
 def _build_dense(spec: DenseSpec) -> nn.Module:
     linear = nn.Linear(spec.in_features, spec.out_features, bias=spec.bias)
-    state = _load_state(spec.path)
-    linear.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
+    state = _load_state(spec.path)  # float16 in some checkpoints: copied into fp32 parameters
+    linear.load_state_dict({k.removeprefix("linear."): v.float() for k, v in state.items()})
     return nn.Sequential(linear, _ACTIVATIONS[spec.activation]())
 
 

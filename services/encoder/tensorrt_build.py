@@ -1,39 +1,68 @@
 """TensorRT FP16 plan for the GTR encoder, with T5's overflow-prone layers kept in FP32.
 
 T5 was trained in bfloat16; its activations exceed FP16's range (65504) in places, and
-a naive FP16 engine returns garbage or NaN (TensorRT issue 3206; Hugging Face keeps
-``wo`` in fp32 for the same reason). The remedy here:
+a naive FP16 engine returns garbage, NaN or all zeros (TensorRT issue 3206; Hugging Face
+keeps ``wo`` in fp32 for the same reason). The remedy here:
 
 * find, in the ONNX graph, the RMSNorm pattern of T5 (``Pow(x, 2) → ReduceMean → Add(eps)
   → Sqrt → Div/Reciprocal → Mul(x, ·) → Mul(weight, ·)``; also ONNX ``LayerNormalization``
   and its decomposed form for BERT), the residual adds that feed those norms, the FFN
   output projection ``wo``, and everything after the last norm (pooling, dense,
-  normalise);
-* pin the matching TensorRT layers to FP32 (``layer.precision`` and output types) with
-  ``BuilderFlag.OBEY_PRECISION_CONSTRAINTS``;
-* build, run a probe batch, compare with PyTorch fp32, and *refuse to write* a plan whose
-  cosine is below 0.999 on any row.
+  normalise): :func:`select_fp32_nodes`;
+* cast the ONNX graph to FP16 except those nodes (ONNX Runtime's maintained float16
+  converter with a node block list, :func:`fp16_graph`) and build a *strongly typed*
+  network from it, so that TensorRT runs each tensor in the type the graph gives it:
+  per-layer precision hints are ignored inside fused regions (TensorRT issues 3889,
+  3941), types are not;
+* build, run a probe batch at the profile's maximum shape (max batch × max sequence),
+  compare with PyTorch fp32, and *refuse to write* a plan with a non-finite value, a
+  zero-norm row or a cosine below 0.999 on any row (:func:`check_embeddings`); then an
+  FP32 plan is tried (``--precision auto``), and written only if it passes the same gate;
+* record in ``<plan>.json`` the TensorRT version that built it, its precision and its
+  shapes: a plan only loads in the TensorRT version that built it (Triton rejects
+  others, triton-inference-server issue 7613), and the Triton repository takes its
+  max batch and sequence buckets from these shapes (:mod:`.repository`).
 
-The graph analysis is pure ``onnx`` and runs (and is tested) anywhere; ``tensorrt`` and
-CUDA are imported only inside :func:`build_plan`.
+The graph analysis and the FP16 cast are pure ``onnx``/``onnxruntime`` and run (and are
+tested) anywhere; ``tensorrt`` and CUDA are imported only inside :func:`build_plan`.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.profiles import ModelProfile
+
+log = logging.getLogger(__name__)
 
 PLAN_MIN_COSINE = 0.999
 NO_TRT_REASON = "no GPU/TensorRT on this machine"
+
+# The Triton image the Helm chart serves plans with (deploy/k8s/gtr-retrieval/values.yaml,
+# encoder.image.gpu.tag) and the TensorRT inside it (NGC frameworks support matrix:
+# 24.12 ships TensorRT 10.7.0.23). A plan loads only in the TensorRT release that built
+# it, so the gpu extra pins this release and build-plan refuses any other.
+TRITON_IMAGE_TAG = "24.12-py3"
+TRITON_TENSORRT: dict[str, str] = {"24.12-py3": "10.7.0"}
+TENSORRT_VERSION = TRITON_TENSORRT[TRITON_IMAGE_TAG]
+
+Precision = Literal["fp16", "fp32"]
+# What to do when the gate refuses; names flags of `gtr-retrieval encoder build-plan`.
+MORE_FP32_HINT = (
+    "keep more ONNX nodes in FP32 with --extra-fp32-nodes NODE[,NODE...] or build an FP32 "
+    "plan with --precision fp32"
+)
 
 
 @dataclass(frozen=True)
@@ -165,20 +194,135 @@ def select_fp32_nodes(model: Any, *, keep_ffn_out: bool = True) -> Fp32Selection
     return Fp32Selection(frozenset(norms), frozenset(residual), frozenset(ffn), frozenset(tail))
 
 
-def layer_matches(layer_name: str, node_names: frozenset[str]) -> bool:
-    """Does a TensorRT layer come from one of ``node_names``?
+def _boundary_free(model: Any, keep: set[str]) -> Any:
+    """``model`` with value types inferred, minus those of tensors inside the FP32 region.
 
-    The ONNX parser names a layer after its node, and helper layers ``<node>_<suffix>``;
-    ``/x/Add_1`` is another node than ``/x/Add``, so a purely numeric suffix never matches.
+    The float16 converter turns every typed float tensor into FP16 and wraps each kept
+    node in Cast(→fp32) … Cast(→fp16); between two kept nodes that round trip through
+    FP16 is exactly the overflow the block list is there to avoid. A tensor without a
+    value type is left alone, so only the tensors that cross the region's boundary keep
+    theirs (and get their Cast).
     """
-    if layer_name in node_names:
-        return True
-    head, sep, suffix = layer_name.rpartition("_")
-    while sep:
-        if head in node_names and not suffix.isdigit():
-            return True
-        head, sep, suffix = head.rpartition("_")
-    return False
+    import onnx
+
+    model = onnx.shape_inference.infer_shapes(model)
+    graph = _Graph(model)
+    # Constants (and Identity copies of initializers) used only by kept nodes stay FP32 too.
+    for node in graph.nodes:
+        users = graph.next_nodes(node)
+        if (
+            node.op_type in {"Constant", "Identity"}
+            and users
+            and all(u.name in keep for u in users)
+        ):
+            keep.add(node.name)
+    inside = [
+        v for v in model.graph.value_info
+        if (p := graph.producer.get(v.name)) is not None and p.name in keep
+        and all(c.name in keep for c in graph.consumers.get(v.name, []))
+    ]  # fmt: skip
+    for value in inside:
+        model.graph.value_info.remove(value)
+    return model
+
+
+def fp16_graph(model: Any, keep_fp32: Iterable[str]) -> Any:
+    """``model`` cast to FP16 except the nodes ``keep_fp32`` (inputs and outputs keep their types).
+
+    ONNX Runtime's float16 converter (``onnxruntime.transformers.float16``, the maintained
+    fork of onnxconverter-common's) with ``keep_fp32`` as its node block list. Initializers
+    used only by kept nodes stay FP32; others are clamped to FP16's range.
+    """
+    import copy
+
+    from onnxruntime.transformers import float16
+
+    keep = set(keep_fp32)
+    prepared = _boundary_free(copy.deepcopy(model), keep)
+    return float16.convert_float_to_float16(
+        prepared, keep_io_types=True, node_block_list=sorted(keep), disable_shape_infer=True
+    )
+
+
+def check_embeddings(
+    reference: np.ndarray, got: np.ndarray, min_cosine: float
+) -> tuple[float, str | None]:
+    """The parity gate: (min row cosine, why the output is refused or None).
+
+    Refused: another shape, any NaN/Inf, any zero-norm row (an all-zero row has no cosine,
+    and NaN < threshold is false, so it must be caught before comparing), or a row whose
+    cosine with ``reference`` is below ``min_cosine``.
+    """
+    got = np.asarray(got, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    if got.shape != reference.shape:
+        return float("nan"), f"output shape {got.shape} != reference {reference.shape}"
+    bad = ~np.isfinite(got).all(axis=1)
+    if bad.any():
+        return float("nan"), f"{int(bad.sum())}/{len(got)} rows have NaN or Inf"
+    norms = np.linalg.norm(got, axis=1)
+    ref_norms = np.linalg.norm(reference, axis=1)
+    if (norms == 0).any():
+        return 0.0, f"{int((norms == 0).sum())}/{len(got)} rows are all zeros"
+    cosines = (got * reference).sum(axis=1) / (norms * np.maximum(ref_norms, 1e-30))
+    worst = float(cosines.min())
+    if not worst >= min_cosine:
+        return worst, f"min cosine vs PyTorch {worst:.5f} < {min_cosine}"
+    return worst, None
+
+
+def tensorrt_release(version: str) -> str:
+    """``major.minor.patch`` of a TensorRT version string (plans are tied to it)."""
+    return ".".join(version.split(".")[:3])
+
+
+class PlanVersionMismatch(FailedPrecondition):
+    """A plan built by another TensorRT release than the one that would load it."""
+
+
+def plan_meta_path(plan_path: Path) -> Path:
+    return Path(plan_path).with_name(Path(plan_path).name + ".json")
+
+
+@dataclass(frozen=True)
+class PlanMeta:
+    """``<plan>.json``: what built the plan and which shapes it covers."""
+
+    tensorrt_version: str
+    precision: Precision
+    min_shape: tuple[int, int]
+    opt_shape: tuple[int, int]
+    max_shape: tuple[int, int]
+    min_cosine: float
+    fp32_nodes: int
+    gpu: str = "unknown"
+    compute_capability: str = "unknown"
+
+    def write(self, plan_path: Path) -> None:
+        plan_meta_path(plan_path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, plan_path: Path) -> PlanMeta:
+        path = plan_meta_path(plan_path)
+        if not path.exists():
+            raise FailedPrecondition(
+                f"{plan_path} has no {path.name}: build plans with `gtr-retrieval encoder "
+                "build-plan`, which records the TensorRT version and shapes Triton needs"
+            )
+        raw = json.loads(path.read_text())
+        for key in ("min_shape", "opt_shape", "max_shape"):
+            raw[key] = tuple(int(v) for v in raw[key])
+        return cls(**raw)
+
+    def check_tensorrt(self, version: str, loader: str) -> None:
+        """PlanVersionMismatch unless ``version`` (the loader's TensorRT) built this plan."""
+        if tensorrt_release(version) != tensorrt_release(self.tensorrt_version):
+            raise PlanVersionMismatch(
+                f"the plan was built with TensorRT {self.tensorrt_version}, {loader} has "
+                f"TensorRT {version}: a plan loads only in the TensorRT release that built "
+                "it; rebuild it with `encoder build-plan` where `pip install '.[gpu]'` "
+                f"installed TensorRT {tensorrt_release(version)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -192,6 +336,7 @@ class PlanConfig:
     keep_ffn_out_fp32: bool = True
     min_cosine: float = PLAN_MIN_COSINE
     extra_fp32_nodes: frozenset[str] = field(default_factory=frozenset)
+    precision: Literal["auto", "fp16", "fp32"] = "auto"  # auto: FP16, else an FP32 plan
 
     @classmethod
     def for_profile(cls, profile: ModelProfile) -> PlanConfig:
@@ -200,6 +345,10 @@ class PlanConfig:
         return cls(opt_shape=(min(8, profile.max_batch), 128),
                    max_shape=(profile.max_batch, profile.document_max_len))  # fmt: skip
 
+    @property
+    def attempts(self) -> tuple[Precision, ...]:
+        return ("fp16", "fp32") if self.precision == "auto" else (self.precision,)
+
 
 @dataclass(frozen=True)
 class PlanReport:
@@ -207,10 +356,12 @@ class PlanReport:
     min_cosine: float
     fp32_layers: int
     total_layers: int
+    precision: Precision = "fp16"
+    rejected: tuple[str, ...] = ()  # why earlier attempts (e.g. FP16) were refused
 
 
 class PlanParityError(FailedPrecondition):
-    """The FP16 engine disagrees with PyTorch; no plan was written."""
+    """The engine disagrees with PyTorch; no plan was written."""
 
 
 def _require_tensorrt() -> Any:
@@ -218,11 +369,74 @@ def _require_tensorrt() -> Any:
         import tensorrt as trt
     except ImportError as exc:
         raise FailedPrecondition(f"{NO_TRT_REASON} (import tensorrt failed: {exc})") from None
+    installed = str(getattr(trt, "__version__", "unknown"))
+    if tensorrt_release(installed) != TENSORRT_VERSION:
+        raise FailedPrecondition(
+            f"TensorRT {installed} is installed, but Triton {TRITON_IMAGE_TAG} (the chart's "
+            f"image) loads only plans of TensorRT {TENSORRT_VERSION}: install the pinned one "
+            "with `pip install '.[gpu]'`"
+        )
     import torch
 
     if not torch.cuda.is_available():
         raise FailedPrecondition(NO_TRT_REASON + " (torch.cuda.is_available() is False)")
     return trt
+
+
+_ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]]+)\]")
+
+
+def fp16_layers_of_kept_nodes(engine_info: dict[str, Any], keep: frozenset[str]) -> list[str]:
+    """Engine layers made only of kept ONNX nodes that still output FP16 (inspector JSON).
+
+    ``engine_info`` is ``IEngineInspector.get_engine_information(JSON)`` of an engine built
+    with detailed profiling verbosity: each layer lists its ONNX nodes in ``Metadata``
+    (``[ONNX Layer: <node>]``) and its outputs' ``Format/Datatype``. A fused layer that
+    mixes kept and FP16 nodes is not reported: its boundary types come from the graph.
+    """
+    found = []
+    for layer in engine_info.get("Layers", []):
+        if not isinstance(layer, dict):
+            continue
+        nodes = set(_ONNX_LAYER.findall(str(layer.get("Metadata", ""))))
+        if not nodes or not nodes <= keep:
+            continue
+        formats = [str(o.get("Format/Datatype", "")) for o in layer.get("Outputs", [])]
+        if any(re.search(r"\b(FP16|Half)\b", f) for f in formats):
+            found.append(str(layer.get("Name", "?")))
+    return found
+
+
+def _build_engine(
+    trt: Any, onnx_file: Path, cfg: PlanConfig, precision: Precision
+) -> tuple[bytes, dict[str, Any], int]:
+    """(serialized engine, inspector JSON, number of layers)."""
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if precision == "fp16" else 0
+    network = builder.create_network(flags)  # TensorRT 10: explicit batch is the only mode
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_file)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise FailedPrecondition(f"TensorRT could not parse {onnx_file}: {errors}")
+    config = builder.create_builder_config()
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # ONNX names for the inspector
+    if precision == "fp32":
+        config.clear_flag(trt.BuilderFlag.TF32)  # the FP32 fallback is the exact one
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(cfg.workspace_gb * (1 << 30)))
+    profile = builder.create_optimization_profile()
+    for name in ("input_ids", "attention_mask"):
+        profile.set_shape(name, cfg.min_shape, cfg.opt_shape, cfg.max_shape)
+    config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise FailedPrecondition(f"TensorRT {precision} build failed (see the log above)")
+    engine_bytes = bytes(serialized)
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(engine_bytes)
+    inspector = engine.create_engine_inspector()
+    info = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+    return engine_bytes, info, int(network.num_layers)
 
 
 def _run_engine(trt: Any, engine_bytes: bytes, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -233,22 +447,32 @@ def _run_engine(trt: Any, engine_bytes: bytes, ids: np.ndarray, mask: np.ndarray
     context = engine.create_execution_context()
     torch_types = {trt.int64: torch.int64, trt.int32: torch.int32, trt.float32: torch.float32,
                    trt.float16: torch.float16}  # fmt: skip
-    tensors = {}
-    for name, array in (("input_ids", ids), ("attention_mask", mask)):
-        dtype = torch_types[engine.get_tensor_dtype(name)]
-        tensors[name] = torch.from_numpy(array).to("cuda", dtype=dtype).contiguous()
-        context.set_input_shape(name, tuple(array.shape))
-    out_shape = tuple(context.get_tensor_shape("embedding"))
-    out = torch.empty(out_shape, dtype=torch_types[engine.get_tensor_dtype("embedding")],
-                      device="cuda")  # fmt: skip
-    tensors["embedding"] = out
-    for name, tensor in tensors.items():
-        context.set_tensor_address(name, tensor.data_ptr())
     stream = torch.cuda.Stream()
-    if not context.execute_async_v3(stream.cuda_stream):
-        raise FailedPrecondition("TensorRT execution failed on the probe batch")
+    # Copies, allocation and execution on one stream: a copy queued on another stream
+    # (the default one) is not ordered before execute_async_v3 on this one.
+    with torch.cuda.stream(stream):
+        tensors = {}
+        for name, array in (("input_ids", ids), ("attention_mask", mask)):
+            dtype = torch_types[engine.get_tensor_dtype(name)]
+            tensors[name] = torch.from_numpy(array).to("cuda", dtype=dtype).contiguous()
+            context.set_input_shape(name, tuple(array.shape))
+        out_shape = tuple(context.get_tensor_shape("embedding"))
+        out = torch.empty(out_shape, dtype=torch_types[engine.get_tensor_dtype("embedding")],
+                          device="cuda")  # fmt: skip
+        tensors["embedding"] = out
+        for name, tensor in tensors.items():
+            context.set_tensor_address(name, tensor.data_ptr())
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise FailedPrecondition("TensorRT execution failed on the probe batch")
     stream.synchronize()
     return out.float().cpu().numpy()
+
+
+def _device() -> tuple[str, str]:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return torch.cuda.get_device_name(), f"{major}.{minor}"
 
 
 def build_plan(
@@ -259,74 +483,97 @@ def build_plan(
     probe_mask: np.ndarray,
     reference: np.ndarray,
 ) -> PlanReport:
-    """Build an FP16 plan, verify it against ``reference`` (PyTorch fp32), then write it.
+    """Build a plan, verify it against ``reference`` (PyTorch fp32), then write it.
 
-    ``probe_ids``/``probe_mask`` are one padded token batch and ``reference`` the PyTorch
-    embeddings of it. Raises PlanParityError (and writes nothing) below ``cfg.min_cosine``.
+    ``probe_ids``/``probe_mask`` are one padded token batch (:func:`probe_tokens`: the
+    profile's maximum shape) and ``reference`` the PyTorch embeddings of it. Each
+    precision of ``cfg.attempts`` is built and gated in turn (:func:`check_embeddings`);
+    the first that passes is written with its ``<plan>.json``. Raises PlanParityError
+    (and writes nothing) when none passes.
     """
     import onnx
 
-    from services.encoder.export import row_cosines
-
     trt = _require_tensorrt()
-    selection = select_fp32_nodes(
-        onnx.load(str(onnx_path), load_external_data=False), keep_ffn_out=cfg.keep_ffn_out_fp32
-    )
+    model = onnx.load(str(onnx_path))
+    selection = select_fp32_nodes(model, keep_ffn_out=cfg.keep_ffn_out_fp32)
+    names = {n.name for n in model.graph.node}
+    unknown = sorted(cfg.extra_fp32_nodes - names)
+    if unknown:
+        raise InvalidArgument(f"--extra-fp32-nodes: no such ONNX node(s) {unknown}")
     keep = selection.all | cfg.extra_fp32_nodes
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise FailedPrecondition(f"TensorRT could not parse {onnx_path}: {errors}")
-    config = builder.create_builder_config()
-    config.set_flag(trt.BuilderFlag.FP16)
-    config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(cfg.workspace_gb * (1 << 30)))
-    profile = builder.create_optimization_profile()
-    for name in ("input_ids", "attention_mask"):
-        profile.set_shape(name, cfg.min_shape, cfg.opt_shape, cfg.max_shape)
-    config.add_optimization_profile(profile)
-    pinned = 0
-    float_types = {trt.float32, trt.float16}
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        outputs = [layer.get_output(j) for j in range(layer.num_outputs)]
-        if not layer_matches(layer.name, keep) or not all(o.dtype in float_types for o in outputs):
+    rejected: list[str] = []
+    for precision in cfg.attempts:
+        with tempfile.TemporaryDirectory(prefix="gtr-plan-") as tmp:
+            graph_file = Path(tmp) / "model.onnx"
+            graph = fp16_graph(model, keep) if precision == "fp16" else model
+            onnx.save_model(graph, str(graph_file), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location="model.onnx.data")  # fmt: skip
+            engine_bytes, info, layers = _build_engine(trt, graph_file, cfg, precision)
+        got = _run_engine(trt, engine_bytes, probe_ids, probe_mask)
+        cosine, failure = check_embeddings(reference, got, cfg.min_cosine)
+        if failure is None and precision == "fp16":
+            demoted = fp16_layers_of_kept_nodes(info, frozenset(keep))
+            if demoted:
+                failure = f"{len(demoted)} FP32-selected layers run in FP16: {demoted[:5]}"
+        if failure is not None:
+            log.warning("%s plan refused: %s", precision, failure)
+            rejected.append(f"{precision}: {failure}")
             continue
-        layer.precision = trt.float32
-        for j in range(layer.num_outputs):
-            layer.set_output_type(j, trt.float32)
-        pinned += 1
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise FailedPrecondition("TensorRT build failed (see the log above)")
-    engine_bytes = bytes(serialized)
-    got = _run_engine(trt, engine_bytes, probe_ids, probe_mask)
-    cosine = min(row_cosines(reference, got))
-    if not np.isfinite(got).all() or cosine < cfg.min_cosine:
-        raise PlanParityError(
-            f"FP16 plan rejected: min cosine vs PyTorch {cosine:.5f} < {cfg.min_cosine} "
-            f"({pinned} layers pinned to FP32); pin more layers with extra_fp32_nodes"
-        )
-    plan_path = Path(plan_path)
-    plan_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = plan_path.with_suffix(".plan.tmp")
-    tmp.write_bytes(engine_bytes)
-    os.replace(tmp, plan_path)
-    return PlanReport(plan_path, cosine, pinned, network.num_layers)
+        plan_path = Path(plan_path)
+        plan_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_plan = plan_path.with_suffix(".plan.tmp")
+        tmp_plan.write_bytes(engine_bytes)
+        gpu, capability = _device()
+        PlanMeta(trt.__version__, precision, cfg.min_shape, cfg.opt_shape, cfg.max_shape,
+                 cosine, len(keep), gpu, capability).write(plan_path)  # fmt: skip
+        os.replace(tmp_plan, plan_path)
+        return PlanReport(plan_path, cosine, len(keep), layers, precision, tuple(rejected))
+    raise PlanParityError(
+        f"no plan written ({'; '.join(rejected)}; {len(keep)} ONNX nodes kept in FP32): "
+        + MORE_FP32_HINT
+    )
+
+
+def probe_tokens(
+    ids: np.ndarray, mask: np.ndarray, shape: tuple[int, int], pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A token batch of exactly ``shape`` (the profile's max batch × max sequence).
+
+    Rows are repeated to fill the batch; columns are cut or padded (mask 0) to the length.
+    The probe must reach the maximum: overflow grows with sequence length.
+    """
+    batch, seq = shape
+    rows = np.resize(np.arange(len(ids)), batch)
+    out_ids = np.full((batch, seq), pad_id, dtype=np.int64)
+    out_mask = np.zeros((batch, seq), dtype=np.int64)
+    width = min(seq, ids.shape[1])
+    out_ids[:, :width] = ids[rows, :width]
+    out_mask[:, :width] = mask[rows, :width]
+    return out_ids, out_mask
 
 
 def build_plan_from_model(
     model_dir: Path, onnx_path: Path, plan_path: Path, cfg: PlanConfig | None = None
 ) -> PlanReport:
     """:func:`build_plan` with the probe batch and PyTorch reference made from ``model_dir``."""
+    import torch
+
     from services.encoder.export import PROBE_TEXTS
     from services.encoder.model import TorchEmbedder
 
+    _require_tensorrt()  # before loading a checkpoint of several GB
     embedder = TorchEmbedder(model_dir)
-    batch = embedder.tokenize(list(PROBE_TEXTS), "document")
-    reference = embedder.run(batch)
     cfg = cfg or PlanConfig.for_profile(embedder.profile)
-    return build_plan(onnx_path, plan_path, cfg, batch.input_ids, batch.attention_mask, reference)
+    # One text long enough to fill the longest sequence (truncated there).
+    texts = [*PROBE_TEXTS, " ".join(PROBE_TEXTS) * 40]
+    batch = embedder.tokenize(texts, "document")
+    ids, mask = probe_tokens(batch.input_ids, batch.attention_mask, cfg.max_shape,
+                             embedder.tokenizer_spec.pad_id)  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    module = embedder.module.to(device)
+    rows = []
+    with torch.inference_mode():
+        for i in range(0, len(ids), 8):
+            chunk = [torch.from_numpy(a[i : i + 8]).to(device) for a in (ids, mask)]
+            rows.append(module(*chunk).float().cpu().numpy())
+    return build_plan(onnx_path, plan_path, cfg, ids, mask, np.concatenate(rows))
