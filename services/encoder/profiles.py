@@ -144,18 +144,55 @@ def get_profile(name: str) -> ModelProfile:
         raise NotFound(f"unknown encoder profile {name!r}; known: {sorted(PROFILES)}") from None
 
 
+# Encoder shapes of the published GTR checkpoints (config.json of the sentence-transformers
+# gtr-t5-* folders: T5 1.0 encoders). large, xl and xxl share d_model 1024; they differ
+# in d_ff, heads and d_kv. Keys: (d_model, d_ff, num_heads, num_layers).
+GTR_SHAPES: dict[tuple[int, int, int, int], str] = {
+    (768, 3072, 12, 12): "base",
+    (1024, 4096, 16, 24): "large",
+    (1024, 16384, 32, 24): "xl",
+    (1024, 65536, 128, 24): "xxl",
+}
+
+
+def t5_encoder_params_millions(config: dict[str, object]) -> float:
+    """Parameters of a T5 encoder (embeddings + attention + FFN) from its ``config.json``."""
+
+    def num(key: str, default: int) -> int:
+        value = config.get(key, default)
+        return int(value) if isinstance(value, int | float | str) else default
+
+    d_model = num("d_model", 512)
+    inner = num("d_kv", 64) * num("num_heads", 8)
+    gated = str(config.get("feed_forward_proj", "relu")).startswith("gated")
+    ffn = (3 if gated else 2) * d_model * num("d_ff", 2048)
+    per_layer = 4 * d_model * inner + ffn
+    return (num("vocab_size", 32128) * d_model + num("num_layers", 6) * per_layer) / 1e6
+
+
 def profile_for_model_dir(model_dir: Path, *, dim: int | None = None) -> ModelProfile:
     """Best profile for a local sentence-transformers checkpoint, from its ``config.json``.
 
-    T5 checkpoints map to a GTR size by ``d_model`` (768 base, 1024 large, 2048 xl,
-    4096 xxl); anything else (a BERT, or a tiny test T5) gets the family's closest
-    profile with its real ``dim`` substituted, so the embedding width is never wrong.
+    A T5 maps to a GTR size by its exact encoder shape (``GTR_SHAPES``: d_model, d_ff,
+    heads, layers; d_model alone cannot tell large, xl and xxl apart), else to the size
+    whose parameter count is nearest on a log scale (a tiny test T5 gets ``base``).
+    Anything else gets the MiniLM profile. ``dim`` replaces the profile's width, so the
+    embedding width is never wrong.
     """
+    import math
+
     config = json.loads((Path(model_dir) / "config.json").read_text())
     model_type = str(config.get("model_type", ""))
     if model_type in {"t5", "mt5"}:
-        by_width = {768: "base", 1024: "large", 2048: "xl", 4096: "xxl"}
-        profile = PROFILES[by_width.get(int(config.get("d_model", 0)), "base")]
+        d_model, d_ff, heads, layers = (
+            int(config.get(k, 0)) for k in ("d_model", "d_ff", "num_heads", "num_layers")
+        )
+        name = GTR_SHAPES.get((d_model, d_ff, heads, layers))
+        if name is None:
+            params = max(t5_encoder_params_millions(config), 1e-3)
+            sizes = ("base", "large", "xl", "xxl")
+            name = min(sizes, key=lambda n: abs(math.log(PROFILES[n].params_millions / params)))
+        profile = PROFILES[name]
     else:
         profile = PROFILES["minilm"]
     if dim is not None and dim != profile.dim:

@@ -9,7 +9,12 @@ import pytest
 
 from services.common.errors import NotFound
 from services.encoder.model import default_model_dir
-from services.encoder.profiles import PROFILES, get_profile, profile_for_model_dir
+from services.encoder.profiles import (
+    PROFILES,
+    get_profile,
+    profile_for_model_dir,
+    t5_encoder_params_millions,
+)
 
 
 def test_gtr_sizes_carry_the_paper_slo_and_768_dims() -> None:
@@ -35,11 +40,42 @@ def test_unknown_profile_lists_the_known_ones() -> None:
         get_profile("gigantic")
 
 
-@pytest.mark.parametrize(("d_model", "expected"), [(768, "base"), (1024, "large"),
-                                                   (2048, "xl"), (4096, "xxl")])  # fmt: skip
-def test_t5_width_selects_the_gtr_size(tmp_path: Path, d_model: int, expected: str) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": d_model}))
+# The encoder part of the published gtr-t5-* config.json files.
+_GTR_CONFIGS = {
+    "base": {"d_model": 768, "d_ff": 3072, "d_kv": 64, "num_heads": 12, "num_layers": 12},
+    "large": {"d_model": 1024, "d_ff": 4096, "d_kv": 64, "num_heads": 16, "num_layers": 24},
+    "xl": {"d_model": 1024, "d_ff": 16384, "d_kv": 128, "num_heads": 32, "num_layers": 24},
+    "xxl": {"d_model": 1024, "d_ff": 65536, "d_kv": 128, "num_heads": 128, "num_layers": 24},
+}
+
+
+@pytest.mark.parametrize("expected", sorted(_GTR_CONFIGS))
+def test_gtr_config_selects_its_size(tmp_path: Path, expected: str) -> None:
+    config = {"model_type": "t5", "vocab_size": 32128, "feed_forward_proj": "relu",
+              **_GTR_CONFIGS[expected]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
     assert profile_for_model_dir(tmp_path).name == expected
+
+
+@pytest.mark.parametrize("expected", sorted(_GTR_CONFIGS))
+def test_parameter_estimate_matches_the_profile(expected: str) -> None:
+    config = {"vocab_size": 32128, "feed_forward_proj": "relu", **_GTR_CONFIGS[expected]}
+    estimate = t5_encoder_params_millions(config)  # type: ignore[arg-type]
+    assert estimate == pytest.approx(get_profile(expected).params_millions, rel=0.05)
+
+
+@pytest.mark.parametrize("expected", ["large", "xl", "xxl"])
+def test_unknown_t5_shape_maps_by_size(tmp_path: Path, expected: str) -> None:
+    # the published shape with one more layer: no exact match, the nearest size by parameters
+    shape = dict(_GTR_CONFIGS[expected], num_layers=25)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", **shape}))
+    assert profile_for_model_dir(tmp_path).name == expected
+
+
+def test_tiny_t5_maps_to_base(tmp_path: Path) -> None:
+    config = {"model_type": "t5", "d_model": 48, "d_ff": 96, "num_heads": 4, "num_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert profile_for_model_dir(tmp_path).name == "base"
 
 
 def test_bundled_minilm_maps_to_minilm_and_dim_overrides() -> None:
