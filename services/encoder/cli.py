@@ -67,6 +67,7 @@ def _repo(args: argparse.Namespace) -> int:
         max_queue_delay_us=args.queue_delay_us,
         allow_spinning=args.allow_spinning,
         plan_path=Path(args.plan) if args.plan else None,
+        **({"triton_image_tag": args.triton_image_tag} if args.triton_image_tag else {}),
     )
     repo = generate_repository(Path(args.onnx), Path(args.out), cfg)
     print(f"{args.flavor} repository for {repo.meta.model_name} at {repo.root}: "
@@ -141,7 +142,16 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
     p.add_argument("--out", required=True, help="repository folder (our models are replaced)")
     p.add_argument("--flavor", choices=["cpu", "gpu"], default="cpu", help="default: cpu")
-    p.add_argument("--plan", help="gpu: TensorRT plan to place in encoder/1/model.plan")
+    p.add_argument(
+        "--plan",
+        help="gpu: TensorRT plan (with its <plan>.json from build-plan) to place in "
+        "encoder/1/; max batch and sequence buckets are taken from the plan's shapes",
+    )
+    p.add_argument(
+        "--triton-image-tag",
+        help="gpu: tag of the Triton image that will load the plan (default: the chart's, "
+        "24.12-py3); a plan built by another TensorRT release is refused",
+    )
     p.add_argument(
         "--instances",
         type=int,

@@ -6,7 +6,10 @@ Both flavours expose the same model ``embed``:
 * ``cpu``: ``embed`` is a Python-backend model (``triton_models/embed_onnx.py``) that
   tokenizes and runs the ONNX export with ONNX Runtime.
 * ``gpu``: ``embed`` is an ensemble of ``tokenizer`` (Python backend, on CPU) and
-  ``encoder`` (``tensorrt_plan``, FP16 with FP32 norms, on the GPU).
+  ``encoder`` (``tensorrt_plan``, FP16 with FP32 norms, on the GPU). With a plan, the
+  max batch, the sequence buckets and the tokenizer's truncation come from the shapes
+  the plan records (``<plan>.json``), and a plan built by another TensorRT release than
+  the target Triton image's is refused.
 
 The configs are built as Triton's own ``ModelConfig`` protobuf and written with
 ``text_format``, so a typo in a field name fails here, not in the server log.
@@ -14,9 +17,10 @@ The configs are built as Triton's own ``ModelConfig`` protobuf and written with
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -26,6 +30,12 @@ from tritonclient.grpc import model_config_pb2 as mc
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.export import EncoderMeta
 from services.encoder.profiles import ModelProfile
+from services.encoder.tensorrt_build import (
+    TRITON_IMAGE_TAG,
+    TRITON_TENSORRT,
+    PlanMeta,
+)
+from services.encoder.tensorrt_build import plan_meta_path as plan_meta_file
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
@@ -53,6 +63,7 @@ class RepositoryConfig:
     max_queue_size: int = 1024  # beyond this Triton rejects → the client says Overloaded
     seq_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # gpu: pad-to lengths
     plan_path: Path | None = None  # gpu: copy this TensorRT plan into encoder/1/
+    triton_image_tag: str = TRITON_IMAGE_TAG  # gpu: the Triton image that will load the plan
     extra_parameters: dict[str, str] = field(default_factory=dict)
 
 
@@ -189,6 +200,38 @@ def _python_model(root: Path, name: str, source: Path, export_dir: Path) -> None
         shutil.copy2(export_dir / artefact, version / artefact)
 
 
+def plan_for_triton(plan_path: Path, image_tag: str) -> PlanMeta:
+    """The plan's metadata, after checking that Triton ``image_tag`` can load the plan."""
+    if not plan_path.exists():
+        raise FailedPrecondition(f"no TensorRT plan at {plan_path}")
+    meta = PlanMeta.read(plan_path)
+    tensorrt = TRITON_TENSORRT.get(image_tag)
+    if tensorrt is None:
+        raise FailedPrecondition(
+            f"which TensorRT Triton {image_tag} ships is not known here (known: "
+            f"{sorted(TRITON_TENSORRT)}): add it to TRITON_TENSORRT in tensorrt_build.py"
+        )
+    meta.check_tensorrt(tensorrt, f"Triton {image_tag}")
+    return meta
+
+
+def fit_to_plan(cfg: RepositoryConfig, plan: PlanMeta) -> RepositoryConfig:
+    """``cfg`` with max batch and sequence buckets inside the shapes the plan was built for.
+
+    The max batch is the plan's (a larger one is refused: Triton would send batches the
+    engine has no profile for); the buckets are those within the plan's sequence range,
+    plus its maximum, so that every padded batch has a shape the plan covers.
+    """
+    (_, min_seq), (max_batch, max_seq) = plan.min_shape, plan.max_shape
+    if cfg.max_batch is not None and cfg.max_batch > max_batch:
+        raise InvalidArgument(
+            f"max_batch {cfg.max_batch} exceeds the plan's maximum batch {max_batch}: "
+            "rebuild the plan with `build-plan --max-batch` or lower --max-batch"
+        )
+    buckets = sorted({b for b in cfg.seq_buckets if min_seq <= b <= max_seq} | {max_seq})
+    return replace(cfg, max_batch=cfg.max_batch or max_batch, seq_buckets=tuple(buckets))
+
+
 def generate_repository(
     onnx_path: Path, out_dir: Path, cfg: RepositoryConfig | None = None
 ) -> Repository:
@@ -215,14 +258,24 @@ def generate_repository(
         return Repository(root, (EMBED_MODEL,), meta)
     if cfg.flavor != "gpu":
         raise InvalidArgument(f"unknown flavour {cfg.flavor!r}: use cpu or gpu")
+    plan_meta = None
+    if cfg.plan_path is not None:
+        plan_meta = plan_for_triton(Path(cfg.plan_path), cfg.triton_image_tag)
+        cfg = fit_to_plan(cfg, plan_meta)
     for config in gpu_configs(meta, profile, cfg).values():
         _write_config(root, config)
     _python_model(root, "tokenizer", MODELS_DIR / "tokenize_text.py", export_dir)
+    if plan_meta is not None:  # truncate where the plan ends, not at the model's budget
+        longest = plan_meta.max_shape[1]
+        capped = {kind: min(n, longest) for kind, n in meta.max_lens.items()}
+        tok_meta = root / "tokenizer" / "1" / "encoder.json"
+        tok_meta.write_text(json.dumps({**json.loads(tok_meta.read_text()), "max_lens": capped}))
     (root / EMBED_MODEL / "1").mkdir(parents=True, exist_ok=True)  # ensembles need a version
     plan_dir = root / "encoder" / "1"
     plan_dir.mkdir(parents=True, exist_ok=True)
     if cfg.plan_path is not None:
         _place(Path(cfg.plan_path), plan_dir / "model.plan")
+        shutil.copy2(plan_meta_file(Path(cfg.plan_path)), plan_dir / "model.plan.json")
     else:
         (plan_dir / "README").write_text(
             "Put the TensorRT plan here as model.plan:\n"

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.model import default_model_dir
 from services.encoder.repository import RepositoryConfig, generate_repository, read_config
+from services.encoder.tensorrt_build import TENSORRT_VERSION, PlanMeta, PlanVersionMismatch
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
 
 
@@ -50,9 +51,16 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     assert (version / "model.py").read_text() == source
 
 
+def _fake_plan(
+    path: Path, max_shape: tuple[int, int] = (64, 512), tensorrt: str = TENSORRT_VERSION + ".23"
+) -> Path:
+    path.write_bytes(b"not a real engine")
+    PlanMeta(tensorrt, "fp16", (1, 1), (8, 128), max_shape, 0.9995, 100).write(path)
+    return path
+
+
 def test_gpu_repository_is_an_ensemble(minilm_onnx: Path, tmp_path: Path) -> None:
-    plan = tmp_path / "fake.plan"
-    plan.write_bytes(b"not a real engine")
+    plan = _fake_plan(tmp_path / "fake.plan")
     repo = generate_repository(
         minilm_onnx, tmp_path / "repo", RepositoryConfig(flavor="gpu", plan_path=plan)
     )
@@ -85,6 +93,58 @@ def test_gpu_repository_is_an_ensemble(minilm_onnx: Path, tmp_path: Path) -> Non
     assert buckets == "16,32,64,128,256,512"
     assert (tmp_path / "repo" / "encoder" / "1" / "model.plan").read_bytes() == b"not a real engine"
     assert (tmp_path / "repo" / "tokenizer" / "1" / "model.py").exists()
+
+
+def test_gpu_repository_takes_its_shapes_from_the_plan(minilm_onnx: Path, tmp_path: Path) -> None:
+    import json
+
+    plan = _fake_plan(tmp_path / "small.plan", max_shape=(16, 200))
+    repo = generate_repository(
+        minilm_onnx, tmp_path / "repo", RepositoryConfig(flavor="gpu", plan_path=plan)
+    )
+    configs = {m: read_config(repo.config_path(m)) for m in ("tokenizer", "encoder", "embed")}
+    assert {c.max_batch_size for c in configs.values()} == {16}  # the profile says 64
+    assert list(configs["encoder"].dynamic_batching.preferred_batch_size) == [4, 8, 16]
+    buckets = configs["tokenizer"].parameters["seq_buckets"].string_value
+    assert buckets == "16,32,64,128,200"  # nothing the plan does not cover
+    tok_meta = json.loads((tmp_path / "repo" / "tokenizer" / "1" / "encoder.json").read_text())
+    assert tok_meta["max_lens"] == {"query": 64, "document": 200}  # truncation fits the plan
+    recorded = tmp_path / "repo" / "encoder" / "1" / "model.plan.json"
+    assert json.loads(recorded.read_text())["max_shape"] == [16, 200]
+
+
+def test_gpu_repository_refuses_a_batch_the_plan_does_not_cover(
+    minilm_onnx: Path, tmp_path: Path
+) -> None:
+    plan = _fake_plan(tmp_path / "small.plan", max_shape=(16, 512))
+    with pytest.raises(InvalidArgument, match="exceeds the plan's maximum batch 16"):
+        cfg = RepositoryConfig(flavor="gpu", plan_path=plan, max_batch=32)
+        generate_repository(minilm_onnx, tmp_path / "repo", cfg)
+
+
+def test_gpu_repository_refuses_a_plan_of_another_tensorrt(
+    minilm_onnx: Path, tmp_path: Path
+) -> None:
+    plan = _fake_plan(tmp_path / "trt11.plan", tensorrt="11.4.0.106")
+    with pytest.raises(PlanVersionMismatch, match=r"TensorRT 11\.4\.0\.106"):
+        generate_repository(minilm_onnx, tmp_path / "repo",
+                            RepositoryConfig(flavor="gpu", plan_path=plan))  # fmt: skip
+    with pytest.raises(FailedPrecondition, match="not known here"):
+        generate_repository(
+            minilm_onnx, tmp_path / "repo",
+            RepositoryConfig(flavor="gpu", plan_path=_fake_plan(tmp_path / "ok.plan"),
+                             triton_image_tag="19.01-py3"),
+        )  # fmt: skip
+
+
+def test_gpu_repository_refuses_a_plan_without_its_metadata(
+    minilm_onnx: Path, tmp_path: Path
+) -> None:
+    plan = tmp_path / "bare.plan"
+    plan.write_bytes(b"not a real engine")
+    with pytest.raises(FailedPrecondition, match="build-plan"):
+        generate_repository(minilm_onnx, tmp_path / "repo",
+                            RepositoryConfig(flavor="gpu", plan_path=plan))  # fmt: skip
 
 
 def test_gtr_profile_sets_instances_on_gpu(tmp_path_factory: pytest.TempPathFactory,
