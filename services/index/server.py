@@ -20,7 +20,7 @@ from services.common.metrics import RpcMetrics, serve_metrics
 from services.common.server import Server, create_server, serve_until_signal
 from services.common.settings import load_settings
 from services.index.batcher import SearchBatcher
-from services.index.gpu import GpuMirror, gpu_status
+from services.index.gpu import GpuMetrics, attach_or_fallback
 from services.index.metrics import ShardMetrics
 from services.index.replica import ReplicaConfig, ShardReplica
 from services.index.service import ShardService
@@ -66,12 +66,10 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     )
     loop = asyncio.get_running_loop()
     replica = await loop.run_in_executor(None, ShardReplica, config, metrics)
-    usable, reason = gpu_status()
-    if settings.gpu and usable:
-        await loop.run_in_executor(None, replica.shard.attach_gpu, GpuMirror(settings.gpu_device))
-        log.info("searches served from GPU %d (%s)", settings.gpu_device, reason)
-    else:
-        log.info("GPU path skipped: %s", reason if settings.gpu else "disabled by settings")
+    gpu_metrics = GpuMetrics.create(registry, settings.shard, settings.replica)
+    await loop.run_in_executor(
+        None, attach_or_fallback, replica.shard, settings.gpu, settings.gpu_device, gpu_metrics
+    )
     replica.start(loop)
     batcher = SearchBatcher(
         replica.shard,
@@ -79,7 +77,7 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
         metrics=metrics,
         omp_threads=settings.omp_threads,
     )
-    service = ShardService(replica, batcher)
+    service = ShardService(replica, batcher, default_timeout_s=settings.default_timeout_s)
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         index_pb2_grpc.add_IndexShardServiceServicer_to_server(ShardServicer(service), server)

@@ -9,6 +9,7 @@ existing lists and codebooks; nothing is ever retrained in place.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,8 @@ import faiss
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 TRAINED = "trained.faiss"
@@ -38,6 +41,7 @@ class TrainOptions:
     max_train_points: int = 100_000
     seed: int = 1234
     model: str = "unknown"
+    gpu: bool = False  # the shards will search on a GPU: PQ settings GPU IVF-PQ accepts
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Manifest:
     train_seconds: float
     created_at: str
     stats: dict[str, float] = field(default_factory=dict)
+    gpu_problem: str | None = None  # why faiss-gpu cannot hold this index (None: it can)
 
     def write(self, directory: Path) -> None:
         (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -88,13 +93,47 @@ def default_pq_m(dim: int) -> int:
     return 1
 
 
+# What GPU IVF-PQ accepts (faiss/gpu: GpuIndexIVFPQ::verifyPQSettings_): bytes per code
+# (IVFPQ::isSupportedPQCodeLength; 56, 64 and 96 only with float16 lookup tables, which
+# GpuMirror uses), 8 bits per code, and, without precomputed tables (the cloner's
+# default), dims per sub-quantizer in isSupportedNoPrecomputedSubDimSize.
+GPU_PQ_M = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
+GPU_PQ_M_FLOAT16_ONLY = (56, 64, 96)
+GPU_PQ_SUBDIMS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32)
+
+
+def gpu_pq_problem(dim: int, pq_m: int, pq_bits: int) -> str | None:
+    """Why faiss-gpu would refuse an IVF-PQ of these settings, or None if it accepts it."""
+    if pq_bits != 8:
+        return f"GPU IVF-PQ needs 8 bits per code (pq_bits={pq_bits})"
+    if pq_m not in GPU_PQ_M:
+        return f"GPU IVF-PQ supports pq_m in {list(GPU_PQ_M)}, not {pq_m}"
+    if dim % pq_m or dim // pq_m not in GPU_PQ_SUBDIMS:
+        return (f"GPU IVF-PQ supports {list(GPU_PQ_SUBDIMS)} dims per sub-quantizer, not "
+                f"{dim}/{pq_m}")  # fmt: skip
+    return None
+
+
+def default_gpu_pq_m(dim: int) -> int | None:
+    """The GPU-compatible pq_m closest to :func:`default_pq_m` (the larger on a tie)."""
+    target = default_pq_m(dim)
+    fits = [m for m in GPU_PQ_M if gpu_pq_problem(dim, m, 8) is None]
+    return min(fits, key=lambda m: (abs(m - target), -m)) if fits else None
+
+
 def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
     nlist = options.nlist or default_nlist(n)
-    pq_m = options.pq_m or default_pq_m(dim)
+    pq_m = options.pq_m or (default_gpu_pq_m(dim) if options.gpu else None) or default_pq_m(dim)
     if dim % pq_m:
         raise InvalidArgument(f"pq_m={pq_m} must divide the dimension {dim}")
     if nlist > n:
         raise InvalidArgument(f"nlist={nlist} needs at least as many training vectors ({n})")
+    problem = gpu_pq_problem(dim, pq_m, options.pq_bits)
+    if options.gpu and problem:
+        raise InvalidArgument(f"--gpu: {problem}")
+    if problem:
+        log.warning("this index cannot be searched on a GPU (shards will use the CPU): %s; "
+                    "train with --gpu for GPU-compatible settings", problem)  # fmt: skip
     nprobe = options.nprobe or min(nlist, max(32, round(nlist / 10)))
     return TrainOptions(
         nlist=nlist,
@@ -106,6 +145,7 @@ def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
         max_train_points=options.max_train_points,
         seed=options.seed,
         model=options.model,
+        gpu=options.gpu,
     )
 
 
@@ -176,6 +216,7 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
         train_seconds=seconds,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         stats={"mean_norm": float(np.linalg.norm(x, axis=1).mean())},
+        gpu_problem=gpu_pq_problem(dim, opts.pq_m, opts.pq_bits),
     )
     manifest.write(out)
     return manifest
