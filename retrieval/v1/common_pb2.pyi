@@ -47,8 +47,9 @@ class _ConsistencyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Consisten
     bounded by the deadline, until it has applied that position.
     """
     CONSISTENCY_STRONG: _Consistency.ValueType  # 3
-    """Every shard reads the current tail of its log first and waits until it has
-    applied it. Slowest; sees every write acknowledged before the search started.
+    """The gateway reads the current tail of every shard's log first and each shard waits
+    until it has applied it. Slowest; sees every write acknowledged before the search
+    started. UNAVAILABLE when the tails cannot be read (Redis down).
     """
 
 class Consistency(_Consistency, metaclass=_ConsistencyEnumTypeWrapper):
@@ -65,8 +66,9 @@ CONSISTENCY_SESSION: Consistency.ValueType  # 2
 bounded by the deadline, until it has applied that position.
 """
 CONSISTENCY_STRONG: Consistency.ValueType  # 3
-"""Every shard reads the current tail of its log first and waits until it has
-applied it. Slowest; sees every write acknowledged before the search started.
+"""The gateway reads the current tail of every shard's log first and each shard waits
+until it has applied it. Slowest; sees every write acknowledged before the search
+started. UNAVAILABLE when the tails cannot be read (Redis down).
 """
 Global___Consistency: _TypeAlias = Consistency  # noqa: Y015
 
@@ -101,7 +103,9 @@ Global___VectorBatch: _TypeAlias = VectorBatch  # noqa: Y015
 
 @_typing.final
 class ShardPosition(_message.Message):
-    """A position in the change log of one shard: a Redis Stream entry ID ("ms-seq")."""
+    """A position in the change log of one shard: a Redis Stream entry ID ("ms-seq": two
+    unsigned 64-bit integers in ASCII digits); anything else is INVALID_ARGUMENT.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

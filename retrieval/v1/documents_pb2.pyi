@@ -52,12 +52,15 @@ class Document(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """Caller-chosen id: 1..256 bytes of UTF-8, no control characters. Unique."""
+    """Caller-chosen id: 1..256 bytes of UTF-8, no control characters (C0, DEL, C1 such
+    as U+0085, U+2028/U+2029), not blank, no leading or trailing whitespace. Unique.
+    """
     title: _builtins.str
     """Optional title; encoded together with the text as "title text"."""
     text: _builtins.str
-    """The text to index; non-empty. Longer than the model's document max length is
-    truncated for the embedding (the full text is still stored).
+    """The text to index; non-empty, at most 1 MiB with the title. Longer than the
+    model's document max length is truncated for the embedding (only what the model
+    reads is sent to the encoder; the full text is still stored).
     """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:

@@ -12,6 +12,7 @@ from services.gateway.domain import (
     SearchResult,
     WriteResult,
 )
+from services.index import positions
 
 _CONSISTENCY = {
     common_pb2.CONSISTENCY_UNSPECIFIED: Consistency.EVENTUAL,
@@ -32,6 +33,11 @@ def token_from_pb(token: common_pb2.WriteToken) -> dict[int, str]:
         if pos.shard in out:
             raise InvalidArgument(f"write_token: shard {pos.shard} appears twice")
         out[pos.shard] = pos.position
+    for shard, position in out.items():
+        try:
+            positions.parse(position)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"write_token: shard {shard}: {exc.message}") from None
     return out
 
 

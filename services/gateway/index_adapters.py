@@ -6,7 +6,6 @@ index package has its own. These adapters are the only place that translates.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 import numpy as np
@@ -74,11 +73,14 @@ class LogStore:
         return dict(token), list(deleted), list(missing)
 
     async def get_many(self, ids: Sequence[str]) -> list[Document | None]:
-        stored = await asyncio.gather(*[self._writer.get(i) for i in ids])
+        stored = await self._writer.get_many(ids)
         return [
             None if s is None else Document(s.doc_id, s.text, s.title, dict(s.metadata))
             for s in stored
         ]
+
+    async def tail(self) -> dict[int, str]:
+        return dict(await self._writer.tail())
 
     async def close(self) -> None:
         await self._writer.close()

@@ -8,25 +8,49 @@ protocols of :mod:`services.gateway.ports`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from services.common.deadline import Deadline
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from services.gateway import validation
-from services.gateway.domain import Document, Hit, SearchQuery, SearchResult, Timings, WriteResult
+from services.gateway.domain import (
+    Consistency,
+    Document,
+    Hit,
+    SearchQuery,
+    SearchResult,
+    Timings,
+    WriteResult,
+)
 from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.ports import DocumentStore, QueryEncoder, Reranker, VectorIndex
+from services.gateway.texts import cut_for_encoder
 
 log = logging.getLogger(__name__)
 
 # Share of the remaining budget that rerank may use when it picks its own depth.
 RERANK_BUDGET_SHARE = 0.6
+# The deadline of a request that brings none (GatewaySettings.default_timeout_s).
+DEFAULT_TIMEOUT_S = 10.0
+
+T = TypeVar("T")
+
+
+async def bounded(step: Awaitable[T], deadline: Deadline, stage: str) -> T:
+    """Await ``step`` for at most what is left of ``deadline`` (DeadlineExceeded after)."""
+    try:
+        async with asyncio.timeout(deadline.remaining()):
+            return await step
+    except TimeoutError:
+        raise DeadlineExceeded(f"deadline exceeded during {stage}") from None
 
 
 def _ms(since: float) -> float:
@@ -52,6 +76,7 @@ class SearchPipeline:
     reranker: Reranker | None = None
     limits: Limits = field(default_factory=Limits)
     metrics: GatewayMetrics | None = None
+    default_timeout_s: float = DEFAULT_TIMEOUT_S
 
     async def search(self, query: SearchQuery, timeout: float | None) -> SearchResult:
         return (await self.search_batch([query], timeout, batch=False))[0]
@@ -59,8 +84,10 @@ class SearchPipeline:
     async def search_batch(
         self, queries: Sequence[SearchQuery], timeout: float | None, batch: bool = True
     ) -> list[SearchResult]:
+        """``timeout``: the client's deadline in seconds; None (the client set none) takes
+        ``default_timeout_s``: every wait below is bounded by what is left of it."""
         start = time.perf_counter()
-        deadline = Deadline.after(timeout)
+        deadline = Deadline.after(self.default_timeout_s if timeout is None else timeout)
         if batch:
             validation.check_batch(queries, self.limits, self.index.num_shards)
         else:
@@ -77,9 +104,11 @@ class SearchPipeline:
         depths = [self._rerank_depth(q, deadline) for q in queries]
         fetch_ks = [max(q.k, d) for q, d in zip(queries, depths, strict=True)]
         t = time.perf_counter()
-        index_results = await self._search_index(queries, fetch_ks, embedded.vectors, deadline)
+        routed = await self._strong_as_session(queries, deadline)
+        index_results = await self._search_index(routed, fetch_ks, embedded.vectors, deadline)
         search_ms = _ms(t)
 
+        fetch_ms = await self._fetch_documents(queries, depths, index_results, deadline)
         results = await asyncio.gather(
             *[
                 self._finish(q, depth, hits, missing, deadline)
@@ -92,6 +121,7 @@ class SearchPipeline:
             result.query_truncated = truncated
             result.timings.encode_ms = encode_ms
             result.timings.search_ms = search_ms
+            result.timings.fetch_ms = fetch_ms
             result.timings.total_ms = total_ms
             if self.metrics is not None:
                 self.metrics.observe_search(result)
@@ -104,6 +134,57 @@ class SearchPipeline:
             return q.rerank_depth
         budget = deadline.remaining_ms(default=1000.0) * RERANK_BUDGET_SHARE
         return max(q.k, self.reranker.depth_for_budget(budget))
+
+    async def _strong_as_session(
+        self, queries: Sequence[SearchQuery], deadline: Deadline
+    ) -> Sequence[SearchQuery]:
+        """STRONG reads wait for the log tails as of now: read once for the whole request
+        (one pipelined Redis round trip) and sent as a SESSION token. A tail that cannot
+        be read fails the request with Unavailable: without it a STRONG read has nothing
+        to promise (a shard reading its own tail would only drop out as a partial)."""
+        if not any(q.consistency is Consistency.STRONG for q in queries):
+            return queries
+        tail = await bounded(self.store.tail(), deadline, "reading the log tails")
+        return [
+            dataclasses.replace(q, consistency=Consistency.SESSION, write_token=tail)
+            if q.consistency is Consistency.STRONG
+            else q
+            for q in queries
+        ]
+
+    async def _fetch_documents(
+        self,
+        queries: Sequence[SearchQuery],
+        depths: Sequence[int],
+        results: list[tuple[list[Hit], list[int]]],
+        deadline: Deadline,
+    ) -> float:
+        """Attach the stored documents to the hits that need them (the response's, or the
+        reranker's candidates), all queries in one round trip; drop hits whose document
+        was deleted after the shards answered. ``ids_only`` without rerank fetches nothing.
+        Returns the milliseconds spent (0 when nothing was fetched).
+        """
+        wanted = [
+            i for i, (q, d) in enumerate(zip(queries, depths, strict=True)) if not q.ids_only or d
+        ]
+        ids = list(dict.fromkeys(h.id for i in wanted for h in results[i][0]))
+        if not ids:
+            return 0.0
+        t = time.perf_counter()
+        docs = await bounded(self.store.get_many(ids), deadline, "the document fetch")
+        fetch_ms = _ms(t)
+        by_id = dict(zip(ids, docs, strict=True))
+        for i in wanted:
+            hits, missing = results[i]
+            kept = []
+            for hit in hits:
+                doc = by_id[hit.id]
+                if doc is None:  # deleted since the shard answered: never return it
+                    continue
+                hit.document = doc
+                kept.append(hit)
+            results[i] = (kept, missing)
+        return fetch_ms
 
     async def _search_index(
         self,
@@ -152,25 +233,17 @@ class SearchPipeline:
         result = SearchResult(
             hits=hits, model="", partial=bool(missing), missing_shards=missing, timings=timings
         )
-        need_docs = not q.ids_only or depth > 0
-        if need_docs and hits:
-            t = time.perf_counter()
-            docs = await self.store.get_many([h.id for h in hits])
-            timings.fetch_ms = _ms(t)
-            kept = []
-            for hit, doc in zip(hits, docs, strict=True):
-                if doc is None:  # deleted since the shard answered: never return it
-                    continue
-                hit.document = doc
-                kept.append(hit)
-            hits = kept
         if depth > 0 and self.reranker is not None and hits:
             t = time.perf_counter()
             candidates = hits[:depth]
-            scored = await self.reranker.rerank(
-                q.text,
-                [(h.id, h.document.embedding_text if h.document else "") for h in candidates],
-                timeout=deadline.remaining(),
+            scored = await bounded(
+                self.reranker.rerank(
+                    q.text,
+                    [(h.id, h.document.embedding_text if h.document else "") for h in candidates],
+                    timeout=deadline.remaining(),
+                ),
+                deadline,
+                "the rerank",
             )
             hits = []
             for index, score in scored:
@@ -192,30 +265,41 @@ class DocumentPipeline:
     encoder: QueryEncoder
     store: DocumentStore
     limits: Limits = field(default_factory=Limits)
+    default_timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline.after(self.default_timeout_s if timeout is None else timeout)
 
     async def upsert(self, docs: Sequence[Document], timeout: float | None) -> WriteResult:
+        """Encode (only what the model reads, see :mod:`services.gateway.texts`), then
+        store the whole documents and log them."""
+        deadline = self._deadline(timeout)
         validation.check_documents(docs, self.limits)
-        texts = [d.embedding_text for d in docs]
+        cuts = [cut_for_encoder(d.embedding_text) for d in docs]
+        texts = [text for text, _ in cuts]
         step = max(1, self.encoder.max_batch)
         chunks = await asyncio.gather(
             *[
-                self.encoder.encode(texts[i : i + step], "document", timeout=timeout)
+                self.encoder.encode(texts[i : i + step], "document", timeout=deadline.remaining())
                 for i in range(0, len(texts), step)
             ]
         )
         vectors = np.concatenate([c.vectors for c in chunks])
-        truncated = sum(sum(c.truncated) for c in chunks)
-        token = await self.store.upsert(docs, vectors)
+        flags = [t for c in chunks for t in c.truncated]
+        truncated = sum(f or cut for f, (_, cut) in zip(flags, cuts, strict=True))
+        token = await bounded(self.store.upsert(docs, vectors), deadline, "the write")
         return WriteResult(token, len(docs), truncated=truncated)
 
-    async def delete(self, ids: Sequence[str]) -> WriteResult:
+    async def delete(self, ids: Sequence[str], timeout: float | None = None) -> WriteResult:
+        deadline = self._deadline(timeout)
         validation.check_ids(ids, self.limits)
-        token, deleted, missing = await self.store.delete(ids)
+        token, deleted, missing = await bounded(self.store.delete(ids), deadline, "the delete")
         return WriteResult(token, len(deleted), not_found=tuple(missing))
 
-    async def get(self, doc_id: str) -> Document:
+    async def get(self, doc_id: str, timeout: float | None = None) -> Document:
+        deadline = self._deadline(timeout)
         validation.check_ids([doc_id], self.limits, field="id")
-        (doc,) = await self.store.get_many([doc_id])
+        (doc,) = await bounded(self.store.get_many([doc_id]), deadline, "the read")
         if doc is None:
             raise NotFound(f"document {doc_id!r} does not exist")
         return doc

@@ -80,6 +80,10 @@ class DocumentStore(Protocol):
 
     async def get_many(self, ids: Sequence[str]) -> list[Document | None]: ...
 
+    async def tail(self) -> dict[int, str]:
+        """The newest position of every shard's log (Unavailable when it cannot be read)."""
+        ...
+
 
 class Reranker(Protocol):
     async def rerank(

@@ -66,13 +66,24 @@ class Gateway:
 async def start_gateway(settings: GatewaySettings) -> Gateway:
     from services.gateway.index_adapters import LogStore, RouterIndex
     from services.index.changelog import ChangeLogWriter
+    from services.index.replicas import HedgePolicy
     from services.index.router import ShardRouter
 
     registry = CollectorRegistry()
     encoder = await build_encoder(settings)
-    router = RouterIndex(ShardRouter(parse_shard_addresses(settings.shards)))
+    router = RouterIndex(
+        ShardRouter(
+            parse_shard_addresses(settings.shards), hedge=HedgePolicy(enabled=settings.hedge)
+        )
+    )
     store = LogStore(
-        ChangeLogWriter(settings.redis_url, num_shards=router.num_shards, dim=encoder.dim)
+        ChangeLogWriter(
+            settings.redis_url,
+            num_shards=router.num_shards,
+            dim=encoder.dim,
+            max_connections=settings.redis_max_connections,
+            pool_timeout_s=settings.redis_pool_timeout_s,
+        )
     )
     reranker = (
         RerankClient(settings.rerank_url, load_depth_table(settings.rerank_depth_table))
@@ -80,8 +91,15 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         else None
     )
     metrics = GatewayMetrics.create(registry, encoder.model_name, settings.encoder_size)
-    search = SearchPipeline(encoder, router, store, reranker, metrics=metrics)
-    documents = DocumentPipeline(encoder, store)
+    search = SearchPipeline(
+        encoder,
+        router,
+        store,
+        reranker,
+        metrics=metrics,
+        default_timeout_s=settings.default_timeout_s,
+    )
+    documents = DocumentPipeline(encoder, store, default_timeout_s=settings.default_timeout_s)
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(search), server)

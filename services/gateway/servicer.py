@@ -42,11 +42,11 @@ class DocumentServicer(documents_pb2_grpc.DocumentServiceServicer):
     async def Delete(
         self, request: documents_pb2.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> documents_pb2.DeleteResponse:
-        result = await self._pipeline.delete(list(request.ids))
+        result = await self._pipeline.delete(list(request.ids), context.time_remaining())
         return convert.delete_result_to_pb(result)
 
     async def Get(
         self, request: documents_pb2.GetRequest, context: grpc.aio.ServicerContext
     ) -> documents_pb2.GetResponse:
-        doc = await self._pipeline.get(request.id)
+        doc = await self._pipeline.get(request.id, context.time_remaining())
         return documents_pb2.GetResponse(document=convert.document_to_pb(doc))

@@ -55,7 +55,24 @@ class GatewaySettings(ServiceSettings):
         None, description="JSON from bench/rerank.py: ms per query at each rerank depth."
     )
     default_timeout_s: float = Field(
-        10.0, gt=0, description="Deadline used when a client sets none."
+        10.0,
+        gt=0,
+        description="Deadline of a request that brings none: every wait inside it (encoder, "
+        "shards, Redis, rerank) is bounded by what is left of it.",
+    )
+    redis_max_connections: int = Field(
+        64,
+        ge=1,
+        description="Connections to Redis at most; a request that finds them all busy waits "
+        "(bounded by its deadline and redis_pool_timeout_s) instead of failing.",
+    )
+    redis_pool_timeout_s: float = Field(
+        5.0, gt=0, description="Longest wait for a free Redis connection."
+    )
+    hedge: bool = Field(
+        True,
+        description="Send a search also to another replica of a shard when the first is "
+        "slower than its recent p95 (the first answer wins).",
     )
     quantizer_threads: int = Field(
         1,

@@ -6,11 +6,15 @@ problem it finds, before anything is encoded or written, so a bad request change
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping, Sequence
 
 from services.common.errors import InvalidArgument
 from services.gateway.domain import Consistency, Document, FieldCondition, SearchQuery
 from services.gateway.limits import Limits
+
+# Unicode categories refused in ids: Cc (C0, DEL, C1), line and paragraph separators.
+_CONTROL = frozenset({"Cc", "Zl", "Zp"})
 
 
 def _utf8_len(value: str, where: str) -> int:
@@ -26,8 +30,13 @@ def _check_id(doc_id: str, where: str, limits: Limits) -> None:
         raise InvalidArgument(f"{where}: must not be empty")
     if size > limits.max_id_bytes:
         raise InvalidArgument(f"{where}: {size} bytes, at most {limits.max_id_bytes} allowed")
-    if any(ord(c) < 32 or ord(c) == 127 for c in doc_id):
-        raise InvalidArgument(f"{where}: must not contain control characters")
+    if any(unicodedata.category(c) in _CONTROL for c in doc_id):
+        raise InvalidArgument(
+            f"{where}: must not contain control characters (C0, DEL, C1 such as U+0085, "
+            "line or paragraph separators)"
+        )
+    if doc_id != doc_id.strip():
+        raise InvalidArgument(f"{where}: must not be blank or start or end with whitespace")
 
 
 def check_query(query: SearchQuery, limits: Limits, num_shards: int, where: str = "") -> None:

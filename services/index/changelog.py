@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.index import positions
@@ -249,12 +251,22 @@ class ChangeLogWriter:
     lifetime of the log (the shard of a document is ``shard_of(id, num_shards)``).
     """
 
-    def __init__(self, redis_url: str, num_shards: int, dim: int | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        num_shards: int,
+        dim: int | None = None,
+        *,
+        max_connections: int = 64,
+        pool_timeout_s: float = 5.0,
+    ) -> None:
         if num_shards < 1:
             raise ValueError("num_shards must be positive")
         self.num_shards = num_shards
         self.dim = dim
-        self._redis: Any = aioredis.Redis.from_url(redis_url, socket_timeout=5.0)
+        self._redis: Any = aioredis.Redis.from_pool(
+            redis_pool(redis_url, max_connections=max_connections, timeout=pool_timeout_s)
+        )
         self._upsert = self._redis.register_script(_UPSERT)
         self._delete = self._redis.register_script(_DELETE)
 
@@ -310,19 +322,23 @@ class ChangeLogWriter:
         return self._token(shards, reply), deleted, [i for i in ids if i not in gone]
 
     async def get(self, doc_id: str) -> StoredDoc | None:
+        (doc,) = await self.get_many([doc_id])
+        return doc
+
+    async def get_many(self, ids: Sequence[str]) -> list[StoredDoc | None]:
+        """The stored documents of ``ids`` (None where one does not exist), in one
+        pipelined round trip: a search fetches all of its hits at once instead of one
+        request (and one pooled connection) per hit."""
+        if not ids:
+            return []
         try:
-            fields = await self._redis.hgetall(doc_key(doc_id))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for doc_id in ids:
+                    pipe.hmget(doc_key(doc_id), *_STORED_FIELDS)
+                replies = await pipe.execute()
         except redis.RedisError as exc:
             raise Unavailable(f"redis: {exc}") from exc
-        if not fields:
-            return None
-        return StoredDoc(
-            doc_id=doc_id,
-            title=fields.get(b"title", b"").decode(),
-            text=fields.get(b"text", b"").decode(),
-            metadata=json.loads(fields.get(b"meta", b"{}")),
-            version=int(fields.get(b"ver", b"0")),
-        )
+        return [_stored(doc_id, reply) for doc_id, reply in zip(ids, replies, strict=True)]
 
     async def tail(self) -> WriteToken:
         """The newest position of every shard's log (what a STRONG read waits for)."""
@@ -341,6 +357,47 @@ class ChangeLogWriter:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+_STORED_FIELDS = ("title", "text", "meta", "ver")
+
+
+def _stored(doc_id: str, values: Sequence[bytes | None]) -> StoredDoc | None:
+    title, text, meta, ver = values
+    if ver is None:  # every stored document has a version: the hash does not exist
+        return None
+    return StoredDoc(
+        doc_id=doc_id,
+        title=(title or b"").decode(),
+        text=(text or b"").decode(),
+        metadata=json.loads(meta or b"{}"),
+        version=int(ver),
+    )
+
+
+def redis_pool(
+    url: str, *, max_connections: int, timeout: float, socket_timeout: float = 5.0
+) -> aioredis.BlockingConnectionPool:
+    """A bounded pool for an asyncio client: at most ``max_connections`` sockets; a caller
+    that finds them all busy waits up to ``timeout`` s for one (then ConnectionError)
+    instead of failing at once ("Too many connections", redis-py's default pool).
+
+    Connections idle for over a second are PINGed before use, so a pool that outlived a
+    Redis restart reconnects instead of failing its next requests; a command that fails
+    on a broken connection is retried once on a fresh one. A retried write may run twice
+    when the first attempt reached Redis and only its reply was lost: an upsert is then
+    logged twice (same content, a newer version), harmless for every reader.
+    """
+    return aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=timeout,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        health_check_interval=1,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[redis.ConnectionError],
+    )
 
 
 # --- the reader (shard side) ----------------------------------------------------------

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import re
+
 from services.common.errors import InvalidArgument
 
 ZERO = "0-0"
 
+# A Redis Stream ID: two unsigned 64-bit integers in ASCII decimal ("<ms>-<seq>"; the
+# sequence may be left out). ``str.isdigit`` is not enough: it accepts "²" and other
+# Unicode digits that ``int`` refuses, and it bounds nothing.
+_POSITION = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?", re.ASCII)
+_U64_MAX = (1 << 64) - 1
+MAX_POSITION_CHARS = 41
+
 
 def parse(position: str) -> tuple[int, int]:
     """ "1700000000000-3" → (1700000000000, 3); InvalidArgument when malformed."""
-    ms, sep, seq = position.partition("-")
-    if not ms.isdigit() or (sep and not seq.isdigit()):
-        raise InvalidArgument(f"log position {position!r} is not '<ms>-<seq>'")
-    return int(ms), int(seq or 0)
+    match = _POSITION.fullmatch(position)
+    if match is None:
+        shown = position if len(position) <= MAX_POSITION_CHARS else position[:20] + "…"
+        raise InvalidArgument(f"log position {shown!r} is not '<ms>-<seq>' (ASCII digits)")
+    ms, seq = int(match[1]), int(match[2] or 0)
+    if ms > _U64_MAX or seq > _U64_MAX:
+        raise InvalidArgument(f"log position {position!r}: a part exceeds 2^64-1")
+    return ms, seq
 
 
 def at_least(applied: str, wanted: str) -> bool:

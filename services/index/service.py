@@ -19,6 +19,7 @@ __all__ = ["Consistency", "ShardAnswer", "ShardQuery", "ShardService"]
 class ShardService:
     replica: ShardReplica
     batcher: SearchBatcher
+    default_timeout_s: float = 10.0  # a search without a deadline gets this one
 
     @property
     def shard_id(self) -> int:
@@ -29,7 +30,7 @@ class ShardService:
             raise InvalidArgument(
                 f"shard: this replica serves shard {self.shard_id}, not {query.shard}"
             )
-        deadline = Deadline.after(timeout)
+        deadline = Deadline.after(self.default_timeout_s if timeout is None else timeout)
         # Validate before waiting: a bad request fails at once, whatever the consistency.
         self.replica.shard.validate(query.vectors, query.k, query.nprobe)
         self.replica.shard.check_filter(query.filter)

@@ -49,6 +49,11 @@ class ShardSettings(ServiceSettings):
     )
     gpu_device: int = Field(0, ge=0, description="GPU device of the copy.")
     ready_timeout_s: float = Field(1800.0, gt=0, description="Max time to replay the log.")
+    default_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Deadline of a search that brings none (its consistency wait included).",
+    )
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> ShardSettings:

@@ -29,15 +29,35 @@ from services.common.status import error_from_rpc, error_from_status
 
 
 class _Open:
-    """One open stream: its call, the searches waiting on it, the task reading answers."""
+    """One open stream: its call, the searches waiting on it, the tasks that write the
+    outgoing messages (one at a time, in order) and read the answers.
+
+    Searches never write to the call themselves: a search is cancelled when it loses to
+    a hedge or runs out of time, and a write cancelled half-way leaves the call unusable
+    ("RPC already finished" for every later search on it). They queue their message
+    instead; the writer skips the messages of searches that are no longer waiting.
+    """
 
     def __init__(self, stub: index_pb2_grpc.IndexShardServiceStub, name: str) -> None:
         self.name = name
         self.call = stub.SearchStream()
         self.waiting: dict[int, asyncio.Future[index_pb2.ShardStreamResponse]] = {}
+        self.outbox: asyncio.Queue[index_pb2.ShardStreamRequest] = asyncio.Queue()
         self.broken: RetrievalError | None = None
-        self.write_lock = asyncio.Lock()
         self.reader = asyncio.ensure_future(self._read())
+        self.writer = asyncio.ensure_future(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                message = await self.outbox.get()
+                if message.tag in self.waiting:
+                    await self.call.write(message)
+        except asyncio.CancelledError:
+            pass
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
+            self._break(Unavailable(f"{self.name}: writing to the search stream failed: {exc}"))
+            self.call.cancel()
 
     async def _read(self) -> None:
         error: RetrievalError = Unavailable(f"{self.name}: search stream ended")
@@ -56,15 +76,21 @@ class _Open:
         except asyncio.CancelledError:
             error = Unavailable(f"{self.name}: search stream closed")
         finally:
+            self._break(error)
+            self.writer.cancel()
+
+    def _break(self, error: RetrievalError) -> None:
+        if self.broken is None:
             self.broken = error
-            for future in self.waiting.values():
-                if not future.done():
-                    future.set_exception(error)
-            self.waiting.clear()
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_exception(self.broken)
+        self.waiting.clear()
 
     def close(self) -> None:
         self.call.cancel()
         self.reader.cancel()
+        self.writer.cancel()
 
 
 class ShardStream:
@@ -89,24 +115,20 @@ class ShardStream:
         future: asyncio.Future[index_pb2.ShardStreamResponse] = (
             asyncio.get_running_loop().create_future()
         )
-        stream.waiting[tag] = future
         remaining = deadline.remaining()
-        message = index_pb2.ShardStreamRequest(
-            tag=tag,
-            search=request,
-            timeout_us=0 if remaining is None else max(1, int(remaining * 1e6)),
+        stream.waiting[tag] = future
+        stream.outbox.put_nowait(
+            index_pb2.ShardStreamRequest(
+                tag=tag,
+                search=request,
+                timeout_us=0 if remaining is None else max(1, int(remaining * 1e6)),
+            )
         )
         try:
             async with asyncio.timeout(remaining):
-                async with stream.write_lock:
-                    await stream.call.write(message)
                 reply = await future
         except TimeoutError:
             raise DeadlineExceeded(f"{self.name}: no answer within the deadline") from None
-        except grpc.aio.AioRpcError as exc:  # the write failed: the stream is broken
-            raise Unavailable(str(error_from_rpc(exc, self.name))) from None
-        except grpc.aio.UsageError:  # written after the call ended
-            raise stream.broken or Unavailable(f"{self.name}: search stream ended") from None
         finally:
             stream.waiting.pop(tag, None)
         if reply.status_code:

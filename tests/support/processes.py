@@ -46,14 +46,14 @@ def redis_binary() -> str | None:
     )
 
 
-@contextmanager
-def run_redis(data_dir: Path) -> Iterator[RedisServer]:
-    """A real redis-server with AOF on (appendfsync always), on a free port."""
+def start_redis(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    """A real redis-server with AOF on (appendfsync always) on ``port``, once it listens.
+
+    Started again with the same ``data_dir`` and port, it reloads its AOF: a restart."""
     binary = redis_binary()
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     proc = subprocess.Popen(
         [
             binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
@@ -65,10 +65,27 @@ def run_redis(data_dir: Path) -> Iterator[RedisServer]:
     )  # fmt: skip
     try:
         wait_for_port(port, 20)
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
+@contextmanager
+def run_redis(data_dir: Path) -> Iterator[RedisServer]:
+    """A real redis-server with AOF on (appendfsync always), on a free port."""
+    port = free_port()
+    proc = start_redis(data_dir, port)
+    try:
         yield RedisServer(port=port, data_dir=data_dir, process=proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
