@@ -31,7 +31,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: installing Python packages into .venv (torch 2.13.0 CPU first)"
   .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[dev]"
+  .venv/bin/pip install -q -e ".[cpu,dev]"
   if .venv/bin/pip list 2>/dev/null | grep -qiE '^nvidia-(cublas|cudnn|cuda-runtime)'; then
     echo "bootstrap: a CUDA build of a dependency was pulled in; refusing" >&2
     exit 1
