@@ -95,7 +95,8 @@ def _build_plan(args: argparse.Namespace) -> int:
         print(f"refused: {reason}", file=sys.stderr)
     print(f"wrote {report.plan_path} ({report.precision}): min cosine {report.min_cosine:.5f} "
           f"at batch {cfg.max_shape[0]} x {cfg.max_shape[1]} tokens, {report.fp32_layers} "
-          f"ONNX nodes kept in FP32, {report.total_layers} network layers")  # fmt: skip
+          f"ONNX nodes kept in FP32, {report.total_layers} network layers; engine inspector: "
+          f"{report.inspected_layers} layers with ONNX names checked")  # fmt: skip
     return 0
 
 

@@ -358,6 +358,7 @@ class PlanReport:
     total_layers: int
     precision: Precision = "fp16"
     rejected: tuple[str, ...] = ()  # why earlier attempts (e.g. FP16) were refused
+    inspected_layers: int = 0  # engine layers whose ONNX nodes the inspector named
 
 
 class PlanParityError(FailedPrecondition):
@@ -405,6 +406,14 @@ def fp16_layers_of_kept_nodes(engine_info: dict[str, Any], keep: frozenset[str])
         if any(re.search(r"\b(FP16|Half)\b", f) for f in formats):
             found.append(str(layer.get("Name", "?")))
     return found
+
+
+def layers_with_onnx_names(engine_info: dict[str, Any]) -> int:
+    """How many engine layers the inspector names ONNX nodes for (0: the check saw nothing)."""
+    layers = engine_info.get("Layers", [])
+    return sum(
+        1 for x in layers if isinstance(x, dict) and _ONNX_LAYER.search(str(x.get("Metadata", "")))
+    )
 
 
 def _build_engine(
@@ -527,7 +536,9 @@ def build_plan(
         PlanMeta(trt.__version__, precision, cfg.min_shape, cfg.opt_shape, cfg.max_shape,
                  cosine, len(keep), gpu, capability).write(plan_path)  # fmt: skip
         os.replace(tmp_plan, plan_path)
-        return PlanReport(plan_path, cosine, len(keep), layers, precision, tuple(rejected))
+        inspected = layers_with_onnx_names(info)
+        return PlanReport(plan_path, cosine, len(keep), layers, precision, tuple(rejected),
+                          inspected)  # fmt: skip
     raise PlanParityError(
         f"no plan written ({'; '.join(rejected)}; {len(keep)} ONNX nodes kept in FP32): "
         + MORE_FP32_HINT

@@ -29,6 +29,7 @@ from services.encoder.tensorrt_build import (
     check_embeddings,
     fp16_graph,
     fp16_layers_of_kept_nodes,
+    layers_with_onnx_names,
     probe_tokens,
     select_fp32_nodes,
 )
@@ -120,6 +121,7 @@ def test_fp16_plan_passes_parity_on_tiny_t5(base: Path, tmp_path: Path) -> None:
     assert report.min_cosine >= 0.999 and report.fp32_layers > 0
     meta = PlanMeta.read(report.plan_path)
     assert meta.precision == "fp16" and meta.max_shape == report_shape(model_dir)
+    assert report.inspected_layers > 0  # else the inspector check saw nothing
 
 
 @pytest.mark.gpu
@@ -273,6 +275,7 @@ def test_inspector_reports_kept_nodes_that_run_in_fp16() -> None:
         {"Name": "L3", "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}]},
     ]}  # fmt: skip
     assert fp16_layers_of_kept_nodes(info, keep) == ["L0"]
+    assert layers_with_onnx_names(info) == 3
 
 
 def test_probe_covers_the_maximum_shape() -> None:

@@ -185,6 +185,7 @@ def test_gpu_searches_are_serialised_and_nprobe_is_per_call(trained_64: TrainedI
     assert {p for _, p in fakes[-1].calls} == {2, 8} and len(fakes[-1].calls) == 40
 
 
+@pytest.mark.gpu
 def test_gpu_copy_answers_like_the_cpu_index(tmp_path: Path) -> None:
     usable, reason = gpu_status()
     if not usable:
