@@ -194,6 +194,30 @@ def select_fp32_nodes(model: Any, *, keep_ffn_out: bool = True) -> Fp32Selection
     return Fp32Selection(frozenset(norms), frozenset(residual), frozenset(ffn), frozenset(tail))
 
 
+_SET_ASIDE = 1 << 20  # initializers above this many bytes are weights, not shape tensors
+
+
+def _infer_value_types(model: Any) -> None:
+    """Fill ``model.graph.value_info`` by ONNX shape inference, in place, at any model size.
+
+    ``infer_shapes`` serialises the model, which fails above protobuf's 2 GB (GTR xl/xxl):
+    the weights' bytes are set aside meanwhile (small initializers, the shape tensors
+    inference reads, stay).
+    """
+    import onnx
+
+    stash = [(i, i.raw_data) for i in model.graph.initializer if len(i.raw_data) > _SET_ASIDE]
+    for init, _ in stash:
+        init.ClearField("raw_data")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    finally:
+        for init, data in stash:
+            init.raw_data = data
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+
+
 def _boundary_free(model: Any, keep: set[str]) -> Any:
     """``model`` with value types inferred, minus those of tensors inside the FP32 region.
 
@@ -203,9 +227,7 @@ def _boundary_free(model: Any, keep: set[str]) -> Any:
     value type is left alone, so only the tensors that cross the region's boundary keep
     theirs (and get their Cast).
     """
-    import onnx
-
-    model = onnx.shape_inference.infer_shapes(model)
+    _infer_value_types(model)
     graph = _Graph(model)
     # Constants (and Identity copies of initializers) used only by kept nodes stay FP32 too.
     for node in graph.nodes:
@@ -226,19 +248,20 @@ def _boundary_free(model: Any, keep: set[str]) -> Any:
     return model
 
 
-def fp16_graph(model: Any, keep_fp32: Iterable[str]) -> Any:
+def fp16_graph(model: Any, keep_fp32: Iterable[str], *, inplace: bool = False) -> Any:
     """``model`` cast to FP16 except the nodes ``keep_fp32`` (inputs and outputs keep their types).
 
     ONNX Runtime's float16 converter (``onnxruntime.transformers.float16``, the maintained
     fork of onnxconverter-common's) with ``keep_fp32`` as its node block list. Initializers
-    used only by kept nodes stay FP32; others are clamped to FP16's range.
+    used only by kept nodes stay FP32; others are clamped to FP16's range. ``inplace``
+    converts ``model`` itself (no copy of an xxl model's 19 GB).
     """
     import copy
 
     from onnxruntime.transformers import float16
 
     keep = set(keep_fp32)
-    prepared = _boundary_free(copy.deepcopy(model), keep)
+    prepared = _boundary_free(model if inplace else copy.deepcopy(model), keep)
     return float16.convert_float_to_float16(
         prepared, keep_io_types=True, node_block_list=sorted(keep), disable_shape_infer=True
     )
@@ -511,10 +534,12 @@ def build_plan(
         raise InvalidArgument(f"--extra-fp32-nodes: no such ONNX node(s) {unknown}")
     keep = selection.all | cfg.extra_fp32_nodes
     rejected: list[str] = []
-    for precision in cfg.attempts:
+    for attempt, precision in enumerate(cfg.attempts):
         with tempfile.TemporaryDirectory(prefix="gtr-plan-") as tmp:
             graph_file = Path(tmp) / "model.onnx"
-            graph = fp16_graph(model, keep) if precision == "fp16" else model
+            if attempt:  # the FP16 cast converted the graph in place: load it again
+                model = onnx.load(str(onnx_path))
+            graph = fp16_graph(model, keep, inplace=True) if precision == "fp16" else model
             onnx.save_model(graph, str(graph_file), save_as_external_data=True,
                             all_tensors_to_one_file=True, location="model.onnx.data")  # fmt: skip
             engine_bytes, info, layers = _build_engine(trt, graph_file, cfg, precision)

@@ -254,6 +254,23 @@ def test_fp16_cast_with_the_block_list_stays_finite_and_within_parity(hot_t5_onn
     assert failure is None and cosine >= PLAN_MIN_COSINE, failure
 
 
+def test_fp16_cast_sets_weights_aside_for_shape_inference(
+    hot_t5_onnx: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GTR xl/xxl exceed protobuf's 2 GB: shape inference runs without the weights' bytes.
+    import services.encoder.tensorrt_build as tb
+
+    monkeypatch.setattr(tb, "_SET_ASIDE", 1024)  # the tiny T5's weights count as big here
+    model = onnx.load(str(hot_t5_onnx))
+    before = {i.name: i.raw_data for i in model.graph.initializer}
+    assert sum(len(b) > 1024 for b in before.values()) > 5
+    (reference,) = _ort_run(model, [])
+    cast = fp16_graph(model, select_fp32_nodes(model).all)
+    assert {i.name: i.raw_data for i in model.graph.initializer} == before  # input untouched
+    (got,) = _ort_run(cast, [])
+    assert check_embeddings(reference, got, PLAN_MIN_COSINE)[1] is None
+
+
 def test_fp16_cast_of_the_plain_tiny_t5_keeps_parity(t5_onnx: onnx.ModelProto) -> None:
     (reference,) = _ort_run(t5_onnx, [])
     (got,) = _ort_run(fp16_graph(t5_onnx, select_fp32_nodes(t5_onnx).all), [])
