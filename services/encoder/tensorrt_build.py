@@ -612,4 +612,7 @@ def build_plan_from_model(
         for i in range(0, len(ids), 8):
             chunk = [torch.from_numpy(a[i : i + 8]).to(device) for a in (ids, mask)]
             rows.append(module(*chunk).float().cpu().numpy())
+    module.to("cpu")  # the builder needs the GPU memory (an FP32 xxl takes 19 GB)
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return build_plan(onnx_path, plan_path, cfg, ids, mask, np.concatenate(rows))
