@@ -11,9 +11,10 @@ every token the model reads, so the embedding is the one of the whole text:
   words, so the first ``max_tokens + 1`` words give the model the same first
   ``max_tokens`` tokens as the whole text, and a text cut there is still reported as
   truncated by the tokenizer;
-* a prefix of ``max_tokens × MAX_CHARS_PER_TOKEN`` characters bounds a text of few,
-  huge words (a SentencePiece piece is at most 16 characters; a WordPiece word over 100
-  characters is one [UNK] either way).
+* at most ``max_tokens × MAX_CHARS_PER_TOKEN`` non-whitespace characters bound a text
+  of few, huge words (a SentencePiece piece is at most 16 characters; a WordPiece word
+  over 100 characters is one [UNK] either way). Whitespace is not counted: a run of it
+  separates words and costs no token, so the words after it are still read.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ _WORD = re.compile(r"\S+")
 
 def cut_for_encoder(text: str, max_tokens: int = MAX_DOCUMENT_TOKENS) -> tuple[str, bool]:
     """(the prefix of ``text`` the encoder needs, whether anything was cut)."""
-    max_chars = max_tokens * MAX_CHARS_PER_TOKEN
+    budget = max_tokens * MAX_CHARS_PER_TOKEN
     end = len(text)
-    for n, match in enumerate(_WORD.finditer(text, 0, min(end, max_chars)), start=1):
+    for n, match in enumerate(_WORD.finditer(text), start=1):
+        size = match.end() - match.start()
+        if size >= budget:
+            end = match.start() + budget
+            break
+        budget -= size
         if n == max_tokens + 1:
             end = match.end()
             break
-    end = min(end, max_chars)
     return (text, False) if end >= len(text) else (text[:end], True)

@@ -426,12 +426,12 @@ def test_the_gateway_recovers_from_a_redis_restart_at_once(stack: Stack) -> None
     with grpc.insecure_channel(stack.gateway) as channel:
         search = search_pb2_grpc.SearchServiceStub(channel)
         batch = search_pb2.BatchSearchRequest(
-            requests=[search_pb2.SearchRequest(query=f"diabetes {i}", k=20) for i in range(8)]
+            requests=[search_pb2.SearchRequest(query=f"diabetes {i}", k=5) for i in range(8)]
         )
         assert len(search.BatchSearch(batch, timeout=30).responses) == 8  # fills the pool
         stack.redis.kill()
         stack.redis.start()
         replies = search.BatchSearch(batch, timeout=30)
-        assert [len(r.hits) for r in replies.responses] == [20] * 8
+        assert [len(r.hits) for r in replies.responses] == [5] * 8
         docs = documents_pb2_grpc.DocumentServiceStub(channel)
         assert docs.Get(documents_pb2.GetRequest(id="doc-7"), timeout=10).document.text
