@@ -83,6 +83,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             dim=encoder.dim,
             max_connections=settings.redis_max_connections,
             pool_timeout_s=settings.redis_pool_timeout_s,
+            read_retry_s=settings.redis_read_retry_s,
         )
     )
     reranker = (

@@ -69,6 +69,12 @@ class GatewaySettings(ServiceSettings):
     redis_pool_timeout_s: float = Field(
         5.0, gt=0, description="Longest wait for a free Redis connection."
     )
+    redis_read_retry_s: float = Field(
+        3.0,
+        ge=0,
+        description="How long a read (document fetch, log tails) keeps retrying while Redis "
+        "cannot be reached (a restart), within the request's deadline; then UNAVAILABLE.",
+    )
     hedge: bool = Field(
         True,
         description="Send a search also to another replica of a shard when the first is "

@@ -25,10 +25,11 @@ slot; this service runs one Redis (with replicas for failover), not a cluster.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,11 +260,13 @@ class ChangeLogWriter:
         *,
         max_connections: int = 64,
         pool_timeout_s: float = 5.0,
+        read_retry_s: float = 3.0,
     ) -> None:
         if num_shards < 1:
             raise ValueError("num_shards must be positive")
         self.num_shards = num_shards
         self.dim = dim
+        self.read_retry_s = read_retry_s
         self._redis: Any = aioredis.Redis.from_pool(
             redis_pool(redis_url, max_connections=max_connections, timeout=pool_timeout_s)
         )
@@ -331,25 +334,44 @@ class ChangeLogWriter:
         request (and one pooled connection) per hit."""
         if not ids:
             return []
-        try:
+
+        async def read() -> list[Any]:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for doc_id in ids:
                     pipe.hmget(doc_key(doc_id), *_STORED_FIELDS)
-                replies = await pipe.execute()
-        except redis.RedisError as exc:
-            raise Unavailable(f"redis: {exc}") from exc
+                return list(await pipe.execute())
+
+        replies = await self._read(read)
         return [_stored(doc_id, reply) for doc_id, reply in zip(ids, replies, strict=True)]
 
     async def tail(self) -> WriteToken:
         """The newest position of every shard's log (what a STRONG read waits for)."""
-        try:
+
+        async def read() -> list[Any]:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for shard in range(self.num_shards):
                     pipe.xrevrange(log_key(shard), count=1)
-                replies = await pipe.execute()
-        except redis.RedisError as exc:
-            raise Unavailable(f"redis: {exc}") from exc
+                return list(await pipe.execute())
+
+        replies = await self._read(read)
         return {s: _text(r[0][0]) for s, r in enumerate(replies) if r}
+
+    async def _read(self, read: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        """Run an idempotent read; while Redis cannot be reached (a restart takes about a
+        second), try again with backoff for up to ``read_retry_s``, then Unavailable.
+        The caller's deadline bounds it too (it cancels the wait)."""
+        give_up = time.monotonic() + self.read_retry_s
+        pause = 0.05
+        while True:
+            try:
+                return await read()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() + pause > give_up:
+                    raise Unavailable(f"redis: {exc}") from exc
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.5)
+            except redis.RedisError as exc:
+                raise Unavailable(f"redis: {exc}") from exc
 
     async def close(self) -> None:
         await self._redis.aclose()

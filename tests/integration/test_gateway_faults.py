@@ -435,3 +435,19 @@ def test_the_gateway_recovers_from_a_redis_restart_at_once(stack: Stack) -> None
         assert [len(r.hits) for r in replies.responses] == [5] * 8
         docs = documents_pb2_grpc.DocumentServiceStub(channel)
         assert docs.Get(documents_pb2.GetRequest(id="doc-7"), timeout=10).document.text
+
+
+def test_a_search_sent_while_redis_restarts_waits_for_it(stack: Stack) -> None:
+    """Reads retry (within the deadline and --redis-read-retry-s) while Redis is down: a
+    search sent during the restart answers once Redis is back, instead of UNAVAILABLE."""
+    with grpc.insecure_channel(stack.gateway) as channel:
+        search = search_pb2_grpc.SearchServiceStub(channel)
+        stack.redis.kill()
+        try:
+            future = search.Search.future(
+                search_pb2.SearchRequest(query="obesity and insulin", k=5), timeout=30
+            )
+            assert not future.done()  # it cannot be answered without Redis
+        finally:
+            stack.redis.start()
+        assert len(future.result().hits) == 5
