@@ -183,6 +183,8 @@ def attach_or_fallback(
             metrics.fallbacks.labels(*metrics.labels, reason).inc()
     if served:
         log.info("searches served from GPU %d", device)
+    elif reason == "no_gpu":  # the usual case on CPU machines: not worth a warning
+        log.info("GPU path skipped: %s", detail)
     elif wanted:
         log.warning("GPU serving asked for, searches stay on the CPU index: %s", detail)
     else:

@@ -134,6 +134,22 @@ def test_shard_falls_back_to_cpu_with_a_reason_and_a_metric(
     assert shard.search(x[:1], 1)[0][0][0] == "a"
 
 
+def test_no_gpu_is_counted_without_a_warning(
+    trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import services.index.gpu as gpu_module
+
+    monkeypatch.setattr(gpu_module, "gpu_status", lambda: (False, "faiss sees no GPU device"))
+    registry = CollectorRegistry()
+    shard = IvfPqShard(trained_64)
+    with caplog.at_level("INFO", logger="services.index.gpu"):
+        assert not attach_or_fallback(shard, True, 0, GpuMetrics.create(registry, 2, "r2"))
+    assert "GPU path skipped: faiss sees no GPU device" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    reason = {"shard": "2", "replica": "r2", "reason": "no_gpu"}
+    assert registry.get_sample_value("index_gpu_fallback_total", reason) == 1
+
+
 def test_failed_copy_falls_back_too(
     trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
