@@ -16,7 +16,10 @@ def add_cli(sub: Any) -> None:
         "model), the index shards, the rerank service and the gateway as child "
         "processes; trains the IVF-PQ index on the corpus on the first run; ingests the "
         "corpus (default: the Python standard library documentation); prints a few "
-        "example searches; then serves until Ctrl-C. State lives in --run-dir, so a "
+        "example searches; then serves until Ctrl-C. A child that exits is restarted "
+        "(same port, same data; with backoff; logged and counted in "
+        "<run-dir>/stack.json); one that fails more than --max-restarts times within "
+        "--restart-window seconds stops the whole stack. State lives in --run-dir, so a "
         "second run resumes. Logs: <run-dir>/logs/.",
     )
     up.add_argument("--corpus", type=Path, default=None, help="JSONL corpus (default: stdlib).")
@@ -38,6 +41,27 @@ def add_cli(sub: Any) -> None:
     up.add_argument(
         "--no-serve", action="store_true", help="Exit after the example searches (for scripts)."
     )
+    up.add_argument(
+        "--redis-fsync",
+        choices=["always", "everysec"],
+        default="always",
+        help="Redis AOF fsync policy. always (default): an acknowledged upsert is on disk "
+        "(survives a crash of the machine); everysec: faster writes, the last second "
+        "of them can be lost on a power loss or kernel crash (see docs/performance.md).",
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="A child that fails more often than this within --restart-window is not "
+        "restarted again: the whole stack stops (default 5; 0 = never restart).",
+    )
+    up.add_argument(
+        "--restart-window",
+        type=float,
+        default=120.0,
+        help="Seconds over which --max-restarts counts a child's failures (default 120).",
+    )
     up.add_argument("--fresh", action="store_true", help="Delete --run-dir first.")
     up.add_argument("--log-level", default=os.environ.get("GTR_LOG_LEVEL", "WARNING"))
     up.set_defaults(handler=_up)
@@ -47,6 +71,7 @@ def _up(args: argparse.Namespace) -> int:
     import shutil
 
     from services.common.logs import configure_logging
+    from services.stack.children import RestartPolicy
     from services.stack.config import StackConfig
     from services.stack.launcher import run_stack
 
@@ -64,5 +89,7 @@ def _up(args: argparse.Namespace) -> int:
         rerank_checkpoint=args.rerank_checkpoint,
         gateway_port=args.port,
         serve=not args.no_serve,
+        redis_fsync=args.redis_fsync,
+        restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
     )
     return run_stack(config)

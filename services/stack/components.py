@@ -26,7 +26,7 @@ def redis_child(cfg: StackConfig) -> Child:
     port = free_port(cfg.host)
     argv = [
         binary, "--port", str(port), "--bind", cfg.host, "--dir", str(cfg.redis_dir.resolve()),
-        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        "--appendonly", "yes", "--appendfsync", cfg.redis_fsync, "--save", "",
         "--daemonize", "no", "--protected-mode", "no",
     ]  # fmt: skip
     child = Child("redis", argv, cfg.logs / "redis.log")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from services.stack.children import RestartPolicy
+
+# Redis AOF fsync policy: "always" fsyncs every write before acknowledging it (an
+# acknowledged upsert survives a power loss); "everysec" can lose the last second.
+RedisFsync = Literal["always", "everysec"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class StackConfig:
     ingest_batch: int = 64
     progress: bool = True
     startup_timeout_s: float = 300.0
+    redis_fsync: RedisFsync = "always"
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # when children restart
 
     @property
     def logs(self) -> Path:

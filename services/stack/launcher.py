@@ -2,14 +2,18 @@
 
 Order: Redis → Triton (encoder) → index training (first run only) → shards → rerank →
 gateway → ingest of the corpus (first run only) → example searches → serve until
-Ctrl-C/SIGTERM, then stop the children in reverse order. Every child logs to
-``<run_dir>/logs/<name>.log``; ``<run_dir>/stack.json`` says where everything listens.
+Ctrl-C/SIGTERM, then stop the children in reverse order. Meanwhile a child that exits is
+restarted on the same port (see :mod:`services.stack.children`); one that keeps failing
+stops the whole stack (exit status 1). Every child logs to
+``<run_dir>/logs/<name>.log``; ``<run_dir>/stack.json`` says where everything listens,
+and each child's pid, state and restart count.
 State (Redis AOF, the trained index, shard snapshots) lives in the run directory, so a
 second ``up`` resumes where the first one stopped.
 """
 
 from __future__ import annotations
 
+import _thread
 import functools
 import hashlib
 import json
@@ -22,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 
 from services.stack import components
-from services.stack.children import Child, ChildFailed, Supervisor
+from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig
 
 log = logging.getLogger(__name__)
@@ -58,9 +62,13 @@ def corpus_fingerprint(path: Path) -> str:
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(
+            config.restart, report=_say, on_change=self._publish, on_give_up=self._gave_up
+        )
         self.endpoints = Endpoints()
         self._stop = threading.Event()
+        self._published = False  # stack.json is written (start-up done, not stopped)
+        self._state_lock = threading.Lock()
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -71,6 +79,7 @@ class Stack:
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
         try:
+            self.supervisor.watch()
             self.start()
             corpus = self.ingest()
             self.print_endpoints(corpus)
@@ -83,11 +92,21 @@ class Stack:
             _say(f"failed: {exc}")
             return 1
         except KeyboardInterrupt:
+            if self.supervisor.failure is not None:
+                return 1  # a child kept failing (the supervisor said which)
             return 0 if self._stop.is_set() else 130  # a requested stop is a clean exit
         finally:
+            self._stop.set()  # from here on a signal (or the supervisor) interrupts nothing
             _say("stopping")
-            self.supervisor.stop_all()
-            (cfg.run_dir / "stack.json").unlink(missing_ok=True)
+            killed = self.supervisor.stop_all()
+            if killed:
+                _say(f"killed (no exit {STOP_GRACE_S:.0f} s after SIGTERM): {', '.join(killed)}")
+            restarts = {n: k for n, k in self.supervisor.restart_counts().items() if k}
+            if restarts:
+                _say("restarts   " + ", ".join(f"{n} {k}" for n, k in restarts.items()))
+            with self._state_lock:
+                self._published = False
+                (cfg.run_dir / "stack.json").unlink(missing_ok=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -97,13 +116,37 @@ class Stack:
         self._stop.set()
         raise KeyboardInterrupt
 
+    def _gave_up(self, message: str) -> None:
+        """The supervisor stopped everything (a child kept failing): end ``run``."""
+        if not self._stop.is_set():
+            _thread.interrupt_main(signal.SIGINT)  # like Ctrl-C, wherever run() is
+
     def wait(self) -> int:
+        """Serve until a stop is requested (0) or the supervisor gives up (1)."""
         while not self._stop.wait(1.0):
-            dead = self.supervisor.first_dead()
-            if dead is not None:
-                _say(f"{dead.name} exited; last lines of {dead.log_path}:\n{dead.log_tail()}")
+            if self.supervisor.failure is not None:
                 return 1
         return 0
+
+    def _publish(self) -> None:
+        """(Re)write ``stack.json``: the endpoints, and each child's pid, state, restarts."""
+        with self._state_lock:
+            if not self._published:
+                return
+            children = [
+                {"name": c.name, "address": c.address, "pid": c.pid, "state": c.state.value,
+                 "restarts": c.restarts, "log": str(c.log_path)}
+                for c in self.supervisor.children
+            ]  # fmt: skip
+            state = {
+                **self.endpoints.as_json(),
+                "restarts": self.supervisor.restart_counts(),
+                "children": children,
+            }
+            path = self.config.run_dir / "stack.json"
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(state, indent=2), encoding="utf-8")
+            tmp.replace(path)
 
     def start(self) -> None:
         cfg = self.config
@@ -150,9 +193,9 @@ class Stack:
                 url = f"http://{prom.address}/-/ready"
                 self.supervisor.start(prom, functools.partial(components.http_ok, url), timeout)
                 self.endpoints.prometheus = f"http://{prom.address}"
-        (cfg.run_dir / "stack.json").write_text(
-            json.dumps(self.endpoints.as_json(), indent=2), encoding="utf-8"
-        )
+        with self._state_lock:
+            self._published = True
+        self._publish()
 
     def ingest(self) -> Path:
         cfg = self.config
