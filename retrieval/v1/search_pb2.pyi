@@ -210,6 +210,8 @@ class SearchResponse(_message.Message):
     QUERY_TRUNCATED_FIELD_NUMBER: _builtins.int
     RERANKED_FIELD_NUMBER: _builtins.int
     RERANK_DEPTH_FIELD_NUMBER: _builtins.int
+    RERANK_SKIPPED_FIELD_NUMBER: _builtins.int
+    RERANK_SKIPPED_REASON_FIELD_NUMBER: _builtins.int
     partial: _builtins.bool
     """True when some shards did not answer in time; their ids are in missing_shards."""
     model: _builtins.str
@@ -219,6 +221,13 @@ class SearchResponse(_message.Message):
     reranked: _builtins.bool
     """True when the hits were reranked; rerank_depth is how many candidates were."""
     rerank_depth: _builtins.int
+    rerank_skipped: _builtins.bool
+    """True when the request asked for a rerank (depth 0: chosen by the deadline) and the
+    gateway did not rerank because even the smallest measured rerank depth would not
+    fit the time left: the hits are then in first-stage order (reranked = false) and
+    rerank_skipped_reason says why. A request that names its depth is never skipped.
+    """
+    rerank_skipped_reason: _builtins.str
     @_builtins.property
     def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hit]: ...
     @_builtins.property
@@ -236,10 +245,12 @@ class SearchResponse(_message.Message):
         query_truncated: _builtins.bool = ...,
         reranked: _builtins.bool = ...,
         rerank_depth: _builtins.int = ...,
+        rerank_skipped: _builtins.bool = ...,
+        rerank_skipped_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "missing_shards", b"missing_shards", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "reranked", b"reranked", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "missing_shards", b"missing_shards", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "rerank_skipped", b"rerank_skipped", "rerank_skipped_reason", b"rerank_skipped_reason", "reranked", b"reranked", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -107,6 +107,8 @@ def result_to_pb(r: SearchResult) -> search_pb2.SearchResponse:
         query_truncated=r.query_truncated,
         reranked=r.reranked,
         rerank_depth=r.rerank_depth,
+        rerank_skipped=r.rerank_skipped,
+        rerank_skipped_reason=r.rerank_skipped_reason,
     )
 
 

@@ -73,6 +73,8 @@ class SearchResult:
     query_truncated: bool = False
     reranked: bool = False
     rerank_depth: int = 0
+    rerank_skipped: bool = False  # asked for, but no measured depth fit the time left
+    rerank_skipped_reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,8 @@ class SearchPipeline:
         )
         encode_ms = _ms(t)
 
-        depths = [self._rerank_depth(q, deadline) for q in queries]
+        plans = [self._rerank_depth(q, deadline) for q in queries]
+        depths = [depth for depth, _ in plans]
         fetch_ks = [max(q.k, d) for q, d in zip(queries, depths, strict=True)]
         t = time.perf_counter()
         routed = await self._strong_as_session(queries, deadline)
@@ -111,8 +112,8 @@ class SearchPipeline:
         fetch_ms = await self._fetch_documents(queries, depths, index_results, deadline)
         results = await asyncio.gather(
             *[
-                self._finish(q, depth, hits, missing, deadline)
-                for q, depth, (hits, missing) in zip(queries, depths, index_results, strict=True)
+                self._finish(q, plan, hits, missing, deadline)
+                for q, plan, (hits, missing) in zip(queries, plans, index_results, strict=True)
             ]
         )
         total_ms = _ms(start)
@@ -127,13 +128,22 @@ class SearchPipeline:
                 self.metrics.observe_search(result)
         return list(results)
 
-    def _rerank_depth(self, q: SearchQuery, deadline: Deadline) -> int:
+    def _rerank_depth(self, q: SearchQuery, deadline: Deadline) -> tuple[int, str]:
+        """(depth, why the rerank is skipped). The depth the request names, else the
+        largest one the reranker's table fits into its share of the time left (at least
+        k); none fits: (0, the reason), the hits keep their first-stage order."""
         if not q.rerank or self.reranker is None:
-            return 0
+            return 0, ""
         if q.rerank_depth:
-            return q.rerank_depth
+            return q.rerank_depth, ""
         budget = deadline.remaining_ms(default=1000.0) * RERANK_BUDGET_SHARE
-        return max(q.k, self.reranker.depth_for_budget(budget))
+        depth = self.reranker.depth_for_budget(budget)
+        if depth == 0:
+            return 0, (
+                f"no measured rerank depth fits {budget:.0f} ms "
+                f"({RERANK_BUDGET_SHARE:.0%} of the time left)"
+            )
+        return max(q.k, depth), ""
 
     async def _strong_as_session(
         self, queries: Sequence[SearchQuery], deadline: Deadline
@@ -224,15 +234,17 @@ class SearchPipeline:
     async def _finish(
         self,
         q: SearchQuery,
-        depth: int,
+        plan: tuple[int, str],
         hits: list[Hit],
         missing: list[int],
         deadline: Deadline,
     ) -> SearchResult:
         timings = Timings()
+        depth, skipped = plan
         result = SearchResult(
-            hits=hits, model="", partial=bool(missing), missing_shards=missing, timings=timings
-        )
+            hits=hits, model="", partial=bool(missing), missing_shards=missing, timings=timings,
+            rerank_skipped=bool(skipped), rerank_skipped_reason=skipped,
+        )  # fmt: skip
         if depth > 0 and self.reranker is not None and hits:
             t = time.perf_counter()
             candidates = hits[:depth]

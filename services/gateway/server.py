@@ -20,9 +20,10 @@ from services.common.server import Server, create_server, serve_until_signal
 from services.common.settings import load_settings
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
-from services.gateway.rerank_client import RerankClient, load_depth_table
+from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer
 from services.gateway.settings import GatewaySettings, parse_shard_addresses
+from services.rerank.depths import depth_table
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         )
     )
     reranker = (
-        RerankClient(settings.rerank_url, load_depth_table(settings.rerank_depth_table))
+        RerankClient(settings.rerank_url, depth_table(settings.rerank_depth_table))
         if settings.rerank_url
         else None
     )

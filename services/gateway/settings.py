@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.errors import RetrievalError
 from services.common.settings import ServiceSettings
+from services.rerank.depths import load_depth_table
 
 
 def parse_shard_addresses(spec: str) -> list[list[str]]:
@@ -45,14 +48,23 @@ class GatewaySettings(ServiceSettings):
         "base", description="Encoder size profile (base/large/xl/xxl): a metrics label."
     )
     encode_slo_ms: float = Field(
-        17.0, gt=0, description="Encode latency SLO of the profile (GTR paper, batch 1)."
+        17.0,
+        gt=0,
+        description="Encode latency SLO of the profile (GTR paper, batch 1); exported "
+        'as gtr_slo_seconds{objective="encode"}.',
     )
     search_slo_ms: float = Field(
-        50.0, gt=0, description="End-to-end search SLO (encode + fan-out + fetch, no rerank)."
+        50.0,
+        gt=0,
+        description="End-to-end search SLO (encode + fan-out + fetch, no rerank); "
+        'exported as gtr_slo_seconds{objective="search"}.',
     )
     rerank_url: str | None = Field(None, description="RerankService address; unset = no rerank.")
     rerank_depth_table: str | None = Field(
-        None, description="JSON from bench/rerank.py: ms per query at each rerank depth."
+        None,
+        description="JSON from bench/rerank.py: ms per query at each rerank depth; unset = "
+        "the table measured on 2 CPU cores (services/rerank/depths.py). A table that "
+        "cannot be read stops the gateway at start.",
     )
     default_timeout_s: float = Field(
         10.0,
@@ -91,4 +103,14 @@ class GatewaySettings(ServiceSettings):
     @classmethod
     def _valid_shards(cls, value: str) -> str:
         parse_shard_addresses(value)
+        return value
+
+    @field_validator("rerank_depth_table")
+    @classmethod
+    def _readable_depth_table(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                load_depth_table(Path(value))
+            except RetrievalError as exc:
+                raise ValueError(exc.message) from None
         return value

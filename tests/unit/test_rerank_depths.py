@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound
-from services.rerank.depths import depth_for_budget, load_depth_table
+from services.rerank.depths import (
+    DEFAULT_DEPTH_TABLE,
+    depth_for_budget,
+    depth_table,
+    load_depth_table,
+)
 
 TABLE = {10: 510.1, 20: 1025.6, 50: 2854.1, 100: 5348.5}
 
@@ -44,3 +49,24 @@ def test_bad_tables_are_rejected(tmp_path: Path) -> None:
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(InvalidArgument):
             load_depth_table(tmp_path / "bad.json")
+
+
+def test_the_default_table_is_the_committed_measurement() -> None:
+    """No table configured: the bench's measurement, from this module and nowhere else."""
+    repo = Path(__file__).resolve().parents[2]
+    committed = load_depth_table(repo / "bench" / "results" / "rerank_depths.json")
+    assert dict(DEFAULT_DEPTH_TABLE) == committed
+    assert depth_table(None) == committed
+    assert depth_for_budget(500.0, depth_table(None)) == 0, "below the smallest: skip"
+
+
+def test_a_configured_table_is_read_and_never_replaced_by_the_default(tmp_path: Path) -> None:
+    (tmp_path / "t.json").write_text(json.dumps({"3": 1.0}))
+    assert depth_table(tmp_path / "t.json") == {3: 1.0}
+    assert depth_table(str(tmp_path / "t.json")) == {3: 1.0}
+    with pytest.raises(NotFound):
+        depth_table(tmp_path / "missing.json")
+    for unreadable in (b"{not json", b"\xff\xfe\x00"):
+        (tmp_path / "t.json").write_bytes(unreadable)
+        with pytest.raises(InvalidArgument, match="unreadable"):
+            depth_table(tmp_path / "t.json")
