@@ -8,7 +8,6 @@ import os
 import shutil
 import sys
 import textwrap
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,9 +22,25 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
+from services.common.retry import RetryPolicy, channel_options
 
 DEFAULT_RUN_DIR = ".run"
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Every call of the CLI is idempotent (an upsert of the same documents included), so the
+# channel retries them all: UNAVAILABLE (the gateway restarting) and RESOURCE_EXHAUSTED
+# (its in-flight limit: try again later), 5 attempts, 0.2 s backoff doubling to 2 s,
+# all within the call's --timeout (see services/common/retry.py).
+RETRY = RetryPolicy(
+    attempts=5,
+    initial_backoff_s=0.2,
+    max_backoff_s=2.0,
+    codes=("UNAVAILABLE", "RESOURCE_EXHAUSTED"),
+)
+GATEWAY_SERVICES = ("retrieval.v1.SearchService", "retrieval.v1.DocumentService")
+
+
+def gateway_channel(address: str, policy: RetryPolicy = RETRY) -> grpc.Channel:
+    """A channel to the gateway that retries by ``policy``."""
+    return grpc.insecure_channel(address, options=channel_options(GATEWAY_SERVICES, policy))
 
 
 def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str:
@@ -122,22 +137,13 @@ def length_sorted(docs: Iterator[Any], window: int = 4096) -> Iterator[Any]:
     yield from sorted(buffer, key=lambda d: len(d.title) + len(d.text))
 
 
-def upsert_with_retry(
+def upsert(
     stub: documents_pb2_grpc.DocumentServiceStub,
     docs: Sequence[documents_pb2.Document],
     timeout: float,
-    attempts: int = 5,
 ) -> documents_pb2.UpsertResponse:
-    delay = 0.2
-    for attempt in range(attempts):
-        try:
-            return stub.Upsert(documents_pb2.UpsertRequest(documents=docs), timeout=timeout)
-        except grpc.RpcError as exc:
-            if exc.code() not in RETRYABLE or attempt == attempts - 1:  # type: ignore[attr-defined]
-                raise
-            time.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")
+    """One Upsert; the channel (:func:`gateway_channel`) retries it."""
+    return stub.Upsert(documents_pb2.UpsertRequest(documents=docs), timeout=timeout)
 
 
 def ingest_file(
@@ -161,7 +167,7 @@ def ingest_file(
     )
     done = 0
     with (
-        grpc.insecure_channel(address) as channel,
+        gateway_channel(address) as channel,
         ThreadPoolExecutor(max_workers=max(1, parallel)) as pool,
         tqdm(total=total, unit="doc", desc="ingest", disable=not progress) as bar,
     ):
@@ -169,7 +175,7 @@ def ingest_file(
         pending: list[Future[documents_pb2.UpsertResponse]] = []
         sizes: list[int] = []
         for chunk in _batches(docs, max(1, min(batch, 256))):
-            pending.append(pool.submit(upsert_with_retry, stub, chunk, timeout))
+            pending.append(pool.submit(upsert, stub, chunk, timeout))
             sizes.append(len(chunk))
             while len(pending) >= parallel * 2:
                 pending.pop(0).result()
@@ -219,7 +225,7 @@ def search_once(
             enabled=bool(options.get("rerank")), depth=int(options.get("depth", 0))
         ),
     )
-    with grpc.insecure_channel(address) as channel:
+    with gateway_channel(address) as channel:
         return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
 
 
@@ -272,7 +278,7 @@ def _search(args: argparse.Namespace) -> int:
 
 def _get(args: argparse.Namespace) -> int:
     address = gateway_address(args.gateway)
-    with grpc.insecure_channel(address) as channel:
+    with gateway_channel(address) as channel:
         try:
             resp = documents_pb2_grpc.DocumentServiceStub(channel).Get(
                 documents_pb2.GetRequest(id=args.id), timeout=args.timeout
@@ -292,7 +298,7 @@ def _get(args: argparse.Namespace) -> int:
 
 def _delete(args: argparse.Namespace) -> int:
     address = gateway_address(args.gateway)
-    with grpc.insecure_channel(address) as channel:
+    with gateway_channel(address) as channel:
         try:
             resp = documents_pb2_grpc.DocumentServiceStub(channel).Delete(
                 documents_pb2.DeleteRequest(ids=args.ids), timeout=args.timeout

@@ -43,7 +43,21 @@ def _error(code: grpc.StatusCode, details: str, what: str) -> errors.RetrievalEr
     return ERROR_OF.get(code, errors.Unavailable)(f"{what}: {details}")
 
 
+def error_from_code(code: grpc.StatusCode, details: str, what: str) -> errors.RetrievalError:
+    """The domain error of a status code reported by a server that is not ours (Triton):
+    the same map as :func:`error_from_rpc`, for clients that hand over the code alone."""
+    return _error(code, details, what)
+
+
 _CODE_OF_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+_CODE_OF_NAME: dict[str, grpc.StatusCode] = {c.name: c for c in grpc.StatusCode}
+
+
+def code_of_name(name: str | None) -> grpc.StatusCode:
+    """``"StatusCode.UNAVAILABLE"`` (``str(code)``, as tritonclient reports it) or
+    ``"UNAVAILABLE"`` → the code; anything else (None, a typo) → UNKNOWN."""
+    key = (name or "").strip().removeprefix("StatusCode.")
+    return _CODE_OF_NAME.get(key, grpc.StatusCode.UNKNOWN)
 
 
 def status_number(exc: BaseException) -> tuple[int, str]:

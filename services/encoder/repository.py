@@ -40,6 +40,8 @@ from services.encoder.tensorrt_build import plan_meta_path as plan_meta_file
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
 TEXTCODEC = Path(__file__).resolve().parent / "textcodec.py"
+# Inputs and error answers shared by every Python-backend model (the rerank one too).
+MODEL_ERRORS = MODELS_DIR / "model_errors.py"
 EMBED_MODEL = "embed"
 
 
@@ -196,6 +198,7 @@ def _python_model(root: Path, name: str, source: Path, export_dir: Path) -> None
     version.mkdir(parents=True, exist_ok=True)
     shutil.copy2(source, version / "model.py")
     shutil.copy2(TEXTCODEC, version / "textcodec.py")
+    shutil.copy2(MODEL_ERRORS, version / "model_errors.py")
     for artefact in ("tokenizer.json", "encoder.json"):
         shutil.copy2(export_dir / artefact, version / artefact)
 

@@ -1,34 +1,46 @@
 """The encoder as a client of Triton's ``embed`` model (KServe v2 over gRPC, asyncio).
 
 One gRPC channel per encoder, reused by every call. Every call carries the remaining
-deadline as ``client_timeout``, so Triton drops work nobody waits for. Only
-UNAVAILABLE (connection refused or reset, server restarting) is retried, with
-exponential backoff, and only while the deadline allows. A full queue comes back as
-UNAVAILABLE too but means *overloaded*: it is not retried here (retrying at once
-adds load); the caller gets Overloaded and decides.
+deadline as ``client_timeout``, so Triton drops work nobody waits for.
+
+Errors: Triton answers with gRPC status codes (tritonclient's ``InferenceServerException``
+carries it as ``status()``), and they go through the service's one map,
+``services/common/status.py`` (INVALID_ARGUMENT → InvalidArgument, NOT_FOUND for an
+unknown model → NotFound, DEADLINE_EXCEEDED → DeadlineExceeded, …). One refinement, of
+Triton's vocabulary and not ours: Triton reports a full model queue as UNAVAILABLE with
+the message ``Exceeds maximum queue size`` (checked against the real server in
+``tests/integration/test_triton_errors.py``); that is Overloaded (RESOURCE_EXHAUSTED),
+not a server that is down.
+
+Retries: the channel's, :mod:`services.common.retry` (gRPC's retryPolicy, UNAVAILABLE
+only, within the call's deadline; every KServe call is idempotent). gRPC cannot tell a
+full queue from a restart, so a full queue is retried too, with backoff and gRPC's retry
+throttling (which stops retrying once failures pile up); the caller then gets Overloaded.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
+from services.common import status
 from services.common.errors import (
     DeadlineExceeded,
-    InvalidArgument,
-    NotFound,
     Overloaded,
     RetrievalError,
     Unavailable,
 )
+from services.common.retry import RetryPolicy, channel_options
 from services.encoder.base import Embeddings, Encoder, validate_request
 from services.encoder.profiles import Kind
+
+KSERVE_SERVICE = "inference.GRPCInferenceService"
+# What Triton says (with UNAVAILABLE) when a model's queue is full (max_queue_size).
+TRITON_QUEUE_FULL = "Exceeds maximum queue size"
 
 
 @dataclass(frozen=True)
@@ -36,32 +48,49 @@ class TritonEncoderConfig:
     url: str  # host:port of Triton's gRPC endpoint
     model: str = "embed"
     default_timeout_s: float = 10.0  # used when a call passes no timeout
-    retries: int = 3  # extra attempts on UNAVAILABLE
+    retries: int = 3  # extra attempts on UNAVAILABLE (at most 4: gRPC allows 5 attempts)
     backoff_s: float = 0.05  # first backoff; doubles, with jitter
     backoff_max_s: float = 1.0
     connect_timeout_s: float = 5.0
 
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            attempts=self.retries + 1,
+            initial_backoff_s=self.backoff_s,
+            max_backoff_s=max(self.backoff_s, self.backoff_max_s),
+        )
+
 
 def map_triton_error(exc: Exception, what: str) -> RetrievalError:
-    """Triton/gRPC error → the service's error vocabulary (never a bare INTERNAL)."""
-    status = str(getattr(exc, "status", lambda: "")() or "")
-    message = str(getattr(exc, "message", lambda: str(exc))() or exc)
-    text = f"{what}: {message}"
-    if "DEADLINE_EXCEEDED" in status or "Deadline Exceeded" in message:
-        return DeadlineExceeded(text)
-    if "INVALID_ARGUMENT" in status:
-        return InvalidArgument(text)
-    if "RESOURCE_EXHAUSTED" in status or ("queue" in message.lower() and "UNAVAILABLE" in status):
-        return Overloaded(text)
-    if "NOT_FOUND" in status or "unknown model" in message.lower():
-        return NotFound(text)
-    return Unavailable(text)
+    """A Triton/tritonclient error → the service's error, by its gRPC status code."""
+    code = status.code_of_name(getattr(exc, "status", lambda: None)())
+    message = str(getattr(exc, "message", lambda: None)() or exc)
+    if code is grpc.StatusCode.UNAVAILABLE and TRITON_QUEUE_FULL in message:
+        return Overloaded(f"{what}: {message}")
+    return status.error_from_code(code, message, what)
 
 
-def _retryable(exc: Exception, mapped: RetrievalError) -> bool:
-    return isinstance(mapped, Unavailable) and "UNAVAILABLE" in str(
-        getattr(exc, "status", lambda: "")()
-    )
+def triton_channel_args(policy: RetryPolicy) -> list[tuple[str, Any]]:
+    """tritonclient's own channel defaults (message sizes, keepalive) + the retry policy."""
+    from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
+
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        *channel_options([KSERVE_SERVICE], policy),
+    ]
+
+
+def triton_client(cfg: TritonEncoderConfig) -> Any:
+    """An asyncio tritonclient whose channel retries by ``cfg``'s policy."""
+    from tritonclient.grpc.aio import InferenceServerClient
+
+    return InferenceServerClient(cfg.url, channel_args=triton_channel_args(cfg.retry_policy()))
 
 
 class TritonEncoder(Encoder):
@@ -79,9 +108,7 @@ class TritonEncoder(Encoder):
     @classmethod
     async def connect(cls, cfg: TritonEncoderConfig) -> TritonEncoder:
         """Open the channel and read model name, dim and max batch from the model config."""
-        from tritonclient.grpc.aio import InferenceServerClient
-
-        client = InferenceServerClient(cfg.url)
+        client = triton_client(cfg)
         try:
             response = await client.get_model_config(
                 cfg.model, client_timeout=cfg.connect_timeout_s
@@ -119,29 +146,17 @@ class TritonEncoder(Encoder):
         inputs = self._inputs(items, kind)
         outputs = [InferRequestedOutput("EMBEDDING"), InferRequestedOutput("TRUNCATED")]
         budget = self.cfg.default_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        backoff = self.cfg.backoff_s
-        for attempt in range(self.cfg.retries + 1):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceeded(f"no time left to embed {len(items)} texts ({budget:.3f} s)")
-            try:
-                result = await self._client.infer(
-                    self.cfg.model, inputs, outputs=outputs, client_timeout=remaining
-                )
-            except Exception as exc:
-                mapped = map_triton_error(exc, f"embedding {len(items)} texts")
-                pause = min(backoff, self.cfg.backoff_max_s) * (0.5 + random.random())
-                if (not _retryable(exc, mapped) or attempt == self.cfg.retries
-                        or time.monotonic() + pause >= deadline):  # fmt: skip
-                    raise mapped from exc
-                await asyncio.sleep(pause)
-                backoff *= 2
-                continue
-            vectors = np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32)
-            truncated = np.asarray(result.as_numpy("TRUNCATED")).reshape(-1)
-            return Embeddings(vectors.reshape(len(items), self.dim), [bool(t) for t in truncated])
-        raise Unavailable("unreachable: retry loop ended")  # pragma: no cover
+        if budget <= 0:
+            raise DeadlineExceeded(f"no time left to embed {len(items)} texts ({budget:.3f} s)")
+        try:
+            result = await self._client.infer(
+                self.cfg.model, inputs, outputs=outputs, client_timeout=budget
+            )
+        except Exception as exc:
+            raise map_triton_error(exc, f"embedding {len(items)} texts") from exc
+        vectors = np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32)
+        truncated = np.asarray(result.as_numpy("TRUNCATED")).reshape(-1)
+        return Embeddings(vectors.reshape(len(items), self.dim), [bool(t) for t in truncated])
 
     async def close(self) -> None:
         await self._client.close()

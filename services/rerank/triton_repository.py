@@ -1,8 +1,9 @@
 """Write the ``rerank`` model (Python backend) into a Triton model repository.
 
 ``<repo>/rerank/config.pbtxt`` is built as Triton's own ``ModelConfig`` protobuf and
-``<repo>/rerank/1/model.py`` is a copy of ``triton_models/rerank.py``. The checkpoint is
-referenced by absolute path (parameter ``checkpoint``; empty = untrained default head).
+``<repo>/rerank/1/model.py`` is a copy of ``triton_models/rerank.py``, next to the models'
+shared ``model_errors.py``. The checkpoint is referenced by absolute path (parameter
+``checkpoint``; empty = untrained default head).
 ``kind="gpu"`` makes GPU instances (the model moves to the instance's device), so one
 Triton on a GPU host serves the encoder's ``embed`` and this ``rerank`` side by side.
 """
@@ -16,6 +17,8 @@ from typing import Literal
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
+
+from services.encoder.repository import MODEL_ERRORS
 
 MODEL_NAME = "rerank"
 MODEL_SOURCE = Path(__file__).resolve().parent / "triton_models" / "rerank.py"
@@ -48,9 +51,11 @@ def rerank_model_config(cfg: TritonRerankConfig) -> mc.ModelConfig:
 
 
 def write_rerank_model(repo: Path, cfg: TritonRerankConfig) -> Path:
-    """Write ``rerank/config.pbtxt`` and ``rerank/1/model.py`` under ``repo``; return the dir."""
+    """Write ``rerank/config.pbtxt``, ``rerank/1/model.py`` and its ``model_errors.py``
+    under ``repo``; return the model's dir."""
     root = Path(repo) / MODEL_NAME
     (root / "1").mkdir(parents=True, exist_ok=True)
     (root / "config.pbtxt").write_text(text_format.MessageToString(rerank_model_config(cfg)))
     shutil.copyfile(MODEL_SOURCE, root / "1" / "model.py")
+    shutil.copyfile(MODEL_ERRORS, root / "1" / "model_errors.py")
     return root

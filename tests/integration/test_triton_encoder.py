@@ -18,7 +18,7 @@ from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailabl
 from services.encoder.export import row_cosines
 from services.encoder.model import default_model_dir
 from services.encoder.repository import RepositoryConfig, generate_repository
-from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig, triton_client
 from services.encoder.triton_server import TritonHandle, TritonServerConfig, run_triton
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
@@ -188,11 +188,9 @@ def test_retries_on_unavailable_until_the_deadline(minilm: TritonHandle) -> None
     """A connected encoder whose server goes away retries, then reports Unavailable."""
 
     async def go() -> None:
-        from tritonclient.grpc.aio import InferenceServerClient
-
         dead = f"127.0.0.1:{free_port()}"
         cfg = TritonEncoderConfig(dead, retries=2, backoff_s=0.01)
-        enc = TritonEncoder(InferenceServerClient(dead), cfg, "all-MiniLM-L6-v2", 384, 64)
+        enc = TritonEncoder(triton_client(cfg), cfg, "all-MiniLM-L6-v2", 384, 64)
         try:
             with pytest.raises(Unavailable, match="embedding 1 texts"):
                 await enc.encode(["x"], "query", timeout=5)

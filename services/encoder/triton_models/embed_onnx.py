@@ -1,9 +1,9 @@
 """Triton Python-backend model ``embed`` (CPU flavour): raw text in, embedding out.
 
 Copied as ``<repo>/embed/1/model.py`` by ``services/encoder/repository.py`` together
-with ``textcodec.py``, ``tokenizer.json``, ``encoder.json`` and ``model.onnx``. It
-imports numpy, onnxruntime and tokenizers only, never the service package, so the
-repository can be shipped on its own.
+with ``textcodec.py``, ``model_errors.py``, ``tokenizer.json``, ``encoder.json`` and
+``model.onnx``. It imports numpy, onnxruntime and tokenizers only, never the service
+package, so the repository can be shipped on its own.
 
 Contract (see config.pbtxt): ``TEXT`` BYTES [1], ``KIND`` BYTES [1] ("query" or
 "document") → ``EMBEDDING`` FP32 [dim] (L2-normalised), ``TRUNCATED`` BOOL [1].
@@ -23,14 +23,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_errors import BadRequest, error_response, input_column
 from textcodec import TextCodec, TextError, parse_rows
-
-
-def _error(message: str, invalid: bool) -> Any:
-    code_name = "INVALID_ARG" if invalid else "INTERNAL"
-    code = getattr(pb_utils.TritonError, code_name, None)
-    err = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=err)
 
 
 def _threads(config: dict[str, Any], requested: int) -> int:
@@ -41,16 +35,11 @@ def _threads(config: dict[str, Any], requested: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // instances)
 
 
-def _column(request: Any, name: str) -> np.ndarray:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        raise TextError(f"input {name} is missing")
-    return tensor.as_numpy().reshape(-1)
-
-
 def parse_request(request: Any, kinds: set[str]) -> tuple[list[str], list[str]]:
-    """(texts, kinds) of one request, or TextError naming the offending row."""
-    return parse_rows(list(_column(request, "TEXT")), list(_column(request, "KIND")), kinds)
+    """(texts, kinds) of one request, or BadRequest/TextError naming the input or row."""
+    return parse_rows(
+        list(input_column(request, "TEXT")), list(input_column(request, "KIND")), kinds
+    )
 
 
 class TritonPythonModel:
@@ -75,10 +64,6 @@ class TritonPythonModel:
         options.inter_op_num_threads = 1
         # Busy-waiting worker threads take the cores that Triton's threads and this stub
         # need between batches: on a 2-core box that stalled requests for ~500 ms.
-        spin = params.get("allow_spinning", "0")
-        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
-        # Spinning worker threads burn the cores that Triton's own threads and the stub
-        # need between batches; on a shared CPU they cause ~500 ms stalls.
         spin = params.get("allow_spinning", "0")
         options.add_session_config_entry("session.intra_op.allow_spinning", spin)
         self.session = ort.InferenceSession(
@@ -106,8 +91,8 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 req_texts, req_kinds = parse_request(request, self.kinds)
-            except TextError as exc:
-                responses[i] = _error(str(exc), invalid=True)
+            except (BadRequest, TextError) as exc:
+                responses[i] = error_response(str(exc), invalid=True)
                 continue
             spans.append((i, len(texts), len(req_texts)))
             texts.extend(req_texts)
@@ -117,7 +102,7 @@ class TritonPythonModel:
                 vectors, truncated = self._embed(texts, kinds)
             except Exception as exc:  # never kill the instance: fail these requests only
                 for i, _, _ in spans:
-                    responses[i] = _error(f"embedding failed: {exc}", invalid=False)
+                    responses[i] = error_response(f"embedding failed: {exc}", invalid=False)
                 return responses
             for i, first, count in spans:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[

@@ -1,10 +1,11 @@
 """Triton Python-backend model ``tokenizer`` (GPU flavour, first step of the ``embed`` ensemble).
 
-Copied as ``<repo>/tokenizer/1/model.py`` with ``textcodec.py``, ``tokenizer.json`` and
-``encoder.json``. It turns ``TEXT``/``KIND`` (BYTES) into ``INPUT_IDS``/``ATTENTION_MASK``
-(INT64, padded up to a length bucket so that the TensorRT model's dynamic batcher can
-merge requests of similar length) and ``TRUNCATED`` (BOOL). Bad requests get their own
-error response; the ensemble passes it to the client.
+Copied as ``<repo>/tokenizer/1/model.py`` with ``textcodec.py``, ``model_errors.py``,
+``tokenizer.json`` and ``encoder.json``. It turns ``TEXT``/``KIND`` (BYTES) into
+``INPUT_IDS``/``ATTENTION_MASK`` (INT64, padded up to a length bucket so that the
+TensorRT model's dynamic batcher can merge requests of similar length) and
+``TRUNCATED`` (BOOL). Bad requests (a missing input included) get their own INVALID_ARG
+response (``model_errors.py``); the ensemble passes it to the client.
 """
 
 from __future__ import annotations
@@ -18,13 +19,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_errors import BadRequest, error_response, input_column
 from textcodec import TextCodec, TextError, parse_rows
-
-
-def _error(message: str) -> Any:
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-    err = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=err)
 
 
 class TritonPythonModel:
@@ -45,13 +41,13 @@ class TritonPythonModel:
         for request in requests:
             try:
                 texts, kinds = parse_rows(
-                    list(pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().ravel()),
-                    list(pb_utils.get_input_tensor_by_name(request, "KIND").as_numpy().ravel()),
+                    list(input_column(request, "TEXT")),
+                    list(input_column(request, "KIND")),
                     self.kinds,
                 )
                 batch = self.codec.encode_mixed(texts, kinds)
-            except TextError as exc:
-                responses.append(_error(str(exc)))
+            except (BadRequest, TextError) as exc:
+                responses.append(error_response(str(exc), invalid=True))
                 continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("INPUT_IDS", batch.input_ids),

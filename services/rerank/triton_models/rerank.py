@@ -1,37 +1,34 @@
 """Triton Python-backend model ``rerank``: one query + its candidate texts → scores.
 
-Copied as ``<repo>/rerank/1/model.py`` by ``services/rerank/triton_repository.py``.
+Copied as ``<repo>/rerank/1/model.py`` by ``services/rerank/triton_repository.py``, with
+the models' shared ``model_errors.py`` (from ``services/encoder/triton_models``).
 Unlike the encoder's model it imports the ``services`` package (the CELI scorer), so
 the Python backend must run in an environment where gtr-retrieval is installed (the
 launcher in ``services/encoder/triton_server.py`` runs the stub inside this venv).
 
 Contract (config.pbtxt, no batching: one request = one query): ``QUERY`` BYTES [1],
 ``DOCS`` BYTES [-1] → ``SCORES`` FP32 [-1], in the order of ``DOCS``. An invalid
-request (empty query, no docs, > 1000 docs, bad UTF-8) gets an INVALID_ARG error; the
-other requests are answered and the instance never dies.
+request (a missing input, empty query, no docs, > 1000 docs, bad UTF-8) gets an
+INVALID_ARG error; the other requests are answered and the instance never dies.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-
-def _error(message: str, invalid: bool) -> Any:
-    code = getattr(pb_utils.TritonError, "INVALID_ARG" if invalid else "INTERNAL", None)
-    err = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=err)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_errors import BadRequest, error_response, input_column
 
 
 def _texts(request: Any, name: str) -> list[str]:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        raise ValueError(f"input {name} is missing")
-    values = tensor.as_numpy().reshape(-1)
-    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v)
+            for v in input_column(request, name)]  # fmt: skip
 
 
 class TritonPythonModel:
@@ -67,12 +64,12 @@ class TritonPythonModel:
             if len(query) != 1:
                 raise InvalidArgument("QUERY must hold exactly one string")
             validate(RerankQuery(query[0], tuple(Candidate(str(i), d) for i, d in enumerate(docs))))
-        except (InvalidArgument, ValueError, UnicodeDecodeError) as exc:
-            return _error(getattr(exc, "message", None) or str(exc), invalid=True)
+        except (BadRequest, InvalidArgument, UnicodeDecodeError) as exc:
+            return error_response(getattr(exc, "message", None) or str(exc), invalid=True)
         try:
             scores = self.scorer.score(query[0], docs).astype(np.float32)
         except Exception as exc:  # never kill the instance: fail this request only
-            return _error(f"rerank failed: {exc}", invalid=False)
+            return error_response(f"rerank failed: {exc}", invalid=False)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("SCORES", scores)])
 
     def execute(self, requests: list[Any]) -> list[Any]:

@@ -1,0 +1,42 @@
+"""Inputs and error answers of our Triton Python-backend models: one helper for all three.
+
+Copied next to each ``model.py`` (``embed``, ``tokenizer``, ``rerank``) the way
+``textcodec.py`` is, by ``services/encoder/repository.py`` and
+``services/rerank/triton_repository.py``; it imports numpy and Triton's
+``triton_python_backend_utils`` only, so it runs in any stub.
+
+The rule of every model: a bad request (a missing input, bad text) gets its own error
+response with INVALID_ARG, which a client sees as gRPC INVALID_ARGUMENT and the gateway
+as InvalidArgument (``services/common/status.py``); a failure of the model itself gets
+INTERNAL. Neither fails the other requests of the batch nor kills the instance.
+
+Triton's core already refuses a request that lacks a *required* input, before any model
+runs; a model sees a missing input only when its config marks the input optional, and
+:func:`input_column` then answers INVALID_ARG instead of failing on ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class BadRequest(ValueError):
+    """The request is wrong; the message says which input and why (→ INVALID_ARG)."""
+
+
+def input_column(request: Any, name: str) -> np.ndarray:
+    """Input ``name`` of ``request`` as one flat column; BadRequest when it is missing."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise BadRequest(f"input {name} is missing")
+    return np.asarray(tensor.as_numpy()).reshape(-1)
+
+
+def error_response(message: str, *, invalid: bool) -> Any:
+    """An error answer: INVALID_ARG when the request is wrong, INTERNAL when the model is."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG" if invalid else "INTERNAL", None)
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
