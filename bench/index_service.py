@@ -49,12 +49,12 @@ import faiss
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from services.index import positions
-from services.index.changelog import ChangeLogWriter, DocRecord
-from services.index.changes import Upsert
-from services.index.router import ShardRouter
-from services.index.shard import IvfPqShard
-from services.index.train import TrainedIndex, TrainOptions, train_index
+from services.common import positions
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.changes import Upsert
+from services.index.core.shard import IvfPqShard
+from services.index.core.train import TrainedIndex, TrainOptions, train_index
 from tests.support.processes import run_redis
 from tests.support.shards import ShardCluster, run_shards
 
@@ -214,7 +214,7 @@ async def service_recall(
         result = await router.search(
             queries[i : i + 250], 10, nprobe=nprobe, timeout=60, require_complete=True
         )
-        found += [[h.doc_id for h in row] for row in result.hits]
+        found += [[h.id for h in row] for row in result.hits]
     return recall_at_10(found, exact, ids)
 
 

@@ -39,7 +39,7 @@ POLICIES = ("always", "everysec")
 
 
 def _records(rng: np.random.Generator, n: int, prefix: str) -> list[Any]:
-    from services.index.changelog import DocRecord
+    from services.index.client.writer import DocRecord
 
     vectors = rng.standard_normal((n, DIM)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -53,7 +53,7 @@ def _records(rng: np.random.Generator, n: int, prefix: str) -> list[Any]:
 
 async def _round(url: str, batch: int, concurrency: int, seconds: float, seed: int) -> list[float]:
     """Upsert for ``seconds`` with ``concurrency`` writers; each call's latency (s)."""
-    from services.index.changelog import ChangeLogWriter
+    from services.index.client.writer import ChangeLogWriter
 
     writer = ChangeLogWriter(url, SHARDS, dim=DIM)
     rng = np.random.default_rng(seed)

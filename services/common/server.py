@@ -14,16 +14,17 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from services.common import errors
-from services.common.metrics import RpcMetrics
+from services.common.metrics import RpcMetrics, serve_metrics
 from services.common.settings import ServiceSettings
 from services.common.status import status_of
 from services.common.wire import WireTypeError, check_wire_types
@@ -221,3 +222,22 @@ async def serve_until_signal(server: Server, grace: float) -> None:
         await server.stop(grace)
     waiter.cancel()
     stopper.cancel()
+
+
+class Running(Protocol):
+    """A started service: its server, its metrics registry, and how to close it."""
+
+    server: Server
+    registry: CollectorRegistry
+
+    async def close(self, grace: float = ...) -> None: ...
+
+
+async def serve_started(running: Running, settings: ServiceSettings) -> None:
+    """Expose the metrics (when a port is set), serve until SIGTERM/SIGINT, close."""
+    if settings.metrics_port is not None:
+        serve_metrics(running.registry, settings.metrics_port, settings.host)
+    try:
+        await serve_until_signal(running.server, settings.grace_seconds)
+    finally:
+        await running.close(0)

@@ -2,59 +2,31 @@
 
 from __future__ import annotations
 
-from retrieval.v1 import common_pb2, documents_pb2, search_pb2
-from services.common.errors import InvalidArgument
+from retrieval.v1 import documents_pb2, search_pb2
+from services.common.convert import (
+    consistency_from_pb,
+    consistency_to_pb,
+    filter_from_pb,
+    filter_to_pb,
+    token_from_pb,
+    token_to_pb,
+)
 from services.gateway.domain import (
-    Consistency,
     Document,
-    FieldCondition,
     SearchQuery,
     SearchResult,
     WriteResult,
 )
-from services.index import positions
 
-_CONSISTENCY = {
-    common_pb2.CONSISTENCY_UNSPECIFIED: Consistency.EVENTUAL,
-    common_pb2.CONSISTENCY_EVENTUAL: Consistency.EVENTUAL,
-    common_pb2.CONSISTENCY_SESSION: Consistency.SESSION,
-    common_pb2.CONSISTENCY_STRONG: Consistency.STRONG,
-}
-_CONSISTENCY_PB = {
-    Consistency.EVENTUAL: common_pb2.CONSISTENCY_EVENTUAL,
-    Consistency.SESSION: common_pb2.CONSISTENCY_SESSION,
-    Consistency.STRONG: common_pb2.CONSISTENCY_STRONG,
-}
-
-
-def token_from_pb(token: common_pb2.WriteToken) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for pos in token.positions:
-        if pos.shard in out:
-            raise InvalidArgument(f"write_token: shard {pos.shard} appears twice")
-        out[pos.shard] = pos.position
-    for shard, position in out.items():
-        try:
-            positions.parse(position)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"write_token: shard {shard}: {exc.message}") from None
-    return out
-
-
-def token_to_pb(token: dict[int, str]) -> common_pb2.WriteToken:
-    return common_pb2.WriteToken(
-        positions=[common_pb2.ShardPosition(shard=s, position=p) for s, p in sorted(token.items())]
-    )
+__all__ = ["token_from_pb", "token_to_pb"]
 
 
 def query_from_pb(req: search_pb2.SearchRequest) -> SearchQuery:
-    if req.consistency not in _CONSISTENCY:
-        raise InvalidArgument(f"consistency: unknown value {req.consistency}")
     return SearchQuery(
         text=req.query,
         k=req.k,
-        filter=tuple(FieldCondition(c.key, tuple(c.any_of)) for c in req.filter.must),
-        consistency=_CONSISTENCY[req.consistency],
+        filter=filter_from_pb(req.filter),
+        consistency=consistency_from_pb(req.consistency),
         write_token=token_from_pb(req.write_token),
         require_complete=req.require_complete,
         rerank=req.rerank.enabled,
@@ -68,10 +40,8 @@ def query_to_pb(q: SearchQuery) -> search_pb2.SearchRequest:
     return search_pb2.SearchRequest(
         query=q.text,
         k=q.k,
-        filter=common_pb2.Filter(
-            must=[common_pb2.FieldCondition(key=c.key, any_of=c.any_of) for c in q.filter]
-        ),
-        consistency=_CONSISTENCY_PB[q.consistency],
+        filter=filter_to_pb(q.filter),
+        consistency=consistency_to_pb(q.consistency),
         write_token=token_to_pb(q.write_token),
         require_complete=q.require_complete,
         rerank=search_pb2.RerankOptions(enabled=q.rerank, depth=q.rerank_depth),

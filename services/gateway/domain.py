@@ -1,21 +1,23 @@
-"""What the gateway works with, free of protobuf and grpc."""
+"""What the gateway works with, free of protobuf and grpc: a search request and its
+result, a write's result. Documents, hits, filters, consistency and write tokens are the
+shared words of :mod:`services.common.domain`."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from services.common.domain import Consistency, Document, FieldCondition, Hit
 
-class Consistency(enum.Enum):
-    EVENTUAL = "eventual"
-    SESSION = "session"
-    STRONG = "strong"
-
-
-@dataclass(frozen=True)
-class FieldCondition:
-    key: str
-    any_of: tuple[str, ...]
+__all__ = [
+    "Consistency",
+    "Document",
+    "FieldCondition",
+    "Hit",
+    "SearchQuery",
+    "SearchResult",
+    "Timings",
+    "WriteResult",
+]
 
 
 @dataclass(frozen=True)
@@ -30,28 +32,6 @@ class SearchQuery:
     rerank_depth: int = 0  # 0 = choose by the remaining budget
     nprobe: int = 0  # 0 = the shards' default
     ids_only: bool = False
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    text: str
-    title: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def embedding_text(self) -> str:
-        """What the encoder sees: "title text" (the BEIR convention)."""
-        return f"{self.title} {self.text}" if self.title else self.text
-
-
-@dataclass
-class Hit:
-    id: str
-    score: float
-    first_stage_score: float
-    shard: int
-    document: Document | None = None
 
 
 @dataclass

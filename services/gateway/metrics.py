@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS
 from services.gateway.domain import SearchResult
@@ -20,7 +20,26 @@ class GatewayMetrics:
     size: str
 
     @classmethod
-    def create(cls, registry: CollectorRegistry, model: str, size: str) -> GatewayMetrics:
+    def create(
+        cls,
+        registry: CollectorRegistry,
+        model: str,
+        size: str,
+        encode_slo_ms: float | None = None,
+        search_slo_ms: float | None = None,
+    ) -> GatewayMetrics:
+        """``*_slo_ms``: the latency objectives this gateway runs under, exported as
+        ``gtr_slo_seconds{objective}`` so that dashboards and alerts read the same
+        numbers as the configuration (the chart sets them from the size profile)."""
+        slo = Gauge(
+            "gtr_slo_seconds",
+            "Latency objective this gateway runs under (encode: the size profile's).",
+            ["objective", "model", "size"],
+            registry=registry,
+        )
+        for objective, ms in (("encode", encode_slo_ms), ("search", search_slo_ms)):
+            if ms is not None:
+                slo.labels(objective, model, size).set(ms / 1000.0)
         return cls(
             stage_seconds=Histogram(
                 "gateway_stage_seconds",

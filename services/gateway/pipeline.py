@@ -19,6 +19,7 @@ import numpy as np
 
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
+from services.common.limits import Limits
 from services.gateway import validation
 from services.gateway.domain import (
     Consistency,
@@ -29,9 +30,8 @@ from services.gateway.domain import (
     Timings,
     WriteResult,
 )
-from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.ports import DocumentStore, QueryEncoder, Reranker, VectorIndex
+from services.gateway.ports import DocRecord, DocumentStore, Encoder, Reranker, VectorIndex
 from services.gateway.texts import cut_for_encoder
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def _group_key(q: SearchQuery, fetch_k: int) -> tuple[object, ...]:
 
 @dataclass
 class SearchPipeline:
-    encoder: QueryEncoder
+    encoder: Encoder
     index: VectorIndex
     store: DocumentStore
     reranker: Reranker | None = None
@@ -223,10 +223,7 @@ class SearchPipeline:
                 require_complete=first.require_complete,
             )
             for row, hits in zip(rows, result.hits, strict=True):
-                out[row] = (
-                    [Hit(h.doc_id, h.score, h.score, h.shard) for h in hits],
-                    list(result.missing_shards),
-                )
+                out[row] = (hits, list(result.missing_shards))
 
         await asyncio.gather(*[run(rows) for rows in groups.values()])
         return out
@@ -274,7 +271,7 @@ class SearchPipeline:
 
 @dataclass
 class DocumentPipeline:
-    encoder: QueryEncoder
+    encoder: Encoder
     store: DocumentStore
     limits: Limits = field(default_factory=Limits)
     default_timeout_s: float = DEFAULT_TIMEOUT_S
@@ -299,7 +296,11 @@ class DocumentPipeline:
         vectors = np.concatenate([c.vectors for c in chunks])
         flags = [t for c in chunks for t in c.truncated]
         truncated = sum(f or cut for f, (_, cut) in zip(flags, cuts, strict=True))
-        token = await bounded(self.store.upsert(docs, vectors), deadline, "the write")
+        records = [
+            DocRecord(d.id, vectors[i], d.title, d.text, dict(d.metadata))
+            for i, d in enumerate(docs)
+        ]
+        token = await bounded(self.store.upsert(records), deadline, "the write")
         return WriteResult(token, len(docs), truncated=truncated)
 
     async def delete(self, ids: Sequence[str], timeout: float | None = None) -> WriteResult:

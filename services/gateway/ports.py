@@ -1,57 +1,24 @@
 """The interfaces the gateway pipeline needs from the other stages.
 
-The pipeline depends on these protocols, not on grpc, Redis or Triton; the server
-wires the real implementations (Triton or in-process encoder, shard router, Redis
-change log, rerank client) and the tests can wire real ones on free ports.
+The pipeline depends on these protocols, not on grpc, Redis or Triton. The server wires
+the real implementations, which speak the shared words of :mod:`services.common.domain`
+directly (no adapters): the index's :class:`~services.index.router.ShardRouter`, the
+change log's :class:`~services.index.changelog.ChangeLogWriter`, the
+:class:`~services.encoder.base.Encoder` (Triton or in-process) and the rerank client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from services.gateway.domain import Consistency, Document, FieldCondition
+from services.common.domain import Consistency, Document, FieldCondition, IndexResult, WriteToken
+from services.encoder.base import Encoder
+from services.index.client.writer import DocRecord
 
-
-class Embedded(Protocol):
-    @property
-    def vectors(self) -> np.ndarray:
-        """float32 (n, dim), L2-normalised."""
-        ...
-
-    @property
-    def truncated(self) -> list[bool]:
-        """Per text: whether it was cut to the model's max length."""
-        ...
-
-
-class QueryEncoder(Protocol):
-    model_name: str
-    dim: int
-    max_batch: int
-
-    async def encode(
-        self,
-        texts: Sequence[str],
-        kind: Literal["query", "document"],
-        timeout: float | None = None,
-    ) -> Embedded: ...
-
-
-@dataclass(frozen=True)
-class IndexHit:
-    doc_id: str
-    score: float
-    shard: int
-
-
-@dataclass(frozen=True)
-class IndexResult:
-    hits: list[list[IndexHit]]  # per query, best first
-    missing_shards: list[int]
+__all__ = ["DocRecord", "DocumentStore", "Encoder", "Reranker", "VectorIndex"]
 
 
 class VectorIndex(Protocol):
@@ -62,27 +29,31 @@ class VectorIndex(Protocol):
         vectors: np.ndarray,
         k: int,
         *,
-        nprobe: int,
-        filter: Sequence[FieldCondition],
-        consistency: Consistency,
-        write_token: dict[int, str],
-        timeout: float | None,
-        require_complete: bool,
+        nprobe: int = 0,
+        filter: Sequence[FieldCondition] = (),
+        consistency: Consistency = Consistency.EVENTUAL,
+        write_token: WriteToken | None = None,
+        timeout: float | None = None,
+        require_complete: bool = False,
     ) -> IndexResult: ...
+
+    async def close(self) -> None: ...
 
 
 class DocumentStore(Protocol):
-    async def upsert(self, docs: Sequence[Document], vectors: np.ndarray) -> dict[int, str]: ...
+    async def upsert(self, records: Sequence[DocRecord]) -> WriteToken: ...
 
-    async def delete(self, ids: Sequence[str]) -> tuple[dict[int, str], list[str], list[str]]:
+    async def delete(self, ids: Sequence[str]) -> tuple[WriteToken, list[str], list[str]]:
         """Returns (write token, deleted ids, ids that did not exist)."""
         ...
 
     async def get_many(self, ids: Sequence[str]) -> list[Document | None]: ...
 
-    async def tail(self) -> dict[int, str]:
+    async def tail(self) -> WriteToken:
         """The newest position of every shard's log (Unavailable when it cannot be read)."""
         ...
+
+    async def close(self) -> None: ...
 
 
 class Reranker(Protocol):

@@ -9,26 +9,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import faiss
 import grpc
 from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common.logs import configure_logging
-from services.common.metrics import RpcMetrics, serve_metrics
-from services.common.server import Server, create_server, serve_until_signal
+from services.common.metrics import RpcMetrics
+from services.common.server import Server, create_server, serve_started
 from services.common.settings import load_settings
+from services.encoder.base import Encoder
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
 from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer
 from services.gateway.settings import GatewaySettings, parse_shard_addresses
+from services.index.core import coarse
 from services.rerank.depths import depth_table
 
 log = logging.getLogger(__name__)
 
 
-async def build_encoder(settings: GatewaySettings):  # type: ignore[no-untyped-def]
+async def build_encoder(settings: GatewaySettings) -> Encoder:
     """The configured encoder: Triton (production) or the model in this process."""
     if settings.encoder == "triton":
         from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
@@ -65,34 +66,35 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    from services.gateway.index_adapters import LogStore, RouterIndex
-    from services.index.changelog import ChangeLogWriter
-    from services.index.replicas import HedgePolicy
-    from services.index.router import ShardRouter
+    from services.index.client.replicas import HedgePolicy
+    from services.index.client.router import ShardRouter
+    from services.index.client.writer import ChangeLogWriter
 
     registry = CollectorRegistry()
     encoder = await build_encoder(settings)
-    router = RouterIndex(
-        ShardRouter(
-            parse_shard_addresses(settings.shards), hedge=HedgePolicy(enabled=settings.hedge)
-        )
+    router = ShardRouter(
+        parse_shard_addresses(settings.shards), hedge=HedgePolicy(enabled=settings.hedge)
     )
-    store = LogStore(
-        ChangeLogWriter(
-            settings.redis_url,
-            num_shards=router.num_shards,
-            dim=encoder.dim,
-            max_connections=settings.redis_max_connections,
-            pool_timeout_s=settings.redis_pool_timeout_s,
-            read_retry_s=settings.redis_read_retry_s,
-        )
+    store = ChangeLogWriter(
+        settings.redis_url,
+        num_shards=router.num_shards,
+        dim=encoder.dim,
+        max_connections=settings.redis_max_connections,
+        pool_timeout_s=settings.redis_pool_timeout_s,
+        read_retry_s=settings.redis_read_retry_s,
     )
     reranker = (
         RerankClient(settings.rerank_url, depth_table(settings.rerank_depth_table))
         if settings.rerank_url
         else None
     )
-    metrics = GatewayMetrics.create(registry, encoder.model_name, settings.encoder_size)
+    metrics = GatewayMetrics.create(
+        registry,
+        encoder.model_name,
+        settings.encoder_size,
+        encode_slo_ms=settings.encode_slo_ms,
+        search_slo_ms=settings.search_slo_ms,
+    )
     search = SearchPipeline(
         encoder,
         router,
@@ -126,13 +128,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
 
 
 async def serve(settings: GatewaySettings) -> None:
-    gateway = await start_gateway(settings)
-    if settings.metrics_port is not None:
-        serve_metrics(gateway.registry, settings.metrics_port, settings.host)
-    try:
-        await serve_until_signal(gateway.server, settings.grace_seconds)
-    finally:
-        await gateway.close(0)
+    await serve_started(await start_gateway(settings), settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level, service="gateway")
     # The router assigns each wave on this (the event loop's) thread; OpenMP's count is
     # per thread, and its default (every core) leaves idle workers spinning per wave.
-    faiss.omp_set_num_threads(settings.quantizer_threads)
+    coarse.set_threads(settings.quantizer_threads)
     asyncio.run(serve(settings))
     return 0
 

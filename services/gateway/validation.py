@@ -10,8 +10,8 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 
 from services.common.errors import InvalidArgument
+from services.common.limits import Limits
 from services.gateway.domain import Consistency, Document, FieldCondition, SearchQuery
-from services.gateway.limits import Limits
 
 # Unicode categories refused in ids: Cc (C0, DEL, C1), line and paragraph separators.
 _CONTROL = frozenset({"Cc", "Zl", "Zp"})

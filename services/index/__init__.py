@@ -1,0 +1,17 @@
+"""The index: sharded FAISS IVF-PQ over a Redis change log, in four roles.
+
+``core/``
+    the shard itself, no grpc: IVF-PQ + SQ8 refine (``shard``), FAISS id → slot
+    (``slots``), snapshots, training, the shared coarse quantizer, the changes a log
+    entry carries, the search request and its answer grid (``query``).
+``server/``
+    a replica process of one shard: the log consumer (``replica``), micro-batched
+    searches (``batcher``), consistency waits (``service``), the gRPC servicer and the
+    process (``process``, run by ``gtr-retrieval index serve``).
+``client/``
+    what the gateway uses: the router (fan-out, merge, coalescing), a shard's replicas
+    (failover, hedging), the search stream, the change-log writer.
+``changelog``, ``convert``
+    the contracts both sides share: the Redis keys, entry format and reader of the log;
+    protobuf ↔ core conversions of the internal API.
+"""

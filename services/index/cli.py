@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.cli.serve import add_serve
+
 
 def add_cli(sub: Any) -> None:
     index = sub.add_parser("index", help="FAISS IVF-PQ shards: train, serve, inspect.")
@@ -40,13 +42,12 @@ def add_cli(sub: Any) -> None:
     )
     train.set_defaults(handler=_train)
 
-    serve = isub.add_parser(
-        "serve",
+    add_serve(
+        isub,
         help="Run one shard replica (IndexShardService).",
         description="Settings from GTR_SHARD_* env vars or flags; --help lists them.",
-        add_help=False,
+        main="services.index.server.process:main",
     )
-    serve.set_defaults(handler=lambda a: _serve(a.settings), passthrough=True)
 
     for name, helptext in (
         ("stats", "Print a replica's Stats (sizes, positions, quantizer drift) as JSON."),
@@ -60,7 +61,7 @@ def add_cli(sub: Any) -> None:
 def _train(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from services.index.train import TrainOptions, train_index
+    from services.index.core.train import TrainOptions, train_index
 
     if args.embeddings:
         vectors = np.load(args.embeddings)
@@ -93,12 +94,6 @@ def _encode_corpus(path: Path, limit: int) -> tuple[Any, str]:
     texts = [f"{d.title} {d.text}" if d.title else d.text for d in read_corpus(path, limit)]
     rows = [embedder.embed(texts[i : i + 64], "document")[0] for i in range(0, len(texts), 64)]
     return np.concatenate(rows), embedder.model_name
-
-
-def _serve(argv: list[str]) -> int:
-    from services.index.server import main
-
-    return main(argv)
 
 
 def _stats(args: argparse.Namespace) -> int:

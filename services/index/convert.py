@@ -5,19 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from retrieval.v1 import common_pb2, index_pb2
+from services.common.convert import (
+    consistency_from_pb,
+    consistency_to_pb,
+    filter_from_pb,
+    filter_to_pb,
+)
 from services.common.errors import InvalidArgument, Unavailable
-from services.index.coarse import CoarseQuantizer
-from services.index.query import Consistency, Probes, ShardAnswer, ShardQuery, TopK
-from services.index.shard import MAX_QUERIES, ShardStats
-from services.index.train import Manifest
-
-_CONSISTENCY = {
-    common_pb2.CONSISTENCY_UNSPECIFIED: Consistency.EVENTUAL,
-    common_pb2.CONSISTENCY_EVENTUAL: Consistency.EVENTUAL,
-    common_pb2.CONSISTENCY_SESSION: Consistency.SESSION,
-    common_pb2.CONSISTENCY_STRONG: Consistency.STRONG,
-}
-_CONSISTENCY_PB = {v: k for k, v in _CONSISTENCY.items() if k != common_pb2.CONSISTENCY_UNSPECIFIED}
+from services.index.core.coarse import CoarseQuantizer
+from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
+from services.index.core.shard import MAX_QUERIES, ShardStats
+from services.index.core.train import Manifest
 
 
 def _f32(a: np.ndarray) -> bytes:
@@ -40,10 +38,6 @@ def vectors_from_pb(batch: common_pb2.VectorBatch) -> np.ndarray:
 
 def vectors_to_pb(vectors: np.ndarray) -> common_pb2.VectorBatch:
     return common_pb2.VectorBatch(data=_f32(vectors), dim=vectors.shape[1], count=vectors.shape[0])
-
-
-def filter_from_pb(f: common_pb2.Filter) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    return tuple((c.key, tuple(c.any_of)) for c in f.must)
 
 
 def probes_to_pb(p: Probes) -> index_pb2.Probes:
@@ -70,8 +64,6 @@ def probes_from_pb(p: index_pb2.Probes, rows: int) -> Probes:
 
 
 def query_from_pb(req: index_pb2.ShardSearchRequest) -> ShardQuery:
-    if req.consistency not in _CONSISTENCY:
-        raise InvalidArgument(f"consistency: unknown value {req.consistency}")
     vectors = vectors_from_pb(req.queries)
     return ShardQuery(
         shard=req.shard,
@@ -79,7 +71,7 @@ def query_from_pb(req: index_pb2.ShardSearchRequest) -> ShardQuery:
         k=req.k,
         nprobe=req.nprobe,
         filter=filter_from_pb(req.filter),
-        consistency=_CONSISTENCY[req.consistency],
+        consistency=consistency_from_pb(req.consistency),
         min_position=req.min_position,
         probes=probes_from_pb(req.probes, len(vectors)) if req.HasField("probes") else None,
     )
@@ -91,10 +83,8 @@ def query_to_pb(q: ShardQuery) -> index_pb2.ShardSearchRequest:
         queries=vectors_to_pb(q.vectors),
         k=q.k,
         nprobe=q.nprobe,
-        filter=common_pb2.Filter(
-            must=[common_pb2.FieldCondition(key=k, any_of=v) for k, v in q.filter]
-        ),
-        consistency=_CONSISTENCY_PB[q.consistency],
+        filter=filter_to_pb(q.filter),
+        consistency=consistency_to_pb(q.consistency),
         min_position=q.min_position,
         probes=probes_to_pb(q.probes) if q.probes is not None else None,
     )

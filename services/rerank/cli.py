@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.cli.serve import add_serve
 from services.common.errors import RetrievalError
 
 _TRAIN_EPILOG = """\
@@ -29,14 +30,13 @@ Example (SciFact, ~12 + ~11 min on 2 CPU cores; nDCG@10 0.670 -> 0.743):
 def add_cli(sub: Any) -> None:
     rerank = sub.add_parser("rerank", help="The CELI cross-encoder reranker.")
     rsub = rerank.add_subparsers(dest="rerank_command", metavar="ACTION", required=True)
-    serve = rsub.add_parser(
-        "serve",
+    add_serve(
+        rsub,
         help="Run RerankService.",
         description="All settings come from GTR_RERANK_* environment variables or the flags "
         "below (flags win). Example: gtr-retrieval rerank serve --checkpoint ckpt/celi",
-        add_help=False,
+        main="services.rerank.server:main",
     )
-    serve.set_defaults(handler=_serve, passthrough=True)
     _add_train(rsub)
     _add_eval(rsub)
 
@@ -130,12 +130,6 @@ def _threads(n: int | None) -> None:
         import torch
 
         torch.set_num_threads(n)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from services.rerank.server import main
-
-    return main(args.settings)
 
 
 def _train(args: argparse.Namespace) -> int:

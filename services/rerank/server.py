@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
 from services.common.logs import configure_logging
-from services.common.metrics import RpcMetrics, serve_metrics
-from services.common.server import Server, create_server, serve_until_signal
+from services.common.metrics import RpcMetrics
+from services.common.server import Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.rerank.metrics import RerankMetrics
 from services.rerank.scorer import CeliScorer
@@ -67,13 +67,7 @@ async def start_rerank(settings: RerankSettings) -> Reranker:
 
 
 async def serve(settings: RerankSettings) -> None:
-    reranker = await start_rerank(settings)
-    if settings.metrics_port is not None:
-        serve_metrics(reranker.registry, settings.metrics_port, settings.host)
-    try:
-        await serve_until_signal(reranker.server, settings.grace_seconds)
-    finally:
-        await reranker.close(0)
+    await serve_started(await start_rerank(settings), settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -186,7 +186,7 @@ def train_index_if_needed(cfg: StackConfig, triton_grpc: str, say: Say) -> None:
     import numpy as np
 
     from services.corpus.readers import read_corpus
-    from services.index.train import MANIFEST, TrainOptions, train_index
+    from services.index.core.train import MANIFEST, TrainOptions, train_index
 
     if (cfg.index_dir / MANIFEST).exists():
         return

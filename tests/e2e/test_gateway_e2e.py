@@ -25,7 +25,7 @@ from services.encoder.export import export_onnx
 from services.encoder.model import default_model_dir
 from services.encoder.repository import generate_repository
 from services.encoder.triton_server import TritonServerConfig, run_triton
-from services.index.train import TrainOptions, train_index
+from services.index.core.train import TrainOptions, train_index
 from tests.support.processes import free_port
 from tests.support.stack import running_stack
 

@@ -24,8 +24,8 @@ import pytest
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.gateway.server import start_gateway
 from services.gateway.settings import GatewaySettings
-from services.index.server import start_shard
-from services.index.train import TrainOptions, train_index
+from services.index.core.train import TrainOptions, train_index
+from services.index.server.process import start_shard
 from services.rerank.checkpoint import CeliConfig, build_model, save_checkpoint
 from services.rerank.server import start_rerank
 from services.rerank.settings import RerankSettings

@@ -34,10 +34,11 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
+from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.index import convert
-from services.index.changelog import ChangeLogWriter, DocRecord
-from services.index.router import RoutedResult, ShardRouter
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
 from tests.support.processes import free_port, start_redis, stop_process
 from tests.support.shards import ROOT, ShardCluster, run_shards, train_test_index
 
@@ -196,9 +197,7 @@ def test_ids_only_searches_fetch_no_document(stack: Stack) -> None:
 def test_tiny_deadlines_do_not_empty_the_searches_of_other_clients(stack: Stack) -> None:
     queries = stack.vectors[N_DOCS : N_DOCS + 60]
 
-    async def run() -> tuple[
-        list[RoutedResult | BaseException], list[RoutedResult | BaseException]
-    ]:
+    async def run() -> tuple[list[IndexResult | BaseException], list[IndexResult | BaseException]]:
         router = ShardRouter(stack.cluster.addresses)
         try:
             await router.search(queries[:1], 5, timeout=10)  # streams open, quantizer read

@@ -10,15 +10,10 @@ import pytest
 import redis
 
 from services.common.errors import InvalidArgument
-from services.index.changelog import (
-    ChangeLogWriter,
-    DocRecord,
-    LogReader,
-    decode_entry,
-    log_key,
-)
-from services.index.changes import Delete, Upsert
-from services.index.ids import shard_of
+from services.index.changelog import LogReader, decode_entry, log_key
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.changes import Delete, Upsert
+from services.index.core.ids import shard_of
 
 
 def rec(doc_id: str, seed: int = 0, dim: int = 8, **meta: str) -> DocRecord:

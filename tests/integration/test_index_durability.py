@@ -15,12 +15,14 @@ import pytest
 import redis
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
+from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, Unavailable
-from services.index.changelog import ChangeLogWriter, DocRecord, log_key
-from services.index.positions import WriteToken, merge_tokens
-from services.index.query import Consistency
-from services.index.router import RoutedResult, ShardRouter
-from services.index.snapshots import list_snapshots
+from services.common.positions import WriteToken, merge_tokens
+from services.index.changelog import log_key
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.query import Consistency
+from services.index.core.snapshots import list_snapshots
 from tests.support.shards import run_shards, scifact_vectors, shared_test_index
 
 SHARDS = 2
@@ -58,7 +60,7 @@ async def present(
             consistency=Consistency.SESSION,
             write_token=token, timeout=20, require_complete=True,
         )  # fmt: skip
-        found |= {h.doc_id for h in result.hits[0]}
+        found |= {h.id for h in result.hits[0]}
     return found
 
 
@@ -217,7 +219,7 @@ def test_shard_down_gives_partial_results_within_the_deadline(
 
         asyncio.run(write())
 
-        async def query(**kw: object) -> tuple[RoutedResult, float]:
+        async def query(**kw: object) -> tuple[IndexResult, float]:
             router = ShardRouter(cluster.addresses)
             try:
                 start = time.monotonic()
@@ -263,7 +265,7 @@ def test_replica_failover_within_a_shard(
         asyncio.run(_upsert(redis_url, vectors, 50))
         cluster.replica(0, 0).kill()
 
-        async def run() -> list[RoutedResult]:
+        async def run() -> list[IndexResult]:
             router = ShardRouter(cluster.addresses)
             try:
                 return [
@@ -274,7 +276,7 @@ def test_replica_failover_within_a_shard(
                 await router.close()
 
         for result in asyncio.run(run()):
-            assert result.missing_shards == [] and result.hits[0][0].doc_id == "0"
+            assert result.missing_shards == [] and result.hits[0][0].id == "0"
 
 
 async def _upsert(redis_url: str, vectors: np.ndarray, n: int) -> None:

@@ -9,10 +9,11 @@ from pathlib import Path
 import faiss
 import pytest
 
-from services.index.changelog import ChangeLogWriter, DocRecord
-from services.index.changes import Change
-from services.index.replica import ReplicaConfig, ShardReplica
-from services.index.shard import ApplyResult
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.changes import Change
+from services.index.core.shard import ApplyResult
+from services.index.server.replica import ShardReplica
+from services.index.server.settings import ShardSettings
 from tests.support.processes import run_redis
 from tests.support.shards import scifact_vectors, shared_test_index
 
@@ -25,13 +26,13 @@ def test_the_consumer_thread_applies_with_the_configured_omp_threads(
     vectors = scifact_vectors(scifact_dir)
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), vectors)
     with run_redis(tmp_path / "redis") as redis_server:
-        config = ReplicaConfig(
+        config = ShardSettings(
             shard=0,
-            num_shards=1,
+            shards=1,
             replica="r0",
             redis_url=redis_server.url,
-            index_dir=index_dir,
-            snapshot_dir=tmp_path / "snapshots",
+            index_dir=str(index_dir),
+            snapshot_dir=str(tmp_path / "snapshots"),
             omp_threads=3,
         )
         replica = ShardReplica(config)

@@ -18,12 +18,13 @@ import pytest
 import redis
 
 from retrieval.v1 import common_pb2, index_pb2, index_pb2_grpc
+from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, InvalidArgument
+from services.common.positions import WriteToken, merge_tokens
 from services.index import convert
-from services.index.changelog import ChangeLogWriter, DocRecord
-from services.index.positions import WriteToken, merge_tokens
-from services.index.query import Consistency
-from services.index.router import RoutedResult, ShardRouter
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.query import Consistency
 from tests.support.processes import RedisServer
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
 
@@ -77,8 +78,8 @@ def cluster(
         yield running
 
 
-def search(cluster: ShardCluster, queries: np.ndarray, k: int = 10, **kw: object) -> RoutedResult:
-    async def run() -> RoutedResult:
+def search(cluster: ShardCluster, queries: np.ndarray, k: int = 10, **kw: object) -> IndexResult:
+    async def run() -> IndexResult:
         router = ShardRouter(cluster.addresses)
         try:
             return await router.search(queries, k, **kw)  # type: ignore[arg-type]
@@ -99,7 +100,7 @@ def test_sharded_index_matches_exact_search(cluster: ShardCluster, vectors: np.n
     assert result.missing_shards == [] and len(hits) == len(queries)
     recall = np.mean(
         [
-            len({int(h.doc_id) for h in row} & set(truth.tolist())) / 10
+            len({int(h.id) for h in row} & set(truth.tolist())) / 10
             for row, truth in zip(hits, exact, strict=True)
         ]
     )
@@ -146,12 +147,12 @@ def test_session_reads_see_own_writes_and_deletes(
                 found = await router.search(
                     v[None], 1, consistency=Consistency.SESSION, write_token=token, timeout=5
                 )
-                assert found.hits[0][0].doc_id == f"session-{i}"
+                assert found.hits[0][0].id == f"session-{i}"
                 token, _, _ = await writer.delete([f"session-{i}"])
                 found = await router.search(
                     v[None], 10, consistency=Consistency.SESSION, write_token=token, timeout=5
                 )
-                assert all(h.doc_id != f"session-{i}" for h in found.hits[0])
+                assert all(h.id != f"session-{i}" for h in found.hits[0])
         finally:
             await writer.close()
             await router.close()
@@ -171,7 +172,7 @@ def test_strong_reads_see_every_acknowledged_write(
             v /= np.linalg.norm(v, axis=1, keepdims=True)
             await writer.upsert([DocRecord(f"strong-{i}", v[i]) for i in range(20)])
             found = await router.search(v, 1, consistency=Consistency.STRONG, timeout=5)
-            assert [row[0].doc_id for row in found.hits] == [f"strong-{i}" for i in range(20)]
+            assert [row[0].id for row in found.hits] == [f"strong-{i}" for i in range(20)]
         finally:
             await writer.close()
             await router.close()
@@ -197,12 +198,12 @@ def test_upsert_delete_upsert_deleted_never_comes_back(
                     np.stack([a, b]), 50, consistency=Consistency.SESSION, write_token=token,
                     timeout=5,
                 )  # fmt: skip
-                assert all(h.doc_id != "cycle" for row in found.hits for h in row)
+                assert all(h.id != "cycle" for row in found.hits for h in row)
             t5 = await writer.upsert([DocRecord("cycle", b)])
             found = await router.search(
                 b[None], 1, consistency=Consistency.SESSION, write_token=t5, timeout=5
             )
-            assert found.hits[0][0].doc_id == "cycle"
+            assert found.hits[0][0].id == "cycle"
         finally:
             await writer.close()
             await router.close()
@@ -212,7 +213,7 @@ def test_upsert_delete_upsert_deleted_never_comes_back(
 
 def test_filters_pass_through_the_router(cluster: ShardCluster, vectors: np.ndarray) -> None:
     found = search(cluster, vectors[N_BASE : N_BASE + 8], 20, filter=[("par", ["1"])], timeout=10)
-    assert all(int(h.doc_id) % 2 == 1 for row in found.hits for h in row)
+    assert all(int(h.id) % 2 == 1 for row in found.hits for h in row)
     assert all(len(row) == 20 for row in found.hits)
 
 
@@ -313,7 +314,7 @@ def test_concurrent_single_queries_coalesce_to_the_same_answers(
 ) -> None:
     queries = vectors[N_BASE : N_BASE + 64]
 
-    async def run(coalesce: bool) -> list[RoutedResult]:
+    async def run(coalesce: bool) -> list[IndexResult]:
         router = ShardRouter(cluster.addresses, coalesce=coalesce)
         try:
             return list(
@@ -399,7 +400,7 @@ def test_shared_quantizer_gives_the_same_answers_and_survives_a_stale_copy(
     """The router assigns each batch to its lists once for all shards: same hits as the
     shards assigning themselves; a router holding other centroids (the index was
     retrained) is refused, answers anyway, and drops its copy."""
-    from services.index.coarse import CoarseQuantizer
+    from services.index.core.coarse import CoarseQuantizer
 
     queries = vectors[N_BASE : N_BASE + 200]
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import redis
 
-from services.index.changelog import ChangeLogWriter, DocRecord
-from services.index.query import Consistency
-from services.index.router import ShardRouter
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.query import Consistency
 from services.stack import components
 from services.stack.children import (
     STOP_GRACE_S,
@@ -71,7 +71,7 @@ def start_redis(sup: Supervisor, cfg: StackConfig) -> Child:
 
 
 def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig) -> None:
-    from services.index.train import TrainOptions, train_index
+    from services.index.core.train import TrainOptions, train_index
 
     train_index(unit_vectors(1000, 0), cfg.index_dir, TrainOptions(nlist=8, pq_m=8, pq_bits=4))
     reports: list[str] = []

@@ -9,7 +9,7 @@ Reusable by any test that needs shards (the gateway's too)::
         cluster.replica(0).kill()        # SIGKILL, like an OOM kill
         cluster.replica(0).restart()     # same port, same snapshot directory
 
-Each replica is a separate ``python -m services.index.server`` process, so a kill -9 is
+Each replica is a separate ``python -m services.index.server.process`` process, so a kill -9 is
 a real crash. ``start_shard`` waits until the gRPC health service reports SERVING (the
 shard replays its log before it does).
 """
@@ -49,7 +49,7 @@ def train_test_index(
     vectors: np.ndarray, out_dir: Path, *, nlist: int | None = None, **options: object
 ) -> Path:
     """Train IVF-PQ (+ SQ8 refine) on ``vectors`` into ``out_dir`` (reused when present)."""
-    from services.index.train import MANIFEST, TrainOptions, train_index
+    from services.index.core.train import MANIFEST, TrainOptions, train_index
 
     if not (out_dir / MANIFEST).exists():
         train_index(
@@ -158,7 +158,7 @@ def shard_argv(
 ) -> list[str]:
     merged = {**TEST_SETTINGS, **(settings or {})}
     argv = [
-        sys.executable, "-m", "services.index.server",
+        sys.executable, "-m", "services.index.server.process",
         "--shard", str(shard), "--shards", str(shards), "--replica", replica,
         "--port", str(port), "--redis-url", redis_url,
         "--index-dir", str(index_dir), "--snapshot-dir", str(snapshot_dir),

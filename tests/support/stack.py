@@ -13,8 +13,8 @@ from pathlib import Path
 
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
-from services.index.server import RunningShard, start_shard
-from services.index.settings import ShardSettings
+from services.index.server.process import RunningShard, start_shard
+from services.index.server.settings import ShardSettings
 
 
 @dataclass

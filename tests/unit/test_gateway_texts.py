@@ -21,10 +21,10 @@ from services.encoder.base import Embeddings
 from services.encoder.inprocess import InProcessEncoder
 from services.encoder.model import TorchEmbedder
 from services.gateway.domain import Document
-from services.gateway.index_adapters import LogStore
 from services.gateway.pipeline import DocumentPipeline
 from services.gateway.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder
-from services.index.changelog import ChangeLogWriter, decode_entry, log_key
+from services.index.changelog import decode_entry, log_key
+from services.index.client.writer import ChangeLogWriter
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_upserts_send_the_encoder_only_what_it_reads(
     encoder = Recording(embedder)
 
     async def run() -> int:
-        store = LogStore(ChangeLogWriter(redis_url, num_shards=1, dim=embedder.dim))
+        store = ChangeLogWriter(redis_url, num_shards=1, dim=embedder.dim)
         try:
             pipeline = DocumentPipeline(encoder, store)
             result = await pipeline.upsert([Document("d", text)], timeout=60)

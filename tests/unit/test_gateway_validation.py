@@ -6,9 +6,9 @@ import pytest
 
 from retrieval.v1 import common_pb2, documents_pb2, search_pb2
 from services.common.errors import InvalidArgument
+from services.common.limits import Limits
 from services.gateway import convert, validation
 from services.gateway.domain import Consistency, Document, FieldCondition, SearchQuery
-from services.gateway.limits import Limits
 
 LIMITS = Limits()
 

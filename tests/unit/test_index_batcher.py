@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.index.batcher import SearchBatcher
-from services.index.changes import Upsert
-from services.index.query import TopK
-from services.index.shard import IvfPqShard
-from services.index.train import TrainedIndex
+from services.index.core.changes import Upsert
+from services.index.core.query import TopK
+from services.index.core.shard import IvfPqShard
+from services.index.core.train import TrainedIndex
+from services.index.server.batcher import SearchBatcher
 from tests.support.shards import scifact_vectors, shared_test_index
 
 N_BASE = 4683
@@ -42,9 +42,9 @@ def test_concurrent_searches_coalesce_and_match(
     calls: list[int] = []
     original = shard.search_top_k
 
-    def counting(q: np.ndarray, k: int, nprobe: int = 0, filter=(), probes=None):  # type: ignore[no-untyped-def]
+    def counting(q: np.ndarray, k: int, nprobe: int = 0, filter=(), probes=None, **kw):  # type: ignore[no-untyped-def]
         calls.append(len(q))
-        return original(q, k, nprobe, filter, probes)
+        return original(q, k, nprobe, filter, probes, **kw)
 
     async def run() -> list[TopK]:
         batcher = SearchBatcher(shard, workers=workers)
@@ -98,9 +98,9 @@ def test_pool_workers_run_faiss_with_the_configured_threads(
     seen: list[int] = []
     original = shard.search_top_k
 
-    def recording(q: np.ndarray, k: int, nprobe: int = 0, filter=(), probes=None):  # type: ignore[no-untyped-def]
+    def recording(q: np.ndarray, k: int, nprobe: int = 0, filter=(), probes=None, **kw):  # type: ignore[no-untyped-def]
         seen.append(faiss.omp_get_max_threads())
-        return original(q, k, nprobe, filter, probes)
+        return original(q, k, nprobe, filter, probes, **kw)
 
     async def run() -> None:
         batcher = SearchBatcher(shard, workers=2, omp_threads=3)

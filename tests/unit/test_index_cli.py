@@ -10,7 +10,7 @@ import pytest
 
 from services.cli.main import main
 from services.common.settings import SettingsError, load_settings
-from services.index.settings import ShardSettings
+from services.index.server.settings import ShardSettings
 
 
 def test_index_train_from_embeddings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.index.coarse import CoarseQuantizer
-from services.index.query import Probes
+from services.index.core.coarse import CoarseQuantizer
+from services.index.core.query import Probes
 
 
 def test_assign_matches_the_ivf_quantizer_and_preassigned_search_matches_search() -> None:

@@ -10,9 +10,9 @@ import pytest
 from retrieval.v1 import common_pb2, index_pb2
 from services.common.errors import InvalidArgument, Unavailable
 from services.index import convert
-from services.index.query import Consistency, ShardAnswer, ShardQuery, TopK
-from services.index.shard import ShardStats
-from services.index.train import Manifest
+from services.index.core.query import Consistency, ShardAnswer, ShardQuery, TopK
+from services.index.core.shard import ShardStats
+from services.index.core.train import Manifest
 
 
 def test_vectors_round_trip_bit_exact() -> None:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.index.changes import Upsert
-from services.index.gpu import (
+from services.index.core.changes import Upsert
+from services.index.core.gpu import (
     GPU_MAX_K,
     GpuMetrics,
     GpuMirror,
@@ -26,8 +26,8 @@ from services.index.gpu import (
     attach_or_fallback,
     gpu_status,
 )
-from services.index.shard import IvfPqShard
-from services.index.train import TrainedIndex, TrainOptions, train_index
+from services.index.core.shard import IvfPqShard
+from services.index.core.train import TrainedIndex, TrainOptions, train_index
 
 
 def _unit(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -115,13 +115,13 @@ def test_768d_default_pq_m_is_refused_before_any_gpu_call(trained_768: TrainedIn
 def test_shard_falls_back_to_cpu_with_a_reason_and_a_metric(
     trained_768: TrainedIndex, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import services.index.gpu as gpu_module
+    import services.index.core.gpu as gpu_module
 
     shard = IvfPqShard(trained_768)
     registry = CollectorRegistry()
     metrics = GpuMetrics.create(registry, 0, "r0")
     monkeypatch.setattr(gpu_module, "gpu_status", lambda: (True, "1 GPU(s) visible to faiss"))
-    with caplog.at_level("WARNING", logger="services.index.gpu"):
+    with caplog.at_level("WARNING", logger="services.index.core.gpu"):
         served = attach_or_fallback(shard, True, 0, metrics)
     assert not served and shard.gpu is None  # the shard serves, from its CPU index
     assert "not 192" in caplog.text
@@ -137,12 +137,12 @@ def test_shard_falls_back_to_cpu_with_a_reason_and_a_metric(
 def test_no_gpu_is_counted_without_a_warning(
     trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import services.index.gpu as gpu_module
+    import services.index.core.gpu as gpu_module
 
     monkeypatch.setattr(gpu_module, "gpu_status", lambda: (False, "faiss sees no GPU device"))
     registry = CollectorRegistry()
     shard = IvfPqShard(trained_64)
-    with caplog.at_level("INFO", logger="services.index.gpu"):
+    with caplog.at_level("INFO", logger="services.index.core.gpu"):
         assert not attach_or_fallback(shard, True, 0, GpuMetrics.create(registry, 2, "r2"))
     assert "GPU path skipped: faiss sees no GPU device" in caplog.text
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
@@ -153,7 +153,7 @@ def test_no_gpu_is_counted_without_a_warning(
 def test_failed_copy_falls_back_too(
     trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import services.index.gpu as gpu_module
+    import services.index.core.gpu as gpu_module
 
     def copier(cpu_index: faiss.Index) -> Any:
         raise RuntimeError("cudaMalloc error out of memory")

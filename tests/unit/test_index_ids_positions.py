@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.common import positions
 from services.common.errors import InvalidArgument
-from services.index import positions
-from services.index.ids import faiss_id, shard_of
+from services.index.core.ids import faiss_id, shard_of
 
 
 def test_faiss_id_is_stable_63_bit_and_distinct() -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from services.common.deadline import Deadline
+from services.common.domain import Hit, IndexResult
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.index.query import ShardAnswer, TopK
-from services.index.router import RoutedHit, merge_results, shard_deadline
+from services.index.client.router import merge_results, shard_deadline
+from services.index.core.query import ShardAnswer, TopK
 
 
 def answer(shard: int, *rows: list[tuple[str, float]], width: int | None = None) -> ShardAnswer:
@@ -18,15 +19,15 @@ def test_merge_top_k_by_score_across_shards() -> None:
     a = answer(0, [("a1", 0.9), ("a2", 0.5)])
     b = answer(1, [("b1", 0.7), ("b2", 0.6)], width=4)  # padded: 2 hits in 4 columns
     merged = merge_results([a, b], 1, 3, True).hits[0]
-    assert [(h.doc_id, h.shard) for h in merged] == [("a1", 0), ("b1", 1), ("b2", 1)]
+    assert [(h.id, h.shard) for h in merged] == [("a1", 0), ("b1", 1), ("b2", 1)]
     assert [h.score for h in merged] == pytest.approx([0.9, 0.7, 0.6])
-    assert [h.doc_id for h in merge_results([a, b], 1, 9, True).hits[0]] == [
+    assert [h.id for h in merge_results([a, b], 1, 9, True).hits[0]] == [
         "a1", "b1", "b2", "a2"
     ]  # fmt: skip
     empty = [answer(0, [], width=5), answer(1, [], width=0)]
     assert merge_results(empty, 1, 5, True).hits == [[]]
     tie = merge_results([answer(0, [("x", 0.5)]), answer(1, [("y", 0.5)])], 1, 1, True)
-    assert tie.hits[0][0].doc_id == "x"  # ties: the lower shard first
+    assert tie.hits[0][0].id == "x"  # ties: the lower shard first
 
 
 def test_merge_matches_a_sort_of_every_hit() -> None:
@@ -52,7 +53,7 @@ def test_merge_matches_a_sort_of_every_hit() -> None:
         for q in range(rows):
             every = [(d, sc, s) for s in range(3) for d, sc in per_shard[s][q]]
             expected = sorted(every, key=lambda h: -h[1])[:k]  # stable: shard order on ties
-            assert [(h.doc_id, h.score, h.shard) for h in merged.hits[q]] == expected
+            assert [(h.id, h.score, h.shard) for h in merged.hits[q]] == expected
 
 
 def test_merge_results_per_query_and_partial() -> None:
@@ -63,7 +64,7 @@ def test_merge_results_per_query_and_partial() -> None:
     ]
     result = merge_results(answers, num_queries=2, k=2, require_complete=False)
     assert result.missing_shards == [1]
-    assert [[(h.doc_id, h.shard) for h in row] for row in result.hits] == [
+    assert [[(h.id, h.shard) for h in row] for row in result.hits] == [
         [("a", 0), ("d", 2)],
         [("e", 2), ("c", 0)],
     ]
@@ -91,9 +92,11 @@ def test_shard_deadline_keeps_a_reserve() -> None:
 
 
 def test_split_result_gives_each_request_its_row_and_k() -> None:
-    from services.index.router import RoutedResult, split_result
+    from services.index.client.router import split_result
 
-    rows = [[RoutedHit(f"{q}-{i}", 1.0 - i / 10, i % 2) for i in range(5)] for q in range(3)]
-    parts = split_result(RoutedResult(rows, [1]), [5, 2, 1])
+    rows = [
+        [Hit(f"{q}-{i}", 1.0 - i / 10, i % 2, 1.0 - i / 10) for i in range(5)] for q in range(3)
+    ]
+    parts = split_result(IndexResult(rows, [1]), [5, 2, 1])
     assert [len(p.hits[0]) for p in parts] == [5, 2, 1]
     assert parts[1].hits == [rows[1][:2]] and all(p.missing_shards == [1] for p in parts)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.index.changes import Delete, Upsert
-from services.index.ids import faiss_id
-from services.index.shard import IvfPqShard
-from services.index.snapshots import list_snapshots, load_newest, write_snapshot
-from services.index.train import TrainedIndex
+from services.index.core.changes import Delete, Upsert
+from services.index.core.ids import faiss_id
+from services.index.core.shard import IvfPqShard
+from services.index.core.snapshots import list_snapshots, load_newest, write_snapshot
+from services.index.core.train import TrainedIndex
 from tests.support.shards import scifact_vectors, shared_test_index
 
 N_BASE = 4683  # the rest of the 5,183 SciFact documents are held-out queries
@@ -91,7 +91,7 @@ def test_a_63_bit_id_collision_keeps_the_newer_document(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import services.index.shard as shard_module
+    import services.index.core.shard as shard_module
 
     def colliding(doc_id: str) -> int:  # "a…" ids all share one FAISS id
         return 7 if doc_id.startswith("a") else faiss_id(doc_id)
@@ -111,7 +111,7 @@ def test_a_63_bit_id_collision_keeps_the_newer_document(
 def test_refine_by_blocks_gives_the_same_answers(
     loaded: IvfPqShard, vectors: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import services.index.shard as shard_module
+    import services.index.core.shard as shard_module
 
     queries = vectors[N_BASE : N_BASE + 60]
     whole = loaded.search_top_k(queries, 10, 8)

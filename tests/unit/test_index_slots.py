@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.index.slots import MIN_BUCKETS, SlotTable
+from services.index.core.slots import MIN_BUCKETS, SlotTable
 
 
 def test_random_adds_and_removes_match_a_dict() -> None:

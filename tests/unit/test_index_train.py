@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.index.train import (
+from services.index.core.train import (
     Manifest,
     TrainedIndex,
     TrainOptions,
@@ -96,7 +96,7 @@ def test_cpu_training_warns_and_records_the_gpu_problem(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     x = np.random.default_rng(0).standard_normal((300, 48)).astype(np.float32)
-    with caplog.at_level("WARNING", logger="services.index.train"):
+    with caplog.at_level("WARNING", logger="services.index.core.train"):
         manifest = train_index(x, tmp_path, TrainOptions(nlist=2, pq_m=24, pq_bits=4))
     assert manifest.gpu_problem is not None and "8 bits" in manifest.gpu_problem
     assert "cannot be searched on a GPU" in caplog.text

@@ -33,10 +33,10 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.errors import FailedPrecondition
-from services.index.train import gpu_pq_problem
+from services.index.core.train import gpu_pq_problem
 
 if TYPE_CHECKING:
-    from services.index.shard import IvfPqShard
+    from services.index.core.shard import IvfPqShard
 
 log = logging.getLogger(__name__)
 

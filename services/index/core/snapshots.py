@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.index import positions
-from services.index.shard import IvfPqShard
-from services.index.train import TrainedIndex
+from services.common import positions
+from services.index.core.shard import IvfPqShard
+from services.index.core.train import TrainedIndex
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import faiss
 import grpc
@@ -16,16 +15,16 @@ from threadpoolctl import threadpool_limits
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.logs import configure_logging
-from services.common.metrics import RpcMetrics, serve_metrics
-from services.common.server import Server, create_server, serve_until_signal
+from services.common.metrics import RpcMetrics
+from services.common.server import Server, create_server, serve_started
 from services.common.settings import load_settings
-from services.index.batcher import SearchBatcher
-from services.index.gpu import GpuMetrics, attach_or_fallback
-from services.index.metrics import ShardMetrics
-from services.index.replica import ReplicaConfig, ShardReplica
-from services.index.service import ShardService
-from services.index.servicer import ShardServicer
-from services.index.settings import ShardSettings
+from services.index.core.gpu import GpuMetrics, attach_or_fallback
+from services.index.server.batcher import SearchBatcher
+from services.index.server.metrics import ShardMetrics
+from services.index.server.replica import ShardReplica
+from services.index.server.service import ShardService
+from services.index.server.servicer import ShardServicer
+from services.index.server.settings import ShardSettings
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +49,8 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     faiss.omp_set_num_threads(settings.omp_threads)
     registry = CollectorRegistry()
     metrics = ShardMetrics.create(registry, settings.shard, settings.replica)
-    config = ReplicaConfig(
-        shard=settings.shard,
-        num_shards=settings.shards,
-        replica=settings.replica,
-        redis_url=settings.redis_url,
-        index_dir=Path(settings.index_dir),
-        snapshot_dir=Path(settings.snapshot_dir),
-        snapshot_every_entries=settings.snapshot_every_entries,
-        snapshot_every_s=settings.snapshot_every_s,
-        keep_snapshots=settings.keep_snapshots,
-        heartbeat_s=settings.heartbeat_s,
-        stale_replica_s=settings.stale_replica_s,
-        omp_threads=settings.omp_threads,
-    )
     loop = asyncio.get_running_loop()
-    replica = await loop.run_in_executor(None, ShardReplica, config, metrics)
+    replica = await loop.run_in_executor(None, ShardReplica, settings, metrics)
     gpu_metrics = GpuMetrics.create(registry, settings.shard, settings.replica)
     await loop.run_in_executor(
         None, attach_or_fallback, replica.shard, settings.gpu, settings.gpu_device, gpu_metrics
@@ -102,13 +87,7 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
 
 
 async def serve(settings: ShardSettings) -> None:
-    running = await start_shard(settings)
-    if settings.metrics_port is not None:
-        serve_metrics(running.registry, settings.metrics_port, settings.host)
-    try:
-        await serve_until_signal(running.server, settings.grace_seconds)
-    finally:
-        await running.close(0)
+    await serve_started(await start_shard(settings), settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

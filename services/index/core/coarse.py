@@ -18,11 +18,17 @@ import faiss
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.index.query import Probes
+from services.index.core.query import Probes
 
 
 def quantizer_id(centroids: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(centroids, dtype="<f4").tobytes()).hexdigest()[:16]
+
+
+def set_threads(threads: int) -> None:
+    """OpenMP threads of the assignments made on the calling thread (OpenMP's count is
+    per thread; its default, every core, leaves idle workers spinning after each wave)."""
+    faiss.omp_set_num_threads(threads)
 
 
 class CoarseQuantizer:

@@ -3,7 +3,7 @@
 Every shard gets the whole query batch in parallel with the remaining deadline (minus a
 small reserve for the merge and what the caller does next). Within a shard the replicas
 are taken round-robin, failing over to the next one on UNAVAILABLE and hedging to it when
-the first is slower than its recent p95 (:mod:`services.index.replicas`). A shard that
+the first is slower than its recent p95 (:mod:`services.index.client.replicas`). A shard that
 does not answer in time, or whose replicas are all down, is reported in
 ``missing_shards`` (a partial result) unless the caller asked for complete results, in
 which case the search fails with that shard's error (Unavailable or DeadlineExceeded).
@@ -34,13 +34,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import grpc
 import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.deadline import Deadline
+from services.common.domain import Hit, IndexResult
 from services.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -48,10 +48,11 @@ from services.common.errors import (
     RetrievalError,
     Unavailable,
 )
+from services.common.positions import WriteToken
 from services.index import convert
-from services.index.coarse import CoarseQuantizer
-from services.index.positions import WriteToken
-from services.index.query import (
+from services.index.client.replicas import HedgePolicy, ReplicaSet
+from services.index.core.coarse import CoarseQuantizer
+from services.index.core.query import (
     PAD_ID,
     Consistency,
     FilterSpec,
@@ -60,8 +61,7 @@ from services.index.query import (
     ShardQuery,
     TopK,
 )
-from services.index.replicas import HedgePolicy, ReplicaSet
-from services.index.shard import MAX_K
+from services.index.core.shard import MAX_K
 
 log = logging.getLogger(__name__)
 
@@ -72,24 +72,12 @@ OUTAGES = (Unavailable, DeadlineExceeded)
 QUANTIZER_RETRY_S = 30.0  # after a failed fetch of the shared quantizer
 
 
-class RoutedHit(NamedTuple):  # a tuple: ~4× cheaper to create than a frozen dataclass
-    doc_id: str
-    score: float
-    shard: int
-
-
-@dataclass(frozen=True)
-class RoutedResult:
-    hits: list[list[RoutedHit]]  # per query, best first
-    missing_shards: list[int]  # shards that did not answer (partial result)
-
-
 def merge_results(
     answers: Sequence[ShardAnswer | BaseException],
     num_queries: int,
     k: int,
     require_complete: bool,
-) -> RoutedResult:
+) -> IndexResult:
     """Merge the shards' answers (in shard order); outages become ``missing_shards``.
 
     Vectorised over the batch: the shards' score grids side by side, one stable sort
@@ -114,7 +102,7 @@ def merge_results(
     if len(missing) == len(answers):
         raise no_shard_answered(answers)
     if not tops:
-        return RoutedResult([[] for _ in range(num_queries)], missing)
+        return IndexResult([[] for _ in range(num_queries)], missing)
     widths = np.array([t.width for t in tops])
     starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
     scores = np.concatenate([t.scores for t in tops], axis=1)
@@ -125,13 +113,13 @@ def merge_results(
     ids = [t.ids for t in tops]
     hits = [
         [
-            RoutedHit(ids[t][f], s, shard_of[t])
+            Hit(ids[t][f], s, shard_of[t], s)
             for t, f, s in zip(t_row, f_row, s_row, strict=True)
             if ids[t][f] != PAD_ID
         ]
         for t_row, f_row, s_row in zip(which.tolist(), flat.tolist(), kept, strict=True)
     ]
-    return RoutedResult(hits, missing)
+    return IndexResult(hits, missing)
 
 
 def no_shard_answered(answers: Sequence[ShardAnswer | BaseException]) -> RetrievalError:
@@ -146,10 +134,10 @@ def no_shard_answered(answers: Sequence[ShardAnswer | BaseException]) -> Retriev
     return Unavailable(f"no shard answered ({details})")
 
 
-def split_result(result: RoutedResult, ks: Sequence[int]) -> list[RoutedResult]:
+def split_result(result: IndexResult, ks: Sequence[int]) -> list[IndexResult]:
     """One result per coalesced request (one query row each), cut to its own k."""
     return [
-        RoutedResult(hits=[row[:k]], missing_shards=list(result.missing_shards))
+        IndexResult(hits=[row[:k]], missing_shards=list(result.missing_shards))
         for row, k in zip(result.hits, ks, strict=True)
     ]
 
@@ -208,7 +196,7 @@ class _Waiting:
     vector: np.ndarray  # (dim,)
     k: int
     deadline: Deadline
-    future: asyncio.Future[RoutedResult]
+    future: asyncio.Future[IndexResult]
 
 
 # nprobe, consistency, require_complete, deadline class (see deadline_class)
@@ -241,8 +229,8 @@ class _Coalescer:
         k: int,
         key: tuple[int, Consistency, bool],
         timeout: float | None,
-    ) -> RoutedResult:
-        future: asyncio.Future[RoutedResult] = asyncio.get_running_loop().create_future()
+    ) -> IndexResult:
+        future: asyncio.Future[IndexResult] = asyncio.get_running_loop().create_future()
         wave_key = (*key, deadline_class(timeout))
         self._queue.setdefault(wave_key, []).append(
             _Waiting(vector, k, Deadline.after(timeout), future)
@@ -318,7 +306,7 @@ class ShardRouter:
     ``coalesce=True`` (default) batches concurrent single-query searches (see above);
     ``max_waves`` fan-outs may be in flight at once. ``share_quantizer=True`` (default)
     assigns each batch to its inverted lists once, here, instead of once per shard
-    (:mod:`services.index.coarse`). ``hedge`` says when a slow replica's search is also
+    (:mod:`services.index.core.coarse`). ``hedge`` says when a slow replica's search is also
     sent to another one (:class:`HedgePolicy`; ``HedgePolicy(enabled=False)``: never).
     """
 
@@ -352,7 +340,7 @@ class ShardRouter:
         write_token: WriteToken | None = None,
         timeout: float | None = None,
         require_complete: bool = False,
-    ) -> RoutedResult:
+    ) -> IndexResult:
         """Top-k per query vector over all shards, best first.
 
         ``write_token`` (SESSION): each shard waits for its position in it; a shard not
@@ -397,7 +385,7 @@ class ShardRouter:
         token: WriteToken,
         timeout: float | None,
         require_complete: bool,
-    ) -> RoutedResult:
+    ) -> IndexResult:
         """One ShardSearchRequest per shard for the whole batch; merge the answers.
 
         With the shared quantizer, the batch is assigned here; should a shard have other

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common import positions
 from services.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
-from services.index import positions
-from services.index.shard import IvfPqShard, ShardStats
+from services.index.core.shard import IvfPqShard, ShardStats
 
 
 @dataclass

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,41 +21,24 @@ import faiss
 import redis
 import redis.asyncio as aioredis
 
+from services.common import positions
 from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from services.index import positions
 from services.index.changelog import LogReader, decode_entry, log_key
-from services.index.changes import Change, Upsert
-from services.index.metrics import ShardMetrics
-from services.index.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
-from services.index.train import TrainedIndex
+from services.index.core.changes import Change, Upsert
+from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
+from services.index.core.train import TrainedIndex
+from services.index.server.metrics import ShardMetrics
+from services.index.server.settings import ShardSettings
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ReplicaConfig:
-    shard: int
-    num_shards: int
-    replica: str
-    redis_url: str
-    index_dir: Path
-    snapshot_dir: Path
-    snapshot_every_entries: int = 20_000
-    snapshot_every_s: float = 60.0
-    keep_snapshots: int = 3
-    heartbeat_s: float = 30.0  # re-register (position + alive) at least this often
-    stale_replica_s: float = 86_400.0  # a replica unseen this long no longer holds the log
-    read_count: int = 512  # stream entries per XREAD
-    block_ms: int = 50
-    omp_threads: int = 1  # OpenMP threads of the FAISS calls in the consumer thread
-
-
 class ShardReplica:
-    def __init__(self, config: ReplicaConfig, metrics: ShardMetrics | None = None) -> None:
+    def __init__(self, config: ShardSettings, metrics: ShardMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.trained = TrainedIndex.load(config.index_dir)
-        self.shard, snapshot = load_newest(config.snapshot_dir, self.trained)
+        self.trained = TrainedIndex.load(Path(config.index_dir))
+        self.shard, snapshot = load_newest(Path(config.snapshot_dir), self.trained)
         self.snapshot_position = snapshot.position if snapshot else positions.ZERO
         self.log_lag_s = 0.0
         self.ready = threading.Event()
@@ -188,7 +170,9 @@ class ShardReplica:
         """Write a snapshot now, record its position in Redis, trim the log below the
         oldest snapshot position of all replicas of this shard."""
         with self._snapshot_lock:
-            snap = write_snapshot(self.shard, self.config.snapshot_dir, self.config.keep_snapshots)
+            snap = write_snapshot(
+                self.shard, Path(self.config.snapshot_dir), self.config.keep_snapshots
+            )
             self.snapshot_position = snap.position
             self._since_snapshot = 0
             self._last_snapshot = time.monotonic()
@@ -217,7 +201,7 @@ class ShardReplica:
     def replay_floor(self) -> str:
         """The oldest position this replica may need to replay from: that of its oldest
         kept snapshot (a corrupt newer one falls back to it), or what it has loaded."""
-        kept = [s.position for s in list_snapshots(self.config.snapshot_dir)]
+        kept = [s.position for s in list_snapshots(Path(self.config.snapshot_dir))]
         if not kept:
             return self.snapshot_position
         return positions.oldest(self.snapshot_position, *kept)

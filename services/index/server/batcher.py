@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
-from services.index.metrics import ShardMetrics
-from services.index.query import FilterSpec, Probes, TopK
-from services.index.shard import IvfPqShard
+from services.index.core.query import FilterSpec, Probes, TopK
+from services.index.core.shard import IvfPqShard
+from services.index.server.metrics import ShardMetrics
 
 
 @dataclass
@@ -93,8 +93,17 @@ class SearchBatcher:
         nprobe: int,
         filter: FilterSpec,
         probes: Probes | None = None,
+        *,
+        checked: bool = False,
     ) -> TopK:
-        queries = self.shard.validate(queries, k, nprobe)
+        """Top-k of ``queries``, batched with concurrent searches. Checked here (a bad
+        request must not join, and fail, a batch) unless the caller already did
+        (``checked``: the shard service checks every request once, where it enters)."""
+        if not checked:
+            queries = self.shard.validate(queries, k, nprobe)
+            self.shard.check_filter(filter)
+            if probes is not None:
+                self.shard.quantizer.check(probes, len(queries))
         loop = asyncio.get_running_loop()
         if filter:
             async with self._slots:
@@ -180,7 +189,7 @@ class SearchBatcher:
         probes: Probes | None = None,
     ) -> TopK:
         start = time.perf_counter()
-        hits = self.shard.search_top_k(queries, k, nprobe, filter, probes)
+        hits = self.shard.search_top_k(queries, k, nprobe, filter, probes, checked=True)
         if self.metrics is not None:
             labels = self.metrics.labels
             self.metrics.search_seconds.labels(*labels).observe(time.perf_counter() - start)

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-Hit = tuple[str, float]  # (doc id, score)
-FilterSpec = Sequence[tuple[str, Sequence[str]]]  # (key, any_of) conditions, all must hold
+from services.common.domain import Consistency, FieldCondition
 
+__all__ = ["Consistency", "FieldCondition", "FilterSpec", "Probes", "ShardAnswer", "ShardQuery"]
 
-class Consistency(enum.Enum):
-    EVENTUAL = "eventual"
-    SESSION = "session"
-    STRONG = "strong"
+Scored = tuple[str, float]  # (doc id, score): a cell of a TopK grid, read back as a pair
+# (key, any_of) conditions, all must hold; a FieldCondition is one
+FilterSpec = Sequence[tuple[str, Sequence[str]]]
 
 
 @dataclass(frozen=True, eq=False)
 class Probes:
-    """A coarse assignment made by the caller (:mod:`services.index.coarse`): per query
+    """A coarse assignment made by the caller (:mod:`services.index.core.coarse`): per query
     row the inverted lists to scan (int64) and their coarse scores (float32), and the
     quantizer they came from."""
 
@@ -79,7 +77,7 @@ class TopK:
         return cls([PAD_ID] * (rows * width), np.full((rows, width), -np.inf, np.float32))
 
     @classmethod
-    def from_hits(cls, hits: Sequence[Sequence[Hit]], width: int | None = None) -> TopK:
+    def from_hits(cls, hits: Sequence[Sequence[Scored]], width: int | None = None) -> TopK:
         """The grid of per-query hit lists (tests, and answers built by hand)."""
         width = max((len(h) for h in hits), default=0) if width is None else width
         top = cls.empty(len(hits), width)
@@ -89,7 +87,7 @@ class TopK:
                 top.scores[r, c] = score
         return top
 
-    def hits(self) -> list[list[Hit]]:
+    def hits(self) -> list[list[Scored]]:
         """Per query, its (doc id, score) hits, best first, without the padding."""
         w = self.width
         ids = self.ids
@@ -124,5 +122,5 @@ class ShardAnswer:
     applied_position: str
 
     @property
-    def hits(self) -> list[list[Hit]]:
+    def hits(self) -> list[list[Scored]]:
         return self.top.hits()

@@ -1,7 +1,7 @@
 """One shard of the IVF-PQ index, in memory: apply changes, search, report.
 
-No grpc and no Redis here: :mod:`services.index.replica` feeds it from the log and
-:mod:`services.index.servicer` exposes it. Thread-safe: searches take a read lock and
+No grpc and no Redis here: :mod:`services.index.server.replica` feeds it from the log and
+:mod:`services.index.server.servicer` exposes it. Thread-safe: searches take a read lock and
 run in parallel (FAISS releases the GIL); a batch of changes takes the write lock.
 
 Storage per vector: the IVF-PQ code (``pq_m`` bytes) and its id (8 bytes) in the
@@ -21,28 +21,29 @@ from typing import Any
 import faiss
 import numpy as np
 
+from services.common import positions
 from services.common.errors import InvalidArgument
-from services.index import positions
-from services.index.changes import Change, Delete, Upsert
-from services.index.coarse import CoarseQuantizer
-from services.index.gpu import GpuMirror
-from services.index.ids import faiss_id
-from services.index.query import PAD_ID, FilterSpec, Hit, Probes, TopK
-from services.index.rwlock import RWLock
-from services.index.slots import SlotTable
-from services.index.train import TrainedIndex, pq_error
+from services.common.limits import LIMITS
+from services.index.core.changes import Change, Delete, Upsert
+from services.index.core.coarse import CoarseQuantizer
+from services.index.core.gpu import GpuMirror
+from services.index.core.ids import faiss_id
+from services.index.core.query import PAD_ID, FilterSpec, Probes, Scored, TopK
+from services.index.core.rwlock import RWLock
+from services.index.core.slots import SlotTable
+from services.index.core.train import TrainedIndex, pq_error
 
 log = logging.getLogger(__name__)
 
-MAX_K = 1000
-MAX_QUERIES = 256
+MAX_K = LIMITS.max_k
+MAX_QUERIES = LIMITS.max_shard_queries
 # Candidates decoded at once by the refine: bounds its float buffer (× dim × 4 bytes) for
 # the largest request (256 queries × k 1,000 × refine 4 would otherwise take 1.5 GB).
 REFINE_BLOCK = 8192
 DRIFT_WINDOW = 10_000  # recent adds over which the PQ error is averaged
 
-MAX_FILTER_KEY_BYTES = 128
-MAX_FILTER_VALUES = 1024
+MAX_FILTER_KEY_BYTES = LIMITS.max_key_bytes
+MAX_FILTER_VALUES = LIMITS.max_filter_values
 
 Tag = tuple[str, str]
 
@@ -250,7 +251,7 @@ class IvfPqShard:
         k: int,
         nprobe: int = 0,
         filter: FilterSpec = (),
-    ) -> list[list[Hit]]:
+    ) -> list[list[Scored]]:
         """Top-k (doc id, score) per query, best first; fewer when fewer documents match."""
         return self.search_top_k(queries, k, nprobe, filter).hits()
 
@@ -261,15 +262,20 @@ class IvfPqShard:
         nprobe: int = 0,
         filter: FilterSpec = (),
         probes: Probes | None = None,
+        *,
+        checked: bool = False,
     ) -> TopK:
         """:meth:`search` as a ``(queries, k)`` grid, padded where fewer documents match.
 
         ``probes``: the coarse assignment made by the caller (:mod:`.coarse`); it then
-        decides the lists scanned (and ``nprobe`` is theirs).
+        decides the lists scanned (and ``nprobe`` is theirs). ``checked``: the caller
+        has validated the request already (the batcher, for the shard service).
         """
-        queries = self.validate(queries, k, nprobe)
-        if probes is not None:
-            self.quantizer.check(probes, len(queries))
+        if not checked:
+            queries = self.validate(queries, k, nprobe)
+            self.check_filter(filter)
+            if probes is not None:
+                self.quantizer.check(probes, len(queries))
         nprobe = nprobe or self.manifest.nprobe
         with self.lock.read():
             selector = self._selector(filter)

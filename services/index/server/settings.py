@@ -49,6 +49,8 @@ class ShardSettings(ServiceSettings):
     )
     gpu_device: int = Field(0, ge=0, description="GPU device of the copy.")
     ready_timeout_s: float = Field(1800.0, gt=0, description="Max time to replay the log.")
+    read_count: int = Field(512, ge=1, description="Log entries per XREAD of the consumer.")
+    block_ms: int = Field(50, ge=1, description="Longest wait of one XREAD for new entries.")
     default_timeout_s: float = Field(
         10.0,
         gt=0,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+from services.common.domain import WriteToken
 from services.common.errors import InvalidArgument
+
+__all__ = ["ZERO", "WriteToken", "at_least", "compare", "covers", "merge_tokens", "parse"]
 
 ZERO = "0-0"
 
@@ -48,10 +51,6 @@ def compare(a: str, b: str) -> int:
     """-1, 0 or 1 as stream ID ``a`` is before, equal to or after ``b``."""
     pa, pb = parse(a), parse(b)
     return (pa > pb) - (pa < pb)
-
-
-# A write token: for every shard a write touched, the stream ID of its log entry.
-WriteToken = dict[int, str]
 
 
 def merge_tokens(*tokens: WriteToken) -> WriteToken:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common import positions
 from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument
-from services.index import positions
-from services.index.batcher import SearchBatcher
-from services.index.query import Consistency, ShardAnswer, ShardQuery
-from services.index.replica import ShardReplica
-from services.index.shard import ShardStats
+from services.index.core.query import Consistency, ShardAnswer, ShardQuery
+from services.index.core.shard import ShardStats
+from services.index.server.batcher import SearchBatcher
+from services.index.server.replica import ShardReplica
 
 __all__ = ["Consistency", "ShardAnswer", "ShardQuery", "ShardService"]
 
@@ -31,8 +31,9 @@ class ShardService:
                 f"shard: this replica serves shard {self.shard_id}, not {query.shard}"
             )
         deadline = Deadline.after(self.default_timeout_s if timeout is None else timeout)
-        # Validate before waiting: a bad request fails at once, whatever the consistency.
-        self.replica.shard.validate(query.vectors, query.k, query.nprobe)
+        # The one check of a search in this process, before any wait: a bad request
+        # fails at once, whatever the consistency.
+        vectors = self.replica.shard.validate(query.vectors, query.k, query.nprobe)
         self.replica.shard.check_filter(query.filter)
         if query.probes is not None:
             self.replica.shard.quantizer.check(query.probes, len(query.vectors))
@@ -43,7 +44,7 @@ class ShardService:
             await self.replica.wait_for(await self.replica.tail(), deadline.remaining())
         deadline.check("the search")
         top = await self.batcher.search(
-            query.vectors, query.k, query.nprobe, query.filter, query.probes
+            vectors, query.k, query.nprobe, query.filter, query.probes, checked=True
         )
         return ShardAnswer(
             top, self.shard_id, self.replica.config.replica, self.replica.shard.applied

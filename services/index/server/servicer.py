@@ -12,7 +12,7 @@ from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.errors import RetrievalError
 from services.common.status import status_number
 from services.index import convert
-from services.index.service import ShardService
+from services.index.server.service import ShardService
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,71 @@
+"""The words the gateway and the index share: one type per concept, no grpc, no numpy.
+
+A search crosses the gateway and the index's router in these types; the shard core
+answers in its grid (:class:`services.index.query.TopK`), the wire carries protobuf,
+and the gateway's servicer converts to and from the public protobuf. So a hit has four
+forms from the shard to the client: grid, shard wire message, :class:`Hit`, public
+``Hit`` message.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+# A write token: for every shard a write touched, the stream ID ("ms-seq") of its log
+# entry (see services.common.positions for comparing and merging them).
+WriteToken = dict[int, str]
+
+
+class Consistency(enum.Enum):
+    EVENTUAL = "eventual"
+    SESSION = "session"
+    STRONG = "strong"
+
+
+class FieldCondition(NamedTuple):
+    """A filter condition: the document's metadata ``key`` has one of ``any_of``.
+    A tuple, so that ``for key, values in conditions`` reads it."""
+
+    key: str
+    any_of: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Document:
+    """A stored document; ``version`` counts its writes (0 for one not stored yet)."""
+
+    id: str
+    text: str
+    title: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    version: int = 0
+
+    @property
+    def embedding_text(self) -> str:
+        """What the encoder sees: "title text" (the BEIR convention)."""
+        return f"{self.title} {self.text}" if self.title else self.text
+
+
+@dataclass(slots=True)
+class Hit:
+    """One search hit, from the router's merge to the gateway's response.
+
+    ``score`` is the final score (the reranker's when it ran), ``first_stage_score``
+    the index's; ``document`` is attached by the gateway when the response needs it.
+    """
+
+    id: str
+    score: float
+    shard: int
+    first_stage_score: float
+    document: Document | None = None
+
+
+@dataclass
+class IndexResult:
+    """The router's answer: per query its hits, best first; shards that did not answer."""
+
+    hits: list[list[Hit]]
+    missing_shards: list[int]

@@ -1,0 +1,32 @@
+"""Every request limit of the service, in one place (also written in the .proto comments).
+
+Each process checks a request once, where it enters: the gateway's public API
+(``services.gateway.validation``), a shard's search (``ShardService.search``), the change
+log's writer. They all read these numbers, so a limit cannot differ between the hops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_query_bytes: int = 8192
+    max_k: int = 1000  # hits per query, at the gateway and at a shard
+    max_batch_queries: int = 64  # searches per BatchSearch
+    max_shard_queries: int = 256  # query vectors per shard request (a coalesced wave)
+    max_rerank_depth: int = 1000
+    max_nprobe: int = 65536
+    max_filter_conditions: int = 16
+    max_filter_values: int = 1024
+    max_key_bytes: int = 128
+    max_upsert_documents: int = 256
+    max_delete_ids: int = 1024  # also the most documents of one change-log write
+    max_id_bytes: int = 256
+    max_text_bytes: int = 1 << 20
+    max_metadata_keys: int = 32
+    max_metadata_value_bytes: int = 1024
+
+
+LIMITS = Limits()
