@@ -47,11 +47,6 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def _hit_id(hit: object) -> str:
-    """A routed hit's document id (``Hit.id``; ``doc_id`` in the router's older hit type)."""
-    return str(getattr(hit, "id", None) or getattr(hit, "doc_id", ""))
-
-
 def unit_vectors(n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     v = rng.standard_normal((n, DIM)).astype(np.float32)
@@ -97,7 +92,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                     )
                 except Exception:
                     return False
-                return bool(result.hits[0]) and _hit_id(result.hits[0][0]) == f"d{row}"
+                return bool(result.hits[0]) and result.hits[0][0].id == f"d{row}"
 
             async def until(check: Callable[[], object], timeout: float, what: str) -> float:
                 start = time.monotonic()
