@@ -22,7 +22,7 @@ SHARED_DATA = Path(
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real redis-server for the session; tests isolate themselves by key prefix or FLUSHDB."""
     if redis_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
     with run_redis(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
@@ -43,5 +43,5 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 def scifact_dir() -> Path:
     path = SHARED_DATA / "scifact"
     if not (path / "corpus.jsonl").exists():
-        pytest.skip(f"SciFact data not found at {path} (set GTR_DATA_DIR)")
+        pytest.fail(f"SciFact data not found at {path}: the tests need it (set GTR_DATA_DIR)")
     return path

@@ -56,7 +56,7 @@ def unit_vectors(n: int, seed: int) -> np.ndarray:
 @pytest.fixture
 def cfg(tmp_path: Path) -> StackConfig:
     if redis_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
     return StackConfig(run_dir=tmp_path / "run", shards=1, replicas=2, restart=FAST)
 
 
@@ -258,7 +258,7 @@ def test_triton_under_load_stops_on_sigterm_without_sigkill(
     try:
         pytriton_root()
     except Exception as exc:
-        pytest.skip(str(exc))
+        pytest.fail(f"tritonserver is not available (nvidia-pytriton installs it): {exc}")
     repo = tmp_path / "repo"
     generate_repository(ensure_onnx(default_model_dir(), encoder_base(tmp_path_factory)), repo)
     ports = [components.free_port() for _ in range(3)]

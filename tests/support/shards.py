@@ -270,7 +270,7 @@ def scifact_vectors(scifact_dir: Path) -> np.ndarray:
     if not path.exists():
         import pytest
 
-        pytest.skip(f"{path} not found (set GTR_DATA_DIR)")
+        pytest.fail(f"{path} not found: the tests need it (set GTR_DATA_DIR)")
     return np.load(path)
 
 

@@ -29,7 +29,7 @@ LATENCY_BUCKETS = (
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
+        pytest.fail("promtool is not installed (scripts/bootstrap.sh installs prometheus)")
     return path
 
 
