@@ -305,6 +305,10 @@ class ShardStats(_message.Message):
     LIST_IMBALANCE_FIELD_NUMBER: _builtins.int
     SNAPSHOT_POSITION_FIELD_NUMBER: _builtins.int
     GPU_FIELD_NUMBER: _builtins.int
+    NPROBE_FIELD_NUMBER: _builtins.int
+    TARGET_RECALL_FIELD_NUMBER: _builtins.int
+    MEASURED_RECALL_FIELD_NUMBER: _builtins.int
+    IVF_ADVICE_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     replica: _builtins.str
     dim: _builtins.int
@@ -326,6 +330,22 @@ class ShardStats(_message.Message):
     """Inverted-list imbalance: sum(n_i^2) * nlist / (sum n_i)^2 (1.0 = perfectly even)."""
     snapshot_position: _builtins.str
     gpu: _builtins.bool
+    nprobe: _builtins.int
+    """The default nprobe of searches (ShardSearchRequest.nprobe = 0), chosen at training."""
+    target_recall: _builtins.float
+    """The 10-recall@10 training tuned `nprobe` to reach (`index train --target-recall`,
+    default 0.99): the smallest nprobe that reached it. 0: nprobe was set by hand
+    (`--nprobe`), or the index was trained without tuning (too few vectors, or older).
+    """
+    measured_recall: _builtins.float
+    """The 10-recall@10 training measured at `nprobe` against exact search, on vectors held
+    out of its sample, through this search path (IVF-PQ candidates re-ranked by SQ8).
+    0: not measured.
+    """
+    ivf_advice: _builtins.str
+    """Set when training found IVF the wrong choice for the corpus (a flat index would be
+    exact and about as fast): its reason. Empty otherwise.
+    """
     def __init__(
         self,
         *,
@@ -348,10 +368,14 @@ class ShardStats(_message.Message):
         list_imbalance: _builtins.float = ...,
         snapshot_position: _builtins.str = ...,
         gpu: _builtins.bool = ...,
+        nprobe: _builtins.int = ...,
+        target_recall: _builtins.float = ...,
+        measured_recall: _builtins.float = ...,
+        ivf_advice: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "gpu", b"gpu", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "shard", b"shard", "snapshot_position", b"snapshot_position", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "gpu", b"gpu", "ivf_advice", b"ivf_advice", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "measured_recall", b"measured_recall", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "nprobe", b"nprobe", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "shard", b"shard", "snapshot_position", b"snapshot_position", "target_recall", b"target_recall", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

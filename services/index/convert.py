@@ -150,6 +150,10 @@ def stats_to_pb(
         list_imbalance=s.list_imbalance,
         snapshot_position=snapshot_position,
         gpu=gpu,
+        nprobe=m.nprobe,
+        target_recall=m.target_recall or 0.0,
+        measured_recall=m.measured_recall or 0.0,
+        ivf_advice=m.ivf_advice or "",
     )
 
 

@@ -25,6 +25,7 @@ from services.index import convert
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
+from services.index.core.train import Manifest
 from tests.support.processes import RedisServer
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
 
@@ -287,7 +288,11 @@ def test_router_keeps_errors_meaningful(cluster: ShardCluster, vectors: np.ndarr
     assert partial.missing_shards == [0] and all(h.shard == 1 for h in partial.hits[0])
 
 
-def test_stats_report_the_shard(cluster: ShardCluster) -> None:
+def test_stats_report_the_shard(
+    cluster: ShardCluster, vectors: np.ndarray, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    manifest = Manifest.read(shared_test_index(tmp_path_factory.getbasetemp(), vectors))
+
     async def run() -> list[list[index_pb2.ShardStats | None]]:
         router = ShardRouter(cluster.addresses)
         try:
@@ -304,6 +309,10 @@ def test_stats_report_the_shard(cluster: ShardCluster) -> None:
             assert s.factory.startswith("IVF") and s.model == "all-MiniLM-L6-v2"
             assert s.bytes_per_vector == 96 + 8 + 384 and 0.5 < s.pq_error_ratio < 1.5
             assert s.list_imbalance >= 1.0 and s.memory_bytes > 0
+            # the default nprobe, tuned at training to the target recall, and what it measured
+            assert s.nprobe == manifest.nprobe and s.target_recall == 0.99
+            assert s.measured_recall == manifest.measured_recall and s.measured_recall >= 0.99
+            assert s.ivf_advice.startswith("IVF is the wrong choice for 5183 vectors")
         assert replicas[0] is not None
         total += replicas[0].vectors
     assert total >= N_BASE

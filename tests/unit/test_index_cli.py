@@ -24,6 +24,34 @@ def test_index_train_from_embeddings(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert json.loads(capsys.readouterr().out)["nlist"] == 8
 
 
+def test_index_train_target_recall_and_nprobe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    x = np.random.default_rng(0).standard_normal((2000, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    argv = ["index", "train", "--embeddings", str(tmp_path / "x.npy"), "--nlist", "32"]
+
+    def train(out: str, *extra: str) -> dict[str, object]:
+        assert main([*argv, "--out", str(tmp_path / out), *extra]) == 0
+        capsys.readouterr()
+        manifest: dict[str, object] = json.loads((tmp_path / out / "manifest.json").read_text())
+        return manifest
+
+    low = train("low", "--target-recall", "0.8")
+    recalls = {int(p): r for p, r in low["recall_by_nprobe"].items()}  # type: ignore[attr-defined]
+    nprobe = low["nprobe"]
+    assert isinstance(nprobe, int) and low["target_recall"] == 0.8
+    assert low["measured_recall"] == recalls[nprobe] >= 0.8 > recalls[nprobe - 1]
+    default = train("default")
+    assert default["target_recall"] == 0.99 and default["nprobe"] > nprobe  # type: ignore[operator]
+    fixed = train("fixed", "--nprobe", "5")
+    assert fixed["nprobe"] == 5 and fixed["target_recall"] is None
+    assert fixed["recall_by_nprobe"] == {"5": fixed["measured_recall"]}
+    with pytest.raises(SystemExit):
+        main([*argv, "--out", str(tmp_path / "bad"), "--target-recall", "1.5"])
+    assert "1.5 is not in (0, 1]" in capsys.readouterr().err
+
+
 def test_shard_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GTR_SHARD_INDEX_DIR", "/idx")
     s = load_settings(
