@@ -2,7 +2,11 @@
 
 Every server gets: the gRPC health service, reflection, the interceptor that maps domain
 errors to status codes and records latency, request bytes that fail to parse answered
-with INVALID_ARGUMENT (not INTERNAL), and a graceful stop on SIGTERM/SIGINT.
+with INVALID_ARGUMENT (not INTERNAL), a graceful stop on SIGTERM/SIGINT, admission
+control (``max_in_flight``: unary calls over the limit are refused RESOURCE_EXHAUSTED
+with a ``retry-after-ms`` hint in the trailing metadata, before any work; health and
+reflection are exempt) and, when the service gives it a check, a health watcher that
+keeps the health status true to that check (:meth:`Server.watch`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +34,57 @@ from services.common.status import status_of
 from services.common.wire import WireTypeError, check_wire_types
 
 log = logging.getLogger(__name__)
+
+# Never refused by admission control: probes must answer when the server is full.
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+class AdmissionRefused(errors.Overloaded):
+    """Over the in-flight limit: RESOURCE_EXHAUSTED (as every Overloaded), with a hint of
+    when to retry that the interceptor puts in the trailing metadata (``retry-after-ms``)."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class Admission:
+    """The in-flight limit of one server, and how close to it the server is.
+
+    ``limit`` 0 admits everything. A call is counted from its admission to its end, so a
+    search waiting in a shard or for a deadline holds its place: that is the point, the
+    count is what the process has promised to answer. Above ``high_water`` (a share of
+    the limit) :meth:`pressure` rises from 0 to 1 at the limit: optional work (the
+    gateway's rerank) shrinks with it, before any call is refused.
+    """
+
+    def __init__(self, limit: int = 0, retry_after_ms: int = 100, high_water: float = 0.75) -> None:
+        self.limit = limit
+        self.retry_after_ms = retry_after_ms
+        self.high_water = int(limit * high_water)
+        self.in_flight = 0
+
+    def pressure(self) -> float:
+        """0 up to the high-water mark, then the used share of the room above it (1 at the
+        limit); always 0 without a limit."""
+        if not self.limit or self.in_flight <= self.high_water:
+            return 0.0
+        return min(1.0, (self.in_flight - self.high_water) / (self.limit - self.high_water))
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        if self.limit and self.in_flight >= self.limit:
+            raise AdmissionRefused(
+                f"server busy: {self.in_flight} requests in flight (limit {self.limit}); "
+                f"retry after {self.retry_after_ms} ms",
+                self.retry_after_ms,
+            )
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
 
 @dataclass(frozen=True)
@@ -54,10 +109,13 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[
 
 
 class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Maps :mod:`services.common.errors` to status codes and records RPC latency."""
+    """Maps :mod:`services.common.errors` to status codes, records RPC latency, and admits
+    unary calls under the in-flight limit (streams are not counted: a long-lived stream
+    is a channel, not a request)."""
 
-    def __init__(self, metrics: RpcMetrics | None) -> None:
+    def __init__(self, metrics: RpcMetrics | None, admission: Admission | None = None) -> None:
         self._metrics = metrics
+        self._admission = admission or Admission()
 
     async def intercept_service(
         self,
@@ -70,12 +128,18 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
         if handler is None or handler.unary_unary is None:
             return handler
         behavior = handler.unary_unary
+        admit: Callable[[], contextlib.AbstractContextManager[None]] = (
+            contextlib.nullcontext
+            if details.method.startswith(EXEMPT_PREFIXES)
+            else self._admission.admit
+        )
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._outcome(details, context):
-                if isinstance(request, _Malformed):
-                    raise errors.InvalidArgument(f"malformed request: {request.reason}")
-                return await behavior(request, context)
+                with admit():
+                    if isinstance(request, _Malformed):
+                        raise errors.InvalidArgument(f"malformed request: {request.reason}")
+                    return await behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
             wrapped,
@@ -127,7 +191,9 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
             raise
         except errors.RetrievalError as exc:
             code = status_of(exc)
-            await context.abort(code, exc.message)
+            hint = getattr(exc, "retry_after_ms", None)
+            trailing = ((RETRY_AFTER_KEY, str(hint)),) if hint is not None else ()
+            await context.abort(code, exc.message, trailing_metadata=trailing)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -141,14 +207,43 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
                 self._metrics.observe(method, code.name, time.perf_counter() - start)
 
 
+HealthCheck = Callable[[], Awaitable[bool]]
+
+
 @dataclass
 class Server:
-    """A started gRPC server, its bound port and its health servicer."""
+    """A started gRPC server, its bound port, its health servicer and its admission."""
 
     grpc_server: grpc.aio.Server
     port: int
     health: HealthServicer
     services: list[str] = field(default_factory=list)
+    admission: Admission = field(default_factory=Admission)
+    _watcher: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def watch(self, check: HealthCheck, interval_s: float, what: str) -> None:
+        """Keep the health status true to ``check``: a background task asks it every
+        ``interval_s`` (no request waits for it) and sets NOT_SERVING when it says False
+        or fails, SERVING when it says True again. Changes are logged; :meth:`stop` ends
+        the watcher first, so nothing turns a stopping server SERVING again."""
+
+        async def run() -> None:
+            serving = True
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    async with asyncio.timeout(interval_s):
+                        ok = await check()
+                except Exception as exc:  # a failing check is a failed one
+                    log.debug("health check of %s failed: %r", what, exc)
+                    ok = False
+                if ok != serving:
+                    serving = ok
+                    log.warning("%s: %s", what, "SERVING again" if ok else "NOT_SERVING")
+                    await self.set_serving(ok)
+
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(run())
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -160,6 +255,10 @@ class Server:
             await self.health.set(name, status)
 
     async def stop(self, grace: float) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         await self.set_serving(False)
         await self.grpc_server.stop(grace)
 
@@ -171,14 +270,19 @@ async def create_server(
     settings: ServiceSettings,
     register: Registrar,
     metrics: RpcMetrics | None = None,
+    admission: Admission | None = None,
 ) -> tuple[Server, int]:
     """Build, bind and start a server; ``register`` adds servicers and returns their names.
 
-    ``settings.port = 0`` binds a free port; the bound port is returned.
+    ``settings.port = 0`` binds a free port; the bound port is returned. ``admission``:
+    the in-flight limit, when the service reads its pressure (the gateway); by default
+    one from ``settings.max_in_flight``.
     """
     max_bytes = settings.max_message_mb * 1024 * 1024
+    if admission is None:
+        admission = Admission(settings.max_in_flight, settings.retry_after_ms)
     server = grpc.aio.server(
-        interceptors=[ErrorAndLatencyInterceptor(metrics)],
+        interceptors=[ErrorAndLatencyInterceptor(metrics, admission)],
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
@@ -200,7 +304,9 @@ async def create_server(
     if port == 0:
         raise errors.Unavailable(f"cannot bind {settings.host}:{settings.port}")
     await server.start()
-    handle = Server(grpc_server=server, port=port, health=health, services=names)
+    handle = Server(
+        grpc_server=server, port=port, health=health, services=names, admission=admission
+    )
     await handle.set_serving(True)
     if settings.port_file:
         with open(settings.port_file, "w", encoding="utf-8") as fh:

@@ -34,6 +34,23 @@ class ServiceSettings(BaseSettings):
         5.0, ge=0, description="On SIGTERM, in-flight RPCs get this long to finish."
     )
     max_message_mb: int = Field(64, ge=1, le=1024, description="Max gRPC message size.")
+    max_in_flight: int = Field(
+        0,
+        ge=0,
+        description="Unary requests in flight at most; one more is refused at once with "
+        "RESOURCE_EXHAUSTED and a retry-after-ms hint (health and reflection always "
+        "answer). 0 = no limit.",
+    )
+    retry_after_ms: int = Field(
+        100, ge=1, description="The retry-after-ms hint of a request refused over the limit."
+    )
+    health_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often a background watcher checks what this process depends on "
+        "(gateway: its Redis; index shard: its log consumer thread; rerank: nothing) and "
+        "sets the gRPC health status to match.",
+    )
     port_file: str | None = Field(
         None, description="Write the bound gRPC port to this file once serving (for launchers)."
     )

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -77,6 +77,9 @@ class SearchPipeline:
     limits: Limits = field(default_factory=Limits)
     metrics: GatewayMetrics | None = None
     default_timeout_s: float = DEFAULT_TIMEOUT_S
+    # 0..1, how far in-flight requests are past the high-water mark (1: at the limit);
+    # services.common.server.Admission.pressure. Rerank is shed by it.
+    pressure: Callable[[], float] = field(default=lambda: 0.0)
 
     async def search(self, query: SearchQuery, timeout: float | None) -> SearchResult:
         return (await self.search_batch([query], timeout, batch=False))[0]
@@ -131,17 +134,27 @@ class SearchPipeline:
     def _rerank_depth(self, q: SearchQuery, deadline: Deadline) -> tuple[int, str]:
         """(depth, why the rerank is skipped). The depth the request names, else the
         largest one the reranker's table fits into its share of the time left (at least
-        k); none fits: (0, the reason), the hits keep their first-stage order."""
+        k); none fits: (0, the reason), the hits keep their first-stage order.
+
+        Under load the rerank is the optional work shed first: past the gateway's
+        high-water mark of in-flight requests the named depth, or the budget the depth
+        is chosen by, shrinks by ``1 - pressure`` (never below k), and at the limit the
+        rerank is skipped and the response says so; searches are refused only over it.
+        """
         if not q.rerank or self.reranker is None:
             return 0, ""
+        keep = 1.0 - self.pressure()
+        if keep <= 0.0:
+            return 0, "shed under load: the gateway is at its limit of in-flight requests"
         if q.rerank_depth:
-            return q.rerank_depth, ""
-        budget = deadline.remaining_ms(default=1000.0) * RERANK_BUDGET_SHARE
+            return max(min(q.k, q.rerank_depth), int(q.rerank_depth * keep)), ""
+        budget = deadline.remaining_ms(default=1000.0) * RERANK_BUDGET_SHARE * keep
         depth = self.reranker.depth_for_budget(budget)
         if depth == 0:
             return 0, (
                 f"no measured rerank depth fits {budget:.0f} ms "
-                f"({RERANK_BUDGET_SHARE:.0%} of the time left)"
+                f"({RERANK_BUDGET_SHARE:.0%} of the time left"
+                + (f", {keep:.0%} of it under load)" if keep < 1.0 else ")")
             )
         return max(q.k, depth), ""
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common.logs import configure_logging
 from services.common.metrics import RpcMetrics
-from services.common.server import Server, create_server, serve_started
+from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.encoder.base import Encoder
 from services.gateway.metrics import GatewayMetrics
@@ -44,6 +45,24 @@ async def build_encoder(settings: GatewaySettings) -> Encoder:
     from services.encoder.inprocess import InProcessEncoder
 
     return InProcessEncoder.torch(Path(settings.model_dir) if settings.model_dir else None)
+
+
+class RedisHealth:
+    """The health check of the gateway's Redis: a PING on a connection of its own (not
+    one of the request pool), run by the server's health watcher. Without Redis the
+    gateway can neither write nor fetch a document, so it answers NOT_SERVING until Redis
+    answers again and a load balancer sends clients to a gateway that can serve them."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self._client = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+
+    async def check(self) -> bool:
+        return bool(await self._client.ping())
+
+    async def close(self) -> None:
+        await self._client.aclose()
 
 
 @dataclass
@@ -95,6 +114,9 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         encode_slo_ms=settings.encode_slo_ms,
         search_slo_ms=settings.search_slo_ms,
     )
+    admission = Admission(
+        settings.max_in_flight, settings.retry_after_ms, high_water=settings.shed_high_water
+    )
     search = SearchPipeline(
         encoder,
         router,
@@ -102,6 +124,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         reranker,
         metrics=metrics,
         default_timeout_s=settings.default_timeout_s,
+        pressure=admission.pressure,
     )
     documents = DocumentPipeline(encoder, store, default_timeout_s=settings.default_timeout_s)
 
@@ -115,7 +138,13 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name,
         ]
 
-    server, port = await create_server(settings, register, RpcMetrics.create(registry, "gateway"))
+    server, port = await create_server(
+        settings, register, RpcMetrics.create(registry, "gateway"), admission
+    )
+    redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
+    server.watch(
+        redis_health.check, settings.health_interval_s, f"gateway (Redis {settings.redis_url})"
+    )
     log.info(
         "gateway serving on %s:%d (model %s, %d shards, rerank %s)",
         settings.host,
@@ -124,7 +153,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         router.num_shards,
         settings.rerank_url or "off",
     )
-    return Gateway(server, port, registry, [encoder, router, store, reranker])
+    return Gateway(server, port, registry, [encoder, router, store, reranker, redis_health])
 
 
 async def serve(settings: GatewaySettings) -> None:

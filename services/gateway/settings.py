@@ -92,6 +92,14 @@ class GatewaySettings(ServiceSettings):
         description="Send a search also to another replica of a shard when the first is "
         "slower than its recent p95 (the first answer wins).",
     )
+    shed_high_water: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="Share of --max-in-flight above which optional work is shed: the "
+        "rerank depth shrinks as in-flight requests rise past it and the rerank is skipped "
+        "(said in the response) at the limit, before any search is refused.",
+    )
     quantizer_threads: int = Field(
         1,
         ge=1,

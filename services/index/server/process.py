@@ -45,7 +45,9 @@ class RunningShard:
 
 
 async def start_shard(settings: ShardSettings) -> RunningShard:
-    """Load the shard, replay its log (health stays NOT_SERVING until then), serve."""
+    """Load the shard, replay its log (health stays NOT_SERVING until then), serve; from
+    then on health follows the log consumer thread (NOT_SERVING once it has died, see
+    :attr:`ShardReplica.consuming`)."""
     faiss.omp_set_num_threads(settings.omp_threads)
     registry = CollectorRegistry()
     metrics = ShardMetrics.create(registry, settings.shard, settings.replica)
@@ -74,6 +76,11 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     if not ready:
         raise TimeoutError(f"shard {settings.shard} did not replay its log in time")
     await server.set_serving(True)
+
+    async def consuming() -> bool:
+        return replica.consuming
+
+    server.watch(consuming, settings.health_interval_s, f"shard {settings.shard} log consumer")
     log.info(
         "shard %d/%d replica %s serving on port %d at log position %s (%d vectors)",
         settings.shard,

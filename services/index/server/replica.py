@@ -79,6 +79,25 @@ class ShardReplica:
         self._thread = threading.Thread(target=self._consume, name="log-consumer", daemon=True)
         self._thread.start()
 
+    @property
+    def consuming(self) -> bool:
+        """Whether the log consumer thread is alive: the shard's health check.
+
+        A dead consumer is not restarted in place; the replica reports NOT_SERVING (the
+        process's health watcher) and stays so until the process is restarted (the
+        chart's gRPC liveness probe does that after 30 s). Why not a restart with
+        backoff: the loop already retries what is transient (a Redis error, a
+        malformed entry is skipped), so the thread ends only on what is not: a FAISS
+        apply that failed halfway (the in-memory index may hold part of a batch whose
+        position was never recorded; applying it again from ``applied`` would add the
+        same ids twice) or a snapshot that cannot be written (a full disk, a directory
+        gone), which fails again on the next pass. A restarted thread would either run
+        on an index in an unknown state or fail in a loop while the replica answers from
+        an index that no longer follows its log. A new process loads the newest valid
+        snapshot and replays the log: the one path known to rebuild a correct index.
+        """
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, snapshot: bool = True) -> None:
         self._stop.set()
         if self._thread is not None:

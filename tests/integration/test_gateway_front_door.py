@@ -1,0 +1,291 @@
+"""The gateway's front door (issue #13 items 3 and 7), against real servers on free ports.
+
+A real Redis, a real index shard, a real reranker (a tiny CELI checkpoint) and the
+gateway, all gRPC servers in the test's event loop. Requests are held in flight by
+something real that waits: SESSION searches whose write token names a log position
+from the future, so the shard waits for it until the search's deadline (or until the
+test cancels the call).
+
+- admission control: over ``--max-in-flight`` a call is refused RESOURCE_EXHAUSTED with
+  a ``retry-after-ms`` hint before any work, while health and reflection still answer;
+- shedding: past the high-water mark the rerank depth shrinks, at the limit the rerank
+  is skipped and the response says why, and only over the limit is a search refused;
+- health: a gateway whose Redis is killed answers NOT_SERVING, and SERVING again once
+  Redis is back.
+
+Each test failed on the code before the change: the limit did not exist (every search
+was admitted, the rerank kept its depth) and the gateway stayed SERVING without Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
+from services.gateway.server import Gateway, start_gateway
+from services.gateway.settings import GatewaySettings
+from services.index.server.process import RunningShard, start_shard
+from services.rerank.checkpoint import CeliConfig, build_model, save_checkpoint
+from services.rerank.server import Reranker, start_rerank
+from services.rerank.settings import RerankSettings
+from services.rerank.tiny import write_tiny_backbone
+from tests.support.processes import free_port, start_redis, stop_process
+from tests.support.shards import train_test_index
+from tests.support.stack import shard_settings
+
+WORDS = ["file", "read", "json", "csv", "thread", "pool", "hash", "bytes", "list", "row"]
+DOCS = [
+    documents_pb2.Document(id=f"d{i:02d}", title=f"topic {i}", text=f"{WORDS[i % 10]} doc {i}")
+    for i in range(20)
+]
+# ms per query at each rerank depth, as in tests/e2e/test_gateway_rerank.py: at an 80 s
+# deadline 60 % of it (48 s) fits depth 12; half of that (24 s) only depth 4.
+TABLE = {"ms_per_query_at_depth": {"4": 20_000.0, "12": 40_000.0}}
+FUTURE = "99999999999999-0"  # a log position no shard will reach during a test
+LIMIT = 8  # high-water mark 75 %: 6 in flight; the 7th shrinks, the 8th skips, the 9th waits
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Path:
+    vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:2000].astype(np.float32)
+    return train_test_index(vectors, tmp_path_factory.mktemp("index"), nlist=8, nprobe=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("rerank")
+    cfg = CeliConfig(max_len=48, max_query_len=8, d_tok=4)
+    model, tok = build_model(write_tiny_backbone(base / "bert", WORDS, seed=4), cfg, seed=9)
+    return save_checkpoint(model, tok, cfg, base / "ckpt")
+
+
+@dataclass
+class Front:
+    gateway: Gateway
+    channel: grpc.aio.Channel
+
+    @property
+    def search(self) -> search_pb2_grpc.SearchServiceStub:
+        return search_pb2_grpc.SearchServiceStub(self.channel)
+
+    @property
+    def in_flight(self) -> int:
+        return self.gateway.server.admission.in_flight
+
+
+@asynccontextmanager
+async def front_door(
+    redis_url: str, index_dir: Path, tmp: Path, *, rerank: Path | None = None, **gateway: object
+) -> AsyncIterator[Front]:
+    """One shard, an optional reranker, a gateway with ``gateway`` settings; 20 documents."""
+    shard: RunningShard = await start_shard(shard_settings(0, 1, 0, redis_url, index_dir, tmp))
+    reranker: Reranker | None = None
+    gw: Gateway | None = None
+    try:
+        extra: dict[str, object] = dict(gateway)
+        if rerank is not None:
+            reranker = await start_rerank(RerankSettings(port=0, checkpoint=str(rerank), threads=1))
+            table = tmp / "depths.json"
+            table.write_text(json.dumps(TABLE))
+            extra |= {"rerank_url": f"127.0.0.1:{reranker.port}", "rerank_depth_table": str(table)}
+        gw = await start_gateway(
+            GatewaySettings(
+                port=0,
+                redis_url=redis_url,
+                shards=f"127.0.0.1:{shard.port}",
+                encoder="inprocess",
+                **extra,  # type: ignore[arg-type]
+            )
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
+            up = await documents_pb2_grpc.DocumentServiceStub(channel).Upsert(
+                documents_pb2.UpsertRequest(documents=DOCS), timeout=60
+            )
+            assert up.upserted == len(DOCS)
+            yield Front(gw, channel)
+    finally:
+        if gw is not None:
+            await gw.close(0)
+        if reranker is not None:
+            await reranker.close(0)
+        await shard.close(0, snapshot=False)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def held(front: Front, count: int) -> AsyncIterator[None]:
+    """``count`` searches in flight at the gateway, each waiting in the shard for a log
+    position from the future (a 60 s deadline); cancelled on exit."""
+    before = front.in_flight
+    calls = [
+        front.search.Search(
+            search_pb2.SearchRequest(
+                query=f"held {i}",
+                k=3,
+                consistency=common_pb2.CONSISTENCY_SESSION,
+                write_token=common_pb2.WriteToken(
+                    positions=[common_pb2.ShardPosition(shard=0, position=FUTURE)]
+                ),
+            ),
+            timeout=60,
+        )
+        for i in range(count)
+    ]
+    try:
+        await until(lambda: front.in_flight == before + count, f"{count} searches in flight")
+        assert not any(call.done() for call in calls)
+        yield
+    finally:
+        for call in calls:
+            call.cancel()
+        await until(lambda: front.in_flight == before, "the held searches ended")
+
+
+def _reranked(query: str = "read a csv file row by row") -> search_pb2.SearchRequest:
+    return search_pb2.SearchRequest(
+        query=query,
+        k=3,
+        consistency=common_pb2.CONSISTENCY_STRONG,
+        rerank=search_pb2.RerankOptions(enabled=True),  # depth 0: the gateway chooses
+    )
+
+
+async def _services(channel: grpc.aio.Channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+    )
+    async for reply in call:
+        return [s.name for s in reply.list_services_response.service]
+    return []
+
+
+def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with front_door(redis_url, index_dir, tmp_path, max_in_flight=2) as front:
+            async with held(front, 2):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await front.search.Search(search_pb2.SearchRequest(query="x", k=1), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                trailing = dict(refused.value.trailing_metadata() or ())
+                assert trailing.get("retry-after-ms") == "100", trailing
+                assert "limit 2" in (refused.value.details() or "")
+
+                docs = documents_pb2_grpc.DocumentServiceStub(front.channel)
+                with pytest.raises(grpc.aio.AioRpcError) as write:
+                    await docs.Upsert(documents_pb2.UpsertRequest(documents=DOCS[:1]), timeout=10)
+                assert write.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+                # probes and tooling still answer at the limit
+                health = await health_pb2_grpc.HealthStub(front.channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10
+                )
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+                assert "retrieval.v1.SearchService" in await _services(front.channel)
+                assert front.in_flight == 2
+
+            reply = await front.search.Search(search_pb2.SearchRequest(query="x", k=1), timeout=30)
+            assert len(reply.hits) == 1
+
+    asyncio.run(scenario())
+
+
+def test_under_pressure_the_rerank_shrinks_then_is_skipped_before_a_search_is_refused(
+    redis_url: str, index_dir: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with front_door(
+            redis_url, index_dir, tmp_path, rerank=checkpoint, max_in_flight=LIMIT
+        ) as front:
+            calm = await front.search.Search(_reranked(), timeout=80)
+            assert calm.reranked and calm.rerank_depth == 12, calm
+
+            async with held(front, 6):  # the probe is the 7th: past the high-water mark
+                shrunk = await front.search.Search(_reranked(), timeout=80)
+                assert shrunk.reranked and shrunk.rerank_depth == 4, shrunk
+                assert not shrunk.rerank_skipped
+
+            async with held(front, LIMIT - 1):  # the probe is the last one admitted
+                skipped = await front.search.Search(_reranked(), timeout=80)
+                assert not skipped.reranked and skipped.rerank_skipped, skipped
+                assert "shed under load" in skipped.rerank_skipped_reason
+                assert len(skipped.hits) == 3
+                assert [h.score for h in skipped.hits] == [
+                    h.first_stage_score for h in skipped.hits
+                ]
+
+                named = _reranked()
+                named.rerank.depth = 10  # a named depth is shed too
+                also = await front.search.Search(named, timeout=80)
+                assert also.rerank_skipped and not also.reranked
+
+            async with held(front, LIMIT):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await front.search.Search(_reranked(), timeout=80)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            again = await front.search.Search(_reranked(), timeout=80)
+            assert again.reranked and again.rerank_depth == 12
+
+    asyncio.run(scenario())
+
+
+def test_a_gateway_whose_redis_is_killed_is_not_serving_until_redis_is_back(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    redis_dir = tmp_path / "redis"
+    process = start_redis(redis_dir, port)
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def status(health: health_pb2_grpc.HealthStub) -> int:
+        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return int(reply.status)
+
+    async def await_status(health: health_pb2_grpc.HealthStub, wanted: int, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while (now := await status(health)) != wanted:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: health still {now} after 30 s")
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        nonlocal process
+        async with front_door(url, index_dir, tmp_path) as front:
+            health = health_pb2_grpc.HealthStub(front.channel)
+            assert await status(health) == health_pb2.HealthCheckResponse.SERVING
+            process.kill()  # kill -9: Redis gone
+            process.wait(10)
+            await await_status(health, health_pb2.HealthCheckResponse.NOT_SERVING, "Redis killed")
+            process = start_redis(redis_dir, port)  # same port, same AOF
+            await await_status(health, health_pb2.HealthCheckResponse.SERVING, "Redis back")
+            reply = await front.search.Search(
+                search_pb2.SearchRequest(query="read a csv file", k=2), timeout=30
+            )
+            assert len(reply.hits) == 2
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop_process(process)
