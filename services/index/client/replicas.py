@@ -1,8 +1,8 @@
 """The replicas of one shard as the router sees them: whom to ask, when to hedge, whom
 to avoid.
 
-A replica that is down answers UNAVAILABLE at once and the search fails over to the
-next one. A replica that hangs (a stopped process, a long GC or swap pause, a saturated
+A replica that is down answers UNAVAILABLE at once, and one that is full (its in-flight
+limit) RESOURCE_EXHAUSTED: the search fails over to the next one. A replica that hangs (a stopped process, a long GC or swap pause, a saturated
 node) answers nothing, and failing over on errors alone then costs the whole deadline:
 measured with one of two replicas SIGSTOPped, half the searches came back partial
 (p99 916 ms at a 1 s deadline) while the healthy replica idled. So a search is
@@ -51,7 +51,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.deadline import Deadline
-from services.common.errors import DeadlineExceeded, RetrievalError, Unavailable
+from services.common.errors import DeadlineExceeded, Overloaded, RetrievalError, Unavailable
 from services.common.status import error_from_rpc, error_from_status
 from services.index import convert
 from services.index.core.query import ShardAnswer
@@ -307,6 +307,11 @@ class ReplicaSet:
                         for other, _ in running.values():
                             other.missed("lost to a hedge")
                         return convert.answer_from_pb(task.result())
+                    if isinstance(exc, Overloaded):  # full: another replica may not be
+                        error = exc
+                        if waiting:
+                            ask(waiting.pop(0))
+                        continue
                     if not isinstance(exc, Unavailable | DeadlineExceeded):
                         raise exc  # the request's own error (e.g. INVALID_ARGUMENT)
                     replica.missed(str(exc))

@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.logs import configure_logging
 from services.common.metrics import RpcMetrics
-from services.common.server import Server, create_server, serve_started
+from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.index.core.gpu import GpuMetrics, attach_or_fallback
 from services.index.server.batcher import SearchBatcher
@@ -66,11 +66,17 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     )
     service = ShardService(replica, batcher, default_timeout_s=settings.default_timeout_s)
 
+    admission = Admission(settings.max_in_flight, settings.retry_after_ms)
+
     def register(server: grpc.aio.Server) -> Sequence[str]:
-        index_pb2_grpc.add_IndexShardServiceServicer_to_server(ShardServicer(service), server)
+        index_pb2_grpc.add_IndexShardServiceServicer_to_server(
+            ShardServicer(service, admission), server
+        )
         return [index_pb2.DESCRIPTOR.services_by_name["IndexShardService"].full_name]
 
-    server, port = await create_server(settings, register, RpcMetrics.create(registry, "index"))
+    server, port = await create_server(
+        settings, register, RpcMetrics.create(registry, "index"), admission=admission
+    )
     await server.set_serving(False)
     ready = await loop.run_in_executor(None, replica.ready.wait, settings.ready_timeout_s)
     if not ready:

@@ -10,6 +10,7 @@ import grpc
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.errors import RetrievalError
+from services.common.server import Admission
 from services.common.status import status_number
 from services.index import convert
 from services.index.server.service import ShardService
@@ -18,8 +19,14 @@ log = logging.getLogger(__name__)
 
 
 class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
-    def __init__(self, service: ShardService) -> None:
+    """``admission``: the server's in-flight limit. A unary call is admitted by the
+    interceptor; a ``SearchStream`` is one long call, so each of its searches is admitted
+    here (over the limit it answers RESOURCE_EXHAUSTED for itself and the router asks
+    another replica)."""
+
+    def __init__(self, service: ShardService, admission: Admission | None = None) -> None:
         self._service = service
+        self._admission = admission or Admission()
 
     async def Search(
         self, request: index_pb2.ShardSearchRequest, context: grpc.aio.ServicerContext
@@ -45,7 +52,8 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
         async def one(msg: index_pb2.ShardStreamRequest) -> None:
             try:
                 timeout = msg.timeout_us / 1e6 if msg.timeout_us else None
-                result = await self._answer(msg.search, timeout)
+                with self._admission.admit():
+                    result = await self._answer(msg.search, timeout)
                 out.put_nowait(index_pb2.ShardStreamResponse(tag=msg.tag, result=result))
             except Exception as exc:  # each search answers for itself; the stream goes on
                 if not isinstance(exc, RetrievalError):

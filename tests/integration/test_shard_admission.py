@@ -1,0 +1,92 @@
+"""A shard's in-flight limit holds for the router's searches too (issue #13 item 3).
+
+The router reaches a replica over one long-lived ``SearchStream``: one gRPC call that
+the server's interceptor admits once. So each streamed search is admitted by the shard
+itself; over the limit it answers RESOURCE_EXHAUSTED for itself (the stream goes on) and
+the router asks the shard's next replica. Real replica processes on a real Redis; a
+search is held in flight by a SESSION wait for a log position that does not exist yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from retrieval.v1 import index_pb2_grpc
+from services.common.deadline import Deadline
+from services.common.domain import Consistency
+from services.common.errors import Overloaded
+from services.index import convert
+from services.index.client.replicas import ShardStream
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.query import ShardQuery
+from tests.support.shards import start_shard, train_test_index
+
+FUTURE = "99999999999999-0"
+
+
+def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
+    redis_url: str, scifact_dir: Path, tmp_path: Path
+) -> None:
+    vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:1000].astype(np.float32)
+    index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
+
+    async def ingest() -> None:
+        writer = ChangeLogWriter(redis_url, num_shards=1, dim=vectors.shape[1])
+        await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(200)])
+        await writer.close()
+
+    asyncio.run(ingest())
+    common = {"index_dir": index_dir, "redis_url": redis_url, "shard": 0, "shards": 1}
+    full = start_shard(**common, work_dir=tmp_path, replica="full", settings={"max-in-flight": "1"})  # type: ignore[arg-type]
+    free = start_shard(**common, work_dir=tmp_path, replica="free")  # type: ignore[arg-type]
+
+    def request(consistency: Consistency, position: str = "") -> object:
+        return convert.query_to_pb(
+            ShardQuery(0, vectors[:1], 5, consistency=consistency, min_position=position)
+        )
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(full.address) as channel:
+            stream = ShardStream(index_pb2_grpc.IndexShardServiceStub(channel), "full")
+
+            def hold() -> asyncio.Future[object]:
+                return asyncio.ensure_future(
+                    stream.search(request(Consistency.SESSION, FUTURE), Deadline.after(20))  # type: ignore[arg-type]
+                )
+
+            held = hold()
+            refused = False
+            give_up = time.monotonic() + 15
+            while not refused and time.monotonic() < give_up:
+                try:  # until the held search has been admitted, this one may pass
+                    await stream.search(request(Consistency.EVENTUAL), Deadline.after(5))  # type: ignore[arg-type]
+                except Overloaded as exc:
+                    refused = "in flight" in str(exc)
+                if held.done():  # it came while the other was in flight: refused, again
+                    assert isinstance(held.exception(), Overloaded)
+                    held = hold()
+            assert refused, "a second streamed search was admitted over the limit of 1"
+
+            router = ShardRouter([[full.address, free.address]], coalesce=False)
+            try:
+                for _ in range(4):  # round-robin starts at each replica in turn
+                    result = await router.search(vectors[:1], 5, timeout=10)
+                    assert len(result.hits[0]) == 5 and not result.missing_shards
+            finally:
+                await router.close()
+            held.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await held
+
+    try:
+        asyncio.run(run())
+    finally:
+        full.stop()
+        free.stop()
