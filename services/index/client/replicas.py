@@ -2,8 +2,9 @@
 to avoid.
 
 A replica that is down answers UNAVAILABLE at once, and one that is full (its in-flight
-limit) RESOURCE_EXHAUSTED: the search fails over to the next one. A replica that hangs (a stopped process, a long GC or swap pause, a saturated
-node) answers nothing, and failing over on errors alone then costs the whole deadline:
+limit) RESOURCE_EXHAUSTED: the search fails over to the next one. A replica that hangs
+(a stopped process, a long GC or swap pause, a saturated node) answers nothing, and
+failing over on errors alone then costs the whole deadline:
 measured with one of two replicas SIGSTOPped, half the searches came back partial
 (p99 916 ms at a 1 s deadline) while the healthy replica idled. So a search is
 **hedged**: when its replica has not answered within that replica's recent p95 (at least
