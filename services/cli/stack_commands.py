@@ -16,13 +16,21 @@ def add_cli(sub: Any) -> None:
         "model), the index shards, the rerank service and the gateway as child "
         "processes; trains the IVF-PQ index on the corpus on the first run; ingests the "
         "corpus (default: the Python standard library documentation); prints a few "
-        "example searches; then serves until Ctrl-C. A child that exits is restarted "
+        "example searches that fit the corpus (for --corpus, the first queries of a "
+        "queries.jsonl beside it, as in a BEIR folder; none without one); then serves "
+        "until Ctrl-C. A child that exits is restarted "
         "(same port, same data; with backoff; logged and counted in "
         "<run-dir>/stack.json); one that fails more than --max-restarts times within "
         "--restart-window seconds stops the whole stack. State lives in --run-dir, so a "
         "second run resumes. Logs: <run-dir>/logs/.",
     )
-    up.add_argument("--corpus", type=Path, default=None, help="JSONL corpus (default: stdlib).")
+    up.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="JSONL corpus (default: stdlib); example searches come from a queries.jsonl "
+        "beside it.",
+    )
     up.add_argument("--run-dir", type=Path, default=Path(".run"), help="State and logs.")
     up.add_argument("--shards", type=int, default=2, help="Index shards (fixed per run dir).")
     up.add_argument("--replicas", type=int, default=1, help="Replicas per shard.")

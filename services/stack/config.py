@@ -13,6 +13,15 @@ from services.stack.children import RestartPolicy
 RedisFsync = Literal["always", "everysec"]
 
 
+STDLIB_EXAMPLES = (
+    "read a csv file",
+    "parse command line arguments",
+    "run a function in a thread pool",
+    "compute a sha256 hash of bytes",
+)
+EXAMPLES_FROM_QUERIES = 3
+
+
 @dataclass(frozen=True)
 class StackConfig:
     run_dir: Path = Path(".run")
@@ -24,12 +33,9 @@ class StackConfig:
     rerank_checkpoint: Path | None = None
     gateway_port: int = 50051  # 0 = a free port
     host: str = "127.0.0.1"
-    examples: tuple[str, ...] = (
-        "read a csv file",
-        "parse command line arguments",
-        "run a function in a thread pool",
-        "compute a sha256 hash of bytes",
-    )
+    # None: fit the corpus (the stdlib queries below for the default corpus; the first
+    # queries of a queries.jsonl beside a custom corpus, as in BEIR folders; else none)
+    examples: tuple[str, ...] | None = None
     prometheus: bool = True  # when the prometheus binary is installed
     serve: bool = True  # False: stop after ingest + examples (used by the tests)
     train_sample: int = 5000  # enough for nlist ≈ 4·√N up to ~100k documents
@@ -57,3 +63,25 @@ class StackConfig:
 
     def snapshot_dir(self, shard: int, replica: int) -> Path:
         return self.run_dir / "snapshots" / f"shard-{shard}-replica-{replica}"
+
+
+def example_queries(cfg: StackConfig) -> tuple[str, ...]:
+    """The example searches ``up`` prints: ones that fit the corpus it ingested."""
+    import json
+
+    if cfg.examples is not None:
+        return cfg.examples
+    if cfg.corpus is None:
+        return STDLIB_EXAMPLES
+    queries = cfg.corpus.parent / "queries.jsonl"
+    if not queries.exists():
+        return ()
+    out: list[str] = []
+    with queries.open(encoding="utf-8") as fh:
+        for line in fh:
+            text = json.loads(line).get("text", "") if line.strip() else ""
+            if isinstance(text, str) and text.strip():
+                out.append(text.strip())
+            if len(out) == EXAMPLES_FROM_QUERIES:
+                break
+    return tuple(out)

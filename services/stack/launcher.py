@@ -27,7 +27,7 @@ from types import FrameType
 
 from services.stack import components
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
-from services.stack.config import StackConfig
+from services.stack.config import StackConfig, example_queries
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,10 @@ class Stack:
     def examples(self) -> None:
         from services.cli.client_commands import format_hits, search_once
 
-        for query in self.config.examples:
+        queries = example_queries(self.config)
+        if not queries:
+            _say("examples   none: no queries.jsonl beside the corpus to take them from")
+        for query in queries:
             response = search_once(
                 self.endpoints.gateway, query, k=3, timeout=30.0, consistency="strong"
             )
@@ -244,7 +247,8 @@ class Stack:
         for name, where in rows:
             if where:
                 print(f"  {name:<24} {where}")
-        print('\n  try:  .venv/bin/gtr-retrieval search "read a csv file"\n', flush=True)
+        queries = example_queries(self.config) or ("your query",)
+        print(f'\n  try:  .venv/bin/gtr-retrieval search "{queries[0]}"\n', flush=True)
 
 
 def run_stack(config: StackConfig) -> int:
