@@ -26,13 +26,11 @@ from services.gateway.server import start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.core.train import TrainOptions, train_index
 from services.index.server.process import start_shard
-from services.rerank.checkpoint import CeliConfig, build_model, save_checkpoint
 from services.rerank.server import start_rerank
 from services.rerank.settings import RerankSettings
-from services.rerank.tiny import write_tiny_backbone
+from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.stack import shard_settings
 
-WORDS = ["file", "read", "json", "csv", "thread", "pool", "hash", "bytes", "list", "row"]
 DOCS = [
     documents_pb2.Document(id=f"d{i:02d}", title=f"topic {i}", text=f"{WORDS[i % 10]} doc {i}")
     for i in range(20)
@@ -54,10 +52,7 @@ def index_dir(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Pa
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("rerank")
-    cfg = CeliConfig(max_len=48, max_query_len=8, d_tok=4)
-    model, tok = build_model(write_tiny_backbone(base / "bert", WORDS, seed=4), cfg, seed=9)
-    return save_checkpoint(model, tok, cfg, base / "ckpt")
+    return tiny_checkpoint(tmp_path_factory.mktemp("rerank"), WORDS)
 
 
 @asynccontextmanager

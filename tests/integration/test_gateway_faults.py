@@ -39,7 +39,7 @@ from services.common.errors import DeadlineExceeded, Unavailable
 from services.index import convert
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from tests.support.processes import free_port, start_redis, stop_process
+from tests.support.processes import RestartableRedis, free_port, start_redis, stop_process
 from tests.support.shards import ROOT, ShardCluster, run_shards, train_test_index
 
 N_DOCS = 1200
@@ -48,26 +48,8 @@ SHARD_SETTINGS = {"default-timeout-s": "2"}
 
 
 @dataclass
-class Redis:
-    port: int
-    data_dir: Path
-    process: subprocess.Popen[bytes]
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
-
-    def start(self) -> None:
-        self.process = start_redis(self.data_dir, self.port)
-
-
-@dataclass
 class Stack:
-    redis: Redis
+    redis: RestartableRedis
     cluster: ShardCluster
     gateway: str
     vectors: np.ndarray
@@ -95,7 +77,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
     vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:2000].astype(np.float32)
     index_dir = train_test_index(vectors, tmp / "index", nlist=32)
     port = free_port()
-    store = Redis(port, tmp / "redis", start_redis(tmp / "redis", port))
+    store = RestartableRedis(port, tmp / "redis", start_redis(tmp / "redis", port))
     lines = (scifact_dir / "corpus.jsonl").read_text().splitlines()[:N_DOCS]
     docs = [json.loads(line) for line in lines]
 

@@ -12,21 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.rerank.checkpoint import CeliConfig, build_model, load_checkpoint, save_checkpoint
+from services.rerank.checkpoint import load_checkpoint
 from services.rerank.scorer import CeliScorer
-from services.rerank.tiny import write_tiny_backbone
 from services.rerank.triton_repository import TritonRerankConfig, write_rerank_model
 from tests.support.processes import free_port
+from tests.support.rerank import tiny_checkpoint
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("rerank-triton")
-    cfg = CeliConfig(max_len=48, max_query_len=8, d_tok=4)
-    model, tok = build_model(write_tiny_backbone(base / "bert", WORDS, seed=4), cfg, seed=9)
-    return save_checkpoint(model, tok, cfg, base / "ckpt")
+    return tiny_checkpoint(tmp_path_factory.mktemp("rerank-triton"), WORDS)
 
 
 @pytest.fixture(scope="module")

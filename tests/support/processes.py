@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -89,3 +90,16 @@ def run_redis(data_dir: Path) -> Iterator[RedisServer]:
         yield RedisServer(port=port, data_dir=data_dir, process=proc)
     finally:
         stop_process(proc)
+
+
+@dataclass
+class RestartableRedis(RedisServer):
+    """A real redis-server that a test kills (``kill -9``) and starts again on the same
+    port with the same AOF directory."""
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def start(self) -> None:
+        self.process = start_redis(self.data_dir, self.port)

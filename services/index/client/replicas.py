@@ -179,6 +179,9 @@ class ShardStream:
 # --- hedging and suspicion ----------------------------------------------------
 
 
+P95_EVERY = 8  # answers between two recomputations of a replica's p95
+
+
 @dataclass(frozen=True)
 class HedgePolicy:
     enabled: bool = True
@@ -201,21 +204,24 @@ class Replica:
         self.stub = index_pb2_grpc.IndexShardServiceStub(self.channel)
         self.stream = ShardStream(self.stub, f"shard {shard} replica {address}")
         self._latencies: deque[float] = deque(maxlen=policy.window)
+        self._answers = 0
+        self._p95: float | None = None  # the hedge delay, once min_samples answers were seen
         self.misses = 0  # in a row
         self.suspect = False
         self._probe: asyncio.Task[None] | None = None
 
     def hedge_delay(self, remaining: float | None) -> float:
-        p = self.policy
-        if len(self._latencies) >= p.min_samples:
-            delay = max(p.min_delay_s, float(np.percentile(self._latencies, 95)))
-        else:
-            delay = p.unknown_delay_s
+        delay = self._p95 if self._p95 is not None else self.policy.unknown_delay_s
         return delay if remaining is None else min(delay, remaining / 2)
 
     def answered(self, seconds: float) -> None:
+        """Record an answer's latency; the p95 is recomputed every ``P95_EVERY`` answers
+        (once per wave would put a percentile of the window on every search's path)."""
         self._latencies.append(seconds)
         self.misses = 0
+        self._answers += 1
+        if len(self._latencies) >= self.policy.min_samples and self._answers % P95_EVERY == 0:
+            self._p95 = max(self.policy.min_delay_s, float(np.percentile(self._latencies, 95)))
 
     def missed(self, why: str) -> None:
         self.misses += 1

@@ -272,10 +272,7 @@ class IvfPqShard:
         has validated the request already (the batcher, for the shard service).
         """
         if not checked:
-            queries = self.validate(queries, k, nprobe)
-            self.check_filter(filter)
-            if probes is not None:
-                self.quantizer.check(probes, len(queries))
+            queries = self.check(queries, k, nprobe, filter, probes)
         nprobe = nprobe or self.manifest.nprobe
         with self.lock.read():
             selector = self._selector(filter)
@@ -325,6 +322,22 @@ class IvfPqShard:
             raise InvalidArgument(f"vector: shape {v.shape}, the index has dimension {self.dim}")
         if not np.isfinite(v).all():
             raise InvalidArgument("vector: NaN or Inf values")
+
+    def check(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int,
+        filter: FilterSpec = (),
+        probes: Probes | None = None,
+    ) -> np.ndarray:
+        """The one check of a search (InvalidArgument, or FailedPrecondition for probes of
+        other centroids); the queries as contiguous float32."""
+        queries = self.validate(queries, k, nprobe)
+        self.check_filter(filter)
+        if probes is not None:
+            self.quantizer.check(probes, len(queries))
+        return queries
 
     def validate(self, queries: np.ndarray, k: int, nprobe: int) -> np.ndarray:
         """InvalidArgument for a bad search; the queries as contiguous float32."""

@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -167,20 +167,7 @@ def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
     if problem:
         log.warning("this index cannot be searched on a GPU (shards will use the CPU): %s; "
                     "train with --gpu for GPU-compatible settings", problem)  # fmt: skip
-    return TrainOptions(
-        nlist=nlist,
-        pq_m=pq_m,
-        pq_bits=options.pq_bits,
-        refine=options.refine,
-        refine_factor=options.refine_factor,
-        nprobe=options.nprobe,
-        target_recall=options.target_recall,
-        tune_queries=options.tune_queries,
-        max_train_points=options.max_train_points,
-        seed=options.seed,
-        model=options.model,
-        gpu=options.gpu,
-    )
+    return replace(options, nlist=nlist, pq_m=pq_m)
 
 
 def rule_of_thumb_nprobe(nlist: int) -> int:

@@ -100,10 +100,7 @@ class SearchBatcher:
         request must not join, and fail, a batch) unless the caller already did
         (``checked``: the shard service checks every request once, where it enters)."""
         if not checked:
-            queries = self.shard.validate(queries, k, nprobe)
-            self.shard.check_filter(filter)
-            if probes is not None:
-                self.shard.quantizer.check(probes, len(queries))
+            queries = self.shard.check(queries, k, nprobe, filter, probes)
         loop = asyncio.get_running_loop()
         if filter:
             async with self._slots:

@@ -33,10 +33,9 @@ class ShardService:
         deadline = Deadline.after(self.default_timeout_s if timeout is None else timeout)
         # The one check of a search in this process, before any wait: a bad request
         # fails at once, whatever the consistency.
-        vectors = self.replica.shard.validate(query.vectors, query.k, query.nprobe)
-        self.replica.shard.check_filter(query.filter)
-        if query.probes is not None:
-            self.replica.shard.quantizer.check(query.probes, len(query.vectors))
+        vectors = self.replica.shard.check(
+            query.vectors, query.k, query.nprobe, query.filter, query.probes
+        )
         if query.consistency is Consistency.SESSION and query.min_position:
             positions.parse(query.min_position)
             await self.replica.wait_for(query.min_position, deadline.remaining())
