@@ -2,8 +2,8 @@
 
 The pipeline depends on these protocols, not on grpc, Redis or Triton. The server wires
 the real implementations, which speak the shared words of :mod:`services.common.domain`
-directly (no adapters): the index's :class:`~services.index.router.ShardRouter`, the
-change log's :class:`~services.index.changelog.ChangeLogWriter`, the
+directly (no adapters): the index's :class:`~services.index.client.router.ShardRouter`, the
+change log's :class:`~services.index.client.writer.ChangeLogWriter`, the
 :class:`~services.encoder.base.Encoder` (Triton or in-process) and the rerank client.
 """
 

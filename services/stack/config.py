@@ -79,7 +79,11 @@ def example_queries(cfg: StackConfig) -> tuple[str, ...]:
     out: list[str] = []
     with queries.open(encoding="utf-8") as fh:
         for line in fh:
-            text = json.loads(line).get("text", "") if line.strip() else ""
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:
+                continue  # a broken line is no example; the corpus itself was read fine
+            text = row.get("text", "") if isinstance(row, dict) else ""
             if isinstance(text, str) and text.strip():
                 out.append(text.strip())
             if len(out) == EXAMPLES_FROM_QUERIES:

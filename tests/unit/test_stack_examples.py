@@ -24,3 +24,9 @@ def test_a_beir_folder_gives_its_own_queries(tmp_path: Path) -> None:
 def test_a_corpus_without_queries_gets_none(tmp_path: Path) -> None:
     (tmp_path / "docs.jsonl").write_text('{"_id": "1", "text": "a document"}\n')
     assert example_queries(StackConfig(corpus=tmp_path / "docs.jsonl")) == ()
+
+
+def test_broken_lines_of_the_queries_file_are_passed_over(tmp_path: Path) -> None:
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "1", "text": "a document"}\n')
+    (tmp_path / "queries.jsonl").write_text('{"_id": "1", "text": "ok"}\nnot json\n[1, 2]\n')
+    assert example_queries(StackConfig(corpus=tmp_path / "corpus.jsonl")) == ("ok",)
