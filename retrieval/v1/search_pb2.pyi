@@ -212,6 +212,7 @@ class SearchResponse(_message.Message):
     RERANK_DEPTH_FIELD_NUMBER: _builtins.int
     RERANK_SKIPPED_FIELD_NUMBER: _builtins.int
     RERANK_SKIPPED_REASON_FIELD_NUMBER: _builtins.int
+    EMBEDDING_CACHED_FIELD_NUMBER: _builtins.int
     partial: _builtins.bool
     """True when some shards did not answer in time; their ids are in missing_shards."""
     model: _builtins.str
@@ -228,6 +229,11 @@ class SearchResponse(_message.Message):
     rerank_skipped_reason says why. A request that names its depth is never skipped.
     """
     rerank_skipped_reason: _builtins.str
+    embedding_cached: _builtins.bool
+    """True when the query embedding came from the gateway's query-embedding cache
+    (--query-cache): the encoder was not called for this query. timings.encode_ms is
+    then the cache lookup (in a BatchSearch, the wait for the batch's other queries too).
+    """
     @_builtins.property
     def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hit]: ...
     @_builtins.property
@@ -247,10 +253,11 @@ class SearchResponse(_message.Message):
         rerank_depth: _builtins.int = ...,
         rerank_skipped: _builtins.bool = ...,
         rerank_skipped_reason: _builtins.str = ...,
+        embedding_cached: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "missing_shards", b"missing_shards", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "rerank_skipped", b"rerank_skipped", "rerank_skipped_reason", b"rerank_skipped_reason", "reranked", b"reranked", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding_cached", b"embedding_cached", "hits", b"hits", "missing_shards", b"missing_shards", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "rerank_skipped", b"rerank_skipped", "rerank_skipped_reason", b"rerank_skipped_reason", "reranked", b"reranked", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
