@@ -309,6 +309,7 @@ class ShardStats(_message.Message):
     TARGET_RECALL_FIELD_NUMBER: _builtins.int
     MEASURED_RECALL_FIELD_NUMBER: _builtins.int
     IVF_ADVICE_FIELD_NUMBER: _builtins.int
+    SEARCHES_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     replica: _builtins.str
     dim: _builtins.int
@@ -346,6 +347,10 @@ class ShardStats(_message.Message):
     """Set when training found IVF the wrong choice for the corpus (a flat index would be
     exact and about as fast): its reason. Empty otherwise.
     """
+    searches: _builtins.int
+    """Query vectors this replica has answered since it started (each query of a batch
+    counts; a failed search does not): how the searches are split between replicas.
+    """
     def __init__(
         self,
         *,
@@ -372,10 +377,11 @@ class ShardStats(_message.Message):
         target_recall: _builtins.float = ...,
         measured_recall: _builtins.float = ...,
         ivf_advice: _builtins.str = ...,
+        searches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "gpu", b"gpu", "ivf_advice", b"ivf_advice", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "measured_recall", b"measured_recall", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "nprobe", b"nprobe", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "shard", b"shard", "snapshot_position", b"snapshot_position", "target_recall", b"target_recall", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "gpu", b"gpu", "ivf_advice", b"ivf_advice", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "measured_recall", b"measured_recall", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "nprobe", b"nprobe", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "searches", b"searches", "shard", b"shard", "snapshot_position", b"snapshot_position", "target_recall", b"target_recall", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -417,3 +423,96 @@ class SnapshotResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SnapshotResponse: _TypeAlias = SnapshotResponse  # noqa: Y015
+
+@_typing.final
+class FetchSnapshotRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    WITH_INDEX_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    """The shard the caller serves."""
+    replica: _builtins.str
+    """The caller's replica name (for the peer's log)."""
+    with_index: _builtins.bool
+    """Also send the trained index (manifest.json, trained.faiss, refine.faiss)."""
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        replica: _builtins.str = ...,
+        with_index: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica", "shard", b"shard", "with_index", b"with_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchSnapshotRequest: _TypeAlias = FetchSnapshotRequest  # noqa: Y015
+
+@_typing.final
+class SnapshotFile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """A file name, without directory."""
+    size: _builtins.int
+    sha256: _builtins.str
+    """Hex sha256 of the whole file."""
+    index: _builtins.bool
+    """A file of the trained index (else of the snapshot)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        index: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "name", b"name", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotFile: _TypeAlias = SnapshotFile  # noqa: Y015
+
+@_typing.final
+class SnapshotChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POSITION_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    position: _builtins.str
+    """First message only: the snapshot's log position and every file that follows."""
+    file: _builtins.int
+    """The other messages: `data` of files[file] starting at byte `offset`."""
+    offset: _builtins.int
+    data: _builtins.bytes
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___SnapshotFile]: ...
+    def __init__(
+        self,
+        *,
+        position: _builtins.str = ...,
+        files: _abc.Iterable[Global___SnapshotFile] | None = ...,
+        file: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "file", b"file", "files", b"files", "offset", b"offset", "position", b"position"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotChunk: _TypeAlias = SnapshotChunk  # noqa: Y015

@@ -59,6 +59,11 @@ class IndexShardServiceStub:
                 request_serializer=retrieval_dot_v1_dot_index__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=retrieval_dot_v1_dot_index__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
+        self.FetchSnapshot = channel.unary_stream(
+                '/retrieval.v1.IndexShardService/FetchSnapshot',
+                request_serializer=retrieval_dot_v1_dot_index__pb2.FetchSnapshotRequest.SerializeToString,
+                response_deserializer=retrieval_dot_v1_dot_index__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
 
 
 class IndexShardServiceServicer:
@@ -106,6 +111,18 @@ class IndexShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchSnapshot(self, request, context):
+        """This replica's newest snapshot (and, when asked, its trained index), streamed for
+        another replica of the same shard to start from: one with no usable snapshot whose
+        log was trimmed past its position (a new replica, a lost volume). The first message
+        lists the files (name, size, sha256) and the snapshot's log position; the others
+        carry each file's bytes in order, at most 1 MiB a message. UNAVAILABLE while this
+        replica is not serving; INVALID_ARGUMENT when the caller serves another shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +150,11 @@ def add_IndexShardServiceServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=retrieval_dot_v1_dot_index__pb2.SnapshotRequest.FromString,
                     response_serializer=retrieval_dot_v1_dot_index__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'FetchSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSnapshot,
+                    request_deserializer=retrieval_dot_v1_dot_index__pb2.FetchSnapshotRequest.FromString,
+                    response_serializer=retrieval_dot_v1_dot_index__pb2.SnapshotChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +292,33 @@ class IndexShardService:
             '/retrieval.v1.IndexShardService/Snapshot',
             retrieval_dot_v1_dot_index__pb2.SnapshotRequest.SerializeToString,
             retrieval_dot_v1_dot_index__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/retrieval.v1.IndexShardService/FetchSnapshot',
+            retrieval_dot_v1_dot_index__pb2.FetchSnapshotRequest.SerializeToString,
+            retrieval_dot_v1_dot_index__pb2.SnapshotChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,14 @@ class IndexShardServiceStub:
     """Sizes, positions and quantizer health of this replica."""
     Snapshot: _grpc.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]
     """Write a snapshot now (temp file, fsync, rename) and report its position."""
+    FetchSnapshot: _grpc.UnaryStreamMultiCallable[_index_pb2.FetchSnapshotRequest, _index_pb2.SnapshotChunk]
+    """This replica's newest snapshot (and, when asked, its trained index), streamed for
+    another replica of the same shard to start from: one with no usable snapshot whose
+    log was trimmed past its position (a new replica, a lost volume). The first message
+    lists the files (name, size, sha256) and the snapshot's log position; the others
+    carry each file's bytes in order, at most 1 MiB a message. UNAVAILABLE while this
+    replica is not serving; INVALID_ARGUMENT when the caller serves another shard.
+    """
 
 @_typing.type_check_only
 class IndexShardServiceAsyncStub(IndexShardServiceStub):
@@ -77,6 +85,14 @@ class IndexShardServiceAsyncStub(IndexShardServiceStub):
     """Sizes, positions and quantizer health of this replica."""
     Snapshot: _aio.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]  # type: ignore[assignment]
     """Write a snapshot now (temp file, fsync, rename) and report its position."""
+    FetchSnapshot: _aio.UnaryStreamMultiCallable[_index_pb2.FetchSnapshotRequest, _index_pb2.SnapshotChunk]  # type: ignore[assignment]
+    """This replica's newest snapshot (and, when asked, its trained index), streamed for
+    another replica of the same shard to start from: one with no usable snapshot whose
+    log was trimmed past its position (a new replica, a lost volume). The first message
+    lists the files (name, size, sha256) and the snapshot's log position; the others
+    carry each file's bytes in order, at most 1 MiB a message. UNAVAILABLE while this
+    replica is not serving; INVALID_ARGUMENT when the caller serves another shard.
+    """
 
 class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -128,5 +144,19 @@ class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_index_pb2.SnapshotResponse, _abc.Awaitable[_index_pb2.SnapshotResponse]]:
         """Write a snapshot now (temp file, fsync, rename) and report its position."""
+
+    @_abc_1.abstractmethod
+    def FetchSnapshot(
+        self,
+        request: _index_pb2.FetchSnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_index_pb2.SnapshotChunk], _abc.AsyncIterator[_index_pb2.SnapshotChunk]]:
+        """This replica's newest snapshot (and, when asked, its trained index), streamed for
+        another replica of the same shard to start from: one with no usable snapshot whose
+        log was trimmed past its position (a new replica, a lost volume). The first message
+        lists the files (name, size, sha256) and the snapshot's log position; the others
+        carry each file's bytes in order, at most 1 MiB a message. UNAVAILABLE while this
+        replica is not serving; INVALID_ARGUMENT when the caller serves another shard.
+        """
 
 def add_IndexShardServiceServicer_to_server(servicer: IndexShardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
