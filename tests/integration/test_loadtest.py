@@ -1,0 +1,282 @@
+"""The open-loop load generator against a real trivial gRPC server (loadtest/).
+
+The server is ``loadtest.trivial_server`` (the gateway's API, empty answers) on a free
+port, made to stall or fail on purpose through its ``on_request`` hook; the generator
+drives it over real sockets, as it drives the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from scipy import stats
+
+from loadtest import openloop
+from loadtest.closedloop import closed_loop
+from loadtest.overhead import trivial_server_process
+from loadtest.results import summarize
+from loadtest.runner import Records, RunConfig, run_open_loop
+from loadtest.schedule import arrival_offsets
+from loadtest.sweep import SweepConfig, plot, sweep
+from loadtest.target import Target
+from loadtest.trivial_server import Hook, start_trivial_server
+from loadtest.workload import Workload
+from retrieval.v1 import search_pb2, search_pb2_grpc
+
+QUERIES = ["alpha", "beta", "gamma", "delta"]
+
+
+async def with_server(
+    hook: Hook | None, body: Callable[[Target], Awaitable[Any]]
+) -> tuple[Any, int]:
+    """Run ``body(target)`` against a started trivial server; → (its result, server calls)."""
+    server, port, servicer = await start_trivial_server(0, hook)
+    try:
+        return await body(Target(f"127.0.0.1:{port}")), servicer.calls
+    finally:
+        await server.stop(0)
+
+
+def run(hook: Hook | None, cfg: RunConfig, workload: Workload | None = None) -> tuple[Records, int]:
+    async def body(target: Target) -> Records:
+        return await run_open_loop(target, workload or Workload(queries=QUERIES), cfg)
+
+    return asyncio.run(with_server(hook, body))
+
+
+def test_poisson_schedule_is_seeded_and_has_the_mean_rate() -> None:
+    a = arrival_offsets(200.0, 30.0, process="poisson", seed=7)
+    b = arrival_offsets(200.0, 30.0, process="poisson", seed=7)
+    c = arrival_offsets(200.0, 30.0, process="poisson", seed=8)
+    assert np.array_equal(a, b) and not np.array_equal(a[:100], c[:100])
+    expected = 200.0 * 30.0
+    assert abs(len(a) - expected) < 4 * np.sqrt(expected)  # Poisson count, 4 sigma
+    gaps = np.diff(a)
+    # Exponential gaps of mean 1/rate: a KS test cannot reject them (seeded, so stable).
+    assert stats.kstest(gaps, "expon", args=(0, 1 / 200.0)).pvalue > 0.01
+    fixed = arrival_offsets(50.0, 2.0, process="fixed")
+    assert len(fixed) == 100 and np.allclose(np.diff(fixed), 0.02)
+
+
+def test_fixed_schedule_is_kept_against_a_real_server() -> None:
+    records, calls = run(None, RunConfig(rate=100.0, duration_s=1.0, process="fixed"))
+    assert len(records.codes) == calls == 100
+    assert set(records.codes) == {"OK"}
+    # Sent on schedule: spacing of the actual sends is the interval, by absolute time
+    # (no drift: the last request leaves ~0.99 s after the first, not later).
+    sent = records.sent - records.start
+    assert np.median(np.diff(sent)) == pytest.approx(0.01, abs=0.002)
+    assert sent[-1] - sent[0] == pytest.approx(0.99, abs=0.05)
+    summary = summarize(records, slo_ms=50.0)
+    assert summary["scheduled_rate"] == pytest.approx(100.0, rel=1e-6)
+
+
+def test_poisson_run_offers_the_mean_rate() -> None:
+    records, calls = run(None, RunConfig(rate=300.0, duration_s=2.0, seed=3))
+    assert calls == len(records.codes)
+    # The run's schedule is the seeded one, and its count is within 4 sigma of rate x time.
+    expected = arrival_offsets(300.0, 2.0, process="poisson", seed=3)
+    assert np.allclose(records.due - records.start, expected)
+    assert abs(len(records.codes) - 600) < 4 * np.sqrt(600)
+
+
+class StallOnce:
+    """The server answers nothing for ``seconds`` from its ``after``-th request on."""
+
+    def __init__(self, after: int, seconds: float) -> None:
+        self.after, self.seconds = after, seconds
+        self.seen = 0
+        self.until: float | None = None
+
+    async def __call__(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        loop = asyncio.get_running_loop()
+        self.seen += 1
+        if self.seen == self.after:
+            self.until = loop.time() + self.seconds
+        if self.until is not None and loop.time() < self.until:
+            await asyncio.sleep(self.until - loop.time())
+
+
+def test_a_stall_is_in_the_latency_of_every_request_due_during_it() -> None:
+    """Coordinated omission: 300 ms of stall at 200 requests/s. The open-loop generator
+    keeps sending, so every request due in the stall's first 150 ms waits ≥ 150 ms
+    (~30 of them); a closed-loop client against the same stall sees one slow request."""
+    stall_s, rate = 0.3, 200.0
+    records, _ = run(
+        StallOnce(after=40, seconds=stall_s),
+        RunConfig(rate=rate, duration_s=1.0, process="fixed"),
+    )
+    latency = records.latency_s
+    assert set(records.codes) == {"OK"}
+    slow = int(np.count_nonzero(latency >= stall_s / 2))
+    assert slow >= 0.8 * rate * stall_s / 2  # ~30 requests carry at least half the stall
+    assert latency.max() >= 0.9 * stall_s
+    summary = summarize(records, slo_ms=50.0)
+    assert summary["p99_ms"] >= 0.8 * stall_s * 1e3
+    assert not summary["slo_met"] and summary["slo_attainment"] < 0.9
+
+    async def closed(target: Target) -> Any:
+        async with target.aio_channel() as channel:
+            stub = search_pb2_grpc.SearchServiceStub(channel)
+            req = search_pb2.SearchRequest(query="q", k=1)
+            return await closed_loop(lambda i: stub.Search(req, timeout=5), 1, 1.0, 200)
+
+    result, _ = asyncio.run(with_server(StallOnce(after=40, seconds=stall_s), closed))
+    lat = np.asarray(result.latencies_s)
+    assert lat.max() >= 0.9 * stall_s
+    # The stall hides in one sample (≤ 2: a scheduling hiccup of the shared machine).
+    assert int(np.count_nonzero(lat >= stall_s / 2)) <= 2 < slow / 10
+
+
+def test_a_generator_that_falls_behind_reports_its_lag() -> None:
+    """A synchronous 200 ms stall of the process blocks the sender too (server and
+    generator share the loop here): requests due meanwhile leave late, the lag says so,
+    and their latency still counts from the schedule."""
+    blocked = {"done": False}
+
+    async def block_once(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if not blocked["done"]:
+            blocked["done"] = True
+            time.sleep(0.2)  # blocks the whole event loop, on purpose
+
+    records, _ = run(block_once, RunConfig(rate=200.0, duration_s=0.6, process="fixed"))
+    summary = summarize(records, slo_ms=50.0)
+    assert summary["generator_lag_max_ms"] >= 150.0
+    assert summary["generator_behind"]
+    late = records.lag_s > 0.1
+    assert np.count_nonzero(late) >= 10
+    assert np.all(records.latency_s[late] >= records.lag_s[late])
+    assert np.all(records.latency_s[late] > records.service_s[late])
+
+
+def test_runs_are_bounded_by_count_and_by_time() -> None:
+    began = time.perf_counter()
+    records, calls = run(None, RunConfig(rate=1000.0, duration_s=30.0, count=50))
+    assert len(records.codes) == calls == 50
+    assert time.perf_counter() - began < 10.0  # the count ended it, not the 30 s
+    records, calls = run(None, RunConfig(rate=200.0, duration_s=0.5, process="fixed"))
+    assert len(records.codes) == calls == 100
+    assert float(np.max(records.due - records.start)) < 0.5
+
+
+def test_errors_are_counted_by_status_code() -> None:
+    seen: Counter[str] = Counter()
+
+    async def fail_by_query(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if request.query == "bad":
+            seen["INVALID_ARGUMENT"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad query")
+        if request.query == "missing":
+            seen["NOT_FOUND"] += 1
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
+        if request.query == "slow":
+            seen["DEADLINE_EXCEEDED"] += 1
+            await asyncio.sleep(1.0)  # beyond the client's 0.2 s deadline
+        seen["OK"] += 1
+
+    workload = Workload(queries=["fine", "bad", "missing", "slow"])
+    cfg = RunConfig(rate=100.0, duration_s=1.0, timeout_s=0.2, seed=5)
+    records, calls = run(fail_by_query, cfg, workload)
+    summary = summarize(records, slo_ms=50.0)
+    assert calls == summary["requests"] == sum(seen.values())
+    assert summary["errors"] == {k: v for k, v in seen.items() if k != "OK"}
+    assert summary["ok"] == seen["OK"] > 0
+    assert summary["slo_attainment"] <= seen["OK"] / calls
+    assert summary["error_fraction"] == pytest.approx(1 - seen["OK"] / calls)
+
+
+def test_partial_results_are_counted_from_the_responses() -> None:
+    """Searches for "part" come back partial (shard 1 missing), and a batch holding one
+    counts once; upserts go out under the run's own id prefix."""
+    partial_sent = Counter[str]()
+
+    async def partial_for_part(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, search_pb2.SearchRequest) and request.query == "part":
+            partial_sent["search"] += 1
+            return search_pb2.SearchResponse(partial=True, missing_shards=[1])
+        if isinstance(request, search_pb2.BatchSearchRequest):
+            answers = [
+                search_pb2.SearchResponse(partial=r.query == "part") for r in request.requests
+            ]
+            partial_sent["batch"] += any(a.partial for a in answers)
+            return search_pb2.BatchSearchResponse(responses=answers)
+        return None
+
+    workload = Workload(
+        queries=["part", "whole", "whole"],
+        mix={"search": 0.5, "batch": 0.25, "upsert": 0.25},
+        batch_size=2,
+        documents=[("t", "some text")],
+        id_prefix="lt:",
+    )
+    records, _ = run(partial_for_part, RunConfig(rate=200.0, duration_s=0.5, seed=2), workload)
+    summary = summarize(records, slo_ms=50.0)
+    assert set(summary["ops"]) == {"search", "batch", "upsert"}
+    assert summary["errors"] == {}
+    assert partial_sent["search"] > 0 and partial_sent["batch"] > 0
+    assert summary["partial"] == partial_sent["search"] + partial_sent["batch"]
+    assert summary["partial_fraction"] == pytest.approx(summary["partial"] / summary["ok"])
+    ids = [
+        d.id
+        for m in workload.requests(20, seed=2, run_tag="x-")[1]
+        for d in getattr(m, "documents", [])
+    ]
+    assert ids and all(i.startswith("lt:x-") for i in ids)
+
+
+def test_cli_prints_a_table_and_a_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with trivial_server_process() as address:
+        code = openloop.main(
+            ["--target", address, "--rate", "100", "--duration", "0.5", "--arrivals", "fixed"]
+        )
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    for key in ("offered_rate", "achieved_rate", "p50_ms", "p90_ms", "p99_ms", "p99_9_ms",
+                "errors", "partial", "partial_fraction", "slo_ms", "slo_attainment",
+                "generator_lag_p99_ms", "generator_behind", "requests"):  # fmt: skip
+        assert key in result, key
+    assert result["requests"] == 50 and result["errors"] == {}
+    assert result["slo_ms"] == 50.0  # the default model's end-to-end budget
+    assert any(line.strip().startswith("p99_ms") for line in lines[:-1])
+
+
+def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert openloop.main(["--mix", "search=1,explode=2"]) == 2
+    assert "unknown operation 'explode'" in capsys.readouterr().err
+
+
+def test_sweep_stops_when_the_slo_breaks_and_draws_a_png(tmp_path: Path) -> None:
+    """A server that serves one request at a time in 10 ms (capacity 100/s): the sweep
+    climbs 25, 50, ... and must stop at the first rate whose p99 leaves 50 ms."""
+    lock = asyncio.Lock()
+
+    async def serial(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async with lock:
+            await asyncio.sleep(0.01)
+
+    cfg = SweepConfig(start_rate=25.0, slo_ms=50.0, factor=2.0, step_s=1.5, refine=1,
+                      cooldown_s=0.2, lag_limit_ms=20.0)  # fmt: skip
+
+    async def body(target: Target) -> Any:
+        return await sweep(target, Workload(queries=QUERIES), RunConfig(1.0, 1.0), cfg)
+
+    result, _ = asyncio.run(with_server(serial, body))
+    assert result["stop_reason"] == "slo"
+    rates = [s["offered_rate"] for s in result["steps"]]
+    assert rates[:2] == [25.0, 50.0]
+    assert result["first_failing_rate"] <= 200.0  # twice the capacity never passes
+    assert result["best_rate"] is not None and result["best_rate"] < 100.0
+    climb = [s for s in result["steps"] if s["offered_rate"] in (25.0, 50.0, 100.0, 200.0)]
+    assert climb[-1]["slo_met"] is False and all(s["slo_met"] for s in climb[:-1])
+    png = plot(result, tmp_path / "sweep.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
