@@ -8,7 +8,10 @@ drives it over real sockets, as it drives the gateway.
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -280,3 +283,21 @@ def test_sweep_stops_when_the_slo_breaks_and_draws_a_png(tmp_path: Path) -> None
     assert climb[-1]["slo_met"] is False and all(s["slo_met"] for s in climb[:-1])
     png = plot(result, tmp_path / "sweep.png", "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_locust_file_starts_and_sends_requests(tmp_path: Path) -> None:
+    """``locust -f loadtest/locustfile.py --headless`` against the trivial server: it
+    starts, its users send Search and BatchSearch, and none fails."""
+    root = Path(__file__).resolve().parents[2]
+    with trivial_server_process() as address:
+        done = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(root / "loadtest" / "locustfile.py"),
+             "--headless", "-u", "2", "-r", "2", "-t", "3s", "--host", address,
+             "--gtr-rate", "20", "--csv", str(tmp_path / "run"), "--only-summary"],
+            cwd=root, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    with (tmp_path / "run_stats.csv").open() as fh:
+        rows = {row["Name"]: row for row in csv.DictReader(fh)}
+    assert int(rows["Search"]["Request Count"]) > 5
+    assert int(rows["Aggregated"]["Failure Count"]) == 0
