@@ -236,7 +236,9 @@ def format_hits(query: str, response: search_pb2.SearchResponse, width: int | No
         f'"{query}"  ({len(response.hits)} hits, {t.total_ms:.0f} ms: encode '
         f"{t.encode_ms:.0f}, search {t.search_ms:.0f}, fetch {t.fetch_ms:.0f}"
         + (f", rerank {t.rerank_ms:.0f}" if response.reranked else "")
-        + f"; model {response.model})"
+        + f"; model {response.model}"
+        + ("; query embedding from the cache" if response.embedding_cached else "")
+        + ")"
     )
     if response.partial:
         head += f"  PARTIAL: shards {list(response.missing_shards)} missing"

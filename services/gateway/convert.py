@@ -79,6 +79,7 @@ def result_to_pb(r: SearchResult) -> search_pb2.SearchResponse:
         rerank_depth=r.rerank_depth,
         rerank_skipped=r.rerank_skipped,
         rerank_skipped_reason=r.rerank_skipped_reason,
+        embedding_cached=r.embedding_cached,
     )
 
 

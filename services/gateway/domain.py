@@ -55,6 +55,7 @@ class SearchResult:
     rerank_depth: int = 0
     rerank_skipped: bool = False  # asked for, but no measured depth fit the time left
     rerank_skipped_reason: str = ""
+    embedding_cached: bool = False  # the query embedding came from the query cache
 
 
 @dataclass(frozen=True)

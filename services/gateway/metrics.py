@@ -81,7 +81,8 @@ class GatewayMetrics:
         ):
             if ms or stage == "total":
                 self.stage_seconds.labels(stage, self.model, self.size).observe(ms / 1000.0)
-        self.encode_seconds.labels(self.model, self.size).observe(t.encode_ms / 1000.0)
+        if not result.embedding_cached:  # the encoder's latency, not the cache's
+            self.encode_seconds.labels(self.model, self.size).observe(t.encode_ms / 1000.0)
         if result.partial:
             self.partial_results.inc()
         self.searches.labels(str(result.reranked).lower()).inc()

@@ -32,6 +32,7 @@ from services.gateway.domain import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.ports import DocRecord, DocumentStore, Encoder, Reranker, VectorIndex
+from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.texts import cut_for_encoder
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class SearchPipeline:
     # 0..1, how far in-flight requests are past the high-water mark (1: at the limit);
     # services.common.server.Admission.pressure. Rerank is shed by it.
     pressure: Callable[[], float] = field(default=lambda: 0.0)
+    # Query embeddings kept in Redis (--query-cache); None: every query is encoded.
+    query_cache: QueryEmbeddingCache | None = None
 
     async def search(self, query: SearchQuery, timeout: float | None) -> SearchResult:
         return (await self.search_batch([query], timeout, batch=False))[0]
@@ -99,9 +102,7 @@ class SearchPipeline:
             raise FailedPrecondition("rerank: no rerank service is configured on this gateway")
 
         t = time.perf_counter()
-        embedded = await self.encoder.encode(
-            [q.text for q in queries], "query", timeout=deadline.remaining()
-        )
+        vectors, truncated, cached = await self._embed([q.text for q in queries], deadline)
         encode_ms = _ms(t)
 
         plans = [self._rerank_depth(q, deadline) for q in queries]
@@ -109,7 +110,7 @@ class SearchPipeline:
         fetch_ks = [max(q.k, d) for q, d in zip(queries, depths, strict=True)]
         t = time.perf_counter()
         routed = await self._strong_as_session(queries, deadline)
-        index_results = await self._search_index(routed, fetch_ks, embedded.vectors, deadline)
+        index_results = await self._search_index(routed, fetch_ks, vectors, deadline)
         search_ms = _ms(t)
 
         fetch_ms = await self._fetch_documents(queries, depths, index_results, deadline)
@@ -120,9 +121,10 @@ class SearchPipeline:
             ]
         )
         total_ms = _ms(start)
-        for result, truncated in zip(results, embedded.truncated, strict=True):
+        for result, cut, from_cache in zip(results, truncated, cached, strict=True):
             result.model = self.encoder.model_name
-            result.query_truncated = truncated
+            result.query_truncated = cut
+            result.embedding_cached = from_cache
             result.timings.encode_ms = encode_ms
             result.timings.search_ms = search_ms
             result.timings.fetch_ms = fetch_ms
@@ -130,6 +132,39 @@ class SearchPipeline:
             if self.metrics is not None:
                 self.metrics.observe_search(result)
         return list(results)
+
+    async def _embed(
+        self, texts: list[str], deadline: Deadline
+    ) -> tuple[np.ndarray, list[bool], list[bool]]:
+        """(vectors, truncated, from the cache) per text. With the query cache: one
+        lookup for all texts, one encoder call for the distinct misses (texts with one
+        normal form are encoded once), the new embeddings stored in the background."""
+        cache = self.query_cache
+        if cache is None:
+            embedded = await self.encoder.encode(texts, "query", timeout=deadline.remaining())
+            return embedded.vectors, list(embedded.truncated), [False] * len(texts)
+        found = await cache.lookup(texts, "query", timeout=deadline.remaining())
+        vectors = np.empty((len(texts), self.encoder.dim), dtype=np.float32)
+        truncated = [False] * len(texts)
+        misses: dict[str, list[int]] = {}
+        for i, (text, hit) in enumerate(zip(texts, found, strict=True)):
+            if hit is None:
+                misses.setdefault(cache.key(text, "query"), []).append(i)
+            else:
+                vectors[i] = hit.vector
+                truncated[i] = hit.truncated
+        if misses:
+            rows = [group[0] for group in misses.values()]
+            miss_texts = [texts[i] for i in rows]
+            embedded = await self.encoder.encode(miss_texts, "query", timeout=deadline.remaining())
+            for group, row, cut in zip(
+                misses.values(), embedded.vectors, embedded.truncated, strict=True
+            ):
+                for i in group:
+                    vectors[i] = row
+                    truncated[i] = cut
+            cache.store(miss_texts, "query", embedded.vectors, embedded.truncated)
+        return vectors, truncated, [hit is not None for hit in found]
 
     def _rerank_depth(self, q: SearchQuery, deadline: Deadline) -> tuple[int, str]:
         """(depth, why the rerank is skipped). The depth the request names, else the

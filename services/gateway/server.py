@@ -19,8 +19,9 @@ from services.common.metrics import RpcMetrics
 from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.encoder.base import Encoder
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, QueryCacheMetrics
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
+from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer
 from services.gateway.settings import GatewaySettings, parse_shard_addresses
@@ -114,6 +115,22 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         encode_slo_ms=settings.encode_slo_ms,
         search_slo_ms=settings.search_slo_ms,
     )
+    query_cache = (
+        QueryEmbeddingCache(
+            settings.query_cache_redis_url or settings.redis_url,
+            model=encoder.model_name,
+            size=settings.encoder_size,
+            dim=encoder.dim,
+            ttl_s=settings.query_cache_ttl_s,
+            max_entries=settings.query_cache_max_entries,
+            timeout_s=settings.query_cache_timeout_ms / 1000.0,
+            lowercase=settings.query_cache_lowercase,
+            max_connections=settings.redis_max_connections,
+            metrics=QueryCacheMetrics.create(registry),
+        )
+        if settings.query_cache
+        else None
+    )
     admission = Admission(
         settings.max_in_flight, settings.retry_after_ms, high_water=settings.shed_high_water
     )
@@ -125,6 +142,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         metrics=metrics,
         default_timeout_s=settings.default_timeout_s,
         pressure=admission.pressure,
+        query_cache=query_cache,
     )
     documents = DocumentPipeline(encoder, store, default_timeout_s=settings.default_timeout_s)
 
@@ -142,6 +160,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         settings, register, RpcMetrics.create(registry, "gateway"), admission
     )
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
+    closers: list[object] = [encoder, router, store, reranker, query_cache, redis_health]
     server.watch(
         redis_health.check, settings.health_interval_s, f"gateway (Redis {settings.redis_url})"
     )
@@ -153,7 +172,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         router.num_shards,
         settings.rerank_url or "off",
     )
-    return Gateway(server, port, registry, [encoder, router, store, reranker, redis_health])
+    return Gateway(server, port, registry, closers)
 
 
 async def serve(settings: GatewaySettings) -> None:

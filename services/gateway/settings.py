@@ -92,6 +92,38 @@ class GatewaySettings(ServiceSettings):
         description="Send a search also to another replica of a shard when the first is "
         "slower than its recent p95 (the first answer wins).",
     )
+    query_cache: bool = Field(
+        False,
+        description="Keep query embeddings in Redis (key: model, size, kind and the "
+        "normalised text) so that a repeated query skips the encoder; the response's "
+        "embedding_cached says when. A cache error never fails a search (it is encoded).",
+    )
+    query_cache_redis_url: str | None = Field(
+        None, description="Redis of the query cache; unset = --redis-url."
+    )
+    query_cache_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Lifetime of a cached embedding from its insert (hits do not extend "
+        "it), so a model replaced under the same name is picked up within it.",
+    )
+    query_cache_max_entries: int = Field(
+        50_000,
+        ge=1,
+        description="Most cached embeddings; past it the least recently used are evicted. "
+        "An entry costs about dim x 4 + 200 bytes (MiniLM: ~1.7 KB, GTR: ~3.3 KB).",
+    )
+    query_cache_timeout_ms: float = Field(
+        50.0,
+        gt=0,
+        description="A cache lookup slower than this is given up (counted as an error) "
+        "and the queries are encoded; after an error the cache is bypassed for a second.",
+    )
+    query_cache_lowercase: bool = Field(
+        False,
+        description="Lowercase texts in the cache key: only for an uncased model whose "
+        "tokenizer lowercases anyway (all-MiniLM-L6-v2 yes, GTR no).",
+    )
     shed_high_water: float = Field(
         0.75,
         gt=0,

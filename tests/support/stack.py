@@ -52,7 +52,9 @@ async def running_stack(
     shards: int = 2,
     replicas: int = 1,
     triton_url: str | None = None,
+    gateway_settings: dict[str, object] | None = None,
 ) -> AsyncIterator[TestStack]:
+    """``gateway_settings``: more GatewaySettings fields (e.g. ``{"query_cache": True}``)."""
     running: list[list[RunningShard]] = []
     gateway = None
     try:
@@ -69,6 +71,7 @@ async def running_stack(
                 shards=spec,
                 encoder="triton" if triton_url else "inprocess",
                 triton_url=triton_url or "127.0.0.1:1",
+                **(gateway_settings or {}),  # type: ignore[arg-type]
             )
         )
         yield TestStack(gateway, running)

@@ -1,0 +1,258 @@
+"""The query-embedding cache: a query's embedding kept in Redis, so that a query asked
+again skips the encoder (Triton) round trip.
+
+An entry is keyed by what decides the embedding: the model name, the size profile, the
+embedding width, the input kind (query/document) and the normalised text (a SHA-256 of
+them; see :func:`normalise`). Its value is one flag byte (the text was truncated to the
+model's query length) and the little-endian float32 vector.
+
+* **TTL** (``ttl_s``): fixed from the insert, never refreshed by a hit, so that an
+  embedding is recomputed at least once per TTL (a model replaced under the same name
+  is picked up within it).
+* **Size bound** (``max_entries``): Redis' ``maxmemory`` is global (it would evict
+  documents too), so the cache bounds itself. A sorted set holds every entry's key,
+  scored by its last use (Redis' own clock, ``TIME``); an insert adds its entries, drops
+  the members that are surely expired (last used more than a TTL ago) and then pops the
+  least recently used members, deleting their entries, until at most ``max_entries``
+  remain. Lookup and insert are each one Lua script, atomic in Redis, so the bound holds
+  under any number of concurrent gateways: every live entry is a member of the set, and
+  the set is never left above the bound.
+* **Redis Cluster**: every key carries the hash tag ``{gtr-qcache}``, so the scripts'
+  keys are in one slot.
+* **Never fails a search**: a lookup is bounded by ``timeout_s`` (and the request's
+  deadline); a Redis error or a slow lookup is counted and the queries are encoded as if
+  they had missed. After an error the cache is bypassed for ``backoff_s`` (counted too),
+  so that a Redis that is down costs searches nothing. Inserts run in the background
+  after the response; their failures are counted.
+
+No grpc here; the gateway pipeline calls :meth:`QueryEmbeddingCache.lookup` before the
+encoder and :meth:`QueryEmbeddingCache.store` with what the encoder returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+
+from services.encoder.profiles import Kind
+from services.gateway.metrics import QueryCacheMetrics
+
+log = logging.getLogger(__name__)
+
+HASH_TAG = "{gtr-qcache}"
+KEY_PREFIX = f"qcache:{HASH_TAG}:"
+LRU_KEY = KEY_PREFIX + "lru"
+# Background inserts at most in flight; more are dropped (and counted), not queued.
+MAX_PENDING_STORES = 64
+
+# The whitespace every tokenizer we serve splits on and never keeps: ASCII space, tab,
+# newline, carriage return and the Unicode space separators (category Zs). BERT's
+# normaliser maps them to a space and splits there; T5's SentencePiece (nmt_nfkc) folds
+# them to a space and removes runs of them. Other control characters (\f, \v, \x1c..)
+# are not collapsed: BERT deletes them instead of splitting, so "a\fb" reads as "ab".
+_SPACE_RUN = re.compile(
+    "[ \t\n\r\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]+",
+)
+
+# KEYS[1]: the LRU set, KEYS[2..]: the entries. Returns each entry's value or nil; a hit
+# becomes the most recently used, a miss leaves the set (its entry expired).
+_LOOKUP = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+for i = 2, #KEYS do
+  local value = redis.call('GET', KEYS[i])
+  if value then
+    redis.call('ZADD', KEYS[1], now, KEYS[i])
+    out[i - 1] = value
+  else
+    redis.call('ZREM', KEYS[1], KEYS[i])
+    out[i - 1] = false
+  end
+end
+return out
+"""
+
+# KEYS[1]: the LRU set, KEYS[2..]: the entries; ARGV[1]: TTL in ms, ARGV[2]: the bound,
+# ARGV[3..]: the values. Returns how many entries were evicted to keep the bound.
+_INSERT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[1])
+local bound = tonumber(ARGV[2])
+for i = 2, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ttl)
+  redis.call('ZADD', KEYS[1], now, KEYS[i])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - ttl))
+local over = redis.call('ZCARD', KEYS[1]) - bound
+local evicted = 0
+if over > 0 then
+  local popped = redis.call('ZPOPMIN', KEYS[1], over)
+  for j = 1, #popped, 2 do
+    redis.call('DEL', popped[j])
+    evicted = evicted + 1
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+return evicted
+"""
+
+
+def normalise(text: str, lowercase: bool = False) -> str:
+    """The text as the encoder effectively reads it: Unicode NFC, runs of whitespace as
+    one space, no leading or trailing whitespace; lowercased only for an uncased model
+    (whose tokenizer lowercases anyway: all-MiniLM-L6-v2's BERT tokenizer does, GTR's T5
+    SentencePiece does not). NFC is invisible to both tokenizers (T5 applies NFKC, an
+    uncased BERT NFD), so two texts with one normal form share one embedding."""
+    out = _SPACE_RUN.sub(" ", unicodedata.normalize("NFC", text)).strip(" ")
+    return out.lower() if lowercase else out
+
+
+@dataclass(frozen=True)
+class CachedEmbedding:
+    vector: np.ndarray  # float32 (dim,)
+    truncated: bool
+
+
+class QueryEmbeddingCache:
+    """Embeddings of (model, size, kind, normalised text) in Redis, bounded and expiring."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        model: str,
+        size: str,
+        dim: int,
+        ttl_s: float,
+        max_entries: int,
+        timeout_s: float = 0.05,
+        lowercase: bool = False,
+        backoff_s: float = 1.0,
+        max_connections: int = 64,
+        metrics: QueryCacheMetrics | None = None,
+    ) -> None:
+        if ttl_s <= 0 or max_entries < 1 or dim < 1 or timeout_s <= 0:
+            raise ValueError("query cache: ttl_s, max_entries, dim and timeout_s must be > 0")
+        self.model = model
+        self.size = size
+        self.dim = dim
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self.max_entries = max_entries
+        self.timeout_s = timeout_s
+        self.lowercase = lowercase
+        self.backoff_s = backoff_s
+        self.metrics = metrics
+        # A client of its own: short socket timeouts, no retries (a failed lookup is a
+        # miss), so a slow or absent Redis never holds a search.
+        self._redis: Any = aioredis.Redis.from_url(
+            redis_url,
+            socket_timeout=timeout_s * 4,
+            socket_connect_timeout=timeout_s * 4,
+            max_connections=max_connections,
+        )
+        self._lookup = self._redis.register_script(_LOOKUP)
+        self._insert = self._redis.register_script(_INSERT)
+        self._pending: set[asyncio.Task[None]] = set()
+        self._bypass_until = 0.0
+
+    def key(self, text: str, kind: Kind) -> str:
+        """The entry of ``text`` embedded as ``kind`` by this cache's model and size."""
+        ident = "\x00".join((self.model, self.size, str(self.dim), kind))
+        digest = hashlib.sha256(
+            (ident + "\x00" + normalise(text, self.lowercase)).encode("utf-8", "surrogatepass")
+        ).hexdigest()
+        return KEY_PREFIX + digest
+
+    def _count(self, result: str, n: int = 1) -> None:
+        if self.metrics is not None and n:
+            self.metrics.lookups.labels(result).inc(n)
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self._bypass_until = time.monotonic() + self.backoff_s
+        if self.metrics is not None:
+            self.metrics.errors.labels(op).inc()
+        log.warning("query cache %s failed (bypassed for %.1f s): %r", op, self.backoff_s, exc)
+
+    async def lookup(
+        self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+    ) -> list[CachedEmbedding | None]:
+        """Each text's cached embedding or None, in one round trip. Never raises (but for
+        cancellation): an error or a lookup slower than ``timeout_s`` (or ``timeout``)
+        answers all None."""
+        if not texts:
+            return []
+        if time.monotonic() < self._bypass_until:
+            self._count("bypassed", len(texts))
+            return [None] * len(texts)
+        limit = self.timeout_s if timeout is None else max(0.0, min(self.timeout_s, timeout))
+        keys = [self.key(t, kind) for t in texts]
+        try:
+            async with asyncio.timeout(limit):
+                values = await self._lookup(keys=[LRU_KEY, *keys])
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            self._failed("lookup", exc)
+            self._count("error", len(texts))
+            return [None] * len(texts)
+        found = [self._decode(v) for v in values]
+        hits = sum(f is not None for f in found)
+        self._count("hit", hits)
+        self._count("miss", len(found) - hits)
+        return found
+
+    def _decode(self, value: bytes | None) -> CachedEmbedding | None:
+        if value is None or len(value) != 1 + 4 * self.dim:
+            return None
+        vector = np.frombuffer(value, dtype="<f4", offset=1).astype(np.float32)
+        return CachedEmbedding(vector, value[0] == 1)
+
+    def store(
+        self, texts: Sequence[str], kind: Kind, vectors: np.ndarray, truncated: Sequence[bool]
+    ) -> None:
+        """Insert the embeddings in the background (the search does not wait for it)."""
+        if not texts:
+            return
+        if len(self._pending) >= MAX_PENDING_STORES or time.monotonic() < self._bypass_until:
+            if self.metrics is not None:
+                self.metrics.stores.labels("dropped").inc(len(texts))
+            return
+        entries: dict[str, bytes] = {}
+        for text, row, cut in zip(texts, vectors, truncated, strict=True):
+            flag = b"\x01" if cut else b"\x00"
+            entries[self.key(text, kind)] = flag + np.asarray(row, dtype="<f4").tobytes()
+        task = asyncio.get_running_loop().create_task(self._store(entries))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _store(self, entries: dict[str, bytes]) -> None:
+        args: list[int | bytes] = [self.ttl_ms, self.max_entries, *entries.values()]
+        try:
+            async with asyncio.timeout(self.timeout_s * 4):
+                evicted = await self._insert(keys=[LRU_KEY, *entries], args=args)
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            self._failed("store", exc)
+            return
+        if self.metrics is not None:
+            self.metrics.stores.labels("stored").inc(len(entries))
+            self.metrics.evictions.inc(int(evicted))
+
+    async def drain(self) -> None:
+        """Wait for the background inserts started so far."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.drain()
+        await self._redis.aclose()

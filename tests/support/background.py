@@ -1,0 +1,71 @@
+"""A test stack that lives for a whole test module: its servers run on an event loop in
+a thread of their own, and the tests drive it with blocking gRPC clients (as a client
+process would), so that one stack serves every test of the module, including
+``hypothesis`` tests, which cannot be coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from tests.support.stack import TestStack, running_stack
+
+T = TypeVar("T")
+
+
+@dataclass
+class BackgroundStack:
+    stack: TestStack
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def address(self) -> str:
+        return self.stack.address
+
+    def run(self, step: Awaitable[T], timeout: float = 60.0) -> T:
+        """Run ``step`` on the stack's loop (e.g. to read its objects) and wait for it."""
+
+        async def wrapped() -> T:
+            return await step
+
+        return asyncio.run_coroutine_threadsafe(wrapped(), self.loop).result(timeout)
+
+
+@contextmanager
+def stack_in_background(
+    redis_url: str,
+    index_dir: Path,
+    tmp: Path,
+    *,
+    shards: int = 2,
+    triton_url: str | None = None,
+    gateway_settings: dict[str, object] | None = None,
+    start_timeout: float = 300.0,
+) -> Iterator[BackgroundStack]:
+    """:func:`tests.support.stack.running_stack` on a loop in a background thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-stack", daemon=True)
+    thread.start()
+    context = running_stack(
+        redis_url,
+        index_dir,
+        tmp,
+        shards=shards,
+        triton_url=triton_url,
+        gateway_settings=gateway_settings,
+    )
+    try:
+        stack = asyncio.run_coroutine_threadsafe(context.__aenter__(), loop).result(start_timeout)
+        try:
+            yield BackgroundStack(stack, loop)
+        finally:
+            asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), loop).result(120)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
