@@ -86,3 +86,44 @@ class GatewayMetrics:
         if result.partial:
             self.partial_results.inc()
         self.searches.labels(str(result.reranked).lower()).inc()
+
+
+@dataclass
+class QueryCacheMetrics:
+    """The query-embedding cache (services/gateway/query_cache.py)."""
+
+    lookups: Counter
+    errors: Counter
+    stores: Counter
+    evictions: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> QueryCacheMetrics:
+        return cls(
+            lookups=Counter(
+                "gateway_query_cache_lookups_total",
+                "Query embeddings looked up in the cache, by result: hit, miss, error (the "
+                "lookup failed or was too slow; encoded instead), bypassed (skipped while "
+                "the cache's Redis recently failed).",
+                ["result"],
+                registry=registry,
+            ),
+            errors=Counter(
+                "gateway_query_cache_errors_total",
+                "Failed cache operations (lookup, store); a search never fails by one.",
+                ["op"],
+                registry=registry,
+            ),
+            stores=Counter(
+                "gateway_query_cache_stores_total",
+                "Embeddings written to the cache (stored), or not (dropped: too many "
+                "writes pending or the cache bypassed).",
+                ["result"],
+                registry=registry,
+            ),
+            evictions=Counter(
+                "gateway_query_cache_evictions_total",
+                "Entries evicted (least recently used) to keep the cache's size bound.",
+                registry=registry,
+            ),
+        )
