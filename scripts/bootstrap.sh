@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install everything the project needs on a fresh Debian machine; safe to run again.
-#   - Debian packages: redis-server (document store + change log), prometheus (promtool)
+#   - Debian packages: redis-server (document store + change log), prometheus (promtool),
+#     buildah + mmdebstrap (scripts/build_images.sh builds the container images without a
+#     Docker daemon; tests/e2e/test_images.py runs them)
 #   - .venv/ in the project root: torch 2.13.0 CPU first (so nothing pulls a CUDA build),
 #     then the project with its dev tools, pinned in pyproject.toml.
 set -euo pipefail
@@ -9,6 +11,8 @@ cd "$(dirname "$0")/.."
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v buildah >/dev/null 2>&1 || missing+=(buildah)
+command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
