@@ -118,7 +118,7 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.overhead", description=(__doc__ or "").split("\n\n")[0]
     )
@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--lag-limit-ms", type=float, default=5.0, help="p99 lag that counts as behind schedule (5)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
     with trivial_server_process() as address:
         out = asyncio.run(measure(address, args))
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))

@@ -1,14 +1,19 @@
-"""Load test of a running gateway: searches (and optional upserts) at a fixed concurrency.
+"""Closed-loop capacity test of a running gateway: Search at a fixed concurrency.
 
-    python loadtest/search_load.py --gateway 127.0.0.1:50051 --concurrency 16 --seconds 30 \
+    python -m loadtest.search_load --gateway 127.0.0.1:50051 --concurrency 16 --seconds 30 \
         --queries ../shared/data/scifact/queries.jsonl --upserts-per-s 50
 
-Traffic goes only to the address given (loopback by default); the run is bounded by
---seconds and --max-requests and stops by itself. It prints a table and, last, one JSON
-line: qps, p50/p95/p99 latency, error counts by status code, the fraction of partial
-results, and the search SLO of the encoder profile next to the measured p99
-(``p99_over_slo``: below 1.0 meets it). The baseline in the same run is a single-client
-pass (``qps_concurrency_1``): ``scaling = qps / qps_concurrency_1``.
+What it is for: how many searches per second ``--concurrency`` callers get through (each
+sends its next search when the last came back), against a single caller measured in the
+same run (``scaling = qps / qps_concurrency_1``). What it is not for: latency under a
+given load. A closed loop stops sending while the gateway stalls, so its percentiles
+leave out the requests that would have arrived meanwhile (coordinated omission); quote
+latency from ``python -m loadtest.openloop`` instead. Optional upserts run beside it on
+an open-loop schedule (``--upserts-per-s``, documents from ``--corpus`` under the
+``loadtest:`` id prefix). Traffic goes only to ``--gateway`` (loopback by default); the run
+is bounded by ``--seconds`` and ``--max-requests``. Prints a table and, last, one JSON line:
+qps, p50/p95/p99, errors by status code, the fraction of partial results, and the p99
+against the end-to-end Search budget of ``--size`` (``p99_over_slo`` below 1.0 meets it).
 """
 
 from __future__ import annotations
@@ -16,162 +21,95 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import statistics
-import time
-from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import grpc
-
-from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
-
-SLO_MS = {"base": 17.0, "large": 34.0, "xl": 96.0, "xxl": 349.0}
-FALLBACK_QUERIES = [
-    "read a csv file",
-    "parse command line arguments",
-    "compute a sha256 hash",
-    "sort a list in place",
-    "open a url and read the response",
-    "format a date as a string",
-]
+from loadtest.budget import SEARCH_SLO_MS, default_slo_ms
+from loadtest.closedloop import ClosedLoopResult, closed_loop
+from loadtest.results import summarize
+from loadtest.runner import RunConfig, run_open_loop
+from loadtest.target import Target, add_target_arguments, target_from_args
+from loadtest.workload import Workload, load_documents, load_queries
+from retrieval.v1 import search_pb2, search_pb2_grpc
 
 
-def load_queries(path: str | None) -> list[str]:
-    if path and Path(path).exists():
-        with open(path, encoding="utf-8") as fh:
-            return [json.loads(line)["text"] for line in fh if line.strip()]
-    return FALLBACK_QUERIES
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def run_phase(
-    address: str,
-    queries: list[str],
-    concurrency: int,
-    seconds: float,
-    max_requests: int,
-    k: int,
-    timeout: float,
-) -> dict[str, object]:
-    latencies: list[float] = []
-    codes: Counter[str] = Counter()
+async def searches(
+    target: Target, queries: list[str], concurrency: int, args: argparse.Namespace
+) -> tuple[ClosedLoopResult, int]:
+    """(the closed loop's result, how many answers were partial)."""
     partial = 0
-    sent = 0
-    stop_at = time.monotonic() + seconds
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with target.aio_channel() as channel:
         stub = search_pb2_grpc.SearchServiceStub(channel)
 
-        async def worker(seed: int) -> None:
-            nonlocal sent, partial
-            rng = random.Random(seed)
-            while time.monotonic() < stop_at and sent < max_requests:
-                sent += 1
-                request = search_pb2.SearchRequest(query=rng.choice(queries), k=k)
-                start = time.perf_counter()
-                try:
-                    reply = await stub.Search(request, timeout=timeout)
-                    latencies.append((time.perf_counter() - start) * 1000.0)
-                    codes["OK"] += 1
-                    partial += int(reply.partial)
-                except grpc.aio.AioRpcError as exc:
-                    codes[exc.code().name] += 1
-
-        began = time.perf_counter()
-        await asyncio.gather(*[worker(i) for i in range(concurrency)])
-        elapsed = time.perf_counter() - began
-    ok = codes.get("OK", 0)
-    return {
-        "qps": ok / elapsed if elapsed else 0.0,
-        "p50_ms": percentile(latencies, 0.50),
-        "p95_ms": percentile(latencies, 0.95),
-        "p99_ms": percentile(latencies, 0.99),
-        "mean_ms": statistics.fmean(latencies) if latencies else float("nan"),
-        "codes": dict(codes),
-        "partial_fraction": partial / ok if ok else 0.0,
-        "requests": sum(codes.values()),
-    }
-
-
-async def upsert_stream(address: str, per_second: float, seconds: float) -> int:
-    if per_second <= 0:
-        return 0
-    done = 0
-    stop_at = time.monotonic() + seconds
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = documents_pb2_grpc.DocumentServiceStub(channel)
-        while time.monotonic() < stop_at:
-            doc = documents_pb2.Document(
-                id=f"loadtest-{done}", title="load test", text=f"synthetic document number {done}"
+        async def one(i: int) -> None:
+            nonlocal partial
+            request = search_pb2.SearchRequest(query=queries[i % len(queries)], k=args.k)
+            reply = await stub.Search(
+                request, timeout=args.timeout, metadata=target.metadata or None
             )
-            try:
-                await stub.Upsert(documents_pb2.UpsertRequest(documents=[doc]), timeout=5.0)
-                done += 1
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(1.0 / per_second)
-    return done
+            partial += int(reply.partial)
+
+        seconds = args.seconds if concurrency > 1 else min(5.0, args.seconds)
+        result = await closed_loop(one, concurrency, seconds, args.max_requests)
+    return result, partial
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, object]:
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    target = target_from_args(args)
     queries = load_queries(args.queries)
-    baseline = await run_phase(
-        args.gateway, queries, 1, min(5.0, args.seconds), args.max_requests, args.k, args.timeout
-    )
-    loaded, upserts = await asyncio.gather(
-        run_phase(
-            args.gateway,
-            queries,
-            args.concurrency,
-            args.seconds,
-            args.max_requests,
-            args.k,
-            args.timeout,
-        ),
-        upsert_stream(args.gateway, args.upserts_per_s, args.seconds),
-    )
-    slo = SLO_MS[args.size]
-    p99 = float(loaded["p99_ms"])  # type: ignore[arg-type]
+    baseline, _ = await searches(target, queries, 1, args)
+    tasks: list[Any] = [searches(target, queries, args.concurrency, args)]
+    if args.upserts_per_s > 0:
+        docs = Workload(
+            queries=[], mix={"upsert": 1.0}, documents=load_documents(args.corpus, limit=2000)
+        )
+        run = RunConfig(rate=args.upserts_per_s, duration_s=args.seconds, process="fixed")
+        tasks.append(run_open_loop(target, docs, run))
+    outcomes = await asyncio.gather(*tasks)
+    loaded, partial = outcomes[0]
+    upserts = summarize(outcomes[1], slo_ms=1000.0) if len(outcomes) > 1 else None
+    slo = default_slo_ms(args.size)
+    p99 = loaded.percentile_ms(99)
+    ok = loaded.codes["OK"]
     return {
         "concurrency": args.concurrency,
-        "qps": loaded["qps"],
-        "qps_concurrency_1": baseline["qps"],
-        "scaling": float(loaded["qps"]) / float(baseline["qps"] or 1.0),  # type: ignore[arg-type]
-        "p50_ms": loaded["p50_ms"],
-        "p95_ms": loaded["p95_ms"],
+        "qps": loaded.throughput,
+        "qps_concurrency_1": baseline.throughput,
+        "scaling": loaded.throughput / baseline.throughput if baseline.throughput else None,
+        "p50_ms": loaded.percentile_ms(50),
+        "p95_ms": loaded.percentile_ms(95),
         "p99_ms": p99,
-        "p50_ms_concurrency_1": baseline["p50_ms"],
-        "codes": loaded["codes"],
-        "partial_fraction": loaded["partial_fraction"],
-        "upserts": upserts,
+        "p50_ms_concurrency_1": baseline.percentile_ms(50),
+        "codes": dict(loaded.codes),
+        "partial_fraction": partial / ok if ok else 0.0,
+        "upserts": upserts["ok"] if upserts else 0,
+        "upsert_errors": upserts["errors"] if upserts else {},
         "size": args.size,
         "slo_ms": slo,
         "p99_over_slo": p99 / slo,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gateway", default="127.0.0.1:50051")
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.search_load", description=(__doc__ or "").split("\n\n")[0]
+    )
+    add_target_arguments(parser, address_flag="--gateway")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-requests", type=int, default=200_000)
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=2.0)
-    parser.add_argument("--queries", default=None, help="BEIR queries.jsonl (default: built-in)")
+    parser.add_argument("--queries", type=Path, default=None, help="BEIR queries.jsonl")
+    parser.add_argument("--corpus", type=Path, default=None, help="BEIR corpus.jsonl (upserts)")
     parser.add_argument("--upserts-per-s", type=float, default=0.0)
-    parser.add_argument("--size", choices=sorted(SLO_MS), default="base")
-    args = parser.parse_args()
+    parser.add_argument("--size", choices=sorted(SEARCH_SLO_MS), default="minilm")
+    args = parser.parse_args(argv)
     report = asyncio.run(main_async(args))
     for key, value in report.items():
         print(f"{key:>22}: {value}")
     print(json.dumps(report))
+    return report
 
 
 if __name__ == "__main__":

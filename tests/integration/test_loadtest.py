@@ -244,9 +244,22 @@ def test_cli_prints_a_table_and_a_json_line(capsys: pytest.CaptureFixture[str]) 
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
-    for key in ("offered_rate", "achieved_rate", "p50_ms", "p90_ms", "p99_ms", "p99_9_ms",
-                "errors", "partial", "partial_fraction", "slo_ms", "slo_attainment",
-                "generator_lag_p99_ms", "generator_behind", "requests"):  # fmt: skip
+    for key in (
+        "offered_rate",
+        "achieved_rate",
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "p99_9_ms",
+        "errors",
+        "partial",
+        "partial_fraction",
+        "slo_ms",
+        "slo_attainment",
+        "generator_lag_p99_ms",
+        "generator_behind",
+        "requests",
+    ):
         assert key in result, key
     assert result["requests"] == 50 and result["errors"] == {}
     assert result["slo_ms"] == 50.0  # the default model's end-to-end budget
@@ -267,8 +280,15 @@ def test_sweep_stops_when_the_slo_breaks_and_draws_a_png(tmp_path: Path) -> None
         async with lock:
             await asyncio.sleep(0.01)
 
-    cfg = SweepConfig(start_rate=25.0, slo_ms=50.0, factor=2.0, step_s=1.5, refine=1,
-                      cooldown_s=0.2, lag_limit_ms=20.0)  # fmt: skip
+    cfg = SweepConfig(
+        start_rate=25.0,
+        slo_ms=50.0,
+        factor=2.0,
+        step_s=1.5,
+        refine=1,
+        cooldown_s=0.2,
+        lag_limit_ms=20.0,
+    )
 
     async def body(target: Target) -> Any:
         return await sweep(target, Workload(queries=QUERIES), RunConfig(1.0, 1.0), cfg)
@@ -291,13 +311,47 @@ def test_the_locust_file_starts_and_sends_requests(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     with trivial_server_process() as address:
         done = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(root / "loadtest" / "locustfile.py"),
-             "--headless", "-u", "2", "-r", "2", "-t", "3s", "--host", address,
-             "--gtr-rate", "20", "--csv", str(tmp_path / "run"), "--only-summary"],
-            cwd=root, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "locust",
+                "-f",
+                str(root / "loadtest" / "locustfile.py"),
+                "--headless",
+                "-u",
+                "2",
+                "-r",
+                "2",
+                "-t",
+                "3s",
+                "--host",
+                address,
+                "--gtr-rate",
+                "20",
+                "--csv",
+                str(tmp_path / "run"),
+                "--only-summary",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 0, done.stderr[-2000:]
     with (tmp_path / "run_stats.csv").open() as fh:
         rows = {row["Name"]: row for row in csv.DictReader(fh)}
     assert int(rows["Search"]["Request Count"]) > 5
     assert int(rows["Aggregated"]["Failure Count"]) == 0
+
+
+def test_closed_loop_search_load_runs_with_open_loop_upserts_beside_it() -> None:
+    from loadtest import search_load
+
+    with trivial_server_process() as address:
+        report = search_load.main(
+            ["--gateway", address, "--concurrency", "4", "--seconds", "1", "--upserts-per-s", "20"]
+        )
+    assert report["codes"] == {"OK": report["codes"]["OK"]} and report["qps"] > 0
+    assert report["qps_concurrency_1"] > 0 and report["upsert_errors"] == {}
+    assert report["upserts"] == 20  # fixed schedule, 1 s at 20/s
+    assert report["slo_ms"] == 50.0
