@@ -100,6 +100,44 @@ def _build_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ensure_plan(args: argparse.Namespace) -> int:
+    from services.encoder.plan_cache import check_plan, current_device, ensure_plan
+    from services.encoder.profiles import profile_for_model_dir
+    from services.encoder.repository import RepositoryConfig, generate_repository
+    from services.encoder.tensorrt_build import PlanConfig, build_plan_from_model
+
+    device = current_device()
+    onnx = Path(args.onnx)
+    if args.plan:
+        plan, built = Path(args.plan), False
+        check_plan(plan, device)
+    else:
+        model_dir = _model_dir(args)
+        base = PlanConfig.for_profile(profile_for_model_dir(model_dir))
+        cfg = PlanConfig(
+            opt_shape=base.opt_shape,
+            max_shape=base.max_shape,
+            workspace_gb=args.workspace_gb,
+            min_cosine=args.min_cosine,
+        )
+        ensured = ensure_plan(
+            onnx,
+            Path(args.cache),
+            device,
+            lambda out: build_plan_from_model(model_dir, onnx, out, cfg),
+        )
+        plan, built = ensured.path, ensured.built
+    print(f"{'built' if built else 'cached'} plan {plan} for {device.gpu} "
+          f"(sm {device.compute_capability}, TensorRT {device.tensorrt_version})")  # fmt: skip
+    if args.repo:
+        repo = generate_repository(
+            onnx, Path(args.repo),
+            RepositoryConfig(flavor="gpu", instances=args.instances, plan_path=plan),
+        )  # fmt: skip
+        print(f"gpu repository at {repo.root}: models {', '.join(repo.models)}")
+    return 0
+
+
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``encoder export|parity|repo|build-plan`` on ``subparsers``."""
     encoder = subparsers.add_parser(
@@ -204,4 +242,23 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         help="more ONNX node names to keep in FP32 (comma-separated)",
     )
     p.set_defaults(func=lambda a: _run(_build_plan, a))
+
+    p = commands.add_parser(
+        "ensure-plan",
+        help="the TensorRT plan of this GPU, from a cache or built (GPU machine only)",
+        description="Reuse <cache>/<gpu>-sm<capability>-trt<release>-onnx<digest>/model.plan "
+        "or build it (as build-plan does); then check the plan's <plan>.json against this "
+        "GPU and TensorRT and refuse (exit 2) a plan built for another GPU, compute "
+        "capability or TensorRT release. With --plan, only that check. With --repo, write "
+        "the gpu Triton repository around the plan. The Helm chart's Triton init container.",
+    )
+    p.add_argument("--model-dir", help=_MODEL_DIR_HELP + " (the parity gate's reference)")
+    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    p.add_argument("--cache", default="plans", help="plan cache directory (default ./plans)")
+    p.add_argument("--plan", help="check this plan instead of using the cache")
+    p.add_argument("--repo", help="write the gpu Triton model repository here")
+    p.add_argument("--instances", type=int, help="instances per GPU (default: the profile's)")
+    p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
+    p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
+    p.set_defaults(func=lambda a: _run(_ensure_plan, a))
     return encoder

@@ -68,10 +68,11 @@ def test_flavour_extras_are_pinned(flavor: str) -> None:
 
 
 def test_gpu_extra_pins_the_tensorrt_of_the_charts_triton_image() -> None:
-    values = (ROOT / "deploy/k8s/gtr-retrieval/values.yaml").read_text()
-    gpu_image = re.search(r"\n    gpu:\n      repository: (\S+)\n      tag: (\S+)", values)
-    assert gpu_image, "encoder.image.gpu in values.yaml"
-    assert gpu_image.group(2) == TRITON_IMAGE_TAG
+    """The chart's GPU Triton image is built FROM deploy/images.env's TRITON_BASE."""
+    images = (ROOT / "deploy/images.env").read_text()
+    base = re.search(r"^TRITON_BASE=nvcr\.io/nvidia/tritonserver:(\S+)$", images, re.M)
+    assert base, "TRITON_BASE in deploy/images.env"
+    assert base.group(1) == TRITON_IMAGE_TAG
     assert TRITON_TENSORRT[TRITON_IMAGE_TAG] == TENSORRT_VERSION
     tensorrt = [r for r in EXTRAS["gpu"] if MODULE_OWNERS["tensorrt"].match(_name(r))]
     assert tensorrt == [f"tensorrt-cu12=={TENSORRT_VERSION}"]
