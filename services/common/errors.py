@@ -13,6 +13,8 @@ Overloaded             RESOURCE_EXHAUSTED     yes, with backoff
 Unavailable            UNAVAILABLE            yes, another replica
 DeadlineExceeded       DEADLINE_EXCEEDED      no (the budget is spent)
 FailedPrecondition     FAILED_PRECONDITION    no: fix the system state
+Unauthenticated        UNAUTHENTICATED        no: send a valid token
+PermissionDenied       PERMISSION_DENIED      no: the token lacks the scope
 =====================  =====================  ==========================
 
 Anything else that escapes is a bug and becomes INTERNAL.
@@ -51,3 +53,12 @@ class DeadlineExceeded(RetrievalError):
 
 class FailedPrecondition(RetrievalError):
     """The system is not in a state to do this (e.g. the index is not trained)."""
+
+
+class Unauthenticated(RetrievalError):
+    """No bearer token, a malformed one, or one that no configured set holds. The message
+    never repeats the token."""
+
+
+class PermissionDenied(RetrievalError):
+    """A valid token without the scope the method needs (a read token on Upsert)."""

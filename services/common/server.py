@@ -16,7 +16,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -271,18 +271,22 @@ async def create_server(
     register: Registrar,
     metrics: RpcMetrics | None = None,
     admission: Admission | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[Server, int]:
     """Build, bind and start a server; ``register`` adds servicers and returns their names.
 
     ``settings.port = 0`` binds a free port; the bound port is returned. ``admission``:
     the in-flight limit, when the service reads its pressure (the gateway); by default
-    one from ``settings.max_in_flight``.
+    one from ``settings.max_in_flight``. ``interceptors`` run inside the error mapping
+    (the gateway's :class:`services.common.auth.AuthInterceptor`): a domain error they
+    raise gets its status code. The port speaks TLS (mTLS with a client CA) when the
+    settings name a certificate (:mod:`services.common.tls`), plaintext otherwise.
     """
     max_bytes = settings.max_message_mb * 1024 * 1024
     if admission is None:
         admission = Admission(settings.max_in_flight, settings.retry_after_ms)
     server = grpc.aio.server(
-        interceptors=[ErrorAndLatencyInterceptor(metrics, admission)],
+        interceptors=[ErrorAndLatencyInterceptor(metrics, admission), *interceptors],
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
@@ -300,7 +304,13 @@ async def create_server(
         ],
         server,
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    tls = settings.server_tls()
+    address = f"{settings.host}:{settings.port}"
+    port = (
+        server.add_secure_port(address, tls.credentials())
+        if tls is not None
+        else server.add_insecure_port(address)
+    )
     if port == 0:
         raise errors.Unavailable(f"cannot bind {settings.host}:{settings.port}")
     await server.start()

@@ -10,10 +10,13 @@ and turns a validation error into one clear message.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from services.common.tls import ServerTLS
 
 
 class ServiceSettings(BaseSettings):
@@ -54,6 +57,30 @@ class ServiceSettings(BaseSettings):
     port_file: str | None = Field(
         None, description="Write the bound gRPC port to this file once serving (for launchers)."
     )
+    tls_cert: str | None = Field(
+        None, description="PEM certificate (chain) of this server; with --tls-key: TLS only."
+    )
+    tls_key: str | None = Field(None, description="PEM private key of --tls-cert.")
+    tls_client_ca: str | None = Field(
+        None,
+        description="PEM CA that must have signed a client's certificate: given, every "
+        "client must present one (mTLS); needs --tls-cert.",
+    )
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> ServiceSettings:
+        from services.common.tls import ServerTLS
+
+        tls = ServerTLS.from_paths(self.tls_cert, self.tls_key, self.tls_client_ca)
+        if tls is not None:
+            tls.check()
+        return self
+
+    def server_tls(self) -> ServerTLS | None:
+        """This server's TLS configuration (None: plaintext)."""
+        from services.common.tls import ServerTLS
+
+        return ServerTLS.from_paths(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 class SettingsError(SystemExit):

@@ -13,6 +13,8 @@ STATUS_OF: dict[type[errors.RetrievalError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 ERROR_OF: dict[grpc.StatusCode, type[errors.RetrievalError]] = {

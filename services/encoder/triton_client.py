@@ -35,6 +35,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.retry import RetryPolicy, channel_options
+from services.common.tls import ClientTLS
 from services.encoder.base import Embeddings, Encoder, validate_request
 from services.encoder.profiles import Kind
 
@@ -52,6 +53,7 @@ class TritonEncoderConfig:
     backoff_s: float = 0.05  # first backoff; doubles, with jitter
     backoff_max_s: float = 1.0
     connect_timeout_s: float = 5.0
+    tls: ClientTLS | None = None  # None: plaintext gRPC to Triton
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(
@@ -90,7 +92,13 @@ def triton_client(cfg: TritonEncoderConfig) -> Any:
     """An asyncio tritonclient whose channel retries by ``cfg``'s policy."""
     from tritonclient.grpc.aio import InferenceServerClient
 
-    return InferenceServerClient(cfg.url, channel_args=triton_channel_args(cfg.retry_policy()))
+    args = triton_channel_args(cfg.retry_policy())
+    if cfg.tls is None:
+        return InferenceServerClient(cfg.url, channel_args=args)
+    # Triton started with --grpc-use-ssl (and --grpc-use-ssl-mutual for mTLS)
+    return InferenceServerClient(
+        cfg.url, creds=cfg.tls.credentials(), channel_args=[*args, *cfg.tls.options()]
+    )
 
 
 class TritonEncoder(Encoder):

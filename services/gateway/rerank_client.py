@@ -13,15 +13,19 @@ import grpc
 
 from retrieval.v1 import rerank_pb2_grpc
 from services.common.status import error_from_rpc
+from services.common.tls import ClientTLS, aio_channel
 from services.rerank import convert, depths
 from services.rerank.domain import Candidate, RerankQuery
 
 
 class RerankClient:
     def __init__(
-        self, address: str, depth_table: Mapping[int, float] = depths.DEFAULT_DEPTH_TABLE
+        self,
+        address: str,
+        depth_table: Mapping[int, float] = depths.DEFAULT_DEPTH_TABLE,
+        tls: ClientTLS | None = None,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = aio_channel(address, tls)
         self._stub = rerank_pb2_grpc.RerankServiceStub(self._channel)
         self._table = dict(depth_table)
         self.address = address

@@ -106,6 +106,7 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         argv += ["--encoder", "inprocess"]
     if endpoints.rerank:
         argv += ["--rerank-url", endpoints.rerank]
+    argv += ["--no-auth"]
     child = Child("gateway", argv, cfg.logs / "gateway.log", job="gateway")
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"

@@ -73,6 +73,7 @@ async def rerank_stack(
                 encoder="inprocess",
                 rerank_url=f"127.0.0.1:{reranker.port}",
                 rerank_depth_table=str(table),
+                no_auth=True,
             )
         )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
@@ -145,7 +146,7 @@ def test_a_configured_depth_table_that_cannot_be_read_stops_the_gateway_at_start
         table.write_text(content)
     argv = [sys.executable, "-m", "services.cli.main", "gateway", "serve", "--port", "0",
             "--shards", "127.0.0.1:1", "--encoder", "inprocess", "--rerank-url", "127.0.0.1:2",
-            "--rerank-depth-table", str(table)]  # fmt: skip
+            "--no-auth", "--rerank-depth-table", str(table)]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "rerank_depth_table" in done.stderr and str(table) in done.stderr, done.stderr

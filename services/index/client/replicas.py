@@ -54,6 +54,7 @@ from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, Overloaded, RetrievalError, Unavailable
 from services.common.status import error_from_rpc, error_from_status
+from services.common.tls import ClientTLS, aio_channel
 from services.index import convert
 from services.index.core.query import ShardAnswer
 
@@ -196,11 +197,13 @@ class HedgePolicy:
 class Replica:
     """One replica: its channel, its search stream, its recent latencies and health."""
 
-    def __init__(self, shard: int, address: str, policy: HedgePolicy) -> None:
+    def __init__(
+        self, shard: int, address: str, policy: HedgePolicy, tls: ClientTLS | None = None
+    ) -> None:
         self.shard = shard
         self.address = address
         self.policy = policy
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = aio_channel(address, tls)
         self.stub = index_pb2_grpc.IndexShardServiceStub(self.channel)
         self.stream = ShardStream(self.stub, f"shard {shard} replica {address}")
         self._latencies: deque[float] = deque(maxlen=policy.window)
@@ -260,13 +263,17 @@ class ReplicaSet:
     """``await ReplicaSet(shard, addresses).search(request, deadline)`` → ShardAnswer."""
 
     def __init__(
-        self, shard: int, addresses: Sequence[str], policy: HedgePolicy | None = None
+        self,
+        shard: int,
+        addresses: Sequence[str],
+        policy: HedgePolicy | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         if not addresses:
             raise ValueError(f"shard {shard} has no replica address")
         self.shard = shard
         self.policy = policy or HedgePolicy()
-        self.replicas = [Replica(shard, a, self.policy) for a in addresses]
+        self.replicas = [Replica(shard, a, self.policy, tls) for a in addresses]
         self._next = itertools.cycle(range(len(self.replicas)))
         self.hedged = 0  # searches sent to a second replica because the first was slow
 

@@ -49,6 +49,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.positions import WriteToken
+from services.common.tls import ClientTLS
 from services.index import convert
 from services.index.client.replicas import HedgePolicy, ReplicaSet
 from services.index.core.coarse import CoarseQuantizer
@@ -154,9 +155,15 @@ class _Shard:
     """The replicas of one shard (:class:`ReplicaSet`: round-robin, failover, hedging),
     and the calls that any one replica answers for the shard."""
 
-    def __init__(self, index: int, addresses: Sequence[str], policy: HedgePolicy) -> None:
+    def __init__(
+        self,
+        index: int,
+        addresses: Sequence[str],
+        policy: HedgePolicy,
+        tls: ClientTLS | None = None,
+    ) -> None:
         self.index = index
-        self.replicas = ReplicaSet(index, addresses, policy)
+        self.replicas = ReplicaSet(index, addresses, policy, tls)
 
     async def search(
         self, request: index_pb2.ShardSearchRequest, deadline: Deadline
@@ -318,11 +325,12 @@ class ShardRouter:
         max_waves: int = 2,
         share_quantizer: bool = True,
         hedge: HedgePolicy | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         if not shards:
             raise ValueError("at least one shard is needed")
         policy = hedge or HedgePolicy()
-        self._shards = [_Shard(i, replicas, policy) for i, replicas in enumerate(shards)]
+        self._shards = [_Shard(i, replicas, policy, tls) for i, replicas in enumerate(shards)]
         self.num_shards = len(self._shards)
         self._coalescer = _Coalescer(self, max_waves) if coalesce else None
         self._share_quantizer = share_quantizer

@@ -1,0 +1,367 @@
+"""Bearer tokens and TLS on every hop (issue #13 items 1 and 2), against real servers.
+
+One real Redis, one real index shard and one real reranker, both requiring client
+certificates (mTLS), and a gateway that serves TLS, checks bearer tokens from two token
+files, and reaches the shard and the reranker over mTLS with its own client
+certificate. Certificates come from the throwaway CA of ``services/stack/certs.py``
+(a second, unrelated CA plays the impostor). The servers run in one event loop of their
+own (a thread), started once for the module; the tests are clients over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
+from services.common import errors
+from services.common.auth import bearer_metadata
+from services.common.tls import ClientTLS, channel
+from services.gateway.server import Gateway, start_gateway
+from services.gateway.settings import GatewaySettings
+from services.index.client.router import ShardRouter
+from services.index.server.process import RunningShard, start_shard
+from services.rerank.server import Reranker, start_rerank
+from services.rerank.settings import RerankSettings
+from services.stack.certs import CertFiles, make_certs
+from tests.support.processes import RedisServer
+from tests.support.rerank import WORDS, tiny_checkpoint
+from tests.support.shards import train_test_index
+from tests.support.stack import shard_settings
+
+READ, WRITE, ROTATED = "read-token-0123456789", "write-token-9876543210", "rotated-token-42"
+DOCS = [
+    documents_pb2.Document(id=f"d{i:02d}", title=f"topic {i}", text=f"{WORDS[i % 10]} doc {i}")
+    for i in range(12)
+]
+T = TypeVar("T")
+
+
+class Loop:
+    """An event loop in a thread of its own, for servers that outlive one test."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@dataclass
+class Secured:
+    loop: Loop
+    gateway: Gateway
+    shard: RunningShard
+    reranker: Reranker
+    certs: CertFiles
+    other: CertFiles  # an unrelated CA and its certificates
+    read_file: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    @property
+    def shard_address(self) -> str:
+        return f"127.0.0.1:{self.shard.port}"
+
+    def channel(self, tls: ClientTLS | None = None) -> grpc.Channel:
+        return channel(self.address, tls if tls is not None else ClientTLS(self.certs.ca))
+
+
+@pytest.fixture(scope="module")
+def secured(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, scifact_dir: Path
+) -> Iterator[Secured]:
+    import redis
+
+    tmp = tmp_path_factory.mktemp("auth-tls")
+    redis.Redis.from_url(redis_server.url).flushdb()
+    certs = make_certs(tmp / "certs")
+    other = make_certs(tmp / "other", common_name="someone else's CA")
+    vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:2000].astype(np.float32)
+    index_dir = train_test_index(vectors, tmp / "index", nlist=8, nprobe=8)
+    checkpoint = tiny_checkpoint(tmp / "rerank", WORDS)
+    read_file, write_file = tmp / "read.tokens", tmp / "write.tokens"
+    read_file.write_text(f"# readers\n{READ}\n\n")
+    write_file.write_text(f"{WRITE}\n")
+    mtls: dict[str, Any] = {
+        "tls_cert": str(certs.server_cert),
+        "tls_key": str(certs.server_key),
+        "tls_client_ca": str(certs.ca),
+    }
+    loop = Loop()
+    started: list[Any] = []
+    try:
+        settings = shard_settings(0, 1, 0, redis_server.url, index_dir, tmp)
+        shard = loop.run(start_shard(settings.model_copy(update=mtls)))
+        started.append(shard)
+        reranker = loop.run(
+            start_rerank(RerankSettings(port=0, checkpoint=str(checkpoint), threads=1, **mtls))
+        )
+        started.append(reranker)
+        gateway = loop.run(
+            start_gateway(
+                GatewaySettings(
+                    port=0,
+                    redis_url=redis_server.url,
+                    shards=f"127.0.0.1:{shard.port}",
+                    encoder="inprocess",
+                    rerank_url=f"127.0.0.1:{reranker.port}",
+                    read_tokens_file=str(read_file),
+                    write_tokens_file=str(write_file),
+                    tokens_reload_s=0.05,
+                    tls_cert=str(certs.server_cert),
+                    tls_key=str(certs.server_key),
+                    tls_ca=str(certs.ca),
+                    tls_client_cert=str(certs.client_cert),
+                    tls_client_key=str(certs.client_key),
+                )
+            )
+        )
+        started.append(gateway)
+        yield Secured(loop, gateway, shard, reranker, certs, other, read_file)
+    finally:
+        for part in reversed(started):
+            if isinstance(part, RunningShard):
+                loop.run(part.close(0, snapshot=False))
+            else:
+                loop.run(part.close(0))
+        loop.stop()
+
+
+def _code(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details() or ""  # type: ignore[attr-defined]
+
+
+def _search(ch: grpc.Channel, token: str | None, **request: Any) -> search_pb2.SearchResponse:
+    return search_pb2_grpc.SearchServiceStub(ch).Search(  # type: ignore[no-any-return]
+        search_pb2.SearchRequest(query="read a csv file", k=3, **request),
+        timeout=60,
+        metadata=bearer_metadata(token),
+    )
+
+
+def _upsert(ch: grpc.Channel, token: str | None) -> documents_pb2.UpsertResponse:
+    return documents_pb2_grpc.DocumentServiceStub(ch).Upsert(  # type: ignore[no-any-return]
+        documents_pb2.UpsertRequest(documents=DOCS), timeout=60, metadata=bearer_metadata(token)
+    )
+
+
+# --- authentication and authorisation -----------------------------------------------
+
+
+def test_a_write_token_writes_and_reads_through_tls_to_an_mtls_shard_and_reranker(
+    secured: Secured,
+) -> None:
+    """The whole path with every hop encrypted: the documents go in with a write token,
+    a reranked search with the same token finds them (the shard answered over mTLS and
+    the reranker scored them over mTLS: ``reranked`` is only set by its answer)."""
+    with secured.channel() as ch:
+        assert _upsert(ch, WRITE).upserted == len(DOCS)
+        from retrieval.v1 import common_pb2
+
+        response = _search(
+            ch,
+            WRITE,
+            consistency=common_pb2.CONSISTENCY_STRONG,
+            rerank=search_pb2.RerankOptions(enabled=True, depth=6),
+        )
+        assert len(response.hits) == 3 and response.reranked, response
+        assert all(h.id in {d.id for d in DOCS} for h in response.hits)
+
+
+def test_a_read_token_searches_and_gets(secured: Secured) -> None:
+    with secured.channel() as ch:
+        _upsert(ch, WRITE)
+        assert len(_search(ch, READ).hits) == 3
+        got = documents_pb2_grpc.DocumentServiceStub(ch).Get(
+            documents_pb2.GetRequest(id="d01"), timeout=30, metadata=bearer_metadata(READ)
+        )
+        assert got.document.text == DOCS[1].text
+
+
+def test_a_read_token_cannot_write_permission_denied(secured: Secured) -> None:
+    docs = documents_pb2_grpc.DocumentServiceStub
+    with secured.channel() as ch:
+        code, details = _code(lambda: _upsert(ch, READ))
+        assert code is grpc.StatusCode.PERMISSION_DENIED, details
+        assert "write token" in details and READ not in details
+        code, _ = _code(
+            lambda: docs(ch).Delete(
+                documents_pb2.DeleteRequest(ids=["d01"]), timeout=30, metadata=bearer_metadata(READ)
+            )
+        )
+        assert code is grpc.StatusCode.PERMISSION_DENIED
+        # the refused delete did nothing
+        got = docs(ch).Get(
+            documents_pb2.GetRequest(id="d01"), timeout=30, metadata=bearer_metadata(READ)
+        )
+        assert got.document.id == "d01"
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        (),
+        (("authorization", "Bearer not-a-configured-token"),),
+        (("authorization", f"Basic {READ}"),),  # not a bearer token
+        (("authorization", "Bearer "),),
+        (("authorization", f"Bearer {READ}x"),),  # a configured token plus one character
+    ],
+    ids=["no-token", "wrong-token", "basic-scheme", "empty-bearer", "token-prefix"],
+)
+def test_without_a_valid_token_every_method_is_unauthenticated(
+    secured: Secured, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    with secured.channel() as ch:
+        search = search_pb2_grpc.SearchServiceStub(ch)
+        docs = documents_pb2_grpc.DocumentServiceStub(ch)
+        calls: list[Callable[[], object]] = [
+            lambda: search.Search(search_pb2.SearchRequest(query="x", k=1), timeout=30,
+                                  metadata=metadata),
+            lambda: search.BatchSearch(search_pb2.BatchSearchRequest(), timeout=30,
+                                       metadata=metadata),
+            lambda: docs.Get(documents_pb2.GetRequest(id="d01"), timeout=30, metadata=metadata),
+            lambda: docs.Upsert(documents_pb2.UpsertRequest(documents=DOCS[:1]), timeout=30,
+                                metadata=metadata),
+            lambda: docs.Delete(documents_pb2.DeleteRequest(ids=["d01"]), timeout=30,
+                                metadata=metadata),
+        ]  # fmt: skip
+        for call in calls:
+            code, details = _code(call)
+            assert code is grpc.StatusCode.UNAUTHENTICATED, details
+            assert READ not in details and "not-a-configured" not in details
+
+
+def test_health_and_reflection_answer_without_a_token(secured: Secured) -> None:
+    with secured.channel() as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = [s.name for s in next(iter(replies)).list_services_response.service]
+        assert "retrieval.v1.SearchService" in names
+
+
+def test_refusals_are_counted_in_the_rpc_metrics_without_the_token(secured: Secured) -> None:
+    from prometheus_client import generate_latest
+
+    with secured.channel() as ch:
+        _code(lambda: _search(ch, "Bearer-less-and-wrong"))
+    text = generate_latest(secured.gateway.registry).decode()
+    assert 'code="UNAUTHENTICATED"' in text
+    assert "Bearer-less-and-wrong" not in text
+
+
+def test_a_rotated_token_file_is_read_without_a_restart(secured: Secured) -> None:
+    """The read token file is replaced as the kubelet does it (a new file renamed over
+    the old): the new token works and the old one is refused, with no restart."""
+    original = secured.read_file.read_text()
+    try:
+        fresh = secured.read_file.with_suffix(".new")
+        fresh.write_text(f"{ROTATED}\n")
+        fresh.replace(secured.read_file)
+        with secured.channel() as ch:
+            _until(lambda: _works(ch, ROTATED), "the rotated token is accepted")
+            code, _ = _code(lambda: _search(ch, READ))
+            assert code is grpc.StatusCode.UNAUTHENTICATED
+            assert len(_search(ch, WRITE).hits) == 3  # the write file is untouched
+    finally:
+        secured.read_file.write_text(original)
+        with secured.channel() as ch:
+            _until(lambda: _works(ch, READ), "the original token is back")
+
+
+def _works(ch: grpc.Channel, token: str) -> bool:
+    try:
+        _search(ch, token)
+        return True
+    except grpc.RpcError as exc:
+        if exc.code() is not grpc.StatusCode.UNAUTHENTICATED:  # type: ignore[attr-defined]
+            raise
+        return False
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.05)
+
+
+# --- TLS and mTLS ---------------------------------------------------------------------
+
+
+def _health(address: str, tls: ClientTLS | None) -> int:
+    with channel(address, tls) as ch:
+        return int(
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        )
+
+
+def test_a_plaintext_client_cannot_talk_to_a_tls_gateway(secured: Secured) -> None:
+    code, _ = _code(lambda: _health(secured.address, None))
+    assert code is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_trusting_another_ca_refuses_the_gateway(secured: Secured) -> None:
+    code, details = _code(lambda: _health(secured.address, ClientTLS(secured.other.ca)))
+    assert code is grpc.StatusCode.UNAVAILABLE, details
+
+
+def test_an_mtls_shard_refuses_a_client_without_a_certificate(secured: Secured) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    certs, other = secured.certs, secured.other
+    mine = ClientTLS(certs.ca, certs.client_cert, certs.client_key)
+    assert _health(secured.shard_address, mine) == serving  # the control: it does answer
+    for who in [
+        None,  # plaintext
+        ClientTLS(certs.ca),  # TLS, no client certificate
+        ClientTLS(certs.ca, other.client_cert, other.client_key),  # wrong CA
+    ]:
+        code, details = _code(lambda who=who: _health(secured.shard_address, who))  # type: ignore[misc]
+        assert code is grpc.StatusCode.UNAVAILABLE, (who, details)
+
+
+def test_a_router_without_a_client_certificate_gets_no_answer_from_an_mtls_shard(
+    secured: Secured,
+) -> None:
+    """The gateway's own client of the shards: the same router that answers with the
+    client certificate (the first test) fails without it, as UNAVAILABLE."""
+
+    async def search(tls: ClientTLS) -> int:
+        router = ShardRouter([[secured.shard_address]], tls=tls)
+        try:
+            result = await router.search(np.ones((1, 384), np.float32) / np.sqrt(384), 3, timeout=5)
+            return len(result.hits[0])
+        finally:
+            await router.close()
+
+    certs = secured.certs
+    with_cert = ClientTLS(certs.ca, certs.client_cert, certs.client_key)
+    assert asyncio.run(search(with_cert)) == 3
+    with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+        asyncio.run(search(ClientTLS(certs.ca)))
