@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
 from services.rerank.checkpoint import CONFIG_FILE, HEAD_FILE, TRAINER_STATE, CeliConfig
-from services.rerank.server import start_rerank
+from services.rerank.server import Reranker, start_rerank
 from services.rerank.settings import RerankSettings
 from services.rerank.tiny import write_tiny_backbone
 from services.rerank.trainer import TrainConfig, train
@@ -94,13 +95,21 @@ def test_resume_continues_exactly(tiny_setup: tuple[Path, Path], tmp_path: Path,
 
 
 @pytest.fixture(scope="module")
-def server(trained) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
+def running(trained) -> Iterator[tuple[Reranker, asyncio.AbstractEventLoop]]:
     loop = asyncio.new_event_loop()
     settings = RerankSettings(port=0, checkpoint=str(trained.out), batch_size=4, threads=1)
     reranker = loop.run_until_complete(start_rerank(settings))
-    yield f"127.0.0.1:{reranker.port}", loop
+    yield reranker, loop
     loop.run_until_complete(reranker.close(0))
     loop.close()
+
+
+@pytest.fixture(scope="module")
+def server(
+    running: tuple[Reranker, asyncio.AbstractEventLoop],
+) -> tuple[str, asyncio.AbstractEventLoop]:
+    reranker, loop = running
+    return f"127.0.0.1:{reranker.port}", loop
 
 
 def _call(server, request: rerank_pb2.RerankRequest, timeout: float = 20.0):
@@ -144,8 +153,29 @@ def test_invalid_requests_are_invalid_argument(server, query: str, texts: list[s
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_spent_deadline_is_deadline_exceeded(server) -> None:
+def test_the_server_stops_scoring_at_the_callers_deadline(server, running) -> None:
+    """The deadline reaches the server and the server gives up there: the client's own
+    DEADLINE_EXCEEDED proves nothing about the server (the server could score all 1,000
+    candidates for nobody), so the evidence is the server's count of pairs scored."""
+    reranker, _ = running
     texts = [" ".join(f"t{i % 8}w{j % 6}" for j in range(40)) for i in range(1000)]
+
+    def scored() -> float:
+        return reranker.registry.get_sample_value("rerank_pairs_total") or 0.0
+
+    before = scored()
+    started = time.monotonic()
+    _call(server, _request("t1w0 t1w1", texts), timeout=120)  # the baseline: all of them
+    full_s = time.monotonic() - started
+    assert scored() - before == 1000
+
+    before = scored()
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        _call(server, _request("t1w0 t1w1", texts), timeout=0.05)
+        _call(server, _request("t1w0 t1w1", texts), timeout=full_s / 5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # the scorer holds a lock per call: once this small call is answered, the one that
+    # ran out of time has stopped in the server, however far it got
+    _call(server, _request("t1w0", ["t1w0 t1w1"]), timeout=120)
+    abandoned = scored() - before - 1
+    assert abandoned < 1000, "the server scored every candidate after the deadline"
+    assert abandoned <= 0.6 * 1000, f"{abandoned:.0f} of 1000 pairs scored in 1/5 of the time"
