@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
-from services.common.auth import AuthInterceptor
 from services.common.logs import configure_logging
 from services.common.metrics import RpcMetrics
+from services.common.redis_client import async_client, parse_redis_url
 from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.encoder.base import Encoder
@@ -42,7 +41,6 @@ async def build_encoder(settings: GatewaySettings) -> Encoder:
                 url=settings.triton_url,
                 model=settings.triton_model,
                 default_timeout_s=settings.default_timeout_s,
-                tls=settings.client_tls(),
             )
         )
     from services.encoder.inprocess import InProcessEncoder
@@ -57,8 +55,8 @@ class RedisHealth:
     answers again and a load balancer sends clients to a gateway that can serve them."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
-        self._client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        self._client = async_client(
+            url, max_connections=2, pool_timeout_s=timeout_s, socket_timeout=timeout_s
         )
 
     async def check(self) -> bool:
@@ -91,15 +89,12 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     from services.index.client.replicas import HedgePolicy
     from services.index.client.router import ShardRouter
     from services.index.client.writer import ChangeLogWriter
+    from services.index.layout import check_layout_at
 
     registry = CollectorRegistry()
-    authenticator = settings.authenticator()
-    tls = settings.client_tls()
     encoder = await build_encoder(settings)
     router = ShardRouter(
-        parse_shard_addresses(settings.shards),
-        hedge=HedgePolicy(enabled=settings.hedge),
-        tls=tls,
+        parse_shard_addresses(settings.shards), hedge=HedgePolicy(enabled=settings.hedge)
     )
     store = ChangeLogWriter(
         settings.redis_url,
@@ -108,9 +103,13 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         max_connections=settings.redis_max_connections,
         pool_timeout_s=settings.redis_pool_timeout_s,
         read_retry_s=settings.redis_read_retry_s,
+        wait_replicas=settings.redis_wait_replicas,
+        wait_timeout_ms=settings.redis_wait_timeout_ms,
     )
+    # Refuse to serve a store of another key layout or shard count (says what to do).
+    await asyncio.to_thread(check_layout_at, settings.redis_url, router.num_shards)
     reranker = (
-        RerankClient(settings.rerank_url, depth_table(settings.rerank_depth_table), tls)
+        RerankClient(settings.rerank_url, depth_table(settings.rerank_depth_table))
         if settings.rerank_url
         else None
     )
@@ -163,34 +162,24 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         ]
 
     server, port = await create_server(
-        settings,
-        register,
-        RpcMetrics.create(registry, "gateway"),
-        admission,
-        interceptors=[AuthInterceptor(authenticator)] if authenticator else [],
+        settings, register, RpcMetrics.create(registry, "gateway"), admission
     )
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
     closers: list[object] = [encoder, router, store, reranker, query_cache, redis_health]
     server.watch(
-        redis_health.check, settings.health_interval_s, f"gateway (Redis {settings.redis_url})"
+        redis_health.check,
+        settings.health_interval_s,
+        f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})",
     )
     log.info(
-        "gateway serving on %s:%d (model %s, %d shards, rerank %s; auth %s; TLS %s; "
-        "TLS to shards, rerank and Triton %s)",
+        "gateway serving on %s:%d (model %s, %d shards, rerank %s)",
         settings.host,
         port,
         encoder.model_name,
         router.num_shards,
         settings.rerank_url or "off",
-        "on (bearer tokens)" if authenticator else "OFF (--no-auth: every client may write)",
-        _tls_said(settings.server_tls() is not None, settings.tls_client_ca is not None),
-        _tls_said(tls is not None, settings.tls_client_cert is not None),
     )
     return Gateway(server, port, registry, closers)
-
-
-def _tls_said(on: bool, mutual: bool) -> str:
-    return ("mTLS" if mutual else "on") if on else "off"
 
 
 async def serve(settings: GatewaySettings) -> None:

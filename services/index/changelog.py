@@ -1,4 +1,4 @@
-"""The change log in Redis: documents ``doc:{id}`` and one stream ``log:{shard}`` per shard.
+"""The change log in Redis: documents ``doc:{s}:<id>`` and one stream ``log:{s}`` per shard.
 
 Writes (:class:`~services.index.client.writer.ChangeLogWriter`, used by the gateway)
 put the document hashes and their shard's log entry in one transaction (a Lua script,
@@ -11,17 +11,18 @@ stream entry carries a whole batch for one shard::
     vecs  packed little-endian float32, len(ids) × dim   (upserts)
     dim   dimension                                       (upserts)
     tags  JSON list of {key: value} metadata per id       (upserts)
-    vers  JSON list of per-document versions (INCR of ``ver:{id}``, monotonic per doc)
+    vers  JSON list of per-document versions (INCR of ``ver:{s}:<id>``, monotonic per doc)
     ver   (older writers) one ns timestamp for the whole batch
 
 The entry ID (``<ms>-<seq>``) is the log position: monotonic per shard, so the order of
 a shard's log is the order in which every replica applies it (:class:`LogReader`, here:
 the keys, the entry format and the reader are the shard side's).
-The version counter ``ver:{id}`` outlives a delete, so a re-upserted document never
+The version counter ``ver:{s}:<id>`` outlives a delete, so a re-upserted document never
 reuses a version.
 
-All keys of a write go through one script: on Redis Cluster they would need one hash
-slot; this service runs one Redis (with replicas for failover), not a cluster.
+The keys (:mod:`services.index.keys`) carry the shard as a hash tag, so the keys of one
+shard's write share one hash slot and the same scripts run on one Redis or a Redis
+Cluster.
 """
 
 from __future__ import annotations
@@ -38,31 +39,9 @@ import redis
 
 from services.common import positions
 from services.index.core.changes import Change, Delete, Upsert
+from services.index.keys import log_key, replicas_seen_key, snapshot_positions_key
 
 log = logging.getLogger(__name__)
-
-DOC_PREFIX = "doc:"
-LOG_PREFIX = "log:"
-VERSION_PREFIX = "ver:"
-SNAPSHOT_POSITIONS = "snap:"  # hash per shard: replica → newest snapshot position
-REPLICAS_SEEN = "snapseen:"  # hash per shard: replica → unix time of its last registration
-
-
-def log_key(shard: int) -> str:
-    return f"{LOG_PREFIX}{shard}"
-
-
-def doc_key(doc_id: str) -> str:
-    return f"{DOC_PREFIX}{doc_id}"
-
-
-def snapshot_positions_key(shard: int) -> str:
-    return f"{SNAPSHOT_POSITIONS}{shard}"
-
-
-def replicas_seen_key(shard: int) -> str:
-    return f"{REPLICAS_SEEN}{shard}"
-
 
 # --- entry format ---------------------------------------------------------------------
 
@@ -120,9 +99,10 @@ class LogEntry:
 
 
 class LogReader:
-    """Blocking, batched reads of ``log:{shard}`` for the consumer thread of a replica."""
+    """Blocking, batched reads of ``log:{s}`` for the consumer thread of a replica
+    (``client``: a blocking Redis or RedisCluster)."""
 
-    def __init__(self, client: redis.Redis, shard: int) -> None:
+    def __init__(self, client: Any, shard: int) -> None:
         self._redis: Any = client  # replies are bytes (no decode_responses)
         self.shard = shard
         self.key = log_key(shard)
@@ -192,8 +172,8 @@ class LogReader:
                 for r in stale:
                     del known[r]
                 log.warning(
-                    "log:%d: replicas %s not seen for %.0f s: no longer holding the log back",
-                    self.shard, ", ".join(sorted(stale)), stale_after_s,
+                    "%s: replicas %s not seen for %.0f s: no longer holding the log back",
+                    self.key, ", ".join(sorted(stale)), stale_after_s,
                 )  # fmt: skip
         if not known:
             return None

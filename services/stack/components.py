@@ -35,9 +35,9 @@ def redis_child(cfg: StackConfig) -> Child:
 
 
 def _redis(url: str):  # type: ignore[no-untyped-def]
-    import redis
+    from services.common.redis_client import sync_client
 
-    return redis.Redis.from_url(url, socket_timeout=2.0)
+    return sync_client(url, socket_timeout=2.0)
 
 
 def redis_ready(child: Child) -> bool:
@@ -106,7 +106,6 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         argv += ["--encoder", "inprocess"]
     if endpoints.rerank:
         argv += ["--rerank-url", endpoints.rerank]
-    argv += ["--no-auth"]
     child = Child("gateway", argv, cfg.logs / "gateway.log", job="gateway")
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"

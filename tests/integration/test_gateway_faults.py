@@ -39,6 +39,7 @@ from services.common.errors import DeadlineExceeded, Unavailable
 from services.index import convert
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.keys import DocKeys
 from tests.support.processes import RestartableRedis, free_port, start_redis, stop_process
 from tests.support.shards import ROOT, ShardCluster, run_shards, train_test_index
 
@@ -108,7 +109,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
                         "--port", str(gw_port), "--redis-url", store.url, "--shards", spec,
                         "--encoder", "inprocess", "--log-level", "WARNING",
                         "--default-timeout-s", str(GATEWAY_DEFAULT_TIMEOUT_S),
-                        "--redis-max-connections", "8", "--no-auth",
+                        "--redis-max-connections", "8",
                     ],
                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
@@ -356,7 +357,7 @@ def test_blank_and_control_character_ids_are_refused(stack: Stack, doc_id: str) 
         )
         assert _code(lambda: stub.Upsert(request, timeout=10)) is (grpc.StatusCode.INVALID_ARGUMENT)
     client = redis.Redis.from_url(stack.redis.url)
-    assert not client.exists(f"doc:{doc_id}")
+    assert not client.exists(DocKeys(len(stack.cluster.processes)).doc(doc_id))
     client.close()
 
 

@@ -10,10 +10,13 @@ import pytest
 import redis
 
 from services.common.errors import InvalidArgument
-from services.index.changelog import LogReader, decode_entry, log_key
+from services.index.changelog import LogReader, decode_entry
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Delete, Upsert
 from services.index.core.ids import shard_of
+from services.index.keys import log_key, replicas_seen_key, snapshot_positions_key
+
+SNAP_0, SEEN_0 = snapshot_positions_key(0), replicas_seen_key(0)
 
 
 def rec(doc_id: str, seed: int = 0, dim: int = 8, **meta: str) -> DocRecord:
@@ -139,16 +142,16 @@ def test_a_replica_unseen_too_long_stops_holding_the_log_back(redis_url: str) ->
     now = 1_000_000.0
     reader.register_snapshot("gone", ids[1], now=now - 7200)  # last seen 2 h ago
     reader.register_snapshot("live", ids[6], now=now - 10)
-    sync.hset("snap:0", "legacy", ids[2])  # registered without a heartbeat: counts as live
+    sync.hset(SNAP_0, "legacy", ids[2])  # registered without a heartbeat: counts as live
     assert reader.trim_below_snapshots(stale_after_s=3600, now=now) == ids[2]
-    assert {r.decode() for r in sync.hkeys("snap:0")} == {"live", "legacy"}
-    assert {r.decode() for r in sync.hkeys("snapseen:0")} == {"live"}
-    sync.hdel("snap:0", "legacy")
+    assert {r.decode() for r in sync.hkeys(SNAP_0)} == {"live", "legacy"}
+    assert {r.decode() for r in sync.hkeys(SEEN_0)} == {"live"}
+    sync.hdel(SNAP_0, "legacy")
     # the heartbeat keeps an idle replica: seen 10 s ago is not stale
     assert reader.trim_below_snapshots(stale_after_s=3600, now=now) == ids[6]
     assert [e[0].decode() for e in sync.xrange(log_key(0))] == ids[6:]
     # without a threshold nothing expires
     reader.register_snapshot("old", ids[6], now=0.0)
-    assert reader.trim_below_snapshots() == ids[6] and sync.hexists("snap:0", "old")
+    assert reader.trim_below_snapshots() == ids[6] and sync.hexists(SNAP_0, "old")
     # the removed replica, back after all, finds the log trimmed past its snapshot
     assert reader.trimmed_past(ids[1])

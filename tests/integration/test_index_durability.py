@@ -18,14 +18,15 @@ from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.common.positions import WriteToken, merge_tokens
-from services.index.changelog import log_key
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
 from services.index.core.snapshots import list_snapshots
+from services.index.keys import log_key, snapshot_positions_key
 from tests.support.shards import run_shards, scifact_vectors, shared_test_index
 
 SHARDS = 2
+SNAP_0 = snapshot_positions_key(0)
 
 
 @pytest.fixture(scope="module")
@@ -181,18 +182,18 @@ def test_log_is_trimmed_only_below_the_slowest_replica(
         time.sleep(0.3)
         snapshot(fast.address)
         assert client.xlen(log_key(0)) == 20  # the slow replica has no snapshot yet
-        positions = {k.decode(): v.decode() for k, v in client.hgetall("snap:0").items()}
+        positions = {k.decode(): v.decode() for k, v in client.hgetall(SNAP_0).items()}
         assert positions[slow.replica] == "0-0"
 
         snapshot(slow.address)  # now both have one: trimmed below the older of the two
         first_kept = client.xrange(log_key(0), count=1)[0][0].decode()
-        floor = min(client.hvals("snap:0"), key=lambda p: tuple(map(int, p.split(b"-"))))
+        floor = min(client.hvals(SNAP_0), key=lambda p: tuple(map(int, p.split(b"-"))))
         assert first_kept == floor.decode()
         asyncio.run(write(200, 300))
         time.sleep(0.3)
         snapshot(slow.address)
         # the fast replica's snapshot is older now: nothing past it is trimmed
-        assert client.xrange(log_key(0), count=1)[0][0] == client.hget("snap:0", fast.replica)
+        assert client.xrange(log_key(0), count=1)[0][0] == client.hget(SNAP_0, fast.replica)
 
         # a brand-new replica could not replay a trimmed log: it refuses to start
         stranger = tmp_path / "stranger"

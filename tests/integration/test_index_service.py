@@ -26,6 +26,7 @@ from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
 from services.index.core.train import Manifest
+from services.index.keys import replicas_seen_key, snapshot_positions_key
 from tests.support.processes import RedisServer
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
 
@@ -391,12 +392,12 @@ def test_replicas_register_as_alive(cluster: ShardCluster, module_redis: str) ->
     def seen() -> dict[Any, float]:
         return {
             r: float(t) for shard in range(SHARDS)
-            for r, t in client.hgetall(f"snapseen:{shard}").items()
+            for r, t in client.hgetall(replicas_seen_key(shard)).items()
         }  # fmt: skip
 
     before = seen()
     for shard in range(SHARDS):
-        floors = client.hgetall(f"snap:{shard}")
+        floors = client.hgetall(snapshot_positions_key(shard))
         assert len(floors) == 2 and set(floors) <= set(before)
     time.sleep(3 * HEARTBEAT_S)
     after = seen()

@@ -21,6 +21,7 @@ import redis
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
+from services.index.keys import DocKeys
 from services.stack import components
 from services.stack.children import (
     STOP_GRACE_S,
@@ -131,7 +132,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                     "redis restarted and healthy",
                 )
                 client = redis.Redis.from_url(redis_child.address)
-                assert client.exists(*[f"doc:d{i}" for i in range(20)]) == 20
+                assert client.exists(*[DocKeys(1).doc(f"d{i}") for i in range(20)]) == 20
                 client.close()
 
                 async def upserted() -> bool:

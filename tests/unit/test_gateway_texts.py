@@ -23,8 +23,9 @@ from services.encoder.model import TorchEmbedder
 from services.gateway.domain import Document
 from services.gateway.pipeline import DocumentPipeline
 from services.gateway.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder
-from services.index.changelog import decode_entry, log_key
+from services.index.changelog import decode_entry
 from services.index.client.writer import ChangeLogWriter
+from services.index.keys import log_key
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,33 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import redis
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, NoScriptError, RedisClusterException, TryAgainError
 
 from services.common.domain import Document, WriteToken
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.limits import LIMITS
-from services.index.changelog import VERSION_PREFIX, doc_key, log_key, text
-from services.index.core.ids import shard_of
+from services.common.redis_client import Gate, async_client, is_cluster
+from services.common.redis_client import redis_pool as redis_pool
+from services.index.changelog import text
+from services.index.keys import DocKeys, log_key
+
+# What a Redis restart or a cluster failover raises while it lasts (worth a retry of a read).
+TRANSIENT: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    RedisClusterException,
+)
+# Everything a Redis client raises (RedisClusterException is no RedisError).
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
 MAX_ID_BYTES = LIMITS.max_id_bytes
 MAX_BATCH = LIMITS.max_delete_ids
@@ -150,7 +162,22 @@ class ChangeLogWriter:
     """Upserts and deletes: the document hashes and the shard logs in one transaction.
 
     ``dim`` (when given) is checked on every upsert; ``num_shards`` is fixed for the
-    lifetime of the log (the shard of a document is ``shard_of(id, num_shards)``).
+    lifetime of the store (the shard of a document is ``shard_of(id, num_shards)``, and
+    its keys carry it, :mod:`services.index.keys`).
+
+    ``redis_url`` names one Redis or a Redis Cluster (:mod:`services.common.redis_client`).
+    On one Redis a whole upsert (or delete) batch is one Lua script: all or nothing. On a
+    cluster each shard's part of the batch is one script (its keys share the shard's hash
+    slot), the parts run concurrently: each is all or nothing, and when one fails the
+    call fails (Unavailable) though other shards' parts may be written; the retry the
+    client makes is harmless (an upsert again stores the same content with a newer
+    version; a delete again reports the deleted ids as not found).
+
+    ``wait_replicas`` > 0: after each script, ``WAIT wait_replicas wait_timeout_ms`` on the
+    same connection, so a write is acknowledged only once that many replicas of its
+    primary have it and survives the primary's loss (a failover promotes a replica).
+    Fewer replicas within the timeout: Unavailable (the write is on the primary and may
+    or may not survive its loss; retry). What it costs: docs/performance.md, "Redis WAIT".
     """
 
     def __init__(
@@ -162,24 +189,49 @@ class ChangeLogWriter:
         max_connections: int = 64,
         pool_timeout_s: float = 5.0,
         read_retry_s: float = 3.0,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         if num_shards < 1:
             raise ValueError("num_shards must be positive")
+        if wait_replicas < 0 or wait_timeout_ms < 0:
+            raise ValueError("wait_replicas and wait_timeout_ms must not be negative")
         self.num_shards = num_shards
+        self.keys = DocKeys(num_shards)
         self.dim = dim
         self.read_retry_s = read_retry_s
-        self._redis: Any = aioredis.Redis.from_pool(
-            redis_pool(redis_url, max_connections=max_connections, timeout=pool_timeout_s)
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._redis: Any = async_client(
+            redis_url, max_connections=max_connections, pool_timeout_s=pool_timeout_s
         )
+        self.cluster = is_cluster(self._redis)
+        # One Redis: the blocking pool bounds the connections; a cluster client's pools
+        # fail at once when full, so the writer bounds its own concurrency instead.
+        self._gate = Gate(max_connections, pool_timeout_s) if self.cluster else None
         self._upsert = self._redis.register_script(_UPSERT)
         self._delete = self._redis.register_script(_DELETE)
 
+    def _groups(self, ids: Sequence[str]) -> list[list[int]]:
+        """Indexes of ``ids`` per script: all in one on one Redis, one per shard on a
+        cluster (a script's keys must share a hash slot)."""
+        if not self.cluster:
+            return [list(range(len(ids)))]
+        by_shard: dict[int, list[int]] = {}
+        for n, doc_id in enumerate(ids):
+            by_shard.setdefault(self.keys.shard(doc_id), []).append(n)
+        return [by_shard[s] for s in sorted(by_shard)]
+
     def _layout(self, ids: Sequence[str]) -> tuple[list[int], list[int]]:
         """(shards touched, sorted; per id its 1-based slot among them)."""
-        of = [shard_of(doc_id, self.num_shards) for doc_id in ids]
+        of = [self.keys.shard(doc_id) for doc_id in ids]
         shards = sorted(set(of))
         slot = {s: n + 1 for n, s in enumerate(shards)}
         return shards, [slot[s] for s in of]
+
+    def _keys(self, ids: Sequence[str], shards: list[int]) -> list[str]:
+        keys = [self.keys.doc(i) for i in ids] + [self.keys.version(i) for i in ids]
+        return keys + [log_key(s) for s in shards]
 
     @staticmethod
     def _token(shards: list[int], reply: Sequence[Any]) -> WriteToken:
@@ -189,41 +241,89 @@ class ChangeLogWriter:
         """Store and log ``records``; the write token once Redis has acknowledged them."""
         vectors = check_records(records, self.dim)
         ids = [r.doc_id for r in records]
-        shards, slots = self._layout(ids)
-        keys = [doc_key(i) for i in ids] + [VERSION_PREFIX + i for i in ids]
-        keys += [log_key(s) for s in shards]
-        args: list[str | bytes] = [str(len(records)), str(vectors.shape[1])]
-        for record, slot, row in zip(records, slots, vectors, strict=True):
-            args += [
-                str(slot),
-                record.doc_id,
-                record.title,
-                record.text,
-                json.dumps(record.metadata, sort_keys=True),
-                row.astype("<f4").tobytes(),
-            ]
-        try:
-            reply = await self._upsert(keys=keys, args=args)
-        except redis.RedisError as exc:
-            raise Unavailable(f"redis: {exc}") from exc
-        return self._token(shards, reply)
+
+        async def part(members: list[int]) -> WriteToken:
+            part_ids = [ids[n] for n in members]
+            shards, slots = self._layout(part_ids)
+            args: list[str | bytes] = [str(len(members)), str(vectors.shape[1])]
+            for n, slot in zip(members, slots, strict=True):
+                record = records[n]
+                args += [
+                    str(slot),
+                    record.doc_id,
+                    record.title,
+                    record.text,
+                    json.dumps(record.metadata, sort_keys=True),
+                    vectors[n].astype("<f4").tobytes(),
+                ]
+            reply = await self._run(self._upsert, _UPSERT, self._keys(part_ids, shards), args)
+            return self._token(shards, reply)
+
+        token: WriteToken = {}
+        for t in await asyncio.gather(*(part(g) for g in self._groups(ids))):
+            token.update(t)
+        return token
 
     async def delete(self, ids: Sequence[str]) -> tuple[WriteToken, list[str], list[str]]:
         """Delete the documents that exist: (write token, deleted ids, ids not found)."""
         check_ids(ids)
-        shards, slots = self._layout(ids)
-        keys = [doc_key(i) for i in ids] + [VERSION_PREFIX + i for i in ids]
-        keys += [log_key(s) for s in shards]
-        args: list[str] = [str(len(ids))]
-        for doc_id, slot in zip(ids, slots, strict=True):
-            args += [str(slot), doc_id]
+
+        async def part(members: list[int]) -> tuple[WriteToken, list[str]]:
+            part_ids = [ids[n] for n in members]
+            shards, slots = self._layout(part_ids)
+            args: list[str | bytes] = [str(len(part_ids))]
+            for doc_id, slot in zip(part_ids, slots, strict=True):
+                args += [str(slot), doc_id]
+            deleted_raw, reply = await self._run(
+                self._delete, _DELETE, self._keys(part_ids, shards), args
+            )
+            return self._token(shards, reply), [text(d) for d in deleted_raw]
+
+        token: WriteToken = {}
+        gone: set[str] = set()
+        for t, deleted_part in await asyncio.gather(*(part(g) for g in self._groups(ids))):
+            token.update(t)
+            gone.update(deleted_part)
+        deleted = [i for i in ids if i in gone]
+        return token, deleted, [i for i in ids if i not in gone]
+
+    async def _run(
+        self, script: Any, source: str, keys: list[str], args: Sequence[str | bytes]
+    ) -> Any:
+        """Run a write script (and WAIT for replicas when asked); Unavailable on failure."""
         try:
-            deleted_raw, reply = await self._delete(keys=keys, args=args)
-        except redis.RedisError as exc:
+            async with self._slot():
+                if self.wait_replicas == 0:
+                    return await script(keys=keys, args=args)
+                try:
+                    return await self._run_and_wait(script.sha, keys, args)
+                except NoScriptError:  # a restarted or new primary: load it, once
+                    await self._redis.script_load(source)
+                    return await self._run_and_wait(script.sha, keys, args)
+        except REDIS_ERRORS as exc:
             raise Unavailable(f"redis: {exc}") from exc
-        deleted = [text(d) for d in deleted_raw]
-        gone = set(deleted)
-        return self._token(shards, reply), deleted, [i for i in ids if i not in gone]
+
+    async def _run_and_wait(self, sha: str, keys: list[str], args: Sequence[str | bytes]) -> Any:
+        """EVALSHA and WAIT in one round trip on one connection (WAIT counts the replicas
+        that have this connection's writes), on a cluster to the primary of the slot."""
+        wait: dict[str, Any] = {}
+        if self.cluster:
+            await self._redis.initialize()
+            wait["target_nodes"] = self._redis.get_node_from_key(keys[0])
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.evalsha(sha, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, **wait)
+            reply, acked = await pipe.execute()
+        if int(acked) < self.wait_replicas:
+            raise Unavailable(
+                f"redis: the write reached {acked} of {self.wait_replicas} replicas within "
+                f"{self.wait_timeout_ms} ms (it is on the primary and may not survive its "
+                "loss): retry"
+            )
+        return reply
+
+    def _slot(self) -> Any:
+        return self._gate.slot() if self._gate is not None else _no_gate()
 
     async def get(self, doc_id: str) -> Document | None:
         (doc,) = await self.get_many([doc_id])
@@ -231,15 +331,15 @@ class ChangeLogWriter:
 
     async def get_many(self, ids: Sequence[str]) -> list[Document | None]:
         """The stored documents of ``ids`` (None where one does not exist), in one
-        pipelined round trip: a search fetches all of its hits at once instead of one
-        request (and one pooled connection) per hit."""
+        pipelined round trip (per cluster node): a search fetches all of its hits at once
+        instead of one request (and one pooled connection) per hit."""
         if not ids:
             return []
 
         async def read() -> list[Any]:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for doc_id in ids:
-                    pipe.hmget(doc_key(doc_id), *_STORED_FIELDS)
+                    pipe.hmget(self.keys.doc(doc_id), *_STORED_FIELDS)
                 return list(await pipe.execute())
 
         replies = await self._read(read)
@@ -259,23 +359,30 @@ class ChangeLogWriter:
 
     async def _read(self, read: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
         """Run an idempotent read; while Redis cannot be reached (a restart takes about a
-        second), try again with backoff for up to ``read_retry_s``, then Unavailable.
-        The caller's deadline bounds it too (it cancels the wait)."""
+        second, a cluster failover a few), try again with backoff for up to
+        ``read_retry_s``, then Unavailable. The caller's deadline bounds it too (it
+        cancels the wait)."""
         give_up = time.monotonic() + self.read_retry_s
         pause = 0.05
         while True:
             try:
-                return await read()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                async with self._slot():
+                    return await read()
+            except TRANSIENT as exc:
                 if time.monotonic() + pause > give_up:
                     raise Unavailable(f"redis: {exc}") from exc
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 0.5)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 raise Unavailable(f"redis: {exc}") from exc
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+@asynccontextmanager
+async def _no_gate() -> AsyncIterator[None]:
+    yield
 
 
 _STORED_FIELDS = ("title", "text", "meta", "ver")
@@ -291,29 +398,4 @@ def _stored(doc_id: str, values: Sequence[bytes | None]) -> Document | None:
         text=(text or b"").decode(),
         metadata=json.loads(meta or b"{}"),
         version=int(ver),
-    )
-
-
-def redis_pool(
-    url: str, *, max_connections: int, timeout: float, socket_timeout: float = 5.0
-) -> aioredis.BlockingConnectionPool:
-    """A bounded pool for an asyncio client: at most ``max_connections`` sockets; a caller
-    that finds them all busy waits up to ``timeout`` s for one (then ConnectionError)
-    instead of failing at once ("Too many connections", redis-py's default pool).
-
-    Connections idle for over a second are PINGed before use, so a pool that outlived a
-    Redis restart reconnects instead of failing its next requests; a command that fails
-    on a broken connection is retried once on a fresh one. A retried write may run twice
-    when the first attempt reached Redis and only its reply was lost: an upsert is then
-    logged twice (same content, a newer version), harmless for every reader.
-    """
-    return aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=timeout,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=socket_timeout,
-        health_check_interval=1,
-        retry=Retry(NoBackoff(), 1),
-        retry_on_error=[redis.ConnectionError],
     )

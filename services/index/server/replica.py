@@ -19,14 +19,16 @@ from typing import Any
 
 import faiss
 import redis
-import redis.asyncio as aioredis
 
 from services.common import positions
 from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from services.index.changelog import LogReader, decode_entry, log_key
+from services.common.redis_client import async_client, sync_client
+from services.index.changelog import LogReader, decode_entry
 from services.index.core.changes import Change, Upsert
 from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
 from services.index.core.train import TrainedIndex
+from services.index.keys import log_key
+from services.index.layout import check_layout
 from services.index.server.metrics import ShardMetrics
 from services.index.server.settings import ShardSettings
 
@@ -49,11 +51,11 @@ class ShardReplica:
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._last_heartbeat = time.monotonic()
-        self._sync = redis.Redis.from_url(config.redis_url, socket_timeout=10.0)
+        self._sync = sync_client(config.redis_url, socket_timeout=10.0)
         self.log = LogReader(self._sync, config.shard)
         self.skipped_entries = 0
         self._snapshot_lock = threading.Lock()
-        self._async: Any = aioredis.Redis.from_url(config.redis_url, socket_timeout=5.0)
+        self._async: Any = async_client(config.redis_url, max_connections=64, socket_timeout=5.0)
         if metrics is not None:
             metrics.bind(self.shard)
 
@@ -68,11 +70,13 @@ class ShardReplica:
 
         FailedPrecondition when the log was trimmed past our position: a replay would
         silently miss changes; seed the snapshot directory from a peer replica instead.
+        Also when Redis holds another key layout or shard count (:func:`check_layout`).
         """
         self._loop = loop
+        check_layout(self._sync, self.config.shards)
         if self.log.trimmed_past(self.shard.applied):
             raise FailedPrecondition(
-                f"log:{self.config.shard} was trimmed past {self.shard.applied}: copy a "
+                f"{self.key} was trimmed past {self.shard.applied}: copy a "
                 f"snapshot of a peer replica into {self.config.snapshot_dir}"
             )
         self.log.register_snapshot(self.config.replica, self.replay_floor())
@@ -153,7 +157,7 @@ class ShardReplica:
             return changes
         except Exception as exc:
             self.skipped_entries += 1
-            log.error("log:%d entry %s skipped: %s", self.config.shard, position, exc)
+            log.error("%s entry %s skipped: %s", self.key, position, exc)
             return []
 
     def _apply(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:

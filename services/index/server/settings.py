@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import socket
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.redis_client import check_redis_url
 from services.common.settings import ServiceSettings
 
 
@@ -20,7 +21,11 @@ class ShardSettings(ServiceSettings):
         default_factory=socket.gethostname,
         description="Stable replica name (the pod name); keys its snapshot position.",
     )
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Where the log lives.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Where the log lives: redis://host:port/0 (rediss:// with TLS) for one "
+        "Redis, redis+cluster://host:port,host:port (rediss+cluster://) for a Redis Cluster.",
+    )
     index_dir: str = Field(..., description="Directory of the trained index (`index train`).")
     snapshot_dir: str = Field(..., description="This replica's snapshot directory.")
     snapshot_every_entries: int = Field(20_000, ge=1, description="Snapshot after N changes.")
@@ -56,6 +61,8 @@ class ShardSettings(ServiceSettings):
         gt=0,
         description="Deadline of a search that brings none (its consistency wait included).",
     )
+
+    _redis_url = field_validator("redis_url")(check_redis_url)
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> ShardSettings:

@@ -1,0 +1,91 @@
+"""The key layout version recorded in Redis, checked by every service at start.
+
+A store written by this code says so in ``gtr:layout`` (``version`` 2 and the shard
+count its document keys were computed with). A service that finds the keys of layout 1
+(``log:<s>``, no hash tags), an unfinished migration, a newer layout or another shard
+count refuses to start with a message that says what to do, instead of serving a store
+it would misread: every document key depends on the shard count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common.errors import FailedPrecondition
+from services.index.keys import LAYOUT_KEY, LAYOUT_VERSION, v1_shard_keys
+
+
+def migrate_hint(num_shards: int) -> str:
+    return (
+        f"stop the gateway and the shards, then run `gtr-retrieval redis migrate "
+        f"--redis-url <url> --shards {num_shards}`"
+    )
+
+
+def read_layout(client: Any) -> dict[str, str]:
+    raw = client.hgetall(LAYOUT_KEY)
+    return {_s(k): _s(v) for k, v in raw.items()}
+
+
+def v1_keys_present(client: Any, num_shards: int) -> list[str]:
+    """The layout-1 shard keys (logs, snapshot registrations) that exist."""
+    names = [old for s in range(num_shards) for old in v1_shard_keys(s)]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(name)
+    return [name for name, n in zip(names, pipe.execute(), strict=True) if n]
+
+
+def check_layout(client: Any, num_shards: int) -> None:
+    """Return when the store has this code's layout (recording it in an empty store);
+    FailedPrecondition otherwise. ``client`` is a blocking Redis or RedisCluster."""
+    layout = read_layout(client)
+    if not layout:
+        old = v1_keys_present(client, num_shards)
+        if old:
+            raise FailedPrecondition(
+                f"Redis holds the key layout of version 1 ({', '.join(old[:3])}...), this "
+                f"code reads version {LAYOUT_VERSION}: {migrate_hint(num_shards)}"
+            )
+        client.hsetnx(LAYOUT_KEY, "version", str(LAYOUT_VERSION))
+        client.hsetnx(LAYOUT_KEY, "shards", str(num_shards))
+        layout = read_layout(client)
+    version = int(layout.get("version", "1"))
+    if "migrating" in layout:
+        raise FailedPrecondition(
+            f"a migration of the Redis key layout to version {layout['migrating']} did not "
+            f"finish: run it again (`gtr-retrieval redis migrate --redis-url <url> "
+            f"--shards {layout.get('shards', num_shards)}`)"
+        )
+    if version > LAYOUT_VERSION:
+        raise FailedPrecondition(
+            f"Redis holds the key layout of version {version}, newer than this code's "
+            f"({LAYOUT_VERSION}): upgrade the services"
+        )
+    if version < LAYOUT_VERSION:
+        raise FailedPrecondition(
+            f"Redis holds the key layout of version {version}, this code reads version "
+            f"{LAYOUT_VERSION}: {migrate_hint(num_shards)}"
+        )
+    shards = int(layout.get("shards", num_shards))
+    if shards != num_shards:
+        raise FailedPrecondition(
+            f"the document store was written for {shards} shards, this service is "
+            f"configured for {num_shards}: documents are keyed by their shard, so the "
+            "shard count of a store cannot change (re-ingest into an empty store)"
+        )
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def check_layout_at(url: str, num_shards: int) -> None:
+    """:func:`check_layout` on the Redis (or Redis Cluster) of ``url``."""
+    from services.common.redis_client import sync_client
+
+    client = sync_client(url)
+    try:
+        check_layout(client, num_shards)
+    finally:
+        client.close()
