@@ -65,6 +65,23 @@ async def present(
     return found
 
 
+def wait_applied(address: str, token: WriteToken, vector: np.ndarray) -> None:
+    """Return once the replica at ``address`` has applied the log up to ``token``: a
+    SESSION search there waits for it (instead of sleeping and hoping it has)."""
+
+    async def go() -> None:
+        router = ShardRouter([[address]])
+        try:
+            await router.search(
+                vector[None], 1, consistency=Consistency.SESSION, write_token=token,
+                timeout=30, require_complete=True,
+            )  # fmt: skip
+        finally:
+            await router.close()
+
+    asyncio.run(go())
+
+
 def test_kill_9_during_upserts_loses_no_acknowledged_write(
     index_dir: Path, redis_url: str, vectors: np.ndarray, tmp_path: Path
 ) -> None:
@@ -178,8 +195,8 @@ def test_log_is_trimmed_only_below_the_slowest_replica(
             finally:
                 await writer.close()
 
-        asyncio.run(write(0, 200))  # 20 entries
-        time.sleep(0.3)
+        token = asyncio.run(write(0, 200))  # 20 entries
+        wait_applied(fast.address, token, vectors[0])
         snapshot(fast.address)
         assert client.xlen(log_key(0)) == 20  # the slow replica has no snapshot yet
         positions = {k.decode(): v.decode() for k, v in client.hgetall(SNAP_0).items()}
@@ -189,8 +206,8 @@ def test_log_is_trimmed_only_below_the_slowest_replica(
         first_kept = client.xrange(log_key(0), count=1)[0][0].decode()
         floor = min(client.hvals(SNAP_0), key=lambda p: tuple(map(int, p.split(b"-"))))
         assert first_kept == floor.decode()
-        asyncio.run(write(200, 300))
-        time.sleep(0.3)
+        token = asyncio.run(write(200, 300))
+        wait_applied(slow.address, token, vectors[0])
         snapshot(slow.address)
         # the fast replica's snapshot is older now: nothing past it is trimmed
         assert client.xrange(log_key(0), count=1)[0][0] == client.hget(SNAP_0, fast.replica)
