@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS
+from services.common.slo import SizeSlo
 from services.gateway.domain import SearchResult
 
 
 @dataclass
 class GatewayMetrics:
+    """What the gateway records per request; the SLIs of services/common/slo.py."""
+
     stage_seconds: Histogram
     encode_seconds: Histogram
+    encode_calls: Counter
+    search_seconds: Histogram
     partial_results: Counter
     searches: Counter
     model: str
@@ -25,67 +31,123 @@ class GatewayMetrics:
         registry: CollectorRegistry,
         model: str,
         size: str,
-        encode_slo_ms: float | None = None,
-        search_slo_ms: float | None = None,
+        slo: SizeSlo,
+        rerank: bool = False,
     ) -> GatewayMetrics:
-        """``*_slo_ms``: the latency objectives this gateway runs under, exported as
-        ``gtr_slo_seconds{objective}`` so that dashboards and alerts read the same
-        numbers as the configuration (the chart sets them from the size profile)."""
-        slo = Gauge(
+        """``slo``: the objectives this gateway runs under, exported as
+        ``gtr_slo_seconds{objective}`` (encode, search, search_rerank): the numbers the
+        rules were generated from (services/common/slo.py). ``rerank``: whether a
+        reranker is configured (``gateway_rerank_configured``; the rerank job is only
+        expected where it is)."""
+        gauge = Gauge(
             "gtr_slo_seconds",
-            "Latency objective this gateway runs under (encode: the size profile's).",
+            "Latency objective this gateway runs under (services/common/slo.py).",
             ["objective", "model", "size"],
             registry=registry,
         )
-        for objective, ms in (("encode", encode_slo_ms), ("search", search_slo_ms)):
-            if ms is not None:
-                slo.labels(objective, model, size).set(ms / 1000.0)
-        return cls(
+        for objective, seconds in (
+            ("encode", slo.encode_s),
+            ("search", slo.search_s),
+            ("search_rerank", slo.search_rerank_s),
+        ):
+            gauge.labels(objective, model, size).set(seconds)
+        Gauge(
+            "gateway_rerank_configured",
+            "1 when this gateway has a rerank service configured, else 0.",
+            registry=registry,
+        ).set(1.0 if rerank else 0.0)
+        metrics = cls(
             stage_seconds=Histogram(
                 "gateway_stage_seconds",
-                "Wall time per search stage (encode, search, fetch, rerank, total).",
+                "Wall time per stage of a search request (encode, search, fetch, total: "
+                "once per request; rerank: once per reranked query).",
                 ["stage", "model", "size"],
                 buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
             encode_seconds=Histogram(
                 "gtr_encode_seconds",
-                "Query encoding time seen by the gateway (the encoder SLO's metric).",
+                "Time of a successful query encoder call, one per Search or BatchSearch "
+                "request that is not answered from the query cache (the encode SLI's good "
+                "events).",
                 ["model", "size"],
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            encode_calls=Counter(
+                "gtr_encode_calls_total",
+                "Query encoder calls, failed and timed-out ones included (the encode SLI's "
+                "valid events).",
+                ["model", "size"],
+                registry=registry,
+            ),
+            search_seconds=Histogram(
+                "gtr_search_seconds",
+                "End-to-end time of a Search request answered OK, by whether it asked for "
+                "a rerank (the search SLI's good events; its valid events are "
+                'grpc_server_handled_total{service="gateway", method="Search"}).',
+                ["model", "size", "rerank"],
                 buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
             partial_results=Counter(
                 "gateway_partial_results_total",
-                "Searches answered with some shards missing.",
+                "Queries answered with some shards missing (each query of a BatchSearch).",
                 registry=registry,
             ),
             searches=Counter(
                 "gateway_searches_total",
-                "Searches answered, by whether they were reranked.",
+                "Queries answered (each query of a BatchSearch), by whether they were reranked.",
                 ["reranked"],
                 registry=registry,
             ),
             model=model,
             size=size,
         )
+        # Every series from the start, so that rate() sees the first request and an SLI
+        # has its good events at 0 (not absent) while every request fails.
+        metrics.encode_calls.labels(model, size)
+        metrics.encode_seconds.labels(model, size)
+        for flag in ("true", "false"):
+            metrics.search_seconds.labels(model, size, flag)
+            metrics.searches.labels(flag)
+        return metrics
 
-    def observe_search(self, result: SearchResult) -> None:
-        t = result.timings
+    def observe_encode(self, seconds: float | None) -> None:
+        """One encoder call (a BatchSearch's whole batch is one). ``None``: it failed or
+        timed out, a miss of the encode SLI."""
+        self.encode_calls.labels(self.model, self.size).inc()
+        if seconds is not None:
+            self.encode_seconds.labels(self.model, self.size).observe(seconds)
+
+    def observe_request(self, results: Sequence[SearchResult], slo_rerank: bool | None) -> None:
+        """One answered search request: its stage times once (the rerank once per
+        reranked query, each a call of its own), its queries one by one. ``slo_rerank``:
+        for a Search, whether it asked for a rerank (which budget it is held to); None
+        for a BatchSearch, which no latency SLO covers (its time grows with the batch)."""
+        if not results:
+            return
+        t = results[0].timings
         for stage, ms in (
             ("encode", t.encode_ms),
             ("search", t.search_ms),
             ("fetch", t.fetch_ms),
-            ("rerank", t.rerank_ms),
             ("total", t.total_ms),
         ):
             if ms or stage == "total":
                 self.stage_seconds.labels(stage, self.model, self.size).observe(ms / 1000.0)
-        if not result.embedding_cached:  # the encoder's latency, not the cache's
-            self.encode_seconds.labels(self.model, self.size).observe(t.encode_ms / 1000.0)
-        if result.partial:
-            self.partial_results.inc()
-        self.searches.labels(str(result.reranked).lower()).inc()
+        for result in results:
+            if result.timings.rerank_ms:
+                self.stage_seconds.labels("rerank", self.model, self.size).observe(
+                    result.timings.rerank_ms / 1000.0
+                )
+            if result.partial:
+                self.partial_results.inc()
+            self.searches.labels(str(result.reranked).lower()).inc()
+        if slo_rerank is not None:
+            self.search_seconds.labels(self.model, self.size, str(slo_rerank).lower()).observe(
+                t.total_ms / 1000.0
+            )
 
 
 @dataclass

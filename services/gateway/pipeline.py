@@ -20,6 +20,7 @@ import numpy as np
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from services.common.limits import Limits
+from services.encoder.base import Embeddings
 from services.gateway import validation
 from services.gateway.domain import (
     Consistency,
@@ -129,9 +130,23 @@ class SearchPipeline:
             result.timings.search_ms = search_ms
             result.timings.fetch_ms = fetch_ms
             result.timings.total_ms = total_ms
-            if self.metrics is not None:
-                self.metrics.observe_search(result)
+        if self.metrics is not None:
+            self.metrics.observe_request(results, None if batch else queries[0].rerank)
         return list(results)
+
+    async def _encode(self, texts: list[str], deadline: Deadline) -> Embeddings:
+        """One encoder call, recorded once for the encode SLI (a BatchSearch's batch is
+        one call; one that fails or times out is a miss)."""
+        t = time.perf_counter()
+        try:
+            embedded = await self.encoder.encode(texts, "query", timeout=deadline.remaining())
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.observe_encode(None)
+            raise
+        if self.metrics is not None:
+            self.metrics.observe_encode(time.perf_counter() - t)
+        return embedded
 
     async def _embed(
         self, texts: list[str], deadline: Deadline
@@ -141,7 +156,7 @@ class SearchPipeline:
         normal form are encoded once), the new embeddings stored in the background."""
         cache = self.query_cache
         if cache is None:
-            embedded = await self.encoder.encode(texts, "query", timeout=deadline.remaining())
+            embedded = await self._encode(texts, deadline)
             return embedded.vectors, list(embedded.truncated), [False] * len(texts)
         found = await cache.lookup(texts, "query", timeout=deadline.remaining())
         vectors = np.empty((len(texts), self.encoder.dim), dtype=np.float32)
@@ -156,7 +171,7 @@ class SearchPipeline:
         if misses:
             rows = [group[0] for group in misses.values()]
             miss_texts = [texts[i] for i in rows]
-            embedded = await self.encoder.encode(miss_texts, "query", timeout=deadline.remaining())
+            embedded = await self._encode(miss_texts, deadline)
             for group, row, cut in zip(
                 misses.values(), embedded.vectors, embedded.truncated, strict=True
             ):

@@ -18,6 +18,7 @@ from services.common.metrics import RpcMetrics
 from services.common.redis_client import async_client, parse_redis_url
 from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
+from services.common.slo import slo_for
 from services.encoder.base import Encoder
 from services.gateway.metrics import GatewayMetrics, QueryCacheMetrics
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
@@ -117,8 +118,8 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         registry,
         encoder.model_name,
         settings.encoder_size,
-        encode_slo_ms=settings.encode_slo_ms,
-        search_slo_ms=settings.search_slo_ms,
+        slo_for(settings.encoder_size),
+        rerank=bool(settings.rerank_url),
     )
     query_cache = (
         QueryEmbeddingCache(

@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from services.common.errors import RetrievalError
 from services.common.redis_client import check_redis_url
 from services.common.settings import ServiceSettings
+from services.common.slo import SLOS
 from services.rerank.depths import load_depth_table
 
 
@@ -51,19 +52,10 @@ class GatewaySettings(ServiceSettings):
         None, description="In-process encoder: sentence-transformers dir (default model if unset)."
     )
     encoder_size: str = Field(
-        "base", description="Encoder size profile (base/large/xl/xxl): a metrics label."
-    )
-    encode_slo_ms: float = Field(
-        17.0,
-        gt=0,
-        description="Encode latency SLO of the profile (GTR paper, batch 1); exported "
-        'as gtr_slo_seconds{objective="encode"}.',
-    )
-    search_slo_ms: float = Field(
-        50.0,
-        gt=0,
-        description="End-to-end search SLO (encode + fan-out + fetch, no rerank); "
-        'exported as gtr_slo_seconds{objective="search"}.',
+        "base",
+        description="Encoder size (base/large/xl/xxl): a metrics label, and the latency "
+        "SLOs this gateway runs under, from the one table the alert rules are generated "
+        "from (services/common/slo.py; exported as gtr_slo_seconds).",
     )
     rerank_url: str | None = Field(None, description="RerankService address; unset = no rerank.")
     rerank_depth_table: str | None = Field(
@@ -159,6 +151,13 @@ class GatewaySettings(ServiceSettings):
     )
 
     _redis_url = field_validator("redis_url")(check_redis_url)
+
+    @field_validator("encoder_size")
+    @classmethod
+    def _known_size(cls, value: str) -> str:
+        if value not in SLOS:
+            raise ValueError(f"unknown encoder size {value!r}; known: {', '.join(SLOS)}")
+        return value
 
     @field_validator("shards")
     @classmethod
