@@ -135,7 +135,7 @@ def test_lint_passes(case: str) -> None:
 @pytest.mark.parametrize(
     ("values", "where"),
     [
-        ({"image": {"tag": "latest"}}, "/image/tag"),
+        ({"images": {"tag": "latest"}}, "/images/tag"),
         ({"encoder": {"size": "huge"}}, "/encoder/size"),
         ({"encoder": {"flavor": "tpu"}}, "/encoder/flavor"),
         ({"index": {"shards": 0}}, "/index/shards"),
@@ -145,6 +145,22 @@ def test_lint_passes(case: str) -> None:
         ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot"),
         # null removes a default key, as `--set gateway.resources.limits=null` does
         ({"gateway": {"resources": {"limits": None}}}, "/gateway/resources"),
+        # issue #15: the schema's holes
+        (
+            {"containerSecurityContext": {"privileged": True}},
+            "/containerSecurityContext/privileged",
+        ),
+        (
+            {"containerSecurityContext": {"readOnlyRootFilesystem": False}},
+            "/containerSecurityContext/readOnlyRootFilesystem",
+        ),
+        # an SLO must be a bucket edge of the latency histograms (17 is, 18 is not)
+        ({"encoder": {"profiles": {"base": {"sloMs": 18}}}}, "/encoder/profiles/base/sloMs"),
+        (
+            {"encoder": {"profiles": {"xl": {"searchSloMs": 140}}}},
+            "/encoder/profiles/xl/searchSloMs",
+        ),
+        ({"redis": {"maxmemoryPercent": 100}}, "/redis/maxmemoryPercent"),
     ],
 )
 def test_schema_rejects_invalid_values(chart: Any, values: dict[str, Any], where: str) -> None:
@@ -260,11 +276,15 @@ def test_encoder_size_profile_lands_in_triton(chart: Any, size: str) -> None:
     assert meta["annotations"]["gtr-retrieval.io/instance-count"] == str(expected["instances"])
     pod = triton["spec"]["template"]["spec"]
     init = pod["initContainers"][0]
-    assert init["args"][-2:] == [str(expected["instances"]), "KIND_GPU"]
+    assert init["name"] == "build-plan"
+    assert init["args"][:2] == ["encoder", "ensure-plan"]
+    assert f"--instances={expected['instances']}" in init["args"]
+    assert init["resources"]["limits"]["nvidia.com/gpu"] == 1
     server = pod["containers"][0]
     assert server["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert server["resources"]["requests"]["nvidia.com/gpu"] == 1
-    assert server["image"].startswith("nvcr.io/nvidia/tritonserver:")
+    assert server["image"] == "ghcr.io/gtr-retrieval/gtr-retrieval-triton:0.1.0"
+    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]
@@ -294,6 +314,7 @@ def test_cpu_flavour_requests_no_gpu(chart: Any) -> None:
 
 @pytest.mark.parametrize("case", ["default", "full"])
 def test_probes_are_grpc_on_the_serving_port(chart: Any, case: str) -> None:
+    """Our gRPC services: grpc.health.v1. Triton: KServe v2 HTTP health (ready, live)."""
     docs = render(chart, CASES[case])
     seen = set()
     for wl in workloads(docs):
@@ -302,6 +323,14 @@ def test_probes_are_grpc_on_the_serving_port(chart: Any, case: str) -> None:
             continue
         seen.add(comp)
         for c in wl["spec"]["template"]["spec"]["containers"]:
+            if comp == "triton":
+                paths = {p: c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe",
+                                                               "livenessProbe")}  # fmt: skip
+                assert paths == {"startupProbe": "/v2/health/ready",
+                                 "readinessProbe": "/v2/health/ready",
+                                 "livenessProbe": "/v2/health/live"}  # fmt: skip
+                assert {c[p]["httpGet"]["port"] for p in paths} == {"http"}
+                continue
             grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert c[probe]["grpc"] == {"port": grpc_port}, (comp, probe)
@@ -378,6 +407,8 @@ def test_redis_is_durable(chart: Any) -> None:
     assert "appendonly yes" in conf
     assert "appendfsync everysec" in conf
     assert "maxmemory-policy noeviction" in conf
+    # 75 % of the 4Gi limit: writes are refused before the container is OOM-killed
+    assert f"maxmemory {4 * 2**30 * 75 // 100}" in conf
     redis = the(docs, "StatefulSet", "redis")
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     url = next(
@@ -387,7 +418,8 @@ def test_redis_is_durable(chart: Any) -> None:
         ]
         if e["name"] == "GTR_GATEWAY_REDIS_URL"
     )
-    assert url == f"redis://{RELEASE}-gtr-retrieval-redis:6379/0"
+    # AUTH by default, the password from the chart's Secret
+    assert url == f"redis://:$(GTR_REDIS_PASSWORD)@{RELEASE}-gtr-retrieval-redis:6379/0"
 
 
 def test_external_redis_replaces_the_statefulset(chart: Any) -> None:

@@ -60,13 +60,30 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* The application image, by digest when one is given. */}}
-{{- define "gtr.image" -}}
-{{- $tag := default .Chart.AppVersion .Values.image.tag }}
-{{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{/* One of the images (values `images`, as scripts/build_images.sh tags them from
+deploy/images.env): (dict "root" $ "key" "app" | "appGpu" | "triton" | "tritonCpu").
+<registry>/<name>@<digest> when images.digests has the key, else <registry>/<name>:<tag>. */}}
+{{- define "gtr.imageRef" -}}
+{{- $i := .root.Values.images }}
+{{- $name := get $i .key }}
+{{- $digest := get ($i.digests | default dict) .key }}
+{{- if $digest }}
+{{- printf "%s/%s@%s" $i.registry $name $digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- printf "%s/%s:%s" $i.registry $name (default .root.Chart.AppVersion $i.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The application image (gateway, shards, rerank on CPU). */}}
+{{- define "gtr.image" -}}
+{{- include "gtr.imageRef" (dict "root" . "key" "app") }}
+{{- end }}
+
+{{/* Refuse an autoscaler whose minimum exceeds its maximum (JSON Schema cannot compare
+two values): (dict "name" "gateway" "hpa" .Values.gateway.autoscaling). */}}
+{{- define "gtr.checkAutoscaling" -}}
+{{- if and .hpa.enabled (gt (int .hpa.minReplicas) (int .hpa.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling: minReplicas %d is above maxReplicas %d" .name (int .hpa.minReplicas) (int .hpa.maxReplicas)) }}
 {{- end }}
 {{- end }}
 
@@ -120,15 +137,45 @@ list of its pods' stable DNS names. */}}
 {{- printf "%s-redis" (include "gtr.fullname" .) }}
 {{- end }}
 
+{{/* The Secret holding the in-release Redis password ("" when AUTH is off): the
+user's redis.auth.existingSecret, else the chart's own (templates/redis-secret.yaml). */}}
+{{- define "gtr.redisAuthSecret" -}}
+{{- if and .Values.redis.enabled .Values.redis.auth.enabled }}
+{{- default (printf "%s-redis-auth" (include "gtr.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{/* Bytes of a Kubernetes memory quantity ("4Gi", "512Mi", "1G", "1000"). */}}
+{{- define "gtr.bytes" -}}
+{{- $q := toString . }}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 }}
+{{- $unit := regexFind "[A-Za-z]+$" $q }}
+{{- if and $unit (not (hasKey $units $unit)) }}
+{{- fail (printf "memory quantity %q: unit %q is not one of Ki Mi Gi Ti k M G T" $q $unit) }}
+{{- end }}
+{{- $number := trimSuffix $unit $q }}
+{{- if $unit }}
+{{- mulf (float64 $number) (get $units $unit) | int64 }}
+{{- else }}
+{{- $number | float64 | int64 }}
+{{- end }}
+{{- end }}
+
+{{/* Redis maxmemory in bytes: redis.maxmemoryPercent of the container's memory limit. */}}
+{{- define "gtr.redisMaxmemory" -}}
+{{- $limit := required "redis.resources.limits.memory is required: maxmemory is derived from it" (.Values.redis.resources.limits).memory }}
+{{- div (mul (include "gtr.bytes" $limit | int64) (int .Values.redis.maxmemoryPercent)) 100 }}
+{{- end }}
+
 {{/* Env entries giving a process its Redis URL: (dict "root" $ "var" "GTR_GATEWAY_REDIS_URL"). */}}
 {{- define "gtr.redisEnv" -}}
 {{- $v := .root.Values.redis }}
 {{- if $v.enabled }}
-{{- if $v.auth.existingSecret }}
+{{- if include "gtr.redisAuthSecret" .root }}
 - name: GTR_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ $v.auth.existingSecret }}
+      name: {{ include "gtr.redisAuthSecret" .root }}
       key: {{ $v.auth.passwordKey }}
 - name: {{ .var }}
   value: {{ printf "redis://:$(GTR_REDIS_PASSWORD)@%s:%d/0" (include "gtr.redisHost" .root) (int $v.port) | quote }}
@@ -150,7 +197,7 @@ list of its pods' stable DNS names. */}}
 
 {{/* True when a Secret is passed through env (checkov CKV_K8S_35 is then suppressed with a reason). */}}
 {{- define "gtr.redisUsesSecretEnv" -}}
-{{- if or (and .Values.redis.enabled .Values.redis.auth.existingSecret) (and (not .Values.redis.enabled) .Values.redis.external.existingSecret) }}true{{- end }}
+{{- if or (include "gtr.redisAuthSecret" .) (and (not .Values.redis.enabled) .Values.redis.external.existingSecret) }}true{{- end }}
 {{- end }}
 
 {{/* Checkov suppressions shared by the gtr-retrieval pods (each with its reason). */}}

@@ -1,0 +1,55 @@
+# syntax=docker/dockerfile:1
+# gtr-retrieval (GPU): the CPU image's roles with CUDA torch (the reranker), faiss-gpu (the
+# shards' GPU copy of the index), onnxruntime-gpu and TensorRT 10.7.0 (the release inside
+# the chart's Triton image, for `gtr-retrieval encoder build-plan`): pyproject.toml's `gpu`
+# extra. CUDA's user-space libraries come as NVIDIA's wheels with torch; the node provides
+# the driver. Built by `scripts/build_images.sh --gpu` (needs PyPI: the wheelhouse holds only
+# the project's own wheel); linted and parsed by tests/unit/test_images.py.
+
+ARG BASE_IMAGE=docker.io/library/debian:bookworm-20250520-slim
+
+FROM ${BASE_IMAGE} AS base
+# hadolint ignore=DL3008
+RUN dpkg-query -W python3.11 libpython3.11 ca-certificates >/dev/null 2>&1 \
+    || { apt-get update \
+         && apt-get install -y --no-install-recommends python3.11 libpython3.11 ca-certificates \
+         && rm -rf /var/lib/apt/lists/*; }
+
+FROM base AS build
+# torch 2.13.0 from PyPI is the CUDA 12 build; the project's wheel comes from the wheelhouse.
+RUN --mount=type=bind,source=build/wheels/gpu,target=/wheels \
+    python3.11 -m venv --without-pip /opt/venv \
+    && PIP_WHEEL="$(ls /wheels/pip-*.whl)" \
+    && /opt/venv/bin/python "$PIP_WHEEL/pip" install --find-links=/wheels --no-cache-dir \
+         --disable-pip-version-check --no-warn-script-location "torch==2.13.0" "gtr-retrieval[gpu]" \
+    && /opt/venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is None)"
+
+FROM base
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+LABEL org.opencontainers.image.title="gtr-retrieval-gpu" \
+      org.opencontainers.image.description="Retrieval service (GPU): rerank on CUDA torch, shards on faiss-gpu, TensorRT plan builder" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/gtr-retrieval/gtr-retrieval" \
+      io.gtr-retrieval.variant="gpu"
+RUN groupadd --gid 10001 gtr \
+    && useradd --no-log-init --uid 10001 --gid gtr --home-dir /var/lib/gtr --shell /usr/sbin/nologin gtr \
+    && install -d -o gtr -g gtr /var/lib/gtr
+COPY --from=build /opt/venv /opt/venv
+COPY deploy/docker/healthcheck.py /usr/local/lib/gtr/healthcheck.py
+ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/var/lib/gtr \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+WORKDIR /var/lib/gtr
+USER 10001:10001
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["/opt/venv/bin/python", "/usr/local/lib/gtr/healthcheck.py"]
+ENTRYPOINT ["gtr-retrieval"]
+CMD ["--help"]

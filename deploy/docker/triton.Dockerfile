@@ -1,0 +1,44 @@
+# syntax=docker/dockerfile:1
+# Triton Inference Server for GPU nodes: NVIDIA's release image plus exactly what our
+# Python-backend models import (services/encoder/triton_models/*.py on the CPU path and
+# the GPU repository's `tokenizer` model: numpy, onnxruntime-gpu, tokenizers; the model
+# repository carries textcodec.py and model_errors.py itself). The TensorRT inside the base
+# (24.12: TensorRT 10.7.0) is the one `gtr-retrieval encoder build-plan` must build the plan
+# with (services/encoder/tensorrt_build.py TRITON_TENSORRT); the chart's plan init container
+# refuses a plan built for another GPU or TensorRT release.
+# Built by `scripts/build_images.sh --gpu` (needs nvcr.io and PyPI); linted and parsed by
+# tests/unit/test_images.py.
+
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.12-py3
+
+FROM ${TRITON_IMAGE} AS build
+# A virtualenv on top of the image's Python (--system-site-packages keeps the backend's
+# own numpy-free utils importable); the versions are pyproject.toml's pins.
+RUN python3 -m venv --system-site-packages /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
+         numpy==1.26.4 onnxruntime-gpu==1.31.1 tokenizers==0.23.3 \
+    && /opt/venv/bin/pip uninstall -y pip setuptools
+
+FROM ${TRITON_IMAGE}
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+LABEL org.opencontainers.image.title="gtr-retrieval-triton" \
+      org.opencontainers.image.description="NVIDIA Triton 24.12 with the Python-backend dependencies of gtr-retrieval's encoder" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/gtr-retrieval/gtr-retrieval" \
+      io.gtr-retrieval.variant="gpu"
+COPY --from=build /opt/venv /opt/venv
+# The Python backend stub takes sys.prefix from the first python3 on PATH: the virtualenv.
+ENV PATH=/opt/venv/bin:/opt/tritonserver/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# NVIDIA's image has the unprivileged user triton-server (uid 1000); the chart runs the pod
+# as 10001, which needs no entry in /etc/passwd.
+USER 1000:1000
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=3)"]
+ENTRYPOINT ["tritonserver"]
+CMD ["--model-repository=/models"]

