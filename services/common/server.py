@@ -125,6 +125,12 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
         handler = await continuation(details)
         if handler is not None and handler.stream_stream is not None:
             return self._stream(handler, details)
+        if (
+            handler is not None
+            and handler.unary_stream is not None
+            and not details.method.startswith(EXEMPT_PREFIXES)
+        ):
+            return self._response_stream(handler, details)
         if handler is None or handler.unary_unary is None:
             return handler
         behavior = handler.unary_unary
@@ -171,6 +177,27 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
                     yield reply
 
         return grpc.stream_stream_rpc_method_handler(
+            wrapped,
+            request_deserializer=_safe_deserializer(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+    def _response_stream(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        """Server streams (a peer's snapshot): a malformed request is INVALID_ARGUMENT, a
+        domain error raised before or between the messages gets its code. Not admitted
+        under the in-flight limit (a long transfer is not a request in the queue)."""
+        behavior = handler.unary_stream
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with self._outcome(details, context):
+                if isinstance(request, _Malformed):
+                    raise errors.InvalidArgument(f"malformed request: {request.reason}")
+                async for reply in behavior(request, context):
+                    yield reply
+
+        return grpc.unary_stream_rpc_method_handler(
             wrapped,
             request_deserializer=_safe_deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,

@@ -16,6 +16,7 @@ from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
 from services.index.core.shard import MAX_QUERIES, ShardStats
 from services.index.core.train import Manifest
+from services.index.core.transfer import FileInfo, Offer
 
 
 def _f32(a: np.ndarray) -> bytes:
@@ -129,6 +130,7 @@ def stats_to_pb(
     snapshot_position: str,
     lag: float,
     gpu: bool = False,
+    searches: int = 0,
 ) -> index_pb2.ShardStats:
     return index_pb2.ShardStats(
         shard=shard,
@@ -154,7 +156,23 @@ def stats_to_pb(
         target_recall=m.target_recall or 0.0,
         measured_recall=m.measured_recall or 0.0,
         ivf_advice=m.ivf_advice or "",
+        searches=searches,
     )
+
+
+def offer_to_pb(offer: Offer) -> index_pb2.SnapshotChunk:
+    """The first message of a snapshot transfer: position and files."""
+    return index_pb2.SnapshotChunk(
+        position=offer.position,
+        files=[
+            index_pb2.SnapshotFile(name=f.name, size=f.size, sha256=f.sha256, index=f.index)
+            for f in offer.files
+        ],
+    )
+
+
+def files_from_pb(first: index_pb2.SnapshotChunk) -> list[FileInfo]:
+    return [FileInfo(f.name, f.size, f.sha256, f.index) for f in first.files]
 
 
 def quantizer_to_pb(q: CoarseQuantizer) -> index_pb2.QuantizerReply:

@@ -71,10 +71,11 @@ class ShardProcess:
     argv: list[str]
     log_path: Path
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    host: str = "127.0.0.1"  # any loopback address: replicas of a shard behind one DNS name
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def alive(self) -> bool:
@@ -180,10 +181,14 @@ def start_shard(
     settings: Mapping[str, str] | None = None,
     timeout: float = 60.0,
     wait: bool = True,
+    host: str = "127.0.0.1",
 ) -> ShardProcess:
-    """Start one replica process; with ``wait``, until it serves (its log replayed)."""
+    """Start one replica process; with ``wait``, until it serves (its log replayed).
+    ``host``: the loopback address it listens on (127.0.0.2, ... for replicas that one
+    DNS name resolves to, on one port)."""
     replica = replica or f"shard-{shard}-r0"
     port = port or free_port()
+    settings = {**(settings or {}), "host": host}
     snapshot_dir = work_dir / "snapshots" / replica
     proc = ShardProcess(
         shard=shard,
@@ -201,6 +206,7 @@ def start_shard(
             settings=settings,
         ),
         log_path=work_dir / f"{replica}.log",
+        host=host,
     )
     proc.spawn()
     if wait:

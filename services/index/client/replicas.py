@@ -16,7 +16,15 @@ twenty is sent twice on a healthy shard.
 A replica that keeps missing (``suspect_after`` searches in a row that it lost to a
 hedge, did not answer in time or refused as unavailable) becomes **suspect**: it is
 asked last until it answers the gRPC health check as SERVING again (probed in the
-background every ``probe_every_s``). Replicas are otherwise taken round-robin.
+background every ``probe_every_s``).
+
+Among the others a search goes to the replica with the fewest searches outstanding
+(its own and every other wave's on that replica's stream; ties in turn), or strictly
+in turn (:class:`Balancing`). The replicas are a fixed list, or the addresses a DNS
+name resolves to (:mod:`services.index.client.discovery`; the chart's headless Service
+of the shard), resolved again every ``resolve_every_s``: a replica that appears is
+asked last until its health check answers SERVING, one that disappears gets no new
+search and is closed once its searches are answered.
 
 Each replica is reached over one long-lived ``SearchStream``: searches travel as tagged
 messages on it.
@@ -39,12 +47,14 @@ to searches by tag:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 import numpy as np
@@ -56,6 +66,7 @@ from services.common.errors import DeadlineExceeded, Overloaded, RetrievalError,
 from services.common.status import error_from_rpc, error_from_status
 from services.common.tls import ClientTLS, aio_channel
 from services.index import convert
+from services.index.client.discovery import DnsTarget, is_dns_target, parse_dns_target, resolve
 from services.index.core.query import ShardAnswer
 
 log = logging.getLogger(__name__)
@@ -194,6 +205,17 @@ class HedgePolicy:
     probe_every_s: float = 0.5
 
 
+@dataclass(frozen=True)
+class Balancing:
+    """How a search picks a shard's replica. ``least_outstanding``: the one with the
+    fewest searches in flight on it (ties in turn); ``round_robin``: strictly in turn.
+    ``resolve_every_s``: how often a DNS-named shard is resolved again."""
+
+    mode: Literal["least_outstanding", "round_robin"] = "least_outstanding"
+    resolve_every_s: float = 5.0
+    resolve_timeout_s: float = 2.0
+
+
 class Replica:
     """One replica: its channel, its search stream, its recent latencies and health."""
 
@@ -212,6 +234,35 @@ class Replica:
         self.misses = 0  # in a row
         self.suspect = False
         self._probe: asyncio.Task[None] | None = None
+        self.outstanding = 0  # searches sent to this replica and not yet answered
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def sent(self) -> None:
+        self.outstanding += 1
+        self._idle.clear()
+
+    def done(self, _task: object = None) -> None:
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self._idle.set()
+
+    async def drained(self, timeout: float) -> None:
+        """Return once no search waits on this replica (or after ``timeout``)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            pass
+
+    def probe(self, why: str) -> None:
+        """Ask this replica last until its health check answers SERVING (a replica that
+        just appeared in DNS: it may still be loading)."""
+        if not self.suspect:
+            self.suspect = True
+            log.info("shard %d replica %s: %s; asked last until SERVING", self.shard,
+                     self.address, why)  # fmt: skip
+            self._probe = asyncio.ensure_future(self._until_serving())
 
     def hedge_delay(self, remaining: float | None) -> float:
         delay = self._p95 if self._p95 is not None else self.policy.unknown_delay_s
@@ -260,7 +311,12 @@ class Replica:
 
 
 class ReplicaSet:
-    """``await ReplicaSet(shard, addresses).search(request, deadline)`` → ShardAnswer."""
+    """``await ReplicaSet(shard, addresses).search(request, deadline)`` → ShardAnswer.
+
+    ``addresses``: the replicas' ``host:port``, or one DNS target (``dns:///name:port``)
+    whose addresses are the replicas, resolved on first use and every
+    ``balancing.resolve_every_s`` after.
+    """
 
     def __init__(
         self,
@@ -268,34 +324,117 @@ class ReplicaSet:
         addresses: Sequence[str],
         policy: HedgePolicy | None = None,
         tls: ClientTLS | None = None,
+        *,
+        balancing: Balancing | None = None,
     ) -> None:
         if not addresses:
             raise ValueError(f"shard {shard} has no replica address")
         self.shard = shard
         self.policy = policy or HedgePolicy()
-        self.replicas = [Replica(shard, a, self.policy, tls) for a in addresses]
-        self._next = itertools.cycle(range(len(self.replicas)))
+        self.tls = tls
+        self.balancing = balancing or Balancing()
+        self.target: DnsTarget | None = None
+        if any(is_dns_target(a) for a in addresses):
+            if len(addresses) != 1:
+                raise ValueError(f"shard {shard}: a dns: target names all its replicas alone")
+            self.target = parse_dns_target(addresses[0])
+            self.replicas: list[Replica] = []
+            if tls is not None and tls.server_name is None:
+                # the replicas are IP addresses: their certificates name the DNS name
+                self.tls = dataclasses.replace(tls, server_name=self.target.host)
+        else:
+            self.replicas = [Replica(shard, a, self.policy, tls) for a in addresses]
+        self._turn = itertools.count()
+        self._resolved: asyncio.Event | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
         self.hedged = 0  # searches sent to a second replica because the first was slow
 
-    def _order(self) -> list[Replica]:
-        first = next(self._next)
-        turn = self.replicas[first:] + self.replicas[:first]
+    # --- which replicas there are ----------------------------------------------------
+
+    async def current(self) -> list[Replica]:
+        """The replicas now (a DNS target is resolved on first use, then watched)."""
+        if self.target is not None:
+            if self._resolved is None:
+                self._resolved = asyncio.Event()
+                self._watcher = asyncio.ensure_future(self._watch(self.target))
+            await self._resolved.wait()
+        return self.replicas
+
+    async def _watch(self, target: DnsTarget) -> None:
+        assert self._resolved is not None
+        while True:
+            try:
+                self.update(await resolve(target, self.balancing.resolve_timeout_s))
+            except Unavailable as exc:
+                log.warning("shard %d: %s; keeping %d known replicas", self.shard, exc,
+                            len(self.replicas))  # fmt: skip
+            self._resolved.set()
+            await asyncio.sleep(self.balancing.resolve_every_s)
+
+    def update(self, addresses: Sequence[str]) -> None:
+        """Take ``addresses`` as the replicas: new ones are asked last until their health
+        check answers SERVING (except in the first set), gone ones are closed once their
+        searches are answered. An empty answer keeps the known replicas (a headless
+        Service with no ready pod: they fail over or time out as they are)."""
+        if not addresses:
+            if self.replicas:
+                log.warning("shard %d: %s resolves to no replica; keeping %d known",
+                            self.shard, self.target, len(self.replicas))  # fmt: skip
+            return
+        known = {r.address: r for r in self.replicas}
+        first = not known
+        kept = [known[a] for a in addresses if a in known]
+        added = [Replica(self.shard, a, self.policy, self.tls) for a in addresses if a not in known]
+        gone = [r for a, r in known.items() if a not in set(addresses)]
+        self.replicas = kept + added
+        for replica in added:
+            if not first:
+                replica.probe("discovered")
+        if added or gone:
+            log.info("shard %d replicas: %s (added %s, removed %s)", self.shard,
+                     ", ".join(addresses), [r.address for r in added],
+                     [r.address for r in gone])  # fmt: skip
+        for replica in gone:
+            task = asyncio.ensure_future(self._retire(replica))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, replica: Replica) -> None:
+        await replica.drained(30.0)
+        await replica.close()
+
+    def _order(self, replicas: list[Replica]) -> list[Replica]:
+        """Non-suspect replicas first, by fewest searches in flight (least_outstanding)
+        or in turn (round_robin); ties go in turn; suspect ones last."""
+        n = len(replicas)
+        first = next(self._turn) % n
+        turn = replicas[first:] + replicas[:first]
+        if self.balancing.mode == "least_outstanding":
+            turn.sort(key=lambda r: r.outstanding)  # stable: ties stay in turn
         return [r for r in turn if not r.suspect] + [r for r in turn if r.suspect]
+
+    # --- one search ----------------------------------------------------------------
 
     async def search(
         self, request: index_pb2.ShardSearchRequest, deadline: Deadline
     ) -> ShardAnswer:
-        order = self._order()
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded(f"shard {self.shard}: no time left")
+        replicas = await self.current()
+        if not replicas:
+            raise Unavailable(f"shard {self.shard}: {self.target} names no replica")
+        order = self._order(replicas)
         running: dict[asyncio.Future[index_pb2.ShardSearchResponse], tuple[Replica, float]] = {}
         error: RetrievalError = Unavailable(f"shard {self.shard}: no replica")
 
         def ask(replica: Replica) -> None:
             task = asyncio.ensure_future(replica.stream.search(request, deadline))
+            replica.sent()
+            task.add_done_callback(replica.done)
             running[task] = (replica, time.monotonic())
 
-        remaining = deadline.remaining()
-        if remaining is not None and remaining <= 0:
-            raise DeadlineExceeded(f"shard {self.shard}: no time left")
         waiting = list(order)
         ask(waiting.pop(0))
         try:
@@ -338,5 +477,9 @@ class ReplicaSet:
                 task.cancel()
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for task in list(self._retiring):
+            task.cancel()
         for replica in self.replicas:
             await replica.close()

@@ -1,9 +1,11 @@
 """Fan-out of a search to every index shard and merge of the top-k (used by the gateway).
 
 Every shard gets the whole query batch in parallel with the remaining deadline (minus a
-small reserve for the merge and what the caller does next). Within a shard the replicas
-are taken round-robin, failing over to the next one on UNAVAILABLE and hedging to it when
-the first is slower than its recent p95 (:mod:`services.index.client.replicas`). A shard that
+small reserve for the merge and what the caller does next). Within a shard a search goes
+to the replica with the fewest searches in flight (a fixed list, or the addresses of a
+``dns:///name:port`` target, resolved again every few seconds), failing over to the next
+one on UNAVAILABLE and hedging to it when the first is slower than its recent p95
+(:mod:`services.index.client.replicas`). A shard that
 does not answer in time, or whose replicas are all down, is reported in
 ``missing_shards`` (a partial result) unless the caller asked for complete results, in
 which case the search fails with that shard's error (Unavailable or DeadlineExceeded).
@@ -51,7 +53,7 @@ from services.common.errors import (
 from services.common.positions import WriteToken
 from services.common.tls import ClientTLS
 from services.index import convert
-from services.index.client.replicas import HedgePolicy, ReplicaSet
+from services.index.client.replicas import Balancing, HedgePolicy, ReplicaSet
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import (
     PAD_ID,
@@ -152,7 +154,7 @@ def shard_deadline(overall: Deadline) -> Deadline:
 
 
 class _Shard:
-    """The replicas of one shard (:class:`ReplicaSet`: round-robin, failover, hedging),
+    """The replicas of one shard (:class:`ReplicaSet`: balancing, failover, hedging),
     and the calls that any one replica answers for the shard."""
 
     def __init__(
@@ -161,9 +163,10 @@ class _Shard:
         addresses: Sequence[str],
         policy: HedgePolicy,
         tls: ClientTLS | None = None,
+        balancing: Balancing | None = None,
     ) -> None:
         self.index = index
-        self.replicas = ReplicaSet(index, addresses, policy, tls)
+        self.replicas = ReplicaSet(index, addresses, policy, tls, balancing=balancing)
 
     async def search(
         self, request: index_pb2.ShardSearchRequest, deadline: Deadline
@@ -172,7 +175,7 @@ class _Shard:
 
     async def quantizer(self) -> CoarseQuantizer | None:
         """The trained quantizer from the first replica that gives it (None if none)."""
-        for replica in self.replicas.replicas:
+        for replica in await self.replicas.current():
             try:
                 reply = await replica.stub.Quantizer(index_pb2.QuantizerRequest(), timeout=5.0)
                 return convert.quantizer_from_pb(reply)
@@ -192,7 +195,8 @@ class _Shard:
             except grpc.aio.AioRpcError:
                 return None
 
-        return list(await asyncio.gather(*[one(r.stub) for r in self.replicas.replicas]))
+        replicas = await self.replicas.current()
+        return list(await asyncio.gather(*[one(r.stub) for r in replicas]))
 
     async def close(self) -> None:
         await self.replicas.close()
@@ -315,6 +319,8 @@ class ShardRouter:
     assigns each batch to its inverted lists once, here, instead of once per shard
     (:mod:`services.index.core.coarse`). ``hedge`` says when a slow replica's search is also
     sent to another one (:class:`HedgePolicy`; ``HedgePolicy(enabled=False)``: never).
+    ``balancing`` picks a shard's replica (:class:`Balancing`: least outstanding
+    searches by default; how often a ``dns:`` target is resolved again).
     """
 
     def __init__(
@@ -326,11 +332,14 @@ class ShardRouter:
         share_quantizer: bool = True,
         hedge: HedgePolicy | None = None,
         tls: ClientTLS | None = None,
+        balancing: Balancing | None = None,
     ) -> None:
         if not shards:
             raise ValueError("at least one shard is needed")
         policy = hedge or HedgePolicy()
-        self._shards = [_Shard(i, replicas, policy, tls) for i, replicas in enumerate(shards)]
+        self._shards = [
+            _Shard(i, replicas, policy, tls, balancing) for i, replicas in enumerate(shards)
+        ]
         self.num_shards = len(self._shards)
         self._coalescer = _Coalescer(self, max_waves) if coalesce else None
         self._share_quantizer = share_quantizer

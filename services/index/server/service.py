@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common import positions
 from services.common.deadline import Deadline
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.index.core.query import Consistency, ShardAnswer, ShardQuery
 from services.index.core.shard import ShardStats
+from services.index.core.transfer import Offer, newest_snapshot, open_offer
 from services.index.server.batcher import SearchBatcher
 from services.index.server.replica import ShardReplica
 
@@ -20,6 +22,7 @@ class ShardService:
     replica: ShardReplica
     batcher: SearchBatcher
     default_timeout_s: float = 10.0  # a search without a deadline gets this one
+    searches: int = 0  # query vectors answered (ShardStats.searches)
 
     @property
     def shard_id(self) -> int:
@@ -45,9 +48,21 @@ class ShardService:
         top = await self.batcher.search(
             vectors, query.k, query.nprobe, query.filter, query.probes, checked=True
         )
+        self.searches += top.rows
         return ShardAnswer(
             top, self.shard_id, self.replica.config.replica, self.replica.shard.applied
         )
 
     def stats(self) -> ShardStats:
         return self.replica.shard.stats()
+
+    def snapshot_offer(self, shard: int, with_index: bool) -> Offer:
+        """The newest snapshot (written now when there is none), opened for a peer of
+        this shard; blocking (file reads and hashing): run it in a thread."""
+        if shard != self.shard_id:
+            raise InvalidArgument(f"shard: this replica serves shard {self.shard_id}, not {shard}")
+        if not self.replica.ready.is_set():
+            raise Unavailable(f"shard {self.shard_id} replica is not serving yet")
+        config = self.replica.config
+        snapshot = newest_snapshot(Path(config.snapshot_dir)) or self.replica.snapshot()
+        return open_offer(snapshot, Path(config.index_dir) if with_index else None)

@@ -103,6 +103,7 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
             replica.snapshot_position,
             replica.log_lag_s,
             gpu=replica.shard.gpu is not None,
+            searches=self._service.searches,
         )
 
     async def Snapshot(
@@ -112,3 +113,23 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
             None, self._service.replica.snapshot
         )
         return index_pb2.SnapshotResponse(path=str(snap.path), position=snap.position)
+
+    async def FetchSnapshot(
+        self, request: index_pb2.FetchSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[index_pb2.SnapshotChunk]:
+        """The newest snapshot for a peer: the file list, then each file in chunks (read
+        in a thread, one chunk at a time, so searches go on meanwhile)."""
+        loop = asyncio.get_running_loop()
+        offer = await loop.run_in_executor(
+            None, self._service.snapshot_offer, request.shard, request.with_index
+        )
+        log.info("sending snapshot %s (%d bytes) to %s", offer.position,
+                 sum(f.size for f in offer.files), request.replica or "a peer")  # fmt: skip
+        try:
+            yield convert.offer_to_pb(offer)
+            chunks = offer.chunks()
+            while (chunk := await loop.run_in_executor(None, next, chunks, None)) is not None:
+                file, offset, data = chunk
+                yield index_pb2.SnapshotChunk(file=file, offset=offset, data=data)
+        finally:
+            offer.close()
