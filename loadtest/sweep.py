@@ -3,8 +3,9 @@
 Each step is an open-loop run of ``step_s`` seconds at one rate (rates grow by
 ``factor``). A step meets the SLO when its p99 is within the budget *and* at least 99 %
 of its scheduled requests succeeded within it; the first step that does not ends the
-climb, and ``refine`` more steps bisect (geometrically) between the last good and the
-first bad rate. A step where the generator itself fell behind stops the sweep with
+climb (when already the first rate breaks it, the rates step down by ``factor`` until one
+meets it), and ``refine`` more steps bisect (geometrically) between the last good and
+the first bad rate. A step where the generator itself fell behind stops the sweep with
 ``stop_reason: generator``: past that point the figures would describe the generator.
 The result's ``best_rate`` is the highest offered rate that met the SLO, and
 :func:`plot` draws latency percentiles and attainment against offered rate as a PNG.
@@ -31,6 +32,7 @@ class SweepConfig:
     slo_ms: float
     factor: float = 1.5
     max_rate: float = 10_000.0
+    min_rate: float = 0.01  # stepping down (the first rate already breaks it) stops here
     step_s: float = 10.0
     max_steps: int = 16
     refine: int = 2  # bisection steps between the last good and the first bad rate
@@ -68,18 +70,25 @@ async def sweep(
 
     rate = cfg.start_rate
     while len(steps) < cfg.max_steps:
-        if rate > cfg.max_rate:
-            reason = "max_rate"
+        if rate > cfg.max_rate or rate < cfg.min_rate:
+            reason = "max_rate" if rate > cfg.max_rate else "min_rate"
             break
         summary = await step(rate)
         if summary["generator_behind"]:
             reason = "generator"
             break
-        if not summary["slo_met"]:
-            bad, reason = rate, "slo"
-            break
-        good = rate
-        rate *= cfg.factor
+        if summary["slo_met"]:
+            good = rate
+            if bad is not None:  # came down to a rate that meets it: the edge is found
+                reason = "slo"
+                break
+            rate *= cfg.factor
+        else:
+            bad = rate
+            if good is not None:
+                reason = "slo"
+                break
+            rate /= cfg.factor  # not even the first rate meets it: step down
     for _ in range(cfg.refine if reason == "slo" and good is not None else 0):
         assert good is not None and bad is not None
         mid = math.sqrt(good * bad)
