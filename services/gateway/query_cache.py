@@ -117,7 +117,9 @@ def normalise(text: str, lowercase: bool = False) -> str:
     SentencePiece does not). NFC is invisible to both tokenizers (T5 applies NFKC, an
     uncased BERT NFD), so two texts with one normal form share one embedding."""
     out = _SPACE_RUN.sub(" ", unicodedata.normalize("NFC", text)).strip(" ")
-    return out.lower() if lowercase else out
+    # one character at a time, as the tokenizer does: str.lower() would give a capital
+    # sigma at a word's end the final form, which the tokenizer reads as another token
+    return "".join(c.lower() for c in out) if lowercase else out
 
 
 @dataclass(frozen=True)
