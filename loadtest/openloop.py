@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lag-limit-ms",
         type=float,
         default=None,
-        help="generator p99 lag above which it is behind (a tenth of the SLO)",
+        help="generator p99 lag above which it is behind (a quarter of the SLO)",
     )
     s.add_argument("--sweep", action="store_true", help="step the rate until the SLO breaks")
     s.add_argument("--factor", type=float, default=1.5, help="rate multiplier per step (1.5)")

@@ -9,10 +9,12 @@ Starts ``loadtest.trivial_server`` in a process of its own, then measures in one
 * ``openloop_p50_ms``/``_p99_ms`` at ``--rate`` (Poisson): what the open-loop generator
   reports for the same server; ``added_p50_ms`` = open-loop p50 − round-trip p50 is what
   the generator's scheduling adds to every latency it reports;
-* ``max_sustained_rate``: the highest offered rate (stepping by ``--factor``) at which
-  the generator still kept its schedule (p99 lag within ``--lag-limit-ms``, nothing left
-  unsent) against the trivial server: above it the generator, not the server, is the
-  limit; ``max_rate_vs_roundtrip`` = that ÷ the concurrency-1 closed-loop rate.
+* ``max_sustained_rate``: the highest offered rate (stepping by ``--factor`` from
+  ``--start-rate``, down when already that is too much) at which the generator still
+  kept its schedule (p99 lag within ``--lag-limit-ms``, nothing left unsent) against the
+  trivial server: above it the generator, not the server, is the limit
+  (``first_behind_rate``); ``max_rate_vs_roundtrip`` = that ÷ the concurrency-1
+  closed-loop rate.
 
 Prints a line per step, then one JSON line. Server and generator share this machine's
 cores, so the ceiling is a lower bound.
@@ -25,14 +27,13 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from loadtest.closedloop import closed_loop
 from loadtest.results import summarize
 from loadtest.runner import RunConfig, run_open_loop
-from loadtest.sweep import SweepConfig, sweep
 from loadtest.target import Target
 from loadtest.workload import Workload, load_queries
 from retrieval.v1 import search_pb2, search_pb2_grpc
@@ -55,6 +56,38 @@ def trivial_server_process() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def ceiling(
+    target: Target,
+    workload: Workload,
+    args: argparse.Namespace,
+    show: Callable[[dict[str, Any]], None],
+) -> tuple[float, float | None]:
+    """(highest rate kept, lowest rate fallen behind at): up by ``factor`` from the start
+    rate while the generator keeps its schedule, down when already the start is too much."""
+    rate, kept, behind, steps = args.start_rate, 0.0, None, 0
+    while args.min_rate <= rate <= args.max_rate and steps < 16:
+        run = RunConfig(rate=rate, duration_s=args.step_seconds, seed=steps)
+        step = summarize(
+            await run_open_loop(target, workload, run),
+            slo_ms=1000.0,
+            lag_limit_ms=args.lag_limit_ms,
+        )
+        steps += 1
+        show(step)
+        if step["generator_behind"]:
+            behind = rate
+            if kept:
+                break
+            rate /= args.factor
+        else:
+            kept = rate
+            if behind is not None:
+                break
+            rate *= args.factor
+        await asyncio.sleep(0.2)
+    return kept, behind
 
 
 async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -87,16 +120,6 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
         f"lag p99 {fixed['generator_lag_p99_ms']:.3f} ms",
         flush=True,
     )
-    cfg = SweepConfig(
-        start_rate=args.start_rate,
-        slo_ms=1000.0,
-        factor=args.factor,
-        max_rate=args.max_rate,
-        step_s=args.step_seconds,
-        refine=0,
-        cooldown_s=0.2,
-        lag_limit_ms=args.lag_limit_ms,
-    )
 
     def show(step: dict[str, Any]) -> None:
         print(
@@ -106,13 +129,11 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
 
-    result = await sweep(target, workload, RunConfig(rate=1.0, duration_s=1.0), cfg, show)
-    kept = [s for s in result["steps"] if not s["generator_behind"]]
-    best = max((s["offered_rate"] for s in kept), default=0.0)
+    kept, behind = await ceiling(target, workload, args, show)
     out |= {
-        "max_sustained_rate": best,
-        "max_rate_vs_roundtrip": best / rt.throughput if rt.throughput else None,
-        "stop_reason": result["stop_reason"],
+        "max_sustained_rate": kept,
+        "first_behind_rate": behind,
+        "max_rate_vs_roundtrip": kept / rt.throughput if rt.throughput else None,
         "lag_limit_ms": args.lag_limit_ms,
     }
     return out
@@ -124,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rate", type=float, default=200.0, help="open-loop rate (200/s)")
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement (5)")
-    parser.add_argument("--start-rate", type=float, default=250.0, help="ceiling search start")
+    parser.add_argument("--start-rate", type=float, default=100.0, help="ceiling search start")
+    parser.add_argument("--min-rate", type=float, default=5.0, help="lowest rate tried (5)")
     parser.add_argument("--factor", type=float, default=1.5, help="rate step (1.5)")
     parser.add_argument("--step-seconds", type=float, default=3.0, help="per step (3)")
     parser.add_argument("--max-rate", type=float, default=20_000.0, help="ceiling (20000)")

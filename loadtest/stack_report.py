@@ -13,7 +13,9 @@ reranker started), waits until it serves, and measures in one run:
 4. gateway Search throughput ÷ Triton encode-only throughput, same queries, same
    concurrency (:mod:`loadtest.bottleneck`);
 
-then stops the stack and prints the figures the report quotes, the load average of the
+Each sweep climbs from its first rate by ``--factor`` until the SLO breaks, or steps down
+(at most four times) when already the first rate breaks it. Then it stops the stack and
+prints the figures the report quotes, the load average of the
 machine before and after, and one JSON line. ``--stack-json`` measures a stack that is
 already running instead. On a machine shared with other work the absolute figures are
 low and noisy: re-run it on a quiet machine to replace them.
@@ -130,6 +132,7 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
         start_rate=args.start_rate,
         slo_ms=slo_off,
         factor=args.factor,
+        min_rate=args.start_rate / args.factor**4,
         step_s=args.step_seconds,
         refine=args.refine,
     )
@@ -149,6 +152,7 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
         start_rate=args.rerank_start_rate,
         slo_ms=slo_on,
         factor=args.factor,
+        min_rate=args.rerank_start_rate / args.factor**4,
         step_s=args.rerank_step_seconds,
         refine=args.refine,
     )
@@ -219,11 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", type=Path, default=None, help="BEIR queries.jsonl")
     p.add_argument("--start-rate", type=float, default=5.0, help="rerank off: first rate (5)")
     p.add_argument(
-        "--rerank-start-rate", type=float, default=0.25, help="rerank on: first rate (0.25)"
+        "--rerank-start-rate", type=float, default=0.5, help="rerank on: first rate (0.5)"
     )
     p.add_argument("--factor", type=float, default=1.5, help="rate step (1.5)")
     p.add_argument("--step-seconds", type=float, default=12.0, help="rerank off (12)")
-    p.add_argument("--rerank-step-seconds", type=float, default=40.0, help="rerank on (40)")
+    p.add_argument("--rerank-step-seconds", type=float, default=30.0, help="rerank on (30)")
     p.add_argument("--refine", type=int, default=2, help="bisection steps at the edge (2)")
     p.add_argument("--concurrency", type=int, default=16, help="bottleneck ratio (16)")
     p.add_argument("--rounds", type=int, default=3, help="bottleneck alternations (3)")
