@@ -1,28 +1,20 @@
 """The latency budget a load test checks against (``--slo-ms`` overrides it).
 
-Without rerank: the end-to-end Search SLO of the encoder size, the thresholds of
-``deploy/prometheus/rules.yml`` (``gtr:search_slo_threshold_seconds``; MiniLM, the default
-model, uses GTR-base's). With rerank there is no published end-to-end SLO: the budget is
-the Search SLO plus the measured cost of the rerank depth asked for (the gateway's depth
-table, ``services/rerank/depths.py``), and a rerank run without a depth in that table
-must name its budget with ``--slo-ms``.
+The end-to-end Search SLO of the encoder size, with or without rerank as the requests
+ask, from the service's one table (``services/common/slo.py``, which the Prometheus rules
+and alerts are generated from). The default model, MiniLM, is held to GTR-base's
+objectives (its encoder profile reuses GTR-base's SLO).
 """
 
 from __future__ import annotations
 
-from services.rerank.depths import DEFAULT_DEPTH_TABLE
+from services.common.slo import SLOS, slo_for
 
-SEARCH_SLO_MS = {"base": 50.0, "large": 75.0, "xl": 150.0, "xxl": 500.0, "minilm": 50.0}
+SIZES = (*SLOS, "minilm")
+MINILM_SLO_SIZE = "base"
 
 
-def default_slo_ms(size: str, rerank: bool = False, rerank_depth: int = 0) -> float:
-    if size not in SEARCH_SLO_MS:
-        raise ValueError(f"unknown encoder size {size!r}; known: {sorted(SEARCH_SLO_MS)}")
-    if not rerank:
-        return SEARCH_SLO_MS[size]
-    if rerank_depth not in DEFAULT_DEPTH_TABLE:
-        raise ValueError(
-            f"rerank depth {rerank_depth} has no measured cost "
-            f"(table: {sorted(DEFAULT_DEPTH_TABLE)}); pass --rerank-depth from it or --slo-ms"
-        )
-    return SEARCH_SLO_MS[size] + DEFAULT_DEPTH_TABLE[rerank_depth]
+def default_slo_ms(size: str, rerank: bool = False) -> float:
+    """The Search budget of ``size`` in ms (NotFound names the known sizes)."""
+    slo = slo_for(MINILM_SLO_SIZE if size == "minilm" else size)
+    return slo.search_budget_s(rerank) * 1000.0

@@ -10,7 +10,8 @@ latency is measured from the scheduled time, so a stalled server cannot hide its
 to ``--target`` (loopback by default). Prints a table and, last, one JSON line: offered
 and achieved rate, p50/p90/p99/p99.9, errors by gRPC status code, partial results, SLO
 attainment (share of all scheduled requests that succeeded within ``--slo-ms``; default
-the end-to-end budget of ``--size``, see loadtest/budget.py) and the generator's own lag
+the end-to-end Search budget of ``--size``, with rerank if asked, from
+services/common/slo.py) and the generator's own lag
 (``generator_behind`` when its p99 lag is over ``--lag-limit-ms``). ``--sweep`` steps the
 rate up from ``--rate`` until the SLO breaks and draws the percentiles and attainment
 against offered rate (``--plot``). The generator's own ceiling: ``python -m loadtest.overhead``.
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest.budget import SEARCH_SLO_MS, default_slo_ms
+from loadtest.budget import SIZES, default_slo_ms
 from loadtest.results import json_line, summarize, table
 from loadtest.runner import RunConfig, run_open_loop
 from loadtest.schedule import PROCESSES
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("SLO and sweep")
     s.add_argument(
         "--size",
-        choices=sorted(SEARCH_SLO_MS),
+        choices=sorted(SIZES),
         default="minilm",
         help="encoder size whose end-to-end budget is the default --slo-ms",
     )
@@ -133,7 +134,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
 def slo_from_args(args: argparse.Namespace) -> float:
     if args.slo_ms is not None:
         return float(args.slo_ms)
-    return default_slo_ms(args.size, args.rerank, args.rerank_depth)
+    return default_slo_ms(args.size, args.rerank)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

@@ -72,6 +72,7 @@ def summarize(records: Records, slo_ms: float, lag_limit_ms: float | None = None
         "error_fraction": (n - int(np.count_nonzero(ok))) / n if n else 0.0,
         "partial": int(np.count_nonzero(records.partial)),
         "partial_fraction": float(np.count_nonzero(records.partial)) / max(1, int(ok.sum())),
+        "rerank_skipped": int(np.count_nonzero(records.rerank_skipped)),
         "slo_ms": slo_ms,
         "slo_attainment": within / n if n else float("nan"),
         "generator_lag_p50_ms": _pct(lag_ms, 50.0),

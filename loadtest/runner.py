@@ -23,7 +23,7 @@ import numpy as np
 
 from loadtest.schedule import Process, arrival_offsets
 from loadtest.target import Target
-from loadtest.workload import Workload, callers, is_partial
+from loadtest.workload import Workload, callers, is_partial, rerank_skipped
 
 NOT_SENT = "NOT_SENT_MAX_IN_FLIGHT"
 START_LEAD_S = 0.02  # the first request is due this long after the sender starts
@@ -51,6 +51,7 @@ class Records:
     done: np.ndarray  # the call completed (NaN: never sent)
     codes: list[str]  # gRPC status code name, or NOT_SENT
     partial: np.ndarray  # bool, an OK search answered without every shard
+    rerank_skipped: np.ndarray  # bool, an OK search answered without the rerank it asked for
     start: float  # the run's time zero (offset 0 is due here)
     config: RunConfig
 
@@ -82,6 +83,7 @@ async def run_open_loop(target: Target, workload: Workload, cfg: RunConfig) -> R
     done = np.full(n, np.nan)
     codes = [""] * n
     partial = np.zeros(n, dtype=bool)
+    skipped = np.zeros(n, dtype=bool)
     metadata = target.metadata or None
     channels = [target.aio_channel(i) for i in range(max(1, cfg.channels))]
     try:
@@ -105,6 +107,7 @@ async def run_open_loop(target: Target, workload: Workload, cfg: RunConfig) -> R
             else:
                 codes[i] = "OK"
                 partial[i] = is_partial(reply)
+                skipped[i] = rerank_skipped(reply)
             finally:
                 done[i] = loop.time()
 
@@ -126,4 +129,4 @@ async def run_open_loop(target: Target, workload: Workload, cfg: RunConfig) -> R
     finally:
         for ch in channels:
             await ch.close()
-    return Records(list(ops), due, sent, done, codes, partial, start, cfg)
+    return Records(list(ops), due, sent, done, codes, partial, skipped, start, cfg)

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadtest.budget import SEARCH_SLO_MS, default_slo_ms
+from loadtest.budget import SIZES, default_slo_ms
 from loadtest.closedloop import ClosedLoopResult, closed_loop
 from loadtest.results import summarize
 from loadtest.runner import RunConfig, run_open_loop
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--queries", type=Path, default=None, help="BEIR queries.jsonl")
     parser.add_argument("--corpus", type=Path, default=None, help="BEIR corpus.jsonl (upserts)")
     parser.add_argument("--upserts-per-s", type=float, default=0.0)
-    parser.add_argument("--size", choices=sorted(SEARCH_SLO_MS), default="minilm")
+    parser.add_argument("--size", choices=sorted(SIZES), default="minilm")
     args = parser.parse_args(argv)
     report = asyncio.run(main_async(args))
     for key, value in report.items():

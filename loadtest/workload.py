@@ -144,10 +144,20 @@ def callers(channel: grpc.aio.Channel) -> dict[Op, Call]:
     return {"search": search.Search, "batch": search.BatchSearch, "upsert": documents.Upsert}
 
 
+def answers(reply: Message) -> list[search_pb2.SearchResponse]:
+    """The search answers in a reply (none for an upsert)."""
+    if isinstance(reply, search_pb2.SearchResponse):
+        return [reply]
+    if isinstance(reply, search_pb2.BatchSearchResponse):
+        return list(reply.responses)
+    return []
+
+
 def is_partial(reply: Message) -> bool:
     """A search answered without every shard (``partial``); any of a batch's answers."""
-    if isinstance(reply, search_pb2.SearchResponse):
-        return bool(reply.partial)
-    if isinstance(reply, search_pb2.BatchSearchResponse):
-        return any(r.partial for r in reply.responses)
-    return False
+    return any(r.partial for r in answers(reply))
+
+
+def rerank_skipped(reply: Message) -> bool:
+    """A search that asked for the rerank and was answered without it (any of a batch)."""
+    return any(r.rerank_skipped for r in answers(reply))

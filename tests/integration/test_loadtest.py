@@ -197,24 +197,35 @@ def test_errors_are_counted_by_status_code() -> None:
 
 
 def test_partial_results_are_counted_from_the_responses() -> None:
-    """Searches for "part" come back partial (shard 1 missing), and a batch holding one
-    counts once; upserts go out under the run's own id prefix."""
+    """Searches for "part" come back partial (shard 1 missing), for "skip" without the
+    rerank they asked for; a batch holding one counts once; upserts go out under the
+    run's own id prefix."""
     partial_sent = Counter[str]()
 
     async def partial_for_part(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, search_pb2.SearchRequest) and request.query == "part":
             partial_sent["search"] += 1
             return search_pb2.SearchResponse(partial=True, missing_shards=[1])
+        if isinstance(request, search_pb2.SearchRequest) and request.query == "skip":
+            assert request.rerank.enabled and request.rerank.depth == 10
+            partial_sent["skipped"] += 1
+            return search_pb2.SearchResponse(rerank_skipped=True, rerank_skipped_reason="load")
         if isinstance(request, search_pb2.BatchSearchRequest):
             answers = [
-                search_pb2.SearchResponse(partial=r.query == "part") for r in request.requests
+                search_pb2.SearchResponse(
+                    partial=r.query == "part", rerank_skipped=r.query == "skip"
+                )
+                for r in request.requests
             ]
             partial_sent["batch"] += any(a.partial for a in answers)
+            partial_sent["skipped"] += any(a.rerank_skipped for a in answers)
             return search_pb2.BatchSearchResponse(responses=answers)
         return None
 
     workload = Workload(
-        queries=["part", "whole", "whole"],
+        queries=["part", "whole", "whole", "skip"],
+        rerank=True,
+        rerank_depth=10,
         mix={"search": 0.5, "batch": 0.25, "upsert": 0.25},
         batch_size=2,
         documents=[("t", "some text")],
@@ -227,6 +238,7 @@ def test_partial_results_are_counted_from_the_responses() -> None:
     assert partial_sent["search"] > 0 and partial_sent["batch"] > 0
     assert summary["partial"] == partial_sent["search"] + partial_sent["batch"]
     assert summary["partial_fraction"] == pytest.approx(summary["partial"] / summary["ok"])
+    assert summary["rerank_skipped"] == partial_sent["skipped"] > 0
     ids = [
         d.id
         for m in workload.requests(20, seed=2, run_tag="x-")[1]
