@@ -1,12 +1,12 @@
-"""Errors of the three Python-backend models in a real tritonserver, and their meaning.
+"""Errors of the two Python-backend models in a real tritonserver, and their meaning.
 
-One server hosts ``embed`` (CPU flavour, a queue of 1), ``tokenizer`` (the GPU flavour's
-first step, which runs on a CPU) and ``rerank`` (a tiny untrained checkpoint), each
-with the shared ``model_errors.py`` copied next to it by the repository writers.
+One server hosts ``embed`` (CPU flavour, a queue of 1) and ``tokenizer`` (the GPU
+flavour's first step, which runs on a CPU), each with the shared ``model_errors.py``
+copied next to it by the repository writer.
 
 Triton's core refuses a request without a *required* input before any model runs, so
 the repository of this test declares the inputs optional: only then does a request
-without KIND (or DOCS) reach the model, which must answer INVALID_ARGUMENT (the
+without KIND reach the model, which must answer INVALID_ARGUMENT (the
 tokenizer used to fail on ``None`` with an AttributeError, reported as INTERNAL).
 """
 
@@ -32,9 +32,6 @@ from services.encoder.triton_client import (
     map_triton_error,
 )
 from services.encoder.triton_server import TritonHandle, TritonServerConfig, run_triton
-from services.rerank.checkpoint import CeliConfig, build_model, save_checkpoint
-from services.rerank.tiny import write_tiny_backbone
-from services.rerank.triton_repository import TritonRerankConfig, write_rerank_model
 from tests.encoder_fixtures import encoder_base, ensure_onnx
 from tests.support.processes import free_port
 
@@ -60,18 +57,12 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
     )
     generate_repository(onnx_path, root / "gpu", RepositoryConfig(flavor="gpu"))
     shutil.copytree(root / "gpu" / "tokenizer", repo / "tokenizer")
-    words = ["alpha", "beta", "gamma"]
-    cfg = CeliConfig(max_len=32, max_query_len=8, d_tok=4)
-    celi, tok = build_model(write_tiny_backbone(root / "bert", words, seed=4), cfg, seed=9)
-    checkpoint = save_checkpoint(celi, tok, cfg, root / "ckpt")
-    write_rerank_model(repo, TritonRerankConfig(checkpoint=checkpoint, threads=1))
     _inputs_optional(repo / "embed")
     _inputs_optional(repo / "tokenizer", cpu=True)
-    _inputs_optional(repo / "rerank")
-    for model in ("embed", "tokenizer", "rerank"):
+    for model in ("embed", "tokenizer"):
         assert (repo / model / "1" / "model_errors.py").exists(), model
     server = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                                metrics_port=free_port(), ready_model="rerank",
+                                metrics_port=free_port(), ready_model="tokenizer",
                                 startup_timeout_s=180)  # fmt: skip
     with run_triton(server, root / "triton.log") as handle:
         yield handle
@@ -90,7 +81,6 @@ def _bytes_input(name: str, rows: list[bytes], two_d: bool) -> object:
 REQUESTS = {
     "embed": ({"TEXT": [b"hello"]}, "KIND", {"TEXT": [b"hello"], "KIND": [b"query"]}),
     "tokenizer": ({"TEXT": [b"hello"]}, "KIND", {"TEXT": [b"hello"], "KIND": [b"query"]}),
-    "rerank": ({"QUERY": [b"alpha"]}, "DOCS", {"QUERY": [b"alpha"], "DOCS": [b"beta"]}),
 }
 
 
@@ -102,7 +92,7 @@ def test_a_missing_input_is_invalid_argument_in_every_model(
     from tritonclient.utils import InferenceServerException
 
     partial, missing, complete = REQUESTS[model]
-    two_d = model != "rerank"  # embed and tokenizer batch: [rows, 1]
+    two_d = True  # embed and tokenizer batch: [rows, 1]
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     try:
         with pytest.raises(InferenceServerException) as info:
