@@ -10,6 +10,7 @@ import sys
 import textwrap
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,10 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
+from services.common.auth import bearer_metadata
 from services.common.retry import RetryPolicy, channel_options
+from services.common.tls import ClientTLS
+from services.common.tls import channel as tls_channel
 
 DEFAULT_RUN_DIR = ".run"
 # Every call of the CLI is idempotent (an upsert of the same documents included), so the
@@ -38,9 +42,46 @@ RETRY = RetryPolicy(
 GATEWAY_SERVICES = ("retrieval.v1.SearchService", "retrieval.v1.DocumentService")
 
 
-def gateway_channel(address: str, policy: RetryPolicy = RETRY) -> grpc.Channel:
-    """A channel to the gateway that retries by ``policy``."""
-    return grpc.insecure_channel(address, options=channel_options(GATEWAY_SERVICES, policy))
+class _Bearer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        metadata = [*(details.metadata or ()), *self._metadata]
+        return continuation(details._replace(metadata=metadata), request)
+
+
+def gateway_channel(
+    address: str,
+    policy: RetryPolicy = RETRY,
+    *,
+    token: str | None = None,
+    tls: ClientTLS | None = None,
+) -> grpc.Channel:
+    """A channel to the gateway that retries by ``policy``, speaks TLS by ``tls`` and
+    sends ``token`` as a bearer token on every call."""
+    channel = tls_channel(address, tls, options=channel_options(GATEWAY_SERVICES, policy))
+    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """Where the gateway is and how to reach it: its address, the bearer token to send
+    (None: none) and the TLS of the channel (None: plaintext)."""
+
+    address: str
+    token: str | None = None
+    tls: ClientTLS | None = None
+
+    def channel(self, policy: RetryPolicy = RETRY) -> grpc.Channel:
+        return gateway_channel(self.address, policy, token=self.token, tls=self.tls)
+
+
+def _stack_state(run_dir: str) -> dict[str, Any]:
+    state = Path(run_dir) / "stack.json"
+    return dict(json.loads(state.read_text(encoding="utf-8"))) if state.exists() else {}
 
 
 def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str:
@@ -49,10 +90,40 @@ def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str
         return explicit
     if os.environ.get("GTR_GATEWAY_ADDRESS"):
         return os.environ["GTR_GATEWAY_ADDRESS"]
-    state = Path(run_dir) / "stack.json"
-    if state.exists():
-        return str(json.loads(state.read_text(encoding="utf-8"))["gateway"])
+    state = _stack_state(run_dir)
+    if state:
+        return str(state["gateway"])
     return "127.0.0.1:50051"
+
+
+def resolve_gateway(args: argparse.Namespace, run_dir: str = DEFAULT_RUN_DIR) -> Gateway:
+    """The gateway of a client command: address as :func:`gateway_address`; the token
+    from --token, else $GTR_TOKEN, else (talking to the local stack started with
+    ``up --auth``) its write token; TLS from --tls-ca/--tls-client-cert/--tls-client-key,
+    else $GTR_TLS_CA/$GTR_TLS_CLIENT_CERT/$GTR_TLS_CLIENT_KEY, else the local stack's
+    (``up --tls``)."""
+    address = gateway_address(args.gateway, run_dir)
+    stack = _stack_state(run_dir)
+    local = bool(stack) and stack.get("gateway") == address
+    token = args.token or os.environ.get("GTR_TOKEN") or None
+    if token is None and local and stack.get("write_tokens_file"):
+        token = Path(stack["write_tokens_file"]).read_text(encoding="utf-8").split()[0]
+    local_tls = stack.get("client_tls") or {} if local else {}
+    try:
+        tls = ClientTLS.from_paths(
+            args.tls_ca or os.environ.get("GTR_TLS_CA") or local_tls.get("ca"),
+            args.tls_client_cert or os.environ.get("GTR_TLS_CLIENT_CERT") or local_tls.get("cert"),
+            args.tls_client_key or os.environ.get("GTR_TLS_CLIENT_KEY") or local_tls.get("key"),
+        )
+        if tls is not None:
+            tls.check()
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return Gateway(address, token, tls)
+
+
+def _target(address: str | Gateway) -> Gateway:
+    return address if isinstance(address, Gateway) else Gateway(address)
 
 
 def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +134,30 @@ def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
         "stack started by 'gtr-retrieval up', else 127.0.0.1:50051).",
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="Deadline per call (s).")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="Bearer token sent as 'authorization: Bearer <token>' (default: $GTR_TOKEN; "
+        "for a local stack started with 'up --auth', its write token). Searches and gets "
+        "need a read or write token, ingest, upsert and delete a write token.",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA to trust: talk TLS to the gateway (default: $GTR_TLS_CA; the local "
+        "stack's with 'up --tls').",
+    )
+    parser.add_argument(
+        "--tls-client-cert",
+        default=None,
+        help="PEM client certificate for a gateway that requires one (mTLS; default "
+        "$GTR_TLS_CLIENT_CERT); with --tls-client-key.",
+    )
+    parser.add_argument(
+        "--tls-client-key",
+        default=None,
+        help="PEM key of --tls-client-cert (default: $GTR_TLS_CLIENT_KEY).",
+    )
 
 
 def add_cli(sub: Any) -> None:
@@ -147,7 +242,7 @@ def upsert(
 
 
 def ingest_file(
-    address: str,
+    address: str | Gateway,
     path: str,
     batch: int = 64,
     parallel: int = 2,
@@ -167,7 +262,7 @@ def ingest_file(
     )
     done = 0
     with (
-        gateway_channel(address) as channel,
+        _target(address).channel() as channel,
         ThreadPoolExecutor(max_workers=max(1, parallel)) as pool,
         tqdm(total=total, unit="doc", desc="ingest", disable=not progress) as bar,
     ):
@@ -190,12 +285,12 @@ def ingest_file(
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    address = gateway_address(args.gateway)
+    gateway = resolve_gateway(args)
     try:
-        n = ingest_file(address, args.file, args.batch, args.parallel, args.limit, args.timeout)
+        n = ingest_file(gateway, args.file, args.batch, args.parallel, args.limit, args.timeout)
     except grpc.RpcError as exc:
         return _fail(exc)
-    print(f"upserted {n} documents through {address}")
+    print(f"upserted {n} documents through {gateway.address}")
     return 0
 
 
@@ -210,7 +305,7 @@ def parse_filter(items: Sequence[str]) -> common_pb2.Filter:
 
 
 def search_once(
-    address: str, query: str, k: int = 5, timeout: float = 10.0, **options: Any
+    address: str | Gateway, query: str, k: int = 5, timeout: float = 10.0, **options: Any
 ) -> search_pb2.SearchResponse:
     consistency = {
         "eventual": common_pb2.CONSISTENCY_EVENTUAL,
@@ -225,7 +320,7 @@ def search_once(
             enabled=bool(options.get("rerank")), depth=int(options.get("depth", 0))
         ),
     )
-    with gateway_channel(address) as channel:
+    with _target(address).channel() as channel:
         return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
 
 
@@ -255,10 +350,10 @@ def format_hits(query: str, response: search_pb2.SearchResponse, width: int | No
 
 
 def _search(args: argparse.Namespace) -> int:
-    address = gateway_address(args.gateway)
+    gateway = resolve_gateway(args)
     try:
         response = search_once(
-            address,
+            gateway,
             args.query,
             args.k,
             args.timeout,
@@ -279,8 +374,7 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _get(args: argparse.Namespace) -> int:
-    address = gateway_address(args.gateway)
-    with gateway_channel(address) as channel:
+    with resolve_gateway(args).channel() as channel:
         try:
             resp = documents_pb2_grpc.DocumentServiceStub(channel).Get(
                 documents_pb2.GetRequest(id=args.id), timeout=args.timeout
@@ -299,8 +393,7 @@ def _get(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    address = gateway_address(args.gateway)
-    with gateway_channel(address) as channel:
+    with resolve_gateway(args).channel() as channel:
         try:
             resp = documents_pb2_grpc.DocumentServiceStub(channel).Delete(
                 documents_pb2.DeleteRequest(ids=args.ids), timeout=args.timeout

@@ -70,6 +70,21 @@ def add_cli(sub: Any) -> None:
         default=120.0,
         help="Seconds over which --max-restarts counts a child's failures (default 120).",
     )
+    up.add_argument(
+        "--auth",
+        action="store_true",
+        help="Require bearer tokens at the gateway: a read and a write token are generated "
+        "into <run-dir>/auth/ (read.tokens, write.tokens; printed at start). The client "
+        "commands find them through <run-dir>/stack.json. Default: the gateway runs "
+        "open, on loopback only, and says so.",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="Make a throwaway CA and certificates in <run-dir>/tls/ (scripts/make_certs.py) "
+        "and use them on every hop: the gateway serves TLS; the shards, the reranker and "
+        "Triton's gRPC require the gateway's client certificate (mTLS).",
+    )
     up.add_argument("--fresh", action="store_true", help="Delete --run-dir first.")
     up.add_argument("--log-level", default=os.environ.get("GTR_LOG_LEVEL", "WARNING"))
     up.set_defaults(handler=_up)
@@ -99,5 +114,7 @@ def _up(args: argparse.Namespace) -> int:
         serve=not args.no_serve,
         redis_fsync=args.redis_fsync,
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
+        auth=args.auth,
+        tls=args.tls,
     )
     return run_stack(config)

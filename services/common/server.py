@@ -246,6 +246,8 @@ class Server:
     health: HealthServicer
     services: list[str] = field(default_factory=list)
     admission: Admission = field(default_factory=Admission)
+    # plaintext, health service only (``health_port``): for probes that cannot speak TLS
+    health_server: grpc.aio.Server | None = None
     _watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def watch(self, check: HealthCheck, interval_s: float, what: str) -> None:
@@ -288,6 +290,8 @@ class Server:
                 await self._watcher
         await self.set_serving(False)
         await self.grpc_server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 Registrar = Callable[[grpc.aio.Server], Iterable[str]]
@@ -342,13 +346,33 @@ async def create_server(
         raise errors.Unavailable(f"cannot bind {settings.host}:{settings.port}")
     await server.start()
     handle = Server(
-        grpc_server=server, port=port, health=health, services=names, admission=admission
+        grpc_server=server,
+        port=port,
+        health=health,
+        services=names,
+        admission=admission,
+        health_server=await _health_only_server(settings, health),
     )
     await handle.set_serving(True)
     if settings.port_file:
         with open(settings.port_file, "w", encoding="utf-8") as fh:
             fh.write(str(port))
     return handle, port
+
+
+async def _health_only_server(
+    settings: ServiceSettings, health: HealthServicer
+) -> grpc.aio.Server | None:
+    """``settings.health_port``: the same health status, plaintext, on a port of its own
+    with nothing else on it (Kubernetes' gRPC probes cannot speak TLS)."""
+    if settings.health_port is None:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if server.add_insecure_port(f"{settings.host}:{settings.health_port}") == 0:
+        raise errors.Unavailable(f"cannot bind {settings.host}:{settings.health_port}")
+    await server.start()
+    return server
 
 
 async def serve_until_signal(server: Server, grace: float) -> None:

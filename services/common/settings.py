@@ -61,6 +61,13 @@ class ServiceSettings(BaseSettings):
         None, description="PEM certificate (chain) of this server; with --tls-key: TLS only."
     )
     tls_key: str | None = Field(None, description="PEM private key of --tls-cert.")
+    health_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Also serve the gRPC health service alone, plaintext, on this port (for "
+        "probes that cannot speak TLS, as Kubernetes' gRPC probes); unset = none.",
+    )
     tls_client_ca: str | None = Field(
         None,
         description="PEM CA that must have signed a client's certificate: given, every "

@@ -160,6 +160,20 @@ def triton_command(cfg: TritonServerConfig) -> tuple[list[str], dict[str, str]]:
     return argv, {**os.environ, **triton_env_overrides(cfg)}
 
 
+def grpc_tls_args(cert: Path, key: Path, client_ca: Path | None = None) -> tuple[str, ...]:
+    """tritonserver flags for TLS on its gRPC endpoint (``extra_args``), from PEM files;
+    with ``client_ca`` clients must present a certificate signed by it (mTLS). Its HTTP
+    endpoint (readiness, here) stays plaintext on the configured host."""
+    args = [
+        "--grpc-use-ssl=true",
+        f"--grpc-server-cert={Path(cert).resolve()}",
+        f"--grpc-server-key={Path(key).resolve()}",
+    ]
+    if client_ca is not None:
+        args += ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={Path(client_ca).resolve()}"]
+    return tuple(args)
+
+
 @dataclass
 class TritonHandle:
     config: TritonServerConfig

@@ -13,6 +13,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
+from services.common.auth import AuthInterceptor
 from services.common.logs import configure_logging
 from services.common.metrics import RpcMetrics
 from services.common.redis_client import async_client, parse_redis_url
@@ -42,6 +43,7 @@ async def build_encoder(settings: GatewaySettings) -> Encoder:
                 url=settings.triton_url,
                 model=settings.triton_model,
                 default_timeout_s=settings.default_timeout_s,
+                tls=settings.triton_client_tls(),
             )
         )
     from services.encoder.inprocess import InProcessEncoder
@@ -93,9 +95,13 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     from services.index.layout import check_layout_at
 
     registry = CollectorRegistry()
+    authenticator = settings.authenticator()
+    tls = settings.client_tls()
     encoder = await build_encoder(settings)
     router = ShardRouter(
-        parse_shard_addresses(settings.shards), hedge=HedgePolicy(enabled=settings.hedge)
+        parse_shard_addresses(settings.shards),
+        hedge=HedgePolicy(enabled=settings.hedge),
+        tls=tls,
     )
     store = ChangeLogWriter(
         settings.redis_url,
@@ -110,7 +116,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     # Refuse to serve a store of another key layout or shard count (says what to do).
     await asyncio.to_thread(check_layout_at, settings.redis_url, router.num_shards)
     reranker = (
-        RerankClient(settings.rerank_url, depth_table(settings.rerank_depth_table))
+        RerankClient(settings.rerank_url, depth_table(settings.rerank_depth_table), tls)
         if settings.rerank_url
         else None
     )
@@ -163,7 +169,11 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         ]
 
     server, port = await create_server(
-        settings, register, RpcMetrics.create(registry, "gateway"), admission
+        settings,
+        register,
+        RpcMetrics.create(registry, "gateway"),
+        admission,
+        interceptors=[AuthInterceptor(authenticator)] if authenticator else [],
     )
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
     closers: list[object] = [encoder, router, store, reranker, query_cache, redis_health]
@@ -173,14 +183,22 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})",
     )
     log.info(
-        "gateway serving on %s:%d (model %s, %d shards, rerank %s)",
+        "gateway serving on %s:%d (model %s, %d shards, rerank %s; auth %s; TLS %s; "
+        "TLS to shards, rerank and Triton %s)",
         settings.host,
         port,
         encoder.model_name,
         router.num_shards,
         settings.rerank_url or "off",
+        "on (bearer tokens)" if authenticator else "OFF (--no-auth: every client may write)",
+        _tls_said(settings.server_tls() is not None, settings.tls_client_ca is not None),
+        _tls_said(tls is not None, settings.tls_client_cert is not None),
     )
     return Gateway(server, port, registry, closers)
+
+
+def _tls_said(on: bool, mutual: bool) -> str:
+    return ("mTLS" if mutual else "on") if on else "off"
 
 
 async def serve(settings: GatewaySettings) -> None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.auth import Authenticator
 from services.common.errors import RetrievalError
 from services.common.redis_client import check_redis_url
 from services.common.settings import ServiceSettings
 from services.common.slo import SLOS
+from services.common.tls import ClientTLS
 from services.rerank.depths import load_depth_table
 
 
@@ -149,6 +151,74 @@ class GatewaySettings(ServiceSettings):
         description="OpenMP threads of the shared coarse quantizer (one pass per wave of "
         "searches); more only when the gateway has idle cores.",
     )
+
+    read_tokens_file: str | None = Field(
+        None,
+        description="Bearer tokens that may search and get (Search, BatchSearch, Get): one "
+        "per line, blank lines and # comments ignored; re-read when the file changes.",
+    )
+    write_tokens_file: str | None = Field(
+        None,
+        description="Bearer tokens that may also write (Upsert, Delete); same format. "
+        "Without a tokens file the gateway needs --no-auth to start.",
+    )
+    no_auth: bool = Field(
+        False,
+        description="Run without authentication: every client may read and write. Only "
+        "when that is meant (a gateway on loopback); never with token files.",
+    )
+    tokens_reload_s: float = Field(
+        1.0, gt=0, description="How often a request may check the token files for a change."
+    )
+    tls_ca: str | None = Field(
+        None,
+        description="PEM CA the gateway trusts for its own connections to the shards, the "
+        "reranker and Triton; given, they speak TLS.",
+    )
+    tls_client_cert: str | None = Field(
+        None,
+        description="PEM certificate the gateway presents to the shards, the reranker and "
+        "Triton (mTLS); with --tls-client-key.",
+    )
+    tls_client_key: str | None = Field(None, description="PEM private key of --tls-client-cert.")
+    triton_tls: bool = Field(
+        True,
+        description="Use the --tls-ca/--tls-client-* settings for Triton too (Triton started "
+        "with --grpc-use-ssl); false: plaintext to a Triton without TLS.",
+    )
+
+    @model_validator(mode="after")
+    def _auth_configured(self) -> GatewaySettings:
+        files = self.read_tokens_file or self.write_tokens_file
+        if self.no_auth and files:
+            raise ValueError("--no-auth and a tokens file contradict each other: give one")
+        if not self.no_auth:
+            if not files:
+                raise ValueError(
+                    "no tokens: give --read-tokens-file and/or --write-tokens-file (one token "
+                    "per line), or --no-auth to run without authentication"
+                )
+            self.authenticator()  # readable, and holds a token
+        tls = self.client_tls()
+        if tls is not None:
+            tls.check()
+        return self
+
+    def authenticator(self) -> Authenticator | None:
+        """The token sets (None with --no-auth)."""
+        if self.no_auth:
+            return None
+        return Authenticator.from_files(
+            self.read_tokens_file, self.write_tokens_file, self.tokens_reload_s
+        )
+
+    def client_tls(self) -> ClientTLS | None:
+        """TLS of the gateway's channels to shards, rerank and Triton (None: plaintext)."""
+        return ClientTLS.from_paths(self.tls_ca, self.tls_client_cert, self.tls_client_key)
+
+    def triton_client_tls(self) -> ClientTLS | None:
+        """TLS of the channel to Triton: :meth:`client_tls` unless ``triton_tls`` is off."""
+        return self.client_tls() if self.triton_tls else None
 
     _redis_url = field_validator("redis_url")(check_redis_url)
 

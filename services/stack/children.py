@@ -28,6 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +44,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
-    """True when the gRPC health service at ``address`` answers SERVING."""
+def grpc_healthy(address: str, timeout: float = 1.0, tls: ClientTLS | None = None) -> bool:
+    """True when the gRPC health service at ``address`` answers SERVING (over TLS by
+    ``tls``)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from services.common.tls import channel as tls_channel
+
     try:
-        with grpc.insecure_channel(address) as channel:
+        with tls_channel(address, tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout
             )

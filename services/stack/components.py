@@ -6,6 +6,7 @@ import shutil
 import sys
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ from services.stack.children import Child, free_port, grpc_healthy
 from services.stack.config import StackConfig
 
 if TYPE_CHECKING:
+    from services.common.tls import ClientTLS
+    from services.stack.certs import CertFiles
     from services.stack.launcher import Endpoints
 
 CLI = [sys.executable, "-m", "services.cli.main"]
@@ -58,8 +61,56 @@ def redis_set(url: str, key: str, value: str) -> None:
     _redis(url).set(key, value)
 
 
-def grpc_ready(child: Child) -> bool:
-    return grpc_healthy(child.address)
+def grpc_ready(child: Child, tls: ClientTLS | None = None) -> bool:
+    return grpc_healthy(child.address, tls=tls)
+
+
+def certificates(cfg: StackConfig) -> CertFiles | None:
+    """``--tls``: the run directory's throwaway CA and certificates (made on first use)."""
+    if not cfg.tls:
+        return None
+    from services.stack.certs import CertFiles, make_certs
+
+    files = CertFiles(cfg.tls_dir)
+    return files if files.exist() else make_certs(cfg.tls_dir)
+
+
+def internal_tls(cfg: StackConfig) -> ClientTLS | None:
+    """How our own clients (the gateway, the launcher's checks) reach our servers:
+    trusting the run's CA and presenting its client certificate (mTLS)."""
+    from services.common.tls import ClientTLS
+
+    certs = certificates(cfg)
+    if certs is None:
+        return None
+    return ClientTLS(certs.ca, certs.client_cert, certs.client_key)
+
+
+def server_tls_args(cfg: StackConfig, mutual: bool = True) -> list[str]:
+    """The --tls-* flags of a server of ours (client certificates required if ``mutual``)."""
+    certs = certificates(cfg)
+    if certs is None:
+        return []
+    argv = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
+    return argv + (["--tls-client-ca", str(certs.ca)] if mutual else [])
+
+
+def tokens(cfg: StackConfig) -> tuple[Path, Path] | None:
+    """``--auth``: (read, write) token files in the run directory, one token each,
+    generated on first use (mode 0600)."""
+    if not cfg.auth:
+        return None
+    import os
+    import secrets
+
+    cfg.auth_dir.mkdir(parents=True, exist_ok=True)
+    files = (cfg.auth_dir / "read.tokens", cfg.auth_dir / "write.tokens")
+    for path in files:
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(secrets.token_urlsafe(32) + "\n")
+    return files
 
 
 def http_ok(url: str) -> bool:
@@ -106,6 +157,19 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         argv += ["--encoder", "inprocess"]
     if endpoints.rerank:
         argv += ["--rerank-url", endpoints.rerank]
+    token_files = tokens(cfg)
+    if token_files is None:
+        argv += ["--no-auth"]  # loopback only; `up` says so
+    else:
+        argv += ["--read-tokens-file", str(token_files[0])]
+        argv += ["--write-tokens-file", str(token_files[1])]
+    certs = certificates(cfg)
+    if certs is not None:
+        # the public side: TLS (clients need the CA, no certificate of their own)
+        argv += server_tls_args(cfg, mutual=False)
+        # its own channels to shards, rerank and Triton: mTLS
+        argv += ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert)]
+        argv += ["--tls-client-key", str(certs.client_key)]
     child = Child("gateway", argv, cfg.logs / "gateway.log", job="gateway")
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"
@@ -130,7 +194,7 @@ def onnx_export(cfg: StackConfig, say: Say) -> Path:
 def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str, str]:
     """(child, gRPC address, HTTP address, metrics address) of a Triton serving ``embed``."""
     from services.encoder.repository import generate_repository
-    from services.encoder.triton_server import TritonServerConfig, triton_command
+    from services.encoder.triton_server import TritonServerConfig, grpc_tls_args, triton_command
 
     generate_repository(onnx_export(cfg, say), cfg.model_repository)
     ports = [free_port(cfg.host) for _ in range(3)]
@@ -142,6 +206,12 @@ def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str, str]:
         host=cfg.host,
         backend_dir=cfg.run_dir / "triton-backends",
     )
+    certs = certificates(cfg)
+    if certs is not None:
+        server = replace(
+            server,
+            extra_args=grpc_tls_args(certs.server_cert, certs.server_key, certs.ca),
+        )
     argv, env = triton_command(server)
     child = Child("triton", argv, cfg.logs / "triton.log", env=env, job="triton")
     child.address = server.grpc_url
@@ -160,7 +230,7 @@ def _encode_sample(cfg: StackConfig, triton_grpc: str, texts: list[str]) -> tupl
             from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
 
             encoder: object = await TritonEncoder.connect(
-                TritonEncoderConfig(url=triton_grpc, default_timeout_s=120.0)
+                TritonEncoderConfig(url=triton_grpc, default_timeout_s=120.0, tls=internal_tls(cfg))
             )
         else:
             from services.encoder.inprocess import InProcessEncoder
@@ -213,6 +283,7 @@ def shard_child(cfg: StackConfig, shard: int, replica: int, redis_url: str) -> C
         "--metrics-port", str(metrics_port),
         # every replica of every shard shares this machine's cores: search inline
         "--search-threads", "0",
+        *server_tls_args(cfg),
     ]  # fmt: skip
     child = Child(name, argv, cfg.logs / f"{name}.log", job="index")
     child.address = f"{cfg.host}:{port}"
@@ -224,7 +295,7 @@ def rerank_child(cfg: StackConfig) -> Child:
     port, metrics_port = free_port(cfg.host), free_port(cfg.host)
     argv = [
         *CLI, "rerank", "serve", "--host", cfg.host, "--port", str(port),
-        "--metrics-port", str(metrics_port),
+        "--metrics-port", str(metrics_port), *server_tls_args(cfg),
     ]  # fmt: skip
     if cfg.rerank_checkpoint is not None:
         argv += ["--checkpoint", str(cfg.rerank_checkpoint)]

@@ -44,6 +44,19 @@ class StackConfig:
     startup_timeout_s: float = 300.0
     redis_fsync: RedisFsync = "always"
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # when children restart
+    # bearer tokens at the gateway: off by default (loopback only); on, a read and a
+    # write token are generated into auth_dir
+    auth: bool = False
+    # a throwaway CA in tls_dir: TLS on the gateway, mTLS between our services and Triton
+    tls: bool = False
+
+    @property
+    def auth_dir(self) -> Path:
+        return self.run_dir / "auth"
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.run_dir / "tls"
 
     @property
     def logs(self) -> Path:

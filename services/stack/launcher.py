@@ -24,10 +24,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
+from services.common.tls import ClientTLS
 from services.stack import components
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig, example_queries
+
+if TYPE_CHECKING:
+    from services.cli.client_commands import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,11 @@ class Endpoints:
     gateway: str = ""
     gateway_metrics: str = ""
     prometheus: str = ""
+    # how a client reaches the gateway: token files (`up --auth`), the CA to trust
+    # (`up --tls`); the CLI reads them from stack.json
+    read_tokens_file: str = ""
+    write_tokens_file: str = ""
+    client_tls: dict[str, str] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
         return dict(vars(self))
@@ -148,9 +158,43 @@ class Stack:
             tmp.write_text(json.dumps(state, indent=2), encoding="utf-8")
             tmp.replace(path)
 
+    def gateway(self) -> Gateway:
+        """The gateway as the launcher's own client reaches it (token, TLS)."""
+        from services.cli.client_commands import Gateway
+        from services.common.tls import ClientTLS
+
+        e = self.endpoints
+        token = None
+        if e.write_tokens_file:
+            token = Path(e.write_tokens_file).read_text(encoding="utf-8").split()[0]
+        tls = ClientTLS(e.client_tls["ca"]) if e.client_tls else None
+        return Gateway(e.gateway, token, tls)
+
+    def _security(self) -> ClientTLS | None:
+        """Token files and certificates (made on the first run); says what is on."""
+        cfg = self.config
+        token_files = components.tokens(cfg)
+        if token_files is None:
+            _say(
+                f"auth       off (local stack on loopback {cfg.host}; "
+                "pass --auth to require tokens)"
+            )
+        else:
+            self.endpoints.read_tokens_file = str(token_files[0].resolve())
+            self.endpoints.write_tokens_file = str(token_files[1].resolve())
+            _say(f"auth       bearer tokens: read {token_files[0]}, write {token_files[1]}")
+        certs = components.certificates(cfg)
+        if certs is None:
+            _say("tls        off (pass --tls for TLS, and mTLS between the services)")
+            return None
+        self.endpoints.client_tls = {"ca": str(certs.ca.resolve())}
+        _say(f"tls        gateway TLS, mTLS between the services and Triton; CA {certs.ca}")
+        return components.internal_tls(cfg)
+
     def start(self) -> None:
         cfg = self.config
         timeout = cfg.startup_timeout_s
+        tls = self._security()
         redis = components.redis_child(cfg)
         self.supervisor.start(redis, lambda: components.redis_ready(redis), timeout)
         self.endpoints.redis_url = redis.address
@@ -172,7 +216,7 @@ class Stack:
             replicas = []
             for replica in range(cfg.replicas):
                 child = components.shard_child(cfg, shard, replica, redis.address)
-                ready = functools.partial(components.grpc_ready, child)
+                ready = functools.partial(components.grpc_ready, child, tls)
                 self.supervisor.start(child, ready, timeout)
                 replicas.append(child.address)
             self.endpoints.shards.append(replicas)
@@ -180,11 +224,12 @@ class Stack:
 
         if cfg.rerank:
             rerank = components.rerank_child(cfg)
-            self.supervisor.start(rerank, lambda: components.grpc_ready(rerank), timeout)
+            self.supervisor.start(rerank, lambda: components.grpc_ready(rerank, tls), timeout)
             self.endpoints.rerank = rerank.address
 
         gateway, metrics_address = components.gateway_child(cfg, self.endpoints)
-        self.supervisor.start(gateway, lambda: components.grpc_ready(gateway), timeout)
+        public = ClientTLS(tls.ca) if tls is not None else None  # TLS, no client certificate
+        self.supervisor.start(gateway, lambda: components.grpc_ready(gateway, public), timeout)
         self.endpoints.gateway = gateway.address
         self.endpoints.gateway_metrics = metrics_address
         if cfg.prometheus:
@@ -208,9 +253,7 @@ class Stack:
 
         _say(f"ingest     {corpus}")
         start = time.perf_counter()
-        n = ingest_file(
-            self.endpoints.gateway, str(corpus), batch=cfg.ingest_batch, progress=cfg.progress
-        )
+        n = ingest_file(self.gateway(), str(corpus), batch=cfg.ingest_batch, progress=cfg.progress)
         components.redis_set(self.endpoints.redis_url, marker, str(n))
         _say(f"ingest     {n} documents in {time.perf_counter() - start:.1f} s")
         return corpus
@@ -222,9 +265,7 @@ class Stack:
         if not queries:
             _say("examples   none: no queries.jsonl beside the corpus to take them from")
         for query in queries:
-            response = search_once(
-                self.endpoints.gateway, query, k=3, timeout=30.0, consistency="strong"
-            )
+            response = search_once(self.gateway(), query, k=3, timeout=30.0, consistency="strong")
             print()
             print(format_hits(query, response))
         print(flush=True)

@@ -11,6 +11,9 @@ own (a thread), started once for the module; the tests are clients over real soc
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -35,9 +38,9 @@ from services.index.server.process import RunningShard, start_shard
 from services.rerank.server import Reranker, start_rerank
 from services.rerank.settings import RerankSettings
 from services.stack.certs import CertFiles, make_certs
-from tests.support.processes import RedisServer
+from tests.support.processes import RedisServer, free_port
 from tests.support.rerank import WORDS, tiny_checkpoint
-from tests.support.shards import train_test_index
+from tests.support.shards import ROOT, train_test_index
 from tests.support.stack import shard_settings
 
 READ, WRITE, ROTATED = "read-token-0123456789", "write-token-9876543210", "rotated-token-42"
@@ -74,6 +77,7 @@ class Secured:
     certs: CertFiles
     other: CertFiles  # an unrelated CA and its certificates
     read_file: Path
+    health_port: int
 
     @property
     def address(self) -> str:
@@ -108,6 +112,7 @@ def secured(
         "tls_key": str(certs.server_key),
         "tls_client_ca": str(certs.ca),
     }
+    health_port = free_port()
     loop = Loop()
     started: list[Any] = []
     try:
@@ -134,11 +139,12 @@ def secured(
                     tls_ca=str(certs.ca),
                     tls_client_cert=str(certs.client_cert),
                     tls_client_key=str(certs.client_key),
+                    health_port=health_port,
                 )
             )
         )
         started.append(gateway)
-        yield Secured(loop, gateway, shard, reranker, certs, other, read_file)
+        yield Secured(loop, gateway, shard, reranker, certs, other, read_file, health_port)
     finally:
         for part in reversed(started):
             if isinstance(part, RunningShard):
@@ -365,3 +371,43 @@ def test_a_router_without_a_client_certificate_gets_no_answer_from_an_mtls_shard
     assert asyncio.run(search(with_cert)) == 3
     with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
         asyncio.run(search(ClientTLS(certs.ca)))
+
+
+def test_probes_get_the_health_status_in_plaintext_on_the_health_port_and_nothing_else(
+    secured: Secured,
+) -> None:
+    """Kubernetes' gRPC probes cannot speak TLS: --health-port answers them in plaintext,
+    and serves nothing but the health service."""
+    address = f"127.0.0.1:{secured.health_port}"
+    assert _health(address, None) == health_pb2.HealthCheckResponse.SERVING
+    with channel(address, None) as ch:
+        code, _ = _code(lambda: _search(ch, WRITE))
+    assert code is grpc.StatusCode.UNIMPLEMENTED
+
+
+# --- the command line -----------------------------------------------------------------
+
+
+def _cli(secured: Secured, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "services.cli.main", *args, "--gateway", secured.address,
+            "--tls-ca", str(secured.certs.ca)]  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GTR_")}
+    return subprocess.run(
+        argv, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_cli_sends_the_token_from_the_flag_or_gtr_token_over_tls(secured: Secured) -> None:
+    with secured.channel() as ch:
+        _upsert(ch, WRITE)
+    got = _cli(secured, "get", "d02", "--token", READ)
+    assert got.returncode == 0, got.stderr
+    assert DOCS[2].text in got.stdout
+    from_env = _cli(secured, "search", "csv", "-k", "2", "--json", GTR_TOKEN=READ)
+    assert from_env.returncode == 0, from_env.stderr
+    assert '"hits"' in from_env.stdout
+    refused = _cli(secured, "delete", "d02", GTR_TOKEN=READ)
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
+    assert READ not in refused.stderr
+    missing = _cli(secured, "get", "d02")
+    assert missing.returncode == 1 and "UNAUTHENTICATED" in missing.stderr

@@ -109,7 +109,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
                         "--port", str(gw_port), "--redis-url", store.url, "--shards", spec,
                         "--encoder", "inprocess", "--log-level", "WARNING",
                         "--default-timeout-s", str(GATEWAY_DEFAULT_TIMEOUT_S),
-                        "--redis-max-connections", "8",
+                        "--redis-max-connections", "8", "--no-auth",
                     ],
                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
