@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.closedloop import ClosedLoopResult, closed_loop
-from loadtest.target import DEFAULT_ADDRESS, Target, add_target_arguments, target_from_args
+from loadtest.target import (
+    DEFAULT_ADDRESS,
+    Target,
+    add_target_arguments,
+    target_from_args,
+    target_from_stack,
+)
 from loadtest.workload import load_queries
 from retrieval.v1 import search_pb2, search_pb2_grpc
 
@@ -86,13 +92,7 @@ def endpoints(args: argparse.Namespace) -> tuple[Target, str]:
     if args.stack_json is not None:
         stack = json.loads(Path(args.stack_json).read_text(encoding="utf-8"))
         if args.address == DEFAULT_ADDRESS:  # no --target given: the stack's gateway
-            target = Target(
-                stack["gateway"],
-                target.token,
-                target.tls_ca,
-                target.tls_client_cert,
-                target.tls_client_key,
-            )
+            target = target_from_stack(stack, token=target.token)
         triton = triton or stack["triton_grpc"]
     if not triton:
         raise SystemExit("error: --triton HOST:PORT or --stack-json is needed")

@@ -41,7 +41,7 @@ from loadtest import bottleneck, overhead
 from loadtest.budget import default_slo_ms
 from loadtest.runner import RunConfig
 from loadtest.sweep import SweepConfig, plot, sweep
-from loadtest.target import Target
+from loadtest.target import Target, target_from_stack
 from loadtest.workload import Workload, load_queries
 
 RERANK_DEPTH = 10
@@ -119,7 +119,7 @@ async def run_sweep(
 
 def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
     stack = json.loads(stack_json.read_text(encoding="utf-8"))
-    target = Target(stack["gateway"], token=os.environ.get("GTR_TOKEN") or None)
+    target = target_from_stack(stack, token=os.environ.get("GTR_TOKEN") or None)
     queries = load_queries(args.queries)
     out: dict[str, Any] = {"loadavg_before": loadavg(), "gateway": stack["gateway"]}
 

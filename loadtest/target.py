@@ -12,6 +12,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -57,6 +58,16 @@ class Target:
         if creds is None:
             return grpc.insecure_channel(self.address)
         return grpc.secure_channel(self.address, creds)
+
+
+def target_from_stack(stack: dict[str, Any], token: str | None = None) -> Target:
+    """The gateway of a ``gtr-retrieval up`` stack as its stack.json describes it: its
+    address, a write token when it was started with ``--auth`` (unless ``token`` is
+    given) and its CA when it was started with ``--tls``."""
+    if token is None and stack.get("write_tokens_file"):
+        token = Path(stack["write_tokens_file"]).read_text(encoding="utf-8").split()[0]
+    tls = stack.get("client_tls") or {}
+    return Target(stack["gateway"], token=token, tls_ca=Path(tls["ca"]) if tls else None)
 
 
 def add_target_arguments(parser: argparse.ArgumentParser, address_flag: str = "--target") -> None:

@@ -29,7 +29,7 @@ from loadtest.results import summarize
 from loadtest.runner import Records, RunConfig, run_open_loop
 from loadtest.schedule import arrival_offsets
 from loadtest.sweep import SweepConfig, plot, sweep
-from loadtest.target import Target
+from loadtest.target import Target, target_from_stack
 from loadtest.trivial_server import Hook, start_trivial_server
 from loadtest.workload import Workload
 from retrieval.v1 import search_pb2, search_pb2_grpc
@@ -361,3 +361,29 @@ def test_closed_loop_search_load_runs_with_open_loop_upserts_beside_it() -> None
     assert report["qps_concurrency_1"] > 0 and report["upsert_errors"] == {}
     assert report["upserts"] == 20  # fixed schedule, 1 s at 20/s
     assert report["slo_ms"] == 50.0
+
+
+def test_the_token_is_sent_as_bearer_metadata(tmp_path: Path) -> None:
+    """A server that wants ``authorization: Bearer s3cret``: the stack's write token
+    (stack.json of ``up --auth``) gets every request in; no token gets none in."""
+
+    async def wants_token(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if dict(context.invocation_metadata() or ()).get("authorization") != "Bearer s3cret":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid token")
+
+    (tmp_path / "write.tokens").write_text("s3cret\nother\n", encoding="utf-8")
+    cfg = RunConfig(rate=100.0, duration_s=0.3, process="fixed")
+
+    async def body(target: Target) -> tuple[Records, Records]:
+        stack = {"gateway": target.address, "write_tokens_file": str(tmp_path / "write.tokens")}
+        with_token = target_from_stack(stack)
+        assert with_token.metadata == (("authorization", "Bearer s3cret"),)
+        workload = Workload(queries=QUERIES)
+        return (
+            await run_open_loop(with_token, workload, cfg),
+            await run_open_loop(target, workload, cfg),
+        )
+
+    (good, bad), _ = asyncio.run(with_server(wants_token, body))
+    assert set(good.codes) == {"OK"} and len(good.codes) == 30
+    assert set(bad.codes) == {"UNAUTHENTICATED"}
