@@ -118,6 +118,11 @@ class LogReader:
         reply = self._redis.xrevrange(self.key, count=1)
         return text(reply[0][0]) if reply else positions.ZERO
 
+    def first_after(self, position: str) -> str | None:
+        """The position of the oldest entry after ``position`` (None: there is none)."""
+        reply = self._redis.xrange(self.key, min=f"({position}", max="+", count=1)
+        return text(reply[0][0]) if reply else None
+
     def trimmed_past(self, position: str) -> bool:
         """True when entries after ``position`` may have been trimmed (a replay would miss them).
 

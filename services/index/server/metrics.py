@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common import positions
 from services.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from services.index.changelog import LogReader
 from services.index.core.shard import IvfPqShard, ShardStats
 
 
@@ -18,7 +21,6 @@ class ShardMetrics:
     search_seconds: Histogram
     batch_size: Histogram
     applied_vectors: Counter
-    log_lag: Gauge
     labels: tuple[str, str]
     registry: CollectorRegistry
 
@@ -46,15 +48,61 @@ class ShardMetrics:
                 labels,
                 registry=registry,
             ),
-            log_lag=Gauge(
-                "index_log_lag_seconds",
-                "Age of the oldest log entry not yet applied (0 when caught up).",
-                labels,
-                registry=registry,
-            ),
             labels=(str(shard), replica),
             registry=registry,
         )
+
+    def watch_log(self, log: LogReader, applied: Callable[[], str]) -> None:
+        """Gauges of how far this replica is behind its log, read from Redis on scrape (at
+        most once a second), so that they move while the replica applies nothing: a
+        replica whose consumer stopped falls further behind with every scrape.
+
+        ``index_log_lag_seconds`` is the age of the oldest entry not applied yet (0 when
+        caught up); the two timestamps (of the newest entry and of the one applied last)
+        are stream entry times, Redis's clock. NaN while Redis cannot be read (Redis's own
+        alerts say why)."""
+        cache: dict[str, tuple[float, tuple[float, float, float]]] = {}
+
+        def read() -> tuple[float, float, float]:
+            now = time.monotonic()
+            if "v" not in cache or now - cache["v"][0] > 1.0:
+                position = applied()
+                try:
+                    newest, unapplied = log.tail(), log.first_after(position)
+                except redis.RedisError:
+                    values = (math.nan, positions.ms_of(position) / 1000.0, math.nan)
+                else:
+                    lag = 0.0
+                    if unapplied is not None:
+                        lag = max(0.0, time.time() - positions.ms_of(unapplied) / 1000.0)
+                    values = (
+                        positions.ms_of(newest) / 1000.0,
+                        positions.ms_of(position) / 1000.0,
+                        lag,
+                    )
+                cache["v"] = (now, values)
+            return cache["v"][1]
+
+        for name, doc, index in (
+            (
+                "index_log_newest_entry_timestamp_seconds",
+                "Time of the newest entry of the shard's log (stream entry id).",
+                0,
+            ),
+            (
+                "index_log_applied_entry_timestamp_seconds",
+                "Time of the log entry this replica applied last (stream entry id).",
+                1,
+            ),
+            (
+                "index_log_lag_seconds",
+                "Age of the oldest log entry this replica has not applied (0 when caught "
+                "up); grows while the replica applies nothing.",
+                2,
+            ),
+        ):
+            g = Gauge(name, doc, ["shard", "replica"], registry=self.registry)
+            g.labels(*self.labels).set_function(lambda i=index: read()[i])  # type: ignore[misc]
 
     def bind(self, shard: IvfPqShard) -> None:
         """Gauges computed from the shard when Prometheus scrapes."""

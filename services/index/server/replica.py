@@ -58,6 +58,7 @@ class ShardReplica:
         self._async: Any = async_client(config.redis_url, max_connections=64, socket_timeout=5.0)
         if metrics is not None:
             metrics.bind(self.shard)
+            metrics.watch_log(self.log, lambda: self.shard.applied)
 
     @property
     def key(self) -> str:
@@ -176,9 +177,9 @@ class ShardReplica:
             self._loop.call_soon_threadsafe(self._wake_waiters)
 
     def _set_lag(self, seconds: float) -> None:
+        # The Stats RPC's figure; the metric is read from the log on scrape (it grows
+        # while nothing is applied): ShardMetrics.watch_log.
         self.log_lag_s = seconds
-        if self.metrics is not None:
-            self.metrics.log_lag.labels(*self.metrics.labels).set(seconds)
 
     def _maybe_snapshot(self) -> None:
         due_entries = self._since_snapshot >= self.config.snapshot_every_entries
