@@ -7,6 +7,7 @@
     gtr-retrieval corpus stdlib       write the embedded default corpus as JSONL
     gtr-retrieval gateway serve       run the gateway (also: index serve, rerank serve)
     gtr-retrieval encoder|index|rerank ...   model export, index training, reranker training
+    gtr-retrieval plan --docs N --qps Q   shards, replicas, GPUs, cores, memory (arithmetic shown)
 
 Every subcommand has --help.
 """
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.encoder import cli as encoder_cli
     from services.gateway import cli as gateway_cli
     from services.index import cli as index_cli
+    from services.plan import cli as plan_cli
     from services.rerank import cli as rerank_cli
 
     parser = argparse.ArgumentParser(
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     index_cli.add_cli(sub)
     encoder_cli.add_cli(sub)
     rerank_cli.add_cli(sub)
+    plan_cli.add_cli(sub)
     return parser
 
 

@@ -1,0 +1,286 @@
+"""The capacity arithmetic: from corpus size, query rate, encoder size, SLO, rerank depth
+and replicas to shards, replicas, GPUs, CPU cores and memory.
+
+Every :class:`Line` carries its value, the formula with the numbers put in, and the
+sources of those numbers (a measured figure of :mod:`.measured`, a size profile of
+:mod:`services.encoder.profiles`, or an input). The model of cost is deliberately plain:
+
+- index bytes per vector scale with the PQ code (dim/4), the SQ8 refine code (dim) and
+  the id (8) from the measured 384-d figure;
+- a query's search CPU scales with the vectors it scans (nprobe × N / nlist, nlist the
+  trainer's default ≈ 4·√N, nprobe the bench's) and with dim, from the bench's CPU per
+  scanned vector; the bench's nprobe is assumed to hold its recall on the larger corpus
+  (say so, and re-tune with ``index train``);
+- shards: enough that one shard's search fits the SLO's search budget (SLO minus encoder,
+  rerank and ``overhead_ms``) and the memory of one replica;
+- replicas: enough cores (one search thread each) to serve the rate at ``utilisation``,
+  at least ``min_replicas``;
+- encoder: GTR on GPUs at its batch-1 latency (the GTR paper's figure; dynamic batching
+  does better, so the GPU count is an upper bound); MiniLM on CPU at its measured rate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidArgument
+from services.encoder.profiles import ModelProfile, get_profile
+from services.index.core.train import default_nlist
+from services.plan.measured import Measured
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    docs: int
+    qps: float
+    model: str = "base"  # an encoder size profile (base, large, xl, xxl, minilm)
+    slo_ms: float = 100.0  # end-to-end latency target of a search
+    rerank_depth: int = 0  # 0: no rerank
+    min_replicas: int = 2  # per shard, for availability
+    utilisation: float = 0.5  # busy share of a core / GPU at the planned rate (queueing)
+    shard_memory_gib: float = 32.0  # memory of one shard replica's machine for the index
+    memory_headroom: float = 1.5  # snapshots being written, id strings, the process
+    overhead_ms: float = 10.0  # gateway, Redis fetch of the hits, network
+    doc_bytes: int = 2000  # stored title + text + metadata per document (Redis)
+
+    def check(self) -> None:
+        if self.docs < 1 or self.qps <= 0:
+            raise InvalidArgument("docs must be >= 1 and qps > 0")
+        if not 0 < self.utilisation <= 1:
+            raise InvalidArgument("utilisation must be in (0, 1]")
+        if self.slo_ms <= 0 or self.min_replicas < 1 or self.rerank_depth < 0:
+            raise InvalidArgument("slo_ms > 0, min_replicas >= 1 and rerank_depth >= 0 needed")
+        if self.shard_memory_gib <= 0 or self.memory_headroom < 1:
+            raise InvalidArgument("shard_memory_gib > 0 and memory_headroom >= 1 needed")
+
+
+@dataclass(frozen=True)
+class Line:
+    name: str
+    value: float
+    unit: str
+    formula: str
+    sources: tuple[str, ...] = ()
+
+
+@dataclass
+class Plan:
+    lines: list[Line] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def add(self, name: str, value: float, unit: str, formula: str, *sources: str) -> float:
+        self.lines.append(Line(name, value, unit, formula, sources))
+        return value
+
+    def __getitem__(self, name: str) -> float:
+        for line in self.lines:
+            if line.name == name:
+                return line.value
+        raise KeyError(name)
+
+
+def index_bytes_per_vector(m: Measured, dim: int) -> float:
+    """The measured bytes per vector scaled by (dim/4 + dim + 8) / (same at the bench's dim)."""
+    d0 = m.index_dim.value
+    return m.bytes_per_vector.value * (dim / 4 + dim + 8) / (d0 / 4 + d0 + 8)
+
+
+def rerank_ms(m: Measured, depth: int) -> float:
+    """ms per query at ``depth``: linear between measured depths, proportional outside."""
+    points = sorted((d, f.value) for d, f in m.rerank_ms_at_depth.items())
+    if depth <= 0:
+        return 0.0
+    if depth <= points[0][0]:
+        return points[0][1] * depth / points[0][0]
+    for (d0, v0), (d1, v1) in itertools.pairwise(points):
+        if depth <= d1:
+            return v0 + (v1 - v0) * (depth - d0) / (d1 - d0)
+    d_last, v_last = points[-1]
+    return v_last * depth / d_last
+
+
+def plan(inp: PlanInput, m: Measured) -> Plan:
+    inp.check()
+    prof: ModelProfile = get_profile(inp.model)
+    out = Plan()
+    src_prof = f"services/encoder/profiles.py: {prof.name} ({prof.slo_source})"
+    dim = prof.dim
+    util = inp.utilisation
+
+    # --- memory of the index ---------------------------------------------------------
+    bpv = out.add(
+        "index bytes per vector",
+        index_bytes_per_vector(m, dim),
+        "B",
+        f"{m.bytes_per_vector.value:.0f} × ({dim}/4 + {dim} + 8) / "
+        f"({m.index_dim.value:.0f}/4 + {m.index_dim.value:.0f} + 8)",
+        m.bytes_per_vector.source,
+        src_prof,
+    )
+    index_gib = out.add(
+        "index memory, one copy",
+        inp.docs * bpv * inp.memory_headroom / GIB,
+        "GiB",
+        f"{inp.docs:,} × {bpv:.0f} B × headroom {inp.memory_headroom}",
+        "input: docs",
+    )
+
+    # --- latency budget ----------------------------------------------------------------
+    if prof.name == "minilm":
+        enc_ms = out.add(
+            "encoder latency",
+            m.cpu_encoder_p99_ms.value,
+            "ms",
+            "measured p99 on CPU (Triton, concurrency 1)",
+            m.cpu_encoder_p99_ms.source,
+        )
+    else:
+        enc_ms = out.add(
+            "encoder latency",
+            prof.slo_ms,
+            "ms",
+            "batch-1 latency of the size profile (GPU)",
+            src_prof,
+        )
+    rr_ms = out.add(
+        "rerank latency",
+        rerank_ms(m, inp.rerank_depth),
+        "ms",
+        f"depth {inp.rerank_depth} on {m.rerank_threads.value:.0f} CPU threads, "
+        "interpolated between measured depths",
+        *(f.source for f in m.rerank_ms_at_depth.values()),
+    )
+    budget = out.add(
+        "search budget",
+        inp.slo_ms - enc_ms - rr_ms - inp.overhead_ms,
+        "ms",
+        f"SLO {inp.slo_ms:g} − encoder {enc_ms:.1f} − rerank {rr_ms:.1f} − overhead "
+        f"{inp.overhead_ms:g}",
+        "inputs: slo_ms, overhead_ms",
+    )
+    if budget <= 0:
+        raise InvalidArgument(
+            f"the SLO of {inp.slo_ms:g} ms leaves no time for the search (encoder "
+            f"{enc_ms:.1f} ms, rerank {rr_ms:.1f} ms, overhead {inp.overhead_ms:g} ms): raise "
+            "the SLO, lower the rerank depth or choose a smaller encoder"
+        )
+    if rr_ms > 0.5 * inp.slo_ms:
+        out.warnings.append(
+            f"rerank at depth {inp.rerank_depth} takes {rr_ms:.0f} ms on CPU, over half the "
+            "SLO: serve it on a GPU (not measured here) or lower the depth"
+        )
+
+    # --- shards ----------------------------------------------------------------------
+    # one trained index for all shards: nlist = default_nlist(docs); a query scans
+    # nprobe/nlist of every shard, i.e. nprobe × docs / nlist vectors in all
+    nlist = default_nlist(inp.docs)
+    nprobe = max(1, min(nlist, round(m.index_nprobe_share.value * m.index_nlist.value)))
+    scanned_bench = m.index_vectors.value * m.index_nprobe_share.value
+    scanned = nprobe * inp.docs / nlist
+    us_per_scanned = m.shard_cpu_us_per_query.value / scanned_bench
+    search_us = out.add(
+        "search CPU per query, whole corpus",
+        us_per_scanned * scanned * dim / m.index_dim.value,
+        "µs",
+        f"{m.shard_cpu_us_per_query.value:.0f} µs / {scanned_bench:,.0f} vectors scanned × "
+        f"{scanned:,.0f} scanned (nprobe {nprobe} × {inp.docs:,} / nlist {nlist}) × "
+        f"{dim}/{m.index_dim.value:.0f}",
+        m.shard_cpu_us_per_query.source,
+        m.index_vectors.source,
+        m.index_nprobe_share.source,
+        "assumed: the bench's nprobe holds its recall at nlist ≈ 4·√N (re-tune with `index "
+        "train` on a sample of the real corpus)",
+    )
+    by_latency = math.ceil(search_us / 1000 / budget)
+    by_memory = math.ceil(index_gib / inp.shard_memory_gib)
+    shards = int(
+        out.add(
+            "shards",
+            max(1, by_latency, by_memory),
+            "",
+            f"max(⌈{search_us / 1000:.2f} ms / {budget:.1f} ms⌉ = {by_latency} for latency, "
+            f"⌈{index_gib:.2f} GiB / {inp.shard_memory_gib:g} GiB⌉ = {by_memory} for memory)",
+            "inputs: shard_memory_gib",
+        )
+    )
+    shard_us = search_us / shards
+    replicas_cpu = math.ceil(inp.qps * shard_us * 1e-6 / util)
+    replicas = int(
+        out.add(
+            "replicas per shard",
+            max(inp.min_replicas, replicas_cpu),
+            "",
+            f"max(min {inp.min_replicas}, ⌈{inp.qps:g} q/s × {shard_us:.0f} µs / {util}⌉ = "
+            f"{replicas_cpu}), one search core each",
+            "inputs: qps, min_replicas, utilisation",
+        )
+    )
+    out.add("index cores", shards * replicas, "cores", f"{shards} × {replicas}")
+    out.add(
+        "index memory per replica",
+        index_gib / shards,
+        "GiB",
+        f"{index_gib:.2f} GiB / {shards} shards",
+    )
+    out.add(
+        "index memory, all replicas",
+        index_gib * replicas,
+        "GiB",
+        f"{index_gib:.2f} GiB × {replicas} replicas",
+    )
+
+    # --- encoder ---------------------------------------------------------------------
+    if prof.name == "minilm":
+        per_core = m.cpu_encoder_texts_per_s.value / m.cpu_encoder_cores.value
+        out.add("encoder GPUs", 0, "GPUs", "MiniLM runs on CPU")
+        out.add(
+            "encoder cores",
+            math.ceil(inp.qps / (per_core * util)),
+            "cores",
+            f"⌈{inp.qps:g} q/s / ({m.cpu_encoder_texts_per_s.value:.0f} texts/s / "
+            f"{m.cpu_encoder_cores.value:.0f} cores × {util})⌉",
+            m.cpu_encoder_texts_per_s.source,
+        )
+    else:
+        per_gpu = prof.triton_instances * 1000 / prof.slo_ms
+        out.add(
+            "encoder GPUs",
+            math.ceil(inp.qps / (per_gpu * util)),
+            "GPUs",
+            f"⌈{inp.qps:g} q/s / ({prof.triton_instances} instances × 1000 / "
+            f"{prof.slo_ms:g} ms × {util})⌉ on {prof.gpu}; batch 1, so an upper bound",
+            src_prof,
+        )
+        out.add("encoder cores", 0, "cores", "on the GPU")
+
+    # --- rerank, gateway, Redis -------------------------------------------------------
+    threads = m.rerank_threads.value
+    out.add(
+        "rerank cores",
+        math.ceil(inp.qps * rr_ms / 1000 * threads / util),
+        "cores",
+        f"⌈{inp.qps:g} q/s × {rr_ms:.0f} ms × {threads:.0f} threads / {util}⌉ (CPU)",
+        m.rerank_threads.source,
+    )
+    out.add(
+        "gateway cores",
+        max(1, math.ceil(inp.qps * m.router_cpu_us_per_query.value * 1e-6 / util)),
+        "cores",
+        f"⌈{inp.qps:g} q/s × {m.router_cpu_us_per_query.value:.0f} µs / {util}⌉ (router and "
+        "merge; the bench's client shares it)",
+        m.router_cpu_us_per_query.source,
+    )
+    out.add(
+        "redis memory",
+        inp.docs * inp.doc_bytes * 2 / GIB,
+        "GiB",
+        f"{inp.docs:,} docs × {inp.doc_bytes} B × 2 (hash and allocator overhead, assumed)",
+        "input: doc_bytes",
+    )
+    cores = sum(out[n] for n in ("index cores", "encoder cores", "rerank cores", "gateway cores"))
+    out.add("CPU cores, total", cores, "cores", "index + encoder + rerank + gateway")
+    return out
