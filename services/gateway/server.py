@@ -89,7 +89,7 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    from services.index.client.replicas import HedgePolicy
+    from services.index.client.replicas import Balancing, HedgePolicy
     from services.index.client.router import ShardRouter
     from services.index.client.writer import ChangeLogWriter
     from services.index.layout import check_layout_at
@@ -102,6 +102,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         parse_shard_addresses(settings.shards),
         hedge=HedgePolicy(enabled=settings.hedge),
         tls=tls,
+        balancing=Balancing(settings.balance, settings.resolve_every_s),
     )
     store = ChangeLogWriter(
         settings.redis_url,

@@ -14,15 +14,26 @@ from services.common.redis_client import check_redis_url
 from services.common.settings import ServiceSettings
 from services.common.slo import SLOS
 from services.common.tls import ClientTLS
+from services.index.client.discovery import is_dns_target, parse_dns_target
 from services.rerank.depths import load_depth_table
 
 
 def parse_shard_addresses(spec: str) -> list[list[str]]:
-    """ "a:1,a:2;b:1" → [["a:1", "a:2"], ["b:1"]]: shards split by ';', replicas by ','."""
+    """ "a:1,a:2;b:1" → [["a:1", "a:2"], ["b:1"]]: shards split by ';', replicas by ','.
+
+    A shard may instead be one DNS target, ``dns:///name:port`` (or
+    ``dns://dns-server[:port]/name:port``): its replicas are the addresses the name
+    resolves to, resolved again while the gateway runs (the chart's headless Service).
+    """
     shards = [[r.strip() for r in part.split(",") if r.strip()] for part in spec.split(";")]
     if not shards or any(not replicas for replicas in shards):
         raise ValueError("expected 'host:port[,host:port...][;host:port...]', one group per shard")
     for replicas in shards:
+        if any(is_dns_target(a) for a in replicas):
+            if len(replicas) != 1:
+                raise ValueError(f"{','.join(replicas)!r}: a dns: target names a shard alone")
+            parse_dns_target(replicas[0])
+            continue
         for address in replicas:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -43,7 +54,17 @@ class GatewaySettings(ServiceSettings):
     shards: str = Field(
         ...,
         description="Index shard replicas: 'host:port,host:port;host:port' "
-        "(';' between shards, ',' between replicas of one shard).",
+        "(';' between shards, ',' between replicas of one shard), or per shard one DNS "
+        "target 'dns:///name:port' whose addresses are its replicas (re-resolved every "
+        "--resolve-every-s).",
+    )
+    balance: Literal["least_outstanding", "round_robin"] = Field(
+        "least_outstanding",
+        description="Which replica of a shard a search goes to: the one with the fewest "
+        "searches in flight from this gateway (ties in turn), or strictly in turn.",
+    )
+    resolve_every_s: float = Field(
+        5.0, gt=0, description="How often a shard named by a dns: target is resolved again."
     )
     encoder: Literal["triton", "inprocess"] = Field(
         "triton", description="Where queries and documents are embedded."

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -271,8 +271,20 @@ def train_index_if_needed(cfg: StackConfig, triton_grpc: str, say: Say) -> None:
     say(f"index      {manifest.factory}, nprobe {manifest.nprobe}")
 
 
-def shard_child(cfg: StackConfig, shard: int, replica: int, redis_url: str) -> Child:
-    port, metrics_port = free_port(cfg.host), free_port(cfg.host)
+def shard_ports(cfg: StackConfig) -> list[int]:
+    """Free ports for the replicas of one shard, chosen together: each replica's
+    ``--peers`` names the others (to seed from when the log was trimmed past it)."""
+    return [free_port(cfg.host) for _ in range(cfg.replicas)]
+
+
+def shard_child(
+    cfg: StackConfig, shard: int, replica: int, redis_url: str, ports: Sequence[int] = ()
+) -> Child:
+    """Replica ``replica`` of ``shard``; ``ports``: those of all the shard's replicas
+    (:func:`shard_ports`), its own at index ``replica`` (default: a free port, no peers)."""
+    port = ports[replica] if ports else free_port(cfg.host)
+    metrics_port = free_port(cfg.host)
+    peers = [f"{cfg.host}:{p}" for i, p in enumerate(ports) if i != replica]
     name = f"shard-{shard}-replica-{replica}"
     argv = [
         *CLI, "index", "serve",
@@ -283,6 +295,7 @@ def shard_child(cfg: StackConfig, shard: int, replica: int, redis_url: str) -> C
         "--metrics-port", str(metrics_port),
         # every replica of every shard shares this machine's cores: search inline
         "--search-threads", "0",
+        *(["--peers", ",".join(peers)] if peers else []),
         *server_tls_args(cfg),
     ]  # fmt: skip
     child = Child(name, argv, cfg.logs / f"{name}.log", job="index")

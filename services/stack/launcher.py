@@ -214,8 +214,9 @@ class Stack:
 
         for shard in range(cfg.shards):
             replicas = []
+            ports = components.shard_ports(cfg)  # each replica's --peers: the others
             for replica in range(cfg.replicas):
-                child = components.shard_child(cfg, shard, replica, redis.address)
+                child = components.shard_child(cfg, shard, replica, redis.address, ports)
                 ready = functools.partial(components.grpc_ready, child, tls)
                 self.supervisor.start(child, ready, timeout)
                 replicas.append(child.address)

@@ -229,6 +229,9 @@ def test_one_statefulset_per_shard(chart: Any, shards: int, replicas: int) -> No
         assert spec["selector"]["matchLabels"]["gtr-retrieval.io/shard"] == str(s)
         args = spec["template"]["spec"]["containers"][0]["args"]
         assert f"--shard={s}" in args and f"--shards={shards}" in args
+        # a replica seeds itself from the ready replicas of its own shard
+        service = f"{RELEASE}-gtr-retrieval-shard-{s}-headless.{NAMESPACE}.svc:50061"
+        assert f"--peers=dns:///{service}" in args
         assert [c["metadata"]["name"] for c in spec["volumeClaimTemplates"]] == ["data"]
         # replicas of one shard repel each other, and only each other
         term = spec["template"]["spec"]["affinity"]["podAntiAffinity"][

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import faiss
 import grpc
@@ -19,9 +20,11 @@ from services.common.metrics import RpcMetrics
 from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.index.core.gpu import GpuMetrics, attach_or_fallback
+from services.index.core.train import MANIFEST
 from services.index.server.batcher import SearchBatcher
 from services.index.server.metrics import ShardMetrics
 from services.index.server.replica import ShardReplica
+from services.index.server.seeding import seed_from_peers
 from services.index.server.service import ShardService
 from services.index.server.servicer import ShardServicer
 from services.index.server.settings import ShardSettings
@@ -45,14 +48,21 @@ class RunningShard:
 
 
 async def start_shard(settings: ShardSettings) -> RunningShard:
-    """Load the shard, replay its log (health stays NOT_SERVING until then), serve; from
-    then on health follows the log consumer thread (NOT_SERVING once it has died, see
-    :attr:`ShardReplica.consuming`)."""
+    """Load the shard (seeded from a peer first when it cannot replay its log, see
+    :mod:`services.index.server.seeding`), replay its log (health stays NOT_SERVING until
+    then), serve; from then on health follows the log consumer thread (NOT_SERVING once it
+    has died, see :attr:`ShardReplica.consuming`)."""
     faiss.omp_set_num_threads(settings.omp_threads)
     registry = CollectorRegistry()
     metrics = ShardMetrics.create(registry, settings.shard, settings.replica)
     loop = asyncio.get_running_loop()
+    if settings.peers and not (Path(settings.index_dir) / MANIFEST).exists():
+        await seed_from_peers(settings, with_index=True)  # the trained index as well
     replica = await loop.run_in_executor(None, ShardReplica, settings, metrics)
+    trimmed: bool = bool(settings.peers) and await loop.run_in_executor(None, replica.trimmed)
+    if trimmed:  # nothing on disk can be replayed from: a peer's snapshot
+        await seed_from_peers(settings)
+        await loop.run_in_executor(None, replica.reload)
     gpu_metrics = GpuMetrics.create(registry, settings.shard, settings.replica)
     await loop.run_in_executor(
         None, attach_or_fallback, replica.shard, settings.gpu, settings.gpu_device, gpu_metrics

@@ -56,9 +56,6 @@ class ShardReplica:
         self.skipped_entries = 0
         self._snapshot_lock = threading.Lock()
         self._async: Any = async_client(config.redis_url, max_connections=64, socket_timeout=5.0)
-        if metrics is not None:
-            metrics.bind(self.shard)
-            metrics.watch_log(self.log, lambda: self.shard.applied)
 
     @property
     def key(self) -> str:
@@ -74,15 +71,29 @@ class ShardReplica:
         Also when Redis holds another key layout or shard count (:func:`check_layout`).
         """
         self._loop = loop
+        if self.metrics is not None:
+            self.metrics.bind(self.shard)
+            self.metrics.watch_log(self.log, lambda: self.shard.applied)
         check_layout(self._sync, self.config.shards)
-        if self.log.trimmed_past(self.shard.applied):
+        if self.trimmed():
             raise FailedPrecondition(
                 f"{self.key} was trimmed past {self.shard.applied}: copy a "
-                f"snapshot of a peer replica into {self.config.snapshot_dir}"
+                f"snapshot of a peer replica into {self.config.snapshot_dir} (or start "
+                "with --peers: it seeds itself)"
             )
         self.log.register_snapshot(self.config.replica, self.replay_floor())
         self._thread = threading.Thread(target=self._consume, name="log-consumer", daemon=True)
         self._thread.start()
+
+    def trimmed(self) -> bool:
+        """Whether the log was trimmed past what this replica has loaded (a replay from
+        there would miss changes: seed from a peer, :mod:`services.index.server.seeding`)."""
+        return bool(self.log.trimmed_past(self.shard.applied))
+
+    def reload(self) -> None:
+        """Load the newest valid snapshot again (one a peer just sent); before start()."""
+        self.shard, snapshot = load_newest(Path(self.config.snapshot_dir), self.trained)
+        self.snapshot_position = snapshot.position if snapshot else positions.ZERO
 
     @property
     def consuming(self) -> bool:

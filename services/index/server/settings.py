@@ -61,6 +61,15 @@ class ShardSettings(ServiceSettings):
         gt=0,
         description="Deadline of a search that brings none (its consistency wait included).",
     )
+    peers: str | None = Field(
+        None,
+        description="The other replicas of this shard, to seed from when this one starts "
+        "with no usable snapshot and the log was trimmed past it: 'host:port,host:port', "
+        "or 'dns:///name:port' (the shard's headless Service). Unset: such a start fails.",
+    )
+    seed_timeout_s: float = Field(
+        600.0, gt=0, description="How long seeding from a peer may take, retries included."
+    )
 
     _redis_url = field_validator("redis_url")(check_redis_url)
 

@@ -111,7 +111,7 @@ two values): (dict "name" "gateway" "hpa" .Values.gateway.autoscaling). */}}
 
 {{/* GTR_GATEWAY_SHARDS: shards separated by ";", replicas of a shard by ",".
 With index.gatewayAddressing=service a shard is one dns:/// target of its headless
-Service (the gateway balances over the A records, round_robin); with "pods" it is the
+Service (the gateway re-resolves it and balances over its A records); with "pods" it is the
 list of its pods' stable DNS names. */}}
 {{- define "gtr.shardTargets" -}}
 {{- $root := . }}
