@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import RedisServer, redis_binary, run_redis
+from tests.support.redis_cluster import RedisCluster, run_redis_cluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -37,6 +38,29 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     yield redis_server.url
     client.flushdb()
     client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """One real Redis Cluster for the session: 3 primaries + 3 replicas (AOF, fsync always)."""
+    if redis_binary() is None:
+        pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
+    with run_redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["single", "cluster"])
+def any_redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A clean store on one Redis, then on a 3-primary Redis Cluster: a test that takes it
+    runs once on each (its id ends in ``[single]`` / ``[cluster]``)."""
+    if request.param == "single":
+        yield request.getfixturevalue("redis_url")
+        return
+    cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+    cluster.wait(cluster.healthy, 60, "cluster_state:ok with every replica in sync")
+    cluster.flush()
+    yield cluster.url
+    cluster.flush()
 
 
 @pytest.fixture(scope="session")

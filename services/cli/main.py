@@ -5,9 +5,9 @@
     gtr-retrieval search "text"       print the hits as a table
     gtr-retrieval get ID | delete ID  read or remove documents
     gtr-retrieval corpus stdlib       write the embedded default corpus as JSONL
+    gtr-retrieval redis migrate       rewrite an old Redis key layout (also: redis layout)
     gtr-retrieval gateway serve       run the gateway (also: index serve, rerank serve)
     gtr-retrieval encoder|index|rerank ...   model export, index training, reranker training
-    gtr-retrieval plan --docs N --qps Q   shards, replicas, GPUs, cores, memory (arithmetic shown)
 
 Every subcommand has --help.
 """
@@ -20,11 +20,10 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import client_commands, corpus_commands, stack_commands
+    from services.cli import client_commands, corpus_commands, redis_commands, stack_commands
     from services.encoder import cli as encoder_cli
     from services.gateway import cli as gateway_cli
     from services.index import cli as index_cli
-    from services.plan import cli as plan_cli
     from services.rerank import cli as rerank_cli
 
     parser = argparse.ArgumentParser(
@@ -38,11 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     stack_commands.add_cli(sub)
     client_commands.add_cli(sub)
     corpus_commands.add_cli(sub)
+    redis_commands.add_cli(sub)
     gateway_cli.add_cli(sub)
     index_cli.add_cli(sub)
     encoder_cli.add_cli(sub)
     rerank_cli.add_cli(sub)
-    plan_cli.add_cli(sub)
     return parser
 
 

@@ -70,10 +70,14 @@ def _docs() -> list[documents_pb2.Document]:
 
 
 def test_upsert_search_delete_search(
-    redis_url: str, index_dir: Path, triton_url: str, tmp_path: Path
+    any_redis_url: str, index_dir: Path, triton_url: str, tmp_path: Path
 ) -> None:
+    """On one Redis and on a Redis Cluster (``any_redis_url``)."""
+
     async def scenario() -> None:
-        async with running_stack(redis_url, index_dir, tmp_path, triton_url=triton_url) as stack:
+        async with running_stack(
+            any_redis_url, index_dir, tmp_path, triton_url=triton_url
+        ) as stack:
             async with grpc.aio.insecure_channel(stack.address) as channel:
                 docs = documents_pb2_grpc.DocumentServiceStub(channel)
                 search = search_pb2_grpc.SearchServiceStub(channel)

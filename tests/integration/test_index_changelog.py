@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
 
 from services.common.errors import InvalidArgument
+from services.common.redis_client import sync_client
 from services.index.changelog import LogReader, decode_entry
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Delete, Upsert
@@ -24,9 +24,9 @@ def rec(doc_id: str, seed: int = 0, dim: int = 8, **meta: str) -> DocRecord:
     return DocRecord(doc_id, v, title=f"t {doc_id}", text=f"text {doc_id}", metadata=meta)
 
 
-def test_upsert_stores_docs_and_logs_them_per_shard(redis_url: str) -> None:
+def test_upsert_stores_docs_and_logs_them_per_shard(any_redis_url: str) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(redis_url, num_shards=3, dim=8)
+        writer = ChangeLogWriter(any_redis_url, num_shards=3, dim=8)
         try:
             records = [rec(f"d{i}", i, lang="en") for i in range(20)]
             token = await writer.upsert(records)
@@ -40,7 +40,7 @@ def test_upsert_stores_docs_and_logs_them_per_shard(redis_url: str) -> None:
             assert await writer.get("missing") is None
             assert await writer.tail() == token
 
-            sync = redis.Redis.from_url(redis_url)
+            sync = sync_client(any_redis_url)
             seen = {}
             for shard in shards:
                 reader = LogReader(sync, shard)
@@ -59,9 +59,9 @@ def test_upsert_stores_docs_and_logs_them_per_shard(redis_url: str) -> None:
     asyncio.run(run())
 
 
-def test_versions_are_monotonic_per_doc_across_deletes(redis_url: str) -> None:
+def test_versions_are_monotonic_per_doc_across_deletes(any_redis_url: str) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(redis_url, num_shards=2)
+        writer = ChangeLogWriter(any_redis_url, num_shards=2)
         try:
             await writer.upsert([rec("a")])
             await writer.upsert([rec("a", 1)])
@@ -73,7 +73,7 @@ def test_versions_are_monotonic_per_doc_across_deletes(redis_url: str) -> None:
             doc = await writer.get("a")
             assert doc is not None and doc.version == 4  # 2 upserts, 1 delete, 1 upsert
 
-            sync = redis.Redis.from_url(redis_url)
+            sync = sync_client(any_redis_url)
             entries = LogReader(sync, shard_of("a", 2)).read("0-0", 100, 0)
             changes = [c for _, f in entries for c in decode_entry(f)]
             assert [type(c) for c in changes] == [Upsert, Upsert, Delete, Upsert]
@@ -100,10 +100,10 @@ def test_versions_are_monotonic_per_doc_across_deletes(redis_url: str) -> None:
     ],
 )
 def test_invalid_upserts_write_nothing(
-    redis_url: str, records: list[DocRecord], message: str
+    any_redis_url: str, records: list[DocRecord], message: str
 ) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(redis_url, num_shards=2, dim=8)
+        writer = ChangeLogWriter(any_redis_url, num_shards=2, dim=8)
         try:
             with pytest.raises(InvalidArgument, match=message):
                 await writer.upsert(records)
@@ -113,12 +113,12 @@ def test_invalid_upserts_write_nothing(
             await writer.close()
 
     asyncio.run(run())
-    sync = redis.Redis.from_url(redis_url)
+    sync = sync_client(any_redis_url)
     assert sync.dbsize() == 0
 
 
-def test_trim_below_the_oldest_registered_snapshot(redis_url: str) -> None:
-    sync: Any = redis.Redis.from_url(redis_url)
+def test_trim_below_the_oldest_registered_snapshot(any_redis_url: str) -> None:
+    sync: Any = sync_client(any_redis_url)
     ids = [sync.xadd(log_key(0), {"op": "d", "ids": "[]"}).decode() for _ in range(10)]
     reader = LogReader(sync, 0)
     assert reader.trim_below_snapshots() is None  # nobody registered: keep everything
@@ -133,10 +133,10 @@ def test_trim_below_the_oldest_registered_snapshot(redis_url: str) -> None:
     assert reader.trimmed_past("0-0") and reader.trimmed_past(ids[1])
 
 
-def test_a_replica_unseen_too_long_stops_holding_the_log_back(redis_url: str) -> None:
+def test_a_replica_unseen_too_long_stops_holding_the_log_back(any_redis_url: str) -> None:
     """A removed replica (scaled down, renamed) would hold trimming back forever: after
     ``stale_after_s`` without a heartbeat its registration goes, a live one stays."""
-    sync: Any = redis.Redis.from_url(redis_url)
+    sync: Any = sync_client(any_redis_url)
     ids = [sync.xadd(log_key(0), {"op": "d", "ids": "[]"}).decode() for _ in range(10)]
     reader = LogReader(sync, 0)
     now = 1_000_000.0

@@ -12,12 +12,12 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-import redis
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.common.positions import WriteToken, merge_tokens
+from services.common.redis_client import sync_client
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
@@ -83,14 +83,16 @@ def wait_applied(address: str, token: WriteToken, vector: np.ndarray) -> None:
 
 
 def test_kill_9_during_upserts_loses_no_acknowledged_write(
-    index_dir: Path, redis_url: str, vectors: np.ndarray, tmp_path: Path
+    index_dir: Path, any_redis_url: str, vectors: np.ndarray, tmp_path: Path
 ) -> None:
     settings = {"snapshot-every-entries": "300", "keep-snapshots": "2"}
-    with run_shards(index_dir, redis_url, tmp_path, shards=SHARDS, settings=settings) as cluster:
+    with run_shards(
+        index_dir, any_redis_url, tmp_path, shards=SHARDS, settings=settings
+    ) as cluster:
         victim = cluster.replica(0)
 
         async def run() -> None:
-            writer = ChangeLogWriter(redis_url, SHARDS, dim=384)
+            writer = ChangeLogWriter(any_redis_url, SHARDS, dim=384)
             router = ShardRouter(cluster.addresses)
             acked: set[str] = set()
             deleted: set[str] = set()
@@ -175,16 +177,16 @@ def test_corrupt_snapshot_restarts_from_the_previous_one(
 
 
 def test_log_is_trimmed_only_below_the_slowest_replica(
-    index_dir: Path, redis_url: str, vectors: np.ndarray, tmp_path: Path
+    index_dir: Path, any_redis_url: str, vectors: np.ndarray, tmp_path: Path
 ) -> None:
     with run_shards(
-        index_dir, redis_url, tmp_path, shards=1, replicas=2, settings={"keep-snapshots": "1"}
+        index_dir, any_redis_url, tmp_path, shards=1, replicas=2, settings={"keep-snapshots": "1"}
     ) as cluster:
         fast, slow = cluster.replica(0, 0), cluster.replica(0, 1)
-        client: Any = redis.Redis.from_url(redis_url)
+        client: Any = sync_client(any_redis_url)
 
         async def write(lo: int, hi: int) -> WriteToken:
-            writer = ChangeLogWriter(redis_url, 1, dim=384)
+            writer = ChangeLogWriter(any_redis_url, 1, dim=384)
             try:
                 token: WriteToken = {}
                 for i in range(lo, hi, 10):
@@ -218,7 +220,7 @@ def test_log_is_trimmed_only_below_the_slowest_replica(
 
         with pytest.raises(RuntimeError, match="trimmed"):
             start_shard(
-                index_dir=index_dir, redis_url=redis_url, shard=0, shards=1, work_dir=stranger,
+                index_dir=index_dir, redis_url=any_redis_url, shard=0, shards=1, work_dir=stranger,
                 replica="stranger", timeout=30,
             )  # fmt: skip
 
@@ -277,10 +279,10 @@ def test_shard_down_gives_partial_results_within_the_deadline(
 
 
 def test_replica_failover_within_a_shard(
-    index_dir: Path, redis_url: str, vectors: np.ndarray, tmp_path: Path
+    index_dir: Path, any_redis_url: str, vectors: np.ndarray, tmp_path: Path
 ) -> None:
-    with run_shards(index_dir, redis_url, tmp_path, shards=1, replicas=2) as cluster:
-        asyncio.run(_upsert(redis_url, vectors, 50))
+    with run_shards(index_dir, any_redis_url, tmp_path, shards=1, replicas=2) as cluster:
+        asyncio.run(_upsert(any_redis_url, vectors, 50))
         cluster.replica(0, 0).kill()
 
         async def run() -> list[IndexResult]:

@@ -304,16 +304,15 @@ class ChangeLogWriter:
             raise Unavailable(f"redis: {exc}") from exc
 
     async def _run_and_wait(self, sha: str, keys: list[str], args: Sequence[str | bytes]) -> Any:
-        """EVALSHA and WAIT in one round trip on one connection (WAIT counts the replicas
-        that have this connection's writes), on a cluster to the primary of the slot."""
-        wait: dict[str, Any] = {}
+        """EVALSHA and WAIT in one round trip on one connection: WAIT counts the replicas
+        that have this connection's writes, so it must follow the write on its socket."""
         if self.cluster:
-            await self._redis.initialize()
-            wait["target_nodes"] = self._redis.get_node_from_key(keys[0])
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.evalsha(sha, len(keys), *keys, *args)
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, **wait)
-            reply, acked = await pipe.execute()
+            reply, acked = await self._cluster_run_and_wait(sha, keys, args)
+        else:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+                reply, acked = await pipe.execute()
         if int(acked) < self.wait_replicas:
             raise Unavailable(
                 f"redis: the write reached {acked} of {self.wait_replicas} replicas within "
@@ -321,6 +320,44 @@ class ChangeLogWriter:
                 "loss): retry"
             )
         return reply
+
+    async def _cluster_run_and_wait(
+        self, sha: str, keys: list[str], args: Sequence[str | bytes]
+    ) -> tuple[Any, Any]:
+        """On a cluster: both commands on one connection of the primary that serves the
+        keys' slot (redis-py's cluster pipeline refuses EVALSHA and could send WAIT on
+        another socket). A redirect or a lost node (a failover under way) refreshes the
+        slot map and fails this write (Unavailable: the client retries it)."""
+        await self._redis.initialize()
+        node = self._redis.get_node_from_key(keys[0])
+        conn = node.acquire_connection()
+        try:
+            await conn.send_packed_command(
+                conn.pack_commands(
+                    [
+                        ("EVALSHA", sha, len(keys), *keys, *args),
+                        ("WAIT", self.wait_replicas, self.wait_timeout_ms),
+                    ]
+                )
+            )
+            replies = []
+            for _ in range(2):
+                try:
+                    replies.append(await conn.read_response())
+                except redis.ResponseError as exc:  # an error reply; the other one follows
+                    replies.append(exc)
+        except BaseException:
+            await conn.disconnect()  # replies may be left unread on it
+            await self._redis.nodes_manager.initialize()
+            raise
+        finally:
+            node.release(conn)
+        reply, acked = replies
+        if isinstance(reply, redis.ResponseError):
+            if not isinstance(reply, NoScriptError):
+                await self._redis.nodes_manager.initialize()  # MOVED, CLUSTERDOWN, ...
+            raise reply
+        return reply, acked
 
     def _slot(self) -> Any:
         return self._gate.slot() if self._gate is not None else _no_gate()

@@ -1,0 +1,176 @@
+"""A real Redis Cluster for tests: 3 primaries + 3 replicas on free ports.
+
+Each node is ``redis-server --cluster-enabled yes --appendonly yes --appendfsync always``
+with a short ``cluster-node-timeout`` (a killed primary's replica is promoted within a
+few seconds); ``redis-cli --cluster create ... --cluster-replicas 1 --cluster-yes`` joins
+them, and :func:`run_redis_cluster` returns once every node reports ``cluster_state:ok``
+and every replica is in sync with its primary.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from tests.support.processes import free_port, redis_binary, stop_process, wait_for_port
+
+NODE_TIMEOUT_MS = 1000
+
+
+@dataclass
+class ClusterNode:
+    port: int
+    bus_port: int
+    data_dir: Path
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5.0)
+
+    def start(self) -> None:
+        binary = redis_binary()
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [
+                binary, "--port", str(self.port), "--cluster-port", str(self.bus_port),
+                "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+                "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for_port(self.port, 20)
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to the cluster, its replica has to take over."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@dataclass
+class RedisCluster:
+    nodes: list[ClusterNode]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(n.address for n in self.nodes)
+
+    def info(self, node: ClusterNode, section: str) -> dict[str, str]:
+        """``CLUSTER INFO`` (section "cluster") or an ``INFO`` section of ``node``."""
+        client = node.client()
+        try:
+            if section != "cluster":
+                return {str(k): str(v) for k, v in client.info(section).items()}
+            raw = client.execute_command("CLUSTER INFO")
+        finally:
+            client.close()
+        if isinstance(raw, dict):
+            return {str(k): str(v) for k, v in raw.items()}
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+    def primaries(self) -> list[ClusterNode]:
+        return [n for n in self.nodes if n.alive and self.role(n) == "master"]
+
+    def role(self, node: ClusterNode) -> str:
+        return self.info(node, "replication").get("role", "")
+
+    def primary_of(self, key: str) -> ClusterNode:
+        """The live primary that serves ``key``'s slot now (the others answer MOVED)."""
+        for node in self.primaries():
+            client = node.client()
+            try:
+                client.exists(key)
+                return node
+            except redis.ResponseError:
+                continue
+            finally:
+                client.close()
+        raise LookupError(f"no live primary serves {key!r}")
+
+    def healthy(self) -> bool:
+        """Every live node sees the cluster OK and every replica is in sync."""
+        for node in self.nodes:
+            if not node.alive:
+                continue
+            try:
+                if self.info(node, "cluster").get("cluster_state") != "ok":
+                    return False
+                repl = self.info(node, "replication")
+                if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
+                    return False
+            except redis.RedisError:
+                return False
+        return True
+
+    def wait(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"redis cluster: {what} not reached within {timeout:.0f} s")
+
+    def flush(self) -> None:
+        """FLUSHALL on every primary (replicas follow), script caches included."""
+        for node in self.primaries():
+            client = node.client()
+            try:
+                client.flushall()
+            finally:
+                client.close()
+
+
+@contextmanager
+def run_redis_cluster(work_dir: Path, primaries: int = 3) -> Iterator[RedisCluster]:
+    """``primaries`` primaries with one replica each, joined into a cluster; stopped on exit."""
+    cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+    if not Path(cli).exists():
+        raise RuntimeError("redis-cli is not installed (apt-get install redis-server)")
+    nodes = []
+    used: set[int] = set()
+    for i in range(2 * primaries):
+        ports: list[int] = []
+        while len(ports) < 2:
+            port = free_port()
+            if port not in used:
+                used.add(port)
+                ports.append(port)
+        nodes.append(ClusterNode(ports[0], ports[1], work_dir / f"node-{i}"))
+    cluster = RedisCluster(nodes)
+    try:
+        for node in nodes:
+            node.start()
+        subprocess.run(
+            [cli, "--cluster", "create", *[n.address for n in nodes], "--cluster-replicas", "1",
+             "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
+        )  # fmt: skip
+        cluster.wait(cluster.healthy, 60, "cluster_state:ok with every replica in sync")
+        yield cluster
+    finally:
+        for node in nodes:
+            if node.process is not None and node.alive:
+                stop_process(node.process)
