@@ -183,10 +183,11 @@ class GatewaySettings(ServiceSettings):
         description="Bearer tokens that may also write (Upsert, Delete); same format. "
         "Without a tokens file the gateway needs --no-auth to start.",
     )
-    no_auth: bool = Field(
-        False,
-        description="Run without authentication: every client may read and write. Only "
-        "when that is meant (a gateway on loopback); never with token files.",
+    auth: bool = Field(
+        True,
+        description="Require bearer tokens (the token files). --no-auth (env "
+        "GTR_GATEWAY_AUTH=false) runs without authentication: every client may read and "
+        "write. Only when that is meant (a gateway on loopback); never with token files.",
     )
     tokens_reload_s: float = Field(
         1.0, gt=0, description="How often a request may check the token files for a change."
@@ -211,9 +212,9 @@ class GatewaySettings(ServiceSettings):
     @model_validator(mode="after")
     def _auth_configured(self) -> GatewaySettings:
         files = self.read_tokens_file or self.write_tokens_file
-        if self.no_auth and files:
+        if not self.auth and files:
             raise ValueError("--no-auth and a tokens file contradict each other: give one")
-        if not self.no_auth:
+        if self.auth:
             if not files:
                 raise ValueError(
                     "no tokens: give --read-tokens-file and/or --write-tokens-file (one token "
@@ -227,7 +228,7 @@ class GatewaySettings(ServiceSettings):
 
     def authenticator(self) -> Authenticator | None:
         """The token sets (None with --no-auth)."""
-        if self.no_auth:
+        if not self.auth:
             return None
         return Authenticator.from_files(
             self.read_tokens_file, self.write_tokens_file, self.tokens_reload_s

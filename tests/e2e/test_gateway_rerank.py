@@ -73,7 +73,7 @@ async def rerank_stack(
                 encoder="inprocess",
                 rerank_url=f"127.0.0.1:{reranker.port}",
                 rerank_depth_table=str(table),
-                no_auth=True,
+                auth=False,
             )
         )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:

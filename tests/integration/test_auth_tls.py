@@ -411,3 +411,15 @@ def test_the_cli_sends_the_token_from_the_flag_or_gtr_token_over_tls(secured: Se
     assert READ not in refused.stderr
     missing = _cli(secured, "get", "d02")
     assert missing.returncode == 1 and "UNAUTHENTICATED" in missing.stderr
+
+
+def test_no_auth_on_the_command_line_turns_auth_off_and_nothing_else_does() -> None:
+    """The flag as operators type it (pydantic's implicit --no-<field> of ``auth``): a
+    field named ``no_auth`` would have made ``--no-auth`` mean False."""
+    from services.common.settings import SettingsError, load_settings
+
+    base = ["--shards", "127.0.0.1:1", "--encoder", "inprocess"]
+    assert load_settings(GatewaySettings, [*base, "--no-auth"]).authenticator() is None
+    with pytest.raises(SettingsError) as refused:
+        load_settings(GatewaySettings, base)
+    assert "--no-auth" in str(refused.value) and "--read-tokens-file" in str(refused.value)

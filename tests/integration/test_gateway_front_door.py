@@ -101,7 +101,7 @@ async def front_door(
                 redis_url=redis_url,
                 shards=f"127.0.0.1:{shard.port}",
                 encoder="inprocess",
-                no_auth=True,
+                auth=False,
                 **extra,  # type: ignore[arg-type]
             )
         )

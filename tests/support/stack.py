@@ -71,8 +71,8 @@ async def running_stack(
                 shards=spec,
                 encoder="triton" if triton_url else "inprocess",
                 triton_url=triton_url or "127.0.0.1:1",
-                # open unless a test configures tokens ({"no_auth": False, ...})
-                **({"no_auth": True} | (gateway_settings or {})),  # type: ignore[arg-type]
+                # open unless a test configures tokens ({"auth": True, ...})
+                **({"auth": False} | (gateway_settings or {})),  # type: ignore[arg-type]
             )
         )
         yield TestStack(gateway, running)

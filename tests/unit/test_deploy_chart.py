@@ -58,9 +58,18 @@ def chart() -> Iterator[Any]:
         yield loaded
 
 
+# The chart requires bearer tokens by default (it does not render without them): every
+# render here names a token Secret unless its values say something of auth themselves.
+TOKENS_SECRET = {"auth": {"enabled": True, "existingSecret": "gtr-tokens"}}
+
+
+def with_auth(values: dict[str, Any] | None) -> dict[str, Any]:
+    return {**TOKENS_SECRET, **(values or {})}
+
+
 def render(chart: Any, values: dict[str, Any] | None = None) -> list[Manifest]:
     """Render the chart and parse every manifest (NOTES.txt and empty templates skipped)."""
-    rendered: dict[str, str] = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    rendered: dict[str, str] = chart.render(with_auth(values), name=RELEASE, namespace=NAMESPACE)
     docs: list[Manifest] = []
     for path, text in sorted(rendered.items()):
         if not path.endswith(".yaml"):
@@ -126,7 +135,11 @@ CASES: dict[str, dict[str, Any] | None] = {
 @pytest.mark.parametrize("case", ["default", "cpu", "full", "external-redis"])
 def test_lint_passes(case: str) -> None:
     report = helm.lint(
-        CHART, CASES[case], strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}"
+        CHART,
+        with_auth(CASES[case]),
+        strict=True,
+        namespace=NAMESPACE,
+        kube_version=f"v{KUBE_VERSION}",
     )
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert report["errors"] == [] and problems == [], report
@@ -560,3 +573,104 @@ def test_checkov_passes(chart: Any, case: str, tmp_path: Path) -> None:
             if key.startswith("checkov.io/skip"):
                 check, _, reason = value.partition("=")
                 assert check in ALLOWED_SKIPS and len(reason) > 20, (key, value)
+
+
+# --- authentication and TLS (issue #13 items 1, 2) ------------------------------------
+
+
+def _env(doc: Manifest) -> dict[str, str]:
+    container = doc["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+def _secret_volumes(doc: Manifest) -> dict[str, str]:
+    volumes = doc["spec"]["template"]["spec"]["volumes"]
+    return {v["name"]: v["secret"]["secretName"] for v in volumes if "secret" in v}
+
+
+def test_without_tokens_the_chart_does_not_render(chart: Any) -> None:
+    """Tokens are required by default: no Secret and no tokens is an error that says
+    what to set (and how to turn auth off explicitly)."""
+    with pytest.raises(helm.HelmRenderError) as err:
+        chart.render(None, name=RELEASE, namespace=NAMESPACE)
+    assert "auth.existingSecret" in str(err.value) and "auth.enabled=false" in str(err.value)
+
+
+def test_tokens_from_values_become_a_secret_mounted_for_the_gateway(chart: Any) -> None:
+    read, write = "r" * 32, "w" * 32
+    docs = render(chart, {"auth": {"enabled": True, "readTokens": [read], "writeTokens": [write]}})
+    secrets = [d for d in of_kind(docs, "Secret") if d["metadata"]["name"].endswith("-tokens")]
+    assert len(secrets) == 1
+    data = secrets[0]["stringData"]
+    assert data["read-tokens"].split() == [read] and data["write-tokens"].split() == [write]
+    gateway = the(docs, "Deployment", "gateway")
+    env = _env(gateway)
+    assert env["GTR_GATEWAY_READ_TOKENS_FILE"] == "/etc/gtr/tokens/read-tokens"
+    assert env["GTR_GATEWAY_WRITE_TOKENS_FILE"] == "/etc/gtr/tokens/write-tokens"
+    assert "GTR_GATEWAY_AUTH" not in env
+    assert _secret_volumes(gateway)["tokens"] == secrets[0]["metadata"]["name"]
+    mounts = gateway["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    tokens = next(m for m in mounts if m["name"] == "tokens")
+    assert "subPath" not in tokens  # a subPath mount never sees a rotated Secret
+
+
+def test_an_existing_token_secret_is_mounted_and_none_is_made(chart: Any) -> None:
+    docs = render(chart, {"auth": {"enabled": True, "existingSecret": "mine"}})
+    assert not [d for d in of_kind(docs, "Secret") if d["metadata"]["name"].endswith("-tokens")]
+    assert _secret_volumes(the(docs, "Deployment", "gateway"))["tokens"] == "mine"
+
+
+def test_auth_off_is_explicit(chart: Any) -> None:
+    docs = render(chart, {"auth": {"enabled": False}})
+    gateway = the(docs, "Deployment", "gateway")
+    assert _env(gateway)["GTR_GATEWAY_AUTH"] == "false"
+    assert "tokens" not in _secret_volumes(gateway)
+
+
+TLS_VALUES: dict[str, Any] = {
+    **FULL_VALUES,
+    "tls": {"enabled": True, "existingSecret": "gtr-tls"},
+}
+
+
+def test_tls_on_every_hop_with_probes_on_the_plaintext_health_port(chart: Any) -> None:
+    docs = render(chart, TLS_VALUES)
+    for doc in docs:
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    seen = set()
+    for wl in workloads(docs):
+        comp = component(wl)
+        if comp not in {"gateway", "index", "rerank"}:
+            continue
+        seen.add(comp)
+        prefix = {"gateway": "GTR_GATEWAY", "index": "GTR_SHARD", "rerank": "GTR_RERANK"}[comp]
+        env = _env(wl)
+        assert env[f"{prefix}_TLS_CERT"] == "/etc/gtr/tls/tls.crt", comp
+        assert env[f"{prefix}_TLS_KEY"] == "/etc/gtr/tls/tls.key", comp
+        assert env[f"{prefix}_HEALTH_PORT"] == "8090", comp
+        assert _secret_volumes(wl)["tls"] == "gtr-tls", comp
+        container = wl["spec"]["template"]["spec"]["containers"][0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": 8090}, (comp, probe)
+        if comp == "gateway":
+            # public side TLS only (clientAuth off); mTLS to shards and rerank; Triton plain
+            assert "GTR_GATEWAY_TLS_CLIENT_CA" not in env
+            assert env["GTR_GATEWAY_TLS_CA"] == "/etc/gtr/tls/ca.crt"
+            assert env["GTR_GATEWAY_TLS_CLIENT_CERT"] == "/etc/gtr/tls/tls.crt"
+            assert env["GTR_GATEWAY_TRITON_TLS"] == "false"
+        else:
+            assert env[f"{prefix}_TLS_CLIENT_CA"] == "/etc/gtr/tls/ca.crt", comp
+    assert seen == {"gateway", "index", "rerank"}
+
+
+def test_tls_without_mutual_asks_no_client_certificate(chart: Any) -> None:
+    docs = render(chart, {"tls": {"enabled": True, "existingSecret": "gtr-tls", "mutual": False}})
+    assert "GTR_SHARD_TLS_CLIENT_CA" not in _env(of_kind(docs, "StatefulSet")[0])
+    assert "GTR_GATEWAY_TLS_CLIENT_CERT" not in _env(the(docs, "Deployment", "gateway"))
+
+
+def test_tls_needs_its_secret(chart: Any) -> None:
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart.render(with_auth({"tls": {"enabled": True}}), name=RELEASE, namespace=NAMESPACE)
+    assert "/tls/existingSecret" in str(err.value)

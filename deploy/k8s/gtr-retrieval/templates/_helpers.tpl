@@ -228,3 +228,101 @@ checkov.io/skip3: CKV_K8S_35=The Redis client takes its URL from the environment
 {{ $k }}: {{ $v | toString | quote }}
 {{- end }}
 {{- end }}
+
+{{/* Bearer tokens (docs/deploy.md, "Authentication"): required unless auth.enabled is
+false; from auth.existingSecret (keys read-tokens, write-tokens) or the Secret the chart
+makes of auth.readTokens / auth.writeTokens. */}}
+{{- define "gtr.authSecretName" -}}
+{{- if .Values.auth.existingSecret -}}
+{{ .Values.auth.existingSecret }}
+{{- else -}}
+{{ include "gtr.fullname" . }}-tokens
+{{- end -}}
+{{- end }}
+
+{{- define "gtr.checkAuth" -}}
+{{- if and .Values.auth.enabled (not .Values.auth.existingSecret) (not .Values.auth.readTokens) (not .Values.auth.writeTokens) -}}
+{{- fail "auth.enabled is true (the default) but no tokens are given: set auth.existingSecret (a Secret with the keys read-tokens and write-tokens, one token per line) or auth.readTokens / auth.writeTokens; or set auth.enabled=false to run the gateway without authentication (docs/deploy.md)" -}}
+{{- end -}}
+{{- end }}
+
+{{/* Env of a process for auth and TLS: (dict "root" . "prefix" "GTR_GATEWAY" "component"
+"gateway"). Certificates come from the tls.existingSecret (tls.crt, tls.key, ca.crt);
+with TLS the gRPC probes use the plaintext health-only port (tls.healthPort). Triton
+stays plaintext (the gateway's GTR_GATEWAY_TRITON_TLS=false). */}}
+{{- define "gtr.securityEnv" -}}
+{{- $root := .root -}}
+{{- $p := .prefix -}}
+{{- $gateway := eq .component "gateway" -}}
+{{- if and $gateway $root.Values.auth.enabled }}
+- name: {{ $p }}_READ_TOKENS_FILE
+  value: /etc/gtr/tokens/read-tokens
+- name: {{ $p }}_WRITE_TOKENS_FILE
+  value: /etc/gtr/tokens/write-tokens
+{{- else if $gateway }}
+- name: {{ $p }}_AUTH
+  value: "false"
+{{- end }}
+{{- if $root.Values.tls.enabled }}
+- name: {{ $p }}_TLS_CERT
+  value: /etc/gtr/tls/tls.crt
+- name: {{ $p }}_TLS_KEY
+  value: /etc/gtr/tls/tls.key
+- name: {{ $p }}_HEALTH_PORT
+  value: {{ $root.Values.tls.healthPort | quote }}
+{{- if or (and (not $gateway) $root.Values.tls.mutual) (and $gateway $root.Values.tls.clientAuth) }}
+- name: {{ $p }}_TLS_CLIENT_CA
+  value: /etc/gtr/tls/ca.crt
+{{- end }}
+{{- if $gateway }}
+- name: {{ $p }}_TLS_CA
+  value: /etc/gtr/tls/ca.crt
+{{- if $root.Values.tls.mutual }}
+- name: {{ $p }}_TLS_CLIENT_CERT
+  value: /etc/gtr/tls/tls.crt
+- name: {{ $p }}_TLS_CLIENT_KEY
+  value: /etc/gtr/tls/tls.key
+{{- end }}
+- name: {{ $p }}_TRITON_TLS
+  value: "false"
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "gtr.securityMounts" -}}
+{{- if and (eq .component "gateway") .root.Values.auth.enabled }}
+- name: tokens
+  mountPath: /etc/gtr/tokens
+  readOnly: true
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/gtr/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* No subPath: the kubelet updates a mounted Secret in place, and the gateway re-reads
+its token files when they change (rotation without a restart). */}}
+{{- define "gtr.securityVolumes" -}}
+{{- if and (eq .component "gateway") .root.Values.auth.enabled }}
+- name: tokens
+  secret:
+    secretName: {{ include "gtr.authSecretName" .root }}
+    defaultMode: 0440
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.existingSecret is required when tls.enabled is true" .root.Values.tls.existingSecret }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "gtr.probePort" -}}
+{{- if .root.Values.tls.enabled -}}
+{{ .root.Values.tls.healthPort }}
+{{- else -}}
+{{ .port }}
+{{- end -}}
+{{- end }}
