@@ -8,9 +8,15 @@ caller would; embeddings are compared with the in-process PyTorch model.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -18,7 +24,12 @@ from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailabl
 from services.encoder.export import row_cosines
 from services.encoder.model import default_model_dir
 from services.encoder.repository import RepositoryConfig, generate_repository
-from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig, triton_client
+from services.encoder.triton_client import (
+    KSERVE_SERVICE,
+    TritonEncoder,
+    TritonEncoderConfig,
+    triton_client,
+)
 from services.encoder.triton_server import TritonHandle, TritonServerConfig, run_triton
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
@@ -162,15 +173,90 @@ def test_client_side_validation(minilm: TritonHandle) -> None:
     asyncio.run(_with_encoder(minilm, go))
 
 
-def test_deadline_is_sent_to_triton(minilm: TritonHandle) -> None:
-    docs = [" ".join(f"w{i}{j}" for i in range(300)) for j in range(64)]
+@dataclass
+class InferProxy:
+    """A gRPC hop in front of the real Triton that sees what Triton is sent: it counts
+    the ModelInfer attempts that reach it and the deadline each carries, fails the first
+    ``fail_first`` with UNAVAILABLE (a Triton restarting), and forwards the others to
+    Triton with the deadline it received."""
 
-    async def go(enc: TritonEncoder) -> None:
+    upstream: str
+    fail_first: int = 0
+    attempts: int = 0
+    deadlines: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def handle(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        with self.lock:
+            self.attempts += 1
+            attempt = self.attempts
+            self.deadlines.append(context.time_remaining())
+        if attempt <= self.fail_first:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"proxy: failure {attempt}")
+        with grpc.insecure_channel(self.upstream) as channel:
+            forward = channel.unary_unary(f"/{KSERVE_SERVICE}/ModelInfer")
+            try:
+                return forward(request, timeout=context.time_remaining())  # type: ignore[no-any-return]
+            except grpc.RpcError as exc:
+                context.abort(exc.code(), exc.details())  # type: ignore[attr-defined]
+        raise AssertionError("unreachable")
+
+
+@contextmanager
+def proxied(handle: TritonHandle, fail_first: int = 0) -> Iterator[tuple[str, InferProxy]]:
+    proxy = InferProxy(handle.grpc_url, fail_first)
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    method = grpc.unary_unary_rpc_method_handler(proxy.handle)  # raw bytes both ways
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(KSERVE_SERVICE, {"ModelInfer": method}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", proxy
+    finally:
+        server.stop(0)
+
+
+async def _proxied_encode(address: str, texts: list[str], timeout: float | None, **cfg: Any):  # type: ignore[no-untyped-def]
+    config = TritonEncoderConfig(address, **cfg)
+    enc = TritonEncoder(triton_client(config), config, "all-MiniLM-L6-v2", 384, 64)
+    try:
+        return await enc.encode(texts, "query", timeout=timeout)
+    finally:
+        await enc.close()
+
+
+def test_the_deadline_is_sent_to_triton(minilm: TritonHandle) -> None:
+    """The server side of the wire sees the caller's deadline (and the default one when
+    the caller brings none), so Triton can drop the work nobody waits for; the client's
+    own DEADLINE_EXCEEDED alone would not show that."""
+    docs = [" ".join(f"w{i}{j}" for i in range(60)) for j in range(64)]
+    with proxied(minilm) as (address, proxy):
         with pytest.raises(DeadlineExceeded):
-            await enc.encode(docs, "document", timeout=0.005)
-        assert (await enc.encode(["ok"], "query", timeout=10)).vectors.shape == (1, 384)
+            asyncio.run(_proxied_encode(address, docs, timeout=0.02))
+        # gRPC rounds a timeout up on the wire (its units): a few ms of slack
+        assert proxy.attempts == 1 and 0 < proxy.deadlines[0] <= 0.03
+        got = asyncio.run(_proxied_encode(address, ["ok"], None, default_timeout_s=7.0))
+        assert got.vectors.shape == (1, 384)
+        assert 5.0 < proxy.deadlines[1] <= 7.05, "no timeout: the encoder's default is sent"
 
-    asyncio.run(_with_encoder(minilm, go))
+
+def test_unavailable_is_retried_and_triton_sees_every_attempt(minilm: TritonHandle) -> None:
+    """Two UNAVAILABLE answers, then the real Triton: three attempts arrive, the third
+    one's embedding is the model's."""
+    reference, _ = torch_embedder(default_model_dir()).embed(["retry me"], "query")
+    with proxied(minilm, fail_first=2) as (address, proxy):
+        got = asyncio.run(_proxied_encode(address, ["retry me"], 10.0, retries=3, backoff_s=0.01))
+    assert proxy.attempts == 3
+    assert min(row_cosines(got.vectors, reference)) >= 0.9999
+
+
+def test_retries_stop_after_their_attempts_with_unavailable(minilm: TritonHandle) -> None:
+    with proxied(minilm, fail_first=100) as (address, proxy):
+        with pytest.raises(Unavailable, match="proxy: failure 3"):
+            asyncio.run(_proxied_encode(address, ["x"], 10.0, retries=2, backoff_s=0.01))
+    assert proxy.attempts == 3, "the first attempt and two retries, no more"
 
 
 def test_unreachable_server_is_unavailable() -> None:
@@ -180,21 +266,5 @@ def test_unreachable_server_is_unavailable() -> None:
         with pytest.raises(Unavailable):
             await TritonEncoder.connect(TritonEncoderConfig(f"127.0.0.1:{port}",
                                                             connect_timeout_s=2))  # fmt: skip
-
-    asyncio.run(go())
-
-
-def test_retries_on_unavailable_until_the_deadline(minilm: TritonHandle) -> None:
-    """A connected encoder whose server goes away retries, then reports Unavailable."""
-
-    async def go() -> None:
-        dead = f"127.0.0.1:{free_port()}"
-        cfg = TritonEncoderConfig(dead, retries=2, backoff_s=0.01)
-        enc = TritonEncoder(triton_client(cfg), cfg, "all-MiniLM-L6-v2", 384, 64)
-        try:
-            with pytest.raises(Unavailable, match="embedding 1 texts"):
-                await enc.encode(["x"], "query", timeout=5)
-        finally:
-            await enc.close()
 
     asyncio.run(go())
