@@ -61,6 +61,24 @@ def redis_set(url: str, key: str, value: str) -> None:
     _redis(url).set(key, value)
 
 
+def migrate_redis_if_needed(url: str, shards: int, say: Callable[[str], None]) -> None:
+    """A run directory from before the hash-tagged key layout (or a migration cut short):
+    the stack owns this Redis and starts nothing that uses it before this returns, so it
+    runs ``gtr-retrieval redis migrate`` itself instead of letting every service refuse."""
+    from services.index.layout import read_layout, v1_keys_present
+    from services.index.migrate import migrate
+
+    client = _redis(url)
+    try:
+        layout = read_layout(client)
+        if "migrating" in layout or (not layout and v1_keys_present(client, shards)):
+            say("redis      an older key layout: migrating it (gtr-retrieval redis migrate)")
+            report = migrate(client, shards)
+            say(f"redis      migrated {report.documents} documents to key layout 2")
+    finally:
+        client.close()
+
+
 def grpc_ready(child: Child, tls: ClientTLS | None = None) -> bool:
     return grpc_healthy(child.address, tls=tls)
 

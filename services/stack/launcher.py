@@ -27,7 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from services.common.tls import ClientTLS
-from services.stack import components
+from services.stack import components, first_run
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig, example_queries
 
@@ -79,6 +79,7 @@ class Stack:
         self._stop = threading.Event()
         self._published = False  # stack.json is written (start-up done, not stopped)
         self._state_lock = threading.Lock()
+        self._first_run: first_run.CorpusEmbeddings | None = None  # until stored
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -199,6 +200,7 @@ class Stack:
         self.supervisor.start(redis, lambda: components.redis_ready(redis), timeout)
         self.endpoints.redis_url = redis.address
         _say(f"redis      {redis.address}  (data {cfg.redis_dir})")
+        components.migrate_redis_if_needed(redis.address, cfg.shards, _say)
 
         if cfg.encoder == "triton":
             _say("triton     generating the CPU model repository and starting tritonserver")
@@ -210,7 +212,7 @@ class Stack:
             self.endpoints.triton_metrics = metrics
             _say(f"triton     {grpc_address}  (model 'embed')")
 
-        components.train_index_if_needed(cfg, self.endpoints.triton_grpc, _say)
+        self._first_run = self.train_if_needed()
 
         for shard in range(cfg.shards):
             replicas = []
@@ -243,12 +245,35 @@ class Stack:
             self._published = True
         self._publish()
 
+    def train_if_needed(self) -> first_run.CorpusEmbeddings | None:
+        """First run (no trained index): encode the corpus once, train on a sample of it;
+        the embeddings are kept for :meth:`ingest` (:mod:`services.stack.first_run`)."""
+        from services.index.core.train import MANIFEST
+
+        cfg = self.config
+        if (cfg.index_dir / MANIFEST).exists():
+            return None
+        corpus = components.corpus_file(cfg)
+        embeddings = first_run.encode_corpus(cfg, corpus, self.endpoints.triton_grpc, _say)
+        first_run.train_on(cfg, embeddings, _say)
+        return embeddings
+
     def ingest(self) -> Path:
         cfg = self.config
         corpus = components.corpus_file(cfg)
         marker = f"stack:ingested:{corpus_fingerprint(corpus)}"
         if components.redis_get(self.endpoints.redis_url, marker):
             _say(f"corpus     {corpus} already ingested")
+            return corpus
+        if self._first_run is not None and self._first_run.corpus == corpus:
+            _say(f"ingest     {corpus} with the first run's embeddings (encoded once)")
+            start = time.perf_counter()
+            n = first_run.store_documents(
+                self.endpoints.redis_url, cfg.shards, self._first_run, cfg.progress
+            )
+            self._first_run = None
+            components.redis_set(self.endpoints.redis_url, marker, str(n))
+            _say(f"ingest     {n} documents in {time.perf_counter() - start:.1f} s")
             return corpus
         from services.cli.client_commands import ingest_file
 

@@ -20,6 +20,7 @@ from services.index.core.ids import shard_of
 from services.index.keys import DocKeys, log_key, replicas_seen_key, snapshot_positions_key
 from services.index.layout import check_layout
 from services.index.migrate import PENDING_IDS, MigrationReport, migrate
+from services.stack import components
 from tests.support.shards import scifact_vectors, shared_test_index, start_shard
 
 SHARDS = 3
@@ -159,4 +160,19 @@ def test_migration_resumes_after_an_interruption_and_changes_nothing_but_names(
     asyncio.run(read_and_write())
     report = migrate(client, SHARDS)
     assert report.already and report.keys_moved == 0
+    client.close()
+
+
+def test_the_local_stack_migrates_its_own_redis(redis_url: str) -> None:
+    """``gtr-retrieval up`` on a run directory of layout 1 migrates before it starts
+    anything that reads the store (and says so); on a current store it does nothing."""
+    client: Any = sync_client(redis_url)
+    ids = build_v1_store(client)
+    said: list[str] = []
+    components.migrate_redis_if_needed(redis_url, SHARDS, said.append)
+    check_layout(client, SHARDS)
+    assert client.hgetall(DocKeys(SHARDS).doc(ids[0]))
+    assert len(said) == 2 and "migrated 121 documents" in said[1]
+    components.migrate_redis_if_needed(redis_url, SHARDS, said.append)
+    assert len(said) == 2
     client.close()
