@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 import redis
-import redis.asyncio as aioredis
 
+from services.common.redis_client import async_client
 from services.encoder.profiles import Kind
 from services.gateway.metrics import QueryCacheMetrics
 
@@ -157,13 +157,14 @@ class QueryEmbeddingCache:
         self.lowercase = lowercase
         self.backoff_s = backoff_s
         self.metrics = metrics
-        # A client of its own: short socket timeouts, no retries (a failed lookup is a
-        # miss), so a slow or absent Redis never holds a search.
-        self._redis: Any = aioredis.Redis.from_url(
+        # A client of its own (one Redis or a Redis Cluster, by the URL) with short
+        # socket timeouts; every call is bounded by the lookup timeout besides, so a
+        # slow or absent Redis never holds a search.
+        self._redis: Any = async_client(
             redis_url,
-            socket_timeout=timeout_s * 4,
-            socket_connect_timeout=timeout_s * 4,
             max_connections=max_connections,
+            pool_timeout_s=timeout_s,
+            socket_timeout=timeout_s * 4,
         )
         self._lookup = self._redis.register_script(_LOOKUP)
         self._insert = self._redis.register_script(_INSERT)

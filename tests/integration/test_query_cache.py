@@ -29,6 +29,7 @@ from retrieval.v1 import (
     search_pb2_grpc,
 )
 from services.common.deadline import Deadline
+from services.common.redis_client import sync_client
 from services.encoder.base import Embeddings, Encoder
 from services.encoder.profiles import Kind
 from services.gateway.query_cache import KEY_PREFIX, LRU_KEY, QueryEmbeddingCache, normalise
@@ -227,8 +228,9 @@ def _cache(url: str, **overrides: object) -> QueryEmbeddingCache:
     return QueryEmbeddingCache(url, **options)  # type: ignore[arg-type]
 
 
-def test_an_entry_expires_after_its_ttl_and_a_hit_does_not_extend_it(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+def test_an_entry_expires_after_its_ttl_and_a_hit_does_not_extend_it(any_redis_url: str) -> None:
+    redis_url = any_redis_url
+    client = sync_client(redis_url)
 
     async def scenario() -> None:
         cache = _cache(redis_url, ttl_s=0.4)
@@ -254,9 +256,10 @@ def test_an_entry_expires_after_its_ttl_and_a_hit_does_not_extend_it(redis_url: 
 
 
 def test_the_size_bound_holds_under_concurrent_inserts_from_several_gateways(
-    redis_url: str,
+    any_redis_url: str,
 ) -> None:
-    client = redis.Redis.from_url(redis_url)
+    redis_url = any_redis_url
+    client = sync_client(redis_url)
     bound = 40
 
     async def scenario() -> None:
@@ -289,7 +292,9 @@ def test_the_size_bound_holds_under_concurrent_inserts_from_several_gateways(
     asyncio.run(scenario())
 
 
-def test_models_sizes_and_kinds_never_share_an_entry(redis_url: str) -> None:
+def test_models_sizes_and_kinds_never_share_an_entry(any_redis_url: str) -> None:
+    redis_url = any_redis_url
+
     async def scenario() -> None:
         variants = [
             _cache(redis_url),
