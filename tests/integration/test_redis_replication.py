@@ -80,6 +80,7 @@ def test_with_a_replica_a_write_waits_for_it_and_the_replica_has_it(
         asyncio.run(run())
 
 
+@pytest.mark.slow  # a cluster of its own, a failover and a node's return: ~30 s
 def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
     failover_cluster: RedisCluster,
 ) -> None:
