@@ -15,6 +15,7 @@ from services.index.core.shard import IvfPqShard
 from services.index.core.train import (
     FLAT_BELOW,
     TARGET_RECALL,
+    WIDE_K,
     Manifest,
     NprobeTuning,
     TrainedIndex,
@@ -148,14 +149,20 @@ def test_the_default_nprobe_is_the_smallest_that_reaches_the_target_recall(
     scifact_index: Path, vectors: np.ndarray
 ) -> None:
     m = Manifest.read(scifact_index)
-    tried = {int(p): r for p, r in m.recall_by_nprobe.items()}
+    narrow = {int(p): r for p, r in m.recall_by_nprobe.items()}
+    wide = {int(p): r for p, r in m.wide_recall_by_nprobe.items()}
+    assert narrow.keys() == wide.keys() and m.wide_k == WIDE_K == 100
+    tried = {p: min(narrow[p], wide[p]) for p in narrow}  # both recalls must reach the target
     assert m.target_recall == TARGET_RECALL == 0.99 and m.tune_queries == len(vectors) // 10
-    assert m.measured_recall == tried[m.nprobe] >= 0.99
+    assert m.measured_recall == narrow[m.nprobe] >= 0.99
+    assert m.measured_wide_recall == wide[m.nprobe] >= 0.99
     assert tried[m.nprobe - 1] < 0.99  # the next smaller nprobe was measured and missed
     assert all(r < 0.99 for p, r in tried.items() if p < m.nprobe)
-    assert 0 < m.tune_seconds < 60
-    # Measured: nprobe 48 of 132 (0.9903); the old default, 32, reached 0.982.
+    assert m.tune_seconds > 0  # (how long it takes is bench material, not a test)
+    # Measured: nprobe 66 of 132 (10@10 0.994, 100@100 0.990); 10@10 alone gave 48, the
+    # old default 32 (0.982). At 66 nDCG@10 of the SciFact claims is 0.658 (exact 0.660).
     assert m.nprobe > rule_of_thumb_nprobe(m.nlist) == 32
+    assert narrow[m.nprobe] > narrow[32] and wide[m.nprobe] > wide[32]
 
     # SciFact documents the shard does not hold, searched at the shard's default nprobe.
     shard = IvfPqShard(TrainedIndex.load(scifact_index))
@@ -174,6 +181,7 @@ def test_tuning_is_deterministic(scifact_index: Path, vectors: np.ndarray) -> No
     again = tune_nprobe(TrainedIndex.load(scifact_index), vectors, TrainOptions())
     assert again is not None and again.nprobe == m.nprobe and again.recall == m.measured_recall
     assert {str(p): r for p, r in sorted(again.tried.items())} == m.recall_by_nprobe
+    assert {str(p): r for p, r in sorted(again.tried_wide.items())} == m.wide_recall_by_nprobe
 
 
 def test_an_explicit_nprobe_is_kept_and_its_recall_measured(
