@@ -1,0 +1,24 @@
+"""The CLI's search output says where the query embedding came from."""
+
+from __future__ import annotations
+
+from retrieval.v1 import search_pb2
+from services.cli.client_commands import format_hits
+
+
+def _response(cached: bool) -> search_pb2.SearchResponse:
+    return search_pb2.SearchResponse(
+        hits=[search_pb2.Hit(id="csv.reader", title="csv.reader", text="Read rows.", score=0.5)],
+        model="all-MiniLM-L6-v2",
+        embedding_cached=cached,
+    )
+
+
+def test_a_cached_query_embedding_is_said_in_the_header() -> None:
+    head = format_hits("read a csv file", _response(True), width=100).splitlines()[0]
+    assert "query embedding from the cache" in head and head.endswith(")")
+
+
+def test_an_encoded_query_says_nothing_of_the_cache() -> None:
+    head = format_hits("read a csv file", _response(False), width=100).splitlines()[0]
+    assert "cache" not in head and head.endswith("model all-MiniLM-L6-v2)")
