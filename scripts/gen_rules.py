@@ -257,7 +257,9 @@ def _burn_rate_alerts() -> list[dict[str, Any]]:
 
 
 def _other_alerts() -> list[dict[str, Any]]:
-    jobs = ("gateway", "index", "rerank", "triton", "redis")
+    # Redis (redis_exporter, job "redis") has its alerts in redis_rules.yml, which the
+    # chart loads only where it runs the exporter.
+    jobs = ("gateway", "index", "rerank", "triton")
     rules = [
         _alert(
             "GtrIndexLogLagHigh",
@@ -341,34 +343,6 @@ def _other_alerts() -> list[dict[str, Any]]:
             )
         )
     rules += [
-        _alert(
-            "GtrRedisDown",
-            "redis_up == 0",
-            "1m",
-            "critical",
-            "Redis {{ $labels.instance }} does not answer its exporter",
-            "Without Redis no write is acknowledged, no document is fetched, STRONG reads "
-            "fail and shard replicas cannot follow their logs.",
-        ),
-        _alert(
-            "GtrRedisMemoryHigh",
-            "redis_memory_used_bytes / (redis_memory_max_bytes > 0) > 0.9",
-            "10m",
-            "warning",
-            "Redis {{ $labels.instance }} uses {{ $value | humanizePercentage }} of maxmemory",
-            "The policy is noeviction: at maxmemory every write fails. Raise maxmemory, "
-            "check that the logs are trimmed (snapshots of every replica), or move to a "
-            "larger instance.",
-        ),
-        _alert(
-            "GtrRedisRejectedConnections",
-            "increase(redis_rejected_connections_total[5m]) > 0",
-            "",
-            "warning",
-            "Redis {{ $labels.instance }} refuses connections (maxclients)",
-            "Clients over maxclients are refused: gateways and replicas see errors. Lower "
-            "--redis-max-connections per gateway or raise maxclients.",
-        ),
         _alert(
             "GtrTritonDown",
             'up{job="triton"} == 0',

@@ -47,7 +47,6 @@ EXTERNAL = {
     "redis_up",
     "redis_memory_used_bytes",
     "redis_memory_max_bytes",
-    "redis_rejected_connections_total",
 }
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or"}
 _KEYWORDS |= {"unless", "bool", "offset", "inf", "nan"}
