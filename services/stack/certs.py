@@ -5,10 +5,11 @@ command line.
 One CA (``ca.pem``, ``ca.key``), one server certificate (``server.pem``/``server.key``)
 whose subject alternative names are ``localhost``, ``127.0.0.1``, ``::1`` and any
 names given (a chart's Service DNS names), used by every server of ours (gateway,
-shards, rerank, Triton), and one client certificate (``client.pem``/``client.key``)
-that our own clients present under mTLS. ECDSA P-256 keys, SHA-256 signatures. Keys
-are written with mode 0600. Not for production: there, certificates come from your
-PKI or cert-manager (docs/deploy.md).
+shards, rerank, Triton); it also has the client-auth usage, so that one certificate
+can be both sides of mTLS (the chart's ``tls.crt``). And one client certificate
+(``client.pem``/``client.key``) that our own clients present under mTLS. ECDSA P-256
+keys, SHA-256 signatures. Keys are written with mode 0600. Not for production: there,
+certificates come from your PKI or cert-manager (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def make_certs(
         .sign(ca_key, hashes.SHA256())
     )
 
-    def leaf(cn: str, usage: x509.ObjectIdentifier, sans: Sequence[str]) -> tuple[bytes, bytes]:
+    def leaf(
+        cn: str, usages: list[x509.ObjectIdentifier], sans: Sequence[str]
+    ) -> tuple[bytes, bytes]:
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (
             x509.CertificateBuilder()
@@ -143,7 +146,7 @@ def make_certs(
             .not_valid_before(start)
             .not_valid_after(end)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
             )
@@ -157,9 +160,11 @@ def make_certs(
 
     server_names = list(dict.fromkeys([*SERVER_NAMES, *names]))
     server_pem, server_key = leaf(
-        "gtr-retrieval server", ExtendedKeyUsageOID.SERVER_AUTH, server_names
+        "gtr-retrieval server",
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+        server_names,
     )
-    client_pem, client_key = leaf("gtr-retrieval client", ExtendedKeyUsageOID.CLIENT_AUTH, ())
+    client_pem, client_key = leaf("gtr-retrieval client", [ExtendedKeyUsageOID.CLIENT_AUTH], ())
     _write(files.ca, ca.public_bytes(serialization.Encoding.PEM))
     _write(files.ca_key, key_pem(ca_key), secret=True)
     _write(files.server_cert, server_pem)
