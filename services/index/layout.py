@@ -9,10 +9,13 @@ it would misread: every document key depends on the shard count.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from services.common.errors import FailedPrecondition
 from services.index.keys import LAYOUT_KEY, LAYOUT_VERSION, v1_shard_keys
+
+log = logging.getLogger(__name__)
 
 
 def migrate_hint(num_shards: int) -> str:
@@ -80,12 +83,32 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def check_layout_at(url: str, num_shards: int) -> None:
-    """:func:`check_layout` on the Redis (or Redis Cluster) of ``url``."""
-    from services.common.redis_client import sync_client
+def check_layout_at(url: str, num_shards: int, wait_s: float = 60.0) -> None:
+    """:func:`check_layout` on the Redis (or Redis Cluster) of ``url``; while it cannot be
+    reached (a pod starting before Redis), tried again for up to ``wait_s``, then
+    Unavailable. A cluster client connects when it is made, so it is made in the loop."""
+    import time
 
-    client = sync_client(url)
-    try:
-        check_layout(client, num_shards)
-    finally:
-        client.close()
+    import redis
+    from redis.exceptions import RedisClusterException
+
+    from services.common.errors import Unavailable
+    from services.common.redis_client import parse_redis_url, sync_client
+
+    give_up = time.monotonic() + wait_s
+    while True:
+        try:
+            client = sync_client(url)
+            try:
+                check_layout(client, num_shards)
+                return
+            finally:
+                client.close()
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
+            if time.monotonic() > give_up:
+                raise Unavailable(
+                    f"Redis at {parse_redis_url(url).safe_url} cannot be reached to check "
+                    f"its key layout ({exc})"
+                ) from exc
+            log.warning("Redis cannot be reached yet (%s); trying again", exc)
+            time.sleep(1.0)

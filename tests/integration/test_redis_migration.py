@@ -18,7 +18,7 @@ from services.index.changelog import LogReader
 from services.index.client.writer import _DELETE, _UPSERT, ChangeLogWriter, DocRecord
 from services.index.core.ids import shard_of
 from services.index.keys import DocKeys, log_key, replicas_seen_key, snapshot_positions_key
-from services.index.layout import check_layout
+from services.index.layout import check_layout, read_layout
 from services.index.migrate import PENDING_IDS, MigrationReport, migrate
 from services.stack import components
 from tests.support.shards import scifact_vectors, shared_test_index, start_shard
@@ -175,4 +175,20 @@ def test_the_local_stack_migrates_its_own_redis(redis_url: str) -> None:
     assert len(said) == 2 and "migrated 121 documents" in said[1]
     components.migrate_redis_if_needed(redis_url, SHARDS, said.append)
     assert len(said) == 2
+    client.close()
+
+
+def test_the_layout_is_recorded_once_and_a_store_of_another_shape_is_refused(
+    any_redis_url: str,
+) -> None:
+    client: Any = sync_client(any_redis_url)
+    check_layout(client, SHARDS)  # an empty store: recorded
+    assert read_layout(client) == {"version": "2", "shards": "3"}
+    check_layout(client, SHARDS)
+    with pytest.raises(FailedPrecondition, match=r"written for 3 shards.*configured for 2"):
+        check_layout(client, 2)
+    client.hset("gtr:layout", "version", "3")
+    with pytest.raises(FailedPrecondition, match="newer than this code's"):
+        check_layout(client, SHARDS)
+    assert cli(["redis", "layout", "--redis-url", any_redis_url, "--shards", "3"]) == 1
     client.close()
