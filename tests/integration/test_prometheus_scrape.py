@@ -93,6 +93,15 @@ class Scraped:
     prometheus: Prometheus
     channel: grpc.Channel
 
+    def encode_calls(self) -> float:
+        """The gateway's gtr_encode_calls_total, read from its registry."""
+        return sum(
+            sample.value
+            for family in self.bg.stack.gateway.registry.collect()
+            for sample in family.samples
+            if sample.name == "gtr_encode_calls_total"
+        )
+
     def search(
         self, query: str, timeout: float = 30.0, **fields: Any
     ) -> search_pb2.SearchResponse | grpc.StatusCode:
@@ -224,7 +233,9 @@ def test_failed_searches_are_misses_and_client_mistakes_do_not_count(scraped: Sc
     )
 
     # Partial answers, by Search and by BatchSearch: every answered query is partial.
+    # Each request calls the encoder once, a BatchSearch's batch included.
     stub = search_pb2_grpc.SearchServiceStub(scraped.channel)
+    calls_before = scraped.encode_calls()
     for _ in range(2):
         for query in QUERIES:
             reply = scraped.search(query)
@@ -236,6 +247,7 @@ def test_failed_searches_are_misses_and_client_mistakes_do_not_count(scraped: Sc
             timeout=30,
         )
         assert [r.partial for r in batch.responses] == [True] * len(QUERIES)
+    assert scraped.encode_calls() - calls_before == 2 * (len(QUERIES) + 1)
     assert prom.await_values("gtr:search_partial_ratio:rate5m", lambda v: v == [1.0])
     # The answered Searches are good events now: the SLI falls below 1.
     prom.await_values("gtr:search_slo_error_ratio:rate5m", lambda v: len(v) == 1 and v[0] < 1)
