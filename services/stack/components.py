@@ -289,6 +289,15 @@ def train_index_if_needed(cfg: StackConfig, triton_grpc: str, say: Say) -> None:
     say(f"index      {manifest.factory}, nprobe {manifest.nprobe}")
 
 
+def peer_tls_args(cfg: StackConfig) -> list[str]:
+    """``--tls``: how a shard replica reaches its peers (the run's CA, mTLS)."""
+    certs = certificates(cfg)
+    if certs is None:
+        return []
+    return ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert),
+            "--tls-client-key", str(certs.client_key)]  # fmt: skip
+
+
 def shard_ports(cfg: StackConfig) -> list[int]:
     """Free ports for the replicas of one shard, chosen together: each replica's
     ``--peers`` names the others (to seed from when the log was trimmed past it)."""
@@ -314,6 +323,7 @@ def shard_child(
         # every replica of every shard shares this machine's cores: search inline
         "--search-threads", "0",
         *(["--peers", ",".join(peers)] if peers else []),
+        *peer_tls_args(cfg),
         *server_tls_args(cfg),
     ]  # fmt: skip
     child = Child(name, argv, cfg.logs / f"{name}.log", job="index")

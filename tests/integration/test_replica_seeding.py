@@ -144,3 +144,57 @@ def test_a_replica_added_after_the_log_was_trimmed_seeds_from_its_peer(
         finally:
             for proc in procs:
                 proc.stop()
+
+
+def test_a_replica_seeds_from_its_peer_over_mutual_tls(
+    scifact_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With TLS on every hop, the peer fetch is mTLS too: the peer found through DNS is
+    an IP address its certificate does not name, so the name is checked instead; a
+    replica without a client certificate is refused and its start fails."""
+    from services.common.errors import FailedPrecondition
+    from services.index.server.process import start_shard as start_in_process
+    from services.index.server.settings import ShardSettings
+    from services.stack.certs import make_certs
+
+    vectors = scifact_vectors(scifact_dir)
+    index_dir = shared_test_index(tmp_path_factory.getbasetemp(), vectors)
+    certs = make_certs(tmp_path / "certs", names=["shard-0.test"])  # not 127.0.0.2
+    server = {"tls_cert": str(certs.server_cert), "tls_key": str(certs.server_key),
+              "tls_client_ca": str(certs.ca)}  # fmt: skip
+    client = {"tls_ca": str(certs.ca), "tls_client_cert": str(certs.client_cert),
+              "tls_client_key": str(certs.client_key)}  # fmt: skip
+    port = free_port()
+    with run_redis(tmp_path / "redis") as store, run_dns() as dns:
+        _ingest(store.url, vectors, 0, 1000, [])
+        dns.set("shard-0.test", ["127.0.0.2"])
+
+        def settings(replica: str, host: str, **more: object) -> ShardSettings:
+            return ShardSettings(
+                host=host, port=port, shard=0, shards=1, replica=replica,
+                redis_url=store.url, index_dir=str(index_dir),
+                snapshot_dir=str(tmp_path / replica), snapshot_every_s=3600.0,
+                search_threads=0, grace_seconds=0.5, **server, **more,  # type: ignore[arg-type]
+            )  # fmt: skip
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            old = await start_in_process(settings("r0", "127.0.0.2"))
+            try:
+                await loop.run_in_executor(None, old.replica.snapshot)
+                assert old.replica.log.trimmed_past(positions.ZERO)
+                peers = dns.target("shard-0.test", port)
+                with pytest.raises(FailedPrecondition, match="no peer"):
+                    await start_in_process(
+                        settings("r1", "127.0.0.3", peers=peers, seed_timeout_s=2.5)
+                    )
+                new = await start_in_process(settings("r2", "127.0.0.4", peers=peers, **client))
+                try:
+                    assert new.replica.shard.applied == old.replica.shard.applied
+                    assert len(new.replica.shard) == len(old.replica.shard) == 1000
+                finally:
+                    await new.close(snapshot=False)
+            finally:
+                await old.close(snapshot=False)
+
+        asyncio.run(run())

@@ -61,7 +61,11 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     replica = await loop.run_in_executor(None, ShardReplica, settings, metrics)
     trimmed: bool = bool(settings.peers) and await loop.run_in_executor(None, replica.trimmed)
     if trimmed:  # nothing on disk can be replayed from: a peer's snapshot
-        await seed_from_peers(settings)
+        try:
+            await seed_from_peers(settings)
+        except BaseException:
+            await replica.close()
+            raise
         await loop.run_in_executor(None, replica.reload)
     gpu_metrics = GpuMetrics.create(registry, settings.shard, settings.replica)
     await loop.run_in_executor(

@@ -20,6 +20,7 @@ in the same transfer (``with_index``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import grpc
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.errors import FailedPrecondition, RetrievalError, Unavailable
 from services.common.status import error_from_rpc
+from services.common.tls import ClientTLS, aio_channel
 from services.index import convert
 from services.index.client.discovery import is_dns_target, parse_dns_target, resolve
 from services.index.core.snapshots import Snapshot
@@ -58,11 +60,21 @@ async def peer_addresses(spec: str) -> list[str]:
     return parts
 
 
+def peer_tls(settings: ShardSettings) -> ClientTLS | None:
+    """TLS to the peers (``--tls-ca`` …); peers found by a DNS name are IP addresses, so
+    their certificates are checked against that name."""
+    tls = settings.peer_tls()
+    spec = (settings.peers or "").strip()
+    if tls is not None and tls.server_name is None and is_dns_target(spec):
+        tls = dataclasses.replace(tls, server_name=parse_dns_target(spec).host)
+    return tls
+
+
 async def fetch_from(address: str, settings: ShardSettings, with_index: bool) -> Seeded:
     """The newest snapshot of the peer at ``address``, verified and installed."""
     started = time.monotonic()
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
+    async with aio_channel(address, peer_tls(settings), options) as channel:
         stub = index_pb2_grpc.IndexShardServiceStub(channel)
         call = stub.FetchSnapshot(
             index_pb2.FetchSnapshotRequest(
