@@ -3,10 +3,11 @@
 One real gateway for the module (real Redis, two real shard servers, the real MiniLM
 encoder in the gateway, a real rerank server with a tiny CELI checkpoint, the query cache
 on), driven over gRPC as a client would. ``hypothesis`` throws at Search, BatchSearch,
-Get, Upsert and Delete: empty, huge and odd-Unicode texts and ids, k and nprobe up to
-2^32-1, unknown consistency values, write tokens with bad shards and positions, filters
-with too many or huge conditions, duplicate ids, "NaN"/"inf" strings where numbers might
-be parsed, and raw bytes that are not a request at all. For every one:
+Get, Upsert, Delete (and the health check and reflection): empty, huge and odd-Unicode
+texts and ids, k and nprobe up to 2^32-1, unknown consistency values, write tokens with
+bad shards and positions, filters with too many or huge conditions, duplicate ids,
+"NaN"/"inf" strings where numbers might be parsed, and raw bytes that are not a request
+at all. For every one:
 
 * the answer is OK or a status a client can act on, never INTERNAL or UNKNOWN;
 * the gateway still serves (its health is SERVING and a plain search answers);
@@ -382,6 +383,35 @@ def test_bytes_that_are_no_request_never_answer_internal(
     code = _code(lambda: call(raw, timeout=SEARCH_TIMEOUT_S))
     if code is not grpc.StatusCode.OK:
         assert front.digest() == before, f"{code} yet something stored changed"
+
+
+@EXAMPLES
+@given(
+    name=st.one_of(
+        st.text(_chars, max_size=30),
+        st.sampled_from(["", "retrieval.v1.SearchService", "grpc.health.v1.Health", "."]),
+        st.sampled_from(ODD),
+    )
+)
+def test_health_and_reflection_never_answer_internal(front: Front, name: str) -> None:
+    """The other public services of the gateway: the health check of any service name,
+    reflection asked for any symbol or file."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    code = _code(lambda: front.health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5))
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND)
+    _seen("Health", code)
+    asks = [
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=name),
+        reflection_pb2.ServerReflectionRequest(file_by_filename=name),
+        reflection_pb2.ServerReflectionRequest(list_services=name),
+    ]
+    stub = reflection_pb2_grpc.ServerReflectionStub(front.channel)
+    replies = list(stub.ServerReflectionInfo(iter(asks), timeout=5))
+    assert len(replies) == len(asks)
+    for reply in replies:
+        if reply.HasField("error_response"):
+            assert reply.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 def test_the_gateway_still_serves_after_all_of_it(front: Front) -> None:
