@@ -34,14 +34,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import re
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +48,13 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from services.common import positions
+from services.eval.measures import score
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainedIndex, TrainOptions, train_index
+from services.rerank.data import load_beir
 from tests.support.processes import run_redis
 from tests.support.shards import ShardCluster, run_shards
 
@@ -304,24 +304,12 @@ def ndcg_at_10() -> dict[str, Any]:
     with (SCIFACT / "corpus.jsonl").open() as fh:
         doc_ids = [json.loads(line)["_id"] for line in fh]
     qids, qvecs = query_embeddings()
-    qrels: dict[str, dict[str, int]] = defaultdict(dict)
-    with (SCIFACT / "qrels" / "train.tsv").open() as fh:
-        next(fh)
-        for line in fh:
-            q, d, s = line.split("\t")
-            qrels[q][d] = int(s)
+    qrels = load_beir(SCIFACT, "train").qrels
 
     def ndcg(ranked: list[list[str]]) -> float:
-        scores = []
-        for q, row in zip(qids, ranked, strict=True):
-            rel = qrels.get(q, {})
-            if not rel:
-                continue
-            dcg = sum(rel.get(d, 0) / math.log2(i + 2) for i, d in enumerate(row[:10]))
-            ideal = sorted(rel.values(), reverse=True)[:10]
-            idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
-            scores.append(dcg / idcg)
-        return float(np.mean(scores))
+        """Mean nDCG@10 by ir-measures over the queries with a relevant document."""
+        run = {q: row for q, row in zip(qids, ranked, strict=True)}
+        return score(run, qrels, [q for q in qids if qrels.get(q)]).mean("ndcg_at_10")
 
     flat = faiss.IndexFlatIP(docs.shape[1])
     flat.add(docs)
@@ -384,6 +372,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="Encoder threads (first run).")
     parser.add_argument(
         "--encode-only", action="store_true", help="Only encode (and cache) the data, then stop."
+    )
+    parser.add_argument(
+        "--out",
+        default="bench/results/index_service.json",
+        help="Where the JSON is also written (`gtr-retrieval plan` reads it).",
     )
     args = parser.parse_args()
 
@@ -504,6 +497,11 @@ def main() -> int:
     say("nDCG@10 on SciFact train queries (5,183 documents)")
     result.update(ndcg_at_10())
     result["note"] = "2 cores shared by the client, the shards and Redis"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    saved = {"source": {"bench": "index_service", "run": run, "note": result["note"]}, **result}
+    out.write_text(json.dumps(saved, indent=2) + "\n")
     print(json.dumps(result))
     return 0
 

@@ -8,6 +8,8 @@
     gtr-retrieval redis migrate       rewrite an old Redis key layout (also: redis layout)
     gtr-retrieval gateway serve       run the gateway (also: index serve, rerank serve)
     gtr-retrieval encoder|index|rerank ...   model export, index training, reranker training
+    gtr-retrieval eval --data DIR     nDCG@10 / Recall@100 / MRR@10 of exact, IVF-PQ, rerank
+    gtr-retrieval plan --docs N --qps Q   shards, replicas, GPUs, cores, memory (arithmetic shown)
 
 Every subcommand has --help.
 """
@@ -22,8 +24,10 @@ from collections.abc import Sequence
 def build_parser() -> argparse.ArgumentParser:
     from services.cli import client_commands, corpus_commands, redis_commands, stack_commands
     from services.encoder import cli as encoder_cli
+    from services.eval import cli as eval_cli
     from services.gateway import cli as gateway_cli
     from services.index import cli as index_cli
+    from services.plan import cli as plan_cli
     from services.rerank import cli as rerank_cli
 
     parser = argparse.ArgumentParser(
@@ -42,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     index_cli.add_cli(sub)
     encoder_cli.add_cli(sub)
     rerank_cli.add_cli(sub)
+    eval_cli.add_cli(sub)
+    plan_cli.add_cli(sub)
     return parser
 
 

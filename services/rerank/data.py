@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,11 +110,3 @@ def dense_run(data: BeirData, qids: list[str], k: int = 100) -> dict[str, list[s
         best = top[row][np.argsort(-sims[row, top[row]], kind="stable")]
         run[qid] = [data.doc_ids[j] for j in best]
     return run
-
-
-def ndcg_at_k(ranked: list[str], rels: dict[str, int], k: int = 10) -> float:
-    """nDCG@k with linear gains (as pytrec_eval / BEIR compute it)."""
-    dcg = sum(rels.get(d, 0) / math.log2(i + 2) for i, d in enumerate(ranked[:k]))
-    ideal = sorted(rels.values(), reverse=True)[:k]
-    idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
-    return dcg / idcg if idcg > 0 else 0.0

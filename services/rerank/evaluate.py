@@ -6,7 +6,8 @@ the dense top-``depth``; documents below ``depth`` keep their dense order after 
 For CELI the report also gives nDCG@10 of ``s_m`` alone and ``s_l`` alone, and
 ``untrained=True`` adds the untrained default head (the backbone's zero-shot MaxSim).
 ``vs_dense`` compares each reranker with the dense order query by query (wins,
-losses, mean difference and its paired bootstrap 95 % interval).
+losses, mean difference, its bootstrap 95 % interval and the paired t-test). nDCG@10 is
+computed by ``ir-measures`` (:mod:`services.eval.measures`), as ``gtr-retrieval eval`` does.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound
+from services.eval.measures import paired_comparison, score
 from services.rerank.checkpoint import CONFIG_FILE, CeliConfig, load_or_default
-from services.rerank.data import BeirData, dense_run, load_beir, ndcg_at_k, split_queries
+from services.rerank.data import BeirData, dense_run, load_beir, split_queries
 from services.rerank.scorer import CeliScorer
 
 
@@ -103,34 +105,20 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     return report
 
 
-def paired_comparison(
-    base: list[float], system: list[float], resamples: int = 10_000, seed: int = 0
-) -> dict[str, Any]:
-    """Per-query comparison of a system with its baseline on the same queries.
-
-    ``wins``/``losses``/``ties`` count queries; ``mean_diff`` is the mean of the
-    per-query differences and ``ci95`` its paired bootstrap 95 % interval (queries
-    resampled with replacement, ``resamples`` times, fixed ``seed``): an interval that
-    contains 0 means the gain is within what the choice of queries can move.
-    """
-    if len(base) != len(system) or not base:
-        raise InvalidArgument("paired comparison needs the same, non-empty set of queries")
-    diff = np.asarray(system, dtype=np.float64) - np.asarray(base, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return {
-        "wins": int((diff > 1e-12).sum()), "losses": int((diff < -1e-12).sum()),
-        "ties": int((np.abs(diff) <= 1e-12).sum()), "mean_diff": round(float(diff.mean()), 4),
-        "ci95": [round(float(low), 4), round(float(high), 4)],
-    }  # fmt: skip
-
-
 def _per_query(
     run: dict[str, list[str]], qrels: dict[str, dict[str, int]], k: int, qids: list[str]
 ) -> list[float]:
-    return [ndcg_at_k(run[q], qrels[q], k) for q in qids]
+    return score(run, qrels, qids).values(_ndcg_name(k))
 
 
 def _mean_ndcg(run: dict[str, list[str]], qrels: dict[str, dict[str, int]], k: int) -> float:
-    return round(float(np.mean([ndcg_at_k(run[q], qrels[q], k) for q in run])), 4)
+    return round(score(run, qrels, sorted(run)).mean(_ndcg_name(k)), 4)
+
+
+def _ndcg_name(k: int) -> str:
+    if k != 10:
+        raise InvalidArgument(f"nDCG@{k}: the measures are nDCG@10, Recall@100 and MRR@10")
+    return "ndcg_at_10"
+
+
+__all__ = ["EvalConfig", "evaluate", "paired_comparison"]

@@ -1,0 +1,168 @@
+"""The systems of an evaluation, in this process with the service's own index code.
+
+- ``exact``: ``IndexFlatIP`` over the document embeddings (the reference);
+- ``ivfpq_default``: the corpus's IVF-PQ index trained with ``index train``'s defaults
+  (:func:`services.index.core.train.train_index`, the nprobe it tunes) and searched by
+  :class:`IvfPqShard` as a shard serves it (IVF-PQ candidates re-ranked by SQ8);
+- ``ivfpq_nprobe_<n>``: the same index at other nprobe values;
+- ``ivfpq_default+rerank``: the CELI checkpoint's order of the top ``rerank_depth`` of
+  ``ivfpq_default``, on the queries the checkpoint was *not* trained on (its
+  ``split.json``: the gain is measured on held-out queries only).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from services.common.errors import InvalidArgument, NotFound
+from services.eval.config import DEPTH, EvalConfig
+from services.eval.data import EvalData
+from services.index.core.changes import Upsert
+from services.index.core.shard import MAX_QUERIES, IvfPqShard
+from services.index.core.train import Manifest, TrainedIndex, train_index
+
+Run = dict[str, list[str]]
+
+
+@dataclass
+class Systems:
+    """Every system's run over the evaluated queries, and what describes them."""
+
+    runs: dict[str, Run] = field(default_factory=dict)
+    index: dict[str, Any] = field(default_factory=dict)  # factory, nlist, nprobe, ...
+    rerank: dict[str, Any] = field(default_factory=dict)  # checkpoint, depth, queries, ...
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def exact_run(data: EvalData, depth: int = DEPTH) -> Run:
+    flat = faiss.IndexFlatIP(data.doc_vectors.shape[1])
+    flat.add(data.doc_vectors)
+    _, rows = flat.search(data.query_vectors, min(depth, len(data.beir.doc_ids)))
+    ids = data.beir.doc_ids
+    return {q: [ids[j] for j in row if j >= 0] for q, row in zip(data.qids, rows, strict=True)}
+
+
+def sweep_nprobes(nlist: int, default: int, extra: tuple[int, ...]) -> list[int]:
+    """The nprobe values besides the default: ``extra``, else nlist/16, /8, /4, /2, nlist."""
+    for n in extra:
+        if not 1 <= n <= nlist:
+            raise InvalidArgument(f"nprobe {n} must be in 1..nlist ({nlist})")
+    chosen = extra or tuple(max(1, nlist // d) for d in (16, 8, 4, 2, 1))
+    return sorted(set(chosen) - {default})
+
+
+def build_shard(data: EvalData, cfg: EvalConfig, index_dir: Path) -> tuple[IvfPqShard, Manifest]:
+    """Train an index on the documents into ``index_dir`` (the defaults) and add them all."""
+    options = replace(cfg.train, model=data.model)
+    manifest = train_index(data.doc_vectors, index_dir, options)
+    shard = IvfPqShard(TrainedIndex.load(index_dir))
+    ids = data.beir.doc_ids
+    for i in range(0, len(ids), 10_000):
+        rows = range(i, min(i + 10_000, len(ids)))
+        shard.apply([Upsert(ids[j], data.doc_vectors[j]) for j in rows], f"1-{rows.stop}")
+    return shard, manifest
+
+
+def shard_run(shard: IvfPqShard, data: EvalData, nprobe: int, depth: int = DEPTH) -> Run:
+    run: Run = {}
+    k = min(depth, len(data.beir.doc_ids))
+    for i in range(0, len(data.qids), MAX_QUERIES):
+        rows = shard.search(data.query_vectors[i : i + MAX_QUERIES], k, nprobe)
+        for q, row in zip(data.qids[i : i + MAX_QUERIES], rows, strict=True):
+            run[q] = [doc_id for doc_id, _ in row]
+    return run
+
+
+def held_out_queries(checkpoint: Path, qids: list[str]) -> list[str]:
+    """The evaluated queries the checkpoint's trainer kept out of training (``split.json``)."""
+    path = Path(checkpoint) / "split.json"
+    if not path.exists():
+        raise NotFound(
+            f"{path}: the checkpoint has no trainer split (split.json), so its "
+            "gain could not be measured on queries it was not trained on"
+        )
+    split = json.loads(path.read_text())
+    dev = set(split.get("dev", []))
+    if not dev:
+        raise InvalidArgument(f"{path} lists no held-out (dev) queries")
+    return [q for q in qids if q in dev]
+
+
+def rerank_run(first: Run, data: EvalData, qids: list[str], cfg: EvalConfig) -> Run:
+    """CELI's order of the first ``rerank_depth`` hits; the rest keep their order after them."""
+    from tqdm import tqdm
+
+    from services.rerank.checkpoint import load_checkpoint
+    from services.rerank.scorer import CeliScorer
+
+    assert cfg.rerank_checkpoint is not None
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    model, tokenizer, config = load_checkpoint(Path(cfg.rerank_checkpoint))
+    scorer = CeliScorer(model, tokenizer, config, config.variant, cfg.rerank_batch_size)
+    out: Run = {}
+    for q in tqdm(qids, desc=f"rerank top {cfg.rerank_depth}", disable=not cfg.progress):
+        head, tail = first[q][: cfg.rerank_depth], first[q][cfg.rerank_depth :]
+        if not head:
+            out[q] = []
+            continue
+        scores = scorer.score(data.beir.queries[q], [data.beir.docs[d] for d in head])
+        out[q] = [head[i] for i in np.argsort(-scores, kind="stable")] + tail
+    return out
+
+
+def evaluate_in_process(data: EvalData, cfg: EvalConfig) -> Systems:
+    out = Systems()
+    start = time.perf_counter()
+    out.runs["exact"] = exact_run(data)
+    out.seconds["exact"] = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="gtr-eval-") as tmp:
+        index_dir = (Path(cfg.run_dir) / "index") if cfg.run_dir else Path(tmp) / "index"
+        start = time.perf_counter()
+        shard, manifest = build_shard(data, cfg, index_dir)
+        out.seconds["train_and_add"] = time.perf_counter() - start
+        out.index = {
+            "factory": manifest.factory,
+            "nlist": manifest.nlist,
+            "nprobe_default": manifest.nprobe,
+            "target_recall": manifest.target_recall,
+            "measured_recall_at_10": _round(manifest.measured_recall),
+            "measured_wide_recall": _round(manifest.measured_wide_recall),
+            "wide_k": manifest.wide_k,
+            "ivf_advice": manifest.ivf_advice,
+        }
+        start = time.perf_counter()
+        out.runs["ivfpq_default"] = shard_run(shard, data, 0)
+        out.seconds["ivfpq_default"] = time.perf_counter() - start
+        for nprobe in sweep_nprobes(manifest.nlist, manifest.nprobe, cfg.nprobes):
+            out.runs[f"ivfpq_nprobe_{nprobe}"] = shard_run(shard, data, nprobe)
+    if cfg.rerank_checkpoint is not None:
+        held = held_out_queries(Path(cfg.rerank_checkpoint), data.qids)
+        if not held:
+            raise InvalidArgument(
+                "none of the evaluated queries was held out of the "
+                "checkpoint's training: no fair rerank gain to measure"
+            )
+        start = time.perf_counter()
+        out.runs["ivfpq_default+rerank"] = rerank_run(out.runs["ivfpq_default"], data, held, cfg)
+        out.seconds["rerank"] = time.perf_counter() - start
+        out.rerank = {
+            "checkpoint": str(cfg.rerank_checkpoint),
+            "depth": cfg.rerank_depth,
+            "queries": held,
+        }
+    return out

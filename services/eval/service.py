@@ -1,0 +1,87 @@
+"""The evaluation through a running gateway: what a client of the service gets.
+
+The corpus is upserted first (``ingest``; the same documents again are a no-op for the
+index), then every query is one ``Search`` (k = 100, ``ids_only``, STRONG consistency so
+the ingest is visible), at the server's default nprobe and at the nprobe values asked
+for; with ``rerank`` the gateway also reranks (its CELI, ``rerank_depth``) the held-out
+queries, as in the in-process path. Errors are the gateway's gRPC statuses, raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from retrieval.v1 import common_pb2, search_pb2, search_pb2_grpc
+from services.eval.config import DEPTH, EvalConfig
+from services.eval.data import EvalData
+from services.eval.inprocess import Run, Systems, held_out_queries
+
+Channel = Callable[[], grpc.Channel]
+
+
+def search_run(
+    stub: search_pb2_grpc.SearchServiceStub,
+    data: EvalData,
+    qids: list[str],
+    cfg: EvalConfig,
+    nprobe: int = 0,
+    rerank: bool = False,
+    desc: str = "search",
+) -> Run:
+    run: Run = {}
+    k = min(DEPTH, len(data.beir.doc_ids))
+    for q in tqdm(qids, desc=desc, disable=not cfg.progress):
+        request = search_pb2.SearchRequest(
+            query=data.beir.queries[q],
+            k=k,
+            nprobe=nprobe,
+            ids_only=True,
+            consistency=common_pb2.CONSISTENCY_STRONG,
+            require_complete=True,
+            rerank=search_pb2.RerankOptions(
+                enabled=rerank, depth=cfg.rerank_depth if rerank else 0
+            ),
+        )
+        response = stub.Search(request, timeout=cfg.timeout_s)
+        run[q] = [hit.id for hit in response.hits]
+    return run
+
+
+def evaluate_through_gateway(
+    data: EvalData, cfg: EvalConfig, channel: Channel, ingest: Callable[[], int] | None
+) -> Systems:
+    out = Systems()
+    if ingest is not None:
+        start = time.perf_counter()
+        out.index["ingested"] = ingest()
+        out.seconds["ingest"] = time.perf_counter() - start
+    with channel() as ch:
+        stub = search_pb2_grpc.SearchServiceStub(ch)
+        start = time.perf_counter()
+        out.runs["service_default"] = search_run(stub, data, data.qids, cfg)
+        out.seconds["service_default"] = time.perf_counter() - start
+        for nprobe in sorted(set(cfg.nprobes)):
+            out.runs[f"service_nprobe_{nprobe}"] = search_run(
+                stub, data, data.qids, cfg, nprobe, desc=f"search nprobe {nprobe}"
+            )
+        if cfg.rerank_checkpoint is not None:
+            held = held_out_queries(Path(cfg.rerank_checkpoint), data.qids)
+            start = time.perf_counter()
+            out.runs["service_default+rerank"] = search_run(
+                stub, data, held, cfg, rerank=True, desc="search + rerank"
+            )
+            out.seconds["rerank"] = time.perf_counter() - start
+            out.rerank = {
+                "checkpoint": str(cfg.rerank_checkpoint),
+                "depth": cfg.rerank_depth,
+                "queries": held,
+                "note": "the gateway's reranker must serve this "
+                "checkpoint (up --rerank-checkpoint)",
+            }
+    out.index["gateway"] = cfg.gateway
+    return out
