@@ -237,58 +237,6 @@ def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str, str]:
     return child, server.grpc_url, f"{cfg.host}:{ports[1]}", f"{cfg.host}:{ports[2]}"
 
 
-def _encode_sample(cfg: StackConfig, triton_grpc: str, texts: list[str]) -> tuple[object, str]:
-    """Embed ``texts`` (document side) through Triton, or in-process without it."""
-    import asyncio
-
-    import numpy as np
-
-    async def run() -> tuple[object, str]:
-        if triton_grpc:
-            from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
-
-            encoder: object = await TritonEncoder.connect(
-                TritonEncoderConfig(url=triton_grpc, default_timeout_s=120.0, tls=internal_tls(cfg))
-            )
-        else:
-            from services.encoder.inprocess import InProcessEncoder
-
-            encoder = InProcessEncoder.torch()
-        try:
-            step = encoder.max_batch  # type: ignore[attr-defined]
-            rows = [
-                (await encoder.encode(texts[i : i + step], "document")).vectors  # type: ignore[attr-defined]
-                for i in range(0, len(texts), step)
-            ]
-            return np.concatenate(rows), encoder.model_name  # type: ignore[attr-defined]
-        finally:
-            await encoder.close()  # type: ignore[attr-defined]
-
-    return asyncio.run(run())
-
-
-def train_index_if_needed(cfg: StackConfig, triton_grpc: str, say: Say) -> None:
-    """First run: train IVF-PQ on a sample of the corpus's own embeddings."""
-    import random
-
-    import numpy as np
-
-    from services.corpus.readers import read_corpus
-    from services.index.core.train import MANIFEST, TrainOptions, train_index
-
-    if (cfg.index_dir / MANIFEST).exists():
-        return
-    corpus = corpus_file(cfg)
-    docs = list(read_corpus(corpus))
-    random.Random(0).shuffle(docs)
-    sample = docs[: cfg.train_sample]
-    say(f"index      training IVF-PQ on {len(sample)} embeddings of {corpus.name} (first run)")
-    texts = sorted((f"{d.title} {d.text}" if d.title else d.text for d in sample), key=len)
-    vectors, model = _encode_sample(cfg, triton_grpc, texts)
-    manifest = train_index(np.asarray(vectors), cfg.index_dir, TrainOptions(model=str(model)))
-    say(f"index      {manifest.factory}, nprobe {manifest.nprobe}")
-
-
 def peer_tls_args(cfg: StackConfig) -> list[str]:
     """``--tls``: how a shard replica reaches its peers (the run's CA, mTLS)."""
     certs = certificates(cfg)

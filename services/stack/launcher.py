@@ -1,7 +1,10 @@
 """``gtr-retrieval up``: the whole system on this machine, as child processes.
 
-Order: Redis → Triton (encoder) → index training (first run only) → shards → rerank →
-gateway → ingest of the corpus (first run only) → example searches → serve until
+Order: Redis → Triton (encoder) → first run only: the corpus encoded once and the index
+trained on a sample of those embeddings (:mod:`services.stack.first_run`) → shards →
+rerank → gateway → first run only: the corpus stored with those embeddings (no second
+encode; a corpus not yet ingested on a later run goes through the gateway) → example
+searches → serve until
 Ctrl-C/SIGTERM, then stop the children in reverse order. Meanwhile a child that exits is
 restarted on the same port (see :mod:`services.stack.children`); one that keeps failing
 stops the whole stack (exit status 1). Every child logs to
