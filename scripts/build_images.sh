@@ -158,24 +158,61 @@ main() {
   # --- the images --------------------------------------------------------------------------
   revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
   created=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-  build() {  # DOCKERFILE REF [--build-arg ...]
-    local file=$1 tag=$2
-    shift 2
+  # An image is rebuilt only when what it is made from changed: its Dockerfile, the files
+  # it copies, the base, the wheelhouse and (for the application images) the project's
+  # source. The key is the image's label io.gtr-retrieval.build-key.
+  source_hash=$( { git ls-tree -r HEAD -- services retrieval pyproject.toml 2>/dev/null
+                   if [ "${GTR_IMAGE_SOURCE:-worktree}" != HEAD ]; then
+                     git diff HEAD -- services retrieval pyproject.toml 2>/dev/null
+                     git ls-files -o --exclude-standard -- services retrieval 2>/dev/null \
+                       | xargs -r sha256sum
+                   fi; } | sha256sum | cut -c1-16)
+  existing_key() {
+    if [ "$engine" = docker ]; then
+      docker image inspect --format '{{index .Config.Labels "io.gtr-retrieval.build-key"}}' "$1"
+    else
+      buildah inspect --type image --format \
+        '{{index .Docker.Config.Labels "io.gtr-retrieval.build-key"}}' "$1"
+    fi 2>/dev/null || true
+  }
+  build() {  # DOCKERFILE REF WHEELHOUSE [--build-arg ...]
+    local file=$1 tag=$2 wheels=$3 key
+    shift 3
+    key=$( { cat "$file" deploy/docker/healthcheck.py; echo "$base_ref $*"
+             ls "$wheels" 2>/dev/null | grep -v '^gtr_retrieval-'
+             if grep -q 'gtr-retrieval\[' "$file"; then echo "$source_hash"; fi; } \
+           | sha256sum | cut -c1-16)
+    if [ "$(existing_key "$tag")" = "$key" ]; then
+      step "up to date: $tag (build key $key)"
+      return
+    fi
     step "build $tag ($file)"
     local args=(-f "$file" -t "$tag" --build-arg "VERSION=$TAG" --build-arg "REVISION=$revision"
-      --build-arg "CREATED=$created" "$@")
+      --build-arg "CREATED=$created" --label "io.gtr-retrieval.build-key=$key" "$@")
+    local old
     if [ "$engine" = docker ]; then
+      old=$(docker image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
       DOCKER_BUILDKIT=1 docker build "${args[@]}" .
+      [ -z "$old" ] || [ "$old" = "$(docker image inspect --format '{{.Id}}' "$tag")" ] \
+        || docker rmi "$old" >/dev/null 2>&1 || true
     else
+      old=$(buildah inspect --type image --format '{{.FromImageID}}' "$tag" 2>/dev/null || true)
       # --layers=false: one layer per stage (with vfs every layer is a full copy of the tree).
-      buildah bud --quiet --isolation chroot --layers=false --format docker "${args[@]}" .
+      buildah bud --quiet --isolation chroot --layers=false --force-rm --format docker "${args[@]}" .
+      # the image this one replaces (untagged now): with vfs it holds gigabytes
+      [ -z "$old" ] || [ "$old" = "$(buildah inspect --type image --format '{{.FromImageID}}' "$tag")" ] \
+        || buildah rmi "$old" >/dev/null 2>&1 || true
     fi
   }
-  build deploy/docker/gtr-retrieval.Dockerfile "$APP_REF" --build-arg "BASE_IMAGE=$base_ref"
-  build deploy/docker/triton-cpu.Dockerfile "$TRITON_CPU_REF" --build-arg "BASE_IMAGE=$base_ref"
+  build deploy/docker/gtr-retrieval.Dockerfile "$APP_REF" build/wheels/cpu \
+    --build-arg "BASE_IMAGE=$base_ref"
+  build deploy/docker/triton-cpu.Dockerfile "$TRITON_CPU_REF" build/wheels/cpu \
+    --build-arg "BASE_IMAGE=$base_ref"
   if [ "$gpu" = 1 ]; then
-    build deploy/docker/gtr-retrieval-gpu.Dockerfile "$APP_GPU_REF" --build-arg "BASE_IMAGE=$base_ref"
-    build deploy/docker/triton.Dockerfile "$TRITON_REF" --build-arg "TRITON_IMAGE=$TRITON_BASE"
+    build deploy/docker/gtr-retrieval-gpu.Dockerfile "$APP_GPU_REF" build/wheels/gpu \
+      --build-arg "BASE_IMAGE=$base_ref"
+    build deploy/docker/triton.Dockerfile "$TRITON_REF" build/wheels/gpu \
+      --build-arg "TRITON_IMAGE=$TRITON_BASE"
   fi
   step "done: $APP_REF $TRITON_CPU_REF$([ "$gpu" = 1 ] && echo " $APP_GPU_REF $TRITON_REF")"
 }

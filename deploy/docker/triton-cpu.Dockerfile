@@ -20,6 +20,7 @@ RUN dpkg-query -W python3.11 libpython3.11 ca-certificates >/dev/null 2>&1 \
          && rm -rf /var/lib/apt/lists/*; }
 
 FROM base AS build
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # nvidia-pytriton without its dependencies: only its tritonserver binary, Python backend and
 # backend stubs are used, never its Python API. The stub of Python 3.11 goes beside
 # libtriton_python.so, where tritonserver looks for the `python` backend.
@@ -39,7 +40,13 @@ RUN --mount=type=bind,source=build/wheels/cpu,target=/wheels \
           "$SERVER/python_backend_stubs/3.11/triton_python_backend_stub" \
           /opt/tritonserver/backends/python/ \
     && rm -rf "$SERVER/python_backend_stubs" "$SERVER/backends" /opt/venv/lib/python3.11/site-packages/pytriton/[!t]* \
-    && /opt/tritonserver/bin/tritonserver --help >/dev/null
+    && export LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia_pytriton.libs \
+    && ! { ldd /opt/tritonserver/bin/tritonserver \
+              /opt/tritonserver/backends/python/libtriton_python.so \
+              /opt/tritonserver/backends/python/triton_python_backend_stub || true; } \
+         | grep "not found" \
+    && { /opt/tritonserver/bin/tritonserver --help 2>&1 || true; } \
+         | grep "Usage: tritonserver" >/dev/null
 
 FROM base
 ARG VERSION=0.1.0
