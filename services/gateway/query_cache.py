@@ -16,7 +16,9 @@ model's query length) and the little-endian float32 vector.
   least recently used members, deleting their entries, until at most ``max_entries``
   remain. Lookup and insert are each one Lua script, atomic in Redis, so the bound holds
   under any number of concurrent gateways: every live entry is a member of the set, and
-  the set is never left above the bound.
+  the set is never left above the bound. A hit rewrites its score only when it is older
+  than ``touch_s`` (a tenth of the TTL, at most a minute): LRU to that granularity, and
+  most hits write nothing (on a Redis with ``appendfsync always`` a write is an fsync).
 * **Redis Cluster**: every key carries the hash tag ``{gtr-qcache}``, so the scripts'
   keys are in one slot.
 * **Never fails a search**: a lookup is bounded by ``timeout_s`` (and the request's
@@ -65,16 +67,22 @@ _SPACE_RUN = re.compile(
     "[ \t\n\r\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]+",
 )
 
-# KEYS[1]: the LRU set, KEYS[2..]: the entries. Returns each entry's value or nil; a hit
-# becomes the most recently used, a miss leaves the set (its entry expired).
+# KEYS[1]: the LRU set, KEYS[2..]: the entries; ARGV[1]: the touch interval in ms.
+# Returns each entry's value or nil; a hit becomes the most recently used (its score is
+# rewritten only when older than the touch interval: most hits write nothing, so they
+# cost no AOF write and fsync), a miss leaves the set (its entry expired).
 _LOOKUP = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local touch = tonumber(ARGV[1])
 local out = {}
 for i = 2, #KEYS do
   local value = redis.call('GET', KEYS[i])
   if value then
-    redis.call('ZADD', KEYS[1], now, KEYS[i])
+    local used = redis.call('ZSCORE', KEYS[1], KEYS[i])
+    if (not used) or now - tonumber(used) >= touch then
+      redis.call('ZADD', KEYS[1], now, KEYS[i])
+    end
     out[i - 1] = value
   else
     redis.call('ZREM', KEYS[1], KEYS[i])
@@ -143,6 +151,7 @@ class QueryEmbeddingCache:
         timeout_s: float = 0.05,
         lowercase: bool = False,
         backoff_s: float = 1.0,
+        touch_s: float | None = None,
         max_connections: int = 64,
         metrics: QueryCacheMetrics | None = None,
     ) -> None:
@@ -153,6 +162,8 @@ class QueryEmbeddingCache:
         self.dim = dim
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.max_entries = max_entries
+        # LRU to this granularity: default a tenth of the TTL, at most a minute
+        self.touch_ms = round(1000 * (min(60.0, ttl_s / 10) if touch_s is None else touch_s))
         self.timeout_s = timeout_s
         self.lowercase = lowercase
         self.backoff_s = backoff_s
@@ -204,7 +215,7 @@ class QueryEmbeddingCache:
         keys = [self.key(t, kind) for t in texts]
         try:
             async with asyncio.timeout(limit):
-                values = await self._lookup(keys=[LRU_KEY, *keys])
+                values = await self._lookup(keys=[LRU_KEY, *keys], args=[self.touch_ms])
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._failed("lookup", exc)
             self._count("error", len(texts))

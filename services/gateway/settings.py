@@ -133,7 +133,9 @@ class GatewaySettings(ServiceSettings):
         "embedding_cached says when. A cache error never fails a search (it is encoded).",
     )
     query_cache_redis_url: str | None = Field(
-        None, description="Redis of the query cache; unset = --redis-url."
+        None,
+        description="Redis of the query cache (one Redis or redis+cluster://); unset = "
+        "--redis-url. The cache needs no durability: a Redis without AOF suits it.",
     )
     query_cache_ttl_s: float = Field(
         3600.0,

@@ -233,14 +233,18 @@ def test_an_entry_expires_after_its_ttl_and_a_hit_does_not_extend_it(any_redis_u
     client = sync_client(redis_url)
 
     async def scenario() -> None:
-        cache = _cache(redis_url, ttl_s=0.4)
+        cache = _cache(redis_url, ttl_s=0.4, touch_s=10.0)
         try:
             cache.store(["q"], "query", _vectors(1, 8, 0), [True])
             await cache.drain()
             (key,) = entries(client)
             assert 0 < client.pttl(key) <= 400
+            inserted = client.zscore(LRU_KEY, key)
             (hit,) = await cache.lookup(["q"], "query")
             assert hit is not None and hit.truncated
+            assert client.zscore(LRU_KEY, key) == inserted, (
+                "a hit within the touch interval writes nothing"
+            )
             np.testing.assert_array_equal(hit.vector, _vectors(1, 8, 0)[0])
             await asyncio.sleep(0.1)
             await cache.lookup(["q"], "query")
@@ -263,7 +267,8 @@ def test_the_size_bound_holds_under_concurrent_inserts_from_several_gateways(
     bound = 40
 
     async def scenario() -> None:
-        caches = [_cache(redis_url, max_entries=bound) for _ in range(4)]
+        # touch_s=0: every hit is a use (exact LRU order, which the test checks)
+        caches = [_cache(redis_url, max_entries=bound, touch_s=0.0) for _ in range(4)]
         try:
 
             async def insert(c: int, wave: int) -> None:
