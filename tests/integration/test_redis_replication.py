@@ -173,3 +173,30 @@ def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
             logged |= {c.doc_id for c in decode_entry(fields) if isinstance(c, Upsert)}
     client.close()
     assert set(acked) <= logged
+
+
+def test_a_cluster_that_requires_auth_takes_the_password_from_the_url(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """requirepass on every node (a managed cluster's AUTH token): the writer and the
+    layout check reach it with ``redis+cluster://:token@...``; without it, UNAVAILABLE."""
+    from services.index.layout import check_layout_at
+
+    with run_redis_cluster(tmp_path_factory.mktemp("auth-cluster"), password="s3cret-token") as c:
+        assert c.url.startswith("redis+cluster://:s3cret-token@")
+        check_layout_at(c.url, SHARDS, wait_s=0)
+
+        async def run() -> None:
+            writer = ChangeLogWriter(c.url, SHARDS, dim=DIM, wait_replicas=1)
+            anonymous = ChangeLogWriter(c.url.replace(":s3cret-token@", ""), SHARDS, dim=DIM)
+            try:
+                await writer.upsert(records("auth", 9, 2))
+                doc = await writer.get("auth-4")
+                assert doc is not None and doc.text == "text auth-4"
+                with pytest.raises(Unavailable, match=r"(?i)auth"):
+                    await anonymous.get("auth-4")
+            finally:
+                await writer.close()
+                await anonymous.close()
+
+        asyncio.run(run())

@@ -30,6 +30,7 @@ class ClusterNode:
     port: int
     bus_port: int
     data_dir: Path
+    password: str | None = None  # requirepass + masterauth (AUTH on every node)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -37,16 +38,21 @@ class ClusterNode:
         return f"127.0.0.1:{self.port}"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5.0)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5.0
+        )
 
     def start(self) -> None:
         binary = redis_binary()
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        auth = (
+            ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
+        )
         self.process = subprocess.Popen(
             [
-                binary, "--port", str(self.port), "--cluster-port", str(self.bus_port),
+                *[binary, *auth], "--port", str(self.port), "--cluster-port", str(self.bus_port),
                 "--bind", "127.0.0.1", "--dir", str(self.data_dir),
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
@@ -75,7 +81,9 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(n.address for n in self.nodes)
+        password = self.nodes[0].password
+        auth = f":{password}@" if password else ""
+        return "redis+cluster://" + auth + ",".join(n.address for n in self.nodes)
 
     def info(self, node: ClusterNode, section: str) -> dict[str, str]:
         """``CLUSTER INFO`` (section "cluster") or an ``INFO`` section of ``node``."""
@@ -144,7 +152,9 @@ class RedisCluster:
 
 
 @contextmanager
-def run_redis_cluster(work_dir: Path, primaries: int = 3) -> Iterator[RedisCluster]:
+def run_redis_cluster(
+    work_dir: Path, primaries: int = 3, password: str | None = None
+) -> Iterator[RedisCluster]:
     """``primaries`` primaries with one replica each, joined into a cluster; stopped on exit."""
     cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
     if not Path(cli).exists():
@@ -158,13 +168,14 @@ def run_redis_cluster(work_dir: Path, primaries: int = 3) -> Iterator[RedisClust
             if port not in used:
                 used.add(port)
                 ports.append(port)
-        nodes.append(ClusterNode(ports[0], ports[1], work_dir / f"node-{i}"))
+        nodes.append(ClusterNode(ports[0], ports[1], work_dir / f"node-{i}", password))
     cluster = RedisCluster(nodes)
     try:
         for node in nodes:
             node.start()
         subprocess.run(
-            [cli, "--cluster", "create", *[n.address for n in nodes], "--cluster-replicas", "1",
+            [cli, *(["-a", password, "--no-auth-warning"] if password else []),
+             "--cluster", "create", *[n.address for n in nodes], "--cluster-replicas", "1",
              "--cluster-yes"],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
         )  # fmt: skip
