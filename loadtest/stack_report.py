@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,12 @@ def loadavg() -> tuple[float, float, float]:
 
 
 async def run_sweep(
-    target: Target, workload: Workload, cfg: SweepConfig, png: Path, title: str
+    target: Target,
+    workload: Workload,
+    cfg: SweepConfig,
+    png: Path,
+    title: str,
+    knee: bool = False,
 ) -> dict[str, Any]:
     def show(s: dict[str, Any]) -> None:
         print(
@@ -106,7 +112,19 @@ async def run_sweep(
             flush=True,
         )
 
-    result = await sweep(target, workload, RunConfig(rate=1.0, duration_s=1.0, seed=11), cfg, show)
+    run = RunConfig(rate=1.0, duration_s=1.0, seed=11)
+    result = await sweep(target, workload, run, cfg, show)
+    if result["best_rate"] is None and knee:
+        # No rate met the SLO: climb from the first rate while the gateway keeps up, so
+        # the plot shows where it saturates (its steps keep their SLO verdicts).
+        print("  no rate met the SLO; climbing while the gateway keeps up", flush=True)
+        climb = replace(cfg, criterion="throughput", min_rate=cfg.start_rate, refine=0)
+        extra = await sweep(target, workload, replace(run, seed=97), climb, show)
+        result["steps"] += extra["steps"]
+        result["max_kept_up_rate"] = max(
+            (r for r in (result["max_kept_up_rate"], extra["max_kept_up_rate"]) if r),
+            default=None,
+        )
     plot(result, png, title)
     result["plot"] = str(png)
     print(
@@ -145,6 +163,7 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
             off,
             args.img_dir / "load-sweep-rerank-off.png",
             f"Search, rerank off, 2 shards, MiniLM (SLO {slo_off:g} ms)",
+            knee=True,
         )
     )
 
@@ -183,24 +202,26 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
 def summary_lines(out: dict[str, Any]) -> list[str]:
     ov, off, on, bn = out["overhead"], out["rerank_off"], out["rerank_on"], out["bottleneck"]
     best_off = off["best_rate"] or 0.0
+    knee_off = off["max_kept_up_rate"] or 0.0
     lines = [
         f"load average before {out['loadavg_before']}, after {out['loadavg_after']}",
         f"generator: max sustained {ov['max_sustained_rate']:.0f}/s against the trivial server; "
         f"adds {ov['added_p50_ms']:.2f} ms at p50 (open loop {ov['openloop_p50_ms']:.2f} ms vs "
         f"round trip {ov['roundtrip_p50_ms']:.2f} ms); "
-        f"{ov['max_sustained_rate'] / best_off if best_off else float('inf'):.1f}x the "
-        f"gateway's best rate",
+        f"{ov['max_sustained_rate'] / max(best_off, knee_off, 1e-9):.1f}x the gateway's "
+        f"best rate (or the highest it kept up with, {knee_off:g}/s)",
         f"rerank off: best rate {off['best_rate']}/s within {off['slo_ms']:g} ms "
         f"(p99 {off['best_p99_ms']}, attainment {off['best_attainment']}); first failing "
-        f"{off['first_failing_rate']}",
+        f"{off['first_failing_rate']}; highest rate it kept up with (achieved >= 90 % of "
+        f"scheduled, <= 1 % errors) {off['max_kept_up_rate']}/s",
         f"rerank on:  best rate {on['best_rate']}/s within {on['slo_ms']:g} ms "
         f"(p99 {on['best_p99_ms']}, attainment {on['best_attainment']}); first failing "
-        f"{on['first_failing_rate']}",
+        f"{on['first_failing_rate']}; highest rate it kept up with {on['max_kept_up_rate']}/s",
         f"gateway {bn['gateway_searches_per_s']:.1f} searches/s ÷ Triton "
         f"{bn['triton_encodes_per_s']:.1f} encodes/s at concurrency {bn['concurrency']} = "
         f"{bn['ratio']:.3f} (rounds {bn['rounds_ratio_min']:.3f}–{bn['rounds_ratio_max']:.3f};"
-        f" goal ≥ 0.8); best open-loop rate ÷ encode-only = "
-        f"{best_off / bn['triton_encodes_per_s']:.3f}",
+        f" goal ≥ 0.8); open loop: highest rate kept up with ÷ encode-only = "
+        f"{knee_off / bn['triton_encodes_per_s']:.3f}",
     ]
     return lines
 

@@ -5,10 +5,14 @@ Each step is an open-loop run of ``step_s`` seconds at one rate (rates grow by
 of its scheduled requests succeeded within it; the first step that does not ends the
 climb (when already the first rate breaks it, the rates step down by ``factor`` until one
 meets it), and ``refine`` more steps bisect (geometrically) between the last good and
-the first bad rate. A step where the generator itself fell behind stops the sweep with
-``stop_reason: generator``: past that point the figures would describe the generator.
-The result's ``best_rate`` is the highest offered rate that met the SLO, and
-:func:`plot` draws latency percentiles and attainment against offered rate as a PNG.
+the first bad rate. With ``criterion="throughput"`` a step is good when the server kept
+up with it (achieved rate within 10 % of the scheduled one, at most 1 % errors), whatever
+its latency: that finds the knee of the curve when no rate meets the SLO. A step where
+the generator itself fell behind stops the sweep with ``stop_reason: generator``: past
+that point the figures would describe the generator. The result's ``best_rate`` is the
+highest offered rate that met the SLO (either criterion), ``max_kept_up_rate`` the
+highest one the server kept up with, and :func:`plot` draws latency percentiles and
+attainment against offered rate as a PNG.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from loadtest.results import ATTAINMENT_GOAL, PERCENTILES, summarize
 from loadtest.runner import RunConfig, run_open_loop
@@ -38,6 +42,10 @@ class SweepConfig:
     refine: int = 2  # bisection steps between the last good and the first bad rate
     cooldown_s: float = 1.0  # idle time between steps, so a backlog does not carry over
     lag_limit_ms: float | None = None  # None: results.LAG_LIMIT_SHARE of the budget
+    # What a step must keep to count as good: the SLO, or (to find the knee when no rate
+    # meets the SLO) that it is kept up with: the achieved rate within 10 % of the
+    # scheduled one and at most 1 % errors.
+    criterion: Literal["slo", "throughput"] = "slo"
 
     def __post_init__(self) -> None:
         if self.start_rate <= 0 or self.factor <= 1.0 or self.step_s <= 0:
@@ -68,6 +76,9 @@ async def sweep(
         on_step(summary)
         return summary
 
+    def passed(summary: dict[str, Any]) -> bool:
+        return bool(summary["slo_met"]) if cfg.criterion == "slo" else keeps_up(summary)
+
     rate = cfg.start_rate
     while len(steps) < cfg.max_steps:
         if rate > cfg.max_rate or rate < cfg.min_rate:
@@ -77,28 +88,29 @@ async def sweep(
         if summary["generator_behind"]:
             reason = "generator"
             break
-        if summary["slo_met"]:
+        if passed(summary):
             good = rate
             if bad is not None:  # came down to a rate that meets it: the edge is found
-                reason = "slo"
+                reason = cfg.criterion
                 break
             rate *= cfg.factor
         else:
             bad = rate
             if good is not None:
-                reason = "slo"
+                reason = cfg.criterion
                 break
             rate /= cfg.factor  # not even the first rate meets it: step down
-    for _ in range(cfg.refine if reason == "slo" and good is not None else 0):
+    for _ in range(cfg.refine if reason == cfg.criterion and good is not None else 0):  # the edge
         assert good is not None and bad is not None
         mid = math.sqrt(good * bad)
         summary = await step(mid)
         if summary["generator_behind"]:
             break
-        if summary["slo_met"]:
+        if passed(summary):
             good = mid
         else:
             bad = mid
+    kept = [s["offered_rate"] for s in steps if keeps_up(s) and not s["generator_behind"]]
     best = max(
         (s for s in steps if s["slo_met"] and not s["generator_behind"]),
         key=lambda s: s["offered_rate"],
@@ -113,8 +125,22 @@ async def sweep(
         "best_p99_ms": best["p99_ms"] if best else None,
         "best_attainment": best["slo_attainment"] if best else None,
         "first_failing_rate": bad,
+        "criterion": cfg.criterion,
+        "max_kept_up_rate": max(kept, default=None),
         "steps": steps,
     }
+
+
+def keeps_up(step: dict[str, Any]) -> bool:
+    """The server kept up with the step's rate (whatever the latency)."""
+    # Against the realised arrival rate, not the nominal one: a short Poisson step
+    # schedules ± its square root of requests.
+    scheduled = step["scheduled_rate"]
+    return bool(
+        scheduled == scheduled  # NaN: a single request
+        and step["achieved_rate"] >= 0.9 * scheduled
+        and step["error_fraction"] <= 0.01
+    )
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> Path:

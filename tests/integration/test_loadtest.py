@@ -387,3 +387,17 @@ def test_the_token_is_sent_as_bearer_metadata(tmp_path: Path) -> None:
     (good, bad), _ = asyncio.run(with_server(wants_token, body))
     assert set(good.codes) == {"OK"} and len(good.codes) == 30
     assert set(bad.codes) == {"UNAUTHENTICATED"}
+
+
+def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
+    """criterion="throughput" ignores latency: against a 100/s server it climbs past the
+    rates that already break a tight budget and stops where the achieved rate falls
+    behind the scheduled one (by 200/s, twice the capacity)."""
+    cfg = SweepConfig(start_rate=12.5, slo_ms=1.0, factor=2.0, step_s=1.5, refine=0,
+                      cooldown_s=0.5, lag_limit_ms=1000.0, criterion="throughput")  # fmt: skip
+    result = run_sweep(serial_server(0.01), cfg)
+    assert result["best_rate"] is None  # nothing meets 1 ms
+    assert result["stop_reason"] == "throughput"
+    assert [s["offered_rate"] for s in result["steps"]][:2] == [12.5, 25.0]
+    assert 25.0 <= result["max_kept_up_rate"] <= 100.0
+    assert result["first_failing_rate"] <= 200.0
