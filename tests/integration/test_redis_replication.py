@@ -175,28 +175,36 @@ def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
     assert set(acked) <= logged
 
 
-def test_a_cluster_that_requires_auth_takes_the_password_from_the_url(
+def test_a_cluster_with_tls_and_auth_is_reached_through_a_rediss_cluster_url(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """requirepass on every node (a managed cluster's AUTH token): the writer and the
-    layout check reach it with ``redis+cluster://:token@...``; without it, UNAVAILABLE."""
+    """What a managed cluster looks like (TLS only, an AUTH token on every node): the
+    writer with WAIT and the layout check reach it through
+    ``rediss+cluster://:token@...?ssl_ca_certs=...``; without the token, or without the
+    CA that signed the nodes' certificate, a read is UNAVAILABLE and says why."""
     from services.index.layout import check_layout_at
+    from services.stack.certs import make_certs
 
-    with run_redis_cluster(tmp_path_factory.mktemp("auth-cluster"), password="s3cret-token") as c:
-        assert c.url.startswith("redis+cluster://:s3cret-token@")
+    work = tmp_path_factory.mktemp("tls-auth-cluster")
+    certs = make_certs(work / "certs").dir
+    with run_redis_cluster(work / "nodes", password="s3cret-token", tls=certs) as c:
+        assert c.url.startswith("rediss+cluster://:s3cret-token@")
         check_layout_at(c.url, SHARDS, wait_s=0)
 
         async def run() -> None:
             writer = ChangeLogWriter(c.url, SHARDS, dim=DIM, wait_replicas=1)
             anonymous = ChangeLogWriter(c.url.replace(":s3cret-token@", ""), SHARDS, dim=DIM)
+            untrusting = ChangeLogWriter(c.url.split("/?")[0], SHARDS, dim=DIM, read_retry_s=0)
             try:
-                await writer.upsert(records("auth", 9, 2))
-                doc = await writer.get("auth-4")
-                assert doc is not None and doc.text == "text auth-4"
+                await writer.upsert(records("tls", 9, 2))
+                doc = await writer.get("tls-4")
+                assert doc is not None and doc.text == "text tls-4"
                 with pytest.raises(Unavailable, match=r"(?i)auth"):
-                    await anonymous.get("auth-4")
+                    await anonymous.get("tls-4")
+                with pytest.raises(Unavailable, match=r"(?i)certificate"):
+                    await untrusting.get("tls-4")
             finally:
-                await writer.close()
-                await anonymous.close()
+                for w in (writer, anonymous, untrusting):
+                    await w.close()
 
         asyncio.run(run())

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -31,6 +32,7 @@ class ClusterNode:
     bus_port: int
     data_dir: Path
     password: str | None = None  # requirepass + masterauth (AUTH on every node)
+    tls: Path | None = None  # a make_certs() directory: TLS only (clients, bus, replication)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -38,8 +40,11 @@ class ClusterNode:
         return f"127.0.0.1:{self.port}"
 
     def client(self) -> redis.Redis:
+        tls: dict[str, Any] = (
+            {"ssl": True, "ssl_ca_certs": str(self.tls / "ca.pem")} if self.tls else {}
+        )
         return redis.Redis(
-            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5.0
+            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5.0, **tls
         )
 
     def start(self) -> None:
@@ -50,9 +55,18 @@ class ClusterNode:
         auth = (
             ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
         )
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            ports = [
+                "--port", "0", "--tls-port", str(self.port), "--tls-cluster", "yes",
+                "--tls-replication", "yes", "--tls-auth-clients", "no",
+                "--tls-cert-file", str(self.tls / "server.pem"),
+                "--tls-key-file", str(self.tls / "server.key"),
+                "--tls-ca-cert-file", str(self.tls / "ca.pem"),
+            ]  # fmt: skip
         self.process = subprocess.Popen(
             [
-                *[binary, *auth], "--port", str(self.port), "--cluster-port", str(self.bus_port),
+                *[binary, *auth, *ports], "--cluster-port", str(self.bus_port),
                 "--bind", "127.0.0.1", "--dir", str(self.data_dir),
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
@@ -81,9 +95,12 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        password = self.nodes[0].password
+        password, tls = self.nodes[0].password, self.nodes[0].tls
         auth = f":{password}@" if password else ""
-        return "redis+cluster://" + auth + ",".join(n.address for n in self.nodes)
+        nodes = ",".join(n.address for n in self.nodes)
+        if tls:
+            return f"rediss+cluster://{auth}{nodes}/?ssl_ca_certs={tls / 'ca.pem'}"
+        return f"redis+cluster://{auth}{nodes}"
 
     def info(self, node: ClusterNode, section: str) -> dict[str, str]:
         """``CLUSTER INFO`` (section "cluster") or an ``INFO`` section of ``node``."""
@@ -153,7 +170,7 @@ class RedisCluster:
 
 @contextmanager
 def run_redis_cluster(
-    work_dir: Path, primaries: int = 3, password: str | None = None
+    work_dir: Path, primaries: int = 3, password: str | None = None, tls: Path | None = None
 ) -> Iterator[RedisCluster]:
     """``primaries`` primaries with one replica each, joined into a cluster; stopped on exit."""
     cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -168,13 +185,14 @@ def run_redis_cluster(
             if port not in used:
                 used.add(port)
                 ports.append(port)
-        nodes.append(ClusterNode(ports[0], ports[1], work_dir / f"node-{i}", password))
+        nodes.append(ClusterNode(ports[0], ports[1], work_dir / f"node-{i}", password, tls))
     cluster = RedisCluster(nodes)
     try:
         for node in nodes:
             node.start()
         subprocess.run(
             [cli, *(["-a", password, "--no-auth-warning"] if password else []),
+             *(["--tls", "--cacert", str(tls / "ca.pem")] if tls else []),
              "--cluster", "create", *[n.address for n in nodes], "--cluster-replicas", "1",
              "--cluster-yes"],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
