@@ -327,8 +327,8 @@ def _other_alerts() -> list[dict[str, Any]]:
     ]
     for job in jobs:
         expr = f'absent(up{{job="{job}"}})'
-        if job == "rerank":  # only where a gateway is configured with a reranker
-            expr += "\nand on () max(gateway_rerank_configured) > 0"
+        if job in ("rerank", "triton"):  # only where a gateway uses one
+            expr += f"\nand on () max(gateway_{job}_configured) > 0"
         rules.append(
             _alert(
                 "GtrJobAbsent",
@@ -377,13 +377,10 @@ def _other_alerts() -> list[dict[str, Any]]:
 
 
 def rules() -> dict[str, Any]:
-    return {
-        "groups": [
-            {"name": "gtr-retrieval.slo", "rules": _thresholds() + _slis()},
-            {"name": "gtr-retrieval.recording", "rules": _dashboards()},
-            {"name": "gtr-retrieval.alerts", "rules": _burn_rate_alerts() + _other_alerts()},
-        ]
-    }
+    # One group: its rules are evaluated in order, so an alert reads the recording rules
+    # of the same evaluation (across groups it may read the previous one's).
+    every = _thresholds() + _slis() + _dashboards() + _burn_rate_alerts() + _other_alerts()
+    return {"groups": [{"name": "gtr-retrieval", "rules": every}]}
 
 
 class _Dumper(yaml.SafeDumper):

@@ -33,12 +33,14 @@ class GatewayMetrics:
         size: str,
         slo: SizeSlo,
         rerank: bool = False,
+        triton: bool = False,
     ) -> GatewayMetrics:
         """``slo``: the objectives this gateway runs under, exported as
         ``gtr_slo_seconds{objective}`` (encode, search, search_rerank): the numbers the
-        rules were generated from (services/common/slo.py). ``rerank``: whether a
-        reranker is configured (``gateway_rerank_configured``; the rerank job is only
-        expected where it is)."""
+        rules were generated from (services/common/slo.py). ``rerank`` / ``triton``:
+        whether a reranker is configured and whether the encoder is Triton
+        (``gateway_rerank_configured``, ``gateway_triton_configured``: the rerank and
+        triton jobs are only expected to be scraped where a gateway uses them)."""
         gauge = Gauge(
             "gtr_slo_seconds",
             "Latency objective this gateway runs under (services/common/slo.py).",
@@ -56,6 +58,11 @@ class GatewayMetrics:
             "1 when this gateway has a rerank service configured, else 0.",
             registry=registry,
         ).set(1.0 if rerank else 0.0)
+        Gauge(
+            "gateway_triton_configured",
+            "1 when this gateway encodes on Triton, 0 with the in-process encoder.",
+            registry=registry,
+        ).set(1.0 if triton else 0.0)
         metrics = cls(
             stage_seconds=Histogram(
                 "gateway_stage_seconds",

@@ -127,6 +127,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         settings.encoder_size,
         slo_for(settings.encoder_size),
         rerank=bool(settings.rerank_url),
+        triton=settings.encoder == "triton",
     )
     query_cache = (
         QueryEmbeddingCache(

@@ -198,6 +198,7 @@ def test_the_slis_metrics_are_exported(exported: set[str]) -> None:
         "gateway_partial_results_total",
         "gateway_searches_total",
         "gateway_rerank_configured",
+        "gateway_triton_configured",
         "index_log_lag_seconds",
         "index_log_newest_entry_timestamp_seconds",
         "index_log_applied_entry_timestamp_seconds",

@@ -41,6 +41,7 @@ def test_the_slo_gauge_is_the_tables_row_of_the_size() -> None:
         got = value(registry, "gtr_slo_seconds", objective=objective, model="m", size="xl")
         assert got == seconds
     assert value(registry, "gateway_rerank_configured") == 0.0
+    assert value(registry, "gateway_triton_configured") == 0.0
 
 
 def test_series_exist_before_the_first_request() -> None:
