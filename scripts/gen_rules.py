@@ -140,7 +140,10 @@ def _slis() -> list[dict[str, Any]]:
                 "expr": f"sum by (namespace) (\n"
                 f'  rate(grpc_server_handled_total{{service="gateway", method="Search",\n'
                 f'    code!~"{client}"}}[{w}]))\n'
-                f"* on (namespace) group_left (size) gtr:encoder_size:active",
+                # One size per namespace (two during a rollout from one size to another:
+                # then the traffic counts for one of them, never an evaluation error).
+                f"* on (namespace) group_left (size)\n"
+                f"  topk by (namespace) (1, gtr:encoder_size:active)",
             },
             {
                 "record": f"gtr:search_slo_error_ratio:rate{w}",
@@ -354,7 +357,8 @@ def _other_alerts() -> list[dict[str, Any]]:
         _alert(
             "GtrTritonQueueHigh",
             "gtr:triton_queue_seconds_per_request:rate5m\n"
-            "> on (namespace) group_left 0.5 * gtr:encode_slo_threshold_seconds:active",
+            "> on (namespace) group_left\n"
+            "  0.5 * max by (namespace) (gtr:encode_slo_threshold_seconds:active)",
             "10m",
             "warning",
             "Triton model {{ $labels.model }} queues {{ $value | humanizeDuration }} per request",
