@@ -53,7 +53,7 @@ from services.common.errors import (
 from services.common.positions import WriteToken
 from services.common.tls import ClientTLS
 from services.index import convert
-from services.index.client.replicas import Balancing, HedgePolicy, ReplicaSet
+from services.index.client.replicas import Balancing, HedgePolicy, Replica, ReplicaSet
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import (
     PAD_ID,
@@ -174,8 +174,12 @@ class _Shard:
         return await self.replicas.search(request, deadline)
 
     async def quantizer(self) -> CoarseQuantizer | None:
-        """The trained quantizer from the first replica that gives it (None if none)."""
-        for replica in await self.replicas.current():
+        """The trained quantizer from whichever replica gives it first (None if none).
+
+        Every replica is asked at once: asked one after the other, a hung replica first
+        in the list held the first search of a new router for the call's 5 s timeout."""
+
+        async def one(replica: Replica) -> CoarseQuantizer:
             try:
                 reply = await replica.stub.Quantizer(index_pb2.QuantizerRequest(), timeout=5.0)
                 return convert.quantizer_from_pb(reply)
@@ -183,7 +187,19 @@ class _Shard:
                 log.warning(
                     "no quantizer from shard %d replica %s: %s", self.index, replica.address, exc
                 )
-        return None
+                raise
+
+        tasks = [asyncio.ensure_future(one(r)) for r in await self.replicas.current()]
+        try:
+            for answer in asyncio.as_completed(tasks):
+                try:
+                    return await answer
+                except (grpc.aio.AioRpcError, RetrievalError):
+                    continue
+            return None
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def stats(self) -> list[index_pb2.ShardStats | None]:
         async def one(stub: index_pb2_grpc.IndexShardServiceStub) -> index_pb2.ShardStats | None:
