@@ -71,6 +71,13 @@ def add_cli(sub: Any) -> None:
     ):
         cmd = isub.add_parser(name, help=helptext)
         cmd.add_argument("address", help="host:port of the shard replica.")
+        cmd.add_argument("--tls-ca", default=None, help="PEM CA to trust: talk TLS.")
+        cmd.add_argument(
+            "--tls-client-cert",
+            default=None,
+            help="PEM client certificate for a replica that requires one (mTLS).",
+        )
+        cmd.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert.")
         cmd.set_defaults(handler=_stats if name == "stats" else _snapshot)
 
 
@@ -120,13 +127,19 @@ def _encode_corpus(path: Path, limit: int) -> tuple[Any, str]:
     return np.concatenate(rows), embedder.model_name
 
 
+def _shard_channel(args: argparse.Namespace) -> Any:
+    from services.common.tls import ClientTLS, channel
+
+    tls = ClientTLS.from_paths(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    return channel(args.address, tls)
+
+
 def _stats(args: argparse.Namespace) -> int:
-    import grpc
     from google.protobuf.json_format import MessageToJson
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with _shard_channel(args) as channel:
         reply = index_pb2_grpc.IndexShardServiceStub(channel).Stats(
             index_pb2.ShardStatsRequest(), timeout=10
         )
@@ -135,11 +148,9 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _snapshot(args: argparse.Namespace) -> int:
-    import grpc
-
     from retrieval.v1 import index_pb2, index_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with _shard_channel(args) as channel:
         reply = index_pb2_grpc.IndexShardServiceStub(channel).Snapshot(
             index_pb2.SnapshotRequest(), timeout=120
         )

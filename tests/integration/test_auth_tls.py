@@ -11,6 +11,7 @@ own (a thread), started once for the module; the tests are clients over real soc
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -144,7 +145,10 @@ def secured(
             )
         )
         started.append(gateway)
-        yield Secured(loop, gateway, shard, reranker, certs, other, read_file, health_port)
+        secured = Secured(loop, gateway, shard, reranker, certs, other, read_file, health_port)
+        with secured.channel() as ch:  # every test finds the documents, in any order
+            assert _upsert(ch, WRITE).upserted == len(DOCS)
+        yield secured
     finally:
         for part in reversed(started):
             if isinstance(part, RunningShard):
@@ -423,3 +427,18 @@ def test_no_auth_on_the_command_line_turns_auth_off_and_nothing_else_does() -> N
     with pytest.raises(SettingsError) as refused:
         load_settings(GatewaySettings, base)
     assert "--no-auth" in str(refused.value) and "--read-tokens-file" in str(refused.value)
+
+
+def test_index_stats_reaches_an_mtls_shard_only_with_a_client_certificate(
+    secured: Secured,
+) -> None:
+    certs = secured.certs
+    argv = [sys.executable, "-m", "services.cli.main", "index", "stats", secured.shard_address,
+            "--tls-ca", str(certs.ca)]  # fmt: skip
+    mine = ["--tls-client-cert", str(certs.client_cert), "--tls-client-key", str(certs.client_key)]
+    run = {"cwd": ROOT, "capture_output": True, "text": True, "timeout": 120}
+    stats = subprocess.run([*argv, *mine], **run)  # type: ignore[call-overload]
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["replica"] == "r0"  # the shard's Stats, as JSON
+    refused = subprocess.run(argv, **run)  # type: ignore[call-overload]
+    assert refused.returncode != 0 and "UNAVAILABLE" in refused.stderr
