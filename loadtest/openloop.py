@@ -14,7 +14,9 @@ the end-to-end Search budget of ``--size``, with rerank if asked, from
 services/common/slo.py) and the generator's own lag
 (``generator_behind`` when its p99 lag is over ``--lag-limit-ms``). ``--sweep`` steps the
 rate up from ``--rate`` until the SLO breaks and draws the percentiles and attainment
-against offered rate (``--plot``). The generator's own ceiling: ``python -m loadtest.overhead``.
+against offered rate (``--plot``). ``--processes N`` splits the schedule over N sender
+processes for rates one event loop cannot keep. The generator's own ceiling:
+``python -m loadtest.overhead``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.budget import SIZES, default_slo_ms
+from loadtest.processes import run_in_processes
 from loadtest.results import json_line, summarize, table
-from loadtest.runner import RunConfig, run_open_loop
+from loadtest.runner import RunConfig
 from loadtest.schedule import PROCESSES
 from loadtest.sweep import SweepConfig, plot, sweep
 from loadtest.target import add_target_arguments, target_from_args
@@ -51,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=5.0, help="gRPC deadline per request (5 s)")
     g.add_argument("--max-in-flight", type=int, default=10_000, help="cap (10000)")
     g.add_argument("--channels", type=int, default=1, help="HTTP/2 connections (1)")
+    g.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="sender processes, each sending every N-th request of the schedule (1)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--mix", default="search", help="ops and weights: search=8,batch=1,upsert=1")
     w.add_argument(
@@ -128,6 +137,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         timeout_s=args.timeout,
         max_in_flight=args.max_in_flight,
         channels=args.channels,
+        processes=args.processes,
     )
 
 
@@ -143,7 +153,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     run = run_config_from_args(args)
     slo_ms = slo_from_args(args)
     if not args.sweep:
-        summary = summarize(await run_open_loop(target, workload, run), slo_ms, args.lag_limit_ms)
+        summary = summarize(
+            await run_in_processes(target, workload, run, run.processes), slo_ms, args.lag_limit_ms
+        )
         print(table(summary))
         return summary
     cfg = SweepConfig(

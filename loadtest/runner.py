@@ -39,6 +39,7 @@ class RunConfig:
     timeout_s: float = 5.0  # gRPC deadline of each request
     max_in_flight: int = 10_000
     channels: int = 1  # HTTP/2 connections, requests spread round-robin
+    processes: int = 1  # sender processes (loadtest.processes), each every N-th request
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Records:
     rerank_skipped: np.ndarray  # bool, an OK search answered without the rerank it asked for
     start: float  # the run's time zero (offset 0 is due here)
     config: RunConfig
+    index: np.ndarray | None = None  # positions in the whole schedule (None: all of it)
 
     @property
     def latency_s(self) -> np.ndarray:
@@ -71,13 +73,28 @@ class Records:
         return self.sent - self.due
 
 
-async def run_open_loop(target: Target, workload: Workload, cfg: RunConfig) -> Records:
-    """Send ``workload`` to ``target`` on ``cfg``'s schedule; every outcome is recorded."""
+async def run_open_loop(
+    target: Target,
+    workload: Workload,
+    cfg: RunConfig,
+    *,
+    share: tuple[int, int] = (0, 1),
+    start_at: float | None = None,
+) -> Records:
+    """Send ``workload`` to ``target`` on ``cfg``'s schedule; every outcome is recorded.
+
+    ``share=(k, m)`` sends only requests k, k+m, k+2m, ... of the schedule (one of m
+    processes, :mod:`loadtest.processes`); ``start_at`` is the monotonic time at which
+    offset 0 is due (shared by those processes), else shortly after the call."""
     offsets = arrival_offsets(
         cfg.rate, cfg.duration_s, cfg.count, process=cfg.process, seed=cfg.seed
     )
+    ops, messages = workload.requests(len(offsets), cfg.seed, run_tag=secrets.token_hex(3) + "-")
+    index = np.arange(len(offsets))[share[0] :: share[1]]
+    offsets = offsets[index]
+    ops = [ops[k] for k in index]
+    messages = [messages[k] for k in index]
     n = len(offsets)
-    ops, messages = workload.requests(n, cfg.seed, run_tag=secrets.token_hex(3) + "-")
     due = np.full(n, np.nan)
     sent = np.full(n, np.nan)
     done = np.full(n, np.nan)
@@ -112,7 +129,7 @@ async def run_open_loop(target: Target, workload: Workload, cfg: RunConfig) -> R
                 done[i] = loop.time()
 
         tasks: set[asyncio.Task[None]] = set()
-        start = loop.time() + START_LEAD_S
+        start = loop.time() + START_LEAD_S if start_at is None else start_at
         for i in range(n):
             due[i] = start + offsets[i]
             wait = due[i] - loop.time()
@@ -129,4 +146,4 @@ async def run_open_loop(target: Target, workload: Workload, cfg: RunConfig) -> R
     finally:
         for ch in channels:
             await ch.close()
-    return Records(list(ops), due, sent, done, codes, partial, skipped, start, cfg)
+    return Records(list(ops), due, sent, done, codes, partial, skipped, start, cfg, index)

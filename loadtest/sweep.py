@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from loadtest.processes import run_in_processes
 from loadtest.results import ATTAINMENT_GOAL, PERCENTILES, summarize
-from loadtest.runner import RunConfig, run_open_loop
+from loadtest.runner import RunConfig
 from loadtest.target import Target
 from loadtest.workload import Workload
 
@@ -70,7 +71,9 @@ async def sweep(
             await asyncio.sleep(cfg.cooldown_s)
         step_run = replace(run, rate=rate, duration_s=cfg.step_s, seed=run.seed + len(steps))
         summary = summarize(
-            await run_open_loop(target, workload, step_run), cfg.slo_ms, cfg.lag_limit_ms
+            await run_in_processes(target, workload, step_run, step_run.processes),
+            cfg.slo_ms,
+            cfg.lag_limit_ms,
         )
         steps.append(summary)
         on_step(summary)

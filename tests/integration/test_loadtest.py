@@ -25,6 +25,7 @@ from scipy import stats
 from loadtest import openloop
 from loadtest.closedloop import closed_loop
 from loadtest.overhead import trivial_server_process
+from loadtest.processes import run_in_processes
 from loadtest.results import summarize
 from loadtest.runner import Records, RunConfig, run_open_loop
 from loadtest.schedule import arrival_offsets
@@ -401,3 +402,18 @@ def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
     assert [s["offered_rate"] for s in result["steps"]][:2] == [12.5, 25.0]
     assert 25.0 <= result["max_kept_up_rate"] <= 100.0
     assert result["first_failing_rate"] <= 200.0
+
+
+def test_two_sender_processes_send_the_one_schedule() -> None:
+    """--processes 2: two spawned senders share the seeded schedule (every other
+    request each) against one start time; merged, it is the schedule one process sends."""
+    cfg = RunConfig(rate=200.0, duration_s=0.5, process="fixed", processes=2)
+    with trivial_server_process() as address:
+        records = asyncio.run(
+            run_in_processes(Target(address), Workload(queries=QUERIES), cfg, cfg.processes)
+        )
+    assert len(records.codes) == 100 and set(records.codes) == {"OK"}
+    assert records.index is not None and np.array_equal(records.index, np.arange(100))
+    assert np.allclose(records.due - records.start, arrival_offsets(200.0, 0.5, process="fixed"))
+    summary = summarize(records, slo_ms=1000.0)
+    assert summary["requests"] == summary["ok"] == 100
