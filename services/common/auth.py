@@ -112,6 +112,8 @@ class TokenFile:
         self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         if tokens:
             self.digests = tuple(_digest(t) for t in tokens)
+        elif self.digests:
+            log.warning("token file %s holds no token: the previous tokens are kept", self.path)
 
     def current(self) -> tuple[bytes, ...]:
         """The digests of the file's tokens, re-read first when it changed."""
