@@ -1,0 +1,73 @@
+"""A shard named by a DNS target: the forms accepted, and what a real DNS server's answers
+become (services/index/client/discovery.py, the gateway's --shards)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from services.common.errors import Unavailable
+from services.gateway.settings import parse_shard_addresses
+from services.index.client.discovery import DnsTarget, parse_dns_target, resolve
+from tests.support.dns import run_dns
+
+
+@pytest.mark.parametrize(
+    ("spec", "target"),
+    [
+        ("dns:///gtr-shard-0-headless.ns.svc:50061",
+         DnsTarget("gtr-shard-0-headless.ns.svc", 50061)),
+        ("dns:shard-0:7", DnsTarget("shard-0", 7)),
+        ("dns://10.96.0.10/shard-0.test:7", DnsTarget("shard-0.test", 7, "10.96.0.10")),
+        ("dns://127.0.0.1:5353/a.b:2", DnsTarget("a.b", 2, "127.0.0.1", 5353)),
+        ("dns://[::1]:5353/a:3", DnsTarget("a", 3, "::1", 5353)),
+    ],
+)  # fmt: skip
+def test_dns_target_forms(spec: str, target: DnsTarget) -> None:
+    assert parse_dns_target(spec) == target
+
+
+@pytest.mark.parametrize("spec", ["dns:///name", "dns:///name:0", "dns:///:50061", "dns://x"])
+def test_malformed_dns_targets_are_refused(spec: str) -> None:
+    with pytest.raises(ValueError):
+        parse_dns_target(spec)
+
+
+def test_the_gateway_takes_a_dns_target_per_shard_beside_address_lists() -> None:
+    assert parse_shard_addresses("a:1,b:2;dns:///s1.ns.svc:50061") == [
+        ["a:1", "b:2"],
+        ["dns:///s1.ns.svc:50061"],
+    ]
+    with pytest.raises(ValueError, match="alone"):
+        parse_shard_addresses("dns:///s0:1,a:2")
+    with pytest.raises(ValueError, match="not host:port"):
+        parse_shard_addresses("dns:///s0")
+
+
+def test_a_name_resolves_to_its_addresses_and_follows_changes() -> None:
+    with run_dns() as dns:
+        target = parse_dns_target(dns.target("shard-0.test", 50061))
+        dns.set("shard-0.test", ["127.0.0.3", "127.0.0.2"])
+        assert asyncio.run(resolve(target)) == ["127.0.0.2:50061", "127.0.0.3:50061"]
+        dns.set("shard-0.test", ["127.0.0.3"])
+        assert asyncio.run(resolve(target)) == ["127.0.0.3:50061"]
+        dns.set("shard-0.test", [])  # a headless Service with no ready pod
+        assert asyncio.run(resolve(target)) == []
+        unknown = parse_dns_target(dns.target("nobody.test", 1))
+        assert asyncio.run(resolve(unknown)) == []  # NXDOMAIN
+
+
+def test_a_dns_server_that_does_not_answer_is_unavailable() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
+        silent.bind(("127.0.0.1", 0))  # receives, never answers
+        port = silent.getsockname()[1]
+        target = parse_dns_target(f"dns://127.0.0.1:{port}/shard-0.test:1")
+        with pytest.raises(Unavailable, match=r"shard-0\.test"):
+            asyncio.run(resolve(target, timeout=0.3))
+
+
+def test_the_system_resolver_serves_names_without_authority() -> None:
+    assert asyncio.run(resolve(parse_dns_target("dns:///localhost:9"))) != []
+    assert asyncio.run(resolve(parse_dns_target("dns:///127.0.0.1:9"))) == ["127.0.0.1:9"]
