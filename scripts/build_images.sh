@@ -119,7 +119,7 @@ main() {
     local dir=$1 extra=$2 key deps
     # The pins only (other edits of pyproject.toml keep the cache).
     key=$( { "$PYTHON" -c 'import json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"][sys.argv[1]]]))' "$extra"
-             echo "$EXTRA_WHEELS"; "$PYTHON" -m pip --version; } | sha256sum | cut -c1-16)
+             echo "$EXTRA_WHEELS"; "$PYTHON" -m pip --version | cut -d" " -f2; } | sha256sum | cut -c1-16)
     deps=$CACHE/wheels-$extra-$key
     if [ ! -f "$deps/.complete" ]; then
       step "pip wheel: dependencies of .[$extra] -> $deps"
@@ -128,8 +128,12 @@ main() {
         # shellcheck disable=SC2086
         "$PYTHON" -m pip wheel -q --wheel-dir "$deps" pip "torch==2.13.0" ".[cpu]" $EXTRA_WHEELS \
           2> >(grep -v '^WARNING: Location' >&2)
-        if ls "$deps" | grep -qiE '^nvidia_|^torch-[^+]*-'; then
-          echo "build_images: a CUDA build reached the CPU wheelhouse: $(ls "$deps" | grep -iE '^nvidia_|^torch')" >&2
+        # CUDA runtime wheels (nvidia_cublas_cu12, ...; not nvidia_pytriton) or a torch
+        # that is not the +cpu build
+        cuda=$(ls "$deps" | { grep -iE '^nvidia_' || true; } | { grep -viE '^nvidia_pytriton-' || true; })
+        cuda+=$(ls "$deps" | { grep -E '^torch-' || true; } | { grep -v '+cpu' || true; })
+        if [ -n "$cuda" ]; then
+          echo "build_images: a CUDA build reached the CPU wheelhouse: $cuda" >&2
           exit 1
         fi
       else
