@@ -119,9 +119,24 @@ def test_long_text_is_truncated_and_flagged(minilm: TritonHandle) -> None:
     asyncio.run(_with_encoder(minilm, go))
 
 
+def _embed_counts(handle: TritonHandle) -> tuple[int, int]:
+    """Triton's own count of (requests answered, model executions) of ``embed``."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(handle.grpc_url)
+    try:
+        stats = client.get_inference_statistics("embed", as_json=True)["model_stats"][0]
+    finally:
+        client.close()
+    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
 def test_concurrent_single_requests_are_batched_correctly(minilm: TritonHandle) -> None:
+    """16 concurrent one-text calls: each gets its own text's embedding, and Triton's
+    statistics show its dynamic batcher ran them in fewer model executions than calls."""
     texts = [f"{q} number {i}" for i in range(4) for q in SAMPLE_QUERIES]  # 16 texts
     reference, _ = torch_embedder(default_model_dir()).embed(texts, "query")
+    answered, executions = _embed_counts(minilm)
 
     async def go(enc: TritonEncoder) -> None:
         results = await asyncio.gather(*(enc.encode([t], "query", timeout=20) for t in texts))
@@ -129,6 +144,9 @@ def test_concurrent_single_requests_are_batched_correctly(minilm: TritonHandle) 
         assert min(row_cosines(got, reference)) >= 0.9999
 
     asyncio.run(_with_encoder(minilm, go))
+    answered_now, executions_now = _embed_counts(minilm)
+    assert answered_now - answered == len(texts)
+    assert executions_now - executions < len(texts), "the dynamic batcher joined no calls"
 
 
 @pytest.mark.parametrize(
@@ -232,14 +250,24 @@ def test_the_deadline_is_sent_to_triton(minilm: TritonHandle) -> None:
     the caller brings none), so Triton can drop the work nobody waits for; the client's
     own DEADLINE_EXCEEDED alone would not show that."""
     docs = [" ".join(f"w{i}{j}" for i in range(60)) for j in range(64)]
+
+    async def tight(address: str) -> None:
+        config = TritonEncoderConfig(address)
+        enc = TritonEncoder(triton_client(config), config, "all-MiniLM-L6-v2", 384, 64)
+        try:
+            await enc.encode(["warm the channel up"], "query", timeout=30)  # connected now
+            with pytest.raises(DeadlineExceeded):
+                await enc.encode(docs, "query", timeout=0.02)
+        finally:
+            await enc.close()
+
     with proxied(minilm) as (address, proxy):
-        with pytest.raises(DeadlineExceeded):
-            asyncio.run(_proxied_encode(address, docs, timeout=0.02))
+        asyncio.run(tight(address))
         # gRPC rounds a timeout up on the wire (its units): a few ms of slack
-        assert proxy.attempts == 1 and 0 < proxy.deadlines[0] <= 0.03
+        assert proxy.attempts == 2 and 0 < proxy.deadlines[1] <= 0.03, proxy.deadlines
         got = asyncio.run(_proxied_encode(address, ["ok"], None, default_timeout_s=7.0))
         assert got.vectors.shape == (1, 384)
-        assert 5.0 < proxy.deadlines[1] <= 7.05, "no timeout: the encoder's default is sent"
+        assert 5.0 < proxy.deadlines[2] <= 7.05, "no timeout: the encoder's default is sent"
 
 
 def test_unavailable_is_retried_and_triton_sees_every_attempt(minilm: TritonHandle) -> None:
