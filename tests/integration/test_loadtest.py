@@ -417,3 +417,18 @@ def test_two_sender_processes_send_the_one_schedule() -> None:
     assert np.allclose(records.due - records.start, arrival_offsets(200.0, 0.5, process="fixed"))
     summary = summarize(records, slo_ms=1000.0)
     assert summary["requests"] == summary["ok"] == 100
+
+
+def test_the_overhead_command_measures_the_generator_against_the_trivial_server(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loadtest import overhead
+
+    argv = "--rate 100 --seconds 1 --start-rate 50 --step-seconds 1 --max-rate 120"
+    out = overhead.main([*argv.split(), "--lag-limit-ms", "1000"])
+    assert out["roundtrip_p50_ms"] > 0 and out["roundtrip_rate"] > 0
+    assert out["added_p50_ms"] == pytest.approx(out["openloop_p50_ms"] - out["roundtrip_p50_ms"])
+    # With a loose lag limit it keeps up at 50, 75 and 112.5/s; 169/s is over the ceiling.
+    assert out["max_sustained_rate"] == 112.5 and out["first_behind_rate"] is None
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["max_sustained_rate"] == 112.5 and "added_p50_ms" in printed
