@@ -67,14 +67,21 @@ class TrivialDocuments(documents_pb2_grpc.DocumentServiceServicer):
 
 
 async def start_trivial_server(
-    port: int = 0, on_request: Hook | None = None, host: str = "127.0.0.1"
+    port: int = 0,
+    on_request: Hook | None = None,
+    host: str = "127.0.0.1",
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, TrivialSearch]:
-    """A started server on ``host:port`` (0: a free port) → (server, port, servicer)."""
+    """A started server on ``host:port`` (0: a free port) → (server, port, servicer);
+    TLS with ``credentials``."""
     server = grpc.aio.server()
     servicer = TrivialSearch(on_request)
     search_pb2_grpc.add_SearchServiceServicer_to_server(servicer, server)
     documents_pb2_grpc.add_DocumentServiceServicer_to_server(TrivialDocuments(), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     await server.start()
     return server, bound, servicer
 

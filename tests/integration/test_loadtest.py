@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -432,3 +433,32 @@ def test_the_overhead_command_measures_the_generator_against_the_trivial_server(
     assert out["max_sustained_rate"] == 112.5 and out["first_behind_rate"] is None
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["max_sustained_rate"] == 112.5 and "added_p50_ms" in printed
+
+
+def test_tls_and_client_certificates(tmp_path: Path) -> None:
+    """--tls-ca with --tls-client-cert/--tls-client-key against a server that requires a
+    client certificate (mTLS): every request gets in; a plaintext channel does not."""
+    from services.stack.certs import make_certs
+
+    certs = make_certs(tmp_path / "tls")
+    creds = grpc.ssl_server_credentials(
+        [(certs.server_key.read_bytes(), certs.server_cert.read_bytes())],
+        root_certificates=certs.ca.read_bytes(),
+        require_client_auth=True,
+    )
+    cfg = RunConfig(rate=100.0, duration_s=0.3, process="fixed", timeout_s=2.0)
+
+    async def scenario() -> Records:
+        server, port, _ = await start_trivial_server(0, credentials=creds)
+        try:
+            tls = Target(f"localhost:{port}", tls_ca=certs.ca)
+            tls = replace(tls, tls_client_cert=certs.client_cert, tls_client_key=certs.client_key)
+            records = await run_open_loop(tls, Workload(queries=QUERIES), cfg)
+            with pytest.raises(ConnectionError):
+                await run_open_loop(Target(f"localhost:{port}"), Workload(queries=QUERIES), cfg)
+            return records
+        finally:
+            await server.stop(0)
+
+    records = asyncio.run(scenario())
+    assert len(records.codes) == 30 and set(records.codes) == {"OK"}
