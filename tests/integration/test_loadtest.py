@@ -179,16 +179,18 @@ def test_errors_are_counted_by_status_code() -> None:
         if request.query == "bad":
             seen["INVALID_ARGUMENT"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad query")
-        if request.query == "missing":
+        elif request.query == "missing":
             seen["NOT_FOUND"] += 1
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
-        if request.query == "slow":
+        elif request.query == "slow":
             seen["DEADLINE_EXCEEDED"] += 1
-            await asyncio.sleep(1.0)  # beyond the client's 0.2 s deadline
-        seen["OK"] += 1
+            await asyncio.sleep(30.0)  # far beyond the client's 1 s deadline
+        else:
+            seen["OK"] += 1
 
     workload = Workload(queries=["fine", "bad", "missing", "slow"])
-    cfg = RunConfig(rate=100.0, duration_s=1.0, timeout_s=0.2, seed=5)
+    # A 1 s deadline: only the "slow" ones can miss it, even on a busy machine.
+    cfg = RunConfig(rate=100.0, duration_s=1.0, timeout_s=1.0, seed=5)
     records, calls = run(fail_by_query, cfg, workload)
     summary = summarize(records, slo_ms=50.0)
     assert calls == summary["requests"] == sum(seen.values())
