@@ -75,11 +75,12 @@ def test_fixed_schedule_is_kept_against_a_real_server() -> None:
     records, calls = run(None, RunConfig(rate=100.0, duration_s=1.0, process="fixed"))
     assert len(records.codes) == calls == 100
     assert set(records.codes) == {"OK"}
-    # Sent on schedule: spacing of the actual sends is the interval, by absolute time
-    # (no drift: the last request leaves ~0.99 s after the first, not later).
+    # Sent on schedule: spacing of the actual sends is the interval, and by absolute time
+    # (no drift: sleep(interval) would add each wake-up's delay to every later request,
+    # so the last ones would leave tens of ms late; here they are as punctual as the first).
     sent = records.sent - records.start
     assert np.median(np.diff(sent)) == pytest.approx(0.01, abs=0.002)
-    assert sent[-1] - sent[0] == pytest.approx(0.99, abs=0.05)
+    assert np.median(records.lag_s[-10:]) < 0.01 and np.median(records.lag_s[:10]) < 0.01
     summary = summarize(records, slo_ms=50.0)
     assert summary["scheduled_rate"] == pytest.approx(100.0, rel=1e-6)
 
