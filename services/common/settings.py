@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
-    from services.common.tls import ServerTLS
+    from services.common.tls import ClientTLS, ServerTLS
 
 
 class ServiceSettings(BaseSettings):
@@ -88,6 +88,38 @@ class ServiceSettings(BaseSettings):
         from services.common.tls import ServerTLS
 
         return ServerTLS.from_paths(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+
+class ClientTLSSettings(ServiceSettings):
+    """A service that also dials other gRPC services (the gateway: the shards, the
+    reranker and Triton; a shard: the peer it seeds a snapshot from): the TLS of those
+    connections, ``--tls-ca`` / ``--tls-client-cert`` / ``--tls-client-key``."""
+
+    tls_ca: str | None = Field(
+        None,
+        description="PEM CA this process trusts for its own connections (the gateway: to "
+        "the shards, the reranker and Triton; a shard: to the peer it seeds a snapshot "
+        "from); given, they speak TLS.",
+    )
+    tls_client_cert: str | None = Field(
+        None,
+        description="PEM certificate this process presents on those connections (mTLS); "
+        "with --tls-client-key.",
+    )
+    tls_client_key: str | None = Field(None, description="PEM private key of --tls-client-cert.")
+
+    @model_validator(mode="after")
+    def _client_tls_files(self) -> ClientTLSSettings:
+        tls = self.client_tls()
+        if tls is not None:
+            tls.check()
+        return self
+
+    def client_tls(self) -> ClientTLS | None:
+        """TLS of this process's own connections (None: plaintext)."""
+        from services.common.tls import ClientTLS
+
+        return ClientTLS.from_paths(self.tls_ca, self.tls_client_cert, self.tls_client_key)
 
 
 class SettingsError(SystemExit):

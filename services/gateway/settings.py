@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from services.common.auth import Authenticator
 from services.common.errors import RetrievalError
 from services.common.redis_client import check_redis_url
-from services.common.settings import ServiceSettings
+from services.common.settings import ClientTLSSettings
 from services.common.slo import SLOS
 from services.common.tls import ClientTLS
 from services.index.client.discovery import is_dns_target, parse_dns_target
@@ -41,7 +41,7 @@ def parse_shard_addresses(spec: str) -> list[list[str]]:
     return shards
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(ClientTLSSettings):
     model_config = SettingsConfigDict(env_prefix="GTR_GATEWAY_", extra="forbid")
 
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
@@ -194,17 +194,6 @@ class GatewaySettings(ServiceSettings):
     tokens_reload_s: float = Field(
         1.0, gt=0, description="How often a request may check the token files for a change."
     )
-    tls_ca: str | None = Field(
-        None,
-        description="PEM CA the gateway trusts for its own connections to the shards, the "
-        "reranker and Triton; given, they speak TLS.",
-    )
-    tls_client_cert: str | None = Field(
-        None,
-        description="PEM certificate the gateway presents to the shards, the reranker and "
-        "Triton (mTLS); with --tls-client-key.",
-    )
-    tls_client_key: str | None = Field(None, description="PEM private key of --tls-client-cert.")
     triton_tls: bool = Field(
         True,
         description="Use the --tls-ca/--tls-client-* settings for Triton too (Triton started "
@@ -223,9 +212,6 @@ class GatewaySettings(ServiceSettings):
                     "per line), or --no-auth to run without authentication"
                 )
             self.authenticator()  # readable, and holds a token
-        tls = self.client_tls()
-        if tls is not None:
-            tls.check()
         return self
 
     def authenticator(self) -> Authenticator | None:
@@ -235,10 +221,6 @@ class GatewaySettings(ServiceSettings):
         return Authenticator.from_files(
             self.read_tokens_file, self.write_tokens_file, self.tokens_reload_s
         )
-
-    def client_tls(self) -> ClientTLS | None:
-        """TLS of the gateway's channels to shards, rerank and Triton (None: plaintext)."""
-        return ClientTLS.from_paths(self.tls_ca, self.tls_client_cert, self.tls_client_key)
 
     def triton_client_tls(self) -> ClientTLS | None:
         """TLS of the channel to Triton: :meth:`client_tls` unless ``triton_tls`` is off."""

@@ -63,7 +63,7 @@ async def peer_addresses(spec: str) -> list[str]:
 def peer_tls(settings: ShardSettings) -> ClientTLS | None:
     """TLS to the peers (``--tls-ca`` …); peers found by a DNS name are IP addresses, so
     their certificates are checked against that name."""
-    tls = settings.peer_tls()
+    tls = settings.client_tls()
     spec = (settings.peers or "").strip()
     if tls is not None and tls.server_name is None and is_dns_target(spec):
         tls = dataclasses.replace(tls, server_name=parse_dns_target(spec).host)

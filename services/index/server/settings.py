@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.redis_client import check_redis_url
-from services.common.settings import ServiceSettings
-
-if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+from services.common.settings import ClientTLSSettings
 
 
-class ShardSettings(ServiceSettings):
+class ShardSettings(ClientTLSSettings):
     model_config = SettingsConfigDict(env_prefix="GTR_SHARD_", extra="forbid")
 
     port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
@@ -74,22 +70,6 @@ class ShardSettings(ServiceSettings):
     seed_timeout_s: float = Field(
         600.0, gt=0, description="How long seeding from a peer may take, retries included."
     )
-    tls_ca: str | None = Field(
-        None,
-        description="PEM CA this replica trusts when it fetches a snapshot from a peer; "
-        "given, that connection speaks TLS (the peers' --tls-cert).",
-    )
-    tls_client_cert: str | None = Field(
-        None, description="PEM certificate presented to a peer (mTLS); with --tls-client-key."
-    )
-    tls_client_key: str | None = Field(None, description="PEM private key of --tls-client-cert.")
-
-    def peer_tls(self) -> ClientTLS | None:
-        """TLS of the connection to a peer (None: plaintext)."""
-        from services.common.tls import ClientTLS
-
-        return ClientTLS.from_paths(self.tls_ca, self.tls_client_cert, self.tls_client_key)
-
     _redis_url = field_validator("redis_url")(check_redis_url)
 
     @model_validator(mode="after")
