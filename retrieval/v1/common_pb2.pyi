@@ -44,7 +44,8 @@ class _ConsistencyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Consisten
     """
     CONSISTENCY_SESSION: _Consistency.ValueType  # 2
     """Read-your-writes: pass the write_token of your Upsert/Delete; every shard waits,
-    bounded by the deadline, until it has applied that position.
+    bounded by the deadline, until it has applied that position. A position past the
+    newest one written to a shard's log (another store's token) is INVALID_ARGUMENT.
     """
     CONSISTENCY_STRONG: _Consistency.ValueType  # 3
     """The gateway reads the current tail of every shard's log first and each shard waits
@@ -63,7 +64,8 @@ the log lag (typically well under 100 ms).
 """
 CONSISTENCY_SESSION: Consistency.ValueType  # 2
 """Read-your-writes: pass the write_token of your Upsert/Delete; every shard waits,
-bounded by the deadline, until it has applied that position.
+bounded by the deadline, until it has applied that position. A position past the
+newest one written to a shard's log (another store's token) is INVALID_ARGUMENT.
 """
 CONSISTENCY_STRONG: Consistency.ValueType  # 3
 """The gateway reads the current tail of every shard's log first and each shard waits

@@ -10,6 +10,7 @@ error                  gRPC status            retry?
 InvalidArgument        INVALID_ARGUMENT       no: the request is wrong
 NotFound               NOT_FOUND              no
 Overloaded             RESOURCE_EXHAUSTED     yes, with backoff
+StoreFull              RESOURCE_EXHAUSTED     not until space is freed
 Unavailable            UNAVAILABLE            yes, another replica
 DeadlineExceeded       DEADLINE_EXCEEDED      no (the budget is spent)
 FailedPrecondition     FAILED_PRECONDITION    no: fix the system state
@@ -41,6 +42,12 @@ class NotFound(RetrievalError):
 
 class Overloaded(RetrievalError):
     """A queue or a resource limit is full; the caller may retry later."""
+
+
+class StoreFull(Overloaded):
+    """The document store refused a write for want of memory (Redis ``maxmemory`` with
+    ``noeviction``): nothing was stored; deleting documents or raising the limit frees
+    room. Reported as RESOURCE_EXHAUSTED (an Overloaded; retrying at once will not help)."""
 
 
 class Unavailable(RetrievalError):

@@ -14,10 +14,16 @@ from typing import Any
 
 import numpy as np
 import redis
-from redis.exceptions import ClusterDownError, NoScriptError, RedisClusterException, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    RedisClusterException,
+    TryAgainError,
+)
 
 from services.common.domain import Document, WriteToken
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument, StoreFull, Unavailable
 from services.common.limits import LIMITS
 from services.common.redis_client import Gate, async_client, is_cluster
 from services.common.redis_client import redis_pool as redis_pool
@@ -290,7 +296,9 @@ class ChangeLogWriter:
     async def _run(
         self, script: Any, source: str, keys: list[str], args: Sequence[str | bytes]
     ) -> Any:
-        """Run a write script (and WAIT for replicas when asked); Unavailable on failure."""
+        """Run a write script (and WAIT for replicas when asked); Unavailable on failure,
+        StoreFull when Redis is at ``maxmemory`` with ``noeviction`` (it refuses a script's
+        first write that needs memory, so nothing of the batch is stored)."""
         try:
             async with self._slot():
                 if self.wait_replicas == 0:
@@ -300,6 +308,11 @@ class ChangeLogWriter:
                 except NoScriptError:  # a restarted or new primary: load it, once
                     await self._redis.script_load(source)
                     return await self._run_and_wait(script.sha, keys, args)
+        except OutOfMemoryError as exc:
+            raise StoreFull(
+                "redis: the document store is full (maxmemory reached, noeviction): nothing "
+                "was written; delete documents or raise the store's maxmemory"
+            ) from exc
         except REDIS_ERRORS as exc:
             raise Unavailable(f"redis: {exc}") from exc
 

@@ -19,11 +19,17 @@ from typing import Any
 
 import faiss
 import redis
+from redis.exceptions import RedisClusterException
 
 from services.common import positions
-from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
 from services.common.redis_client import async_client, sync_client
-from services.index.changelog import LogReader, decode_entry
+from services.index.changelog import LogReader, decode_entry, text
 from services.index.core.changes import Change, Upsert
 from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
 from services.index.core.train import TrainedIndex
@@ -267,6 +273,31 @@ class ShardReplica:
             raise DeadlineExceeded(
                 f"shard {self.config.shard} has applied {self.shard.applied}, not yet {wanted}"
             ) from None
+
+    async def check_written(self, wanted: str, timeout: float | None) -> None:
+        """InvalidArgument when ``wanted`` (a SESSION token's position for this shard) is
+        past the newest position ever written to the shard's log (its stream's
+        last-generated-id): a token of another store, or a forged one, that no wait could
+        ever satisfy. Free when the position is applied already; else one XINFO STREAM.
+        When Redis cannot tell (down, slow), nothing is decided here: the wait that
+        follows needs Redis too and ends with the deadline as before."""
+        if positions.at_least(self.shard.applied, wanted):
+            return
+        try:
+            info = await asyncio.wait_for(self._async.xinfo_stream(self.key), timeout)
+            last = text(info["last-generated-id"])
+        except redis.ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                return
+            last = positions.ZERO  # no stream: nothing was ever written to this shard
+        except (TimeoutError, redis.RedisError, RedisClusterException):
+            return
+        if positions.compare(wanted, last) > 0:
+            raise InvalidArgument(
+                f"write_token: position {wanted} of shard {self.config.shard} is past the end "
+                f"of its log (the newest written is {last}): a token of another store, or "
+                "a forged one"
+            )
 
     async def tail(self) -> str:
         """The newest position in this shard's log (for STRONG reads)."""

@@ -41,6 +41,7 @@ class ShardService:
         )
         if query.consistency is Consistency.SESSION and query.min_position:
             positions.parse(query.min_position)
+            await self.replica.check_written(query.min_position, deadline.remaining())
             await self.replica.wait_for(query.min_position, deadline.remaining())
         elif query.consistency is Consistency.STRONG:
             await self.replica.wait_for(await self.replica.tail(), deadline.remaining())
