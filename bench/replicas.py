@@ -50,7 +50,8 @@ from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.train import TrainOptions, train_index
 from tests.support.dns import run_dns
 from tests.support.processes import free_port, run_redis
-from tests.support.shards import ShardCluster, ShardProcess, start_shard
+from tests.support.search_load import missed, search_load, searches_answered, shard_stats
+from tests.support.shards import ShardCluster, start_shard
 
 SCIFACT = Path(__file__).resolve().parents[2] / "shared" / "data" / "scifact"
 HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -70,49 +71,16 @@ def corpus(n: int, seed: int = 0) -> np.ndarray:
     return (noisy / np.linalg.norm(noisy, axis=1, keepdims=True)).astype(np.float32)
 
 
-def stats(proc: ShardProcess) -> index_pb2.ShardStats:
-    with grpc.insecure_channel(proc.address) as channel:
-        reply: index_pb2.ShardStats = index_pb2_grpc.IndexShardServiceStub(channel).Stats(
-            index_pb2.ShardStatsRequest(), timeout=10
-        )
-        return reply
-
-
-async def load(
-    router: ShardRouter, queries: np.ndarray, concurrency: int, on_done: object = None
-) -> list[IndexResult | BaseException]:
-    gate = asyncio.Semaphore(concurrency)
-    done = 0
-
-    async def one(row: np.ndarray) -> IndexResult | BaseException:
-        nonlocal done
-        async with gate:
-            try:
-                return await router.search(row[None, :], 10, timeout=5.0)
-            except Exception as exc:
-                return exc
-            finally:
-                done += 1
-                if callable(on_done):
-                    on_done(done)
-
-    return list(await asyncio.gather(*[one(q) for q in queries]))
-
-
-def missed(r: IndexResult | BaseException) -> bool:
-    return isinstance(r, BaseException) or bool(r.missing_shards)
-
-
 def shares(cluster: ShardCluster, before: dict[str, int]) -> float:
     lowest = 1.0
     for procs in cluster.processes:
-        answered = [int(stats(p).searches) - before[p.address] for p in procs]
+        answered = [int(shard_stats(p).searches) - before[p.address] for p in procs]
         lowest = min(lowest, min(answered) / max(1, sum(answered)))
     return lowest
 
 
 def counts(cluster: ShardCluster) -> dict[str, int]:
-    return {p.address: int(stats(p).searches) for p in cluster.all() if p.alive}
+    return searches_answered(p for p in cluster.all() if p.alive)
 
 
 def balance(
@@ -131,7 +99,7 @@ def balance(
                     rs.replicas = [Replica(rs.shard, str(rs.target), rs.policy)]
                     rs.target = None
             try:
-                return await load(router, queries, concurrency)
+                return await search_load(router, queries, concurrency)
             finally:
                 await router.close()
 
@@ -155,9 +123,9 @@ def kill_one(
                 victim.kill()
 
         try:
-            first = await load(router, queries, concurrency, on_done=kill)
+            first = await search_load(router, queries, concurrency, on_done=kill)
             again = [i for i, r in enumerate(first) if missed(r)]
-            retried = await load(router, queries[again], concurrency) if again else []
+            retried = await search_load(router, queries[again], concurrency) if again else []
         finally:
             await router.close()
         failed = sum(isinstance(r, BaseException) for r in first)
@@ -172,7 +140,7 @@ def kill_one(
 
 
 def seed(cluster: ShardCluster, tmp: Path, redis_url: str, shards: int) -> dict[str, object]:
-    in_shard = int(stats(cluster.replica(0, 1)).vectors)
+    in_shard = int(shard_stats(cluster.replica(0, 1)).vectors)
     peers = ",".join(p.address for p in cluster.processes[0])
     common = {"index_dir": tmp / "index", "redis_url": redis_url, "shard": 0, "shards": shards,
               "work_dir": tmp, "wait": False}  # fmt: skip

@@ -15,11 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
-from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.deadline import Deadline
 from services.common.domain import IndexResult
 from services.index import convert
@@ -29,6 +27,7 @@ from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import ShardQuery
 from tests.support.dns import DnsServer, run_dns
 from tests.support.processes import free_port, run_redis
+from tests.support.search_load import missed, search_load, searches_answered, shard_stats
 from tests.support.shards import ShardCluster, ShardProcess, start_shard, train_test_index
 
 N_DOCS = 1200
@@ -50,14 +49,7 @@ class Replicas:
 
     def searches(self) -> dict[str, int]:
         """Queries answered so far, per replica address, as each replica counts them."""
-        counts = {}
-        for proc in self.cluster.all():
-            with grpc.insecure_channel(proc.address) as channel:
-                stats = index_pb2_grpc.IndexShardServiceStub(channel).Stats(
-                    index_pb2.ShardStatsRequest(), timeout=10
-                )
-            counts[proc.address] = int(stats.searches)
-        return counts
+        return searches_answered(self.cluster.all())
 
 
 @pytest.fixture(scope="module")
@@ -99,28 +91,6 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Ite
             cluster.stop()
 
 
-async def _load(
-    router: ShardRouter, queries: np.ndarray, concurrency: int, on_done: object = None
-) -> list[IndexResult | BaseException]:
-    """One search per query row, ``concurrency`` at a time; results in query order."""
-    gate = asyncio.Semaphore(concurrency)
-    done = 0
-
-    async def one(row: np.ndarray) -> IndexResult | BaseException:
-        nonlocal done
-        async with gate:
-            try:
-                return await router.search(row[None, :], 10, timeout=5.0)
-            except Exception as exc:
-                return exc
-            finally:
-                done += 1
-                if callable(on_done):
-                    on_done(done)
-
-    return list(await asyncio.gather(*[one(q) for q in queries]))
-
-
 def _queries(vectors: np.ndarray, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     q = vectors[rng.integers(0, len(vectors), n)] + rng.normal(0, 0.05, (n, vectors.shape[1]))
@@ -135,7 +105,7 @@ def test_concurrent_searches_are_split_between_the_replicas_of_a_dns_named_shard
     async def run() -> list[IndexResult | BaseException]:
         router = ShardRouter(replicas.targets())
         try:
-            return await _load(router, _queries(replicas.vectors, 600, 1), concurrency=24)
+            return await search_load(router, _queries(replicas.vectors, 600, 1), concurrency=24)
         finally:
             await router.close()
 
@@ -172,11 +142,9 @@ def test_killing_a_replica_under_load_fails_no_search_after_one_retry(
                 killed.set()
 
         try:
-            first = await _load(router, queries, concurrency=16, on_done=kill_after_150)
-            again = [
-                i for i, r in enumerate(first) if isinstance(r, BaseException) or r.missing_shards
-            ]
-            retried = await _load(router, queries[again], concurrency=16) if again else []
+            first = await search_load(router, queries, concurrency=16, on_done=kill_after_150)
+            again = [i for i, r in enumerate(first) if missed(r)]
+            retried = await search_load(router, queries[again], concurrency=16) if again else []
             assert killed.is_set()
             return first, retried
         finally:
@@ -184,16 +152,12 @@ def test_killing_a_replica_under_load_fails_no_search_after_one_retry(
 
     try:
         first, retried = asyncio.run(run())
-        first_missed = sum(isinstance(r, BaseException) or bool(r.missing_shards) for r in first)
-        after_retry = [r for r in retried if isinstance(r, BaseException) or r.missing_shards]
+        first_missed = sum(missed(r) for r in first)
+        after_retry = [r for r in retried if missed(r)]
         assert not after_retry, f"{first_missed} missed at first, then {after_retry[:3]}"
         assert not victim.alive
         # the survivor answered everything after the kill (the victim's count died with it)
-        with grpc.insecure_channel(survivor.address) as channel:
-            stats = index_pb2_grpc.IndexShardServiceStub(channel).Stats(
-                index_pb2.ShardStatsRequest(), timeout=10
-            )
-        assert stats.searches - before[survivor.address] >= 450
+        assert shard_stats(survivor).searches - before[survivor.address] >= 450
     finally:
         victim.restart()
 
