@@ -85,6 +85,26 @@ def add_cli(sub: Any) -> None:
         "and use them on every hop: the gateway serves TLS; the shards, the reranker and "
         "Triton's gRPC require the gateway's client certificate (mTLS).",
     )
+    up.add_argument(
+        "--query-cache",
+        action="store_true",
+        help="Turn on the gateway's query-embedding cache (in the stack's Redis): a "
+        "repeated query skips the encoder and its response says embedding_cached. "
+        "Default: off.",
+    )
+    up.add_argument(
+        "--query-cache-ttl-s",
+        type=float,
+        default=None,
+        help="Lifetime of a cached query embedding (default: the gateway's, 3600).",
+    )
+    up.add_argument(
+        "--query-cache-max-entries",
+        type=int,
+        default=None,
+        help="Most cached query embeddings, least recently used evicted past it "
+        "(default: the gateway's, 50000).",
+    )
     up.add_argument("--fresh", action="store_true", help="Delete --run-dir first.")
     up.add_argument("--log-level", default=os.environ.get("GTR_LOG_LEVEL", "WARNING"))
     up.set_defaults(handler=_up)
@@ -116,5 +136,8 @@ def _up(args: argparse.Namespace) -> int:
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
         auth=args.auth,
         tls=args.tls,
+        query_cache=args.query_cache,
+        query_cache_ttl_s=args.query_cache_ttl_s,
+        query_cache_max_entries=args.query_cache_max_entries,
     )
     return run_stack(config)

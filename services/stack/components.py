@@ -160,6 +160,19 @@ def corpus_file(cfg: StackConfig) -> Path:
     return path
 
 
+def query_cache_args(cfg: StackConfig) -> list[str]:
+    """``up --query-cache``: the gateway's cache flags (the cache lives in the stack's
+    Redis, beside the documents; it bounds itself by --query-cache-max-entries)."""
+    if not cfg.query_cache:
+        return []
+    argv = ["--query-cache"]
+    if cfg.query_cache_ttl_s is not None:
+        argv += ["--query-cache-ttl-s", str(cfg.query_cache_ttl_s)]
+    if cfg.query_cache_max_entries is not None:
+        argv += ["--query-cache-max-entries", str(cfg.query_cache_max_entries)]
+    return argv
+
+
 def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     port = cfg.gateway_port or free_port(cfg.host)
     metrics_port = free_port(cfg.host)
@@ -175,6 +188,7 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         argv += ["--encoder", "inprocess"]
     if endpoints.rerank:
         argv += ["--rerank-url", endpoints.rerank]
+    argv += query_cache_args(cfg)
     token_files = tokens(cfg)
     if token_files is None:
         argv += ["--no-auth"]  # loopback only; `up` says so

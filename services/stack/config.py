@@ -49,6 +49,10 @@ class StackConfig:
     auth: bool = False
     # a throwaway CA in tls_dir: TLS on the gateway, mTLS between our services and Triton
     tls: bool = False
+    # the gateway's query-embedding cache (in the stack's Redis); None: the gateway's default
+    query_cache: bool = False
+    query_cache_ttl_s: float | None = None
+    query_cache_max_entries: int | None = None
 
     @property
     def auth_dir(self) -> Path:
