@@ -17,9 +17,7 @@ MiniLM encoder and a real rerank server (a tiny CELI checkpoint).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,11 +34,9 @@ from retrieval.v1 import (
     search_pb2_grpc,
 )
 from services.index.core.ids import shard_of
-from services.rerank.server import start_rerank
-from services.rerank.settings import RerankSettings
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import run_redis
-from tests.support.rerank import tiny_checkpoint
+from tests.support.rerank import rerank_in_background
 from tests.support.shards import scifact_vectors, shared_test_index
 
 # id, title, text, metadata
@@ -110,30 +106,21 @@ def _filter(**conditions: list[str]) -> common_pb2.Filter:
 def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
     tmp = tmp_path_factory.mktemp("coverage")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="rerank", daemon=True)
-    thread.start()
-    rerank_settings = RerankSettings(port=0, checkpoint=str(tiny_checkpoint(tmp / "celi")))
-    reranker = asyncio.run_coroutine_threadsafe(start_rerank(rerank_settings), loop).result(300)
-    try:
-        with (
-            run_redis(tmp / "redis") as store,
-            stack_in_background(
-                store.url,
-                index_dir,
-                tmp,
-                gateway_settings={"rerank_url": f"127.0.0.1:{reranker.port}"},
-            ) as bg,
-        ):
-            nlist = json.loads((index_dir / "manifest.json").read_text())["nlist"]
-            f = Front(bg, store.url, nlist)
-            f.upsert(DOCS)
-            yield f
-            f.channel.close()
-    finally:
-        asyncio.run_coroutine_threadsafe(reranker.close(0), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
+    with (
+        rerank_in_background(tmp) as reranker,
+        run_redis(tmp / "redis") as store,
+        stack_in_background(
+            store.url,
+            index_dir,
+            tmp,
+            gateway_settings={"rerank_url": f"127.0.0.1:{reranker.port}"},
+        ) as bg,
+    ):
+        nlist = json.loads((index_dir / "manifest.json").read_text())["nlist"]
+        f = Front(bg, store.url, nlist)
+        f.upsert(DOCS)
+        yield f
+        f.channel.close()
 
 
 def test_a_filter_keeps_only_documents_matching_every_condition(front: Front) -> None:

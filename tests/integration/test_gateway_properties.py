@@ -20,9 +20,7 @@ once its stack is up.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,11 +40,9 @@ from retrieval.v1 import (
 )
 from services.common.limits import LIMITS
 from services.gateway.query_cache import KEY_PREFIX
-from services.rerank.server import start_rerank
-from services.rerank.settings import RerankSettings
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import run_redis
-from tests.support.rerank import WORDS, tiny_checkpoint
+from tests.support.rerank import WORDS, rerank_in_background
 from tests.support.shards import scifact_vectors, shared_test_index
 
 # What a client may get back for a request that is wrong or asks too much: each one
@@ -230,37 +226,27 @@ def _code(call: object) -> grpc.StatusCode:
 def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
     tmp = tmp_path_factory.mktemp("properties")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="rerank", daemon=True)
-    thread.start()
-    rerank_settings = RerankSettings(port=0, checkpoint=str(tiny_checkpoint(tmp / "celi")))
-    reranker = asyncio.run_coroutine_threadsafe(start_rerank(rerank_settings), loop).result(300)
-    try:
-        with (
-            run_redis(tmp / "redis") as store,
-            stack_in_background(
-                store.url,
-                index_dir,
-                tmp,
-                gateway_settings={
-                    "rerank_url": f"127.0.0.1:{reranker.port}",
-                    "query_cache": True,
-                    "default_timeout_s": 5.0,
-                },
-            ) as bg,
-        ):
-            f = Front(bg, store.url)
-            seed = [
-                documents_pb2.Document(id=i, title=t, text=x, metadata=m)
-                for i, t, x, m in SEED_DOCS
-            ]
-            f.docs.Upsert(documents_pb2.UpsertRequest(documents=seed), timeout=60)
-            yield f
-            f.channel.close()
-    finally:
-        asyncio.run_coroutine_threadsafe(reranker.close(0), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
+    with (
+        rerank_in_background(tmp) as reranker,
+        run_redis(tmp / "redis") as store,
+        stack_in_background(
+            store.url,
+            index_dir,
+            tmp,
+            gateway_settings={
+                "rerank_url": f"127.0.0.1:{reranker.port}",
+                "query_cache": True,
+                "default_timeout_s": 5.0,
+            },
+        ) as bg,
+    ):
+        f = Front(bg, store.url)
+        seed = [
+            documents_pb2.Document(id=i, title=t, text=x, metadata=m) for i, t, x, m in SEED_DOCS
+        ]
+        f.docs.Upsert(documents_pb2.UpsertRequest(documents=seed), timeout=60)
+        yield f
+        f.channel.close()
 
 
 # --- the properties ------------------------------------------------------------------------

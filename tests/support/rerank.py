@@ -1,10 +1,18 @@
 """A tiny CELI checkpoint for tests that need a real rerank service: a BERT backbone of a
-few words built in the test, the CELI head on it, saved as the trainer saves."""
+few words built in the test, the CELI head on it, saved as the trainer saves; and a real
+rerank server on it, served from an event loop of its own in a background thread."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.rerank.server import Reranker
 
 # The stdlib-like words the gateway's rerank tests search with.
 WORDS = ["file", "read", "json", "csv", "thread", "pool", "hash", "bytes", "list", "row"]
@@ -17,3 +25,27 @@ def tiny_checkpoint(base: Path, words: Sequence[str] = WORDS) -> Path:
     cfg = CeliConfig(max_len=48, max_query_len=8, d_tok=4)
     model, tok = build_model(write_tiny_backbone(base / "bert", list(words), seed=4), cfg, seed=9)
     return save_checkpoint(model, tok, cfg, base / "ckpt")
+
+
+@contextmanager
+def rerank_in_background(base: Path) -> Iterator[Reranker]:
+    """A real rerank server (port 0: a free one) on a tiny checkpoint built under ``base``,
+    on its own event loop in a daemon thread, so synchronous tests and a gateway running
+    in another thread can call it; closed (and the loop stopped) on exit."""
+    from services.rerank.server import start_rerank
+    from services.rerank.settings import RerankSettings
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="rerank", daemon=True)
+    thread.start()
+    settings = RerankSettings(port=0, checkpoint=str(tiny_checkpoint(base / "celi")))
+    try:
+        reranker = asyncio.run_coroutine_threadsafe(start_rerank(settings), loop).result(300)
+        try:
+            yield reranker
+        finally:
+            asyncio.run_coroutine_threadsafe(reranker.close(0), loop).result(60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
