@@ -26,9 +26,9 @@ import argparse
 import json
 import shutil
 import sys
-import time
 
 from bench.redis_writes import DIM, SHARDS, Side, add_arguments, compare, work_dir
+from tests.support.redis_replica import wait_replica_synced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,12 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         children.append(replica)
         replica.wait_ready(lambda: components.redis_ready(replica), 30)
         link = redis.Redis.from_url(replica.address)
-        deadline = time.monotonic() + 30
-        while link.info("replication").get("master_link_status") != "up":
-            if time.monotonic() > deadline:
-                raise SystemExit("the replica did not sync with the primary in 30 s")
-            time.sleep(0.05)
-        link.close()
+        try:
+            wait_replica_synced(link)
+        finally:
+            link.close()
 
         sides = {
             "wait_1": Side("WAIT 1", primary.address, wait_replicas=1),

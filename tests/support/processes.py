@@ -7,7 +7,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +47,11 @@ def redis_binary() -> str | None:
     )
 
 
-def start_redis(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    """A real redis-server with AOF on (appendfsync always) on ``port``, once it listens.
+def start_redis(
+    data_dir: Path, port: int, fsync: str = "always", extra: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    """A real redis-server with AOF on (``appendfsync`` ``fsync``) on ``port``, once it
+    listens; ``extra``: more of its flags (``--replicaof host port`` for a replica).
 
     Started again with the same ``data_dir`` and port, it reloads its AOF: a restart."""
     binary = redis_binary()
@@ -58,8 +61,8 @@ def start_redis(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [
             binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-            "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
+            "--appendonly", "yes", "--appendfsync", fsync, "--save", "",
+            "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning", *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

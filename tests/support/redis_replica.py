@@ -10,7 +10,16 @@ from pathlib import Path
 
 import redis
 
-from tests.support.processes import free_port, redis_binary, stop_process, wait_for_port
+from tests.support.processes import free_port, start_redis, stop_process
+
+
+def wait_replica_synced(replica: redis.Redis, timeout: float = 30.0) -> None:
+    """Until the replica's link to its primary is up (its initial sync done)."""
+    deadline = time.monotonic() + timeout
+    while replica.info("replication").get("master_link_status") != "up":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replica did not sync with its primary in {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 @contextmanager
@@ -18,30 +27,14 @@ def run_redis_replica(
     primary_port: int, data_dir: Path, fsync: str = "always"
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A replica of the redis-server on ``primary_port`` (AOF on), once it is in sync."""
-    binary = redis_binary()
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--replicaof", "127.0.0.1", str(primary_port),
-            "--appendonly", "yes", "--appendfsync", fsync, "--save", "",
-            "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc = start_redis(data_dir, port, fsync, ("--replicaof", "127.0.0.1", str(primary_port)))
     try:
-        wait_for_port(port, 20)
         client = redis.Redis(host="127.0.0.1", port=port)
-        deadline = time.monotonic() + 30
-        while client.info("replication").get("master_link_status") != "up":
-            if time.monotonic() > deadline:
-                raise TimeoutError("the replica did not sync with its primary in 30 s")
-            time.sleep(0.05)
-        client.close()
+        try:
+            wait_replica_synced(client)
+        finally:
+            client.close()
         yield proc
     finally:
         stop_process(proc)
