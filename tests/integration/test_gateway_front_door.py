@@ -3,8 +3,8 @@
 A real Redis, a real index shard, a real reranker (a tiny CELI checkpoint) and the
 gateway, all gRPC servers in the test's event loop. Requests are held in flight by
 something real that waits: SESSION searches whose write token names a log position
-from the future, so the shard waits for it until the search's deadline (or until the
-test cancels the call).
+from the future (the log's end moved there, tests/support/log_end.py), so the shard
+waits for it until the search's deadline (or until the test cancels the call).
 
 - admission control: over ``--max-in-flight`` a call is refused RESOURCE_EXHAUSTED with
   a ``retry-after-ms`` hint before any work, while health and reflection still answer;
@@ -39,6 +39,7 @@ from services.gateway.settings import GatewaySettings
 from services.index.server.process import RunningShard, start_shard
 from services.rerank.server import Reranker, start_rerank
 from services.rerank.settings import RerankSettings
+from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import free_port, start_redis, stop_process
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.shards import train_test_index
@@ -51,7 +52,6 @@ DOCS = [
 # ms per query at each rerank depth, as in tests/e2e/test_gateway_rerank.py: at an 80 s
 # deadline 60 % of it (48 s) fits depth 12; half of that (24 s) only depth 4.
 TABLE = {"ms_per_query_at_depth": {"4": 20_000.0, "12": 40_000.0}}
-FUTURE = "99999999999999-0"  # a log position no shard will reach during a test
 LIMIT = 8  # high-water mark 75 %: 6 in flight; the 7th shrinks, the 8th skips, the 9th waits
 
 
@@ -110,7 +110,8 @@ async def front_door(
                 documents_pb2.UpsertRequest(documents=DOCS), timeout=60
             )
             assert up.upserted == len(DOCS)
-            yield Front(gw, channel)
+            with log_end_moved(redis_url, [0]):  # held() waits for FUTURE: within the log
+                yield Front(gw, channel)
     finally:
         if gw is not None:
             await gw.close(0)

@@ -27,6 +27,7 @@ from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
 from services.index.core.train import Manifest
 from services.index.keys import replicas_seen_key, snapshot_positions_key
+from tests.support.log_end import log_end_moved
 from tests.support.processes import RedisServer
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
 
@@ -271,22 +272,29 @@ def test_invalid_requests_are_invalid_argument_and_change_nothing(
     assert (after.vectors, after.applied_position) == (before.vectors, before.applied_position)
 
 
-def test_router_keeps_errors_meaningful(cluster: ShardCluster, vectors: np.ndarray) -> None:
+def test_router_keeps_errors_meaningful(
+    cluster: ShardCluster, vectors: np.ndarray, module_redis: str
+) -> None:
     with pytest.raises(InvalidArgument, match="k"):
         search(cluster, vectors[:1], 0, timeout=5)
     with pytest.raises(InvalidArgument, match="unknown shards"):
         search(cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token={9: "1-0"})
+    # a position past the end of shard 0's log: refused, never waited for
+    past = {0: "99999999999999-0"}
+    with pytest.raises(InvalidArgument, match="shard 0"):
+        search(cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=past)
     # a position no shard will reach in time: the deadline, not a hang
-    far = {0: "99999999999999-0"}
-    with pytest.raises(DeadlineExceeded):
-        search(
-            cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far,
-            timeout=0.5, require_complete=True,
-        )  # fmt: skip
-    partial = search(
-        cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far, timeout=0.5
-    )
-    assert partial.missing_shards == [0] and all(h.shard == 1 for h in partial.hits[0])
+    with log_end_moved(module_redis, [0]) as far_position:
+        far = {0: far_position}
+        with pytest.raises(DeadlineExceeded):
+            search(
+                cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far,
+                timeout=0.5, require_complete=True,
+            )  # fmt: skip
+        partial = search(
+            cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far, timeout=0.5
+        )
+        assert partial.missing_shards == [0] and all(h.shard == 1 for h in partial.hits[0])
 
 
 def test_stats_report_the_shard(

@@ -4,7 +4,8 @@ The router reaches a replica over one long-lived ``SearchStream``: one gRPC call
 the server's interceptor admits once. So each streamed search is admitted by the shard
 itself; over the limit it answers RESOURCE_EXHAUSTED for itself (the stream goes on) and
 the router asks the shard's next replica. Real replica processes on a real Redis; a
-search is held in flight by a SESSION wait for a log position that does not exist yet.
+search is held in flight by a SESSION wait for a log position that does not exist yet
+(the log's end moved past it, tests/support/log_end.py: a position past the end is refused).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from services.index.client.replicas import ShardStream
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import ShardQuery
+from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.shards import start_shard, train_test_index
-
-FUTURE = "99999999999999-0"
 
 
 def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
@@ -86,7 +86,8 @@ def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
                 await held
 
     try:
-        asyncio.run(run())
+        with log_end_moved(redis_url, [0]):
+            asyncio.run(run())
     finally:
         full.stop()
         free.stop()
