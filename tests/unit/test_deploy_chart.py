@@ -174,6 +174,9 @@ def test_lint_passes(case: str) -> None:
             "/encoder/profiles/xl/searchSloMs",
         ),
         ({"redis": {"maxmemoryPercent": 100}}, "/redis/maxmemoryPercent"),
+        ({"gateway": {"queryCache": {"maxEntries": 0}}}, "/gateway/queryCache/maxEntries"),
+        ({"gateway": {"queryCache": {"ttlSeconds": 0}}}, "/gateway/queryCache/ttlSeconds"),
+        ({"gateway": {"queryCache": {"enabled": "yes"}}}, "/gateway/queryCache/enabled"),
     ],
 )
 def test_schema_rejects_invalid_values(chart: Any, values: dict[str, Any], where: str) -> None:
@@ -409,9 +412,14 @@ def test_every_pod_is_covered_by_a_network_policy(chart: Any) -> None:
         assert any(sel.items() <= labels.items() for sel in selectors), wl["metadata"]["name"]
     shard_policy = next(p for p in of_kind(docs, "NetworkPolicy") if component(p) == "index")
     peers = shard_policy["spec"]["ingress"][0]["from"]
+    # the gateway, and shard pods: a new replica fetches its snapshot from a peer (--peers)
     assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers] == [
-        "gateway"
+        "gateway",
+        "index",
     ]
+    for sts in (s for s in of_kind(docs, "StatefulSet") if component(s) == "index"):
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert peers[1]["podSelector"]["matchLabels"].items() <= labels.items()
 
 
 # --- Redis ------------------------------------------------------------------------------
@@ -674,3 +682,76 @@ def test_tls_needs_its_secret(chart: Any) -> None:
     with pytest.raises(helm.HelmValuesError) as err:
         chart.render(with_auth({"tls": {"enabled": True}}), name=RELEASE, namespace=NAMESPACE)
     assert "/tls/existingSecret" in str(err.value)
+
+
+@pytest.mark.parametrize("mutual", [True, False])
+def test_shard_pods_seed_from_their_peers_over_tls(chart: Any, mutual: bool) -> None:
+    """A new shard pod fetches its snapshot from a peer (--peers, the shard's headless
+    Service) through the shards' TLS: it needs the CA, and with mutual TLS the client
+    certificate the peer requires; every variable is one ShardSettings reads."""
+    from services.index.server.settings import ShardSettings
+
+    values = {**TLS_VALUES, "tls": {"enabled": True, "existingSecret": "gtr-tls", "mutual": mutual}}
+    docs = render(chart, values)
+    headless = {
+        f"{s['metadata']['name']}.{NAMESPACE}.svc"
+        for s in of_kind(docs, "Service")
+        if s["spec"].get("clusterIP") == "None"
+    }
+    statefulsets = [s for s in of_kind(docs, "StatefulSet") if component(s) == "index"]
+    assert len(statefulsets) == 2  # index.shards
+    for sts in statefulsets:
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        (peers,) = [a.removeprefix("--peers=") for a in container["args"] if "--peers=" in a]
+        host = peers.removeprefix("dns:///").rsplit(":", 1)[0]
+        assert host in headless, (peers, headless)
+        env = _env(sts)
+        assert env["GTR_SHARD_TLS_CA"] == "/etc/gtr/tls/ca.crt"
+        if mutual:
+            assert env["GTR_SHARD_TLS_CLIENT_CERT"] == "/etc/gtr/tls/tls.crt"
+            assert env["GTR_SHARD_TLS_CLIENT_KEY"] == "/etc/gtr/tls/tls.key"
+        else:
+            assert "GTR_SHARD_TLS_CLIENT_CERT" not in env and "GTR_SHARD_TLS_CLIENT_KEY" not in env
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["tls"] == "/etc/gtr/tls"
+        fields = set(ShardSettings.model_fields)
+        for name in env:
+            if name.startswith("GTR_SHARD_"):
+                assert name.removeprefix("GTR_SHARD_").lower() in fields, name
+
+
+def _gateway_settings(docs: list[Manifest], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The gateway's settings as its process would read them from the ConfigMap."""
+    from services.common.settings import load_settings
+    from services.gateway.settings import GatewaySettings
+
+    for name in list(os.environ):
+        if name.startswith("GTR_GATEWAY_"):
+            monkeypatch.delenv(name)
+    for name, value in configmap_data(docs, "gateway").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GTR_GATEWAY_REDIS_URL", "redis://redis:6379/0")
+    monkeypatch.setenv("GTR_GATEWAY_AUTH", "false")
+    return load_settings(GatewaySettings)
+
+
+def test_the_query_cache_is_off_by_default(chart: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(chart)
+    assert configmap_data(docs, "gateway")["GTR_GATEWAY_QUERY_CACHE"] == "false"
+    assert not _gateway_settings(docs, monkeypatch).query_cache
+
+
+def test_query_cache_values_reach_the_gateway(chart: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = {"enabled": True, "ttlSeconds": 90.5, "maxEntries": 2_000_000}
+    docs = render(chart, {"gateway": {"queryCache": cache}})
+    data = configmap_data(docs, "gateway")
+    assert data["GTR_GATEWAY_QUERY_CACHE_MAX_ENTRIES"] == "2000000"  # not 2e+06
+    settings = _gateway_settings(docs, monkeypatch)
+    assert settings.query_cache
+    assert settings.query_cache_ttl_s == 90.5 and settings.query_cache_max_entries == 2_000_000
+    # the pod rolls when the cache is switched: the ConfigMap's checksum changes
+    gateway = the(docs, "Deployment", "gateway")
+    default = the(render(chart), "Deployment", "gateway")
+    key = "checksum/config"
+    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[key] != default["spec"]["template"]["metadata"]["annotations"][key]

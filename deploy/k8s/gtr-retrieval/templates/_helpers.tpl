@@ -274,7 +274,9 @@ stays plaintext (the gateway's GTR_GATEWAY_TRITON_TLS=false). */}}
 - name: {{ $p }}_TLS_CLIENT_CA
   value: /etc/gtr/tls/ca.crt
 {{- end }}
-{{- if $gateway }}
+{{- /* Its own connections: the gateway's to shards and rerank, a shard's to the peer it
+       seeds a snapshot from (--peers, the shard's headless Service). */}}
+{{- if or $gateway (eq .component "index") }}
 - name: {{ $p }}_TLS_CA
   value: /etc/gtr/tls/ca.crt
 {{- if $root.Values.tls.mutual }}
@@ -283,6 +285,8 @@ stays plaintext (the gateway's GTR_GATEWAY_TRITON_TLS=false). */}}
 - name: {{ $p }}_TLS_CLIENT_KEY
   value: /etc/gtr/tls/tls.key
 {{- end }}
+{{- end }}
+{{- if $gateway }}
 - name: {{ $p }}_TRITON_TLS
   value: "false"
 {{- end }}
