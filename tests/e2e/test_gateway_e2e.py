@@ -27,14 +27,10 @@ from services.encoder.repository import generate_repository
 from services.encoder.triton_server import TritonServerConfig, run_triton
 from services.index.core.train import TrainOptions, train_index
 from tests.support.processes import free_port
+from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.stack import running_stack
 
-DOCS = [
-    ("py-csv", "csv.reader", "Read rows of a comma-separated values file one list at a time."),
-    ("py-json", "json.loads", "Deserialize a JSON document from a string to a Python object."),
-    ("py-hash", "hashlib.sha256", "Return a SHA-256 hash object; update it with bytes."),
-    ("py-thread", "ThreadPoolExecutor", "Run callables asynchronously in a pool of threads."),
-]
+DOCS = STDLIB_DOCS
 
 
 @pytest.fixture(scope="module")

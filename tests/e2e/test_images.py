@@ -39,18 +39,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from tests.support.containers import BUILD_SCRIPT, Container, docker_works, image_refs
 from tests.support.processes import RedisServer, free_port
+from tests.support.sample_docs import STDLIB_DOCS
 
 pytestmark = pytest.mark.slow
 
 BUILD_TIMEOUT_S = 1200
 START_TIMEOUT_S = 180
 
-DOCS = [
-    ("py-csv", "csv.reader", "Read rows of a comma-separated values file one list at a time."),
-    ("py-json", "json.loads", "Deserialize a JSON document from a string to a Python object."),
-    ("py-hash", "hashlib.sha256", "Return a SHA-256 hash object; update it with bytes."),
-    ("py-thread", "ThreadPoolExecutor", "Run callables asynchronously in a pool of threads."),
-]
+DOCS = STDLIB_DOCS
 
 
 @pytest.fixture(scope="module")

@@ -37,15 +37,13 @@ from prometheus_client import start_http_server
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import free_port, run_redis
+from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.shards import scifact_vectors, shared_test_index
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "prometheus"
 DOCS = [
-    ("py-csv", "csv.reader", "Read rows of a comma-separated values file one list at a time."),
-    ("py-json", "json.loads", "Deserialize a JSON document from a string to a Python object."),
-    ("py-hash", "hashlib.sha256", "Return a SHA-256 hash object; update it with bytes."),
-    ("py-thread", "ThreadPoolExecutor", "Run callables asynchronously in a pool of threads."),
+    *STDLIB_DOCS,
     ("py-re", "re.compile", "Compile a regular expression pattern into a pattern object."),
     ("py-os", "os.listdir", "Return a list of the entries in the directory given by path."),
 ]

@@ -41,14 +41,10 @@ from tests.support.processes import (
     start_redis,
     stop_process,
 )
+from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.shards import scifact_vectors, shared_test_index
 
-DOCS = [
-    ("py-csv", "csv.reader", "Read rows of a comma-separated values file one list at a time."),
-    ("py-json", "json.loads", "Deserialize a JSON document from a string to a Python object."),
-    ("py-hash", "hashlib.sha256", "Return a SHA-256 hash object; update it with bytes."),
-    ("py-thread", "ThreadPoolExecutor", "Run callables asynchronously in a pool of threads."),
-]
+DOCS = STDLIB_DOCS
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
