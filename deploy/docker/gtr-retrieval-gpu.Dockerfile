@@ -49,6 +49,8 @@ ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /var/lib/gtr
 USER 10001:10001
+# gRPC health of the role that runs: its --health-port when set, else its serving port
+# (TLS when it serves TLS); deploy/docker/healthcheck.py.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["/opt/venv/bin/python", "/usr/local/lib/gtr/healthcheck.py"]
 ENTRYPOINT ["gtr-retrieval"]

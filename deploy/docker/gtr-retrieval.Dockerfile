@@ -58,7 +58,9 @@ ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
     HOME=/var/lib/gtr
 WORKDIR /var/lib/gtr
 USER 10001:10001
-# gRPC health of the role that runs (its GTR_<SERVICE>_PORT, or GTR_HEALTH_PORT).
+# gRPC health of the role that runs (deploy/docker/healthcheck.py): its plaintext
+# --health-port / GTR_<SERVICE>_HEALTH_PORT when set (the probe port under TLS), else its
+# serving port, over TLS with the process's own certificate when it serves TLS.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["/opt/venv/bin/python", "/usr/local/lib/gtr/healthcheck.py"]
 ENTRYPOINT ["gtr-retrieval"]

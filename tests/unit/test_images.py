@@ -195,3 +195,101 @@ def test_image_references_agree() -> None:
     for path in DOCKERFILES:
         base = re.search(r"ARG (?:BASE|TRITON)_IMAGE=(\S+)", path.read_text())
         assert base and base.group(1) in {env["DEBIAN_BASE"], env["TRITON_BASE"]}, path.name
+
+
+# --- the HEALTHCHECK script against real gRPC servers, plaintext, TLS and mTLS ------------
+
+
+def _healthcheck_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", DOCKER / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_image_healthcheck_runs_the_script_that_is_tested() -> None:
+    for name in ("gtr-retrieval.Dockerfile", "gtr-retrieval-gpu.Dockerfile"):
+        final = stages(DOCKER / name)[-1]
+        copies = " ".join(i["value"] for i in final if i["instruction"] == "COPY")
+        check = next(i["value"] for i in final if i["instruction"] == "HEALTHCHECK")
+        assert "deploy/docker/healthcheck.py /usr/local/lib/gtr/healthcheck.py" in copies
+        assert "/usr/local/lib/gtr/healthcheck.py" in check, name
+
+
+def test_the_healthcheck_follows_the_process_under_tls(tmp_path: Path) -> None:
+    """A server of ours (services.common.server) with TLS and client certificates
+    required, and a plaintext health-only port: the check probes the health port when
+    the process has one (flag or environment), else the TLS port with the process's own
+    certificate; a stopped or NOT_SERVING process fails it. The previous script dialled
+    the serving port in plaintext, which a TLS server refuses."""
+    import asyncio
+
+    from services.common.server import create_server
+    from services.common.settings import ServiceSettings
+    from services.stack.certs import make_certs
+    from tests.support.processes import free_port
+
+    healthcheck = _healthcheck_module()
+    certs = make_certs(tmp_path / "tls", ["gtr-gateway.search.svc"])
+    health_port = free_port()
+    tls_flags = [
+        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+        "--tls-client-ca", str(certs.ca),
+    ]  # fmt: skip
+
+    async def scenario() -> None:
+        server, port = await create_server(
+            ServiceSettings(
+                host="127.0.0.1",
+                port=0,
+                tls_cert=str(certs.server_cert),
+                tls_key=str(certs.server_key),
+                tls_client_ca=str(certs.ca),
+                health_port=health_port,
+            ),
+            lambda _: [],
+        )
+
+        async def check(args: list[str], environ: dict[str, str] | None = None) -> int:
+            code: int = await asyncio.to_thread(healthcheck.main, args, environ or {})
+            return code
+
+        try:
+            serve = ["gateway", "serve", "--port", str(port)]
+            # the health-only port, named by a flag or by the role's environment
+            assert await check([*serve, *tls_flags, "--health-port", str(health_port)]) == 0
+            env = {"GTR_GATEWAY_HEALTH_PORT": str(health_port)}
+            assert await check(["gateway", "serve"], env) == 0
+            # no health port: TLS on the serving port, the own certificate as the client's
+            assert await check([*serve, *tls_flags]) == 0
+            env = {
+                "GTR_SHARD_PORT": str(port),
+                "GTR_SHARD_TLS_CERT": str(certs.server_cert),
+                "GTR_SHARD_TLS_KEY": str(certs.server_key),
+                "GTR_SHARD_TLS_CLIENT_CA": str(certs.ca),
+            }
+            assert await check(["index", "serve"], env) == 0
+            # what the old script did: plaintext to the TLS port
+            assert await check(serve) == 1
+            await server.set_serving(False)
+            assert await check([*serve, *tls_flags, "--health-port", str(health_port)]) == 1
+            assert await check([*serve, *tls_flags]) == 1
+        finally:
+            await server.stop(0)
+        assert await check([*serve, *tls_flags, "--health-port", str(health_port)]) == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_healthcheck_reads_flags_before_the_environment() -> None:
+    healthcheck = _healthcheck_module()
+    probe = healthcheck.probe_of(
+        ["gtr-retrieval", "rerank", "serve", "--port=7001"],
+        {"GTR_RERANK_PORT": "7002", "GTR_GATEWAY_HEALTH_PORT": "8090"},
+    )
+    assert probe == healthcheck.Probe(7001)  # the gateway's health port is not the rerank's
+    assert healthcheck.probe_of([], {}) == healthcheck.Probe(50051)
