@@ -34,9 +34,7 @@ from retrieval.v1 import (
     search_pb2_grpc,
 )
 from services.index.core.ids import shard_of
-from tests.support.background import BackgroundStack, stack_in_background
-from tests.support.processes import run_redis
-from tests.support.rerank import rerank_in_background
+from tests.support.background import BackgroundStack, stack_with_rerank
 from tests.support.shards import scifact_vectors, shared_test_index
 
 # id, title, text, metadata
@@ -106,16 +104,7 @@ def _filter(**conditions: list[str]) -> common_pb2.Filter:
 def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
     tmp = tmp_path_factory.mktemp("coverage")
-    with (
-        rerank_in_background(tmp) as reranker,
-        run_redis(tmp / "redis") as store,
-        stack_in_background(
-            store.url,
-            index_dir,
-            tmp,
-            gateway_settings={"rerank_url": f"127.0.0.1:{reranker.port}"},
-        ) as bg,
-    ):
+    with stack_with_rerank(index_dir, tmp) as (bg, store):
         nlist = json.loads((index_dir / "manifest.json").read_text())["nlist"]
         f = Front(bg, store.url, nlist)
         f.upsert(DOCS)

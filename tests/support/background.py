@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from tests.support.processes import RedisServer, run_redis
+from tests.support.rerank import rerank_in_background
 from tests.support.stack import TestStack, running_stack
 
 T = TypeVar("T")
@@ -69,3 +71,25 @@ def stack_in_background(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+@contextmanager
+def stack_with_rerank(
+    index_dir: Path, tmp: Path, gateway_settings: dict[str, object] | None = None
+) -> Iterator[tuple[BackgroundStack, RedisServer]]:
+    """A real rerank server (tiny checkpoint), a real redis-server and the stack in the
+    background with its gateway reranking on that server; the stack and its Redis."""
+    with (
+        rerank_in_background(tmp) as reranker,
+        run_redis(tmp / "redis") as store,
+        stack_in_background(
+            store.url,
+            index_dir,
+            tmp,
+            gateway_settings={
+                "rerank_url": f"127.0.0.1:{reranker.port}",
+                **(gateway_settings or {}),
+            },
+        ) as bg,
+    ):
+        yield bg, store
