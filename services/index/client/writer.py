@@ -175,9 +175,10 @@ class ChangeLogWriter:
     On one Redis a whole upsert (or delete) batch is one Lua script: all or nothing. On a
     cluster each shard's part of the batch is one script (its keys share the shard's hash
     slot), the parts run concurrently: each is all or nothing, and when one fails the
-    call fails (Unavailable) though other shards' parts may be written; the retry the
-    client makes is harmless (an upsert again stores the same content with a newer
-    version; a delete again reports the deleted ids as not found).
+    call fails (Unavailable; StoreFull when Redis is full) though other shards' parts
+    may be written; the retry the client makes is harmless (an upsert again stores the
+    same content with a newer version; a delete again reports the deleted ids as not
+    found).
 
     ``wait_replicas`` > 0: after each script, ``WAIT wait_replicas wait_timeout_ms`` on the
     same connection, so a write is acknowledged only once that many replicas of its
@@ -309,9 +310,14 @@ class ChangeLogWriter:
                     await self._redis.script_load(source)
                     return await self._run_and_wait(script.sha, keys, args)
         except OutOfMemoryError as exc:
+            written = (
+                "this shard's part of the batch was not written (other shards' parts may have been)"
+                if self.cluster
+                else "nothing was written"
+            )
             raise StoreFull(
-                "redis: the document store is full (maxmemory reached, noeviction): nothing "
-                "was written; delete documents or raise the store's maxmemory"
+                f"redis: the document store is full (maxmemory reached, noeviction): "
+                f"{written}; delete documents or raise the store's maxmemory"
             ) from exc
         except REDIS_ERRORS as exc:
             raise Unavailable(f"redis: {exc}") from exc
