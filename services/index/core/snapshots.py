@@ -39,7 +39,8 @@ class Snapshot:
     position: str
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make the entries of ``directory`` (a file renamed or created in it) durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -74,7 +75,7 @@ def write_snapshot(shard: IvfPqShard, directory: Path, keep: int = 3) -> Snapsho
     }
     _write_durably(path, data)
     _write_durably(path.with_suffix(".json"), json.dumps(manifest, indent=2).encode())
-    _fsync_dir(directory)
+    fsync_dir(directory)
     prune(directory, keep)
     return Snapshot(path, position)
 

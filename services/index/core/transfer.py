@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from services.common import positions
-from services.index.core.snapshots import Snapshot, list_snapshots
+from services.index.core.snapshots import Snapshot, fsync_dir, list_snapshots
 from services.index.core.train import MANIFEST, REFINE, TRAINED
 
 CHUNK_BYTES = 1 << 20
@@ -104,14 +104,6 @@ def newest_snapshot(directory: Path) -> Snapshot | None:
         if snapshot.path.with_suffix(".json").exists():
             return snapshot
     return None
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Receiver:
@@ -207,7 +199,7 @@ class Receiver:
         for f in order:
             os.replace(self._staging[f.index] / f.name, self._dest[f.index] / f.name)
         for index in {f.index for f in self.files}:
-            _fsync_dir(self._dest[index])
+            fsync_dir(self._dest[index])
         self.abort()
         return Snapshot(self._dest[False] / self.npz.name, self.position)
 
