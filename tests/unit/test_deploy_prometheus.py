@@ -4,10 +4,8 @@ and unit-tested by promtool, every alert shown firing and not firing."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,6 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 from services.common import slo
 from services.common.metrics import LATENCY_BUCKETS
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -43,12 +42,7 @@ def run_promtool(*args: str, cwd: Path = PROMETHEUS_DIR) -> subprocess.Completed
 
 
 def gen_rules() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_rules", ROOT / "scripts" / "gen_rules.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gen_rules"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / "gen_rules.py")
 
 
 def load(name: str) -> Any:

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from types import ModuleType
+
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _gen_module():
-    spec = importlib.util.spec_from_file_location("gen_protos", ROOT / "scripts" / "gen_protos.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gen_protos"] = module
-    spec.loader.exec_module(module)
-    return module
+def _gen_module() -> ModuleType:
+    return load_script(ROOT / "scripts" / "gen_protos.py")
 
 
 def test_generated_code_is_fresh() -> None:

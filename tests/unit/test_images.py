@@ -19,6 +19,8 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"
 IMAGES_ENV = ROOT / "deploy" / "images.env"
@@ -201,14 +203,7 @@ def test_image_references_agree() -> None:
 
 
 def _healthcheck_module() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("healthcheck", DOCKER / "healthcheck.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DOCKER / "healthcheck.py")
 
 
 def test_the_image_healthcheck_runs_the_script_that_is_tested() -> None:
