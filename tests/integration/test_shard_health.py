@@ -13,7 +13,6 @@ is not restarted in place), and a restarted process serves again with the write.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +21,11 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from tests.support.shards import ShardProcess, start_shard, train_test_index
+from tests.support.shards import (
+    ShardProcess,
+    start_shard_that_stops_applying,
+    train_test_index,
+)
 
 
 def _status(address: str) -> int:
@@ -46,18 +49,9 @@ def test_a_shard_whose_log_consumer_died_is_not_serving(
 ) -> None:
     vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:2000].astype(np.float32)
     index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
-    shard = start_shard(
-        index_dir=index_dir,
-        redis_url=redis_url,
-        shard=0,
-        shards=1,
-        work_dir=tmp_path,
-        settings={"snapshot-every-entries": "1"},
-    )
+    shard = start_shard_that_stops_applying(index_dir, redis_url, tmp_path)
     try:
         assert _status(shard.address) == health_pb2.HealthCheckResponse.SERVING
-        shutil.rmtree(shard.snapshot_dir)
-        shard.snapshot_dir.write_text("not a directory")
 
         async def write() -> None:
             writer = ChangeLogWriter(redis_url, num_shards=1, dim=vectors.shape[1])

@@ -12,7 +12,6 @@ batch was applied, stayed at its last value and could not alert on a stopped rep
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 import urllib.request
 from collections.abc import Callable
@@ -24,7 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from tests.support.processes import free_port
-from tests.support.shards import scifact_vectors, shared_test_index, start_shard
+from tests.support.shards import (
+    scifact_vectors,
+    shared_test_index,
+    start_shard_that_stops_applying,
+)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -68,19 +71,12 @@ def test_the_lag_of_a_replica_that_stopped_applying_grows(
     vectors = scifact_vectors(scifact_dir)
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), vectors)
     metrics_port = free_port()
-    shard = start_shard(
-        index_dir=index_dir,
-        redis_url=redis_url,
-        shard=0,
-        shards=1,
-        work_dir=tmp_path,
-        settings={"snapshot-every-entries": "1", "metrics-port": str(metrics_port)},
+    shard = start_shard_that_stops_applying(
+        index_dir, redis_url, tmp_path, {"metrics-port": str(metrics_port)}
     )
     try:
         # The consumer will stop after the first change it applies (its snapshot cannot
         # be written). Up to then it is caught up: no lag, the applied entry the newest.
-        shutil.rmtree(shard.snapshot_dir)
-        shard.snapshot_dir.write_text("not a directory")
         write(redis_url, "doc-0", vectors[0])
         caught_up = await_metrics(
             metrics_port,

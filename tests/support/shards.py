@@ -17,6 +17,7 @@ shard replays its log before it does).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,25 @@ def start_shard(
     if wait:
         proc.wait_serving(timeout)
     return proc
+
+
+def start_shard_that_stops_applying(
+    index_dir: Path, redis_url: str, work_dir: Path, settings: Mapping[str, str] | None = None
+) -> ShardProcess:
+    """Shard 0 of 1, SERVING and following its log until the first change it applies:
+    it then snapshots (``snapshot-every-entries`` 1) into a "directory" that is a file,
+    and its log consumer stops. ``snapshot_dir.unlink()`` repairs it for a restart."""
+    shard = start_shard(
+        index_dir=index_dir,
+        redis_url=redis_url,
+        shard=0,
+        shards=1,
+        work_dir=work_dir,
+        settings={"snapshot-every-entries": "1", **(settings or {})},
+    )
+    shutil.rmtree(shard.snapshot_dir)
+    shard.snapshot_dir.write_text("not a directory")
+    return shard
 
 
 @dataclass
