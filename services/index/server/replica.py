@@ -295,8 +295,8 @@ class ShardReplica:
         if positions.compare(wanted, last) > 0:
             raise InvalidArgument(
                 f"write_token: position {wanted} of shard {self.config.shard} is past the end "
-                f"of its log (the newest written is {last}): a token of another store, or "
-                "a forged one"
+                f"of its log (the newest written is {last}): a token of another store, a "
+                "forged one, or one of a write lost when Redis failed over"
             )
 
     async def tail(self) -> str:
