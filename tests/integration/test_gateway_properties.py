@@ -51,7 +51,7 @@ ACTIONABLE = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,  # e.g. a SESSION token of a position never written
+    grpc.StatusCode.DEADLINE_EXCEEDED,  # a SESSION position a shard has not applied in time
     grpc.StatusCode.UNAVAILABLE,
 }
 SEARCH_TIMEOUT_S = 3.0
