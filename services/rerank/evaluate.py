@@ -63,14 +63,16 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
 
     if not cfg.checkpoints and not cfg.untrained:
         raise InvalidArgument("nothing to evaluate: give checkpoints and/or untrained")
+    ndcg = _ndcg_name(cfg.k)
     data = load_beir(cfg.data_dir)
     qids = dev_queries(cfg, data)
     if cfg.max_queries is not None:
         qids = qids[: cfg.max_queries]
     run = dense_run(data, qids, k=max(cfg.depth, cfg.k))
+    dense = score(run, data.qrels, qids)
     report: dict[str, Any] = {
         "queries": len(qids), "depth": cfg.depth, "k": cfg.k,
-        "ndcg@10": {"dense": _mean_ndcg(run, data.qrels, cfg.k)},
+        "ndcg@10": {"dense": round(dense.mean(ndcg), 4)},
         "terms": {}, "vs_dense": {}, "seconds": {}, "pairs_per_s": {},
     }  # fmt: skip
     systems: list[Path | None] = [*cfg.checkpoints, *([None] if cfg.untrained else [])]
@@ -91,28 +93,16 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
                 order = np.argsort(-terms[name], kind="stable")
                 ranking[qid] = [head[i] for i in order] + tail
         seconds = time.perf_counter() - start
-        report["ndcg@10"][label] = _mean_ndcg(reranked["score"], data.qrels, cfg.k)
-        report["vs_dense"][label] = paired_comparison(
-            _per_query(run, data.qrels, cfg.k, qids),
-            _per_query(reranked["score"], data.qrels, cfg.k, qids),
-        )
+        rescored = score(reranked["score"], data.qrels, qids)
+        report["ndcg@10"][label] = round(rescored.mean(ndcg), 4)
+        report["vs_dense"][label] = paired_comparison(dense.values(ndcg), rescored.values(ndcg))
         if config.variant != "monobert":  # the two terms alone, for diagnosis
             for name in ("s_m", "s_l"):
-                report["terms"][f"{label} {name} only"] = _mean_ndcg(reranked[name], data.qrels,
-                                                                     cfg.k)  # fmt: skip
+                term = score(reranked[name], data.qrels, qids)
+                report["terms"][f"{label} {name} only"] = round(term.mean(ndcg), 4)
         report["seconds"][label] = round(seconds, 1)
         report["pairs_per_s"][label] = round(len(qids) * cfg.depth / seconds, 1)
     return report
-
-
-def _per_query(
-    run: dict[str, list[str]], qrels: dict[str, dict[str, int]], k: int, qids: list[str]
-) -> list[float]:
-    return score(run, qrels, qids).values(_ndcg_name(k))
-
-
-def _mean_ndcg(run: dict[str, list[str]], qrels: dict[str, dict[str, int]], k: int) -> float:
-    return round(score(run, qrels, sorted(run)).mean(_ndcg_name(k)), 4)
 
 
 def _ndcg_name(k: int) -> str:
