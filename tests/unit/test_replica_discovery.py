@@ -71,3 +71,27 @@ def test_a_dns_server_that_does_not_answer_is_unavailable() -> None:
 def test_the_system_resolver_serves_names_without_authority() -> None:
     assert asyncio.run(resolve(parse_dns_target("dns:///localhost:9"))) != []
     assert asyncio.run(resolve(parse_dns_target("dns:///127.0.0.1:9"))) == ["127.0.0.1:9"]
+
+
+def test_a_search_waits_for_the_first_resolution_only_within_its_deadline() -> None:
+    from retrieval.v1 import index_pb2
+    from services.common.deadline import Deadline
+    from services.common.errors import DeadlineExceeded
+    from services.index.client.replicas import Balancing, ReplicaSet
+
+    async def main() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
+            silent.bind(("127.0.0.1", 0))  # receives, never answers
+            port = silent.getsockname()[1]
+            shard = ReplicaSet(
+                0,
+                [f"dns://127.0.0.1:{port}/shard-0.test:1"],
+                balancing=Balancing(resolve_timeout_s=5.0),
+            )
+            try:
+                with pytest.raises(DeadlineExceeded, match="not resolved"):
+                    await shard.search(index_pb2.ShardSearchRequest(), Deadline.after(0.2))
+            finally:
+                await shard.close()
+
+    asyncio.run(main())  # without the bound: Unavailable after the 5 s resolve timeout

@@ -422,7 +422,12 @@ class ReplicaSet:
         remaining = deadline.remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded(f"shard {self.shard}: no time left")
-        replicas = await self.current()
+        try:  # the first resolution of a DNS target waits within the search's deadline
+            async with asyncio.timeout(remaining):
+                replicas = await self.current()
+        except TimeoutError:
+            msg = f"shard {self.shard}: {self.target} not resolved in time"
+            raise DeadlineExceeded(msg) from None
         if not replicas:
             raise Unavailable(f"shard {self.shard}: {self.target} names no replica")
         order = self._order(replicas)
