@@ -211,13 +211,17 @@ class QueryEmbeddingCache:
         if time.monotonic() < self._bypass_until:
             self._count("bypassed", len(texts))
             return [None] * len(texts)
-        limit = self.timeout_s if timeout is None else max(0.0, min(self.timeout_s, timeout))
+        # Cut short by the request's own deadline, a timeout says nothing about Redis: it
+        # must not bypass the cache for every other search.
+        cut_by_deadline = timeout is not None and timeout < self.timeout_s
+        limit = max(0.0, timeout) if cut_by_deadline and timeout is not None else self.timeout_s
         keys = [self.key(t, kind) for t in texts]
         try:
             async with asyncio.timeout(limit):
                 values = await self._lookup(keys=[LRU_KEY, *keys], args=[self.touch_ms])
         except (redis.RedisError, OSError, TimeoutError) as exc:
-            self._failed("lookup", exc)
+            if not (cut_by_deadline and isinstance(exc, TimeoutError)):
+                self._failed("lookup", exc)
             self._count("error", len(texts))
             return [None] * len(texts)
         found = [self._decode(v) for v in values]
