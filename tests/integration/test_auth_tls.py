@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from services.index.server.process import RunningShard, start_shard
 from services.rerank.server import Reranker, start_rerank
 from services.rerank.settings import RerankSettings
 from services.stack.certs import CertFiles, make_certs
-from tests.support.processes import RedisServer, free_port
+from tests.support.processes import RedisServer, free_port, wait_until
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.shards import ROOT, train_test_index
 from tests.support.stack import shard_settings
@@ -294,14 +293,14 @@ def test_a_rotated_token_file_is_read_without_a_restart(secured: Secured) -> Non
         fresh.write_text(f"{ROTATED}\n")
         fresh.replace(secured.read_file)
         with secured.channel() as ch:
-            _until(lambda: _works(ch, ROTATED), "the rotated token is accepted")
+            wait_until(lambda: _works(ch, ROTATED), "the rotated token is accepted", timeout=20)
             code, _ = _code(lambda: _search(ch, READ))
             assert code is grpc.StatusCode.UNAUTHENTICATED
             assert len(_search(ch, WRITE).hits) == 3  # the write file is untouched
     finally:
         secured.read_file.write_text(original)
         with secured.channel() as ch:
-            _until(lambda: _works(ch, READ), "the original token is back")
+            wait_until(lambda: _works(ch, READ), "the original token is back", timeout=20)
 
 
 def _works(ch: grpc.Channel, token: str) -> bool:
@@ -312,14 +311,6 @@ def _works(ch: grpc.Channel, token: str) -> bool:
         if exc.code() is not grpc.StatusCode.UNAUTHENTICATED:  # type: ignore[attr-defined]
             raise
         return False
-
-
-def _until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.05)
 
 
 # --- TLS and mTLS ---------------------------------------------------------------------

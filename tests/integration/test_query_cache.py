@@ -13,7 +13,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -40,19 +40,12 @@ from tests.support.processes import (
     run_redis,
     start_redis,
     stop_process,
+    wait_until,
 )
 from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.shards import scifact_vectors, shared_test_index
 
 DOCS = STDLIB_DOCS
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
 
 
 def entries(client: redis.Redis) -> set[bytes]:
