@@ -31,12 +31,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from loadtest import bottleneck, overhead
 from loadtest.budget import default_slo_ms
@@ -77,6 +78,8 @@ def local_stack(run_dir: Path, timeout_s: float) -> Iterator[Path]:
                 raise RuntimeError(f"the stack did not come up (last line: {line.strip()!r})")
         else:
             raise RuntimeError(f"the stack exited with {proc.wait()} before serving")
+        # Keep reading its output: a full pipe would block the stack mid-measurement.
+        threading.Thread(target=_discard, args=(proc.stdout,), daemon=True).start()
         yield run_dir / "stack.json"
     finally:
         if proc.poll() is None:
@@ -86,6 +89,11 @@ def local_stack(run_dir: Path, timeout_s: float) -> Iterator[Path]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _discard(stream: IO[str]) -> None:
+    for _ in stream:
+        pass
 
 
 def loadavg() -> tuple[float, float, float]:
