@@ -95,3 +95,36 @@ def test_a_search_waits_for_the_first_resolution_only_within_its_deadline() -> N
                 await shard.close()
 
     asyncio.run(main())  # without the bound: Unavailable after the 5 s resolve timeout
+
+
+def test_an_unexpected_resolver_error_does_not_end_the_watch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.index.client import replicas as replicas_module
+    from services.index.client.replicas import Balancing, ReplicaSet
+
+    answers: list[object] = [RuntimeError("surprise"), ["127.0.0.1:9"]]
+
+    async def fake_resolve(target: DnsTarget, timeout: float) -> list[str]:
+        answer = answers.pop(0) if answers else ["127.0.0.1:9"]
+        if isinstance(answer, Exception):
+            raise answer
+        assert isinstance(answer, list)
+        return answer
+
+    monkeypatch.setattr(replicas_module, "resolve", fake_resolve)
+
+    async def main() -> list[str]:
+        shard = ReplicaSet(0, ["dns:///shard-0.test:9"], balancing=Balancing(resolve_every_s=0.01))
+        try:
+            # the first answer was the error
+            assert await asyncio.wait_for(shard.current(), 5.0) == []
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if shard.replicas:
+                    break
+            return [r.address for r in shard.replicas]
+        finally:
+            await shard.close()
+
+    assert asyncio.run(main()) == ["127.0.0.1:9"]

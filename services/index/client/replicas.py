@@ -369,6 +369,9 @@ class ReplicaSet:
             except Unavailable as exc:
                 log.warning("shard %d: %s; keeping %d known replicas", self.shard, exc,
                             len(self.replicas))  # fmt: skip
+            except Exception:  # the watcher must outlive a surprise: searches wait on it
+                log.exception("shard %d: resolving %s failed; keeping %d known replicas",
+                              self.shard, target, len(self.replicas))  # fmt: skip
             self._resolved.set()
             await asyncio.sleep(self.balancing.resolve_every_s)
 
