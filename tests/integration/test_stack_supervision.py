@@ -32,20 +32,10 @@ from services.stack.children import (
     grpc_healthy,
 )
 from services.stack.config import StackConfig
-from tests.support.processes import redis_binary
+from tests.support.processes import redis_binary, wait_until
 
 DIM = 384
 FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=2, window_s=60, poll_s=0.05)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``condition`` until it holds; the seconds it took (AssertionError on timeout)."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def unit_vectors(n: int, seed: int) -> np.ndarray:
@@ -111,10 +101,10 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                 assert old_pid is not None
                 os.kill(old_pid, signal.SIGKILL)
                 await asyncio.to_thread(
-                    wait_for,
+                    wait_until,
                     lambda: victim.restarts == 1 and victim.state is State.RUNNING,
-                    45,
                     "the replica restarted and healthy",
+                    45,
                 )
                 assert victim.pid != old_pid and grpc_healthy(victim.address)
                 assert all(c.alive() for c in sup.children)
@@ -126,10 +116,10 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                 assert old_pid is not None
                 os.kill(old_pid, signal.SIGKILL)
                 await asyncio.to_thread(
-                    wait_for,
+                    wait_until,
                     lambda: redis_child.restarts == 1 and redis_child.state is State.RUNNING,
-                    30,
                     "redis restarted and healthy",
+                    30,
                 )
                 client = redis.Redis.from_url(redis_child.address)
                 assert client.exists(*[DocKeys(1).doc(f"d{i}") for i in range(20)]) == 20
@@ -275,7 +265,7 @@ def test_triton_under_load_stops_on_sigterm_without_sigkill(
         child.wait_ready(lambda: components.triton_ready(f"127.0.0.1:{ports[1]}", "embed"), 120)
         load = subprocess.Popen([sys.executable, "-c", LOAD, server.grpc_url])
         metrics = f"127.0.0.1:{ports[2]}"
-        wait_for(lambda: _pending_inferences(metrics) >= 6, 60, "a queue at Triton")
+        wait_until(lambda: _pending_inferences(metrics) >= 6, "a queue at Triton", timeout=60)
         load.terminate()  # the gateway stops before Triton
         load.wait()
         start = time.monotonic()
