@@ -86,7 +86,8 @@ def shard_run(shard: IvfPqShard, data: EvalData, nprobe: int, depth: int = DEPTH
 
 
 def held_out_queries(checkpoint: Path, qids: list[str]) -> list[str]:
-    """The evaluated queries the checkpoint's trainer kept out of training (``split.json``)."""
+    """The evaluated queries the checkpoint's trainer kept out of training (``split.json``);
+    InvalidArgument when there are none (no fair rerank gain to measure)."""
     path = Path(checkpoint) / "split.json"
     if not path.exists():
         raise NotFound(
@@ -97,7 +98,13 @@ def held_out_queries(checkpoint: Path, qids: list[str]) -> list[str]:
     dev = set(split.get("dev", []))
     if not dev:
         raise InvalidArgument(f"{path} lists no held-out (dev) queries")
-    return [q for q in qids if q in dev]
+    held = [q for q in qids if q in dev]
+    if not held:
+        raise InvalidArgument(
+            "none of the evaluated queries was held out of the "
+            "checkpoint's training: no fair rerank gain to measure"
+        )
+    return held
 
 
 def rerank_run(first: Run, data: EvalData, qids: list[str], cfg: EvalConfig) -> Run:
@@ -152,11 +159,6 @@ def evaluate_in_process(data: EvalData, cfg: EvalConfig) -> Systems:
             out.runs[f"ivfpq_nprobe_{nprobe}"] = shard_run(shard, data, nprobe)
     if cfg.rerank_checkpoint is not None:
         held = held_out_queries(Path(cfg.rerank_checkpoint), data.qids)
-        if not held:
-            raise InvalidArgument(
-                "none of the evaluated queries was held out of the "
-                "checkpoint's training: no fair rerank gain to measure"
-            )
         start = time.perf_counter()
         out.runs["ivfpq_default+rerank"] = rerank_run(out.runs["ivfpq_default"], data, held, cfg)
         out.seconds["rerank"] = time.perf_counter() - start
