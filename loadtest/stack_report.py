@@ -143,6 +143,20 @@ async def run_sweep(
     return result
 
 
+def _sweep_config(
+    args: argparse.Namespace, start_rate: float, step_s: float, slo_ms: float
+) -> SweepConfig:
+    """Climb from ``start_rate`` by ``--factor``; step down at most four times."""
+    return SweepConfig(
+        start_rate=start_rate,
+        slo_ms=slo_ms,
+        factor=args.factor,
+        min_rate=start_rate / args.factor**4,
+        step_s=step_s,
+        refine=args.refine,
+    )
+
+
 def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
     stack = json.loads(stack_json.read_text(encoding="utf-8"))
     target = target_from_stack(stack, token=os.environ.get("GTR_TOKEN") or None)
@@ -156,14 +170,7 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     print("\n== sweep, rerank off", flush=True)
     slo_off = default_slo_ms("minilm")
-    off = SweepConfig(
-        start_rate=args.start_rate,
-        slo_ms=slo_off,
-        factor=args.factor,
-        min_rate=args.start_rate / args.factor**4,
-        step_s=args.step_seconds,
-        refine=args.refine,
-    )
+    off = _sweep_config(args, args.start_rate, args.step_seconds, slo_off)
     out["rerank_off"] = asyncio.run(
         run_sweep(
             target,
@@ -177,14 +184,7 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     print(f"\n== sweep, rerank on (depth {RERANK_DEPTH})", flush=True)
     slo_on = default_slo_ms("minilm", rerank=True)
-    on = SweepConfig(
-        start_rate=args.rerank_start_rate,
-        slo_ms=slo_on,
-        factor=args.factor,
-        min_rate=args.rerank_start_rate / args.factor**4,
-        step_s=args.rerank_step_seconds,
-        refine=args.refine,
-    )
+    on = _sweep_config(args, args.rerank_start_rate, args.rerank_step_seconds, slo_on)
     rerank = Workload(queries=queries, rerank=True, rerank_depth=RERANK_DEPTH)
     out["rerank_on"] = asyncio.run(
         run_sweep(
