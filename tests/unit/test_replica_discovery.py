@@ -128,3 +128,30 @@ def test_an_unexpected_resolver_error_does_not_end_the_watch(
             await shard.close()
 
     assert asyncio.run(main()) == ["127.0.0.1:9"]
+
+
+def test_closing_a_shard_closes_the_replicas_that_left_dns_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.index.client.replicas import Replica, ReplicaSet
+
+    closed: list[str] = []
+    close = Replica.close
+
+    async def recorded(self: Replica) -> None:
+        closed.append(self.address)
+        await close(self)
+
+    monkeypatch.setattr(Replica, "close", recorded)
+
+    async def main() -> None:
+        shard = ReplicaSet(0, ["dns:///shard-0.test:9"])
+        shard.update(["127.0.0.1:9"])
+        shard.replicas[0].sent()  # a search still waits on it: it is retired, not closed
+        shard.update(["127.0.0.2:9"])
+        await asyncio.sleep(0)
+        assert closed == []
+        await shard.close()
+
+    asyncio.run(main())
+    assert sorted(closed) == ["127.0.0.1:9", "127.0.0.2:9"]

@@ -404,8 +404,10 @@ class ReplicaSet:
             task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, replica: Replica) -> None:
-        await replica.drained(30.0)
-        await replica.close()
+        try:
+            await replica.drained(30.0)
+        finally:  # also when the set closes first: the channel is closed either way
+            await replica.close()
 
     def _order(self, replicas: list[Replica]) -> list[Replica]:
         """Non-suspect replicas first, by fewest searches in flight (least_outstanding)
@@ -487,7 +489,9 @@ class ReplicaSet:
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
-        for task in list(self._retiring):
+        retiring = list(self._retiring)
+        for task in retiring:
             task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
         for replica in self.replicas:
             await replica.close()
