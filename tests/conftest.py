@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import RedisServer, redis_binary, run_redis
+from tests.support.processes import RedisServer, redis_binary, run_redis, wait_until
 from tests.support.redis_cluster import RedisCluster, run_redis_cluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,7 +57,7 @@ def any_redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.getfixturevalue("redis_url")
         return
     cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-    cluster.wait(cluster.healthy, 60, "cluster_state:ok with every replica in sync")
+    wait_until(cluster.healthy, "cluster_state:ok with every replica in sync", timeout=60)
     cluster.flush()
     yield cluster.url
     cluster.flush()

@@ -12,8 +12,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,13 @@ from typing import Any
 
 import redis
 
-from tests.support.processes import free_port, redis_binary, stop_process, wait_for_port
+from tests.support.processes import (
+    free_port,
+    redis_binary,
+    stop_process,
+    wait_for_port,
+    wait_until,
+)
 
 NODE_TIMEOUT_MS = 1000
 
@@ -150,14 +155,6 @@ class RedisCluster:
                 return False
         return True
 
-    def wait(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"redis cluster: {what} not reached within {timeout:.0f} s")
-
     def flush(self) -> None:
         """FLUSHALL on every primary (replicas follow), script caches included."""
         for node in self.primaries():
@@ -197,7 +194,7 @@ def run_redis_cluster(
              "--cluster-yes"],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
         )  # fmt: skip
-        cluster.wait(cluster.healthy, 60, "cluster_state:ok with every replica in sync")
+        wait_until(cluster.healthy, "cluster_state:ok with every replica in sync", timeout=60)
         yield cluster
     finally:
         for node in nodes:
