@@ -22,7 +22,7 @@ from services.index.changelog import LogReader, decode_entry
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
 from services.index.keys import log_key
-from tests.support.processes import RedisServer
+from tests.support.processes import RedisServer, wait_until
 from tests.support.redis_cluster import RedisCluster, run_redis_cluster
 from tests.support.redis_replica import run_redis_replica
 
@@ -132,16 +132,16 @@ def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
             victim.kill()
             killed_at = time.monotonic()
             await asyncio.to_thread(
-                cluster.wait,
+                wait_until,
                 lambda: cluster.healthy() and cluster.primary_of(log_key(0)) is not victim,
-                30,
                 "a replica promoted in the killed primary's place",
+                timeout=30,
             )
             # The promoted primary has no replica left, so WAIT 1 refuses shard 0's
             # writes until the killed node is back (as a replica of the new primary).
             await asyncio.to_thread(victim.start)
             await asyncio.to_thread(
-                cluster.wait, cluster.healthy, 30, "the killed node back as a replica"
+                wait_until, cluster.healthy, "the killed node back as a replica", timeout=30
             )
             assert cluster.role(victim) == "slave"
             promoted_at = time.monotonic()
