@@ -215,11 +215,16 @@ def test_failed_searches_are_misses_and_client_mistakes_do_not_count(scraped: Sc
     # No Search succeeded: the search SLI is 1 (all misses), not absent; the refused
     # ones are not valid events (a fifth of the failing traffic is counted).
     assert prom.await_values("gtr:search_slo_error_ratio:rate5m", lambda v: v == [1.0])
-    share = prom.values(
+    # A fifth of the failing Searches are valid events: 0.2 in exact counts. The rule's
+    # rate and this query's rate are taken at instants up to one evaluation apart, and
+    # rate() extrapolates young series differently, so the share is awaited inside a band
+    # that still tells the three possible rules apart: refusals counted would give 1.0,
+    # failures dropped would give 0 (or no value).
+    share_expr = (
         "gtr:search_requests_valid:rate5m"
         ' / on () sum(rate(grpc_server_handled_total{job="gateway", method="Search"}[5m]))'
     )
-    assert len(share) == 1 and 0.1 < share[0] < 0.4, share
+    prom.await_values(share_expr, lambda v: len(v) == 1 and 0.05 < v[0] < 0.6)
     (active,) = prom.query("gtr:encoder_size:active")
     assert active["metric"]["size"] == "base"
     # The encodes of the failed searches succeeded: the encode SLI has a value.
