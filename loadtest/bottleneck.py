@@ -4,12 +4,23 @@ throughput, the same queries at the same concurrency, measured in one run.
     python -m loadtest.bottleneck --stack-json /tmp/c-run/stack.json [--concurrency 16]
     python -m loadtest.bottleneck --target HOST:PORT --triton HOST:PORT
 
-On a CPU the query encoder is the expensive stage of a search (the index and Redis cost
-a fraction of it), so a gateway that adds little should get close to what Triton alone
-embeds: the goal is ``ratio`` ≥ 0.8. Both sides are closed loops of ``--concurrency``
-callers (Search with k=``--k`` through the gateway; one-query ``embed`` calls straight to
-Triton with ``services.encoder.triton_client``), run in ``--rounds`` alternating slices so
-drift on a shared machine hits both, and the medians compared. Prints a line per round,
+When the encoder is the bottleneck, a gateway that adds little gets close to what
+Triton alone embeds: the goal is ``ratio`` ≥ 0.8. Both sides are closed loops of
+``--concurrency`` callers (Search with k=``--k`` through the gateway; one-query
+``embed`` calls straight to Triton with ``services.encoder.triton_client``), run in
+``--rounds`` alternating slices so drift on a shared machine hits both, and the medians
+compared.
+
+Placement (``--placement``). ``split`` gives Triton cores of its own (``--encoder-cpus``,
+default the upper half) and the gateway, the shards, Redis, Prometheus and this load
+generator the rest, as a deployment with Triton on its own node does: the ratio then
+says whether the gateway keeps the encoder busy. ``shared`` leaves every process on
+every core: on a small machine the search path's own CPU (gateway, shards, Redis) is
+then taken from the encoder's, and the ratio measures CPU per search instead. With a
+stack.json whose processes run on this machine the default is ``both`` (``ratio`` is the
+split one), else ``shared``. With a stack.json, the CPU each of its processes (and this
+generator) spent per search and per encode is reported too (``cpu_ms_per_search``,
+``cpu_ms_per_encode``, from /proc): where a search's CPU goes. Prints a line per round,
 then one JSON line.
 """
 
@@ -18,10 +29,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from loadtest import placement
 from loadtest.closedloop import ClosedLoopResult, closed_loop
 from loadtest.target import (
     DEFAULT_ADDRESS,
@@ -34,10 +49,41 @@ from loadtest.workload import load_queries
 from retrieval.v1 import search_pb2, search_pb2_grpc
 
 
+class CpuMeter:
+    """CPU seconds each named process (descendants included) spends in the slices run
+    under :meth:`slice`, per kind of slice."""
+
+    def __init__(self, processes: Mapping[str, int]) -> None:
+        self.processes = dict(processes)
+        self.spent: dict[str, dict[str, float]] = {}
+
+    @contextmanager
+    def slice(self, kind: str) -> Iterator[None]:
+        before = {name: placement.cpu_seconds(pid) for name, pid in self.processes.items()}
+        yield
+        spent = self.spent.setdefault(kind, dict.fromkeys(self.processes, 0.0))
+        for name, pid in self.processes.items():
+            spent[name] += max(0.0, placement.cpu_seconds(pid) - before[name])
+
+    def per_call_ms(self, kind: str, calls: int) -> dict[str, float]:
+        """Milliseconds of CPU per completed call, by process, largest first."""
+        spent = self.spent.get(kind, {})
+        per = {name: 1000.0 * s / calls for name, s in spent.items()} if calls else {}
+        return dict(sorted(per.items(), key=lambda item: -item[1]))
+
+
 async def measure(
-    target: Target, triton_url: str, queries: list[str], args: argparse.Namespace
+    target: Target,
+    triton_url: str,
+    queries: list[str],
+    args: argparse.Namespace,
+    processes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
+    """``processes`` (name → pid, on this machine): their CPU per search and per encode
+    is reported too."""
     from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+
+    meter = CpuMeter(processes or {})
 
     requests = [search_pb2.SearchRequest(query=q, k=args.k) for q in queries]
     encoder = await TritonEncoder.connect(TritonEncoderConfig(triton_url))
@@ -57,8 +103,10 @@ async def measure(
         gw: list[ClosedLoopResult] = []
         tr: list[ClosedLoopResult] = []
         for r in range(args.rounds):
-            gw.append(await closed_loop(search, args.concurrency, args.seconds))
-            tr.append(await closed_loop(encode, args.concurrency, args.seconds))
+            with meter.slice("search"):
+                gw.append(await closed_loop(search, args.concurrency, args.seconds))
+            with meter.slice("encode"):
+                tr.append(await closed_loop(encode, args.concurrency, args.seconds))
             print(
                 f"round {r + 1}: gateway {gw[-1].throughput:7.1f} searches/s "
                 f"(p50 {gw[-1].percentile_ms(50):.1f} ms, errors "
@@ -69,6 +117,11 @@ async def measure(
     finally:
         await channel.close()
         await encoder.close()
+    for kind, results in (("search", gw), ("encode", tr)):
+        per = meter.per_call_ms(kind, sum(r.codes["OK"] for r in results))
+        if per:
+            shown = ", ".join(f"{name} {ms:.2f}" for name, ms in per.items() if ms >= 0.01)
+            print(f"CPU ms per {kind}: {shown}", flush=True)
     gateway_rate = statistics.median(r.throughput for r in gw)
     triton_rate = statistics.median(r.throughput for r in tr)
     ratios = [g.throughput / t.throughput for g, t in zip(gw, tr, strict=True) if t.throughput]
@@ -83,12 +136,68 @@ async def measure(
         "triton_p50_ms": statistics.median(r.percentile_ms(50) for r in tr),
         "gateway_errors": sum((sum(r.codes.values()) - r.codes["OK"] for r in gw), 0),
         "goal": 0.8,
+        "cpu_ms_per_search": meter.per_call_ms("search", sum(r.codes["OK"] for r in gw)),
+        "cpu_ms_per_encode": meter.per_call_ms("encode", sum(r.codes["OK"] for r in tr)),
     }
 
 
-def endpoints(args: argparse.Namespace) -> tuple[Target, str]:
+ENCODER_CHILDREN = ("triton",)  # the stack.json children that serve the encoder
+
+
+def measure_placements(
+    target: Target,
+    triton_url: str,
+    queries: list[str],
+    args: argparse.Namespace,
+    stack: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """:func:`measure` once per placement of ``args.placement`` (None: ``both`` when the
+    stack's processes run here and there are two CPUs, else ``shared``)."""
+    encoder_pids, other_pids = placement.stack_processes(stack or {}, ENCODER_CHILDREN)
+    processes = placement.stack_children(stack or {}) | {"generator": os.getpid()}
+    split: placement.Split | None = None
+    chosen = args.placement
+    if chosen != "shared":
+        try:
+            if not encoder_pids:
+                raise ValueError(
+                    "a split placement pins the processes of a local stack: give the "
+                    "--stack-json of a `gtr-retrieval up` running on this machine"
+                )
+            split = placement.split_cpus(placement.usable_cpus(), args.encoder_cpus)
+        except ValueError as exc:
+            if chosen is not None:
+                raise SystemExit(f"error: --placement {chosen}: {exc}") from None
+            print(f"placement: shared only ({exc})", flush=True)
+    names = ["shared"] if split is None else ["split"] if chosen == "split" else ["shared", "split"]
+    out: dict[str, Any] = {"concurrency": args.concurrency, "goal": 0.8}
+    for name in names:
+        if name == "shared":
+            print("== shared: every process on every core", flush=True)
+            out["shared"] = asyncio.run(measure(target, triton_url, queries, args, processes))
+            continue
+        assert split is not None
+        print(
+            f"== split: Triton on CPUs {sorted(split.encoder)}, the gateway, shards, Redis "
+            f"and this generator on CPUs {sorted(split.stack)}",
+            flush=True,
+        )
+        groups = {split.encoder: encoder_pids, split.stack: [*other_pids, os.getpid()]}
+        with placement.pinned(groups):
+            result = asyncio.run(measure(target, triton_url, queries, args, processes))
+        out["split"] = result | {
+            "encoder_cpus": sorted(split.encoder),
+            "stack_cpus": sorted(split.stack),
+        }
+    out["placement"] = names[-1]
+    out["ratio"] = out[names[-1]]["ratio"]
+    return out
+
+
+def endpoints(args: argparse.Namespace) -> tuple[Target, str, dict[str, Any] | None]:
     target = target_from_args(args)
     triton = args.triton
+    stack = None
     if args.stack_json is not None:
         stack = json.loads(Path(args.stack_json).read_text(encoding="utf-8"))
         if args.address == DEFAULT_ADDRESS:  # no --target given: the stack's gateway
@@ -96,7 +205,14 @@ def endpoints(args: argparse.Namespace) -> tuple[Target, str]:
         triton = triton or stack["triton_grpc"]
     if not triton:
         raise SystemExit("error: --triton HOST:PORT or --stack-json is needed")
-    return target, triton
+    return target, triton, stack
+
+
+def _cpus(text: str) -> frozenset[int]:
+    try:
+        return placement.parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--stack-json",
         type=Path,
         default=None,
-        help="stack.json of `gtr-retrieval up` (gateway and Triton addresses)",
+        help="stack.json of `gtr-retrieval up` (gateway and Triton addresses; its process "
+        "ids for --placement split)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("shared", "split", "both"),
+        default=None,
+        help="shared: every process on every core; split: Triton on --encoder-cpus, the "
+        "rest of the stack and this generator on the other CPUs (needs --stack-json of a "
+        "stack on this machine); both (the default when that is given, else shared)",
+    )
+    p.add_argument(
+        "--encoder-cpus",
+        type=_cpus,
+        default=None,
+        help="CPUs for Triton in the split placement, e.g. 1 or 4-7 (default: the upper "
+        "half of this process's CPUs)",
     )
     p.add_argument("--concurrency", type=int, default=16, help="callers on each side (16)")
     p.add_argument("--seconds", type=float, default=5.0, help="per round and side (5)")
@@ -120,11 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    target, triton = endpoints(args)
-    out = asyncio.run(measure(target, triton, load_queries(args.queries), args))
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
+    target, triton, stack = endpoints(args)
+    out = measure_placements(target, triton, load_queries(args.queries), args, stack)
+    print(json.dumps(_rounded(out)))
     return out
 
 

@@ -200,8 +200,8 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
     b_args = bottleneck.build_parser().parse_args(
         ["--concurrency", str(args.concurrency), "--rounds", str(args.rounds)]
     )
-    out["bottleneck"] = asyncio.run(
-        bottleneck.measure(target, stack["triton_grpc"], queries, b_args)
+    out["bottleneck"] = bottleneck.measure_placements(
+        target, stack["triton_grpc"], queries, b_args, stack
     )
     out["loadavg_after"] = loadavg()
     return out
@@ -225,12 +225,23 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
         f"rerank on:  best rate {on['best_rate']}/s within {on['slo_ms']:g} ms "
         f"(p99 {on['best_p99_ms']}, attainment {on['best_attainment']}); first failing "
         f"{on['first_failing_rate']}; highest rate it kept up with {on['max_kept_up_rate']}/s",
-        f"gateway {bn['gateway_searches_per_s']:.1f} searches/s ÷ Triton "
-        f"{bn['triton_encodes_per_s']:.1f} encodes/s at concurrency {bn['concurrency']} = "
-        f"{bn['ratio']:.3f} (rounds {bn['rounds_ratio_min']:.3f}–{bn['rounds_ratio_max']:.3f};"
-        f" goal ≥ 0.8); open loop: highest rate kept up with ÷ encode-only = "
-        f"{knee_off / bn['triton_encodes_per_s']:.3f}",
     ]
+    for name in ("shared", "split"):
+        if name not in bn:
+            continue
+        one = bn[name]
+        cpus = f", Triton on CPUs {one['encoder_cpus']}" if name == "split" else ""
+        lines.append(
+            f"{name}{cpus}: gateway {one['gateway_searches_per_s']:.1f} searches/s ÷ Triton "
+            f"{one['triton_encodes_per_s']:.1f} encodes/s at concurrency {bn['concurrency']}"
+            f" = {one['ratio']:.3f} (rounds {one['rounds_ratio_min']:.3f}–"
+            f"{one['rounds_ratio_max']:.3f}; goal ≥ 0.8)"
+        )
+    if "shared" in bn:
+        lines.append(
+            "open loop: highest rate kept up with ÷ encode-only (shared) = "
+            f"{knee_off / bn['shared']['triton_encodes_per_s']:.3f}"
+        )
     return lines
 
 

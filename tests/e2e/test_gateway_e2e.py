@@ -7,13 +7,17 @@ answers to malformed requests.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
+from loadtest import bottleneck, placement
+from loadtest.target import Target
 from retrieval.v1 import (
     common_pb2,
     documents_pb2,
@@ -24,7 +28,7 @@ from retrieval.v1 import (
 from services.encoder.export import export_onnx
 from services.encoder.model import default_model_dir
 from services.encoder.repository import generate_repository
-from services.encoder.triton_server import TritonServerConfig, run_triton
+from services.encoder.triton_server import TritonHandle, TritonServerConfig, run_triton
 from services.index.core.train import TrainOptions, train_index
 from tests.support.processes import free_port
 from tests.support.sample_docs import STDLIB_DOCS
@@ -43,7 +47,7 @@ def index_dir(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Pa
 
 
 @pytest.fixture(scope="module")
-def triton_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
     root = tmp_path_factory.mktemp("triton")
     onnx = root / "export" / "model.onnx"
     export_onnx(default_model_dir(), onnx)
@@ -56,7 +60,12 @@ def triton_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         backend_dir=root / "backends",
     )
     with run_triton(cfg, root / "triton.log") as handle:
-        yield handle.grpc_url
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def triton_url(triton: TritonHandle) -> str:
+    return triton.grpc_url
 
 
 def _docs() -> list[documents_pb2.Document]:
@@ -190,3 +199,53 @@ def test_malformed_requests_are_invalid_argument(
                 assert len(ok.responses) == 2
 
     asyncio.run(scenario())
+
+
+def test_the_bottleneck_ratio_in_both_placements_puts_every_cpu_back(
+    redis_url: str, index_dir: Path, triton: TritonHandle, tmp_path: Path
+) -> None:
+    """``loadtest.bottleneck`` against a real gateway and a real Triton: shared and split
+    placements both measured, Triton's CPU (its Python-backend stub included) counted
+    per call, and every thread's CPUs as they were afterwards."""
+    usable = placement.usable_cpus()
+    if len(usable) < 2:
+        pytest.skip(f"the split placement needs two usable CPUs; this process has {usable}")
+    family = placement.with_descendants(triton.process.pid)
+    assert len(family) >= 2, "the stub of the Python backend runs below tritonserver"
+
+    def affinities() -> dict[int, set[int]]:
+        pids = [*family, os.getpid()]
+        return {t: os.sched_getaffinity(t) for p in pids for t in placement.threads(p)}
+
+    before = affinities()
+    stack = {"children": [{"name": "triton", "pid": triton.process.pid, "state": "running"}]}
+    args = bottleneck.build_parser().parse_args(
+        ["--seconds", "0.5", "--rounds", "1", "--concurrency", "4"]
+    )
+
+    async def scenario() -> dict[str, Any]:
+        async with running_stack(redis_url, index_dir, tmp_path, triton_url=triton.grpc_url) as s:
+            async with grpc.aio.insecure_channel(s.address) as channel:
+                docs = documents_pb2_grpc.DocumentServiceStub(channel)
+                await docs.Upsert(documents_pb2.UpsertRequest(documents=_docs()), timeout=30)
+            queries = ["read a csv file", "parse json", "hash some bytes"]
+            return await asyncio.to_thread(
+                bottleneck.measure_placements,
+                Target(s.address), triton.grpc_url, queries, args, stack,
+            )  # fmt: skip
+
+    out = asyncio.run(scenario())
+    assert out["placement"] == "split" and out["ratio"] == out["split"]["ratio"]
+    split = placement.split_cpus(usable)
+    for name in ("shared", "split"):
+        result = out[name]
+        assert result["gateway_errors"] == 0 and result["ratio"] > 0
+        assert result["cpu_ms_per_encode"]["triton"] > 0
+        assert result["cpu_ms_per_search"]["triton"] > 0
+        assert result["cpu_ms_per_search"]["generator"] > 0  # the gateway runs in here
+    assert out["split"]["encoder_cpus"] == sorted(split.encoder)
+    assert out["split"]["stack_cpus"] == sorted(split.stack)
+    after = affinities()
+    common = before.keys() & after.keys()
+    assert any(t in common for t in placement.threads(triton.process.pid))
+    assert {t: after[t] for t in common} == {t: before[t] for t in common}
