@@ -47,6 +47,7 @@ from loadtest.target import (
 )
 from loadtest.workload import load_queries
 from retrieval.v1 import search_pb2, search_pb2_grpc
+from services.common.tls import ClientTLS
 
 
 class CpuMeter:
@@ -78,15 +79,15 @@ async def measure(
     queries: list[str],
     args: argparse.Namespace,
     processes: Mapping[str, int] | None = None,
+    triton_tls: ClientTLS | None = None,
 ) -> dict[str, Any]:
     """``processes`` (name → pid, on this machine): their CPU per search and per encode
-    is reported too."""
+    is reported too. ``triton_tls``: how to reach a Triton that wants (m)TLS."""
     from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
 
     meter = CpuMeter(processes or {})
-
     requests = [search_pb2.SearchRequest(query=q, k=args.k) for q in queries]
-    encoder = await TritonEncoder.connect(TritonEncoderConfig(triton_url))
+    encoder = await TritonEncoder.connect(TritonEncoderConfig(triton_url, tls=triton_tls))
     channel = target.aio_channel()
     try:
         stub = search_pb2_grpc.SearchServiceStub(channel)
@@ -154,6 +155,8 @@ def measure_placements(
     """:func:`measure` once per placement of ``args.placement`` (None: ``both`` when the
     stack's processes run here and there are two CPUs, else ``shared``)."""
     encoder_pids, other_pids = placement.stack_processes(stack or {}, ENCODER_CHILDREN)
+    tls = (stack or {}).get("internal_tls") or {}  # `up --tls`: Triton wants mTLS
+    triton_tls = ClientTLS(tls["ca"], tls["cert"], tls["key"]) if tls else None
     processes = placement.stack_children(stack or {}) | {"generator": os.getpid()}
     split: placement.Split | None = None
     chosen = args.placement
@@ -174,7 +177,9 @@ def measure_placements(
     for name in names:
         if name == "shared":
             print("== shared: every process on every core", flush=True)
-            out["shared"] = asyncio.run(measure(target, triton_url, queries, args, processes))
+            out["shared"] = asyncio.run(
+                measure(target, triton_url, queries, args, processes, triton_tls)
+            )
             continue
         assert split is not None
         print(
@@ -184,7 +189,7 @@ def measure_placements(
         )
         groups = {split.encoder: encoder_pids, split.stack: [*other_pids, os.getpid()]}
         with placement.pinned(groups):
-            result = asyncio.run(measure(target, triton_url, queries, args, processes))
+            result = asyncio.run(measure(target, triton_url, queries, args, processes, triton_tls))
         out["split"] = result | {
             "encoder_cpus": sorted(split.encoder),
             "stack_cpus": sorted(split.stack),

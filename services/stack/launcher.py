@@ -55,6 +55,9 @@ class Endpoints:
     read_tokens_file: str = ""
     write_tokens_file: str = ""
     client_tls: dict[str, str] = field(default_factory=dict)
+    # how our own services reach each other under `up --tls` (mTLS: the run's CA and
+    # client certificate); the load tools use it to reach Triton directly
+    internal_tls: dict[str, str] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
         return dict(vars(self))
@@ -192,6 +195,11 @@ class Stack:
             _say("tls        off (pass --tls for TLS, and mTLS between the services)")
             return None
         self.endpoints.client_tls = {"ca": str(certs.ca.resolve())}
+        self.endpoints.internal_tls = {
+            "ca": str(certs.ca.resolve()),
+            "cert": str(certs.client_cert.resolve()),
+            "key": str(certs.client_key.resolve()),
+        }
         _say(f"tls        gateway TLS, mTLS between the services and Triton; CA {certs.ca}")
         return components.internal_tls(cfg)
 
