@@ -65,6 +65,7 @@ def _repo(args: argparse.Namespace) -> int:
         intra_op_threads=args.threads,
         max_batch=args.max_batch,
         max_queue_delay_us=args.queue_delay_us,
+        max_queue_size=args.max_queue_size,
         allow_spinning=args.allow_spinning,
         plan_path=Path(args.plan) if args.plan else None,
         **({"triton_image_tag": args.triton_image_tag} if args.triton_image_tag else {}),
@@ -204,8 +205,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch", type=int, help="max_batch_size (default: from profile)")
     p.add_argument("--queue-delay-us", type=int,
-                   help="dynamic batching max queue delay in µs (default: 4000 on CPU, "
-                   "1000 on GPU)")  # fmt: skip
+                   help="dynamic batching max queue delay in µs (default: 1000)")  # fmt: skip
+    p.add_argument("--max-queue-size", type=int, default=0,
+                   help="Triton rejects requests beyond this many queued (the gateway "
+                   "answers RESOURCE_EXHAUSTED); default 0: no bound, because Triton "
+                   "24.10's queue policy holds requests up to ~0.5 s "
+                   "(docs/encoder.md)")  # fmt: skip
     p.add_argument("--allow-spinning", action="store_true",
                    help="cpu: let ONNX Runtime threads busy-wait (off: they stall Triton "
                    "on a small shared CPU)")  # fmt: skip

@@ -50,19 +50,22 @@ class RepositoryConfig:
     """How to lay the repository out; defaults come from the model's profile."""
 
     flavor: Flavor = "cpu"
-    # CPU: one instance whose ONNX Runtime threads share the cores, with spinning off,
-    # large preferred batches and a 4 ms queue delay: measured on 2 cores it gives
-    # 0.85–0.92 of the in-process throughput, where 2 single-threaded instances with
-    # preferred sizes from 4 and a 1 ms delay gave 0.63–0.72 (small batches), and
-    # spinning threads stalled requests for ~500 ms (see docs/encoder.md). GPU: the
-    # profile's instances, preferred sizes from 4 and a 1 ms delay.
+    # CPU: one instance whose ONNX Runtime threads share the cores, spinning off (busy
+    # threads stalled requests ~500 ms), preferred sizes from 16 (small batches cost more
+    # per text than the hop saves) and a 1 ms delay. GPU: the profile's instances,
+    # preferred sizes from 4 and a 1 ms delay. No queue policy by default: with one
+    # (max_queue_size) Triton 24.10's dynamic batcher left a request that came in while
+    # the instance ran in the queue until the next request arrived (up to ~0.5 s;
+    # bench/triton_batcher.py, docs/encoder.md).
     instances: int | None = None  # None: 1 on CPU, the profile's on GPU
     intra_op_threads: int = 0  # ONNX Runtime threads per CPU instance; 0 = cores / instances
     allow_spinning: bool = False  # cpu: ONNX Runtime busy-waiting worker threads
     max_batch: int | None = None  # None: the profile's
-    max_queue_delay_us: int | None = None  # None: 4000 on CPU, 1000 on GPU
+    max_queue_delay_us: int | None = None  # None: 1000 (CPU and GPU)
     preferred_batch_sizes: tuple[int, ...] | None = None  # None: 16… on CPU, 4… on GPU
-    max_queue_size: int = 1024  # beyond this Triton rejects → the client says Overloaded
+    # > 0: Triton rejects beyond this many queued requests (the client says Overloaded);
+    # 0: no queue policy (see above: the bound costs a stall in Triton 24.10)
+    max_queue_size: int = 0
     seq_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # gpu: pad-to lengths
     plan_path: Path | None = None  # gpu: copy this TensorRT plan into encoder/1/
     triton_image_tag: str = TRITON_IMAGE_TAG  # gpu: the Triton image that will load the plan
@@ -103,20 +106,18 @@ def _params(config: mc.ModelConfig, values: dict[str, str]) -> None:
 
 
 CPU_PREFERRED_FROM = 16  # CPU batches below this cost more per text than the hop saves
-CPU_QUEUE_DELAY_US = 4000
-GPU_QUEUE_DELAY_US = 1000
+QUEUE_DELAY_US = 1000  # a lone request waits at most this for company
 
 
 def _batching(config: mc.ModelConfig, max_batch: int, cfg: RepositoryConfig) -> None:
     smallest = CPU_PREFERRED_FROM if cfg.flavor == "cpu" else 4
     default = tuple(s for s in (4, 8, 16, 32, 64) if smallest <= s <= max_batch)
     sizes = [s for s in (cfg.preferred_batch_sizes or default) if s <= max_batch] or [max_batch]
-    delay = cfg.max_queue_delay_us
-    if delay is None:
-        delay = CPU_QUEUE_DELAY_US if cfg.flavor == "cpu" else GPU_QUEUE_DELAY_US
+    delay = QUEUE_DELAY_US if cfg.max_queue_delay_us is None else cfg.max_queue_delay_us
     config.dynamic_batching.preferred_batch_size.extend(sizes)
     config.dynamic_batching.max_queue_delay_microseconds = delay
-    config.dynamic_batching.default_queue_policy.max_queue_size = cfg.max_queue_size
+    if cfg.max_queue_size > 0:
+        config.dynamic_batching.default_queue_policy.max_queue_size = cfg.max_queue_size
 
 
 def _common_params(meta: EncoderMeta) -> dict[str, str]:

@@ -35,8 +35,10 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     }  # fmt: skip
     batching = config.dynamic_batching
     assert list(batching.preferred_batch_size) == [16, 32, 64]  # CPU: no small batches
-    assert batching.max_queue_delay_microseconds == 4000
-    assert batching.default_queue_policy.max_queue_size == 1024
+    assert batching.max_queue_delay_microseconds == 1000
+    # No queue policy: with one, Triton 24.10 held a request that arrived during a batch
+    # until the next one arrived (bench/triton_batcher.py).
+    assert not batching.HasField("default_queue_policy")
     (group,) = config.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_CPU and group.count == 1
     params = {k: v.string_value for k, v in config.parameters.items()}
@@ -156,6 +158,7 @@ def test_gtr_profile_sets_instances_on_gpu(tmp_path_factory: pytest.TempPathFact
     assert enc.instance_group[0].count == 2  # GTR-base profile: two instances per GPU
     assert list(enc.dynamic_batching.preferred_batch_size) == [4, 8, 16, 32, 64]
     assert enc.dynamic_batching.max_queue_delay_microseconds == 1000
+    assert not enc.dynamic_batching.HasField("default_queue_policy")
     assert (tmp_path / "encoder" / "1" / "README").exists()  # no plan given: instructions
 
 
@@ -169,3 +172,10 @@ def test_regenerating_replaces_our_models_only(minilm_onnx: Path, tmp_path: Path
 def test_missing_export_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FailedPrecondition, match="encoder export"):
         generate_repository(tmp_path / "none.onnx", tmp_path / "repo")
+
+
+def test_a_queue_bound_is_opt_in(minilm_onnx: Path, tmp_path: Path) -> None:
+    cfg = RepositoryConfig(max_queue_size=32, preferred_batch_sizes=(8, 128), max_batch=64)
+    config = read_config(generate_repository(minilm_onnx, tmp_path, cfg).config_path("embed"))
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 32
+    assert list(config.dynamic_batching.preferred_batch_size) == [8]  # within max_batch
