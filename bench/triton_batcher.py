@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import tempfile
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.closedloop import closed_loop
+from loadtest.results import json_line
 from loadtest.workload import load_queries
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -155,16 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"p99 {out['open_p99_ratio']:.1f}x; default ÷ queue-policy throughput "
         f"{out['throughput_ratio']:.2f}"
     )
-    print(json.dumps(_rounded(out)))
+    print(json_line(out))
     return out
-
-
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 3)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    return value
 
 
 if __name__ == "__main__":

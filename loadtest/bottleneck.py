@@ -38,6 +38,7 @@ from typing import Any
 
 from loadtest import placement
 from loadtest.closedloop import ClosedLoopResult, closed_loop
+from loadtest.results import json_line
 from loadtest.target import (
     DEFAULT_ADDRESS,
     Target,
@@ -257,19 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    return value
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     target, triton, stack = endpoints(args)
     out = measure_placements(target, triton, load_queries(args.queries), args, stack)
-    print(json.dumps(_rounded(out)))
+    print(json_line(out))
     return out
 
 
