@@ -59,13 +59,18 @@ class CpuMeter:
         self.processes = dict(processes)
         self.spent: dict[str, dict[str, float]] = {}
 
+    def _cpu(self, name: str) -> float:
+        # The generator alone: when it started the stack (stack_report), the stack is
+        # its descendants and is counted under its own names.
+        return placement.cpu_seconds(self.processes[name], descendants=name != GENERATOR)
+
     @contextmanager
     def slice(self, kind: str) -> Iterator[None]:
-        before = {name: placement.cpu_seconds(pid) for name, pid in self.processes.items()}
+        before = {name: self._cpu(name) for name in self.processes}
         yield
         spent = self.spent.setdefault(kind, dict.fromkeys(self.processes, 0.0))
-        for name, pid in self.processes.items():
-            spent[name] += max(0.0, placement.cpu_seconds(pid) - before[name])
+        for name in self.processes:
+            spent[name] += max(0.0, self._cpu(name) - before[name])
 
     def per_call_ms(self, kind: str, calls: int) -> dict[str, float]:
         """Milliseconds of CPU per completed call, by process, largest first."""
@@ -144,6 +149,7 @@ async def measure(
 
 
 ENCODER_CHILDREN = ("triton",)  # the stack.json children that serve the encoder
+GENERATOR = "generator"  # this process, in the CPU accounting
 
 
 def measure_placements(
@@ -158,7 +164,7 @@ def measure_placements(
     encoder_pids, other_pids = placement.stack_processes(stack or {}, ENCODER_CHILDREN)
     tls = (stack or {}).get("internal_tls") or {}  # `up --tls`: Triton wants mTLS
     triton_tls = ClientTLS(tls["ca"], tls["cert"], tls["key"]) if tls else None
-    processes = placement.stack_children(stack or {}) | {"generator": os.getpid()}
+    processes = placement.stack_children(stack or {}) | {GENERATOR: os.getpid()}
     split: placement.Split | None = None
     chosen = args.placement
     if chosen != "shared":
@@ -188,8 +194,13 @@ def measure_placements(
             f"and this generator on CPUs {sorted(split.stack)}",
             flush=True,
         )
-        groups = {split.encoder: encoder_pids, split.stack: [*other_pids, os.getpid()]}
-        with placement.pinned(groups):
+        groups = {split.encoder: encoder_pids, split.stack: other_pids}
+        # This process alone, not its descendants: stack_report starts the stack it
+        # measures, so Triton is one of them.
+        with (
+            placement.pinned(groups),
+            placement.pinned({split.stack: [os.getpid()]}, descendants=False),
+        ):
             result = asyncio.run(measure(target, triton_url, queries, args, processes, triton_tls))
         out["split"] = result | {
             "encoder_cpus": sorted(split.encoder),

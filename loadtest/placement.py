@@ -90,15 +90,18 @@ def with_descendants(pid: int) -> list[int]:
 
 
 @contextmanager
-def pinned(groups: Mapping[frozenset[int], Iterable[int]]) -> Iterator[None]:
-    """Pin every thread of each process in ``groups[cpus]`` (descendants included) to
-    ``cpus`` until the block ends, then restore each thread's own former affinity.
-    Threads and processes started inside the block inherit their creator's CPUs."""
+def pinned(
+    groups: Mapping[frozenset[int], Iterable[int]], descendants: bool = True
+) -> Iterator[None]:
+    """Pin every thread of each process in ``groups[cpus]`` (and of its descendants,
+    unless ``descendants`` is False: a load generator that started the stack it
+    measures) to ``cpus`` until the block ends, then restore each thread's own former
+    affinity. Threads and processes started inside the block inherit their creator's."""
     saved: dict[int, set[int]] = {}
     try:
         for cpus, pids in groups.items():
             for pid in pids:
-                for proc in with_descendants(pid):
+                for proc in with_descendants(pid) if descendants else [pid]:
                     for tid in threads(proc):
                         try:
                             saved.setdefault(tid, os.sched_getaffinity(tid))
@@ -128,10 +131,10 @@ def stack_processes(
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of ``pid`` and its live descendants so far (0 once gone)."""
+def cpu_seconds(pid: int, descendants: bool = True) -> float:
+    """User + system CPU of ``pid`` (and its live descendants) so far (0 once gone)."""
     total = 0
-    for proc in with_descendants(pid):
+    for proc in with_descendants(pid) if descendants else [pid]:
         try:
             stat = (PROC / str(proc) / "stat").read_text()
         except (FileNotFoundError, ProcessLookupError):

@@ -119,3 +119,19 @@ def test_stack_processes_splits_a_stack_json_by_child_name(family: tuple[int, in
     }
     assert placement.stack_processes(stack, ["triton"]) == ([parent], [child])
     assert placement.stack_processes({}, ["triton"]) == ([], [])
+
+
+def test_without_descendants_only_the_process_itself_is_pinned(
+    family: tuple[int, int],
+) -> None:
+    """A load generator that started the stack it measures pins itself, not the stack."""
+    usable = placement.usable_cpus()
+    if len(usable) < 2:
+        pytest.skip(f"pinning to a subset needs two usable CPUs; this process has {usable}")
+    parent, child = family
+    target = frozenset({max(usable)})
+    child_before = allowed(child)
+    with placement.pinned({target: [parent]}, descendants=False):
+        assert all(allowed(t) == target for t in placement.threads(parent))
+        assert allowed(child) == child_before != target
+    assert placement.cpu_seconds(parent, descendants=False) <= placement.cpu_seconds(parent)
