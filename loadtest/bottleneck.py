@@ -133,7 +133,6 @@ async def measure(
     triton_rate = statistics.median(r.throughput for r in tr)
     ratios = [g.throughput / t.throughput for g, t in zip(gw, tr, strict=True) if t.throughput]
     return {
-        "concurrency": args.concurrency,
         "gateway_searches_per_s": gateway_rate,
         "triton_encodes_per_s": triton_rate,
         "ratio": gateway_rate / triton_rate if triton_rate else None,
@@ -142,7 +141,6 @@ async def measure(
         "gateway_p50_ms": statistics.median(r.percentile_ms(50) for r in gw),
         "triton_p50_ms": statistics.median(r.percentile_ms(50) for r in tr),
         "gateway_errors": sum((sum(r.codes.values()) - r.codes["OK"] for r in gw), 0),
-        "goal": 0.8,
         "cpu_ms_per_search": meter.per_call_ms("search", sum(r.codes["OK"] for r in gw)),
         "cpu_ms_per_encode": meter.per_call_ms("encode", sum(r.codes["OK"] for r in tr)),
     }
@@ -161,10 +159,12 @@ def measure_placements(
 ) -> dict[str, Any]:
     """:func:`measure` once per placement of ``args.placement`` (None: ``both`` when the
     stack's processes run here and there are two CPUs, else ``shared``)."""
-    encoder_pids, other_pids = placement.stack_processes(stack or {}, ENCODER_CHILDREN)
+    children = placement.stack_children(stack or {})
+    encoder_pids = [pid for name, pid in children.items() if name in ENCODER_CHILDREN]
+    other_pids = [pid for name, pid in children.items() if name not in ENCODER_CHILDREN]
     tls = (stack or {}).get("internal_tls") or {}  # `up --tls`: Triton wants mTLS
     triton_tls = ClientTLS(tls["ca"], tls["cert"], tls["key"]) if tls else None
-    processes = placement.stack_children(stack or {}) | {GENERATOR: os.getpid()}
+    processes = children | {GENERATOR: os.getpid()}
     split: placement.Split | None = None
     chosen = args.placement
     if chosen != "shared":

@@ -115,19 +115,6 @@ def pinned(
                 os.sched_setaffinity(tid, former)
 
 
-def stack_processes(
-    stack: Mapping[str, object], encoder_names: Iterable[str]
-) -> tuple[list[int], list[int]]:
-    """(encoder pids, other pids) of a ``gtr-retrieval up`` stack.json's children that
-    are running."""
-    names = set(encoder_names)
-    encoder: list[int] = []
-    others: list[int] = []
-    for name, pid in stack_children(stack).items():
-        (encoder if name in names else others).append(pid)
-    return encoder, others
-
-
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 

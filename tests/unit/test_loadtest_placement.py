@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from loadtest import placement
+from tests.support.processes import wait_until
 
 # A process with an extra thread and a child process, both alive until stdin closes.
 FAMILY = """
@@ -48,6 +49,15 @@ def family(family_proc: tuple[subprocess.Popen[str], int]) -> tuple[int, int]:
     return family_proc[0].pid, family_proc[1]
 
 
+@pytest.fixture
+def usable() -> frozenset[int]:
+    """This process's CPUs; a pinning test needs two, to pin to a proper subset."""
+    cpus = placement.usable_cpus()
+    if len(cpus) < 2:
+        pytest.skip(f"pinning to a subset needs two usable CPUs; this process has {cpus}")
+    return cpus
+
+
 def test_cpu_lists_are_read_as_taskset_writes_them() -> None:
     assert placement.parse_cpus("1") == {1}
     assert placement.parse_cpus("0,2-4") == {0, 2, 3, 4}
@@ -75,11 +85,8 @@ def test_descendants_are_found_through_proc(family: tuple[int, int]) -> None:
 
 
 def test_every_thread_and_descendant_is_pinned_and_then_restored(
-    family: tuple[int, int],
+    family: tuple[int, int], usable: frozenset[int]
 ) -> None:
-    usable = placement.usable_cpus()
-    if len(usable) < 2:
-        pytest.skip(f"pinning to a subset needs two usable CPUs; this process has {usable}")
     parent, child = family
     target = frozenset({max(usable)})
     before = {tid: allowed(tid) for pid in (parent, child) for tid in placement.threads(pid)}
@@ -91,11 +98,8 @@ def test_every_thread_and_descendant_is_pinned_and_then_restored(
 
 
 def test_a_process_gone_before_the_restore_is_not_an_error(
-    family_proc: tuple[subprocess.Popen[str], int],
+    family_proc: tuple[subprocess.Popen[str], int], usable: frozenset[int]
 ) -> None:
-    usable = placement.usable_cpus()
-    if len(usable) < 2:
-        pytest.skip(f"pinning to a subset needs two usable CPUs; this process has {usable}")
     proc, child = family_proc
     before = allowed(child)
     with placement.pinned({frozenset({min(usable)}): [proc.pid]}):
@@ -105,7 +109,9 @@ def test_a_process_gone_before_the_restore_is_not_an_error(
     assert allowed(child) == before  # the survivor got its CPUs back all the same
 
 
-def test_stack_processes_splits_a_stack_json_by_child_name(family: tuple[int, int]) -> None:
+def test_stack_children_are_the_running_children_of_a_stack_json(
+    family: tuple[int, int],
+) -> None:
     parent, child = family
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
@@ -117,21 +123,43 @@ def test_stack_processes_splits_a_stack_json_by_child_name(family: tuple[int, in
             {"name": "rerank", "pid": child, "state": "stopped"},
         ]
     }
-    assert placement.stack_processes(stack, ["triton"]) == ([parent], [child])
-    assert placement.stack_processes({}, ["triton"]) == ([], [])
+    assert placement.stack_children(stack) == {"triton": parent, "gateway": child}
+    assert placement.stack_children({}) == {}
 
 
 def test_without_descendants_only_the_process_itself_is_pinned(
-    family: tuple[int, int],
+    family: tuple[int, int], usable: frozenset[int]
 ) -> None:
     """A load generator that started the stack it measures pins itself, not the stack."""
-    usable = placement.usable_cpus()
-    if len(usable) < 2:
-        pytest.skip(f"pinning to a subset needs two usable CPUs; this process has {usable}")
     parent, child = family
     target = frozenset({max(usable)})
     child_before = allowed(child)
     with placement.pinned({target: [parent]}, descendants=False):
         assert all(allowed(t) == target for t in placement.threads(parent))
         assert allowed(child) == child_before != target
-    assert placement.cpu_seconds(parent, descendants=False) <= placement.cpu_seconds(parent)
+
+
+def test_cpu_seconds_counts_descendants_only_when_asked() -> None:
+    """An idle parent whose child spins: the child's CPU is in the parent's total and
+    not in the parent's own."""
+    spinner = "import subprocess, sys\n" + (
+        "c = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+        "print(c.pid, flush=True)\nsys.stdin.read()\nc.kill()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", spinner], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        wait_until(
+            lambda: placement.cpu_seconds(child) >= 0.2, "the child has spun 0.2 s", timeout=30
+        )
+        own = placement.cpu_seconds(proc.pid, descendants=False)
+        total = placement.cpu_seconds(proc.pid)
+        assert total - own >= 0.2 and own < 0.2
+    finally:
+        proc.kill()
+        proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, 9)
