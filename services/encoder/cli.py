@@ -56,6 +56,16 @@ def _parity(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _not_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def _repo(args: argparse.Namespace) -> int:
     from services.encoder.repository import RepositoryConfig, generate_repository
 
@@ -204,9 +214,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         help="cpu: ONNX Runtime threads per instance (0 = cores / instances)",
     )
     p.add_argument("--max-batch", type=int, help="max_batch_size (default: from profile)")
-    p.add_argument("--queue-delay-us", type=int,
+    p.add_argument("--queue-delay-us", type=_not_negative,
                    help="dynamic batching max queue delay in µs (default: 1000)")  # fmt: skip
-    p.add_argument("--max-queue-size", type=int, default=0,
+    p.add_argument("--max-queue-size", type=_not_negative, default=0,
                    help="Triton rejects requests beyond this many queued (the gateway "
                    "answers RESOURCE_EXHAUSTED); default 0: no bound, because Triton "
                    "24.10's queue policy holds requests up to ~0.5 s "

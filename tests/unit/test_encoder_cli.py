@@ -39,6 +39,19 @@ def test_flavor_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [("--max-queue-size", "-3", "-3 is negative"), ("--queue-delay-us", "1.5",
+     "'1.5' is not a whole number")],
+)  # fmt: skip
+def test_queue_flags_are_validated(
+    flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["encoder", "repo", "--onnx", "x", "--out", "y", flag, value])
+    assert f"argument {flag}: {said}" in capsys.readouterr().err
+
+
 def test_export_parity_repo_round_trip(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     model_dir = ensure_tiny_t5(encoder_base(tmp_path_factory))
