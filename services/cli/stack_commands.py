@@ -96,14 +96,15 @@ def add_cli(sub: Any) -> None:
         "--query-cache-ttl-s",
         type=float,
         default=None,
-        help="Lifetime of a cached query embedding (default: the gateway's, 3600).",
+        help="With --query-cache: lifetime of a cached query embedding (default: the "
+        "gateway's, 3600).",
     )
     up.add_argument(
         "--query-cache-max-entries",
         type=int,
         default=None,
-        help="Most cached query embeddings, least recently used evicted past it "
-        "(default: the gateway's, 50000).",
+        help="With --query-cache: most cached query embeddings, least recently used "
+        "evicted past it (default: the gateway's, 50000).",
     )
     up.add_argument("--fresh", action="store_true", help="Delete --run-dir first.")
     up.add_argument("--log-level", default=os.environ.get("GTR_LOG_LEVEL", "WARNING"))
@@ -118,6 +119,13 @@ def _up(args: argparse.Namespace) -> int:
     from services.stack.config import StackConfig
     from services.stack.launcher import run_stack
 
+    if not args.query_cache and (
+        args.query_cache_ttl_s is not None or args.query_cache_max_entries is not None
+    ):
+        raise SystemExit(
+            "error: --query-cache-ttl-s and --query-cache-max-entries shape the query cache; "
+            "add --query-cache to turn it on"
+        )
     configure_logging("text", args.log_level.upper(), service="up")
     if args.fresh and args.run_dir.exists():
         shutil.rmtree(args.run_dir)

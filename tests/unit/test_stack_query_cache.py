@@ -55,3 +55,13 @@ def test_up_help_names_the_query_cache(capsys: pytest.CaptureFixture[str]) -> No
         build_parser().parse_args(["up", "--help"])
     text = capsys.readouterr().out
     assert "--query-cache " in text and "--query-cache-max-entries" in text
+
+
+@pytest.mark.parametrize("flag", ["--query-cache-ttl-s", "--query-cache-max-entries"])
+def test_up_refuses_cache_flags_without_the_cache(flag: str, tmp_path: Path) -> None:
+    """Said once and plainly, before anything starts, instead of silently ignored."""
+    from services.cli.main import main
+
+    with pytest.raises(SystemExit, match="add --query-cache to turn it on"):
+        main(["up", "--run-dir", str(tmp_path / "run"), flag, "5"])
+    assert not (tmp_path / "run").exists()
