@@ -21,14 +21,11 @@ from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_p
 from services.index.keys import DocKeys, log_key
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import RedisServer, run_redis
+from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.shards import scifact_vectors, shared_test_index
 
 SHARDS = 2
-DOCS = [
-    ("py-csv", "csv.reader", "Read rows of a comma-separated values file one list at a time."),
-    ("py-json", "json.loads", "Deserialize a JSON document from a string to a Python object."),
-    ("py-hash", "hashlib.sha256", "Return a SHA-256 hash object; update it with bytes."),
-]
+DOCS = STDLIB_DOCS[:3]
 
 
 @dataclass
