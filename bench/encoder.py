@@ -76,7 +76,7 @@ def bench_onnx_vs_torch(
     import torch
 
     from services.encoder.model import TorchEmbedder
-    from services.encoder.onnx_embedder import OnnxEmbedder
+    from services.encoder.runtime.onnx_embedder import OnnxEmbedder
 
     torch.set_num_threads(args.threads)
     torch_e = TorchEmbedder(model_dir)
@@ -90,7 +90,7 @@ def bench_onnx_vs_torch(
     out = {"query_tokens": int(batch.input_ids.shape[1]), "torch_ms": t_torch * 1e3,
            "onnx_ms": t_onnx * 1e3, "onnx_vs_torch": t_torch / t_onnx}  # fmt: skip
     if not args.skip_int8:
-        from services.encoder.export import quantize_int8, row_cosines
+        from services.encoder.build.export import quantize_int8, row_cosines
 
         q_path = quantize_int8(onnx_path, onnx_path.with_name("model.int8.onnx"))
         q_e = OnnxEmbedder(q_path, threads=args.threads)
@@ -138,7 +138,7 @@ async def _triton_figures(grpc_url: str, texts: list[str], inproc_rate: Callable
                           args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
     """Latency at concurrency 1, then ``--rounds`` alternations of in-process and Triton
     throughput: drift of a shared machine hits both sides, and the medians are compared."""
-    from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+    from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
     enc = await TritonEncoder.connect(TritonEncoderConfig(grpc_url))
     try:
@@ -160,9 +160,9 @@ async def _triton_figures(grpc_url: str, texts: list[str], inproc_rate: Callable
 
 
 def bench_triton(onnx_path: Path, args: argparse.Namespace) -> dict[str, float]:
-    from services.encoder.onnx_embedder import OnnxEmbedder
-    from services.encoder.repository import RepositoryConfig, generate_repository
-    from services.encoder.triton_server import TritonServerConfig, run_triton
+    from services.encoder.build.repository import RepositoryConfig, generate_repository
+    from services.encoder.runtime.onnx_embedder import OnnxEmbedder
+    from services.encoder.serve.triton_server import TritonServerConfig, run_triton
     from tests.support.processes import free_port
 
     inproc = OnnxEmbedder(onnx_path, threads=args.threads)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from services.encoder.export import EncoderMeta, export_onnx
+    from services.encoder.build.export import EncoderMeta, export_onnx
     from services.encoder.model import default_model_dir
 
     model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()

@@ -48,13 +48,13 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from services.common import positions
+from services.corpus.beir import load_beir
 from services.eval.measures import score
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainedIndex, TrainOptions, train_index
-from services.rerank.data import load_beir
 from tests.support.processes import run_redis
 from tests.support.shards import ShardCluster, run_shards
 

@@ -49,7 +49,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _run(args: argparse.Namespace, url: str) -> dict[str, object]:
-    from services.encoder.inprocess import InProcessEncoder
+    from services.encoder.runtime.inprocess import InProcessEncoder
     from services.gateway.query_cache import QueryEmbeddingCache
 
     encoder = InProcessEncoder.torch(threads=args.threads)

@@ -34,7 +34,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "scifac
 
 def _texts(data_dir: Path, n: int) -> tuple[str, list[str]]:
     if (data_dir / "corpus.jsonl").exists():
-        from services.rerank.data import load_beir
+        from services.corpus.beir import load_beir
 
         data = load_beir(data_dir)
         qid = sorted(data.qrels)[0]
@@ -56,7 +56,7 @@ def _texts(data_dir: Path, n: int) -> tuple[str, list[str]]:
 def _scorers(checkpoint: str | None, batch_size: int) -> dict[str, Any]:
     """CELI (the checkpoint, or an untrained head) and monoBERT on the same backbone."""
     from services.rerank.checkpoint import build_model, load_or_default
-    from services.rerank.scorer import CeliScorer
+    from services.rerank.serve.scorer import CeliScorer
 
     celi, tok, cfg = load_or_default(Path(checkpoint) if checkpoint else None)
     mono_cfg = replace(cfg, variant="monobert")

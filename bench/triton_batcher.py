@@ -84,7 +84,7 @@ async def _open_loop(encoder: Any, queries: list[str], rate: float, seconds: flo
 
 
 async def _measure(url: str, queries: list[str], args: argparse.Namespace) -> dict[str, float]:
-    from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+    from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
     encoder = await TritonEncoder.connect(TritonEncoderConfig(url, retries=0))
     try:
@@ -120,10 +120,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from services.encoder.export import export_onnx
+    from services.encoder.build.export import export_onnx
+    from services.encoder.build.repository import RepositoryConfig, generate_repository
     from services.encoder.model import default_model_dir
-    from services.encoder.repository import RepositoryConfig, generate_repository
-    from services.encoder.triton_server import TritonServerConfig, run_triton
+    from services.encoder.serve.triton_server import TritonServerConfig, run_triton
     from tests.support.processes import free_port
 
     queries = load_queries(args.queries)

@@ -7,7 +7,7 @@ throughput, the same queries at the same concurrency, measured in one run.
 When the encoder is the bottleneck, a gateway that adds little gets close to what
 Triton alone embeds: the goal is ``ratio`` ≥ 0.8. Both sides are closed loops of
 ``--concurrency`` callers (Search with k=``--k`` through the gateway; one-query
-``embed`` calls straight to Triton with ``services.encoder.triton_client``), run in
+``embed`` calls straight to Triton with ``services.encoder.runtime.triton_client``), run in
 ``--rounds`` alternating slices so drift on a shared machine hits both, and the medians
 compared.
 
@@ -89,7 +89,7 @@ async def measure(
 ) -> dict[str, Any]:
     """``processes`` (name → pid, on this machine): their CPU per search and per encode
     is reported too. ``triton_tls``: how to reach a Triton that wants (m)TLS."""
-    from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+    from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
     meter = CpuMeter(processes or {})
     requests = [search_pb2.SearchRequest(query=q, k=args.k) for q in queries]

@@ -112,7 +112,7 @@ def ensure_tiny_t5(base: Path) -> Path:
 
 def ensure_onnx(model_dir: Path, base: Path) -> Path:
     """The session's ONNX export of ``model_dir`` (exported on first use)."""
-    from services.encoder.export import export_onnx
+    from services.encoder.build.export import export_onnx
     from services.encoder.model import model_name_of
 
     out = base / "onnx" / model_name_of(model_dir) / "model.onnx"

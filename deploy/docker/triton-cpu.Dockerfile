@@ -2,7 +2,7 @@
 # Triton Inference Server for clusters without GPUs (and for the tests here): the
 # `tritonserver` that the nvidia-pytriton wheel ships (Triton 2.x built for manylinux, with
 # the Python backend), plus exactly what our Python-backend models import
-# (services/encoder/triton_models/*.py: numpy, onnxruntime, tokenizers; the model
+# (services/encoder/build/triton_models/*.py: numpy, onnxruntime, tokenizers; the model
 # repository carries textcodec.py and model_errors.py itself). Serves the CPU flavour of
 # the repository that `gtr-retrieval encoder repo --flavor cpu` writes, with the same
 # command line as NVIDIA's image: `tritonserver --model-repository=...`, backends under
@@ -66,7 +66,7 @@ COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/tritonserver /opt/tritonserver
 # The backend stub embeds libpython3.11 (Debian's, matching this interpreter's stdlib) and
 # takes sys.prefix from the first python3 on PATH: the virtualenv, so the models import its
-# numpy, onnxruntime and tokenizers (services/encoder/triton_server.py explains both).
+# numpy, onnxruntime and tokenizers (services/encoder/serve/triton_server.py explains both).
 ENV PATH=/opt/tritonserver/bin:/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu:/opt/venv/lib/python3.11/site-packages/nvidia_pytriton.libs \
     OMP_NUM_THREADS=1 \

@@ -1,10 +1,10 @@
 # syntax=docker/dockerfile:1
 # Triton Inference Server for GPU nodes: NVIDIA's release image plus exactly what our
-# Python-backend models import (services/encoder/triton_models/*.py on the CPU path and
+# Python-backend models import (services/encoder/build/triton_models/*.py on the CPU path and
 # the GPU repository's `tokenizer` model: numpy, onnxruntime-gpu, tokenizers; the model
 # repository carries textcodec.py and model_errors.py itself). The TensorRT inside the base
 # (24.12: TensorRT 10.7.0) is the one `gtr-retrieval encoder build-plan` must build the plan
-# with (services/encoder/tensorrt_build.py TRITON_TENSORRT); the chart's plan init container
+# with (services/encoder/build/tensorrt_build.py TRITON_TENSORRT); the chart's plan init container
 # refuses a plan built for another GPU or TensorRT release.
 # Built by `scripts/build_images.sh --gpu` (needs nvcr.io and PyPI); linted and parsed by
 # tests/unit/test_images.py.

@@ -1,8 +1,8 @@
 """The encoder interface the rest of the service depends on, and its input checks.
 
-Two implementations: :class:`~services.encoder.triton_client.TritonEncoder` (the
+Two implementations: :class:`~services.encoder.runtime.triton_client.TritonEncoder` (the
 production path, KServe v2 gRPC to Triton) and
-:class:`~services.encoder.inprocess.InProcessEncoder` (the same model in this process,
+:class:`~services.encoder.runtime.inprocess.InProcessEncoder` (the same model in this process,
 for the embedded mode and tests). Callers never branch on which one they hold.
 """
 

@@ -37,7 +37,7 @@ def _run(handler: Any, args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from services.encoder.export import check_parity, export_onnx
+    from services.encoder.build.export import check_parity, export_onnx
 
     meta = export_onnx(_model_dir(args), Path(args.out), opset=args.opset)
     print(f"exported {meta.model_name} (dim {meta.dim}, profile {meta.profile}) to {args.out}")
@@ -49,7 +49,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _parity(args: argparse.Namespace) -> int:
-    from services.encoder.export import check_parity
+    from services.encoder.build.export import check_parity
 
     report = check_parity(_model_dir(args), Path(args.onnx), threshold=args.min_cosine)
     print(report.summary())
@@ -67,7 +67,7 @@ def _not_negative(text: str) -> int:
 
 
 def _repo(args: argparse.Namespace) -> int:
-    from services.encoder.repository import RepositoryConfig, generate_repository
+    from services.encoder.build.repository import RepositoryConfig, generate_repository
 
     cfg = RepositoryConfig(
         flavor=args.flavor,
@@ -87,8 +87,8 @@ def _repo(args: argparse.Namespace) -> int:
 
 
 def _build_plan(args: argparse.Namespace) -> int:
+    from services.encoder.build.tensorrt_build import PlanConfig, build_plan_from_model
     from services.encoder.profiles import profile_for_model_dir
-    from services.encoder.tensorrt_build import PlanConfig, build_plan_from_model
 
     model_dir = _model_dir(args)
     base = PlanConfig.for_profile(profile_for_model_dir(model_dir))
@@ -112,10 +112,10 @@ def _build_plan(args: argparse.Namespace) -> int:
 
 
 def _ensure_plan(args: argparse.Namespace) -> int:
-    from services.encoder.plan_cache import check_plan, current_device, ensure_plan
+    from services.encoder.build.plan_cache import check_plan, current_device, ensure_plan
+    from services.encoder.build.repository import RepositoryConfig, generate_repository
+    from services.encoder.build.tensorrt_build import PlanConfig, build_plan_from_model
     from services.encoder.profiles import profile_for_model_dir
-    from services.encoder.repository import RepositoryConfig, generate_repository
-    from services.encoder.tensorrt_build import PlanConfig, build_plan_from_model
 
     device = current_device()
     onnx = Path(args.onnx)

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import InvalidArgument
+from services.corpus.beir import BeirData, load_beir
 from services.encoder.profiles import Kind
 from services.eval.config import EvalConfig
 from services.eval.embeddings import Encode, beside_corpus, embed_cached, torch_encoder
-from services.rerank.data import BeirData, load_beir
 
 
 @dataclass(frozen=True)

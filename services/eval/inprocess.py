@@ -112,7 +112,7 @@ def rerank_run(first: Run, data: EvalData, qids: list[str], cfg: EvalConfig) -> 
     from tqdm import tqdm
 
     from services.rerank.checkpoint import load_checkpoint
-    from services.rerank.scorer import CeliScorer
+    from services.rerank.serve.scorer import CeliScorer
 
     assert cfg.rerank_checkpoint is not None
     if cfg.threads:

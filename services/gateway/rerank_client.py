@@ -2,7 +2,7 @@
 
 The depth table and its rule are :mod:`services.rerank.depths`' (no depth fits the
 budget → 0, the rerank is skipped); the messages are built by
-:mod:`services.rerank.convert`, the conversions the rerank servicer uses.
+:mod:`services.rerank.serve.convert`, the conversions the rerank servicer uses.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import grpc
 from retrieval.v1 import rerank_pb2_grpc
 from services.common.status import error_from_rpc
 from services.common.tls import ClientTLS, aio_channel
-from services.rerank import convert, depths
+from services.rerank import depths
 from services.rerank.domain import Candidate, RerankQuery
+from services.rerank.serve import convert
 
 
 class RerankClient:

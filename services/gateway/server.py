@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 async def build_encoder(settings: GatewaySettings) -> Encoder:
     """The configured encoder: Triton (production) or the model in this process."""
     if settings.encoder == "triton":
-        from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+        from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
         return await TritonEncoder.connect(
             TritonEncoderConfig(
@@ -46,7 +46,7 @@ async def build_encoder(settings: GatewaySettings) -> Encoder:
                 tls=settings.triton_client_tls(),
             )
         )
-    from services.encoder.inprocess import InProcessEncoder
+    from services.encoder.runtime.inprocess import InProcessEncoder
 
     return InProcessEncoder.torch(Path(settings.model_dir) if settings.model_dir else None)
 

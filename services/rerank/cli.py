@@ -35,7 +35,7 @@ def add_cli(sub: Any) -> None:
         help="Run RerankService.",
         description="All settings come from GTR_RERANK_* environment variables or the flags "
         "below (flags win). Example: gtr-retrieval rerank serve --checkpoint ckpt/celi",
-        main="services.rerank.server:main",
+        main="services.rerank.serve.server:main",
     )
     _add_train(rsub)
     _add_eval(rsub)
@@ -134,7 +134,7 @@ def _threads(n: int | None) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     def run(a: argparse.Namespace) -> int:
-        from services.rerank.trainer import TrainConfig, train
+        from services.rerank.train.trainer import TrainConfig, train
 
         _threads(a.threads)
         cfg = TrainConfig(
@@ -158,7 +158,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     def run(a: argparse.Namespace) -> int:
-        from services.rerank.evaluate import EvalConfig, evaluate
+        from services.rerank.train.evaluate import EvalConfig, evaluate
 
         _threads(a.threads)
         cfg = EvalConfig(

@@ -213,7 +213,7 @@ Say = Callable[[str], None]
 
 def onnx_export(cfg: StackConfig, say: Say) -> Path:
     """The ONNX export of the default model, made once and cached under the run dir."""
-    from services.encoder.export import export_onnx
+    from services.encoder.build.export import export_onnx
     from services.encoder.model import default_model_dir
 
     onnx_path = cfg.run_dir / "export" / "model.onnx"
@@ -225,8 +225,12 @@ def onnx_export(cfg: StackConfig, say: Say) -> Path:
 
 def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str, str]:
     """(child, gRPC address, HTTP address, metrics address) of a Triton serving ``embed``."""
-    from services.encoder.repository import generate_repository
-    from services.encoder.triton_server import TritonServerConfig, grpc_tls_args, triton_command
+    from services.encoder.build.repository import generate_repository
+    from services.encoder.serve.triton_server import (
+        TritonServerConfig,
+        grpc_tls_args,
+        triton_command,
+    )
 
     generate_repository(onnx_export(cfg, say), cfg.model_repository)
     ports = [free_port(cfg.host) for _ in range(3)]

@@ -66,13 +66,13 @@ async def _encode(cfg: StackConfig, triton_grpc: str, texts: list[str]) -> tuple
 
     encoder: Encoder
     if triton_grpc:
-        from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+        from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
         from services.stack.components import internal_tls
 
         encoder = await TritonEncoder.connect(TritonEncoderConfig(
             url=triton_grpc, default_timeout_s=120.0, tls=internal_tls(cfg)))  # fmt: skip
     else:
-        from services.encoder.inprocess import InProcessEncoder
+        from services.encoder.runtime.inprocess import InProcessEncoder
 
         encoder = InProcessEncoder.torch()
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths batch well

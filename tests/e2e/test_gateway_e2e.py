@@ -25,10 +25,10 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
-from services.encoder.export import export_onnx
+from services.encoder.build.export import export_onnx
+from services.encoder.build.repository import generate_repository
 from services.encoder.model import default_model_dir
-from services.encoder.repository import generate_repository
-from services.encoder.triton_server import TritonHandle, TritonServerConfig, run_triton
+from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from services.index.core.train import TrainOptions, train_index
 from tests.support.processes import free_port
 from tests.support.sample_docs import STDLIB_DOCS

@@ -26,8 +26,8 @@ from services.gateway.server import start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.core.train import TrainOptions, train_index
 from services.index.server.process import start_shard
-from services.rerank.server import start_rerank
-from services.rerank.settings import RerankSettings
+from services.rerank.serve.server import start_rerank
+from services.rerank.serve.settings import RerankSettings
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.stack import shard_settings
 

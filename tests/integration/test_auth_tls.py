@@ -35,8 +35,8 @@ from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.client.router import ShardRouter
 from services.index.server.process import RunningShard, start_shard
-from services.rerank.server import Reranker, start_rerank
-from services.rerank.settings import RerankSettings
+from services.rerank.serve.server import Reranker, start_rerank
+from services.rerank.serve.settings import RerankSettings
 from services.stack.certs import CertFiles, make_certs
 from tests.support.processes import RedisServer, free_port, wait_until
 from tests.support.rerank import WORDS, tiny_checkpoint

@@ -37,8 +37,8 @@ from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_p
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.server.process import RunningShard, start_shard
-from services.rerank.server import Reranker, start_rerank
-from services.rerank.settings import RerankSettings
+from services.rerank.serve.server import Reranker, start_rerank
+from services.rerank.serve.settings import RerankSettings
 from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import free_port, start_redis, stop_process
 from tests.support.rerank import WORDS, tiny_checkpoint

@@ -23,7 +23,7 @@ from retrieval.v1 import documents_pb2, documents_pb2_grpc
 from services.cli.client_commands import gateway_channel, upsert
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.common.retry import RetryPolicy, channel_options, service_config
-from services.encoder.triton_client import (
+from services.encoder.runtime.triton_client import (
     KSERVE_SERVICE,
     TritonEncoder,
     TritonEncoderConfig,

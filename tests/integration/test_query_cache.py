@@ -337,7 +337,7 @@ class _Counting(Encoder):
 def test_texts_with_one_normal_form_embed_alike_with_the_real_tokenizer() -> None:
     """What the key folds together, MiniLM's tokenizer reads alike (the embeddings are
     equal), and texts it reads differently get different keys."""
-    from services.encoder.inprocess import InProcessEncoder
+    from services.encoder.runtime.inprocess import InProcessEncoder
 
     same = [
         ("Read a CSV file", "  read a\tcsv\n file "),
@@ -372,7 +372,7 @@ def test_the_minilm_tokenizer_lowercases_so_the_flag_is_safe_for_it() -> None:
 
 def test_the_pipeline_encodes_each_distinct_miss_once(redis_url: str) -> None:
     """One encoder call per batch, for the distinct texts the cache did not have."""
-    from services.encoder.inprocess import InProcessEncoder
+    from services.encoder.runtime.inprocess import InProcessEncoder
     from services.gateway.pipeline import SearchPipeline
 
     async def scenario() -> None:

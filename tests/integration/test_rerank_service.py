@@ -18,10 +18,10 @@ import pytest
 
 from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
 from services.rerank.checkpoint import CONFIG_FILE, HEAD_FILE, TRAINER_STATE, CeliConfig
-from services.rerank.server import Reranker, start_rerank
-from services.rerank.settings import RerankSettings
+from services.rerank.serve.server import Reranker, start_rerank
+from services.rerank.serve.settings import RerankSettings
 from services.rerank.tiny import write_tiny_backbone
-from services.rerank.trainer import TrainConfig, train
+from services.rerank.train.trainer import TrainConfig, train
 
 TOPICS = 8
 WORDS_PER_TOPIC = 6

@@ -18,7 +18,7 @@ import pytest
 from retrieval.v1 import search_pb2, search_pb2_grpc
 from services.cli.client_commands import gateway_channel
 from services.common.domain import Document
-from services.encoder.inprocess import InProcessEncoder
+from services.encoder.runtime.inprocess import InProcessEncoder
 from services.index.core.train import Manifest
 from services.stack import first_run
 from services.stack.config import StackConfig

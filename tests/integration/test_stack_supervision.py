@@ -211,7 +211,7 @@ def _pending_inferences(metrics_address: str) -> float:
 # queued work at any time on 2 cores).
 LOAD = """
 import asyncio, sys
-from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
+from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
 async def main() -> None:
     encoder = await TritonEncoder.connect(TritonEncoderConfig(sys.argv[1], default_timeout_s=120))
@@ -241,9 +241,13 @@ def test_triton_under_load_stops_on_sigterm_without_sigkill(
     import sys
 
     pytest.importorskip("tritonclient.grpc")
+    from services.encoder.build.repository import generate_repository
     from services.encoder.model import default_model_dir
-    from services.encoder.repository import generate_repository
-    from services.encoder.triton_server import TritonServerConfig, pytriton_root, triton_command
+    from services.encoder.serve.triton_server import (
+        TritonServerConfig,
+        pytriton_root,
+        triton_command,
+    )
     from tests.encoder_fixtures import encoder_base, ensure_onnx
 
     try:

@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.encoder.export import row_cosines
+from services.encoder.build.export import row_cosines
+from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.model import default_model_dir
-from services.encoder.repository import RepositoryConfig, generate_repository
-from services.encoder.triton_client import (
+from services.encoder.runtime.triton_client import (
     KSERVE_SERVICE,
     TritonEncoder,
     TritonEncoderConfig,
     triton_client,
 )
-from services.encoder.triton_server import TritonHandle, TritonServerConfig, run_triton
+from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,

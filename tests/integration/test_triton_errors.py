@@ -24,14 +24,14 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import InvalidArgument, NotFound, Overloaded
+from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
 from services.encoder.model import default_model_dir
-from services.encoder.repository import RepositoryConfig, generate_repository, read_config
-from services.encoder.triton_client import (
+from services.encoder.runtime.triton_client import (
     TritonEncoder,
     TritonEncoderConfig,
     map_triton_error,
 )
-from services.encoder.triton_server import TritonHandle, TritonServerConfig, run_triton
+from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from tests.encoder_fixtures import encoder_base, ensure_onnx
 from tests.support.processes import free_port
 

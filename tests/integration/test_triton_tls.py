@@ -19,9 +19,9 @@ import pytest
 
 from services.common.errors import RetrievalError, Unavailable
 from services.common.tls import ClientTLS
-from services.encoder.repository import RepositoryConfig, generate_repository
-from services.encoder.triton_client import TritonEncoder, TritonEncoderConfig
-from services.encoder.triton_server import (
+from services.encoder.build.repository import RepositoryConfig, generate_repository
+from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
+from services.encoder.serve.triton_server import (
     TritonHandle,
     TritonServerConfig,
     grpc_tls_args,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.rerank.server import Reranker
+    from services.rerank.serve.server import Reranker
 
 # The stdlib-like words the gateway's rerank tests search with.
 WORDS = ["file", "read", "json", "csv", "thread", "pool", "hash", "bytes", "list", "row"]
@@ -32,8 +32,8 @@ def rerank_in_background(base: Path) -> Iterator[Reranker]:
     """A real rerank server (port 0: a free one) on a tiny checkpoint built under ``base``,
     on its own event loop in a daemon thread, so synchronous tests and a gateway running
     in another thread can call it; closed (and the loop stopped) on exit."""
-    from services.rerank.server import start_rerank
-    from services.rerank.settings import RerankSettings
+    from services.rerank.serve.server import start_rerank
+    from services.rerank.serve.settings import RerankSettings
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="rerank", daemon=True)

@@ -497,7 +497,7 @@ def _prepare(source: Path, dest: Path, count: int, kind: str) -> subprocess.Comp
     )  # fmt: skip
 
 
-# The layout protobuf's text_format writes (services/encoder/repository.py), and the
+# The layout protobuf's text_format writes (services/encoder/build/repository.py), and the
 # bracketed one people write by hand.
 ENCODER_GPU = 'name: "encoder"\ninstance_group {\n  count: 1\n  kind: KIND_GPU\n}\n'
 TOKENIZER_CPU = 'name: "tokenizer"\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n'

@@ -30,7 +30,7 @@ from services.index.changelog import LogReader
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainedIndex, TrainOptions, train_index
 from services.index.server.metrics import ShardMetrics
-from services.rerank.metrics import RerankMetrics
+from services.rerank.serve.metrics import RerankMetrics
 from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from services.encoder.export import (
+from services.encoder.build.export import (
     EncoderMeta,
     check_parity,
     onnx_session,
@@ -17,7 +17,7 @@ from services.encoder.export import (
     row_cosines,
 )
 from services.encoder.model import default_model_dir
-from services.encoder.onnx_embedder import OnnxEmbedder
+from services.encoder.runtime.onnx_embedder import OnnxEmbedder
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,

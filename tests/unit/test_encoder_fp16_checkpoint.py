@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.encoder.export import check_parity, export_onnx
+from services.encoder.build.export import check_parity, export_onnx
 from services.encoder.model import load_dual_encoder
 from tests.encoder_fixtures import encoder_base, ensure_tiny_t5
 

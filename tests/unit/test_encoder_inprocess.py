@@ -11,9 +11,9 @@ import pytest
 
 from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.encoder.base import Embeddings, Encoder
-from services.encoder.export import row_cosines
-from services.encoder.inprocess import InProcessEncoder
+from services.encoder.build.export import row_cosines
 from services.encoder.model import default_model_dir
+from services.encoder.runtime.inprocess import InProcessEncoder
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound
-from services.encoder.export import row_cosines
+from services.encoder.build.export import row_cosines
 from services.encoder.model import (
     DualEncoder,
     default_model_dir,

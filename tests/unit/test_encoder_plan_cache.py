@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import FailedPrecondition
-from services.encoder.plan_cache import (
+from services.encoder.build.plan_cache import (
     Device,
     PlanDeviceMismatch,
     check_plan,
     ensure_plan,
     plan_key,
 )
-from services.encoder.tensorrt_build import PlanMeta
+from services.encoder.build.tensorrt_build import PlanMeta
 
 L4 = Device("NVIDIA L4", "8.9", "10.7.0.23")
 A100 = Device("NVIDIA A100-SXM4-40GB", "8.0", "10.7.0.23")

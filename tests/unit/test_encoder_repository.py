@@ -8,9 +8,9 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
+from services.encoder.build.tensorrt_build import TENSORRT_VERSION, PlanMeta, PlanVersionMismatch
 from services.encoder.model import default_model_dir
-from services.encoder.repository import RepositoryConfig, generate_repository, read_config
-from services.encoder.tensorrt_build import TENSORRT_VERSION, PlanMeta, PlanVersionMismatch
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
 
 
@@ -48,8 +48,8 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     version = tmp_path / "embed" / "1"
     for name in ("model.py", "textcodec.py", "model.onnx", "tokenizer.json", "encoder.json"):
         assert (version / name).is_file(), name
-    # model.py is the file from services/encoder/triton_models, not a generated string
-    source = Path("services/encoder/triton_models/embed_onnx.py").read_text()
+    # model.py is the file from services/encoder/build/triton_models, not a generated string
+    source = Path("services/encoder/build/triton_models/embed_onnx.py").read_text()
     assert (version / "model.py").read_text() == source
 
 

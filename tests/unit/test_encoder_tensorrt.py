@@ -15,9 +15,7 @@ import onnx
 import pytest
 
 from services.common.errors import FailedPrecondition
-from services.encoder.model import default_model_dir
-from services.encoder.profiles import get_profile
-from services.encoder.tensorrt_build import (
+from services.encoder.build.tensorrt_build import (
     MORE_FP32_HINT,
     NO_TRT_REASON,
     PLAN_MIN_COSINE,
@@ -33,6 +31,8 @@ from services.encoder.tensorrt_build import (
     probe_tokens,
     select_fp32_nodes,
 )
+from services.encoder.model import default_model_dir
+from services.encoder.profiles import get_profile
 from tests.encoder_fixtures import build_tiny_t5, encoder_base, ensure_onnx, ensure_tiny_t5
 
 
@@ -127,7 +127,7 @@ def test_fp16_plan_passes_parity_on_tiny_t5(base: Path, tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_trt_gpu(), reason=NO_TRT_REASON)
 def test_plan_is_not_written_when_parity_fails(base: Path, tmp_path: Path) -> None:
-    from services.encoder.tensorrt_build import PlanParityError
+    from services.encoder.build.tensorrt_build import PlanParityError
 
     model_dir = ensure_tiny_t5(base)
     ids = np.array([[3, 4, 1]], dtype=np.int64)
@@ -195,7 +195,7 @@ def hot_t5_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny T5 whose FFN output weights are scaled up: T5's FP16 failure, in miniature."""
     from safetensors.torch import load_file, save_file
 
-    from services.encoder.export import export_onnx
+    from services.encoder.build.export import export_onnx
 
     root = build_tiny_t5(tmp_path_factory.mktemp("hot") / "hot-t5", seed=1)
     state = load_file(str(root / "model.safetensors"))
@@ -258,7 +258,7 @@ def test_fp16_cast_sets_weights_aside_for_shape_inference(
     hot_t5_onnx: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # GTR xl/xxl exceed protobuf's 2 GB: shape inference runs without the weights' bytes.
-    import services.encoder.tensorrt_build as tb
+    import services.encoder.build.tensorrt_build as tb
 
     monkeypatch.setattr(tb, "_SET_ASIDE", 1024)  # the tiny T5's weights count as big here
     model = onnx.load(str(hot_t5_onnx))

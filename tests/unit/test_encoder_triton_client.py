@@ -7,7 +7,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from services.common import errors, status
-from services.encoder.triton_client import TRITON_QUEUE_FULL, map_triton_error
+from services.encoder.runtime.triton_client import TRITON_QUEUE_FULL, map_triton_error
 
 
 @pytest.mark.parametrize("code", list(grpc.StatusCode), ids=lambda c: c.name)

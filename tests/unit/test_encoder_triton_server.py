@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.encoder.triton_server import (
+from services.encoder.serve.triton_server import (
     TritonServerConfig,
     prepare_backend_dir,
     pytriton_root,

@@ -18,8 +18,8 @@ import redis
 from tokenizers import Tokenizer
 
 from services.encoder.base import Embeddings
-from services.encoder.inprocess import InProcessEncoder
 from services.encoder.model import TorchEmbedder
+from services.encoder.runtime.inprocess import InProcessEncoder
 from services.gateway.domain import Document
 from services.gateway.pipeline import DocumentPipeline
 from services.gateway.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder

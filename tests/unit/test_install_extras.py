@@ -18,7 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from services.encoder.tensorrt_build import TENSORRT_VERSION, TRITON_IMAGE_TAG, TRITON_TENSORRT
+from services.encoder.build.tensorrt_build import (
+    TENSORRT_VERSION,
+    TRITON_IMAGE_TAG,
+    TRITON_TENSORRT,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

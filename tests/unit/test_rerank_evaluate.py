@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.rerank.evaluate import paired_comparison
+from services.rerank.train.evaluate import paired_comparison
 
 
 def test_counts_and_mean_difference() -> None:

@@ -16,7 +16,7 @@ from services.rerank.model import (
     segment_masks,
     training_loss,
 )
-from services.rerank.scorer import PairEncoder
+from services.rerank.serve.scorer import PairEncoder
 from services.rerank.tiny import write_tiny_backbone
 
 WORDS = [

@@ -11,12 +11,12 @@ from prometheus_client import CollectorRegistry
 
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, InvalidArgument
-from services.rerank import convert
 from services.rerank.checkpoint import CeliConfig, build_model
 from services.rerank.domain import Candidate, RerankedHit, RerankQuery, RerankResult
-from services.rerank.metrics import RerankMetrics
-from services.rerank.scorer import CeliScorer
-from services.rerank.settings import RerankSettings
+from services.rerank.serve import convert
+from services.rerank.serve.metrics import RerankMetrics
+from services.rerank.serve.scorer import CeliScorer
+from services.rerank.serve.settings import RerankSettings
 from services.rerank.tiny import write_tiny_backbone
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]

@@ -8,8 +8,8 @@ import grpc
 
 from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
 from services.common.deadline import Deadline
-from services.rerank import convert
-from services.rerank.scorer import CeliScorer
+from services.rerank.serve import convert
+from services.rerank.serve.scorer import CeliScorer
 
 
 class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):

@@ -26,8 +26,8 @@ from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument
 from services.rerank.checkpoint import CeliConfig
 from services.rerank.domain import MAX_CANDIDATES, RerankedHit, RerankQuery, RerankResult
-from services.rerank.metrics import RerankMetrics
 from services.rerank.model import CeliModel
+from services.rerank.serve.metrics import RerankMetrics
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class InProcessEncoder(Encoder):
     @classmethod
     def onnx(cls, onnx_path: Path, threads: int | None = None) -> InProcessEncoder:
         """The ONNX export (``encoder export``) with ONNX Runtime."""
-        from services.encoder.onnx_embedder import OnnxEmbedder
+        from services.encoder.runtime.onnx_embedder import OnnxEmbedder
 
         return cls(OnnxEmbedder(onnx_path, threads=threads))
 

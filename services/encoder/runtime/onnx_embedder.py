@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.encoder.export import OUTPUT_NAME, EncoderMeta, onnx_session
+from services.encoder.build.export import OUTPUT_NAME, EncoderMeta, onnx_session
 from services.encoder.profiles import Kind
 from services.encoder.textcodec import TextCodec, TokenBatch
 

@@ -17,10 +17,10 @@ from services.common.logs import configure_logging
 from services.common.metrics import RpcMetrics
 from services.common.server import Server, create_server, serve_started
 from services.common.settings import load_settings
-from services.rerank.metrics import RerankMetrics
-from services.rerank.scorer import CeliScorer
-from services.rerank.servicer import RerankServicer
-from services.rerank.settings import RerankSettings
+from services.rerank.serve.metrics import RerankMetrics
+from services.rerank.serve.scorer import CeliScorer
+from services.rerank.serve.servicer import RerankServicer
+from services.rerank.serve.settings import RerankSettings
 
 log = logging.getLogger(__name__)
 

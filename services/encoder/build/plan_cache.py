@@ -8,7 +8,7 @@ loads and misbehaves. The chart's ``build-plan`` init container therefore calls
 the TensorRT release and the digest of the ONNX export, so a node pool of another GPU
 gets a plan of its own and a new export gets a new plan. Every plan, cached or just
 built, is checked against the device through its ``<plan>.json``
-(:class:`~services.encoder.tensorrt_build.PlanMeta`: TensorRT version, GPU name,
+(:class:`~services.encoder.build.tensorrt_build.PlanMeta`: TensorRT version, GPU name,
 compute capability) before it is used: a mismatch is :class:`PlanDeviceMismatch`
 (FailedPrecondition) and the pod does not start. The same check refuses a plan given
 explicitly (``--plan``) that was built somewhere else.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import FailedPrecondition
-from services.encoder.tensorrt_build import PlanMeta, tensorrt_release
+from services.encoder.build.tensorrt_build import PlanMeta, tensorrt_release
 
 PLAN_NAME = "model.plan"
 
@@ -50,7 +50,7 @@ class Device:
 
 def current_device() -> Device:
     """The first CUDA GPU of this process and the installed TensorRT (GPU machines only)."""
-    from services.encoder.tensorrt_build import _device, _require_tensorrt
+    from services.encoder.build.tensorrt_build import _device, _require_tensorrt
 
     trt = _require_tensorrt()
     gpu, capability = _device()

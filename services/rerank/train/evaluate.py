@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound
+from services.corpus.beir import BeirData, load_beir, split_queries
 from services.eval.measures import paired_comparison, score
 from services.rerank.checkpoint import CONFIG_FILE, CeliConfig, load_or_default
-from services.rerank.data import BeirData, dense_run, load_beir, split_queries
-from services.rerank.scorer import CeliScorer
+from services.rerank.serve.scorer import CeliScorer
+from services.rerank.train.data import dense_run
 
 
 @dataclass(frozen=True)

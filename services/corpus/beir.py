@@ -1,27 +1,18 @@
-"""BEIR data for training and evaluation: corpus, queries, qrels, split, dense first stage.
+"""BEIR datasets (corpus.jsonl, queries.jsonl, qrels/<split>.tsv): read, and split by query.
 
-The dense first stage is the service's own: the documents' all-MiniLM-L6-v2 embeddings
-of ``title + " " + text`` (``corpus.all-MiniLM-L6-v2.npy`` next to the corpus, in
-corpus order; computed when absent), queries encoded by the same model, exact inner
-product.
+Training and evaluation read the same folders through this module; which split a caller
+reads is its own choice (trainers read ``train`` only, never a test split).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from services.common.errors import InvalidArgument, NotFound
 from services.corpus.readers import read_corpus
-
-log = logging.getLogger(__name__)
-
-EMBEDDINGS_FILE = "corpus.all-MiniLM-L6-v2.npy"
 
 
 @dataclass(frozen=True)
@@ -74,39 +65,3 @@ def split_queries(
     random.Random(seed).shuffle(order)
     n_dev = max(1, round(len(order) * dev_fraction))
     return sorted(order[n_dev:]), sorted(order[:n_dev])
-
-
-def doc_embeddings(data: BeirData, embedder: object | None = None) -> np.ndarray:
-    path = data.root / EMBEDDINGS_FILE
-    if path.exists():
-        emb = np.load(path).astype(np.float32, copy=False)
-        if emb.shape[0] != len(data.doc_ids):
-            raise InvalidArgument(f"{path}: {emb.shape[0]} rows for {len(data.doc_ids)} docs")
-        return emb
-    embedder = embedder or _embedder()
-    texts = [data.docs[d] for d in data.doc_ids]
-    return np.concatenate([embedder.embed(texts[i : i + 64], "document")[0]  # type: ignore[attr-defined]
-                           for i in range(0, len(texts), 64)])  # fmt: skip
-
-
-def _embedder() -> object:
-    from services.encoder.model import TorchEmbedder
-
-    return TorchEmbedder()
-
-
-def dense_run(data: BeirData, qids: list[str], k: int = 100) -> dict[str, list[str]]:
-    """Top-``k`` doc ids per query by exact inner product (the dense first stage)."""
-    embedder = _embedder()
-    docs = doc_embeddings(data, embedder)
-    texts = [data.queries[q] for q in qids]
-    vecs = np.concatenate([embedder.embed(texts[i : i + 64], "query")[0]  # type: ignore[attr-defined]
-                           for i in range(0, len(texts), 64)]) if texts else np.zeros((0, docs.shape[1]))  # noqa: E501  # fmt: skip
-    sims = vecs @ docs.T
-    k = min(k, docs.shape[0])
-    top = np.argpartition(-sims, k - 1, axis=1)[:, :k]
-    run = {}
-    for row, qid in enumerate(qids):
-        best = top[row][np.argsort(-sims[row, top[row]], kind="stable")]
-        run[qid] = [data.doc_ids[j] for j in best]
-    return run

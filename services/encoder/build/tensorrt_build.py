@@ -594,7 +594,7 @@ def build_plan_from_model(
     """:func:`build_plan` with the probe batch and PyTorch reference made from ``model_dir``."""
     import torch
 
-    from services.encoder.export import PROBE_TEXTS
+    from services.encoder.build.export import PROBE_TEXTS
     from services.encoder.model import TorchEmbedder
 
     _require_tensorrt()  # before loading a checkpoint of several GB

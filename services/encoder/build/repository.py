@@ -28,18 +28,18 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.encoder.export import EncoderMeta
+from services.encoder.build.export import EncoderMeta
 from services.encoder.profiles import ModelProfile
-from services.encoder.tensorrt_build import (
+from services.encoder.build.tensorrt_build import (
     TRITON_IMAGE_TAG,
     TRITON_TENSORRT,
     PlanMeta,
 )
-from services.encoder.tensorrt_build import plan_meta_path as plan_meta_file
+from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
-TEXTCODEC = Path(__file__).resolve().parent / "textcodec.py"
+TEXTCODEC = Path(__file__).resolve().parent.parent / "textcodec.py"
 # Inputs and error answers shared by every Python-backend model (the rerank one too).
 MODEL_ERRORS = MODELS_DIR / "model_errors.py"
 EMBED_MODEL = "embed"

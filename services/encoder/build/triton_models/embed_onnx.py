@@ -1,6 +1,6 @@
 """Triton Python-backend model ``embed`` (CPU flavour): raw text in, embedding out.
 
-Copied as ``<repo>/embed/1/model.py`` by ``services/encoder/repository.py`` together
+Copied as ``<repo>/embed/1/model.py`` by ``services/encoder/build/repository.py`` together
 with ``textcodec.py``, ``model_errors.py``, ``tokenizer.json``, ``encoder.json`` and
 ``model.onnx``. It imports numpy, onnxruntime and tokenizers only, never the service
 package, so the repository can be shipped on its own.

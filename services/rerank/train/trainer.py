@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from services.common.errors import InvalidArgument, NotFound
+from services.corpus.beir import BeirData, load_beir, split_queries
 from services.rerank.checkpoint import (
     TRAINER_STATE,
     CeliConfig,
@@ -28,9 +29,9 @@ from services.rerank.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from services.rerank.data import BeirData, dense_run, load_beir, split_queries
 from services.rerank.model import CeliModel, Variant, init_for_training, training_loss
-from services.rerank.scorer import PairEncoder
+from services.rerank.serve.scorer import PairEncoder
+from services.rerank.train.data import dense_run
 
 log = logging.getLogger(__name__)
 SPLIT_FILE = "split.json"

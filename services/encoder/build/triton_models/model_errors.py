@@ -1,7 +1,7 @@
 """Inputs and error answers of our Triton Python-backend models: one helper for both.
 
 Copied next to each ``model.py`` (``embed``, ``tokenizer``) the way ``textcodec.py`` is,
-by ``services/encoder/repository.py``; it imports numpy and Triton's
+by ``services/encoder/build/repository.py``; it imports numpy and Triton's
 ``triton_python_backend_utils`` only, so it runs in any stub.
 
 The rule of every model: a bad request (a missing input, bad text) gets its own error
