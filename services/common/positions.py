@@ -11,10 +11,13 @@ __all__ = ["ZERO", "WriteToken", "at_least", "compare", "covers", "merge_tokens"
 
 ZERO = "0-0"
 
-# A Redis Stream ID: two unsigned 64-bit integers in ASCII decimal ("<ms>-<seq>"; the
-# sequence may be left out). ``str.isdigit`` is not enough: it accepts "²" and other
-# Unicode digits that ``int`` refuses, and it bounds nothing.
-_POSITION = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?", re.ASCII)
+# A Redis Stream ID: two unsigned 64-bit integers in ASCII decimal, "<ms>-<seq>", both
+# parts required, as common.proto's ShardPosition states. Redis itself accepts "<ms>" for
+# "<ms>-0" in XRANGE, but every position this service hands out (XADD's reply, a
+# snapshot's, "0-0") is complete, so a bare "<ms>" in a write token is a client's mistake
+# (a timestamp, a count), refused rather than guessed. ``str.isdigit`` is not enough: it
+# accepts "²" and other Unicode digits that ``int`` refuses, and it bounds nothing.
+_POSITION = re.compile(r"([0-9]{1,20})-([0-9]{1,20})", re.ASCII)
 _U64_MAX = (1 << 64) - 1
 MAX_POSITION_CHARS = 41
 
@@ -25,7 +28,7 @@ def parse(position: str) -> tuple[int, int]:
     if match is None:
         shown = position if len(position) <= MAX_POSITION_CHARS else position[:20] + "…"
         raise InvalidArgument(f"log position {shown!r} is not '<ms>-<seq>' (ASCII digits)")
-    ms, seq = int(match[1]), int(match[2] or 0)
+    ms, seq = int(match[1]), int(match[2])
     if ms > _U64_MAX or seq > _U64_MAX:
         raise InvalidArgument(f"log position {position!r}: a part exceeds 2^64-1")
     return ms, seq

@@ -317,7 +317,7 @@ def test_a_shard_search_without_deadline_gets_the_shards_default(stack: Stack) -
 
 
 @pytest.mark.parametrize(
-    "position", ["²", "1-²", "7" * 5000, "18446744073709551616-0", "1-2-3", "-1", " 1"]
+    "position", ["²", "1-²", "7" * 5000, "18446744073709551616-0", "1-2-3", "-1", " 1", "1"]
 )
 def test_malformed_positions_are_invalid_argument(stack: Stack, position: str) -> None:
     request = search_pb2.SearchRequest(

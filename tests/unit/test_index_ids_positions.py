@@ -32,13 +32,13 @@ def test_positions_compare_as_ms_then_seq() -> None:
     assert positions.compare("10-2", "9-99") == 1
     assert positions.compare("10-2", "10-10") == -1
     assert positions.compare("10-2", "10-2") == 0
-    assert positions.at_least("10-0", "10")
+    assert positions.at_least("10-0", "9-99")
     assert positions.newest("1-5", "2-0", "1-9") == "2-0"
     assert positions.oldest("1-5", "2-0", "1-9") == "1-5"
     assert positions.ms_of("1700000000000-3") == 1700000000000
-    for bad in ("", "x-1", "1-x", "-1"):
+    for bad in ("", "x-1", "1-x", "-1", "1", "1700000000000", "1-"):
         with pytest.raises(InvalidArgument):
-            positions.parse(bad)
+            positions.parse(bad)  # common.proto: anything but "ms-seq" is INVALID_ARGUMENT
 
 
 def test_write_tokens_merge_and_cover() -> None:
