@@ -1,129 +1,19 @@
-"""``gtr-retrieval ingest | search | get | delete``: a client of a running gateway."""
+"""``gtr-retrieval ingest | search | get | delete``: a client of a running gateway.
+
+The client itself (channel, token, TLS, the calls) is :mod:`services.client.gateway`;
+this module is the commands' flags and output."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import textwrap
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from retrieval.v1 import (
-    common_pb2,
-    documents_pb2,
-    documents_pb2_grpc,
-    search_pb2,
-    search_pb2_grpc,
-)
-from services.common.auth import bearer_metadata
-from services.common.retry import RetryPolicy, channel_options
-from services.common.tls import ClientTLS
-from services.common.tls import channel as tls_channel
-
-DEFAULT_RUN_DIR = ".run"
-# Every call of the CLI is idempotent (an upsert of the same documents included), so the
-# channel retries them all: UNAVAILABLE (the gateway restarting) and RESOURCE_EXHAUSTED
-# (its in-flight limit: try again later), 5 attempts, 0.2 s backoff doubling to 2 s,
-# all within the call's --timeout (see services/common/retry.py).
-RETRY = RetryPolicy(
-    attempts=5,
-    initial_backoff_s=0.2,
-    max_backoff_s=2.0,
-    codes=("UNAVAILABLE", "RESOURCE_EXHAUSTED"),
-)
-GATEWAY_SERVICES = ("retrieval.v1.SearchService", "retrieval.v1.DocumentService")
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
-
-    def __init__(self, token: str) -> None:
-        self._metadata = bearer_metadata(token)
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        metadata = [*(details.metadata or ()), *self._metadata]
-        return continuation(details._replace(metadata=metadata), request)
-
-
-def gateway_channel(
-    address: str,
-    policy: RetryPolicy = RETRY,
-    *,
-    token: str | None = None,
-    tls: ClientTLS | None = None,
-) -> grpc.Channel:
-    """A channel to the gateway that retries by ``policy``, speaks TLS by ``tls`` and
-    sends ``token`` as a bearer token on every call."""
-    channel = tls_channel(address, tls, options=channel_options(GATEWAY_SERVICES, policy))
-    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
-
-
-@dataclass(frozen=True)
-class Gateway:
-    """Where the gateway is and how to reach it: its address, the bearer token to send
-    (None: none) and the TLS of the channel (None: plaintext)."""
-
-    address: str
-    token: str | None = None
-    tls: ClientTLS | None = None
-
-    def channel(self, policy: RetryPolicy = RETRY) -> grpc.Channel:
-        return gateway_channel(self.address, policy, token=self.token, tls=self.tls)
-
-
-def _stack_state(run_dir: str) -> dict[str, Any]:
-    state = Path(run_dir) / "stack.json"
-    return dict(json.loads(state.read_text(encoding="utf-8"))) if state.exists() else {}
-
-
-def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str:
-    """--gateway, else $GTR_GATEWAY_ADDRESS, else the running local stack, else :50051."""
-    if explicit:
-        return explicit
-    if os.environ.get("GTR_GATEWAY_ADDRESS"):
-        return os.environ["GTR_GATEWAY_ADDRESS"]
-    state = _stack_state(run_dir)
-    if state:
-        return str(state["gateway"])
-    return "127.0.0.1:50051"
-
-
-def resolve_gateway(args: argparse.Namespace, run_dir: str = DEFAULT_RUN_DIR) -> Gateway:
-    """The gateway of a client command: address as :func:`gateway_address`; the token
-    from --token, else $GTR_TOKEN, else (talking to the local stack started with
-    ``up --auth``) its write token; TLS from --tls-ca/--tls-client-cert/--tls-client-key,
-    else $GTR_TLS_CA/$GTR_TLS_CLIENT_CERT/$GTR_TLS_CLIENT_KEY, else the local stack's
-    (``up --tls``)."""
-    address = gateway_address(args.gateway, run_dir)
-    stack = _stack_state(run_dir)
-    local = bool(stack) and stack.get("gateway") == address
-    token = args.token or os.environ.get("GTR_TOKEN") or None
-    if token is None and local and stack.get("write_tokens_file"):
-        token = Path(stack["write_tokens_file"]).read_text(encoding="utf-8").split()[0]
-    local_tls = stack.get("client_tls") or {} if local else {}
-    try:
-        tls = ClientTLS.from_paths(
-            args.tls_ca or os.environ.get("GTR_TLS_CA") or local_tls.get("ca"),
-            args.tls_client_cert or os.environ.get("GTR_TLS_CLIENT_CERT") or local_tls.get("cert"),
-            args.tls_client_key or os.environ.get("GTR_TLS_CLIENT_KEY") or local_tls.get("key"),
-        )
-        if tls is not None:
-            tls.check()
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    return Gateway(address, token, tls)
-
-
-def _target(address: str | Gateway) -> Gateway:
-    return address if isinstance(address, Gateway) else Gateway(address)
+from retrieval.v1 import documents_pb2, documents_pb2_grpc
+from services.client.gateway import format_hits, ingest_file, resolve_gateway, search_once
 
 
 def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
@@ -209,81 +99,6 @@ def _fail(exc: grpc.RpcError) -> int:
     return 1
 
 
-def _batches(docs: Iterator[documents_pb2.Document], size: int) -> Iterator[list[Any]]:
-    batch: list[Any] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def length_sorted(docs: Iterator[Any], window: int = 4096) -> Iterator[Any]:
-    """Documents sorted by length within windows: batches of similar length waste far
-    less of the encoder's time on padding (the order of upserts does not matter)."""
-    buffer: list[Any] = []
-    for doc in docs:
-        buffer.append(doc)
-        if len(buffer) == window:
-            yield from sorted(buffer, key=lambda d: len(d.title) + len(d.text))
-            buffer = []
-    yield from sorted(buffer, key=lambda d: len(d.title) + len(d.text))
-
-
-def upsert(
-    stub: documents_pb2_grpc.DocumentServiceStub,
-    docs: Sequence[documents_pb2.Document],
-    timeout: float,
-) -> documents_pb2.UpsertResponse:
-    """One Upsert; the channel (:func:`gateway_channel`) retries it."""
-    return stub.Upsert(documents_pb2.UpsertRequest(documents=docs), timeout=timeout)
-
-
-def ingest_file(
-    address: str | Gateway,
-    path: str,
-    batch: int = 64,
-    parallel: int = 2,
-    limit: int | None = None,
-    timeout: float = 120.0,
-    progress: bool = True,
-) -> int:
-    """Upsert the corpus at ``path``; returns the number of documents upserted."""
-    from tqdm import tqdm
-
-    from services.corpus.readers import count_lines, read_corpus
-
-    total = count_lines(path) if limit is None else limit
-    docs = (
-        documents_pb2.Document(id=d.id, title=d.title, text=d.text, metadata=d.metadata)
-        for d in length_sorted(read_corpus(path, limit=limit))
-    )
-    done = 0
-    with (
-        _target(address).channel() as channel,
-        ThreadPoolExecutor(max_workers=max(1, parallel)) as pool,
-        tqdm(total=total, unit="doc", desc="ingest", disable=not progress) as bar,
-    ):
-        stub = documents_pb2_grpc.DocumentServiceStub(channel)
-        pending: list[Future[documents_pb2.UpsertResponse]] = []
-        sizes: list[int] = []
-        for chunk in _batches(docs, max(1, min(batch, 256))):
-            pending.append(pool.submit(upsert, stub, chunk, timeout))
-            sizes.append(len(chunk))
-            while len(pending) >= parallel * 2:
-                pending.pop(0).result()
-                n = sizes.pop(0)
-                done += n
-                bar.update(n)
-        for fut, n in zip(pending, sizes, strict=True):
-            fut.result()
-            done += n
-            bar.update(n)
-    return done
-
-
 def _ingest(args: argparse.Namespace) -> int:
     gateway = resolve_gateway(args)
     try:
@@ -292,61 +107,6 @@ def _ingest(args: argparse.Namespace) -> int:
         return _fail(exc)
     print(f"upserted {n} documents through {gateway.address}")
     return 0
-
-
-def parse_filter(items: Sequence[str]) -> common_pb2.Filter:
-    must = []
-    for item in items:
-        key, sep, values = item.partition("=")
-        if not sep or not key or not values:
-            raise SystemExit(f"--filter {item!r}: expected KEY=VALUE[,VALUE...]")
-        must.append(common_pb2.FieldCondition(key=key, any_of=values.split(",")))
-    return common_pb2.Filter(must=must)
-
-
-def search_once(
-    address: str | Gateway, query: str, k: int = 5, timeout: float = 10.0, **options: Any
-) -> search_pb2.SearchResponse:
-    consistency = {
-        "eventual": common_pb2.CONSISTENCY_EVENTUAL,
-        "strong": common_pb2.CONSISTENCY_STRONG,
-    }[options.get("consistency", "eventual")]
-    request = search_pb2.SearchRequest(
-        query=query,
-        k=k,
-        consistency=consistency,
-        filter=parse_filter(options.get("filters", [])),
-        rerank=search_pb2.RerankOptions(
-            enabled=bool(options.get("rerank")), depth=int(options.get("depth", 0))
-        ),
-    )
-    with _target(address).channel() as channel:
-        return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
-
-
-def format_hits(query: str, response: search_pb2.SearchResponse, width: int | None = None) -> str:
-    width = width or max(80, min(140, shutil.get_terminal_size((100, 20)).columns))
-    t = response.timings
-    head = (
-        f'"{query}"  ({len(response.hits)} hits, {t.total_ms:.0f} ms: encode '
-        f"{t.encode_ms:.0f}, search {t.search_ms:.0f}, fetch {t.fetch_ms:.0f}"
-        + (f", rerank {t.rerank_ms:.0f}" if response.reranked else "")
-        + f"; model {response.model}"
-        + ("; query embedding from the cache" if response.embedding_cached else "")
-        + ")"
-    )
-    if response.partial:
-        head += f"  PARTIAL: shards {list(response.missing_shards)} missing"
-    lines = [head]
-    title_w = min(40, max((len(h.title or h.id) for h in response.hits), default=10))
-    snippet_w = max(20, width - title_w - 16)
-    lines.append(f"{'#':>2}  {'score':>6}  {'title':<{title_w}}  text")
-    for rank, hit in enumerate(response.hits, 1):
-        title = (hit.title or hit.id)[:title_w]
-        snippet = " ".join(hit.text.split())
-        snippet = textwrap.shorten(snippet, snippet_w, placeholder=" …") if snippet else ""
-        lines.append(f"{rank:>2}  {hit.score:6.3f}  {title:<{title_w}}  {snippet}")
-    return "\n".join(lines)
 
 
 def _search(args: argparse.Namespace) -> int:

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         if cfg.gateway:
-            from services.cli.client_commands import ingest_file, resolve_gateway
+            from services.client.gateway import ingest_file, resolve_gateway
 
             gateway = resolve_gateway(args)
             ingest = None

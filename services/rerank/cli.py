@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.cli.serve import add_serve
+from services.common.cli_support import add_serve
 from services.common.errors import RetrievalError
 
 _TRAIN_EPILOG = """\

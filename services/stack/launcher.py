@@ -35,7 +35,7 @@ from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig, example_queries
 
 if TYPE_CHECKING:
-    from services.cli.client_commands import Gateway
+    from services.client.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class Stack:
 
     def gateway(self) -> Gateway:
         """The gateway as the launcher's own client reaches it (token, TLS)."""
-        from services.cli.client_commands import Gateway
+        from services.client.gateway import Gateway
         from services.common.tls import ClientTLS
 
         e = self.endpoints
@@ -286,7 +286,7 @@ class Stack:
             components.redis_set(self.endpoints.redis_url, marker, str(n))
             _say(f"ingest     {n} documents in {time.perf_counter() - start:.1f} s")
             return corpus
-        from services.cli.client_commands import ingest_file
+        from services.client.gateway import ingest_file
 
         _say(f"ingest     {corpus}")
         start = time.perf_counter()
@@ -296,7 +296,7 @@ class Stack:
         return corpus
 
     def examples(self) -> None:
-        from services.cli.client_commands import format_hits, search_once
+        from services.client.gateway import format_hits, search_once
 
         queries = example_queries(self.config)
         if not queries:

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc
-from services.cli.client_commands import gateway_channel, upsert
+from services.client.gateway import gateway_channel, upsert
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.common.retry import RetryPolicy, channel_options, service_config
 from services.encoder.runtime.triton_client import (

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from retrieval.v1 import search_pb2, search_pb2_grpc
-from services.cli.client_commands import gateway_channel
+from services.client.gateway import gateway_channel
 from services.common.domain import Document
 from services.encoder.runtime.inprocess import InProcessEncoder
 from services.index.core.train import Manifest

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from retrieval.v1 import search_pb2
-from services.cli.client_commands import format_hits
+from services.client.gateway import format_hits
 
 
 def _response(cached: bool) -> search_pb2.SearchResponse:
