@@ -64,7 +64,7 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, object]:
             groups = [texts[i : i + batch] for i in range(0, len(texts) - batch + 1, batch)]
             for group in groups:  # fill the cache (and warm the model)
                 got = await encoder.encode(group, "query")
-                cache.store(group, "query", got.vectors, got.truncated)
+                cache.store(cache.keys(group, "query"), got.vectors, got.truncated)
             await cache.drain()
             encode_s: list[float] = []
             hit_s: list[float] = []
@@ -75,11 +75,11 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, object]:
                     await encoder.encode(group, "query")
                     encode_s.append(time.perf_counter() - t)
                     t = time.perf_counter()
-                    found = await cache.lookup(group, "query")
+                    found = await cache.lookup(cache.keys(group, "query"))
                     hit_s.append(time.perf_counter() - t)
                     assert all(f is not None for f in found), "every entry was stored"
                     t = time.perf_counter()
-                    await cache.lookup([f"never stored {x}" for x in group], "query")
+                    await cache.lookup(cache.keys([f"never stored {x}" for x in group], "query"))
                     miss_lookup_s.append(time.perf_counter() - t)
             row = {
                 "calls": len(encode_s),

@@ -158,13 +158,14 @@ class SearchPipeline:
         if cache is None:
             embedded = await self._encode(texts, deadline)
             return embedded.vectors, list(embedded.truncated), [False] * len(texts)
-        found = await cache.lookup(texts, "query", timeout=deadline.remaining())
+        keys = cache.keys(texts, "query")
+        found = await cache.lookup(keys, timeout=deadline.remaining())
         vectors = np.empty((len(texts), self.encoder.dim), dtype=np.float32)
         truncated = [False] * len(texts)
         misses: dict[str, list[int]] = {}
-        for i, (text, hit) in enumerate(zip(texts, found, strict=True)):
+        for i, (key, hit) in enumerate(zip(keys, found, strict=True)):
             if hit is None:
-                misses.setdefault(cache.key(text, "query"), []).append(i)
+                misses.setdefault(key, []).append(i)
             else:
                 vectors[i] = hit.vector
                 truncated[i] = hit.truncated
@@ -178,7 +179,7 @@ class SearchPipeline:
                 for i in group:
                     vectors[i] = row
                     truncated[i] = cut
-            cache.store(miss_texts, "query", embedded.vectors, embedded.truncated)
+            cache.store(list(misses), embedded.vectors, embedded.truncated)
         return vectors, truncated, [hit is not None for hit in found]
 
     def _rerank_depth(self, q: SearchQuery, deadline: Deadline) -> tuple[int, str]:

@@ -27,8 +27,11 @@ model's query length) and the little-endian float32 vector.
   so that a Redis that is down costs searches nothing. Inserts run in the background
   after the response; their failures are counted.
 
-No grpc here; the gateway pipeline calls :meth:`QueryEmbeddingCache.lookup` before the
-encoder and :meth:`QueryEmbeddingCache.store` with what the encoder returned.
+No grpc here; the gateway pipeline computes each text's entry key once
+(:meth:`QueryEmbeddingCache.keys`: NFC, whitespace and a SHA-256 per text), then calls
+:meth:`QueryEmbeddingCache.lookup` with the keys before the encoder, groups its misses by
+key, and :meth:`QueryEmbeddingCache.store` the keys of the misses with what the encoder
+returned.
 """
 
 from __future__ import annotations
@@ -190,6 +193,10 @@ class QueryEmbeddingCache:
         ).hexdigest()
         return KEY_PREFIX + digest
 
+    def keys(self, texts: Sequence[str], kind: Kind) -> list[str]:
+        """The entry key of each text, computed once and passed to lookup and store."""
+        return [self.key(t, kind) for t in texts]
+
     def _count(self, result: str, n: int = 1) -> None:
         if self.metrics is not None and n:
             self.metrics.lookups.labels(result).inc(n)
@@ -201,29 +208,28 @@ class QueryEmbeddingCache:
         log.warning("query cache %s failed (bypassed for %.1f s): %r", op, self.backoff_s, exc)
 
     async def lookup(
-        self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+        self, keys: Sequence[str], timeout: float | None = None
     ) -> list[CachedEmbedding | None]:
-        """Each text's cached embedding or None, in one round trip. Never raises (but for
-        cancellation): an error or a lookup slower than ``timeout_s`` (or ``timeout``)
-        answers all None."""
-        if not texts:
+        """Each key's (:meth:`keys`) cached embedding or None, in one round trip. Never
+        raises (but for cancellation): an error or a lookup slower than ``timeout_s`` (or
+        ``timeout``) answers all None."""
+        if not keys:
             return []
         if time.monotonic() < self._bypass_until:
-            self._count("bypassed", len(texts))
-            return [None] * len(texts)
+            self._count("bypassed", len(keys))
+            return [None] * len(keys)
         # Cut short by the request's own deadline, a timeout says nothing about Redis: it
         # must not bypass the cache for every other search.
         cut_by_deadline = timeout is not None and timeout < self.timeout_s
         limit = max(0.0, timeout) if cut_by_deadline and timeout is not None else self.timeout_s
-        keys = [self.key(t, kind) for t in texts]
         try:
             async with asyncio.timeout(limit):
                 values = await self._lookup(keys=[LRU_KEY, *keys], args=[self.touch_ms])
         except (redis.RedisError, OSError, TimeoutError) as exc:
             if not (cut_by_deadline and isinstance(exc, TimeoutError)):
                 self._failed("lookup", exc)
-            self._count("error", len(texts))
-            return [None] * len(texts)
+            self._count("error", len(keys))
+            return [None] * len(keys)
         found = [self._decode(v) for v in values]
         hits = sum(f is not None for f in found)
         self._count("hit", hits)
@@ -236,20 +242,19 @@ class QueryEmbeddingCache:
         vector = np.frombuffer(value, dtype="<f4", offset=1).astype(np.float32)
         return CachedEmbedding(vector, value[0] == 1)
 
-    def store(
-        self, texts: Sequence[str], kind: Kind, vectors: np.ndarray, truncated: Sequence[bool]
-    ) -> None:
-        """Insert the embeddings in the background (the search does not wait for it)."""
-        if not texts:
+    def store(self, keys: Sequence[str], vectors: np.ndarray, truncated: Sequence[bool]) -> None:
+        """Insert the embeddings under their keys (:meth:`keys`) in the background (the
+        search does not wait for it)."""
+        if not keys:
             return
         if len(self._pending) >= MAX_PENDING_STORES or time.monotonic() < self._bypass_until:
             if self.metrics is not None:
-                self.metrics.stores.labels("dropped").inc(len(texts))
+                self.metrics.stores.labels("dropped").inc(len(keys))
             return
         entries: dict[str, bytes] = {}
-        for text, row, cut in zip(texts, vectors, truncated, strict=True):
+        for key, row, cut in zip(keys, vectors, truncated, strict=True):
             flag = b"\x01" if cut else b"\x00"
-            entries[self.key(text, kind)] = flag + np.asarray(row, dtype="<f4").tobytes()
+            entries[key] = flag + np.asarray(row, dtype="<f4").tobytes()
         task = asyncio.get_running_loop().create_task(self._store(entries))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)

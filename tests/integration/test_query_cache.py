@@ -224,23 +224,23 @@ def test_an_entry_expires_after_its_ttl_and_a_hit_does_not_extend_it(any_redis_u
     async def scenario() -> None:
         cache = _cache(redis_url, ttl_s=0.4, touch_s=10.0)
         try:
-            cache.store(["q"], "query", _vectors(1, 8, 0), [True])
+            cache.store(cache.keys(["q"], "query"), _vectors(1, 8, 0), [True])
             await cache.drain()
             (key,) = entries(client)
             assert 0 < client.pttl(key) <= 400
             inserted = client.zscore(LRU_KEY, key)
-            (hit,) = await cache.lookup(["q"], "query")
+            (hit,) = await cache.lookup(cache.keys(["q"], "query"))
             assert hit is not None and hit.truncated
             assert client.zscore(LRU_KEY, key) == inserted, (
                 "a hit within the touch interval writes nothing"
             )
             np.testing.assert_array_equal(hit.vector, _vectors(1, 8, 0)[0])
             await asyncio.sleep(0.1)
-            await cache.lookup(["q"], "query")
+            await cache.lookup(cache.keys(["q"], "query"))
             assert client.pttl(key) <= 300, "a hit does not extend the TTL"
             while client.exists(key):  # Redis expires it; poll instead of a fixed sleep
                 await asyncio.sleep(0.02)
-            assert await cache.lookup(["q"], "query") == [None]
+            assert await cache.lookup(cache.keys(["q"], "query")) == [None]
             assert client.zcard(LRU_KEY) == 0, "the expired entry left the LRU set"
         finally:
             await cache.close()
@@ -262,7 +262,9 @@ def test_the_size_bound_holds_under_concurrent_inserts_from_several_gateways(
 
             async def insert(c: int, wave: int) -> None:
                 texts = [f"gateway {c} wave {wave} text {j}" for j in range(7)]
-                caches[c].store(texts, "query", _vectors(7, 8, c * 100 + wave), [False] * 7)
+                caches[c].store(
+                    caches[c].keys(texts, "query"), _vectors(7, 8, c * 100 + wave), [False] * 7
+                )
                 await caches[c].drain()
 
             await asyncio.gather(*[insert(c, w) for c in range(4) for w in range(12)])
@@ -272,12 +274,16 @@ def test_the_size_bound_holds_under_concurrent_inserts_from_several_gateways(
             assert live == members, "every live entry is in the LRU set and no other"
             # the least recently used go first: an entry looked up before each wave
             # outlives twice the bound of newer inserts; the one not touched does not
-            caches[0].store(["survivor", "forgotten"], "query", _vectors(2, 8, 9), [False] * 2)
+            caches[0].store(
+                caches[0].keys(["survivor", "forgotten"], "query"), _vectors(2, 8, 9), [False] * 2
+            )
             await caches[0].drain()
             for wave in range(2 * bound // 7 + 1):
-                assert (await caches[2].lookup(["survivor"], "query"))[0] is not None, wave
+                assert (await caches[2].lookup(caches[2].keys(["survivor"], "query")))[
+                    0
+                ] is not None, wave
                 await insert(1, 100 + wave)
-            assert (await caches[3].lookup(["forgotten"], "query")) == [None]
+            assert (await caches[3].lookup(caches[3].keys(["forgotten"], "query"))) == [None]
             assert len(entries(client)) == bound
         finally:
             for cache in caches:
@@ -298,14 +304,16 @@ def test_models_sizes_and_kinds_never_share_an_entry(any_redis_url: str) -> None
         ]
         try:
             for n, cache in enumerate(variants):
-                assert await cache.lookup(["shared text"], "query") == [None], n
-                cache.store(["shared text"], "query", _vectors(1, cache.dim, n), [False])
+                assert await cache.lookup(cache.keys(["shared text"], "query")) == [None], n
+                cache.store(
+                    cache.keys(["shared text"], "query"), _vectors(1, cache.dim, n), [False]
+                )
                 await cache.drain()
             for n, cache in enumerate(variants):
-                (hit,) = await cache.lookup(["shared text"], "query")
+                (hit,) = await cache.lookup(cache.keys(["shared text"], "query"))
                 assert hit is not None
                 np.testing.assert_array_equal(hit.vector, _vectors(1, cache.dim, n)[0])
-            assert await variants[0].lookup(["shared text"], "document") == [None]
+            assert await variants[0].lookup(variants[0].keys(["shared text"], "document")) == [None]
         finally:
             for cache in variants:
                 await cache.close()
@@ -370,10 +378,23 @@ def test_the_minilm_tokenizer_lowercases_so_the_flag_is_safe_for_it() -> None:
     assert tokenizer(text)["input_ids"] == tokenizer(normalise(text, True))["input_ids"]
 
 
-def test_the_pipeline_encodes_each_distinct_miss_once(redis_url: str) -> None:
-    """One encoder call per batch, for the distinct texts the cache did not have."""
+def test_the_pipeline_encodes_each_distinct_miss_once(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One encoder call per batch, for the distinct texts the cache did not have; each
+    text's key (normalised and hashed) is computed once, for the lookup, the grouping of
+    the misses and the store alike."""
     from services.encoder.runtime.inprocess import InProcessEncoder
+    from services.gateway import query_cache
     from services.gateway.pipeline import SearchPipeline
+
+    normalised: list[str] = []
+
+    def counted(text: str, lowercase: bool = False) -> str:
+        normalised.append(text)
+        return normalise(text, lowercase)
+
+    monkeypatch.setattr(query_cache, "normalise", counted)
 
     async def scenario() -> None:
         encoder = _Counting(InProcessEncoder.torch())
@@ -383,6 +404,7 @@ def test_the_pipeline_encodes_each_distinct_miss_once(redis_url: str) -> None:
             texts = ["Alpha beta", "alpha  BETA", "gamma", "Alpha beta"]
             vectors, _, cached = await pipeline._embed(texts, _deadline())
             assert encoder.calls == [["Alpha beta", "gamma"]] and cached == [False] * 4
+            assert sorted(normalised) == sorted(texts), "one key per text, not one per use"
             np.testing.assert_array_equal(vectors[0], vectors[1])
             await cache.drain()
             vectors2, _, cached2 = await pipeline._embed(

@@ -26,9 +26,9 @@ def _cache() -> QueryEmbeddingCache:
 def test_a_lookup_cut_by_the_requests_deadline_does_not_bypass_the_cache() -> None:
     async def run() -> None:
         cache = _cache()
-        assert await cache.lookup(["q"], "query", timeout=0.0) == [None]
+        assert await cache.lookup(cache.keys(["q"], "query"), timeout=0.0) == [None]
         assert cache._bypass_until == 0.0
-        assert await cache.lookup(["q"], "query", timeout=0.001) == [None]
+        assert await cache.lookup(cache.keys(["q"], "query"), timeout=0.001) == [None]
         assert cache._bypass_until == 0.0
         await cache.close()
 
@@ -38,7 +38,7 @@ def test_a_lookup_cut_by_the_requests_deadline_does_not_bypass_the_cache() -> No
 def test_a_lookup_slower_than_the_cache_timeout_bypasses_it() -> None:
     async def run() -> None:
         cache = _cache()
-        assert await cache.lookup(["q"], "query", timeout=5.0) == [None]
+        assert await cache.lookup(cache.keys(["q"], "query"), timeout=5.0) == [None]
         assert cache._bypass_until > 0.0
         await cache.close()
 
