@@ -22,13 +22,18 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import client_commands, corpus_commands, redis_commands, stack_commands
-    from services.encoder import cli as encoder_cli
-    from services.eval import cli as eval_cli
-    from services.gateway import cli as gateway_cli
-    from services.index import cli as index_cli
-    from services.plan import cli as plan_cli
-    from services.rerank import cli as rerank_cli
+    from services.cli import (
+        client_commands,
+        corpus_commands,
+        encoder_commands,
+        eval_commands,
+        gateway_commands,
+        index_commands,
+        plan_commands,
+        redis_commands,
+        rerank_commands,
+        stack_commands,
+    )
 
     parser = argparse.ArgumentParser(
         prog="gtr-retrieval",
@@ -42,12 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     client_commands.add_cli(sub)
     corpus_commands.add_cli(sub)
     redis_commands.add_cli(sub)
-    gateway_cli.add_cli(sub)
-    index_cli.add_cli(sub)
-    encoder_cli.add_cli(sub)
-    rerank_cli.add_cli(sub)
-    eval_cli.add_cli(sub)
-    plan_cli.add_cli(sub)
+    gateway_commands.add_cli(sub)
+    index_commands.add_cli(sub)
+    encoder_commands.add_cli(sub)
+    rerank_commands.add_cli(sub)
+    eval_commands.add_cli(sub)
+    plan_commands.add_cli(sub)
     return parser
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import faiss
-import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound
 from services.eval.config import DEPTH, EvalConfig
@@ -108,9 +107,9 @@ def held_out_queries(checkpoint: Path, qids: list[str]) -> list[str]:
 
 
 def rerank_run(first: Run, data: EvalData, qids: list[str], cfg: EvalConfig) -> Run:
-    """CELI's order of the first ``rerank_depth`` hits; the rest keep their order after them."""
-    from tqdm import tqdm
-
+    """CELI's order of the first ``rerank_depth`` hits; the rest keep their order after them
+    (:func:`services.eval.rerank.rerank_runs`, the loop ``rerank evaluate`` uses too)."""
+    from services.eval.rerank import rerank_runs
     from services.rerank.checkpoint import load_checkpoint
     from services.rerank.serve.scorer import CeliScorer
 
@@ -121,15 +120,13 @@ def rerank_run(first: Run, data: EvalData, qids: list[str], cfg: EvalConfig) -> 
         torch.set_num_threads(cfg.threads)
     model, tokenizer, config = load_checkpoint(Path(cfg.rerank_checkpoint))
     scorer = CeliScorer(model, tokenizer, config, config.variant, cfg.rerank_batch_size)
-    out: Run = {}
-    for q in tqdm(qids, desc=f"rerank top {cfg.rerank_depth}", disable=not cfg.progress):
-        head, tail = first[q][: cfg.rerank_depth], first[q][cfg.rerank_depth :]
-        if not head:
-            out[q] = []
-            continue
-        scores = scorer.score(data.beir.queries[q], [data.beir.docs[d] for d in head])
-        out[q] = [head[i] for i in np.argsort(-scores, kind="stable")] + tail
-    return out
+    beir = data.beir
+    label = f"rerank top {cfg.rerank_depth}"
+    runs = rerank_runs(
+        scorer, first, beir.queries, beir.docs, qids, cfg.rerank_depth,
+        label=label, progress=cfg.progress,
+    )  # fmt: skip
+    return runs["score"]
 
 
 def evaluate_in_process(data: EvalData, cfg: EvalConfig) -> Systems:

@@ -324,7 +324,7 @@ def test_the_refusal_names_flags_that_build_plan_has() -> None:
     import argparse
     import re
 
-    from services.encoder.cli import add_cli
+    from services.cli.encoder_commands import add_cli
 
     def sub(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
         (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

@@ -1,4 +1,5 @@
-"""The paired comparison that says whether a reranker's gain over dense is more than noise."""
+"""The rerank evaluation: the paired comparison that says whether a reranker's gain over
+dense is more than noise, and the one rerank loop (``rerank evaluate`` and ``eval``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.rerank.train.evaluate import paired_comparison
+from services.eval.measures import paired_comparison
+from services.eval.rerank import TERMS, rerank_runs
+from services.rerank.checkpoint import CeliConfig, build_model
+from services.rerank.serve.scorer import CeliScorer
+from services.rerank.tiny import write_tiny_backbone
 
 
 def test_counts_and_mean_difference() -> None:
@@ -34,3 +39,28 @@ def test_needs_the_same_queries() -> None:
         paired_comparison([0.1, 0.2], [0.1])
     with pytest.raises(InvalidArgument):
         paired_comparison([], [])
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+
+@pytest.fixture(scope="module")
+def scorer(tmp_path_factory: pytest.TempPathFactory) -> CeliScorer:
+    path = write_tiny_backbone(tmp_path_factory.mktemp("tiny") / "bert", WORDS, seed=5)
+    cfg = CeliConfig(max_len=32, max_query_len=8, d_tok=4)
+    model, tok = build_model(path, cfg, seed=2)
+    return CeliScorer(model, tok, cfg, "tiny", batch_size=3)
+
+
+def test_rerank_runs_orders_the_head_by_each_term_and_keeps_the_tail(scorer: CeliScorer) -> None:
+    """The one rerank loop of ``rerank evaluate`` and ``eval``: the first ``depth`` ids in
+    the order of each term's scores, the rest in first-stage order after them."""
+    docs = {"d0": "gamma", "d1": "alpha beta", "d2": "zeta eta", "d3": "beta", "d4": "theta"}
+    first = {"q": ["d0", "d1", "d2", "d3", "d4"], "empty": []}
+    runs = rerank_runs(scorer, first, {"q": "alpha beta", "empty": "x"}, docs, ["q", "empty"], 3)
+    assert set(runs) == set(TERMS)
+    terms = scorer.score_terms("alpha beta", ["gamma", "alpha beta", "zeta eta"])
+    for name in TERMS:
+        head = [["d0", "d1", "d2"][i] for i in np.argsort(-terms[name], kind="stable")]
+        assert runs[name]["q"] == [*head, "d3", "d4"]
+        assert runs[name]["empty"] == []

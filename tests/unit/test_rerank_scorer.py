@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -9,10 +10,12 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from retrieval.v1 import rerank_pb2
 from services.common.deadline import Deadline
-from services.common.errors import DeadlineExceeded, InvalidArgument
+from services.common.domain import Document, Hit
+from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.rerank.checkpoint import CeliConfig, build_model
-from services.rerank.domain import Candidate, RerankedHit, RerankQuery, RerankResult
+from services.rerank.domain import RerankQuery, RerankResult
 from services.rerank.serve import convert
 from services.rerank.serve.metrics import RerankMetrics
 from services.rerank.serve.scorer import CeliScorer
@@ -31,8 +34,12 @@ def scorer(tmp_path_factory: pytest.TempPathFactory) -> CeliScorer:
                       metrics=RerankMetrics.create(CollectorRegistry()))  # fmt: skip
 
 
+def _hit(i: int, text: str) -> Hit:
+    return Hit(f"c{i}", 0.5 - i, i % 3, 0.5 - i, Document(f"c{i}", text))
+
+
 def _query(texts: list[str], top_n: int = 0, query: str = "alpha beta") -> RerankQuery:
-    return RerankQuery(query, tuple(Candidate(f"c{i}", t) for i, t in enumerate(texts)), top_n)
+    return RerankQuery(query, tuple(_hit(i, t) for i, t in enumerate(texts)), top_n)
 
 
 TEXTS = ["gamma", "alpha beta gamma delta " * 5, "", "zeta eta", "beta", "theta alpha"]
@@ -56,8 +63,14 @@ def test_score_terms_add_up_and_empty_text_scores_s_m(scorer: CeliScorer) -> Non
 def test_rerank_orders_by_score_and_keeps_request_positions(scorer: CeliScorer) -> None:
     result = scorer.rerank(_query(TEXTS, top_n=4))
     scores = scorer.score("alpha beta", TEXTS)
-    assert [h.index for h in result.hits] == list(np.argsort(-scores, kind="stable")[:4])
-    assert all(h.id == f"c{h.index}" for h in result.hits) and result.model == "tiny"
+    order = list(np.argsort(-scores, kind="stable")[:4])
+    assert list(result.order) == order and result.model == "tiny"
+    # the candidates themselves come back, with the reranker's score and nothing else changed
+    request = _query(TEXTS)
+    assert list(result.hits) == [
+        Hit(f"c{i}", float(scores[i]), i % 3, 0.5 - i, request.candidates[i].document)
+        for i in order
+    ]
     assert len(scorer.rerank(_query(TEXTS)).hits) == len(TEXTS)  # 0 = all
 
 
@@ -99,11 +112,37 @@ def test_deadline_is_checked_between_batches(scorer: CeliScorer) -> None:
         scorer.rerank(_query(TEXTS), OneBatch(None))
 
 
-def test_proto_round_trips() -> None:
-    query = _query(["x", ""], top_n=1, query="q")
-    assert convert.query_from_pb(convert.query_to_pb(query)) == query
-    result = RerankResult((RerankedHit("a", 1.5, 2), RerankedHit("b", -0.25, 0)), "celi:m")
-    assert convert.result_from_pb(convert.result_to_pb(result)) == result
+def test_proto_round_trips_through_bytes() -> None:
+    """Request and answer to bytes and back: the server reads the gateway's hits as they
+    were sent, the gateway gets its own hits back, reordered, with the reranker's scores."""
+    sent = (
+        Hit("a", 0.75, 2, 0.75, Document("a", "body", title="Title")),
+        Hit("b", -0.5, 0, -0.5, None),
+    )
+    wire = rerank_pb2.RerankRequest.FromString(
+        convert.query_to_pb(RerankQuery("q", sent, top_n=1)).SerializeToString()
+    )
+    read = convert.query_from_pb(wire)
+    assert (read.query, read.top_n) == ("q", 1)
+    assert [(h.id, h.shard, h.first_stage_score) for h in read.candidates] == [
+        ("a", 2, 0.75), ("b", 0, -0.5),
+    ]  # fmt: skip
+    assert [h.document.embedding_text for h in read.candidates if h.document] == ["Title body", ""]
+
+    scored = RerankResult((dataclasses.replace(read.candidates[1], score=1.5),), (1,), "celi:m")
+    answer = rerank_pb2.RerankResponse.FromString(convert.result_to_pb(scored).SerializeToString())
+    back = convert.result_from_pb(answer, sent)
+    assert back == RerankResult((Hit("b", 1.5, 0, -0.5, None),), (1,), "celi:m")
+
+
+@pytest.mark.parametrize(("index", "doc_id"), [(2, "a"), (1, "a")])
+def test_an_answer_naming_a_candidate_the_request_did_not_have_is_unavailable(
+    index: int, doc_id: str
+) -> None:
+    sent = (Hit("a", 1.0, 0, 1.0), Hit("b", 0.5, 0, 0.5))
+    answer = rerank_pb2.RerankResponse(hits=[rerank_pb2.RerankedHit(id=doc_id, index=index)])
+    with pytest.raises(Unavailable, match="malformed"):
+        convert.result_from_pb(answer, sent)
 
 
 def test_settings_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +156,7 @@ def test_settings_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cli_registers_serve_train_eval() -> None:
     import argparse
 
-    from services.rerank.cli import add_cli
+    from services.cli.rerank_commands import add_cli
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command"))

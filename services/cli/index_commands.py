@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.common.cli_support import add_serve
+from services.cli.serve import add_serve
 
 
 def add_cli(sub: Any) -> None:

@@ -3,9 +3,6 @@
 Every flag after ``serve`` goes to the service's settings class (which prints its own
 ``--help``), so the parser only names the command and where its ``main`` lives; the
 module is imported when the command runs (the CLI stays quick to start).
-
-It lives in ``common`` because each service's ``cli.py`` uses it while
-``services/cli/main.py`` imports every service's ``cli``: below both, no cycle.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.common.cli_support import add_serve
+from services.cli.serve import add_serve
 from services.common.errors import RetrievalError
 
 _TRAIN_EPILOG = """\
@@ -158,10 +158,10 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     def run(a: argparse.Namespace) -> int:
-        from services.rerank.train.evaluate import EvalConfig, evaluate
+        from services.eval.rerank import CheckpointEvalConfig, evaluate
 
         _threads(a.threads)
-        cfg = EvalConfig(
+        cfg = CheckpointEvalConfig(
             data_dir=Path(a.data), checkpoints=tuple(Path(c) for c in a.checkpoint),
             depth=a.depth, max_queries=a.max_queries, batch_size=a.batch_size,
             untrained=a.untrained, seed=a.seed, max_len=a.max_len,

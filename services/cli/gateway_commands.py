@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.cli_support import add_serve
+from services.cli.serve import add_serve
 
 
 def add_cli(sub: Any) -> None:

@@ -1,4 +1,10 @@
-"""Rerank the dense first stage on the dev queries and report nDCG@10.
+"""Rerank a first-stage run with a CELI checkpoint: the one loop, and ``rerank evaluate``.
+
+:func:`rerank_runs` is the evaluation's rerank loop, used by both ``gtr-retrieval rerank
+evaluate`` (:func:`evaluate`: checkpoints compared on the dense first stage) and
+``gtr-retrieval eval`` (:func:`services.eval.inprocess.rerank_run`: the IVF-PQ first stage).
+
+``rerank evaluate`` reranks the dense first stage on the dev queries and reports nDCG@10.
 
 The dev queries are the ones the trainer held out (``split.json`` in the checkpoint);
 all checkpoints compared must have been trained on the same split. Reranking re-orders
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,14 +29,49 @@ import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound
 from services.corpus.beir import BeirData, load_beir, split_queries
-from services.eval.measures import paired_comparison, score
+from services.eval.measures import Run, paired_comparison, score
 from services.rerank.checkpoint import CONFIG_FILE, CeliConfig, load_or_default
 from services.rerank.serve.scorer import CeliScorer
 from services.rerank.train.data import dense_run
 
+TERMS = ("score", "s_m", "s_l")  # CELI's final score and its two terms
+
+
+def rerank_runs(
+    scorer: CeliScorer,
+    first: Run,
+    queries: Mapping[str, str],
+    docs: Mapping[str, str],
+    qids: Sequence[str],
+    depth: int,
+    *,
+    label: str = "rerank",
+    progress: bool = True,
+) -> dict[str, dict[str, list[str]]]:
+    """The first ``depth`` documents of ``first[qid]`` in the order of each CELI term
+    (:data:`TERMS`); the documents below ``depth`` keep their first-stage order after them.
+
+    ``queries`` and ``docs`` map ids to texts. The three orders come from one scoring pass
+    (:meth:`CeliScorer.score_terms`), so asking for ``s_m``/``s_l`` costs nothing extra.
+    """
+    from tqdm import tqdm
+
+    out: dict[str, dict[str, list[str]]] = {name: {} for name in TERMS}
+    for qid in tqdm(qids, desc=label, disable=not progress):
+        head, tail = list(first[qid][:depth]), list(first[qid][depth:])
+        if not head:
+            for ranking in out.values():
+                ranking[qid] = []
+            continue
+        terms = scorer.score_terms(queries[qid], [docs[d] for d in head])
+        for name, ranking in out.items():
+            order = np.argsort(-terms[name], kind="stable")
+            ranking[qid] = [head[i] for i in order] + tail
+    return out
+
 
 @dataclass(frozen=True)
-class EvalConfig:
+class CheckpointEvalConfig:
     data_dir: Path
     checkpoints: tuple[Path, ...]
     depth: int = 100
@@ -42,7 +84,7 @@ class EvalConfig:
     max_len: int = 256  # the untrained row's pair length when there is no checkpoint
 
 
-def dev_queries(cfg: EvalConfig, data: BeirData) -> list[str]:
+def dev_queries(cfg: CheckpointEvalConfig, data: BeirData) -> list[str]:
     """The dev ids of the checkpoints' ``split.json`` (all must agree); without
     checkpoints, the trainer's split recomputed from ``seed`` and ``dev_fraction``."""
     if not cfg.checkpoints:
@@ -59,9 +101,7 @@ def dev_queries(cfg: EvalConfig, data: BeirData) -> list[str]:
     return list(splits[0])
 
 
-def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
-    from tqdm import tqdm
-
+def evaluate(cfg: CheckpointEvalConfig, progress: bool = True) -> dict[str, Any]:
     if not cfg.checkpoints and not cfg.untrained:
         raise InvalidArgument("nothing to evaluate: give checkpoints and/or untrained")
     ndcg = _ndcg_name(cfg.k)
@@ -85,14 +125,10 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         model, tokenizer, config = load_or_default(ckpt, same_limits)
         scorer = CeliScorer(model, tokenizer, config, config.variant, cfg.batch_size)
         label = f"+{config.variant} ({Path(ckpt).name if ckpt else 'untrained'})"
-        reranked: dict[str, dict[str, list[str]]] = {"score": {}, "s_m": {}, "s_l": {}}
         start = time.perf_counter()
-        for qid in tqdm(qids, desc=label, disable=not progress):
-            head, tail = run[qid][: cfg.depth], run[qid][cfg.depth :]
-            terms = scorer.score_terms(data.queries[qid], [data.docs[d] for d in head])
-            for name, ranking in reranked.items():
-                order = np.argsort(-terms[name], kind="stable")
-                ranking[qid] = [head[i] for i in order] + tail
+        reranked = rerank_runs(
+            scorer, run, data.queries, data.docs, qids, cfg.depth, label=label, progress=progress
+        )
         seconds = time.perf_counter() - start
         rescored = score(reranked["score"], data.qrels, qids)
         report["ndcg@10"][label] = round(rescored.mean(ndcg), 4)
@@ -112,4 +148,4 @@ def _ndcg_name(k: int) -> str:
     return "ndcg_at_10"
 
 
-__all__ = ["EvalConfig", "evaluate", "paired_comparison"]
+__all__ = ["TERMS", "CheckpointEvalConfig", "evaluate", "rerank_runs"]
