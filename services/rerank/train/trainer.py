@@ -191,6 +191,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     group = 1 + cfg.negatives
     model.train()
     began = time.perf_counter()
+    session = TrainingSession(cfg, model, tokenizer, opt, sched, ts, backbone_dir, losses, began)
     bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
                desc=f"train {cfg.variant}", disable=not cfg.progress)  # fmt: skip
     for step in bar:
@@ -213,42 +214,59 @@ def train(cfg: TrainConfig) -> TrainResult:
         done = step + 1
         stop = cfg.stop_after is not None and done >= cfg.stop_after
         if stop or done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            _save(model, tokenizer, cfg, backbone_dir, ts, opt, sched, done, losses, began)
+            session.save(done)
         if stop:
             break
     model.eval()
     return TrainResult(Path(cfg.out), losses, len(losses), time.perf_counter() - began)
 
 
-def _save(
-    model: CeliModel, tokenizer: Any, cfg: TrainConfig, backbone_dir: Path, ts: TrainingSet,
-    opt: torch.optim.Optimizer, sched: Any, step: int, losses: list[float], began: float,
-) -> None:  # fmt: skip
-    window = losses[-50:]
-    stats = {
-        "step": step,
-        "steps": cfg.steps,
-        "loss_first_50": _mean(losses[:50]),
-        "loss_last_50": _mean(window),
-        "seconds_this_run": round(time.perf_counter() - began, 1),
-        "data": str(cfg.data_dir),
-        "train_queries": len(ts.train_qids),
-        "dev_queries": len(ts.dev_qids),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-    }
-    state = {
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "step": step,
-        "losses": losses,
-    }
-    split = {"seed": cfg.seed, "dev_fraction": cfg.dev_fraction,
-             "train": ts.train_qids, "dev": ts.dev_qids}  # fmt: skip
-    save_checkpoint(model, tokenizer, _celi_config(cfg, backbone_dir, stats), Path(cfg.out),
-                    {TRAINER_STATE: state, "split.json": split})  # fmt: skip
-    log.info("step %d/%d: checkpoint written to %s (loss %.4f)", step, cfg.steps, cfg.out,
-             stats["loss_last_50"])  # fmt: skip
+@dataclass
+class TrainingSession:
+    """What a training run holds between steps: everything a checkpoint is written from.
+
+    ``losses`` is the list the loop appends to (resumed runs start with the saved ones);
+    ``began`` is when this run's steps started (``perf_counter``)."""
+
+    cfg: TrainConfig
+    model: CeliModel
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: TrainingSet
+    backbone_dir: Path
+    losses: list[float]
+    began: float
+
+    def save(self, step: int) -> None:
+        """Write the checkpoint after ``step`` steps: model, tokenizer, the CELI config with
+        the training statistics, the trainer state (for ``--resume``) and the split."""
+        cfg, losses = self.cfg, self.losses
+        stats = {
+            "step": step,
+            "steps": cfg.steps,
+            "loss_first_50": _mean(losses[:50]),
+            "loss_last_50": _mean(losses[-50:]),
+            "seconds_this_run": round(time.perf_counter() - self.began, 1),
+            "data": str(cfg.data_dir),
+            "train_queries": len(self.data.train_qids),
+            "dev_queries": len(self.data.dev_qids),
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        }
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "step": step,
+            "losses": losses,
+        }
+        split = {"seed": cfg.seed, "dev_fraction": cfg.dev_fraction,
+                 "train": self.data.train_qids, "dev": self.data.dev_qids}  # fmt: skip
+        config = _celi_config(cfg, self.backbone_dir, stats)
+        save_checkpoint(self.model, self.tokenizer, config, Path(cfg.out),
+                        {TRAINER_STATE: state, "split.json": split})  # fmt: skip
+        log.info("step %d/%d: checkpoint written to %s (loss %.4f)", step, cfg.steps, cfg.out,
+                 stats["loss_last_50"])  # fmt: skip
 
 
 def _mean(values: list[float]) -> float:
