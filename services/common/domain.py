@@ -1,10 +1,10 @@
 """The words the gateway and the index share: one type per concept, no grpc, no numpy.
 
 A search crosses the gateway and the index's router in these types; the shard core
-answers in its grid (:class:`services.index.query.TopK`), the wire carries protobuf,
-and the gateway's servicer converts to and from the public protobuf. So a hit has four
-forms from the shard to the client: grid, shard wire message, :class:`Hit`, public
-``Hit`` message.
+answers in its grid (:class:`services.index.core.query.TopK`), the wire carries protobuf,
+and the gateway's servicer converts to and from the public protobuf. Every form a hit
+takes between the shard and the client, file by file: docs/architecture.md, "Follow one
+search".
 """
 
 from __future__ import annotations

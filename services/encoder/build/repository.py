@@ -29,18 +29,18 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build.export import EncoderMeta
-from services.encoder.profiles import ModelProfile
 from services.encoder.build.tensorrt_build import (
     TRITON_IMAGE_TAG,
     TRITON_TENSORRT,
     PlanMeta,
 )
 from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
+from services.encoder.profiles import ModelProfile
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
 TEXTCODEC = Path(__file__).resolve().parent.parent / "textcodec.py"
-# Inputs and error answers shared by every Python-backend model (the rerank one too).
+# Inputs and error answers shared by every Python-backend model (embed_onnx, tokenize_text).
 MODEL_ERRORS = MODELS_DIR / "model_errors.py"
 EMBED_MODEL = "embed"
 
