@@ -20,22 +20,33 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class RerankCandidate(_message.Message):
+    """A search hit sent to be reranked: the gateway's hit as it is (services/common/domain.py
+    Hit), with the text the model reads ("title text").
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    FIRST_STAGE_SCORE_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     text: _builtins.str
     """Candidate text; empty text scores as an empty document (it is not an error)."""
+    first_stage_score: _builtins.float
+    """The hit's first-stage (index) score and shard, echoed into the reranked hit."""
+    shard: _builtins.int
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         text: _builtins.str = ...,
+        first_stage_score: _builtins.float = ...,
+        shard: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_stage_score", b"first_stage_score", "id", b"id", "shard", b"shard", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -80,6 +91,7 @@ class RerankedHit(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     score: _builtins.float
+    """The reranker's score (the candidate's first_stage_score is kept by the caller)."""
     index: _builtins.int
     """Position of the candidate in the request."""
     def __init__(

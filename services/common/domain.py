@@ -1,10 +1,13 @@
-"""The words the gateway and the index share: one type per concept, no grpc, no numpy.
+"""The words the gateway, the index's router and the reranker share: one type per
+concept, no grpc, no numpy.
 
-A search crosses the gateway and the index's router in these types; the shard core
-answers in its grid (:class:`services.index.core.query.TopK`), the wire carries protobuf,
-and the gateway's servicer converts to and from the public protobuf. Every form a hit
-takes between the shard and the client, file by file: docs/architecture.md, "Follow one
-search".
+A hit takes five forms from FAISS to the client (seven with the rerank), each the one
+type of its stage (docs/architecture.md, "Follow one search"): FAISS's arrays and the
+shard's grid (:class:`services.index.core.query.TopK`) inside the shard, the grid on the
+internal wire (``ShardSearchResponse``), :class:`Hit` from the router's merge to the
+gateway's response, and the public ``Hit`` message. A reranked search sends the hits as
+they are (``RerankCandidate``) and gets them back as ``RerankedHit`` messages: the rerank
+service's candidates and reranked hits are :class:`Hit` too.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ class Document:
 
 @dataclass(slots=True)
 class Hit:
-    """One search hit, from the router's merge to the gateway's response.
+    """One search hit, from the router's merge to the gateway's response; also a rerank
+    candidate and the reranked hit (:mod:`services.rerank.domain`).
 
     ``score`` is the final score (the reranker's when it ran), ``first_stage_score``
-    the index's; ``document`` is attached by the gateway when the response needs it.
+    the index's; ``document`` is attached by the gateway when the response or the
+    reranker needs it.
     """
 
     id: str

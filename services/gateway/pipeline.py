@@ -309,20 +309,11 @@ class SearchPipeline:
         if depth > 0 and self.reranker is not None and hits:
             t = time.perf_counter()
             candidates = hits[:depth]
-            scored = await bounded(
-                self.reranker.rerank(
-                    q.text,
-                    [(h.id, h.document.embedding_text if h.document else "") for h in candidates],
-                    timeout=deadline.remaining(),
-                ),
+            hits = await bounded(
+                self.reranker.rerank(q.text, candidates, timeout=deadline.remaining()),
                 deadline,
                 "the rerank",
             )
-            hits = []
-            for index, score in scored:
-                hit = candidates[index]
-                hit.score = score
-                hits.append(hit)
             timings.rerank_ms = _ms(t)
             result.reranked = True
             result.rerank_depth = len(candidates)

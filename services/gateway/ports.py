@@ -14,7 +14,14 @@ from typing import Protocol
 
 import numpy as np
 
-from services.common.domain import Consistency, Document, FieldCondition, IndexResult, WriteToken
+from services.common.domain import (
+    Consistency,
+    Document,
+    FieldCondition,
+    Hit,
+    IndexResult,
+    WriteToken,
+)
 from services.encoder.base import Encoder
 from services.index.client.writer import DocRecord
 
@@ -58,9 +65,10 @@ class DocumentStore(Protocol):
 
 class Reranker(Protocol):
     async def rerank(
-        self, query: str, candidates: Sequence[tuple[str, str]], timeout: float | None
-    ) -> list[tuple[int, float]]:
-        """Scores for (id, text) candidates: (candidate index, score), best first."""
+        self, query: str, candidates: Sequence[Hit], timeout: float | None
+    ) -> list[Hit]:
+        """The candidates (hits with their documents) best first, each with ``score`` the
+        reranker's and ``first_stage_score`` as it came."""
         ...
 
     def depth_for_budget(self, budget_ms: float) -> int: ...

@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 import grpc
 
 from retrieval.v1 import rerank_pb2_grpc
+from services.common.domain import Hit
 from services.common.status import error_from_rpc
 from services.common.tls import ClientTLS, aio_channel
 from services.rerank import depths
-from services.rerank.domain import Candidate, RerankQuery
+from services.rerank.domain import RerankQuery
 from services.rerank.serve import convert
 
 
@@ -36,20 +37,14 @@ class RerankClient:
         return depths.depth_for_budget(budget_ms, self._table)
 
     async def rerank(
-        self, query: str, candidates: Sequence[tuple[str, str]], timeout: float | None
-    ) -> list[tuple[int, float]]:
-        request = convert.query_to_pb(
-            RerankQuery(
-                query=query,
-                candidates=tuple(Candidate(i, t) for i, t in candidates),
-                top_n=len(candidates),
-            )
-        )
+        self, query: str, candidates: Sequence[Hit], timeout: float | None
+    ) -> list[Hit]:
+        request = convert.query_to_pb(RerankQuery(query, tuple(candidates), len(candidates)))
         try:
             response = await self._stub.Rerank(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, f"rerank at {self.address}") from None
-        return [(h.index, h.score) for h in convert.result_from_pb(response).hits]
+        return list(convert.result_from_pb(response, candidates).hits)
 
     async def close(self) -> None:
         await self._channel.close()

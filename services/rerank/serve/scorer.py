@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument
 from services.rerank.checkpoint import CeliConfig
-from services.rerank.domain import MAX_CANDIDATES, RerankedHit, RerankQuery, RerankResult
+from services.rerank.domain import MAX_CANDIDATES, RerankQuery, RerankResult, candidate_text
 from services.rerank.model import CeliModel
 from services.rerank.serve.metrics import RerankMetrics
 
@@ -161,7 +162,8 @@ class CeliScorer:
 
     def rerank(self, request: RerankQuery, deadline: Deadline | None = None) -> RerankResult:
         top_n = validate(request)
-        scores = self.score(request.query, [c.text for c in request.candidates], deadline)
-        order = np.argsort(-scores, kind="stable")[:top_n]
-        hits = tuple(RerankedHit(request.candidates[i].id, float(scores[i]), int(i)) for i in order)
-        return RerankResult(hits, self.name)
+        candidates = request.candidates
+        scores = self.score(request.query, [candidate_text(c) for c in candidates], deadline)
+        order = np.argsort(-scores, kind="stable")[:top_n].tolist()
+        hits = tuple(dataclasses.replace(candidates[i], score=float(scores[i])) for i in order)
+        return RerankResult(hits, tuple(order), self.name)
