@@ -25,6 +25,7 @@ class Limits:
     max_delete_ids: int = 1024  # also the most documents of one change-log write
     max_id_bytes: int = 256
     max_text_bytes: int = 1 << 20
+    max_query_terms: int = 256  # distinct analysed terms of a sparse (BM25) query
     max_metadata_keys: int = 32
     max_metadata_value_bytes: int = 1024
 

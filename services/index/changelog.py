@@ -11,6 +11,9 @@ stream entry carries a whole batch for one shard::
     vecs  packed little-endian float32, len(ids) × dim   (upserts)
     dim   dimension                                       (upserts)
     tags  JSON list of {key: value} metadata per id       (upserts)
+    titles, texts  JSON lists of each document's title and text (upserts; what the
+          shard's text index indexes, so that it follows the log exactly as the vectors
+          do; entries of older writers have none and index an empty text)
     vers  JSON list of per-document versions (INCR of ``ver:{s}:<id>``, monotonic per doc)
     ver   (older writers) one ns timestamp for the whole batch
 
@@ -39,6 +42,7 @@ import redis
 
 from services.common import positions
 from services.index.core.changes import Change, Delete, Upsert
+from services.index.core.text import body_of
 from services.index.keys import log_key, replicas_seen_key, snapshot_positions_key
 
 log = logging.getLogger(__name__)
@@ -47,10 +51,14 @@ log = logging.getLogger(__name__)
 
 
 def encode_upserts(
-    ids: Sequence[str], vectors: np.ndarray, tags: Sequence[dict[str, str]]
+    ids: Sequence[str],
+    vectors: np.ndarray,
+    tags: Sequence[dict[str, str]],
+    texts: Sequence[tuple[str, str]] | None = None,
 ) -> dict[str, bytes | str]:
+    """An upsert entry; ``texts``: each document's (title, text), None for none."""
     vecs = np.ascontiguousarray(vectors, dtype="<f4")
-    return {
+    entry: dict[str, bytes | str] = {
         "op": "u",
         "ids": json.dumps(list(ids)),
         "vecs": vecs.tobytes(),
@@ -58,6 +66,10 @@ def encode_upserts(
         "tags": json.dumps(list(tags)),
         "ver": str(time.time_ns()),
     }
+    if texts is not None:
+        entry["titles"] = json.dumps([title for title, _ in texts])
+        entry["texts"] = json.dumps([text for _, text in texts])
+    return entry
 
 
 def encode_deletes(ids: Sequence[str]) -> dict[str, bytes | str]:
@@ -82,7 +94,14 @@ def decode_entry(fields: Mapping[bytes, bytes]) -> list[Change]:
     dim = int(fields[b"dim"])
     vectors = np.frombuffer(fields[b"vecs"], dtype="<f4").reshape(len(ids), dim)
     tags = json.loads(fields[b"tags"])
-    return [Upsert(doc_id, vectors[i], tags[i], versions[i]) for i, doc_id in enumerate(ids)]
+    titles = json.loads(fields.get(b"titles", b"null")) or [""] * len(ids)
+    texts = json.loads(fields.get(b"texts", b"null")) or [""] * len(ids)
+    if not len(titles) == len(texts) == len(ids):
+        raise ValueError(f"{len(ids)} ids, {len(titles)} titles, {len(texts)} texts")
+    return [
+        Upsert(doc_id, vectors[i], tags[i], versions[i], body_of(titles[i], texts[i]))
+        for i, doc_id in enumerate(ids)
+    ]
 
 
 def text(value: bytes | str) -> str:

@@ -77,7 +77,7 @@ for i = 1, n do
   redis.call('DEL', KEYS[i])
   redis.call('HSET', KEYS[i], 'title', title, 'text', text, 'meta', meta, 'ver', ver)
   if shards[slot] == nil then
-    shards[slot] = {ids = {}, vecs = {}, tags = {}, vers = {}}
+    shards[slot] = {ids = {}, vecs = {}, tags = {}, vers = {}, titles = {}, texts = {}}
     table.insert(order, slot)
   end
   local s = shards[slot]
@@ -85,13 +85,16 @@ for i = 1, n do
   table.insert(s.vecs, vec)
   table.insert(s.tags, meta)
   table.insert(s.vers, ver)
+  table.insert(s.titles, title)
+  table.insert(s.texts, text)
 end
 local out = {}
 for _, slot in ipairs(order) do
   local s = shards[slot]
   local id = redis.call('XADD', KEYS[2 * n + slot], '*',
     'op', 'u', 'ids', cjson.encode(s.ids), 'vecs', table.concat(s.vecs), 'dim', dim,
-    'tags', '[' .. table.concat(s.tags, ',') .. ']', 'vers', cjson.encode(s.vers))
+    'tags', '[' .. table.concat(s.tags, ',') .. ']', 'vers', cjson.encode(s.vers),
+    'titles', cjson.encode(s.titles), 'texts', cjson.encode(s.texts))
   table.insert(out, slot)
   table.insert(out, id)
 end

@@ -13,6 +13,7 @@ class Upsert:
     vector: np.ndarray  # float32 (dim,)
     tags: dict[str, str] = field(default_factory=dict)
     version: int = 0
+    body: str = ""  # title + " " + text, what the text (BM25) index indexes
 
 
 @dataclass(frozen=True)

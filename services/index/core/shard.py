@@ -7,6 +7,11 @@ run in parallel (FAISS releases the GIL); a batch of changes takes the write loc
 Storage per vector: the IVF-PQ code (``pq_m`` bytes) and its id (8 bytes) in the
 inverted lists, an SQ8 code (``dim`` bytes) for the refine stage, the direct map entry.
 Removes go through the direct map (hash table id → list/offset), never a scan.
+
+Beside the vectors, optionally, the shard's BM25 text index (:mod:`.text`): every batch
+of changes reaches both under the same write lock, and ``applied`` moves only once both
+hold the batch, so a position the shard reports applied is searchable densely and
+sparsely; snapshots carry both (:meth:`IvfPqShard.export_state`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import faiss
 import numpy as np
 
 from services.common import positions
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.limits import LIMITS
 from services.index.core.changes import Change, Delete, Upsert
 from services.index.core.coarse import CoarseQuantizer
@@ -31,6 +36,7 @@ from services.index.core.ids import faiss_id
 from services.index.core.query import PAD_ID, FilterSpec, Probes, Scored, TopK
 from services.index.core.rwlock import RWLock
 from services.index.core.slots import SlotTable
+from services.index.core.text import TextConfig, TextDoc, TextIndex, TextStats
 from services.index.core.train import TrainedIndex, pq_error
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,7 @@ class ShardStats:
     recent_pq_error: float
     pq_error_ratio: float
     list_imbalance: float
+    text: TextStats | None = None  # None: this replica has no text index
 
 
 def check_queries(queries: np.ndarray, dim: int) -> np.ndarray:
@@ -96,7 +103,7 @@ def _without_collisions(
 
 
 class IvfPqShard:
-    def __init__(self, trained: TrainedIndex) -> None:
+    def __init__(self, trained: TrainedIndex, text: TextIndex | None = None) -> None:
         self.manifest = trained.manifest
         self.dim = trained.manifest.dim
         self.index = faiss.clone_index(trained.index)
@@ -120,6 +127,7 @@ class IvfPqShard:
         self.applied = positions.ZERO
         self.deleted_total = 0
         self.lock = RWLock()
+        self.text = text  # the BM25 index, kept in step with the vectors (None: dense only)
         self.gpu: GpuMirror | None = None
         # the trained centroids, for callers that assign queries once for all shards
         m = self.manifest
@@ -161,6 +169,13 @@ class IvfPqShard:
             )
             if upserts:
                 self._add(upserts, vectors, [fids[u.doc_id] for u in upserts])
+            if self.text is not None and last:
+                # Every id of the batch is deleted by term first (an upsert replaces, a
+                # delete of an absent id deletes nothing), then the upserts are added.
+                self.text.apply(
+                    fids.values(),
+                    [TextDoc(fids[u.doc_id], u.body, u.tags) for u in upserts],
+                )
             if self.gpu is not None and (removed or upserts):
                 if removed:
                     self.gpu.sync(self.index)
@@ -315,6 +330,31 @@ class IvfPqShard:
         )  # fmt: skip
         return scores, ids
 
+    def search_text(self, terms: Sequence[Sequence[str]], k: int, filter: FilterSpec = ()) -> TopK:
+        """BM25 top-``k`` of each query (its analysed terms: :meth:`query_terms`) as a
+        ``(queries, k)`` grid; a query of no term has no hits. FailedPrecondition when
+        this shard has no text index."""
+        text = self._text_index()
+        with self.lock.read():
+            found = text.search(terms, k, filter)
+            slots = self._slots.lookup(found.fids)
+            scores = np.where(slots >= 0, found.scores, np.float32(-np.inf)).astype(np.float32)
+            names = np.where(slots >= 0, self._docs[np.maximum(slots, 0)], PAD_ID)
+            return TopK(names.ravel().tolist(), scores)
+
+    def query_terms(self, texts: Sequence[str]) -> list[list[str]]:
+        """Each query text's distinct analysed terms (InvalidArgument past the limit)."""
+        text = self._text_index()
+        return [text.terms(t) for t in texts]
+
+    def _text_index(self) -> TextIndex:
+        if self.text is None:
+            raise FailedPrecondition(
+                "this shard replica has no text index (its snapshot predates hybrid "
+                "retrieval, or it runs with --no-text-index): it serves dense searches only"
+            )
+        return self.text
+
     def check_vector(self, vector: np.ndarray) -> None:
         """InvalidArgument unless ``vector`` is a finite vector of the index dimension."""
         v = np.asarray(vector)
@@ -430,6 +470,7 @@ class IvfPqShard:
         recent = self._recent_sum / self._recent_count if self._recent_count else 0.0
         train = self.manifest.train_pq_error
         return ShardStats(
+            text=self.text.stats() if self.text is not None else None,
             vectors=n,
             deleted=self.deleted_total,
             applied_position=self.applied,
@@ -457,15 +498,28 @@ class IvfPqShard:
                 "docs": self._docs[slots].tolist(),
                 "tags": [dict(self._tags.get(int(f), ())) for f in fids],
             }
-            return {
+            state = {
                 "index": faiss.serialize_index(self.index),
                 "fids": fids,
                 "codes": self._codes[slots].copy(),
-                "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
             }
+            if self.text is not None:
+                # the text index's files at the same position (no apply runs meanwhile)
+                files = self.text.export_files()
+                meta["text_files"] = [[name, len(data)] for name, data in files.items()]
+                state["text"] = np.frombuffer(b"".join(files.values()), dtype=np.uint8)
+            state["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+            return state
 
     @classmethod
-    def from_state(cls, trained: TrainedIndex, state: dict[str, np.ndarray]) -> IvfPqShard:
+    def from_state(
+        cls,
+        trained: TrainedIndex,
+        state: dict[str, np.ndarray],
+        text: TextConfig | None = None,
+    ) -> IvfPqShard:
+        """The shard :meth:`export_state` saved; its text index restored under
+        ``text.root`` when the state holds one (else none: the shard serves dense only)."""
         import json
 
         shard = cls(trained)
@@ -495,4 +549,18 @@ class IvfPqShard:
         shard._recent_sum = meta["recent_sum"]
         if shard._recent_count:
             shard._recent_errors.append((shard._recent_count, shard._recent_sum))
+        if text is not None and "text" in state:
+            blob = bytes(np.asarray(state["text"], dtype=np.uint8))
+            files, at = {}, 0
+            for name, size in meta["text_files"]:
+                files[name] = blob[at : at + size]
+                at += size
+            if at != len(blob):
+                raise ValueError("snapshot is inconsistent: text index files differ in size")
+            shard.text = TextIndex.restore(text.root, files, text.language)
+        elif text is not None:
+            log.warning(
+                "snapshot at %s has no text index: this replica serves dense searches only",
+                shard.applied,
+            )
         return shard

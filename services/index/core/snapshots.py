@@ -2,7 +2,8 @@
 
 A snapshot is one file ``snap-<ms>-<seq>.npz`` (uncompressed npz: the serialized FAISS
 index — ``faiss.serialize_index``, the bytes ``faiss.write_index`` writes — the SQ8
-codes, the id map, doc ids, tags, the applied position) plus its manifest
+codes, the id map, doc ids, tags, the applied position, and the files of the shard's
+Tantivy text index at that same position) plus its manifest
 ``snap-<ms>-<seq>.json``: position, sha256 and size of the npz, vectors, factory,
 creation time. It is written to a temp file, fsynced, renamed, and the
 directory fsynced, so a crash leaves either the old set or the new one. On start the
@@ -24,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from services.common import positions
-from services.index.core.shard import IvfPqShard
+from services.index.core.shard import IvfPqShard, TextConfig
+from services.index.core.text import TextIndex
 from services.index.core.train import TrainedIndex
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ def write_snapshot(shard: IvfPqShard, directory: Path, keep: int = 3) -> Snapsho
         "sha256": hashlib.sha256(data).hexdigest(),
         "bytes": len(data),
         "vectors": len(state["fids"]),
+        "text_index_bytes": int(state["text"].size) if "text" in state else None,
         "factory": shard.manifest.factory,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -101,24 +104,30 @@ def prune(directory: Path, keep: int) -> None:
         old.path.with_suffix(".json").unlink(missing_ok=True)
 
 
-def load_snapshot(snapshot: Snapshot, trained: TrainedIndex) -> IvfPqShard:
+def load_snapshot(
+    snapshot: Snapshot, trained: TrainedIndex, text: TextConfig | None = None
+) -> IvfPqShard:
     data = snapshot.path.read_bytes()
     manifest = json.loads(snapshot.path.with_suffix(".json").read_text())
     if len(data) != manifest["bytes"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
         raise ValueError(f"{snapshot.path.name}: checksum mismatch (corrupt or truncated)")
     with np.load(io.BytesIO(data)) as arrays:
         state = {name: arrays[name] for name in arrays.files}
-    shard = IvfPqShard.from_state(trained, state)
+    shard = IvfPqShard.from_state(trained, state, text)
     if shard.applied != snapshot.position:
         raise ValueError(f"{snapshot.path.name}: records position {shard.applied}")
     return shard
 
 
-def load_newest(directory: Path, trained: TrainedIndex) -> tuple[IvfPqShard, Snapshot | None]:
-    """The newest valid snapshot, or an empty shard from the trained index."""
+def load_newest(
+    directory: Path, trained: TrainedIndex, text: TextConfig | None = None
+) -> tuple[IvfPqShard, Snapshot | None]:
+    """The newest valid snapshot, or an empty shard from the trained index (with an
+    empty text index when ``text`` is given)."""
     for snapshot in list_snapshots(directory):
         try:
-            return load_snapshot(snapshot, trained), snapshot
+            return load_snapshot(snapshot, trained, text), snapshot
         except Exception as exc:
             log.error("snapshot %s unusable (%s); trying an older one", snapshot.path, exc)
-    return IvfPqShard(trained), None
+    empty = TextIndex.create(text.root, text.language) if text is not None else None
+    return IvfPqShard(trained, empty), None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.redis_client import check_redis_url
 from services.common.settings import ClientTLSSettings
+from services.index.core.text import TextConfig, check_language
 
 
 class ShardSettings(ClientTLSSettings):
@@ -70,7 +72,30 @@ class ShardSettings(ClientTLSSettings):
     seed_timeout_s: float = Field(
         600.0, gt=0, description="How long seeding from a peer may take, retries included."
     )
+    text_index: bool = Field(
+        True,
+        description="Keep a BM25 (Tantivy) text index beside the vectors, fed by the same "
+        "log and snapshots, for sparse and hybrid searches; off: dense only.",
+    )
+    text_language: str = Field(
+        "english",
+        description="Stemmer of the text index (Tantivy's Snowball languages, or 'none'); "
+        "fixed for the life of the shard's snapshots.",
+    )
+    text_dir: str | None = Field(
+        None,
+        description="Working directory of the text index (default: <snapshot-dir>/text, "
+        "beside the snapshots on the same volume).",
+    )
     _redis_url = field_validator("redis_url")(check_redis_url)
+    _text_language = field_validator("text_language")(check_language)
+
+    def text_config(self) -> TextConfig | None:
+        """Where and how the text index lives (None: ``--no-text-index``)."""
+        if not self.text_index:
+            return None
+        root = Path(self.text_dir) if self.text_dir else Path(self.snapshot_dir) / "text"
+        return TextConfig(root, self.text_language)
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> ShardSettings:
