@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import redis
 
 from retrieval.v1 import index_pb2_grpc
 from services.common.deadline import Deadline
@@ -91,3 +92,63 @@ def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
     finally:
         full.stop()
         free.stop()
+
+
+def test_session_searches_share_one_check_of_the_log_end(
+    redis_url: str, scifact_dir: Path, tmp_path: Path
+) -> None:
+    """A SESSION search whose position is not applied yet asks Redis whether that position
+    was ever written (the log's end, an XINFO STREAM) before it waits. Concurrent searches
+    share one such read, and a position at or below the newest end the replica has seen
+    needs none (it used to be one XINFO STREAM per search on the search path); a position
+    past every end seen is still read for, and refused."""
+    vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:1000].astype(np.float32)
+    index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
+
+    async def ingest() -> None:
+        writer = ChangeLogWriter(redis_url, num_shards=1, dim=vectors.shape[1])
+        await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(50)])
+        await writer.close()
+
+    asyncio.run(ingest())
+    shard = start_shard(
+        index_dir=index_dir, redis_url=redis_url, shard=0, shards=1, work_dir=tmp_path
+    )
+    stats = redis.Redis.from_url(redis_url)
+
+    def log_end_reads() -> int:  # commands run by a script count too
+        return int(stats.info("commandstats").get("cmdstat_xinfo|stream", {}).get("calls", 0))
+
+    async def wave(position: str, n: int) -> list[grpc.StatusCode]:
+        request = convert.query_to_pb(
+            ShardQuery(0, vectors[:1], 5, consistency=Consistency.SESSION, min_position=position)
+        )
+        async with grpc.aio.insecure_channel(shard.address) as channel:
+            stub = index_pb2_grpc.IndexShardServiceStub(channel)
+            calls = [stub.Search(request, timeout=1.0) for _ in range(n)]
+            codes = []
+            for call in calls:
+                try:
+                    await call
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            return codes
+
+    try:
+        with log_end_moved(redis_url, [0]):
+            before = log_end_reads()
+            codes = asyncio.run(wave(FUTURE, 16))  # within the log, never applied
+            assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 16
+            assert log_end_reads() - before == 1, "16 concurrent searches, one read of the end"
+            before = log_end_reads()
+            codes = asyncio.run(wave("99999999999998-7", 8))  # below the end already seen
+            assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 8
+            assert log_end_reads() == before, "a position below a known end is not read for"
+        before = log_end_reads()
+        codes = asyncio.run(wave("99999999999999-1", 1))  # past every end: read, refused
+        assert codes == [grpc.StatusCode.INVALID_ARGUMENT]
+        assert log_end_reads() - before == 1
+    finally:
+        shard.stop()
+        stats.close()

@@ -4,7 +4,10 @@ A shard refuses (INVALID_ARGUMENT) a position past the newest id ever written to
 (the stream's last-generated-id): no wait could reach it. A test that needs a search to
 wait (a deadline, a request held in flight) therefore moves the log's end forward with
 ``XSETID`` without writing an entry: the position is then "written" as far as the check
-goes, yet no entry for the replica to apply ever arrives.
+goes, yet no entry for the replica to apply ever arrives. A replica remembers the newest
+end it has read (it only grows), so a position the moved end covered stays "written" for
+it after the end is moved back: a test that needs a past-the-end refusal uses a position
+past ``FUTURE``.
 """
 
 from __future__ import annotations

@@ -40,16 +40,24 @@ from services.index.server.settings import ShardSettings
 
 log = logging.getLogger(__name__)
 
+# The newest position ever written to the log (its stream's last-generated-id), "0-0"
+# when there is no stream yet: one round trip, no error text to interpret.
+_LOG_END = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return '0-0' end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+for i = 1, #info, 2 do
+  if info[i] == 'last-generated-id' then return info[i + 1] end
+end
+return '0-0'
+"""
+
 
 class ShardReplica:
     def __init__(self, config: ShardSettings, metrics: ShardMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.trained = TrainedIndex.load(Path(config.index_dir))
-        self.text_config = config.text_config()
-        self.shard, snapshot = load_newest(
-            Path(config.snapshot_dir), self.trained, self.text_config
-        )
+        self.shard, snapshot = load_newest(Path(config.snapshot_dir), self.trained)
         self.snapshot_position = snapshot.position if snapshot else positions.ZERO
         self.log_lag_s = 0.0
         self.ready = threading.Event()
@@ -65,6 +73,12 @@ class ShardReplica:
         self.skipped_entries = 0
         self._snapshot_lock = threading.Lock()
         self._async: Any = async_client(config.redis_url, max_connections=64, socket_timeout=5.0)
+        self._read_log_end = self._async.register_script(_LOG_END)
+        # The newest log end read so far: it only grows (a stream's last-generated-id
+        # never goes back), so a position at or below it needs no read.
+        self.known_written = positions.ZERO
+        self._end_reads = 0  # log-end reads started so far
+        self._end_read: tuple[int, asyncio.Task[str]] | None = None  # the newest of them
 
     @property
     def key(self) -> str:
@@ -101,12 +115,7 @@ class ShardReplica:
 
     def reload(self) -> None:
         """Load the newest valid snapshot again (one a peer just sent); before start()."""
-        old = self.shard
-        self.shard, snapshot = load_newest(
-            Path(self.config.snapshot_dir), self.trained, self.text_config
-        )
-        if old.text is not None:
-            old.text.close()
+        self.shard, snapshot = load_newest(Path(self.config.snapshot_dir), self.trained)
         self.snapshot_position = snapshot.position if snapshot else positions.ZERO
 
     @property
@@ -286,19 +295,24 @@ class ShardReplica:
         """InvalidArgument when ``wanted`` (a SESSION token's position for this shard) is
         past the newest position ever written to the shard's log (its stream's
         last-generated-id): a token of another store, or a forged one, that no wait could
-        ever satisfy. Free when the position is applied already; else one XINFO STREAM.
-        When Redis cannot tell (down, slow), nothing is decided here: the wait that
-        follows needs Redis too and ends with the deadline as before."""
-        if positions.at_least(self.shard.applied, wanted):
+        ever satisfy.
+
+        Free when the position is applied already or at most :attr:`known_written`, the
+        newest log end this replica has read (it only grows); else it awaits one read of
+        the log end shared by every search that asks meanwhile (:meth:`log_end`): a burst
+        of SESSION searches for a write not yet applied costs Redis one round trip, not
+        one each. Redis losing acknowledged writes (a failover, a restart without AOF)
+        can move the end back; the remembered end then lets through a token the store no
+        longer knows, and that search waits until its deadline, as it did before this
+        check existed. When Redis cannot tell (down, slow), nothing is decided here: the
+        wait that follows needs Redis too and ends with the deadline as before."""
+        if positions.at_least(self.shard.applied, wanted) or positions.at_least(
+            self.known_written, wanted
+        ):
             return
         try:
-            info = await asyncio.wait_for(self._async.xinfo_stream(self.key), timeout)
-            last = text(info["last-generated-id"])
-        except redis.ResponseError as exc:
-            if "no such key" not in str(exc).lower():
-                return
-            last = positions.ZERO  # no stream: nothing was ever written to this shard
-        except (TimeoutError, redis.RedisError, RedisClusterException):
+            last = await asyncio.wait_for(self.log_end(enough=wanted), timeout)
+        except (TimeoutError, Unavailable):
             return
         if positions.compare(wanted, last) > 0:
             raise InvalidArgument(
@@ -307,6 +321,35 @@ class ShardReplica:
                 "forged one, or one of a write lost when Redis failed over"
             )
 
+    async def log_end(self, enough: str | None = None) -> str:
+        """The newest position ever written to this shard's log, from a read that started
+        after this call (so it sees every write acknowledged before the call), or, with
+        ``enough``, the end already known once it reaches ``enough``. Calls that come
+        while a read is in flight wait for it and then share the next one: at most one
+        read in flight per replica. Unavailable when Redis cannot be read."""
+        seen = self._end_reads
+        while True:
+            current = self._end_read
+            if current is not None and current[0] > seen:
+                return await asyncio.shield(current[1])
+            if current is not None and not current[1].done():
+                await asyncio.wait([current[1]])  # started before this call: not enough
+                if enough is not None and positions.at_least(self.known_written, enough):
+                    return self.known_written
+                continue
+            self._end_reads += 1
+            task = asyncio.get_running_loop().create_task(self._fetch_log_end())
+            task.add_done_callback(_retrieve)
+            self._end_read = (self._end_reads, task)
+
+    async def _fetch_log_end(self) -> str:
+        try:
+            end = text(await self._read_log_end(keys=[self.key]))
+        except (redis.RedisError, RedisClusterException) as exc:
+            raise Unavailable(f"reading the log end of shard {self.config.shard}: {exc}") from exc
+        self.known_written = positions.newest(self.known_written, end)
+        return end
+
     async def tail(self) -> str:
         """The newest position in this shard's log (for STRONG reads)."""
         try:
@@ -314,3 +357,9 @@ class ShardReplica:
         except redis.RedisError as exc:
             raise Unavailable(f"reading the log tail of shard {self.config.shard}: {exc}") from exc
         return reply[0][0].decode() if reply else positions.ZERO
+
+
+def _retrieve(task: asyncio.Task[str]) -> None:
+    """Mark a shared read's failure as seen: every caller may have stopped waiting."""
+    if not task.cancelled():
+        task.exception()
