@@ -1,14 +1,20 @@
 """The GPU path: what faiss-gpu refuses is checked here; the real copy where faiss sees a GPU.
 
-Without a GPU, :class:`GpuMirror` is exercised with a fake GPU index (``copier``) that
-behaves like faiss-gpu in what matters: it refuses k above 2,048, fails when two threads
-are inside it at once, and fails if anyone sets ``nprobe`` on it.
+Without a GPU, :class:`GpuMirror` is exercised with a fake GPU index that behaves like
+faiss-gpu in what matters: it refuses k and nprobe above 2,048 (and an index whose stored
+nprobe is larger), has no ``remove_ids``, fails when two threads are inside it at once,
+and fails if anyone sets ``nprobe`` on it. The copy itself goes through
+:class:`StrictFaissGpu`: the faiss-gpu wheel's own names and class attributes
+(``tests/support/faiss_gpu_api.json``, extracted by ``scripts/faiss_gpu_api.py`` from its
+``swigfaiss.py``), refusing anything else as the SWIG classes do.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +23,21 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.index.core.changes import Upsert
+from services.index.core.changes import Delete, Upsert
 from services.index.core.gpu import (
     GPU_MAX_K,
     GpuMetrics,
     GpuMirror,
     GpuUnavailable,
     attach_or_fallback,
+    cloner_options,
     gpu_status,
 )
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainedIndex, TrainOptions, train_index
+from tests.support.processes import wait_until
+
+FAISS_GPU_API = json.loads((Path(__file__).parents[1] / "support/faiss_gpu_api.json").read_text())
 
 
 def _unit(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -39,6 +49,12 @@ class FakeGpuIndex:
     """Answers from a CPU copy; asserts the constraints faiss-gpu has."""
 
     def __init__(self, cpu_index: faiss.Index) -> None:
+        nprobe = int(faiss.extract_index_ivf(cpu_index).nprobe)
+        if not 0 < nprobe <= GPU_MAX_K:  # GpuIndexIVF::copyFrom -> validateNProbe
+            raise RuntimeError(
+                f"GPU IVF index only supports nprobe selection up to {GPU_MAX_K} "
+                f"(requested {nprobe})"
+            )
         self._index = faiss.clone_index(cpu_index)
         self._inside = 0
         self.calls: list[tuple[int, int]] = []
@@ -52,6 +68,7 @@ class FakeGpuIndex:
     def search(self, x: np.ndarray, k: int, params: Any = None) -> tuple[np.ndarray, np.ndarray]:
         assert k <= GPU_MAX_K, f"faiss-gpu refuses k={k}"
         assert isinstance(params, faiss.SearchParametersIVF), "nprobe must come per call"
+        assert params.nprobe <= GPU_MAX_K, f"faiss-gpu refuses nprobe={params.nprobe}"
         self._inside += 1
         if self._inside > 1:
             self.overlaps += 1
@@ -65,6 +82,49 @@ class FakeGpuIndex:
 
     def add_with_ids(self, x: np.ndarray, ids: np.ndarray) -> None:
         self._index.add_with_ids(x, ids)
+
+    def remove_ids(self, sel: Any) -> int:  # faiss/Index.cpp: GPU IVF indexes inherit this
+        raise RuntimeError("remove_ids not implemented for this type of index")
+
+
+class StrictSwig:
+    """An instance of a faiss-gpu SWIG class: refuses attributes the class does not have."""
+
+    _cls: str
+    values: dict[str, Any]
+
+    def __init__(self, cls: str) -> None:
+        object.__setattr__(self, "_cls", cls)
+        object.__setattr__(self, "values", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in FAISS_GPU_API["classes"][self._cls]:  # swigfaiss.py's message
+            raise AttributeError(f"You cannot add instance attributes to {self._cls}")
+        self.values[name] = value
+
+
+class StrictFaissGpu:
+    """The faiss-gpu module as far as the copy uses it; unknown names are AttributeErrors."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, StrictSwig]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in FAISS_GPU_API["module"]:
+            raise AttributeError(f"module 'faiss' (faiss-gpu) has no attribute {name!r}")
+        if name in FAISS_GPU_API["classes"]:
+            return lambda: StrictSwig(name)
+        if name.startswith("INDICES_"):
+            return name
+        raise AttributeError(f"{name}: not modelled by the test (add it)")
+
+    def index_cpu_to_gpu(
+        self, resources: StrictSwig, device: int, index: faiss.Index, options: StrictSwig
+    ) -> FakeGpuIndex:
+        assert resources._cls == "StandardGpuResources"
+        assert options._cls == "GpuClonerOptions"
+        self.copies.append((device, options))
+        return FakeGpuIndex(index)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +142,9 @@ def trained_768(tmp_path_factory: pytest.TempPathFactory) -> TrainedIndex:
     return TrainedIndex.load(out)
 
 
-def _fake_shard(trained: TrainedIndex, n: int = 2000) -> tuple[IvfPqShard, list[FakeGpuIndex]]:
+def _fake_shard(
+    trained: TrainedIndex, n: int = 2000, **mirror: Any
+) -> tuple[IvfPqShard, list[FakeGpuIndex]]:
     fakes: list[FakeGpuIndex] = []
 
     def copier(cpu_index: faiss.Index) -> FakeGpuIndex:
@@ -90,7 +152,7 @@ def _fake_shard(trained: TrainedIndex, n: int = 2000) -> tuple[IvfPqShard, list[
         return fakes[-1]
 
     shard = IvfPqShard(trained)
-    shard.attach_gpu(GpuMirror(copier=copier))
+    shard.attach_gpu(GpuMirror(copier=copier, **mirror))
     x = _unit(n, 64, seed=1)
     shard.apply([Upsert(str(i), x[i]) for i in range(n)], "1-0")
     return shard, fakes
@@ -201,23 +263,208 @@ def test_gpu_searches_are_serialised_and_nprobe_is_per_call(trained_64: TrainedI
     assert {p for _, p in fakes[-1].calls} == {2, 8} and len(fakes[-1].calls) == 40
 
 
+def test_the_copy_sets_only_options_faiss_gpu_has(trained_64: TrainedIndex) -> None:
+    """Issue #25 item 1: float16 lookup tables are the cloner's ``useFloat16``
+    (``useFloat16LookupTables`` is a GpuIndexIVFPQConfig field the cloner options lack)."""
+    lib = StrictFaissGpu()
+    mirror = GpuMirror(device=1, lib=lib)
+    mirror.sync(trained_64.index)  # AttributeError here for an option faiss-gpu lacks
+    [(device, options)] = lib.copies
+    assert device == 1
+    assert options.values == {"useFloat16": True, "indicesOptions": "INDICES_64_BIT"}
+    assert cloner_options(lib).values == options.values
+
+
+def test_the_api_extract_is_faiss_gpus() -> None:
+    """The extract the strict module reads is the real one, with the trap of item 1 in it."""
+    assert FAISS_GPU_API["faiss_gpu_version"] == faiss.__version__
+    assert "useFloat16LookupTables" in FAISS_GPU_API["classes"]["GpuIndexIVFPQConfig"]
+    assert "useFloat16LookupTables" not in FAISS_GPU_API["classes"]["GpuClonerOptions"]
+    with pytest.raises(AttributeError):
+        StrictFaissGpu().GpuClonerOptions().useFloat16LookupTables = True
+
+
+def test_any_error_of_the_copy_falls_back_with_its_reason(
+    trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 1: an AttributeError (or any other) of the copy keeps the shard on the CPU."""
+    import services.index.core.gpu as gpu_module
+
+    def copier(cpu_index: faiss.Index) -> Any:
+        raise AttributeError("'GpuClonerOptions' object has no attribute 'x'")
+
+    monkeypatch.setattr(gpu_module, "gpu_status", lambda: (True, "pretend"))
+    registry = CollectorRegistry()
+    shard = IvfPqShard(trained_64)
+    metrics = GpuMetrics.create(registry, 0, "r0")
+    assert not attach_or_fallback(shard, True, 0, metrics, GpuMirror(copier=copier))
+    reason = {"shard": "0", "replica": "r0", "reason": "copy_failed"}
+    assert registry.get_sample_value("index_gpu_fallback_total", reason) == 1
+    assert shard.gpu is None
+
+
+def test_a_stored_nprobe_over_2048_is_clamped_for_the_copy(trained_64: TrainedIndex) -> None:
+    """Item 2: the recall-tuned nprobe can reach nlist; faiss-gpu refuses to copy more
+    than 2,048. The copy is made at 2,048, the CPU index keeps its own, and a search at
+    such an nprobe is answered by the CPU index."""
+    index = faiss.clone_index(trained_64.index)
+    ivf = faiss.extract_index_ivf(index)
+    ivf.nprobe = 3000
+    trained = TrainedIndex(trained_64.manifest, index, trained_64.refine)
+    shard, fakes = _fake_shard(trained, n=500)
+    assert shard.gpu is not None and shard.gpu.index is fakes[-1]
+    assert int(faiss.extract_index_ivf(shard.index).nprobe) == 3000
+    q = _unit(2, 64, seed=2)
+    shard.gpu.search(q, 5, 3000)
+    assert shard.gpu.cpu_served == 1 and fakes[-1].calls == []
+
+
+def _hits(shard: IvfPqShard, q: np.ndarray, k: int) -> list[list[str]]:
+    return [[d for d, _ in row] for row in shard.search(q, k, nprobe=16)]
+
+
+def test_updates_reach_the_copy_incrementally(trained_64: TrainedIndex) -> None:
+    """Item 3: upserts of existing ids and deletes do not re-copy the shard (faiss-gpu has
+    no remove_ids): the copy's stale entries are dropped or re-scored at search, one hit
+    per id, and the answers are the CPU index's."""
+    shard, fakes = _fake_shard(trained_64, rebuild_fraction=1.0)  # no rebuild here
+    cpu = IvfPqShard(trained_64)
+    x = _unit(2000, 64, seed=1)
+    y = _unit(300, 64, seed=7)
+    batches: list[list[Upsert | Delete]] = [
+        [Upsert(str(i), x[i]) for i in range(2000)],
+        [Upsert(str(i), y[i]) for i in range(300)]  # moved: old entries stay in the copy
+        + [Delete(str(i)) for i in range(300, 500)],
+    ]
+    for n, batch in enumerate(batches):
+        if n:
+            shard.apply(batch, f"{n + 1}-0")
+        cpu.apply(batch, f"{n + 1}-0")
+    assert len(fakes) == 1  # never copied again
+    assert shard.gpu is not None and shard.gpu.dead == 500 and len(shard.gpu.stale) == 500
+    q = np.concatenate([y[:20], x[300:320], x[1000:1020]])
+    got, want = _hits(shard, q, 10), _hits(cpu, q, 10)
+    assert fakes[-1].calls and all(k > 40 for k, _ in fakes[-1].calls)  # over-fetched
+    assert all(len(set(row)) == len(row) == 10 for row in got)  # one hit per id
+    assert not {str(i) for i in range(300, 500)} & {d for row in got for d in row}
+    assert [row[0] for row in got[:20]] == [str(i) for i in range(20)]  # the new vectors
+    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, want, strict=True)])
+    assert overlap >= 0.95, overlap
+
+
+def test_a_failing_copy_never_stops_apply(
+    trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 3: a GPU error in an update turns the copy off (reason in the metric); the
+    batch is applied and searches go on from the CPU index."""
+    import services.index.core.gpu as gpu_module
+
+    class FailingAdd(FakeGpuIndex):
+        def add_with_ids(self, x: np.ndarray, ids: np.ndarray) -> None:
+            raise RuntimeError("cudaMalloc error out of memory")
+
+    monkeypatch.setattr(gpu_module, "gpu_status", lambda: (True, "pretend"))
+    registry = CollectorRegistry()
+    shard = IvfPqShard(trained_64)
+    mirror = GpuMirror(copier=FailingAdd)
+    assert attach_or_fallback(shard, True, 0, GpuMetrics.create(registry, 3, "r3"), mirror)
+    x = _unit(50, 64, seed=1)
+    result = shard.apply([Upsert(str(i), x[i]) for i in range(50)], "1-0")
+    assert result.added == 50 and shard.applied == "1-0"
+    labels = {"shard": "3", "replica": "r3"}
+    assert registry.get_sample_value("index_gpu_serving", labels) == 0
+    reason = {**labels, "reason": "add_failed"}
+    assert registry.get_sample_value("index_gpu_fallback_total", reason) == 1
+    assert mirror.index is None and "out of memory" in (mirror.failure or "")
+    assert shard.search(x[:1], 1)[0][0][0] == "0"
+    assert mirror.cpu_served == 1
+
+
+def test_a_rebuild_frees_the_old_copy_first_and_never_blocks_searches(
+    trained_64: TrainedIndex,
+) -> None:
+    """Item 3: past the stale share a background thread re-copies the shard: the old copy
+    is freed before the new one is made (GPU memory never holds two), searches are served
+    by the CPU index meanwhile, and writes wait for the copy."""
+    release = threading.Event()
+    copying = threading.Event()
+    copies: list[weakref.ref[FakeGpuIndex]] = []
+    old_alive: list[bool] = []
+
+    def copier(cpu_index: faiss.Index) -> FakeGpuIndex:
+        if copies:  # the rebuild
+            old_alive.append(copies[0]() is not None)
+            copying.set()
+            assert release.wait(30)
+        fake = FakeGpuIndex(cpu_index)
+        copies.append(weakref.ref(fake))
+        return fake
+
+    shard = IvfPqShard(trained_64)
+    registry = CollectorRegistry()
+    metrics = GpuMetrics.create(registry, 0, "r0")
+    mirror = GpuMirror(copier=copier, metrics=metrics, rebuild_fraction=0.1)
+    shard.attach_gpu(mirror)
+    x = _unit(1000, 64, seed=1)
+    shard.apply([Upsert(str(i), x[i]) for i in range(1000)], "1-0")
+    shard.apply([Delete(str(i)) for i in range(200)], "2-0")  # 20 % stale: rebuild
+    assert copying.wait(30)
+    later = threading.Thread(target=shard.apply, args=([Upsert("new", x[0])], "3-0"))
+    later.start()  # waits for the copy
+    wait_until(lambda: shard._writes.locked() and later.is_alive(), "the write waits")
+    assert _hits(shard, x[500:501], 1) == [["500"]]  # not blocked: the CPU index answers
+    assert mirror.cpu_served >= 1 and shard.applied == "2-0"
+    release.set()
+    assert mirror.wait_rebuilt(30)
+    later.join(30)
+    assert shard.applied == "3-0"
+    assert old_alive == [False]  # freed before the new copy was made
+    assert len(copies) == 2 and mirror.index is copies[-1]()
+    assert mirror.dead == 0 and len(mirror.stale) == 0 and mirror.entries == 801
+    assert (
+        registry.get_sample_value("index_gpu_rebuilds_total", {"shard": "0", "replica": "r0"}) == 1
+    )
+    assert _hits(shard, x[500:501], 1) == [["500"]]
+    assert copies[-1]().calls  # type: ignore[union-attr]  # answered by the new copy
+
+
 @pytest.mark.gpu
 def test_gpu_copy_answers_like_the_cpu_index(tmp_path: Path) -> None:
+    """Issue #25 items 1-3 on a real GPU: pq_m 64 (float16 lookup tables only), a stored
+    nprobe over 2,048, upserts and deletes reaching the copy, a rebuild."""
     usable, reason = gpu_status()
     if not usable:
-        pytest.skip(f"GPU path not available: {reason}")
-    x = _unit(4000, 64)
-    train_index(x, tmp_path, TrainOptions(nlist=32, pq_m=16))
+        pytest.skip(
+            "issue #25 items 1-3 (the faiss-gpu copy with float16 tables, a stored nprobe "
+            f"over 2,048, incremental updates and rebuilds) need a GPU: {reason}"
+        )
+    x = _unit(4000, 128)
+    train_index(x, tmp_path, TrainOptions(nlist=32, pq_m=64))
     trained = TrainedIndex.load(tmp_path)
+    faiss.extract_index_ivf(trained.index).nprobe = 3000  # what tuning reaches on big nlist
     cpu, gpu = IvfPqShard(trained), IvfPqShard(trained)
     gpu.attach_gpu(GpuMirror())
+    mirror = gpu.gpu
+    assert mirror is not None
+    batches: list[list[Upsert | Delete]] = [
+        [Upsert(str(i), x[i]) for i in range(3000)],
+        [Upsert(str(i), x[3999 - i]) for i in range(100)],  # moved: stale in the copy
+        [Delete(str(i)) for i in range(100, 200)],
+    ]
+    for n, batch in enumerate(batches):
+        for shard in (cpu, gpu):
+            shard.apply(batch, f"{n + 1}-0")
+    assert mirror.rebuilds == 0 and mirror.dead == 200 and mirror.failure is None
+
+    def overlap() -> float:
+        a, b = cpu.search(x[:50], 10, 8), gpu.search(x[:50], 10, 8)
+        pairs = zip(a, b, strict=True)
+        return float(np.mean([len({d for d, _ in p} & {d for d, _ in q}) / 10 for p, q in pairs]))
+
+    assert overlap() >= 0.95
     for shard in (cpu, gpu):
-        shard.apply([Upsert(str(i), x[i]) for i in range(3000)], "1-0")
-        shard.apply([Upsert(str(i), x[i]) for i in range(100)], "2-0")  # removes: re-copy
-    a, b = cpu.search(x[:50], 10, 8), gpu.search(x[:50], 10, 8)
-    overlap = np.mean(
-        [len({d for d, _ in p} & {d for d, _ in q}) / 10 for p, q in zip(a, b, strict=True)]
-    )
-    assert overlap >= 0.95
+        shard.apply([Delete(str(i)) for i in range(200, 600)], "4-0")  # 20 % stale
+    assert mirror.wait_rebuilt(120) and mirror.rebuilds == 1 and mirror.failure is None
+    assert mirror.dead == 0 and overlap() >= 0.95
     big = gpu.search(x[:2], 600, 8)  # k 600 x refine 4 > 2,048: served by the CPU index
     assert len(big[0]) == 600

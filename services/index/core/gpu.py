@@ -1,30 +1,50 @@
 """Optional GPU serving: a GPU copy of a shard's IVF-PQ, kept in step with the CPU index.
 
 The CPU index stays the source of truth (snapshots, removes, filtered searches); the GPU
-copy serves unfiltered searches with float16 lookup tables. Adds go to both; a batch
-that removes anything re-copies the CPU index to the GPU (GPU IVF indexes have no
-direct map, so removes there would be a scan).
+copy serves unfiltered searches with float16 lookup tables. Every change reaches the copy
+incrementally: adds are added to it; removes (faiss-gpu's IVF indexes have no
+``remove_ids``: ``Index::remove_ids`` throws) leave the old entries in the copy and mark
+their ids *stale*. A search on the copy fetches a few more candidates than asked (as many
+as the stale share of the copy would displace), drops the entries of removed ids, scores
+the ids re-added since (whose copy holds an old entry beside the new one) from the CPU
+index's own codes, and keeps one hit per id. Once the stale entries pass
+:data:`REBUILD_FRACTION` of the copy, a background thread rebuilds it: the old copy is
+freed first (GPU memory never holds two), searches go to the CPU index meanwhile, and
+writes wait for the copy (the log is consumed again once it is made; the lag metric shows
+it); searches are never blocked by a copy.
 
-What faiss-gpu does not do, and how this module copes (none of it needs a GPU to test):
+What faiss-gpu does not do, and how this module copes (none of it needs a GPU to test;
+``tests/support/faiss_gpu_api.json`` holds the faiss-gpu wheel's own API, and the tests
+refuse any name or option not in it, as the SWIG classes do):
 
 * it refuses IVF-PQ settings outside its kernels (pq_m 192 of a 768-d default, for one):
   :meth:`GpuMirror.sync` checks them first and raises :class:`GpuUnavailable`, as it does
-  when the copy itself fails; :func:`attach_or_fallback` then keeps the shard on its CPU
-  index, logs why and sets ``index_gpu_serving`` to 0 with the reason in
-  ``index_gpu_fallback_total``;
-* it selects at most :data:`GPU_MAX_K` results per query (and probes at most as many
-  lists): larger fetches (k × refine factor goes up to 4,000) are served by the CPU index;
+  when the copy itself fails, for whatever reason; :func:`attach_or_fallback` then keeps
+  the shard on its CPU index, logs why and sets ``index_gpu_serving`` to 0 with the
+  reason in ``index_gpu_fallback_total``;
+* the copy's float16 lookup tables are the cloner's ``useFloat16`` (``GpuCloner.cpp``:
+  ``config.useFloat16LookupTables = useFloat16``): pq_m 56, 64 and 96 need them to fit
+  the 48 KiB of shared memory per block;
+* it selects at most :data:`GPU_MAX_K` results per query and probes at most as many
+  lists, and refuses to copy an index whose stored ``nprobe`` is larger
+  (``GpuIndexIVF::copyFrom`` → ``validateNProbe``): the copy is made with the stored
+  nprobe clamped, and larger fetches or nprobes are served by the CPU index;
 * its indexes are not thread-safe, not even for searches (faiss wiki, "Threads and
   asynchronous calls"), while the shard searches from several batcher threads: every
   call on the GPU copy holds one lock;
-* ``nprobe`` is passed per call (``SearchParametersIVF``), never set on the shared index.
+* ``nprobe`` is passed per call (``SearchParametersIVF``), never set on the shared index;
+* any error of the copy, an add or a search turns the copy off: the shard serves from its
+  CPU index, ``index_gpu_serving`` goes to 0 and ``index_gpu_fallback_total`` counts the
+  reason (``copy_failed``, ``add_failed``, ``search_failed``, ``rebuild_failed``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +61,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GPU_MAX_K = 2048  # faiss/gpu GPU_MAX_SELECTION_K: largest k (and nprobe) of a GPU search
+# Stale entries (removed or replaced ids) in the copy, as a share of it, that start a
+# rebuild. Each costs the searches on the copy an extra candidate per 1/share fetched.
+REBUILD_FRACTION = 0.1
 
 
 class GpuUnavailable(FailedPrecondition):
@@ -66,71 +89,26 @@ def gpu_index_problem(cpu_index: faiss.Index) -> str | None:
     return gpu_pq_problem(int(ivf.d), int(pq.M), int(pq.nbits))
 
 
-Copier = Callable[[faiss.Index], Any]
+def cloner_options(lib: Any) -> Any:
+    """The options of the copy, from ``lib`` (the faiss module, faiss-gpu on a GPU node).
 
-
-class GpuMirror:
-    """A GPU copy of one IVF-PQ index on ``device``.
-
-    ``copier`` turns the CPU index into the GPU one (default: ``index_cpu_to_gpu`` with
-    float16 lookup tables and 64-bit ids); tests pass their own.
+    ``useFloat16``: float16 lookup tables for an IVF-PQ (needed for pq_m 56, 64, 96);
+    64-bit ids, as the CPU index has.
     """
+    options = lib.GpuClonerOptions()
+    options.useFloat16 = True
+    options.indicesOptions = lib.INDICES_64_BIT
+    return options
 
-    def __init__(self, device: int = 0, copier: Copier | None = None) -> None:
-        self.device = device
-        self._copier = copier or self._to_gpu
-        self._resources: Any = None
-        self._lock = threading.Lock()  # GPU indexes are not thread-safe, not even to search
-        self.index: Any = None
-        self._cpu: faiss.Index | None = None
-        self.cpu_served = 0  # searches sent to the CPU index (k or nprobe over GPU_MAX_K)
 
-    def _to_gpu(self, cpu_index: faiss.Index) -> Any:
-        gpu: Any = faiss
-        if self._resources is None:
-            self._resources = gpu.StandardGpuResources()
-        options = gpu.GpuClonerOptions()
-        options.useFloat16LookupTables = True  # needed for pq_m 56, 64, 96
-        options.indicesOptions = gpu.INDICES_64_BIT
-        return gpu.index_cpu_to_gpu(self._resources, self.device, cpu_index, options)
-
-    def sync(self, cpu_index: faiss.Index) -> None:
-        """Replace the GPU copy with a fresh copy of ``cpu_index``; GpuUnavailable if it can't."""
-        problem = gpu_index_problem(cpu_index)
-        if problem is not None:
-            raise GpuUnavailable(problem)
-        try:
-            copy = self._copier(cpu_index)
-        except (RuntimeError, MemoryError) as exc:  # faiss raises RuntimeError
-            msg = f"faiss could not copy the index to GPU {self.device}: {exc}"
-            raise GpuUnavailable(msg) from exc
-        with self._lock:
-            self.index, self._cpu = copy, cpu_index
-
-    def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
-        with self._lock:
-            self.index.add_with_ids(vectors, ids)
-
-    def search(self, queries: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` of the copy; the CPU index answers what the GPU cannot (k > 2,048).
-
-        Called under the shard's read lock, so the CPU index does not change meanwhile.
-        """
-        params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
-        if k > GPU_MAX_K or nprobe > GPU_MAX_K:
-            assert self._cpu is not None
-            self.cpu_served += 1
-            scores, ids = self._cpu.search(queries, k, params=params)
-            return scores, ids
-        with self._lock:
-            scores, ids = self.index.search(queries, k, params=params)
-        return scores, ids
+Copier = Callable[[faiss.Index], Any]
 
 
 @dataclass
 class GpuMetrics:
     serving: Gauge
     fallbacks: Counter
+    rebuilds: Counter
     labels: tuple[str, str]
 
     @classmethod
@@ -144,12 +122,239 @@ class GpuMetrics:
             ),
             fallbacks=Counter(
                 "index_gpu_fallback",
-                "GPU serving asked for but the shard stayed on its CPU index, by reason.",
+                "GPU serving asked for but the shard stayed on (or went back to) its CPU "
+                "index, by reason.",
                 ["shard", "replica", "reason"],
+                registry=registry,
+            ),
+            rebuilds=Counter(
+                "index_gpu_rebuilds",
+                "GPU copies rebuilt from the CPU index to drop the entries of removed ids.",
+                ["shard", "replica"],
                 registry=registry,
             ),
             labels=(str(shard), replica),
         )
+
+
+class GpuMirror:
+    """A GPU copy of one IVF-PQ index on ``device``.
+
+    ``copier`` turns the CPU index into the GPU one (default: ``index_cpu_to_gpu`` of
+    ``lib`` with :func:`cloner_options`); tests pass their own, or a ``lib`` that holds
+    only what faiss-gpu has.
+    """
+
+    def __init__(
+        self,
+        device: int = 0,
+        copier: Copier | None = None,
+        lib: Any = faiss,
+        metrics: GpuMetrics | None = None,
+        rebuild_fraction: float = REBUILD_FRACTION,
+    ) -> None:
+        self.device = device
+        self._lib = lib
+        self._copier = copier or self._to_gpu
+        self._resources: Any = None
+        self._lock = threading.Lock()  # GPU indexes are not thread-safe, not even to search
+        self.index: Any = None  # None: off (failed), or being rebuilt
+        self._cpu: faiss.Index | None = None
+        self.metrics = metrics
+        self.rebuild_fraction = rebuild_fraction
+        self.cpu_served = 0  # searches sent to the CPU index (over GPU_MAX_K, copy off)
+        self.entries = 0  # entries in the copy, stale ones included
+        # ids with a removed or outdated entry in the copy, sorted
+        self.stale = np.empty(0, dtype=np.int64)
+        self.dead = 0  # entries of the copy no search may return
+        self.failure: str | None = None  # why the copy is off for good
+        self.rebuilds = 0
+        self._rebuild: threading.Thread | None = None
+
+    # --- the copy ----------------------------------------------------------------------
+
+    def _to_gpu(self, cpu_index: faiss.Index) -> Any:
+        lib = self._lib
+        if self._resources is None:
+            self._resources = lib.StandardGpuResources()
+        return lib.index_cpu_to_gpu(self._resources, self.device, cpu_index, cloner_options(lib))
+
+    def _copy(self, cpu_index: faiss.Index) -> Any:
+        """The GPU copy of ``cpu_index``; GpuUnavailable (with faiss's reason) if it fails.
+
+        The caller keeps writers out meanwhile (searches may run). The stored nprobe is
+        clamped to :data:`GPU_MAX_K` during the copy, which refuses more; nprobe comes per
+        call anyway.
+        """
+        problem = gpu_index_problem(cpu_index)
+        if problem is not None:
+            raise GpuUnavailable(problem)
+        ivf = faiss.extract_index_ivf(cpu_index)
+        stored = int(ivf.nprobe)
+        ivf.nprobe = min(stored, GPU_MAX_K)
+        try:
+            return self._copier(cpu_index)
+        except Exception as exc:  # faiss raises RuntimeError; SWIG AttributeError, ...
+            msg = f"faiss could not copy the index to GPU {self.device}: {exc!r}"
+            raise GpuUnavailable(msg) from exc
+        finally:
+            ivf.nprobe = stored
+
+    def sync(self, cpu_index: faiss.Index) -> None:
+        """Replace the GPU copy with a fresh copy of ``cpu_index``; GpuUnavailable if it can't."""
+        copy = self._copy(cpu_index)
+        with self._lock:
+            self.index, self._cpu = copy, cpu_index
+            self.entries, self.dead = int(cpu_index.ntotal), 0
+            self.stale = np.empty(0, dtype=np.int64)
+            self.failure = None
+
+    def _fail(self, reason: str, detail: str) -> None:
+        """Turn the copy off: the shard serves from its CPU index from now on."""
+        with self._lock:
+            self.index, self.failure = None, f"{reason}: {detail}"
+        log.warning("GPU copy off, searches go to the CPU index (%s): %s", reason, detail)
+        if self.metrics is not None:
+            self.metrics.serving.labels(*self.metrics.labels).set(0)
+            self.metrics.fallbacks.labels(*self.metrics.labels, reason).inc()
+
+    # --- changes (under the shard's write lock) ----------------------------------------
+
+    def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
+        with self._lock:
+            if self.index is None:  # off, or being rebuilt (the rebuild copies it)
+                return
+            try:
+                self.index.add_with_ids(vectors, ids)
+                self.entries += len(ids)
+                return
+            except Exception as exc:
+                error = exc
+        self._fail("add_failed", repr(error))
+
+    def remove(self, ids: np.ndarray) -> None:
+        """``ids`` left the CPU index: their entries in the copy are stale from now on."""
+        with self._lock:
+            if self.index is None:
+                return
+            self.stale = np.union1d(self.stale, ids.astype(np.int64))
+            self.dead += len(ids)
+
+    def needs_rebuild(self) -> bool:
+        return (
+            self.index is not None
+            and self.dead > 0
+            and self.dead > self.rebuild_fraction * max(self.entries, 1)
+            and (self._rebuild is None or not self._rebuild.is_alive())
+        )
+
+    def start_rebuild(self, cpu_index: faiss.Index, writes: AbstractContextManager[Any]) -> None:
+        """Rebuild the copy in the background; ``writes`` keeps the shard's writers out."""
+        self._rebuild = threading.Thread(
+            target=self.rebuild, args=(cpu_index, writes), name="gpu-rebuild", daemon=True
+        )
+        self._rebuild.start()
+
+    def rebuild(self, cpu_index: faiss.Index, writes: AbstractContextManager[Any]) -> None:
+        """Free the copy (searches go to the CPU index), copy ``cpu_index`` again."""
+        with self._lock:
+            self.index = None  # the only reference: faiss frees its GPU memory now
+        try:
+            with writes:
+                copy = self._copy(cpu_index)
+                entries = int(cpu_index.ntotal)
+        except GpuUnavailable as exc:
+            self._fail("rebuild_failed", exc.message)
+            return
+        with self._lock:
+            self.index, self.entries, self.dead = copy, entries, 0
+            self.stale = np.empty(0, dtype=np.int64)
+        self.rebuilds += 1
+        if self.metrics is not None:
+            self.metrics.rebuilds.labels(*self.metrics.labels).inc()
+
+    def wait_rebuilt(self, timeout: float | None = None) -> bool:
+        """True once no rebuild is running (for tests and shutdown)."""
+        thread = self._rebuild
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    # --- searches (under the shard's read lock) ----------------------------------------
+
+    def search(self, queries: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` of the copy; the CPU index answers what the GPU cannot (k or nprobe
+        over 2,048, or the copy off or being rebuilt).
+
+        Called under the shard's read lock, so the CPU index does not change meanwhile.
+        """
+        assert self._cpu is not None
+        params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
+        if k <= GPU_MAX_K and nprobe <= GPU_MAX_K:
+            error: Exception | None = None
+            with self._lock:
+                if self.index is not None:
+                    try:
+                        scores, ids = self.index.search(queries, self._fetch(k), params=params)
+                    except Exception as exc:
+                        error = exc
+                    else:
+                        return self._drop_stale(queries, scores, ids, k)
+            if error is not None:
+                self._fail("search_failed", repr(error))
+        self.cpu_served += 1
+        scores, ids = self._cpu.search(queries, k, params=params)
+        return scores, ids
+
+    def _fetch(self, k: int) -> int:
+        """k, and as many more as the stale entries are expected to displace (twice)."""
+        if not self.dead:
+            return k
+        share = self.dead / max(self.entries, 1)
+        return min(GPU_MAX_K, k + max(8, math.ceil(2 * k * share)))
+
+    def _drop_stale(
+        self,
+        queries: np.ndarray,
+        scores: np.ndarray,
+        ids: np.ndarray,
+        k: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top-``k`` of an over-fetched grid without the copy's stale entries.
+
+        An entry of a removed id is dropped (the CPU index no longer has it); a stale id
+        that was added again has an old and a new entry in the copy, both scored here from
+        the CPU index's code, as the CPU index would score it; one hit per id.
+        """
+        at = np.minimum(np.searchsorted(self.stale, ids), max(len(self.stale) - 1, 0))
+        is_stale = (self.stale[at] == ids) if len(self.stale) else np.zeros(ids.shape, bool)
+        if not is_stale.any():
+            return scores[:, :k], ids[:, :k]
+        cpu = self._cpu
+        assert cpu is not None
+        ascending = cpu.metric_type == faiss.METRIC_L2
+        out_scores, out_ids = scores[:, :k].copy(), ids[:, :k].copy()
+        pad = np.float32(np.inf if ascending else -np.inf)
+        for row in np.flatnonzero(is_stale.any(axis=1)).tolist():
+            out_scores[row], out_ids[row] = pad, -1
+            hits: dict[int, float] = {}
+            entries = zip(ids[row].tolist(), scores[row].tolist(), is_stale[row], strict=True)
+            for fid, score, outdated in entries:
+                if fid < 0 or fid in hits:
+                    continue
+                if outdated:
+                    try:
+                        vector = cpu.reconstruct(fid)  # direct map: the id's current code
+                    except RuntimeError:  # removed from the CPU index
+                        continue
+                    q = queries[row]
+                    diff = q - vector
+                    score = float(diff @ diff) if ascending else float(q @ vector)
+                hits[fid] = score
+            best = sorted(hits.items(), key=lambda h: h[1], reverse=not ascending)[:k]
+            out_ids[row, : len(best)] = [f for f, _ in best]
+            out_scores[row, : len(best)] = [s for _, s in best]
+        return out_scores, out_ids
 
 
 def attach_or_fallback(
@@ -162,7 +367,8 @@ def attach_or_fallback(
     """Serve ``shard`` from a GPU copy if ``wanted`` and possible; else stay on the CPU.
 
     Never raises for a GPU problem: the reason is logged and counted
-    (``index_gpu_fallback_total{reason=no_gpu|unsupported_index|copy_failed}``).
+    (``index_gpu_fallback_total{reason=no_gpu|unsupported_index|copy_failed}``); later
+    failures of the copy are counted by the mirror itself.
     """
     reason, detail = "", ""
     if wanted:
@@ -172,8 +378,10 @@ def attach_or_fallback(
         elif (problem := gpu_index_problem(shard.index)) is not None:
             reason, detail = "unsupported_index", problem
         else:
+            mirror = mirror or GpuMirror(device)
+            mirror.metrics = metrics
             try:
-                shard.attach_gpu(mirror or GpuMirror(device))
+                shard.attach_gpu(mirror)
             except GpuUnavailable as exc:
                 reason, detail = "copy_failed", exc.message
     served = wanted and not reason

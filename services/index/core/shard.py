@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,9 @@ class IvfPqShard:
         self.applied = positions.ZERO
         self.deleted_total = 0
         self.lock = RWLock()
+        # Held by a batch of changes around the write lock, and by a GPU copy instead of
+        # it: a copy keeps writers out but lets searches run (they only read).
+        self._writes = threading.Lock()
         self.text = text  # the BM25 index, kept in step with the vectors (None: dense only)
         self.gpu: GpuMirror | None = None
         # the trained centroids, for callers that assign queries once for all shards
@@ -134,8 +138,11 @@ class IvfPqShard:
         self.quantizer = CoarseQuantizer.of_ivf(self.ivf, m.metric, m.nprobe)
 
     def attach_gpu(self, mirror: GpuMirror) -> None:
-        """Serve unfiltered searches from ``mirror`` (a GPU copy kept in step from now on)."""
-        with self.lock.write():
+        """Serve unfiltered searches from ``mirror`` (a GPU copy kept in step from now on).
+
+        Writers wait for the copy; searches go on (from the CPU index) meanwhile.
+        """
+        with self._writes:
             mirror.sync(self.index)
             self.gpu = mirror
 
@@ -161,7 +168,7 @@ class IvfPqShard:
             raise InvalidArgument(
                 f"log entry at {position}: vectors must be finite, dim {self.dim}"
             )
-        with self.lock.write():
+        with self._writes, self.lock.write():
             present = self._present(fids)
             removed = self._remove(sorted(present))
             self.deleted_total += sum(
@@ -176,12 +183,14 @@ class IvfPqShard:
                     fids.values(),
                     [TextDoc(fids[u.doc_id], u.body, u.tags) for u in upserts],
                 )
-            if self.gpu is not None and (removed or upserts):
-                if removed:
-                    self.gpu.sync(self.index)
-                else:
+            if self.gpu is not None:  # in step incrementally; never raises (CPU fallback)
+                if present:
+                    self.gpu.remove(np.asarray(sorted(present), dtype=np.int64))
+                if upserts:
                     ids = np.asarray([fids[u.doc_id] for u in upserts], dtype=np.int64)
                     self.gpu.add(vectors, ids)
+                if self.gpu.needs_rebuild():
+                    self.gpu.start_rebuild(self.index, self._writes)
             if positions.parse(position) > positions.parse(self.applied):
                 self.applied = position
         if upserts:
