@@ -94,10 +94,11 @@ def balance(
             router = ShardRouter(targets)
             if former:  # one channel per shard to its dns: target: gRPC's resolver, pick_first
                 for s in router._shards:  # (bench only: the former wiring)
+                    pool = s.replicas.pool
+                    assert pool.target is not None
                     rs = s.replicas
-                    assert rs.target is not None
-                    rs.replicas = [Replica(rs.shard, str(rs.target), rs.policy)]
-                    rs.target = None
+                    pool.endpoints = [Replica(rs.shard, str(pool.target), rs.policy)]
+                    pool.target = None
             try:
                 return await search_load(router, queries, concurrency)
             finally:

@@ -1,11 +1,13 @@
-"""Where a shard's replicas are: a fixed list of addresses, or a DNS name re-resolved.
+"""Where the servers behind one name are: a fixed list of addresses, or a DNS name
+re-resolved (:mod:`services.common.balance` balances over them: a shard's replicas in the
+index router, Triton's servers in the gateway's encoder).
 
-A shard is named either by its replicas (``host:port,host:port``) or by one DNS target
-in gRPC's syntax, ``dns:[//authority/]host:port`` (``dns:///gtr-shard-0-headless.ns.svc:50061``
+A name is either a list of addresses (``host:port,host:port``) or one DNS target in
+gRPC's syntax, ``dns:[//authority/]host:port`` (``dns:///gtr-shard-0-headless.ns.svc:50061``
 in the chart: the headless Service of the shard's StatefulSet, whose A records are the
-pods that are ready). Each address a name resolves to is one replica (its own channel
-and search stream), so the router balances over the replicas itself instead of leaving
-one gRPC channel to pick the first address and keep it.
+pods that are ready). Each address a name resolves to is one server (its own channel),
+so the client balances over the servers itself instead of leaving one gRPC channel to
+pick the first address and keep it.
 
 Without an authority the name goes through the system resolver (``getaddrinfo``: what
 the pod's ``/etc/resolv.conf`` and ``/etc/hosts`` say, search domains included); with

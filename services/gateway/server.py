@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common.auth import AuthInterceptor
+from services.common.balance import Balancing
 from services.common.logs import configure_logging
 from services.common.metrics import RpcMetrics
 from services.common.redis_client import async_client, parse_redis_url
@@ -44,6 +45,7 @@ async def build_encoder(settings: GatewaySettings) -> Encoder:
                 model=settings.triton_model,
                 default_timeout_s=settings.default_timeout_s,
                 tls=settings.triton_client_tls(),
+                balancing=Balancing(settings.balance, settings.resolve_every_s),
             )
         )
     from services.encoder.runtime.inprocess import InProcessEncoder
@@ -89,7 +91,7 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    from services.index.client.replicas import Balancing, HedgePolicy
+    from services.index.client.replicas import HedgePolicy
     from services.index.client.router import ShardRouter
     from services.index.client.writer import ChangeLogWriter
     from services.index.layout import check_layout_at

@@ -9,12 +9,13 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.auth import Authenticator
+from services.common.discovery import is_dns_target, parse_dns_target
 from services.common.errors import RetrievalError
 from services.common.redis_client import check_redis_url
 from services.common.settings import ClientTLSSettings
 from services.common.slo import SLOS
 from services.common.tls import ClientTLS
-from services.index.client.discovery import is_dns_target, parse_dns_target
+from services.encoder.runtime.triton_client import triton_addresses
 from services.rerank.depths import load_depth_table
 
 
@@ -60,16 +61,25 @@ class GatewaySettings(ClientTLSSettings):
     )
     balance: Literal["least_outstanding", "round_robin"] = Field(
         "least_outstanding",
-        description="Which replica of a shard a search goes to: the one with the fewest "
-        "searches in flight from this gateway (ties in turn), or strictly in turn.",
+        description="Which replica of a shard a search goes to, and which Triton server an "
+        "encode goes to: the one with the fewest calls in flight from this gateway (ties "
+        "in turn), or strictly in turn.",
     )
     resolve_every_s: float = Field(
-        5.0, gt=0, description="How often a shard named by a dns: target is resolved again."
+        5.0,
+        gt=0,
+        description="How often a shard or Triton named by a dns: target is resolved again.",
     )
     encoder: Literal["triton", "inprocess"] = Field(
         "triton", description="Where queries and documents are embedded."
     )
-    triton_url: str = Field("127.0.0.1:8001", description="Triton KServe v2 gRPC address.")
+    triton_url: str = Field(
+        "127.0.0.1:8001",
+        description="Triton's KServe v2 gRPC address: 'host:port', several "
+        "'host:port,host:port', or one DNS target 'dns:///name:port' (a headless Service) "
+        "whose addresses are the servers (re-resolved every --resolve-every-s). Encodes "
+        "are balanced over the servers (--balance) and fail over from one that is down.",
+    )
     triton_model: str = Field("embed", description="Name of the embedding model in Triton.")
     model_dir: str | None = Field(
         None, description="In-process encoder: sentence-transformers dir (default model if unset)."
@@ -239,6 +249,12 @@ class GatewaySettings(ClientTLSSettings):
     @classmethod
     def _valid_shards(cls, value: str) -> str:
         parse_shard_addresses(value)
+        return value
+
+    @field_validator("triton_url")
+    @classmethod
+    def _valid_triton_url(cls, value: str) -> str:
+        triton_addresses(value)
         return value
 
     @field_validator("rerank_depth_table")

@@ -27,7 +27,6 @@ from services.encoder.runtime.triton_client import (
     KSERVE_SERVICE,
     TritonEncoder,
     TritonEncoderConfig,
-    triton_client,
 )
 
 
@@ -70,7 +69,7 @@ def scripted_server(service: str, method: str, script: Script) -> Iterator[str]:
 def _triton_encode(address: str, retries: int, timeout: float = 10.0) -> None:
     async def go() -> None:
         cfg = TritonEncoderConfig(address, retries=retries, backoff_s=0.01, backoff_max_s=0.05)
-        encoder = TritonEncoder(triton_client(cfg), cfg, "m", 4, 8)
+        encoder = TritonEncoder(cfg, "m", 4, 8)
         try:
             await encoder.encode(["x"], "query", timeout=timeout)
         finally:
@@ -135,7 +134,7 @@ def test_the_triton_deadline_covers_every_attempt() -> None:
 
         async def go() -> None:
             cfg = TritonEncoderConfig(address, retries=4, backoff_s=3.0, backoff_max_s=3.0)
-            encoder = TritonEncoder(triton_client(cfg), cfg, "m", 4, 8)
+            encoder = TritonEncoder(cfg, "m", 4, 8)
             try:
                 await encoder.encode(["x"], "query", timeout=0.5)
             finally:

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.common.balance import Balancing
 from services.common.deadline import Deadline
 from services.common.domain import IndexResult
 from services.index import convert
-from services.index.client.replicas import Balancing, ReplicaSet
+from services.index.client.replicas import ReplicaSet
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import ShardQuery

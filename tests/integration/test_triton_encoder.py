@@ -28,7 +28,6 @@ from services.encoder.runtime.triton_client import (
     KSERVE_SERVICE,
     TritonEncoder,
     TritonEncoderConfig,
-    triton_client,
 )
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from tests.encoder_fixtures import (
@@ -238,7 +237,7 @@ def proxied(handle: TritonHandle, fail_first: int = 0) -> Iterator[tuple[str, In
 
 async def _proxied_encode(address: str, texts: list[str], timeout: float | None, **cfg: Any):  # type: ignore[no-untyped-def]
     config = TritonEncoderConfig(address, **cfg)
-    enc = TritonEncoder(triton_client(config), config, "all-MiniLM-L6-v2", 384, 64)
+    enc = TritonEncoder(config, "all-MiniLM-L6-v2", 384, 64)
     try:
         return await enc.encode(texts, "query", timeout=timeout)
     finally:
@@ -253,7 +252,7 @@ def test_the_deadline_is_sent_to_triton(minilm: TritonHandle) -> None:
 
     async def tight(address: str) -> None:
         config = TritonEncoderConfig(address)
-        enc = TritonEncoder(triton_client(config), config, "all-MiniLM-L6-v2", 384, 64)
+        enc = TritonEncoder(config, "all-MiniLM-L6-v2", 384, 64)
         try:
             await enc.encode(["warm the channel up"], "query", timeout=30)  # connected now
             with pytest.raises(DeadlineExceeded):

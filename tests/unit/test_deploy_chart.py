@@ -263,6 +263,17 @@ def test_one_statefulset_per_shard(chart: Any, shards: int, replicas: int) -> No
     ]
 
 
+def test_the_gateway_balances_over_tritons_headless_service(chart: Any) -> None:
+    docs = render(chart, {"encoder": {"replicas": 3}})
+    services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
+    headless = services[f"{RELEASE}-gtr-retrieval-triton-headless"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
+    assert headless["selector"] == services[f"{RELEASE}-gtr-retrieval-triton"]["spec"]["selector"]
+    assert [p["name"] for p in headless["ports"]] == ["grpc"]  # scraped once, by the Service
+    url = configmap_data(docs, "gateway")["GTR_GATEWAY_TRITON_URL"]
+    assert url == f"dns:///{RELEASE}-gtr-retrieval-triton-headless.{NAMESPACE}.svc:8001"
+
+
 def test_gateway_can_address_replicas_by_pod(chart: Any) -> None:
     docs = render(chart, {"index": {"shards": 2, "replicas": 3, "gatewayAddressing": "pods"}})
     shards = configmap_data(docs, "gateway")["GTR_GATEWAY_SHARDS"].split(";")
@@ -475,10 +486,15 @@ def test_prometheus_rule_carries_rules_yml(chart: Any) -> None:
     (monitor,) = of_kind(docs, "ServiceMonitor")
     assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/component"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
-    # every Service that the monitor selects names its metrics port "metrics"
+    # every Service that the monitor selects names its metrics port "metrics", except
+    # Triton's headless one (gRPC only: its pods are scraped once, through the Service)
+    triton_headless = f"{RELEASE}-gtr-retrieval-triton-headless"
     for svc in of_kind(docs, "Service"):
-        if component(svc) in APP_COMPONENTS:
-            assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}, svc["metadata"]["name"]
+        ports = {p["name"] for p in svc["spec"]["ports"]}
+        if svc["metadata"]["name"] == triton_headless:
+            assert ports == {"grpc"}
+        elif component(svc) in APP_COMPONENTS:
+            assert "metrics" in ports, svc["metadata"]["name"]
 
 
 # --- the Triton init script ---------------------------------------------------------------

@@ -1,5 +1,5 @@
 """A shard named by a DNS target: the forms accepted, and what a real DNS server's answers
-become (services/index/client/discovery.py, the gateway's --shards)."""
+become (services/common/discovery.py, the gateway's --shards)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import socket
 
 import pytest
 
+from services.common.discovery import DnsTarget, parse_dns_target, resolve
 from services.common.errors import Unavailable
 from services.gateway.settings import parse_shard_addresses
-from services.index.client.discovery import DnsTarget, parse_dns_target, resolve
 from tests.support.dns import run_dns
 
 
@@ -75,9 +75,10 @@ def test_the_system_resolver_serves_names_without_authority() -> None:
 
 def test_a_search_waits_for_the_first_resolution_only_within_its_deadline() -> None:
     from retrieval.v1 import index_pb2
+    from services.common.balance import Balancing
     from services.common.deadline import Deadline
     from services.common.errors import DeadlineExceeded
-    from services.index.client.replicas import Balancing, ReplicaSet
+    from services.index.client.replicas import ReplicaSet
 
     async def main() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
@@ -100,8 +101,9 @@ def test_a_search_waits_for_the_first_resolution_only_within_its_deadline() -> N
 def test_an_unexpected_resolver_error_does_not_end_the_watch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.index.client import replicas as replicas_module
-    from services.index.client.replicas import Balancing, ReplicaSet
+    from services.common import balance as balance_module
+    from services.common.balance import Balancing
+    from services.index.client.replicas import ReplicaSet
 
     answers: list[object] = [RuntimeError("surprise"), ["127.0.0.1:9"]]
 
@@ -112,7 +114,7 @@ def test_an_unexpected_resolver_error_does_not_end_the_watch(
         assert isinstance(answer, list)
         return answer
 
-    monkeypatch.setattr(replicas_module, "resolve", fake_resolve)
+    monkeypatch.setattr(balance_module, "resolve", fake_resolve)
 
     async def main() -> list[str]:
         shard = ReplicaSet(0, ["dns:///shard-0.test:9"], balancing=Balancing(resolve_every_s=0.01))

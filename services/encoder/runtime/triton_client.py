@@ -1,7 +1,21 @@
 """The encoder as a client of Triton's ``embed`` model (KServe v2 over gRPC, asyncio).
 
-One gRPC channel per encoder, reused by every call. Every call carries the remaining
-deadline as ``client_timeout``, so Triton drops work nobody waits for.
+Triton's servers: one address, a list (``host:port,host:port``) or a DNS name re-resolved
+(``dns:///gtr-triton-headless.ns.svc:8001``: the chart's headless Service, whose A
+records are the ready Triton pods). Each server gets a gRPC channel of its own and an
+encode goes to the one with the fewest encodes outstanding from this process (ties in
+turn), as the index router picks a shard's replica: the balancing, the DNS watch and
+the suspicion of a failing server are :mod:`services.common.balance`'s, shared with it.
+One channel to a Kubernetes Service would send every encode of a gateway to one pod
+(gRPC keeps one HTTP/2 connection per channel): measured with two Triton servers under
+a closed loop, ``python -m bench.triton_balance``.
+
+An encode that a server refuses as unavailable (a pod that died or is restarting, after
+the channel's own retries) or overloaded (a full queue) is sent to the next server in
+the order, within the same deadline; a server that misses ``suspect_after`` encodes in
+a row is asked last until Triton says the model is ready there again. Every call
+carries the remaining deadline as ``client_timeout``, so Triton drops work nobody waits
+for.
 
 Errors: Triton answers with gRPC status codes (tritonclient's ``InferenceServerException``
 carries it as ``status()``), and they go through the service's one map,
@@ -15,19 +29,24 @@ not a server that is down.
 Retries: the channel's, :mod:`services.common.retry` (gRPC's retryPolicy, UNAVAILABLE
 only, within the call's deadline; every KServe call is idempotent). gRPC cannot tell a
 full queue from a restart, so a full queue is retried too, with backoff and gRPC's retry
-throttling (which stops retrying once failures pile up); the caller then gets Overloaded.
+throttling (which stops retrying once failures pile up); then the next server is asked,
+and with none left the caller gets Overloaded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 
 from services.common import status
+from services.common.balance import Balancing, Endpoint, EndpointPool, tls_for
+from services.common.discovery import is_dns_target, parse_dns_target
 from services.common.errors import (
     DeadlineExceeded,
     Overloaded,
@@ -44,9 +63,28 @@ KSERVE_SERVICE = "inference.GRPCInferenceService"
 TRITON_QUEUE_FULL = "Exceeds maximum queue size"
 
 
+def triton_addresses(url: str) -> list[str]:
+    """``host:port``, ``host:port,host:port`` or one ``dns:`` target → the addresses
+    (ValueError saying what is wrong)."""
+    addresses = [a.strip() for a in url.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("expected 'host:port[,host:port...]' or 'dns:///name:port'")
+    if any(is_dns_target(a) for a in addresses):
+        if len(addresses) != 1:
+            raise ValueError(f"{url!r}: a dns: target names Triton's servers alone")
+        parse_dns_target(addresses[0])
+        return addresses
+    for address in addresses:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{address!r} is not host:port")
+    return addresses
+
+
 @dataclass(frozen=True)
 class TritonEncoderConfig:
-    url: str  # host:port of Triton's gRPC endpoint
+    # Triton's gRPC endpoint(s): host:port, host:port,host:port, or dns:///name:port
+    url: str
     model: str = "embed"
     default_timeout_s: float = 10.0  # used when a call passes no timeout
     retries: int = 3  # extra attempts on UNAVAILABLE (at most 4: gRPC allows 5 attempts)
@@ -54,6 +92,9 @@ class TritonEncoderConfig:
     backoff_max_s: float = 1.0
     connect_timeout_s: float = 5.0
     tls: ClientTLS | None = None  # None: plaintext gRPC to Triton
+    balancing: Balancing = field(default_factory=Balancing)
+    suspect_after: int = 3  # misses in a row before a server is asked last
+    probe_every_s: float = 0.5  # how often a suspect server's model readiness is asked
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(
@@ -88,51 +129,108 @@ def triton_channel_args(policy: RetryPolicy) -> list[tuple[str, Any]]:
     ]
 
 
-def triton_client(cfg: TritonEncoderConfig) -> Any:
-    """An asyncio tritonclient whose channel retries by ``cfg``'s policy."""
+def triton_client(
+    cfg: TritonEncoderConfig, address: str | None = None, tls: ClientTLS | None = None
+) -> Any:
+    """An asyncio tritonclient to ``address`` (default ``cfg.url``, one server) whose
+    channel retries by ``cfg``'s policy; TLS by ``tls`` (default ``cfg.tls``)."""
     from tritonclient.grpc.aio import InferenceServerClient
 
+    address = address or cfg.url
+    tls = tls or cfg.tls
     args = triton_channel_args(cfg.retry_policy())
-    if cfg.tls is None:
-        return InferenceServerClient(cfg.url, channel_args=args)
+    if tls is None:
+        return InferenceServerClient(address, channel_args=args)
     # Triton started with --grpc-use-ssl (and --grpc-use-ssl-mutual for mTLS)
     return InferenceServerClient(
-        cfg.url, creds=cfg.tls.credentials(), channel_args=[*args, *cfg.tls.options()]
+        address, creds=tls.credentials(), channel_args=[*args, *tls.options()]
+    )
+
+
+class TritonServer(Endpoint):
+    """One Triton server of the pool: its client (own channel) and its readiness."""
+
+    def __init__(self, address: str, cfg: TritonEncoderConfig, tls: ClientTLS | None) -> None:
+        super().__init__(address, f"triton {address}", cfg.suspect_after, cfg.probe_every_s)
+        self.cfg = cfg
+        self.client = triton_client(cfg, address, tls)
+
+    async def serving(self) -> bool:
+        timeout = max(self.cfg.probe_every_s, 0.1)
+        return bool(await self.client.is_model_ready(self.cfg.model, client_timeout=timeout))
+
+    async def close(self) -> None:
+        await super().close()
+        await self.client.close()
+
+
+def triton_pool(cfg: TritonEncoderConfig) -> EndpointPool[TritonServer]:
+    """Triton's servers named by ``cfg.url`` (a DNS target's servers are checked against
+    the DNS name's certificate under TLS)."""
+    addresses = triton_addresses(cfg.url)
+    target = parse_dns_target(addresses[0]) if is_dns_target(addresses[0]) else None
+    tls = tls_for(cfg.tls, target)
+    return EndpointPool(
+        "triton", addresses, lambda address: TritonServer(address, cfg, tls), cfg.balancing
     )
 
 
 class TritonEncoder(Encoder):
-    """:class:`Encoder` backed by Triton; build it with :meth:`connect`."""
+    """:class:`Encoder` backed by Triton's servers; build it with :meth:`connect`."""
 
     def __init__(
-        self, client: Any, cfg: TritonEncoderConfig, model_name: str, dim: int, max_batch: int
+        self,
+        cfg: TritonEncoderConfig,
+        model_name: str,
+        dim: int,
+        max_batch: int,
+        pool: EndpointPool[TritonServer] | None = None,
     ) -> None:
-        self._client = client
         self.cfg = cfg
+        self.pool = pool if pool is not None else triton_pool(cfg)
         self.model_name = model_name
         self.dim = dim
         self.max_batch = max_batch
 
     @classmethod
     async def connect(cls, cfg: TritonEncoderConfig) -> TritonEncoder:
-        """Open the channel and read model name, dim and max batch from the model config."""
-        client = triton_client(cfg)
+        """Find the servers and read model name, dim and max batch from the model config
+        (of the first server that answers)."""
+        pool = triton_pool(cfg)
         try:
-            response = await client.get_model_config(
-                cfg.model, client_timeout=cfg.connect_timeout_s
-            )
-        except Exception as exc:
-            await client.close()
-            raise map_triton_error(exc, f"reading config of {cfg.model!r} at {cfg.url}") from exc
-        config = response.config
-        params = {k: v.string_value for k, v in config.parameters.items()}
-        dims = {o.name: list(o.dims) for o in config.output}
-        dim = int(params.get("dim") or dims.get("EMBEDDING", [0])[-1])
-        if dim <= 0:
-            await client.close()
-            raise Unavailable(f"model {cfg.model!r} at {cfg.url} declares no EMBEDDING width")
+            try:
+                async with asyncio.timeout(cfg.connect_timeout_s):
+                    servers = await pool.current()
+            except TimeoutError:
+                raise Unavailable(f"triton: {cfg.url} not resolved in time") from None
+            if not servers:
+                raise Unavailable(f"triton: {cfg.url} names no server")
+            error: RetrievalError = Unavailable(f"triton: no server at {cfg.url}")
+            for server in pool.order(servers):
+                try:
+                    response = await server.client.get_model_config(
+                        cfg.model, client_timeout=cfg.connect_timeout_s
+                    )
+                    break
+                except Exception as exc:
+                    error = map_triton_error(
+                        exc, f"reading config of {cfg.model!r} at {server.address}"
+                    )
+                    if not isinstance(error, Unavailable | DeadlineExceeded):
+                        raise error from exc
+            else:
+                raise error
+            config = response.config
+            params = {k: v.string_value for k, v in config.parameters.items()}
+            dims = {o.name: list(o.dims) for o in config.output}
+            dim = int(params.get("dim") or dims.get("EMBEDDING", [0])[-1])
+            if dim <= 0:
+                raise Unavailable(f"model {cfg.model!r} at {cfg.url} declares no EMBEDDING width")
+        except BaseException:
+            await pool.close()
+            raise
         name = params.get("source_model") or cfg.model
-        return cls(client, cfg, name, dim, int(config.max_batch_size) or 1)
+        return cls(cfg, name, dim, int(config.max_batch_size) or 1, pool)
 
     def _inputs(self, texts: list[str], kind: Kind) -> list[Any]:
         from tritonclient.grpc import InferInput
@@ -156,15 +254,41 @@ class TritonEncoder(Encoder):
         budget = self.cfg.default_timeout_s if timeout is None else timeout
         if budget <= 0:
             raise DeadlineExceeded(f"no time left to embed {len(items)} texts ({budget:.3f} s)")
-        try:
-            result = await self._client.infer(
-                self.cfg.model, inputs, outputs=outputs, client_timeout=budget
-            )
-        except Exception as exc:
-            raise map_triton_error(exc, f"embedding {len(items)} texts") from exc
-        vectors = np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32)
-        truncated = np.asarray(result.as_numpy("TRUNCATED")).reshape(-1)
-        return Embeddings(vectors.reshape(len(items), self.dim), [bool(t) for t in truncated])
+        until = time.monotonic() + budget
+        try:  # the first resolution of a dns: target waits within the call's deadline
+            async with asyncio.timeout(budget):
+                servers = await self.pool.current()
+        except TimeoutError:
+            raise DeadlineExceeded(f"triton: {self.cfg.url} not resolved in time") from None
+        if not servers:
+            raise Unavailable(f"triton: {self.cfg.url} names no server")
+        error: RetrievalError = Unavailable(f"triton: no server at {self.cfg.url}")
+        for server in self.pool.order(servers):
+            left = until - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"embedding {len(items)} texts: no time left ({error})")
+            started = time.monotonic()
+            server.sent()
+            try:
+                result = await server.client.infer(
+                    self.cfg.model, inputs, outputs=outputs, client_timeout=left
+                )
+            except Exception as exc:
+                error = map_triton_error(exc, f"embedding {len(items)} texts at {server.address}")
+                if isinstance(error, Overloaded):
+                    continue  # full: the next server may not be
+                if isinstance(error, Unavailable | DeadlineExceeded):
+                    server.missed(error.message)
+                if isinstance(error, Unavailable):
+                    continue  # down or restarting: fail over at once
+                raise error from exc
+            finally:
+                server.done()
+            server.answered(time.monotonic() - started)
+            vectors = np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32)
+            truncated = np.asarray(result.as_numpy("TRUNCATED")).reshape(-1)
+            return Embeddings(vectors.reshape(len(items), self.dim), [bool(t) for t in truncated])
+        raise error
 
     async def close(self) -> None:
-        await self._client.close()
+        await self.pool.close()

@@ -20,11 +20,13 @@ background every ``probe_every_s``).
 
 Among the others a search goes to the replica with the fewest searches outstanding
 (its own and every other wave's on that replica's stream; ties in turn), or strictly
-in turn (:class:`Balancing`). The replicas are a fixed list, or the addresses a DNS
-name resolves to (:mod:`services.index.client.discovery`; the chart's headless Service
-of the shard), resolved again every ``resolve_every_s``: a replica that appears is
-asked last until its health check answers SERVING, one that disappears gets no new
-search and is closed once its searches are answered.
+in turn (:class:`~services.common.balance.Balancing`). The replicas are a fixed list,
+or the addresses a DNS name resolves to (the chart's headless Service of the shard),
+resolved again every ``resolve_every_s``: a replica that appears is asked last until
+its health check answers SERVING, one that disappears gets no new search and is closed
+once its searches are answered. Which replicas there are, their order and suspicion
+are :mod:`services.common.balance`'s, shared with the gateway's Triton client; what a
+search is (a tagged message on a stream, hedged) is this module's.
 
 Each replica is reached over one long-lived ``SearchStream``: searches travel as tagged
 messages on it.
@@ -47,26 +49,25 @@ to searches by tag:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
+from services.common.balance import Balancing, Endpoint, EndpointPool, tls_for
 from services.common.deadline import Deadline
+from services.common.discovery import DnsTarget
 from services.common.errors import DeadlineExceeded, Overloaded, RetrievalError, Unavailable
 from services.common.status import error_from_rpc, error_from_status
 from services.common.tls import ClientTLS, aio_channel
 from services.index import convert
-from services.index.client.discovery import DnsTarget, is_dns_target, parse_dns_target, resolve
 from services.index.core.query import ShardAnswer
 
 log = logging.getLogger(__name__)
@@ -205,64 +206,23 @@ class HedgePolicy:
     probe_every_s: float = 0.5
 
 
-@dataclass(frozen=True)
-class Balancing:
-    """How a search picks a shard's replica. ``least_outstanding``: the one with the
-    fewest searches in flight on it (ties in turn); ``round_robin``: strictly in turn.
-    ``resolve_every_s``: how often a DNS-named shard is resolved again."""
-
-    mode: Literal["least_outstanding", "round_robin"] = "least_outstanding"
-    resolve_every_s: float = 5.0
-    resolve_timeout_s: float = 2.0
-
-
-class Replica:
+class Replica(Endpoint):
     """One replica: its channel, its search stream, its recent latencies and health."""
 
     def __init__(
         self, shard: int, address: str, policy: HedgePolicy, tls: ClientTLS | None = None
     ) -> None:
+        super().__init__(
+            address, f"shard {shard} replica {address}", policy.suspect_after, policy.probe_every_s
+        )
         self.shard = shard
-        self.address = address
         self.policy = policy
         self.channel = aio_channel(address, tls)
         self.stub = index_pb2_grpc.IndexShardServiceStub(self.channel)
-        self.stream = ShardStream(self.stub, f"shard {shard} replica {address}")
+        self.stream = ShardStream(self.stub, self.what)
         self._latencies: deque[float] = deque(maxlen=policy.window)
         self._answers = 0
         self._p95: float | None = None  # the hedge delay, once min_samples answers were seen
-        self.misses = 0  # in a row
-        self.suspect = False
-        self._probe: asyncio.Task[None] | None = None
-        self.outstanding = 0  # searches sent to this replica and not yet answered
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def sent(self) -> None:
-        self.outstanding += 1
-        self._idle.clear()
-
-    def done(self, _task: object = None) -> None:
-        self.outstanding -= 1
-        if self.outstanding == 0:
-            self._idle.set()
-
-    async def drained(self, timeout: float) -> None:
-        """Return once no search waits on this replica (or after ``timeout``)."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._idle.wait()
-        except TimeoutError:
-            pass
-
-    def probe(self, why: str) -> None:
-        """Ask this replica last until its health check answers SERVING (a replica that
-        just appeared in DNS: it may still be loading)."""
-        if not self.suspect:
-            self.suspect = True
-            log.info("shard %d replica %s: %s; asked last until SERVING", self.shard,
-                     self.address, why)  # fmt: skip
-            self._probe = asyncio.ensure_future(self._until_serving())
 
     def hedge_delay(self, remaining: float | None) -> float:
         delay = self._p95 if self._p95 is not None else self.policy.unknown_delay_s
@@ -271,41 +231,21 @@ class Replica:
     def answered(self, seconds: float) -> None:
         """Record an answer's latency; the p95 is recomputed every ``P95_EVERY`` answers
         (once per wave would put a percentile of the window on every search's path)."""
+        super().answered(seconds)
         self._latencies.append(seconds)
-        self.misses = 0
         self._answers += 1
         if len(self._latencies) >= self.policy.min_samples and self._answers % P95_EVERY == 0:
             self._p95 = max(self.policy.min_delay_s, float(np.percentile(self._latencies, 95)))
 
-    def missed(self, why: str) -> None:
-        self.misses += 1
-        if self.misses >= self.policy.suspect_after and not self.suspect:
-            self.suspect = True
-            log.warning(
-                "shard %d replica %s is suspect (%d misses in a row, last: %s): asked last "
-                "until its health check answers SERVING",
-                self.shard, self.address, self.misses, why,
-            )  # fmt: skip
-            self._probe = asyncio.ensure_future(self._until_serving())
-
-    async def _until_serving(self) -> None:
+    async def serving(self) -> bool:
         health = health_pb2_grpc.HealthStub(self.channel)
-        timeout = max(self.policy.probe_every_s, 0.1)
-        while True:
-            try:
-                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(self.policy.probe_every_s)
-        self.suspect = False
-        self.misses = 0
-        log.info("shard %d replica %s serves again", self.shard, self.address)
+        reply = await health.Check(
+            health_pb2.HealthCheckRequest(), timeout=max(self.policy.probe_every_s, 0.1)
+        )
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        await super().close()
         self.stream.close()
         await self.channel.close()
 
@@ -315,7 +255,7 @@ class ReplicaSet:
 
     ``addresses``: the replicas' ``host:port``, or one DNS target (``dns:///name:port``)
     whose addresses are the replicas, resolved on first use and every
-    ``balancing.resolve_every_s`` after.
+    ``balancing.resolve_every_s`` after (:class:`~services.common.balance.EndpointPool`).
     """
 
     def __init__(
@@ -332,92 +272,32 @@ class ReplicaSet:
         self.shard = shard
         self.policy = policy or HedgePolicy()
         self.tls = tls
-        self.balancing = balancing or Balancing()
-        self.target: DnsTarget | None = None
-        if any(is_dns_target(a) for a in addresses):
-            if len(addresses) != 1:
-                raise ValueError(f"shard {shard}: a dns: target names all its replicas alone")
-            self.target = parse_dns_target(addresses[0])
-            self.replicas: list[Replica] = []
-            if tls is not None and tls.server_name is None:
-                # the replicas are IP addresses: their certificates name the DNS name
-                self.tls = dataclasses.replace(tls, server_name=self.target.host)
-        else:
-            self.replicas = [Replica(shard, a, self.policy, tls) for a in addresses]
-        self._turn = itertools.count()
-        self._resolved: asyncio.Event | None = None
-        self._watcher: asyncio.Task[None] | None = None
-        self._retiring: set[asyncio.Task[None]] = set()
+        self.pool: EndpointPool[Replica] = EndpointPool(
+            f"shard {shard}",
+            addresses,
+            lambda address: Replica(shard, address, self.policy, self.tls),
+            balancing,
+        )
+        self.tls = tls_for(tls, self.pool.target)
         self.hedged = 0  # searches sent to a second replica because the first was slow
 
     # --- which replicas there are ----------------------------------------------------
 
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.pool.endpoints
+
+    @property
+    def target(self) -> DnsTarget | None:
+        return self.pool.target
+
     async def current(self) -> list[Replica]:
         """The replicas now (a DNS target is resolved on first use, then watched)."""
-        if self.target is not None:
-            if self._resolved is None:
-                self._resolved = asyncio.Event()
-                self._watcher = asyncio.ensure_future(self._watch(self.target))
-            await self._resolved.wait()
-        return self.replicas
-
-    async def _watch(self, target: DnsTarget) -> None:
-        assert self._resolved is not None
-        while True:
-            try:
-                self.update(await resolve(target, self.balancing.resolve_timeout_s))
-            except Unavailable as exc:
-                log.warning("shard %d: %s; keeping %d known replicas", self.shard, exc,
-                            len(self.replicas))  # fmt: skip
-            except Exception:  # the watcher must outlive a surprise: searches wait on it
-                log.exception("shard %d: resolving %s failed; keeping %d known replicas",
-                              self.shard, target, len(self.replicas))  # fmt: skip
-            self._resolved.set()
-            await asyncio.sleep(self.balancing.resolve_every_s)
+        return await self.pool.current()
 
     def update(self, addresses: Sequence[str]) -> None:
-        """Take ``addresses`` as the replicas: new ones are asked last until their health
-        check answers SERVING (except in the first set), gone ones are closed once their
-        searches are answered. An empty answer keeps the known replicas (a headless
-        Service with no ready pod: they fail over or time out as they are)."""
-        if not addresses:
-            if self.replicas:
-                log.warning("shard %d: %s resolves to no replica; keeping %d known",
-                            self.shard, self.target, len(self.replicas))  # fmt: skip
-            return
-        known = {r.address: r for r in self.replicas}
-        first = not known
-        kept = [known[a] for a in addresses if a in known]
-        added = [Replica(self.shard, a, self.policy, self.tls) for a in addresses if a not in known]
-        gone = [r for a, r in known.items() if a not in set(addresses)]
-        self.replicas = kept + added
-        for replica in added:
-            if not first:
-                replica.probe("discovered")
-        if added or gone:
-            log.info("shard %d replicas: %s (added %s, removed %s)", self.shard,
-                     ", ".join(addresses), [r.address for r in added],
-                     [r.address for r in gone])  # fmt: skip
-        for replica in gone:
-            task = asyncio.ensure_future(self._retire(replica))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
-
-    async def _retire(self, replica: Replica) -> None:
-        try:
-            await replica.drained(30.0)
-        finally:  # also when the set closes first: the channel is closed either way
-            await replica.close()
-
-    def _order(self, replicas: list[Replica]) -> list[Replica]:
-        """Non-suspect replicas first, by fewest searches in flight (least_outstanding)
-        or in turn (round_robin); ties go in turn; suspect ones last."""
-        n = len(replicas)
-        first = next(self._turn) % n
-        turn = replicas[first:] + replicas[:first]
-        if self.balancing.mode == "least_outstanding":
-            turn.sort(key=lambda r: r.outstanding)  # stable: ties stay in turn
-        return [r for r in turn if not r.suspect] + [r for r in turn if r.suspect]
+        """Take ``addresses`` as the replicas (:meth:`EndpointPool.update`)."""
+        self.pool.update(addresses)
 
     # --- one search ----------------------------------------------------------------
 
@@ -435,7 +315,7 @@ class ReplicaSet:
             raise DeadlineExceeded(msg) from None
         if not replicas:
             raise Unavailable(f"shard {self.shard}: {self.target} names no replica")
-        order = self._order(replicas)
+        order = self.pool.order(replicas)
         running: dict[asyncio.Future[index_pb2.ShardSearchResponse], tuple[Replica, float]] = {}
         error: RetrievalError = Unavailable(f"shard {self.shard}: no replica")
 
@@ -487,11 +367,4 @@ class ReplicaSet:
                 task.cancel()
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-        retiring = list(self._retiring)
-        for task in retiring:
-            task.cancel()
-        await asyncio.gather(*retiring, return_exceptions=True)
-        for replica in self.replicas:
-            await replica.close()
+        await self.pool.close()

@@ -41,6 +41,7 @@ import grpc
 import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
+from services.common.balance import Balancing
 from services.common.deadline import Deadline
 from services.common.domain import Hit, IndexResult
 from services.common.errors import (
@@ -53,7 +54,7 @@ from services.common.errors import (
 from services.common.positions import WriteToken
 from services.common.tls import ClientTLS
 from services.index import convert
-from services.index.client.replicas import Balancing, HedgePolicy, Replica, ReplicaSet
+from services.index.client.replicas import HedgePolicy, Replica, ReplicaSet
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import (
     PAD_ID,
