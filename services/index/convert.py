@@ -14,7 +14,7 @@ from services.common.convert import (
 from services.common.errors import InvalidArgument, Unavailable
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
-from services.index.core.shard import MAX_QUERIES, ShardStats
+from services.index.core.shard import ShardStats
 from services.index.core.train import Manifest
 from services.index.core.transfer import FileInfo, Offer
 
@@ -25,10 +25,11 @@ def _f32(a: np.ndarray) -> bytes:
 
 
 def vectors_from_pb(batch: common_pb2.VectorBatch) -> np.ndarray:
+    """The batch as a (count, dim) view of its bytes; InvalidArgument when the bytes do
+    not make one. How many vectors a search may take is the shard's check
+    (:meth:`IvfPqShard.check`), not repeated here."""
     if batch.dim == 0 or batch.count == 0:
         raise InvalidArgument("queries: dim and count must be positive")
-    if batch.count > MAX_QUERIES:
-        raise InvalidArgument(f"queries: {batch.count} vectors, takes 1..{MAX_QUERIES}")
     expected = 4 * batch.dim * batch.count
     if len(batch.data) != expected:
         raise InvalidArgument(
@@ -91,15 +92,19 @@ def query_to_pb(q: ShardQuery) -> index_pb2.ShardSearchRequest:
     )
 
 
-def answer_to_pb(a: ShardAnswer) -> index_pb2.ShardSearchResponse:
-    return index_pb2.ShardSearchResponse(
-        width=a.top.width,
-        ids=a.top.ids,
-        scores=_f32(a.top.scores),
-        shard=a.shard,
-        replica=a.replica,
-        applied_position=a.applied_position,
-    )
+def answer_to_pb(
+    a: ShardAnswer, out: index_pb2.ShardSearchResponse | None = None
+) -> index_pb2.ShardSearchResponse:
+    """The answer as a message; ``out``: the message to fill, in place (a stream
+    response's ``result``: built there once rather than built and then copied in)."""
+    out = index_pb2.ShardSearchResponse() if out is None else out
+    out.width = a.top.width
+    out.ids.extend(a.top.ids)
+    out.scores = _f32(a.top.scores)
+    out.shard = a.shard
+    out.replica = a.replica
+    out.applied_position = a.applied_position
+    return out
 
 
 def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:

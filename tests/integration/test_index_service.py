@@ -131,7 +131,7 @@ def test_replicas_answer_identical_top_k(cluster: ShardCluster, vectors: np.ndar
             answers.append(convert.answer_from_pb(reply))
         first, second = answers
         assert first.applied_position == second.applied_position
-        assert first.hits == second.hits
+        assert first.top == second.top
         assert first.replica != second.replica
 
 
@@ -373,10 +373,10 @@ def test_search_stream_answers_each_message_with_its_own_status(
         assert "k: 0 is out of range" in by_tag[8].status_message
         for tag, k in ((7, 5), (9, 3)):
             answer = convert.answer_from_pb(by_tag[tag].result)
-            assert by_tag[tag].status_code == 0 and [len(row) for row in answer.hits] == [k, k]
+            assert by_tag[tag].status_code == 0 and [len(row) for row in answer.top.hits()] == [k, k]
         # the same search through the unary call: the same hits
         unary = stub.Search(request(7, 5).search, timeout=10)
-        assert convert.answer_from_pb(unary).hits == convert.answer_from_pb(by_tag[7].result).hits
+        assert convert.answer_from_pb(unary).top == convert.answer_from_pb(by_tag[7].result).top
 
         raw = channel.stream_stream(
             "/retrieval.v1.IndexShardService/SearchStream",

@@ -116,11 +116,14 @@ class TopK:
 
 @dataclass
 class ShardAnswer:
+    """A shard's answer to one search: its hits (the :class:`TopK` grid, held as it is,
+    not another form of them) and which replica answered, at which log position.
+
+    More candidate lists of the same batch go beside ``top`` as further grids (the
+    sparse list of hybrid search, issue #26), with their fields in ``ShardSearchResponse``
+    and :mod:`services.index.convert`."""
+
     top: TopK
     shard: int
     replica: str
     applied_position: str
-
-    @property
-    def hits(self) -> list[list[Scored]]:
-        return self.top.hits()

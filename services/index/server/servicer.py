@@ -31,12 +31,9 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
     async def Search(
         self, request: index_pb2.ShardSearchRequest, context: grpc.aio.ServicerContext
     ) -> index_pb2.ShardSearchResponse:
-        return await self._answer(request, context.time_remaining())
-
-    async def _answer(
-        self, request: index_pb2.ShardSearchRequest, timeout: float | None
-    ) -> index_pb2.ShardSearchResponse:
-        answer = await self._service.search(convert.query_from_pb(request), timeout)
+        answer = await self._service.search(
+            convert.query_from_pb(request), context.time_remaining()
+        )
         return convert.answer_to_pb(answer)
 
     async def SearchStream(
@@ -53,8 +50,10 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
             try:
                 timeout = msg.timeout_us / 1e6 if msg.timeout_us else None
                 with self._admission.admit():
-                    result = await self._answer(msg.search, timeout)
-                out.put_nowait(index_pb2.ShardStreamResponse(tag=msg.tag, result=result))
+                    answer = await self._service.search(convert.query_from_pb(msg.search), timeout)
+                reply = index_pb2.ShardStreamResponse(tag=msg.tag)
+                convert.answer_to_pb(answer, reply.result)  # filled in place, not copied in
+                out.put_nowait(reply)
             except Exception as exc:  # each search answers for itself; the stream goes on
                 if not isinstance(exc, RetrievalError):
                     log.exception("unhandled error in a streamed search")
