@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from services.encoder.build.export import (
+    PROBE_TEXTS,
     EncoderMeta,
     check_parity,
     onnx_session,
@@ -96,6 +97,45 @@ def test_parity_check_catches_a_broken_export(base: Path, tmp_path: Path) -> Non
         (tmp_path / sidecar).write_text((src.parent / sidecar).read_text())
     report = check_parity(model_dir, broken)
     assert not report.passed and "FAILED" in report.summary()
+
+
+@pytest.mark.parametrize("bad", ["nan", "zero"])
+def test_parity_refuses_nan_and_zero_rows_past_the_first(
+    bad: str, base: Path, tmp_path: Path
+) -> None:
+    """Issue #25 item 9: an export whose second row is NaN (or all zeros) while the others
+    are exact must fail; Python's ``min`` over the cosines skipped a NaN not in first place."""
+    model_dir = ensure_tiny_t5(base)
+    src = ensure_onnx(model_dir, base)
+    lengths = torch_embedder(model_dir).tokenize(PROBE_TEXTS, "document").attention_mask.sum(1)
+    assert lengths[1] < np.delete(lengths, 1).min()  # "x": the shortest, not the first row
+    model = onnx.load(str(src))
+    graph = model.graph
+    producer = next(n for n in graph.node if "embedding" in n.output)
+    producer.output[list(producer.output).index("embedding")] = "embedding_raw"
+    # embedding * f(tokens - (len(row 1) + 0.5)): f = sqrt gives NaN, relu 0, on row 1 only
+    graph.initializer.extend([
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "gate_axes"),
+        numpy_helper.from_array(np.array(lengths[1] + 0.5, dtype=np.float32), "gate_cut"),
+    ])  # fmt: skip
+    graph.node.extend([
+        helper.make_node("Cast", ["attention_mask"], ["gate_mask"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["gate_mask", "gate_axes"], ["gate_len"], keepdims=1),
+        helper.make_node("Sub", ["gate_len", "gate_cut"], ["gate_d"]),
+        helper.make_node("Sqrt" if bad == "nan" else "Relu", ["gate_d"], ["gate_f"]),
+        helper.make_node("Mul", ["embedding_raw", "gate_f"], ["embedding"]),
+    ])  # fmt: skip
+    broken = tmp_path / "model.onnx"
+    onnx.save(model, str(broken))
+    for sidecar in ("tokenizer.json", "encoder.json"):
+        (tmp_path / sidecar).write_text((src.parent / sidecar).read_text())
+    report = check_parity(model_dir, broken)
+    cosines = np.asarray(report.cosines)
+    assert np.isnan(cosines[1]) and (np.delete(cosines, 1) >= 0.9999).all()  # only row 1
+    assert not report.passed, report.summary()
+    assert "FAILED" in report.summary() and np.isnan(report.min_cosine)
+    reason = "NaN or Inf" if bad == "nan" else "all zeros"
+    assert report.problem is not None and reason in report.problem
 
 
 def test_int8_quantisation_stays_close(base: Path, tmp_path: Path) -> None:

@@ -63,30 +63,69 @@ class EncoderMeta:
         return get_profile(self.profile)
 
 
+def check_embeddings(
+    reference: np.ndarray, got: np.ndarray, min_cosine: float
+) -> tuple[float, str | None]:
+    """The parity gate of every artefact (ONNX export, TensorRT plan): (min row cosine,
+    why the output is refused or None).
+
+    Refused: another shape, any NaN/Inf, any zero-norm row (an all-zero row has no cosine,
+    and NaN < threshold is false, so it must be caught before comparing), or a row whose
+    cosine with ``reference`` is below ``min_cosine``. Anywhere in the batch: Python's
+    ``min`` over a list skips a NaN that is not first, so the rows are checked as arrays.
+    """
+    got = np.asarray(got, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    if got.shape != reference.shape:
+        return float("nan"), f"output shape {got.shape} != reference {reference.shape}"
+    bad = ~np.isfinite(got).all(axis=1)
+    if bad.any():
+        return float("nan"), f"{int(bad.sum())}/{len(got)} rows have NaN or Inf"
+    norms = np.linalg.norm(got, axis=1)
+    ref_norms = np.linalg.norm(reference, axis=1)
+    if (norms == 0).any():
+        return 0.0, f"{int((norms == 0).sum())}/{len(got)} rows are all zeros"
+    cosines = (got * reference).sum(axis=1) / (norms * np.maximum(ref_norms, 1e-30))
+    worst = float(cosines.min())
+    if not worst >= min_cosine:
+        return worst, f"min cosine vs PyTorch {worst:.5f} < {min_cosine}"
+    return worst, None
+
+
 @dataclass(frozen=True)
 class ParityReport:
-    """Per-row cosine between two implementations on the same token batch."""
+    """Per-row cosine between two implementations on the same token batch, and the
+    gate's verdict (:func:`check_embeddings`: NaN, Inf or zero rows anywhere refuse)."""
 
     cosines: list[float]
     threshold: float
+    problem: str | None = None  # why the gate refused, None when it passed
+
+    @classmethod
+    def of(cls, reference: np.ndarray, got: np.ndarray, threshold: float) -> ParityReport:
+        _, problem = check_embeddings(reference, got, threshold)
+        cosines = row_cosines(reference, got) if np.shape(reference) == np.shape(got) else []
+        return cls(cosines, threshold, problem)
 
     @property
     def min_cosine(self) -> float:
-        return min(self.cosines)
+        return float(np.min(self.cosines)) if self.cosines else float("nan")  # NaN wins
 
     @property
     def passed(self) -> bool:
-        return self.min_cosine >= self.threshold
+        return self.problem is None and self.min_cosine >= self.threshold
 
     def summary(self) -> str:
         verdict = "OK" if self.passed else "FAILED"
-        return (f"parity {verdict}: min cosine {self.min_cosine:.6f} over {len(self.cosines)} "
-                f"rows (threshold {self.threshold})")  # fmt: skip
+        why = f": {self.problem}" if self.problem else ""
+        return (f"parity {verdict}{why}: min cosine {self.min_cosine:.6f} over "
+                f"{len(self.cosines)} rows (threshold {self.threshold})")  # fmt: skip
 
 
 def row_cosines(a: np.ndarray, b: np.ndarray) -> list[float]:
-    a = a / np.linalg.norm(a, axis=1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero row's cosine is NaN
+        a = a / np.linalg.norm(a, axis=1, keepdims=True)
+        b = b / np.linalg.norm(b, axis=1, keepdims=True)
     return [float(x) for x in (a * b).sum(axis=1)]
 
 
@@ -165,7 +204,7 @@ def check_parity(
     (got,) = session.run(  # type: ignore[attr-defined]
         [OUTPUT_NAME], {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     )
-    return ParityReport(row_cosines(reference, got), threshold)
+    return ParityReport.of(reference, got, threshold)
 
 
 def quantize_int8(onnx_path: Path, out_path: Path) -> Path:

@@ -42,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.encoder.build.export import check_embeddings
 from services.encoder.profiles import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -265,33 +266,6 @@ def fp16_graph(model: Any, keep_fp32: Iterable[str], *, inplace: bool = False) -
     return float16.convert_float_to_float16(
         prepared, keep_io_types=True, node_block_list=sorted(keep), disable_shape_infer=True
     )
-
-
-def check_embeddings(
-    reference: np.ndarray, got: np.ndarray, min_cosine: float
-) -> tuple[float, str | None]:
-    """The parity gate: (min row cosine, why the output is refused or None).
-
-    Refused: another shape, any NaN/Inf, any zero-norm row (an all-zero row has no cosine,
-    and NaN < threshold is false, so it must be caught before comparing), or a row whose
-    cosine with ``reference`` is below ``min_cosine``.
-    """
-    got = np.asarray(got, dtype=np.float64)
-    reference = np.asarray(reference, dtype=np.float64)
-    if got.shape != reference.shape:
-        return float("nan"), f"output shape {got.shape} != reference {reference.shape}"
-    bad = ~np.isfinite(got).all(axis=1)
-    if bad.any():
-        return float("nan"), f"{int(bad.sum())}/{len(got)} rows have NaN or Inf"
-    norms = np.linalg.norm(got, axis=1)
-    ref_norms = np.linalg.norm(reference, axis=1)
-    if (norms == 0).any():
-        return 0.0, f"{int((norms == 0).sum())}/{len(got)} rows are all zeros"
-    cosines = (got * reference).sum(axis=1) / (norms * np.maximum(ref_norms, 1e-30))
-    worst = float(cosines.min())
-    if not worst >= min_cosine:
-        return worst, f"min cosine vs PyTorch {worst:.5f} < {min_cosine}"
-    return worst, None
 
 
 def tensorrt_release(version: str) -> str:
