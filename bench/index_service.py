@@ -54,7 +54,8 @@ from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
 from services.index.core.shard import IvfPqShard
-from services.index.core.train import TrainedIndex, TrainOptions, train_index
+from services.index.core.train import TrainOptions, train_index
+from services.index.core.trained import TrainedIndex
 from tests.support.processes import run_redis
 from tests.support.shards import ShardCluster, run_shards
 

@@ -26,7 +26,8 @@ from services.eval.config import DEPTH, EvalConfig
 from services.eval.data import EvalData
 from services.index.core.changes import Upsert
 from services.index.core.shard import MAX_QUERIES, IvfPqShard
-from services.index.core.train import Manifest, TrainedIndex, train_index
+from services.index.core.train import train_index
+from services.index.core.trained import Manifest, TrainedIndex
 
 Run = dict[str, list[str]]
 

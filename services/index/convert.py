@@ -15,7 +15,7 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
 from services.index.core.shard import ShardStats
-from services.index.core.train import Manifest
+from services.index.core.trained import Manifest
 from services.index.core.transfer import FileInfo, Offer
 
 

@@ -28,7 +28,8 @@ import numpy as np
 from services.common.domain import Document
 from services.corpus.readers import CorpusDoc, read_corpus
 from services.gateway.texts import cut_for_encoder
-from services.index.core.train import Manifest, TrainOptions, train_index
+from services.index.core.train import TrainOptions, train_index
+from services.index.core.trained import Manifest
 from services.stack.config import StackConfig
 
 Say = Callable[[str], None]

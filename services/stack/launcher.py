@@ -259,7 +259,7 @@ class Stack:
     def train_if_needed(self) -> first_run.CorpusEmbeddings | None:
         """First run (no trained index): encode the corpus once, train on a sample of it;
         the embeddings are kept for :meth:`ingest` (:mod:`services.stack.first_run`)."""
-        from services.index.core.train import MANIFEST
+        from services.index.core.trained import MANIFEST
 
         cfg = self.config
         if (cfg.index_dir / MANIFEST).exists():

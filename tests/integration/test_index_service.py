@@ -25,7 +25,7 @@ from services.index import convert
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
-from services.index.core.train import Manifest
+from services.index.core.trained import Manifest
 from services.index.keys import replicas_seen_key, snapshot_positions_key
 from tests.support.log_end import log_end_moved
 from tests.support.processes import RedisServer

@@ -26,7 +26,7 @@ from services.index import convert
 from services.index.changelog import LogReader
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, ShardQuery
-from services.index.core.train import MANIFEST
+from services.index.core.trained import MANIFEST
 from tests.support.dns import run_dns
 from tests.support.processes import free_port, run_redis
 from tests.support.shards import ShardProcess, scifact_vectors, shared_test_index, start_shard

@@ -19,7 +19,7 @@ from retrieval.v1 import search_pb2, search_pb2_grpc
 from services.client.gateway import gateway_channel
 from services.common.domain import Document
 from services.encoder.runtime.inprocess import InProcessEncoder
-from services.index.core.train import Manifest
+from services.index.core.trained import Manifest
 from services.stack import first_run
 from services.stack.config import StackConfig
 from tests.support.background import stack_in_background

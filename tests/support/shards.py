@@ -50,7 +50,8 @@ def train_test_index(
     vectors: np.ndarray, out_dir: Path, *, nlist: int | None = None, **options: object
 ) -> Path:
     """Train IVF-PQ (+ SQ8 refine) on ``vectors`` into ``out_dir`` (reused when present)."""
-    from services.index.core.train import MANIFEST, TrainOptions, train_index
+    from services.index.core.train import TrainOptions, train_index
+    from services.index.core.trained import MANIFEST
 
     if not (out_dir / MANIFEST).exists():
         train_index(

@@ -28,7 +28,8 @@ from services.common.slo import slo_for
 from services.gateway.metrics import GatewayMetrics, QueryCacheMetrics
 from services.index.changelog import LogReader
 from services.index.core.shard import IvfPqShard
-from services.index.core.train import TrainedIndex, TrainOptions, train_index
+from services.index.core.train import TrainOptions, train_index
+from services.index.core.trained import TrainedIndex
 from services.index.server.metrics import ShardMetrics
 from services.rerank.serve.metrics import RerankMetrics
 from tests.support.processes import free_port

@@ -13,7 +13,7 @@ from services.common.errors import InvalidArgument
 from services.index.core.changes import Upsert
 from services.index.core.query import TopK
 from services.index.core.shard import IvfPqShard
-from services.index.core.train import TrainedIndex
+from services.index.core.trained import TrainedIndex
 from services.index.server.batcher import SearchBatcher
 from tests.support.shards import scifact_vectors, shared_test_index
 

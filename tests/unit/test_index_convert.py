@@ -16,7 +16,7 @@ from services.index import convert
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import PAD_ID, Consistency, Probes, ShardAnswer, ShardQuery, TopK
 from services.index.core.shard import ShardStats
-from services.index.core.train import Manifest
+from services.index.core.trained import Manifest
 from services.index.core.transfer import FileInfo, Offer
 
 UINT32 = st.integers(0, 2**32 - 1)

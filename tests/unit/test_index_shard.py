@@ -13,7 +13,7 @@ from services.index.core.changes import Delete, Upsert
 from services.index.core.ids import faiss_id
 from services.index.core.shard import IvfPqShard
 from services.index.core.snapshots import list_snapshots, load_newest, write_snapshot
-from services.index.core.train import TrainedIndex
+from services.index.core.trained import TrainedIndex
 from tests.support.shards import scifact_vectors, shared_test_index
 
 N_BASE = 4683  # the rest of the 5,183 SciFact documents are held-out queries

@@ -16,20 +16,18 @@ from services.index.core.train import (
     FLAT_BELOW,
     TARGET_RECALL,
     WIDE_K,
-    Manifest,
     NprobeTuning,
-    TrainedIndex,
     TrainOptions,
     default_gpu_pq_m,
     default_nlist,
     default_pq_m,
-    gpu_pq_problem,
     ivf_advice,
     resolve,
     rule_of_thumb_nprobe,
     train_index,
     tune_nprobe,
 )
+from services.index.core.trained import Manifest, TrainedIndex, gpu_pq_problem
 from tests.support.shards import scifact_vectors, shared_test_index
 
 N_BASE = 4683  # the rest of the 5,183 SciFact documents are held-out queries

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.index.core.snapshots import Snapshot
-from services.index.core.train import MANIFEST, REFINE, TRAINED
+from services.index.core.trained import MANIFEST, REFINE, TRAINED
 from services.index.core.transfer import (
     CHUNK_BYTES,
     FileInfo,

@@ -27,7 +27,7 @@ import numpy as np
 from services.common import positions
 from services.index.core.shard import IvfPqShard, TextConfig
 from services.index.core.text import TextIndex
-from services.index.core.train import TrainedIndex
+from services.index.core.trained import TrainedIndex
 
 log = logging.getLogger(__name__)
 

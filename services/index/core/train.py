@@ -2,8 +2,9 @@
 
 The result is a *trained, empty* index that every shard starts from, written as
 ``<dir>/trained.faiss`` (the IVF-PQ index), ``<dir>/refine.faiss`` (an empty SQ8 index
-that holds the trained scalar quantizer) and ``<dir>/manifest.json``. Adds encode into the
-existing lists and codebooks; nothing is ever retrained in place.
+that holds the trained scalar quantizer) and ``<dir>/manifest.json``
+(:mod:`services.index.core.trained` reads them back). Adds encode into the existing lists
+and codebooks; nothing is ever retrained in place.
 
 The default nprobe is tuned (:func:`tune_nprobe`): the smallest nprobe whose 10-recall@10
 *and* 100-recall@100 against exact search both reach ``target_recall`` (0.99) on vectors
@@ -14,25 +15,30 @@ farther from their neighbours than held-out corpus vectors (docs/index.md, Train
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import InvalidArgument
 from services.index.core.changes import Upsert
+from services.index.core.shard import MAX_QUERIES, IvfPqShard
+from services.index.core.trained import (
+    GPU_PQ_M,
+    REFINE,
+    TRAINED,
+    Manifest,
+    TrainedIndex,
+    gpu_pq_problem,
+    pq_error,
+)
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-TRAINED = "trained.faiss"
-REFINE = "refine.faiss"
 
 TARGET_RECALL = 0.99  # default 10-recall@10 and WIDE_K-recall@WIDE_K the tuned nprobe must reach
 TUNE_K = 10
@@ -74,48 +80,6 @@ class TrainOptions:
     gpu: bool = False  # the shards will search on a GPU: PQ settings GPU IVF-PQ accepts
 
 
-@dataclass
-class Manifest:
-    dim: int
-    metric: str
-    factory: str
-    model: str
-    nlist: int
-    pq_m: int
-    pq_bits: int
-    refine: bool
-    refine_factor: int
-    nprobe: int
-    train_points: int
-    train_pq_error: float  # mean squared reconstruction error of the training sample
-    train_seconds: float
-    created_at: str
-    stats: dict[str, float] = field(default_factory=dict)
-    gpu_problem: str | None = None  # why faiss-gpu cannot hold this index (None: it can)
-    # nprobe tuning (None in manifests written before it, or when the sample was too small)
-    target_recall: float | None = None  # None: nprobe was set by hand (--nprobe)
-    measured_recall: float | None = None  # 10-recall@10 at `nprobe`, held-out sample
-    recall_by_nprobe: dict[str, float] = field(default_factory=dict)  # every nprobe tried
-    wide_k: int = 0  # the wide recall's k (WIDE_K, fewer on a tiny sample); 0: not measured
-    measured_wide_recall: float | None = None  # wide_k-recall@wide_k at `nprobe`
-    wide_recall_by_nprobe: dict[str, float] = field(default_factory=dict)
-    tune_queries: int = 0
-    tune_seconds: float = 0.0
-    flat_ms_per_query: float | None = None  # exact IndexFlatIP over the same vectors
-    ivf_ms_per_query: float | None = None  # the shard's search path at `nprobe`
-    ivf_advice: str | None = None  # why a flat index would serve this corpus better
-
-    def write(self, directory: Path) -> None:
-        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def read(cls, directory: Path) -> Manifest:
-        path = Path(directory) / MANIFEST
-        if not path.exists():
-            raise FailedPrecondition(f"{directory} has no {MANIFEST}: run `index train` first")
-        return cls(**json.loads(path.read_text()))
-
-
 def default_nlist(n: int) -> int:
     """≈ 4·√N, at least 1, and at most N/39 so every centroid gets ~39 training points."""
     return max(1, min(int(4 * math.sqrt(n)), n // 39 or 1, 65536))
@@ -133,27 +97,6 @@ def default_pq_m(dim: int) -> int:
         if dim % m == 0:
             return m
     return 1
-
-
-# What GPU IVF-PQ accepts (faiss/gpu: GpuIndexIVFPQ::verifyPQSettings_): bytes per code
-# (IVFPQ::isSupportedPQCodeLength; 56, 64 and 96 only with float16 lookup tables, which
-# GpuMirror uses), 8 bits per code, and, without precomputed tables (the cloner's
-# default), dims per sub-quantizer in isSupportedNoPrecomputedSubDimSize.
-GPU_PQ_M = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
-GPU_PQ_M_FLOAT16_ONLY = (56, 64, 96)
-GPU_PQ_SUBDIMS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32)
-
-
-def gpu_pq_problem(dim: int, pq_m: int, pq_bits: int) -> str | None:
-    """Why faiss-gpu would refuse an IVF-PQ of these settings, or None if it accepts it."""
-    if pq_bits != 8:
-        return f"GPU IVF-PQ needs 8 bits per code (pq_bits={pq_bits})"
-    if pq_m not in GPU_PQ_M:
-        return f"GPU IVF-PQ supports pq_m in {list(GPU_PQ_M)}, not {pq_m}"
-    if dim % pq_m or dim // pq_m not in GPU_PQ_SUBDIMS:
-        return (f"GPU IVF-PQ supports {list(GPU_PQ_SUBDIMS)} dims per sub-quantizer, not "
-                f"{dim}/{pq_m}")  # fmt: skip
-    return None
 
 
 def default_gpu_pq_m(dim: int) -> int | None:
@@ -190,14 +133,6 @@ def rule_of_thumb_nprobe(nlist: int) -> int:
     against exact search; the tuned nprobe is the default whenever tuning can run.
     """
     return max(1, min(nlist, max(32, round(nlist / 10))))
-
-
-def pq_error(index: faiss.Index, x: np.ndarray) -> float:
-    """Mean squared error of encoding then decoding ``x`` with the trained IVF-PQ codec."""
-    if len(x) == 0:
-        return 0.0
-    codes = index.sa_encode(x)
-    return float(np.mean(np.sum((index.sa_decode(codes) - x) ** 2, axis=1)))
 
 
 def check_vectors(x: np.ndarray, dim: int | None = None) -> np.ndarray:
@@ -326,8 +261,6 @@ def tune_nprobe(trained: TrainedIndex, x: np.ndarray, opts: TrainOptions) -> Npr
     and missed (recall is all but monotone in nprobe). When even nlist misses the target,
     nprobe is nlist. The held-out vectors were part of k-means' sample: a slight optimism.
     """
-    from services.index.core.shard import MAX_QUERIES, IvfPqShard  # shard imports this module
-
     start = time.perf_counter()
     n, dim = x.shape
     nlist = trained.manifest.nlist
@@ -421,23 +354,3 @@ def ivf_advice(n: int, tuning: NprobeTuning | None) -> str | None:
         f"IVF is the wrong choice for {n} vectors{measured}. A flat index (IndexFlatIP) is "
         f"exact and about as fast below ~{FLAT_BELOW:,} vectors (docs/index.md, Training)"
     )
-
-
-@dataclass
-class TrainedIndex:
-    manifest: Manifest
-    index: faiss.Index  # IndexIVFPQ, empty
-    refine: faiss.Index  # an empty IndexScalarQuantizer; owns the trained SQ8 codec
-
-    @property
-    def sq(self) -> faiss.ScalarQuantizer:
-        # Non-owning references into ``refine``: keep ``refine`` alive while they are used.
-        return faiss.downcast_index(self.refine).sq  # type: ignore[attr-defined]
-
-    @classmethod
-    def load(cls, directory: Path) -> TrainedIndex:
-        directory = Path(directory)
-        manifest = Manifest.read(directory)
-        index = faiss.read_index(str(directory / TRAINED))
-        refine = faiss.read_index(str(directory / REFINE))
-        return cls(manifest, index, refine)

@@ -27,7 +27,7 @@ from typing import BinaryIO
 
 from services.common import positions
 from services.index.core.snapshots import Snapshot, fsync_dir, list_snapshots
-from services.index.core.train import MANIFEST, REFINE, TRAINED
+from services.index.core.trained import MANIFEST, REFINE, TRAINED
 
 CHUNK_BYTES = 1 << 20
 INDEX_FILES = (MANIFEST, TRAINED, REFINE)

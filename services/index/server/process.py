@@ -20,7 +20,7 @@ from services.common.metrics import RpcMetrics
 from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.index.core.gpu import GpuMetrics, attach_or_fallback
-from services.index.core.train import MANIFEST
+from services.index.core.trained import MANIFEST
 from services.index.server.batcher import SearchBatcher
 from services.index.server.metrics import ShardMetrics
 from services.index.server.replica import ShardReplica
