@@ -39,7 +39,9 @@ DEFAULT_RUN_DIR = ".run"
 # Every call of the CLI is idempotent (an upsert of the same documents included), so the
 # channel retries them all: UNAVAILABLE (the gateway restarting) and RESOURCE_EXHAUSTED
 # (its in-flight limit: try again later), 5 attempts, 0.2 s backoff doubling to 2 s,
-# all within the call's --timeout (see services/common/retry.py).
+# all within the call's --timeout (see services/common/retry.py). A refusal over the
+# limit carries gRPC's pushback (the gateway's retry-after-ms), which gRPC waits instead
+# of the backoff; a full store's says "no retry" (services/common/status.py).
 RETRY = RetryPolicy(
     attempts=5,
     initial_backoff_s=0.2,

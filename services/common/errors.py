@@ -9,8 +9,8 @@ error                  gRPC status            retry?
 =====================  =====================  ==========================
 InvalidArgument        INVALID_ARGUMENT       no: the request is wrong
 NotFound               NOT_FOUND              no
-Overloaded             RESOURCE_EXHAUSTED     yes, with backoff
-StoreFull              RESOURCE_EXHAUSTED     not until space is freed
+Overloaded             RESOURCE_EXHAUSTED     yes, after retry-after-ms
+StoreFull              RESOURCE_EXHAUSTED     no (pushback -1): free space
 Unavailable            UNAVAILABLE            yes, another replica
 DeadlineExceeded       DEADLINE_EXCEEDED      no (the budget is spent)
 FailedPrecondition     FAILED_PRECONDITION    no: fix the system state
@@ -47,7 +47,12 @@ class Overloaded(RetrievalError):
 class StoreFull(Overloaded):
     """The document store refused a write for want of memory (Redis ``maxmemory`` with
     ``noeviction``): nothing was stored; deleting documents or raising the limit frees
-    room. Reported as RESOURCE_EXHAUSTED (an Overloaded; retrying at once will not help)."""
+    room. Reported as RESOURCE_EXHAUSTED (an exhausted resource, as gRPC's codes say of a
+    full disk) with gRPC's "do not retry" pushback (``grpc-retry-pushback-ms: -1``), so a
+    channel that retries busy answers (the CLI's) sends the upsert once, not five times.
+    Kept RESOURCE_EXHAUSTED rather than FAILED_PRECONDITION: gRPC's status guide gives
+    "the entire file system is out of space" as its example; the pushback is what tells
+    a retrying client that this is not the busy kind."""
 
 
 class Unavailable(RetrievalError):

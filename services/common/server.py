@@ -4,8 +4,10 @@ Every server gets: the gRPC health service, reflection, the interceptor that map
 errors to status codes and records latency, request bytes that fail to parse answered
 with INVALID_ARGUMENT (not INTERNAL), a graceful stop on SIGTERM/SIGINT, admission
 control (``max_in_flight``: unary calls over the limit are refused RESOURCE_EXHAUSTED
-with a ``retry-after-ms`` hint in the trailing metadata, before any work; health and
-reflection are exempt) and, when the service gives it a check, a health watcher that
+with a ``retry-after-ms`` hint in the trailing metadata, and the same value as gRPC's own
+``grpc-retry-pushback-ms`` so that a client's retry policy waits it, before any work;
+a full store's refusal says "no retry" (``services.common.status.trailing_metadata``);
+health and reflection are exempt) and, when the service gives it a check, a health watcher that
 keeps the health status true to that check (:meth:`Server.watch`).
 """
 
@@ -30,19 +32,19 @@ from prometheus_client import CollectorRegistry
 from services.common import errors
 from services.common.metrics import RpcMetrics, serve_metrics
 from services.common.settings import ServiceSettings
-from services.common.status import status_of
+from services.common.status import status_of, trailing_metadata
 from services.common.wire import WireTypeError, check_wire_types
 
 log = logging.getLogger(__name__)
 
 # Never refused by admission control: probes must answer when the server is full.
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-RETRY_AFTER_KEY = "retry-after-ms"
 
 
 class AdmissionRefused(errors.Overloaded):
     """Over the in-flight limit: RESOURCE_EXHAUSTED (as every Overloaded), with a hint of
-    when to retry that the interceptor puts in the trailing metadata (``retry-after-ms``)."""
+    when to retry that the interceptor puts in the trailing metadata (``retry-after-ms``
+    and ``grpc-retry-pushback-ms``)."""
 
     def __init__(self, message: str, retry_after_ms: int) -> None:
         super().__init__(message)
@@ -218,9 +220,7 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
             raise
         except errors.RetrievalError as exc:
             code = status_of(exc)
-            hint = getattr(exc, "retry_after_ms", None)
-            trailing = ((RETRY_AFTER_KEY, str(hint)),) if hint is not None else ()
-            await context.abort(code, exc.message, trailing_metadata=trailing)
+            await context.abort(code, exc.message, trailing_metadata=trailing_metadata(exc))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise

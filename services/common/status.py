@@ -22,6 +22,30 @@ ERROR_OF: dict[grpc.StatusCode, type[errors.RetrievalError]] = {
 }
 
 
+# The hint of when to retry a RESOURCE_EXHAUSTED, for any client (a person, a script).
+RETRY_AFTER_KEY = "retry-after-ms"
+# gRPC's own server pushback (gRFC A6), read by the retry policy of a client's channel
+# (the CLI's, services/common/retry.py): a count of ms makes gRPC wait exactly that long
+# before its next attempt instead of its own backoff; a negative value means "do not
+# retry this call".
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+def trailing_metadata(exc: errors.RetrievalError) -> tuple[tuple[str, str], ...]:
+    """What a refusal tells a retrying client. A full store (StoreFull, still
+    RESOURCE_EXHAUSTED: a resource is exhausted) says "no retry": the next attempt would
+    be refused the same way until documents are deleted or the limit raised, and each
+    one resends the whole upsert. An error with a ``retry_after_ms`` hint (the in-flight
+    limit's refusal) gives it under both keys. Anything else: nothing, the client's own
+    backoff applies."""
+    if isinstance(exc, errors.StoreFull):
+        return ((PUSHBACK_KEY, "-1"),)
+    hint = getattr(exc, "retry_after_ms", None)
+    if hint is None:
+        return ()
+    return ((RETRY_AFTER_KEY, str(hint)), (PUSHBACK_KEY, str(hint)))
+
+
 def status_of(exc: errors.RetrievalError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in STATUS_OF:

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
+from services.client.gateway import gateway_channel
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.server.process import RunningShard, start_shard
@@ -187,6 +188,7 @@ def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 trailing = dict(refused.value.trailing_metadata() or ())
                 assert trailing.get("retry-after-ms") == "100", trailing
+                assert trailing.get("grpc-retry-pushback-ms") == "100", trailing
                 assert "limit 2" in (refused.value.details() or "")
 
                 docs = documents_pb2_grpc.DocumentServiceStub(front.channel)
@@ -206,6 +208,46 @@ def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint
             assert len(reply.hits) == 1
 
     asyncio.run(scenario())
+
+
+def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """The CLI's channel retries RESOURCE_EXHAUSTED; the refusal carries gRPC's own
+    pushback (``grpc-retry-pushback-ms``, the same value as ``retry-after-ms``), so gRPC
+    waits the gateway's hint before each new attempt instead of its own backoff (0.2 s,
+    then 0.4 s: three attempts within 0.6 s). With a 1 s hint and a 1.5 s deadline
+    exactly two attempts reach the gateway."""
+
+    async def scenario() -> None:
+        async with front_door(
+            redis_url, index_dir, tmp_path, max_in_flight=2, retry_after_ms=1000
+        ) as front:
+            async with held(front, 2):
+                before = _handled(front, "Search", "RESOURCE_EXHAUSTED")
+
+                def search_from_the_cli() -> grpc.RpcError:
+                    with gateway_channel(f"127.0.0.1:{front.gateway.port}") as cli:
+                        stub = search_pb2_grpc.SearchServiceStub(cli)
+                        with pytest.raises(grpc.RpcError) as refused:
+                            stub.Search(search_pb2.SearchRequest(query="x", k=1), timeout=1.5)
+                        return refused.value
+
+                refused = await asyncio.to_thread(search_from_the_cli)
+                assert refused.code() in (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,  # the deadline ended the pushback
+                ), refused
+                attempts = _handled(front, "Search", "RESOURCE_EXHAUSTED") - before
+                assert attempts == 2, f"{attempts:.0f} attempts in 1.5 s with a 1 s hint"
+
+    asyncio.run(scenario())
+
+
+def _handled(front: Front, method: str, code: str) -> float:
+    labels = {"service": "gateway", "method": method, "code": code}
+    sample = front.gateway.registry.get_sample_value("grpc_server_handled_total", labels)
+    return float(sample or 0.0)
 
 
 def test_under_pressure_the_rerank_shrinks_then_is_skipped_before_a_search_is_refused(

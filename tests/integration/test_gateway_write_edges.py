@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
+from services.client.gateway import gateway_channel
 from services.index.keys import DocKeys, log_key
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import RedisServer, run_redis
@@ -44,6 +45,14 @@ class Front:
 
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.store.url)
+
+    def handled(self, method: str, code: str) -> float:
+        """How many calls of ``method`` the gateway answered with ``code``."""
+        labels = {"service": "gateway", "method": method, "code": code}
+        sample = self.bg.stack.gateway.registry.get_sample_value(
+            "grpc_server_handled_total", labels
+        )
+        return float(sample or 0.0)
 
     def upsert(self, *docs: tuple[str, str, str]) -> common_pb2.WriteToken:
         reply = self.docs.Upsert(
@@ -99,6 +108,21 @@ def test_a_full_store_refuses_an_upsert_with_resource_exhausted_and_changes_noth
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
         assert "full" in refused.value.details() and "maxmemory" in refused.value.details()
         assert stored_state(client, ids) == before, "a refused upsert stored nothing"
+
+        # The CLI's channel retries RESOURCE_EXHAUSTED (a busy gateway), but the answer
+        # of a full store tells gRPC not to (grpc-retry-pushback-ms -1): it is sent once,
+        # not five times with up to 64 MiB each.
+        refusals = front.handled("Upsert", "RESOURCE_EXHAUSTED")
+        request = documents_pb2.UpsertRequest(
+            documents=[documents_pb2.Document(id="py-new", title="new", text="a new doc")]
+        )
+        with gateway_channel(front.bg.address) as cli:
+            with pytest.raises(grpc.RpcError) as once:
+                documents_pb2_grpc.DocumentServiceStub(cli).Upsert(request, timeout=30)
+        assert once.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, once.value
+        assert front.handled("Upsert", "RESOURCE_EXHAUSTED") - refusals == 1, "retried"
+        assert dict(once.value.trailing_metadata() or ()).get("grpc-retry-pushback-ms") == "-1"
+        assert stored_state(client, ids) == before
 
         # a delete needs no room (DEL comes first in its script): it still works
         gone = front.docs.Delete(documents_pb2.DeleteRequest(ids=["py-hash"]), timeout=30)
