@@ -34,7 +34,8 @@ from services.index.core.gpu import (
     gpu_status,
 )
 from services.index.core.shard import IvfPqShard
-from services.index.core.train import TrainedIndex, TrainOptions, train_index
+from services.index.core.train import TrainOptions, train_index
+from services.index.core.trained import TrainedIndex
 from tests.support.processes import wait_until
 
 FAISS_GPU_API = json.loads((Path(__file__).parents[1] / "support/faiss_gpu_api.json").read_text())

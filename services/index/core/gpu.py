@@ -46,17 +46,14 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import faiss
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.errors import FailedPrecondition
-from services.index.core.train import gpu_pq_problem
-
-if TYPE_CHECKING:
-    from services.index.core.shard import IvfPqShard
+from services.index.core.trained import gpu_pq_problem
 
 log = logging.getLogger(__name__)
 
@@ -357,8 +354,18 @@ class GpuMirror:
         return out_scores, out_ids
 
 
+class GpuServable(Protocol):
+    """What :func:`attach_or_fallback` needs of a shard
+    (:class:`~services.index.core.shard.IvfPqShard`, which imports this module)."""
+
+    @property
+    def index(self) -> faiss.Index: ...
+
+    def attach_gpu(self, mirror: GpuMirror) -> None: ...
+
+
 def attach_or_fallback(
-    shard: IvfPqShard,
+    shard: GpuServable,
     wanted: bool,
     device: int,
     metrics: GpuMetrics | None = None,

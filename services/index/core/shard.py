@@ -38,7 +38,7 @@ from services.index.core.query import PAD_ID, FilterSpec, Probes, Scored, TopK
 from services.index.core.rwlock import RWLock
 from services.index.core.slots import SlotTable
 from services.index.core.text import TextConfig, TextDoc, TextIndex, TextStats
-from services.index.core.train import TrainedIndex, pq_error
+from services.index.core.trained import TrainedIndex, pq_error
 
 log = logging.getLogger(__name__)
 

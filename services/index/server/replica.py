@@ -32,7 +32,7 @@ from services.common.redis_client import async_client, sync_client
 from services.index.changelog import LogReader, decode_entry, text
 from services.index.core.changes import Change, Upsert
 from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
-from services.index.core.train import TrainedIndex
+from services.index.core.trained import TrainedIndex
 from services.index.keys import log_key
 from services.index.layout import check_layout
 from services.index.server.metrics import ShardMetrics
