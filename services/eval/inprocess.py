@@ -8,6 +8,12 @@
 - ``ivfpq_default+rerank``: the CELI checkpoint's order of the top ``rerank_depth`` of
   ``ivfpq_default``, on the queries the checkpoint was *not* trained on (its
   ``split.json``: the gain is measured on held-out queries only).
+- ``bm25``: the same shard's Tantivy text index (:mod:`services.index.core.text`) over
+  title + text, as a shard serves sparse searches;
+- ``hybrid_rrf`` / ``hybrid_weighted``: ``ivfpq_default`` and ``bm25`` (top 100 each)
+  fused by :mod:`services.common.fusion` as the gateway fuses them (RRF k 60; min-max
+  normalised scores, dense weight 0.5), and ``hybrid_rrf+rerank`` beside
+  ``ivfpq_default+rerank`` (CELI over the fused candidates).
 """
 
 from __future__ import annotations
@@ -22,14 +28,22 @@ from typing import Any
 import faiss
 
 from services.common.errors import InvalidArgument, NotFound
+from services.common.fusion import Fusion, Method, fuse
+from services.corpus.beir import split_queries
 from services.eval.config import DEPTH, EvalConfig
 from services.eval.data import EvalData
 from services.index.core.changes import Upsert
 from services.index.core.shard import MAX_QUERIES, IvfPqShard
+from services.index.core.text import TextIndex
 from services.index.core.train import train_index
 from services.index.core.trained import Manifest, TrainedIndex
 
 Run = dict[str, list[str]]
+ScoredRun = dict[str, list[tuple[str, float]]]
+# services.rerank.train.trainer.TrainConfig's split (not imported: it pulls in torch)
+DEV_SEED = 13
+DEV_FRACTION = 0.2
+FUSIONS = {"hybrid_rrf": Fusion(Method.RRF), "hybrid_weighted": Fusion(Method.WEIGHTED)}
 
 
 @dataclass
@@ -40,6 +54,7 @@ class Systems:
     index: dict[str, Any] = field(default_factory=dict)  # factory, nlist, nprobe, ...
     rerank: dict[str, Any] = field(default_factory=dict)  # checkpoint, depth, queries, ...
     seconds: dict[str, float] = field(default_factory=dict)
+    dev: list[str] = field(default_factory=list)  # the queries hybrid is chosen on
 
 
 def _round(value: float | None) -> float | None:
@@ -67,11 +82,14 @@ def build_shard(data: EvalData, cfg: EvalConfig, index_dir: Path) -> tuple[IvfPq
     """Train an index on the documents into ``index_dir`` (the defaults) and add them all."""
     options = replace(cfg.train, model=data.model)
     manifest = train_index(data.doc_vectors, index_dir, options)
-    shard = IvfPqShard(TrainedIndex.load(index_dir))
+    text = TextIndex.create(index_dir.parent / "text")
+    shard = IvfPqShard(TrainedIndex.load(index_dir), text)
     ids = data.beir.doc_ids
+    docs = data.beir.docs
     for i in range(0, len(ids), 10_000):
         rows = range(i, min(i + 10_000, len(ids)))
-        shard.apply([Upsert(ids[j], data.doc_vectors[j]) for j in rows], f"1-{rows.stop}")
+        changes = [Upsert(ids[j], data.doc_vectors[j], body=docs[ids[j]]) for j in rows]
+        shard.apply(changes, f"1-{rows.stop}")
     return shard, manifest
 
 
@@ -83,6 +101,36 @@ def shard_run(shard: IvfPqShard, data: EvalData, nprobe: int, depth: int = DEPTH
         for q, row in zip(data.qids[i : i + MAX_QUERIES], rows, strict=True):
             run[q] = [doc_id for doc_id, _ in row]
     return run
+
+
+def scored_run(shard: IvfPqShard, data: EvalData, sparse: bool, depth: int = DEPTH) -> ScoredRun:
+    """Per query its (doc id, score) hits: the default dense search, or BM25."""
+    run: ScoredRun = {}
+    k = min(depth, len(data.beir.doc_ids))
+    for i in range(0, len(data.qids), MAX_QUERIES):
+        qids = data.qids[i : i + MAX_QUERIES]
+        if sparse:
+            terms = shard.query_terms([data.beir.queries[q] for q in qids])
+            rows = shard.search_text(terms, k).hits()
+        else:
+            rows = shard.search(data.query_vectors[i : i + MAX_QUERIES], k, 0)
+        run.update(zip(qids, rows, strict=True))
+    return run
+
+
+def fused_run(dense: ScoredRun, sparse: ScoredRun, fusion: Fusion, depth: int = DEPTH) -> Run:
+    return {q: [f.id for f in fuse(dense[q], sparse[q], fusion, depth)] for q in dense}
+
+
+def dev_queries(cfg: EvalConfig, qids: list[str]) -> list[str]:
+    """The queries a hybrid choice is made on: those the CELI checkpoint kept out of its
+    training (``split.json``), else the rerank trainer's default dev split of the same
+    data (seed 13, a fifth), so that no reranker trained with the defaults saw them."""
+    if cfg.rerank_checkpoint is not None:
+        return held_out_queries(Path(cfg.rerank_checkpoint), qids)
+    _, dev = split_queries(sorted(qids), DEV_SEED, DEV_FRACTION)
+    held = set(dev)
+    return [q for q in qids if q in held]
 
 
 def held_out_queries(checkpoint: Path, qids: list[str]) -> list[str]:
@@ -153,12 +201,26 @@ def evaluate_in_process(data: EvalData, cfg: EvalConfig) -> Systems:
         start = time.perf_counter()
         out.runs["ivfpq_default"] = shard_run(shard, data, 0)
         out.seconds["ivfpq_default"] = time.perf_counter() - start
+        start = time.perf_counter()
+        dense = scored_run(shard, data, sparse=False)
+        sparse = scored_run(shard, data, sparse=True)
+        out.seconds["bm25"] = time.perf_counter() - start
+        out.runs["bm25"] = {q: [d for d, _ in hits] for q, hits in sparse.items()}
+        for name, fusion in FUSIONS.items():
+            out.runs[name] = fused_run(dense, sparse, fusion)
+        text_stats = shard.stats().text
+        if text_stats is not None:
+            out.index["text_bytes_per_document"] = round(
+                text_stats.disk_bytes / max(1, text_stats.documents), 1
+            )
         for nprobe in sweep_nprobes(manifest.nlist, manifest.nprobe, cfg.nprobes):
             out.runs[f"ivfpq_nprobe_{nprobe}"] = shard_run(shard, data, nprobe)
+    out.dev = dev_queries(cfg, data.qids)
     if cfg.rerank_checkpoint is not None:
         held = held_out_queries(Path(cfg.rerank_checkpoint), data.qids)
         start = time.perf_counter()
         out.runs["ivfpq_default+rerank"] = rerank_run(out.runs["ivfpq_default"], data, held, cfg)
+        out.runs["hybrid_rrf+rerank"] = rerank_run(out.runs["hybrid_rrf"], data, held, cfg)
         out.seconds["rerank"] = time.perf_counter() - start
         out.rerank = {
             "checkpoint": str(cfg.rerank_checkpoint),

@@ -75,12 +75,47 @@ def build(
         }
     else:
         report["rerank"] = {"skipped": NO_CHECKPOINT}
+    if "bm25" in systems.runs and systems.dev:
+        report["hybrid"] = hybrid_section(systems, qrels, first)
     report["index"] = systems.index
     if entropy is not None:
         report["contrastive_entropy"] = entropy["value"]
         report["contrastive_entropy_setup"] = {k: v for k, v in entropy.items() if k != "value"}
     report["seconds"] = {k: round(v, 1) for k, v in systems.seconds.items()}
     return report
+
+
+HYBRID_SYSTEMS = ("bm25", "hybrid_rrf", "hybrid_weighted")
+
+
+def hybrid_section(
+    systems: Systems, qrels: dict[str, dict[str, int]], dense: str
+) -> dict[str, Any]:
+    """BM25, dense and each fusion on the dev queries, paired against dense (nDCG@10 and
+    Recall@100), and with CELI over each when a checkpoint was given."""
+    dev = list(systems.dev)
+    names = [dense, *HYBRID_SYSTEMS]
+    names += [n for n in (f"{dense}+rerank", "hybrid_rrf+rerank") if n in systems.runs]
+    scores = {n: score(systems.runs[n], qrels, dev) for n in names}
+    base = scores[dense]
+    out: dict[str, Any] = {
+        "on": "dev queries: never seen by a reranker trained on this data's train split",
+        "queries": len(dev),
+        **{key: {n: round(s.mean(key), 4) for n, s in scores.items()} for key in MEASURE_NAMES},
+        "vs_dense": {
+            n: {
+                key: paired_comparison(base.values(key), scores[n].values(key))
+                for key in ("ndcg_at_10", "recall_at_100")
+            }
+            for n in HYBRID_SYSTEMS
+        },
+    }
+    if "hybrid_rrf+rerank" in scores and f"{dense}+rerank" in scores:
+        out["rerank_hybrid_vs_dense"] = paired_comparison(
+            scores[f"{dense}+rerank"].values("ndcg_at_10"),
+            scores["hybrid_rrf+rerank"].values("ndcg_at_10"),
+        )
+    return out
 
 
 def table(report: dict[str, Any]) -> str:
@@ -121,6 +156,24 @@ def table(report: dict[str, Any]) -> str:
             f"{after[1]:.4f} ({g['mean_diff']:+.4f}, 95 % CI {g['ci95'][0]:+.4f}.."
             f"{g['ci95'][1]:+.4f}, paired t-test p {g['p_value']:.3g})"
         )
+    if "hybrid" in report:
+        h = report["hybrid"]
+        lines += ["", f"hybrid on {h['queries']} dev queries ({h['on']}):"]
+        for name, ndcg in h["ndcg_at_10"].items():
+            line = f"  {name:<26} nDCG@10 {ndcg:.4f}  Recall@100 {h['recall_at_100'][name]:.4f}"
+            if name in h["vs_dense"]:
+                c = h["vs_dense"][name]["ndcg_at_10"]
+                line += (
+                    f"  vs dense {c['mean_diff']:+.4f} (95 % CI {c['ci95'][0]:+.4f}.."
+                    f"{c['ci95'][1]:+.4f})"
+                )
+            lines.append(line)
+        if "rerank_hybrid_vs_dense" in h:
+            c = h["rerank_hybrid_vs_dense"]
+            lines.append(
+                f"  CELI over hybrid_rrf vs over dense: {c['mean_diff']:+.4f} "
+                f"(95 % CI {c['ci95'][0]:+.4f}..{c['ci95'][1]:+.4f})"
+            )
     if "contrastive_entropy" in report:
         s = report["contrastive_entropy_setup"]
         lines.append(

@@ -130,6 +130,25 @@ def test_in_process_reports_rerank_on_held_out_queries_and_the_entropy(
     assert "exact" in table and "held-out queries" in table and "contrastive entropy" in table
 
 
+def test_in_process_reports_bm25_and_hybrid_on_the_dev_queries(
+    in_process: dict[str, Any],
+) -> None:
+    r = in_process["report"]
+    # each query is its document's whole text: BM25 and both fusions find it first too
+    for name in ("bm25", "hybrid_rrf", "hybrid_weighted"):
+        assert r["ndcg_at_10"][name] >= 0.9, name
+    hybrid = r["hybrid"]
+    assert hybrid["queries"] == len(in_process["dev"])  # the checkpoint's held-out queries
+    assert set(hybrid["vs_dense"]) == {"bm25", "hybrid_rrf", "hybrid_weighted"}
+    for name, c in hybrid["vs_dense"].items():
+        n = c["ndcg_at_10"]
+        assert n["wins"] + n["losses"] + n["ties"] == len(in_process["dev"]), name
+    assert {"ivfpq_default+rerank", "hybrid_rrf+rerank"} <= set(hybrid["ndcg_at_10"])
+    assert "rerank_hybrid_vs_dense" in hybrid
+    assert r["index"]["text_bytes_per_document"] > 0
+    assert "hybrid on 12 dev queries" in "\n".join(in_process["lines"][:-1])
+
+
 def test_embeddings_are_cached_and_reused(
     in_process: dict[str, Any], beir: Path, cache: Path
 ) -> None:

@@ -190,3 +190,16 @@ def test_a_text_index_of_another_language_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FailedPrecondition, match="'english'"):
         TextIndex.restore(tmp_path / "b", files, "french")
     assert TextIndex.restore(tmp_path / "b", files, "english").terms("Running") == ["run"]
+
+
+def test_text_index_gauges_read_the_shard_on_scrape(loaded: IvfPqShard) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.index.server.metrics import ShardMetrics
+
+    registry = CollectorRegistry()
+    ShardMetrics.create(registry, 0, "r0").bind(loaded)
+    text = generate_latest(registry).decode()
+    assert f'index_text_documents{{replica="r0",shard="0"}} {float(N_DOCS)}' in text
+    assert 'index_text_disk_bytes{replica="r0",shard="0"} ' in text
+    assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' not in text

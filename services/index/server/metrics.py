@@ -149,3 +149,19 @@ class ShardMetrics:
             "Inverted-list imbalance: sum(n_i^2)*nlist/(sum n_i)^2 (1 = even).",
             lambda s: s.list_imbalance,
         )
+        # the text (BM25) index; NaN when this replica has none (serves dense only)
+        gauge(
+            "index_text_documents",
+            "Documents in the shard's text index (NaN: no text index).",
+            lambda s: s.text.documents if s.text is not None else math.nan,
+        )
+        gauge(
+            "index_text_disk_bytes",
+            "Bytes of the text index's working directory (NaN: no text index).",
+            lambda s: s.text.disk_bytes if s.text is not None else math.nan,
+        )
+        gauge(
+            "index_text_segments",
+            "Tantivy segments of the text index (merged in the background).",
+            lambda s: s.text.segments if s.text is not None else math.nan,
+        )

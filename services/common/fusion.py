@@ -1,0 +1,106 @@
+"""Fusion of a dense and a sparse candidate list into one ranking (hybrid retrieval).
+
+- **RRF** (reciprocal-rank fusion, Cormack et al. 2009): score = Σ 1 / (k + rank) over
+  the lists a document is in (rank from 1); ``k`` 60 by default, the paper's and what
+  Elasticsearch, Qdrant and Milvus default to. Uses only ranks, so BM25's unbounded
+  scores and cosine similarities need no calibration.
+- **Weighted**: each list's scores min-max normalised to [0, 1] over that list, then
+  ``dense_weight × dense + (1 − dense_weight) × sparse`` (0 for a list the document is
+  not in): the "convex combination" of Bruch et al. 2023 and Weaviate's
+  ``relativeScoreFusion``.
+
+Ties keep dense-list order first, then sparse. Pure functions: the gateway fuses the
+shards' merged lists with them and ``gtr-retrieval eval`` its in-process runs, so both
+rank alike.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+
+DEFAULT_RRF_K = 60
+MAX_RRF_K = 10_000
+
+
+class Mode(enum.Enum):
+    DENSE = "dense"
+    SPARSE = "sparse"
+    HYBRID = "hybrid"
+
+
+class Method(enum.Enum):
+    RRF = "rrf"
+    WEIGHTED = "weighted"
+
+
+@dataclass(frozen=True)
+class Fusion:
+    method: Method = Method.RRF
+    rrf_k: int = DEFAULT_RRF_K
+    dense_weight: float = 0.5  # WEIGHTED: the dense share; the sparse one is 1 − it
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rrf_k <= MAX_RRF_K:
+            raise InvalidArgument(f"fusion rrf_k: {self.rrf_k} is out of range 1..{MAX_RRF_K}")
+        if not (math.isfinite(self.dense_weight) and 0.0 <= self.dense_weight <= 1.0):
+            raise InvalidArgument(f"fusion dense_weight: {self.dense_weight} is not in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Fused:
+    id: str
+    score: float
+    dense_rank: int  # 1-based rank in the dense list; 0: not in it
+    sparse_rank: int  # 1-based rank in the sparse list; 0: not in it
+    dense_score: float | None
+    sparse_score: float | None
+
+
+Scored = tuple[str, float]
+
+
+def _normalised(hits: Sequence[Scored]) -> dict[str, float]:
+    if not hits:
+        return {}
+    scores = [s for _, s in hits]
+    low, high = min(scores), max(scores)
+    span = high - low
+    return {d: (s - low) / span if span > 0 else 1.0 for d, s in hits}
+
+
+def fuse(dense: Sequence[Scored], sparse: Sequence[Scored], fusion: Fusion, k: int) -> list[Fused]:
+    """The top ``k`` of the two lists (each best first) fused by ``fusion``."""
+    dense_rank = {d: r for r, (d, _) in enumerate(dense, 1)}
+    sparse_rank = {d: r for r, (d, _) in enumerate(sparse, 1)}
+    dense_score = dict(dense)
+    sparse_score = dict(sparse)
+    order = list(dict.fromkeys([d for d, _ in dense] + [d for d, _ in sparse]))
+    if fusion.method is Method.RRF:
+        c = fusion.rrf_k
+        scores = {
+            d: (1.0 / (c + dense_rank[d]) if d in dense_rank else 0.0)
+            + (1.0 / (c + sparse_rank[d]) if d in sparse_rank else 0.0)
+            for d in order
+        }
+    else:
+        w = fusion.dense_weight
+        nd, ns = _normalised(dense), _normalised(sparse)
+        scores = {d: w * nd.get(d, 0.0) + (1.0 - w) * ns.get(d, 0.0) for d in order}
+    position = {d: i for i, d in enumerate(order)}
+    ranked = sorted(order, key=lambda d: (-scores[d], position[d]))[:k]
+    return [
+        Fused(
+            d,
+            scores[d],
+            dense_rank.get(d, 0),
+            sparse_rank.get(d, 0),
+            dense_score.get(d),
+            sparse_score.get(d),
+        )
+        for d in ranked
+    ]

@@ -1,0 +1,78 @@
+"""Fusion of dense and sparse lists: RRF and normalised weights, by hand and by property."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.common.errors import InvalidArgument
+from services.common.fusion import Fusion, Method, fuse
+
+DENSE = [("a", 0.9), ("b", 0.8), ("c", 0.1)]
+SPARSE = [("c", 12.0), ("d", 7.0), ("a", 3.0)]
+
+
+def test_rrf_sums_reciprocal_ranks_and_reports_both_ranks() -> None:
+    fused = fuse(DENSE, SPARSE, Fusion(Method.RRF, rrf_k=60), k=10)
+    score = {f.id: f.score for f in fused}
+    assert score["a"] == pytest.approx(1 / 61 + 1 / 63)
+    assert score["c"] == pytest.approx(1 / 63 + 1 / 61)
+    assert score["d"] == pytest.approx(1 / 62)
+    # a and c tie: the dense list's order first
+    assert [f.id for f in fused] == ["a", "c", "b", "d"]
+    ranks = {f.id: (f.dense_rank, f.sparse_rank) for f in fused}
+    assert ranks == {"a": (1, 3), "b": (2, 0), "c": (3, 1), "d": (0, 2)}
+    assert fused[0].dense_score == 0.9 and fused[0].sparse_score == 3.0
+
+
+def test_weighted_normalises_each_list_before_weighing() -> None:
+    fused = fuse(DENSE, SPARSE, Fusion(Method.WEIGHTED, dense_weight=0.25), k=2)
+    # min-max per list: dense a 1, b 0.875, c 0; sparse c 1, d 4/9, a 0
+    assert [(f.id, round(f.score, 4)) for f in fused] == [("c", 0.75), ("d", 0.3333)]
+    only_dense = fuse(DENSE, SPARSE, Fusion(Method.WEIGHTED, dense_weight=1.0), k=3)
+    assert [f.id for f in only_dense] == ["a", "b", "c"]
+
+
+def test_an_empty_list_leaves_the_other_in_its_order() -> None:
+    for method in Method:
+        assert [f.id for f in fuse(DENSE, [], Fusion(method), 5)] == ["a", "b", "c"]
+        assert [f.id for f in fuse([], SPARSE, Fusion(method), 5)] == ["c", "d", "a"]
+    assert fuse([], [], Fusion(), 5) == []
+
+
+@pytest.mark.parametrize(
+    "fusion",
+    [dict(rrf_k=0), dict(rrf_k=10_001), dict(dense_weight=1.5), dict(dense_weight=float("nan"))],
+)
+def test_bad_fusion_parameters_are_invalid_arguments(fusion: dict[str, float]) -> None:
+    with pytest.raises(InvalidArgument, match="fusion"):
+        Fusion(**fusion)  # type: ignore[arg-type]
+
+
+ranked = st.lists(st.text(min_size=1, max_size=3), unique=True, max_size=30).flatmap(
+    lambda ids: st.lists(
+        st.floats(-100, 100, allow_nan=False), min_size=len(ids), max_size=len(ids)
+    ).map(lambda s: list(zip(ids, sorted(s, reverse=True), strict=True)))
+)
+
+
+@given(ranked, ranked, st.sampled_from(list(Method)), st.integers(1, 40))
+def test_fusion_ranks_the_union_best_first(
+    dense: list[tuple[str, float]], sparse: list[tuple[str, float]], method: Method, k: int
+) -> None:
+    fused = fuse(dense, sparse, Fusion(method), k)
+    union = {d for d, _ in dense} | {d for d, _ in sparse}
+    assert len(fused) == min(k, len(union))
+    assert len({f.id for f in fused}) == len(fused) and {f.id for f in fused} <= union
+    assert all(a.score >= b.score for a, b in itertools.pairwise(fused))
+    for f in fused:
+        assert (f.dense_rank > 0) == (f.id in dict(dense))
+        assert (f.sparse_rank > 0) == (f.id in dict(sparse))
+    if method is Method.RRF and fused:
+        # a document first in both lists can never be beaten
+        both = [d for d, _ in dense[:1] if sparse and sparse[0][0] == d]
+        if both:
+            assert fused[0].id == both[0]
