@@ -29,13 +29,14 @@ tested) anywhere; ``tensorrt`` and CUDA are imported only inside :func:`build_pl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -281,6 +282,48 @@ def plan_meta_path(plan_path: Path) -> Path:
     return Path(plan_path).with_name(Path(plan_path).name + ".json")
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_temp(beside: Path, data: bytes) -> Path:
+    """``data`` in a new file of a unique name beside ``beside`` (flushed to disk)."""
+    fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".tmp", dir=beside.parent)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return Path(name)
+
+
+def write_plan(plan_path: Path, engine: bytes, meta: PlanMeta) -> PlanMeta:
+    """Write ``engine`` at ``plan_path`` with its ``<plan>.json`` (recording its sha256).
+
+    Several builders may share a cache (the chart's init containers, one per pod): each
+    writes under temp names of its own, the json first and the plan renamed last, so a
+    reader that finds the plan finds a json; a json of another builder's plan (two
+    builders interleaving) is caught by the digest, which every read checks
+    (:func:`services.encoder.build.plan_cache.check_plan`).
+    """
+    plan_path = Path(plan_path)
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    meta = replace(meta, plan_sha256=hashlib.sha256(engine).hexdigest())
+    tmp_plan = _write_temp(plan_path, engine)
+    meta_path = plan_meta_path(plan_path)
+    tmp_meta = _write_temp(meta_path, (json.dumps(asdict(meta), indent=2) + "\n").encode())
+    try:
+        os.replace(tmp_meta, meta_path)
+        os.replace(tmp_plan, plan_path)
+    finally:
+        for tmp in (tmp_plan, tmp_meta):
+            tmp.unlink(missing_ok=True)
+    return meta
+
+
 @dataclass(frozen=True)
 class PlanMeta:
     """``<plan>.json``: what built the plan and which shapes it covers."""
@@ -294,6 +337,7 @@ class PlanMeta:
     fp32_nodes: int
     gpu: str = "unknown"
     compute_capability: str = "unknown"
+    plan_sha256: str = ""  # of the plan file this describes ("" in plans of older builds)
 
     def write(self, plan_path: Path) -> None:
         plan_meta_path(plan_path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -527,14 +571,10 @@ def build_plan(
             log.warning("%s plan refused: %s", precision, failure)
             rejected.append(f"{precision}: {failure}")
             continue
-        plan_path = Path(plan_path)
-        plan_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_plan = plan_path.with_suffix(".plan.tmp")
-        tmp_plan.write_bytes(engine_bytes)
         gpu, capability = _device()
-        PlanMeta(trt.__version__, precision, cfg.min_shape, cfg.opt_shape, cfg.max_shape,
-                 cosine, len(keep), gpu, capability).write(plan_path)  # fmt: skip
-        os.replace(tmp_plan, plan_path)
+        meta = PlanMeta(trt.__version__, precision, cfg.min_shape, cfg.opt_shape,
+                        cfg.max_shape, cosine, len(keep), gpu, capability)  # fmt: skip
+        write_plan(Path(plan_path), engine_bytes, meta)
         inspected = layers_with_onnx_names(info)
         return PlanReport(plan_path, cosine, len(keep), layers, precision, tuple(rejected),
                           inspected)  # fmt: skip
