@@ -270,7 +270,15 @@ class BatchSearchRequest(_message.Message):
     REQUESTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___SearchRequest]:
-        """1..64 requests."""
+        """1..64 requests whose k sum to at most 10000 (INVALID_ARGUMENT otherwise).
+
+        Answer size: a hit carries its document (title, text up to 1 MiB, metadata) unless
+        ids_only is set, so an answer (a Search at k=1000 too) can be larger than the 4 MB
+        that gRPC clients receive by default. The gateway sends up to --max-message-mb
+        (64 MB); a client that asks for many hits with documents sets its channel's
+        grpc.max_receive_message_length to that (the project's CLI does), or sets ids_only
+        and fetches the documents it shows with DocumentService.Get.
+        """
 
     def __init__(
         self,

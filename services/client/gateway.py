@@ -32,6 +32,7 @@ from retrieval.v1 import (
 )
 from services.common.auth import bearer_metadata
 from services.common.retry import RetryPolicy, channel_options
+from services.common.settings import ServiceSettings
 from services.common.tls import ClientTLS
 from services.common.tls import channel as tls_channel
 
@@ -49,6 +50,10 @@ RETRY = RetryPolicy(
     codes=("UNAVAILABLE", "RESOURCE_EXHAUSTED"),
 )
 GATEWAY_SERVICES = ("retrieval.v1.SearchService", "retrieval.v1.DocumentService")
+# What the channel receives: as much as the gateway sends by default (--max-message-mb),
+# not gRPC's 4 MB default, which a search with many hits and their documents passes
+# (10 queries x k=1000 of SciFact abstracts: ~15 MB). See search.proto's BatchSearchRequest.
+MAX_ANSWER_BYTES = ServiceSettings.model_fields["max_message_mb"].default * 1024 * 1024
 
 
 class _Bearer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
@@ -71,7 +76,11 @@ def gateway_channel(
 ) -> grpc.Channel:
     """A channel to the gateway that retries by ``policy``, speaks TLS by ``tls`` and
     sends ``token`` as a bearer token on every call."""
-    channel = tls_channel(address, tls, options=channel_options(GATEWAY_SERVICES, policy))
+    options = [
+        *channel_options(GATEWAY_SERVICES, policy),
+        ("grpc.max_receive_message_length", MAX_ANSWER_BYTES),
+    ]
+    channel = tls_channel(address, tls, options=options)
     return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 

@@ -15,6 +15,12 @@ class Limits:
     max_query_bytes: int = 8192
     max_k: int = 1000  # hits per query, at the gateway and at a shard
     max_batch_queries: int = 64  # searches per BatchSearch
+    # k summed over a BatchSearch: the hits of ten k=1000 Searches (64 x 156). 64 x 1000
+    # built a 6.8 MB answer of stdlib documents; at most 10,000 hits is ~1 MB of those,
+    # but an answer with long documents can still pass a default client's 4 MB receive
+    # limit (as one Search at k=1000 can): our clients receive up to the gateway's
+    # --max-message-mb, and search.proto tells other clients to (or to ask ids_only).
+    max_batch_hits: int = 10_000
     max_shard_queries: int = 256  # query vectors per shard request (a coalesced wave)
     max_rerank_depth: int = 1000
     max_nprobe: int = 65536

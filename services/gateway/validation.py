@@ -97,6 +97,12 @@ def check_batch(queries: Sequence[SearchQuery], limits: Limits, num_shards: int)
         )
     for i, query in enumerate(queries):
         check_query(query, limits, num_shards, where=f"requests[{i}].")
+    hits = sum(q.k for q in queries)
+    if hits > limits.max_batch_hits:
+        raise InvalidArgument(
+            f"requests: k summed over the batch: {hits}, at most {limits.max_batch_hits} "
+            "(split the batch, or lower k)"
+        )
 
 
 def check_documents(docs: Sequence[Document], limits: Limits) -> None:

@@ -34,6 +34,7 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
+from services.client.gateway import gateway_channel
 from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.index import convert
@@ -84,7 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
     docs = [json.loads(line) for line in lines]
 
     async def ingest() -> None:
-        writer = ChangeLogWriter(store.url, num_shards=2, dim=vectors.shape[1])
+        writer = ChangeLogWriter.connect(store.url, num_shards=2, dim=vectors.shape[1])
         for i in range(0, N_DOCS, 200):
             await writer.upsert(
                 [
@@ -175,6 +176,30 @@ def test_ids_only_searches_fetch_no_document(stack: Stack) -> None:
     reply = _search(stack.gateway, search_pb2.SearchRequest(query="cancer", k=5, ids_only=True))
     assert len(reply.hits) == 5 and not any(h.text or h.title for h in reply.hits)
     assert reply.timings.fetch_ms == 0
+
+
+def test_a_batch_answer_is_bounded_and_our_client_receives_the_largest(stack: Stack) -> None:
+    """64 queries at k=1000 built a 6.8 MB answer (stdlib documents), over the 4 MB that
+    a default gRPC client receives. A batch's k summed is at most 10,000 (INVALID_ARGUMENT
+    before any work), and the CLI's channel receives what the gateway may send (up to its
+    --max-message-mb, 64): the largest batch allowed, here over 4 MB, arrives whole."""
+    too_big = search_pb2.BatchSearchRequest(
+        requests=[search_pb2.SearchRequest(query=f"protein {i}", k=1000) for i in range(64)]
+    )
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = search_pb2_grpc.SearchServiceStub(channel)
+        assert _code(lambda: stub.BatchSearch(too_big, timeout=60)) is (
+            grpc.StatusCode.INVALID_ARGUMENT
+        )
+    largest = search_pb2.BatchSearchRequest(
+        requests=[
+            search_pb2.SearchRequest(query=f"protein {i}", k=1000, nprobe=32) for i in range(10)
+        ]
+    )
+    with gateway_channel(stack.gateway) as cli:
+        reply = search_pb2_grpc.SearchServiceStub(cli).BatchSearch(largest, timeout=60)
+    assert [len(r.hits) for r in reply.responses] == [1000] * 10
+    assert reply.ByteSize() > 4 * 1024 * 1024, "not larger than a default client receives"
 
 
 # --- 2. deadlines of coalesced searches, and no OK from zero shards --------------------

@@ -59,6 +59,16 @@ def test_batch_limits() -> None:
         validation.check_batch([_q(), _q(k=0)], LIMITS, 1)
 
 
+def test_a_batch_answers_at_most_ten_thousand_hits() -> None:
+    """64 queries at k=1000 (64,000 hits, 6.8 MB of stdlib documents) used to pass."""
+    with pytest.raises(InvalidArgument, match=r"k summed over the batch: 64000, at most 10000"):
+        validation.check_batch([_q(k=1000)] * 64, LIMITS, 1)
+    with pytest.raises(InvalidArgument, match=r"10001, at most 10000"):
+        validation.check_batch([_q(k=1000)] * 10 + [_q(k=1)], LIMITS, 1)
+    validation.check_batch([_q(k=1000)] * 10, LIMITS, 1)
+    validation.check_batch([_q(k=156)] * 64, LIMITS, 1)
+
+
 @pytest.mark.parametrize(
     ("docs", "needle"),
     [
