@@ -263,6 +263,22 @@ def test_one_statefulset_per_shard(chart: Any, shards: int, replicas: int) -> No
     ]
 
 
+def test_the_text_index_lives_on_the_replicas_volume(chart: Any) -> None:
+    def args(values: dict[str, Any]) -> list[str]:
+        docs = render(chart, values)
+        sts = [d for d in of_kind(docs, "StatefulSet") if component(d) == "index"][0]
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/var/lib/gtr/data" in mounts  # the PVC that holds snapshots and text
+        return list(container["args"])
+
+    default = args({})
+    assert "--text-dir=/var/lib/gtr/data/text" in default
+    assert "--text-language=english" in default and "--no-text-index" not in default
+    off = args({"index": {"textIndex": {"enabled": False, "language": "french"}}})
+    assert "--no-text-index" in off and "--text-language=french" in off
+
+
 def test_the_gateway_balances_over_tritons_headless_service(chart: Any) -> None:
     docs = render(chart, {"encoder": {"replicas": 3}})
     services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
