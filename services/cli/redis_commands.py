@@ -24,7 +24,7 @@ def add_cli(sub: Any) -> None:
         "services would refuse to start on the store (an old layout, an unfinished "
         "migration, another shard count), with the reason.",
     )
-    layout.add_argument("--redis-url", required=True, help=url_help)
+    _add_redis_url(layout, url_help)
     layout.add_argument("--shards", type=int, required=True, help="The index's shard count.")
     layout.set_defaults(handler=_layout)
 
@@ -39,7 +39,7 @@ def add_cli(sub: Any) -> None:
         "with DUMP/RESTORE, so stream ids and trimming state survive and the replicas "
         "resume from their snapshots.",
     )
-    migrate.add_argument("--redis-url", required=True, help=url_help)
+    _add_redis_url(migrate, url_help)
     migrate.add_argument("--shards", type=int, required=True, help="The index's shard count.")
     migrate.add_argument(
         "--batch", type=int, default=500, help="Documents moved per round trip (500)."
@@ -47,12 +47,33 @@ def add_cli(sub: Any) -> None:
     migrate.set_defaults(handler=_migrate)
 
 
+def _add_redis_url(parser: argparse.ArgumentParser, url_help: str) -> None:
+    """--redis-url, or --redis-url-file (a URL with a password stays out of ``ps``)."""
+    from services.common.settings import REDIS_URL_FILE_HELP
+
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--redis-url", help=url_help)
+    where.add_argument("--redis-url-file", help=REDIS_URL_FILE_HELP)
+
+
+def _redis_url(args: argparse.Namespace) -> str:
+    """The URL given, or read from --redis-url-file (SystemExit naming a bad file)."""
+    if args.redis_url_file is None:
+        return str(args.redis_url)
+    from services.common.redis_client import read_redis_url
+
+    try:
+        return read_redis_url(args.redis_url_file)
+    except ValueError as exc:
+        raise SystemExit(f"gtr-retrieval redis: {exc}") from None
+
+
 def _layout(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.common.redis_client import sync_client
     from services.index.layout import check_layout, read_layout
 
-    client = sync_client(args.redis_url)
+    client = sync_client(_redis_url(args))
     try:
         try:
             check_layout(client, args.shards)
@@ -74,7 +95,7 @@ def _migrate(args: argparse.Namespace) -> int:
     def progress(report: MigrationReport) -> None:
         print(f"  {report.documents} documents moved", file=sys.stderr, flush=True)
 
-    client = sync_client(args.redis_url, socket_timeout=30.0)
+    client = sync_client(_redis_url(args), socket_timeout=30.0)
     try:
         report = migrate(client, args.shards, batch=args.batch, progress=progress)
     except FailedPrecondition as exc:

@@ -75,15 +75,18 @@ def add_cli(sub: Any) -> None:
         action="store_true",
         help="Require bearer tokens at the gateway: a read and a write token are generated "
         "into <run-dir>/auth/ (read.tokens, write.tokens; printed at start). The client "
-        "commands find them through <run-dir>/stack.json. Default: the gateway runs "
-        "open, on loopback only, and says so.",
+        "commands find them through <run-dir>/stack.json. The local Redis requires a "
+        "password too (<run-dir>/auth/redis.password; the children read the Redis URL from "
+        "<run-dir>/redis.url, mode 0600). Default: the gateway and Redis run open, on "
+        "loopback only, and say so.",
     )
     up.add_argument(
         "--tls",
         action="store_true",
         help="Make a throwaway CA and certificates in <run-dir>/tls/ (scripts/make_certs.py) "
-        "and use them on every hop: the gateway serves TLS; the shards, the reranker and "
-        "Triton's gRPC require the gateway's client certificate (mTLS).",
+        "and use them on every hop: the gateway serves TLS; the shards, the reranker, "
+        "Triton's gRPC and Redis (TLS only, rediss://) require the gateway's client "
+        "certificate (mTLS). Triton's HTTP endpoint (no TLS, no tokens) is closed either way.",
     )
     up.add_argument(
         "--query-cache",

@@ -106,6 +106,26 @@ def check_redis_url(url: str) -> str:
     return url
 
 
+def read_redis_url(path: str) -> str:
+    """The Redis URL on the first line of the file ``path`` (``--redis-url-file``: a URL
+    with a password stays off command lines, which every local user sees in ``ps``).
+    ValueError naming the file, never quoting its content (it may hold a password)."""
+    from pathlib import Path
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read the Redis URL file {path}: {exc.strerror}") from None
+    url = lines[0].strip() if lines else ""
+    try:
+        return check_redis_url(url)
+    except ValueError:
+        raise ValueError(
+            f"the Redis URL file {path} does not hold a redis://, rediss://, unix://, "
+            "redis+cluster:// or rediss+cluster:// URL on its first line"
+        ) from None
+
+
 def sync_client(url: str, *, socket_timeout: float = 5.0) -> Any:
     """A blocking client (``redis.Redis`` or ``redis.cluster.RedisCluster``); replies are
     bytes. Used by threads that block on the log (``XREAD``) and by the command line."""

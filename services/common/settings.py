@@ -122,6 +122,28 @@ class ClientTLSSettings(ServiceSettings):
         return ClientTLS.from_paths(self.tls_ca, self.tls_client_cert, self.tls_client_key)
 
 
+REDIS_URL_FILE_HELP = (
+    "A file holding the Redis URL (its first line), read at start instead of --redis-url: "
+    "a URL with a password stays off the command line, where every local user sees it "
+    "(`ps`). `gtr-retrieval up` passes its Redis this way."
+)
+RedisSettingsT = TypeVar("RedisSettingsT", bound=BaseSettings)
+
+
+def read_redis_url_file(settings: RedisSettingsT) -> RedisSettingsT:
+    """A model validator for settings with ``redis_url`` and ``redis_url_file``: the
+    URL read from the file replaces ``redis_url``."""
+    from services.common.redis_client import read_redis_url
+
+    path = getattr(settings, "redis_url_file", None)
+    if path is None:
+        return settings
+    if "redis_url" in settings.model_fields_set:
+        raise ValueError("give --redis-url or --redis-url-file, not both")
+    settings.redis_url = read_redis_url(path)  # type: ignore[attr-defined]
+    return settings
+
+
 class SettingsError(SystemExit):
     """Raised (exit status 2) when the configuration is invalid; the text says why."""
 

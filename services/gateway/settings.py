@@ -12,7 +12,11 @@ from services.common.auth import Authenticator
 from services.common.discovery import is_dns_target, parse_dns_target
 from services.common.errors import RetrievalError
 from services.common.redis_client import check_redis_url
-from services.common.settings import ClientTLSSettings
+from services.common.settings import (
+    REDIS_URL_FILE_HELP,
+    ClientTLSSettings,
+    read_redis_url_file,
+)
 from services.common.slo import SLOS
 from services.common.tls import ClientTLS
 from services.encoder.runtime.triton_client import triton_addresses
@@ -52,6 +56,7 @@ class GatewaySettings(ClientTLSSettings):
         "for one Redis, redis+cluster://host:port,host:port (rediss+cluster://) for a "
         "Redis Cluster (the nodes are seeds; user:password@ before them for AUTH).",
     )
+    redis_url_file: str | None = Field(None, description=REDIS_URL_FILE_HELP)
     shards: str = Field(
         ...,
         description="Index shard replicas: 'host:port,host:port;host:port' "
@@ -237,6 +242,7 @@ class GatewaySettings(ClientTLSSettings):
         return self.client_tls() if self.triton_tls else None
 
     _redis_url = field_validator("redis_url")(check_redis_url)
+    _redis_url_file = model_validator(mode="after")(read_redis_url_file)
 
     @field_validator("encoder_size")
     @classmethod

@@ -6,15 +6,16 @@ import shutil
 import sys
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlencode
 
 from services.stack.children import Child, free_port, grpc_healthy
 from services.stack.config import StackConfig
 
 if TYPE_CHECKING:
     from services.common.tls import ClientTLS
+    from services.encoder.serve.triton_server import TritonServerConfig
     from services.stack.certs import CertFiles
     from services.stack.launcher import Endpoints
 
@@ -22,19 +23,85 @@ CLI = [sys.executable, "-m", "services.cli.main"]
 
 
 def redis_child(cfg: StackConfig) -> Child:
+    """The stack's Redis. ``--auth``: it requires a password (:func:`redis_password`,
+    given to redis-server in a 0600 config file, not on its command line); ``--tls``: it
+    serves TLS only (no plaintext port) and requires the run's client certificate, as
+    our gRPC servers do. How to reach it (the password and certificates included) is
+    written to ``cfg.redis_url_file`` (0600), which every child reads (:func:`redis_args`).
+    """
     binary = shutil.which("redis-server") or "/usr/bin/redis-server"
     if not Path(binary).exists():
         raise SystemExit("redis-server is not installed: run scripts/bootstrap.sh")
     cfg.redis_dir.mkdir(parents=True, exist_ok=True)
     port = free_port(cfg.host)
-    argv = [
-        binary, "--port", str(port), "--bind", cfg.host, "--dir", str(cfg.redis_dir.resolve()),
+    password = redis_password(cfg)
+    argv = [binary]
+    if password is not None:
+        write_secret(cfg.redis_config_file, f"requirepass {password}\n")
+        argv.append(str(cfg.redis_config_file.resolve()))  # redis-server [config] [options]
+    argv += [
+        "--bind", cfg.host, "--dir", str(cfg.redis_dir.resolve()),
         "--appendonly", "yes", "--appendfsync", cfg.redis_fsync, "--save", "",
-        "--daemonize", "no", "--protected-mode", "no",
+        "--daemonize", "no", "--protected-mode", "yes" if password else "no",
     ]  # fmt: skip
+    certs = certificates(cfg)
+    scheme, query = "redis", ""
+    if certs is None:
+        argv += ["--port", str(port)]
+    else:
+        argv += [
+            "--port", "0", "--tls-port", str(port),
+            "--tls-cert-file", str(certs.server_cert.resolve()),
+            "--tls-key-file", str(certs.server_key.resolve()),
+            "--tls-ca-cert-file", str(certs.ca.resolve()), "--tls-auth-clients", "yes",
+        ]  # fmt: skip
+        scheme = "rediss"
+        query = "?" + urlencode(safe="/", query={
+            "ssl_ca_certs": certs.ca.resolve(),
+            "ssl_certfile": certs.client_cert.resolve(),
+            "ssl_keyfile": certs.client_key.resolve(),
+        })  # fmt: skip
+    userinfo = f":{password}@" if password else ""
     child = Child("redis", argv, cfg.logs / "redis.log")
-    child.address = f"redis://{cfg.host}:{port}/0"
+    child.address = f"{scheme}://{userinfo}{cfg.host}:{port}/0{query}"
+    write_secret(cfg.redis_url_file, child.address + "\n")
     return child
+
+
+def redis_args(cfg: StackConfig) -> list[str]:
+    """How a child of ours is told where the stack's Redis is: the URL file
+    (:func:`redis_child` writes it), so no password shows on a command line."""
+    return ["--redis-url-file", str(cfg.redis_url_file.resolve())]
+
+
+def redis_password(cfg: StackConfig) -> str | None:
+    """``--auth``: the local Redis's password, generated on first use into the run
+    directory (mode 0600) like the tokens; None without ``--auth``."""
+    if not cfg.auth:
+        return None
+    import secrets
+
+    path = cfg.redis_password_file
+    if not path.exists():
+        write_secret(path, secrets.token_urlsafe(32) + "\n", exclusive=True)
+    return path.read_text(encoding="utf-8").strip()
+
+
+def write_secret(path: Path, text: str, *, exclusive: bool = False) -> None:
+    """Write ``text`` to ``path`` with mode 0600 from the start (never readable by
+    others, not even for a moment); ``exclusive``: only if it does not exist yet,
+    else replaced atomically."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = path if exclusive else path.with_name(path.name + ".tmp")
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(target, flags, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    if not exclusive:
+        os.chmod(target, 0o600)  # an older leftover .tmp kept its mode
+        target.replace(path)
 
 
 def _redis(url: str):  # type: ignore[no-untyped-def]
@@ -46,19 +113,30 @@ def _redis(url: str):  # type: ignore[no-untyped-def]
 def redis_ready(child: Child) -> bool:
     import redis
 
+    client = _redis(child.address)
     try:
-        return bool(_redis(child.address).ping())
+        return bool(client.ping())
     except redis.RedisError:
         return False
+    finally:
+        client.close()
 
 
 def redis_get(url: str, key: str) -> str | None:
-    value = _redis(url).get(key)
+    client = _redis(url)
+    try:
+        value = client.get(key)
+    finally:
+        client.close()
     return value.decode() if value is not None else None
 
 
 def redis_set(url: str, key: str, value: str) -> None:
-    _redis(url).set(key, value)
+    client = _redis(url)
+    try:
+        client.set(key, value)
+    finally:
+        client.close()
 
 
 def migrate_redis_if_needed(url: str, shards: int, say: Callable[[str], None]) -> None:
@@ -118,16 +196,12 @@ def tokens(cfg: StackConfig) -> tuple[Path, Path] | None:
     generated on first use (mode 0600)."""
     if not cfg.auth:
         return None
-    import os
     import secrets
 
-    cfg.auth_dir.mkdir(parents=True, exist_ok=True)
     files = (cfg.auth_dir / "read.tokens", cfg.auth_dir / "write.tokens")
     for path in files:
         if not path.exists():
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(secrets.token_urlsafe(32) + "\n")
+            write_secret(path, secrets.token_urlsafe(32) + "\n", exclusive=True)
     return files
 
 
@@ -139,8 +213,11 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def triton_ready(http_address: str, model: str) -> bool:
-    return http_ok(f"http://{http_address}/v2/models/{model}/ready")
+def triton_ready(grpc_address: str, model: str, tls: ClientTLS | None = None) -> bool:
+    """Triton's ``model`` is ready, asked over gRPC (``tls``: the run's mTLS)."""
+    from services.encoder.serve.triton_server import model_ready
+
+    return model_ready(grpc_address, model, tls)
 
 
 def corpus_file(cfg: StackConfig) -> Path:
@@ -179,7 +256,7 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     argv = [
         *CLI, "gateway", "serve",
         "--host", cfg.host, "--port", str(port), "--metrics-port", str(metrics_port),
-        "--redis-url", endpoints.redis_url,
+        *redis_args(cfg),
         "--shards", ";".join(",".join(r) for r in endpoints.shards),
     ]  # fmt: skip
     if cfg.encoder == "triton":
@@ -223,36 +300,39 @@ def onnx_export(cfg: StackConfig, say: Say) -> Path:
     return onnx_path
 
 
-def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str, str]:
-    """(child, gRPC address, HTTP address, metrics address) of a Triton serving ``embed``."""
-    from services.encoder.build.repository import generate_repository
-    from services.encoder.serve.triton_server import (
-        TritonServerConfig,
-        grpc_tls_args,
-        triton_command,
-    )
+def triton_server(cfg: StackConfig) -> TritonServerConfig:
+    """How the stack runs Triton: free ports, the run's repository; ``--tls``: TLS and
+    mTLS on gRPC. Its HTTP endpoint is closed: it has neither TLS nor authentication
+    (under ``--tls`` it would answer ``/v2/models/embed/infer`` to anyone), and nothing
+    of ours uses it (readiness is asked over gRPC, :func:`triton_ready`)."""
+    from services.encoder.serve.triton_server import TritonServerConfig, grpc_tls_args
 
-    generate_repository(onnx_export(cfg, say), cfg.model_repository)
     ports = [free_port(cfg.host) for _ in range(3)]
-    server = TritonServerConfig(
+    certs = certificates(cfg)
+    return TritonServerConfig(
         model_repository=cfg.model_repository,
         grpc_port=ports[0],
         http_port=ports[1],
         metrics_port=ports[2],
         host=cfg.host,
         backend_dir=cfg.run_dir / "triton-backends",
+        http=False,
+        extra_args=(grpc_tls_args(certs.server_cert, certs.server_key, certs.ca) if certs else ()),
     )
-    certs = certificates(cfg)
-    if certs is not None:
-        server = replace(
-            server,
-            extra_args=grpc_tls_args(certs.server_cert, certs.server_key, certs.ca),
-        )
+
+
+def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str]:
+    """(child, gRPC address, metrics address) of a Triton serving ``embed``."""
+    from services.encoder.build.repository import generate_repository
+    from services.encoder.serve.triton_server import triton_command
+
+    generate_repository(onnx_export(cfg, say), cfg.model_repository)
+    server = triton_server(cfg)
     argv, env = triton_command(server)
     child = Child("triton", argv, cfg.logs / "triton.log", env=env, job="triton")
     child.address = server.grpc_url
-    child.metrics = f"{cfg.host}:{ports[2]}"
-    return child, server.grpc_url, f"{cfg.host}:{ports[1]}", f"{cfg.host}:{ports[2]}"
+    child.metrics = f"{cfg.host}:{server.metrics_port}"
+    return child, server.grpc_url, child.metrics
 
 
 def peer_tls_args(cfg: StackConfig) -> list[str]:
@@ -270,9 +350,7 @@ def shard_ports(cfg: StackConfig) -> list[int]:
     return [free_port(cfg.host) for _ in range(cfg.replicas)]
 
 
-def shard_child(
-    cfg: StackConfig, shard: int, replica: int, redis_url: str, ports: Sequence[int] = ()
-) -> Child:
+def shard_child(cfg: StackConfig, shard: int, replica: int, ports: Sequence[int] = ()) -> Child:
     """Replica ``replica`` of ``shard``; ``ports``: those of all the shard's replicas
     (:func:`shard_ports`), its own at index ``replica`` (default: a free port, no peers)."""
     port = ports[replica] if ports else free_port(cfg.host)
@@ -283,7 +361,7 @@ def shard_child(
         *CLI, "index", "serve",
         "--host", cfg.host, "--port", str(port),
         "--shard", str(shard), "--shards", str(cfg.shards), "--replica", name,
-        "--redis-url", redis_url, "--index-dir", str(cfg.index_dir),
+        *redis_args(cfg), "--index-dir", str(cfg.index_dir),
         "--snapshot-dir", str(cfg.snapshot_dir(shard, replica)),
         "--metrics-port", str(metrics_port),
         # every replica of every shard shares this machine's cores: search inline

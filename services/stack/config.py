@@ -59,6 +59,24 @@ class StackConfig:
         return self.run_dir / "auth"
 
     @property
+    def redis_password_file(self) -> Path:
+        """``--auth``: the local Redis's password (made on first use, mode 0600)."""
+        return self.auth_dir / "redis.password"
+
+    @property
+    def redis_config_file(self) -> Path:
+        """``--auth``: the redis.conf holding ``requirepass`` (mode 0600; a password on
+        redis-server's command line would be visible to every local user in ``ps``)."""
+        return self.auth_dir / "redis.conf"
+
+    @property
+    def redis_url_file(self) -> Path:
+        """How every child reaches the local Redis (password, ``rediss://`` and the run's
+        certificates included): written at each start, mode 0600, read by the gateway and
+        the shards through ``--redis-url-file``."""
+        return self.run_dir / "redis.url"
+
+    @property
     def tls_dir(self) -> Path:
         return self.run_dir / "tls"
 

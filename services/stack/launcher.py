@@ -29,6 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from services.common.redis_client import parse_redis_url
 from services.common.tls import ClientTLS
 from services.stack import components, first_run
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Endpoints:
-    redis_url: str = ""
+    redis_url: str = ""  # without its password (the URL file holds the whole URL)
+    redis_url_file: str = ""  # how to reach Redis, password and certificates included
     triton_grpc: str = ""
     triton_metrics: str = ""
     shards: list[list[str]] = field(default_factory=list)
@@ -67,6 +69,11 @@ def _say(message: str) -> None:
     print(f"[up] {message}", flush=True)
 
 
+def _public(address: str) -> str:
+    """``address`` without a password (Redis's URL carries one under ``--auth``)."""
+    return parse_redis_url(address).safe_url if "@" in address else address
+
+
 def corpus_fingerprint(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
@@ -86,6 +93,7 @@ class Stack:
         self._published = False  # stack.json is written (start-up done, not stopped)
         self._state_lock = threading.Lock()
         self._first_run: first_run.CorpusEmbeddings | None = None  # until stored
+        self._redis_url = ""  # the whole URL (password included): never printed or published
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -151,8 +159,8 @@ class Stack:
             if not self._published:
                 return
             children = [
-                {"name": c.name, "address": c.address, "pid": c.pid, "state": c.state.value,
-                 "restarts": c.restarts, "log": str(c.log_path)}
+                {"name": c.name, "address": _public(c.address), "pid": c.pid,
+                 "state": c.state.value, "restarts": c.restarts, "log": str(c.log_path)}
                 for c in self.supervisor.children
             ]  # fmt: skip
             state = {
@@ -209,16 +217,19 @@ class Stack:
         tls = self._security()
         redis = components.redis_child(cfg)
         self.supervisor.start(redis, lambda: components.redis_ready(redis), timeout)
-        self.endpoints.redis_url = redis.address
-        _say(f"redis      {redis.address}  (data {cfg.redis_dir})")
+        self._redis_url = redis.address
+        self.endpoints.redis_url = parse_redis_url(redis.address).safe_url
+        self.endpoints.redis_url_file = str(cfg.redis_url_file.resolve())
+        locked = ", password required" if cfg.auth else ""
+        locked += ", TLS with client certificates" if cfg.tls else ""
+        _say(f"redis      {self.endpoints.redis_url}  (data {cfg.redis_dir}{locked})")
         components.migrate_redis_if_needed(redis.address, cfg.shards, _say)
 
         if cfg.encoder == "triton":
             _say("triton     generating the CPU model repository and starting tritonserver")
-            triton, grpc_address, http_address, metrics = components.triton_child(cfg, _say)
-            self.supervisor.start(
-                triton, lambda: components.triton_ready(http_address, "embed"), timeout
-            )
+            triton, grpc_address, metrics = components.triton_child(cfg, _say)
+            ready = functools.partial(components.triton_ready, grpc_address, "embed", tls)
+            self.supervisor.start(triton, ready, timeout)
             self.endpoints.triton_grpc = grpc_address
             self.endpoints.triton_metrics = metrics
             _say(f"triton     {grpc_address}  (model 'embed')")
@@ -229,7 +240,7 @@ class Stack:
             replicas = []
             ports = components.shard_ports(cfg)  # each replica's --peers: the others
             for replica in range(cfg.replicas):
-                child = components.shard_child(cfg, shard, replica, redis.address, ports)
+                child = components.shard_child(cfg, shard, replica, ports)
                 ready = functools.partial(components.grpc_ready, child, tls)
                 self.supervisor.start(child, ready, timeout)
                 replicas.append(child.address)
@@ -273,17 +284,17 @@ class Stack:
         cfg = self.config
         corpus = components.corpus_file(cfg)
         marker = f"stack:ingested:{corpus_fingerprint(corpus)}"
-        if components.redis_get(self.endpoints.redis_url, marker):
+        if components.redis_get(self._redis_url, marker):
             _say(f"corpus     {corpus} already ingested")
             return corpus
         if self._first_run is not None and self._first_run.corpus == corpus:
             _say(f"ingest     {corpus} with the first run's embeddings (encoded once)")
             start = time.perf_counter()
             n = first_run.store_documents(
-                self.endpoints.redis_url, cfg.shards, self._first_run, cfg.progress
+                self._redis_url, cfg.shards, self._first_run, cfg.progress
             )
             self._first_run = None
-            components.redis_set(self.endpoints.redis_url, marker, str(n))
+            components.redis_set(self._redis_url, marker, str(n))
             _say(f"ingest     {n} documents in {time.perf_counter() - start:.1f} s")
             return corpus
         from services.client.gateway import ingest_file
@@ -291,7 +302,7 @@ class Stack:
         _say(f"ingest     {corpus}")
         start = time.perf_counter()
         n = ingest_file(self.gateway(), str(corpus), batch=cfg.ingest_batch, progress=cfg.progress)
-        components.redis_set(self.endpoints.redis_url, marker, str(n))
+        components.redis_set(self._redis_url, marker, str(n))
         _say(f"ingest     {n} documents in {time.perf_counter() - start:.1f} s")
         return corpus
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -38,7 +39,9 @@ from services.index.server.process import RunningShard, start_shard
 from services.rerank.serve.server import Reranker, start_rerank
 from services.rerank.serve.settings import RerankSettings
 from services.stack.certs import CertFiles, make_certs
-from tests.support.processes import RedisServer, free_port, wait_until
+from services.stack.config import StackConfig
+from services.stack.launcher import Stack
+from tests.support.processes import RedisServer, free_port, redis_binary, wait_until
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.shards import ROOT, train_test_index
 from tests.support.stack import shard_settings
@@ -433,3 +436,127 @@ def test_index_stats_reaches_an_mtls_shard_only_with_a_client_certificate(
     assert json.loads(stats.stdout)["replica"] == "r0"  # the shard's Stats, as JSON
     refused = subprocess.run(argv, **run)  # type: ignore[call-overload]
     assert refused.returncode != 0 and "UNAVAILABLE" in refused.stderr
+
+
+# --- the local stack's Redis (`gtr-retrieval up --auth --tls`) -------------------------
+
+
+@dataclass
+class LockedStack:
+    stack: Stack
+    cfg: StackConfig
+
+    @property
+    def url(self) -> str:
+        """The whole URL (password, rediss:// and certificates), from the 0600 file."""
+        return self.cfg.redis_url_file.read_text(encoding="utf-8").strip()
+
+    @property
+    def password(self) -> str:
+        return self.cfg.redis_password_file.read_text(encoding="utf-8").strip()
+
+
+@pytest.fixture(scope="module")
+def locked_stack(
+    tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path
+) -> Iterator[LockedStack]:
+    """``up --auth --tls`` as the launcher runs it (its ``start`` and ``ingest``, without
+    the signal handling of ``run``): Redis, the first run (encode, train, store), one
+    shard and the gateway as child processes; the in-process encoder stands in for
+    Triton, rerank and Prometheus are off."""
+    if redis_binary() is None:
+        pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
+    tmp = tmp_path_factory.mktemp("locked-stack")
+    corpus = tmp / "corpus.jsonl"
+    with (scifact_dir / "corpus.jsonl").open(encoding="utf-8") as fh:
+        rows = [json.loads(line) for _, line in zip(range(300), fh, strict=False)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    cfg = StackConfig(
+        run_dir=tmp / "run", corpus=corpus, shards=1, encoder="inprocess", rerank=False,
+        gateway_port=0, prometheus=False, progress=False,
+        startup_timeout_s=240, auth=True, tls=True,
+    )  # fmt: skip
+    stack = Stack(cfg)
+    try:
+        stack.start()
+        stack.ingest()
+        yield LockedStack(stack, cfg)
+    finally:
+        stack.supervisor.stop_all()
+
+
+def _redis_refusal(url: str) -> BaseException:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        with pytest.raises(redis.RedisError) as refused:
+            client.get("stack:ingested:x")
+        return refused.value
+    finally:
+        client.close()
+
+
+@pytest.mark.slow  # the module's locked stack: a first run and two children, ~2 min
+def test_the_local_redis_answers_the_url_file_and_refuses_a_client_without_the_password(
+    locked_stack: LockedStack,
+) -> None:
+    import redis
+
+    url, password = locked_stack.url, locked_stack.password
+    assert url.startswith("rediss://") and f":{password}@" in url
+    client = redis.Redis.from_url(url)
+    try:
+        assert client.ping() and client.dbsize() > 0  # the control: the documents are there
+    finally:
+        client.close()
+    without = url.replace(f":{password}@", "")  # TLS with the client certificate, no password
+    refused = _redis_refusal(without)
+    assert isinstance(refused, redis.AuthenticationError | redis.ResponseError), refused
+    assert "auth" in str(refused).lower()
+    wrong = url.replace(f":{password}@", ":not-the-password@")
+    assert isinstance(_redis_refusal(wrong), redis.AuthenticationError)
+
+
+@pytest.mark.slow  # the module's locked stack: a first run and two children, ~2 min
+def test_the_local_redis_refuses_plaintext_and_a_client_without_a_certificate(
+    locked_stack: LockedStack,
+) -> None:
+    import redis
+
+    url, password = locked_stack.url, locked_stack.password
+    address = url.split("@", 1)[1].split("/", 1)[0]
+    plaintext = f"redis://:{password}@{address}/0"  # the right password, in the clear
+    assert isinstance(_redis_refusal(plaintext), redis.ConnectionError)
+    ca = locked_stack.cfg.tls_dir / "ca.pem"
+    no_cert = f"rediss://:{password}@{address}/0?ssl_ca_certs={ca}"
+    assert isinstance(_redis_refusal(no_cert), redis.ConnectionError)
+
+
+@pytest.mark.slow  # the module's locked stack: a first run and two children, ~2 min
+def test_every_child_reaches_the_locked_redis_and_no_command_line_shows_its_password(
+    locked_stack: LockedStack,
+) -> None:
+    """The first run stored the corpus through the password-protected TLS Redis (its
+    marker is there), the shard replayed it and the gateway reads the documents from it:
+    a strong search over TLS with the write token finds a stored document with its
+    text. No process's command line (what ``ps`` shows every local user) holds the
+    password; stack.json does not either; the files that do are mode 0600."""
+    stack, cfg = locked_stack.stack, locked_stack.cfg
+    password = locked_stack.password
+    from services.cli.client_commands import search_once
+
+    response = search_once(stack.gateway(), "cells", k=3, timeout=60, consistency="strong")
+    assert len(response.hits) == 3 and all(h.text for h in response.hits), response
+    children = {c.name: c for c in stack.supervisor.children}
+    assert {"redis", "gateway", "shard-0-replica-0"} <= set(children)
+    for child in children.values():
+        assert child.alive(), child.name
+        cmdline = Path(f"/proc/{child.pid}/cmdline").read_bytes().decode(errors="replace")
+        assert password not in cmdline, child.name
+    for name in ("gateway", "shard-0-replica-0"):
+        assert "--redis-url-file" in children[name].argv, name
+    published = (cfg.run_dir / "stack.json").read_text(encoding="utf-8")
+    assert password not in published and "redis_url_file" in published
+    for path in (cfg.redis_url_file, cfg.redis_password_file, cfg.redis_config_file):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

@@ -59,7 +59,7 @@ def _start(cfg: StackConfig, sup: Supervisor) -> tuple[Child, list[Child]]:
     ports = components.shard_ports(cfg)
     replicas = []
     for r in range(cfg.replicas):
-        child = components.shard_child(cfg, 0, r, store.address, ports)
+        child = components.shard_child(cfg, 0, r, ports)
         sup.start(child, lambda c=child: components.grpc_ready(c), 120)  # type: ignore[misc]
         replicas.append(child)
     return store, replicas

@@ -64,7 +64,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
     sup = Supervisor(cfg.restart, report=reports.append)
     try:
         redis_child = start_redis(sup, cfg)
-        replicas = [components.shard_child(cfg, 0, r, redis_child.address) for r in range(2)]
+        replicas = [components.shard_child(cfg, 0, r) for r in range(2)]
         for child in replicas:
             sup.start(child, lambda c=child: components.grpc_ready(c), 60)  # type: ignore[misc]
         sup.watch()
@@ -266,7 +266,7 @@ def test_triton_under_load_stops_on_sigterm_without_sigkill(
     load: subprocess.Popen[bytes] | None = None
     child.start()
     try:
-        child.wait_ready(lambda: components.triton_ready(f"127.0.0.1:{ports[1]}", "embed"), 120)
+        child.wait_ready(lambda: components.triton_ready(server.grpc_url, "embed"), 120)
         load = subprocess.Popen([sys.executable, "-c", LOAD, server.grpc_url])
         metrics = f"127.0.0.1:{ports[2]}"
         wait_until(lambda: _pending_inferences(metrics) >= 6, "a queue at Triton", timeout=60)

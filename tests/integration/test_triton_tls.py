@@ -11,25 +11,25 @@ the one error map), so the hop is really encrypted and really authenticated.
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import psutil
 import pytest
 
 from services.common.errors import RetrievalError, Unavailable
 from services.common.tls import ClientTLS
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
-from services.encoder.serve.triton_server import (
-    TritonHandle,
-    TritonServerConfig,
-    grpc_tls_args,
-    run_triton,
-)
+from services.encoder.serve.triton_server import TritonHandle, run_triton
+from services.stack import components
 from services.stack.certs import CertFiles, make_certs
+from services.stack.config import StackConfig
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
-from tests.support.processes import free_port
 
 
 @dataclass
@@ -41,22 +41,20 @@ class SecureTriton:
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureTriton]:
+    """Triton as ``up --tls`` runs it (the flags of ``components.triton_server``), on the
+    tiny repository."""
     base = encoder_base(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("triton-tls")
-    certs = make_certs(tmp / "certs")
+    cfg = StackConfig(run_dir=tmp / "run", tls=True)
+    certs = components.certificates(cfg)
+    assert certs is not None
     other = make_certs(tmp / "other", common_name="someone else's CA")
     onnx_path = ensure_onnx(ensure_tiny_t5(base), base)
-    repo = tmp / "repo"
-    generate_repository(onnx_path, repo, RepositoryConfig(instances=1, intra_op_threads=1))
-    cfg = TritonServerConfig(
-        repo,
-        grpc_port=free_port(),
-        http_port=free_port(),
-        metrics_port=free_port(),
-        startup_timeout_s=120,
-        extra_args=grpc_tls_args(certs.server_cert, certs.server_key, certs.ca),
+    generate_repository(
+        onnx_path, cfg.model_repository, RepositoryConfig(instances=1, intra_op_threads=1)
     )
-    with run_triton(cfg, tmp / "triton.log") as handle:
+    server = replace(components.triton_server(cfg), startup_timeout_s=120)
+    with run_triton(server, tmp / "triton.log", tls=components.internal_tls(cfg)) as handle:
         yield SecureTriton(handle, certs, other)
 
 
@@ -92,3 +90,31 @@ def test_triton_under_mtls_refuses_a_client_it_cannot_verify(
     with pytest.raises(RetrievalError) as refused:
         asyncio.run(_embed(triton.handle, tls))
     assert isinstance(refused.value, Unavailable), refused.value
+
+
+def test_under_tls_tritons_plaintext_http_endpoint_is_closed(triton: SecureTriton) -> None:
+    """``up --tls`` closes Triton's HTTP endpoint, which has neither TLS nor tokens: the
+    KServe v2 HTTP inference (what answered embeddings to anyone before) finds nothing
+    listening on its port, and the server listens on its gRPC (mTLS) and metrics ports
+    only. The control: the same server embeds over gRPC with the client certificate
+    (``test_the_gateways_encoder_embeds_over_mtls``) and its metrics answer."""
+    cfg = triton.handle.config
+    body = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}]}
+    infer = urllib.request.Request(
+        f"http://{cfg.host}:{cfg.http_port}/v2/models/{cfg.ready_model}/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(ConnectionRefusedError):
+        try:
+            urllib.request.urlopen(infer, timeout=10)
+        except urllib.error.URLError as exc:
+            raise exc.reason from None  # type: ignore[misc]
+    listening = {
+        c.laddr.port
+        for c in psutil.Process(triton.handle.process.pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert listening == {cfg.grpc_port, cfg.metrics_port}, listening
+    with urllib.request.urlopen(f"http://{cfg.host}:{cfg.metrics_port}/metrics", timeout=10) as r:
+        assert r.status == 200

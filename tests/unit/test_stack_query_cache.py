@@ -10,12 +10,13 @@ import pytest
 from services.cli.main import build_parser
 from services.common.settings import load_settings
 from services.gateway.settings import GatewaySettings
-from services.stack.components import gateway_child
+from services.stack.components import gateway_child, write_secret
 from services.stack.config import StackConfig
 from services.stack.launcher import Endpoints
 
 
 def gateway_settings(cfg: StackConfig) -> GatewaySettings:
+    write_secret(cfg.redis_url_file, "redis://127.0.0.1:6390/0\n")  # as redis_child does
     endpoints = Endpoints(redis_url="redis://127.0.0.1:6390/0", shards=[["127.0.0.1:7001"]])
     child, _ = gateway_child(cfg, endpoints)
     serve = child.argv.index("serve")
@@ -39,7 +40,7 @@ def test_up_query_cache_turns_on_the_gateways_cache(tmp_path: Path) -> None:
     settings = gateway_settings(cfg)
     assert settings.query_cache
     assert settings.query_cache_ttl_s == 120.0 and settings.query_cache_max_entries == 777
-    assert settings.query_cache_redis_url is None  # the stack's Redis (--redis-url)
+    assert settings.query_cache_redis_url is None  # the stack's Redis (--redis-url-file)
     assert settings.redis_url == "redis://127.0.0.1:6390/0"
 
 

@@ -54,14 +54,16 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.errors import FailedPrecondition, Unavailable
+
+if TYPE_CHECKING:
+    from services.common.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ class TritonServerConfig:
     exit_timeout_s: int = 8
     log_verbose: int = 0
     extra_args: tuple[str, ...] = ()
+    # Triton's HTTP/REST endpoint. It has no TLS and no authentication of its own (the
+    # gRPC flags do not cover it): False closes it (--allow-http=false), as the local
+    # stack does; readiness is asked over gRPC either way (:func:`model_ready`).
+    http: bool = True
 
     @property
     def grpc_url(self) -> str:
@@ -146,10 +152,13 @@ def triton_command(cfg: TritonServerConfig) -> tuple[list[str], dict[str, str]]:
         f"--model-repository={Path(cfg.model_repository).resolve()}",
         f"--backend-directory={backend_dir}",
         f"--grpc-port={cfg.grpc_port}",
-        f"--http-port={cfg.http_port}",
         f"--metrics-port={cfg.metrics_port}",
         f"--grpc-address={cfg.host}",
-        f"--http-address={cfg.host}",
+        *(
+            [f"--http-port={cfg.http_port}", f"--http-address={cfg.host}"]
+            if cfg.http
+            else ["--allow-http=false"]
+        ),
         "--allow-gpu-metrics=false",
         "--exit-on-error=true",
         "--strict-readiness=true",
@@ -162,8 +171,9 @@ def triton_command(cfg: TritonServerConfig) -> tuple[list[str], dict[str, str]]:
 
 def grpc_tls_args(cert: Path, key: Path, client_ca: Path | None = None) -> tuple[str, ...]:
     """tritonserver flags for TLS on its gRPC endpoint (``extra_args``), from PEM files;
-    with ``client_ca`` clients must present a certificate signed by it (mTLS). Its HTTP
-    endpoint (readiness, here) stays plaintext on the configured host."""
+    with ``client_ca`` clients must present a certificate signed by it (mTLS). They do
+    not cover the HTTP endpoint, which would still answer inferences in plaintext to
+    anyone: close it with ``TritonServerConfig.http = False``."""
     args = [
         "--grpc-use-ssl=true",
         f"--grpc-server-cert={Path(cert).resolve()}",
@@ -191,24 +201,37 @@ class TritonHandle:
             return "(no log)"
 
 
-def _ready(cfg: TritonServerConfig) -> bool:
-    url = f"{cfg.http_url}/v2/models/{cfg.ready_model}/ready"
+def model_ready(
+    grpc_url: str, model: str, tls: ClientTLS | None = None, timeout: float = 1.0
+) -> bool:
+    """True when Triton at ``grpc_url`` says ``model`` is ready (KServe v2 ``ModelReady``
+    over gRPC, through ``tls`` when its gRPC port has TLS): the one readiness check of
+    ours, so that nothing needs Triton's unauthenticated HTTP endpoint."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from services.common.tls import channel
+
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
+        with channel(grpc_url, tls) as ch:
+            reply = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelReady(
+                service_pb2.ModelReadyRequest(name=model), timeout=timeout
+            )
+            return bool(reply.ready)
+    except grpc.RpcError:
         return False
 
 
-def wait_ready(handle: TritonHandle) -> None:
-    """Poll the model's readiness; fail fast with the log tail if the server died."""
+def wait_ready(handle: TritonHandle, tls: ClientTLS | None = None) -> None:
+    """Poll the model's readiness over gRPC (through ``tls`` when the server has TLS);
+    fail fast with the log tail if the server died."""
     deadline = time.monotonic() + handle.config.startup_timeout_s
     while time.monotonic() < deadline:
         if handle.process.poll() is not None:
             raise Unavailable(
                 f"tritonserver exited with {handle.process.returncode}:\n{handle.log_tail()}"
             )
-        if _ready(handle.config):
+        if model_ready(handle.config.grpc_url, handle.config.ready_model, tls):
             return
         time.sleep(0.2)
     raise Unavailable(
@@ -230,8 +253,11 @@ def stop(handle: TritonHandle) -> None:
 
 
 @contextmanager
-def run_triton(cfg: TritonServerConfig, log_path: Path) -> Iterator[TritonHandle]:
-    """Start tritonserver, yield once ``cfg.ready_model`` is ready, stop it on exit."""
+def run_triton(
+    cfg: TritonServerConfig, log_path: Path, tls: ClientTLS | None = None
+) -> Iterator[TritonHandle]:
+    """Start tritonserver, yield once ``cfg.ready_model`` is ready (asked over gRPC,
+    through ``tls`` when the server has TLS), stop it on exit."""
     argv, env = triton_command(cfg)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +266,7 @@ def run_triton(cfg: TritonServerConfig, log_path: Path) -> Iterator[TritonHandle
                                    stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     handle = TritonHandle(cfg, process, log_path)
     try:
-        wait_ready(handle)
+        wait_ready(handle, tls)
         yield handle
     finally:
         stop(handle)

@@ -9,7 +9,11 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.redis_client import check_redis_url
-from services.common.settings import ClientTLSSettings
+from services.common.settings import (
+    REDIS_URL_FILE_HELP,
+    ClientTLSSettings,
+    read_redis_url_file,
+)
 from services.index.core.text import TextConfig, check_language
 
 
@@ -28,6 +32,7 @@ class ShardSettings(ClientTLSSettings):
         description="Where the log lives: redis://host:port/0 (rediss:// with TLS) for one "
         "Redis, redis+cluster://host:port,host:port (rediss+cluster://) for a Redis Cluster.",
     )
+    redis_url_file: str | None = Field(None, description=REDIS_URL_FILE_HELP)
     index_dir: str = Field(..., description="Directory of the trained index (`index train`).")
     snapshot_dir: str = Field(..., description="This replica's snapshot directory.")
     snapshot_every_entries: int = Field(20_000, ge=1, description="Snapshot after N changes.")
@@ -89,6 +94,7 @@ class ShardSettings(ClientTLSSettings):
     )
     _redis_url = field_validator("redis_url")(check_redis_url)
     _text_language = field_validator("text_language")(check_language)
+    _redis_url_file = model_validator(mode="after")(read_redis_url_file)
 
     def text_config(self) -> TextConfig | None:
         """Where and how the text index lives (None: ``--no-text-index``)."""
