@@ -101,7 +101,7 @@ def _ingest(redis_url: str, vectors: np.ndarray, docs: list[dict[str, Any]]) -> 
     from services.index.client.writer import ChangeLogWriter, DocRecord
 
     async def run() -> None:
-        writer = ChangeLogWriter(redis_url, num_shards=1, dim=vectors.shape[1])
+        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
         for i in range(0, len(docs), 250):
             await writer.upsert(
                 [

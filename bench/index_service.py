@@ -424,7 +424,7 @@ def main() -> int:
         ctx.__exit__(None, None, None)
 
         async def fill() -> float:
-            writer = ChangeLogWriter(url, args.shards, dim=base.shape[1])
+            writer = ChangeLogWriter.connect(url, args.shards, dim=base.shape[1])
             try:
                 return await load_log(writer, base_ids, base)
             finally:
@@ -440,7 +440,7 @@ def main() -> int:
 
             async def measure() -> None:
                 router = ShardRouter(cluster.addresses)
-                writer = ChangeLogWriter(url, args.shards, dim=base.shape[1])
+                writer = ChangeLogWriter.connect(url, args.shards, dim=base.shape[1])
                 try:
                     result["recall_at_10"] = round(
                         await service_recall(router, queries, exact, base_ids, nprobe), 4

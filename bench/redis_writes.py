@@ -72,7 +72,7 @@ async def _round(
     """Upsert for ``seconds`` with ``concurrency`` writers; each call's latency (s)."""
     from services.index.client.writer import ChangeLogWriter
 
-    writer = ChangeLogWriter(
+    writer = ChangeLogWriter.connect(
         side.url, SHARDS, dim=DIM, wait_replicas=side.wait_replicas, wait_timeout_ms=5000
     )
     rng = np.random.default_rng(seed)

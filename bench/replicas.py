@@ -219,7 +219,7 @@ def main() -> int:
 
 
 async def ingest(url: str, vectors: np.ndarray, shards: int) -> None:
-    writer = ChangeLogWriter(url, num_shards=shards, dim=vectors.shape[1])
+    writer = ChangeLogWriter.connect(url, num_shards=shards, dim=vectors.shape[1])
     try:
         for i in range(0, len(vectors), 256):
             end = min(i + 256, len(vectors))

@@ -32,7 +32,15 @@ from services.gateway.domain import (
     WriteResult,
 )
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.ports import DocRecord, DocumentStore, Encoder, Reranker, VectorIndex
+from services.gateway.ports import (
+    DocRecord,
+    DocumentStore,
+    DocumentWriter,
+    Encoder,
+    LogTails,
+    Reranker,
+    VectorIndex,
+)
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.texts import cut_for_encoder
 
@@ -74,7 +82,8 @@ def _group_key(q: SearchQuery, fetch_k: int) -> tuple[object, ...]:
 class SearchPipeline:
     encoder: Encoder
     index: VectorIndex
-    store: DocumentStore
+    documents: DocumentStore
+    tails: LogTails
     reranker: Reranker | None = None
     limits: Limits = field(default_factory=Limits)
     metrics: GatewayMetrics | None = None
@@ -218,7 +227,7 @@ class SearchPipeline:
         to promise (a shard reading its own tail would only drop out as a partial)."""
         if not any(q.consistency is Consistency.STRONG for q in queries):
             return queries
-        tail = await bounded(self.store.tail(), deadline, "reading the log tails")
+        tail = await bounded(self.tails.tail(), deadline, "reading the log tails")
         return [
             dataclasses.replace(q, consistency=Consistency.SESSION, write_token=tail)
             if q.consistency is Consistency.STRONG
@@ -245,7 +254,7 @@ class SearchPipeline:
         if not ids:
             return 0.0
         t = time.perf_counter()
-        docs = await bounded(self.store.get_many(ids), deadline, "the document fetch")
+        docs = await bounded(self.documents.get_many(ids), deadline, "the document fetch")
         fetch_ms = _ms(t)
         by_id = dict(zip(ids, docs, strict=True))
         for i in wanted:
@@ -327,7 +336,8 @@ class SearchPipeline:
 @dataclass
 class DocumentPipeline:
     encoder: Encoder
-    store: DocumentStore
+    writer: DocumentWriter
+    documents: DocumentStore
     limits: Limits = field(default_factory=Limits)
     default_timeout_s: float = DEFAULT_TIMEOUT_S
 
@@ -355,19 +365,19 @@ class DocumentPipeline:
             DocRecord(d.id, vectors[i], d.title, d.text, dict(d.metadata))
             for i, d in enumerate(docs)
         ]
-        token = await bounded(self.store.upsert(records), deadline, "the write")
+        token = await bounded(self.writer.upsert(records), deadline, "the write")
         return WriteResult(token, len(docs), truncated=truncated)
 
     async def delete(self, ids: Sequence[str], timeout: float | None = None) -> WriteResult:
         deadline = self._deadline(timeout)
         validation.check_ids(ids, self.limits)
-        token, deleted, missing = await bounded(self.store.delete(ids), deadline, "the delete")
+        token, deleted, missing = await bounded(self.writer.delete(ids), deadline, "the delete")
         return WriteResult(token, len(deleted), not_found=tuple(missing))
 
     async def get(self, doc_id: str, timeout: float | None = None) -> Document:
         deadline = self._deadline(timeout)
         validation.check_ids([doc_id], self.limits, field="id")
-        (doc,) = await bounded(self.store.get_many([doc_id]), deadline, "the read")
+        (doc,) = await bounded(self.documents.get_many([doc_id]), deadline, "the read")
         if doc is None:
             raise NotFound(f"document {doc_id!r} does not exist")
         return doc

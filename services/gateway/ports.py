@@ -3,8 +3,11 @@
 The pipeline depends on these protocols, not on grpc, Redis or Triton. The server wires
 the real implementations, which speak the shared words of :mod:`services.common.domain`
 directly (no adapters): the index's :class:`~services.index.client.router.ShardRouter`, the
-change log's :class:`~services.index.client.writer.ChangeLogWriter`, the
-:class:`~services.encoder.base.Encoder` (Triton or in-process) and the rerank client.
+change log's :class:`~services.index.client.writer.ChangeLogWriter` (documents and their
+log entries), :class:`~services.index.client.documents.DocumentReader` (the stored
+documents), :class:`~services.index.client.tails.LogTailReader` (the logs' newest
+positions), the :class:`~services.encoder.base.Encoder` (Triton or in-process) and the
+rerank client.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from services.common.domain import (
 from services.encoder.base import Encoder
 from services.index.client.writer import DocRecord
 
-__all__ = ["DocRecord", "DocumentStore", "Encoder", "Reranker", "VectorIndex"]
+__all__ = [
+    "DocRecord",
+    "DocumentStore",
+    "DocumentWriter",
+    "Encoder",
+    "LogTails",
+    "Reranker",
+    "VectorIndex",
+]
 
 
 class VectorIndex(Protocol):
@@ -47,20 +58,26 @@ class VectorIndex(Protocol):
     async def close(self) -> None: ...
 
 
-class DocumentStore(Protocol):
+class DocumentWriter(Protocol):
+    """Stores documents and logs them to their shards, in one transaction per write."""
+
     async def upsert(self, records: Sequence[DocRecord]) -> WriteToken: ...
 
     async def delete(self, ids: Sequence[str]) -> tuple[WriteToken, list[str], list[str]]:
         """Returns (write token, deleted ids, ids that did not exist)."""
         ...
 
-    async def get_many(self, ids: Sequence[str]) -> list[Document | None]: ...
 
+class DocumentStore(Protocol):
+    async def get_many(self, ids: Sequence[str]) -> list[Document | None]:
+        """The stored documents of ``ids``, None where one does not exist."""
+        ...
+
+
+class LogTails(Protocol):
     async def tail(self) -> WriteToken:
         """The newest position of every shard's log (Unavailable when it cannot be read)."""
         ...
-
-    async def close(self) -> None: ...
 
 
 class Reranker(Protocol):

@@ -91,8 +91,11 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
+    from services.index.client.connection import StoreConnection
+    from services.index.client.documents import DocumentReader
     from services.index.client.replicas import HedgePolicy
     from services.index.client.router import ShardRouter
+    from services.index.client.tails import LogTailReader
     from services.index.client.writer import ChangeLogWriter
     from services.index.layout import check_layout_at
 
@@ -106,16 +109,20 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         tls=tls,
         balancing=Balancing(settings.balance, settings.resolve_every_s),
     )
-    store = ChangeLogWriter(
+    store = StoreConnection(
         settings.redis_url,
         num_shards=router.num_shards,
-        dim=encoder.dim,
         max_connections=settings.redis_max_connections,
         pool_timeout_s=settings.redis_pool_timeout_s,
         read_retry_s=settings.redis_read_retry_s,
+    )
+    writer = ChangeLogWriter(
+        store,
+        dim=encoder.dim,
         wait_replicas=settings.redis_wait_replicas,
         wait_timeout_ms=settings.redis_wait_timeout_ms,
     )
+    stored = DocumentReader(store)
     # Refuse to serve a store of another key layout or shard count (says what to do).
     await asyncio.to_thread(check_layout_at, settings.redis_url, router.num_shards)
     reranker = (
@@ -153,14 +160,17 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     search = SearchPipeline(
         encoder,
         router,
-        store,
+        stored,
+        LogTailReader(store),
         reranker,
         metrics=metrics,
         default_timeout_s=settings.default_timeout_s,
         pressure=admission.pressure,
         query_cache=query_cache,
     )
-    documents = DocumentPipeline(encoder, store, default_timeout_s=settings.default_timeout_s)
+    documents = DocumentPipeline(
+        encoder, writer, stored, default_timeout_s=settings.default_timeout_s
+    )
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(search), server)

@@ -10,7 +10,8 @@
     process (``process``, run by ``gtr-retrieval index serve``).
 ``client/``
     what the gateway uses: the router (fan-out, merge, coalescing), a shard's replicas
-    (failover, hedging), the search stream, the change-log writer.
+    (failover, hedging), the search stream, the change-log writer, the readers of the
+    stored documents and of the logs' tails, and the Redis connection those three share.
 ``changelog``, ``convert``
     the contracts both sides share: the Redis keys, entry format and reader of the log;
     protobuf ↔ core conversions of the internal API.

@@ -114,7 +114,7 @@ def store_documents(
     from services.index.client.writer import ChangeLogWriter, DocRecord
 
     async def run() -> int:
-        writer = ChangeLogWriter(redis_url, num_shards=num_shards, dim=emb.vectors.shape[1])
+        writer = ChangeLogWriter.connect(redis_url, num_shards=num_shards, dim=emb.vectors.shape[1])
         try:
             with tqdm(total=len(emb.docs), unit="doc", desc="ingest", file=sys.stderr,
                       disable=not progress) as bar:  # fmt: skip

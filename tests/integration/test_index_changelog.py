@@ -11,6 +11,9 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.common.redis_client import sync_client
 from services.index.changelog import LogReader, decode_entry
+from services.index.client.connection import StoreConnection
+from services.index.client.documents import DocumentReader
+from services.index.client.tails import LogTailReader
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Delete, Upsert
 from services.index.core.ids import shard_of
@@ -26,19 +29,22 @@ def rec(doc_id: str, seed: int = 0, dim: int = 8, **meta: str) -> DocRecord:
 
 def test_upsert_stores_docs_and_logs_them_per_shard(any_redis_url: str) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(any_redis_url, num_shards=3, dim=8)
+        # the writer and both readers on one connection, as the gateway wires them
+        connection = StoreConnection(any_redis_url, num_shards=3)
+        writer = ChangeLogWriter(connection, dim=8)
+        docs, tails = DocumentReader(connection), LogTailReader(connection)
         try:
             records = [rec(f"d{i}", i, lang="en") for i in range(20)]
             token = await writer.upsert(records)
             shards = {shard_of(r.doc_id, 3) for r in records}
             assert set(token) == shards
-            stored = await writer.get("d3")
+            stored = await docs.get("d3")
             assert (
                 stored is not None and stored.title == "t d3" and stored.metadata == {"lang": "en"}
             )
             assert stored.version == 1
-            assert await writer.get("missing") is None
-            assert await writer.tail() == token
+            assert await docs.get("missing") is None
+            assert await tails.tail() == token
 
             sync = sync_client(any_redis_url)
             seen = {}
@@ -54,23 +60,24 @@ def test_upsert_stores_docs_and_logs_them_per_shard(any_redis_url: str) -> None:
                 assert np.array_equal(seen[r.doc_id].vector, r.vector)
                 assert seen[r.doc_id].tags == {"lang": "en"} and seen[r.doc_id].version == 1
         finally:
-            await writer.close()
+            await connection.close()
 
     asyncio.run(run())
 
 
 def test_versions_are_monotonic_per_doc_across_deletes(any_redis_url: str) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(any_redis_url, num_shards=2)
+        writer = ChangeLogWriter.connect(any_redis_url, num_shards=2)
+        docs = DocumentReader(writer.connection)
         try:
             await writer.upsert([rec("a")])
             await writer.upsert([rec("a", 1)])
             token, deleted, missing = await writer.delete(["a", "nope"])
             assert deleted == ["a"] and missing == ["nope"]
             assert list(token) == [shard_of("a", 2)]
-            assert await writer.get("a") is None
+            assert await docs.get("a") is None
             await writer.upsert([rec("a", 2)])
-            doc = await writer.get("a")
+            doc = await docs.get("a")
             assert doc is not None and doc.version == 4  # 2 upserts, 1 delete, 1 upsert
 
             sync = sync_client(any_redis_url)
@@ -103,7 +110,7 @@ def test_invalid_upserts_write_nothing(
     any_redis_url: str, records: list[DocRecord], message: str
 ) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(any_redis_url, num_shards=2, dim=8)
+        writer = ChangeLogWriter.connect(any_redis_url, num_shards=2, dim=8)
         try:
             with pytest.raises(InvalidArgument, match=message):
                 await writer.upsert(records)

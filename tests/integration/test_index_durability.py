@@ -92,7 +92,7 @@ def test_kill_9_during_upserts_loses_no_acknowledged_write(
         victim = cluster.replica(0)
 
         async def run() -> None:
-            writer = ChangeLogWriter(any_redis_url, SHARDS, dim=384)
+            writer = ChangeLogWriter.connect(any_redis_url, SHARDS, dim=384)
             router = ShardRouter(cluster.addresses)
             acked: set[str] = set()
             deleted: set[str] = set()
@@ -143,7 +143,7 @@ def test_corrupt_snapshot_restarts_from_the_previous_one(
         shard = cluster.replica(0)
 
         async def write(lo: int, hi: int) -> WriteToken:
-            writer = ChangeLogWriter(redis_url, 1, dim=384)
+            writer = ChangeLogWriter.connect(redis_url, 1, dim=384)
             try:
                 return await writer.upsert(
                     [DocRecord(str(i), vectors[i], metadata={"uid": str(i)}) for i in range(lo, hi)]
@@ -186,7 +186,7 @@ def test_log_is_trimmed_only_below_the_slowest_replica(
         client: Any = sync_client(any_redis_url)
 
         async def write(lo: int, hi: int) -> WriteToken:
-            writer = ChangeLogWriter(any_redis_url, 1, dim=384)
+            writer = ChangeLogWriter.connect(any_redis_url, 1, dim=384)
             try:
                 token: WriteToken = {}
                 for i in range(lo, hi, 10):
@@ -231,7 +231,7 @@ def test_shard_down_gives_partial_results_within_the_deadline(
     with run_shards(index_dir, redis_url, tmp_path, shards=SHARDS) as cluster:
 
         async def write() -> None:
-            writer = ChangeLogWriter(redis_url, SHARDS, dim=384)
+            writer = ChangeLogWriter.connect(redis_url, SHARDS, dim=384)
             try:
                 await writer.upsert([DocRecord(str(i), vectors[i]) for i in range(400)])
             finally:
@@ -302,7 +302,7 @@ def test_replica_failover_within_a_shard(
 
 
 async def _upsert(redis_url: str, vectors: np.ndarray, n: int) -> None:
-    writer = ChangeLogWriter(redis_url, 1, dim=384)
+    writer = ChangeLogWriter.connect(redis_url, 1, dim=384)
     try:
         await writer.upsert([DocRecord(str(i), vectors[i]) for i in range(n)])
     finally:

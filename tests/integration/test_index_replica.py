@@ -47,7 +47,7 @@ def test_the_consumer_thread_applies_with_the_configured_omp_threads(
 
         async def run() -> None:
             replica.start(asyncio.get_running_loop())
-            writer = ChangeLogWriter(redis_server.url, 1, dim=vectors.shape[1])
+            writer = ChangeLogWriter.connect(redis_server.url, 1, dim=vectors.shape[1])
             try:
                 token = await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(5)])
                 await replica.wait_for(token[0], timeout=30)

@@ -57,7 +57,7 @@ def cluster(
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), vectors)
 
     async def load() -> None:
-        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        writer = ChangeLogWriter.connect(module_redis, SHARDS, dim=384)
         try:
             for i in range(0, N_BASE, 500):
                 await writer.upsert(
@@ -139,7 +139,7 @@ def test_session_reads_see_own_writes_and_deletes(
     cluster: ShardCluster, module_redis: str, vectors: np.ndarray
 ) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        writer = ChangeLogWriter.connect(module_redis, SHARDS, dim=384)
         router = ShardRouter(cluster.addresses)
         try:
             rng = np.random.default_rng(7)
@@ -167,7 +167,7 @@ def test_strong_reads_see_every_acknowledged_write(
     cluster: ShardCluster, module_redis: str
 ) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        writer = ChangeLogWriter.connect(module_redis, SHARDS, dim=384)
         router = ShardRouter(cluster.addresses)
         try:
             rng = np.random.default_rng(8)
@@ -187,7 +187,7 @@ def test_upsert_delete_upsert_deleted_never_comes_back(
     cluster: ShardCluster, module_redis: str, vectors: np.ndarray
 ) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(module_redis, SHARDS, dim=384)
+        writer = ChangeLogWriter.connect(module_redis, SHARDS, dim=384)
         router = ShardRouter(cluster.addresses)
         a, b = vectors[N_BASE + 300], vectors[N_BASE + 301]
         try:
@@ -373,7 +373,10 @@ def test_search_stream_answers_each_message_with_its_own_status(
         assert "k: 0 is out of range" in by_tag[8].status_message
         for tag, k in ((7, 5), (9, 3)):
             answer = convert.answer_from_pb(by_tag[tag].result)
-            assert by_tag[tag].status_code == 0 and [len(row) for row in answer.top.hits()] == [k, k]
+            assert by_tag[tag].status_code == 0 and [len(row) for row in answer.top.hits()] == [
+                k,
+                k,
+            ]
         # the same search through the unary call: the same hits
         unary = stub.Search(request(7, 5).search, timeout=10)
         assert convert.answer_from_pb(unary).top == convert.answer_from_pb(by_tag[7].result).top

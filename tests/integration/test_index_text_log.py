@@ -77,7 +77,7 @@ def test_text_index_follows_the_log_through_restart_and_seeding(
     url = redis_server.url
 
     async def run() -> None:
-        writer = ChangeLogWriter(url, 1, dim=vectors.shape[1])
+        writer = ChangeLogWriter.connect(url, 1, dim=vectors.shape[1])
         a = ShardReplica(_settings(url, index_dir, tmp_path / "a", "a"))
         try:
             token = {}

@@ -399,7 +399,7 @@ def test_the_pipeline_encodes_each_distinct_miss_once(
     async def scenario() -> None:
         encoder = _Counting(InProcessEncoder.torch())
         cache = _cache(redis_url, dim=encoder.dim, lowercase=True)
-        pipeline = SearchPipeline(encoder, None, None, query_cache=cache)  # type: ignore[arg-type]
+        pipeline = SearchPipeline(encoder, None, None, None, query_cache=cache)  # type: ignore[arg-type]
         try:
             texts = ["Alpha beta", "alpha  BETA", "gamma", "Alpha beta"]
             vectors, _, cached = await pipeline._embed(texts, _deadline())

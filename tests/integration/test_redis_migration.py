@@ -15,6 +15,7 @@ from services.cli.main import main as cli
 from services.common.errors import FailedPrecondition
 from services.common.redis_client import sync_client
 from services.index.changelog import LogReader
+from services.index.client.documents import DocumentReader
 from services.index.client.writer import _DELETE, _UPSERT, ChangeLogWriter, DocRecord
 from services.index.core.ids import shard_of
 from services.index.keys import DocKeys, log_key, replicas_seen_key, snapshot_positions_key
@@ -146,13 +147,14 @@ def test_migration_resumes_after_an_interruption_and_changes_nothing_but_names(
     assert not LogReader(client, 1).trimmed_past("0-0")
 
     async def read_and_write() -> None:
-        writer = ChangeLogWriter(redis_url, SHARDS, dim=DIM)
+        writer = ChangeLogWriter.connect(redis_url, SHARDS, dim=DIM)
+        reader = DocumentReader(writer.connection)
         try:
-            got = await writer.get_many(ids)
+            got = await reader.get_many(ids)
             assert [d is None for d in got] == [100 <= n < 110 for n in range(len(ids))]
             before = int(versions["doc-0"] or 0)
             await writer.upsert([DocRecord("doc-0", np.ones(DIM, np.float32))])
-            doc = await writer.get("doc-0")
+            doc = await reader.get("doc-0")
             assert doc is not None and doc.version == before + 1
         finally:
             await writer.close()

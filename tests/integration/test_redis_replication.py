@@ -19,6 +19,8 @@ import pytest
 from services.common.errors import Unavailable
 from services.common.redis_client import sync_client
 from services.index.changelog import LogReader, decode_entry
+from services.index.client.connection import StoreConnection
+from services.index.client.documents import DocumentReader
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
 from services.index.keys import log_key
@@ -49,7 +51,9 @@ def test_without_a_replica_a_write_that_waits_for_one_is_unavailable(redis_url: 
     refused (UNAVAILABLE, safe to retry) instead of being acknowledged as replicated."""
 
     async def run() -> None:
-        writer = ChangeLogWriter(redis_url, SHARDS, dim=DIM, wait_replicas=1, wait_timeout_ms=100)
+        writer = ChangeLogWriter.connect(
+            redis_url, SHARDS, dim=DIM, wait_replicas=1, wait_timeout_ms=100
+        )
         try:
             with pytest.raises(Unavailable, match="reached 0 of 1 replicas"):
                 await writer.upsert(records("lone", 4, 0))
@@ -68,12 +72,12 @@ def test_with_a_replica_a_write_waits_for_it_and_the_replica_has_it(
         del replica
 
         async def run() -> None:
-            writer = ChangeLogWriter(redis_url, SHARDS, dim=DIM, wait_replicas=1)
+            writer = ChangeLogWriter.connect(redis_url, SHARDS, dim=DIM, wait_replicas=1)
             try:
                 token = await writer.upsert(records("waited", 6, 1))
                 _, deleted, _ = await writer.delete(["waited-0"])
                 assert deleted == ["waited-0"] and token
-                assert (await writer.get("waited-1")) is not None
+                assert (await DocumentReader(writer.connection).get("waited-1")) is not None
             finally:
                 await writer.close()
 
@@ -100,9 +104,8 @@ def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
 
     async def run() -> None:
         nonlocal refused, killed_at, promoted_at
-        writer = ChangeLogWriter(
-            cluster.url, SHARDS, dim=DIM, wait_replicas=1, wait_timeout_ms=2000, read_retry_s=20
-        )
+        connection = StoreConnection(cluster.url, SHARDS, read_retry_s=20)
+        writer = ChangeLogWriter(connection, dim=DIM, wait_replicas=1, wait_timeout_ms=2000)
 
         async def write(worker: int) -> None:
             nonlocal refused, acked_after_promotion
@@ -151,14 +154,15 @@ def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
                 asyncio.gather(fail_over(), *(write(w) for w in range(4))), timeout=90
             )
             alive = sorted(set(acked) - deleted - undecided)
-            docs = await writer.get_many(alive)
+            reader = DocumentReader(connection)
+            docs = await reader.get_many(alive)
             missing = [i for i, d in zip(alive, docs, strict=True) if d is None]
             assert not missing, f"{len(missing)} acknowledged upserts lost, e.g. {missing[:5]}"
             for doc_id, doc in zip(alive, docs, strict=True):
                 assert doc is not None and doc.text == acked[doc_id].text
-            assert await writer.get_many(sorted(deleted)) == [None] * len(deleted)
+            assert await reader.get_many(sorted(deleted)) == [None] * len(deleted)
         finally:
-            await writer.close()
+            await connection.close()
 
     asyncio.run(run())
     assert killed_at is not None and promoted_at is not None
@@ -192,19 +196,19 @@ def test_a_cluster_with_tls_and_auth_is_reached_through_a_rediss_cluster_url(
         check_layout_at(c.url, SHARDS, wait_s=0)
 
         async def run() -> None:
-            writer = ChangeLogWriter(c.url, SHARDS, dim=DIM, wait_replicas=1)
-            anonymous = ChangeLogWriter(c.url.replace(":s3cret-token@", ""), SHARDS, dim=DIM)
-            untrusting = ChangeLogWriter(c.url.split("/?")[0], SHARDS, dim=DIM, read_retry_s=0)
+            writer = ChangeLogWriter.connect(c.url, SHARDS, dim=DIM, wait_replicas=1)
+            anonymous = StoreConnection(c.url.replace(":s3cret-token@", ""), SHARDS)
+            untrusting = StoreConnection(c.url.split("/?")[0], SHARDS, read_retry_s=0)
             try:
                 await writer.upsert(records("tls", 9, 2))
-                doc = await writer.get("tls-4")
+                doc = await DocumentReader(writer.connection).get("tls-4")
                 assert doc is not None and doc.text == "text tls-4"
                 with pytest.raises(Unavailable, match=r"(?i)auth"):
-                    await anonymous.get("tls-4")
+                    await DocumentReader(anonymous).get("tls-4")
                 with pytest.raises(Unavailable, match=r"(?i)certificate"):
-                    await untrusting.get("tls-4")
+                    await DocumentReader(untrusting).get("tls-4")
             finally:
-                for w in (writer, anonymous, untrusting):
-                    await w.close()
+                for closing in (writer, anonymous, untrusting):
+                    await closing.close()
 
         asyncio.run(run())

@@ -61,7 +61,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Ite
     with run_redis(tmp / "redis") as store, run_dns() as dns:
 
         async def ingest() -> None:
-            writer = ChangeLogWriter(store.url, num_shards=2, dim=vectors.shape[1])
+            writer = ChangeLogWriter.connect(store.url, num_shards=2, dim=vectors.shape[1])
             for i in range(0, N_DOCS, 200):
                 await writer.upsert([DocRecord(f"doc-{j}", vectors[j]) for j in range(i, i + 200)])
             await writer.close()

@@ -36,7 +36,7 @@ FIRST, LATER = 3000, 4000  # documents before the snapshot that trims the log, a
 
 def _ingest(url: str, vectors: np.ndarray, start: int, stop: int, delete: list[str]) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(url, num_shards=1, dim=vectors.shape[1])
+        writer = ChangeLogWriter.connect(url, num_shards=1, dim=vectors.shape[1])
         try:
             for i in range(start, stop, 250):
                 end = min(i + 250, stop)

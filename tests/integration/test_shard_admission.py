@@ -39,7 +39,7 @@ def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
     index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
 
     async def ingest() -> None:
-        writer = ChangeLogWriter(redis_url, num_shards=1, dim=vectors.shape[1])
+        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
         await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(200)])
         await writer.close()
 
@@ -106,7 +106,7 @@ def test_session_searches_share_one_check_of_the_log_end(
     index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
 
     async def ingest() -> None:
-        writer = ChangeLogWriter(redis_url, num_shards=1, dim=vectors.shape[1])
+        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
         await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(50)])
         await writer.close()
 

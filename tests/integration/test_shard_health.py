@@ -54,7 +54,7 @@ def test_a_shard_whose_log_consumer_died_is_not_serving(
         assert _status(shard.address) == health_pb2.HealthCheckResponse.SERVING
 
         async def write() -> None:
-            writer = ChangeLogWriter(redis_url, num_shards=1, dim=vectors.shape[1])
+            writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
             await writer.upsert([DocRecord("doc-0", vectors[0], "t", "x")])
             await writer.close()
 

@@ -56,7 +56,7 @@ def await_metrics(
 
 def write(redis_url: str, doc_id: str, vector: np.ndarray) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(redis_url, num_shards=1, dim=vector.shape[0])
+        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vector.shape[0])
         try:
             await writer.upsert([DocRecord(doc_id, vector, "t", "x")])
         finally:

@@ -39,7 +39,7 @@ def _vectors(n: int, seed: int) -> np.ndarray:
 
 def _upsert(url: str, vectors: np.ndarray, first: int) -> None:
     async def run() -> None:
-        writer = ChangeLogWriter(url, num_shards=1, dim=DIM)
+        writer = ChangeLogWriter.connect(url, num_shards=1, dim=DIM)
         try:
             for i in range(0, len(vectors), 200):
                 batch = vectors[i : i + 200]

@@ -72,7 +72,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
         docs = unit_vectors(40, 1)
 
         async def scenario() -> None:
-            writer = ChangeLogWriter(redis_child.address, 1, dim=DIM)
+            writer = ChangeLogWriter.connect(redis_child.address, 1, dim=DIM)
             solo = ShardRouter([[victim.address]])  # only the victim: no failover to hide it
 
             async def found(row: int) -> bool:

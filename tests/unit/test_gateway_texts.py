@@ -24,6 +24,7 @@ from services.gateway.domain import Document
 from services.gateway.pipeline import DocumentPipeline
 from services.gateway.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder
 from services.index.changelog import decode_entry
+from services.index.client.documents import DocumentReader
 from services.index.client.writer import ChangeLogWriter
 from services.index.keys import log_key
 
@@ -74,15 +75,16 @@ def test_upserts_send_the_encoder_only_what_it_reads(
     encoder = Recording(embedder)
 
     async def run() -> int:
-        store = ChangeLogWriter(redis_url, num_shards=1, dim=embedder.dim)
+        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=embedder.dim)
+        documents = DocumentReader(writer.connection)
         try:
-            pipeline = DocumentPipeline(encoder, store)
+            pipeline = DocumentPipeline(encoder, writer, documents)
             result = await pipeline.upsert([Document("d", text)], timeout=60)
-            stored = await store.get_many(["d"])
+            stored = await documents.get_many(["d"])
             assert stored[0] is not None and stored[0].text == text
             return result.truncated
         finally:
-            await store.close()
+            await writer.close()
 
     assert asyncio.run(run()) == 1
     assert max(len(t) for t in encoder.seen) <= MAX_DOCUMENT_TOKENS * MAX_CHARS_PER_TOKEN

@@ -62,6 +62,8 @@ def test_wait_settings_of_the_writer_are_checked() -> None:
     from services.index.client.writer import ChangeLogWriter
 
     with pytest.raises(ValueError, match="must not be negative"):
-        ChangeLogWriter("redis://127.0.0.1:1/0", 1, wait_replicas=-1)
+        ChangeLogWriter.connect("redis://127.0.0.1:1/0", 1, wait_replicas=-1)
+    with pytest.raises(ValueError, match="num_shards must be positive"):
+        ChangeLogWriter.connect("redis://127.0.0.1:1/0", 0)
     with pytest.raises(ValidationError):
         GatewaySettings(shards="127.0.0.1:1", redis_wait_replicas=-1)

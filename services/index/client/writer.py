@@ -1,45 +1,27 @@
 """The change log's writer, the gateway's side: documents and their shard's log entry in
 one Redis transaction (see :mod:`services.index.changelog` for the keys and the entry
-format that the shards' readers decode)."""
+format that the shards' readers decode). Reading the documents back is
+:mod:`services.index.client.documents`, the logs' tails :mod:`services.index.client.tails`;
+all three share one :class:`~services.index.client.connection.StoreConnection`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import redis
-from redis.exceptions import (
-    ClusterDownError,
-    NoScriptError,
-    OutOfMemoryError,
-    RedisClusterException,
-    TryAgainError,
-)
+from redis.exceptions import NoScriptError, OutOfMemoryError
 
-from services.common.domain import Document, WriteToken
+from services.common.domain import WriteToken
 from services.common.errors import InvalidArgument, StoreFull, Unavailable
 from services.common.limits import LIMITS
-from services.common.redis_client import Gate, async_client, is_cluster
-from services.common.redis_client import redis_pool as redis_pool
 from services.index.changelog import text
-from services.index.keys import DocKeys, log_key
-
-# What a Redis restart or a cluster failover raises while it lasts (worth a retry of a read).
-TRANSIENT: tuple[type[Exception], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    ClusterDownError,
-    TryAgainError,
-    RedisClusterException,
-)
-# Everything a Redis client raises (RedisClusterException is no RedisError).
-REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+from services.index.client.connection import REDIS_ERRORS, StoreConnection
+from services.index.keys import log_key
 
 MAX_ID_BYTES = LIMITS.max_id_bytes
 MAX_BATCH = LIMITS.max_delete_ids
@@ -170,11 +152,10 @@ def check_records(records: Sequence[DocRecord], dim: int | None) -> np.ndarray:
 class ChangeLogWriter:
     """Upserts and deletes: the document hashes and the shard logs in one transaction.
 
-    ``dim`` (when given) is checked on every upsert; ``num_shards`` is fixed for the
-    lifetime of the store (the shard of a document is ``shard_of(id, num_shards)``, and
-    its keys carry it, :mod:`services.index.keys`).
+    ``dim`` (when given) is checked on every upsert. The Redis (one, or a cluster) and the
+    key layout come with ``connection`` (:class:`StoreConnection`, shared with the readers);
+    :meth:`connect` opens one of its own, which :meth:`close` closes.
 
-    ``redis_url`` names one Redis or a Redis Cluster (:mod:`services.common.redis_client`).
     On one Redis a whole upsert (or delete) batch is one Lua script: all or nothing. On a
     cluster each shard's part of the batch is one script (its keys share the shard's hash
     slot), the parts run concurrently: each is all or nothing, and when one fails the
@@ -192,35 +173,44 @@ class ChangeLogWriter:
 
     def __init__(
         self,
+        connection: StoreConnection,
+        dim: int | None = None,
+        *,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
+        if wait_replicas < 0 or wait_timeout_ms < 0:
+            raise ValueError("wait_replicas and wait_timeout_ms must not be negative")
+        self.connection = connection
+        self.keys = connection.keys
+        self.cluster = connection.cluster
+        self.dim = dim
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._redis: Any = connection.redis
+        self._upsert = self._redis.register_script(_UPSERT)
+        self._delete = self._redis.register_script(_DELETE)
+        self._owns_connection = False
+
+    @classmethod
+    def connect(
+        cls,
         redis_url: str,
         num_shards: int,
         dim: int | None = None,
         *,
         max_connections: int = 64,
         pool_timeout_s: float = 5.0,
-        read_retry_s: float = 3.0,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
-    ) -> None:
-        if num_shards < 1:
-            raise ValueError("num_shards must be positive")
-        if wait_replicas < 0 or wait_timeout_ms < 0:
-            raise ValueError("wait_replicas and wait_timeout_ms must not be negative")
-        self.num_shards = num_shards
-        self.keys = DocKeys(num_shards)
-        self.dim = dim
-        self.read_retry_s = read_retry_s
-        self.wait_replicas = wait_replicas
-        self.wait_timeout_ms = wait_timeout_ms
-        self._redis: Any = async_client(
-            redis_url, max_connections=max_connections, pool_timeout_s=pool_timeout_s
+    ) -> ChangeLogWriter:
+        """A writer on a connection of its own (closed by :meth:`close`)."""
+        connection = StoreConnection(
+            redis_url, num_shards, max_connections=max_connections, pool_timeout_s=pool_timeout_s
         )
-        self.cluster = is_cluster(self._redis)
-        # One Redis: the blocking pool bounds the connections; a cluster client's pools
-        # fail at once when full, so the writer bounds its own concurrency instead.
-        self._gate = Gate(max_connections, pool_timeout_s) if self.cluster else None
-        self._upsert = self._redis.register_script(_UPSERT)
-        self._delete = self._redis.register_script(_DELETE)
+        writer = cls(connection, dim, wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
+        writer._owns_connection = True
+        return writer
 
     def _groups(self, ids: Sequence[str]) -> list[list[int]]:
         """Indexes of ``ids`` per script: all in one on one Redis, one per shard on a
@@ -304,7 +294,7 @@ class ChangeLogWriter:
         StoreFull when Redis is at ``maxmemory`` with ``noeviction`` (it refuses a script's
         first write that needs memory, so nothing of the batch is stored)."""
         try:
-            async with self._slot():
+            async with self.connection.slot():
                 if self.wait_replicas == 0:
                     return await script(keys=keys, args=args)
                 try:
@@ -381,80 +371,7 @@ class ChangeLogWriter:
             raise reply
         return reply, acked
 
-    def _slot(self) -> Any:
-        return self._gate.slot() if self._gate is not None else _no_gate()
-
-    async def get(self, doc_id: str) -> Document | None:
-        (doc,) = await self.get_many([doc_id])
-        return doc
-
-    async def get_many(self, ids: Sequence[str]) -> list[Document | None]:
-        """The stored documents of ``ids`` (None where one does not exist), in one
-        pipelined round trip (per cluster node): a search fetches all of its hits at once
-        instead of one request (and one pooled connection) per hit."""
-        if not ids:
-            return []
-
-        async def read() -> list[Any]:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for doc_id in ids:
-                    pipe.hmget(self.keys.doc(doc_id), *_STORED_FIELDS)
-                return list(await pipe.execute())
-
-        replies = await self._read(read)
-        return [_stored(doc_id, reply) for doc_id, reply in zip(ids, replies, strict=True)]
-
-    async def tail(self) -> WriteToken:
-        """The newest position of every shard's log (what a STRONG read waits for)."""
-
-        async def read() -> list[Any]:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for shard in range(self.num_shards):
-                    pipe.xrevrange(log_key(shard), count=1)
-                return list(await pipe.execute())
-
-        replies = await self._read(read)
-        return {s: text(r[0][0]) for s, r in enumerate(replies) if r}
-
-    async def _read(self, read: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
-        """Run an idempotent read; while Redis cannot be reached (a restart takes about a
-        second, a cluster failover a few), try again with backoff for up to
-        ``read_retry_s``, then Unavailable. The caller's deadline bounds it too (it
-        cancels the wait)."""
-        give_up = time.monotonic() + self.read_retry_s
-        pause = 0.05
-        while True:
-            try:
-                async with self._slot():
-                    return await read()
-            except TRANSIENT as exc:
-                if time.monotonic() + pause > give_up:
-                    raise Unavailable(f"redis: {exc}") from exc
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 0.5)
-            except REDIS_ERRORS as exc:
-                raise Unavailable(f"redis: {exc}") from exc
-
     async def close(self) -> None:
-        await self._redis.aclose()
-
-
-@asynccontextmanager
-async def _no_gate() -> AsyncIterator[None]:
-    yield
-
-
-_STORED_FIELDS = ("title", "text", "meta", "ver")
-
-
-def _stored(doc_id: str, values: Sequence[bytes | None]) -> Document | None:
-    title, text, meta, ver = values
-    if ver is None:  # every stored document has a version: the hash does not exist
-        return None
-    return Document(
-        id=doc_id,
-        title=(title or b"").decode(),
-        text=(text or b"").decode(),
-        metadata=json.loads(meta or b"{}"),
-        version=int(ver),
-    )
+        """Close the connection if :meth:`connect` opened it (a shared one is its owner's)."""
+        if self._owns_connection:
+            await self.connection.close()
