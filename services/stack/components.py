@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from services.common.tls import ClientTLS
     from services.encoder.serve.triton_server import TritonServerConfig
     from services.stack.certs import CertFiles
-    from services.stack.launcher import Endpoints
+    from services.stack.endpoints import Endpoints
 
 CLI = [sys.executable, "-m", "services.cli.main"]
 

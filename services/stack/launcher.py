@@ -24,7 +24,6 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -34,35 +33,12 @@ from services.common.tls import ClientTLS
 from services.stack import components, first_run
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig, example_queries
+from services.stack.endpoints import Endpoints
 
 if TYPE_CHECKING:
     from services.client.gateway import Gateway
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Endpoints:
-    redis_url: str = ""  # without its password (the URL file holds the whole URL)
-    redis_url_file: str = ""  # how to reach Redis, password and certificates included
-    triton_grpc: str = ""
-    triton_metrics: str = ""
-    shards: list[list[str]] = field(default_factory=list)
-    rerank: str = ""
-    gateway: str = ""
-    gateway_metrics: str = ""
-    prometheus: str = ""
-    # how a client reaches the gateway: token files (`up --auth`), the CA to trust
-    # (`up --tls`); the CLI reads them from stack.json
-    read_tokens_file: str = ""
-    write_tokens_file: str = ""
-    client_tls: dict[str, str] = field(default_factory=dict)
-    # how our own services reach each other under `up --tls` (mTLS: the run's CA and
-    # client certificate); the load tools use it to reach Triton directly
-    internal_tls: dict[str, str] = field(default_factory=dict)
-
-    def as_json(self) -> dict[str, object]:
-        return dict(vars(self))
 
 
 def _say(message: str) -> None:

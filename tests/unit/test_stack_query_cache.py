@@ -12,7 +12,7 @@ from services.common.settings import load_settings
 from services.gateway.settings import GatewaySettings
 from services.stack.components import gateway_child, write_secret
 from services.stack.config import StackConfig
-from services.stack.launcher import Endpoints
+from services.stack.endpoints import Endpoints
 
 
 def gateway_settings(cfg: StackConfig) -> GatewaySettings:

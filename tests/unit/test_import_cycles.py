@@ -1,0 +1,275 @@
+"""No import cycle in services/, between packages or between modules.
+
+The graph is read with ``ast`` from the sources, not from ``sys.modules``: every
+``import``/``from … import`` counts wherever it stands (module level, inside a function,
+under ``if TYPE_CHECKING:``), because a cycle a lazy or type-only import hides is still a
+cycle in the design: the two ends cannot be understood, tested or moved apart.
+
+- A *package* is a directory with ``__init__.py``. An import adds the edge package of the
+  importing module → package of the imported module; a package importing its own
+  subpackage counts (``services.index`` → ``services.index.core``), so a subpackage that
+  imports back from its parent closes a cycle. Imports inside one package are no edge.
+- A *module* is one ``.py`` file (a package's ``__init__.py`` is the package's module).
+  ``from p import name`` points at ``p.name`` when that is a module, else at ``p``.
+
+A failure prints each cycle with the import line behind every edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOP = "services"
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target: where it stands and which module it names."""
+
+    source: str
+    target: str
+    where: str
+
+
+def module_files(root: Path, top: str) -> dict[str, Path]:
+    """Dotted module name → file, for every module of the ``top`` package under ``root``."""
+    modules: dict[str, Path] = {}
+    for path in sorted((root / top).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if not all(
+            (root.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))
+        ):
+            continue  # a script in a folder that is no package is not importable as services.…
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_package(name: str, modules: Mapping[str, Path]) -> bool:
+    return name in modules and modules[name].name == "__init__.py"
+
+
+def package_of(name: str, modules: Mapping[str, Path]) -> str:
+    """The package a module belongs to (a package's ``__init__`` belongs to the package)."""
+    return name if _is_package(name, modules) else name.rpartition(".")[0]
+
+
+def _known(name: str, modules: Mapping[str, Path]) -> str | None:
+    """The longest prefix of ``name`` that is one of our modules (``a.b.func`` → ``a.b``)."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def imports_of(name: str, modules: Mapping[str, Path], root: Path) -> list[Import]:
+    """Every import of one of our modules that ``name``'s source makes, anywhere in it."""
+    path = modules[name]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = package_of(name, modules)
+    found: list[Import] = []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = here.split(".")
+                base = ".".join(base_parts[: len(base_parts) - (node.level - 1)])
+                stem = f"{base}.{node.module}" if node.module else base
+            else:
+                stem = node.module or ""
+            targets = [f"{stem}.{alias.name}" for alias in node.names]
+        for target in targets:
+            known = _known(target, modules)
+            if known is not None and known != name:
+                found.append(Import(name, known, where))
+    return found
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """A strongly connected component of the graph: one shortest cycle through its first
+    node, and every edge inside it (from, to, where), so one run shows all there is to cut."""
+
+    path: list[str]
+    edges: list[tuple[str, str, str]]
+
+
+def cycles(edges: Iterable[tuple[str, str, str]]) -> list[Cycle]:
+    """One :class:`Cycle` per strongly connected component with more than one node.
+
+    ``edges`` are (from, to, where); the first ``where`` seen for an edge is kept. Tarjan's
+    algorithm finds the components; a breadth-first search inside each from its smallest
+    node back to itself gives the cycle to print first.
+    """
+    graph: dict[str, dict[str, str]] = {}
+    for a, b, where in edges:
+        if a != b:
+            graph.setdefault(a, {}).setdefault(b, where)
+            graph.setdefault(b, {})
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        # Iterative Tarjan: recursion depth is not ours to spend.
+        visit(root)
+        work = [(root, iter(sorted(graph[root])))]
+        while work:
+            current, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    visit(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[current] = min(low[current], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[current])
+            if low[current] == index[current]:
+                component: list[str] = []
+                while not component or component[-1] != current:
+                    component.append(stack.pop())
+                    on_stack.discard(component[-1])
+                if len(component) > 1:
+                    components.append(sorted(component))
+
+    found: list[Cycle] = []
+    for component in sorted(components):
+        members = set(component)
+        start = component[0]
+        previous: dict[str, str] = {}
+        frontier = [start]
+        while start not in previous:
+            following: list[str] = []
+            for node in frontier:
+                for child in sorted(graph[node]):
+                    if child in members and child not in previous:
+                        previous[child] = node
+                        following.append(child)
+            frontier = following
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(previous[path[-1]])
+        path.reverse()
+        inside = [(a, b, graph[a][b]) for a in component for b in sorted(graph[a]) if b in members]
+        found.append(Cycle(path, inside))
+    return found
+
+
+def describe(found: list[Cycle]) -> str:
+    lines: list[str] = []
+    for cycle in found:
+        lines.append(" -> ".join(cycle.path))
+        lines.extend(f"    {a} -> {b}  ({where})" for a, b, where in cycle.edges)
+    return "\n".join(lines)
+
+
+def _graph(root: Path, top: str) -> tuple[dict[str, Path], list[Import]]:
+    modules = module_files(root, top)
+    return modules, [edge for name in modules for edge in imports_of(name, modules, root)]
+
+
+def package_cycles(root: Path, top: str = TOP) -> list[Cycle]:
+    modules, found = _graph(root, top)
+    return cycles(
+        (package_of(i.source, modules), package_of(i.target, modules), i.where) for i in found
+    )
+
+
+def module_cycles(root: Path, top: str = TOP) -> list[Cycle]:
+    _, found = _graph(root, top)
+    return cycles((i.source, i.target, i.where) for i in found)
+
+
+def test_no_package_cycle_in_services() -> None:
+    found = package_cycles(ROOT)
+    if found:
+        pytest.fail("package import cycles in services/:\n" + describe(found), pytrace=False)
+
+
+def test_no_module_cycle_in_services() -> None:
+    found = module_cycles(ROOT)
+    if found:
+        pytest.fail("module import cycles in services/:\n" + describe(found), pytrace=False)
+
+
+def _write(root: Path, files: Mapping[str, str]) -> None:
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_a_lazy_import_back_from_a_subpackage_is_a_package_cycle(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a/__init__.py": "",
+            "pkg/a/top.py": "from pkg.a.sub import leaf\n",
+            "pkg/a/sub/__init__.py": "",
+            "pkg/a/sub/leaf.py": "def f() -> None:\n    from ..top import x\n",
+        },
+    )
+    assert describe(package_cycles(tmp_path, "pkg")) == (
+        "pkg.a -> pkg.a.sub -> pkg.a\n"
+        "    pkg.a -> pkg.a.sub  (pkg/a/top.py:1)\n"
+        "    pkg.a.sub -> pkg.a  (pkg/a/sub/leaf.py:2)"
+    )
+
+
+def test_a_type_checking_import_closes_a_module_cycle(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/one.py": "import pkg.two\n",
+            "pkg/two.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import one\n"
+            ),
+        },
+    )
+    assert package_cycles(tmp_path, "pkg") == []
+    assert describe(module_cycles(tmp_path, "pkg")) == (
+        "pkg.one -> pkg.two -> pkg.one\n"
+        "    pkg.one -> pkg.two  (pkg/one.py:1)\n"
+        "    pkg.two -> pkg.one  (pkg/two.py:3)"
+    )
+
+
+def test_an_acyclic_tree_passes(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low.py": "import json\n",
+            "pkg/high/__init__.py": "from pkg import low\n",
+            "pkg/high/use.py": "from pkg.high import helper\nfrom .. import low\n",
+            "pkg/high/helper.py": "from pkg.low import thing\n",
+        },
+    )
+    assert package_cycles(tmp_path, "pkg") == []
+    assert module_cycles(tmp_path, "pkg") == []
