@@ -110,6 +110,69 @@ def ensure_tiny_t5(base: Path) -> Path:
     return root
 
 
+TINY_BERT_DIM = 32
+
+
+def build_tiny_bert(root: Path, seed: int = 0) -> Path:
+    """A tiny random BERT in all-MiniLM-L6-v2's layout (no Dense layer), its tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from services.encoder.model import default_model_dir
+
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):  # fmt: skip
+        shutil.copy2(default_model_dir() / name, root / name)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=TINY_BERT_DIM, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128,
+    )  # fmt: skip
+    BertModel(config, add_pooling_layer=False).eval().save_pretrained(str(root))
+    (root / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 128, "do_lower_case": False})
+    )
+    (root / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},  # noqa: E501
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},  # noqa: E501
+    ]))  # fmt: skip
+    (root / "1_Pooling").mkdir(exist_ok=True)
+    (root / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": TINY_BERT_DIM, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True,
+    }))  # fmt: skip
+    return root
+
+
+def ensure_tiny_bert(base: Path) -> Path:
+    """The session's tiny BERT checkpoint (MiniLM layout; built on first use)."""
+    root = base / "tiny-bert"
+    if not (root / "modules.json").exists():
+        build_tiny_bert(root)
+    return root
+
+
+def write_beir(root: Path, queries: int = 24, docs: int = 60) -> Path:
+    """A BEIR folder from stdlib docstrings: query i = the first words of document i."""
+    lines = _corpus_lines()[:docs]
+    (root / "qrels").mkdir(parents=True, exist_ok=True)
+    with (root / "corpus.jsonl").open("w") as fh:
+        for i, line in enumerate(lines):
+            fh.write(json.dumps({"_id": f"d{i}", "title": "", "text": line}) + "\n")
+    with (root / "queries.jsonl").open("w") as fh:
+        for i in range(queries):
+            fh.write(json.dumps({"_id": f"q{i}", "text": " ".join(lines[i].split()[:5])}) + "\n")
+    with (root / "qrels" / "train.tsv").open("w") as fh:
+        fh.write("query-id\tcorpus-id\tscore\n")
+        for i in range(queries):
+            fh.write(f"q{i}\td{i}\t1\n")
+    return root
+
+
 def ensure_onnx(model_dir: Path, base: Path) -> Path:
     """The session's ONNX export of ``model_dir`` (exported on first use)."""
     from services.encoder.build.export import export_onnx

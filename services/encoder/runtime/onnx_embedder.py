@@ -2,7 +2,8 @@
 
 It reads an export folder (``model.onnx``, ``tokenizer.json``, ``encoder.json``) and
 nothing else, exactly as the Triton CPU model does, so the in-process embedded mode
-and Triton serve the same numbers.
+and Triton serve the same numbers. A two-tower export (``encoder.json`` ``towers``) embeds
+each kind with its own graph, as the Triton model does.
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ class OnnxEmbedder:
             str(onnx_path.parent / "tokenizer.json"), self.meta.max_lens, self.meta.pad_id
         )
         self.session = onnx_session(onnx_path, threads)
+        files = self.meta.onnx_files(onnx_path)
+        self.sessions = {kind: self.session if files[kind] == onnx_path
+                         else onnx_session(files[kind], threads) for kind in files}  # fmt: skip
 
     def tokenize(self, texts: list[str], kind: Kind) -> TokenBatch:
         return self.codec.encode(texts, kind)
 
-    def run(self, batch: TokenBatch) -> np.ndarray:
+    def run(self, batch: TokenBatch, kind: Kind = "query") -> np.ndarray:
+        """The graph of ``kind`` (one graph serves both kinds unless the export has two)."""
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-        (out,) = self.session.run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
+        (out,) = self.sessions[kind].run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
         return np.asarray(out, dtype=np.float32)
 
     def embed(self, texts: list[str], kind: Kind) -> tuple[np.ndarray, list[bool]]:
         batch = self.tokenize(texts, kind)
-        return self.run(batch), batch.truncated.tolist()
+        return self.run(batch, kind), batch.truncated.tolist()

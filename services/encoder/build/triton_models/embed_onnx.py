@@ -7,7 +7,10 @@ package, so the repository can be shipped on its own.
 
 Contract (see config.pbtxt): ``TEXT`` BYTES [1], ``KIND`` BYTES [1] ("query" or
 "document") → ``EMBEDDING`` FP32 [dim] (L2-normalised), ``TRUNCATED`` BOOL [1].
-All rows of all requests that the dynamic batcher hands over are run together.
+All rows of all requests that the dynamic batcher hands over are run together. A
+two-tower model (parameter ``document_onnx_file``, ``encoder train --arch ade*``) runs
+each row through the graph of its kind: queries through ``onnx_file``, documents
+through ``document_onnx_file``.
 A bad request (empty text, invalid UTF-8, unknown kind) gets its own error response;
 the other requests of the batch are answered, and the instance never dies.
 """
@@ -66,22 +69,38 @@ class TritonPythonModel:
         # need between batches: on a 2-core box that stalled requests for ~500 ms.
         spin = params.get("allow_spinning", "0")
         options.add_session_config_entry("session.intra_op.allow_spinning", spin)
-        self.session = ort.InferenceSession(
-            os.path.join(here, params.get("onnx_file", "model.onnx")),
-            options,
-            providers=["CPUExecutionProvider"],
-        )
+
+        def session(name: str) -> Any:
+            path = os.path.join(here, name)
+            return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+        self.session = session(params.get("onnx_file", "model.onnx"))
+        # kind → session: one graph for every kind, or a tower per kind
+        self.sessions = {kind: self.session for kind in self.kinds}
+        if params.get("document_onnx_file"):
+            self.sessions["document"] = session(params["document_onnx_file"])
 
     def _embed(self, texts: list[str], kinds: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        vectors, truncated = [], []
-        for start in range(0, len(texts), self.max_rows):
-            batch = self.codec.encode_mixed(
-                texts[start : start + self.max_rows], kinds[start : start + self.max_rows]
-            )
-            feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-            vectors.append(self.session.run(["embedding"], feeds)[0].astype(np.float32))
-            truncated.append(batch.truncated)
-        return np.concatenate(vectors), np.concatenate(truncated)
+        groups: dict[int, list[int]] = {}  # rows per graph, in request order
+        graphs = {id(s): s for s in self.sessions.values()}
+        for row, kind in enumerate(kinds):
+            groups.setdefault(id(self.sessions[kind]), []).append(row)
+        vectors: np.ndarray | None = None
+        truncated = np.zeros(len(texts), dtype=bool)
+        for graph, rows in groups.items():
+            for start in range(0, len(rows), self.max_rows):
+                chunk = rows[start : start + self.max_rows]
+                batch = self.codec.encode_mixed(
+                    [texts[i] for i in chunk], [kinds[i] for i in chunk]
+                )
+                feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+                out = graphs[graph].run(["embedding"], feeds)[0].astype(np.float32)
+                if vectors is None:
+                    vectors = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
+                vectors[chunk] = out
+                truncated[chunk] = batch.truncated
+        assert vectors is not None
+        return vectors, truncated
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
@@ -113,3 +132,4 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.session = None
+        self.sessions = {}

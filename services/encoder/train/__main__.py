@@ -1,0 +1,5 @@
+import sys
+
+from services.encoder.train.cli import main
+
+sys.exit(main())
