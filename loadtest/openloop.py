@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--processes",
         type=int,
         default=1,
-        help="sender processes, each sending every N-th request of the schedule (1)",
+        help="sender processes, each sending every N-th request of the schedule; the "
+        "schedule starts once every one has connected (1)",
     )
     w = p.add_argument_group("workload")
     w.add_argument("--mix", default="search", help="ops and weights: search=8,batch=1,upsert=1")

@@ -15,7 +15,9 @@ under ``NOT_SENT_MAX_IN_FLIGHT`` (a bound on memory when the server stops answer
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -55,7 +57,8 @@ class Records:
     rerank_skipped: np.ndarray  # bool, an OK search answered without the rerank it asked for
     start: float  # the run's time zero (offset 0 is due here)
     config: RunConfig
-    index: np.ndarray | None = None  # positions in the whole schedule (None: all of it)
+    index: np.ndarray  # each request's position in the whole schedule
+    sender: np.ndarray  # the pid of the process that sent it (or would have)
 
     @property
     def latency_s(self) -> np.ndarray:
@@ -79,13 +82,15 @@ async def run_open_loop(
     cfg: RunConfig,
     *,
     share: tuple[int, int] = (0, 1),
-    start_at: float | None = None,
+    start_at: Callable[[], float] | None = None,
 ) -> Records:
     """Send ``workload`` to ``target`` on ``cfg``'s schedule; every outcome is recorded.
 
     ``share=(k, m)`` sends only requests k, k+m, k+2m, ... of the schedule (one of m
-    processes, :mod:`loadtest.processes`); ``start_at`` is the monotonic time at which
-    offset 0 is due (shared by those processes), else shortly after the call."""
+    processes, :mod:`loadtest.processes`). ``start_at`` is called (in a thread) once the
+    requests are built and every channel is connected, and returns the monotonic time at
+    which offset 0 is due (the readiness barrier of those processes: it returns when all
+    of them are ready); without it offset 0 is due shortly after the channels connect."""
     offsets = arrival_offsets(
         cfg.rate, cfg.duration_s, cfg.count, process=cfg.process, seed=cfg.seed
     )
@@ -113,6 +118,9 @@ async def run_open_loop(
                     f"{target.address}: no connection within {cfg.timeout_s:g} s"
                 ) from None
         loop = asyncio.get_running_loop()
+        start = (
+            loop.time() + START_LEAD_S if start_at is None else await asyncio.to_thread(start_at)
+        )
 
         async def one(i: int) -> None:
             call = stubs[i % len(stubs)][ops[i]]
@@ -129,7 +137,6 @@ async def run_open_loop(
                 done[i] = loop.time()
 
         tasks: set[asyncio.Task[None]] = set()
-        start = loop.time() + START_LEAD_S if start_at is None else start_at
         for i in range(n):
             due[i] = start + offsets[i]
             wait = due[i] - loop.time()
@@ -146,4 +153,5 @@ async def run_open_loop(
     finally:
         for ch in channels:
             await ch.close()
-    return Records(list(ops), due, sent, done, codes, partial, skipped, start, cfg, index)
+    sender = np.full(n, os.getpid())
+    return Records(list(ops), due, sent, done, codes, partial, skipped, start, cfg, index, sender)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from scipy import stats
 from loadtest import openloop
 from loadtest.closedloop import closed_loop
 from loadtest.overhead import trivial_server_process
-from loadtest.processes import run_in_processes
+from loadtest.processes import SenderFailed, run_in_processes
 from loadtest.results import summarize
 from loadtest.runner import Records, RunConfig, run_open_loop
 from loadtest.schedule import arrival_offsets
@@ -35,6 +36,7 @@ from loadtest.target import Target, target_from_stack
 from loadtest.trivial_server import Hook, start_trivial_server
 from loadtest.workload import Workload
 from retrieval.v1 import search_pb2, search_pb2_grpc
+from tests.support.processes import free_port
 
 QUERIES = ["alpha", "beta", "gamma", "delta"]
 
@@ -410,17 +412,32 @@ def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
 
 def test_two_sender_processes_send_the_one_schedule() -> None:
     """--processes 2: two spawned senders share the seeded schedule (every other
-    request each) against one start time; merged, it is the schedule one process sends."""
+    request each) against one start time; merged, it is the schedule one process sends.
+    Each request records the pid that sent it: two processes, neither this one, each
+    sent every other request."""
     cfg = RunConfig(rate=200.0, duration_s=0.5, process="fixed", processes=2)
     with trivial_server_process() as address:
         records = asyncio.run(
             run_in_processes(Target(address), Workload(queries=QUERIES), cfg, cfg.processes)
         )
     assert len(records.codes) == 100 and set(records.codes) == {"OK"}
-    assert records.index is not None and np.array_equal(records.index, np.arange(100))
+    assert np.array_equal(records.index, np.arange(100))
+    first, second = int(records.sender[0]), int(records.sender[1])
+    assert len({first, second, os.getpid()}) == 3, records.sender
+    assert set(records.sender[0::2]) == {first} and set(records.sender[1::2]) == {second}
     assert np.allclose(records.due - records.start, arrival_offsets(200.0, 0.5, process="fixed"))
     summary = summarize(records, slo_ms=1000.0)
     assert summary["requests"] == summary["ok"] == 100
+
+
+def test_a_sender_process_that_cannot_connect_fails_the_run_before_the_start() -> None:
+    """The readiness barrier: a sender reports ready only once its channels are up; one
+    that cannot connect fails the run with its own error instead of leaving the schedule
+    to start without it."""
+    cfg = RunConfig(rate=100.0, duration_s=0.2, process="fixed", processes=2, timeout_s=0.5)
+    nobody = f"127.0.0.1:{free_port()}"
+    with pytest.raises(SenderFailed, match="no connection within"):
+        asyncio.run(run_in_processes(Target(nobody), Workload(queries=QUERIES), cfg, 2))
 
 
 def test_the_overhead_command_measures_the_generator_against_the_trivial_server(
