@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.cli.encoder_train_commands import add_train
 from services.common.errors import RetrievalError
 
 _MODEL_DIR_HELP = (
@@ -150,7 +151,7 @@ def _ensure_plan(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``encoder export|parity|repo|build-plan`` on ``subparsers``."""
+    """Register ``encoder export|parity|repo|build-plan|ensure-plan|train`` on ``subparsers``."""
     encoder = subparsers.add_parser(
         "encoder",
         help="GTR encoder: ONNX export, parity, Triton model repository, TensorRT plan",
@@ -276,4 +277,5 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
     p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
     p.set_defaults(func=lambda a: _run(_ensure_plan, a))
+    add_train(commands)
     return encoder

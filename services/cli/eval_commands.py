@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.cli.encoder_train_commands import add_encoder_eval_args, run_encoder_eval
+
 DESCRIPTION = """\
 Evaluate retrieval quality on a BEIR folder (corpus.jsonl, queries.jsonl,
 qrels/<split>.tsv) with ir-measures: nDCG@10, Recall@100 and MRR@10 of exact search,
@@ -26,6 +28,7 @@ examples:
   gtr-retrieval eval --data ../shared/data/scifact
   gtr-retrieval eval --data ../shared/data/scifact --rerank-checkpoint ckpt/celi
   gtr-retrieval eval --data ../shared/data/scifact --gateway 127.0.0.1:50051 --nprobe 32
+  gtr-retrieval eval --data ../shared/data/scifact --encoder ckpt/sde --encoder ckpt/ade-spl
 """
 
 
@@ -99,10 +102,13 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--tls-client-cert", default=None, help="--gateway: mTLS client cert.")
     p.add_argument("--tls-client-key", default=None, help="--gateway: its key.")
     p.add_argument("--quiet", action="store_true", help="No progress bars; table and JSON only.")
+    add_encoder_eval_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.encoder:
+        return run_encoder_eval(args)
     import grpc
 
     from services.common.errors import RetrievalError

@@ -183,7 +183,7 @@ def compare(
     dev split; ``doc_len`` defaults to the one their own evaluation used.
     """
     from services.encoder.train.data import eval_corpus, load_training_data
-    from services.encoder.train.trainer import read_manifest
+    from services.encoder.train.manifest import read_manifest
     from services.eval.measures import paired_comparison
 
     if not checkpoints:

@@ -57,6 +57,7 @@ from services.encoder.train.data import (
     mine_negatives,
     model_key,
 )
+from services.encoder.train.manifest import MANIFEST, read_manifest, write_manifest
 from services.encoder.train.towers import (
     ARCHS,
     Arch,
@@ -69,7 +70,6 @@ from services.encoder.train.towers import (
 from services.eval.measures import score
 
 log = logging.getLogger(__name__)
-MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 CURVE_PNG = "training.png"
 
@@ -383,7 +383,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             elapsed = trained_s + time.perf_counter() - seg - eval_s
             _save_state(out, towers, opt, sched, cfg, arch, done, losses, curve, elapsed)
             save_towers(towers, base, out)
-            _write_manifest(
+            write_manifest(
                 out,
                 _manifest(
                     cfg,
@@ -422,7 +422,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     dev: dict[str, Any] = {}
     manifest = _manifest(cfg, arch, base, td, towers, dim, batches.steps, batches.steps, losses,
                          curve, dev, timing)  # fmt: skip
-    _write_manifest(out, manifest)
+    write_manifest(out, manifest)
     if cfg.final_eval:
         from services.encoder.train.evaluate import dev_metrics
 
@@ -436,7 +436,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         timing["peak_rss_mib"] = round(usage["peak_rss_mib"], 1)
         manifest = _manifest(cfg, arch, base, td, towers, dim, batches.steps, batches.steps,
                              losses, curve, dev, timing)  # fmt: skip
-        _write_manifest(out, manifest)
+        write_manifest(out, manifest)
     plot_curve(manifest, out / CURVE_PNG)
     return TrainResult(out, manifest)
 
@@ -500,21 +500,6 @@ def _manifest(
         "curve": {"loss": [round(v, 5) for v in losses], "dev": curve},
         "timing": timing,
     }
-
-
-def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(out / MANIFEST)
-
-
-def read_manifest(checkpoint: Path) -> dict[str, Any]:
-    path = Path(checkpoint) / MANIFEST
-    if not path.exists():
-        raise NotFound(f"{checkpoint}: no {MANIFEST} (not written by `encoder train`)")
-    manifest: dict[str, Any] = json.loads(path.read_text())
-    return manifest
 
 
 def plot_curve(manifest: dict[str, Any], path: Path) -> None:
