@@ -63,6 +63,13 @@ def add_cli(sub: Any) -> None:
         default=None,
         help="Annotated training queries D for the scaling-law columns.",
     )
+    p.add_argument(
+        "--encoder-arch",
+        default="sde",
+        choices=["sde", "ade", "ade-ste", "ade-fte", "ade-spl"],
+        help="Architecture of a checkpoint of `encoder train` (sde): the asymmetric ones "
+        "hold two towers per Triton instance (weights ~2x, same compute per text).",
+    )
     p.set_defaults(handler=run)
 
 
@@ -89,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             shard_memory_gib=args.shard_memory_gib,
             overhead_ms=args.overhead_ms,
             doc_bytes=args.doc_bytes,
+            encoder_arch=args.encoder_arch,
         )
         result = plan(inp, m)
         fit = ScalingFit.read(args.scaling_fit) if args.scaling_fit else None
@@ -125,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"  fit: {fit.source}; D = {args.annotations:,.0f} annotated queries")
+    _print_towers()
     print(
         json.dumps(
             {
@@ -136,3 +145,20 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _print_towers() -> None:
+    from services.plan.towers import ARCHS, tower_table
+
+    print("\nencoder weights per Triton instance by `encoder train --arch` (compute per text "
+          "unchanged; services/plan/towers.py):")  # fmt: skip
+    print(f"  {'size':<7} " + " ".join(f"{a:>16}" for a in ARCHS))
+    tables = {a: tower_table(a) for a in ARCHS}
+    for i, row in enumerate(tables["sde"]):
+        cells = []
+        for a in ARCHS:
+            r = tables[a][i]
+            gib = r.cpu_gib_per_instance if r.size == "minilm" else r.gpu_gib_per_instance
+            cells.append(f"{gib:>6.2f} GiB {r.vs_sde:>4.2f}×")
+        where = "CPU, FP32" if row.size == "minilm" else "GPU, FP16"
+        print(f"  {row.size:<7} " + " ".join(f"{c:>16}" for c in cells) + f"   ({where})")

@@ -29,6 +29,7 @@ from services.common.errors import InvalidArgument
 from services.encoder.profiles import ModelProfile, get_profile
 from services.index.core.train import default_nlist
 from services.plan.measured import Measured
+from services.plan.towers import tower_params
 
 GIB = 1024**3
 
@@ -46,6 +47,7 @@ class PlanInput:
     memory_headroom: float = 1.5  # snapshots being written, id strings, the process
     overhead_ms: float = 10.0  # gateway, Redis fetch of the hits, network
     doc_bytes: int = 2000  # stored title + text + metadata per document (Redis)
+    encoder_arch: str = "sde"  # `encoder train --arch`: asymmetric ones hold two towers
 
     def check(self) -> None:
         if self.docs < 1 or self.qps <= 0:
@@ -256,6 +258,16 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
             src_prof,
         )
         out.add("encoder cores", 0, "cores", "on the GPU")
+    params = tower_params(prof, inp.encoder_arch)
+    width = 4 if prof.name == "minilm" else 2  # FP32 ONNX on CPU, FP16 plan on GPU
+    out.add(
+        "encoder weights per instance",
+        params * width / GIB,
+        "GiB",
+        f"{params / 1e6:,.1f} M parameters ({inp.encoder_arch}: "
+        f"{params / tower_params(prof, 'sde'):.2f}× SDE) × {width} B",
+        "services/plan/towers.py",
+    )
 
     # --- rerank, gateway, Redis -------------------------------------------------------
     threads = m.rerank_threads.value

@@ -128,3 +128,22 @@ def test_the_command_reads_the_measured_results_and_prints_its_sources() -> None
 def test_missing_results_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--docs", "10", "--qps", "1", "--results", str(tmp_path)]) == 2
     assert "run `python -m bench.index_service`" in capsys.readouterr().err
+
+
+def test_asymmetric_encoders_hold_two_towers_minus_what_they_share() -> None:
+    from services.encoder.profiles import get_profile
+    from services.plan.towers import tower_params, tower_table
+
+    base = get_profile("base")
+    one = base.params_millions * 1e6
+    assert tower_params(base, "sde") == one
+    assert tower_params(base, "ade") == 2 * one
+    assert tower_params(base, "ade-ste") == 2 * one - 32_128 * 768  # one T5 embedding table
+    assert tower_params(base, "ade-spl") == 2 * one - 768 * 768  # one projection
+    row = next(r for r in tower_table("ade") if r.size == "base")
+    assert row.gpu_gib_per_instance == pytest.approx(2 * one * 2 / GIB)  # FP16
+    assert row.cpu_gib_per_instance == pytest.approx(2 * one * 4 / GIB)  # FP32
+    with pytest.raises(InvalidArgument, match="unknown encoder arch"):
+        tower_params(base, "ade-xyz")
+    p = plan(PlanInput(docs=100_000, qps=10, model="base", encoder_arch="ade"), M)
+    assert p["encoder weights per instance"] == pytest.approx(2 * one * 2 / GIB)
