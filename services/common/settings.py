@@ -58,7 +58,9 @@ class ServiceSettings(BaseSettings):
         None, description="Write the bound gRPC port to this file once serving (for launchers)."
     )
     tls_cert: str | None = Field(
-        None, description="PEM certificate (chain) of this server; with --tls-key: TLS only."
+        None,
+        description="PEM certificate (chain) of this server; with --tls-key: TLS only. "
+        "Re-read when it changes on disk: new connections get the new one, open ones go on.",
     )
     tls_key: str | None = Field(None, description="PEM private key of --tls-cert.")
     health_port: int | None = Field(
@@ -99,7 +101,8 @@ class ClientTLSSettings(ServiceSettings):
         None,
         description="PEM CA this process trusts for its own connections (the gateway: to "
         "the shards, the reranker and Triton; a shard: to the peer it seeds a snapshot "
-        "from); given, they speak TLS.",
+        "from); given, they speak TLS. When it or the client certificate changes on disk "
+        "the channels are rebuilt (new calls use the new files).",
     )
     tls_client_cert: str | None = Field(
         None,

@@ -14,7 +14,7 @@ import grpc
 from retrieval.v1 import rerank_pb2_grpc
 from services.common.domain import Hit
 from services.common.status import error_from_rpc
-from services.common.tls import ClientTLS, aio_channel
+from services.common.tls import ClientTLS, Rotating, aio_channel
 from services.rerank import depths
 from services.rerank.domain import RerankQuery
 from services.rerank.serve import convert
@@ -27,8 +27,10 @@ class RerankClient:
         depth_table: Mapping[int, float] = depths.DEFAULT_DEPTH_TABLE,
         tls: ClientTLS | None = None,
     ) -> None:
-        self._channel = aio_channel(address, tls)
-        self._stub = rerank_pb2_grpc.RerankServiceStub(self._channel)
+        # rebuilt when the TLS files change on disk; the old channel closes once idle
+        self._channels: Rotating[grpc.aio.Channel] = Rotating(
+            lambda: aio_channel(address, tls), _close, tls, f"rerank {address}"
+        )
         self._table = dict(depth_table)
         self.address = address
 
@@ -41,10 +43,16 @@ class RerankClient:
     ) -> list[Hit]:
         request = convert.query_to_pb(RerankQuery(query, tuple(candidates), len(candidates)))
         try:
-            response = await self._stub.Rerank(request, timeout=timeout)
+            with self._channels.use() as channel:
+                stub = rerank_pb2_grpc.RerankServiceStub(channel)
+                response = await stub.Rerank(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, f"rerank at {self.address}") from None
         return list(convert.result_from_pb(response, candidates).hits)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channels.close()
+
+
+async def _close(channel: grpc.aio.Channel) -> None:
+    await channel.close()

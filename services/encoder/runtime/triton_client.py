@@ -54,7 +54,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.retry import RetryPolicy, channel_options
-from services.common.tls import ClientTLS
+from services.common.tls import ClientTLS, Rotating
 from services.encoder.base import Embeddings, Encoder, validate_request
 from services.encoder.profiles import Kind
 
@@ -148,20 +148,33 @@ def triton_client(
 
 
 class TritonServer(Endpoint):
-    """One Triton server of the pool: its client (own channel) and its readiness."""
+    """One Triton server of the pool: its client (own channel) and its readiness. The
+    client is rebuilt when the TLS files change on disk (:class:`Rotating`); the old one
+    is closed once its calls ended."""
 
     def __init__(self, address: str, cfg: TritonEncoderConfig, tls: ClientTLS | None) -> None:
         super().__init__(address, f"triton {address}", cfg.suspect_after, cfg.probe_every_s)
         self.cfg = cfg
-        self.client = triton_client(cfg, address, tls)
+        self.clients: Rotating[Any] = Rotating(
+            lambda: triton_client(cfg, address, tls), _close_client, tls, self.what
+        )
+
+    @property
+    def client(self) -> Any:
+        return self.clients.current
 
     async def serving(self) -> bool:
         timeout = max(self.cfg.probe_every_s, 0.1)
-        return bool(await self.client.is_model_ready(self.cfg.model, client_timeout=timeout))
+        with self.clients.use() as client:
+            return bool(await client.is_model_ready(self.cfg.model, client_timeout=timeout))
 
     async def close(self) -> None:
         await super().close()
-        await self.client.close()
+        await self.clients.close()
+
+
+async def _close_client(client: Any) -> None:
+    await client.close()
 
 
 def triton_pool(cfg: TritonEncoderConfig) -> EndpointPool[TritonServer]:
@@ -270,9 +283,10 @@ class TritonEncoder(Encoder):
             started = time.monotonic()
             server.sent()
             try:
-                result = await server.client.infer(
-                    self.cfg.model, inputs, outputs=outputs, client_timeout=left
-                )
+                with server.clients.use() as client:
+                    result = await client.infer(
+                        self.cfg.model, inputs, outputs=outputs, client_timeout=left
+                    )
             except Exception as exc:
                 error = map_triton_error(exc, f"embedding {len(items)} texts at {server.address}")
                 if isinstance(error, Overloaded):

@@ -66,7 +66,7 @@ from services.common.deadline import Deadline
 from services.common.discovery import DnsTarget
 from services.common.errors import DeadlineExceeded, Overloaded, RetrievalError, Unavailable
 from services.common.status import error_from_rpc, error_from_status
-from services.common.tls import ClientTLS, aio_channel
+from services.common.tls import ClientTLS, Rotating, aio_channel
 from services.index import convert
 from services.index.core.query import ShardAnswer
 
@@ -206,8 +206,23 @@ class HedgePolicy:
     probe_every_s: float = 0.5
 
 
+@dataclass
+class _Connection:
+    channel: grpc.aio.Channel
+    stub: index_pb2_grpc.IndexShardServiceStub
+    stream: ShardStream
+
+    async def close(self) -> None:
+        self.stream.close()
+        await self.channel.close()
+
+
 class Replica(Endpoint):
-    """One replica: its channel, its search stream, its recent latencies and health."""
+    """One replica: its channel, its search stream, its recent latencies and health.
+
+    The channel is rebuilt when the TLS files change on disk (:class:`Rotating`): new
+    searches go over a new channel and stream; the old ones are closed once the
+    searches on them were answered."""
 
     def __init__(
         self, shard: int, address: str, policy: HedgePolicy, tls: ClientTLS | None = None
@@ -217,12 +232,30 @@ class Replica(Endpoint):
         )
         self.shard = shard
         self.policy = policy
-        self.channel = aio_channel(address, tls)
-        self.stub = index_pb2_grpc.IndexShardServiceStub(self.channel)
-        self.stream = ShardStream(self.stub, self.what)
+        self.tls = tls
+        self.connections = Rotating(self._connect, _Connection.close, tls, self.what)
         self._latencies: deque[float] = deque(maxlen=policy.window)
         self._answers = 0
         self._p95: float | None = None  # the hedge delay, once min_samples answers were seen
+
+    def _connect(self) -> _Connection:
+        channel = aio_channel(self.address, self.tls)
+        stub = index_pb2_grpc.IndexShardServiceStub(channel)
+        return _Connection(channel, stub, ShardStream(stub, self.what))
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self.connections.current.channel
+
+    @property
+    def stub(self) -> index_pb2_grpc.IndexShardServiceStub:
+        return self.connections.current.stub
+
+    async def search(
+        self, request: index_pb2.ShardSearchRequest, deadline: Deadline
+    ) -> index_pb2.ShardSearchResponse:
+        with self.connections.use() as connection:
+            return await connection.stream.search(request, deadline)
 
     def hedge_delay(self, remaining: float | None) -> float:
         delay = self._p95 if self._p95 is not None else self.policy.unknown_delay_s
@@ -246,8 +279,7 @@ class Replica(Endpoint):
 
     async def close(self) -> None:
         await super().close()
-        self.stream.close()
-        await self.channel.close()
+        await self.connections.close()
 
 
 class ReplicaSet:
@@ -320,7 +352,7 @@ class ReplicaSet:
         error: RetrievalError = Unavailable(f"shard {self.shard}: no replica")
 
         def ask(replica: Replica) -> None:
-            task = asyncio.ensure_future(replica.stream.search(request, deadline))
+            task = asyncio.ensure_future(replica.search(request, deadline))
             replica.sent()
             task.add_done_callback(replica.done)
             running[task] = (replica, time.monotonic())
