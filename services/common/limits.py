@@ -1,8 +1,9 @@
 """Every request limit of the service, in one place (also written in the .proto comments).
 
-Each process checks a request once, where it enters: the gateway's public API
-(``services.gateway.validation``), a shard's search (``ShardService.search``), the change
-log's writer. They all read these numbers, so a limit cannot differ between the hops.
+The gateway checks a public request where it enters (``services.gateway.validation``), a
+shard a search in ``IvfPqShard.check``, the change log's writer its records; the router
+checks ``k`` and the write token's shards again for reasons of its own (docs/architecture.md,
+"Follow one search"). They all read these numbers, so a limit cannot differ between the hops.
 """
 
 from __future__ import annotations
