@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from retrieval.v1 import index_pb2
+from services.index import convert
 from services.index.core.snapshots import Snapshot
 from services.index.core.trained import MANIFEST, REFINE, TRAINED
 from services.index.core.transfer import (
@@ -79,6 +81,35 @@ def test_a_snapshot_and_its_trained_index_arrive_identical(tmp_path: Path) -> No
         ).read_bytes()
     leftovers = [p.name for p in (tmp_path / "b").rglob(".incoming-*")]
     assert leftovers == []
+
+
+@pytest.mark.parametrize("size", [0, 1, CHUNK_BYTES, 2 * CHUNK_BYTES + 123])
+def test_a_snapshot_sent_as_wire_messages_arrives_identical(tmp_path: Path, size: int) -> None:
+    """The transfer as FetchSnapshot carries it: the offer (convert.offer_to_pb) and each
+    chunk as a SnapshotChunk, serialised and parsed, read as seeding reads them."""
+    sent = _snapshot(tmp_path / "a" / "snaps", size)
+    _index(tmp_path / "a" / "index")
+    offer = open_offer(sent, tmp_path / "a" / "index")
+    try:
+        wire = [convert.offer_to_pb(offer).SerializeToString()] + [
+            index_pb2.SnapshotChunk(file=i, offset=offset, data=data).SerializeToString()
+            for i, offset, data in offer.chunks()
+        ]
+    finally:
+        offer.close()
+    first, *rest = (index_pb2.SnapshotChunk.FromString(m) for m in wire)
+    receiver = Receiver(
+        tmp_path / "b" / "snaps", tmp_path / "b" / "index", first.position,
+        convert.files_from_pb(first),
+    )  # fmt: skip
+    for chunk in rest:
+        receiver.write(chunk.file, chunk.offset, chunk.data)
+    got = receiver.finish()
+    assert got.position == POSITION and got.path.read_bytes() == sent.path.read_bytes()
+    for name in (MANIFEST, TRAINED, REFINE):
+        assert (tmp_path / "b" / "index" / name).read_bytes() == (
+            tmp_path / "a" / "index" / name
+        ).read_bytes()
 
 
 @pytest.mark.parametrize("chunk", [0, 2])  # the first and the last chunk of the npz
