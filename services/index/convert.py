@@ -14,8 +14,7 @@ from services.common.convert import (
 from services.common.errors import InvalidArgument, Unavailable
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
-from services.index.core.shard import ShardStats
-from services.index.core.trained import Manifest
+from services.index.core.stats import ReplicaStats
 from services.index.core.transfer import FileInfo, Offer
 
 
@@ -127,19 +126,11 @@ def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:
     )
 
 
-def stats_to_pb(
-    s: ShardStats,
-    shard: int,
-    replica: str,
-    m: Manifest,
-    snapshot_position: str,
-    lag: float,
-    gpu: bool = False,
-    searches: int = 0,
-) -> index_pb2.ShardStats:
+def stats_to_pb(r: ReplicaStats) -> index_pb2.ShardStats:
+    s, m = r.index, r.manifest
     return index_pb2.ShardStats(
-        shard=shard,
-        replica=replica,
+        shard=r.shard,
+        replica=r.replica,
         dim=m.dim,
         factory=m.factory,
         metric=m.metric,
@@ -148,20 +139,20 @@ def stats_to_pb(
         vectors=s.vectors,
         deleted=s.deleted,
         applied_position=s.applied_position,
-        log_lag_seconds=lag,
+        log_lag_seconds=r.log_lag_s,
         bytes_per_vector=s.bytes_per_vector,
         memory_bytes=s.memory_bytes,
         train_pq_error=s.train_pq_error,
         recent_pq_error=s.recent_pq_error,
         pq_error_ratio=s.pq_error_ratio,
         list_imbalance=s.list_imbalance,
-        snapshot_position=snapshot_position,
-        gpu=gpu,
+        snapshot_position=r.snapshot_position,
+        gpu=r.gpu,
         nprobe=m.nprobe,
         target_recall=m.target_recall or 0.0,
         measured_recall=m.measured_recall or 0.0,
         ivf_advice=m.ivf_advice or "",
-        searches=searches,
+        searches=r.searches,
     )
 
 

@@ -16,6 +16,7 @@ from services.index import convert
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import PAD_ID, Consistency, Probes, ShardAnswer, ShardQuery, TopK
 from services.index.core.shard import ShardStats
+from services.index.core.stats import ReplicaStats
 from services.index.core.trained import Manifest
 from services.index.core.transfer import FileInfo, Offer
 
@@ -226,7 +227,11 @@ def test_stats_to_pb_carries_every_field() -> None:
         pq_bits=8, refine=True, refine_factor=4, nprobe=4, train_points=100,
         train_pq_error=0.17, train_seconds=1.0, created_at="now",
     )  # fmt: skip
-    pb = convert.stats_to_pb(stats, 2, "r", manifest, "8-0", 0.5, gpu=True)
+    replica = ReplicaStats(
+        shard=2, replica="r", index=stats, manifest=manifest, snapshot_position="8-0",
+        log_lag_s=0.5, gpu=True, searches=7,
+    )  # fmt: skip
+    pb = convert.stats_to_pb(replica)
     pb = index_pb2.ShardStats.FromString(pb.SerializeToString())
     assert (pb.shard, pb.replica, pb.dim, pb.factory, pb.metric, pb.model, pb.nlist) == (
         2, "r", 384, manifest.factory, "IP", "m", 8,
@@ -237,7 +242,7 @@ def test_stats_to_pb_carries_every_field() -> None:
         "9-0",
         "8-0",
     )
-    assert pb.memory_bytes == 12345 and pb.gpu
+    assert pb.memory_bytes == 12345 and pb.gpu and pb.searches == 7
     for name in ("bytes_per_vector", "train_pq_error", "recent_pq_error", "pq_error_ratio",
                  "list_imbalance", "log_lag_seconds"):  # fmt: skip
         expected = getattr(stats, name, 0.5)

@@ -10,6 +10,7 @@ from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument, Unavailable
 from services.index.core.query import Consistency, ShardAnswer, ShardQuery
 from services.index.core.shard import ShardStats
+from services.index.core.stats import ReplicaStats
 from services.index.core.transfer import Offer, newest_snapshot, open_offer
 from services.index.server.batcher import SearchBatcher
 from services.index.server.replica import ShardReplica
@@ -56,6 +57,20 @@ class ShardService:
 
     def stats(self) -> ShardStats:
         return self.replica.shard.stats()
+
+    def replica_stats(self) -> ReplicaStats:
+        """The shard core's figures and where this replica stands (the Stats RPC)."""
+        replica = self.replica
+        return ReplicaStats(
+            shard=replica.config.shard,
+            replica=replica.config.replica,
+            index=self.stats(),
+            manifest=replica.trained.manifest,
+            snapshot_position=replica.snapshot_position,
+            log_lag_s=replica.log_lag_s,
+            gpu=replica.shard.gpu is not None,
+            searches=self.searches,
+        )
 
     def snapshot_offer(self, shard: int, with_index: bool) -> Offer:
         """The newest snapshot (written now when there is none), opened for a peer of

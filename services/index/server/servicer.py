@@ -93,17 +93,7 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
     async def Stats(
         self, request: index_pb2.ShardStatsRequest, context: grpc.aio.ServicerContext
     ) -> index_pb2.ShardStats:
-        replica = self._service.replica
-        return convert.stats_to_pb(
-            self._service.stats(),
-            replica.config.shard,
-            replica.config.replica,
-            replica.trained.manifest,
-            replica.snapshot_position,
-            replica.log_lag_s,
-            gpu=replica.shard.gpu is not None,
-            searches=self._service.searches,
-        )
+        return convert.stats_to_pb(self._service.replica_stats())
 
     async def Snapshot(
         self, request: index_pb2.SnapshotRequest, context: grpc.aio.ServicerContext
