@@ -5,5 +5,5 @@
 - :mod:`.capacity`: the arithmetic (shards, replicas, GPUs, CPU cores, memory), every
   figure with its formula and its sources;
 - :mod:`.scaling`: the model-size vs annotated-data trade-off of Fang et al. (SIGIR 2024)
-  per encoder size; :mod:`.cli`: the command.
+  per encoder size. The command is :mod:`services.cli.plan_commands`.
 """
