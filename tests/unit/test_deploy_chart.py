@@ -122,6 +122,11 @@ CASES: dict[str, dict[str, Any] | None] = {
     **{f"gpu-{size}": {"encoder": {"flavor": "gpu", "size": size}} for size in PROFILES},
     "shards-1": {"index": {"shards": 1, "replicas": 1}},
     "shards-4": {"index": {"shards": 4}},
+    "gpu-shards": {"index": {"gpu": {"enabled": True, "device": 1}}},
+    "plan-cache-claim": {"encoder": {"size": "xl", "plan": {"cacheClaim": "plans"}}},
+    "plan-cache-emptydir": {
+        "encoder": {"size": "xxl", "plan": {"cachePersistence": {"enabled": False}}}
+    },
     "full": FULL_VALUES,
     "external-redis": {
         "redis": {"enabled": False, "external": {"url": "rediss://redis.example:6380/0"}}
@@ -177,6 +182,21 @@ def test_lint_passes(case: str) -> None:
         ({"gateway": {"queryCache": {"maxEntries": 0}}}, "/gateway/queryCache/maxEntries"),
         ({"gateway": {"queryCache": {"ttlSeconds": 0}}}, "/gateway/queryCache/ttlSeconds"),
         ({"gateway": {"queryCache": {"enabled": "yes"}}}, "/gateway/queryCache/enabled"),
+        ({"index": {"gpu": {"device": -1}}}, "/index/gpu/device"),
+        ({"index": {"gpu": {"faiss": True}}}, "/index/gpu"),
+        (
+            {"encoder": {"profiles": {"xl": {"planMemory": "lots"}}}},
+            "/encoder/profiles/xl/planMemory",
+        ),
+        (
+            {"encoder": {"profiles": {"xxl": {"progressDeadlineSeconds": 5}}}},
+            "/encoder/profiles/xxl/progressDeadlineSeconds",
+        ),
+        (
+            {"encoder": {"plan": {"cachePersistence": {"accessModes": ["ReadOnlyMany"]}}}},
+            "/encoder/plan/cachePersistence/accessModes/0",
+        ),
+        ({"encoder": {"plan": {"resources": {"requests": {"memory": "8Gi"}}}}}, "/encoder/plan"),
     ],
 )
 def test_schema_rejects_invalid_values(chart: Any, values: dict[str, Any], where: str) -> None:
@@ -266,7 +286,7 @@ def test_one_statefulset_per_shard(chart: Any, shards: int, replicas: int) -> No
 def test_the_text_index_lives_on_the_replicas_volume(chart: Any) -> None:
     def args(values: dict[str, Any]) -> list[str]:
         docs = render(chart, values)
-        sts = [d for d in of_kind(docs, "StatefulSet") if component(d) == "index"][0]
+        sts = next(d for d in of_kind(docs, "StatefulSet") if component(d) == "index")
         container = sts["spec"]["template"]["spec"]["containers"][0]
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert "/var/lib/gtr/data" in mounts  # the PVC that holds snapshots and text
@@ -787,3 +807,143 @@ def test_query_cache_values_reach_the_gateway(chart: Any, monkeypatch: pytest.Mo
     key = "checksum/config"
     annotations = gateway["spec"]["template"]["metadata"]["annotations"]
     assert annotations[key] != default["spec"]["template"]["metadata"]["annotations"][key]
+
+
+# --- the GPU path (issue #25 items 4, 6, 8) -------------------------------------------
+
+
+def _shard_pod(docs: list[Manifest]) -> dict[str, Any]:
+    sts = next(d for d in of_kind(docs, "StatefulSet") if component(d) == "index")
+    pod: dict[str, Any] = sts["spec"]["template"]["spec"]
+    return pod
+
+
+def test_index_shards_stay_on_the_cpu_by_default(chart: Any) -> None:
+    docs = render(chart)
+    pod = _shard_pod(docs)
+    assert pod["containers"][0]["image"].endswith("/gtr-retrieval:0.1.0")
+    assert "nvidia.com/gpu" not in json.dumps(pod)
+    assert configmap_data(docs, "index")["GTR_SHARD_GPU"] == "false"
+
+
+def test_gpu_shards_get_the_faiss_gpu_image_a_gpu_and_the_gpu_nodes(chart: Any) -> None:
+    """Item 4: index.gpu.enabled renders GPU shards: images.appGpu (faiss-gpu), one GPU
+    per replica, the GPU nodes' taint tolerated and label required, the copy's settings
+    (names the shard's settings class has), index.gpu.resources."""
+    from services.index.server.settings import ShardSettings
+
+    values = {
+        "index": {
+            "shards": 2,
+            "gpu": {"enabled": True, "device": 1},
+            "nodeSelector": {"pool": "search"},
+            "tolerations": [{"key": "search", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+        "images": {"digests": {"appGpu": "sha256:" + "a" * 64}},
+    }
+    docs = render(chart, values)
+    statefulsets = [d for d in of_kind(docs, "StatefulSet") if component(d) == "index"]
+    assert len(statefulsets) == 2
+    for sts in statefulsets:
+        pod = sts["spec"]["template"]["spec"]
+        (shard,) = pod["containers"]
+        assert shard["image"] == "ghcr.io/gtr-retrieval/gtr-retrieval-gpu@sha256:" + "a" * 64
+        resources = shard["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == 1
+        assert resources["limits"]["nvidia.com/gpu"] == 1
+        assert resources["limits"]["memory"] == "16Gi"  # index.gpu.resources
+        assert pod["nodeSelector"] == {"pool": "search", "nvidia.com/gpu.present": "true"}
+        keys = {t["key"] for t in pod["tolerations"]}
+        assert keys == {"search", "nvidia.com/gpu"}
+        assert sts["spec"]["template"]["metadata"]["annotations"]["gtr-retrieval.io/gpu"] == "true"
+    config = configmap_data(docs, "index")
+    assert config["GTR_SHARD_GPU"] == "true" and config["GTR_SHARD_GPU_DEVICE"] == "1"
+    fields = {f"GTR_SHARD_{name.upper()}" for name in ShardSettings.model_fields}
+    assert {"GTR_SHARD_GPU", "GTR_SHARD_GPU_DEVICE"} <= fields
+    from pydantic import TypeAdapter
+
+    assert TypeAdapter(bool).validate_python(config["GTR_SHARD_GPU"]) is True
+
+
+def _triton(docs: list[Manifest]) -> tuple[Manifest, dict[str, Any]]:
+    triton = the(docs, "Deployment", "triton")
+    return triton, triton["spec"]["template"]["spec"]
+
+
+def _bytes(quantity: str | int) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    text = str(quantity)
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+# FP32 weights of the GTR encoders (parameters × 4 bytes): the plan build holds the FP32
+# ONNX graph and its FP16 copy (and TensorRT its own FP16 weights) in host memory.
+FP32_WEIGHTS_GB = {"base": 0.44, "large": 1.3, "xl": 4.9, "xxl": 19.0}
+
+
+@pytest.mark.parametrize("size", list(PROFILES))
+def test_the_plan_build_gets_the_memory_of_its_size(chart: Any, size: str) -> None:
+    """Item 6: the build-plan init container's memory follows the size (one 16 GiB limit
+    for every size ran xl/xxl out of memory): request = limit, at least the FP32 graph +
+    its FP16 copy + TensorRT's FP16 weights (2x the FP32 weights)."""
+    _, pod = _triton(render(chart, {"encoder": {"size": size}}))
+    (build,) = pod["initContainers"]
+    resources = build["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    assert _bytes(resources["limits"]["memory"]) >= 2 * FP32_WEIGHTS_GB[size] * 1e9
+    assert _bytes(resources["limits"]["memory"]) >= 8 * 2**30
+
+
+@pytest.mark.parametrize("size", list(PROFILES))
+def test_a_cold_rollout_has_the_time_and_disk_of_its_size(chart: Any, size: str) -> None:
+    """Item 8: progressDeadlineSeconds from the size profile (above the model's startup
+    budget), the plan cache on a PVC of the chart's by default (kept on uninstall), and
+    ephemeral storage requested for the emptyDirs the pod fills."""
+    docs = render(chart, {"encoder": {"size": size}})
+    triton, pod = _triton(docs)
+    deadline = triton["spec"]["progressDeadlineSeconds"]
+    assert deadline > 900  # encoder.startupTimeoutSeconds: the load alone
+    assert deadline >= {"base": 1200, "large": 1500, "xl": 2400, "xxl": 3600}[size]
+    (pvc,) = of_kind(docs, "PersistentVolumeClaim")
+    assert pvc["metadata"]["name"] == f"{RELEASE}-gtr-retrieval-plans"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["plans"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    limits = {
+        n: _bytes(v["emptyDir"]["sizeLimit"])
+        for n, v in volumes.items()
+        if "emptyDir" in v and n != "shm"
+    }
+    assert set(limits) == {"models", "tmp"}
+    (build,) = pod["initContainers"]
+    (server,) = pod["containers"]
+    assert _bytes(build["resources"]["requests"]["ephemeral-storage"]) == sum(limits.values())
+    assert _bytes(server["resources"]["requests"]["ephemeral-storage"]) == limits["models"]
+    assert sum(limits.values()) <= 64 * 2**30  # was 128 Gi of emptyDirs, none requested
+
+
+def test_the_plan_cache_can_be_an_existing_claim_or_an_emptydir(chart: Any) -> None:
+    docs = render(chart, CASES["plan-cache-claim"])
+    assert not of_kind(docs, "PersistentVolumeClaim")
+    _, pod = _triton(docs)
+    plans = {v["name"]: v for v in pod["volumes"]}["plans"]
+    assert plans["persistentVolumeClaim"]["claimName"] == "plans"
+    docs = render(chart, CASES["plan-cache-emptydir"])
+    assert not of_kind(docs, "PersistentVolumeClaim")
+    _, pod = _triton(docs)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["plans"]["emptyDir"]["sizeLimit"] == "16Gi"
+    (build,) = pod["initContainers"]
+    disk = sum(_bytes(volumes[n]["emptyDir"]["sizeLimit"]) for n in ("models", "plans", "tmp"))
+    assert _bytes(build["resources"]["requests"]["ephemeral-storage"]) == disk
+
+
+def test_the_cpu_flavour_makes_no_plan_cache(chart: Any) -> None:
+    docs = render(chart, {"encoder": {"flavor": "cpu", "size": "xxl"}})
+    assert not of_kind(docs, "PersistentVolumeClaim")
+    triton, _ = _triton(docs)
+    assert triton["spec"]["progressDeadlineSeconds"] == 600

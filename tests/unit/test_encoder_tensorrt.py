@@ -124,6 +124,44 @@ def test_fp16_plan_passes_parity_on_tiny_t5(base: Path, tmp_path: Path) -> None:
     assert report.inspected_layers > 0  # else the inspector check saw nothing
 
 
+def test_the_torch_model_is_freed_before_the_plan_build(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #25 item 6: the FP32 PyTorch model (19 GB for xxl) is gone from host memory
+    before TensorRT builds (which holds the FP32 ONNX graph and its FP16 copy). TensorRT
+    cannot run here: the build itself is replaced by a probe of what is still alive."""
+    import gc
+    import weakref
+
+    import services.encoder.build.tensorrt_build as trt_build
+    import services.encoder.model as model_module
+
+    modules: list[weakref.ref[object]] = []
+
+    class Tracked(model_module.TorchEmbedder):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            modules.append(weakref.ref(self.module))
+
+    alive: list[bool] = []
+
+    def build(onnx_path: Path, plan_path: Path, cfg: object, *rest: object) -> str:
+        gc.collect()
+        alive.extend(ref() is not None for ref in modules)
+        return "built"
+
+    monkeypatch.setattr(model_module, "TorchEmbedder", Tracked)
+    monkeypatch.setattr(trt_build, "_require_tensorrt", lambda: None)
+    monkeypatch.setattr(trt_build, "build_plan", build)
+    model_dir = ensure_tiny_t5(base)
+    onnx_path = ensure_onnx(model_dir, base)
+    modules.clear()
+    cfg = PlanConfig(opt_shape=(2, 16), max_shape=(2, 16))
+    result = trt_build.build_plan_from_model(model_dir, onnx_path, tmp_path / "model.plan", cfg)
+    assert result == "built"  # type: ignore[comparison-overlap]
+    assert alive == [False]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_trt_gpu(), reason=NO_TRT_REASON)
 def test_plan_is_not_written_when_parity_fails(base: Path, tmp_path: Path) -> None:

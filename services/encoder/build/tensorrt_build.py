@@ -29,6 +29,7 @@ tested) anywhere; ``tensorrt`` and CUDA are imported only inside :func:`build_pl
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -626,7 +627,12 @@ def build_plan_from_model(
         for i in range(0, len(ids), 8):
             chunk = [torch.from_numpy(a[i : i + 8]).to(device) for a in (ids, mask)]
             rows.append(module(*chunk).float().cpu().numpy())
-    module.to("cpu")  # the builder needs the GPU memory (an FP32 xxl takes 19 GB)
+    reference = np.concatenate(rows)
+    # Free the PyTorch model before the build: the builder holds the FP32 ONNX graph and
+    # its FP16 copy in host memory (xxl: ~19 + ~10 GB), and TensorRT the GPU; an FP32 xxl
+    # model beside them would add another 19 GB (the chart's planMemory assumes it gone).
+    del module, embedder, chunk
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return build_plan(onnx_path, plan_path, cfg, ids, mask, np.concatenate(rows))
+    return build_plan(onnx_path, plan_path, cfg, ids, mask, reference)
