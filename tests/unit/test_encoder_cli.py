@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.encoder.build.repository import read_config
 from services.cli.encoder_commands import add_cli
+from services.encoder.build.repository import read_config
 from tests.encoder_fixtures import encoder_base, ensure_tiny_t5
 
 
