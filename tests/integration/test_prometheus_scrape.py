@@ -36,7 +36,7 @@ from prometheus_client import start_http_server
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from tests.support.background import BackgroundStack, stack_in_background
-from tests.support.processes import free_port, run_redis
+from tests.support.processes import free_port, run_redis, wait_until
 from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.shards import scifact_vectors, shared_test_index
 
@@ -257,8 +257,32 @@ def test_failed_searches_are_misses_and_client_mistakes_do_not_count(scraped: Sc
 
 
 def test_shard_log_lag_is_recorded_per_shard(scraped: Scraped) -> None:
+    """Shard 1's replica stops applying (its consumer is stopped for real) and a document
+    of shard 1 is written: the rule records a lag for shard 1 that grows with its age,
+    while shard 0, caught up, stays at 0. A rule that lost the shard label, or took
+    another series, would show the same value for both or none."""
+    from services.index.core.ids import shard_of
+
     prom = scraped.prometheus
-    lags = prom.await_values("gtr:index_log_lag_seconds:max", lambda v: len(v) == 2)
-    assert all(lag >= 0 for lag in lags)
-    recorded = prom.query("gtr:index_log_lag_seconds:max")
-    assert {r["metric"]["shard"] for r in recorded} == {"0", "1"}
+    prom.await_values("gtr:index_log_lag_seconds:max", lambda v: v == [0.0, 0.0])
+    scraped.bg.stack.shards[1][0].replica.stop(snapshot=False)  # the consumer thread ends
+    doc_id = next(f"lag-{i}" for i in range(100) if shard_of(f"lag-{i}", 2) == 1)
+    documents_pb2_grpc.DocumentServiceStub(scraped.channel).Upsert(
+        documents_pb2.UpsertRequest(
+            documents=[documents_pb2.Document(id=doc_id, text="a write shard 1 never applies")]
+        ),
+        timeout=60,
+    )
+    written = time.monotonic()
+
+    def by_shard() -> dict[str, float]:
+        return {
+            r["metric"]["shard"]: float(r["value"][1])
+            for r in prom.query("gtr:index_log_lag_seconds:max")
+        }
+
+    wait_until(lambda: by_shard().get("1", 0.0) >= 2.0, "shard 1's lag recorded", timeout=60)
+    first = by_shard()
+    assert first["0"] == 0.0 and 2.0 <= first["1"] <= time.monotonic() - written + 2.0
+    wait_until(lambda: by_shard()["1"] >= first["1"] + 2.0, "shard 1's lag grows", timeout=60)
+    assert by_shard()["0"] == 0.0

@@ -126,6 +126,18 @@ def test_duplicate_shard_in_token_is_rejected() -> None:
 
 
 def test_document_round_trip() -> None:
-    doc = Document("id-1", "text", "title", {"lang": "en"})
-    assert convert.document_from_pb(convert.document_to_pb(doc)) == doc
-    assert isinstance(convert.document_to_pb(doc), documents_pb2.Document)
+    """Through the wire bytes and back, each field in its own proto field (a round trip
+    alone would not see title and text swapped both ways)."""
+    doc = Document("id-1", "the text", "the title", {"lang": "en", "ü": "ß"})
+    wire = convert.document_to_pb(doc).SerializeToString()
+    parsed = documents_pb2.Document.FromString(wire)
+    assert (parsed.id, parsed.title, parsed.text) == ("id-1", "the title", "the text")
+    assert dict(parsed.metadata) == {"lang": "en", "ü": "ß"}
+    assert convert.document_from_pb(parsed) == doc
+    bare = Document("id-2", "only text")
+    assert (
+        convert.document_from_pb(
+            documents_pb2.Document.FromString(convert.document_to_pb(bare).SerializeToString())
+        )
+        == bare
+    )

@@ -13,10 +13,15 @@ def test_faiss_id_is_stable_63_bit_and_distinct() -> None:
     ids = [faiss_id(f"doc-{i}") for i in range(10_000)]
     assert all(0 <= i < 2**63 for i in ids)
     assert len(set(ids)) == len(ids)
-    assert faiss_id("doc-1") == faiss_id("doc-1")
-    # Pinned: every process and every version must agree on where a document lives.
-    assert faiss_id("4983") == faiss_id("4983")
-    assert shard_of("4983", 7) == shard_of("4983", 7)
+    # Pinned to literal values: every process and every version must agree on a
+    # document's FAISS id and shard (snapshots and stored logs depend on them); a change
+    # of hash, key, byte order or mask fails here.
+    assert faiss_id("4983") == 5638971388828818207
+    assert faiss_id("doc-1") == 726955062523864086
+    assert faiss_id("café/ü 7") == 5302778974610240901  # UTF-8, not another encoding
+    assert [shard_of("4983", n) for n in (2, 7, 64)] == [1, 4, 55]
+    assert [shard_of("doc-1", n) for n in (2, 7, 64)] == [0, 4, 44]
+    assert [shard_of("café/ü 7", n) for n in (2, 7, 64)] == [0, 2, 60]
 
 
 def test_shard_of_spreads_and_is_independent_of_faiss_id() -> None:

@@ -71,15 +71,26 @@ def test_flavour_extras_are_pinned(flavor: str) -> None:
     assert all("==" in r for r in EXTRAS[flavor]), EXTRAS[flavor]
 
 
+# The TensorRT release inside NVIDIA's Triton images, from NVIDIA's Triton release notes
+# ("Contents of the Triton Inference Server container"; 24.12: TensorRT 10.7.0.23). Written
+# here, not imported: it is what the code's own table must agree with.
+NGC_TRITON_TENSORRT = {"24.12-py3": "10.7.0"}
+
+
 def test_gpu_extra_pins_the_tensorrt_of_the_charts_triton_image() -> None:
-    """The chart's GPU Triton image is built FROM deploy/images.env's TRITON_BASE."""
+    """The chart's GPU Triton image is built FROM deploy/images.env's TRITON_BASE; the
+    code (plan build gate) and the gpu extra must name the TensorRT that image ships."""
     images = (ROOT / "deploy/images.env").read_text()
     base = re.search(r"^TRITON_BASE=nvcr\.io/nvidia/tritonserver:(\S+)$", images, re.M)
     assert base, "TRITON_BASE in deploy/images.env"
-    assert base.group(1) == TRITON_IMAGE_TAG
-    assert TRITON_TENSORRT[TRITON_IMAGE_TAG] == TENSORRT_VERSION
+    tag = base.group(1)
+    assert tag == TRITON_IMAGE_TAG
+    assert tag in NGC_TRITON_TENSORRT, (
+        f"add the TensorRT of tritonserver:{tag} (NVIDIA's release notes) to this test"
+    )
+    assert TENSORRT_VERSION == TRITON_TENSORRT[tag] == NGC_TRITON_TENSORRT[tag]
     tensorrt = [r for r in EXTRAS["gpu"] if MODULE_OWNERS["tensorrt"].match(_name(r))]
-    assert tensorrt == [f"tensorrt-cu12=={TENSORRT_VERSION}"]
+    assert tensorrt == [f"tensorrt-cu12=={NGC_TRITON_TENSORRT[tag]}"]
 
 
 def _dry_run(requirements: list[str], tmp_path: Path) -> list[str]:
