@@ -3,7 +3,9 @@
 The graph is read with ``ast`` from the sources, not from ``sys.modules``: every
 ``import``/``from … import`` counts wherever it stands (module level, inside a function,
 under ``if TYPE_CHECKING:``), because a cycle a lazy or type-only import hides is still a
-cycle in the design: the two ends cannot be understood, tested or moved apart.
+cycle in the design: the two ends cannot be understood, tested or moved apart. An import
+by name at run time (``importlib.import_module``, as ``services/cli/serve.py`` starts a
+``serve`` command) is no statement and is not seen.
 
 - A *package* is a directory with ``__init__.py``. An import adds the edge package of the
   importing module → package of the imported module; a package importing its own
