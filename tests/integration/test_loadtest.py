@@ -443,16 +443,42 @@ def test_a_sender_process_that_cannot_connect_fails_the_run_before_the_start() -
 def test_the_overhead_command_measures_the_generator_against_the_trivial_server(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """The command starts its own trivial server, steps the rate up while the generator
+    keeps its schedule and prints the figures as one JSON line."""
     from loadtest import overhead
 
     argv = "--rate 100 --seconds 1 --start-rate 50 --step-seconds 1 --max-rate 120"
     out = overhead.main([*argv.split(), "--lag-limit-ms", "1000"])
     assert out["roundtrip_p50_ms"] > 0 and out["roundtrip_rate"] > 0
-    assert out["added_p50_ms"] == pytest.approx(out["openloop_p50_ms"] - out["roundtrip_p50_ms"])
     # With a loose lag limit it keeps up at 50, 75 and 112.5/s; 169/s is over the ceiling.
     assert out["max_sustained_rate"] == 112.5 and out["first_behind_rate"] is None
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["max_sustained_rate"] == 112.5 and "added_p50_ms" in printed
+
+
+def test_the_overhead_figures_are_measured_on_the_server_they_name() -> None:
+    """``measure`` against a server that takes 20 ms per call: the round trip and the
+    open-loop latency both include those 20 ms (latency from the wrong clock, or of
+    another server, could not), the one closed-loop client gets at most 50 answers a
+    second (concurrency 1, not more), and every request of both loops reached the
+    server. Lower and upper bounds that a slow machine cannot break."""
+    from loadtest import overhead
+
+    async def twenty_ms(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await asyncio.sleep(0.02)
+
+    argv = ["--rate", "20", "--seconds", "1", "--start-rate", "20", "--max-rate", "20",
+            "--step-seconds", "0.5", "--lag-limit-ms", "1000"]  # fmt: skip
+    args = overhead.build_parser().parse_args(argv)
+
+    async def body(target: Target) -> dict[str, Any]:
+        return await overhead.measure(target.address, args)
+
+    out, calls = asyncio.run(with_server(twenty_ms, body))
+    assert out["roundtrip_p50_ms"] >= 20.0 and out["openloop_p50_ms"] >= 20.0, out
+    assert out["roundtrip_rate"] <= 50.0 + 1e-9, out
+    # the closed loop's warm-up and run, the open loop's ~20 and the ceiling's ~10
+    assert calls >= out["roundtrip_rate"] * args.seconds + 20 * args.seconds * 0.5, calls
 
 
 def test_tls_and_client_certificates(tmp_path: Path) -> None:
