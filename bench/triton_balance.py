@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from services.encoder.model import default_model_dir
     from services.encoder.serve.triton_server import TritonServerConfig, run_triton
     from tests.support.dns import run_dns
-    from tests.support.processes import free_port
+    from tests.support.processes import free_port, wait_for_port
     from tests.support.triton import inferences
 
     queries = load_queries(args.queries)
@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run_triton(configs[0], Path(tmp) / "a.log") as a,
             run_triton(configs[1], Path(tmp) / "b.log") as b,
         ):
+            for handle in (a, b):  # the metrics endpoint may come after the model is ready
+                wait_for_port(handle.config.metrics_port, 30, handle.config.host)
             dns.set(NAME, list(HOSTS))
             target = dns.target(NAME, port)
             for key, former in (("baseline_", True), ("", False)):

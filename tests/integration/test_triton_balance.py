@@ -1,6 +1,7 @@
-"""The gateway's encoder over two real Triton servers (``--triton-url a,b``): encodes are
-balanced over both, and when one is killed (-9, with its backend stubs) every encode
-goes to the other without one failing.
+"""The gateway's encoder over two real Triton servers (``--triton-url a,b`` or one
+``dns:`` name): encodes are balanced over both, a server that appears in DNS gets
+encodes once its model is ready, and when one is killed (-9, with its backend stubs)
+every encode goes to the other without one failing.
 
 Who answered is counted by each Triton itself (its ``/metrics``,
 ``nv_inference_request_success`` of the ``embed`` model), not by the client. The two
@@ -11,10 +12,12 @@ the kill test runs last.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -23,8 +26,11 @@ from services.encoder.build.repository import RepositoryConfig, generate_reposit
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
-from tests.support.processes import free_port, wait_until
+from tests.support.dns import run_dns
+from tests.support.processes import free_port, wait_for_port, wait_until
 from tests.support.triton import inferences as served
+
+HOSTS = ("127.0.0.2", "127.0.0.3")
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +39,18 @@ def tritons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TritonHan
     onnx_path = ensure_onnx(ensure_tiny_t5(base), base)
     repo = tmp_path_factory.mktemp("triton-balance") / "repo"
     generate_repository(onnx_path, repo, RepositoryConfig(instances=1, intra_op_threads=1))
+    port = free_port()  # one gRPC port on two addresses: one DNS name can name both
     with (
-        run_triton(_config(repo), repo.parent / "triton-a.log") as a,
-        run_triton(_config(repo), repo.parent / "triton-b.log") as b,
+        run_triton(_config(repo, HOSTS[0], port), repo.parent / "triton-a.log") as a,
+        run_triton(_config(repo, HOSTS[1], port), repo.parent / "triton-b.log") as b,
     ):
+        for handle in (a, b):  # ready models; the metrics endpoint may come a moment later
+            wait_for_port(handle.config.metrics_port, 30, handle.config.host)
         yield [a, b]
 
 
-def _config(repo: Path) -> TritonServerConfig:
-    return TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
+def _config(repo: Path, host: str, port: int) -> TritonServerConfig:
+    return TritonServerConfig(repo, grpc_port=port, http_port=free_port(), host=host,
                               metrics_port=free_port(), startup_timeout_s=120)  # fmt: skip
 
 
@@ -69,21 +78,78 @@ async def _load(encoder: TritonEncoder, n: int, concurrency: int) -> list[BaseEx
     return errors
 
 
-def test_encodes_are_balanced_over_both_tritons(tritons: list[TritonHandle]) -> None:
-    before = [served(h) for h in tritons]
+async def _settled(
+    load: Awaitable[list[BaseException]], tritons: list[TritonHandle], n: int
+) -> list[BaseException]:
+    """Run ``load`` of ``n`` encodes and wait until the servers' metrics count them all
+    (Triton counts a request just after it answered)."""
+    before = sum(served(h) for h in tritons)
+    errors = await load
+    counted = lambda: sum(served(h) for h in tritons) - before >= n  # noqa: E731
+    await asyncio.to_thread(wait_until, counted, f"Triton's metrics count {n} encodes", 10)
+    return errors
 
-    async def main() -> list[BaseException]:
-        encoder = await TritonEncoder.connect(_encoder_config(tritons))
+
+@pytest.mark.parametrize("mode", ["round_robin", "least_outstanding"])
+def test_encodes_are_balanced_over_both_tritons(
+    tritons: list[TritonHandle], mode: Literal["round_robin", "least_outstanding"]
+) -> None:
+    async def main() -> tuple[list[BaseException], list[int]]:
+        cfg = dataclasses.replace(_encoder_config(tritons), balancing=Balancing(mode))
+        encoder = await TritonEncoder.connect(cfg)
         try:
-            return await _load(encoder, 200, concurrency=4)
+            # one at a time first (nothing outstanding: in turn), so that both servers
+            # have warmed up before the load
+            errors = await _settled(_load(encoder, 10, concurrency=1), tritons, 10)
+            before = [served(h) for h in tritons]
+            errors += await _settled(_load(encoder, 200, concurrency=4), tritons, 200)
+            return errors, [served(h) - b for h, b in zip(tritons, before, strict=True)]
         finally:
             await encoder.close()
 
-    assert asyncio.run(main()) == []
-    counts = [served(h) - b for h, b in zip(tritons, before, strict=True)]
-    assert sum(counts) == 200, counts
-    # one channel to one of them would give [200, 0]; least-outstanding splits the load
-    assert min(counts) >= 50, counts
+    errors, counts = asyncio.run(main())
+    assert errors == []
+    # one channel to one of them would give [200, 0]
+    if mode == "round_robin":
+        assert counts == [100, 100]
+    else:  # more to the one that answers faster: how much depends on the shared cores
+        assert sum(counts) == 200 and min(counts) >= 20, counts
+
+
+def test_a_triton_that_appears_in_dns_gets_encodes(tritons: list[TritonHandle]) -> None:
+    first, second = tritons
+
+    async def main(
+        target: str, appear: Callable[[], None]
+    ) -> tuple[list[BaseException], list[int]]:
+        cfg = TritonEncoderConfig(
+            target, probe_every_s=0.1, balancing=Balancing(resolve_every_s=0.1)
+        )
+        encoder = await TritonEncoder.connect(cfg)
+        try:
+            start = served(second)
+            errors = await _load(encoder, 40, concurrency=2)
+            while_alone = served(second) - start
+            appear()
+            async with asyncio.timeout(30):  # resolved again, then its model is ready
+                while len(encoder.pool.endpoints) < 2 or any(
+                    s.suspect for s in encoder.pool.endpoints
+                ):
+                    await asyncio.sleep(0.05)
+            start = served(second)
+            errors += await _load(encoder, 100, concurrency=4)
+            return errors, [while_alone, served(second) - start]
+        finally:
+            await encoder.close()
+
+    with run_dns() as dns:
+        dns.set("triton.test", [first.config.host])
+        target = dns.target("triton.test", first.config.grpc_port)
+        both = [h.config.host for h in tritons]
+        errors, to_second = asyncio.run(main(target, lambda: dns.set("triton.test", both)))
+    assert errors == []
+    assert to_second[0] == 0  # the name named the first server only
+    assert to_second[1] >= 20  # of the 100 encodes after it named both
 
 
 def test_with_one_triton_killed_every_encode_goes_to_the_other(

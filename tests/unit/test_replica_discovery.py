@@ -46,6 +46,31 @@ def test_the_gateway_takes_a_dns_target_per_shard_beside_address_lists() -> None
         parse_shard_addresses("dns:///s0")
 
 
+def test_the_gateway_takes_tritons_as_a_list_or_one_dns_target() -> None:
+    from services.encoder.runtime.triton_client import triton_addresses
+
+    assert triton_addresses("a:8001") == ["a:8001"]
+    assert triton_addresses("a:8001, b:8001") == ["a:8001", "b:8001"]
+    assert triton_addresses("dns:///t.ns.svc:8001") == ["dns:///t.ns.svc:8001"]
+    with pytest.raises(ValueError, match="alone"):
+        triton_addresses("dns:///t:1,a:2")
+    with pytest.raises(ValueError, match="not host:port"):
+        triton_addresses("a:8001,b")
+    with pytest.raises(ValueError):
+        triton_addresses("dns:///t")
+
+
+def test_a_gateway_with_a_malformed_triton_list_does_not_start() -> None:
+    from pydantic import ValidationError
+
+    from services.gateway.settings import GatewaySettings
+
+    ok = GatewaySettings(shards="a:1", auth=False, triton_url="dns:///t.ns.svc:8001")
+    assert ok.triton_url == "dns:///t.ns.svc:8001"
+    with pytest.raises(ValidationError, match="triton_url"):
+        GatewaySettings(shards="a:1", auth=False, triton_url="a:8001,b")
+
+
 def test_a_name_resolves_to_its_addresses_and_follows_changes() -> None:
     with run_dns() as dns:
         target = parse_dns_target(dns.target("shard-0.test", 50061))
