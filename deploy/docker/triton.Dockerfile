@@ -12,12 +12,20 @@
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.12-py3
 
 FROM ${TRITON_IMAGE} AS build
-# A virtualenv on top of the image's Python (--system-site-packages keeps the backend's
-# own numpy-free utils importable); the versions are pyproject.toml's pins.
-RUN python3 -m venv --system-site-packages /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
-         numpy==1.26.4 onnxruntime-gpu==1.31.1 tokenizers==0.23.3 \
-    && /opt/venv/bin/pip uninstall -y pip setuptools
+# No virtualenv: `python3 -m venv` needs ensurepip (Ubuntu's python3-venv), which NVIDIA's
+# image need not have. The packages (pyproject.toml's pins) go to a directory of their own
+# with the image's pip (`--target`: also past a PEP 668 externally-managed marker), and a
+# .pth file in the image Python's site-packages puts it first on sys.path: the Python
+# backend stub runs that Python and reads its .pth files, but ignores PYTHONPATH
+# (docs/encoder.md). /staging mirrors / for the final stage.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN python3 -m pip install --no-cache-dir --disable-pip-version-check --no-compile \
+        --target /opt/gtr/site-packages \
+        numpy==1.26.4 onnxruntime-gpu==1.31.1 tokenizers==0.23.3 \
+    && site_dir="$(python3 -c 'import site; print(site.getsitepackages()[0])')" \
+    && mkdir -p "/staging${site_dir}" \
+    && echo "import sys; sys.path.insert(0, '/opt/gtr/site-packages')" \
+        > "/staging${site_dir}/gtr-retrieval.pth"
 
 FROM ${TRITON_IMAGE}
 ARG VERSION=0.1.0
@@ -31,9 +39,8 @@ LABEL org.opencontainers.image.title="gtr-retrieval-triton" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/gtr-retrieval/gtr-retrieval" \
       io.gtr-retrieval.variant="gpu"
-COPY --from=build /opt/venv /opt/venv
-# The Python backend stub takes sys.prefix from the first python3 on PATH: the virtualenv.
-ENV PATH=/opt/venv/bin:/opt/tritonserver/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+COPY --from=build /opt/gtr/site-packages /opt/gtr/site-packages
+COPY --from=build /staging/ /
 # NVIDIA's image has the unprivileged user triton-server (uid 1000); the chart runs the pod
 # as 10001, which needs no entry in /etc/passwd.
 USER 1000:1000

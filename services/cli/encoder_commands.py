@@ -122,7 +122,7 @@ def _ensure_plan(args: argparse.Namespace) -> int:
     onnx = Path(args.onnx)
     if args.plan:
         plan, built = Path(args.plan), False
-        check_plan(plan, device)
+        meta = check_plan(plan, device)
     else:
         model_dir = _model_dir(args)
         base = PlanConfig.for_profile(profile_for_model_dir(model_dir))
@@ -138,9 +138,13 @@ def _ensure_plan(args: argparse.Namespace) -> int:
             device,
             lambda out: build_plan_from_model(model_dir, onnx, out, cfg),
         )
-        plan, built = ensured.path, ensured.built
-    print(f"{'built' if built else 'cached'} plan {plan} for {device.gpu} "
+        plan, built, meta = ensured.path, ensured.built, ensured.meta
+    print(f"{'built' if built else 'cached'} {meta.precision} plan {plan} for {device.gpu} "
           f"(sm {device.compute_capability}, TensorRT {device.tensorrt_version})")  # fmt: skip
+    if meta.precision != "fp16":
+        print(f"warning: the plan is {meta.precision}: the FP16 build failed the parity gate "
+              "(--precision auto fell back); expect about twice the latency and memory of FP16; "
+              "Triton exports it as gtr_encoder_plan_info{precision}", file=sys.stderr)  # fmt: skip
     if args.repo:
         repo = generate_repository(
             onnx, Path(args.repo),

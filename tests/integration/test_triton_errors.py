@@ -1,4 +1,5 @@
-"""Errors of the two Python-backend models in a real tritonserver, and their meaning.
+"""Errors of the two Python-backend models in a real tritonserver, and their meaning; and
+the plan the GPU flavour's tokenizer reports on Triton's metrics endpoint.
 
 One server hosts ``embed`` (CPU flavour, a queue of 1) and ``tokenizer`` (the GPU
 flavour's first step, which runs on a CPU), each with the shared ``model_errors.py``
@@ -25,6 +26,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import InvalidArgument, NotFound, Overloaded
 from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
+from services.encoder.build.tensorrt_build import TENSORRT_VERSION, PlanMeta, write_plan
 from services.encoder.model import default_model_dir
 from services.encoder.runtime.triton_client import (
     TritonEncoder,
@@ -55,7 +57,12 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
     generate_repository(
         onnx_path, repo, RepositoryConfig(instances=1, intra_op_threads=1, max_queue_size=1)
     )
-    generate_repository(onnx_path, root / "gpu", RepositoryConfig(flavor="gpu"))
+    # The GPU repository around a stand-in FP32 plan (what `--precision auto` writes when
+    # the FP16 build fails the gate): the tokenizer exports it (gtr_encoder_plan_info).
+    plan = root / "plan" / "model.plan"
+    write_plan(plan, b"stand-in engine", PlanMeta(TENSORRT_VERSION, "fp32", (1, 1), (8, 128),
+               (64, 256), 0.9999, 40, "NVIDIA L4", "8.9"))  # fmt: skip
+    generate_repository(onnx_path, root / "gpu", RepositoryConfig(flavor="gpu", plan_path=plan))
     shutil.copytree(root / "gpu" / "tokenizer", repo / "tokenizer")
     _inputs_optional(repo / "embed")
     _inputs_optional(repo / "tokenizer", cpu=True)
@@ -153,3 +160,19 @@ def test_the_error_status_is_grpc_s_code(triton: TritonHandle) -> None:
     finally:
         client.close()
     assert info.value.status() == str(grpc.StatusCode.NOT_FOUND)
+
+
+def test_the_tokenizer_exports_the_plans_precision(triton: TritonHandle) -> None:
+    """Issue #25 item 10: an FP32 plan (``--precision auto`` fell back) is not silent:
+    Triton's metrics endpoint says which plan the encoder serves, and the log warns."""
+    import urllib.request
+
+    url = f"http://{triton.config.host}:{triton.config.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("gtr_encoder_plan_info{")]
+    assert len(lines) == 1, text[-2000:]
+    (line,) = lines
+    assert 'precision="fp32"' in line and f'tensorrt_version="{TENSORRT_VERSION}"' in line
+    assert 'gpu="NVIDIA L4"' in line and line.endswith(" 1")
+    assert "the encoder serves a fp32 TensorRT plan" in triton.log_path.read_text()

@@ -115,6 +115,20 @@ def test_gpu_repository_takes_its_shapes_from_the_plan(minilm_onnx: Path, tmp_pa
     assert json.loads(recorded.read_text())["max_shape"] == [16, 200]
 
 
+def test_the_tokenizer_carries_the_plans_precision(minilm_onnx: Path, tmp_path: Path) -> None:
+    """Issue #25 item 10: the tokenizer exports gtr_encoder_plan_info from these."""
+    plan = _fake_plan(tmp_path / "fake.plan")
+    repo = generate_repository(
+        minilm_onnx, tmp_path / "repo", RepositoryConfig(flavor="gpu", plan_path=plan)
+    )
+    params = {
+        k: v.string_value for k, v in read_config(repo.config_path("tokenizer")).parameters.items()
+    }
+    assert params["plan_precision"] == "fp16"
+    assert params["plan_tensorrt_version"] == TENSORRT_VERSION + ".23"
+    assert params["plan_gpu"] == "unknown"
+
+
 def test_gpu_repository_refuses_a_batch_the_plan_does_not_cover(
     minilm_onnx: Path, tmp_path: Path
 ) -> None:

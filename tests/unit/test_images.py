@@ -170,6 +170,31 @@ def test_gpu_triton_installs_the_pinned_versions() -> None:
         assert f"{package}=={pins[package]}" in text, package
 
 
+def test_gpu_triton_needs_no_virtualenv_in_nvidias_image() -> None:
+    """Issue #25 item 10: ``python3 -m venv`` needs ensurepip (Ubuntu's python3-venv),
+    which NVIDIA's Triton image need not ship. The image's pip installs into a directory
+    of its own (``--target``), and a .pth file in the image Python's site-packages (which
+    the Python backend stub reads; it ignores PYTHONPATH) puts that directory first."""
+    build, final = stages(DOCKER / "triton.Dockerfile")
+    text = (DOCKER / "triton.Dockerfile").read_text()
+    runs = " ".join(i["value"] for i in build if i["instruction"] == "RUN")
+    assert "venv" not in runs and "/opt/venv" not in text
+    target = re.search(r"python3 -m pip install .*--target (\S+)", runs)
+    assert target is not None, runs
+    pth = re.search(r"echo \"(import sys; sys.path.insert\(0, '([^']+)'\))\"", runs)
+    assert pth is not None and pth.group(2) == target.group(1), runs
+    assert "site.getsitepackages()" in runs and "/staging${site_dir}/" in runs
+    copies = [i["value"].split() for i in final if i["instruction"] == "COPY"]
+    assert ["--from=build", target.group(1), target.group(1)] in copies
+    assert ["--from=build", "/staging/", "/"] in copies
+    envs = " ".join(i["value"] for i in final if i["instruction"] == "ENV")
+    assert "PYTHONPATH" not in envs and "/opt/venv" not in envs
+    # the .pth line does what it says in a Python that reads it
+    code = f"{pth.group(1)}; print(sys.path[0])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == target.group(1)
+
+
 def test_image_references_agree() -> None:
     """deploy/images.env, the build script's --print and the chart's values name the same images."""
     env = env_file()

@@ -280,7 +280,12 @@ def generate_repository(
     if cfg.plan_path is not None:
         plan_meta = plan_for_triton(Path(cfg.plan_path), cfg.triton_image_tag)
         cfg = fit_to_plan(cfg, plan_meta)
-    for config in gpu_configs(meta, profile, cfg).values():
+    configs = gpu_configs(meta, profile, cfg)
+    if plan_meta is not None:  # exported by the tokenizer as gtr_encoder_plan_info
+        _params(configs["tokenizer"], {"plan_precision": plan_meta.precision,
+                                       "plan_tensorrt_version": plan_meta.tensorrt_version,
+                                       "plan_gpu": plan_meta.gpu})  # fmt: skip
+    for config in configs.values():
         _write_config(root, config)
     _python_model(root, "tokenizer", MODELS_DIR / "tokenize_text.py", export_dir)
     if plan_meta is not None:  # truncate where the plan ends, not at the model's budget

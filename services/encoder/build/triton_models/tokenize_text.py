@@ -6,6 +6,12 @@ Copied as ``<repo>/tokenizer/1/model.py`` with ``textcodec.py``, ``model_errors.
 TensorRT model's dynamic batcher can merge requests of similar length) and
 ``TRUNCATED`` (BOOL). Bad requests (a missing input included) get their own INVALID_ARG
 response (``model_errors.py``); the ensemble passes it to the client.
+
+It also exports what TensorRT plan the ``encoder`` step serves, on Triton's metrics
+endpoint (a Python-backend custom metric): ``gtr_encoder_plan_info{precision,
+tensorrt_version,gpu} 1``, from the parameters the repository writer copies out of the
+plan's json. ``precision="fp32"`` means ``--precision auto`` fell back from FP16 (about
+twice the latency and memory); it is also logged as a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +29,29 @@ from model_errors import BadRequest, error_response, input_column
 from textcodec import TextCodec, TextError, parse_rows
 
 
+def _plan_info(params: dict[str, str]) -> tuple[Any, Any] | None:
+    """``gtr_encoder_plan_info`` for the plan the repository was written around (kept
+    referenced: Triton drops a metric family once it is collected)."""
+    precision = params.get("plan_precision")
+    if not precision:
+        return None
+    labels = {"precision": precision, "tensorrt_version": params.get("plan_tensorrt_version", ""),
+              "gpu": params.get("plan_gpu", "")}  # fmt: skip
+    if precision != "fp16":
+        pb_utils.Logger.log_warn(
+            f"the encoder serves a {precision} TensorRT plan (the FP16 one failed the parity "
+            "gate: see the build-plan log): about twice the latency and memory of FP16"
+        )
+    family = pb_utils.MetricFamily(
+        name="gtr_encoder_plan_info",
+        description="The TensorRT plan the encoder serves (1), by precision, TensorRT and GPU",
+        kind=pb_utils.MetricFamily.GAUGE,
+    )
+    metric = family.Metric(labels=labels)
+    metric.set(1)
+    return family, metric
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
@@ -35,6 +64,7 @@ class TritonPythonModel:
             os.path.join(here, "tokenizer.json"), meta["max_lens"], int(meta["pad_id"]), buckets
         )
         self.kinds = set(meta["max_lens"])
+        self.plan_info = _plan_info(params)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
