@@ -226,7 +226,8 @@ class QueryEmbeddingCache:
             async with asyncio.timeout(limit):
                 values = await self._lookup(keys=[LRU_KEY, *keys], args=[self.touch_ms])
         except (redis.RedisError, OSError, TimeoutError) as exc:
-            if not (cut_by_deadline and isinstance(exc, TimeoutError)):
+            # redis-py turns the cancelled read into its own TimeoutError (a RedisError)
+            if not (cut_by_deadline and isinstance(exc, TimeoutError | redis.TimeoutError)):
                 self._failed("lookup", exc)
             self._count("error", len(keys))
             return [None] * len(keys)
