@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from retrieval.v1 import common_pb2 as retrieval_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18retrieval/v1/index.proto\x12\x0cretrieval.v1\x1a\x19retrieval/v1/common.proto\"\xfc\x01\n\x12ShardSearchRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12*\n\x07queries\x18\x02 \x01(\x0b\x32\x19.retrieval.v1.VectorBatch\x12\t\n\x01k\x18\x03 \x01(\r\x12\x0e\n\x06nprobe\x18\x04 \x01(\r\x12$\n\x06\x66ilter\x18\x05 \x01(\x0b\x32\x14.retrieval.v1.Filter\x12.\n\x0b\x63onsistency\x18\x06 \x01(\x0e\x32\x19.retrieval.v1.Consistency\x12\x14\n\x0cmin_position\x18\x07 \x01(\t\x12$\n\x06probes\x18\x08 \x01(\x0b\x32\x14.retrieval.v1.Probes\"J\n\x06Probes\x12\x11\n\tquantizer\x18\x01 \x01(\t\x12\x0e\n\x06nprobe\x18\x02 \x01(\r\x12\r\n\x05lists\x18\x03 \x01(\x0c\x12\x0e\n\x06scores\x18\x04 \x01(\x0c\"\x12\n\x10QuantizerRequest\"k\n\x0eQuantizerReply\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\r\n\x05nlist\x18\x03 \x01(\r\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x0e\n\x06nprobe\x18\x05 \x01(\r\x12\x11\n\tcentroids\x18\x06 \x01(\x0c\"\x8a\x01\n\x13ShardSearchResponse\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x18\n\x10\x61pplied_position\x18\x04 \x01(\t\x12\r\n\x05width\x18\x05 \x01(\r\x12\x0b\n\x03ids\x18\x06 \x03(\t\x12\x0e\n\x06scores\x18\x07 \x01(\x0cJ\x04\x08\x01\x10\x02R\x07results\"g\n\x12ShardStreamRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x30\n\x06search\x18\x02 \x01(\x0b\x32 .retrieval.v1.ShardSearchRequest\x12\x12\n\ntimeout_us\x18\x03 \x01(\x04\"\x82\x01\n\x13ShardStreamResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32!.retrieval.v1.ShardSearchResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\"\x13\n\x11ShardStatsRequest\"\xec\x03\n\nShardStats\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0f\n\x07\x66\x61\x63tory\x18\x04 \x01(\t\x12\x0e\n\x06metric\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05nlist\x18\x07 \x01(\r\x12\x0f\n\x07vectors\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\t \x01(\x04\x12\x18\n\x10\x61pplied_position\x18\n \x01(\t\x12\x17\n\x0flog_lag_seconds\x18\x0b \x01(\x01\x12\x18\n\x10\x62ytes_per_vector\x18\x0c \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\r \x01(\x04\x12\x16\n\x0etrain_pq_error\x18\x0e \x01(\x01\x12\x17\n\x0frecent_pq_error\x18\x0f \x01(\x01\x12\x16\n\x0epq_error_ratio\x18\x10 \x01(\x01\x12\x16\n\x0elist_imbalance\x18\x11 \x01(\x01\x12\x19\n\x11snapshot_position\x18\x12 \x01(\t\x12\x0b\n\x03gpu\x18\x13 \x01(\x08\x12\x0e\n\x06nprobe\x18\x14 \x01(\r\x12\x15\n\rtarget_recall\x18\x15 \x01(\x01\x12\x17\n\x0fmeasured_recall\x18\x16 \x01(\x01\x12\x12\n\nivf_advice\x18\x17 \x01(\t\x12\x10\n\x08searches\x18\x18 \x01(\x04\"\x11\n\x0fSnapshotRequest\"2\n\x10SnapshotResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\t\"J\n\x14\x46\x65tchSnapshotRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x12\n\nwith_index\x18\x03 \x01(\x08\"I\n\x0cSnapshotFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x08\"x\n\rSnapshotChunk\x12\x10\n\x08position\x18\x01 \x01(\t\x12)\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1a.retrieval.v1.SnapshotFile\x12\x0c\n\x04\x66ile\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x32\xe9\x03\n\x11IndexShardService\x12M\n\x06Search\x12 .retrieval.v1.ShardSearchRequest\x1a!.retrieval.v1.ShardSearchResponse\x12W\n\x0cSearchStream\x12 .retrieval.v1.ShardStreamRequest\x1a!.retrieval.v1.ShardStreamResponse(\x01\x30\x01\x12I\n\tQuantizer\x12\x1e.retrieval.v1.QuantizerRequest\x1a\x1c.retrieval.v1.QuantizerReply\x12\x42\n\x05Stats\x12\x1f.retrieval.v1.ShardStatsRequest\x1a\x18.retrieval.v1.ShardStats\x12I\n\x08Snapshot\x12\x1d.retrieval.v1.SnapshotRequest\x1a\x1e.retrieval.v1.SnapshotResponse\x12R\n\rFetchSnapshot\x12\".retrieval.v1.FetchSnapshotRequest\x1a\x1b.retrieval.v1.SnapshotChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18retrieval/v1/index.proto\x12\x0cretrieval.v1\x1a\x19retrieval/v1/common.proto\"\x9d\x02\n\x12ShardSearchRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12*\n\x07queries\x18\x02 \x01(\x0b\x32\x19.retrieval.v1.VectorBatch\x12\t\n\x01k\x18\x03 \x01(\r\x12\x0e\n\x06nprobe\x18\x04 \x01(\r\x12$\n\x06\x66ilter\x18\x05 \x01(\x0b\x32\x14.retrieval.v1.Filter\x12.\n\x0b\x63onsistency\x18\x06 \x01(\x0e\x32\x19.retrieval.v1.Consistency\x12\x14\n\x0cmin_position\x18\x07 \x01(\t\x12$\n\x06probes\x18\x08 \x01(\x0b\x32\x14.retrieval.v1.Probes\x12\r\n\x05texts\x18\t \x03(\t\x12\x10\n\x08sparse_k\x18\n \x01(\r\"J\n\x06Probes\x12\x11\n\tquantizer\x18\x01 \x01(\t\x12\x0e\n\x06nprobe\x18\x02 \x01(\r\x12\r\n\x05lists\x18\x03 \x01(\x0c\x12\x0e\n\x06scores\x18\x04 \x01(\x0c\"\x12\n\x10QuantizerRequest\"k\n\x0eQuantizerReply\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\r\n\x05nlist\x18\x03 \x01(\r\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x0e\n\x06nprobe\x18\x05 \x01(\r\x12\x11\n\tcentroids\x18\x06 \x01(\x0c\"\xe7\x01\n\x13ShardSearchResponse\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x18\n\x10\x61pplied_position\x18\x04 \x01(\t\x12\r\n\x05width\x18\x05 \x01(\r\x12\x0b\n\x03ids\x18\x06 \x03(\t\x12\x0e\n\x06scores\x18\x07 \x01(\x0c\x12\x14\n\x0csparse_width\x18\x08 \x01(\r\x12\x12\n\nsparse_ids\x18\t \x03(\t\x12\x15\n\rsparse_scores\x18\n \x01(\x0c\x12\x1a\n\x12sparse_unavailable\x18\x0b \x01(\tJ\x04\x08\x01\x10\x02R\x07results\"g\n\x12ShardStreamRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x30\n\x06search\x18\x02 \x01(\x0b\x32 .retrieval.v1.ShardSearchRequest\x12\x12\n\ntimeout_us\x18\x03 \x01(\x04\"\x82\x01\n\x13ShardStreamResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32!.retrieval.v1.ShardSearchResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\"\x13\n\x11ShardStatsRequest\"\xb1\x04\n\nShardStats\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0f\n\x07\x66\x61\x63tory\x18\x04 \x01(\t\x12\x0e\n\x06metric\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05nlist\x18\x07 \x01(\r\x12\x0f\n\x07vectors\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\t \x01(\x04\x12\x18\n\x10\x61pplied_position\x18\n \x01(\t\x12\x17\n\x0flog_lag_seconds\x18\x0b \x01(\x01\x12\x18\n\x10\x62ytes_per_vector\x18\x0c \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\r \x01(\x04\x12\x16\n\x0etrain_pq_error\x18\x0e \x01(\x01\x12\x17\n\x0frecent_pq_error\x18\x0f \x01(\x01\x12\x16\n\x0epq_error_ratio\x18\x10 \x01(\x01\x12\x16\n\x0elist_imbalance\x18\x11 \x01(\x01\x12\x19\n\x11snapshot_position\x18\x12 \x01(\t\x12\x0b\n\x03gpu\x18\x13 \x01(\x08\x12\x0e\n\x06nprobe\x18\x14 \x01(\r\x12\x15\n\rtarget_recall\x18\x15 \x01(\x01\x12\x17\n\x0fmeasured_recall\x18\x16 \x01(\x01\x12\x12\n\nivf_advice\x18\x17 \x01(\t\x12\x10\n\x08searches\x18\x18 \x01(\x04\x12\x12\n\ntext_index\x18\x19 \x01(\x08\x12\x16\n\x0etext_documents\x18\x1a \x01(\x04\x12\x17\n\x0ftext_disk_bytes\x18\x1b \x01(\x04\"\x11\n\x0fSnapshotRequest\"2\n\x10SnapshotResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\t\"J\n\x14\x46\x65tchSnapshotRequest\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x12\n\nwith_index\x18\x03 \x01(\x08\"I\n\x0cSnapshotFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x08\"x\n\rSnapshotChunk\x12\x10\n\x08position\x18\x01 \x01(\t\x12)\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1a.retrieval.v1.SnapshotFile\x12\x0c\n\x04\x66ile\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x32\xe9\x03\n\x11IndexShardService\x12M\n\x06Search\x12 .retrieval.v1.ShardSearchRequest\x1a!.retrieval.v1.ShardSearchResponse\x12W\n\x0cSearchStream\x12 .retrieval.v1.ShardStreamRequest\x1a!.retrieval.v1.ShardStreamResponse(\x01\x30\x01\x12I\n\tQuantizer\x12\x1e.retrieval.v1.QuantizerRequest\x1a\x1c.retrieval.v1.QuantizerReply\x12\x42\n\x05Stats\x12\x1f.retrieval.v1.ShardStatsRequest\x1a\x18.retrieval.v1.ShardStats\x12I\n\x08Snapshot\x12\x1d.retrieval.v1.SnapshotRequest\x1a\x1e.retrieval.v1.SnapshotResponse\x12R\n\rFetchSnapshot\x12\".retrieval.v1.FetchSnapshotRequest\x1a\x1b.retrieval.v1.SnapshotChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'retrieval.v1.index_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SHARDSEARCHREQUEST']._serialized_start=70
-  _globals['_SHARDSEARCHREQUEST']._serialized_end=322
-  _globals['_PROBES']._serialized_start=324
-  _globals['_PROBES']._serialized_end=398
-  _globals['_QUANTIZERREQUEST']._serialized_start=400
-  _globals['_QUANTIZERREQUEST']._serialized_end=418
-  _globals['_QUANTIZERREPLY']._serialized_start=420
-  _globals['_QUANTIZERREPLY']._serialized_end=527
-  _globals['_SHARDSEARCHRESPONSE']._serialized_start=530
-  _globals['_SHARDSEARCHRESPONSE']._serialized_end=668
-  _globals['_SHARDSTREAMREQUEST']._serialized_start=670
-  _globals['_SHARDSTREAMREQUEST']._serialized_end=773
-  _globals['_SHARDSTREAMRESPONSE']._serialized_start=776
-  _globals['_SHARDSTREAMRESPONSE']._serialized_end=906
-  _globals['_SHARDSTATSREQUEST']._serialized_start=908
-  _globals['_SHARDSTATSREQUEST']._serialized_end=927
-  _globals['_SHARDSTATS']._serialized_start=930
-  _globals['_SHARDSTATS']._serialized_end=1422
-  _globals['_SNAPSHOTREQUEST']._serialized_start=1424
-  _globals['_SNAPSHOTREQUEST']._serialized_end=1441
-  _globals['_SNAPSHOTRESPONSE']._serialized_start=1443
-  _globals['_SNAPSHOTRESPONSE']._serialized_end=1493
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=1495
-  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1569
-  _globals['_SNAPSHOTFILE']._serialized_start=1571
-  _globals['_SNAPSHOTFILE']._serialized_end=1644
-  _globals['_SNAPSHOTCHUNK']._serialized_start=1646
-  _globals['_SNAPSHOTCHUNK']._serialized_end=1766
-  _globals['_INDEXSHARDSERVICE']._serialized_start=1769
-  _globals['_INDEXSHARDSERVICE']._serialized_end=2258
+  _globals['_SHARDSEARCHREQUEST']._serialized_end=355
+  _globals['_PROBES']._serialized_start=357
+  _globals['_PROBES']._serialized_end=431
+  _globals['_QUANTIZERREQUEST']._serialized_start=433
+  _globals['_QUANTIZERREQUEST']._serialized_end=451
+  _globals['_QUANTIZERREPLY']._serialized_start=453
+  _globals['_QUANTIZERREPLY']._serialized_end=560
+  _globals['_SHARDSEARCHRESPONSE']._serialized_start=563
+  _globals['_SHARDSEARCHRESPONSE']._serialized_end=794
+  _globals['_SHARDSTREAMREQUEST']._serialized_start=796
+  _globals['_SHARDSTREAMREQUEST']._serialized_end=899
+  _globals['_SHARDSTREAMRESPONSE']._serialized_start=902
+  _globals['_SHARDSTREAMRESPONSE']._serialized_end=1032
+  _globals['_SHARDSTATSREQUEST']._serialized_start=1034
+  _globals['_SHARDSTATSREQUEST']._serialized_end=1053
+  _globals['_SHARDSTATS']._serialized_start=1056
+  _globals['_SHARDSTATS']._serialized_end=1617
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1619
+  _globals['_SNAPSHOTREQUEST']._serialized_end=1636
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=1638
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=1688
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_start=1690
+  _globals['_FETCHSNAPSHOTREQUEST']._serialized_end=1764
+  _globals['_SNAPSHOTFILE']._serialized_start=1766
+  _globals['_SNAPSHOTFILE']._serialized_end=1839
+  _globals['_SNAPSHOTCHUNK']._serialized_start=1841
+  _globals['_SNAPSHOTCHUNK']._serialized_end=1961
+  _globals['_INDEXSHARDSERVICE']._serialized_start=1964
+  _globals['_INDEXSHARDSERVICE']._serialized_end=2453
 # @@protoc_insertion_point(module_scope)

@@ -33,6 +33,8 @@ class ShardSearchRequest(_message.Message):
     CONSISTENCY_FIELD_NUMBER: _builtins.int
     MIN_POSITION_FIELD_NUMBER: _builtins.int
     PROBES_FIELD_NUMBER: _builtins.int
+    TEXTS_FIELD_NUMBER: _builtins.int
+    SPARSE_K_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     """The shard the caller means; a replica of another shard answers INVALID_ARGUMENT."""
     k: _builtins.int
@@ -42,6 +44,7 @@ class ShardSearchRequest(_message.Message):
     consistency: _common_pb2.Consistency.ValueType
     min_position: _builtins.str
     """With SESSION: wait until this log position ("ms-seq") is applied."""
+    sparse_k: _builtins.int
     @_builtins.property
     def queries(self) -> _common_pb2.VectorBatch:
         """1..256 query vectors of the index dimension; finite values only."""
@@ -52,6 +55,14 @@ class ShardSearchRequest(_message.Message):
     def probes(self) -> Global___Probes:
         """Optional: the coarse assignment, done by the caller once for all shards. Without it
         the shard assigns the queries itself.
+        """
+
+    @_builtins.property
+    def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Sparse (BM25) search of the same batch in the shard's text index: one query text per
+        row (at most 8192 bytes and 256 distinct terms each), the top `sparse_k` (1..1000)
+        of each. Empty: no sparse list. With texts and no query vectors (`queries` unset,
+        `k` 0) the search is sparse only. The filter and the consistency apply to both.
         """
 
     def __init__(
@@ -65,10 +76,12 @@ class ShardSearchRequest(_message.Message):
         consistency: _common_pb2.Consistency.ValueType = ...,
         min_position: _builtins.str = ...,
         probes: Global___Probes | None = ...,
+        texts: _abc.Iterable[_builtins.str] | None = ...,
+        sparse_k: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "probes", b"probes", "queries", b"queries"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "filter", b"filter", "k", b"k", "min_position", b"min_position", "nprobe", b"nprobe", "probes", b"probes", "queries", b"queries", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "filter", b"filter", "k", b"k", "min_position", b"min_position", "nprobe", b"nprobe", "probes", b"probes", "queries", b"queries", "shard", b"shard", "sparse_k", b"sparse_k", "texts", b"texts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -172,6 +185,10 @@ class ShardSearchResponse(_message.Message):
     WIDTH_FIELD_NUMBER: _builtins.int
     IDS_FIELD_NUMBER: _builtins.int
     SCORES_FIELD_NUMBER: _builtins.int
+    SPARSE_WIDTH_FIELD_NUMBER: _builtins.int
+    SPARSE_IDS_FIELD_NUMBER: _builtins.int
+    SPARSE_SCORES_FIELD_NUMBER: _builtins.int
+    SPARSE_UNAVAILABLE_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     replica: _builtins.str
     applied_position: _builtins.str
@@ -183,8 +200,21 @@ class ShardSearchResponse(_message.Message):
     """
     scores: _builtins.bytes
     """rows × width little-endian float32."""
+    sparse_width: _builtins.int
+    """The sparse (BM25) list when the request had texts: a grid like the dense one, of
+    `sparse_width` columns (BM25 scores, best first; a text of no indexable term has an
+    empty row).
+    """
+    sparse_scores: _builtins.bytes
+    sparse_unavailable: _builtins.str
+    """Set, with no sparse grid, when the request asked for one and this replica has no
+    text index (a snapshot from before hybrid search, or --no-text-index): why. The
+    dense list is answered as usual; the caller reports the shard as partial.
+    """
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def sparse_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -194,10 +224,14 @@ class ShardSearchResponse(_message.Message):
         width: _builtins.int = ...,
         ids: _abc.Iterable[_builtins.str] | None = ...,
         scores: _builtins.bytes = ...,
+        sparse_width: _builtins.int = ...,
+        sparse_ids: _abc.Iterable[_builtins.str] | None = ...,
+        sparse_scores: _builtins.bytes = ...,
+        sparse_unavailable: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "ids", b"ids", "replica", b"replica", "scores", b"scores", "shard", b"shard", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "ids", b"ids", "replica", b"replica", "scores", b"scores", "shard", b"shard", "sparse_ids", b"sparse_ids", "sparse_scores", b"sparse_scores", "sparse_unavailable", b"sparse_unavailable", "sparse_width", b"sparse_width", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -310,6 +344,9 @@ class ShardStats(_message.Message):
     MEASURED_RECALL_FIELD_NUMBER: _builtins.int
     IVF_ADVICE_FIELD_NUMBER: _builtins.int
     SEARCHES_FIELD_NUMBER: _builtins.int
+    TEXT_INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_DOCUMENTS_FIELD_NUMBER: _builtins.int
+    TEXT_DISK_BYTES_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     replica: _builtins.str
     dim: _builtins.int
@@ -351,6 +388,10 @@ class ShardStats(_message.Message):
     """Query vectors this replica has answered since it started (each query of a batch
     counts; a failed search does not): how the searches are split between replicas.
     """
+    text_index: _builtins.bool
+    """The text (BM25) index: false when this replica has none (dense search only)."""
+    text_documents: _builtins.int
+    text_disk_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -378,10 +419,13 @@ class ShardStats(_message.Message):
         measured_recall: _builtins.float = ...,
         ivf_advice: _builtins.str = ...,
         searches: _builtins.int = ...,
+        text_index: _builtins.bool = ...,
+        text_documents: _builtins.int = ...,
+        text_disk_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "gpu", b"gpu", "ivf_advice", b"ivf_advice", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "measured_recall", b"measured_recall", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "nprobe", b"nprobe", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "searches", b"searches", "shard", b"shard", "snapshot_position", b"snapshot_position", "target_recall", b"target_recall", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "gpu", b"gpu", "ivf_advice", b"ivf_advice", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "measured_recall", b"measured_recall", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "nprobe", b"nprobe", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "searches", b"searches", "shard", b"shard", "snapshot_position", b"snapshot_position", "target_recall", b"target_recall", "text_disk_bytes", b"text_disk_bytes", "text_documents", b"text_documents", "text_index", b"text_index", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from retrieval.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -18,6 +19,52 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _RetrievalMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RetrievalModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RetrievalMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RETRIEVAL_MODE_UNSPECIFIED: _RetrievalMode.ValueType  # 0
+    RETRIEVAL_MODE_DENSE: _RetrievalMode.ValueType  # 1
+    RETRIEVAL_MODE_SPARSE: _RetrievalMode.ValueType  # 2
+    RETRIEVAL_MODE_HYBRID: _RetrievalMode.ValueType  # 3
+
+class RetrievalMode(_RetrievalMode, metaclass=_RetrievalModeEnumTypeWrapper): ...
+
+RETRIEVAL_MODE_UNSPECIFIED: RetrievalMode.ValueType  # 0
+RETRIEVAL_MODE_DENSE: RetrievalMode.ValueType  # 1
+RETRIEVAL_MODE_SPARSE: RetrievalMode.ValueType  # 2
+RETRIEVAL_MODE_HYBRID: RetrievalMode.ValueType  # 3
+Global___RetrievalMode: _TypeAlias = RetrievalMode  # noqa: Y015
+
+class _FusionMethod:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FusionMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FusionMethod.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FUSION_METHOD_UNSPECIFIED: _FusionMethod.ValueType  # 0
+    """the gateway's default"""
+    FUSION_METHOD_RRF: _FusionMethod.ValueType  # 1
+    """Reciprocal-rank fusion: sum over the lists of 1 / (rrf_k + rank)."""
+    FUSION_METHOD_WEIGHTED: _FusionMethod.ValueType  # 2
+    """dense_weight x dense + (1 - dense_weight) x sparse, each list's scores min-max
+    normalised to [0, 1] over that list (0 for a list the document is not in).
+    """
+
+class FusionMethod(_FusionMethod, metaclass=_FusionMethodEnumTypeWrapper): ...
+
+FUSION_METHOD_UNSPECIFIED: FusionMethod.ValueType  # 0
+"""the gateway's default"""
+FUSION_METHOD_RRF: FusionMethod.ValueType  # 1
+"""Reciprocal-rank fusion: sum over the lists of 1 / (rrf_k + rank)."""
+FUSION_METHOD_WEIGHTED: FusionMethod.ValueType  # 2
+"""dense_weight x dense + (1 - dense_weight) x sparse, each list's scores min-max
+normalised to [0, 1] over that list (0 for a list the document is not in).
+"""
+Global___FusionMethod: _TypeAlias = FusionMethod  # noqa: Y015
 
 @_typing.final
 class SearchRequest(_message.Message):
@@ -32,6 +79,8 @@ class SearchRequest(_message.Message):
     RERANK_FIELD_NUMBER: _builtins.int
     NPROBE_FIELD_NUMBER: _builtins.int
     IDS_ONLY_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    FUSION_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The query text: non-empty after trimming, valid UTF-8, at most 8192 bytes.
     Longer than the model's query max length is truncated (said in the response).
@@ -47,6 +96,12 @@ class SearchRequest(_message.Message):
     """IVF lists to probe per shard: 0 = the server default; at most the index's nlist."""
     ids_only: _builtins.bool
     """When true, hits carry only id and scores (no title, text or metadata)."""
+    mode: Global___RetrievalMode.ValueType
+    """Which first stage: dense (the query embedding, IVF-PQ), sparse (BM25 over title +
+    text in each shard's text index; the query is not encoded) or hybrid (both lists,
+    fused by `fusion` after the shards' lists are merged). UNSPECIFIED: the gateway's
+    default (--default-mode; hybrid unless configured otherwise, see docs/index.md).
+    """
     @_builtins.property
     def filter(self) -> _common_pb2.Filter:
         """Optional metadata filter (applied inside the index, before top-k)."""
@@ -58,6 +113,10 @@ class SearchRequest(_message.Message):
     @_builtins.property
     def rerank(self) -> Global___RerankOptions:
         """Optional second stage."""
+
+    @_builtins.property
+    def fusion(self) -> Global___Fusion:
+        """Hybrid only: how the two lists are fused. Unset: the gateway's default fusion."""
 
     def __init__(
         self,
@@ -71,14 +130,49 @@ class SearchRequest(_message.Message):
         rerank: Global___RerankOptions | None = ...,
         nprobe: _builtins.int = ...,
         ids_only: _builtins.bool = ...,
+        mode: Global___RetrievalMode.ValueType = ...,
+        fusion: Global___Fusion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "rerank", b"rerank", "write_token", b"write_token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "fusion", b"fusion", "rerank", b"rerank", "write_token", b"write_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "filter", b"filter", "ids_only", b"ids_only", "k", b"k", "nprobe", b"nprobe", "query", b"query", "require_complete", b"require_complete", "rerank", b"rerank", "write_token", b"write_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "filter", b"filter", "fusion", b"fusion", "ids_only", b"ids_only", "k", b"k", "mode", b"mode", "nprobe", b"nprobe", "query", b"query", "require_complete", b"require_complete", "rerank", b"rerank", "write_token", b"write_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SearchRequest: _TypeAlias = SearchRequest  # noqa: Y015
+
+@_typing.final
+class Fusion(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    RRF_K_FIELD_NUMBER: _builtins.int
+    DENSE_WEIGHT_FIELD_NUMBER: _builtins.int
+    CANDIDATES_FIELD_NUMBER: _builtins.int
+    method: Global___FusionMethod.ValueType
+    rrf_k: _builtins.int
+    """RRF's k: 1..10000; 0 = 60."""
+    dense_weight: _builtins.float
+    """WEIGHTED: the dense list's weight, 0..1; unset = 0.5."""
+    candidates: _builtins.int
+    """Candidates taken from each list before fusing: k..1000; 0 = max(k, rerank depth, 100)."""
+    def __init__(
+        self,
+        *,
+        method: Global___FusionMethod.ValueType = ...,
+        rrf_k: _builtins.int = ...,
+        dense_weight: _builtins.float | None = ...,
+        candidates: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dense_weight", b"_dense_weight", "dense_weight", b"dense_weight"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dense_weight", b"_dense_weight", "candidates", b"candidates", "dense_weight", b"dense_weight", "method", b"method", "rrf_k", b"rrf_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__dense_weight: _TypeAlias = _typing.Literal["dense_weight"]  # noqa: Y015
+    _WhichOneofArgType__dense_weight: _TypeAlias = _typing.Literal["_dense_weight", b"_dense_weight"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dense_weight) -> _WhichOneofReturnType__dense_weight | None: ...
+
+Global___Fusion: _TypeAlias = Fusion  # noqa: Y015
 
 @_typing.final
 class RerankOptions(_message.Message):
@@ -136,6 +230,8 @@ class Hit(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     SHARD_FIELD_NUMBER: _builtins.int
+    DENSE_RANK_FIELD_NUMBER: _builtins.int
+    SPARSE_RANK_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     score: _builtins.float
     """Final score: the reranker's when reranked, else the first stage's."""
@@ -144,6 +240,11 @@ class Hit(_message.Message):
     title: _builtins.str
     text: _builtins.str
     shard: _builtins.int
+    dense_rank: _builtins.int
+    """Hybrid and sparse: the hit's 1-based rank in the merged dense and sparse lists
+    (0: not in that list). first_stage_score is then the fused score.
+    """
+    sparse_rank: _builtins.int
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -156,10 +257,12 @@ class Hit(_message.Message):
         text: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         shard: _builtins.int = ...,
+        dense_rank: _builtins.int = ...,
+        sparse_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_stage_score", b"first_stage_score", "id", b"id", "metadata", b"metadata", "score", b"score", "shard", b"shard", "text", b"text", "title", b"title"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dense_rank", b"dense_rank", "first_stage_score", b"first_stage_score", "id", b"id", "metadata", b"metadata", "score", b"score", "shard", b"shard", "sparse_rank", b"sparse_rank", "text", b"text", "title", b"title"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -213,6 +316,9 @@ class SearchResponse(_message.Message):
     RERANK_SKIPPED_FIELD_NUMBER: _builtins.int
     RERANK_SKIPPED_REASON_FIELD_NUMBER: _builtins.int
     EMBEDDING_CACHED_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    FUSION_FIELD_NUMBER: _builtins.int
+    SPARSE_MISSING_SHARDS_FIELD_NUMBER: _builtins.int
     partial: _builtins.bool
     """True when some shards did not answer in time; their ids are in missing_shards."""
     model: _builtins.str
@@ -234,12 +340,23 @@ class SearchResponse(_message.Message):
     (--query-cache): the encoder was not called for this query. timings.encode_ms is
     then the cache lookup (in a BatchSearch, the wait for the batch's other queries too).
     """
+    mode: Global___RetrievalMode.ValueType
+    """The first stage that answered (never UNSPECIFIED) and, for hybrid, the fusion used."""
     @_builtins.property
     def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hit]: ...
     @_builtins.property
     def missing_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def timings(self) -> Global___StageTimings: ...
+    @_builtins.property
+    def fusion(self) -> Global___Fusion: ...
+    @_builtins.property
+    def sparse_missing_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Shards whose sparse list is missing from a sparse or hybrid answer (no text index on
+        the replica that answered): such a result is also partial, and those shards' hits
+        come from the dense list only.
+        """
+
     def __init__(
         self,
         *,
@@ -254,10 +371,13 @@ class SearchResponse(_message.Message):
         rerank_skipped: _builtins.bool = ...,
         rerank_skipped_reason: _builtins.str = ...,
         embedding_cached: _builtins.bool = ...,
+        mode: Global___RetrievalMode.ValueType = ...,
+        fusion: Global___Fusion | None = ...,
+        sparse_missing_shards: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fusion", b"fusion", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding_cached", b"embedding_cached", "hits", b"hits", "missing_shards", b"missing_shards", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "rerank_skipped", b"rerank_skipped", "rerank_skipped_reason", b"rerank_skipped_reason", "reranked", b"reranked", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding_cached", b"embedding_cached", "fusion", b"fusion", "hits", b"hits", "missing_shards", b"missing_shards", "mode", b"mode", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "rerank_skipped", b"rerank_skipped", "rerank_skipped_reason", b"rerank_skipped_reason", "reranked", b"reranked", "sparse_missing_shards", b"sparse_missing_shards", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

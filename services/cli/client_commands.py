@@ -79,6 +79,18 @@ def add_cli(sub: Any) -> None:
         metavar="KEY=V1,V2",
         help="Metadata filter; repeatable (all must match).",
     )
+    search.add_argument(
+        "--mode",
+        choices=["dense", "sparse", "hybrid"],
+        default=None,
+        help="First stage (default: the gateway's, hybrid unless configured otherwise).",
+    )
+    search.add_argument(
+        "--fusion",
+        choices=["rrf", "weighted"],
+        default=None,
+        help="Fusion of a hybrid search (default: the gateway's).",
+    )
     search.add_argument("--json", action="store_true", help="Print the response as JSON.")
     _add_gateway_flag(search)
     search.set_defaults(handler=_search)
@@ -121,6 +133,8 @@ def _search(args: argparse.Namespace) -> int:
             filters=args.filter,
             rerank=args.rerank,
             depth=args.depth,
+            mode=args.mode,
+            fusion=args.fusion,
         )
     except grpc.RpcError as exc:
         return _fail(exc)

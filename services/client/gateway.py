@@ -245,6 +245,12 @@ def search_once(
             enabled=bool(options.get("rerank")), depth=int(options.get("depth", 0))
         ),
     )
+    if options.get("mode"):
+        request.mode = search_pb2.RetrievalMode.Value(f"RETRIEVAL_MODE_{options['mode'].upper()}")
+    if options.get("fusion"):
+        request.fusion.method = search_pb2.FusionMethod.Value(
+            f"FUSION_METHOD_{options['fusion'].upper()}"
+        )
     with _target(address).channel() as channel:
         return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
 
@@ -256,12 +262,24 @@ def format_hits(query: str, response: search_pb2.SearchResponse, width: int | No
         f'"{query}"  ({len(response.hits)} hits, {t.total_ms:.0f} ms: encode '
         f"{t.encode_ms:.0f}, search {t.search_ms:.0f}, fetch {t.fetch_ms:.0f}"
         + (f", rerank {t.rerank_ms:.0f}" if response.reranked else "")
+        + (
+            f"; {search_pb2.RetrievalMode.Name(response.mode)[15:].lower()}"
+            if response.mode
+            else ""
+        )
+        + (
+            f" ({search_pb2.FusionMethod.Name(response.fusion.method)[14:].lower()})"
+            if response.HasField("fusion")
+            else ""
+        )
         + f"; model {response.model}"
         + ("; query embedding from the cache" if response.embedding_cached else "")
         + ")"
     )
-    if response.partial:
+    if response.partial and response.missing_shards:
         head += f"  PARTIAL: shards {list(response.missing_shards)} missing"
+    if response.sparse_missing_shards:
+        head += f"  PARTIAL: shards {list(response.sparse_missing_shards)} answered dense only"
     lines = [head]
     title_w = min(40, max((len(h.title or h.id) for h in response.hits), default=10))
     snippet_w = max(20, width - title_w - 16)

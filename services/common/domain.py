@@ -57,8 +57,10 @@ class Hit:
     candidate and the reranked hit (:mod:`services.rerank.domain`).
 
     ``score`` is the final score (the reranker's when it ran), ``first_stage_score``
-    the index's; ``document`` is attached by the gateway when the response or the
-    reranker needs it.
+    the index's (the fused score in a hybrid search); ``document`` is attached by the
+    gateway when the response or the reranker needs it. ``dense_rank`` / ``sparse_rank``:
+    the hit's 1-based rank in the merged dense and sparse lists of a hybrid or sparse
+    search (0: not in that list, or a dense search).
     """
 
     id: str
@@ -66,11 +68,19 @@ class Hit:
     shard: int
     first_stage_score: float
     document: Document | None = None
+    dense_rank: int = 0
+    sparse_rank: int = 0
 
 
 @dataclass
 class IndexResult:
-    """The router's answer: per query its hits, best first; shards that did not answer."""
+    """The router's answer: per query its hits, best first; shards that did not answer.
+
+    ``sparse``: per query the merged BM25 hits, when the search asked for them (None
+    otherwise); ``sparse_missing_shards``: shards that answered without a sparse list
+    (their replica has no text index)."""
 
     hits: list[list[Hit]]
     missing_shards: list[int]
+    sparse: list[list[Hit]] | None = None
+    sparse_missing_shards: list[int] = field(default_factory=list)

@@ -12,8 +12,8 @@
   title + text, as a shard serves sparse searches;
 - ``hybrid_rrf`` / ``hybrid_weighted``: ``ivfpq_default`` and ``bm25`` (top 100 each)
   fused by :mod:`services.common.fusion` as the gateway fuses them (RRF k 60; min-max
-  normalised scores, dense weight 0.5), and ``hybrid_rrf+rerank`` beside
-  ``ivfpq_default+rerank`` (CELI over the fused candidates).
+  normalised scores, dense weight 0.5), and ``hybrid_weighted+rerank`` (the default
+  fusion) beside ``ivfpq_default+rerank`` (CELI over the fused candidates).
 """
 
 from __future__ import annotations
@@ -220,7 +220,9 @@ def evaluate_in_process(data: EvalData, cfg: EvalConfig) -> Systems:
         held = held_out_queries(Path(cfg.rerank_checkpoint), data.qids)
         start = time.perf_counter()
         out.runs["ivfpq_default+rerank"] = rerank_run(out.runs["ivfpq_default"], data, held, cfg)
-        out.runs["hybrid_rrf+rerank"] = rerank_run(out.runs["hybrid_rrf"], data, held, cfg)
+        out.runs["hybrid_weighted+rerank"] = rerank_run(
+            out.runs["hybrid_weighted"], data, held, cfg
+        )
         out.seconds["rerank"] = time.perf_counter() - start
         out.rerank = {
             "checkpoint": str(cfg.rerank_checkpoint),

@@ -5,6 +5,12 @@ index), then every query is one ``Search`` (k = 100, ``ids_only``, STRONG consis
 the ingest is visible), at the server's default nprobe and at the nprobe values asked
 for; with ``rerank`` the gateway also reranks (its CELI, ``rerank_depth``) the held-out
 queries, as in the in-process path. Errors are the gateway's gRPC statuses, raised.
+
+``service_default`` is what a client that names no mode gets (the gateway's
+``--default-mode``); beside it each mode as a client asks for it: ``service_dense``,
+``bm25`` (sparse), ``hybrid_rrf`` and ``hybrid_weighted``, and with ``rerank`` CELI over
+``service_dense`` and over ``hybrid_weighted``: the report's hybrid section pairs them
+against ``service_dense`` on the dev queries.
 """
 
 from __future__ import annotations
@@ -19,7 +25,18 @@ from tqdm import tqdm
 from retrieval.v1 import common_pb2, search_pb2, search_pb2_grpc
 from services.eval.config import DEPTH, EvalConfig
 from services.eval.data import EvalData
-from services.eval.inprocess import Run, Systems, held_out_queries
+from services.eval.inprocess import Run, Systems, dev_queries, held_out_queries
+
+DENSE = search_pb2.RETRIEVAL_MODE_DENSE
+SPARSE = search_pb2.RETRIEVAL_MODE_SPARSE
+HYBRID = search_pb2.RETRIEVAL_MODE_HYBRID
+# name → (mode, fusion method); UNSPECIFIED: the gateway's default
+MODES: dict[str, tuple[int, int]] = {
+    "service_dense": (DENSE, 0),
+    "bm25": (SPARSE, 0),
+    "hybrid_rrf": (HYBRID, search_pb2.FUSION_METHOD_RRF),
+    "hybrid_weighted": (HYBRID, search_pb2.FUSION_METHOD_WEIGHTED),
+}
 
 Channel = Callable[[], grpc.Channel]
 
@@ -32,6 +49,8 @@ def search_run(
     nprobe: int = 0,
     rerank: bool = False,
     desc: str = "search",
+    mode: int = 0,
+    fusion: int = 0,
 ) -> Run:
     run: Run = {}
     k = min(DEPTH, len(data.beir.doc_ids))
@@ -46,6 +65,8 @@ def search_run(
             rerank=search_pb2.RerankOptions(
                 enabled=rerank, depth=cfg.rerank_depth if rerank else 0
             ),
+            mode=mode,  # type: ignore[arg-type]
+            fusion=search_pb2.Fusion(method=fusion) if fusion else None,  # type: ignore[arg-type]
         )
         response = stub.Search(request, timeout=cfg.timeout_s)
         run[q] = [hit.id for hit in response.hits]
@@ -65,6 +86,13 @@ def evaluate_through_gateway(
         start = time.perf_counter()
         out.runs["service_default"] = search_run(stub, data, data.qids, cfg)
         out.seconds["service_default"] = time.perf_counter() - start
+        for name, (mode, fusion) in MODES.items():
+            start = time.perf_counter()
+            out.runs[name] = search_run(
+                stub, data, data.qids, cfg, desc=name, mode=mode, fusion=fusion
+            )
+            out.seconds[name] = time.perf_counter() - start
+        out.dev = dev_queries(cfg, data.qids)
         for nprobe in sorted(set(cfg.nprobes)):
             out.runs[f"service_nprobe_{nprobe}"] = search_run(
                 stub, data, data.qids, cfg, nprobe, desc=f"search nprobe {nprobe}"
@@ -75,6 +103,12 @@ def evaluate_through_gateway(
             out.runs["service_default+rerank"] = search_run(
                 stub, data, held, cfg, rerank=True, desc="search + rerank"
             )
+            for name in ("service_dense", "hybrid_weighted"):
+                mode, fusion = MODES[name]
+                out.runs[f"{name}+rerank"] = search_run(
+                    stub, data, held, cfg, rerank=True, desc=f"{name} + rerank",
+                    mode=mode, fusion=fusion,
+                )  # fmt: skip
             out.seconds["rerank"] = time.perf_counter() - start
             out.rerank = {
                 "checkpoint": str(cfg.rerank_checkpoint),

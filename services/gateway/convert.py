@@ -11,6 +11,8 @@ from services.common.convert import (
     token_from_pb,
     token_to_pb,
 )
+from services.common.errors import InvalidArgument
+from services.common.fusion import DEFAULT_RRF_K, Fusion, Method, Mode
 from services.gateway.domain import (
     Document,
     SearchQuery,
@@ -19,6 +21,59 @@ from services.gateway.domain import (
 )
 
 __all__ = ["token_from_pb", "token_to_pb"]
+
+_MODES = {
+    search_pb2.RETRIEVAL_MODE_DENSE: Mode.DENSE,
+    search_pb2.RETRIEVAL_MODE_SPARSE: Mode.SPARSE,
+    search_pb2.RETRIEVAL_MODE_HYBRID: Mode.HYBRID,
+}
+_MODES_PB = {mode: number for number, mode in _MODES.items()}
+_METHODS = {
+    search_pb2.FUSION_METHOD_RRF: Method.RRF,
+    search_pb2.FUSION_METHOD_WEIGHTED: Method.WEIGHTED,
+}
+_METHODS_PB = {method: number for number, method in _METHODS.items()}
+
+
+def mode_from_pb(value: int) -> Mode | None:
+    """None for UNSPECIFIED (the gateway's default); InvalidArgument for a number this
+    gateway does not know."""
+    if value == search_pb2.RETRIEVAL_MODE_UNSPECIFIED:
+        return None
+    if value not in _MODES:
+        raise InvalidArgument(f"mode: unknown retrieval mode {value}")
+    return _MODES[value]  # type: ignore[index]
+
+
+def fusion_from_pb(req: search_pb2.SearchRequest) -> Fusion | None:
+    """The request's fusion (None: unset, the gateway's default); InvalidArgument for
+    parameters out of range."""
+    if not req.HasField("fusion"):
+        return None
+    f = req.fusion
+    if (
+        f.method == search_pb2.FUSION_METHOD_UNSPECIFIED
+        and not f.rrf_k
+        and not f.HasField("dense_weight")
+    ):
+        return None  # only `candidates` set
+    if f.method != search_pb2.FUSION_METHOD_UNSPECIFIED and f.method not in _METHODS:
+        raise InvalidArgument(f"fusion method: unknown method {f.method}")
+    method = _METHODS.get(f.method, Method.WEIGHTED if f.HasField("dense_weight") else Method.RRF)
+    return Fusion(
+        method,
+        rrf_k=f.rrf_k or DEFAULT_RRF_K,
+        dense_weight=f.dense_weight if f.HasField("dense_weight") else 0.5,
+    )
+
+
+def fusion_to_pb(f: Fusion, candidates: int = 0) -> search_pb2.Fusion:
+    return search_pb2.Fusion(
+        method=_METHODS_PB[f.method],  # type: ignore[arg-type]
+        rrf_k=f.rrf_k,
+        dense_weight=f.dense_weight,
+        candidates=candidates,
+    )
 
 
 def query_from_pb(req: search_pb2.SearchRequest) -> SearchQuery:
@@ -33,6 +88,9 @@ def query_from_pb(req: search_pb2.SearchRequest) -> SearchQuery:
         rerank_depth=req.rerank.depth,
         nprobe=req.nprobe,
         ids_only=req.ids_only,
+        mode=mode_from_pb(req.mode),
+        fusion=fusion_from_pb(req),
+        candidates=req.fusion.candidates,
     )
 
 
@@ -47,6 +105,14 @@ def query_to_pb(q: SearchQuery) -> search_pb2.SearchRequest:
         rerank=search_pb2.RerankOptions(enabled=q.rerank, depth=q.rerank_depth),
         nprobe=q.nprobe,
         ids_only=q.ids_only,
+        mode=_MODES_PB[q.mode] if q.mode is not None else search_pb2.RETRIEVAL_MODE_UNSPECIFIED,  # type: ignore[arg-type]
+        fusion=(
+            fusion_to_pb(q.fusion, q.candidates)
+            if q.fusion is not None
+            else search_pb2.Fusion(candidates=q.candidates)
+            if q.candidates
+            else None
+        ),
     )
 
 
@@ -54,7 +120,12 @@ def result_to_pb(r: SearchResult) -> search_pb2.SearchResponse:
     hits = []
     for h in r.hits:
         hit = search_pb2.Hit(
-            id=h.id, score=h.score, first_stage_score=h.first_stage_score, shard=h.shard
+            id=h.id,
+            score=h.score,
+            first_stage_score=h.first_stage_score,
+            shard=h.shard,
+            dense_rank=h.dense_rank,
+            sparse_rank=h.sparse_rank,
         )
         if h.document is not None:
             hit.title = h.document.title
@@ -80,6 +151,9 @@ def result_to_pb(r: SearchResult) -> search_pb2.SearchResponse:
         rerank_skipped=r.rerank_skipped,
         rerank_skipped_reason=r.rerank_skipped_reason,
         embedding_cached=r.embedding_cached,
+        mode=_MODES_PB[r.mode],  # type: ignore[arg-type]
+        fusion=fusion_to_pb(r.fusion) if r.fusion is not None else None,
+        sparse_missing_shards=r.sparse_missing_shards,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.domain import Consistency, Document, FieldCondition, Hit
+from services.common.fusion import Fusion, Mode
 
 __all__ = [
     "Consistency",
@@ -32,6 +33,9 @@ class SearchQuery:
     rerank_depth: int = 0  # 0 = choose by the remaining budget
     nprobe: int = 0  # 0 = the shards' default
     ids_only: bool = False
+    mode: Mode | None = None  # None: the gateway's default mode
+    fusion: Fusion | None = None  # hybrid; None: the gateway's default fusion
+    candidates: int = 0  # hybrid: hits taken from each list; 0 = the gateway's choice
 
 
 @dataclass
@@ -56,6 +60,9 @@ class SearchResult:
     rerank_skipped: bool = False  # asked for, but no measured depth fit the time left
     rerank_skipped_reason: str = ""
     embedding_cached: bool = False  # the query embedding came from the query cache
+    mode: Mode = Mode.DENSE  # the first stage that answered
+    fusion: Fusion | None = None  # the fusion of a hybrid answer
+    sparse_missing_shards: list[int] = field(default_factory=list)  # no sparse list
 
 
 @dataclass(frozen=True)

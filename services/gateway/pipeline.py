@@ -1,5 +1,10 @@
 """The gateway's core: search = encode → fan-out → fetch → (rerank); writes = encode → log.
 
+A search's first stage is dense (the query embedding), sparse (BM25 in the shards' text
+indexes; the query is not encoded) or hybrid (both lists from one fan-out, each merged
+over the shards by the router, then fused here by :mod:`services.common.fusion`); the
+reranker reorders what that stage found.
+
 No grpc here: the servicer converts protos to the domain objects of
 :mod:`services.gateway.domain` and back, and every stage is reached through the
 protocols of :mod:`services.gateway.ports`.
@@ -18,7 +23,9 @@ from typing import TypeVar
 import numpy as np
 
 from services.common.deadline import Deadline
+from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
+from services.common.fusion import Fusion, Mode, RetrievalDefaults, fuse
 from services.common.limits import Limits
 from services.encoder.base import Embeddings
 from services.gateway import validation
@@ -67,9 +74,52 @@ def _ms(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
 
 
-def _group_key(q: SearchQuery, fetch_k: int) -> tuple[object, ...]:
+@dataclass(frozen=True)
+class _Stage:
+    """How one query's first stage runs: its mode, each list's depth, the fusion."""
+
+    mode: Mode
+    dense_k: int  # 0: no dense list
+    sparse_k: int  # 0: no sparse list
+    fusion: Fusion | None  # hybrid only
+
+
+@dataclass
+class _Found:
+    """One query's first-stage hits and the shards missing from them."""
+
+    hits: list[Hit]
+    missing: list[int]
+    sparse_missing: list[int] = field(default_factory=list)
+
+
+def first_stage(stage: _Stage, result: IndexResult, row: int, k: int) -> list[Hit]:
+    """The ``k`` hits of one query row: the dense list, the sparse one (ranked), or both
+    fused (each hit's ranks kept; its first-stage score the fused one)."""
+    dense = result.hits[row] if stage.dense_k else []
+    sparse = result.sparse[row] if stage.sparse_k and result.sparse is not None else []
+    if stage.mode is Mode.DENSE:
+        return dense[:k]
+    if stage.mode is Mode.SPARSE:
+        for rank, hit in enumerate(sparse, 1):
+            hit.sparse_rank = rank
+        return sparse[:k]
+    assert stage.fusion is not None
+    shard = {h.id: h.shard for h in sparse} | {h.id: h.shard for h in dense}
+    fused = fuse(
+        [(h.id, h.score) for h in dense], [(h.id, h.score) for h in sparse], stage.fusion, k
+    )
+    return [
+        Hit(f.id, f.score, shard[f.id], f.score, dense_rank=f.dense_rank, sparse_rank=f.sparse_rank)
+        for f in fused
+    ]
+
+
+def _group_key(q: SearchQuery, fetch_k: int, stage: _Stage) -> tuple[object, ...]:
     return (
         fetch_k,
+        stage.dense_k,
+        stage.sparse_k,
         q.nprobe,
         q.filter,
         q.consistency,
@@ -93,6 +143,8 @@ class SearchPipeline:
     pressure: Callable[[], float] = field(default=lambda: 0.0)
     # Query embeddings kept in Redis (--query-cache); None: every query is encoded.
     query_cache: QueryEmbeddingCache | None = None
+    # What a query that names no mode or fusion gets (--default-mode, --fusion, ...).
+    retrieval: RetrievalDefaults = field(default_factory=RetrievalDefaults)
 
     async def search(self, query: SearchQuery, timeout: float | None) -> SearchResult:
         return (await self.search_batch([query], timeout, batch=False))[0]
@@ -111,18 +163,21 @@ class SearchPipeline:
         if any(q.rerank for q in queries) and self.reranker is None:
             raise FailedPrecondition("rerank: no rerank service is configured on this gateway")
 
-        t = time.perf_counter()
-        vectors, truncated, cached = await self._embed([q.text for q in queries], deadline)
-        encode_ms = _ms(t)
-
         plans = [self._rerank_depth(q, deadline) for q in queries]
         depths = [depth for depth, _ in plans]
         fetch_ks = [max(q.k, d) for q, d in zip(queries, depths, strict=True)]
+        stages = [self._stage(q, fk) for q, fk in zip(queries, fetch_ks, strict=True)]
+
+        t = time.perf_counter()
+        vectors, truncated, cached = await self._embed_dense(queries, stages, deadline)
+        encode_ms = _ms(t) if any(s.dense_k for s in stages) else 0.0  # sparse: no encode
+
         t = time.perf_counter()
         routed = await self._strong_as_session(queries, deadline)
-        index_results = await self._search_index(routed, fetch_ks, vectors, deadline)
+        found = await self._search_index(routed, fetch_ks, stages, vectors, deadline)
         search_ms = _ms(t)
 
+        index_results = [(f.hits, f.missing) for f in found]
         fetch_ms = await self._fetch_documents(queries, depths, index_results, deadline)
         results = await asyncio.gather(
             *[
@@ -130,6 +185,11 @@ class SearchPipeline:
                 for q, plan, (hits, missing) in zip(queries, plans, index_results, strict=True)
             ]
         )
+        for result, stage, f in zip(results, stages, found, strict=True):
+            result.mode = stage.mode
+            result.fusion = stage.fusion
+            result.sparse_missing_shards = f.sparse_missing
+            result.partial = result.partial or bool(f.sparse_missing)
         total_ms = _ms(start)
         for result, cut, from_cache in zip(results, truncated, cached, strict=True):
             result.model = self.encoder.model_name
@@ -142,6 +202,32 @@ class SearchPipeline:
         if self.metrics is not None:
             self.metrics.observe_request(results, None if batch else queries[0].rerank)
         return list(results)
+
+    def _stage(self, q: SearchQuery, fetch_k: int) -> _Stage:
+        mode = q.mode or self.retrieval.mode
+        if mode is Mode.DENSE:
+            return _Stage(mode, fetch_k, 0, None)
+        if mode is Mode.SPARSE:
+            return _Stage(mode, 0, fetch_k, None)
+        depth = max(fetch_k, q.candidates or self.retrieval.candidates)
+        return _Stage(mode, depth, depth, q.fusion or self.retrieval.fusion)
+
+    async def _embed_dense(
+        self, queries: Sequence[SearchQuery], stages: Sequence[_Stage], deadline: Deadline
+    ) -> tuple[np.ndarray, list[bool], list[bool]]:
+        """:meth:`_embed` of the queries that have a dense list (a sparse one is not
+        encoded: its row of vectors stays zero and unused)."""
+        rows = [i for i, s in enumerate(stages) if s.dense_k]
+        if len(rows) == len(queries):
+            return await self._embed([q.text for q in queries], deadline)
+        vectors = np.zeros((len(queries), self.encoder.dim), dtype=np.float32)
+        truncated, cached = [False] * len(queries), [False] * len(queries)
+        if rows:
+            vecs, cut, hit = await self._embed([queries[i].text for i in rows], deadline)
+            vectors[rows] = vecs
+            for j, i in enumerate(rows):
+                truncated[i], cached[i] = cut[j], hit[j]
+        return vectors, truncated, cached
 
     async def _encode(self, texts: list[str], deadline: Deadline) -> Embeddings:
         """One encoder call, recorded once for the encode SLI (a BatchSearch's batch is
@@ -273,30 +359,37 @@ class SearchPipeline:
         self,
         queries: Sequence[SearchQuery],
         fetch_ks: Sequence[int],
+        stages: Sequence[_Stage],
         vectors: np.ndarray,
         deadline: Deadline,
-    ) -> list[tuple[list[Hit], list[int]]]:
+    ) -> list[_Found]:
         """One index call per group of queries that share their search parameters."""
         groups: dict[tuple[object, ...], list[int]] = {}
-        for i, (q, fk) in enumerate(zip(queries, fetch_ks, strict=True)):
-            groups.setdefault(_group_key(q, fk), []).append(i)
+        for i, (q, fk, stage) in enumerate(zip(queries, fetch_ks, stages, strict=True)):
+            groups.setdefault(_group_key(q, fk, stage), []).append(i)
 
-        out: list[tuple[list[Hit], list[int]]] = [([], [])] * len(queries)
+        out: list[_Found] = [_Found([], [])] * len(queries)
 
         async def run(rows: list[int]) -> None:
-            first = queries[rows[0]]
+            first, stage = queries[rows[0]], stages[rows[0]]
             result = await self.index.search(
-                vectors[rows],
-                fetch_ks[rows[0]],
+                vectors[rows] if stage.dense_k else None,
+                stage.dense_k,
                 nprobe=first.nprobe,
                 filter=first.filter,
                 consistency=first.consistency,
                 write_token=first.write_token,
                 timeout=deadline.remaining(),
                 require_complete=first.require_complete,
+                texts=[queries[i].text for i in rows] if stage.sparse_k else (),
+                sparse_k=stage.sparse_k,
             )
-            for row, hits in zip(rows, result.hits, strict=True):
-                out[row] = (hits, list(result.missing_shards))
+            for j, row in enumerate(rows):
+                out[row] = _Found(
+                    first_stage(stages[row], result, j, fetch_ks[row]),
+                    list(result.missing_shards),
+                    list(result.sparse_missing_shards) if stage.sparse_k else [],
+                )
 
         await asyncio.gather(*[run(rows) for rows in groups.values()])
         return out

@@ -44,7 +44,7 @@ class VectorIndex(Protocol):
 
     async def search(
         self,
-        vectors: np.ndarray,
+        vectors: np.ndarray | None,
         k: int,
         *,
         nprobe: int = 0,
@@ -53,7 +53,12 @@ class VectorIndex(Protocol):
         write_token: WriteToken | None = None,
         timeout: float | None = None,
         require_complete: bool = False,
-    ) -> IndexResult: ...
+        texts: Sequence[str] = (),
+        sparse_k: int = 0,
+    ) -> IndexResult:
+        """Dense top-``k`` of each vector and, with ``texts`` / ``sparse_k``, the BM25
+        lists (``IndexResult.sparse``); ``vectors`` None and ``k`` 0: sparse only."""
+        ...
 
     async def close(self) -> None: ...
 

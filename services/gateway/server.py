@@ -167,6 +167,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         default_timeout_s=settings.default_timeout_s,
         pressure=admission.pressure,
         query_cache=query_cache,
+        retrieval=settings.retrieval_defaults(),
     )
     documents = DocumentPipeline(
         encoder, writer, stored, default_timeout_s=settings.default_timeout_s

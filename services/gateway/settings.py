@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from services.common.auth import Authenticator
 from services.common.discovery import is_dns_target, parse_dns_target
 from services.common.errors import RetrievalError
+from services.common.fusion import Fusion, Method, Mode, RetrievalDefaults
 from services.common.redis_client import check_redis_url
 from services.common.settings import (
     REDIS_URL_FILE_HELP,
@@ -107,6 +108,27 @@ class GatewaySettings(ClientTLSSettings):
         gt=0,
         description="Deadline of a request that brings none: every wait inside it (encoder, "
         "shards, Redis, rerank) is bounded by what is left of it.",
+    )
+    default_mode: Literal["dense", "sparse", "hybrid"] = Field(
+        "hybrid",
+        description="First stage of a search that names no mode: hybrid (dense and BM25 "
+        "lists fused; the winner on SciFact's dev queries, docs/index.md), dense or sparse.",
+    )
+    fusion: Literal["weighted", "rrf"] = Field(
+        "weighted",
+        description="Fusion of a hybrid search that names none: weighted (min-max "
+        "normalised scores) or rrf (reciprocal-rank fusion).",
+    )
+    rrf_k: int = Field(60, ge=1, le=10_000, description="k of reciprocal-rank fusion.")
+    dense_weight: float = Field(
+        0.5, ge=0.0, le=1.0, description="Weight of the dense list in the weighted fusion."
+    )
+    hybrid_candidates: int = Field(
+        100,
+        ge=1,
+        le=1000,
+        description="Hits taken from each list of a hybrid search before fusing (at least "
+        "k and the rerank depth).",
     )
     redis_max_connections: int = Field(
         64,
@@ -235,6 +257,14 @@ class GatewaySettings(ClientTLSSettings):
             return None
         return Authenticator.from_files(
             self.read_tokens_file, self.write_tokens_file, self.tokens_reload_s
+        )
+
+    def retrieval_defaults(self) -> RetrievalDefaults:
+        """What a search that names no mode or fusion gets."""
+        return RetrievalDefaults(
+            Mode(self.default_mode),
+            Fusion(Method(self.fusion), rrf_k=self.rrf_k, dense_weight=self.dense_weight),
+            self.hybrid_candidates,
         )
 
     def triton_client_tls(self) -> ClientTLS | None:

@@ -72,6 +72,10 @@ def check_query(query: SearchQuery, limits: Limits, num_shards: int, where: str 
             f"{where}rerank.depth: {query.rerank_depth} must be 0 (auto) or in "
             f"k..{limits.max_rerank_depth}"
         )
+    if query.candidates and not query.k <= query.candidates <= limits.max_k:
+        raise InvalidArgument(
+            f"{where}fusion.candidates: {query.candidates} must be 0 (auto) or in k..{limits.max_k}"
+        )
 
 
 def check_filter(conditions: Sequence[FieldCondition], limits: Limits, where: str = "") -> None:

@@ -65,7 +65,8 @@ def probes_from_pb(p: index_pb2.Probes, rows: int) -> Probes:
 
 
 def query_from_pb(req: index_pb2.ShardSearchRequest) -> ShardQuery:
-    vectors = vectors_from_pb(req.queries)
+    sparse_only = req.k == 0 and req.sparse_k > 0 and not req.queries.count
+    vectors = np.zeros((0, 0), np.float32) if sparse_only else vectors_from_pb(req.queries)
     return ShardQuery(
         shard=req.shard,
         vectors=vectors,
@@ -75,6 +76,8 @@ def query_from_pb(req: index_pb2.ShardSearchRequest) -> ShardQuery:
         consistency=consistency_from_pb(req.consistency),
         min_position=req.min_position,
         probes=probes_from_pb(req.probes, len(vectors)) if req.HasField("probes") else None,
+        texts=tuple(req.texts),
+        sparse_k=req.sparse_k,
     )
 
 
@@ -88,6 +91,8 @@ def query_to_pb(q: ShardQuery) -> index_pb2.ShardSearchRequest:
         consistency=consistency_to_pb(q.consistency),
         min_position=q.min_position,
         probes=probes_to_pb(q.probes) if q.probes is not None else None,
+        texts=q.texts,
+        sparse_k=q.sparse_k,
     )
 
 
@@ -103,26 +108,38 @@ def answer_to_pb(
     out.shard = a.shard
     out.replica = a.replica
     out.applied_position = a.applied_position
+    if a.sparse is not None:
+        out.sparse_width = a.sparse.width
+        out.sparse_ids.extend(a.sparse.ids)
+        out.sparse_scores = _f32(a.sparse.scores)
+    out.sparse_unavailable = a.sparse_unavailable
     return out
 
 
-def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:
-    """The answer; Unavailable when the grid does not add up (a broken replica)."""
-    ids = list(r.ids)
-    if 4 * len(ids) != len(r.scores) or (ids and (r.width == 0 or len(ids) % r.width)):
+def _grid(r: index_pb2.ShardSearchResponse, ids: list[str], data: bytes, width: int) -> TopK:
+    """A grid of the answer; Unavailable when it does not add up (a broken replica)."""
+    if 4 * len(ids) != len(data) or (ids and (width == 0 or len(ids) % width)):
         raise Unavailable(
             f"shard {r.shard} replica {r.replica}: malformed answer "
-            f"({len(ids)} ids, {len(r.scores)} score bytes, width {r.width})"
+            f"({len(ids)} ids, {len(data)} score bytes, width {width})"
         )
     if ids:
-        scores = np.frombuffer(r.scores, dtype="<f4").reshape(-1, r.width)
-    else:
-        scores = np.zeros((0, r.width), np.float32)
+        return TopK(ids, np.frombuffer(data, dtype="<f4").reshape(-1, width))
+    return TopK(ids, np.zeros((0, width), np.float32))
+
+
+def answer_from_pb(r: index_pb2.ShardSearchResponse) -> ShardAnswer:
+    """The answer; Unavailable when a grid does not add up (a broken replica)."""
+    sparse = None
+    if r.sparse_width or r.sparse_ids:
+        sparse = _grid(r, list(r.sparse_ids), r.sparse_scores, r.sparse_width)
     return ShardAnswer(
-        top=TopK(ids, scores),
+        top=_grid(r, list(r.ids), r.scores, r.width),
         shard=r.shard,
         replica=r.replica,
         applied_position=r.applied_position,
+        sparse=sparse,
+        sparse_unavailable=r.sparse_unavailable,
     )
 
 
@@ -153,6 +170,9 @@ def stats_to_pb(r: ReplicaStats) -> index_pb2.ShardStats:
         measured_recall=m.measured_recall or 0.0,
         ivf_advice=m.ivf_advice or "",
         searches=r.searches,
+        text_index=s.text is not None,
+        text_documents=s.text.documents if s.text is not None else 0,
+        text_disk_bytes=s.text.disk_bytes if s.text is not None else 0,
     )
 
 

@@ -143,7 +143,7 @@ def test_in_process_reports_bm25_and_hybrid_on_the_dev_queries(
     for name, c in hybrid["vs_dense"].items():
         n = c["ndcg_at_10"]
         assert n["wins"] + n["losses"] + n["ties"] == len(in_process["dev"]), name
-    assert {"ivfpq_default+rerank", "hybrid_rrf+rerank"} <= set(hybrid["ndcg_at_10"])
+    assert {"ivfpq_default+rerank", "hybrid_weighted+rerank"} <= set(hybrid["ndcg_at_10"])
     assert "rerank_hybrid_vs_dense" in hybrid
     assert r["index"]["text_bytes_per_document"] > 0
     assert "hybrid on 12 dev queries" in "\n".join(in_process["lines"][:-1])
@@ -195,6 +195,12 @@ def test_through_a_gateway(
         assert r["ndcg_at_10"]["exact"] == 1.0
         assert r["ndcg_at_10"]["service_default"] >= 0.9
         assert r["ndcg_at_10"]["service_nprobe_1"] >= 0.9
+        # every mode as a client asks for it, side by side on the same queries
+        for name in ("service_dense", "bm25", "hybrid_rrf", "hybrid_weighted"):
+            assert r["ndcg_at_10"][name] >= 0.9, name
+        assert r["hybrid"]["queries"] > 0 and set(r["hybrid"]["vs_dense"]) == {
+            "bm25", "hybrid_rrf", "hybrid_weighted",
+        }  # fmt: skip
         # the corpus is in the store now: --no-ingest searches what is there
         code, lines = run_eval(
             "--data", str(beir), "--split", "test", "--gateway", bg.address, "--no-ingest"

@@ -1,4 +1,5 @@
-"""The CLI's search output says where the query embedding came from."""
+"""The CLI's search output says where the query embedding came from and which first
+stage answered."""
 
 from __future__ import annotations
 
@@ -22,3 +23,13 @@ def test_a_cached_query_embedding_is_said_in_the_header() -> None:
 def test_an_encoded_query_says_nothing_of_the_cache() -> None:
     head = format_hits("read a csv file", _response(False), width=100).splitlines()[0]
     assert "cache" not in head and head.endswith("model all-MiniLM-L6-v2)")
+
+
+def test_the_mode_and_fusion_that_answered_are_said_in_the_header() -> None:
+    response = _response(False)
+    response.mode = search_pb2.RETRIEVAL_MODE_HYBRID
+    response.fusion.method = search_pb2.FUSION_METHOD_WEIGHTED
+    response.sparse_missing_shards.append(1)
+    head = format_hits("read a csv file", response, width=100).splitlines()[0]
+    assert "; hybrid (weighted); model all-MiniLM-L6-v2)" in head
+    assert "shards [1] answered dense only" in head

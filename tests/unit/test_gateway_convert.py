@@ -9,13 +9,16 @@ any Unicode text (protobuf strings are UTF-8).
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from retrieval.v1 import documents_pb2, search_pb2
 from services.common.domain import WriteToken
+from services.common.errors import InvalidArgument
+from services.common.fusion import Fusion, Method, Mode
 from services.gateway import convert
-from services.gateway.domain import Document, Hit, SearchResult, Timings, WriteResult
+from services.gateway.domain import Document, Hit, SearchQuery, SearchResult, Timings, WriteResult
 
 UINT32 = st.integers(0, 2**32 - 1)
 F32 = st.floats(width=32, allow_nan=False)
@@ -35,12 +38,19 @@ DOCUMENTS = st.builds(
 @st.composite
 def hits(draw: st.DrawFn) -> Hit:
     hit = Hit(draw(st.text()), draw(F32), draw(UINT32), draw(F32))
+    hit.dense_rank, hit.sparse_rank = draw(UINT32), draw(UINT32)
     document = draw(st.none() | DOCUMENTS)
     if document is not None:
         hit.document = Document(hit.id, document.text, document.title, document.metadata)
     return hit
 
 
+FUSIONS = st.builds(
+    Fusion,
+    st.sampled_from(list(Method)),
+    rrf_k=st.integers(1, 10_000),
+    dense_weight=st.floats(0, 1, width=32),
+)
 RESULTS = st.builds(
     SearchResult,
     hits=st.lists(hits(), max_size=6),
@@ -54,6 +64,9 @@ RESULTS = st.builds(
     rerank_skipped=st.booleans(),
     rerank_skipped_reason=st.text(),
     embedding_cached=st.booleans(),
+    mode=st.sampled_from(list(Mode)),
+    fusion=st.none() | FUSIONS,
+    sparse_missing_shards=st.lists(UINT32, max_size=4),
 )
 
 
@@ -68,6 +81,8 @@ def result_from_pb(pb: search_pb2.SearchResponse) -> SearchResult:
                 h.shard,
                 h.first_stage_score,
                 Document(h.id, h.text, h.title, dict(h.metadata)) if h.text else None,
+                dense_rank=h.dense_rank,
+                sparse_rank=h.sparse_rank,
             )
             for h in pb.hits
         ],
@@ -81,6 +96,17 @@ def result_from_pb(pb: search_pb2.SearchResponse) -> SearchResult:
         rerank_skipped=pb.rerank_skipped,
         rerank_skipped_reason=pb.rerank_skipped_reason,
         embedding_cached=pb.embedding_cached,
+        mode=convert.mode_from_pb(pb.mode) or Mode.DENSE,
+        fusion=(
+            Fusion(
+                Method.RRF if pb.fusion.method == search_pb2.FUSION_METHOD_RRF else Method.WEIGHTED,
+                rrf_k=pb.fusion.rrf_k,
+                dense_weight=pb.fusion.dense_weight,
+            )
+            if pb.HasField("fusion")
+            else None
+        ),
+        sparse_missing_shards=list(pb.sparse_missing_shards),
     )
 
 
@@ -108,3 +134,48 @@ def test_a_delete_result_survives_the_wire(
     pb = documents_pb2.DeleteResponse.FromString(wire)
     back = WriteResult(convert.token_from_pb(pb.write_token), pb.deleted, tuple(pb.not_found))
     assert back == result
+
+
+@given(st.none() | st.sampled_from(list(Mode)), st.none() | FUSIONS, st.integers(0, 1000))
+def test_a_query_s_mode_and_fusion_survive_the_wire(
+    mode: Mode | None, fusion: Fusion | None, candidates: int
+) -> None:
+    query = SearchQuery("q", 10, mode=mode, fusion=fusion, candidates=candidates)
+    wire = convert.query_to_pb(query).SerializeToString()
+    back = convert.query_from_pb(search_pb2.SearchRequest.FromString(wire))
+    assert (back.mode, back.fusion, back.candidates) == (mode, fusion, candidates)
+
+
+def test_a_client_that_sends_no_mode_gets_the_gateway_s_defaults() -> None:
+    back = convert.query_from_pb(search_pb2.SearchRequest(query="q", k=3))
+    assert (back.mode, back.fusion, back.candidates) == (None, None, 0)
+    # a weight alone means the weighted fusion, a k alone RRF; unset parts take defaults
+    req = search_pb2.SearchRequest(query="q", k=3, fusion=search_pb2.Fusion(dense_weight=0.75))
+    assert convert.query_from_pb(req).fusion == Fusion(Method.WEIGHTED, dense_weight=0.75)
+    req = search_pb2.SearchRequest(query="q", k=3, fusion=search_pb2.Fusion(rrf_k=10))
+    assert convert.query_from_pb(req).fusion == Fusion(Method.RRF, rrf_k=10)
+
+
+@pytest.mark.parametrize(
+    ("request_pb", "message"),
+    [
+        (search_pb2.SearchRequest(query="q", k=3, mode=7), "mode"),  # type: ignore[arg-type]
+        (
+            search_pb2.SearchRequest(query="q", k=3, fusion=search_pb2.Fusion(method=9)),  # type: ignore[arg-type]
+            "fusion method",
+        ),
+        (
+            search_pb2.SearchRequest(query="q", k=3, fusion=search_pb2.Fusion(dense_weight=1.5)),
+            "dense_weight",
+        ),
+        (
+            search_pb2.SearchRequest(query="q", k=3, fusion=search_pb2.Fusion(rrf_k=20_000)),
+            "rrf_k",
+        ),
+    ],
+)
+def test_unknown_modes_and_bad_fusions_are_invalid_arguments(
+    request_pb: search_pb2.SearchRequest, message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        convert.query_from_pb(request_pb)

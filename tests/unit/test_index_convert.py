@@ -247,3 +247,34 @@ def test_stats_to_pb_carries_every_field() -> None:
                  "list_imbalance", "log_lag_seconds"):  # fmt: skip
         expected = getattr(stats, name, 0.5)
         assert math.isclose(getattr(pb, name), expected, rel_tol=1e-6), name
+
+
+@given(top_ks(), top_ks(), st.text())
+def test_an_answer_with_a_sparse_list_survives_the_wire(
+    top: TopK, sparse: TopK, unavailable: str
+) -> None:
+    answer = ShardAnswer(top, 1, "r", "2-0", sparse=sparse)
+    wire = index_pb2.ShardSearchResponse.FromString(
+        convert.answer_to_pb(answer).SerializeToString()
+    )
+    assert convert.answer_from_pb(wire) == answer
+    # a replica without text index: no grid, and why
+    answer = ShardAnswer(top, 1, "r", "2-0", sparse_unavailable=unavailable)
+    wire = index_pb2.ShardSearchResponse.FromString(
+        convert.answer_to_pb(answer).SerializeToString()
+    )
+    assert convert.answer_from_pb(wire) == answer
+
+
+def test_a_sparse_only_query_crosses_the_wire_without_vectors() -> None:
+    query = ShardQuery(
+        shard=1, vectors=np.zeros((0, 0), np.float32), k=0, texts=("a b", "c"), sparse_k=7
+    )
+    wire = index_pb2.ShardSearchRequest.FromString(convert.query_to_pb(query).SerializeToString())
+    back = convert.query_from_pb(wire)
+    assert (back.texts, back.sparse_k, back.k, back.vectors.shape) == (("a b", "c"), 7, 0, (0, 0))
+    hybrid = ShardQuery(1, np.ones((2, 4), np.float32), 5, texts=("a", "b"), sparse_k=9)
+    wire = index_pb2.ShardSearchRequest.FromString(convert.query_to_pb(hybrid).SerializeToString())
+    back = convert.query_from_pb(wire)
+    assert (back.texts, back.sparse_k, back.k) == (("a", "b"), 9, 5)
+    assert np.array_equal(back.vectors, hybrid.vectors)

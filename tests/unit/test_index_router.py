@@ -100,3 +100,38 @@ def test_split_result_gives_each_request_its_row_and_k() -> None:
     parts = split_result(IndexResult(rows, [1]), [5, 2, 1])
     assert [len(p.hits[0]) for p in parts] == [5, 2, 1]
     assert parts[1].hits == [rows[1][:2]] and all(p.missing_shards == [1] for p in parts)
+
+
+def test_merge_answers_merges_each_list_and_names_shards_without_a_sparse_one() -> None:
+    from services.index.client.router import merge_answers
+
+    a = answer(0, [("a1", 0.9), ("a2", 0.5)])
+    a.sparse = TopK.from_hits([[("a2", 12.0), ("a3", 3.0)]])
+    b = answer(1, [("b1", 0.7)])
+    b.sparse = TopK.from_hits([[("b9", 8.0)]], width=3)
+    c = answer(2, [("c1", 0.8)])
+    c.sparse_unavailable = "no text index"
+    merged = merge_answers([a, b, c, Unavailable("down")], 1, 3, 5, False)
+    assert [h.id for h in merged.hits[0]] == ["a1", "c1", "b1"]
+    assert merged.sparse is not None
+    assert [(h.id, h.shard, h.score) for h in merged.sparse[0]] == [
+        ("a2", 0, 12.0), ("b9", 1, 8.0), ("a3", 0, 3.0),
+    ]  # fmt: skip
+    assert merged.missing_shards == [3] and merged.sparse_missing_shards == [2]
+    # a sparse-only search: no dense list (the shards answered an empty grid)
+    a.top, b.top = TopK.empty(0, 0), TopK.empty(0, 0)
+    only = merge_answers([a, b], 1, 0, 5, False)
+    assert only.hits == [[]] and only.sparse is not None
+    assert [h.id for h in only.sparse[0]] == ["a2", "b9", "a3"]
+    # no shard had a sparse list: dense hits stay, the sparse list is empty
+    none = merge_answers([c], 1, 3, 5, False)
+    assert none.sparse == [[]] and none.sparse_missing_shards == [0] and none.hits[0]
+
+
+def test_split_result_cuts_each_sparse_row_to_its_own_sparse_k() -> None:
+    from services.index.client.router import split_result
+
+    rows = [[Hit(f"{q}-{i}", 1.0, 0, 1.0) for i in range(4)] for q in range(2)]
+    parts = split_result(IndexResult(rows, [], rows, [1]), [4, 4], [1, 3])
+    assert [len(p.sparse[0]) for p in parts if p.sparse is not None] == [1, 3]
+    assert all(p.sparse_missing_shards == [1] for p in parts)

@@ -24,6 +24,13 @@ This cuts the RPCs per query by the batch size, and the shards run the batch as 
 FAISS call. SESSION and filtered searches are never coalesced (their waits and
 selectors are their own).
 
+Sparse and hybrid searches (``texts`` and ``sparse_k``, issue #26) go the same way: each
+shard answers its dense and its BM25 list of the same batch in one message, the router
+merges each list over the shards (:func:`merge_answers`; BM25 scores are each shard's,
+as in Elasticsearch's query-then-fetch) and leaves the fusion to the caller. A shard
+that answers without a sparse list (no text index) is in ``sparse_missing_shards``.
+Waves hold one kind of search (dense, sparse or both).
+
 The merge (:func:`merge_results`, :func:`split_result`) is pure and
 unit-tested; only :class:`ShardRouter` and its coalescer touch grpc.
 """
@@ -31,6 +38,7 @@ unit-tested; only :class:`ShardRouter` and its coalescer touch grpc.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -126,6 +134,41 @@ def merge_results(
     return IndexResult(hits, missing)
 
 
+def merge_answers(
+    answers: Sequence[ShardAnswer | BaseException],
+    num_queries: int,
+    k: int,
+    sparse_k: int,
+    require_complete: bool,
+) -> IndexResult:
+    """:func:`merge_results` of the dense lists (none when ``k`` is 0: a sparse-only
+    search) and, with ``sparse_k``, of the sparse ones."""
+    if k:
+        result = merge_results(answers, num_queries, k, require_complete)
+    else:
+        empty = TopK.empty(num_queries, 0)
+        blank = [
+            dataclasses.replace(a, top=empty) if isinstance(a, ShardAnswer) else a for a in answers
+        ]
+        result = merge_results(blank, num_queries, 1, require_complete)
+    if not sparse_k:
+        return result
+    lists: list[ShardAnswer | BaseException] = []
+    for shard, answer in enumerate(answers):
+        if not isinstance(answer, ShardAnswer):
+            lists.append(answer)
+        elif answer.sparse is None:
+            result.sparse_missing_shards.append(shard)
+            lists.append(Unavailable(answer.sparse_unavailable or f"shard {shard}: no sparse list"))
+        else:
+            lists.append(dataclasses.replace(answer, top=answer.sparse))
+    if len(result.sparse_missing_shards) + len(result.missing_shards) == len(answers):
+        result.sparse = [[] for _ in range(num_queries)]  # nothing to merge: dense only
+    else:
+        result.sparse = merge_results(lists, num_queries, sparse_k, False).hits
+    return result
+
+
 def no_shard_answered(answers: Sequence[ShardAnswer | BaseException]) -> RetrievalError:
     """The error of a search that no shard answered: an empty OK would claim "no match".
 
@@ -138,11 +181,21 @@ def no_shard_answered(answers: Sequence[ShardAnswer | BaseException]) -> Retriev
     return Unavailable(f"no shard answered ({details})")
 
 
-def split_result(result: IndexResult, ks: Sequence[int]) -> list[IndexResult]:
-    """One result per coalesced request (one query row each), cut to its own k."""
+def split_result(
+    result: IndexResult, ks: Sequence[int], sparse_ks: Sequence[int] | None = None
+) -> list[IndexResult]:
+    """One result per coalesced request (one query row each), cut to its own k (and
+    sparse k)."""
+    sparse_ks = sparse_ks if sparse_ks is not None else [0] * len(ks)
+    sparse = result.sparse
     return [
-        IndexResult(hits=[row[:k]], missing_shards=list(result.missing_shards))
-        for row, k in zip(result.hits, ks, strict=True)
+        IndexResult(
+            hits=[row[:k]],
+            missing_shards=list(result.missing_shards),
+            sparse=None if sparse is None else [sparse[i][:sk]],
+            sparse_missing_shards=list(result.sparse_missing_shards),
+        )
+        for i, (row, k, sk) in enumerate(zip(result.hits, ks, sparse_ks, strict=True))
     ]
 
 
@@ -221,14 +274,16 @@ class _Shard:
 
 @dataclass
 class _Waiting:
-    vector: np.ndarray  # (dim,)
+    vector: np.ndarray | None  # (dim,); None: a sparse-only search
     k: int
     deadline: Deadline
     future: asyncio.Future[IndexResult]
+    text: str = ""  # the query text of a sparse or hybrid search
+    sparse_k: int = 0
 
 
-# nprobe, consistency, require_complete, deadline class (see deadline_class)
-_WaveKey = tuple[int, Consistency, bool, int]
+# nprobe, consistency, require_complete, (dense, sparse), deadline class (deadline_class)
+_WaveKey = tuple[int, Consistency, bool, tuple[bool, bool], int]
 MAX_WAVE_ROWS = 256
 
 
@@ -253,15 +308,17 @@ class _Coalescer:
 
     async def search(
         self,
-        vector: np.ndarray,
+        vector: np.ndarray | None,
         k: int,
         key: tuple[int, Consistency, bool],
         timeout: float | None,
+        text: str = "",
+        sparse_k: int = 0,
     ) -> IndexResult:
         future: asyncio.Future[IndexResult] = asyncio.get_running_loop().create_future()
-        wave_key = (*key, deadline_class(timeout))
+        wave_key = (*key, (vector is not None, sparse_k > 0), deadline_class(timeout))
         self._queue.setdefault(wave_key, []).append(
-            _Waiting(vector, k, Deadline.after(timeout), future)
+            _Waiting(vector, k, Deadline.after(timeout), future, text, sparse_k)
         )
         if not self._draining:
             self._draining = True
@@ -303,13 +360,14 @@ class _Coalescer:
         self._waves.release()
 
     async def _run(self, key: _WaveKey, wave: list[_Waiting]) -> None:
-        nprobe, consistency, require_complete, _ = key
+        nprobe, consistency, require_complete, (dense, sparse), _ = key
         known = [w.deadline.remaining() for w in wave]
         # the latest deadline of the wave: a member waits no longer than its own
         timeout = None if None in known else max(t for t in known if t is not None)
+        vectors = [w.vector for w in wave if w.vector is not None]
         try:
             result = await self._router.fan_out(
-                np.stack([w.vector for w in wave]),
+                np.stack(vectors) if dense else None,
                 max(w.k for w in wave),
                 nprobe=nprobe,
                 filter=(),
@@ -317,13 +375,16 @@ class _Coalescer:
                 token={},
                 timeout=timeout,
                 require_complete=require_complete,
+                texts=tuple(w.text for w in wave) if sparse else (),
+                sparse_k=max(w.sparse_k for w in wave),
             )
         except Exception as exc:
             for w in wave:
                 if not w.future.done():
                     w.future.set_exception(exc)
             return
-        for w, one in zip(wave, split_result(result, [w.k for w in wave]), strict=True):
+        parts = split_result(result, [w.k for w in wave], [w.sparse_k for w in wave])
+        for w, one in zip(wave, parts, strict=True):
             if not w.future.done():
                 w.future.set_result(one)
 
@@ -365,7 +426,7 @@ class ShardRouter:
 
     async def search(
         self,
-        vectors: np.ndarray,
+        vectors: np.ndarray | None,
         k: int,
         *,
         nprobe: int = 0,
@@ -374,29 +435,45 @@ class ShardRouter:
         write_token: WriteToken | None = None,
         timeout: float | None = None,
         require_complete: bool = False,
+        texts: Sequence[str] = (),
+        sparse_k: int = 0,
     ) -> IndexResult:
         """Top-k per query vector over all shards, best first.
 
         ``write_token`` (SESSION): each shard waits for its position in it; a shard not
         in the token has nothing to wait for. ``timeout`` in seconds (None = none).
+        ``texts`` and ``sparse_k``: also the top ``sparse_k`` BM25 hits of each query
+        text (one per query vector) in ``IndexResult.sparse``; with ``vectors`` None and
+        ``k`` 0 only those (a sparse search).
         """
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        if vectors.ndim != 2 or len(vectors) == 0:
-            raise InvalidArgument(f"queries: expected a (n, dim) matrix, got {vectors.shape}")
+        if vectors is not None:
+            vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+            if vectors.ndim != 2 or len(vectors) == 0:
+                raise InvalidArgument(f"queries: expected a (n, dim) matrix, got {vectors.shape}")
+            if not 1 <= k <= MAX_K:
+                raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
+        elif k or not sparse_k:
+            raise InvalidArgument("a search needs query vectors, or texts and sparse_k only")
+        if sparse_k or texts:
+            if not 1 <= sparse_k <= MAX_K:
+                raise InvalidArgument(f"sparse_k: {sparse_k} is out of range 1..{MAX_K}")
+            if not texts or (vectors is not None and len(texts) != len(vectors)):
+                raise InvalidArgument("texts: one query text per query vector")
+        rows = len(vectors) if vectors is not None else len(texts)
         if write_token:
             unknown = [s for s in write_token if not 0 <= s < self.num_shards]
             if unknown:
                 raise InvalidArgument(f"write_token: unknown shards {unknown}")
-        if not 1 <= k <= MAX_K:
-            raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
         if (
             self._coalescer is not None
-            and len(vectors) == 1
+            and rows == 1
             and not filter
             and consistency is not Consistency.SESSION
         ):
             key = (nprobe, consistency, require_complete)
-            return await self._coalescer.search(vectors[0], k, key, timeout)
+            vector = vectors[0] if vectors is not None else None
+            text = texts[0] if texts else ""
+            return await self._coalescer.search(vector, k, key, timeout, text, sparse_k)
         return await self.fan_out(
             vectors,
             k,
@@ -406,11 +483,13 @@ class ShardRouter:
             token=write_token or {},
             timeout=timeout,
             require_complete=require_complete,
+            texts=tuple(texts),
+            sparse_k=sparse_k,
         )
 
     async def fan_out(
         self,
-        vectors: np.ndarray,
+        vectors: np.ndarray | None,
         k: int,
         *,
         nprobe: int,
@@ -419,6 +498,8 @@ class ShardRouter:
         token: WriteToken,
         timeout: float | None,
         require_complete: bool,
+        texts: tuple[str, ...] = (),
+        sparse_k: int = 0,
     ) -> IndexResult:
         """One ShardSearchRequest per shard for the whole batch; merge the answers.
 
@@ -427,20 +508,24 @@ class ShardRouter:
         copy and runs the batch again with the shards assigning it themselves.
         """
         deadline = shard_deadline(Deadline.after(timeout))
-        quantizer = await self._coarse(vectors)
-        probes = quantizer.assign(vectors, nprobe) if quantizer is not None else None
+        dense = vectors is not None
+        batch = vectors if vectors is not None else np.zeros((0, 0), np.float32)
+        quantizer = await self._coarse(batch) if dense else None
+        probes = quantizer.assign(batch, nprobe) if quantizer is not None else None
 
         def request(shard: int, probes: Probes | None) -> index_pb2.ShardSearchRequest:
             return convert.query_to_pb(
                 ShardQuery(
                     shard=shard,
-                    vectors=vectors,
-                    k=k,
+                    vectors=batch,
+                    k=k if dense else 0,
                     nprobe=nprobe,
                     filter=filter,
                     consistency=consistency,
                     min_position=token.get(shard, "") if consistency is Consistency.SESSION else "",
                     probes=probes,
+                    texts=texts,
+                    sparse_k=sparse_k,
                 )
             )
 
@@ -455,7 +540,8 @@ class ShardRouter:
                 *[s.search(request(s.index, None), deadline) for s in self._shards],
                 return_exceptions=True,
             )
-        return merge_results(answers, len(vectors), k, require_complete)
+        rows = len(batch) if dense else len(texts)
+        return merge_answers(answers, rows, k if dense else 0, sparse_k, require_complete)
 
     async def _coarse(self, vectors: np.ndarray) -> CoarseQuantizer | None:
         """The shared quantizer when it applies to ``vectors`` (fetched on first use)."""

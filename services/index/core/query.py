@@ -41,6 +41,10 @@ class ShardQuery:
     consistency: Consistency = Consistency.EVENTUAL
     min_position: str = ""
     probes: Probes | None = None  # the coarse assignment, made once by the router
+    # sparse (BM25): one query text per row and the depth of its list; () / 0: none.
+    # ``vectors`` with no rows and ``k`` 0: a sparse-only search.
+    texts: tuple[str, ...] = ()
+    sparse_k: int = 0
 
 
 PAD_ID = ""  # the id of an empty cell of a TopK grid (document ids are never empty)
@@ -127,3 +131,5 @@ class ShardAnswer:
     shard: int
     replica: str
     applied_position: str
+    sparse: TopK | None = None  # the BM25 grid, when the search asked for one
+    sparse_unavailable: str = ""  # why there is none although asked (no text index)

@@ -8,7 +8,8 @@ from pathlib import Path
 from services.common import positions
 from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument, Unavailable
-from services.index.core.query import Consistency, ShardAnswer, ShardQuery
+from services.common.limits import LIMITS
+from services.index.core.query import Consistency, ShardAnswer, ShardQuery, TopK
 from services.index.core.shard import ShardStats
 from services.index.core.stats import ReplicaStats
 from services.index.core.transfer import Offer, newest_snapshot, open_offer
@@ -37,9 +38,14 @@ class ShardService:
         deadline = Deadline.after(self.default_timeout_s if timeout is None else timeout)
         # The one check of a search in this process, before any wait: a bad request
         # fails at once, whatever the consistency.
-        vectors = self.replica.shard.check(
-            query.vectors, query.k, query.nprobe, query.filter, query.probes
+        shard = self.replica.shard
+        dense = query.k > 0 or not query.sparse_k
+        vectors = (
+            shard.check(query.vectors, query.k, query.nprobe, query.filter, query.probes)
+            if dense
+            else None
         )
+        terms, unavailable = self._sparse_terms(query, dense)
         if query.consistency is Consistency.SESSION and query.min_position:
             positions.parse(query.min_position)
             await self.replica.check_written(query.min_position, deadline.remaining())
@@ -47,13 +53,51 @@ class ShardService:
         elif query.consistency is Consistency.STRONG:
             await self.replica.wait_for(await self.replica.tail(), deadline.remaining())
         deadline.check("the search")
-        top = await self.batcher.search(
-            vectors, query.k, query.nprobe, query.filter, query.probes, checked=True
-        )
+        if vectors is not None:
+            top = await self.batcher.search(
+                vectors, query.k, query.nprobe, query.filter, query.probes, checked=True
+            )
+        else:
+            top = TopK.empty(len(query.texts), 0)
+        # BM25 inline on the event loop: ~0.2 ms per query on 5,000 documents (bench.hybrid)
+        sparse = shard.search_text(terms, query.sparse_k, query.filter) if terms else None
         self.searches += top.rows
         return ShardAnswer(
-            top, self.shard_id, self.replica.config.replica, self.replica.shard.applied
+            top,
+            self.shard_id,
+            self.replica.config.replica,
+            shard.applied,
+            sparse=sparse,
+            sparse_unavailable=unavailable,
         )
+
+    def _sparse_terms(self, query: ShardQuery, dense: bool) -> tuple[list[list[str]], str]:
+        """The analysed terms of the query texts (none when no sparse list is asked), or
+        why there are none although asked (this replica has no text index); the one check
+        of the sparse part."""
+        if not query.sparse_k and not query.texts:
+            return [], ""
+        if not 1 <= query.sparse_k <= LIMITS.max_k:
+            raise InvalidArgument(f"sparse_k: {query.sparse_k} is out of range 1..{LIMITS.max_k}")
+        if not 1 <= len(query.texts) <= LIMITS.max_shard_queries:
+            raise InvalidArgument(
+                f"texts: {len(query.texts)} query texts, takes 1..{LIMITS.max_shard_queries}"
+            )
+        if dense and len(query.texts) != len(query.vectors):
+            raise InvalidArgument(
+                f"texts: {len(query.texts)} query texts for {len(query.vectors)} query vectors"
+            )
+        for text in query.texts:
+            if len(text.encode("utf-8")) > LIMITS.max_query_bytes:
+                raise InvalidArgument(f"texts: a query text over {LIMITS.max_query_bytes} bytes")
+        shard = self.replica.shard
+        shard.check_filter(query.filter)
+        if shard.text is None:
+            return [], (
+                f"shard {self.shard_id} replica {self.replica.config.replica} has no text "
+                "index: dense results only"
+            )
+        return shard.query_terms(query.texts), ""
 
     def stats(self) -> ShardStats:
         return self.replica.shard.stats()

@@ -1,0 +1,163 @@
+"""Retrieval modes through the real gateway (gRPC, the real MiniLM encoder, two real shard
+servers with their text indexes, real Redis, a real rerank server): a client that names
+no mode gets the default (hybrid, weighted fusion); dense, sparse and hybrid answer with
+their mode and each hit's ranks; CELI reranks the fused candidates; a deleted document
+never comes back in sparse or hybrid results; bad modes and fusions are INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from retrieval.v1 import (
+    common_pb2,
+    documents_pb2,
+    documents_pb2_grpc,
+    search_pb2,
+    search_pb2_grpc,
+)
+from tests.support.background import stack_with_rerank
+from tests.support.shards import scifact_vectors, shared_test_index
+
+DOCS = [
+    ("csv-py", "csv.reader", "Read rows of a csv file one list at a time."),
+    ("json-py", "json.loads", "Parse a json document into Python objects."),
+    ("hash-py", "hashlib", "Compute a sha256 digest of bytes."),
+    ("pool-py", "ThreadPoolExecutor", "Run callables in a pool of threads."),
+    ("zlib-py", "zlib", "Compress and decompress data with the deflate algorithm."),
+    ("sock-py", "socket", "Open a TCP connection to a server and send bytes."),
+]
+HYBRID = search_pb2.RETRIEVAL_MODE_HYBRID
+DENSE = search_pb2.RETRIEVAL_MODE_DENSE
+SPARSE = search_pb2.RETRIEVAL_MODE_SPARSE
+
+
+class Front:
+    def __init__(self, address: str, nlist: int) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.search = search_pb2_grpc.SearchServiceStub(self.channel)
+        self.docs = documents_pb2_grpc.DocumentServiceStub(self.channel)
+        self.nlist = nlist
+        self.token = common_pb2.WriteToken()
+
+    def upsert(self, docs: list[tuple[str, str, str]]) -> None:
+        pb = [documents_pb2.Document(id=i, title=t, text=x) for i, t, x in docs]
+        self.token = self.docs.Upsert(
+            documents_pb2.UpsertRequest(documents=pb), timeout=60
+        ).write_token
+
+    def ask(self, query: str, k: int = 6, **fields: object) -> search_pb2.SearchResponse:
+        request = search_pb2.SearchRequest(
+            query=query,
+            k=k,
+            nprobe=self.nlist,
+            consistency=common_pb2.CONSISTENCY_SESSION,
+            write_token=self.token,
+            **fields,  # type: ignore[arg-type]
+        )
+        return self.search.Search(request, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
+    index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
+    tmp = tmp_path_factory.mktemp("hybrid")
+    with stack_with_rerank(index_dir, tmp) as (bg, _):
+        nlist = json.loads((index_dir / "manifest.json").read_text())["nlist"]
+        f = Front(bg.address, nlist)
+        f.upsert(DOCS)
+        yield f
+        f.channel.close()
+
+
+def test_a_client_that_names_no_mode_gets_hybrid_with_both_ranks(front: Front) -> None:
+    reply = front.ask("sha256 digest")
+    assert reply.mode == HYBRID and not reply.partial
+    assert reply.fusion.method == search_pb2.FUSION_METHOD_WEIGHTED
+    assert reply.fusion.dense_weight == pytest.approx(0.5)
+    top = reply.hits[0]
+    assert top.id == "hash-py" and top.sparse_rank == 1 and top.dense_rank >= 1
+    assert top.score == top.first_stage_score <= 1.0  # the fused score, normalised
+    assert all(h.dense_rank or h.sparse_rank for h in reply.hits)
+    assert top.title == "hashlib"  # documents are fetched as for any search
+
+
+def test_each_mode_answers_as_itself(front: Front) -> None:
+    dense = front.ask("compress data", mode=DENSE)
+    assert dense.mode == DENSE and not dense.HasField("fusion")
+    assert all(h.dense_rank == 0 and h.sparse_rank == 0 for h in dense.hits)
+    assert [h.first_stage_score for h in dense.hits] == sorted(
+        (h.first_stage_score for h in dense.hits), reverse=True
+    )
+    sparse = front.ask("deflate", mode=SPARSE)
+    assert sparse.mode == SPARSE and sparse.timings.encode_ms == 0  # not encoded
+    assert [(h.id, h.sparse_rank) for h in sparse.hits] == [("zlib-py", 1)]
+    rrf = front.ask(
+        "deflate compress",
+        mode=HYBRID,
+        fusion=search_pb2.Fusion(method=search_pb2.FUSION_METHOD_RRF, rrf_k=10),
+    )
+    assert rrf.mode == HYBRID and rrf.fusion.rrf_k == 10
+    top = rrf.hits[0]
+    assert top.id == "zlib-py"
+    expected = sum(1 / (10 + r) for r in (top.dense_rank, top.sparse_rank) if r)
+    assert top.first_stage_score == pytest.approx(expected, rel=1e-5)
+    # a query of no indexable term: an empty sparse answer, not an error
+    nothing = front.ask("?! ...", mode=SPARSE)
+    assert list(nothing.hits) == [] and not nothing.partial
+
+
+def test_celi_reranks_the_fused_candidates(front: Front) -> None:
+    fused = front.ask("read a csv file", k=4)
+    reranked = front.ask(
+        "read a csv file", k=4, rerank=search_pb2.RerankOptions(enabled=True, depth=6)
+    )
+    assert reranked.reranked and reranked.rerank_depth == 6 and reranked.mode == HYBRID
+    # the reranker's order of the fused top 6: each hit keeps its ranks in both lists
+    assert {h.id for h in reranked.hits} <= {h.id for h in front.ask("read a csv file").hits}
+    assert all(h.dense_rank or h.sparse_rank for h in reranked.hits)
+    assert {h.id for h in fused.hits} <= {d for d, _, _ in DOCS}
+
+
+def test_a_batch_mixes_modes(front: Front) -> None:
+    requests = [
+        search_pb2.SearchRequest(query="deflate", k=2, mode=m, nprobe=front.nlist)
+        for m in (DENSE, SPARSE, HYBRID, search_pb2.RETRIEVAL_MODE_UNSPECIFIED)
+    ]
+    replies = front.search.BatchSearch(
+        search_pb2.BatchSearchRequest(requests=requests), timeout=60
+    ).responses
+    assert [r.mode for r in replies] == [DENSE, SPARSE, HYBRID, HYBRID]
+    assert all(r.hits[0].id == "zlib-py" for r in replies)
+
+
+def test_a_deleted_document_never_returns_in_sparse_or_hybrid(front: Front) -> None:
+    front.upsert([("gone-py", "shelve", "A persistent quokka dictionary.")])
+    assert front.ask("quokka", mode=SPARSE).hits[0].id == "gone-py"
+    reply = front.docs.Delete(documents_pb2.DeleteRequest(ids=["gone-py"]), timeout=30)
+    front.token = reply.write_token
+    for mode in (SPARSE, HYBRID):
+        assert "gone-py" not in {h.id for h in front.ask("quokka dictionary", mode=mode).hits}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"mode": 9}, "mode"),
+        ({"fusion": search_pb2.Fusion(dense_weight=2.0)}, "dense_weight"),
+        ({"fusion": search_pb2.Fusion(rrf_k=100_000)}, "rrf_k"),
+        ({"fusion": search_pb2.Fusion(candidates=2)}, "candidates"),
+    ],
+)
+def test_bad_modes_and_fusions_are_invalid_arguments(
+    front: Front, fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        front.ask("csv", 6, **fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (err.value.details() or "")
