@@ -15,6 +15,10 @@ the gateway builds from ``--triton-url``) is given the name and driven by
 * ``baseline_min_triton_share``: the same load through the former wiring, one gRPC
   channel to the same ``dns:`` name (gRPC's resolver, pick_first), measured in the same
   run;
+* ``round_robin_min_triton_share``: the same load with ``--balance round_robin``
+  (strictly in turn, whatever each server's speed). Least outstanding gives the server
+  that answers faster more, so its share follows what each server gets of the shared
+  cores; in turn shows the split without that;
 * ``failed`` / ``baseline_failed``: encodes of each run that failed; ``encodes_per_s`` /
   ``baseline_encodes_per_s``: throughput (both servers share the machine's cores with
   the client, so this says little about scaling).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
@@ -45,8 +50,9 @@ def say(message: str) -> None:
 
 
 async def _run(
-    target: str, queries: list[str], args: argparse.Namespace, former: bool
+    target: str, queries: list[str], args: argparse.Namespace, mode: str
 ) -> dict[str, Any]:
+    from services.common.balance import Balancing
     from services.common.discovery import parse_dns_target
     from services.encoder.runtime.triton_client import (
         TritonEncoder,
@@ -54,9 +60,10 @@ async def _run(
         TritonServer,
     )
 
-    cfg = TritonEncoderConfig(target, retries=0)
+    balancing = Balancing("round_robin" if mode == "round_robin" else "least_outstanding")
+    cfg = TritonEncoderConfig(target, retries=0, balancing=balancing)
     encoder = await TritonEncoder.connect(cfg)
-    if former:  # one channel to the dns: name: gRPC's resolver, pick_first (bench only)
+    if mode == "former":  # one channel to the dns: name: gRPC's resolver, pick_first (bench only)
         pool = encoder.pool
         await pool.close()
         pool.endpoints = [TritonServer(str(parse_dns_target(target)), cfg, None)]
@@ -85,9 +92,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=15.0, help="each run's length (15 s)")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop callers (8)")
     parser.add_argument("--queries", type=Path, default=None, help="BEIR queries.jsonl")
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave both servers on every core (default: each on a core of its own)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    from loadtest.placement import pinned, usable_cpus
     from services.encoder.build.export import export_onnx
     from services.encoder.build.repository import RepositoryConfig, generate_repository
     from services.encoder.model import default_model_dir
@@ -119,19 +133,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 wait_for_port(handle.config.metrics_port, 30, handle.config.host)
             dns.set(NAME, list(HOSTS))
             target = dns.target(NAME, port)
-            for key, former in (("baseline_", True), ("", False)):
-                before = [inferences(a), inferences(b)]
-                run = asyncio.run(_run(target, queries, args, former))
-                counts = [inferences(a) - before[0], inferences(b) - before[1]]
-                share = min(counts) / max(1, sum(counts))
-                out[f"{key}min_triton_share"] = share
-                out[f"{key}counts"] = counts
-                out[f"{key}failed"] = run["failed"]
-                out[f"{key}encodes_per_s"] = run["encodes_per_s"]
-                label = "one channel (former)" if former else "balanced"
-                say(f"{label:>22}: encodes per Triton {counts} (by their metrics), "
-                    f"min share {share:.3f}, {run['failed']} failed, "
-                    f"{run['encodes_per_s']:.0f} encodes/s")  # fmt: skip
+            cpus = sorted(usable_cpus())
+            pin = args.pin and len(cpus) >= 2
+            out["pinned"] = pin
+            # one core per server (as one pod per node), the client on all of them
+            groups = {frozenset({cpus[0]}): [a.process.pid], frozenset({cpus[-1]}): [b.process.pid]}
+            with pinned(groups) if pin else contextlib.nullcontext():
+                for key, mode in (
+                    ("baseline_", "former"),
+                    ("", "balanced"),
+                    ("round_robin_", "round_robin"),
+                ):
+                    before = [inferences(a), inferences(b)]
+                    run = asyncio.run(_run(target, queries, args, mode))
+                    counts = [inferences(a) - before[0], inferences(b) - before[1]]
+                    share = min(counts) / max(1, sum(counts))
+                    out[f"{key}min_triton_share"] = share
+                    out[f"{key}counts"] = counts
+                    out[f"{key}failed"] = run["failed"]
+                    out[f"{key}encodes_per_s"] = run["encodes_per_s"]
+                    label = {"former": "one channel (former)", "balanced": "least outstanding",
+                             "round_robin": "round robin"}[mode]  # fmt: skip
+                    say(f"{label:>22}: encodes per Triton {counts} (by their metrics), "
+                        f"min share {share:.3f}, {run['failed']} failed, "
+                        f"{run['encodes_per_s']:.0f} encodes/s")  # fmt: skip
     print(json_line(out))
     return out
 
