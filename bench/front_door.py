@@ -55,12 +55,6 @@ DATA = Path(os.environ.get("GTR_DATA_DIR", ROOT.parent / "shared" / "data")) / "
 TOKEN = "bench-front-door-token"
 
 
-def _free_port() -> int:
-    from services.stack.children import free_port
-
-    return free_port()
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -81,14 +75,15 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
+    """Until ``ready()``; the log's tail if the process exits first."""
+    from tests.support.processes import wait_until
+
+    def up() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited:\n{log.read_text(errors='replace')[-3000:]}")
-        if ready():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not ready:\n{log.read_text(errors='replace')[-3000:]}")
+        return ready()
+
+    wait_until(up, f"{what} healthy (log {log})", timeout=600, interval=0.1)
 
 
 def _healthy(address: str, tls: Any = None) -> Callable[[], bool]:
@@ -235,11 +230,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.index.core.train import TrainOptions, train_index
     from services.stack.certs import make_certs
+    from tests.support.processes import free_port, redis_binary, run_redis
+    from tests.support.shards import start_shard
 
     if not (DATA / "corpus.jsonl").exists():
         raise SystemExit(f"SciFact data not found at {DATA} (set GTR_DATA_DIR)")
-    redis_server = shutil.which("redis-server")
-    if redis_server is None:
+    if redis_binary() is None:
         raise SystemExit("redis-server is not installed (scripts/bootstrap.sh)")
     work = Path(tempfile.mkdtemp(prefix="bench-front-door-"))
     lines = (DATA / "corpus.jsonl").read_text(encoding="utf-8").splitlines()[: args.docs]
@@ -256,29 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     tokens = work / "tokens"
     tokens.write_text(f"{TOKEN}\n", encoding="utf-8")
     try:
-        redis_port = _free_port()
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        redis_argv = [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1",
-                      "--save", "", "--appendonly", "no", "--dir", str(work)]  # fmt: skip
-        with _process(redis_argv, work / "redis.log") as redis_proc:
-            _wait(lambda: _redis_up(redis_url), redis_proc, work / "redis.log", "redis")
-            _ingest(redis_url, vectors, docs)
-            shard = f"127.0.0.1:{_free_port()}"
-            shard_argv = [
-                sys.executable, "-m", "services.index.server.process", "--port",
-                shard.rsplit(":", 1)[1], "--shard", "0", "--shards", "1",
-                "--redis-url", redis_url, "--index-dir", str(work / "index"),
-                "--snapshot-dir", str(work / "snap"), "--search-threads", "0",
-                "--log-level", "WARNING",
-            ]  # fmt: skip
-            with _process(shard_argv, work / "shard.log") as shard_proc:
-                _wait(_healthy(shard), shard_proc, work / "shard.log", "shard")
+        with run_redis(work / "redis") as store:
+            _ingest(store.url, vectors, docs)
+            shard_proc = start_shard(
+                index_dir=work / "index", redis_url=store.url, shard=0, shards=1,
+                work_dir=work, settings={"search-threads": "0"}, timeout=600,
+            )  # fmt: skip
+            try:
                 common = [
-                    sys.executable, "-m", "services.gateway.server", "--redis-url", redis_url,
-                    "--shards", shard, "--encoder", "inprocess", "--log-level", "WARNING",
+                    sys.executable, "-m", "services.gateway.server", "--redis-url", store.url,
+                    "--shards", shard_proc.address, "--encoder", "inprocess",
+                    "--log-level", "WARNING",
                 ]  # fmt: skip
-                plain = f"127.0.0.1:{_free_port()}"
-                front = f"localhost:{_free_port()}"
+                plain = f"127.0.0.1:{free_port()}"
+                front = f"localhost:{free_port()}"
                 plain_argv = [*common, "--port", plain.rsplit(":", 1)[1], "--no-auth"]
                 front_argv = [
                     *common, "--port", front.rsplit(":", 1)[1],
@@ -302,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = asyncio.run(
                         _measure(plain, front, certs, queries, [d["_id"] for d in docs], args)
                     )
+            finally:
+                shard_proc.stop()
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -322,15 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
-
-
-def _redis_up(url: str) -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
 
 
 if __name__ == "__main__":

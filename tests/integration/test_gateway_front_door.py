@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from services.index.server.process import RunningShard, start_shard
 from services.rerank.serve.server import Reranker, start_rerank
 from services.rerank.serve.settings import RerankSettings
 from tests.support.log_end import FUTURE, log_end_moved
-from tests.support.processes import free_port, start_redis, stop_process
+from tests.support.processes import await_until, free_port, start_redis, stop_process
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.shards import train_test_index
 from tests.support.stack import shard_settings
@@ -121,14 +120,6 @@ async def front_door(
         await shard.close(0, snapshot=False)
 
 
-async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout:.0f} s: {what}")
-        await asyncio.sleep(0.02)
-
-
 @asynccontextmanager
 async def held(front: Front, count: int) -> AsyncIterator[None]:
     """``count`` searches in flight at the gateway, each waiting in the shard for a log
@@ -149,13 +140,15 @@ async def held(front: Front, count: int) -> AsyncIterator[None]:
         for i in range(count)
     ]
     try:
-        await until(lambda: front.in_flight == before + count, f"{count} searches in flight")
+        await await_until(
+            lambda: front.in_flight == before + count, f"{count} searches in flight", 30, 0.02
+        )
         assert not any(call.done() for call in calls)
         yield
     finally:
         for call in calls:
             call.cancel()
-        await until(lambda: front.in_flight == before, "the held searches ended")
+        await await_until(lambda: front.in_flight == before, "the held searches ended", 30, 0.02)
 
 
 def _reranked(query: str = "read a csv file row by row") -> search_pb2.SearchRequest:
@@ -303,11 +296,10 @@ def test_a_gateway_whose_redis_is_killed_is_not_serving_until_redis_is_back(
         return int(reply.status)
 
     async def await_status(health: health_pb2_grpc.HealthStub, wanted: int, what: str) -> None:
-        deadline = time.monotonic() + 30
-        while (now := await status(health)) != wanted:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: health still {now} after 30 s")
-            await asyncio.sleep(0.05)
+        async def reached() -> bool:
+            return await status(health) == wanted
+
+        await await_until(reached, what, timeout=30)
 
     async def scenario() -> None:
         nonlocal process

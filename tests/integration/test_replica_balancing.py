@@ -27,7 +27,7 @@ from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import ShardQuery
 from tests.support.dns import DnsServer, run_dns
-from tests.support.processes import free_port, run_redis
+from tests.support.processes import await_until, free_port, run_redis
 from tests.support.search_load import missed, search_load, searches_answered, shard_stats
 from tests.support.shards import ShardCluster, ShardProcess, start_shard, train_test_index
 
@@ -178,9 +178,10 @@ def test_a_replica_that_leaves_dns_gets_no_more_searches_and_one_that_joins_gets
             await replica_set.search(request, Deadline.after(5.0))
 
     async def until(replica_set: ReplicaSet, addresses: set[str]) -> None:
-        async with asyncio.timeout(10):
-            while {r.address for r in replica_set.replicas} != addresses:
-                await asyncio.sleep(0.02)  # the watcher re-resolves every 0.1 s
+        await await_until(  # the watcher re-resolves every 0.1 s
+            lambda: {r.address for r in replica_set.replicas} == addresses,
+            f"the replicas are {sorted(addresses)}", 10, 0.02,
+        )  # fmt: skip
 
     async def run() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         target = replicas.dns.target(name, replicas.ports[shard])
@@ -197,9 +198,10 @@ def test_a_replica_that_leaves_dns_gets_no_more_searches_and_one_that_joins_gets
             replicas.dns.set(name, list(HOSTS))
             await until(replica_set, {gone.address, stays.address})
             # a replica that joins is asked last until its health check says SERVING
-            async with asyncio.timeout(10):
-                while any(r.suspect for r in replica_set.replicas):
-                    await asyncio.sleep(0.02)
+            await await_until(
+                lambda: not any(r.suspect for r in replica_set.replicas),
+                "the joined replica checked SERVING", 10, 0.02,
+            )  # fmt: skip
             await searches(replica_set, 40)
             t3 = replicas.searches()
             return (

@@ -11,7 +11,6 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ from services.stack.children import (
     grpc_healthy,
 )
 from services.stack.config import StackConfig
-from tests.support.processes import redis_binary, wait_until
+from tests.support.processes import await_until, redis_binary, wait_until
 
 DIM = 384
 FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=2, window_s=60, poll_s=0.05)
@@ -85,13 +84,6 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                     return False
                 return bool(result.hits[0]) and result.hits[0][0].id == f"d{row}"
 
-            async def until(check: Callable[[], object], timeout: float, what: str) -> float:
-                start = time.monotonic()
-                while not await check():  # type: ignore[misc]
-                    assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
-                    await asyncio.sleep(0.05)
-                return time.monotonic() - start
-
             try:
                 await writer.upsert([DocRecord(f"d{i}", docs[i]) for i in range(20)])
                 assert await found(3)
@@ -109,7 +101,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                 assert victim.pid != old_pid and grpc_healthy(victim.address)
                 assert all(c.alive() for c in sup.children)
                 # the router's channel and search stream to that port come back by themselves
-                await until(lambda: found(7), 20, "the router searches the restarted replica")
+                await await_until(lambda: found(7), "the router searches the restarted replica", 20)
 
                 # kill -9 of Redis: same port, same AOF directory, nothing acknowledged lost
                 old_pid = redis_child.pid
@@ -132,9 +124,11 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                     except Exception:
                         return False
 
-                await until(upserted, 20, "an upsert after the Redis restart")
+                await await_until(upserted, "an upsert after the Redis restart", 20)
                 # the shards' log consumers reconnected to the restarted Redis
-                await until(lambda: found(33), 30, "a write after the Redis restart is searched")
+                await await_until(
+                    lambda: found(33), "a write after the Redis restart is searched", 30
+                )
             finally:
                 await writer.close()
                 await solo.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import shutil
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,27 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.0f} s: {what}")
         time.sleep(interval)
+
+
+async def await_until(
+    condition: Callable[[], bool | Awaitable[bool]],
+    what: str,
+    timeout: float = 10.0,
+    interval: float = 0.05,
+) -> float:
+    """:func:`wait_until` for a test's event loop: poll ``condition`` (a function, or a
+    coroutine function) without blocking the loop until it holds; the seconds it took
+    (AssertionError naming ``what`` after ``timeout``)."""
+    start = time.monotonic()
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        await asyncio.sleep(interval)
 
 
 def wait_for_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:

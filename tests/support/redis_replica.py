@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
 
-from tests.support.processes import free_port, start_redis, stop_process
+from tests.support.processes import free_port, start_redis, stop_process, wait_until
 
 
 def wait_replica_synced(replica: redis.Redis, timeout: float = 30.0) -> None:
     """Until the replica's link to its primary is up (its initial sync done)."""
-    deadline = time.monotonic() + timeout
-    while replica.info("replication").get("master_link_status") != "up":
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the replica did not sync with its primary in {timeout:.0f} s")
-        time.sleep(0.05)
+    wait_until(
+        lambda: replica.info("replication").get("master_link_status") == "up",
+        "the replica synced with its primary",
+        timeout=timeout,
+    )
 
 
 @contextmanager
