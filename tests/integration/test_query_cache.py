@@ -36,6 +36,7 @@ from services.gateway.query_cache import KEY_PREFIX, LRU_KEY, QueryEmbeddingCach
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import (
     RestartableRedis,
+    await_until,
     free_port,
     run_redis,
     start_redis,
@@ -238,8 +239,7 @@ def test_an_entry_expires_after_its_ttl_and_a_hit_does_not_extend_it(any_redis_u
             await asyncio.sleep(0.1)
             await cache.lookup(cache.keys(["q"], "query"))
             assert client.pttl(key) <= 300, "a hit does not extend the TTL"
-            while client.exists(key):  # Redis expires it; poll instead of a fixed sleep
-                await asyncio.sleep(0.02)
+            await await_until(lambda: not client.exists(key), "Redis expired the entry", 10, 0.02)
             assert await cache.lookup(cache.keys(["q"], "query")) == [None]
             assert client.zcard(LRU_KEY) == 0, "the expired entry left the LRU set"
         finally:

@@ -24,7 +24,7 @@ from services.index.client.documents import DocumentReader
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
 from services.index.keys import log_key
-from tests.support.processes import RedisServer, wait_until
+from tests.support.processes import RedisServer, await_until, wait_until
 from tests.support.redis_cluster import RedisCluster, run_redis_cluster
 from tests.support.redis_replica import run_redis_replica
 
@@ -130,8 +130,7 @@ def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
 
         async def fail_over() -> None:
             nonlocal killed_at, promoted_at
-            while len(acked) < 200:
-                await asyncio.sleep(0.01)
+            await await_until(lambda: len(acked) >= 200, "200 acknowledged upserts", 120, 0.01)
             victim.kill()
             killed_at = time.monotonic()
             await asyncio.to_thread(
