@@ -9,12 +9,13 @@ onnx, tensorrt) happen inside the handlers, never at import time.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from services.cli.encoder_train_commands import add_train
-from services.common.errors import RetrievalError
+from services.common.errors import InvalidArgument, RetrievalError
 
 _MODEL_DIR_HELP = (
     "sentence-transformers checkpoint folder (modules.json, config.json, weights, "
@@ -55,6 +56,86 @@ def _parity(args: argparse.Namespace) -> int:
     report = check_parity(_model_dir(args), Path(args.onnx), threshold=args.min_cosine)
     print(report.summary())
     return 0 if report.passed else 1
+
+
+def _embed(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from services.corpus.readers import read_corpus
+    from services.encoder.model import TorchEmbedder
+    from services.eval.embeddings import encode_all
+
+    embedder = TorchEmbedder(_model_dir(args), threads=args.threads)
+    docs = list(read_corpus(Path(args.corpus), limit=args.limit))
+    texts = [f"{d.title} {d.text}".strip() for d in docs]
+    vectors = encode_all(texts, "document", lambda t, k: embedder.embed(t, k)[0])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, np.ascontiguousarray(vectors, dtype=np.float32))
+    print(f"wrote {out}: {len(texts)} x {vectors.shape[1]} ({embedder.model_name})")
+    return 0
+
+
+def _perf_input(args: argparse.Namespace) -> int:
+    from services.encoder.build.export import EncoderMeta
+    from services.encoder.textcodec import TextCodec
+
+    export_dir = Path(args.export)
+    meta = EncoderMeta.read(export_dir)
+    kind = args.kind
+    if meta.max_lens[kind] < args.tokens:
+        raise InvalidArgument(
+            f"--tokens {args.tokens}: {kind} texts are cut at {meta.max_lens[kind]} tokens by "
+            f"this export; use --kind document (up to {meta.max_lens['document']})"
+        )
+    codec = TextCodec.from_file(str(export_dir / "tokenizer.json"), meta.max_lens, meta.pad_id)
+    rows = perf_texts(codec, kind, args.tokens, args.count)
+    data = {"data": [{"TEXT": [text], "KIND": [kind]} for text in rows]}
+    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}: {len(rows)} {kind} texts of exactly {args.tokens} tokens")
+    return 0
+
+
+WORDS = [
+    "retrieval",
+    "dense",
+    "passage",
+    "encoder",
+    "query",
+    "document",
+    "index",
+    "shard",
+    "latency",
+    "vector",
+    "search",
+    "relevance",
+    "corpus",
+    "token",
+    "model",
+    "batch",
+]
+
+
+def perf_texts(codec: Any, kind: str, tokens: int, count: int) -> list[str]:
+    """``count`` texts that the export's tokenizer turns into exactly ``tokens`` tokens
+    (special tokens included: what the encoder runs on)."""
+
+    def length(words: list[str]) -> int:
+        return int(codec.encode([" ".join(words)], kind).attention_mask.sum())
+
+    out: list[str] = []
+    for i in range(count):
+        words = [WORDS[(i + j) % len(WORDS)] for j in range(tokens)]
+        while words and length(words) > tokens:
+            words.pop()
+        for _ in range(tokens):  # one-token filler up to the length
+            if length(words) >= tokens:
+                break
+            words.append("a")
+        if length(words) != tokens:
+            raise InvalidArgument(f"could not make a text of exactly {tokens} tokens")
+        out.append(" ".join(words))
+    return out
 
 
 def _not_negative(text: str) -> int:
@@ -281,5 +362,36 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
     p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
     p.set_defaults(func=lambda a: _run(_ensure_plan, a))
+
+    p = commands.add_parser(
+        "embed",
+        help="embed a JSONL corpus with a checkpoint into a .npy (for `index train`)",
+        description="Encode the documents (title + text) of a JSONL corpus with the "
+        "in-process PyTorch model and write float32 (n, dim), L2-normalised, in corpus "
+        "order: what `index train --embeddings` reads (e.g. a 768-d GTR sample).",
+    )
+    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
+    p.add_argument("--corpus", required=True, help="JSONL corpus (id, text, title?)")
+    p.add_argument("--out", required=True, help=".npy file to write")
+    p.add_argument("--limit", type=int, default=None, help="first N documents only")
+    p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    p.set_defaults(func=lambda a: _run(_embed, a))
+
+    p = commands.add_parser(
+        "perf-input",
+        help="perf_analyzer input data: texts of exactly N tokens of an export's tokenizer",
+        description="Write perf_analyzer --input-data JSON for model `embed`: --count texts "
+        "(TEXT, KIND) that the export's tokenizer turns into exactly --tokens tokens. The "
+        "GTR paper's latency point is 128 tokens; queries are cut at the export's query "
+        "budget (64), so measure 128 tokens with --kind document.",
+    )
+    p.add_argument(
+        "--export", required=True, help="folder of the export (encoder.json, tokenizer.json)"
+    )
+    p.add_argument("--tokens", type=int, default=128, help="tokens per text (default 128)")
+    p.add_argument("--kind", choices=["query", "document"], default="document")
+    p.add_argument("--count", type=int, default=16, help="texts (default 16)")
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.set_defaults(func=lambda a: _run(_perf_input, a))
     add_train(commands)
     return encoder
