@@ -285,6 +285,27 @@ def test_the_api_extract_is_faiss_gpus() -> None:
         StrictFaissGpu().GpuClonerOptions().useFloat16LookupTables = True
 
 
+def test_every_faiss_name_of_the_gpu_path_exists_in_faiss() -> None:
+    """Item 1: every ``faiss.X`` and ``lib.X`` that services/index/core/gpu.py uses is a
+    name of faiss-cpu (here) or of faiss-gpu (its wheel's API): nothing is taken from
+    intent."""
+    import ast
+
+    import services.index.core.gpu as gpu_module
+
+    tree = ast.parse(Path(gpu_module.__file__).read_text())
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in {"faiss", "lib"}
+    }
+    assert {"GpuClonerOptions", "index_cpu_to_gpu", "StandardGpuResources"} <= used
+    unknown = {n for n in used if not hasattr(faiss, n) and n not in FAISS_GPU_API["module"]}
+    assert not unknown, unknown
+
+
 def test_any_error_of_the_copy_falls_back_with_its_reason(
     trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
