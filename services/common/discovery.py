@@ -57,6 +57,22 @@ def _host_port(text: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_addresses(spec: str, what: str) -> list[str]:
+    """``host:port[,host:port...]`` or one ``dns:`` target → the addresses, as given;
+    ValueError saying what is wrong (``what`` names the servers: "a shard", "Triton")."""
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError(f"{what}: expected 'host:port[,host:port...]' or 'dns:///name:port'")
+    if any(is_dns_target(a) for a in addresses):
+        if len(addresses) != 1:
+            raise ValueError(f"{spec!r}: a dns: target names {what} alone")
+        parse_dns_target(addresses[0])
+        return addresses
+    for address in addresses:
+        _host_port(address, "address")
+    return addresses
+
+
 def parse_dns_target(spec: str) -> DnsTarget:
     """``dns:///host:port``, ``dns:host:port`` or ``dns://ns-ip[:port]/host:port``."""
     rest = spec.strip()[len(SCHEME) :]

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.auth import Authenticator
-from services.common.discovery import is_dns_target, parse_dns_target
+from services.common.discovery import parse_addresses
 from services.common.errors import RetrievalError
 from services.common.fusion import Fusion, Method, Mode, RetrievalDefaults
 from services.common.redis_client import check_redis_url
@@ -31,20 +31,10 @@ def parse_shard_addresses(spec: str) -> list[list[str]]:
     ``dns://dns-server[:port]/name:port``): its replicas are the addresses the name
     resolves to, resolved again while the gateway runs (the chart's headless Service).
     """
-    shards = [[r.strip() for r in part.split(",") if r.strip()] for part in spec.split(";")]
-    if not shards or any(not replicas for replicas in shards):
+    parts = spec.split(";")
+    if any(not part.strip(" ,") for part in parts):
         raise ValueError("expected 'host:port[,host:port...][;host:port...]', one group per shard")
-    for replicas in shards:
-        if any(is_dns_target(a) for a in replicas):
-            if len(replicas) != 1:
-                raise ValueError(f"{','.join(replicas)!r}: a dns: target names a shard alone")
-            parse_dns_target(replicas[0])
-            continue
-        for address in replicas:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"{address!r} is not host:port")
-    return shards
+    return [parse_addresses(part, "a shard") for part in parts]
 
 
 class GatewaySettings(ClientTLSSettings):

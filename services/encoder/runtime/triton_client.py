@@ -46,7 +46,7 @@ import numpy as np
 
 from services.common import status
 from services.common.balance import Balancing, Endpoint, EndpointPool, tls_for
-from services.common.discovery import is_dns_target, parse_dns_target
+from services.common.discovery import is_dns_target, parse_addresses, parse_dns_target
 from services.common.errors import (
     DeadlineExceeded,
     Overloaded,
@@ -66,19 +66,7 @@ TRITON_QUEUE_FULL = "Exceeds maximum queue size"
 def triton_addresses(url: str) -> list[str]:
     """``host:port``, ``host:port,host:port`` or one ``dns:`` target → the addresses
     (ValueError saying what is wrong)."""
-    addresses = [a.strip() for a in url.split(",") if a.strip()]
-    if not addresses:
-        raise ValueError("expected 'host:port[,host:port...]' or 'dns:///name:port'")
-    if any(is_dns_target(a) for a in addresses):
-        if len(addresses) != 1:
-            raise ValueError(f"{url!r}: a dns: target names Triton's servers alone")
-        parse_dns_target(addresses[0])
-        return addresses
-    for address in addresses:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"{address!r} is not host:port")
-    return addresses
+    return parse_addresses(url, "Triton")
 
 
 @dataclass(frozen=True)
