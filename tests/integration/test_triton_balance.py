@@ -22,6 +22,7 @@ from typing import Literal
 import pytest
 
 from services.common.balance import Balancing
+from services.encoder.base import Encoder
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
@@ -62,7 +63,7 @@ def _encoder_config(tritons: list[TritonHandle]) -> TritonEncoderConfig:
     )
 
 
-async def _load(encoder: TritonEncoder, n: int, concurrency: int) -> list[BaseException]:
+async def _load(encoder: Encoder, n: int, concurrency: int) -> list[BaseException]:
     """``n`` encodes from ``concurrency`` closed-loop callers; the errors they got."""
     errors: list[BaseException] = []
     todo = iter(range(n))
@@ -114,6 +115,31 @@ def test_encodes_are_balanced_over_both_tritons(
         assert counts == [100, 100]
     else:  # more to the one that answers faster: how much depends on the shared cores
         assert sum(counts) == 200 and min(counts) >= 20, counts
+
+
+def test_the_gateways_flags_give_its_encoder_both_tritons(tritons: list[TritonHandle]) -> None:
+    from services.gateway.server import build_encoder
+    from services.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(
+        shards="127.0.0.1:1",
+        auth=False,
+        triton_url=",".join(h.grpc_url for h in tritons),
+        balance="round_robin",
+    )
+
+    async def main() -> tuple[list[BaseException], list[int]]:
+        encoder = await build_encoder(settings)
+        try:
+            before = [served(h) for h in tritons]
+            errors = await _settled(_load(encoder, 20, concurrency=1), tritons, 20)
+            return errors, [served(h) - b for h, b in zip(tritons, before, strict=True)]
+        finally:
+            await encoder.close()
+
+    errors, counts = asyncio.run(main())
+    assert errors == []
+    assert counts == [10, 10]
 
 
 def test_a_triton_that_appears_in_dns_gets_encodes(tritons: list[TritonHandle]) -> None:
