@@ -16,11 +16,13 @@ rank alike.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common.domain import Hit
 from services.common.errors import InvalidArgument
 
 DEFAULT_RRF_K = 60
@@ -65,35 +67,27 @@ class RetrievalDefaults:
     candidates: int = 100
 
 
-@dataclass(frozen=True)
-class Fused:
-    id: str
-    score: float
-    dense_rank: int  # 1-based rank in the dense list; 0: not in it
-    sparse_rank: int  # 1-based rank in the sparse list; 0: not in it
-    dense_score: float | None
-    sparse_score: float | None
-
-
 Scored = tuple[str, float]
 
 
-def _normalised(hits: Sequence[Scored]) -> dict[str, float]:
+def _normalised(hits: Sequence[Hit]) -> dict[str, float]:
     if not hits:
         return {}
-    scores = [s for _, s in hits]
+    scores = [h.score for h in hits]
     low, high = min(scores), max(scores)
     span = high - low
-    return {d: (s - low) / span if span > 0 else 1.0 for d, s in hits}
+    return {h.id: (h.score - low) / span if span > 0 else 1.0 for h in hits}
 
 
-def fuse(dense: Sequence[Scored], sparse: Sequence[Scored], fusion: Fusion, k: int) -> list[Fused]:
-    """The top ``k`` of the two lists (each best first) fused by ``fusion``."""
-    dense_rank = {d: r for r, (d, _) in enumerate(dense, 1)}
-    sparse_rank = {d: r for r, (d, _) in enumerate(sparse, 1)}
-    dense_score = dict(dense)
-    sparse_score = dict(sparse)
-    order = list(dict.fromkeys([d for d, _ in dense] + [d for d, _ in sparse]))
+def fuse_hits(dense: Sequence[Hit], sparse: Sequence[Hit], fusion: Fusion, k: int) -> list[Hit]:
+    """The top ``k`` of the two lists (each best first) fused by ``fusion``: each a copy of
+    its hit (the dense list's when it is in both) with ``score`` and ``first_stage_score``
+    the fused score and ``dense_rank`` / ``sparse_rank`` its 1-based ranks (0: not in
+    that list). They stay :class:`Hit` objects: fusing adds no form of a hit."""
+    dense_rank = {h.id: r for r, h in enumerate(dense, 1)}
+    sparse_rank = {h.id: r for r, h in enumerate(sparse, 1)}
+    hit = {h.id: h for h in sparse} | {h.id: h for h in dense}
+    order = list(dict.fromkeys([h.id for h in dense] + [h.id for h in sparse]))
     if fusion.method is Method.RRF:
         c = fusion.rrf_k
         scores = {
@@ -108,13 +102,20 @@ def fuse(dense: Sequence[Scored], sparse: Sequence[Scored], fusion: Fusion, k: i
     position = {d: i for i, d in enumerate(order)}
     ranked = sorted(order, key=lambda d: (-scores[d], position[d]))[:k]
     return [
-        Fused(
-            d,
-            scores[d],
-            dense_rank.get(d, 0),
-            sparse_rank.get(d, 0),
-            dense_score.get(d),
-            sparse_score.get(d),
+        dataclasses.replace(
+            hit[d],
+            score=scores[d],
+            first_stage_score=scores[d],
+            dense_rank=dense_rank.get(d, 0),
+            sparse_rank=sparse_rank.get(d, 0),
         )
         for d in ranked
     ]
+
+
+def fuse(dense: Sequence[Scored], sparse: Sequence[Scored], fusion: Fusion, k: int) -> list[Hit]:
+    """:func:`fuse_hits` of (doc id, score) lists (evaluation runs, benches): hits of no
+    particular shard (0)."""
+    return fuse_hits(
+        [Hit(d, s, 0, s) for d, s in dense], [Hit(d, s, 0, s) for d, s in sparse], fusion, k
+    )

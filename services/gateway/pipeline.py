@@ -25,7 +25,7 @@ import numpy as np
 from services.common.deadline import Deadline
 from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
-from services.common.fusion import Fusion, Mode, RetrievalDefaults, fuse
+from services.common.fusion import Fusion, Mode, RetrievalDefaults, fuse_hits
 from services.common.limits import Limits
 from services.encoder.base import Embeddings
 from services.gateway import validation
@@ -105,14 +105,7 @@ def first_stage(stage: _Stage, result: IndexResult, row: int, k: int) -> list[Hi
             hit.sparse_rank = rank
         return sparse[:k]
     assert stage.fusion is not None
-    shard = {h.id: h.shard for h in sparse} | {h.id: h.shard for h in dense}
-    fused = fuse(
-        [(h.id, h.score) for h in dense], [(h.id, h.score) for h in sparse], stage.fusion, k
-    )
-    return [
-        Hit(f.id, f.score, shard[f.id], f.score, dense_rank=f.dense_rank, sparse_rank=f.sparse_rank)
-        for f in fused
-    ]
+    return fuse_hits(dense, sparse, stage.fusion, k)
 
 
 def _group_key(q: SearchQuery, fetch_k: int, stage: _Stage) -> tuple[object, ...]:

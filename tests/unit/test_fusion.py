@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.common.domain import Document, Hit
 from services.common.errors import InvalidArgument
-from services.common.fusion import Fusion, Method, fuse
+from services.common.fusion import Fusion, Method, fuse, fuse_hits
 
 DENSE = [("a", 0.9), ("b", 0.8), ("c", 0.1)]
 SPARSE = [("c", 12.0), ("d", 7.0), ("a", 3.0)]
@@ -25,7 +26,20 @@ def test_rrf_sums_reciprocal_ranks_and_reports_both_ranks() -> None:
     assert [f.id for f in fused] == ["a", "c", "b", "d"]
     ranks = {f.id: (f.dense_rank, f.sparse_rank) for f in fused}
     assert ranks == {"a": (1, 3), "b": (2, 0), "c": (3, 1), "d": (0, 2)}
-    assert fused[0].dense_score == 0.9 and fused[0].sparse_score == 3.0
+    assert all(f.first_stage_score == f.score for f in fused)
+
+
+def test_fused_hits_are_the_hits_given_with_the_fused_score_and_both_ranks() -> None:
+    doc = Document("a", "text")
+    dense = [Hit("a", 0.9, 2, 0.9, doc), Hit("b", 0.8, 0, 0.8)]
+    sparse = [Hit("c", 12.0, 1, 12.0), Hit("a", 3.0, 2, 3.0)]
+    fused = fuse_hits(dense, sparse, Fusion(Method.RRF, rrf_k=60), k=3)
+    assert fused == [
+        Hit("a", 1 / 61 + 1 / 62, 2, 1 / 61 + 1 / 62, doc, dense_rank=1, sparse_rank=2),
+        Hit("c", 1 / 61, 1, 1 / 61, dense_rank=0, sparse_rank=1),
+        Hit("b", 1 / 62, 0, 1 / 62, dense_rank=2, sparse_rank=0),
+    ]
+    assert dense[0].score == 0.9 and dense[0].dense_rank == 0, "the inputs are not changed"
 
 
 def test_weighted_normalises_each_list_before_weighing() -> None:
