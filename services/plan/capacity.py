@@ -85,6 +85,10 @@ class Plan:
         raise KeyError(name)
 
 
+SNAPSHOTS_KEPT = 3  # ShardSettings.keep_snapshots' default
+VOLUME_HEADROOM = 1.5
+
+
 def index_bytes_per_vector(m: Measured, dim: int) -> float:
     """The measured bytes per vector scaled by (dim/4 + dim + 8) / (same at the bench's dim)."""
     d0 = m.index_dim.value
@@ -234,6 +238,34 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
         "GiB",
         f"{index_gib:.2f} GiB × {replicas} replicas",
     )
+    if m.text_bytes_per_doc is not None and m.text_doc_bytes is not None:
+        text_bpd = out.add(
+            "text index bytes per document",
+            m.text_bytes_per_doc.value * inp.doc_bytes / m.text_doc_bytes.value,
+            "B",
+            f"{m.text_bytes_per_doc.value:.0f} B measured on documents of "
+            f"{m.text_doc_bytes.value:.0f} B × doc_bytes {inp.doc_bytes} / "
+            f"{m.text_doc_bytes.value:.0f} (a BM25 index grows with the text)",
+            m.text_bytes_per_doc.source,
+            m.text_doc_bytes.source,
+            "input: doc_bytes",
+        )
+        text_gib = out.add(
+            "text index disk per replica",
+            inp.docs * text_bpd / shards / GIB,
+            "GiB",
+            f"{inp.docs:,} × {text_bpd:.0f} B / {shards} shards (Tantivy segments, mmapped)",
+        )
+        vectors_gib = inp.docs * bpv / shards / GIB
+        out.add(
+            "shard volume per replica",
+            (SNAPSHOTS_KEPT * (vectors_gib + text_gib) + text_gib) * VOLUME_HEADROOM,
+            "GiB",
+            f"({SNAPSHOTS_KEPT} snapshots × ({vectors_gib:.2f} GiB vectors + {text_gib:.2f} "
+            f"GiB text) + {text_gib:.2f} GiB live text index) × {VOLUME_HEADROOM} (a snapshot "
+            "being written)",
+            "services/index/server/settings.py: keep_snapshots",
+        )
 
     # --- encoder ---------------------------------------------------------------------
     if prof.name == "minilm":

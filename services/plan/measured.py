@@ -40,6 +40,10 @@ class Measured:
     # rerank (bench.rerank): ms per query by depth on CPU threads
     rerank_ms_at_depth: dict[int, Figure]
     rerank_threads: Figure
+    # text index (bench.hybrid): bytes on disk per document, and the corpus' mean
+    # title + text bytes it was measured on (None: not measured, no text lines in the plan)
+    text_bytes_per_doc: Figure | None = None
+    text_doc_bytes: Figure | None = None
 
 
 def _read(folder: Path, name: str, bench: str) -> dict[str, Any]:
@@ -67,8 +71,10 @@ def load(folder: Path = RESULTS) -> Measured:
     idx = _read(folder, "index_service.json", "index_service")
     enc = _read(folder, "encoder.json", "encoder")
     rr = _read(folder, "rerank_depths.json", "rerank")
-    i, e, r = (
-        f"bench/results/{n}" for n in ("index_service.json", "encoder.json", "rerank_depths.json")
+    hy = _read(folder, "hybrid.json", "hybrid")
+    i, e, r, h = (
+        f"bench/results/{n}"
+        for n in ("index_service.json", "encoder.json", "rerank_depths.json", "hybrid.json")
     )
     nprobe, nlist = idx.get("nprobe"), idx.get("nlist")
     if not nprobe or not nlist:
@@ -92,4 +98,6 @@ def load(folder: Path = RESULTS) -> Measured:
         cpu_encoder_p99_ms=_figure(enc, e, "triton_p99_ms"),
         rerank_ms_at_depth=depths,
         rerank_threads=_figure(rr, r, "source", "threads"),
+        text_bytes_per_doc=_figure(hy, h, "text_bytes_per_document"),
+        text_doc_bytes=_figure(hy, h, "text_doc_bytes"),
     )

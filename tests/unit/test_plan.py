@@ -147,3 +147,18 @@ def test_asymmetric_encoders_hold_two_towers_minus_what_they_share() -> None:
         tower_params(base, "ade-xyz")
     p = plan(PlanInput(docs=100_000, qps=10, model="base", encoder_arch="ade"), M)
     assert p["encoder weights per instance"] == pytest.approx(2 * one * 2 / GIB)
+
+
+def test_the_text_index_is_sized_from_its_measured_bytes_per_document() -> None:
+    import dataclasses
+
+    # measured: 270 B per document of 1,500 B of text; these documents hold 2,000 B
+    m = dataclasses.replace(M, text_bytes_per_doc=fig(270), text_doc_bytes=fig(1500))
+    inp = PlanInput(docs=1_000_000, qps=1000, model="minilm", slo_ms=100, min_replicas=2)
+    p = plan(inp, m)
+    assert p["text index bytes per document"] == pytest.approx(360)
+    assert p["text index disk per replica"] == pytest.approx(1e6 * 360 / GIB)  # one shard
+    vectors, text = 1e6 * 488 / GIB, 1e6 * 360 / GIB
+    assert p["shard volume per replica"] == pytest.approx((3 * (vectors + text) + text) * 1.5)
+    # without the figure (an older results folder) the plan has no text lines
+    assert "text index bytes per document" not in {line.name for line in plan(inp, M).lines}

@@ -1,0 +1,276 @@
+"""Hybrid retrieval through the service against its baselines, measured in one run.
+
+    .venv/bin/python -m bench.hybrid [--seconds 8] [--rate 150] [--rounds 3]
+
+Real processes: a Redis (AOF ``appendfsync always``) and 2 shard servers (``index
+serve``, inline search), fed through the change log with the 5,183 SciFact documents
+(title + text, the all-MiniLM-L6-v2 embeddings of ``../shared/data``), queried through
+the router with the 809 SciFact train queries (their embeddings cached by the index
+bench). Figures (the last line is JSON; ``bench/results/hybrid.json`` keeps it for
+``gtr-retrieval plan``):
+
+- ``sparse_qps`` / ``raw_sparse_qps`` = ``sparse_ratio``: BM25 searches per second through
+  the service (16 concurrent clients, one query each, top 10; the router coalesces them)
+  against Tantivy searched in this process on the same documents (one index, the shard's
+  own analyzer and query, one query at a time); the rounds alternate the two.
+- ``hybrid_p99_over_dense``: p99 of a hybrid search (dense and BM25 top 100 each in one
+  fan-out, fused as the gateway fuses, top 10) over the p99 of a dense search (top 10)
+  at the same offered load (``--rate`` Poisson arrivals per second, open loop). The two
+  run in alternating windows (``--windows`` of ``--window-s`` each, the order swapped
+  every round) and each p99 is over all its windows' latencies: the machine's drift
+  (other jobs on the shared cores move a p99 by 5x within minutes) falls on both alike.
+- ``text_bytes_per_document``: the shards' text index on disk (``Stats``) per document,
+  beside ``bytes_per_vector`` of the IVF-PQ index; ``text_doc_bytes``: mean title + text
+  bytes of the corpus (the plan scales by it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from bench.index_service import SCIFACT, query_embeddings, say
+from retrieval.v1 import index_pb2, index_pb2_grpc
+from services.common.fusion import Fusion, Method, fuse
+from services.corpus.beir import load_beir
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.text import TextDoc, TextIndex
+from services.index.core.train import TrainOptions, train_index
+from tests.support.processes import run_redis
+from tests.support.shards import run_shards
+
+RESULT = Path(__file__).resolve().parent / "results" / "hybrid.json"
+SHARDS = 2
+CANDIDATES = 100  # each list's depth in a hybrid search (the gateway's default)
+
+
+def in_process_index(directory: Path, ids: list[str], bodies: list[str]) -> TextIndex:
+    """One Tantivy index of every document, as a shard builds its own."""
+    text = TextIndex.create(directory)
+    text.apply([], [TextDoc(i, body, {}) for i, body in enumerate(bodies)])
+    assert len(text) == len(ids)
+    return text
+
+
+def raw_sparse_qps(text: TextIndex, queries: list[str], seconds: float) -> float:
+    """Tantivy in this process, one query at a time: analyse, search top 10, read ids."""
+    n, start = 0, time.perf_counter()
+    stop = start + seconds
+    while time.perf_counter() < stop:
+        text.search([text.terms(queries[n % len(queries)])], 10)
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+async def service_sparse_qps(
+    router: ShardRouter, queries: list[str], seconds: float, clients: int = 16
+) -> float:
+    done = 0
+
+    async def client(offset: int) -> None:
+        nonlocal done
+        i = offset
+        while time.perf_counter() < stop:
+            await router.search(None, 0, texts=[queries[i % len(queries)]], sparse_k=10, timeout=5)
+            done += 1
+            i += clients
+
+    for q in queries[:50]:  # warm the channels
+        await router.search(None, 0, texts=[q], sparse_k=10, timeout=5)
+    start = time.perf_counter()
+    stop = start + seconds
+    await asyncio.gather(*[client(c) for c in range(clients)])
+    return done / (time.perf_counter() - start)
+
+
+async def open_loop(
+    router: ShardRouter,
+    vectors: np.ndarray,
+    texts: list[str],
+    hybrid: bool,
+    rate: float,
+    seconds: float,
+    seed: int,
+) -> list[float]:
+    """The latencies (s) of searches sent at Poisson arrivals of ``rate``/s for
+    ``seconds``."""
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    fusion = Fusion(Method.WEIGHTED)
+
+    async def one(i: int) -> None:
+        t = time.perf_counter()
+        if hybrid:
+            r = await router.search(
+                vectors[i : i + 1], CANDIDATES, texts=[texts[i]], sparse_k=CANDIDATES, timeout=5
+            )
+            assert r.sparse is not None
+            fuse(
+                [(h.id, h.score) for h in r.hits[0]],
+                [(h.id, h.score) for h in r.sparse[0]],
+                fusion,
+                10,
+            )
+        else:
+            await router.search(vectors[i : i + 1], 10, timeout=5)
+        latencies.append(time.perf_counter() - t)
+
+    tasks = []
+    start = time.perf_counter()
+    next_at = start
+    i = rng.randrange(len(texts))
+    while next_at - start < seconds:
+        next_at += rng.expovariate(rate)
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(i % len(texts))))
+        i += 1
+    await asyncio.gather(*tasks)
+    return latencies
+
+
+def shard_stats(addresses: list[list[str]]) -> list[index_pb2.ShardStats]:
+    out = []
+    for replicas in addresses:
+        with grpc.insecure_channel(replicas[0]) as channel:
+            stub = index_pb2_grpc.IndexShardServiceStub(channel)
+            out.append(stub.Stats(index_pb2.ShardStatsRequest(), timeout=30))
+    return out
+
+
+async def ingest(url: str, records: list[DocRecord]) -> float:
+    writer = ChangeLogWriter.connect(url, SHARDS, dim=records[0].vector.shape[0])
+    start = time.perf_counter()
+    try:
+        for i in range(0, len(records), 256):
+            token = await writer.upsert(records[i : i + 256])
+    finally:
+        await writer.close()
+    del token
+    return len(records) / (time.perf_counter() - start)
+
+
+async def measure(
+    addresses: list[list[str]],
+    text: TextIndex,
+    queries: list[str],
+    qvecs: np.ndarray,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    router = ShardRouter(addresses)
+    raw, service = [], []
+    latencies: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for r in range(args.rounds):
+            raw.append(raw_sparse_qps(text, queries, args.seconds))
+            service.append(await service_sparse_qps(router, queries, args.seconds))
+            say(f"round {r + 1}: sparse raw {raw[-1]:.0f} q/s, service {service[-1]:.0f} q/s")
+        for w in range(args.windows):
+            for hybrid in (False, True) if w % 2 == 0 else (True, False):
+                latencies[hybrid] += await open_loop(
+                    router, qvecs, queries, hybrid, args.rate, args.window_s, w
+                )
+            if (w + 1) % 5 == 0:
+                d, h = (float(np.percentile(latencies[x], 99) * 1000) for x in (False, True))
+                say(f"{w + 1} windows: p99 dense {d:.1f} ms, hybrid {h:.1f} ms")
+    finally:
+        await router.close()
+    p50 = {x: float(np.percentile(latencies[x], 50) * 1000) for x in (False, True)}
+    raw_m, service_m = statistics.median(raw), statistics.median(service)
+    dense_m, hybrid_m = (float(np.percentile(latencies[x], 99) * 1000) for x in (False, True))
+    return {
+        "raw_sparse_qps": round(raw_m, 1),
+        "sparse_qps": round(service_m, 1),
+        "sparse_ratio": round(service_m / raw_m, 3),
+        "sparse_rounds_ratio": [round(s / r, 3) for s, r in zip(service, raw, strict=True)],
+        "offered_rate_per_s": args.rate,
+        "windows": args.windows,
+        "window_s": args.window_s,
+        "searches_per_mode": len(latencies[False]),
+        "dense_p50_ms": round(p50[False], 2),
+        "hybrid_p50_ms": round(p50[True], 2),
+        "dense_p99_ms": round(dense_m, 2),
+        "hybrid_p99_ms": round(hybrid_m, 2),
+        "hybrid_p99_over_dense": round(hybrid_m / dense_m, 3),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=6.0, help="Per QPS figure and round.")
+    parser.add_argument("--rounds", type=int, default=3, help="Rounds of the QPS figures.")
+    parser.add_argument("--rate", type=float, default=100.0, help="Offered searches/s.")
+    parser.add_argument("--windows", type=int, default=20, help="Alternating p99 windows.")
+    parser.add_argument("--window-s", type=float, default=3.0, help="Seconds per window.")
+    parser.add_argument("--no-save", action="store_true", help=f"Do not write {RESULT}.")
+    args = parser.parse_args()
+
+    beir = load_beir(SCIFACT)
+    ids = beir.doc_ids
+    vectors = np.load(SCIFACT / "corpus.all-MiniLM-L6-v2.npy")
+    corpus = {}
+    with (SCIFACT / "corpus.jsonl").open(encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            corpus[row["_id"]] = (row.get("title", ""), row.get("text", ""))
+    qids, qvecs = query_embeddings()
+    queries = [beir.queries[q] for q in qids]
+    records = [DocRecord(d, vectors[i], corpus[d][0], corpus[d][1]) for i, d in enumerate(ids)]
+    bodies = [beir.docs[d] for d in ids]
+    doc_bytes = statistics.mean(len(b.encode("utf-8")) for b in bodies)
+
+    with tempfile.TemporaryDirectory(prefix="gtr-hybrid-") as tmp_name:
+        tmp = Path(tmp_name)
+        say("training the index ...")
+        train_index(vectors, tmp / "index", TrainOptions(model="all-MiniLM-L6-v2"))
+        text = in_process_index(tmp / "text", ids, bodies)
+        with run_redis(tmp / "redis") as redis_server:
+            per_s = asyncio.run(ingest(redis_server.url, records))
+            say(f"logged {len(records)} documents ({per_s:.0f}/s); starting {SHARDS} shards ...")
+            settings = {"search-threads": "0", "omp-threads": "1", "log-level": "WARNING"}
+            with run_shards(
+                tmp / "index", redis_server.url, tmp / "work", shards=SHARDS,
+                settings=settings, timeout=600,
+            ) as cluster:  # fmt: skip
+                stats = shard_stats(cluster.addresses)
+                figures = asyncio.run(measure(cluster.addresses, text, queries, qvecs, args))
+    documents = sum(s.text_documents for s in stats)
+    text_bytes = sum(s.text_disk_bytes for s in stats)
+    result = {
+        "documents": len(ids),
+        "queries": len(queries),
+        "shards": SHARDS,
+        **figures,
+        "text_documents": documents,
+        "text_bytes_per_document": round(text_bytes / max(1, documents), 1),
+        "text_doc_bytes": round(doc_bytes, 1),
+        "bytes_per_vector": stats[0].bytes_per_vector,
+        "goals": {"sparse_ratio": ">= 0.7", "hybrid_p99_over_dense": "<= 1.3"},
+        "source": {
+            "bench": "bench.hybrid",
+            "run": time.strftime("%Y-%m-%d", time.gmtime()),
+            "note": "2 cores shared by the client, the shards and Redis",
+        },
+    }
+    line = json.dumps(result)
+    if not args.no_save:
+        RESULT.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
