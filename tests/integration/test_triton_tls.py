@@ -11,6 +11,7 @@ the one error map), so the hop is really encrypted and really authenticated.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import urllib.error
 import urllib.request
@@ -110,11 +111,18 @@ def test_under_tls_tritons_plaintext_http_endpoint_is_closed(triton: SecureTrito
             urllib.request.urlopen(infer, timeout=10)
         except urllib.error.URLError as exc:
             raise exc.reason from None  # type: ignore[misc]
+
+    def ipv4(ip: str) -> str:  # the metrics server's IPv6 socket: ::ffff:127.0.0.1
+        address = ipaddress.ip_address(ip)
+        mapped = getattr(address, "ipv4_mapped", None)
+        return str(mapped or address)
+
     listening = {
-        c.laddr.port
+        (ipv4(c.laddr.ip), c.laddr.port)
         for c in psutil.Process(triton.handle.process.pid).net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN
     }
-    assert listening == {cfg.grpc_port, cfg.metrics_port}, listening
+    # on the stack's host only: without HTTP, Triton would bind its metrics on 0.0.0.0
+    assert listening == {(cfg.host, cfg.grpc_port), (cfg.host, cfg.metrics_port)}, listening
     with urllib.request.urlopen(f"http://{cfg.host}:{cfg.metrics_port}/metrics", timeout=10) as r:
         assert r.status == 200

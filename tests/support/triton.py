@@ -12,7 +12,7 @@ from services.encoder.serve.triton_server import TritonHandle
 def inferences(handle: TritonHandle, model: str = "embed") -> int:
     """Requests of ``model`` that ``handle``'s Triton answered successfully so far
     (``nv_inference_request_success``, summed over the model's versions)."""
-    # Triton binds its metrics where its HTTP endpoint is (--http-address: the host)
+    # Triton binds its metrics on --metrics-address: the host
     url = f"http://{handle.config.host}:{handle.config.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()

@@ -154,6 +154,8 @@ def triton_command(cfg: TritonServerConfig) -> tuple[list[str], dict[str, str]]:
         f"--grpc-port={cfg.grpc_port}",
         f"--metrics-port={cfg.metrics_port}",
         f"--grpc-address={cfg.host}",
+        # else the metrics follow --http-address, and without HTTP bind 0.0.0.0
+        f"--metrics-address={cfg.host}",
         *(
             [f"--http-port={cfg.http_port}", f"--http-address={cfg.host}"]
             if cfg.http
