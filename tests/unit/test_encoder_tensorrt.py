@@ -113,8 +113,14 @@ def report_shape(model_dir: Path) -> tuple[int, int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_trt_gpu(), reason=NO_TRT_REASON)
+@pytest.mark.skipif(
+    not _has_trt_gpu(),
+    reason=f"{NO_TRT_REASON} (covers issue #25 items 7 and 10 on a GPU: a real build's "
+    "sha256 in <plan>.json, checked on read, no temp file left, its precision)",
+)
 def test_fp16_plan_passes_parity_on_tiny_t5(base: Path, tmp_path: Path) -> None:
+    from services.encoder.build.plan_cache import check_plan, current_device
+
     model_dir = ensure_tiny_t5(base)
     report = build_plan_from_model(model_dir, ensure_onnx(model_dir, base), tmp_path / "m.plan")
     assert report.plan_path is not None and report.plan_path.exists()
@@ -122,6 +128,8 @@ def test_fp16_plan_passes_parity_on_tiny_t5(base: Path, tmp_path: Path) -> None:
     meta = PlanMeta.read(report.plan_path)
     assert meta.precision == "fp16" and meta.max_shape == report_shape(model_dir)
     assert report.inspected_layers > 0  # else the inspector check saw nothing
+    assert check_plan(report.plan_path, current_device()).plan_sha256 == meta.plan_sha256
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.plan", "m.plan.json"]
 
 
 def test_the_torch_model_is_freed_before_the_plan_build(
@@ -163,7 +171,10 @@ def test_the_torch_model_is_freed_before_the_plan_build(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_trt_gpu(), reason=NO_TRT_REASON)
+@pytest.mark.skipif(
+    not _has_trt_gpu(),
+    reason=f"{NO_TRT_REASON} (covers issue #25 item 7 on a GPU: a refused build leaves no file)",
+)
 def test_plan_is_not_written_when_parity_fails(base: Path, tmp_path: Path) -> None:
     from services.encoder.build.tensorrt_build import PlanParityError
 
@@ -173,7 +184,7 @@ def test_plan_is_not_written_when_parity_fails(base: Path, tmp_path: Path) -> No
     with pytest.raises(PlanParityError):
         build_plan(ensure_onnx(model_dir, base), tmp_path / "m.plan", PlanConfig(), ids,
                    np.ones_like(ids), wrong)  # fmt: skip
-    assert not (tmp_path / "m.plan").exists()
+    assert not (tmp_path / "m.plan").exists() and not list(tmp_path.iterdir())
 
 
 # --- the parity gate -------------------------------------------------------------------
