@@ -86,8 +86,9 @@ async def _p50_rounds(urls: dict[str, str], texts: list[str], rounds: int, secon
         for enc in encoders.values():
             for text in texts[:10]:
                 await enc.encode([text], "query")
-        for _ in range(rounds):
-            for name, enc in encoders.items():
+        for r in range(rounds):  # ABBA: neither system always runs first
+            order = list(encoders.items())
+            for name, enc in order if r % 2 == 0 else order[::-1]:
                 end = time.perf_counter() + seconds
                 i = 0
                 while time.perf_counter() < end:
@@ -122,6 +123,13 @@ async def _towers_through_triton(url: str, checkpoint: Path, queries: list[str],
     return out
 
 
+def _node_count(onnx_path: Path) -> int:
+    """Nodes of the exported graph: the same architecture must give the same graph."""
+    import onnx
+
+    return len(onnx.load(str(onnx_path), load_external_data=False).graph.node)
+
+
 def bench_triton(runs: Path, rounds: int, seconds: float) -> dict[str, Any]:
     from services.corpus.beir import load_beir
     from services.encoder.build.export import export_onnx
@@ -151,11 +159,12 @@ def bench_triton(runs: Path, rounds: int, seconds: float) -> dict[str, Any]:
             samples = asyncio.run(_p50_rounds({k: urls[k] for k in ("base", "sde")}, queries,
                                               rounds, seconds))  # fmt: skip
             p50 = {k: float(np.percentile(v, 50)) for k, v in samples.items()}
+            onnx_nodes = {k: _node_count(Path(tmp) / k / "model.onnx") for k in ("base", "sde")}
             result["p50"] = {
                 "base_ms": round(p50["base"], 2), "sde_ms": round(p50["sde"], 2),
                 "sde_over_base": round(p50["sde"] / p50["base"], 3),
                 "requests": {k: len(v) for k, v in samples.items()},
-                "rounds": rounds, "seconds_per_round": seconds,
+                "rounds": rounds, "seconds_per_round": seconds, "onnx_nodes": onnx_nodes,
             }  # fmt: skip
             ratio = p50["sde"] / p50["base"]
             print(f"Triton p50 of one query: base {p50['base']:.2f} ms, trained SDE "

@@ -184,7 +184,8 @@ def test_compare_reports_every_variant_against_the_base(
         sde["ndcg_at_10"]
         == json.loads((outs[0] / "manifest.json").read_text())["dev"]["ndcg_at_10"]
     ), "eval and the trainer's own dev figure agree"
-    assert "ade_spl" in table(report)
+    assert set(report["pairs"]) == {"ade_spl - sde"}  # (no plain ADE trained here)
+    assert "ade_spl" in table(report) and "nDCG@10 ade_spl - sde" in table(report)
 
 
 def test_bad_input_is_refused_and_nothing_written(

@@ -228,10 +228,12 @@ def compare(
         },
         "variants": {},
     }
+    per_query: dict[str, list[float]] = {}
     for path, m in zip(checkpoints, manifests, strict=True):
         name = _variant_key(m["arch"])
         vectors = system_vectors(name, path, td, progress, doc_len)
         scores = exact_scores(vectors, td)
+        per_query[name] = scores.values("ndcg_at_10")
         row = _system_report(vectors, td, scores, plots, m["arch"])
         paired = paired_comparison(base_scores.values("ndcg_at_10"), scores.values("ndcg_at_10"))
         timing = m["timing"]
@@ -247,6 +249,13 @@ def compare(
             "steps": m["steps"], "recipe": m["recipe"],
         })  # fmt: skip
         report["variants"][name] = row
+    # The paper's questions: each variant against SDE, and ADE-SPL against plain ADE.
+    wanted = [(a, "sde") for a in per_query if a != "sde"] + [("ade_spl", "ade")]
+    report["pairs"] = {
+        f"{a} - {b}": paired_comparison(per_query[b], per_query[a])
+        for a, b in wanted
+        if a in per_query and b in per_query
+    }
     return report
 
 
@@ -265,4 +274,7 @@ def table(report: dict[str, Any]) -> str:
             f"{r['mrr_at_10']:>7.4f} {r['contrastive_entropy']:>6.3f} {r['separability']:>6.3f} "
             f"{r['train_seconds'] or 0:>8.0f}"
         )
+    for pair, c in report.get("pairs", {}).items():
+        lines.append(f"nDCG@10 {pair}: {c['mean_diff']:+.4f} [{c['ci95'][0]:+.4f}, "
+                     f"{c['ci95'][1]:+.4f}] ({c['wins']} wins, {c['losses']} losses)")  # fmt: skip
     return "\n".join(lines)

@@ -1,5 +1,0 @@
-import sys
-
-from services.encoder.train.cli import main
-
-sys.exit(main())
