@@ -7,7 +7,10 @@ steady rate and searches run, the test kills a replica (kill -9), kills Redis
 k=10 and k=1000, and lets it go on. Then it checks what users are promised:
 
 * no acknowledged write is lost, no acknowledged delete comes back (exact filtered
-  searches with every inverted list probed, read-your-writes on the merged token);
+  searches with every inverted list probed, read-your-writes on the merged token), in
+  the vectors and in the text index alike: a sparse search for each document's own
+  term finds exactly the acknowledged ones, and neither a sparse nor a hybrid search
+  returns a deleted one;
 * no search failed except by its own deadline, and no OK answer came from zero shards;
 * no process of the stack is gone for good: the supervisor restarted what died and
   every child serves again.
@@ -309,6 +312,20 @@ def test_the_stack_keeps_its_promises_under_kills_stops_and_a_burst(up: Up) -> N
                     timeout=30,
                 )
                 in_index = [h.id for h in reply.hits] == [doc_id]
+                # the text index: the document's own term (marker<i>), sparse and hybrid
+                own = f"marker{doc_id.removeprefix('chaos-')}"
+                in_text = {}
+                for mode in (search_pb2.RETRIEVAL_MODE_SPARSE, search_pb2.RETRIEVAL_MODE_HYBRID):
+                    found = await search.Search(
+                        search_pb2.SearchRequest(
+                            query=own, k=1, ids_only=True, nprobe=nlist, mode=mode,
+                            consistency=common_pb2.CONSISTENCY_SESSION,
+                            write_token=write_token, require_complete=True,
+                        ),
+                        timeout=30,
+                    )  # fmt: skip
+                    assert not found.partial, found
+                    in_text[mode] = [h.id for h in found.hits][:1] == [doc_id]
                 try:
                     await docs.Get(documents_pb2.GetRequest(id=doc_id), timeout=10)
                     stored = True
@@ -316,6 +333,9 @@ def test_the_stack_keeps_its_promises_under_kills_stops_and_a_burst(up: Up) -> N
                     assert exc.code() is grpc.StatusCode.NOT_FOUND
                     stored = False
                 assert in_index == stored, (doc_id, in_index, stored)
+                assert in_text[search_pb2.RETRIEVAL_MODE_SPARSE] == stored, (doc_id, stored)
+                if not stored:  # a hybrid top hit may come from the dense list otherwise
+                    assert not in_text[search_pb2.RETRIEVAL_MODE_HYBRID], doc_id
                 return stored
 
             for doc_id in kept:
