@@ -61,6 +61,22 @@ DEFAULT_TIMEOUT_S = 10.0
 T = TypeVar("T")
 
 
+# Kept from the index search for what follows it (document fetch, rerank, answer): a
+# share of the request's whole budget, taken at its start. The router keeps a share of
+# what is left when it is called, which shrinks with the time the encoder took: with
+# both replicas of a shard hung, the router answered concurrent 1 s searches with 5 to
+# 90 ms left, too little for the rest, and they ended DEADLINE_EXCEEDED, not partial.
+AFTER_SEARCH_SHARE = 0.1
+AFTER_SEARCH_MIN_S = 0.005
+
+
+def search_deadline(deadline: Deadline, budget: float) -> Deadline:
+    """``deadline`` less the time kept for what follows the index search."""
+    if deadline.at is None:
+        return deadline
+    return Deadline(deadline.at - max(AFTER_SEARCH_MIN_S, budget * AFTER_SEARCH_SHARE))
+
+
 async def bounded(step: Awaitable[T], deadline: Deadline, stage: str) -> T:
     """Await ``step`` for at most what is left of ``deadline`` (DeadlineExceeded after)."""
     try:
@@ -148,7 +164,8 @@ class SearchPipeline:
         """``timeout``: the client's deadline in seconds; None (the client set none) takes
         ``default_timeout_s``: every wait below is bounded by what is left of it."""
         start = time.perf_counter()
-        deadline = Deadline.after(self.default_timeout_s if timeout is None else timeout)
+        budget = self.default_timeout_s if timeout is None else timeout
+        deadline = Deadline.after(budget)
         if batch:
             validation.check_batch(queries, self.limits, self.index.num_shards)
         else:
@@ -167,7 +184,9 @@ class SearchPipeline:
 
         t = time.perf_counter()
         routed = await self._strong_as_session(queries, deadline)
-        found = await self._search_index(routed, fetch_ks, stages, vectors, deadline)
+        found = await self._search_index(
+            routed, fetch_ks, stages, vectors, search_deadline(deadline, budget)
+        )
         search_ms = _ms(t)
 
         index_results = [(f.hits, f.missing) for f in found]

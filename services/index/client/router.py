@@ -280,6 +280,26 @@ class _Waiting:
     future: asyncio.Future[IndexResult]
     text: str = ""  # the query text of a sparse or hybrid search
     sparse_k: int = 0
+    launch_by: float = math.inf  # monotonic: past it, it goes without a wave slot
+    # its deadline less the router's reserve, taken when it is queued: computed later, the
+    # reserve (a share of what is left) would shrink to the 5 ms minimum
+    answer_by: Deadline = dataclasses.field(default_factory=lambda: Deadline.after(None))
+
+
+# A queued search waits for a wave slot at most this share of its time (see _Coalescer).
+LAUNCH_BY_SHARE = 0.5
+
+
+def _left(waiting: _Waiting) -> float:
+    remaining = waiting.answer_by.remaining()
+    return math.inf if remaining is None else remaining
+
+
+def _outcome(task: asyncio.Future[ShardAnswer], shard: int) -> ShardAnswer | BaseException:
+    """A shard's answer, its error, or DeadlineExceeded while it has not answered."""
+    if not task.done() or task.cancelled():
+        return DeadlineExceeded(f"shard {shard} did not answer within the deadline")
+    return task.exception() or task.result()
 
 
 # nprobe, consistency, require_complete, (dense, sparse), deadline class (deadline_class)
@@ -299,12 +319,26 @@ def deadline_class(remaining: float | None) -> int:
 
 
 class _Coalescer:
+    """Waves of coalesced searches, ``max_waves`` in flight.
+
+    Partial answers within every member's deadline: a wave runs with its latest member's
+    deadline, and each member is answered at its own (less the router's reserve) by the
+    shards that have answered by then, the others missing; a wave whose members are all
+    answered cancels what it still waits for. A queued search waits for a slot at most
+    ``LAUNCH_BY_SHARE`` of its time, then goes in a wave without one: the slots may be
+    held by waves waiting on a shard whose replicas all hang (SIGSTOPped) until their
+    members' deadlines, and a search queued behind them got no answer at all (24 of 26
+    concurrent 1 s searches ended DEADLINE_EXCEEDED, ``test_gateway_faults.py``).
+    """
+
     def __init__(self, router: ShardRouter, max_waves: int) -> None:
         self._router = router
         self._waves = asyncio.Semaphore(max_waves)
         self._queue: dict[_WaveKey, list[_Waiting]] = {}
         self._draining = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._arrived = asyncio.Event()  # a search that must leave sooner was queued
+        self._slot_wait_until = math.inf  # when the drain stops waiting for a slot
 
     async def search(
         self,
@@ -317,9 +351,15 @@ class _Coalescer:
     ) -> IndexResult:
         future: asyncio.Future[IndexResult] = asyncio.get_running_loop().create_future()
         wave_key = (*key, (vector is not None, sparse_k > 0), deadline_class(timeout))
+        launch_by = math.inf if timeout is None else time.monotonic() + timeout * LAUNCH_BY_SHARE
+        deadline = Deadline.after(timeout)
         self._queue.setdefault(wave_key, []).append(
-            _Waiting(vector, k, Deadline.after(timeout), future, text, sparse_k)
+            _Waiting(
+                vector, k, deadline, future, text, sparse_k, launch_by, shard_deadline(deadline)
+            )
         )
+        if launch_by < self._slot_wait_until:
+            self._arrived.set()
         if not self._draining:
             self._draining = True
             self._keep(asyncio.ensure_future(self._drain()))
@@ -333,13 +373,60 @@ class _Coalescer:
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
 
+    def _prune(self) -> None:
+        """Drop the members whose own wait ended (their deadline): they ride no wave."""
+        for key in list(self._queue):
+            alive = [w for w in self._queue[key] if not w.future.done()]
+            if alive:
+                self._queue[key] = alive
+            else:
+                del self._queue[key]
+
+    async def _slot(self) -> bool:
+        """A wave slot (True), or none (False) once a queued search reaches its
+        ``launch_by``. Woken early when a search that must leave sooner is queued."""
+        while True:
+            self._prune()
+            urgent = min(
+                (w.launch_by for queued in self._queue.values() for w in queued),
+                default=math.inf,
+            )
+            wait = urgent - time.monotonic()
+            if wait <= 0:
+                return False
+            self._slot_wait_until = urgent
+            self._arrived.clear()
+            acquire = asyncio.ensure_future(self._waves.acquire())
+            arrived = asyncio.ensure_future(self._arrived.wait())
+            try:
+                await asyncio.wait(
+                    {acquire, arrived},
+                    timeout=None if math.isinf(wait) else wait,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                self._slot_wait_until = math.inf
+                arrived.cancel()
+                if not acquire.done():
+                    acquire.cancel()  # Semaphore.acquire gives a slot back when cancelled
+            if acquire.done() and not acquire.cancelled():
+                return True
+
     async def _drain(self) -> None:
         try:
-            while self._queue:
-                await self._waves.acquire()
-                key = next(iter(self._queue))
-                # a member whose own wait ended (its deadline) no longer rides a wave
-                waiting = [w for w in self._queue[key] if not w.future.done()]
+            while True:
+                self._prune()
+                if not self._queue:
+                    break
+                slot = await self._slot()
+                self._prune()
+                if not self._queue:
+                    if slot:
+                        self._waves.release()
+                    break
+                # the queue holding the search that must leave first (FIFO on ties)
+                key = min(self._queue, key=lambda q: min(w.launch_by for w in self._queue[q]))
+                waiting = self._queue[key]
                 # Everything queued goes in one wave: measured here, splitting the queue
                 # over free slots costs more RPCs than the overlap gains.
                 wave, rest = waiting[:MAX_WAVE_ROWS], waiting[MAX_WAVE_ROWS:]
@@ -347,11 +434,9 @@ class _Coalescer:
                     self._queue[key] = rest
                 else:
                     del self._queue[key]
-                if not wave:
-                    self._waves.release()
-                    continue
                 task = asyncio.ensure_future(self._run(key, wave))
-                task.add_done_callback(self._wave_done)
+                if slot:
+                    task.add_done_callback(self._wave_done)
                 self._keep(task)
         finally:
             self._draining = False
@@ -361,32 +446,61 @@ class _Coalescer:
 
     async def _run(self, key: _WaveKey, wave: list[_Waiting]) -> None:
         nprobe, consistency, require_complete, (dense, sparse), _ = key
-        known = [w.deadline.remaining() for w in wave]
-        # the latest deadline of the wave: a member waits no longer than its own
-        timeout = None if None in known else max(t for t in known if t is not None)
+        # the shards get the latest answer_by of the wave; each member is answered by its own
+        known = [w.answer_by.at for w in wave]
+        latest = Deadline(None if None in known else max(t for t in known if t is not None))
         vectors = [w.vector for w in wave if w.vector is not None]
+        k = max(w.k for w in wave) if dense else 0
+        sparse_k = max(w.sparse_k for w in wave)
         try:
-            result = await self._router.fan_out(
+            tasks = await self._router.launch(
                 np.stack(vectors) if dense else None,
-                max(w.k for w in wave),
+                k,
                 nprobe=nprobe,
                 filter=(),
                 consistency=consistency,
                 token={},
-                timeout=timeout,
-                require_complete=require_complete,
+                deadline=latest,
                 texts=tuple(w.text for w in wave) if sparse else (),
-                sparse_k=max(w.sparse_k for w in wave),
+                sparse_k=sparse_k,
             )
         except Exception as exc:
             for w in wave:
                 if not w.future.done():
                     w.future.set_exception(exc)
             return
-        parts = split_result(result, [w.k for w in wave], [w.sparse_k for w in wave])
-        for w, one in zip(wave, parts, strict=True):
-            if not w.future.done():
-                w.future.set_result(one)
+        pending: set[asyncio.Future[ShardAnswer]] = set(tasks)
+        parts: list[IndexResult] | BaseException | None = None
+        try:
+            for i in sorted(range(len(wave)), key=lambda j: _left(wave[j])):
+                w = wave[i]
+                if w.future.done():
+                    continue
+                if pending:
+                    own = w.answer_by.remaining()
+                    done, pending = await asyncio.wait(
+                        pending, timeout=None if own is None else max(0.0, own)
+                    )
+                    if done:
+                        parts = None  # more shards answered: merge again
+                if parts is None:
+                    answers = [_outcome(t, shard) for shard, t in enumerate(tasks)]
+                    try:
+                        merged = merge_answers(answers, len(wave), k, sparse_k, require_complete)
+                        parts = split_result(
+                            merged, [m.k for m in wave], [m.sparse_k for m in wave]
+                        )
+                    except Exception as exc:
+                        parts = exc
+                if w.future.done():
+                    continue
+                if isinstance(parts, BaseException):
+                    w.future.set_exception(parts)
+                else:
+                    w.future.set_result(parts[i])
+        finally:
+            for task in pending:
+                task.cancel()  # every member is answered: nobody waits for these
 
 
 class ShardRouter:
@@ -501,13 +615,48 @@ class ShardRouter:
         texts: tuple[str, ...] = (),
         sparse_k: int = 0,
     ) -> IndexResult:
-        """One ShardSearchRequest per shard for the whole batch; merge the answers.
+        """One ShardSearchRequest per shard for the whole batch; merge the answers."""
+        tasks = await self.launch(
+            vectors,
+            k,
+            nprobe=nprobe,
+            filter=filter,
+            consistency=consistency,
+            token=token,
+            deadline=shard_deadline(Deadline.after(timeout)),
+            texts=texts,
+            sparse_k=sparse_k,
+        )
+        try:
+            answers = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()
+        rows = len(vectors) if vectors is not None else len(texts)
+        dense_k = k if vectors is not None else 0
+        return merge_answers(answers, rows, dense_k, sparse_k, require_complete)
+
+    async def launch(
+        self,
+        vectors: np.ndarray | None,
+        k: int,
+        *,
+        nprobe: int,
+        filter: FilterSpec,
+        consistency: Consistency,
+        token: WriteToken,
+        deadline: Deadline,
+        texts: tuple[str, ...] = (),
+        sparse_k: int = 0,
+    ) -> list[asyncio.Task[ShardAnswer]]:
+        """Send one ShardSearchRequest per shard for the whole batch: the tasks of their
+        answers, in shard order (the caller merges what it waits for).
 
         With the shared quantizer, the batch is assigned here; should a shard have other
         centroids (FailedPrecondition: the index was retrained), the router forgets its
-        copy and runs the batch again with the shards assigning it themselves.
+        copy and sends that shard the batch again for it to assign itself (the shards
+        that took the probes have the router's centroids: their answers stand).
         """
-        deadline = shard_deadline(Deadline.after(timeout))
         dense = vectors is not None
         batch = vectors if vectors is not None else np.zeros((0, 0), np.float32)
         quantizer = await self._coarse(batch) if dense else None
@@ -529,19 +678,19 @@ class ShardRouter:
                 )
             )
 
-        answers = await asyncio.gather(
-            *[s.search(request(s.index, probes), deadline) for s in self._shards],
-            return_exceptions=True,
-        )
-        if probes is not None and any(isinstance(a, FailedPrecondition) for a in answers):
-            log.warning("a shard refused this router's quantizer: fetching it again later")
-            self._quantizer = None
-            answers = await asyncio.gather(
-                *[s.search(request(s.index, None), deadline) for s in self._shards],
-                return_exceptions=True,
-            )
-        rows = len(batch) if dense else len(texts)
-        return merge_answers(answers, rows, k if dense else 0, sparse_k, require_complete)
+        async def one(shard: _Shard) -> ShardAnswer:
+            if probes is not None:
+                try:
+                    return await shard.search(request(shard.index, probes), deadline)
+                except FailedPrecondition:
+                    log.warning(
+                        "shard %d refused this router's quantizer: fetching it again later",
+                        shard.index,
+                    )
+                    self._quantizer = None
+            return await shard.search(request(shard.index, None), deadline)
+
+        return [asyncio.ensure_future(one(s)) for s in self._shards]
 
     async def _coarse(self, vectors: np.ndarray) -> CoarseQuantizer | None:
         """The shared quantizer when it applies to ``vectors`` (fetched on first use)."""
