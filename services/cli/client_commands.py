@@ -21,7 +21,15 @@ def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
         "--gateway",
         default=None,
         help="Gateway address host:port (default: $GTR_GATEWAY_ADDRESS, else the local "
-        "stack started by 'gtr-retrieval up', else 127.0.0.1:50051).",
+        "stack started by 'gtr-retrieval up' (see --run-dir), else 127.0.0.1:50051).",
+    )
+    parser.add_argument(
+        "--run-dir",
+        dest="stack_run_dir",
+        default=None,
+        help="Run directory of the local stack ('up --run-dir'): its stack.json names the "
+        "gateway, and under 'up --auth' / '--tls' its token and CA (default: $GTR_RUN_DIR, "
+        "else .run).",
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="Deadline per call (s).")
     parser.add_argument(

@@ -102,6 +102,12 @@ def _stack_state(run_dir: str) -> dict[str, Any]:
     return dict(json.loads(state.read_text(encoding="utf-8"))) if state.exists() else {}
 
 
+def stack_run_dir(explicit: str | None = None) -> str:
+    """The local stack's run directory: --run-dir, else $GTR_RUN_DIR, else ``.run`` (the
+    default of ``up --run-dir``)."""
+    return explicit or os.environ.get("GTR_RUN_DIR") or DEFAULT_RUN_DIR
+
+
 def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str:
     """--gateway, else $GTR_GATEWAY_ADDRESS, else the running local stack, else :50051."""
     if explicit:
@@ -114,12 +120,14 @@ def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str
     return "127.0.0.1:50051"
 
 
-def resolve_gateway(args: argparse.Namespace, run_dir: str = DEFAULT_RUN_DIR) -> Gateway:
+def resolve_gateway(args: argparse.Namespace, run_dir: str | None = None) -> Gateway:
     """The gateway of a client command: address as :func:`gateway_address`; the token
     from --token, else $GTR_TOKEN, else (talking to the local stack started with
     ``up --auth``) its write token; TLS from --tls-ca/--tls-client-cert/--tls-client-key,
     else $GTR_TLS_CA/$GTR_TLS_CLIENT_CERT/$GTR_TLS_CLIENT_KEY, else the local stack's
-    (``up --tls``)."""
+    (``up --tls``). The local stack is the one whose ``stack.json`` is in ``run_dir``,
+    else in the command's --run-dir (``args.stack_run_dir``), as :func:`stack_run_dir`."""
+    run_dir = run_dir or stack_run_dir(getattr(args, "stack_run_dir", None))
     address = gateway_address(args.gateway, run_dir)
     stack = _stack_state(run_dir)
     local = bool(stack) and stack.get("gateway") == address

@@ -313,7 +313,9 @@ class Stack:
             if where:
                 print(f"  {name:<24} {where}")
         queries = example_queries(self.config) or ("your query",)
-        print(f'\n  try:  .venv/bin/gtr-retrieval search "{queries[0]}"\n', flush=True)
+        run_dir = self.config.run_dir
+        where = "" if run_dir == StackConfig().run_dir else f" --run-dir {run_dir}"
+        print(f'\n  try:  .venv/bin/gtr-retrieval search "{queries[0]}"{where}\n', flush=True)
 
 
 def run_stack(config: StackConfig) -> int:
