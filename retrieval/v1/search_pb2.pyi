@@ -331,7 +331,8 @@ class SearchResponse(_message.Message):
     rerank_skipped: _builtins.bool
     """True when the request asked for a rerank (depth 0: chosen by the deadline) and the
     gateway did not rerank because even the smallest measured rerank depth would not
-    fit the time left: the hits are then in first-stage order (reranked = false) and
+    fit the time left, or because the rerank at the depth it chose did not finish in
+    the time left: the hits are then in first-stage order (reranked = false) and
     rerank_skipped_reason says why. A request that names its depth is never skipped.
     """
     rerank_skipped_reason: _builtins.str

@@ -1,23 +1,18 @@
 """Read a corpus file into documents: BEIR ``corpus.jsonl`` or plain JSONL.
 
 Accepted per line: ``{"_id" | "id": str, "title"?: str, "text": str, "metadata"?: {str: str}}``
-(BEIR puts extra fields at top level; those that are strings become metadata).
+(BEIR puts extra fields at top level; those that are strings become metadata). Each
+line becomes the service's own :class:`~services.common.domain.Document` (version 0: not
+stored yet), the type the gateway stores and the local stack encodes.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class CorpusDoc:
-    id: str
-    text: str
-    title: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)
+from services.common.domain import Document
 
 
 class CorpusFormatError(ValueError):
@@ -27,7 +22,7 @@ class CorpusFormatError(ValueError):
 _KNOWN = {"_id", "id", "title", "text", "metadata"}
 
 
-def parse_line(line: str, where: str) -> CorpusDoc:
+def parse_line(line: str, where: str) -> Document:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -52,10 +47,10 @@ def parse_line(line: str, where: str) -> CorpusDoc:
     for key, value in row.items():
         if key not in _KNOWN and isinstance(value, str):
             metadata[key] = value
-    return CorpusDoc(id=doc_id, text=text, title=title, metadata=metadata)
+    return Document(id=doc_id, text=text, title=title, metadata=metadata)
 
 
-def read_corpus(path: Path | str, limit: int | None = None) -> Iterator[CorpusDoc]:
+def read_corpus(path: Path | str, limit: int | None = None) -> Iterator[Document]:
     """Yield the documents of a JSONL corpus file, in file order (blank lines skipped)."""
     path = Path(path)
     with path.open(encoding="utf-8") as fh:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.domain import Document
-from services.corpus.readers import CorpusDoc, read_corpus
+from services.corpus.readers import read_corpus
 from services.gateway.texts import cut_for_encoder
 from services.index.core.train import TrainOptions, train_index
 from services.index.core.trained import Manifest
@@ -39,14 +39,14 @@ WRITE_BATCH = 256  # documents per ChangeLogWriter.upsert (the API's upsert limi
 @dataclass(frozen=True)
 class CorpusEmbeddings:
     corpus: Path
-    docs: list[CorpusDoc]
+    docs: list[Document]
     vectors: np.ndarray  # (len(docs), dim) float32, document side, in ``docs`` order
     model: str
 
 
-def encoder_text(doc: CorpusDoc) -> str:
+def encoder_text(doc: Document) -> str:
     """What the gateway's upsert sends the encoder for this document."""
-    return cut_for_encoder(Document(doc.id, doc.text, doc.title).embedding_text)[0]
+    return cut_for_encoder(doc.embedding_text)[0]
 
 
 def encode_corpus(cfg: StackConfig, corpus: Path, triton_grpc: str, say: Say) -> CorpusEmbeddings:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from services.index.core.train import TrainOptions, train_index
 from services.index.server.process import start_shard
 from services.rerank.serve.server import start_rerank
 from services.rerank.serve.settings import RerankSettings
+from tests.support.processes import stop_process, wait_for_port, wait_until
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.stack import shard_settings
 
@@ -57,12 +59,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @asynccontextmanager
 async def rerank_stack(
-    redis_url: str, index_dir: Path, checkpoint: Path, tmp: Path, table: Path
+    redis_url: str,
+    index_dir: Path,
+    checkpoint: Path,
+    tmp: Path,
+    table: Path,
+    rerank_url: str | None = None,
 ) -> AsyncIterator[search_pb2_grpc.SearchServiceStub]:
+    """``rerank_url``: a reranker already running (else one is started here)."""
     shards = [
         await start_shard(shard_settings(s, 2, 0, redis_url, index_dir, tmp)) for s in range(2)
     ]
-    reranker = await start_rerank(RerankSettings(port=0, checkpoint=str(checkpoint), threads=1))
+    reranker = None
+    if rerank_url is None:
+        reranker = await start_rerank(RerankSettings(port=0, checkpoint=str(checkpoint), threads=1))
+        rerank_url = f"127.0.0.1:{reranker.port}"
     gateway = None
     try:
         gateway = await start_gateway(
@@ -71,7 +82,7 @@ async def rerank_stack(
                 redis_url=redis_url,
                 shards=";".join(f"127.0.0.1:{s.port}" for s in shards),
                 encoder="inprocess",
-                rerank_url=f"127.0.0.1:{reranker.port}",
+                rerank_url=rerank_url,
                 rerank_depth_table=str(table),
                 auth=False,
             )
@@ -85,7 +96,8 @@ async def rerank_stack(
     finally:
         if gateway is not None:
             await gateway.close(0)
-        await reranker.close(0)
+        if reranker is not None:
+            await reranker.close(0)
         for shard in shards:
             await shard.close(0, snapshot=False)
 
@@ -133,6 +145,56 @@ def test_the_configured_table_decides_the_depth_and_a_budget_too_small_skips_the
             assert not explicit.rerank_skipped
 
     asyncio.run(scenario())
+
+
+def test_a_chosen_depth_the_reranker_overruns_answers_in_first_stage_order(
+    redis_url: str, index_dir: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    """The table says depth 12 takes 1 ms; the reranker (a real ``rerank serve`` process)
+    is SIGSTOPped, as on a machine far busier than the table's: a search whose depth the
+    gateway chose answers OK before its deadline, in first-stage order, and says why it
+    was not reranked (before: DEADLINE_EXCEEDED, the README's `search ... --rerank` on a
+    busy machine). A search that names its depth still fails with its deadline."""
+    table = tmp_path / "depths.json"
+    table.write_text(json.dumps({"ms_per_query_at_depth": {"12": 1.0}}))
+    port_file = tmp_path / "rerank.port"
+    argv = [sys.executable, "-m", "services.cli.main", "rerank", "serve", "--host", "127.0.0.1",
+            "--port", "0", "--port-file", str(port_file), "--checkpoint", str(checkpoint),
+            "--threads", "1"]  # fmt: skip
+    with (tmp_path / "rerank.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(
+            lambda: port_file.exists() and port_file.read_text().strip() != "",
+            "rerank serve wrote its port",
+            120,
+        )
+        port = int(port_file.read_text())
+        wait_for_port(port, 120)
+        proc.send_signal(signal.SIGSTOP)
+
+        async def scenario() -> None:
+            url = f"127.0.0.1:{port}"
+            async with rerank_stack(
+                redis_url, index_dir, checkpoint, tmp_path, table, url
+            ) as search:
+                answer = await search.Search(_search(), timeout=3)  # else DEADLINE_EXCEEDED
+                assert not answer.reranked and answer.rerank_depth == 0
+                assert answer.rerank_skipped
+                assert "did not finish" in answer.rerank_skipped_reason, answer
+                assert len(answer.hits) == 3
+                assert [h.score for h in answer.hits] == [h.first_stage_score for h in answer.hits]
+
+                named = _search()
+                named.rerank.depth = 5
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await search.Search(named, timeout=3)
+                assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        asyncio.run(scenario())
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop_process(proc)
 
 
 @pytest.mark.parametrize("content", [None, "{not json", json.dumps({"ms_per_query_at_depth": {}})])
