@@ -217,3 +217,32 @@ def _index(root: Path, dim: int) -> Path:
              refine=False, refine_factor=1, nprobe=1, train_points=1, train_pq_error=0.0,
              train_seconds=0.0, created_at="now").write(root)  # fmt: skip
     return root
+
+
+def test_a_two_tower_folder_is_not_taken_for_one_checkpoint(tmp_path: Path) -> None:
+    from services.encoder.model import read_layout
+
+    for tower in ("query", "document"):
+        (tmp_path / tower).mkdir()
+        (tmp_path / tower / "modules.json").write_text("[]")
+    with pytest.raises(InvalidArgument, match=r"two-tower checkpoint \(query/ and document/\)"):
+        read_layout(tmp_path)
+
+
+def test_the_gpu_flavour_refuses_a_two_tower_export(tmp_path: Path) -> None:
+    from services.encoder.build.export import EncoderMeta
+    from services.encoder.build.repository import RepositoryConfig, generate_repository
+
+    export = tmp_path / "export"
+    export.mkdir()
+    for name in ("model.onnx", "document.onnx", "tokenizer.json"):
+        (export / name).write_bytes(b"")
+    towers = {"query": "model.onnx", "document": "document.onnx"}
+    EncoderMeta("ade-spl", 32, "minilm", {"query": 64, "document": 256}, 0, "x",
+                towers=towers).write(export)  # fmt: skip
+    kept = tmp_path / "repo" / "embed" / "config.pbtxt"  # a repository already there
+    kept.parent.mkdir(parents=True)
+    kept.write_text("name: 'embed'")
+    with pytest.raises(FailedPrecondition, match="two-tower export"):
+        generate_repository(export / "model.onnx", tmp_path / "repo", RepositoryConfig("gpu"))
+    assert kept.read_text() == "name: 'embed'" and not (tmp_path / "repo" / "encoder").exists()

@@ -254,6 +254,11 @@ def generate_repository(
         raise FailedPrecondition(f"no ONNX export at {onnx_path}: run `encoder export` first")
     export_dir = onnx_path.parent
     meta = EncoderMeta.read(export_dir)
+    if meta.towers and cfg.flavor == "gpu":  # refused before anything in out_dir is touched
+        raise FailedPrecondition(
+            f"{onnx_path.parent} is a two-tower export ({meta.model_name}): the gpu flavour "
+            "serves one TensorRT plan; serve it with --flavor cpu (docs/encoder.md)"
+        )
     profile = meta.profile_obj
     root = Path(out_dir)
     owned = ("embed", "tokenizer", "encoder")
@@ -271,11 +276,6 @@ def generate_repository(
         return Repository(root, (EMBED_MODEL,), meta)
     if cfg.flavor != "gpu":
         raise InvalidArgument(f"unknown flavour {cfg.flavor!r}: use cpu or gpu")
-    if meta.towers:
-        raise FailedPrecondition(
-            f"{onnx_path.parent} is a two-tower export ({meta.model_name}): the gpu flavour "
-            "serves one TensorRT plan; serve it with --flavor cpu (docs/encoder.md)"
-        )
     plan_meta = None
     if cfg.plan_path is not None:
         plan_meta = plan_for_triton(Path(cfg.plan_path), cfg.triton_image_tag)
