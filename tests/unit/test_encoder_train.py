@@ -246,3 +246,16 @@ def test_the_gpu_flavour_refuses_a_two_tower_export(tmp_path: Path) -> None:
     with pytest.raises(FailedPrecondition, match="two-tower export"):
         generate_repository(export / "model.onnx", tmp_path / "repo", RepositoryConfig("gpu"))
     assert kept.read_text() == "name: 'embed'" and not (tmp_path / "repo" / "encoder").exists()
+
+
+def test_the_command_names_the_missing_qrels_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli.main import main
+
+    data = write_beir(tmp_path / "beir")
+    (data / "qrels" / "train.tsv").unlink()
+    out = tmp_path / "out"
+    code = main(["encoder", "train", "--data", str(data), "--arch", "ade-spl", "--out", str(out)])
+    assert code == 2 and "missing qrels/train.tsv" in capsys.readouterr().err
+    assert not out.exists()
