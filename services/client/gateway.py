@@ -288,6 +288,8 @@ def format_hits(query: str, response: search_pb2.SearchResponse, width: int | No
         head += f"  PARTIAL: shards {list(response.missing_shards)} missing"
     if response.sparse_missing_shards:
         head += f"  PARTIAL: shards {list(response.sparse_missing_shards)} answered dense only"
+    if response.rerank_skipped:
+        head += f"  NOT RERANKED: {response.rerank_skipped_reason}"
     lines = [head]
     title_w = min(40, max((len(h.title or h.id) for h in response.hits), default=10))
     snippet_w = max(20, width - title_w - 16)

@@ -33,3 +33,12 @@ def test_the_mode_and_fusion_that_answered_are_said_in_the_header() -> None:
     head = format_hits("read a csv file", response, width=100).splitlines()[0]
     assert "; hybrid (weighted); model all-MiniLM-L6-v2)" in head
     assert "shards [1] answered dense only" in head
+
+
+def test_a_skipped_rerank_is_said_with_its_reason() -> None:
+    response = _response(False)
+    response.rerank_skipped = True
+    response.rerank_skipped_reason = "the rerank of 100 candidates did not finish"
+    head = format_hits("read a csv file", response, width=100).splitlines()[0]
+    assert head.endswith("NOT RERANKED: the rerank of 100 candidates did not finish")
+    assert "NOT RERANKED" not in format_hits("read a csv file", _response(False), width=100)
