@@ -72,7 +72,14 @@ def add_cli(sub: Any) -> None:
     _add_gateway_flag(ingest)
     ingest.set_defaults(handler=_ingest, timeout=120.0)
 
-    search = sub.add_parser("search", help="Search and print the hits as a table.")
+    search = sub.add_parser(
+        "search",
+        help="Search and print the hits as a table.",
+        description="Search through the gateway and print the hits as a table (or --json): "
+        "the header says the time per stage, the first stage that answered (dense, sparse "
+        "= BM25, or hybrid with its fusion), the model, and a partial answer or a skipped "
+        "rerank.",
+    )
     search.add_argument("query", help="Query text.")
     search.add_argument("-k", type=int, default=5, help="Number of hits (1..1000).")
     search.add_argument("--rerank", action="store_true", help="Rerank with CELI.")

@@ -239,8 +239,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``encoder export|parity|repo|build-plan|ensure-plan|train`` on ``subparsers``."""
     encoder = subparsers.add_parser(
         "encoder",
-        help="GTR encoder: ONNX export, parity, Triton model repository, TensorRT plan",
-        description="Build the artefacts that Triton serves: export → (plan) → repository.",
+        help="GTR encoder: ONNX export, parity, Triton model repository, TensorRT plan, training",
+        description="Build the artefacts that Triton serves: export → (plan) → repository; "
+        "fine-tune the dual encoder (train).",
     )
     commands = encoder.add_subparsers(dest="encoder_command", required=True, metavar="COMMAND")
 

@@ -1,4 +1,5 @@
-"""``gtr-retrieval eval``: nDCG@10, Recall@100, MRR@10 of exact search, IVF-PQ and rerank."""
+"""``gtr-retrieval eval``: nDCG@10, Recall@100, MRR@10 of exact search, IVF-PQ, BM25,
+hybrid and rerank; trained encoders against the base (``--encoder``)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ Evaluate retrieval quality on a BEIR folder (corpus.jsonl, queries.jsonl,
 qrels/<split>.tsv) with ir-measures: nDCG@10, Recall@100 and MRR@10 of exact search,
 of IVF-PQ at the default nprobe (the one `index train` tunes) and at other nprobe
 values, and of IVF-PQ + CELI rerank (with --rerank-checkpoint, on the queries the
-checkpoint held out of training), side by side; plus the encoder's contrastive
-entropy (Fang et al., SIGIR 2024). By default everything runs in this process with
+checkpoint held out of training), side by side; then, on the dev queries (those the
+checkpoint held out, else the rerank trainer's default dev fifth), BM25 (the shards'
+Tantivy text index), dense and hybrid (RRF and weighted fusion; + CELI with
+--rerank-checkpoint) with paired 95 % intervals against dense; plus the encoder's
+contrastive entropy (Fang et al., SIGIR 2024). --encoder compares trained checkpoints
+with the base model instead. By default everything runs in this process with
 the service's index code and no servers; --gateway evaluates a running stack
 instead (the corpus is upserted first). Embeddings are cached in
 $GTR_CACHE_DIR (default ~/.cache/gtr-retrieval) by model and content; a
@@ -35,7 +40,8 @@ examples:
 def add_cli(sub: Any) -> None:
     p = sub.add_parser(
         "eval",
-        help="Retrieval quality on a BEIR folder (exact, IVF-PQ, rerank).",
+        help="Retrieval quality on a BEIR folder (exact, IVF-PQ, BM25, hybrid, rerank; "
+        "trained encoders).",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

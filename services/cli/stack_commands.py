@@ -74,8 +74,9 @@ def add_cli(sub: Any) -> None:
         "--auth",
         action="store_true",
         help="Require bearer tokens at the gateway: a read and a write token are generated "
-        "into <run-dir>/auth/ (read.tokens, write.tokens; printed at start). The client "
-        "commands find them through <run-dir>/stack.json. The local Redis requires a "
+        "into <run-dir>/auth/ (read.tokens, write.tokens; their paths printed at start). "
+        "The client commands find them through <run-dir>/stack.json (their --run-dir). "
+        "The local Redis requires a "
         "password too (<run-dir>/auth/redis.password; the children read the Redis URL from "
         "<run-dir>/redis.url, mode 0600). Default: the gateway and Redis run open, on "
         "loopback only, and say so.",
