@@ -514,7 +514,7 @@ class DocumentPipeline:
 
     async def get(self, doc_id: str, timeout: float | None = None) -> Document:
         deadline = self._deadline(timeout)
-        validation.check_ids([doc_id], self.limits, field="id")
+        validation.check_id(doc_id, self.limits)
         (doc,) = await bounded(self.documents.get_many([doc_id]), deadline, "the read")
         if doc is None:
             raise NotFound(f"document {doc_id!r} does not exist")

@@ -143,6 +143,11 @@ def _check_metadata(metadata: Mapping[str, str], at: str, limits: Limits) -> Non
             )
 
 
+def check_id(doc_id: str, limits: Limits, field: str = "id") -> None:
+    """One document id (a Get's): the message names ``field``, not ``field[0]``."""
+    _check_id(doc_id, field, limits)
+
+
 def check_ids(ids: Sequence[str], limits: Limits, field: str = "ids") -> None:
     if not 1 <= len(ids) <= limits.max_delete_ids:
         raise InvalidArgument(f"{field}: {len(ids)} given, takes 1..{limits.max_delete_ids}")

@@ -95,6 +95,16 @@ def test_ids_rules() -> None:
         validation.check_ids([], LIMITS)
 
 
+@pytest.mark.parametrize(
+    ("doc_id", "message"),
+    [("", "id: must not be empty"), ("a" * 300, "id: 300 bytes, at most 256 allowed")],
+)
+def test_a_get_id_is_named_id_not_id_0(doc_id: str, message: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        validation.check_id(doc_id, LIMITS)
+    assert err.value.message == message
+
+
 def test_search_request_round_trip() -> None:
     query = SearchQuery(
         text="q",
