@@ -16,6 +16,18 @@ from retrieval.v1 import documents_pb2, documents_pb2_grpc
 from services.client.gateway import format_hits, ingest_file, resolve_gateway, search_once
 
 
+def _count(text: str) -> int:
+    """A whole number the request carries as uint32: refused here when it cannot be sent
+    (a negative -k used to end in a ValueError traceback); its range is the gateway's."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (0..{2**32 - 1})")
+    return value
+
+
 def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateway",
@@ -81,9 +93,9 @@ def add_cli(sub: Any) -> None:
         "rerank.",
     )
     search.add_argument("query", help="Query text.")
-    search.add_argument("-k", type=int, default=5, help="Number of hits (1..1000).")
+    search.add_argument("-k", type=_count, default=5, help="Number of hits (1..1000).")
     search.add_argument("--rerank", action="store_true", help="Rerank with CELI.")
-    search.add_argument("--depth", type=int, default=0, help="Rerank depth (0 = auto).")
+    search.add_argument("--depth", type=_count, default=0, help="Rerank depth (0 = auto).")
     search.add_argument(
         "--consistency", choices=["eventual", "strong"], default="eventual", help="Freshness."
     )
@@ -105,6 +117,22 @@ def add_cli(sub: Any) -> None:
         choices=["rrf", "weighted"],
         default=None,
         help="Fusion of a hybrid search (default: the gateway's).",
+    )
+    search.add_argument(
+        "--rrf-k", type=_count, default=None, help="k of --fusion rrf, 1..10000 (default: 60)."
+    )
+    search.add_argument(
+        "--dense-weight",
+        type=float,
+        default=None,
+        help="Weight of the dense list in --fusion weighted, 0..1 (default: 0.5).",
+    )
+    search.add_argument(
+        "--candidates",
+        type=_count,
+        default=None,
+        help="Hits taken from each list of a hybrid search before fusing: k..1000 "
+        "(default: the gateway's, at least k and the rerank depth).",
     )
     search.add_argument("--json", action="store_true", help="Print the response as JSON.")
     _add_gateway_flag(search)
@@ -150,6 +178,9 @@ def _search(args: argparse.Namespace) -> int:
             depth=args.depth,
             mode=args.mode,
             fusion=args.fusion,
+            rrf_k=args.rrf_k,
+            dense_weight=args.dense_weight,
+            candidates=args.candidates,
         )
     except grpc.RpcError as exc:
         return _fail(exc)

@@ -240,6 +240,15 @@ def parse_filter(items: Sequence[str]) -> common_pb2.Filter:
 def search_once(
     address: str | Gateway, query: str, k: int = 5, timeout: float = 10.0, **options: Any
 ) -> search_pb2.SearchResponse:
+    request = search_request(query, k, **options)
+    with _target(address).channel() as channel:
+        return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
+
+
+def search_request(query: str, k: int = 5, **options: Any) -> search_pb2.SearchRequest:
+    """The SearchRequest of the ``search`` command's options (consistency, filters,
+    rerank, depth, mode, fusion, rrf_k, dense_weight, candidates; None or absent: the
+    gateway's default)."""
     consistency = {
         "eventual": common_pb2.CONSISTENCY_EVENTUAL,
         "strong": common_pb2.CONSISTENCY_STRONG,
@@ -259,8 +268,13 @@ def search_once(
         request.fusion.method = search_pb2.FusionMethod.Value(
             f"FUSION_METHOD_{options['fusion'].upper()}"
         )
-    with _target(address).channel() as channel:
-        return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
+    if options.get("rrf_k") is not None:
+        request.fusion.rrf_k = options["rrf_k"]
+    if options.get("dense_weight") is not None:
+        request.fusion.dense_weight = options["dense_weight"]
+    if options.get("candidates") is not None:
+        request.fusion.candidates = options["candidates"]
+    return request
 
 
 def format_hits(query: str, response: search_pb2.SearchResponse, width: int | None = None) -> str:

@@ -3,6 +3,8 @@ stage answered."""
 
 from __future__ import annotations
 
+import pytest
+
 from retrieval.v1 import search_pb2
 from services.client.gateway import format_hits
 
@@ -42,3 +44,37 @@ def test_a_skipped_rerank_is_said_with_its_reason() -> None:
     head = format_hits("read a csv file", response, width=100).splitlines()[0]
     assert head.endswith("NOT RERANKED: the rerank of 100 candidates did not finish")
     assert "NOT RERANKED" not in format_hits("read a csv file", _response(False), width=100)
+
+
+def test_the_fusion_flags_reach_the_request() -> None:
+    from services.cli.main import build_parser
+    from services.client.gateway import search_request
+
+    args = build_parser().parse_args(
+        ["search", "q", "-k", "7", "--mode", "hybrid", "--fusion", "weighted",
+         "--dense-weight", "0.25", "--rrf-k", "10", "--candidates", "50"]
+    )  # fmt: skip
+    request = search_request(
+        args.query, args.k, mode=args.mode, fusion=args.fusion, rrf_k=args.rrf_k,
+        dense_weight=args.dense_weight, candidates=args.candidates,
+    )  # fmt: skip
+    assert (request.k, request.mode) == (7, search_pb2.RETRIEVAL_MODE_HYBRID)
+    assert request.fusion.method == search_pb2.FUSION_METHOD_WEIGHTED
+    assert (request.fusion.dense_weight, request.fusion.rrf_k) == (0.25, 10)
+    assert request.fusion.candidates == 50
+    plain = search_request("q", 5)
+    assert not plain.HasField("fusion") and plain.mode == search_pb2.RETRIEVAL_MODE_UNSPECIFIED
+
+
+@pytest.mark.parametrize(
+    "flags", [["-k", "-1"], ["-k", "99999999999"], ["--depth", "-1"], ["--rrf-k", "-1"]]
+)
+def test_a_number_no_request_can_carry_is_a_usage_error_not_a_traceback(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["search", "q", *flags])
+    assert done.value.code == 2
+    assert "out of range" in capsys.readouterr().err
