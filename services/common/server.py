@@ -59,13 +59,30 @@ class Admission:
     count is what the process has promised to answer. Above ``high_water`` (a share of
     the limit) :meth:`pressure` rises from 0 to 1 at the limit: optional work (the
     gateway's rerank) shrinks with it, before any call is refused.
+
+    ``cost`` (a request → how many of the limit's units it takes, at least 1; one call,
+    one unit without it) lets a service count what a call costs rather than calls: the
+    gateway counts a search by its hits (:func:`services.gateway.servicer.admission_cost`).
+    Counted by calls, 32 searches at k=1000 (each ~1.5 MB of documents to fetch, convert
+    and send) saturated the gateway's event loop, the calls queued in gRPC before the
+    interceptor could refuse them, and of 1,000 concurrent ones 946 ended
+    DEADLINE_EXCEEDED and 35 were refused; counted by hits 526 and 402
+    (``bench/overload.py``, docs/architecture.md says what is left). A call that costs
+    more than the whole limit is admitted alone.
     """
 
-    def __init__(self, limit: int = 0, retry_after_ms: int = 100, high_water: float = 0.75) -> None:
+    def __init__(
+        self,
+        limit: int = 0,
+        retry_after_ms: int = 100,
+        high_water: float = 0.75,
+        cost: Callable[[Any], int] | None = None,
+    ) -> None:
         self.limit = limit
         self.retry_after_ms = retry_after_ms
         self.high_water = int(limit * high_water)
         self.in_flight = 0
+        self.cost = cost
 
     def pressure(self) -> float:
         """0 up to the high-water mark, then the used share of the room above it (1 at the
@@ -74,19 +91,27 @@ class Admission:
             return 0.0
         return min(1.0, (self.in_flight - self.high_water) / (self.limit - self.high_water))
 
+    def units(self, request: Any) -> int:
+        """What ``request`` takes of the limit: 1..limit (1 without a ``cost``)."""
+        if self.cost is None or request is None or not self.limit:
+            return 1
+        return max(1, min(self.limit, int(self.cost(request))))
+
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        if self.limit and self.in_flight >= self.limit:
+    def admit(self, request: Any = None) -> Iterator[None]:
+        units = self.units(request)
+        if self.limit and self.in_flight + units > self.limit:
+            takes = f"; this one takes {units}" if units > 1 else ""
             raise AdmissionRefused(
-                f"server busy: {self.in_flight} requests in flight (limit {self.limit}); "
-                f"retry after {self.retry_after_ms} ms",
+                f"server busy: {self.in_flight} requests in flight (limit {self.limit}"
+                f"{takes}); retry after {self.retry_after_ms} ms",
                 self.retry_after_ms,
             )
-        self.in_flight += 1
+        self.in_flight += units
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.in_flight -= units
 
 
 @dataclass(frozen=True)
@@ -136,15 +161,15 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
         if handler is None or handler.unary_unary is None:
             return handler
         behavior = handler.unary_unary
-        admit: Callable[[], contextlib.AbstractContextManager[None]] = (
-            contextlib.nullcontext
+        admit: Callable[[Any], contextlib.AbstractContextManager[None]] = (
+            (lambda _request: contextlib.nullcontext())
             if details.method.startswith(EXEMPT_PREFIXES)
             else self._admission.admit
         )
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._outcome(details, context):
-                with admit():
+                with admit(None if isinstance(request, _Malformed) else request):
                     if isinstance(request, _Malformed):
                         raise errors.InvalidArgument(f"malformed request: {request.reason}")
                     return await behavior(request, context)

@@ -26,7 +26,7 @@ from services.gateway.metrics import GatewayMetrics, QueryCacheMetrics
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.rerank_client import RerankClient
-from services.gateway.servicer import DocumentServicer, SearchServicer
+from services.gateway.servicer import DocumentServicer, SearchServicer, admission_cost
 from services.gateway.settings import GatewaySettings, parse_shard_addresses
 from services.index.core import coarse
 from services.rerank.depths import depth_table
@@ -155,7 +155,10 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         else None
     )
     admission = Admission(
-        settings.max_in_flight, settings.retry_after_ms, high_water=settings.shed_high_water
+        settings.max_in_flight,
+        settings.retry_after_ms,
+        high_water=settings.shed_high_water,
+        cost=admission_cost,
     )
     search = SearchPipeline(
         encoder,

@@ -8,6 +8,24 @@ from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_p
 from services.gateway import convert
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
 
+# A search takes one unit of the in-flight limit per this many hits it may return or
+# rerank (k or the rerank depth, summed over a batch): k <= 100 takes one, k = 1000 ten.
+HITS_PER_UNIT = 100
+
+
+def admission_cost(request: object) -> int:
+    """The units of ``--max-in-flight`` a call takes (Admission's ``cost``): searches by
+    their hits, as the document fetch, conversion and answer grow with them; any other
+    call one."""
+    if isinstance(request, search_pb2.SearchRequest):
+        searches = [request]
+    elif isinstance(request, search_pb2.BatchSearchRequest):
+        searches = list(request.requests)
+    else:
+        return 1
+    hits = sum(max(r.k, r.rerank.depth if r.rerank.enabled else 0) for r in searches)
+    return max(1, -(-hits // HITS_PER_UNIT))
+
 
 class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     def __init__(self, pipeline: SearchPipeline) -> None:

@@ -203,6 +203,47 @@ def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint
     asyncio.run(scenario())
 
 
+def test_the_in_flight_limit_counts_a_search_by_its_hits(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """A search takes one unit of --max-in-flight per 100 hits (k=1000: ten, at most the
+    whole limit): with 3 small searches held under a limit of 4, a k=1000 search is
+    refused at once with the retry hint, a k=100 one is admitted; alone, k=1000 runs.
+    Counted by calls, 32 searches at k=1000 saturated the gateway and 946 of 1,000
+    concurrent ones ended DEADLINE_EXCEEDED (bench/overload.py)."""
+
+    async def scenario() -> None:
+        async with front_door(redis_url, index_dir, tmp_path, max_in_flight=4) as front:
+            async with held(front, 3):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await front.search.Search(
+                        search_pb2.SearchRequest(query="x", k=1000), timeout=10
+                    )
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "this one takes 4" in (refused.value.details() or "")
+                trailing = dict(refused.value.trailing_metadata() or ())
+                assert trailing.get("retry-after-ms") == "100", trailing
+
+                batch = search_pb2.BatchSearchRequest(
+                    requests=[search_pb2.SearchRequest(query="x", k=60)] * 2
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as too_many:
+                    await front.search.BatchSearch(batch, timeout=10)
+                assert too_many.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+                small = await front.search.Search(
+                    search_pb2.SearchRequest(query="x", k=100), timeout=30
+                )
+                assert len(small.hits) == len(DOCS)
+                assert front.in_flight == 3
+            alone = await front.search.Search(
+                search_pb2.SearchRequest(query="x", k=1000), timeout=30
+            )
+            assert len(alone.hits) == len(DOCS)
+
+    asyncio.run(scenario())
+
+
 def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
     redis_url: str, index_dir: Path, tmp_path: Path
 ) -> None:
