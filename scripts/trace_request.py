@@ -8,8 +8,9 @@ Starts, in this one process, a real Redis, two index shards (one replica each), 
 rerank service and the gateway (the stack of tests/e2e/test_gateway_rerank.py), warms
 them up (streams opened, the shared quantizer fetched, lazy imports done), then runs a
 Python profiler while exactly one request is in flight: a Search (EVENTUAL, no filter,
-no rerank), the same Search with rerank (its depth chosen by the time left), and an
-Upsert of one document until the replica of its shard has applied it. It prints, per
+no rerank, the gateway's default mode: hybrid), the same Search in dense mode, the dense
+Search with rerank (its depth chosen by the time left), and an Upsert of one document
+until the replica of its shard has applied it. It prints, per
 request, every file of services/ one of whose functions ran (with the functions and the
 thread), then the counts as a JSON line.
 
@@ -147,9 +148,15 @@ async def trace(encoder: str, tmp: Path, stack: ExitStack) -> dict[str, int]:
             token = (
                 await documents.Upsert(documents_pb2.UpsertRequest(documents=docs))
             ).write_token
-            plain = search_pb2.SearchRequest(query="read a csv file", k=3)
+            plain = search_pb2.SearchRequest(query="read a csv file", k=3)  # default mode
+            dense = search_pb2.SearchRequest(
+                query="read a csv file", k=3, mode=search_pb2.RETRIEVAL_MODE_DENSE
+            )
             reranked = search_pb2.SearchRequest(
-                query="read a csv file", k=3, rerank=search_pb2.RerankOptions(enabled=True)
+                query="read a csv file",
+                k=3,
+                mode=search_pb2.RETRIEVAL_MODE_DENSE,
+                rerank=search_pb2.RerankOptions(enabled=True),
             )
             # SESSION: every document above is searchable before the windows
             warm = search_pb2.SearchRequest(
@@ -158,11 +165,17 @@ async def trace(encoder: str, tmp: Path, stack: ExitStack) -> dict[str, int]:
             for _ in range(3):
                 await search.Search(warm, timeout=30)
                 await search.Search(plain, timeout=30)
+                await search.Search(dense, timeout=30)
                 await search.Search(reranked, timeout=30)
 
             with recorded("search", report):
                 found = await search.Search(plain, timeout=30)
             assert len(found.hits) == 3 and not found.reranked, found
+            if found.sparse_missing_shards:  # the shards have no text index: dense only
+                print(f"\nthe default search's sparse lists are missing: {found}")
+            with recorded("search_dense", report):
+                found = await search.Search(dense, timeout=30)
+            assert len(found.hits) == 3 and found.mode == search_pb2.RETRIEVAL_MODE_DENSE, found
             with recorded("search_reranked", report):
                 found = await search.Search(reranked, timeout=30)
             assert found.reranked, found
