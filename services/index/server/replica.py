@@ -57,7 +57,10 @@ class ShardReplica:
         self.config = config
         self.metrics = metrics
         self.trained = TrainedIndex.load(Path(config.index_dir))
-        self.shard, snapshot = load_newest(Path(config.snapshot_dir), self.trained)
+        self.text_config = config.text_config()
+        self.shard, snapshot = load_newest(
+            Path(config.snapshot_dir), self.trained, self.text_config
+        )
         self.snapshot_position = snapshot.position if snapshot else positions.ZERO
         self.log_lag_s = 0.0
         self.ready = threading.Event()
@@ -115,7 +118,12 @@ class ShardReplica:
 
     def reload(self) -> None:
         """Load the newest valid snapshot again (one a peer just sent); before start()."""
-        self.shard, snapshot = load_newest(Path(self.config.snapshot_dir), self.trained)
+        old = self.shard
+        self.shard, snapshot = load_newest(
+            Path(self.config.snapshot_dir), self.trained, self.text_config
+        )
+        if old.text is not None:
+            old.text.close()
         self.snapshot_position = snapshot.position if snapshot else positions.ZERO
 
     @property
