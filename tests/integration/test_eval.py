@@ -163,6 +163,9 @@ def test_embeddings_are_cached_and_reused(
         "exact",
         "ivfpq_default",
         "ivfpq_nprobe_2",
+        "bm25",
+        "hybrid_rrf",
+        "hybrid_weighted",
     }
     assert "no --rerank-checkpoint given" in r["rerank"]["skipped"]
     assert "rerank: not measured: no --rerank-checkpoint given" in "\n".join(lines)
