@@ -141,7 +141,10 @@ def test_the_stack_from_the_images_answers_a_search(
     app.run(["index", "train", "--embeddings", "/work/emb.npy", "--out", "/work/index",
              "--model", "all-MiniLM-L6-v2"], timeout=600, volumes=work)  # fmt: skip
     assert json.loads((workdir / "index" / "manifest.json").read_text())["dim"] == 384
-    (workdir / "snap").mkdir(mode=0o777)
+    # Writable by the image's user (uid 10001): the shard creates its text index there
+    # at start (mkdir's mode is masked by the umask, hence the chmod).
+    (workdir / "snap").mkdir()
+    (workdir / "snap").chmod(0o777)
 
     # 2. Triton (CPU image) serving the repository.
     http, grpc_port, metrics = free_port(), free_port(), free_port()
