@@ -17,7 +17,6 @@ the other requests of the batch are answered, and the instance never dies.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -26,7 +25,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_errors import BadRequest, error_response, input_column
+from model_errors import BadRequest, error_response, input_column, model_files
 from textcodec import TextCodec, TextError, parse_rows
 
 
@@ -51,11 +50,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         import onnxruntime as ort
 
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        here = os.path.join(args["model_repository"], args["model_version"])
-        with open(os.path.join(here, "encoder.json")) as f:
-            meta = json.load(f)
+        config, params, here, meta = model_files(args)
         self.codec = TextCodec.from_file(
             os.path.join(here, "tokenizer.json"), meta["max_lens"], int(meta["pad_id"])
         )

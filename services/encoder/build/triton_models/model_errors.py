@@ -1,4 +1,4 @@
-"""Inputs and error answers of our Triton Python-backend models: one helper for both.
+"""Files, inputs and error answers of our Triton Python-backend models: one helper for both.
 
 Copied next to each ``model.py`` (``embed``, ``tokenizer``) the way ``textcodec.py`` is,
 by ``services/encoder/build/repository.py``; it imports numpy and Triton's
@@ -16,10 +16,23 @@ runs; a model sees a missing input only when its config marks the input optional
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+
+def model_files(args: dict[str, str]) -> tuple[dict[str, Any], dict[str, str], str, Any]:
+    """(config, its string parameters, the version folder, ``encoder.json``) of the model
+    that Triton's ``initialize(args)`` describes."""
+    config = json.loads(args["model_config"])
+    params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    here = os.path.join(args["model_repository"], args["model_version"])
+    with open(os.path.join(here, "encoder.json")) as f:
+        meta = json.load(f)
+    return config, params, here, meta
 
 
 class BadRequest(ValueError):

@@ -16,7 +16,6 @@ twice the latency and memory); it is also logged as a warning.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_errors import BadRequest, error_response, input_column
+from model_errors import BadRequest, error_response, input_column, model_files
 from textcodec import TextCodec, TextError, parse_rows
 
 
@@ -54,11 +53,7 @@ def _plan_info(params: dict[str, str]) -> tuple[Any, Any] | None:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        here = os.path.join(args["model_repository"], args["model_version"])
-        with open(os.path.join(here, "encoder.json")) as f:
-            meta = json.load(f)
+        _config, params, here, meta = model_files(args)
         buckets = tuple(int(b) for b in params.get("seq_buckets", "").split(",") if b.strip())
         self.codec = TextCodec.from_file(
             os.path.join(here, "tokenizer.json"), meta["max_lens"], int(meta["pad_id"]), buckets
