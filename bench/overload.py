@@ -14,7 +14,10 @@ through the change log) and one gateway process (in-process encoder, ``--no-auth
 counts the status codes. The goal: overload is answered RESOURCE_EXHAUSTED with
 ``retry-after-ms`` early whatever k is: no DEADLINE_EXCEEDED, and a refusal at big k
 about as quick as at small k (``refusal_p99_ratio``: big-k p99 time to a refusal ÷
-small-k's, measured in the same run). Prints one JSON line last.
+small-k's, measured in the same run). ``--baseline-src DIR``: the same big-k burst, in the
+same run and against the same Redis and shard, first sent to a gateway started from the
+source tree DIR (``git archive <commit> | tar -x -C DIR``: the code before a change), so
+the summary holds the before and after figures side by side. Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -120,6 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         "--profile", type=Path, help="run the gateway under cProfile, its stats to this file"
     )
     parser.add_argument("--only-big", action="store_true", help="skip the small-k burst")
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="also burst a gateway run from this source tree (the code before a change)",
+    )
     args = parser.parse_args(argv)
 
     from tests.support.processes import free_port, run_redis, stop_process
@@ -133,26 +141,41 @@ def main(argv: list[str] | None = None) -> None:
             shard = start_shard(
                 index_dir=index_dir, redis_url=store.url, shard=0, shards=1, work_dir=tmp
             )
-            port = free_port()
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
             log = (tmp / "gateway.log").open("ab")
-            gateway = subprocess.Popen(
-                [
-                    sys.executable,
-                    *(["-m", "cProfile", "-o", str(args.profile)] if args.profile else []),
-                    "-m", "services.gateway.server", "--port", str(port),
-                    "--redis-url", store.url, "--shards", shard.address,
-                    "--encoder", "inprocess", "--no-auth", "--log-level", "WARNING",
-                    "--max-in-flight", str(args.limit),
-                ],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+
+            def start_gateway(root: Path) -> tuple[subprocess.Popen[bytes], int]:
+                port = free_port()
+                env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+                return subprocess.Popen(
+                    [
+                        sys.executable,
+                        *(["-m", "cProfile", "-o", str(args.profile)] if args.profile else []),
+                        "-m", "services.gateway.server", "--port", str(port),
+                        "--redis-url", store.url, "--shards", shard.address,
+                        "--encoder", "inprocess", "--no-auth", "--log-level", "WARNING",
+                        "--max-in-flight", str(args.limit),
+                    ],
+                    cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                ), port  # fmt: skip
+
+            before: dict[str, Any] | None = None
+            gateway, port = start_gateway(ROOT)
             try:
                 from tests.support.processes import wait_for_port
 
                 wait_for_port(port, timeout=120)
                 address = f"127.0.0.1:{port}"
                 _ingest(address, args.docs)
+                if args.baseline_src is not None:
+                    old, old_port = start_gateway(args.baseline_src.resolve())
+                    try:
+                        wait_for_port(old_port, timeout=120)
+                        before = asyncio.run(
+                            _burst(f"127.0.0.1:{old_port}", args.calls, args.big_k, args.timeout)
+                        )
+                        print(json.dumps({"before": before}), flush=True)
+                    finally:
+                        stop_process(old)
                 small = (
                     {"k": args.small_k, "codes": {}, "refusal_p99_s": None}
                     if args.only_big
@@ -179,6 +202,14 @@ def main(argv: list[str] | None = None) -> None:
         "big_deadline_exceeded": big["codes"].get("DEADLINE_EXCEEDED", 0),
         "refusal_p99_ratio": ratio,
     }
+    if before is not None:
+        summary["before_big"] = before
+        summary["before_big_deadline_exceeded"] = before["codes"].get("DEADLINE_EXCEEDED", 0)
+        summary["refusal_p50_before_over_after"] = (
+            before["refusal_p50_s"] / big["refusal_p50_s"]
+            if before["refusal_p50_s"] and big["refusal_p50_s"]
+            else None
+        )
     print(json.dumps(summary))
 
 

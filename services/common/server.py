@@ -68,7 +68,8 @@ class Admission:
     interceptor could refuse them, and of 1,000 concurrent ones 946 ended
     DEADLINE_EXCEEDED and 35 were refused; counted by hits 526 and 402
     (``bench/overload.py``, docs/architecture.md says what is left). A call that costs
-    more than the whole limit is admitted alone.
+    more than the whole limit is admitted alone. When not one unit is left (:meth:`full`)
+    a call is refused from its headers, before its request is read.
     """
 
     def __init__(
@@ -97,16 +98,24 @@ class Admission:
             return 1
         return max(1, min(self.limit, int(self.cost(request))))
 
+    def full(self) -> bool:
+        """No room for even the cheapest call: what a call is refused on before its
+        request is read (:meth:`ErrorAndLatencyInterceptor.intercept_service`)."""
+        return bool(self.limit) and self.in_flight >= self.limit
+
+    def refusal(self, units: int = 1) -> AdmissionRefused:
+        takes = f"; this one takes {units}" if units > 1 else ""
+        return AdmissionRefused(
+            f"server busy: {self.in_flight} requests in flight (limit {self.limit}"
+            f"{takes}); retry after {self.retry_after_ms} ms",
+            self.retry_after_ms,
+        )
+
     @contextlib.contextmanager
     def admit(self, request: Any = None) -> Iterator[None]:
         units = self.units(request)
         if self.limit and self.in_flight + units > self.limit:
-            takes = f"; this one takes {units}" if units > 1 else ""
-            raise AdmissionRefused(
-                f"server busy: {self.in_flight} requests in flight (limit {self.limit}"
-                f"{takes}); retry after {self.retry_after_ms} ms",
-                self.retry_after_ms,
-            )
+            raise self.refusal(units)
         self.in_flight += units
         try:
             yield
@@ -160,7 +169,10 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
             return self._response_stream(handler, details)
         if handler is None or handler.unary_unary is None:
             return handler
+        if self._admission.full() and not details.method.startswith(EXEMPT_PREFIXES):
+            return self._refused(details)
         behavior = handler.unary_unary
+        serialize = handler.response_serializer
         admit: Callable[[Any], contextlib.AbstractContextManager[None]] = (
             (lambda _request: contextlib.nullcontext())
             if details.method.startswith(EXEMPT_PREFIXES)
@@ -172,13 +184,28 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
                 with admit(None if isinstance(request, _Malformed) else request):
                     if isinstance(request, _Malformed):
                         raise errors.InvalidArgument(f"malformed request: {request.reason}")
-                    return await behavior(request, context)
+                    reply = await behavior(request, context)
+                    return await _serialized(serialize, reply)
 
         return grpc.unary_unary_rpc_method_handler(
             wrapped,
             request_deserializer=_safe_deserializer(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
+            response_serializer=None,  # `_serialized` made the bytes
         )
+
+    def _refused(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """A unary call that arrives while the server is full: refused with the hint
+        before its request is read or parsed. Served as a client stream that is never
+        read (gRPC reads a unary request before calling the handler; this one answers
+        at once), which the client cannot tell from a unary call."""
+
+        async def refuse(
+            _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> None:
+            async with self._outcome(details, context):
+                raise self._admission.refusal()
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
     def _stream(
         self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
@@ -257,6 +284,21 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
             if self._metrics is not None:
                 method = details.method.rsplit("/", 1)[-1]
                 self._metrics.observe(method, code.name, time.perf_counter() - start)
+
+
+# An answer at least this large is serialised off the event loop (a k=1000 search with
+# its documents is ~1.5 MB); below it the thread hop costs more than it frees.
+SERIALIZE_OFF_LOOP_BYTES = 256 * 1024
+
+
+async def _serialized(serialize: Callable[[Any], bytes] | None, reply: Any) -> Any:
+    """``reply`` as bytes; a large one serialised in a worker thread, so that the event
+    loop goes on accepting (and refusing) calls meanwhile."""
+    if serialize is None:
+        return reply
+    if hasattr(reply, "ByteSize") and reply.ByteSize() >= SERIALIZE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(serialize, reply)
+    return serialize(reply)
 
 
 HealthCheck = Callable[[], Awaitable[bool]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
@@ -11,6 +13,10 @@ from services.gateway.pipeline import DocumentPipeline, SearchPipeline
 # A search takes one unit of the in-flight limit per this many hits it may return or
 # rerank (k or the rerank depth, summed over a batch): k <= 100 takes one, k = 1000 ten.
 HITS_PER_UNIT = 100
+# Answers with more hits than this are converted to protobuf in a worker thread: 1,000
+# hits with their documents hold the event loop for milliseconds, during which gRPC
+# accepts no new call (so none can be refused either).
+CONVERT_OFF_LOOP_HITS = 100
 
 
 def admission_cost(request: object) -> int:
@@ -36,6 +42,8 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     ) -> search_pb2.SearchResponse:
         query = convert.query_from_pb(request)
         result = await self._pipeline.search(query, context.time_remaining())
+        if len(result.hits) > CONVERT_OFF_LOOP_HITS:
+            return await asyncio.to_thread(convert.result_to_pb, result)
         return convert.result_to_pb(result)
 
     async def BatchSearch(

@@ -244,6 +244,49 @@ def test_the_in_flight_limit_counts_a_search_by_its_hits(
     asyncio.run(scenario())
 
 
+def test_at_the_limit_a_call_is_refused_before_its_request_is_read(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """A full gateway refuses a call from its headers, before reading or parsing the
+    request: a Search whose request message never comes is answered RESOURCE_EXHAUSTED
+    with the hint at once. Before the change the refusal came only after the request was
+    read and parsed, so this call waited for its message until its deadline
+    (DEADLINE_EXCEEDED); under a burst of k=1000 searches every refusal queued behind
+    that reading on a busy event loop and, of 1,000 calls at a 5 s deadline, 526 ended
+    DEADLINE_EXCEEDED (bench/overload.py, docs/architecture.md)."""
+
+    async def scenario() -> None:
+        async with front_door(redis_url, index_dir, tmp_path, max_in_flight=2) as front:
+            never = asyncio.Event()
+
+            async def no_request() -> AsyncIterator[search_pb2.SearchRequest]:
+                await never.wait()  # the request never comes
+                yield search_pb2.SearchRequest(query="x", k=1000)
+
+            unread = front.channel.stream_unary(
+                "/retrieval.v1.SearchService/Search",
+                request_serializer=search_pb2.SearchRequest.SerializeToString,
+                response_deserializer=search_pb2.SearchResponse.FromString,
+            )
+            async with held(front, 2):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await unread(no_request(), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    refused.value.code()
+                )
+                trailing = dict(refused.value.trailing_metadata() or ())
+                assert trailing.get("retry-after-ms") == "100", trailing
+                assert trailing.get("grpc-retry-pushback-ms") == "100", trailing
+                assert front.in_flight == 2
+            # with room, the same call is read, so it waits for its request (a short
+            # deadline: it has none to read)
+            with pytest.raises(grpc.aio.AioRpcError) as waited:
+                await unread(no_request(), timeout=0.5)
+            assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    asyncio.run(scenario())
+
+
 def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
     redis_url: str, index_dir: Path, tmp_path: Path
 ) -> None:
