@@ -105,7 +105,9 @@ class IndexShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Snapshot(self, request, context):
-        """Write a snapshot now (temp file, fsync, rename) and report its position.
+        """Write a snapshot now (temp file, fsync, rename) and report its position. The replica
+        first applies its log up to the end read at the call, so the snapshot covers every
+        change written before it; DEADLINE_EXCEEDED when that takes past the call's deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

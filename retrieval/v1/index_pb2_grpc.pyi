@@ -52,7 +52,10 @@ class IndexShardServiceStub:
     Stats: _grpc.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]
     """Sizes, positions and quantizer health of this replica."""
     Snapshot: _grpc.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]
-    """Write a snapshot now (temp file, fsync, rename) and report its position."""
+    """Write a snapshot now (temp file, fsync, rename) and report its position. The replica
+    first applies its log up to the end read at the call, so the snapshot covers every
+    change written before it; DEADLINE_EXCEEDED when that takes past the call's deadline.
+    """
     FetchSnapshot: _grpc.UnaryStreamMultiCallable[_index_pb2.FetchSnapshotRequest, _index_pb2.SnapshotChunk]
     """This replica's newest snapshot (and, when asked, its trained index), streamed for
     another replica of the same shard to start from: one with no usable snapshot whose
@@ -84,7 +87,10 @@ class IndexShardServiceAsyncStub(IndexShardServiceStub):
     Stats: _aio.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]  # type: ignore[assignment]
     """Sizes, positions and quantizer health of this replica."""
     Snapshot: _aio.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]  # type: ignore[assignment]
-    """Write a snapshot now (temp file, fsync, rename) and report its position."""
+    """Write a snapshot now (temp file, fsync, rename) and report its position. The replica
+    first applies its log up to the end read at the call, so the snapshot covers every
+    change written before it; DEADLINE_EXCEEDED when that takes past the call's deadline.
+    """
     FetchSnapshot: _aio.UnaryStreamMultiCallable[_index_pb2.FetchSnapshotRequest, _index_pb2.SnapshotChunk]  # type: ignore[assignment]
     """This replica's newest snapshot (and, when asked, its trained index), streamed for
     another replica of the same shard to start from: one with no usable snapshot whose
@@ -143,7 +149,10 @@ class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _index_pb2.SnapshotRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_index_pb2.SnapshotResponse, _abc.Awaitable[_index_pb2.SnapshotResponse]]:
-        """Write a snapshot now (temp file, fsync, rename) and report its position."""
+        """Write a snapshot now (temp file, fsync, rename) and report its position. The replica
+        first applies its log up to the end read at the call, so the snapshot covers every
+        change written before it; DEADLINE_EXCEEDED when that takes past the call's deadline.
+        """
 
     @_abc_1.abstractmethod
     def FetchSnapshot(

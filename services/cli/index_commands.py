@@ -67,7 +67,11 @@ def add_cli(sub: Any) -> None:
 
     for name, helptext in (
         ("stats", "Print a replica's Stats (sizes, positions, quantizer drift) as JSON."),
-        ("snapshot", "Ask a replica to write a snapshot now."),
+        (
+            "snapshot",
+            "Ask a replica to write a snapshot now, covering every change written "
+            "before (it applies the log up to its end first).",
+        ),
     ):
         cmd = isub.add_parser(name, help=helptext)
         cmd.add_argument("address", help="host:port of the shard replica.")

@@ -98,9 +98,16 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
     async def Snapshot(
         self, request: index_pb2.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> index_pb2.SnapshotResponse:
-        snap = await asyncio.get_running_loop().run_in_executor(
-            None, self._service.replica.snapshot
-        )
+        """A snapshot of at least every change written to the log before this call: the
+        replica first applies the log up to its end as read now (like a STRONG search),
+        then writes the snapshot and trims the log below the oldest replica's. Without
+        the wait, a replica still applying recent writes (each batch also commits the
+        text index) snapshotted an older position, so the trim freed nothing and the
+        snapshot missed acknowledged writes. DEADLINE_EXCEEDED when the call's deadline
+        passes first, UNAVAILABLE when the log cannot be read."""
+        replica = self._service.replica
+        await replica.wait_for(await replica.tail(), context.time_remaining())
+        snap = await asyncio.get_running_loop().run_in_executor(None, replica.snapshot)
         return index_pb2.SnapshotResponse(path=str(snap.path), position=snap.position)
 
     async def FetchSnapshot(
