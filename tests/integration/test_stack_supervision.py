@@ -188,6 +188,16 @@ def test_backoff_doubles_up_to_its_cap() -> None:
         RestartPolicy(window_s=0)
 
 
+def _metrics_answer(metrics_address: str) -> bool:
+    """Triton starts its metrics endpoint after its gRPC service (the one readiness is
+    checked on): a ready server may still refuse a metrics read for a moment."""
+    try:
+        _pending_inferences(metrics_address)
+    except OSError:
+        return False
+    return True
+
+
 def _pending_inferences(metrics_address: str) -> float:
     import urllib.request
 
@@ -230,7 +240,9 @@ def test_triton_under_load_stops_on_sigterm_without_sigkill(
     """The stack's tritonserver (argv and env of ``triton_command``), busy with a queue
     of a client in another process, stopped the way ``up`` stops it: its client (the
     gateway) first, then Triton with SIGTERM. It exits by itself within a few seconds:
-    the cancelled requests leave its queue, it unloads the model and exits 0."""
+    the cancelled requests leave its queue, the model stops running rows nobody waits
+    for (``embed_onnx`` checks ``is_cancelled()`` between pieces of rows), it unloads the
+    model and exits 0."""
     import subprocess
     import sys
 
@@ -261,8 +273,9 @@ def test_triton_under_load_stops_on_sigterm_without_sigkill(
     child.start()
     try:
         child.wait_ready(lambda: components.triton_ready(server.grpc_url, "embed"), 120)
-        load = subprocess.Popen([sys.executable, "-c", LOAD, server.grpc_url])
         metrics = f"127.0.0.1:{ports[2]}"
+        wait_until(lambda: _metrics_answer(metrics), "Triton's metrics endpoint", timeout=30)
+        load = subprocess.Popen([sys.executable, "-c", LOAD, server.grpc_url])
         wait_until(lambda: _pending_inferences(metrics) >= 6, "a queue at Triton", timeout=60)
         load.terminate()  # the gateway stops before Triton
         load.wait()

@@ -33,8 +33,11 @@ second, so an idle server exits ~2.5 s after SIGTERM. What can keep it longer is
   exits, even after ``--exit-timeout-secs`` has expired ("Exiting immediately" is not);
   measured: 12 clients sending batches of 64 documents kept it busy past any grace;
 * requests of a client that has gone (the gateway stopped first, as ``gtr-retrieval
-  up`` does) are cancelled; the batch being executed finishes, then the model unloads:
-  ~4–5 s under that load on 2 cores.
+  up`` does) are cancelled: queued ones leave the queue, and the ``embed`` model answers
+  them CANCELLED without running them, checking between pieces of 16 rows, so the batch
+  in hand stops within one piece; then the model unloads: 3–4 s after SIGTERM under
+  that load on 2 cores (running the whole 64-document batch for nobody took past the
+  8 s below on a shared machine, and the server exited 1).
 
 ``--exit-timeout-secs`` (default 30 s) bounds the wait for in-flight inferences and the
 unload; 30 s is longer than the 10 s a supervisor gives a child before SIGKILL, so a

@@ -52,3 +52,11 @@ def error_response(message: str, *, invalid: bool) -> Any:
     code = getattr(pb_utils.TritonError, "INVALID_ARG" if invalid else "INTERNAL", None)
     error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def cancelled_response() -> Any:
+    """The answer to a request whose client has gone (CANCELLED): it is not run."""
+    code = getattr(pb_utils.TritonError, "CANCELLED", None)
+    message = "cancelled: the client has gone"
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
