@@ -209,7 +209,7 @@ def evaluate_in_process(data: EvalData, cfg: EvalConfig) -> Systems:
         for name, fusion in FUSIONS.items():
             out.runs[name] = fused_run(dense, sparse, fusion)
         text_stats = shard.stats().text
-        if text_stats is not None:
+        if text_stats is not None and text_stats.disk_bytes is not None:
             out.index["text_bytes_per_document"] = round(
                 text_stats.disk_bytes / max(1, text_stats.documents), 1
             )

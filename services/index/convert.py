@@ -172,7 +172,7 @@ def stats_to_pb(r: ReplicaStats) -> index_pb2.ShardStats:
         searches=r.searches,
         text_index=s.text is not None,
         text_documents=s.text.documents if s.text is not None else 0,
-        text_disk_bytes=s.text.disk_bytes if s.text is not None else 0,
+        text_disk_bytes=(s.text.disk_bytes or 0) if s.text is not None else 0,  # 0: unread
     )
 
 

@@ -221,14 +221,22 @@ def start_shard_that_stops_applying(
 ) -> ShardProcess:
     """Shard 0 of 1, SERVING and following its log until the first change it applies:
     it then snapshots (``snapshot-every-entries`` 1) into a "directory" that is a file,
-    and its log consumer stops. ``snapshot_dir.unlink()`` repairs it for a restart."""
+    and its log consumer stops. ``snapshot_dir.unlink()`` repairs it for a restart.
+
+    Its text index lives outside the snapshot directory (``text-dir``): by default it
+    is under it, and removing it would fail the first apply at the text commit, before
+    the change counts as applied, instead of at the snapshot after it."""
     shard = start_shard(
         index_dir=index_dir,
         redis_url=redis_url,
         shard=0,
         shards=1,
         work_dir=work_dir,
-        settings={"snapshot-every-entries": "1", **(settings or {})},
+        settings={
+            "snapshot-every-entries": "1",
+            "text-dir": str(work_dir / "text"),
+            **(settings or {}),
+        },
     )
     shutil.rmtree(shard.snapshot_dir)
     shard.snapshot_dir.write_text("not a directory")

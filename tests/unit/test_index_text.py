@@ -203,3 +203,51 @@ def test_text_index_gauges_read_the_shard_on_scrape(loaded: IvfPqShard) -> None:
     assert f'index_text_documents{{replica="r0",shard="0"}} {float(N_DOCS)}' in text
     assert 'index_text_disk_bytes{replica="r0",shard="0"} ' in text
     assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' not in text
+
+
+def test_a_scrape_reports_what_it_can_when_the_text_directory_is_gone(
+    trained: TrainedIndex,
+    corpus: list[dict[str, str]],
+    vectors: np.ndarray,
+    tmp_path: Path,
+) -> None:
+    """The text index's working directory removed under a live shard (a replica whose
+    snapshot folder was replaced by a file; an unmounted volume): /metrics answered 500
+    because every shard gauge read ``shard.stats()``, whose text part listed the
+    directory. Now the gauges answer; only the directory's bytes are NaN."""
+    import shutil
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.index.server.metrics import ShardMetrics
+
+    text_index = TextIndex.create(tmp_path / "text")
+    shard = IvfPqShard(trained, text_index)
+    shard.apply(upserts(corpus[:10], vectors[:10]), "1-0")
+    shutil.rmtree(text_index.directory)
+    text_index.directory.write_text("not a directory")
+
+    stats = shard.stats().text
+    assert stats is not None and stats.documents == 10 and stats.disk_bytes is None
+    registry = CollectorRegistry()
+    ShardMetrics.create(registry, 0, "r0").bind(shard)
+    text = generate_latest(registry).decode()
+    assert 'index_text_documents{replica="r0",shard="0"} 10.0' in text
+    assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' in text
+    assert 'index_vectors{replica="r0",shard="0"} 10.0' in text
+
+
+def test_a_scrape_answers_when_the_shard_stats_raise() -> None:
+    """Any other failure of ``shard.stats()`` costs its gauges (NaN), not the scrape."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.index.server.metrics import ShardMetrics
+
+    class Broken:
+        def stats(self) -> None:
+            raise RuntimeError("source unavailable")
+
+    registry = CollectorRegistry()
+    ShardMetrics.create(registry, 0, "r0").bind(Broken())  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert 'index_vectors{replica="r0",shard="0"} NaN' in text

@@ -116,7 +116,7 @@ class TextDoc:
 class TextStats:
     documents: int
     segments: int
-    disk_bytes: int
+    disk_bytes: int | None  # None: the working directory could not be read
 
 
 @dataclass(frozen=True)
@@ -254,10 +254,18 @@ class TextIndex:
         return int(self._searcher.num_docs)
 
     def stats(self) -> TextStats:
-        disk = 0
-        for path in self.directory.iterdir():
+        """Documents and segments (from the open searcher, in memory) and the working
+        directory's bytes, ``None`` when the directory cannot be read (removed, replaced
+        by a file, unmounted): a scrape reports what it can instead of failing."""
+        disk: int | None = 0
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError as e:
+            log.warning("text index directory %s unreadable: %s", self.directory, e)
+            disk, entries = None, []
+        for path in entries:
             try:
-                disk += path.stat().st_size if path.is_file() else 0
+                disk = (disk or 0) + (path.stat().st_size if path.is_file() else 0)
             except FileNotFoundError:  # a merge's garbage collection removed it meanwhile
                 continue
         return TextStats(len(self), int(self._searcher.num_segments), disk)

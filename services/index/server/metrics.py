@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from services.common import positions
 from services.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
 from services.index.changelog import LogReader
 from services.index.core.shard import IvfPqShard, ShardStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,17 +109,26 @@ class ShardMetrics:
 
     def bind(self, shard: IvfPqShard) -> None:
         """Gauges computed from the shard when Prometheus scrapes."""
-        cache: dict[str, tuple[float, ShardStats]] = {}
+        cache: dict[str, tuple[float, ShardStats | None]] = {}
 
-        def stats() -> ShardStats:
+        def stats() -> ShardStats | None:
             now = time.monotonic()
             if "s" not in cache or now - cache["s"][0] > 1.0:
-                cache["s"] = (now, shard.stats())
+                try:
+                    cache["s"] = (now, shard.stats())
+                except Exception:  # a scrape never fails (500) for one unreadable source
+                    log.exception("shard stats unavailable: their gauges read NaN")
+                    cache["s"] = (now, None)
             return cache["s"][1]
 
-        def gauge(name: str, doc: str, read: Callable[[ShardStats], float]) -> None:
+        def gauge(name: str, doc: str, read: Callable[[ShardStats], float | None]) -> None:
+            def value() -> float:
+                s = stats()
+                v = read(s) if s is not None else None
+                return math.nan if v is None else float(v)
+
             g = Gauge(name, doc, ["shard", "replica"], registry=self.registry)
-            g.labels(*self.labels).set_function(lambda: float(read(stats())))
+            g.labels(*self.labels).set_function(value)
 
         gauge("index_vectors", "Vectors in the shard.", lambda s: s.vectors)
         gauge("index_deleted", "Documents deleted since start of the log.", lambda s: s.deleted)
@@ -157,7 +169,8 @@ class ShardMetrics:
         )
         gauge(
             "index_text_disk_bytes",
-            "Bytes of the text index's working directory (NaN: no text index).",
+            "Bytes of the text index's working directory (NaN: no text index, or its "
+            "directory unreadable).",
             lambda s: s.text.disk_bytes if s.text is not None else math.nan,
         )
         gauge(
