@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,6 +30,7 @@ from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import ShardQuery
 from tests.support.log_end import FUTURE, log_end_moved
+from tests.support.processes import run_redis
 from tests.support.shards import start_shard, train_test_index
 
 
@@ -94,14 +96,23 @@ def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
         free.stop()
 
 
+@pytest.fixture
+def own_redis_url(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of this test's own: it counts every XINFO STREAM the server runs, so
+    no other test's process may share it (the session's Redis is shared)."""
+    with run_redis(tmp_path / "redis") as server:
+        yield server.url
+
+
 def test_session_searches_share_one_check_of_the_log_end(
-    redis_url: str, scifact_dir: Path, tmp_path: Path
+    own_redis_url: str, scifact_dir: Path, tmp_path: Path
 ) -> None:
     """A SESSION search whose position is not applied yet asks Redis whether that position
     was ever written (the log's end, an XINFO STREAM) before it waits. Concurrent searches
     share one such read, and a position at or below the newest end the replica has seen
     needs none (it used to be one XINFO STREAM per search on the search path); a position
     past every end seen is still read for, and refused."""
+    redis_url = own_redis_url
     vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:1000].astype(np.float32)
     index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
 
