@@ -21,7 +21,7 @@ from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_p
 from services.client.gateway import gateway_channel
 from services.index.keys import DocKeys, log_key
 from tests.support.background import BackgroundStack, stack_in_background
-from tests.support.processes import RedisServer, run_redis
+from tests.support.processes import RedisServer, run_redis, wait_until
 from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.shards import scifact_vectors, shared_test_index
 
@@ -120,6 +120,12 @@ def test_a_full_store_refuses_an_upsert_with_resource_exhausted_and_changes_noth
             with pytest.raises(grpc.RpcError) as once:
                 documents_pb2_grpc.DocumentServiceStub(cli).Upsert(request, timeout=30)
         assert once.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, once.value
+        # The server counts a call after its answer is sent: await the count, then check
+        # that it is one (every attempt of the client ended before the client's error).
+        wait_until(
+            lambda: front.handled("Upsert", "RESOURCE_EXHAUSTED") - refusals >= 1,
+            "the gateway counted the refused Upsert",
+        )
         assert front.handled("Upsert", "RESOURCE_EXHAUSTED") - refusals == 1, "retried"
         assert dict(once.value.trailing_metadata() or ()).get("grpc-retry-pushback-ms") == "-1"
         assert stored_state(client, ids) == before
