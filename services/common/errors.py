@@ -12,6 +12,8 @@ NotFound               NOT_FOUND              no
 Overloaded             RESOURCE_EXHAUSTED     yes, after retry-after-ms
 StoreFull              RESOURCE_EXHAUSTED     no (pushback -1): free space
 Unavailable            UNAVAILABLE            yes, another replica
+GenerationMoved        UNAVAILABLE            yes (the gateway does, after
+                                              re-reading the alias)
 DeadlineExceeded       DEADLINE_EXCEEDED      no (the budget is spent)
 FailedPrecondition     FAILED_PRECONDITION    no: fix the system state
 Unauthenticated        UNAUTHENTICATED        no: send a valid token
@@ -57,6 +59,17 @@ class StoreFull(Overloaded):
 
 class Unavailable(RetrievalError):
     """A dependency (Redis, Triton, a shard) cannot be reached right now."""
+
+
+class GenerationMoved(Unavailable):
+    """A write found its shard's writer gate naming another generation than the one it
+    was encoded for, or closed while a switch drains (docs/generations.md). The gateway
+    re-reads the alias and writes again within the deadline; only when the deadline runs
+    out does a client see it, as UNAVAILABLE."""
+
+    def __init__(self, message: str, gate: str = "") -> None:
+        super().__init__(message)
+        self.gate = gate
 
 
 class DeadlineExceeded(RetrievalError):

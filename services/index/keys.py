@@ -16,6 +16,12 @@ knows the shard count (the gateway, every shard) computes the same keys.
 ``gtr:layout``        hash: ``version`` (:data:`LAYOUT_VERSION`), ``shards``
 ====================  ============================================================
 
+Generations (issue #24, docs/generations.md) add, without renaming the keys above (they
+are the base layout's and generation g1's): ``{N.s}`` tags for another shard count N,
+``:<gen>`` suffixes on the logs and snapshot keys of another generation, the writer gate
+``wgen:{s}``, the builder's ``lv:{s}:<gen>`` and the registry under the tag ``{gtr}``
+(:class:`Layout`, :class:`GenerationKeys`, :mod:`services.index.generations`).
+
 Layout version 1 (before Redis Cluster) had no tags: ``doc:<id>``, ``ver:<id>``,
 ``log:<s>``, ``snap:<s>``, ``snapseen:<s>``; ``gtr-retrieval redis migrate`` rewrites
 it (:mod:`services.index.migrate`), and the services refuse to start on it
@@ -74,6 +80,88 @@ class DocKeys:
 
     def version(self, doc_id: str) -> str:
         return version_key(self.shard(doc_id), doc_id)
+
+
+# --- generations (issue #24, docs/generations.md) ---------------------------------------
+#
+# A generation's vectors, logs and snapshots are its own; documents belong to a *layout*
+# (a shard count) and are shared by every generation of that shard count. The store's
+# first shard count (``gtr:layout`` ``shards``, the *base*) keeps the names above, and the
+# first generation, ``g1``, keeps the log names above: a store written before generations
+# existed is generation g1 of its base layout, with no key renamed. Another shard count N
+# tags its keys ``{N.s}``; another generation suffixes its per-generation keys ``:<gen>``.
+
+FIRST_GENERATION = "g1"
+REGISTRY_TAG = "{gtr}"
+GENERATIONS_KEY = f"{REGISTRY_TAG}:gens"  # hash: name -> record JSON
+ALIAS_KEY = f"{REGISTRY_TAG}:alias"  # hash: serving, epoch, previous
+ROLLOUT_KEY = f"{REGISTRY_TAG}:rollout"  # hash: the running rollout's state
+NEXT_GENERATION_KEY = f"{REGISTRY_TAG}:next"  # counter of generation numbers
+ADDRESSES_KEY = f"{REGISTRY_TAG}:addrs"  # hash: name -> shard addresses (the --shards syntax)
+CLOSED = "-"  # a layout shard's writer gate while no generation takes its writes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The document keys of a shard count: ``base`` is the store's first one."""
+
+    num_shards: int
+    base: int
+
+    def tag(self, shard: int) -> str:
+        if self.num_shards == self.base:
+            return shard_tag(shard)
+        return "{" + f"{self.num_shards}.{shard}" + "}"
+
+    def shard(self, doc_id: str) -> int:
+        return shard_of(doc_id, self.num_shards)
+
+    def doc(self, doc_id: str) -> str:
+        return f"doc:{self.tag(self.shard(doc_id))}:{doc_id}"
+
+    def version(self, doc_id: str) -> str:
+        return f"ver:{self.tag(self.shard(doc_id))}:{doc_id}"
+
+    def doc_prefix(self, shard: int) -> str:
+        return f"doc:{self.tag(shard)}:"
+
+    def gate(self, shard: int) -> str:
+        """The writer gate of a layout shard: the generation whose log takes its writes
+        (absent: g1 on the base layout, closed elsewhere; :data:`CLOSED`: closed)."""
+        return f"wgen:{self.tag(shard)}"
+
+
+@dataclass(frozen=True)
+class GenerationKeys:
+    """The per-generation keys of generation ``name`` over ``layout``."""
+
+    name: str
+    layout: Layout
+
+    @property
+    def num_shards(self) -> int:
+        return self.layout.num_shards
+
+    def _suffix(self) -> str:
+        return "" if self.name == FIRST_GENERATION else f":{self.name}"
+
+    def log(self, shard: int) -> str:
+        return f"log:{self.layout.tag(shard)}{self._suffix()}"
+
+    def snapshots(self, shard: int) -> str:
+        return f"snap:{self.layout.tag(shard)}{self._suffix()}"
+
+    def replicas_seen(self, shard: int) -> str:
+        return f"snapseen:{self.layout.tag(shard)}{self._suffix()}"
+
+    def logged(self, shard: int) -> str:
+        """Hash id → the newest version the rollout builder appended to this log (the
+        builder's appends are idempotent by it; the gateway's writes do not use it)."""
+        return f"lv:{self.layout.tag(shard)}:{self.name}"
+
+
+def generation_keys(name: str, num_shards: int, base: int) -> GenerationKeys:
+    return GenerationKeys(name, Layout(num_shards, base))
 
 
 # --- layout version 1 (read by the migration and by the check at start) ----------------
