@@ -40,6 +40,24 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.close()
 
 
+@pytest.fixture(scope="module")
+def module_redis(redis_server: RedisServer, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A database of the session's Redis for a whole module (servers started once per module
+    keep their data past the per-test flush of db 0 that ``redis_url`` does): the module names
+    its own database in ``REDIS_DB`` (1-15, one per module); flushed before and after."""
+    import redis
+
+    db = getattr(request.module, "REDIS_DB", None)
+    if not isinstance(db, int) or not 1 <= db <= 15:
+        pytest.fail(f"{request.module.__name__} uses module_redis without REDIS_DB = 1..15")
+    url = f"redis://127.0.0.1:{redis_server.port}/{db}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     """One real Redis Cluster for the session: 3 primaries + 3 replicas (AOF, fsync always)."""

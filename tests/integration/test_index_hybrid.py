@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
 
 from services.common.domain import IndexResult
 from services.common.errors import InvalidArgument
@@ -20,7 +19,6 @@ from services.common.limits import LIMITS
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
-from tests.support.processes import RedisServer
 from tests.support.shards import (
     ShardCluster,
     run_shards,
@@ -31,7 +29,7 @@ from tests.support.shards import (
 
 N_DOCS = 1200
 SHARDS = 2
-DB = 6  # this module's own database
+REDIS_DB = 6  # this module's own database (tests/conftest.py module_redis)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +41,6 @@ def vectors(scifact_dir: Path) -> np.ndarray:
 def docs(scifact_dir: Path) -> list[dict[str, str]]:
     with open(scifact_dir / "corpus.jsonl", encoding="utf-8") as fh:
         return [json.loads(line) for _, line in zip(range(N_DOCS), fh, strict=False)]
-
-
-@pytest.fixture(scope="module")
-def module_redis(redis_server: RedisServer) -> Iterator[str]:
-    url = f"redis://127.0.0.1:{redis_server.port}/{DB}"
-    redis.Redis.from_url(url).flushdb()
-    yield url
-    redis.Redis.from_url(url).flushdb()
 
 
 @pytest.fixture(scope="module")

@@ -28,26 +28,17 @@ from services.index.core.query import Consistency
 from services.index.core.trained import Manifest
 from services.index.keys import replicas_seen_key, snapshot_positions_key
 from tests.support.log_end import log_end_moved
-from tests.support.processes import RedisServer
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
 
 N_BASE = 4683
 SHARDS = 2
 HEARTBEAT_S = 0.5  # short, so that a test sees idle replicas re-register
-DB = 3  # this module's own database: the cluster outlives the per-test flush of db 0
+REDIS_DB = 3  # module_redis: the cluster outlives the per-test flush of db 0
 
 
 @pytest.fixture(scope="module")
 def vectors(scifact_dir: Path) -> np.ndarray:
     return scifact_vectors(scifact_dir)
-
-
-@pytest.fixture(scope="module")
-def module_redis(redis_server: RedisServer) -> Iterator[str]:
-    url = f"redis://127.0.0.1:{redis_server.port}/{DB}"
-    redis.Redis.from_url(url).flushdb()
-    yield url
-    redis.Redis.from_url(url).flushdb()
 
 
 @pytest.fixture(scope="module")
