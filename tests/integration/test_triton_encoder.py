@@ -295,3 +295,17 @@ def test_unreachable_server_is_unavailable() -> None:
                                                             connect_timeout_s=2))  # fmt: skip
 
     asyncio.run(go())
+
+
+def test_connect_pins_the_newest_version_and_refuses_one_not_ready(minilm: TritonHandle) -> None:
+    """An encoder that names no version is pinned to the newest ready one (sent on every
+    infer, so a version published later does not change its vectors); a version that is
+    not ready is Unavailable naming the ready ones."""
+
+    async def pinned(enc: TritonEncoder) -> None:
+        assert (enc.model_version, enc.cfg.model_version) == (1, "1")
+        assert (await enc.encode(["pinned"], "query", timeout=10)).vectors.shape == (1, 384)
+
+    asyncio.run(_with_encoder(minilm, pinned))
+    with pytest.raises(Unavailable, match=r"version 2 of model 'embed' is not ready .*\[1\]"):
+        asyncio.run(_with_encoder(minilm, pinned, model_version="2"))

@@ -26,6 +26,17 @@ the message ``Exceeds maximum queue size`` (checked against the real server in
 ``tests/integration/test_triton_errors.py``); that is Overloaded (RESOURCE_EXHAUSTED),
 not a server that is down.
 
+Versions: one Triton model (``embed``) may serve several encoder versions side by side
+(``encoder publish`` adds the next one; docs/generations.md). A request that names no
+version gets Triton's newest, so an encoder that names none would silently change model
+the moment a new version is published: :meth:`TritonEncoder.connect` therefore **pins**
+the version, ``TritonEncoderConfig.model_version`` or, when that is empty, the newest
+version ready at connect time, and sends it on every infer and readiness probe. The
+pinned version, its source model and its digest (from the config's per-version
+parameters ``version.<n>.*``, written by ``services/encoder/build/repository.py``) are
+the encoder's ``model_version``, ``model_name`` and ``digest``: what a generation records
+and what the query cache keys on.
+
 Retries: the channel's, :mod:`services.common.retry` (gRPC's retryPolicy, UNAVAILABLE
 only, within the call's deadline; every KServe call is idempotent). gRPC cannot tell a
 full queue from a restart, so a full queue is retried too, with backoff and gRPC's retry
@@ -38,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -49,6 +60,7 @@ from services.common.balance import Balancing, Endpoint, EndpointPool, tls_for
 from services.common.discovery import is_dns_target, parse_addresses, parse_dns_target
 from services.common.errors import (
     DeadlineExceeded,
+    InvalidArgument,
     Overloaded,
     RetrievalError,
     Unavailable,
@@ -74,6 +86,8 @@ class TritonEncoderConfig:
     # Triton's gRPC endpoint(s): host:port, host:port,host:port, or dns:///name:port
     url: str
     model: str = "embed"
+    # Triton's version of ``model`` to ask ("2"); "": the newest ready at connect, pinned
+    model_version: str = ""
     default_timeout_s: float = 10.0  # used when a call passes no timeout
     retries: int = 3  # extra attempts on UNAVAILABLE (at most 4: gRPC allows 5 attempts)
     backoff_s: float = 0.05  # first backoff; doubles, with jitter
@@ -136,13 +150,14 @@ def triton_client(
 
 
 class TritonServer(Endpoint):
-    """One Triton server of the pool: its client (own channel) and its readiness. The
-    client is rebuilt when the TLS files change on disk (:class:`Rotating`); the old one
-    is closed once its calls ended."""
+    """One Triton server of the pool: its client (own channel) and its readiness (of the
+    pinned model version). The client is rebuilt when the TLS files change on disk
+    (:class:`Rotating`); the old one is closed once its calls ended."""
 
     def __init__(self, address: str, cfg: TritonEncoderConfig, tls: ClientTLS | None) -> None:
         super().__init__(address, f"triton {address}", cfg.suspect_after, cfg.probe_every_s)
         self.cfg = cfg
+        self.tls = tls
         self.clients: Rotating[Any] = Rotating(
             lambda: triton_client(cfg, address, tls), _close_client, tls, self.what
         )
@@ -154,7 +169,11 @@ class TritonServer(Endpoint):
     async def serving(self) -> bool:
         timeout = max(self.cfg.probe_every_s, 0.1)
         with self.clients.use() as client:
-            return bool(await client.is_model_ready(self.cfg.model, client_timeout=timeout))
+            return bool(
+                await client.is_model_ready(
+                    self.cfg.model, self.cfg.model_version, client_timeout=timeout
+                )
+            )
 
     async def close(self) -> None:
         await super().close()
@@ -163,6 +182,53 @@ class TritonServer(Endpoint):
 
 async def _close_client(client: Any) -> None:
     await client.close()
+
+
+def pin_version(pool: EndpointPool[TritonServer], cfg: TritonEncoderConfig) -> None:
+    """Make ``pool``'s servers, now and those found later, probe ``cfg``'s version."""
+    for server in pool.endpoints:
+        server.cfg = cfg
+    make = pool.make
+
+    def pinned(address: str) -> TritonServer:
+        server = make(address)
+        server.cfg = cfg
+        return server
+
+    pool.make = pinned
+
+
+@dataclass(frozen=True)
+class ModelVersionInfo:
+    """What the model config says about one version of the model."""
+
+    version: int
+    source_model: str  # the checkpoint's name (or the Triton model's, if none recorded)
+    dim: int
+    digest: str  # of the version's graph(s) and tokenizer; "" for a repository from before
+
+
+def version_params(params: dict[str, str], version: int) -> dict[str, str]:
+    """The model-wide parameters overlaid with version ``version``'s (``version.<n>.key``)."""
+    prefix = f"version.{version}."
+    own = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+    return {**{k: v for k, v in params.items() if not k.startswith("version.")}, **own}
+
+
+def describe_version(config: Any, version: int, model: str) -> ModelVersionInfo:
+    """:class:`ModelVersionInfo` of ``version`` from a ``ModelConfig`` (protobuf)."""
+    params = version_params({k: v.string_value for k, v in config.parameters.items()}, version)
+    dims = {o.name: list(o.dims) for o in config.output}
+    dim = int(params.get("dim") or dims.get("EMBEDDING", [0])[-1])
+    return ModelVersionInfo(version, params.get("source_model") or model, dim,
+                            params.get("digest", ""))  # fmt: skip
+
+
+def newest_version(versions: Sequence[str]) -> int | None:
+    """The highest numbered of Triton's version strings (the one an unversioned request
+    gets), or None."""
+    numbers = [int(v) for v in versions if str(v).isdigit()]
+    return max(numbers) if numbers else None
 
 
 def triton_pool(cfg: TritonEncoderConfig) -> EndpointPool[TritonServer]:
@@ -174,6 +240,32 @@ def triton_pool(cfg: TritonEncoderConfig) -> EndpointPool[TritonServer]:
     return EndpointPool(
         "triton", addresses, lambda address: TritonServer(address, cfg, tls), cfg.balancing
     )
+
+
+async def _read_version(server: TritonServer, cfg: TritonEncoderConfig) -> tuple[Any, int]:
+    """(model config, version) from ``server``: ``cfg.model_version`` if it is ready
+    there, else the newest ready version when none is asked for; Unavailable otherwise."""
+    timeout = cfg.connect_timeout_s
+    client = server.client
+    response = await client.get_model_config(cfg.model, client_timeout=timeout)
+    metadata = await client.get_model_metadata(cfg.model, client_timeout=timeout)
+    ready = sorted(int(v) for v in metadata.versions if str(v).isdigit())
+    if cfg.model_version:
+        if not cfg.model_version.isdigit() or int(cfg.model_version) < 1:
+            raise InvalidArgument(
+                f"model_version {cfg.model_version!r} is not a Triton version (1, 2, ...)"
+            )
+        version = int(cfg.model_version)
+        if not await client.is_model_ready(cfg.model, str(version), client_timeout=timeout):
+            raise Unavailable(
+                f"version {version} of model {cfg.model!r} is not ready at {server.address} "
+                f"(ready: {ready or 'none'}); publish it with `gtr-retrieval encoder publish`"
+            )
+        return response.config, version
+    newest = newest_version([str(v) for v in ready])
+    if newest is None:
+        raise Unavailable(f"model {cfg.model!r} has no ready version at {server.address}")
+    return response.config, newest
 
 
 class TritonEncoder(Encoder):
@@ -192,11 +284,19 @@ class TritonEncoder(Encoder):
         self.model_name = model_name
         self.dim = dim
         self.max_batch = max_batch
+        # the pinned Triton model version (0: none pinned, Triton's newest is asked) and
+        # its digest ("" when the repository records none)
+        self.model_version = int(cfg.model_version) if cfg.model_version.isdigit() else 0
+        self.digest = ""
 
     @classmethod
     async def connect(cls, cfg: TritonEncoderConfig) -> TritonEncoder:
-        """Find the servers and read model name, dim and max batch from the model config
-        (of the first server that answers)."""
+        """Find the servers, pin the model version (``cfg.model_version``, or the newest
+        ready one) after checking that it is ready, and read its name, dim, digest and
+        the max batch from the model config (of the first server that answers).
+
+        A version that is not ready (not published, not loaded yet, or failed to load)
+        is Unavailable naming the versions that are; an unknown model is NotFound."""
         pool = triton_pool(cfg)
         try:
             try:
@@ -209,29 +309,32 @@ class TritonEncoder(Encoder):
             error: RetrievalError = Unavailable(f"triton: no server at {cfg.url}")
             for server in pool.order(servers):
                 try:
-                    response = await server.client.get_model_config(
-                        cfg.model, client_timeout=cfg.connect_timeout_s
-                    )
+                    config, version = await _read_version(server, cfg)
                     break
                 except Exception as exc:
-                    error = map_triton_error(
-                        exc, f"reading config of {cfg.model!r} at {server.address}"
+                    error = (
+                        exc
+                        if isinstance(exc, RetrievalError)
+                        else map_triton_error(
+                            exc, f"reading config of {cfg.model!r} at {server.address}"
+                        )
                     )
                     if not isinstance(error, Unavailable | DeadlineExceeded):
                         raise error from exc
             else:
                 raise error
-            config = response.config
-            params = {k: v.string_value for k, v in config.parameters.items()}
-            dims = {o.name: list(o.dims) for o in config.output}
-            dim = int(params.get("dim") or dims.get("EMBEDDING", [0])[-1])
-            if dim <= 0:
+            info = describe_version(config, version, cfg.model)
+            if info.dim <= 0:
                 raise Unavailable(f"model {cfg.model!r} at {cfg.url} declares no EMBEDDING width")
+            pinned = replace(cfg, model_version=str(version))
+            pin_version(pool, pinned)
         except BaseException:
             await pool.close()
             raise
-        name = params.get("source_model") or cfg.model
-        return cls(cfg, name, dim, int(config.max_batch_size) or 1, pool)
+        encoder = cls(pinned, info.source_model, info.dim, int(config.max_batch_size) or 1, pool)
+        encoder.model_version = version
+        encoder.digest = info.digest
+        return encoder
 
     def _inputs(self, texts: list[str], kind: Kind) -> list[Any]:
         from tritonclient.grpc import InferInput
@@ -273,7 +376,11 @@ class TritonEncoder(Encoder):
             try:
                 with server.clients.use() as client:
                     result = await client.infer(
-                        self.cfg.model, inputs, outputs=outputs, client_timeout=left
+                        self.cfg.model,
+                        inputs,
+                        model_version=self.cfg.model_version,
+                        outputs=outputs,
+                        client_timeout=left,
                     )
             except Exception as exc:
                 error = map_triton_error(exc, f"embedding {len(items)} texts at {server.address}")
