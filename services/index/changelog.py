@@ -43,7 +43,7 @@ import redis
 from services.common import positions
 from services.index.core.changes import Change, Delete, Upsert
 from services.index.core.text import body_of
-from services.index.keys import log_key, replicas_seen_key, snapshot_positions_key
+from services.index.keys import FIRST_GENERATION, GenerationKeys, Layout
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +118,20 @@ class LogEntry:
 
 
 class LogReader:
-    """Blocking, batched reads of ``log:{s}`` for the consumer thread of a replica
-    (``client``: a blocking Redis or RedisCluster)."""
+    """Blocking, batched reads of one shard's log for the consumer thread of a replica (and
+    for the rollout builder, which reads a generation's logs): ``keys`` names the
+    generation (default: g1 of a base layout, ``log:{s}``), so the log, the snapshot
+    registrations and the trim are that generation's. ``client``: a blocking Redis or
+    RedisCluster."""
 
-    def __init__(self, client: Any, shard: int) -> None:
+    def __init__(self, client: Any, shard: int, keys: GenerationKeys | None = None) -> None:
         self._redis: Any = client  # replies are bytes (no decode_responses)
         self.shard = shard
-        self.key = log_key(shard)
+        # g1 of the base layout: its log names do not depend on the shard count
+        self.keys = keys if keys is not None else GenerationKeys(FIRST_GENERATION, Layout(1, 1))
+        self.key = self.keys.log(shard)
+        self._snapshots = self.keys.snapshots(shard)
+        self._seen = self.keys.replicas_seen(shard)
 
     def read(self, after: str, count: int, block_ms: int) -> list[tuple[str, dict[bytes, bytes]]]:
         """Up to ``count`` raw entries after ``after``; waits up to ``block_ms`` for one."""
@@ -165,8 +172,8 @@ class LogReader:
         """Record ``replica``'s replay floor and that it is alive (a heartbeat: live replicas
         call this at least every ``heartbeat_s``, with or without a new snapshot)."""
         pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(snapshot_positions_key(self.shard), replica, position)
-        pipe.hset(replicas_seen_key(self.shard), replica, repr(time.time() if now is None else now))
+        pipe.hset(self._snapshots, replica, position)
+        pipe.hset(self._seen, replica, repr(time.time() if now is None else now))
         pipe.execute()
 
     def trim_below_snapshots(
@@ -181,17 +188,16 @@ class LogReader:
         A registration without a heartbeat (written by an older version) counts as live.
         Returns the floor used (None when nothing may be trimmed).
         """
-        key = snapshot_positions_key(self.shard)
+        key = self._snapshots
         known = {text(r): text(p) for r, p in self._redis.hgetall(key).items()}
         if stale_after_s is not None and known:
             now = time.time() if now is None else now
-            seen = {text(r): float(t) for r, t in self._redis.hgetall(
-                replicas_seen_key(self.shard)).items()}  # fmt: skip
+            seen = {text(r): float(t) for r, t in self._redis.hgetall(self._seen).items()}
             stale = [r for r in known if r in seen and now - seen[r] > stale_after_s]
             if stale:
                 pipe = self._redis.pipeline(transaction=True)
                 pipe.hdel(key, *stale)
-                pipe.hdel(replicas_seen_key(self.shard), *stale)
+                pipe.hdel(self._seen, *stale)
                 pipe.execute()
                 for r in stale:
                     del known[r]

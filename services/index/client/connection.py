@@ -21,7 +21,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainEr
 
 from services.common.errors import Unavailable
 from services.common.redis_client import Gate, async_client, is_cluster
-from services.index.keys import DocKeys
+from services.index.keys import FIRST_GENERATION, DocKeys, GenerationKeys, Layout
 
 # What a Redis restart or a cluster failover raises while it lasts (worth a retry of a read).
 TRANSIENT: tuple[type[Exception], ...] = (
@@ -39,8 +39,10 @@ class StoreConnection:
     """The document store's and change logs' Redis, as the gateway reaches it.
 
     ``redis_url`` names one Redis or a Redis Cluster (:mod:`services.common.redis_client`);
-    ``num_shards`` is fixed for the lifetime of the store (the shard of a document is
-    ``shard_of(id, num_shards)``, and its keys carry it, :mod:`services.index.keys`).
+    ``num_shards`` is the shard count of the clients' default layout (the shard of a
+    document is ``shard_of(id, num_shards)``, and its keys carry it,
+    :mod:`services.index.keys`); a client of another generation or layout is given its
+    :class:`~services.index.keys.GenerationKeys` / :class:`~services.index.keys.Layout`.
     ``max_connections`` bounds the pool (one Redis: a blocking pool that waits up to
     ``pool_timeout_s``; a cluster's pools fail at once when full, so :meth:`slot` bounds
     the concurrency instead). ``read_retry_s``: how long :meth:`read` retries a read while
@@ -66,6 +68,16 @@ class StoreConnection:
         )
         self.cluster = is_cluster(self.redis)
         self._gate = Gate(max_connections, pool_timeout_s) if self.cluster else None
+
+    def layout(self) -> Layout:
+        """The default layout of the clients on this connection: ``num_shards`` shards, the
+        store's base layout (a client of another generation's layout names its own)."""
+        return Layout(self.num_shards, self.num_shards)
+
+    def generation_keys(self) -> GenerationKeys:
+        """The default generation of the clients on this connection: g1 of :meth:`layout`
+        (the store as it was before generations, docs/generations.md)."""
+        return GenerationKeys(FIRST_GENERATION, self.layout())
 
     def slot(self) -> AbstractAsyncContextManager[None]:
         """Hold one of the ``max_connections`` slots (a cluster; one Redis: the pool does)."""

@@ -14,15 +14,19 @@ from typing import Any
 
 from services.common.domain import Document
 from services.index.client.connection import StoreConnection
+from services.index.keys import Layout
 
 STORED_FIELDS = ("title", "text", "meta", "ver")
 
 
 class DocumentReader:
-    """Reads documents by id (the gateway's :class:`~services.gateway.ports.DocumentStore`)."""
+    """Reads documents by id (the gateway's :class:`~services.gateway.ports.DocumentStore`)
+    from the documents of ``layout`` (default: the connection's, the base layout); every
+    generation of a layout shares its documents (docs/generations.md)."""
 
-    def __init__(self, connection: StoreConnection) -> None:
+    def __init__(self, connection: StoreConnection, layout: Layout | None = None) -> None:
         self.connection = connection
+        self.layout = layout if layout is not None else connection.layout()
 
     async def get(self, doc_id: str) -> Document | None:
         (doc,) = await self.get_many([doc_id])
@@ -34,7 +38,7 @@ class DocumentReader:
         instead of one request (and one pooled connection) per hit."""
         if not ids:
             return []
-        keys = self.connection.keys
+        keys = self.layout
 
         async def read() -> list[Any]:
             async with self.connection.redis.pipeline(transaction=False) as pipe:

@@ -10,24 +10,26 @@ from typing import Any
 from services.common.domain import WriteToken
 from services.index.changelog import text
 from services.index.client.connection import StoreConnection
-from services.index.keys import log_key
+from services.index.keys import GenerationKeys
 
 
 class LogTailReader:
-    """Reads the log tails (the gateway's :class:`~services.gateway.ports.LogTails`)."""
+    """Reads the log tails (the gateway's :class:`~services.gateway.ports.LogTails`) of
+    generation ``keys`` (default: the connection's, g1 of the base layout)."""
 
-    def __init__(self, connection: StoreConnection) -> None:
+    def __init__(self, connection: StoreConnection, keys: GenerationKeys | None = None) -> None:
         self.connection = connection
+        self.keys = keys if keys is not None else connection.generation_keys()
 
     async def tail(self) -> WriteToken:
         """The newest position of every shard's log, in one pipelined round trip; a shard
         whose log is empty is left out."""
-        shards = range(self.connection.num_shards)
+        shards = range(self.keys.num_shards)
 
         async def read() -> list[Any]:
             async with self.connection.redis.pipeline(transaction=False) as pipe:
                 for shard in shards:
-                    pipe.xrevrange(log_key(shard), count=1)
+                    pipe.xrevrange(self.keys.log(shard), count=1)
                 return list(await pipe.execute())
 
         replies = await self.connection.read(read)

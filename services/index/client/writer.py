@@ -17,11 +17,11 @@ import redis
 from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from services.common.domain import WriteToken
-from services.common.errors import InvalidArgument, StoreFull, Unavailable
+from services.common.errors import GenerationMoved, InvalidArgument, StoreFull, Unavailable
 from services.common.limits import LIMITS
 from services.index.changelog import text
 from services.index.client.connection import REDIS_ERRORS, StoreConnection
-from services.index.keys import log_key
+from services.index.keys import CLOSED, FIRST_GENERATION, GenerationKeys, Layout
 
 MAX_ID_BYTES = LIMITS.max_id_bytes
 MAX_BATCH = LIMITS.max_delete_ids
@@ -42,16 +42,34 @@ class DocRecord:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-# KEYS: n doc keys, n version keys, then one log key per shard touched.
-# ARGV: n, dim, then per doc: shard slot (1-based into the log keys), id, title, text,
-#       metadata JSON, vector bytes (6 values per doc, starting at ARGV[3]).
-_UPSERT = """
+# The writer gate (docs/generations.md): before anything is written, every shard the
+# script touches must have its gate (``wgen:{s}``, in the slot of the shard's documents)
+# naming this writer's generation; ARGV[@G] is the generation, ARGV[@G + 1] what an absent
+# gate means (g1 on the base layout, closed elsewhere). Refused: the error reply
+# ``GENMOVED <gate>`` and nothing written, so a batch stays all or nothing.
+_GATE = """
+local m = (#KEYS - 2 * n) / 2
+for j = 1, m do
+  local gate = redis.call('GET', KEYS[2 * n + m + j]) or ARGV[@G + 1]
+  if gate ~= ARGV[@G] then return redis.error_reply('GENMOVED ' .. gate) end
+end
+"""
+
+# KEYS: n doc keys, n version keys, then one log key per shard touched, then the writer
+#       gate of each shard touched (same order).
+# ARGV: n, dim, generation, absent gate, then per doc: shard slot (1-based into the log
+#       keys), id, title, text, metadata JSON, vector bytes (6 values per doc, from ARGV[5]).
+_UPSERT = (
+    """
 local n = tonumber(ARGV[1])
 local dim = ARGV[2]
+"""
+    + _GATE.replace("@G", "3")
+    + """
 local shards = {}
 local order = {}
 for i = 1, n do
-  local a = 3 + (i - 1) * 6
+  local a = 5 + (i - 1) * 6
   local slot = tonumber(ARGV[a])
   local doc_id, title, text = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local meta, vec = ARGV[a + 4], ARGV[a + 5]
@@ -82,18 +100,23 @@ for _, slot in ipairs(order) do
 end
 return out
 """
+)
 
-# KEYS: n doc keys, n version keys, then one log key per shard touched.
-# ARGV: n, then per doc: shard slot, id. Only documents that exist are deleted and logged.
-_DELETE = """
+# KEYS: as the upsert's. ARGV: n, generation, absent gate, then per doc: shard slot, id.
+# Only documents that exist are deleted and logged.
+_DELETE = (
+    """
 local n = tonumber(ARGV[1])
+"""
+    + _GATE.replace("@G", "2")
+    + """
 local shards = {}
 local order = {}
 local deleted = {}
 for i = 1, n do
   if redis.call('DEL', KEYS[i]) == 1 then
-    local slot = tonumber(ARGV[2 * i])
-    local doc_id = ARGV[2 * i + 1]
+    local slot = tonumber(ARGV[2 * i + 2])
+    local doc_id = ARGV[2 * i + 3]
     local ver = redis.call('INCR', KEYS[n + i])
     if shards[slot] == nil then shards[slot] = {ids = {}, vers = {}}; table.insert(order, slot) end
     table.insert(shards[slot].ids, doc_id)
@@ -110,6 +133,15 @@ for _, slot in ipairs(order) do
 end
 return {deleted, out}
 """
+)
+
+
+def moved_to(exc: Exception) -> str | None:
+    """The gate's value when ``exc`` is a write script's refusal by its writer gate."""
+    words = str(exc).split(" ", 1)
+    if isinstance(exc, redis.ResponseError) and words[0] == "GENMOVED" and len(words) == 2:
+        return words[1]
+    return None
 
 
 def check_ids(ids: Sequence[str]) -> None:
@@ -164,6 +196,17 @@ class ChangeLogWriter:
     same content with a newer version; a delete again reports the deleted ids as not
     found).
 
+    ``keys``: the generation whose logs take the writes and the layout whose documents
+    they store (default: generation g1 of the base layout, ``connection.num_shards``
+    shards, i.e. the store as it was before generations). Every script first checks the
+    writer gate of each shard it touches (``keys.layout.gate(s)``; absent: g1 on the base
+    layout, closed elsewhere) and writes nothing unless the gate names ``keys.name``:
+    :class:`~services.common.errors.GenerationMoved` carries the gate's value (a
+    generation, or ``-`` while a switch drains), and the gateway re-reads the alias and
+    writes again (docs/generations.md). On a cluster each shard's part checks its own
+    gate, so a switch that closes the gates between two parts refuses only the later one
+    (as any failure of one part, above).
+
     ``wait_replicas`` > 0: after each script, ``WAIT wait_replicas wait_timeout_ms`` on the
     same connection, so a write is acknowledged only once that many replicas of its
     primary have it and survives the primary's loss (a failover promotes a replica).
@@ -176,13 +219,19 @@ class ChangeLogWriter:
         connection: StoreConnection,
         dim: int | None = None,
         *,
+        keys: GenerationKeys | None = None,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
     ) -> None:
         if wait_replicas < 0 or wait_timeout_ms < 0:
             raise ValueError("wait_replicas and wait_timeout_ms must not be negative")
         self.connection = connection
-        self.keys = connection.keys
+        self.keys = keys if keys is not None else connection.generation_keys()
+        self.layout: Layout = self.keys.layout
+        # what an absent gate means: g1 on the base layout, closed on any other
+        self._absent_gate = (
+            FIRST_GENERATION if self.layout.num_shards == self.layout.base else CLOSED
+        )
         self.cluster = connection.cluster
         self.dim = dim
         self.wait_replicas = wait_replicas
@@ -203,12 +252,19 @@ class ChangeLogWriter:
         pool_timeout_s: float = 5.0,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
+        keys: GenerationKeys | None = None,
     ) -> ChangeLogWriter:
         """A writer on a connection of its own (closed by :meth:`close`)."""
         connection = StoreConnection(
             redis_url, num_shards, max_connections=max_connections, pool_timeout_s=pool_timeout_s
         )
-        writer = cls(connection, dim, wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
+        writer = cls(
+            connection,
+            dim,
+            keys=keys,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+        )
         writer._owns_connection = True
         return writer
 
@@ -219,19 +275,19 @@ class ChangeLogWriter:
             return [list(range(len(ids)))]
         by_shard: dict[int, list[int]] = {}
         for n, doc_id in enumerate(ids):
-            by_shard.setdefault(self.keys.shard(doc_id), []).append(n)
+            by_shard.setdefault(self.layout.shard(doc_id), []).append(n)
         return [by_shard[s] for s in sorted(by_shard)]
 
     def _layout(self, ids: Sequence[str]) -> tuple[list[int], list[int]]:
         """(shards touched, sorted; per id its 1-based slot among them)."""
-        of = [self.keys.shard(doc_id) for doc_id in ids]
+        of = [self.layout.shard(doc_id) for doc_id in ids]
         shards = sorted(set(of))
         slot = {s: n + 1 for n, s in enumerate(shards)}
         return shards, [slot[s] for s in of]
 
     def _keys(self, ids: Sequence[str], shards: list[int]) -> list[str]:
-        keys = [self.keys.doc(i) for i in ids] + [self.keys.version(i) for i in ids]
-        return keys + [log_key(s) for s in shards]
+        keys = [self.layout.doc(i) for i in ids] + [self.layout.version(i) for i in ids]
+        return keys + [self.keys.log(s) for s in shards] + [self.layout.gate(s) for s in shards]
 
     @staticmethod
     def _token(shards: list[int], reply: Sequence[Any]) -> WriteToken:
@@ -245,7 +301,9 @@ class ChangeLogWriter:
         async def part(members: list[int]) -> WriteToken:
             part_ids = [ids[n] for n in members]
             shards, slots = self._layout(part_ids)
-            args: list[str | bytes] = [str(len(members)), str(vectors.shape[1])]
+            args: list[str | bytes] = [
+                str(len(members)), str(vectors.shape[1]), self.keys.name, self._absent_gate
+            ]  # fmt: skip
             for n, slot in zip(members, slots, strict=True):
                 record = records[n]
                 args += [
@@ -271,7 +329,7 @@ class ChangeLogWriter:
         async def part(members: list[int]) -> tuple[WriteToken, list[str]]:
             part_ids = [ids[n] for n in members]
             shards, slots = self._layout(part_ids)
-            args: list[str | bytes] = [str(len(part_ids))]
+            args: list[str | bytes] = [str(len(part_ids)), self.keys.name, self._absent_gate]
             for doc_id, slot in zip(part_ids, slots, strict=True):
                 args += [str(slot), doc_id]
             deleted_raw, reply = await self._run(
@@ -292,7 +350,8 @@ class ChangeLogWriter:
     ) -> Any:
         """Run a write script (and WAIT for replicas when asked); Unavailable on failure,
         StoreFull when Redis is at ``maxmemory`` with ``noeviction`` (it refuses a script's
-        first write that needs memory, so nothing of the batch is stored)."""
+        first write that needs memory, so nothing of the batch is stored), GenerationMoved
+        when a writer gate refused it (nothing stored)."""
         try:
             async with self.connection.slot():
                 if self.wait_replicas == 0:
@@ -311,6 +370,16 @@ class ChangeLogWriter:
             raise StoreFull(
                 f"redis: the document store is full (maxmemory reached, noeviction): "
                 f"{written}; delete documents or raise the store's maxmemory"
+            ) from exc
+        except redis.ResponseError as exc:
+            gate = moved_to(exc)
+            if gate is None:
+                raise Unavailable(f"redis: {exc}") from exc
+            where = "no generation (a switch drains)" if gate == CLOSED else f"generation {gate}"
+            raise GenerationMoved(
+                f"the writes of this shard go to {where}, not {self.keys.name}: nothing was "
+                "written; write again to the serving generation",
+                gate=gate,
             ) from exc
         except REDIS_ERRORS as exc:
             raise Unavailable(f"redis: {exc}") from exc
@@ -366,7 +435,7 @@ class ChangeLogWriter:
             node.release(conn)
         reply, acked = replies
         if isinstance(reply, redis.ResponseError):
-            if not isinstance(reply, NoScriptError):
+            if not isinstance(reply, NoScriptError) and moved_to(reply) is None:
                 await self._redis.nodes_manager.initialize()  # MOVED, CLUSTERDOWN, ...
             raise reply
         return reply, acked
