@@ -1,0 +1,36 @@
+"""Reading a generation's change logs back in tests: every change in log order, and the
+state they fold to (what a replica that applied them holds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.index.changelog import decode_entry
+from services.index.core.changes import Upsert
+from services.index.keys import GenerationKeys
+
+
+def changes(client: Any, keys: GenerationKeys) -> list[tuple[str, str, int]]:
+    """(id, "u" | "d", version) of every change in ``keys``' logs, shard by shard, in order."""
+    out: list[tuple[str, str, int]] = []
+    for shard in range(keys.num_shards):
+        for _, fields in client.xrange(keys.log(shard)):
+            for change in decode_entry(fields):
+                op = "u" if isinstance(change, Upsert) else "d"
+                out.append((change.doc_id, op, change.version))
+    return out
+
+
+def folded(client: Any, keys: GenerationKeys) -> dict[str, tuple[int, str, tuple[float, ...]]]:
+    """id → (version, body, vector rounded to 4 places) of every document the logs leave
+    alive (a later delete removes it, as a replica applying them would)."""
+    state: dict[str, tuple[int, str, tuple[float, ...]]] = {}
+    for shard in range(keys.num_shards):
+        for _, fields in client.xrange(keys.log(shard)):
+            for change in decode_entry(fields):
+                if isinstance(change, Upsert):
+                    vec = tuple(round(float(x), 4) for x in change.vector)
+                    state[change.doc_id] = (change.version, change.body, vec)
+                else:
+                    state.pop(change.doc_id, None)
+    return state
