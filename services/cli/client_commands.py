@@ -13,19 +13,8 @@ from typing import Any
 import grpc
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc
+from services.cli.common import uint32
 from services.client.gateway import format_hits, ingest_file, resolve_gateway, search_once
-
-
-def _count(text: str) -> int:
-    """A whole number the request carries as uint32: refused here when it cannot be sent
-    (a negative -k used to end in a ValueError traceback); its range is the gateway's."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"{value} is out of range (0..{2**32 - 1})")
-    return value
 
 
 def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
@@ -93,9 +82,9 @@ def add_cli(sub: Any) -> None:
         "rerank.",
     )
     search.add_argument("query", help="Query text.")
-    search.add_argument("-k", type=_count, default=5, help="Number of hits (1..1000).")
+    search.add_argument("-k", type=uint32, default=5, help="Number of hits (1..1000).")
     search.add_argument("--rerank", action="store_true", help="Rerank with CELI.")
-    search.add_argument("--depth", type=_count, default=0, help="Rerank depth (0 = auto).")
+    search.add_argument("--depth", type=uint32, default=0, help="Rerank depth (0 = auto).")
     search.add_argument(
         "--consistency", choices=["eventual", "strong"], default="eventual", help="Freshness."
     )
@@ -119,7 +108,7 @@ def add_cli(sub: Any) -> None:
         help="Fusion of a hybrid search (default: the gateway's).",
     )
     search.add_argument(
-        "--rrf-k", type=_count, default=None, help="k of --fusion rrf, 1..10000 (default: 60)."
+        "--rrf-k", type=uint32, default=None, help="k of --fusion rrf, 1..10000 (default: 60)."
     )
     search.add_argument(
         "--dense-weight",
@@ -129,7 +118,7 @@ def add_cli(sub: Any) -> None:
     )
     search.add_argument(
         "--candidates",
-        type=_count,
+        type=uint32,
         default=None,
         help="Hits taken from each list of a hybrid search before fusing: k..1000 "
         "(default: the gateway's, at least k and the rerank depth).",

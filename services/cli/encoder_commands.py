@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.cli.common import add_command, non_negative_int
 from services.cli.encoder_train_commands import add_train
-from services.common.errors import InvalidArgument, RetrievalError
+from services.common.errors import InvalidArgument
 
 _MODEL_DIR_HELP = (
     "sentence-transformers checkpoint folder (modules.json, config.json, weights, "
@@ -30,12 +31,18 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return Path(args.model_dir) if args.model_dir else default_model_dir()
 
 
-def _run(handler: Any, args: argparse.Namespace) -> int:
-    try:
-        return int(handler(args))
-    except RetrievalError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2
+def _add_model_dir(p: argparse.ArgumentParser, note: str = "") -> None:
+    p.add_argument("--model-dir", help=_MODEL_DIR_HELP + note)
+
+
+def _add_onnx(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+
+
+def _add_plan_gate(p: argparse.ArgumentParser) -> None:
+    """The TensorRT build's workspace and parity gate (build-plan, ensure-plan)."""
+    p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
+    p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -138,16 +145,6 @@ def perf_texts(codec: Any, kind: str, tokens: int, count: int) -> list[str]:
     return out
 
 
-def _not_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
 def _repo(args: argparse.Namespace) -> int:
     from services.encoder.build.repository import RepositoryConfig, generate_repository
 
@@ -245,38 +242,42 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     )
     commands = encoder.add_subparsers(dest="encoder_command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser(
+    p = add_command(
+        commands,
         "export",
+        _export,
         help="export a checkpoint to ONNX and check parity with PyTorch",
         description="Write model.onnx (dynamic batch/sequence; inputs input_ids and "
         "attention_mask int64, output embedding float32 L2-normalised) plus tokenizer.json "
         "and encoder.json beside it, then compare with PyTorch (cosine >= 0.9999 per row).",
     )
-    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
+    _add_model_dir(p)
     p.add_argument("--out", required=True, help="ONNX file to write, e.g. build/minilm/model.onnx")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     p.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
-    p.set_defaults(func=lambda a: _run(_export, a))
 
-    p = commands.add_parser(
+    p = add_command(
+        commands,
         "parity",
+        _parity,
         help="compare an ONNX export with the PyTorch model",
         description="Run the probe texts through PyTorch (fp32) and ONNX Runtime; exit 1 "
         "if any row's cosine is below --min-cosine.",
     )
-    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
-    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    _add_model_dir(p)
+    _add_onnx(p)
     p.add_argument("--min-cosine", type=float, default=0.9999, help="threshold (default 0.9999)")
-    p.set_defaults(func=lambda a: _run(_parity, a))
 
-    p = commands.add_parser(
+    p = add_command(
+        commands,
         "repo",
+        _repo,
         help="generate the Triton model repository (cpu or gpu flavour)",
         description="cpu: model `embed` = Python backend running the ONNX export with ONNX "
         "Runtime. gpu: `tokenizer` (Python) + `encoder` (TensorRT plan) + ensemble `embed`. "
         "Both take TEXT/KIND (BYTES) and return EMBEDDING (FP32) and TRUNCATED (BOOL).",
     )
-    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    _add_onnx(p)
     p.add_argument("--out", required=True, help="repository folder (our models are replaced)")
     p.add_argument("--flavor", choices=["cpu", "gpu"], default="cpu", help="default: cpu")
     p.add_argument(
@@ -301,9 +302,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         help="cpu: ONNX Runtime threads per instance (0 = cores / instances)",
     )
     p.add_argument("--max-batch", type=int, help="max_batch_size (default: from profile)")
-    p.add_argument("--queue-delay-us", type=_not_negative,
+    p.add_argument("--queue-delay-us", type=non_negative_int,
                    help="dynamic batching max queue delay in µs (default: 1000)")  # fmt: skip
-    p.add_argument("--max-queue-size", type=_not_negative, default=0,
+    p.add_argument("--max-queue-size", type=non_negative_int, default=0,
                    help="Triton rejects requests beyond this many queued (the gateway "
                    "answers RESOURCE_EXHAUSTED); default 0: no bound, because Triton "
                    "24.10's queue policy holds requests up to ~0.5 s "
@@ -311,10 +312,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--allow-spinning", action="store_true",
                    help="cpu: let ONNX Runtime threads busy-wait (off: they stall Triton "
                    "on a small shared CPU)")  # fmt: skip
-    p.set_defaults(func=lambda a: _run(_repo, a))
 
-    p = commands.add_parser(
+    p = add_command(
+        commands,
         "build-plan",
+        _build_plan,
         help="build a TensorRT FP16 plan (GPU machine only)",
         description="Strongly typed FP16 engine from the ONNX export cast to FP16 except "
         "norms, residual adds, FFN output and pooling; written (with <plan>.json: TensorRT "
@@ -322,15 +324,14 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "finite, non-zero and has cosine >= --min-cosine vs PyTorch. Needs the pinned "
         "TensorRT (pip install '.[gpu]') and a CUDA GPU.",
     )
-    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
-    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    _add_model_dir(p)
+    _add_onnx(p)
     p.add_argument("--out", required=True, help="plan path, e.g. repo/encoder/1/model.plan")
     p.add_argument("--opt-batch", type=int, help="optimisation batch (default 8)")
     p.add_argument("--opt-seq", type=int, help="optimisation sequence length (default 128)")
     p.add_argument("--max-batch", type=int, help="max batch (default: profile, 64)")
     p.add_argument("--max-seq", type=int, help="max sequence length (default: profile, 512)")
-    p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
-    p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
+    _add_plan_gate(p)
     p.add_argument(
         "--precision",
         choices=["auto", "fp16", "fp32"],
@@ -343,10 +344,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         metavar="NODE[,NODE...]",
         help="more ONNX node names to keep in FP32 (comma-separated)",
     )
-    p.set_defaults(func=lambda a: _run(_build_plan, a))
 
-    p = commands.add_parser(
+    p = add_command(
+        commands,
         "ensure-plan",
+        _ensure_plan,
         help="the TensorRT plan of this GPU, from a cache or built (GPU machine only)",
         description="Reuse <cache>/<gpu>-sm<capability>-trt<release>-onnx<digest>/model.plan "
         "or build it (as build-plan does); then check the plan's <plan>.json against this "
@@ -354,32 +356,33 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "capability or TensorRT release. With --plan, only that check. With --repo, write "
         "the gpu Triton repository around the plan. The Helm chart's Triton init container.",
     )
-    p.add_argument("--model-dir", help=_MODEL_DIR_HELP + " (the parity gate's reference)")
-    p.add_argument("--onnx", required=True, help="the model.onnx written by `encoder export`")
+    _add_model_dir(p, " (the parity gate's reference)")
+    _add_onnx(p)
     p.add_argument("--cache", default="plans", help="plan cache directory (default ./plans)")
     p.add_argument("--plan", help="check this plan instead of using the cache")
     p.add_argument("--repo", help="write the gpu Triton model repository here")
     p.add_argument("--instances", type=int, help="instances per GPU (default: the profile's)")
-    p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
-    p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
-    p.set_defaults(func=lambda a: _run(_ensure_plan, a))
+    _add_plan_gate(p)
 
-    p = commands.add_parser(
+    p = add_command(
+        commands,
         "embed",
+        _embed,
         help="embed a JSONL corpus with a checkpoint into a .npy (for `index train`)",
         description="Encode the documents (title + text) of a JSONL corpus with the "
         "in-process PyTorch model and write float32 (n, dim), L2-normalised, in corpus "
         "order: what `index train --embeddings` reads (e.g. a 768-d GTR sample).",
     )
-    p.add_argument("--model-dir", help=_MODEL_DIR_HELP)
+    _add_model_dir(p)
     p.add_argument("--corpus", required=True, help="JSONL corpus (id, text, title?)")
     p.add_argument("--out", required=True, help=".npy file to write")
     p.add_argument("--limit", type=int, default=None, help="first N documents only")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
-    p.set_defaults(func=lambda a: _run(_embed, a))
 
-    p = commands.add_parser(
+    p = add_command(
+        commands,
         "perf-input",
+        _perf_input,
         help="perf_analyzer input data: texts of exactly N tokens of an export's tokenizer",
         description="Write perf_analyzer --input-data JSON for model `embed`: --count texts "
         "(TEXT, KIND) that the export's tokenizer turns into exactly --tokens tokens. The "
@@ -393,6 +396,5 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["query", "document"], default="document")
     p.add_argument("--count", type=int, default=16, help="texts (default 16)")
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.set_defaults(func=lambda a: _run(_perf_input, a))
     add_train(commands)
     return encoder

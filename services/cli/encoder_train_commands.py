@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
+
+from services.cli.common import add_command, positive_int, run_handler
 
 ARCH_CHOICES = ("sde", "ade", "ade-ste", "ade-fte", "ade-spl")
 
@@ -43,16 +44,6 @@ example (SciFact, 2 CPU cores; docs/encoder.md):
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
 def _ranks(text: str) -> tuple[int, int]:
     try:
         first, last = (int(v) for v in text.split("-"))
@@ -64,8 +55,10 @@ def _ranks(text: str) -> tuple[int, int]:
 
 
 def add_train(commands: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = commands.add_parser(
+    p = add_command(
+        commands,
         "train",
+        _train,
         help="fine-tune the dual encoder (sde, ade, ade-ste, ade-fte, ade-spl) on BEIR",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -83,13 +76,13 @@ def add_train(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the train pairs (1)")
     p.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         help="pairs per optimizer step; the softmax runs over the batch (16)",
     )
     p.add_argument(
         "--micro-batch",
-        type=_positive_int,
+        type=positive_int,
         help="gradient accumulation: encode this many pairs at a time and keep the "
         "softmax over the whole --batch-size (GradCache; one extra forward pass)",
     )
@@ -113,8 +106,8 @@ def add_train(commands: Any) -> argparse.ArgumentParser:
         metavar="FIRST-LAST",
         help="mine from the base model's exact ranks FIRST..LAST (4-20)",
     )
-    p.add_argument("--max-query-len", type=_positive_int, default=64, help="tokens (64)")
-    p.add_argument("--max-doc-len", type=_positive_int, default=192, help="tokens (192)")
+    p.add_argument("--max-query-len", type=positive_int, default=64, help="tokens (64)")
+    p.add_argument("--max-doc-len", type=positive_int, default=192, help="tokens (192)")
     p.add_argument("--seed", type=int, default=13, help="split, order and sampling seed (13)")
     p.add_argument("--dev-fraction", type=float, default=0.2, help="dev share of queries (0.2)")
     p.add_argument(
@@ -124,7 +117,7 @@ def add_train(commands: Any) -> argparse.ArgumentParser:
         help="dev nDCG@10 on a pool (the base top --dev-pool-depth of each dev "
         "query plus its judged documents) every N steps (16; 0: never)",
     )
-    p.add_argument("--dev-pool-depth", type=_positive_int, default=5, help="(5)")
+    p.add_argument("--dev-pool-depth", type=positive_int, default=5, help="(5)")
     p.add_argument(
         "--checkpoint-every",
         type=int,
@@ -132,7 +125,7 @@ def add_train(commands: Any) -> argparse.ArgumentParser:
         help="also save a resumable checkpoint every N steps (0: at the end only)",
     )
     p.add_argument(
-        "--stop-after", type=_positive_int, help="stop after this step with a resumable checkpoint"
+        "--stop-after", type=positive_int, help="stop after this step with a resumable checkpoint"
     )
     p.add_argument(
         "--resume",
@@ -151,63 +144,56 @@ def add_train(commands: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--eval-doc-len",
-        type=_positive_int,
+        type=positive_int,
         help="documents' tokens in that evaluation (default: the serving limit, "
         "256 for MiniLM; fewer to save CPU, the same for every system compared)",
     )
     p.add_argument(
         "--eval-corpus",
-        type=_positive_int,
+        type=positive_int,
         help="evaluate on this many documents (the dev queries' judged ones plus a seeded "
         "sample of the rest) instead of the whole corpus: a CPU budget cut, comparable "
         "only with figures of the same sample",
     )
-    p.add_argument("--threads", type=_positive_int, help="torch threads (torch.set_num_threads)")
+    p.add_argument("--threads", type=positive_int, help="torch threads (torch.set_num_threads)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_train)
     return p
 
 
 def _train(args: argparse.Namespace) -> int:
-    from services.common.errors import RetrievalError
+    from services.encoder.train.trainer import TrainConfig, train
 
-    try:
-        from services.encoder.train.trainer import TrainConfig, train
-
-        first, last = args.negative_ranks
-        cfg = TrainConfig(
-            data_dir=Path(args.data),
-            out=Path(args.out),
-            arch=args.arch,
-            base=Path(args.model_dir) if args.model_dir else None,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            micro_batch=args.micro_batch,
-            lr=args.lr,
-            temperature=args.temperature,
-            negatives=args.negatives,
-            negative_skip=first - 1,
-            negative_depth=last,
-            max_query_len=args.max_query_len,
-            max_doc_len=args.max_doc_len,
-            seed=args.seed,
-            dev_fraction=args.dev_fraction,
-            eval_every=args.eval_every,
-            dev_pool_depth=args.dev_pool_depth,
-            checkpoint_every=args.checkpoint_every,
-            stop_after=args.stop_after,
-            resume=args.resume,
-            index_dir=Path(args.index_dir) if args.index_dir else None,
-            threads=args.threads,
-            final_eval=not args.no_final_eval,
-            eval_doc_len=args.eval_doc_len,
-            eval_corpus=args.eval_corpus,
-            progress=not args.quiet,
-        )
-        manifest = train(cfg).manifest
-    except RetrievalError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2
+    first, last = args.negative_ranks
+    cfg = TrainConfig(
+        data_dir=Path(args.data),
+        out=Path(args.out),
+        arch=args.arch,
+        base=Path(args.model_dir) if args.model_dir else None,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        temperature=args.temperature,
+        negatives=args.negatives,
+        negative_skip=first - 1,
+        negative_depth=last,
+        max_query_len=args.max_query_len,
+        max_doc_len=args.max_doc_len,
+        seed=args.seed,
+        dev_fraction=args.dev_fraction,
+        eval_every=args.eval_every,
+        dev_pool_depth=args.dev_pool_depth,
+        checkpoint_every=args.checkpoint_every,
+        stop_after=args.stop_after,
+        resume=args.resume,
+        index_dir=Path(args.index_dir) if args.index_dir else None,
+        threads=args.threads,
+        final_eval=not args.no_final_eval,
+        eval_doc_len=args.eval_doc_len,
+        eval_corpus=args.eval_corpus,
+        progress=not args.quiet,
+    )
+    manifest = train(cfg).manifest
     print(
         json.dumps(
             {
@@ -240,7 +226,7 @@ def add_encoder_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", type=Path, default=None, help="--encoder: write the PNGs here.")
     p.add_argument(
         "--doc-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="--encoder: documents' tokens (default: what the trainers used).",
     )
@@ -248,20 +234,18 @@ def add_encoder_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_encoder_eval(args: argparse.Namespace) -> int:
-    from services.common.errors import RetrievalError
+    return run_handler(_encoder_eval, args)
+
+
+def _encoder_eval(args: argparse.Namespace) -> int:
+    from services.encoder.train.evaluate import compare, table
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    try:
-        from services.encoder.train.evaluate import compare, table
-
-        report = compare(args.data, list(args.encoder), plots=args.plots, doc_len=args.doc_len,
-                         progress=not args.quiet)  # fmt: skip
-    except RetrievalError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2
+    report = compare(args.data, list(args.encoder), plots=args.plots, doc_len=args.doc_len,
+                     progress=not args.quiet)  # fmt: skip
     line = json.dumps(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+from services.cli.common import run_handler
 from services.cli.serve import add_serve
-from services.common.errors import RetrievalError
 
 _TRAIN_EPILOG = """\
 The checkpoint directory holds backbone/ (save_pretrained + tokenizer),
@@ -118,11 +117,7 @@ def _guard(fn: Any, args: argparse.Namespace) -> int:
     from services.common.logs import configure_logging
 
     configure_logging(service="rerank")
-    try:
-        return int(fn(args))
-    except RetrievalError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2
+    return run_handler(fn, args)
 
 
 def _threads(n: int | None) -> None:

@@ -1,0 +1,71 @@
+"""What the ``gtr-retrieval`` sub-commands share: argument types and the handler wrapper.
+
+A flag that takes a count or a size refuses, at parse time with argparse's usage error
+(exit 2), what its command cannot use, instead of a ValueError traceback later:
+``positive_int`` (1 and up), ``non_negative_int`` (0 and up) and ``uint32`` (what a
+request's uint32 field can carry). ``run_handler`` runs a command's handler and turns a
+domain error (bad input, a missing file, no GPU here) into ``error: <message>`` on stderr
+and exit status 2; ``add_command`` registers a sub-command whose handler runs so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from services.common.errors import RetrievalError
+
+UINT32_MAX = 2**32 - 1
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    value = _whole_number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0."""
+    value = _whole_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def uint32(text: str) -> int:
+    """A whole number a request carries as uint32: refused here when it cannot be sent (a
+    negative -k used to end in a ValueError traceback); its range is the gateway's."""
+    value = _whole_number(text)
+    if not 0 <= value <= UINT32_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (0..{UINT32_MAX})")
+    return value
+
+
+def run_handler(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``handler(args)``; a :class:`RetrievalError` is said on stderr and exits 2."""
+    try:
+        return int(handler(args))
+    except RetrievalError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def add_command(
+    commands: Any, name: str, handler: Callable[[argparse.Namespace], int], **parser: Any
+) -> argparse.ArgumentParser:
+    """``commands.add_parser(name, **parser)`` whose ``func`` is ``handler`` under
+    :func:`run_handler`; the caller adds the flags."""
+    p: argparse.ArgumentParser = commands.add_parser(name, **parser)
+    p.set_defaults(func=lambda args: run_handler(handler, args))
+    return p
