@@ -1,0 +1,187 @@
+"""``gtr-retrieval up`` run as a user runs it, for the tests and benches that need the
+whole local stack (Redis, Triton, the shards of every generation, the gateway), and the
+CLI commands a user runs against it (``index rollout --run-dir ...``).
+
+The stack is a child process in a session of its own; :func:`local_stack` stops it
+(SIGTERM to its process group, SIGKILL if it does not stop) however the caller ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from tests.support.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "services.cli.main"]
+
+
+def cli_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+@dataclass
+class LocalStack:
+    process: subprocess.Popen[bytes]
+    run_dir: Path
+    log: Path
+
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "stack.json").read_text())  # type: ignore[no-any-return]
+
+    @property
+    def gateway(self) -> str:
+        return str(self.state()["gateway"])
+
+    @property
+    def redis_url(self) -> str:
+        """The whole URL (the run's URL file: password and certificates included)."""
+        return Path(self.state()["redis_url_file"]).read_text(encoding="utf-8").strip()
+
+    @property
+    def triton_url(self) -> str:
+        return str(self.state()["triton_grpc"])
+
+    def redis(self) -> Any:
+        """A blocking client on the stack's Redis (bytes replies, as the Registry takes)."""
+        import redis
+
+        return redis.Redis.from_url(self.redis_url)
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def until(self, condition: Callable[[], bool], what: str, timeout: float) -> float:
+        """Poll ``condition`` (its OSError/ValueError/KeyError count as not yet) until it
+        holds; AssertionError with the stack's log when it does not, or when ``up`` exits."""
+        start = time.monotonic()
+        while True:
+            if not self.alive():
+                raise AssertionError(f"gtr-retrieval up exited while waiting for {what}:\n"
+                                     f"{self.tail()}")  # fmt: skip
+            try:
+                if condition():
+                    return time.monotonic() - start
+            except (OSError, ValueError, KeyError):
+                pass  # stack.json between writes, a child not listed yet
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"not within {timeout:.0f} s: {what}\n{self.tail()}")
+            time.sleep(0.1)
+
+    # --- the CLI against this stack ---------------------------------------------------
+
+    def command(self, *args: str) -> list[str]:
+        return [*CLI, *args]
+
+    def run_cli(
+        self, *args: str, timeout: float = 600.0, log: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``gtr-retrieval <args>`` to its end (its output kept, also appended to ``log``)."""
+        done = subprocess.run(
+            self.command(*args), cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+        if log is not None:
+            with log.open("a", encoding="utf-8") as fh:
+                fh.write(f"$ gtr-retrieval {' '.join(args)}  (exit {done.returncode})\n")
+                fh.write(done.stdout + done.stderr + "\n")
+        return done
+
+    def start_cli(self, *args: str, out: IO[bytes]) -> subprocess.Popen[bytes]:
+        """``gtr-retrieval <args>`` started (a session of its own, so a kill -9 of it hits
+        nothing else); its output into ``out``."""
+        return subprocess.Popen(
+            self.command(*args), cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@contextmanager
+def local_stack(
+    run_dir: Path,
+    log: Path,
+    *,
+    corpus: Path | None,
+    shards: int = 2,
+    replicas: int = 1,
+    encoder: str = "triton",
+    extra: Sequence[str] = (),
+    timeout: float = 900.0,
+) -> Iterator[LocalStack]:
+    """``gtr-retrieval up`` (no reranker, no Prometheus, the gateway on a free port) until
+    it says it serves: the corpus ingested and the example searches answered."""
+    args = [
+        "up", "--run-dir", str(run_dir), "--shards", str(shards), "--replicas", str(replicas),
+        "--encoder", encoder, "--no-rerank", "--no-prometheus", "--port", str(free_port()),
+        *(["--corpus", str(corpus)] if corpus is not None else []), *extra,
+    ]  # fmt: skip
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [*CLI, *args], cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    stack = LocalStack(proc, run_dir, log)
+    try:
+        stack.until(lambda: "[up] serving" in log.read_text(errors="replace"), "up serving",
+                    timeout)  # fmt: skip
+        yield stack
+    finally:
+        _stop(proc)
+
+
+def small_corpus(source: Path, path: Path, docs: int, text_chars: int = 400) -> list[str]:
+    """The first ``docs`` documents of a BEIR ``corpus.jsonl`` (texts cut to
+    ``text_chars``) written to ``path``; their ids."""
+    ids: list[str] = []
+    lines: list[str] = []
+    with (source / "corpus.jsonl").open(encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            row["text"] = row["text"][:text_chars]
+            lines.append(json.dumps(row))
+            ids.append(str(row["_id"]))
+            if len(ids) == docs:
+                break
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return ids
+
+
+def queries(source: Path, n: int = 200) -> list[str]:
+    out: list[str] = []
+    with (source / "queries.jsonl").open(encoding="utf-8") as fh:
+        for line in fh:
+            out.append(str(json.loads(line)["text"]))
+            if len(out) == n:
+                break
+    return out
