@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19retrieval/v1/common.proto\x12\x0cretrieval.v1\"7\n\x0bVectorBatch\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"0\n\rShardPosition\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x10\n\x08position\x18\x02 \x01(\t\"<\n\nWriteToken\x12.\n\tpositions\x18\x01 \x03(\x0b\x32\x1b.retrieval.v1.ShardPosition\"4\n\x06\x46ilter\x12*\n\x04must\x18\x01 \x03(\x0b\x32\x1c.retrieval.v1.FieldCondition\"-\n\x0e\x46ieldCondition\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61ny_of\x18\x02 \x03(\t*u\n\x0b\x43onsistency\x12\x1b\n\x17\x43ONSISTENCY_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43ONSISTENCY_EVENTUAL\x10\x01\x12\x17\n\x13\x43ONSISTENCY_SESSION\x10\x02\x12\x16\n\x12\x43ONSISTENCY_STRONG\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19retrieval/v1/common.proto\x12\x0cretrieval.v1\"7\n\x0bVectorBatch\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"0\n\rShardPosition\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x10\n\x08position\x18\x02 \x01(\t\"_\n\nWriteToken\x12.\n\tpositions\x18\x01 \x03(\x0b\x32\x1b.retrieval.v1.ShardPosition\x12\x12\n\ngeneration\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"4\n\x06\x46ilter\x12*\n\x04must\x18\x01 \x03(\x0b\x32\x1c.retrieval.v1.FieldCondition\"-\n\x0e\x46ieldCondition\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61ny_of\x18\x02 \x03(\t*u\n\x0b\x43onsistency\x12\x1b\n\x17\x43ONSISTENCY_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43ONSISTENCY_EVENTUAL\x10\x01\x12\x17\n\x13\x43ONSISTENCY_SESSION\x10\x02\x12\x16\n\x12\x43ONSISTENCY_STRONG\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'retrieval.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CONSISTENCY']._serialized_start=313
-  _globals['_CONSISTENCY']._serialized_end=430
+  _globals['_CONSISTENCY']._serialized_start=348
+  _globals['_CONSISTENCY']._serialized_end=465
   _globals['_VECTORBATCH']._serialized_start=43
   _globals['_VECTORBATCH']._serialized_end=98
   _globals['_SHARDPOSITION']._serialized_start=100
   _globals['_SHARDPOSITION']._serialized_end=148
   _globals['_WRITETOKEN']._serialized_start=150
-  _globals['_WRITETOKEN']._serialized_end=210
-  _globals['_FILTER']._serialized_start=212
-  _globals['_FILTER']._serialized_end=264
-  _globals['_FIELDCONDITION']._serialized_start=266
-  _globals['_FIELDCONDITION']._serialized_end=311
+  _globals['_WRITETOKEN']._serialized_end=245
+  _globals['_FILTER']._serialized_start=247
+  _globals['_FILTER']._serialized_end=299
+  _globals['_FIELDCONDITION']._serialized_start=301
+  _globals['_FIELDCONDITION']._serialized_end=346
 # @@protoc_insertion_point(module_scope)

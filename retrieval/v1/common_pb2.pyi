@@ -133,21 +133,39 @@ Global___ShardPosition: _TypeAlias = ShardPosition  # noqa: Y015
 class WriteToken(_message.Message):
     """What Upsert and Delete return: the log position of the write on each shard it
     touched. Pass it back in a SESSION search to read your own writes.
+
+    Index generations (docs/generations.md): the positions are in the logs of the
+    generation that took the write, named by `generation`, and `epoch` is the alias epoch
+    it was taken in (it goes up by one at every switch of the serving generation). A
+    token keeps its meaning across a switch: a token of an older epoch is covered by the
+    serving generation's positions at its switch (every write acknowledged before the
+    switch is in them); a token of a newer epoch than the gateway knows makes it re-read
+    the alias first; an epoch the store has not reached is INVALID_ARGUMENT. A token
+    without them (a client that builds it from positions alone) is read as generation
+    g1's from before any switch: as before generations while g1 serves.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     POSITIONS_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    generation: _builtins.str
+    """The generation whose logs the positions are in ("g1", "g2", ...)."""
+    epoch: _builtins.int
+    """The alias epoch the write was taken in (1 for the first generation's)."""
     @_builtins.property
     def positions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardPosition]: ...
     def __init__(
         self,
         *,
         positions: _abc.Iterable[Global___ShardPosition] | None = ...,
+        generation: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["positions", b"positions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generation", b"generation", "positions", b"positions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -319,6 +319,7 @@ class SearchResponse(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     FUSION_FIELD_NUMBER: _builtins.int
     SPARSE_MISSING_SHARDS_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     partial: _builtins.bool
     """True when some shards did not answer in time; their ids are in missing_shards."""
     model: _builtins.str
@@ -343,6 +344,11 @@ class SearchResponse(_message.Message):
     """
     mode: Global___RetrievalMode.ValueType
     """The first stage that answered (never UNSPECIFIED) and, for hybrid, the fusion used."""
+    generation: _builtins.str
+    """The index generation that answered ("g1", "g2", ...; docs/generations.md): every
+    search is answered wholly by one generation, its encoder (the query embedding), its
+    shards and its documents, even while the serving generation switches.
+    """
     @_builtins.property
     def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hit]: ...
     @_builtins.property
@@ -375,10 +381,11 @@ class SearchResponse(_message.Message):
         mode: Global___RetrievalMode.ValueType = ...,
         fusion: Global___Fusion | None = ...,
         sparse_missing_shards: _abc.Iterable[_builtins.int] | None = ...,
+        generation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fusion", b"fusion", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding_cached", b"embedding_cached", "fusion", b"fusion", "hits", b"hits", "missing_shards", b"missing_shards", "mode", b"mode", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "rerank_skipped", b"rerank_skipped", "rerank_skipped_reason", b"rerank_skipped_reason", "reranked", b"reranked", "sparse_missing_shards", b"sparse_missing_shards", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding_cached", b"embedding_cached", "fusion", b"fusion", "generation", b"generation", "hits", b"hits", "missing_shards", b"missing_shards", "mode", b"mode", "model", b"model", "partial", b"partial", "query_truncated", b"query_truncated", "rerank_depth", b"rerank_depth", "rerank_skipped", b"rerank_skipped", "rerank_skipped_reason", b"rerank_skipped_reason", "reranked", b"reranked", "sparse_missing_shards", b"sparse_missing_shards", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

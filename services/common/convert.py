@@ -1,15 +1,20 @@
 """Protobuf ↔ :mod:`services.common.domain` for the messages of ``common.proto``: the one
-mapping of consistency levels, filters and write tokens, used by the gateway's public
-API and by the index's internal one (round-trip tested)."""
+mapping of consistency levels, filters and write tokens (their positions, and the
+generation and alias epoch they were taken in), used by the gateway's public API and by
+the index's internal one (round-trip tested)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from retrieval.v1 import common_pb2
 from services.common import positions
-from services.common.domain import Consistency, FieldCondition, WriteToken
+from services.common.domain import Consistency, FieldCondition, TokenOrigin, WriteToken
 from services.common.errors import InvalidArgument
+
+# A generation's name: "g" and its number (services.index.generations.generation_number).
+_GENERATION = re.compile(r"g[1-9][0-9]{0,8}")
 
 _CONSISTENCY = {
     common_pb2.CONSISTENCY_UNSPECIFIED: Consistency.EVENTUAL,
@@ -57,7 +62,28 @@ def token_from_pb(token: common_pb2.WriteToken) -> WriteToken:
     return out
 
 
-def token_to_pb(token: WriteToken) -> common_pb2.WriteToken:
-    return common_pb2.WriteToken(
+def token_origin_from_pb(token: common_pb2.WriteToken) -> TokenOrigin:
+    """The generation and alias epoch a token was taken in (TokenOrigin() when it names
+    none); InvalidArgument for a generation that is not a generation's name, or for one
+    of the two without the other."""
+    if token.generation and not _GENERATION.fullmatch(token.generation):
+        raise InvalidArgument(
+            f"write_token: generation {token.generation[:40]!r} is not a generation's name "
+            "(g1, g2, ...)"
+        )
+    if bool(token.generation) != bool(token.epoch):
+        raise InvalidArgument(
+            "write_token: generation and epoch come together (pass the token as the write "
+            "returned it)"
+        )
+    return TokenOrigin(token.generation, token.epoch)
+
+
+def token_to_pb(token: WriteToken, origin: TokenOrigin | None = None) -> common_pb2.WriteToken:
+    out = common_pb2.WriteToken(
         positions=[common_pb2.ShardPosition(shard=s, position=p) for s, p in sorted(token.items())]
     )
+    if origin is not None:
+        out.generation = origin.generation
+        out.epoch = origin.epoch
+    return out

@@ -21,6 +21,17 @@ from typing import NamedTuple
 WriteToken = dict[int, str]
 
 
+@dataclass(frozen=True)
+class TokenOrigin:
+    """Where a write token's positions are (issue #24, docs/generations.md): the index
+    generation whose logs hold them and the alias epoch the write was taken in. The
+    default ("", 0) is a token built from positions alone (or from before generations):
+    generation g1's, older than every switch."""
+
+    generation: str = ""
+    epoch: int = 0
+
+
 class Consistency(enum.Enum):
     EVENTUAL = "eventual"
     SESSION = "session"

@@ -9,6 +9,7 @@ from services.common.convert import (
     filter_from_pb,
     filter_to_pb,
     token_from_pb,
+    token_origin_from_pb,
     token_to_pb,
 )
 from services.common.errors import InvalidArgument
@@ -20,7 +21,7 @@ from services.gateway.domain import (
     WriteResult,
 )
 
-__all__ = ["token_from_pb", "token_to_pb"]
+__all__ = ["token_from_pb", "token_origin_from_pb", "token_to_pb"]
 
 _MODES = {
     search_pb2.RETRIEVAL_MODE_DENSE: Mode.DENSE,
@@ -83,6 +84,7 @@ def query_from_pb(req: search_pb2.SearchRequest) -> SearchQuery:
         filter=filter_from_pb(req.filter),
         consistency=consistency_from_pb(req.consistency),
         write_token=token_from_pb(req.write_token),
+        token_origin=token_origin_from_pb(req.write_token),
         require_complete=req.require_complete,
         rerank=req.rerank.enabled,
         rerank_depth=req.rerank.depth,
@@ -100,7 +102,7 @@ def query_to_pb(q: SearchQuery) -> search_pb2.SearchRequest:
         k=q.k,
         filter=filter_to_pb(q.filter),
         consistency=consistency_to_pb(q.consistency),
-        write_token=token_to_pb(q.write_token),
+        write_token=token_to_pb(q.write_token, q.token_origin),
         require_complete=q.require_complete,
         rerank=search_pb2.RerankOptions(enabled=q.rerank, depth=q.rerank_depth),
         nprobe=q.nprobe,
@@ -154,6 +156,7 @@ def result_to_pb(r: SearchResult) -> search_pb2.SearchResponse:
         mode=_MODES_PB[r.mode],  # type: ignore[arg-type]
         fusion=fusion_to_pb(r.fusion) if r.fusion is not None else None,
         sparse_missing_shards=r.sparse_missing_shards,
+        generation=r.generation,
     )
 
 
@@ -167,11 +170,13 @@ def document_to_pb(d: Document) -> documents_pb2.Document:
 
 def upsert_result_to_pb(r: WriteResult) -> documents_pb2.UpsertResponse:
     return documents_pb2.UpsertResponse(
-        write_token=token_to_pb(r.write_token), upserted=r.count, truncated=r.truncated
+        write_token=token_to_pb(r.write_token, r.origin), upserted=r.count, truncated=r.truncated
     )
 
 
 def delete_result_to_pb(r: WriteResult) -> documents_pb2.DeleteResponse:
     return documents_pb2.DeleteResponse(
-        write_token=token_to_pb(r.write_token), deleted=r.count, not_found=list(r.not_found)
+        write_token=token_to_pb(r.write_token, r.origin),
+        deleted=r.count,
+        not_found=list(r.not_found),
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.domain import Consistency, Document, FieldCondition, Hit
+from services.common.domain import Consistency, Document, FieldCondition, Hit, TokenOrigin
 from services.common.fusion import Fusion, Mode
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "SearchQuery",
     "SearchResult",
     "Timings",
+    "TokenOrigin",
     "WriteResult",
 ]
 
@@ -28,6 +29,8 @@ class SearchQuery:
     filter: tuple[FieldCondition, ...] = ()
     consistency: Consistency = Consistency.EVENTUAL
     write_token: dict[int, str] = field(default_factory=dict)
+    # the generation and alias epoch of the write token (docs/generations.md)
+    token_origin: TokenOrigin = field(default_factory=TokenOrigin)
     require_complete: bool = False
     rerank: bool = False
     rerank_depth: int = 0  # 0 = choose by the remaining budget
@@ -63,6 +66,7 @@ class SearchResult:
     mode: Mode = Mode.DENSE  # the first stage that answered
     fusion: Fusion | None = None  # the fusion of a hybrid answer
     sparse_missing_shards: list[int] = field(default_factory=list)  # no sparse list
+    generation: str = ""  # the index generation that answered (docs/generations.md)
 
 
 @dataclass(frozen=True)
@@ -71,3 +75,6 @@ class WriteResult:
     count: int
     not_found: tuple[str, ...] = ()
     truncated: int = 0
+    origin: TokenOrigin = field(
+        default_factory=TokenOrigin
+    )  # the generation and epoch that took the write

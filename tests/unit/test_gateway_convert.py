@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from retrieval.v1 import documents_pb2, search_pb2
-from services.common.domain import WriteToken
+from services.common.domain import TokenOrigin, WriteToken
 from services.common.errors import InvalidArgument
 from services.common.fusion import Fusion, Method, Mode
 from services.gateway import convert
@@ -24,6 +24,9 @@ UINT32 = st.integers(0, 2**32 - 1)
 F32 = st.floats(width=32, allow_nan=False)
 POSITIONS = st.builds(lambda ms, seq: f"{ms}-{seq}", st.integers(0, 2**48), st.integers(0, 2**32))
 TOKENS: st.SearchStrategy[WriteToken] = st.dictionaries(UINT32, POSITIONS, max_size=8)
+GENERATIONS = st.integers(1, 10**9 - 1).map(lambda n: f"g{n}")
+# a token names its generation and epoch, or neither (one built from positions alone)
+ORIGINS = st.just(TokenOrigin()) | st.builds(TokenOrigin, GENERATIONS, st.integers(1, 2**64 - 1))
 # A stored document always has text (validation.check_documents), so a hit that carries
 # one is told apart from an ids_only hit; the public Hit has no version or own id.
 DOCUMENTS = st.builds(
@@ -67,6 +70,7 @@ RESULTS = st.builds(
     mode=st.sampled_from(list(Mode)),
     fusion=st.none() | FUSIONS,
     sparse_missing_shards=st.lists(UINT32, max_size=4),
+    generation=st.just("") | GENERATIONS,
 )
 
 
@@ -107,6 +111,7 @@ def result_from_pb(pb: search_pb2.SearchResponse) -> SearchResult:
             else None
         ),
         sparse_missing_shards=list(pb.sparse_missing_shards),
+        generation=pb.generation,
     )
 
 
@@ -116,24 +121,63 @@ def test_a_search_result_survives_the_wire(result: SearchResult) -> None:
     assert result_from_pb(search_pb2.SearchResponse.FromString(wire)) == result
 
 
-@given(TOKENS, UINT32, UINT32)
-def test_an_upsert_result_survives_the_wire(token: WriteToken, count: int, cut: int) -> None:
-    result = WriteResult(token, count, truncated=cut)
+@given(TOKENS, UINT32, UINT32, ORIGINS)
+def test_an_upsert_result_survives_the_wire(
+    token: WriteToken, count: int, cut: int, origin: TokenOrigin
+) -> None:
+    result = WriteResult(token, count, truncated=cut, origin=origin)
     wire = convert.upsert_result_to_pb(result).SerializeToString()
     pb = documents_pb2.UpsertResponse.FromString(wire)
-    back = WriteResult(convert.token_from_pb(pb.write_token), pb.upserted, truncated=pb.truncated)
+    back = WriteResult(
+        convert.token_from_pb(pb.write_token),
+        pb.upserted,
+        truncated=pb.truncated,
+        origin=convert.token_origin_from_pb(pb.write_token),
+    )
     assert back == result
 
 
-@given(TOKENS, UINT32, st.lists(st.text(), max_size=6).map(tuple))
+@given(TOKENS, UINT32, st.lists(st.text(), max_size=6).map(tuple), ORIGINS)
 def test_a_delete_result_survives_the_wire(
-    token: WriteToken, count: int, not_found: tuple[str, ...]
+    token: WriteToken, count: int, not_found: tuple[str, ...], origin: TokenOrigin
 ) -> None:
-    result = WriteResult(token, count, not_found=not_found)
+    result = WriteResult(token, count, not_found=not_found, origin=origin)
     wire = convert.delete_result_to_pb(result).SerializeToString()
     pb = documents_pb2.DeleteResponse.FromString(wire)
-    back = WriteResult(convert.token_from_pb(pb.write_token), pb.deleted, tuple(pb.not_found))
+    back = WriteResult(
+        convert.token_from_pb(pb.write_token),
+        pb.deleted,
+        tuple(pb.not_found),
+        origin=convert.token_origin_from_pb(pb.write_token),
+    )
     assert back == result
+
+
+@given(TOKENS, ORIGINS)
+def test_a_search_s_write_token_survives_the_wire(token: WriteToken, origin: TokenOrigin) -> None:
+    query = SearchQuery("q", 10, write_token=token, token_origin=origin)
+    wire = convert.query_to_pb(query).SerializeToString()
+    back = convert.query_from_pb(search_pb2.SearchRequest.FromString(wire))
+    assert (back.write_token, back.token_origin) == (token, origin)
+
+
+@pytest.mark.parametrize(
+    ("generation", "epoch", "message"),
+    [
+        ("gen2", 3, "not a generation's name"),
+        ("g0", 3, "not a generation's name"),
+        ("g2", 0, "come together"),
+        ("", 3, "come together"),
+    ],
+)
+def test_a_token_with_a_bad_generation_or_epoch_is_an_invalid_argument(
+    generation: str, epoch: int, message: str
+) -> None:
+    from retrieval.v1 import common_pb2
+
+    token = common_pb2.WriteToken(generation=generation, epoch=epoch)
+    with pytest.raises(InvalidArgument, match=message):
+        convert.query_from_pb(search_pb2.SearchRequest(query="q", k=3, write_token=token))
 
 
 @given(st.none() | st.sampled_from(list(Mode)), st.none() | FUSIONS, st.integers(0, 1000))
