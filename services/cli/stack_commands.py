@@ -21,8 +21,14 @@ def add_cli(sub: Any) -> None:
         "until Ctrl-C. A child that exits is restarted "
         "(same port, same data; with backoff; logged and counted in "
         "<run-dir>/stack.json); one that fails more than --max-restarts times within "
-        "--restart-window seconds stops the whole stack. State lives in --run-dir, so a "
-        "second run resumes. Logs: <run-dir>/logs/.",
+        "--restart-window seconds stops the whole stack. It records the index's first "
+        "generation (g1) and runs the shards of every index generation in a running state "
+        "whose index is trained (a rollout's target beside the serving one), publishing "
+        "their addresses in Redis ({gtr}:addrs) and <run-dir>/stack.json, and stops those of "
+        "retired or failed generations (docs/generations.md); `index rollout --run-dir` "
+        "finds Redis, Triton, its model repository and <run-dir>/generations/ (where new "
+        "indexes go) in stack.json. State lives in --run-dir, so a "
+        "second run resumes, a rollout's target's shards included. Logs: <run-dir>/logs/.",
     )
     up.add_argument(
         "--corpus",

@@ -8,7 +8,10 @@ recent failure, up to ``backoff_max_s``); a restarted child is waited for until 
 readiness probe passes in a thread of its own, so the other children stay supervised
 meanwhile. A child that fails more than ``max_restarts`` times within ``window_s``
 seconds (it exited, or did not become healthy again in time) is not restarted again:
-the supervisor says so, stops every child and calls ``on_give_up``. Every exit and
+the supervisor says so, stops every child and calls ``on_give_up`` (a child that is not
+``essential``, a shard of a generation that does not serve, is only given up on: left
+stopped while the rest serves on). :meth:`Supervisor.remove` stops children for good (the
+shards of a retired generation). Every exit and
 restart is logged, reported (the ``report`` callback: ``gtr-retrieval up`` prints it)
 and counted (:attr:`Child.restarts`).
 """
@@ -102,6 +105,10 @@ class Child:
     ready_timeout_s: float = 60.0
     restarts: int = 0
     state: State = State.NEW
+    # essential: when it keeps failing the whole stack stops (``up`` exits 1); a child
+    # that is not (a shard of a generation that does not serve) is only given up on:
+    # stopped and left STOPPED, the rest of the stack serves on
+    essential: bool = True
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,6 +247,12 @@ class Supervisor:
     def start(self, child: Child, ready: Ready, timeout: float) -> Child:
         """Start ``child`` and wait until ``ready()`` (ChildFailed if it does not get
         there); from then on it is supervised (once :meth:`watch` runs)."""
+        self.launch(child, ready, timeout)
+        return self.await_ready(child)
+
+    def launch(self, child: Child, ready: Ready, timeout: float) -> Child:
+        """Start ``child`` without waiting (:meth:`await_ready` waits): several children
+        come up at once."""
         with self._lock:
             if self._closing.is_set():
                 raise ChildFailed(f"{self.failure or 'stopping'}: not starting {child.name}")
@@ -247,10 +260,28 @@ class Supervisor:
             self.children.append(child)
             child.state = State.RESTARTING
             child.start()
-        child.wait_ready(ready, timeout, cancel=self._closing)
-        with self._lock:
-            child.state = State.RUNNING
         return child
+
+    def await_ready(self, child: Child) -> Child:
+        """Wait until a :meth:`launch`-ed child is ready; supervised from then on."""
+        assert child.ready is not None
+        child.wait_ready(child.ready, child.ready_timeout_s, cancel=self._closing)
+        with self._lock:
+            if child.state is State.RESTARTING:
+                child.state = State.RUNNING
+        return child
+
+    def remove(self, children: Sequence[Child], grace: float = STOP_GRACE_S) -> list[str]:
+        """Stop supervising ``children`` and stop them (a pending restart of one of them
+        does not happen); the names of the ones that had to be killed."""
+        with self._lock:
+            gone = [c for c in children if c in self.children]
+            self.children = [c for c in self.children if c not in gone]
+            for child in gone:
+                child.state = State.STOPPED
+        killed = [c.name for c in gone if c.stop(grace)]
+        self._changed()
+        return killed
 
     def watch(self) -> None:
         """Supervise in a background thread from now on (idempotent)."""
@@ -262,7 +293,8 @@ class Supervisor:
     def stop_all(self, grace: float = STOP_GRACE_S) -> list[str]:
         """Stop supervising, then stop every child in reverse start order; the names of
         the ones that had to be killed (SIGKILL after ``grace`` seconds)."""
-        self._closing.set()
+        with self._lock:  # a start in another thread is either listed below or refused
+            self._closing.set()
         with self._stop_lock:
             me = threading.current_thread()
             for thread in [self._monitor, *self._threads]:
@@ -302,12 +334,21 @@ class Supervisor:
         with self._lock:
             if self._closing.is_set() or self.failure is not None:
                 return
+            if child not in self.children:  # removed meanwhile (its generation stopped)
+                return
             recent = self._failures.setdefault(child.name, deque())
             recent.append(now)
             while recent and recent[0] < now - policy.window_s:
                 recent.popleft()
             child.state = State.RESTARTING
-            if len(recent) > policy.max_restarts:
+            if len(recent) > policy.max_restarts and not child.essential:
+                child.state = State.STOPPED
+                message = (
+                    f"{child.name} {why}; it failed {len(recent)} times within "
+                    f"{policy.window_s:.0f} s (restarted {child.restarts} times): giving up "
+                    "on it, the rest of the stack serves on"
+                )
+            elif len(recent) > policy.max_restarts:
                 self.failure = (
                     f"{child.name} {why}; it failed {len(recent)} times within "
                     f"{policy.window_s:.0f} s (restarted {child.restarts} times): giving up"
@@ -335,6 +376,8 @@ class Supervisor:
             return
         with self._lock:
             if self._closing.is_set() or self.failure is not None:
+                return
+            if child not in self.children:  # removed while it waited
                 return
             child.restarts += 1
             child.start()

@@ -6,10 +6,12 @@ import shutil
 import sys
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
+from services.index.keys import FIRST_GENERATION
 from services.stack.children import Child, free_port, grpc_healthy
 from services.stack.config import StackConfig
 
@@ -350,19 +352,44 @@ def shard_ports(cfg: StackConfig) -> list[int]:
     return [free_port(cfg.host) for _ in range(cfg.replicas)]
 
 
-def shard_child(cfg: StackConfig, shard: int, replica: int, ports: Sequence[int] = ()) -> Child:
-    """Replica ``replica`` of ``shard``; ``ports``: those of all the shard's replicas
-    (:func:`shard_ports`), its own at index ``replica`` (default: a free port, no peers)."""
+@dataclass(frozen=True)
+class ShardGroup:
+    """Whose shards: a generation's name, its shard count and its trained index (the
+    default: generation g1 of the stack's own shard count and index)."""
+
+    generation: str = FIRST_GENERATION
+    num_shards: int | None = None  # None: the stack's --shards
+    index_dir: Path | None = None  # None: the stack's own (g1's)
+
+    def child_name(self, shard: int, replica: int) -> str:
+        name = f"shard-{shard}-replica-{replica}"
+        return name if self.generation == FIRST_GENERATION else f"{self.generation}-{name}"
+
+
+def shard_child(
+    cfg: StackConfig,
+    shard: int,
+    replica: int,
+    ports: Sequence[int] = (),
+    group: ShardGroup = ShardGroup(),
+) -> Child:
+    """Replica ``replica`` of ``shard`` of ``group`` (default: generation g1); ``ports``:
+    those of all the shard's replicas (:func:`shard_ports`), its own at index ``replica``
+    (default: a free port, no peers). Another generation's replica gets ``--generation``,
+    its record's shard count and index, and snapshot folders of its own."""
     port = ports[replica] if ports else free_port(cfg.host)
     metrics_port = free_port(cfg.host)
     peers = [f"{cfg.host}:{p}" for i, p in enumerate(ports) if i != replica]
-    name = f"shard-{shard}-replica-{replica}"
+    name = group.child_name(shard, replica)
+    num_shards = group.num_shards or cfg.shards
+    index_dir = group.index_dir or cfg.index_dir
+    generation = [] if group.generation == FIRST_GENERATION else ["--generation", group.generation]
     argv = [
         *CLI, "index", "serve",
         "--host", cfg.host, "--port", str(port),
-        "--shard", str(shard), "--shards", str(cfg.shards), "--replica", name,
-        *redis_args(cfg), "--index-dir", str(cfg.index_dir),
-        "--snapshot-dir", str(cfg.snapshot_dir(shard, replica)),
+        "--shard", str(shard), "--shards", str(num_shards), "--replica", name, *generation,
+        *redis_args(cfg), "--index-dir", str(index_dir),
+        "--snapshot-dir", str(cfg.snapshot_dir(shard, replica, group.generation)),
         "--metrics-port", str(metrics_port),
         # every replica of every shard shares this machine's cores: search inline
         "--search-threads", "0",
@@ -395,8 +422,6 @@ PROMETHEUS_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "prometheus
 
 def prometheus_child(cfg: StackConfig, children: list[Child]) -> Child | None:
     """Prometheus scraping every child, with the SLO rules; None when not installed."""
-    import json
-
     binary = shutil.which("prometheus")
     if binary is None or not (PROMETHEUS_CONFIG / "prometheus.yml").exists():
         return None
@@ -404,12 +429,7 @@ def prometheus_child(cfg: StackConfig, children: list[Child]) -> Child | None:
     home.mkdir(parents=True, exist_ok=True)
     for name in ("prometheus.yml", "rules.yml"):
         shutil.copy2(PROMETHEUS_CONFIG / name, home / name)
-    targets = [
-        {"targets": [c.metrics], "labels": {"job": c.job, "instance": c.name}}
-        for c in children
-        if c.metrics and c.job
-    ]
-    (home / "targets.json").write_text(json.dumps(targets, indent=2), encoding="utf-8")
+    write_prometheus_targets(cfg, children)
     port = free_port(cfg.host)
     argv = [
         binary, f"--config.file={(home / 'prometheus.yml').resolve()}",
@@ -419,3 +439,21 @@ def prometheus_child(cfg: StackConfig, children: list[Child]) -> Child | None:
     child = Child("prometheus", argv, cfg.logs / "prometheus.log")
     child.address = f"{cfg.host}:{port}"
     return child
+
+
+def write_prometheus_targets(cfg: StackConfig, children: Sequence[Child]) -> None:
+    """Prometheus's ``targets.json`` (file_sd: re-read on change, no restart): every
+    child with a metrics endpoint; rewritten when a generation's shards start or stop."""
+    import json
+
+    home = cfg.run_dir / "prometheus"
+    if not home.is_dir():
+        return
+    targets = [
+        {"targets": [c.metrics], "labels": {"job": c.job, "instance": c.name}}
+        for c in children
+        if c.metrics and c.job
+    ]
+    tmp = home / "targets.json.tmp"
+    tmp.write_text(json.dumps(targets, indent=2), encoding="utf-8")
+    tmp.replace(home / "targets.json")

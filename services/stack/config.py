@@ -96,8 +96,22 @@ class StackConfig:
     def index_dir(self) -> Path:
         return self.run_dir / "index"
 
-    def snapshot_dir(self, shard: int, replica: int) -> Path:
-        return self.run_dir / "snapshots" / f"shard-{shard}-replica-{replica}"
+    @property
+    def index_root(self) -> Path:
+        """Where ``index rollout --run-dir`` puts a new generation's trained index
+        (``<index_root>/<generation>``); generation g1's is :attr:`index_dir`."""
+        return self.run_dir / "generations"
+
+    def snapshot_dir(self, shard: int, replica: int, generation: str = "g1") -> Path:
+        """A replica's snapshots: g1's where they always were, another generation's in
+        a folder of its own (removed when the generation is retired)."""
+        name = f"shard-{shard}-replica-{replica}"
+        if generation == "g1":
+            return self.run_dir / "snapshots" / name
+        return self.generation_snapshots(generation) / name
+
+    def generation_snapshots(self, generation: str) -> Path:
+        return self.run_dir / "snapshots" / generation
 
 
 def example_queries(cfg: StackConfig) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from services.corpus.readers import read_corpus
 from services.gateway.texts import cut_for_encoder
 from services.index.core.train import TrainOptions, train_index
 from services.index.core.trained import Manifest
+from services.index.generations import EncoderSpec
 from services.stack.config import StackConfig
 
 Say = Callable[[str], None]
@@ -92,6 +93,39 @@ async def _encode(cfg: StackConfig, triton_grpc: str, texts: list[str]) -> tuple
     if rows:
         vectors[np.asarray(order)] = np.concatenate(rows)
     return vectors, encoder.model_name
+
+
+def encoder_spec(cfg: StackConfig, triton_grpc: str) -> EncoderSpec:
+    """The encoder generation g1's vectors come from, for its record: Triton's ``embed``
+    at the version it serves now (pinned: a version published later for a rollout must
+    not change what g1's queries are encoded with), or the in-process model (version 0)."""
+    from services.index.core.trained import MANIFEST
+
+    if triton_grpc:
+        return asyncio.run(_triton_spec(cfg, triton_grpc))
+    from services.encoder.model import default_model_dir
+
+    source = str(default_model_dir())
+    if not (cfg.index_dir / MANIFEST).exists():
+        return EncoderSpec(model=Path(source).name, source=source)
+    manifest = Manifest.read(cfg.index_dir)
+    return EncoderSpec(model=manifest.model, dim=manifest.dim, source=source)
+
+
+async def _triton_spec(cfg: StackConfig, triton_grpc: str) -> EncoderSpec:
+    from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
+    from services.stack.components import internal_tls
+
+    encoder = await TritonEncoder.connect(
+        TritonEncoderConfig(url=triton_grpc, tls=internal_tls(cfg))
+    )
+    try:
+        return EncoderSpec(
+            model=encoder.cfg.model, version=encoder.model_version, dim=encoder.dim,
+            digest=encoder.digest, source=encoder.model_name,
+        )  # fmt: skip
+    finally:
+        await encoder.close()
 
 
 def train_on(cfg: StackConfig, emb: CorpusEmbeddings, say: Say) -> Manifest:

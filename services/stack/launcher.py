@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING
 
 from services.common.redis_client import parse_redis_url
 from services.common.tls import ClientTLS
+from services.index.keys import FIRST_GENERATION
 from services.stack import components, first_run
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig, example_queries
 from services.stack.endpoints import Endpoints
+from services.stack.generations import GenerationShards
 
 if TYPE_CHECKING:
     from services.client.gateway import Gateway
@@ -69,6 +71,7 @@ class Stack:
         self._published = False  # stack.json is written (start-up done, not stopped)
         self._state_lock = threading.Lock()
         self._first_run: first_run.CorpusEmbeddings | None = None  # until stored
+        self.generations: GenerationShards | None = None  # the shards of every generation
         self._redis_url = ""  # the whole URL (password included): never printed or published
 
     # --- lifecycle -------------------------------------------------------------------
@@ -82,6 +85,8 @@ class Stack:
         try:
             self.supervisor.watch()
             self.start()
+            if self.generations is not None:
+                self.generations.watch()  # from now on: rollouts' targets, retirements
             corpus = self.ingest()
             self.print_endpoints(corpus)
             self.examples()
@@ -99,7 +104,11 @@ class Stack:
         finally:
             self._stop.set()  # from here on a signal (or the supervisor) interrupts nothing
             _say("stopping")
+            if self.generations is not None:
+                self.generations.halt()  # no generation starts from here on
             killed = self.supervisor.stop_all()
+            if self.generations is not None:
+                self.generations.close()
             if killed:
                 _say(f"killed (no exit {STOP_GRACE_S:.0f} s after SIGTERM): {', '.join(killed)}")
             restarts = {n: k for n, k in self.supervisor.restart_counts().items() if k}
@@ -134,6 +143,8 @@ class Stack:
         with self._state_lock:
             if not self._published:
                 return
+            if self.generations is not None:
+                self.endpoints.generations = self.generations.addresses()
             children = [
                 {"name": c.name, "address": _public(c.address), "pid": c.pid,
                  "state": c.state.value, "restarts": c.restarts, "log": str(c.log_path)}
@@ -208,20 +219,26 @@ class Stack:
             self.supervisor.start(triton, ready, timeout)
             self.endpoints.triton_grpc = grpc_address
             self.endpoints.triton_metrics = metrics
+            self.endpoints.triton_repository = str(cfg.model_repository.resolve())
             _say(f"triton     {grpc_address}  (model 'embed')")
 
         self._first_run = self.train_if_needed()
 
-        for shard in range(cfg.shards):
-            replicas = []
-            ports = components.shard_ports(cfg)  # each replica's --peers: the others
-            for replica in range(cfg.replicas):
-                child = components.shard_child(cfg, shard, replica, ports)
-                ready = functools.partial(components.grpc_ready, child, tls)
-                self.supervisor.start(child, ready, timeout)
-                replicas.append(child.address)
-            self.endpoints.shards.append(replicas)
-        _say(f"index      {cfg.shards} shard(s) x {cfg.replicas} replica(s)")
+        # generation g1 (the stack's own index) recorded before any shard starts, then the
+        # shards of every generation that runs (a rollout's target too), serving one first
+        serving = self.record_first_generation()
+        self.endpoints.index_root = str(cfg.index_root.resolve())
+        self.generations = GenerationShards(
+            cfg, self.supervisor, redis.address, tls=tls, report=_say,
+            on_change=self._generations_changed,
+        )  # fmt: skip
+        self.generations.start_all()
+        self.endpoints.shards = self.generations.gateway_shards(cfg.shards, serving)
+        self.endpoints.generations = self.generations.addresses()
+        _say(
+            f"index      {cfg.shards} shard(s) x {cfg.replicas} replica(s); generations "
+            f"running: {', '.join(self.endpoints.generations) or 'none'} (serving {serving})"
+        )
 
         if cfg.rerank:
             rerank = components.rerank_child(cfg)
@@ -242,6 +259,35 @@ class Stack:
         with self._state_lock:
             self._published = True
         self._publish()
+
+    def record_first_generation(self) -> str:
+        """Generation g1 in the registry (once per store): the stack's shard count, its
+        trained index, and the encoder it was trained with (Triton's ``embed`` version
+        serving now, pinned: a version published later must not change g1's vectors).
+        Returns the serving generation's name."""
+        from services.index.generations import Registry
+
+        cfg = self.config
+        client = components._redis(self._redis_url)
+        try:
+            registry = Registry(client)
+            if not any(g.name == FIRST_GENERATION for g in registry.all()):
+                encoder = first_run.encoder_spec(cfg, self.endpoints.triton_grpc)
+                g1 = registry.ensure_first(cfg.shards, encoder, str(cfg.index_dir.resolve()))
+                _say(
+                    f"generation {g1.name} recorded: {g1.num_shards} shard(s), encoder "
+                    f"{g1.encoder.model} version {g1.encoder.version or 'any'} "
+                    f"({g1.encoder.dim}-d)"
+                )
+            return registry.alias().serving
+        finally:
+            client.close()
+
+    def _generations_changed(self) -> None:
+        """A generation's shards started or stopped: stack.json and Prometheus follow."""
+        self._publish()
+        if self.config.prometheus:
+            components.write_prometheus_targets(self.config, self.supervisor.children)
 
     def train_if_needed(self) -> first_run.CorpusEmbeddings | None:
         """First run (no trained index): encode the corpus once, train on a sample of it;
@@ -304,7 +350,13 @@ class Stack:
             ("rerank (gRPC)", e.rerank),
             ("prometheus", e.prometheus),
             ("redis", e.redis_url),
-            *[(f"index shard {s}", ", ".join(r)) for s, r in enumerate(e.shards)],
+            *[
+                (f"index {name} shard {s}", ", ".join(r))
+                for name, shards in e.generations.items()
+                for s, r in enumerate(shards)
+            ],
+            ("index root (rollouts)", e.index_root),
+            ("triton repository", e.triton_repository),
             ("corpus", str(corpus)),
             ("logs", str(self.config.logs)),
         ]

@@ -1,0 +1,325 @@
+"""The local stack's generations supervisor (issue #24, docs/generations.md).
+
+``gtr-retrieval up`` runs the shards of every index generation whose shards should run:
+a record in a running state (:data:`services.index.generations.RUNNING`: building,
+catching up, switching, serving, previous) whose index is trained (``params["trained"]``,
+set by the rollout once the generation's ``index_dir`` holds its trained index; g1's is
+the stack's own, always trained). Every :data:`POLL_S` it reads the registry and
+
+- starts the shards of such a generation it does not run yet, with g1's replica count and
+  settings, ``--generation G --shards <its count> --index-dir <its index_dir>``, snapshot
+  folders of its own under the run dir (:meth:`StackConfig.snapshot_dir`), and publishes
+  their addresses in ``{gtr}:addrs`` (the gateway routes a generation's searches there, the
+  rollout waits for them before the switch) and in ``stack.json`` (``generations``);
+- stops the shards of a generation that no longer runs (retired, failed, record gone) and
+  removes its addresses; a retired one's snapshot folders, and its index when it lies under
+  the stack's index root, are deleted;
+- keeps ``{gtr}:addrs`` equal to what runs: addresses of an earlier run of the stack (other
+  ports) are replaced at start, before the gateway reads them.
+
+A shard that exits is restarted by the :class:`Supervisor` like every child (same argv,
+port and data). Only the serving generation's shards are essential: one of them failing
+past the restart policy stops the stack, as before generations; another generation's
+shard failing that often is given up on, its generation's shards stopped and its addresses
+removed, and started again after ``restart.window_s`` (a broken rollout target must not
+take the serving stack down). A generation whose shards do not start is retried alike.
+
+At ``up`` (:meth:`GenerationShards.start_all`) every such generation starts before the
+gateway, the serving one first: a stack stopped during a rollout comes back with the
+target's shards too, and the rollout resumes against them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.common.errors import FailedPrecondition
+from services.index.generations import RUNNING, Alias, Generation, Registry
+from services.index.keys import ADDRESSES_KEY, FIRST_GENERATION
+from services.stack import components
+from services.stack.children import Child, ChildFailed, State, Supervisor
+from services.stack.components import ShardGroup
+from services.stack.config import StackConfig
+
+if TYPE_CHECKING:
+    from services.common.tls import ClientTLS
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often the registry is read
+
+
+def runs(gen: Generation) -> bool:
+    """Whether the stack runs ``gen``'s shards: a running state and a trained index."""
+    trained = gen.name == FIRST_GENERATION or bool(gen.params.get("trained"))
+    return gen.state in RUNNING and trained
+
+
+def spec(replicas: Iterable[Iterable[str]]) -> str:
+    """Shard addresses in the gateway's ``--shards`` syntax: ``a,b;c,d``."""
+    return ";".join(",".join(r) for r in replicas)
+
+
+@dataclass
+class RunningGeneration:
+    record: Generation
+    children: list[list[Child]]  # per shard, its replicas
+
+    @property
+    def addresses(self) -> list[list[str]]:
+        return [[c.address for c in reps] for reps in self.children]
+
+    def all(self) -> list[Child]:
+        return [c for reps in self.children for c in reps]
+
+
+class GenerationShards:
+    """Runs the shards of the registry's generations (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: StackConfig,
+        supervisor: Supervisor,
+        redis_url: str,
+        *,
+        tls: ClientTLS | None = None,
+        report: Callable[[str], None] = print,
+        on_change: Callable[[], None] | None = None,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.cfg = cfg
+        self.supervisor = supervisor
+        self.redis_url = redis_url  # the whole URL (password, certificates)
+        self.tls = tls  # how the readiness probe reaches a shard
+        self.report = report
+        self.on_change = on_change  # stack.json, Prometheus's targets
+        self.poll_s = poll_s
+        self.running: dict[str, RunningGeneration] = {}
+        self._retry_at: dict[str, float] = {}  # generation -> when to try it again
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+        self._last_error = ""
+        self.passes = 0  # registry reads done (a test awaits a pass instead of sleeping)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start_all(self) -> None:
+        """At ``up``: start every generation that should run, the serving one first, and
+        publish the addresses (ChildFailed when the serving one's shards do not start)."""
+        self.sync(raise_serving=True)
+
+    def watch(self) -> None:
+        """From now on, follow the registry in a background thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="generations", daemon=True)
+            self._thread.start()
+
+    def halt(self) -> None:
+        """No generation starts from now on (the stack is stopping)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop following the registry (the children are the supervisor's to stop)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _loop(self) -> None:
+        import redis
+
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.sync()
+                self._last_error = ""
+            except (redis.RedisError, OSError) as exc:  # Redis restarting: next poll
+                log.debug("generations: registry not readable: %s", exc)
+                self._drop_client()
+            except ChildFailed as exc:  # the stack is stopping
+                log.debug("generations: %s", exc)
+            except Exception as exc:
+                if str(exc) != self._last_error:
+                    log.exception("generations: supervising failed")
+                    self.report(f"generations: {exc}")
+                self._last_error = str(exc)
+
+    # --- one pass ------------------------------------------------------------------------
+
+    def _redis(self) -> Any:
+        if self._client is None:
+            self._client = components._redis(self.redis_url)
+        return self._client
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def read(self) -> tuple[dict[str, Generation], Alias | None, dict[str, str]]:
+        """The registry: records, alias (None before g1), published addresses."""
+        client = self._redis()
+        registry = Registry(client)
+        gens = {g.name: g for g in registry.all()}
+        try:
+            alias: Alias | None = registry.alias()
+        except FailedPrecondition:
+            alias = None
+        raw = client.hgetall(ADDRESSES_KEY)
+        return gens, alias, {k.decode(): v.decode() for k, v in raw.items()}
+
+    def sync(self, raise_serving: bool = False) -> None:
+        gens, alias, addrs = self.read()
+        serving = alias.serving if alias is not None else FIRST_GENERATION
+        want = {name: g for name, g in gens.items() if runs(g)}
+        changed = False
+        for name in [n for n in self.running if n not in want]:
+            self._stop_generation(name, gens.get(name))
+            changed = True
+        for name, running in list(self.running.items()):
+            if any(c.state is State.STOPPED for c in running.all()):  # given up on
+                self._give_up(name, "a shard kept failing")
+                changed = True
+        order = sorted(want.values(), key=lambda g: (g.name != serving, g.number))
+        for gen in order:
+            if self._stop.is_set():
+                break
+            if gen.name in self.running or self._retry_at.get(gen.name, 0.0) > time.monotonic():
+                continue
+            essential = gen.name == serving
+            try:
+                self._start_generation(gen, essential)
+            except ChildFailed:
+                if raise_serving and essential:
+                    raise
+                if self.supervisor.failure is not None or self._stop.is_set():
+                    raise
+            changed = True
+        for name, running in self.running.items():
+            for child in running.all():
+                child.essential = name == serving
+        self._publish(addrs)
+        if changed:
+            self._changed()
+        self.passes += 1
+
+    def _start_generation(self, gen: Generation, essential: bool) -> None:
+        cfg = self.cfg
+        group = ShardGroup(
+            gen.name,
+            gen.num_shards,
+            Path(gen.index_dir) if gen.name != FIRST_GENERATION else None,
+        )
+        children: list[list[Child]] = []
+        try:
+            for shard in range(gen.num_shards):
+                ports = components.shard_ports(cfg)  # each replica's --peers: the others
+                replicas = []
+                for replica in range(cfg.replicas):
+                    child = components.shard_child(cfg, shard, replica, ports, group)
+                    child.essential = essential
+                    ready = _probe(child, self.tls)
+                    self.supervisor.launch(child, ready, cfg.startup_timeout_s)
+                    replicas.append(child)
+                children.append(replicas)
+            for child in (c for reps in children for c in reps):
+                self.supervisor.await_ready(child)
+        except ChildFailed as exc:
+            started = [c for reps in children for c in reps]
+            self.supervisor.remove(started, grace=2.0)
+            if not self._stop.is_set() and self.supervisor.failure is None:
+                self._retry_at[gen.name] = time.monotonic() + self.cfg.restart.window_s
+                self.report(
+                    f"generation {gen.name}: its shards did not start (again in "
+                    f"{self.cfg.restart.window_s:.0f} s): {exc}"
+                )
+            raise
+        running = RunningGeneration(gen, children)
+        self.running[gen.name] = running
+        self._retry_at.pop(gen.name, None)
+        self.report(
+            f"generation {gen.name} ({gen.state}): {gen.num_shards} shard(s) x "
+            f"{cfg.replicas} replica(s) at {spec(running.addresses)}"
+        )
+
+    def _stop_generation(self, name: str, record: Generation | None) -> None:
+        running = self.running.pop(name)
+        killed = self.supervisor.remove(running.all())
+        state = record.state if record is not None else "gone"
+        self.report(
+            f"generation {name} ({state}): its shards stopped"
+            + (f" (killed: {', '.join(killed)})" if killed else "")
+        )
+        if record is None or record.state == "retired":
+            self._delete_files(running)
+
+    def _give_up(self, name: str, why: str) -> None:
+        running = self.running.pop(name)
+        self.supervisor.remove(running.all(), grace=2.0)
+        self._retry_at[name] = time.monotonic() + self.cfg.restart.window_s
+        self.report(
+            f"generation {name}: {why}; its shards stopped, started again in "
+            f"{self.cfg.restart.window_s:.0f} s"
+        )
+
+    def _delete_files(self, running: RunningGeneration) -> None:
+        """A retired generation's snapshots, and its index when the stack's own root
+        holds it (g1's index is the stack's and stays)."""
+        cfg = self.cfg
+        name = running.record.name
+        folders = [
+            cfg.snapshot_dir(s, r, name)
+            for s in range(running.record.num_shards)
+            for r in range(cfg.replicas)
+        ]
+        if name != FIRST_GENERATION:
+            folders.append(cfg.generation_snapshots(name))
+            index_dir = Path(running.record.index_dir).resolve()
+            if index_dir.is_relative_to(cfg.index_root.resolve()):
+                folders.append(index_dir)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _publish(self, published: dict[str, str]) -> None:
+        """``{gtr}:addrs`` := what runs (only the fields that differ are written)."""
+        want = {name: spec(r.addresses) for name, r in self.running.items()}
+        client = self._redis()
+        stale = [name for name in published if name not in want]
+        if stale:
+            client.hdel(ADDRESSES_KEY, *stale)
+        fresh = {name: s for name, s in want.items() if published.get(name) != s}
+        if fresh:
+            client.hset(ADDRESSES_KEY, mapping=fresh)
+
+    def addresses(self) -> dict[str, list[list[str]]]:
+        return {name: r.addresses for name, r in sorted(self.running.items())}
+
+    def gateway_shards(self, base: int, serving: str) -> list[list[str]]:
+        """The gateway's ``--shards``: g1's shards (the gateway's g1 falls back to them);
+        without g1, the shards of a running generation of the base shard count (the
+        gateway checks its count against the store's), the serving one's first."""
+        if FIRST_GENERATION in self.running:
+            return self.running[FIRST_GENERATION].addresses
+        same = sorted(
+            (r for r in self.running.values() if r.record.num_shards == base),
+            key=lambda r: (r.record.name != serving, r.record.number),
+        )
+        pick = same[0] if same else self.running.get(serving)
+        return pick.addresses if pick is not None else []
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+
+def _probe(child: Child, tls: ClientTLS | None) -> Callable[[], bool]:
+    return lambda: components.grpc_ready(child, tls)
