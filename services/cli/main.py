@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.cli import (
         client_commands,
         corpus_commands,
+        drift_commands,
         encoder_commands,
         eval_commands,
         gateway_commands,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     redis_commands.add_cli(sub)
     gateway_commands.add_cli(sub)
     index_commands.add_cli(sub)
+    drift_commands.add_cli(sub)  # index drift-watch, index await-generation
     encoder_commands.add_cli(sub)
     rerank_commands.add_cli(sub)
     eval_commands.add_cli(sub)
