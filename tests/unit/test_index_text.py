@@ -237,17 +237,36 @@ def test_a_scrape_reports_what_it_can_when_the_text_directory_is_gone(
     assert 'index_vectors{replica="r0",shard="0"} 10.0' in text
 
 
-def test_a_scrape_answers_when_the_shard_stats_raise() -> None:
-    """Any other failure of ``shard.stats()`` costs its gauges (NaN), not the scrape."""
+def test_a_scrape_answers_when_the_shard_stats_raise(
+    trained: TrainedIndex,
+    corpus: list[dict[str, str]],
+    vectors: np.ndarray,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Any other failure of a real shard's ``stats()`` costs its gauges (NaN), not the
+    scrape: here an entry of the text index's directory that the OS cannot stat (a symlink
+    whose target has a 300-byte name: ENAMETOOLONG, raised as root too, where a permission
+    error would not be), which ``TextIndex.stats()`` does not absorb."""
+    import errno
+    import logging
+
     from prometheus_client import CollectorRegistry, generate_latest
 
     from services.index.server.metrics import ShardMetrics
 
-    class Broken:
-        def stats(self) -> None:
-            raise RuntimeError("source unavailable")
+    text_index = TextIndex.create(tmp_path / "text")
+    shard = IvfPqShard(trained, text_index)
+    shard.apply(upserts(corpus[:10], vectors[:10]), "1-0")
+    (text_index.directory / "unstatable").symlink_to(tmp_path / ("a" * 300))
+    with pytest.raises(OSError) as raised:
+        shard.stats()
+    assert raised.value.errno == errno.ENAMETOOLONG
 
     registry = CollectorRegistry()
-    ShardMetrics.create(registry, 0, "r0").bind(Broken())  # type: ignore[arg-type]
-    text = generate_latest(registry).decode()
+    ShardMetrics.create(registry, 0, "r0").bind(shard)
+    with caplog.at_level(logging.ERROR, logger="services.index.server.metrics"):
+        text = generate_latest(registry).decode()
     assert 'index_vectors{replica="r0",shard="0"} NaN' in text
+    assert 'index_text_documents{replica="r0",shard="0"} NaN' in text
+    assert "shard stats unavailable" in caplog.text
