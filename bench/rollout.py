@@ -1,0 +1,257 @@
+"""Rollout benchmark (issue #24): how fast ``index rollout --encoder`` re-embeds the stored
+documents, and what it does to the searches served meanwhile.
+
+``gtr-retrieval up`` runs as a user runs it (Redis, Triton's CPU repository, 2 shards,
+the gateway; no reranker) on the first ``--docs`` SciFact documents. Searches
+(``--searches-per-s``, open loop) and upserts + deletes (``--writes-per-s``) go through
+the gateway for ``--before-s`` seconds, then on while ``index rollout --encoder <second
+encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line last;
+``bench/results/rollout.json`` keeps it):
+
+* ``reembed_docs_per_s``: documents the builder appended in its bulk phase (the target's
+  ``lv`` hashes) ÷ the seconds it spent there (both polled from ``{gtr}:rollout`` every
+  20 ms), re-embedded through Triton with the new model version while the searches go on
+  (``--sample`` documents are encoded in the train phase before it, not counted);
+* ``inprocess_docs_per_s``: the same documents' texts encoded in this process by the same
+  model (its ONNX export, ONNX Runtime, as many threads as Triton's instance has, batches
+  of ``--batch``), measured before and after the rollout in the same run (the mean);
+* ``reembed_ratio`` = the first ÷ the second (goal ≥ 0.8);
+* ``p99_before_ms``, ``p99_during_ms``: search latency p99 (client side) in the window
+  before the rollout and from its start to its switch; ``p99_during_over_before`` (goal
+  ≤ 1.5); failed searches in each window.
+
+Usage: ``python -m bench.rollout [--docs 1500] [--before-s 30] [--encoder DIR]``.
+Server, builder and client share this machine's cores: the figures are for a CPU-only
+machine where the rollout competes with serving, the worst case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHARED = Path(
+    os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
+SCIFACT = SHARED / "scifact"
+
+
+def _texts(corpus: Path) -> list[str]:
+    from services.common.domain import Document
+
+    out = []
+    with corpus.open(encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            out.append(Document(row["_id"], row["text"], row.get("title", "")).embedding_text)
+    return out
+
+
+def inprocess_docs_per_s(onnx_path: Path, texts: list[str], batch: int, threads: int) -> float:
+    """Documents/s of the model in this process (ONNX Runtime), document side, in batches."""
+    from services.encoder.runtime.onnx_embedder import OnnxEmbedder
+
+    embedder = OnnxEmbedder(onnx_path, threads=threads)
+    embedder.embed(texts[:batch], "document")  # warm up
+    start = time.perf_counter()
+    for i in range(0, len(texts), batch):
+        embedder.embed(texts[i : i + batch], "document")
+    return len(texts) / (time.perf_counter() - start)
+
+
+def p99(latencies: list[float]) -> float:
+    return float(np.percentile(np.asarray(latencies), 99)) if latencies else float("nan")
+
+
+class PhaseWatch:
+    """The builder's phase as ``{gtr}:rollout`` says it, polled every 20 ms: when each
+    phase was first seen."""
+
+    def __init__(self, redis_client: Any) -> None:
+        self.redis = redis_client
+        self.seen: dict[str, float] = {}
+        self.fields: dict[str, dict[str, str]] = {}
+        self.bulk_appended = 0  # documents in the target's lv hashes while in bulk
+        self.bulk_first: int | None = None  # ...when the bulk phase was first seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from services.index.generations import Registry
+
+        reg = Registry(self.redis)
+        while not self._stop.is_set():
+            state = reg.rollout() or {}
+            phase = state.get("phase")
+            if phase:
+                self.seen.setdefault(phase, time.monotonic())
+                self.fields[phase] = state
+            if phase == "bulk" and state.get("target"):
+                keys = reg.keys(reg.get(state["target"]))
+                appended = sum(int(self.redis.hlen(keys.logged(s))) for s in range(keys.num_shards))
+                if self.bulk_first is None:
+                    self.bulk_first = appended
+                self.bulk_appended = max(self.bulk_appended, appended)
+            time.sleep(0.02)
+
+    def __enter__(self) -> PhaseWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def bulk_seconds(self) -> float | None:
+        """From the first sighting of the bulk phase to the first of a later one."""
+        if "bulk" not in self.seen:
+            return None
+        after = [t for phase, t in self.seen.items() if t > self.seen["bulk"]]
+        return (min(after) - self.seen["bulk"]) if after else None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--docs", type=int, default=1500, help="SciFact documents stored (1500)")
+    parser.add_argument("--text-chars", type=int, default=1000, help="text cut to (1000)")
+    parser.add_argument("--searches-per-s", type=float, default=20.0)
+    parser.add_argument("--writes-per-s", type=float, default=5.0)
+    parser.add_argument("--before-s", type=float, default=30.0, help="window before (30 s)")
+    parser.add_argument("--batch", type=int, default=32, help="builder and in-process batch")
+    parser.add_argument(
+        "--sample", type=int, default=300,
+        help="the builder's training sample (300): the train phase encodes these, the "
+        "measured bulk phase the rest",
+    )  # fmt: skip
+    parser.add_argument("--encoder", type=Path, help="new encoder (default: perturbed MiniLM)")
+    parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/rollout.json"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from services.encoder.build.export import export_onnx
+    from tests.support.encoders import ensure_second_encoder
+    from tests.support.local_stack import local_stack, queries, small_corpus
+    from tests.support.steady_load import SteadyLoad
+
+    threads = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="gtr-bench-rollout-") as tmp_name:
+        tmp = Path(tmp_name)
+        encoder = args.encoder or ensure_second_encoder(tmp)
+        corpus = tmp / "corpus.jsonl"
+        small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
+        texts = _texts(corpus)
+        onnx_path = tmp / "onnx" / "model.onnx"
+        export_onnx(encoder, onnx_path)
+        inproc = [inprocess_docs_per_s(onnx_path, texts, args.batch, threads)]
+        print(f"in-process ONNX ({threads} threads, batches of {args.batch}): "
+              f"{inproc[0]:.1f} docs/s", flush=True)  # fmt: skip
+
+        run_dir = args.run_dir or tmp / "run"
+        print(f"starting the stack on {args.docs} documents ({run_dir})", flush=True)
+        with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2) as stack:
+            load = SteadyLoad(
+                stack.gateway, queries(SCIFACT), searches_per_s=args.searches_per_s,
+                writes_per_s=args.writes_per_s, redis_url=stack.redis_url, prefix="bench",
+            )  # fmt: skip
+            marks: dict[str, float] = {}
+            rollout_out = tmp / "rollout.log"
+
+            async def scenario() -> subprocess.CompletedProcess[str]:
+                runner = asyncio.ensure_future(load.run())
+                try:
+                    await asyncio.sleep(args.before_s)  # the measured window before
+                    marks["rollout_start"] = time.monotonic()
+                    with PhaseWatch(stack.redis()) as watch:
+                        done = await asyncio.to_thread(
+                            stack.run_cli, "index", "rollout", "--encoder", str(encoder),
+                            "--batch", str(args.batch), "--sample", str(args.sample),
+                            "--run-dir", str(run_dir), "--yes",
+                            timeout=3600, log=rollout_out,
+                        )  # fmt: skip
+                    marks["rollout_end"] = time.monotonic()
+                    marks.update({f"phase_{k}": v for k, v in watch.seen.items()})
+                    marks["bulk_seconds"] = watch.bulk_seconds() or float("nan")
+                    marks["bulk_appended"] = watch.bulk_appended - (watch.bulk_first or 0)
+                finally:
+                    load.stop()
+                    await runner
+                return done
+
+            done = asyncio.run(scenario())
+            if done.returncode != 0:
+                raise SystemExit(f"index rollout failed ({done.returncode}):\n{done.stdout}\n"
+                                 f"{done.stderr}")  # fmt: skip
+        inproc.append(inprocess_docs_per_s(onnx_path, texts, args.batch, threads))
+
+    record = load.record
+    start, end = marks["rollout_start"], marks["rollout_end"]
+    before = [s for s in record.searches if s.start < start]
+    during = [s for s in record.searches if start <= s.start < end]
+    ok_before = [s.latency for s in before if s.code == "OK"]
+    ok_during = [s.latency for s in during if s.code == "OK"]
+    bulk_s = marks["bulk_seconds"]
+    bulk_docs = int(marks["bulk_appended"])
+    reembed = bulk_docs / bulk_s if bulk_s == bulk_s and bulk_s > 0 else float("nan")
+    inproc_rate = statistics.mean(inproc)
+    result: dict[str, Any] = {
+        "docs": args.docs,
+        "bulk_docs": bulk_docs,
+        "bulk_seconds": bulk_s,
+        "reembed_docs_per_s": reembed,
+        "inprocess_docs_per_s": inproc_rate,
+        "inprocess_rounds": [round(r, 1) for r in inproc],
+        "reembed_ratio": reembed / inproc_rate,
+        "rollout_seconds": end - start,
+        "searches_before": len(before),
+        "searches_during": len(during),
+        "failed_before": len(before) - len(ok_before),
+        "failed_during": len(during) - len(ok_during),
+        "p50_before_ms": 1e3 * float(np.median(ok_before)) if ok_before else float("nan"),
+        "p50_during_ms": 1e3 * float(np.median(ok_during)) if ok_during else float("nan"),
+        "p99_before_ms": 1e3 * p99(ok_before),
+        "p99_during_ms": 1e3 * p99(ok_during),
+        "searches_per_s": args.searches_per_s,
+        "writes_per_s": args.writes_per_s,
+        "batch": args.batch,
+        "threads": threads,
+        "phases_s": {
+            k.removeprefix("phase_"): round(v - start, 2) for k, v in marks.items()
+            if k.startswith("phase_")
+        },
+    }  # fmt: skip
+    result["p99_during_over_before"] = result["p99_during_ms"] / result["p99_before_ms"]
+    print(
+        f"re-embed: {bulk_docs} documents in {bulk_s:.1f} s of bulk = {reembed:.1f} docs/s; "
+        f"in-process {inproc_rate:.1f} docs/s (rounds {', '.join(f'{r:.1f}' for r in inproc)}); "
+        f"ratio {result['reembed_ratio']:.2f} (goal >= 0.8)"
+    )
+    print(
+        f"search p99: {result['p99_before_ms']:.1f} ms before ({len(before)} searches, "
+        f"{result['failed_before']} failed), {result['p99_during_ms']:.1f} ms during the "
+        f"rollout ({len(during)}, {result['failed_during']} failed): "
+        f"{result['p99_during_over_before']:.2f}x (goal <= 1.5)"
+    )
+    line = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"source": {"bench": "rollout", "run": time.strftime("%Y-%m-%d %H:%M UTC",
+                    time.gmtime())}, **line}, indent=2) + "\n"
+    )  # fmt: skip
+    print(json.dumps(line))
+    return result
+
+
+if __name__ == "__main__":
+    main()
