@@ -218,12 +218,14 @@ class SteadyLoad:
         )  # fmt: skip
 
     def _write(self, stub: Any) -> asyncio.Task[None] | None:
+        """Of every 10 writes: 2 deletes of acknowledged documents, 1 upsert of a deleted
+        one, 7 upserts of new ones (a pool short of candidates writes a new one)."""
         self._next += 1
         n = self._next
         if n % 5 == 2 and self._live:
             doc_id = self._live.pop(self.rng.randrange(len(self._live)))
             return asyncio.ensure_future(self._one_write(stub, doc_id, "delete"))
-        if n % 5 == 4 and self._deleted:
+        if n % 10 == 4 and self._deleted:
             doc_id = self._deleted.pop(self.rng.randrange(len(self._deleted)))
             return asyncio.ensure_future(self._one_write(stub, doc_id, "upsert"))
         return asyncio.ensure_future(self._one_write(stub, f"{self.prefix}-{n}", "upsert"))
