@@ -36,7 +36,8 @@ def v1_write(
     shards = sorted(set(of))
     slot = {s: n + 1 for n, s in enumerate(shards)}
     keys = [f"doc:{i}" for i in ids] + [f"ver:{i}" for i in ids] + [f"log:{s}" for s in shards]
-    args: list[Any] = list(head)
+    keys += [f"wgen:{s}" for s in shards]  # writer gates (absent: open to g1), never written
+    args: list[Any] = [*head, "g1", "g1"]  # the writer's generation, what an absent gate is
     for i, extra in enumerate(per_doc):
         args += [str(slot[of[i]]), ids[i], *extra]
     client.eval(script, len(keys), *keys, *args)
