@@ -105,7 +105,8 @@ def add_cli(sub: Any) -> None:
         "--fusion",
         choices=["rrf", "weighted"],
         default=None,
-        help="Fusion of a hybrid search (default: the gateway's).",
+        help="Fusion of a hybrid search (default: the gateway's). This and the three "
+        "flags below are refused with --mode dense or sparse.",
     )
     search.add_argument(
         "--rrf-k", type=uint32, default=None, help="k of --fusion rrf, 1..10000 (default: 60)."
@@ -154,6 +155,19 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
+    fusion_flags = {
+        "--fusion": args.fusion,
+        "--rrf-k": args.rrf_k,
+        "--dense-weight": args.dense_weight,
+        "--candidates": args.candidates,
+    }
+    given = [flag for flag, value in fusion_flags.items() if value is not None]
+    if given and args.mode in ("dense", "sparse"):  # the gateway would ignore them
+        print(
+            f"error: {', '.join(given)}: only a hybrid search fuses, not --mode {args.mode}",
+            file=sys.stderr,
+        )
+        return 2
     gateway = resolve_gateway(args)
     try:
         response = search_once(

@@ -78,3 +78,18 @@ def test_a_number_no_request_can_carry_is_a_usage_error_not_a_traceback(
         build_parser().parse_args(["search", "q", *flags])
     assert done.value.code == 2
     assert "out of range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_fusion_flags_outside_a_hybrid_search_are_refused(
+    mode: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gateway takes a fusion with mode DENSE or SPARSE and ignores it: the CLI says
+    so instead of sending it (exit 2 before any gateway is resolved or called)."""
+    from services.cli.main import main
+
+    code = main(["search", "q", "--mode", mode, "--rrf-k", "5", "--candidates", "20",
+                 "--gateway", "127.0.0.1:1"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--rrf-k, --candidates: only a hybrid search fuses, not --mode {mode}" in err
