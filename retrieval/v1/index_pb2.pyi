@@ -347,6 +347,7 @@ class ShardStats(_message.Message):
     TEXT_INDEX_FIELD_NUMBER: _builtins.int
     TEXT_DOCUMENTS_FIELD_NUMBER: _builtins.int
     TEXT_DISK_BYTES_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     replica: _builtins.str
     dim: _builtins.int
@@ -392,6 +393,8 @@ class ShardStats(_message.Message):
     """The text (BM25) index: false when this replica has none (dense search only)."""
     text_documents: _builtins.int
     text_disk_bytes: _builtins.int
+    generation: _builtins.str
+    """The index generation this replica serves (docs/generations.md): g1, g2, ..."""
     def __init__(
         self,
         *,
@@ -422,10 +425,11 @@ class ShardStats(_message.Message):
         text_index: _builtins.bool = ...,
         text_documents: _builtins.int = ...,
         text_disk_bytes: _builtins.int = ...,
+        generation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "gpu", b"gpu", "ivf_advice", b"ivf_advice", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "measured_recall", b"measured_recall", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "nprobe", b"nprobe", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "searches", b"searches", "shard", b"shard", "snapshot_position", b"snapshot_position", "target_recall", b"target_recall", "text_disk_bytes", b"text_disk_bytes", "text_documents", b"text_documents", "text_index", b"text_index", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_position", b"applied_position", "bytes_per_vector", b"bytes_per_vector", "deleted", b"deleted", "dim", b"dim", "factory", b"factory", "generation", b"generation", "gpu", b"gpu", "ivf_advice", b"ivf_advice", "list_imbalance", b"list_imbalance", "log_lag_seconds", b"log_lag_seconds", "measured_recall", b"measured_recall", "memory_bytes", b"memory_bytes", "metric", b"metric", "model", b"model", "nlist", b"nlist", "nprobe", b"nprobe", "pq_error_ratio", b"pq_error_ratio", "recent_pq_error", b"recent_pq_error", "replica", b"replica", "searches", b"searches", "shard", b"shard", "snapshot_position", b"snapshot_position", "target_recall", b"target_recall", "text_disk_bytes", b"text_disk_bytes", "text_documents", b"text_documents", "text_index", b"text_index", "train_pq_error", b"train_pq_error", "vectors", b"vectors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -475,22 +479,28 @@ class FetchSnapshotRequest(_message.Message):
     SHARD_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
     WITH_INDEX_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     """The shard the caller serves."""
     replica: _builtins.str
     """The caller's replica name (for the peer's log)."""
     with_index: _builtins.bool
     """Also send the trained index (manifest.json, trained.faiss, refine.faiss)."""
+    generation: _builtins.str
+    """The index generation the caller serves ("" = g1); a replica of another generation
+    answers INVALID_ARGUMENT (its snapshots hold other vectors and another log's positions).
+    """
     def __init__(
         self,
         *,
         shard: _builtins.int = ...,
         replica: _builtins.str = ...,
         with_index: _builtins.bool = ...,
+        generation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica", "shard", b"shard", "with_index", b"with_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "replica", b"replica", "shard", b"shard", "with_index", b"with_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,3 +570,61 @@ class SnapshotChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SnapshotChunk: _TypeAlias = SnapshotChunk  # noqa: Y015
+
+@_typing.final
+class ExportVectorsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_FIELD_NUMBER: _builtins.int
+    batch: _builtins.int
+    """Vectors per message: 0 = as many as fit in 2 MiB; at most 65536 and 8 MiB a message."""
+    def __init__(
+        self,
+        *,
+        batch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportVectorsRequest: _TypeAlias = ExportVectorsRequest  # noqa: Y015
+
+@_typing.final
+class VectorChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    VECTORS_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    position: _builtins.str
+    """The log position the export stands at (the same in every message): every change up
+    to it is in the export, none after it.
+    """
+    shard: _builtins.int
+    generation: _builtins.str
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def vectors(self) -> _common_pb2.VectorBatch:
+        """The vectors of `ids`, in order (float32, decoded from the SQ8 refine codes)."""
+
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.str] | None = ...,
+        vectors: _common_pb2.VectorBatch | None = ...,
+        position: _builtins.str = ...,
+        shard: _builtins.int = ...,
+        generation: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["vectors", b"vectors"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "ids", b"ids", "position", b"position", "shard", b"shard", "vectors", b"vectors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VectorChunk: _TypeAlias = VectorChunk  # noqa: Y015

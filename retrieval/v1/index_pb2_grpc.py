@@ -64,6 +64,11 @@ class IndexShardServiceStub:
                 request_serializer=retrieval_dot_v1_dot_index__pb2.FetchSnapshotRequest.SerializeToString,
                 response_deserializer=retrieval_dot_v1_dot_index__pb2.SnapshotChunk.FromString,
                 _registered_method=True)
+        self.ExportVectors = channel.unary_stream(
+                '/retrieval.v1.IndexShardService/ExportVectors',
+                request_serializer=retrieval_dot_v1_dot_index__pb2.ExportVectorsRequest.SerializeToString,
+                response_deserializer=retrieval_dot_v1_dot_index__pb2.VectorChunk.FromString,
+                _registered_method=True)
 
 
 class IndexShardServiceServicer:
@@ -125,6 +130,19 @@ class IndexShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportVectors(self, request, context):
+        """Every (id, vector) this replica holds, for a rollout that retrains the quantizer on
+        the stored vectors (`index rollout --retrain`, docs/generations.md). The vectors are
+        decoded from the replica's SQ8 refine codes (8 bits per dimension over the range
+        trained per dimension), not the float32 vectors that were upserted: within half a
+        quantization step of them. One consistent export at one log position: the ids and
+        codes are copied at once, at the applied position every message carries. In chunks
+        of at most `batch` vectors; UNAVAILABLE while this replica is not serving.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +175,11 @@ def add_IndexShardServiceServicer_to_server(servicer, server):
                     servicer.FetchSnapshot,
                     request_deserializer=retrieval_dot_v1_dot_index__pb2.FetchSnapshotRequest.FromString,
                     response_serializer=retrieval_dot_v1_dot_index__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'ExportVectors': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportVectors,
+                    request_deserializer=retrieval_dot_v1_dot_index__pb2.ExportVectorsRequest.FromString,
+                    response_serializer=retrieval_dot_v1_dot_index__pb2.VectorChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -321,6 +344,33 @@ class IndexShardService:
             '/retrieval.v1.IndexShardService/FetchSnapshot',
             retrieval_dot_v1_dot_index__pb2.FetchSnapshotRequest.SerializeToString,
             retrieval_dot_v1_dot_index__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportVectors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/retrieval.v1.IndexShardService/ExportVectors',
+            retrieval_dot_v1_dot_index__pb2.ExportVectorsRequest.SerializeToString,
+            retrieval_dot_v1_dot_index__pb2.VectorChunk.FromString,
             options,
             channel_credentials,
             insecure,

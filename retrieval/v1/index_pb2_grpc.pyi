@@ -64,6 +64,15 @@ class IndexShardServiceStub:
     carry each file's bytes in order, at most 1 MiB a message. UNAVAILABLE while this
     replica is not serving; INVALID_ARGUMENT when the caller serves another shard.
     """
+    ExportVectors: _grpc.UnaryStreamMultiCallable[_index_pb2.ExportVectorsRequest, _index_pb2.VectorChunk]
+    """Every (id, vector) this replica holds, for a rollout that retrains the quantizer on
+    the stored vectors (`index rollout --retrain`, docs/generations.md). The vectors are
+    decoded from the replica's SQ8 refine codes (8 bits per dimension over the range
+    trained per dimension), not the float32 vectors that were upserted: within half a
+    quantization step of them. One consistent export at one log position: the ids and
+    codes are copied at once, at the applied position every message carries. In chunks
+    of at most `batch` vectors; UNAVAILABLE while this replica is not serving.
+    """
 
 @_typing.type_check_only
 class IndexShardServiceAsyncStub(IndexShardServiceStub):
@@ -98,6 +107,15 @@ class IndexShardServiceAsyncStub(IndexShardServiceStub):
     lists the files (name, size, sha256) and the snapshot's log position; the others
     carry each file's bytes in order, at most 1 MiB a message. UNAVAILABLE while this
     replica is not serving; INVALID_ARGUMENT when the caller serves another shard.
+    """
+    ExportVectors: _aio.UnaryStreamMultiCallable[_index_pb2.ExportVectorsRequest, _index_pb2.VectorChunk]  # type: ignore[assignment]
+    """Every (id, vector) this replica holds, for a rollout that retrains the quantizer on
+    the stored vectors (`index rollout --retrain`, docs/generations.md). The vectors are
+    decoded from the replica's SQ8 refine codes (8 bits per dimension over the range
+    trained per dimension), not the float32 vectors that were upserted: within half a
+    quantization step of them. One consistent export at one log position: the ids and
+    codes are copied at once, at the applied position every message carries. In chunks
+    of at most `batch` vectors; UNAVAILABLE while this replica is not serving.
     """
 
 class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -166,6 +184,21 @@ class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
         lists the files (name, size, sha256) and the snapshot's log position; the others
         carry each file's bytes in order, at most 1 MiB a message. UNAVAILABLE while this
         replica is not serving; INVALID_ARGUMENT when the caller serves another shard.
+        """
+
+    @_abc_1.abstractmethod
+    def ExportVectors(
+        self,
+        request: _index_pb2.ExportVectorsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_index_pb2.VectorChunk], _abc.AsyncIterator[_index_pb2.VectorChunk]]:
+        """Every (id, vector) this replica holds, for a rollout that retrains the quantizer on
+        the stored vectors (`index rollout --retrain`, docs/generations.md). The vectors are
+        decoded from the replica's SQ8 refine codes (8 bits per dimension over the range
+        trained per dimension), not the float32 vectors that were upserted: within half a
+        quantization step of them. One consistent export at one log position: the ids and
+        codes are copied at once, at the applied position every message carries. In chunks
+        of at most `batch` vectors; UNAVAILABLE while this replica is not serving.
         """
 
 def add_IndexShardServiceServicer_to_server(servicer: IndexShardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -173,6 +173,7 @@ def stats_to_pb(r: ReplicaStats) -> index_pb2.ShardStats:
         text_index=s.text is not None,
         text_documents=s.text.documents if s.text is not None else 0,
         text_disk_bytes=(s.text.disk_bytes or 0) if s.text is not None else 0,  # 0: unread
+        generation=r.generation,
     )
 
 
@@ -213,3 +214,45 @@ def quantizer_from_pb(r: index_pb2.QuantizerReply) -> CoarseQuantizer:
     if quantizer.id != r.id:
         raise Unavailable(f"quantizer: centroids do not hash to their id {r.id!r}")
     return quantizer
+
+
+EXPORT_DEFAULT_BYTES = 2 << 20  # vectors of a VectorChunk when the request names no batch
+EXPORT_MAX_BYTES = 8 << 20
+EXPORT_MAX_BATCH = 65536
+
+
+def export_batch(requested: int, dim: int) -> int:
+    """Vectors per ExportVectors message: ``requested``, or as many as fit in 2 MiB when
+    0; InvalidArgument past 65,536 or 8 MiB a message."""
+    if requested == 0:
+        return max(1, EXPORT_DEFAULT_BYTES // (4 * dim))
+    if requested > EXPORT_MAX_BATCH or 4 * dim * requested > EXPORT_MAX_BYTES:
+        raise InvalidArgument(
+            f"batch: {requested} vectors of dimension {dim} a message, takes at most "
+            f"{min(EXPORT_MAX_BATCH, EXPORT_MAX_BYTES // (4 * dim))}"
+        )
+    return requested
+
+
+def vector_chunk_to_pb(
+    ids: list[str], vectors: np.ndarray, position: str, shard: int, generation: str
+) -> index_pb2.VectorChunk:
+    return index_pb2.VectorChunk(
+        ids=ids,
+        vectors=vectors_to_pb(vectors),
+        position=position,
+        shard=shard,
+        generation=generation,
+    )
+
+
+def vector_chunk_from_pb(chunk: index_pb2.VectorChunk) -> tuple[list[str], np.ndarray, str]:
+    """(ids, float32 (n, dim) vectors, position) of one ExportVectors message."""
+    batch = chunk.vectors
+    if batch.count == 0:
+        vectors = np.zeros((0, batch.dim), dtype=np.float32)
+    else:
+        vectors = vectors_from_pb(batch)
+    if len(vectors) != len(chunk.ids):
+        raise InvalidArgument(f"{len(chunk.ids)} ids for {len(vectors)} vectors")
+    return list(chunk.ids), vectors, chunk.position

@@ -12,8 +12,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from services.common.errors import FailedPrecondition
-from services.index.keys import LAYOUT_KEY, LAYOUT_VERSION, v1_shard_keys
+from services.common.errors import FailedPrecondition, NotFound
+from services.index.generations import RUNNING, Registry
+from services.index.keys import (
+    FIRST_GENERATION,
+    GENERATIONS_KEY,
+    LAYOUT_KEY,
+    LAYOUT_VERSION,
+    v1_shard_keys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +46,21 @@ def v1_keys_present(client: Any, num_shards: int) -> list[str]:
     return [name for name, n in zip(names, pipe.execute(), strict=True) if n]
 
 
-def check_layout(client: Any, num_shards: int) -> None:
-    """Return when the store has this code's layout (recording it in an empty store);
-    FailedPrecondition otherwise. ``client`` is a blocking Redis or RedisCluster."""
+def check_layout(client: Any, num_shards: int, generation: str = FIRST_GENERATION) -> int:
+    """Return the store's base shard count when it has this code's layout (recording it
+    in an empty store); FailedPrecondition otherwise. ``client`` is a blocking Redis or
+    RedisCluster.
+
+    ``generation``: whom the caller serves. g1 (the default, and every gateway) must have
+    the base shard count. Another generation (a shard of a rollout's target, issue #24)
+    must be in the registry (``{gtr}:gens``) with ``num_shards`` shards, which may differ
+    from the base (a reshard), and the store must exist already (its base is recorded)."""
     layout = read_layout(client)
+    if not layout and generation != FIRST_GENERATION:
+        raise FailedPrecondition(
+            f"generation {generation}: the store has no key layout yet (gtr:layout); "
+            "generation g1's gateway or shards record it"
+        )
     if not layout:
         old = v1_keys_present(client, num_shards)
         if old:
@@ -71,11 +89,37 @@ def check_layout(client: Any, num_shards: int) -> None:
             f"{LAYOUT_VERSION}: {migrate_hint(num_shards)}"
         )
     shards = int(layout.get("shards", num_shards))
+    if generation != FIRST_GENERATION:
+        check_generation(client, generation, num_shards)
+        return shards
     if shards != num_shards:
         raise FailedPrecondition(
             f"the document store was written for {shards} shards, this service is "
             f"configured for {num_shards}: documents are keyed by their shard, so the "
-            "shard count of a store cannot change (re-ingest into an empty store)"
+            "shard count of a store changes by a rollout to a generation of another "
+            "shard count (`gtr-retrieval index rollout --shards N`, docs/generations.md)"
+        )
+    return shards
+
+
+def check_generation(client: Any, generation: str, num_shards: int) -> None:
+    """FailedPrecondition unless the registry has ``generation`` with ``num_shards``
+    shards in a state whose shards run."""
+    try:
+        record = Registry(client).get(generation)
+    except NotFound:
+        raise FailedPrecondition(
+            f"generation {generation} is not in the registry ({GENERATIONS_KEY}): a "
+            "rollout creates it (`gtr-retrieval index generations` lists them)"
+        ) from None
+    if record.num_shards != num_shards:
+        raise FailedPrecondition(
+            f"generation {generation} has {record.num_shards} shards, this service is "
+            f"configured for {num_shards}"
+        )
+    if record.state not in RUNNING:
+        raise FailedPrecondition(
+            f"generation {generation} is {record.state}: its shards no longer run"
         )
 
 

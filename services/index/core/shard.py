@@ -103,6 +103,24 @@ def _without_collisions(
     )
 
 
+@dataclass(frozen=True)
+class VectorExport:
+    """What :meth:`IvfPqShard.export_codes` copied: ids, their SQ8 codes, the position."""
+
+    ids: list[str]
+    codes: np.ndarray  # uint8 (n, code_size)
+    position: str
+    codec: faiss.Index  # the trained SQ8 index (an IndexScalarQuantizer): decodes codes
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def vectors(self, start: int, stop: int) -> np.ndarray:
+        """The decoded float32 vectors of ``ids[start:stop]``: within half a quantization
+        step (per dimension: its trained range / 255) of the vectors that were added."""
+        return np.asarray(self.codec.sa_decode(self.codes[start:stop]), dtype=np.float32)
+
+
 class IvfPqShard:
     def __init__(self, trained: TrainedIndex, text: TextIndex | None = None) -> None:
         self.manifest = trained.manifest
@@ -490,6 +508,20 @@ class IvfPqShard:
             pq_error_ratio=recent / train if train and self._recent_count else math.nan,
             list_imbalance=imbalance,
         )
+
+    def export_codes(self) -> VectorExport:
+        """Every id this shard holds with its SQ8 code, copied at once under the read lock,
+        and the position they stand at (a rollout's ``--retrain`` reads the stored vectors
+        through :meth:`VectorExport.vectors`, docs/generations.md). Costs a copy of the
+        codes (``dim`` bytes a vector), as a snapshot does."""
+        with self.lock.read():
+            _, slots = self._slots.items()
+            return VectorExport(
+                self._docs[slots].tolist(),
+                self._codes[slots].copy(),
+                self.applied,
+                self._refine_index,
+            )
 
     # --- snapshot state --------------------------------------------------------------
 

@@ -26,3 +26,4 @@ class ReplicaStats:
     log_lag_s: float  # seconds its applied position is behind its log's newest entry
     gpu: bool = False  # searches served from a GPU copy
     searches: int = 0  # query vectors answered since it started
+    generation: str = "g1"  # the index generation it serves (docs/generations.md)

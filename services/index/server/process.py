@@ -102,9 +102,11 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
 
     server.watch(consuming, settings.health_interval_s, f"shard {settings.shard} log consumer")
     log.info(
-        "shard %d/%d replica %s serving on port %d at log position %s (%d vectors)",
+        "shard %d/%d of generation %s, replica %s serving on port %d at log position %s "
+        "(%d vectors)",
         settings.shard,
         settings.shards,
+        settings.generation,
         settings.replica,
         port,
         replica.shard.applied,

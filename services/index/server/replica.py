@@ -6,6 +6,10 @@ stream from that position → ready. Then a consumer thread XREADs new entries a
 them in batches; every ``snapshot_every_entries`` applied changes or
 ``snapshot_every_s`` seconds it writes a snapshot and trims the log below the oldest
 snapshot position of all replicas of the shard.
+
+A replica serves one index generation (``--generation``, docs/generations.md): the log it
+follows, its registrations and its trims are that generation's (``log:{s}`` for g1,
+``log:{N.s}:<gen>`` for another, :class:`~services.index.keys.GenerationKeys`).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from services.index.changelog import LogReader, decode_entry, text
 from services.index.core.changes import Change, Upsert
 from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
 from services.index.core.trained import TrainedIndex
-from services.index.keys import log_key
-from services.index.layout import check_layout
+from services.index.generations import EncoderSpec, Registry
+from services.index.keys import FIRST_GENERATION, GENERATIONS_KEY, GenerationKeys, Layout
+from services.index.layout import check_layout, read_layout
 from services.index.server.metrics import ShardMetrics
 from services.index.server.settings import ShardSettings
 
@@ -72,7 +77,8 @@ class ShardReplica:
         self._last_snapshot = time.monotonic()
         self._last_heartbeat = time.monotonic()
         self._sync = sync_client(config.redis_url, socket_timeout=10.0)
-        self.log = LogReader(self._sync, config.shard)
+        self.keys = self._generation_keys()
+        self.log = LogReader(self._sync, config.shard, self.keys)
         self.skipped_entries = 0
         self._snapshot_lock = threading.Lock()
         self._async: Any = async_client(config.redis_url, max_connections=64, socket_timeout=5.0)
@@ -85,7 +91,27 @@ class ShardReplica:
 
     @property
     def key(self) -> str:
-        return log_key(self.config.shard)
+        return self.keys.log(self.config.shard)
+
+    @property
+    def generation(self) -> str:
+        return self.config.generation
+
+    def _generation_keys(self) -> GenerationKeys:
+        """The keys of the generation this replica serves (docs/generations.md): g1's are
+        those of the base layout, ``--shards`` shards (:func:`check_layout` checks that at
+        start); another generation's layout is its shard count over the store's base,
+        read from ``gtr:layout`` (FailedPrecondition when the store has none yet)."""
+        shards = self.config.shards
+        if self.config.generation == FIRST_GENERATION:
+            return GenerationKeys(FIRST_GENERATION, Layout(shards, shards))
+        base = read_layout(self._sync).get("shards")
+        if base is None:
+            raise FailedPrecondition(
+                f"generation {self.config.generation}: the store has no key layout yet "
+                "(gtr:layout); generation g1's gateway or shards record it"
+            )
+        return GenerationKeys(self.config.generation, Layout(shards, int(base)))
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -100,7 +126,15 @@ class ShardReplica:
         if self.metrics is not None:
             self.metrics.bind(self.shard)
             self.metrics.watch_log(self.log, lambda: self.shard.applied)
-        check_layout(self._sync, self.config.shards)
+        check_layout(self._sync, self.config.shards, self.config.generation)
+        if self.config.generation == FIRST_GENERATION and not self._sync.exists(GENERATIONS_KEY):
+            # a store written before generations (or a new one) becomes generation g1
+            manifest = self.trained.manifest
+            Registry(self._sync).ensure_first(
+                self.config.shards,
+                EncoderSpec(model=manifest.model, dim=manifest.dim, source="shard manifest"),
+                str(Path(self.config.index_dir).resolve()),
+            )
         if self.trimmed():
             raise FailedPrecondition(
                 f"{self.key} was trimmed past {self.shard.applied}: copy a "

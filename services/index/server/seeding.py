@@ -7,10 +7,10 @@ one ``dns:///name:port`` target, the chart's headless Service of the shard, reso
 now) for their newest snapshot (``IndexShardService.FetchSnapshot``): the first peer
 that serves sends it as checksummed chunks (:mod:`services.index.core.transfer` verifies
 and installs them); the replica then loads it and replays the log from its position.
-A peer that is down, not serving yet, of another shard, or that sends a file that does
-not match its checksum is passed over for the next one; rounds repeat (peers of a
-StatefulSet start together) until ``seed_timeout_s``, then the start fails with
-FailedPrecondition. The replica itself is not serving during all this, so it never
+A peer that is down, not serving yet, of another shard or index generation, or that
+sends a file that does not match its checksum is passed over for the next one; rounds
+repeat (peers of a StatefulSet start together) until ``seed_timeout_s``, then the start
+fails with FailedPrecondition. The replica itself is not serving during all this, so it never
 answers its own request.
 
 A replica without its trained index (``manifest.json`` in ``--index-dir``) asks for it
@@ -78,7 +78,10 @@ async def fetch_from(address: str, settings: ShardSettings, with_index: bool) ->
         stub = index_pb2_grpc.IndexShardServiceStub(channel)
         call = stub.FetchSnapshot(
             index_pb2.FetchSnapshotRequest(
-                shard=settings.shard, replica=settings.replica, with_index=with_index
+                shard=settings.shard,
+                replica=settings.replica,
+                with_index=with_index,
+                generation=settings.generation,
             ),
             timeout=settings.seed_timeout_s,
         )

@@ -10,9 +10,10 @@ from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.limits import LIMITS
 from services.index.core.query import Consistency, ShardAnswer, ShardQuery, TopK
-from services.index.core.shard import ShardStats
+from services.index.core.shard import ShardStats, VectorExport
 from services.index.core.stats import ReplicaStats
 from services.index.core.transfer import Offer, newest_snapshot, open_offer
+from services.index.keys import FIRST_GENERATION
 from services.index.server.batcher import SearchBatcher
 from services.index.server.replica import ShardReplica
 
@@ -114,15 +115,29 @@ class ShardService:
             log_lag_s=replica.log_lag_s,
             gpu=replica.shard.gpu is not None,
             searches=self.searches,
+            generation=replica.generation,
         )
 
-    def snapshot_offer(self, shard: int, with_index: bool) -> Offer:
+    def snapshot_offer(self, shard: int, with_index: bool, generation: str = "") -> Offer:
         """The newest snapshot (written now when there is none), opened for a peer of
-        this shard; blocking (file reads and hashing): run it in a thread."""
+        this shard and generation ("" = g1); blocking (file reads and hashing): run it in
+        a thread."""
         if shard != self.shard_id:
             raise InvalidArgument(f"shard: this replica serves shard {self.shard_id}, not {shard}")
+        if (generation or FIRST_GENERATION) != self.replica.generation:
+            raise InvalidArgument(
+                f"generation: this replica serves generation {self.replica.generation}, not "
+                f"{generation or FIRST_GENERATION}"
+            )
         if not self.replica.ready.is_set():
             raise Unavailable(f"shard {self.shard_id} replica is not serving yet")
         config = self.replica.config
         snapshot = newest_snapshot(Path(config.snapshot_dir)) or self.replica.snapshot()
         return open_offer(snapshot, Path(config.index_dir) if with_index else None)
+
+    def export(self) -> VectorExport:
+        """Every id this replica holds with its SQ8 code, at one position (the
+        ExportVectors RPC decodes them chunk by chunk); Unavailable until it serves."""
+        if not self.replica.ready.is_set():
+            raise Unavailable(f"shard {self.shard_id} replica is not serving yet")
+        return self.replica.shard.export_codes()

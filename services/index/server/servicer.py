@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.errors import RetrievalError
@@ -117,7 +118,11 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
         in a thread, one chunk at a time, so searches go on meanwhile)."""
         loop = asyncio.get_running_loop()
         offer = await loop.run_in_executor(
-            None, self._service.snapshot_offer, request.shard, request.with_index
+            None,
+            self._service.snapshot_offer,
+            request.shard,
+            request.with_index,
+            request.generation,
         )
         log.info("sending snapshot %s (%d bytes) to %s", offer.position,
                  sum(f.size for f in offer.files), request.replica or "a peer")  # fmt: skip
@@ -129,3 +134,27 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
                 yield index_pb2.SnapshotChunk(file=file, offset=offset, data=data)
         finally:
             offer.close()
+
+    async def ExportVectors(
+        self, request: index_pb2.ExportVectorsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[index_pb2.VectorChunk]:
+        """Every (id, vector) this replica holds, at one position: the ids and SQ8 codes
+        are copied at once, then decoded and sent a chunk at a time (decoded in a thread,
+        so searches go on meanwhile)."""
+        loop = asyncio.get_running_loop()
+        export = await loop.run_in_executor(None, self._service.export)
+        batch = convert.export_batch(request.batch, export.codes.shape[1])
+        replica = self._service.replica
+        log.info("exporting %d vectors at %s", len(export), export.position)
+        for start in range(0, len(export), batch):
+            stop = min(start + batch, len(export))
+            vectors = await loop.run_in_executor(None, export.vectors, start, stop)
+            yield convert.vector_chunk_to_pb(
+                export.ids[start:stop], vectors, export.position,
+                replica.config.shard, replica.generation,
+            )  # fmt: skip
+        if not len(export):  # an empty shard still says where it stands
+            yield convert.vector_chunk_to_pb(
+                [], np.zeros((0, export.codes.shape[1]), np.float32), export.position,
+                replica.config.shard, replica.generation,
+            )  # fmt: skip

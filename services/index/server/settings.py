@@ -15,6 +15,7 @@ from services.common.settings import (
     read_redis_url_file,
 )
 from services.index.core.text import TextConfig, check_language
+from services.index.generations import generation_number
 
 
 class ShardSettings(ClientTLSSettings):
@@ -23,6 +24,12 @@ class ShardSettings(ClientTLSSettings):
     port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
     shard: int = Field(..., ge=0, description="Which shard this replica serves (0..shards-1).")
     shards: int = Field(..., ge=1, le=4096, description="Number of shards (fixed at creation).")
+    generation: str = Field(
+        "g1",
+        description="The index generation this replica serves (docs/generations.md): its "
+        "logs, snapshot registrations and trained index; g1 is the store's first. Another "
+        "generation must be in the registry, with this shard count.",
+    )
     replica: str = Field(
         default_factory=socket.gethostname,
         description="Stable replica name (the pod name); keys its snapshot position.",
@@ -93,6 +100,13 @@ class ShardSettings(ClientTLSSettings):
         "beside the snapshots on the same volume).",
     )
     _redis_url = field_validator("redis_url")(check_redis_url)
+
+    @field_validator("generation")
+    @classmethod
+    def _generation_name(cls, value: str) -> str:
+        generation_number(value)  # ValueError: "x is not a generation name (g1, g2, ...)"
+        return value
+
     _text_language = field_validator("text_language")(check_language)
     _redis_url_file = model_validator(mode="after")(read_redis_url_file)
 
