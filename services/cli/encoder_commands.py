@@ -1,4 +1,5 @@
-"""``gtr-retrieval encoder …``: export, parity, Triton repository, TensorRT plan.
+"""``gtr-retrieval encoder …``: export, parity, Triton repository (and its versions:
+``publish``), TensorRT plan.
 
 ``add_cli(subparsers)`` registers the ``encoder`` command group on the main parser.
 Every sub-command sets ``func(args) -> int`` (the process exit status), so the main
@@ -165,6 +166,25 @@ def _repo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from services.encoder.build.versions import publish_version
+
+    spec = publish_version(Path(args.repo), Path(args.model_dir), args.triton_url)
+    if args.json:
+        print(json.dumps(asdict(spec)))
+        return 0
+    loaded = (
+        f"; loaded by Triton at {args.triton_url}"
+        if args.triton_url
+        else "; no --triton-url: Triton serves it once asked to load embed, or restarted"
+    )
+    print(f"{spec.model} version {spec.version}: {Path(args.model_dir).name} "
+          f"(dim {spec.dim}, digest {spec.digest}){loaded}")  # fmt: skip
+    return 0
+
+
 def _build_plan(args: argparse.Namespace) -> int:
     from services.encoder.build.tensorrt_build import PlanConfig, build_plan_from_model
     from services.encoder.profiles import profile_for_model_dir
@@ -233,7 +253,7 @@ def _ensure_plan(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``encoder export|parity|repo|build-plan|ensure-plan|train`` on ``subparsers``."""
+    """Register ``encoder export|parity|repo|publish|build-plan|ensure-plan|train``."""
     encoder = subparsers.add_parser(
         "encoder",
         help="GTR encoder: ONNX export, parity, Triton model repository, TensorRT plan, training",
@@ -312,6 +332,30 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--allow-spinning", action="store_true",
                    help="cpu: let ONNX Runtime threads busy-wait (off: they stall Triton "
                    "on a small shared CPU)")  # fmt: skip
+
+    p = add_command(
+        commands,
+        "publish",
+        _publish,
+        help="add an encoder as the next version of embed in a Triton repository and load it",
+        description="Export the checkpoint (the parity check gates it), add it as version "
+        "N+1 of `embed` beside the versions served (cpu flavour: each version folder holds "
+        "its own graph and tokenizer) and ask the running Triton to load it (explicit model "
+        "control; no restart). Refused, with nothing changed: an encoder whose width or "
+        "tokenizer `embed` cannot serve, and the gpu flavour. Publishing an export already "
+        "there adds nothing and prints its version. An index rollout to the new encoder "
+        "uses that version (docs/generations.md).",
+    )
+    p.add_argument("--repo", required=True, help="the Triton model repository (cpu flavour)")
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        help="sentence-transformers checkpoint (or an `encoder export` folder)",
+    )
+    p.add_argument("--triton-url",
+                   help="Triton's gRPC address(es) (host:port, a list or dns:///name:port) "
+                   "to load the new version; without it only the repository changes")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the version as JSON")
 
     p = add_command(
         commands,

@@ -41,6 +41,8 @@ def test_command_and_environment(wheel: Path, tmp_path: Path) -> None:
     assert f"--model-repository={(tmp_path / 'repo').resolve()}" in argv
     assert f"--backend-directory={tmp_path / 'b'}" in argv
     assert {"--grpc-port=1", "--http-port=2", "--metrics-port=3"} <= set(argv)
+    # explicit model control, every model loaded at start: encoder publish loads versions
+    assert {"--model-control-mode=explicit", "--load-model=*"} <= set(argv)
     libs = env["LD_LIBRARY_PATH"].split(":")
     assert libs[0] == str(Path(sys.base_prefix) / "lib")  # this interpreter's libpython first
     assert libs[1].endswith("nvidia_pytriton.libs")

@@ -7,6 +7,11 @@ Both flavours expose the same model ``embed``:
   tokenizes and runs the ONNX export with ONNX Runtime. A two-tower export (``encoder
   train --arch ade*``) puts both graphs in ``embed/1/`` and ``KIND`` picks the tower of
   each row (parameters ``onnx_file`` and ``document_onnx_file``); clients see no change.
+  The model serves every version folder (``version_policy: all``): ``encoder publish``
+  (``services/encoder/build/versions.py``) adds the next encoder as ``embed/<n>/``,
+  each folder with its own graph(s), tokenizer and model code, and describes it in the
+  parameters ``version.<n>.*`` (source model, dim, digest, graph files), which the
+  model's versions and the client (``TritonEncoder.connect``) overlay on the shared ones.
 * ``gpu``: ``embed`` is an ensemble of ``tokenizer`` (Python backend, on CPU) and
   ``encoder`` (``tensorrt_plan``, FP16 with FP32 norms, on the GPU). With a plan, the
   max batch, the sequence buckets and the tokenizer's truncation come from the shapes
@@ -19,6 +24,7 @@ The configs are built as Triton's own ``ModelConfig`` protobuf and written with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -38,6 +44,7 @@ from services.encoder.build.tensorrt_build import (
 )
 from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
 from services.encoder.profiles import ModelProfile
+from services.encoder.runtime.triton_client import version_key
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
@@ -129,6 +136,29 @@ def _common_params(meta: EncoderMeta) -> dict[str, str]:
     return {"source_model": meta.model_name, "dim": str(meta.dim), "profile": meta.profile}
 
 
+def export_digest(onnx_path: Path, meta: EncoderMeta) -> str:
+    """What identifies an encoder's vectors: SHA-256 (first 16 hex digits) of its
+    graph(s), its tokenizer and its token budgets. Two versions with one digest embed
+    alike; ``encoder publish`` of an already published export adds nothing."""
+    digest = hashlib.sha256()
+    for kind, path in sorted(meta.onnx_files(Path(onnx_path)).items()):
+        digest.update(kind.encode() + b"\0")
+        with Path(path).open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    digest.update((Path(onnx_path).parent / "tokenizer.json").read_bytes())
+    digest.update(json.dumps([meta.max_lens, meta.pad_id], sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def version_parameters(version: int, meta: EncoderMeta, digest: str) -> dict[str, str]:
+    """The ``version.<n>.*`` parameters of one CPU ``embed`` version: what the client
+    reads (source model, dim, profile, digest) and the graph files its model runs."""
+    own = {**_common_params(meta), "digest": digest, "onnx_file": TOWER_ONNX["query"],
+           "document_onnx_file": TOWER_ONNX["document"] if meta.towers else ""}  # fmt: skip
+    return {version_key(version, key): value for key, value in own.items()}
+
+
 def cpu_embed_config(
     meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig
 ) -> mc.ModelConfig:
@@ -143,6 +173,8 @@ def cpu_embed_config(
     _params(config, {**_common_params(meta), "onnx_file": "model.onnx", **towers,
                      "intra_op_threads": threads, "allow_spinning": spinning,
                      **cfg.extra_parameters})  # fmt: skip
+    # every version folder is served: encoder publish adds versions beside the first
+    config.version_policy.all.SetInParent()
     return config
 
 
@@ -266,6 +298,7 @@ def generate_repository(
         shutil.rmtree(root / name, ignore_errors=True)
     if cfg.flavor == "cpu":
         config = cpu_embed_config(meta, profile, cfg)
+        _params(config, version_parameters(1, meta, export_digest(onnx_path, meta)))
         _write_config(root, config)
         _python_model(root, EMBED_MODEL, MODELS_DIR / "embed_onnx.py", export_dir)
         if meta.towers:

@@ -208,9 +208,18 @@ class ModelVersionInfo:
     digest: str  # of the version's graph(s) and tokenizer; "" for a repository from before
 
 
+def version_key(version: int, key: str) -> str:
+    """The config parameter ``key`` of one model version: ``version.<n>.<key>``."""
+    return f"version.{version}.{key}"
+
+
 def version_params(params: dict[str, str], version: int) -> dict[str, str]:
-    """The model-wide parameters overlaid with version ``version``'s (``version.<n>.key``)."""
-    prefix = f"version.{version}."
+    """The model-wide parameters overlaid with version ``version``'s (``version.<n>.key``),
+    as the Python-backend models see them (``triton_models/model_errors.py``
+    ``version_params``: a model file cannot import this package, so the rule is there
+    twice; ``tests/integration/test_triton_versions.py`` serves two versions through
+    both)."""
+    prefix = version_key(version, "")
     own = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
     return {**{k: v for k, v in params.items() if not k.startswith("version.")}, **own}
 

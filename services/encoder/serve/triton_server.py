@@ -22,6 +22,14 @@ standard model repository with it:
 ``triton_command`` builds the command and environment (the local stack launcher uses
 it); ``run_triton`` starts the server, waits until ``embed`` is ready and stops it.
 
+Model control: explicit (``--model-control-mode=explicit --load-model=*``). At start the
+server loads every model of the repository, as the default mode does; afterwards it
+changes what it serves only when asked (``RepositoryModelLoad``): ``encoder publish``
+(``services/encoder/build/versions.py``) adds an encoder version to the repository and
+asks the running server to load it beside the serving ones, with no restart and no gap
+(docs/encoder.md "Several encoder versions"). ``TritonServerConfig.model_control =
+"none"`` starts it as before (the repository read once at start, load requests refused).
+
 Stopping: tritonserver handles SIGTERM and SIGINT ("Signal (15) received"; neither
 needs SIGKILL): it stops taking requests, waits for the in-flight inferences, unloads
 the models and exits 0. Its Python backend stubs (its children, in its process group,
@@ -61,7 +69,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from services.common.errors import FailedPrecondition, Unavailable
 
@@ -91,6 +99,9 @@ class TritonServerConfig:
     # gRPC flags do not cover it): False closes it (--allow-http=false), as the local
     # stack does; readiness is asked over gRPC either way (:func:`model_ready`).
     http: bool = True
+    # "explicit": every model loaded at start, and encoder publish's load requests
+    # honoured (a new encoder version served without a restart); "none": read once
+    model_control: Literal["explicit", "none"] = "explicit"
 
     @property
     def grpc_url(self) -> str:
@@ -165,6 +176,8 @@ def triton_command(cfg: TritonServerConfig) -> tuple[list[str], dict[str, str]]:
             else ["--allow-http=false"]
         ),
         "--allow-gpu-metrics=false",
+        f"--model-control-mode={cfg.model_control}",
+        *(["--load-model=*"] if cfg.model_control == "explicit" else []),
         "--exit-on-error=true",
         "--strict-readiness=true",
         f"--exit-timeout-secs={cfg.exit_timeout_s}",

@@ -24,11 +24,23 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+def version_params(params: dict[str, str], version: str) -> dict[str, str]:
+    """The model's parameters as version ``version`` sees them: the model-wide ones
+    overlaid with its own ``version.<n>.<key>`` (one ``embed`` model serves several
+    encoder versions, each with its own graph files; ``encoder publish`` writes them)."""
+    prefix = f"version.{version}."
+    shared = {k: v for k, v in params.items() if not k.startswith("version.")}
+    return {**shared, **{k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}}
+
+
 def model_files(args: dict[str, str]) -> tuple[dict[str, Any], dict[str, str], str, Any]:
-    """(config, its string parameters, the version folder, ``encoder.json``) of the model
-    that Triton's ``initialize(args)`` describes."""
+    """(config, its string parameters as this version sees them, the version folder,
+    ``encoder.json``) of the model version that Triton's ``initialize(args)`` describes."""
     config = json.loads(args["model_config"])
-    params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    params = version_params(
+        {k: v["string_value"] for k, v in config.get("parameters", {}).items()},
+        str(args["model_version"]),
+    )
     here = os.path.join(args["model_repository"], args["model_version"])
     with open(os.path.join(here, "encoder.json")) as f:
         meta = json.load(f)

@@ -1,0 +1,364 @@
+"""Several encoder versions in one Triton repository: ``encoder publish`` (issue #24).
+
+An index rollout to a new encoder (docs/generations.md) needs the new encoder served
+*beside* the one the serving generation uses: the old one keeps answering searches while
+the stored documents are re-embedded with the new one, and either may serve after the
+switch (rollback). Both are versions of the one model ``embed``: the CPU flavour's config
+has ``version_policy: all``, and each version folder ``embed/<n>/`` holds its own ONNX
+graph(s), tokenizer, ``encoder.json`` and copy of the model code, described by the config
+parameters ``version.<n>.*`` (source model, dim, profile, digest, graph files) that the
+model and the client (``TritonEncoder.connect``) overlay on the shared ones.
+
+:func:`publish_version` exports a checkpoint (the parity check gates it, as ``encoder
+export``), refuses one the model cannot serve (FailedPrecondition saying what would be
+needed; nothing in the repository changes), adds it as version N+1 and makes a running
+Triton load it without a restart.
+
+**Loading: explicit model control.** Triton runs with ``--model-control-mode=explicit
+--load-model=*`` (``services/encoder/serve/triton_server.py``; the local stack and the
+chart start it so): at start it loads every model as before, and afterwards only a
+``RepositoryModelLoad`` call changes what it serves. Publishing writes the version folder
+and the config, then asks each Triton named by ``triton_url`` to load ``embed`` again;
+Triton loads the new version beside the serving ones and swaps the model in when the
+load succeeded, with no gap in availability (a failed reload leaves the loaded model as
+it was). Polling (``--model-control-mode=poll``) was not chosen: Triton would pick up a
+version folder or config half written, at a moment nobody chose, and a publish could not
+tell its caller whether the new version loads. A load that fails (Triton down, or the new
+version does not initialise) puts the repository back as it was and is an error: a
+publish is all or nothing. A Triton started later loads every version at start.
+
+A second publish of the same export (same :func:`~services.encoder.build.repository.export_digest`)
+adds nothing and returns the version already there, so a rollout that resumes after a
+crash can publish again. Concurrent publishes to one repository are serialised by a lock
+file (``embed/.publish.lock``).
+
+The GPU flavour (ensemble ``tokenizer`` → TensorRT ``encoder``) is refused: an ensemble's
+steps name fixed versions of their models, so ``embed`` version N cannot route to
+``encoder`` version N; serving two encoders there needs one ensemble per version (left
+for later; docs/encoder.md says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.common.errors import FailedPrecondition, RetrievalError, Unavailable
+from services.encoder.build.export import (
+    PARITY_MIN_COSINE,
+    EncoderMeta,
+    check_parity,
+    export_onnx,
+)
+from services.encoder.build.repository import (
+    EMBED_MODEL,
+    MODEL_ERRORS,
+    MODELS_DIR,
+    TEXTCODEC,
+    TOWER_ONNX,
+    _params,
+    _place,
+    export_digest,
+    read_config,
+    version_parameters,
+)
+from services.encoder.profiles import KINDS
+from services.encoder.runtime.triton_client import describe_version, triton_addresses
+from services.index.generations import EncoderSpec
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from services.common.tls import ClientTLS
+
+LOAD_TIMEOUT_S = 300.0  # one load of every version of embed (each initialises ONNX Runtime)
+
+
+@dataclass(frozen=True)
+class Export:
+    """An export folder (``model.onnx``, ``tokenizer.json``, ``encoder.json``) and what
+    identifies it."""
+
+    onnx_path: Path
+    meta: EncoderMeta
+    digest: str
+
+
+def served_versions(repo_dir: Path, model: str = EMBED_MODEL) -> list[int]:
+    """The version folders of ``model`` in the repository, ascending."""
+    root = Path(repo_dir) / model
+    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def spec_of(config: mc.ModelConfig, version: int, source: str = "") -> EncoderSpec:
+    """The :class:`EncoderSpec` of one version, as the config describes it."""
+    info = describe_version(config, version, config.name)
+    return EncoderSpec(config.name, version, info.dim, info.digest, source)
+
+
+def servable_problem(config: mc.ModelConfig, export: Export, repo: Path) -> str | None:
+    """Why the ``embed`` model of ``config`` cannot serve ``export`` beside its versions
+    (and what would be needed), or None."""
+    meta = export.meta
+    where = f"{repo / config.name}"
+    if config.platform == "ensemble" or config.backend != "python":
+        return (
+            f"{where} is the gpu flavour (ensemble of tokenizer and a TensorRT encoder): an "
+            "ensemble names one version of each step, so it cannot serve a second encoder "
+            "beside the first. Serving two encoders needs the cpu flavour (`encoder repo "
+            "--flavor cpu`), or a second Triton model of its own for the new encoder"
+        )
+    widths = {o.name: list(o.dims) for o in config.output}.get("EMBEDDING", [])
+    width = widths[-1] if widths else 0
+    if meta.dim != width:
+        return (
+            f"{meta.model_name} embeds into {meta.dim} dimensions, but {where} answers "
+            f"EMBEDDING [{width}] for every version it serves: one model has one output "
+            f"width. A {meta.dim}-d encoder needs a Triton model of its own (a repository "
+            f"generated for it with `gtr-retrieval encoder repo`, served by another Triton) "
+            f"and an index rollout to that Triton"
+        )
+    if set(meta.max_lens) != set(KINDS):
+        return (
+            f"{meta.model_name}'s export has token budgets for {sorted(meta.max_lens)}, but "
+            f"{where} embeds the kinds {list(KINDS)}: re-export it with `encoder export`"
+        )
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str((export.onnx_path.parent / "tokenizer.json").read_text())
+    except Exception as exc:  # a tokenizer the model's tokenizers cannot load
+        return (
+            f"{meta.model_name}'s tokenizer.json cannot be read by the `tokenizers` library "
+            f"that {where}'s model runs ({exc}): it needs a fast tokenizer (tokenizer.json, "
+            "as every sentence-transformers checkpoint ships)"
+        )
+    if not 0 <= meta.pad_id < tokenizer.get_vocab_size(with_added_tokens=True):
+        return (
+            f"{meta.model_name}'s pad id {meta.pad_id} is outside its tokenizer's vocabulary "
+            f"of {tokenizer.get_vocab_size(with_added_tokens=True)}: re-export it"
+        )
+    return None
+
+
+def _read_export(folder: Path, onnx_path: Path) -> Export:
+    meta = EncoderMeta.read(folder)
+    return Export(onnx_path, meta, export_digest(onnx_path, meta))
+
+
+def _export(model_dir: Path, work: Path) -> Export:
+    """``model_dir`` as an export: a checkpoint is exported into ``work`` and must pass the
+    parity check; an export folder (``encoder.json`` + ``model.onnx``) or its
+    ``model.onnx`` is taken as it is, re-checked against its checkpoint when that is here."""
+    model_dir = Path(model_dir)
+    if model_dir.suffix == ".onnx" or (model_dir / "encoder.json").exists():
+        onnx_path = model_dir if model_dir.suffix == ".onnx" else model_dir / "model.onnx"
+        if not onnx_path.exists():
+            raise FailedPrecondition(f"no ONNX graph at {onnx_path}: run `encoder export`")
+        export = _read_export(onnx_path.parent, onnx_path)
+        source = Path(export.meta.source_dir)
+        if (source / "modules.json").exists() or (source / "query" / "modules.json").exists():
+            _parity(source, onnx_path)
+        return export
+    if not model_dir.is_dir():
+        raise FailedPrecondition(f"no checkpoint or export at {model_dir}")
+    onnx_path = work / "model.onnx"
+    export_onnx(model_dir, onnx_path)
+    _parity(model_dir, onnx_path)
+    return _read_export(work, onnx_path)
+
+
+def _parity(model_dir: Path, onnx_path: Path) -> None:
+    report = check_parity(model_dir, onnx_path, threshold=PARITY_MIN_COSINE)
+    if not report.passed:
+        raise FailedPrecondition(f"{model_dir}: the ONNX export is refused, {report.summary()}")
+
+
+@contextlib.contextmanager
+def _locked(model_dir: Path) -> Iterator[None]:
+    """One publish at a time per model folder (an exclusive ``flock``)."""
+    with (model_dir / ".publish.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _version_folder(folder: Path, export: Export) -> None:
+    """Fill a version folder: the model code, its helpers, tokenizer, meta and graph(s)."""
+    folder.mkdir(parents=True)
+    shutil.copy2(MODELS_DIR / "embed_onnx.py", folder / "model.py")
+    shutil.copy2(TEXTCODEC, folder / "textcodec.py")
+    shutil.copy2(MODEL_ERRORS, folder / "model_errors.py")
+    source = export.onnx_path.parent
+    for artefact in ("tokenizer.json", "encoder.json"):
+        shutil.copy2(source / artefact, folder / artefact)
+    for kind, path in export.meta.onnx_files(export.onnx_path).items():
+        _place(path, folder / (TOWER_ONNX[kind] if export.meta.towers else TOWER_ONNX["query"]))
+
+
+def publish_version(
+    repo_dir: Path,
+    model_dir: Path,
+    triton_url: str | None = None,
+    *,
+    tls: ClientTLS | None = None,
+    load_timeout_s: float = LOAD_TIMEOUT_S,
+) -> EncoderSpec:
+    """Add the encoder at ``model_dir`` (a checkpoint, or an ``encoder export`` folder) as
+    the next version of ``embed`` in the repository ``repo_dir`` and, with ``triton_url``
+    (one address, a list or a ``dns:`` target), make those Triton servers load it.
+
+    Returns the published version's :class:`EncoderSpec` (model ``embed``, version, dim,
+    digest, source). FailedPrecondition, with nothing changed, when the export fails its
+    parity check or the model cannot serve it (another width, a tokenizer it cannot run,
+    the gpu flavour); Unavailable when a Triton could not be asked or FailedPrecondition
+    when it could not load the version (the repository is put back as it was).
+    """
+    repo = Path(repo_dir)
+    model_path = repo / EMBED_MODEL
+    config_path = model_path / "config.pbtxt"
+    if not config_path.exists():
+        raise FailedPrecondition(
+            f"{repo} has no {EMBED_MODEL} model: generate the repository first "
+            "(`gtr-retrieval encoder repo --onnx ... --out ...`)"
+        )
+    with tempfile.TemporaryDirectory(prefix="gtr-publish-") as work:
+        export = _export(Path(model_dir), Path(work))
+        with _locked(model_path):
+            old_text = config_path.read_text()
+            config = read_config(config_path)
+            problem = servable_problem(config, export, repo)
+            if problem is not None:
+                raise FailedPrecondition(f"cannot publish {model_dir}: {problem}")
+            versions = served_versions(repo)
+            for version in versions:  # the same export published before: nothing to add
+                spec = spec_of(config, version)
+                if spec.digest == export.digest:
+                    if triton_url:
+                        _load_everywhere(triton_url, version, tls, load_timeout_s, if_ready=False)
+                    return EncoderSpec(spec.model, version, spec.dim, spec.digest,
+                                       export.meta.source_dir)  # fmt: skip
+            version = (versions[-1] if versions else 0) + 1
+            staging = model_path / f".staging-{version}"  # not a number: Triton skips it
+            shutil.rmtree(staging, ignore_errors=True)
+            _version_folder(staging, export)
+            _params(config, version_parameters(version, export.meta, export.digest))
+            config.version_policy.all.SetInParent()
+            from google.protobuf import text_format
+
+            # The parameters first, then the folder: a crash between the two leaves only
+            # the parameters of a version that does not exist (rewritten by the next
+            # publish), never a version folder without its parameters.
+            _write_atomically(config_path, text_format.MessageToString(config))
+            os.rename(staging, model_path / str(version))
+            if triton_url:
+                try:
+                    _load_everywhere(triton_url, version, tls, load_timeout_s)
+                except BaseException:
+                    shutil.rmtree(model_path / str(version), ignore_errors=True)
+                    _write_atomically(config_path, old_text)
+                    with contextlib.suppress(RetrievalError):  # unload what was loaded
+                        _load_everywhere(triton_url, None, tls, load_timeout_s)
+                    raise
+            return EncoderSpec(EMBED_MODEL, version, export.meta.dim, export.digest,
+                               export.meta.source_dir)  # fmt: skip
+
+
+def triton_servers(url: str) -> list[str]:
+    """The ``host:port`` of every Triton named by ``url`` (a ``dns:`` target resolved)."""
+    from services.common.discovery import is_dns_target, parse_dns_target, resolve
+
+    addresses = triton_addresses(url)
+    if len(addresses) == 1 and is_dns_target(addresses[0]):
+        resolved = asyncio.run(resolve(parse_dns_target(addresses[0])))
+        if not resolved:
+            raise Unavailable(f"{url} names no Triton server now")
+        return resolved
+    return addresses
+
+
+def _load_everywhere(
+    url: str,
+    version: int | None,
+    tls: ClientTLS | None,
+    timeout_s: float,
+    *,
+    if_ready: bool = True,
+) -> None:
+    """Ask every Triton at ``url`` to load ``embed`` again and check that ``version`` (if
+    given) is ready there; ``if_ready=False``: only the servers where it is not ready yet
+    (a load reloads every version: not done for nothing)."""
+    for address in triton_servers(url):
+        if not if_ready and version is not None and _ready(address, version, tls, timeout_s):
+            continue
+        load_model(address, version, tls, timeout_s)
+
+
+def _ready(address: str, version: int, tls: ClientTLS | None, timeout_s: float) -> bool:
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from services.common.tls import channel
+
+    with channel(address, tls) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        request = service_pb2.ModelReadyRequest(name=EMBED_MODEL, version=str(version))
+        try:
+            return bool(stub.ModelReady(request, timeout=timeout_s).ready)
+        except grpc.RpcError:
+            return False  # asked to load below, which says what is wrong
+
+
+def load_model(
+    address: str, version: int | None, tls: ClientTLS | None, timeout_s: float = LOAD_TIMEOUT_S
+) -> None:
+    """``RepositoryModelLoad`` of ``embed`` at one Triton (it reads the repository again:
+    new versions load, the loaded ones keep serving until the new model replaces them);
+    then ``version`` must be ready. Unavailable when Triton cannot be asked,
+    FailedPrecondition when it refuses the model (its message says why)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from services.common.tls import channel
+
+    with channel(address, tls) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        try:
+            stub.RepositoryModelLoad(
+                service_pb2.RepositoryModelLoadRequest(model_name=EMBED_MODEL), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise Unavailable(f"Triton at {address} could not be asked to load "
+                                  f"{EMBED_MODEL}: {details}") from None  # fmt: skip
+            raise FailedPrecondition(
+                f"Triton at {address} did not load {EMBED_MODEL}"
+                + (f" version {version}" if version else "")
+                + f": {details} (is it running with --model-control-mode=explicit?)"
+            ) from None
+        if version is None:
+            return
+        # the load returns once done; that the version is ready is checked, not assumed
+        request = service_pb2.ModelReadyRequest(name=EMBED_MODEL, version=str(version))
+        if not stub.ModelReady(request, timeout=timeout_s).ready:
+            raise FailedPrecondition(
+                f"Triton at {address} loaded {EMBED_MODEL} but version {version} is not "
+                "ready: see its log"
+            )

@@ -1,0 +1,190 @@
+"""Two encoder versions served side by side by one real tritonserver (issue #24).
+
+The repository starts with all-MiniLM-L6-v2 as version 1 of ``embed``; while Triton
+serves it, ``publish_version`` adds a different encoder (MiniLM with perturbed weights,
+``tests/support/encoders.py``) as version 2 and the running server loads it (explicit
+model control, no restart). Both versions answer, each with its own model's vectors;
+a 768-d encoder is refused with FAILED_PRECONDITION and changes nothing. One server for
+the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common.errors import FailedPrecondition
+from services.common.status import status_of
+from services.encoder.build.export import row_cosines
+from services.encoder.build.repository import RepositoryConfig, generate_repository
+from services.encoder.build.versions import publish_version, served_versions
+from services.encoder.model import default_model_dir
+from services.encoder.profiles import Kind
+from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
+from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
+from tests.encoder_fixtures import (
+    SAMPLE_DOCUMENTS,
+    SAMPLE_QUERIES,
+    encoder_base,
+    ensure_onnx,
+    torch_embedder,
+)
+from tests.support.encoders import ensure_second_encoder
+from tests.support.processes import free_port
+
+SAMPLES: list[tuple[list[str], Kind]] = [
+    (SAMPLE_QUERIES, "query"),
+    (SAMPLE_DOCUMENTS, "document"),
+]
+
+
+@dataclass
+class Served:
+    handle: TritonHandle
+    repo: Path
+    base: Path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    base = encoder_base(tmp_path_factory)
+    repo = tmp_path_factory.mktemp("versions") / "repo"
+    generate_repository(ensure_onnx(default_model_dir(), base), repo,
+                        RepositoryConfig(instances=1, intra_op_threads=1))  # fmt: skip
+    cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
+                             metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+    with run_triton(cfg, repo.parent / "triton.log") as handle:
+        yield Served(handle, repo, base)
+
+
+async def _encode_all(url: str, version: str) -> tuple[TritonEncoder, dict[Kind, np.ndarray]]:
+    encoder = await TritonEncoder.connect(TritonEncoderConfig(url, model_version=version))
+    try:
+        got = {kind: (await encoder.encode(texts, kind, timeout=30)).vectors
+               for texts, kind in SAMPLES}  # fmt: skip
+    finally:
+        await encoder.close()
+    return encoder, got
+
+
+def _expected(model_dir: Path) -> dict[Kind, np.ndarray]:
+    reference = torch_embedder(model_dir)
+    return {kind: reference.embed(texts, kind)[0] for texts, kind in SAMPLES}
+
+
+def _ready_versions(handle: TritonHandle) -> list[str]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(handle.grpc_url)
+    try:
+        return sorted(client.get_model_metadata("embed").versions)
+    finally:
+        client.close()
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (lock file aside) → the SHA-256 of its bytes."""
+    files = [p for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".publish.lock"]
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def test_a_second_encoder_is_published_and_served_beside_the_first(served: Served) -> None:
+    url = served.handle.grpc_url
+    second = ensure_second_encoder(served.base)
+    want_first, want_second = _expected(default_model_dir()), _expected(second)
+
+    async def go() -> None:
+        # a client connected before the publish: pinned to version 1, the newest then
+        early = await TritonEncoder.connect(TritonEncoderConfig(url))
+        try:
+            assert (early.model_version, early.model_name) == (1, "all-MiniLM-L6-v2")
+            publishing = asyncio.ensure_future(
+                asyncio.to_thread(publish_version, served.repo, second, url)
+            )
+            answered = 0  # version 1 answers all along: Triton reloads it with no gap
+            while not publishing.done():
+                await early.encode(["during the publish"], "query", timeout=30)
+                answered += 1
+            spec = await publishing
+            assert answered > 0
+            assert (spec.model, spec.version, spec.dim) == ("embed", 2, 384)
+            assert served_versions(served.repo) == [1, 2]
+            assert _ready_versions(served.handle) == ["1", "2"]  # loaded, no restart
+            # the early client keeps version 1's vectors
+            kept = (await early.encode(SAMPLE_QUERIES, "query", timeout=30)).vectors
+            assert min(row_cosines(kept, want_first["query"])) >= 0.999
+        finally:
+            await early.close()
+
+        first_enc, first = await _encode_all(url, "1")
+        second_enc, got = await _encode_all(url, "2")
+        assert second_enc.model_name == "all-MiniLM-L6-v2-perturbed"
+        assert (second_enc.digest, second_enc.model_version) == (spec.digest, 2)
+        assert first_enc.digest and first_enc.digest != spec.digest
+        for _, kind in SAMPLES:  # each version answers with its own model
+            assert min(row_cosines(first[kind], want_first[kind])) >= 0.999
+            assert min(row_cosines(got[kind], want_second[kind])) >= 0.999
+            assert min(row_cosines(first[kind], got[kind])) < 0.99  # and they differ
+
+        newest = await TritonEncoder.connect(TritonEncoderConfig(url))
+        await newest.close()
+        assert newest.model_version == 2  # a client connecting now pins the newest
+
+    asyncio.run(go())
+    loads = _load_count(served.handle)
+    again = publish_version(served.repo, second, url)  # the same export: nothing added
+    assert (again.version, again.dim) == (2, 384)
+    assert served_versions(served.repo) == [1, 2]
+    assert _load_count(served.handle) == loads  # and nothing reloaded
+
+
+def _load_count(handle: TritonHandle) -> int:
+    """How many times Triton's log says it loaded ``embed``."""
+    return handle.log_path.read_text(errors="replace").count("successfully loaded 'embed'")
+
+
+def test_an_encoder_of_another_width_is_refused_and_nothing_changes(served: Served) -> None:
+    wide = ensure_second_encoder(served.base, out_dim=768)
+    before, ready = _snapshot(served.repo), _ready_versions(served.handle)
+    with pytest.raises(FailedPrecondition, match=r"768 dimensions.*EMBEDDING \[384\]") as info:
+        publish_version(served.repo, wide, served.handle.grpc_url)
+    assert status_of(info.value) == grpc.StatusCode.FAILED_PRECONDITION
+    assert "needs a Triton model of its own" in info.value.message
+    assert _snapshot(served.repo) == before
+    assert _ready_versions(served.handle) == ready
+
+
+def test_publish_cli_refuses_a_repository_without_embed(tmp_path: Path) -> None:
+    """The command's exit status and message for a user mistake (no traceback)."""
+    shutil.rmtree(tmp_path / "empty", ignore_errors=True)
+    (tmp_path / "empty").mkdir()
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "encoder", "publish", "--repo",
+         str(tmp_path / "empty"), "--model-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "has no embed model: generate the repository first" in run.stderr
+
+
+def test_the_gpu_flavour_is_refused_and_nothing_changes(served: Served, tmp_path: Path) -> None:
+    """An ensemble names one version of each step: publish says so instead of writing a
+    version it cannot route to (an ``encoder export`` folder is taken as the encoder)."""
+    repo = tmp_path / "gpu-repo"
+    generate_repository(ensure_onnx(default_model_dir(), served.base), repo,
+                        RepositoryConfig(flavor="gpu"))  # fmt: skip
+    export = ensure_onnx(ensure_second_encoder(served.base), served.base).parent
+    before = _snapshot(repo)
+    with pytest.raises(FailedPrecondition, match=r"gpu flavour .* cannot serve a second encoder"):
+        publish_version(repo, export)
+    assert _snapshot(repo) == before
