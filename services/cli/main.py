@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         encoder_commands,
         eval_commands,
         gateway_commands,
+        generation_commands,
         index_commands,
         plan_commands,
         redis_commands,
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_commands.add_cli(sub)
     index_commands.add_cli(sub)
     drift_commands.add_cli(sub)  # index drift-watch, index await-generation
+    generation_commands.add_cli(sub)  # index rollout, rollback, retire, generations
     encoder_commands.add_cli(sub)
     rerank_commands.add_cli(sub)
     eval_commands.add_cli(sub)

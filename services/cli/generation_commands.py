@@ -1,0 +1,486 @@
+"""``gtr-retrieval index rollout | rollback | retire | generations``: index generations
+(docs/generations.md). The builder is :mod:`services.index.rollout.builder`; this module
+is the commands' flags, the connection to the store and Triton, and the output."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.cli.common import add_command, positive_int
+
+COST = (
+    "During a rollout the new generation's shards run beside the serving one's (about "
+    "twice the index's memory, and Triton serves both encoder versions); a reshard also "
+    "copies the documents into the new shard count's keys (a second copy of the document "
+    "store until the old generation is retired)."
+)
+
+
+def _connection_flags(parser: argparse.ArgumentParser, triton: bool = False) -> None:
+    parser.add_argument(
+        "--run-dir",
+        dest="stack_run_dir",
+        default=None,
+        metavar="DIR",
+        help="Run directory of the local stack ('up --run-dir'): its stack.json names Redis"
+        + (", Triton, the model repository and the index root" if triton else "")
+        + " (default: $GTR_RUN_DIR, else .run). Flags given override it.",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--redis-url",
+        default=None,
+        help="The store: redis://host:port/0 or redis+cluster://host:port,... (default: "
+        "the local stack's).",
+    )
+    where.add_argument(
+        "--redis-url-file",
+        default=None,
+        help="A file whose first line is the Redis URL (keeps a password off the command line).",
+    )
+    if triton:
+        parser.add_argument(
+            "--triton-url", default=None,
+            help="Triton's gRPC address(es) that re-embed the documents (default: the "
+            "local stack's).",
+        )  # fmt: skip
+        parser.add_argument(
+            "--triton-repo",
+            type=Path,
+            default=None,
+            metavar="DIR",
+            help="Triton's model repository: --encoder is published into it as the next "
+            "version of embed (default: the local stack's).",
+        )
+        for flag, what in (("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
+                           ("--triton-client-cert", "PEM client certificate for Triton (mTLS)"),
+                           ("--triton-client-key", "PEM key of --triton-client-cert")):  # fmt: skip
+            parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
+        parser.add_argument(
+            "--index-root", type=Path, default=None,
+            help="Where the new generation's trained index goes (<root>/<generation>; "
+            "default: the local stack's, else ./generations). The shards of the generation "
+            "must be able to read it.",
+        )  # fmt: skip
+
+
+def add_cli(sub: Any) -> None:
+    """Add rollout, rollback, retire and generations to the ``index`` command."""
+    from services.cli.drift_commands import _index_actions
+
+    isub = _index_actions(sub)
+    rollout = add_command(
+        isub, "rollout", _rollout,
+        help="Build the next index generation beside the serving one, then switch to it.",
+        description=(
+            "Builds the next generation (a new encoder, a retrained quantizer or another "
+            "shard count) beside the serving one while it keeps serving, then switches "
+            "with one alias change (docs/generations.md). Phases: train (encode a sample "
+            "of the stored documents with the new encoder and train IVF-PQ on it with the "
+            "recall-tuned nprobe, as `index train`), bulk (re-embed every stored document "
+            "through Triton), catch_up (replay every write since the start from the "
+            "serving generation's logs), switch (writes pause for the final drain, "
+            "searches never do). --retrain instead reuses the vectors the serving shards "
+            "hold (no re-embedding; see docs/generations.md for what that costs in "
+            "recall). Progress bar with ETA on stderr; Prometheus metrics gtr_rollout_* "
+            "on --metrics-port. Killed at any point, `index rollout` again resumes from "
+            "the saved phase and position; `index rollout --abort` gives up instead. "
+            + COST
+        ),
+    )  # fmt: skip
+    what = rollout.add_mutually_exclusive_group()
+    what.add_argument(
+        "--encoder", type=Path, default=None, metavar="DIR",
+        help="A new encoder: a sentence-transformers checkpoint or an `encoder export` "
+        "folder, published into the Triton repository as the next version of embed "
+        "(refused, with nothing changed, when embed cannot serve its width or tokenizer).",
+    )  # fmt: skip
+    what.add_argument(
+        "--retrain", action="store_true",
+        help="Same encoder: retrain the quantizer on the vectors the serving shards hold "
+        "(decoded from their SQ8 codes: no re-embedding). What `index drift-watch` runs.",
+    )  # fmt: skip
+    what.add_argument(
+        "--abort", action="store_true",
+        help="Give up the recorded rollout: writes go back to the serving generation, the "
+        "target is marked failed (`index retire` deletes it).",
+    )  # fmt: skip
+    rollout.add_argument(
+        "--shards", type=positive_int, default=None,
+        help="The new generation's shard count (default: the serving one's). Another "
+        "count copies the documents into its own keys as the rollout goes.",
+    )  # fmt: skip
+    rollout.add_argument("--batch", type=positive_int, default=64,
+                         help="Documents (or log entries) per batch; progress is saved after "
+                         "each (64).")  # fmt: skip
+    rollout.add_argument("--sample", type=positive_int, default=100_000,
+                         help="Training vectors at most (100000).")  # fmt: skip
+    rollout.add_argument("--parallel", type=positive_int, default=2,
+                         help="Encoder batches in flight (2).")  # fmt: skip
+    rollout.add_argument("--switch-lag", type=positive_int, default=256,
+                         help="Switch once the replay is at most this many source log "
+                         "entries behind (256).")  # fmt: skip
+    rollout.add_argument(
+        "--shard-wait-s", type=float, default=300.0,
+        help="How long the switch waits for the new generation's replicas to apply its logs "
+        "(300; three attempts, writes resume between them).",
+    )  # fmt: skip
+    rollout.add_argument(
+        "--no-shard-wait", action="store_true",
+        help="Switch without waiting for the new generation's replicas (only when nothing "
+        "searches it yet: searches may see it incomplete).",
+    )  # fmt: skip
+    rollout.add_argument(
+        "--source-shards", default=None, metavar="SPEC",
+        help="--retrain: the serving generation's replicas ('host:port,host:port;host:port') "
+        "when {gtr}:addrs does not name them.",
+    )  # fmt: skip
+    rollout.add_argument("--metrics-port", type=int, default=None,
+                         help="Serve Prometheus metrics (gtr_rollout_*) on this port.")  # fmt: skip
+    rollout.add_argument("--quiet", action="store_true", help="No progress bar.")
+    rollout.add_argument("--yes", action="store_true", help="Do not ask before starting.")
+    _connection_flags(rollout, triton=True)
+
+    rollback = add_command(
+        isub, "rollback", _rollback,
+        help="Make the previous generation serve again (writes since the switch replayed).",
+        description=(
+            "A rollout whose target is the previous generation: no training and no bulk; "
+            "every write since the switch is replayed from the serving generation's logs "
+            "into it, re-embedded with its encoder, then the same switch. Refused "
+            "(FAILED_PRECONDITION) when there is no previous generation."
+        ),
+    )  # fmt: skip
+    for flag, default, helptext in (
+        ("--batch", 64, "Log entries per batch (64)."),
+        ("--parallel", 2, "Encoder batches in flight (2)."),
+    ):
+        rollback.add_argument(flag, type=positive_int, default=default, help=helptext)
+    rollback.add_argument("--shard-wait-s", type=float, default=300.0,
+                          help="How long the switch waits for the replicas (300).")  # fmt: skip
+    rollback.add_argument("--no-shard-wait", action="store_true",
+                          help="Switch without waiting for the replicas.")  # fmt: skip
+    rollback.add_argument("--metrics-port", type=int, default=None, help="Prometheus port.")
+    rollback.add_argument("--quiet", action="store_true", help="No progress bar.")
+    rollback.add_argument("--yes", action="store_true", help="Do not ask before starting.")
+    _connection_flags(rollback, triton=True)
+
+    retire = add_command(
+        isub, "retire", _retire,
+        help="Delete a generation that does not serve (default: the previous one).",
+        description=(
+            "Deletes the generation's logs, snapshot registrations and the rollout's "
+            "bookkeeping, and, when no other generation has its shard count, that "
+            "layout's documents; marks it retired (its shards are stopped; `index "
+            "rollback` to it is no longer possible). Refused for the serving generation."
+        ),
+    )  # fmt: skip
+    retire.add_argument("--generation", default=None, help="Which (default: the previous one).")
+    retire.add_argument("--yes", action="store_true", help="Do not ask.")
+    _connection_flags(retire)
+
+    listing = add_command(
+        isub, "generations", _generations,
+        help="List the index generations: state, size, encoder, drift.",
+        description=(
+            "Every generation with its state (building, catching_up, switching, serving, "
+            "previous, retired, failed), the alias (serving / previous), shard count, "
+            "encoder (Triton model version, width, source), size (documents and bytes of "
+            "one replica per shard, from the replicas' Stats), drift (the highest PQ error "
+            "ratio of its replicas) and, while one runs, the rollout's phase and progress."
+        ),
+    )  # fmt: skip
+    listing.add_argument("--json", action="store_true", help="Print JSON.")
+    _connection_flags(listing)
+
+
+# --- where things are --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Places:
+    redis_url: str
+    triton_url: str | None
+    triton_repo: Path | None
+    triton_tls: Any
+    index_root: Path
+
+
+def _places(args: argparse.Namespace) -> Places:
+    from services.client.gateway import stack_run_dir
+    from services.common.errors import FailedPrecondition
+    from services.common.redis_client import read_redis_url
+    from services.common.tls import ClientTLS
+    from services.stack.endpoints import read_endpoints
+
+    stack = read_endpoints(stack_run_dir(args.stack_run_dir))
+    if args.redis_url_file:
+        try:
+            url = read_redis_url(args.redis_url_file)
+        except ValueError as exc:
+            raise FailedPrecondition(str(exc)) from None
+    else:
+        url = args.redis_url or (stack.redis_url_with_secrets() if stack else "")
+    if not url:
+        raise FailedPrecondition(
+            "no store: give --redis-url (or --redis-url-file), or --run-dir of a running "
+            "local stack"
+        )
+    tls_paths = stack.internal_tls if stack else {}
+    ca = getattr(args, "triton_ca", None) or tls_paths.get("ca")
+    cert = getattr(args, "triton_client_cert", None) or tls_paths.get("cert")
+    key = getattr(args, "triton_client_key", None) or tls_paths.get("key")
+    triton_tls = ClientTLS.from_paths(ca, cert, key) if ca else None
+    repo = getattr(args, "triton_repo", None) or (
+        Path(stack.triton_repository) if stack and stack.triton_repository else None
+    )
+    root = getattr(args, "index_root", None) or (
+        Path(stack.index_root) if stack and stack.index_root else Path("generations")
+    )
+    return Places(
+        url, getattr(args, "triton_url", None) or (stack.triton_grpc if stack else None) or None,
+        repo, triton_tls, root,
+    )  # fmt: skip
+
+
+def _client(url: str) -> Any:
+    from services.common.redis_client import sync_client
+
+    return sync_client(url, socket_timeout=30.0)
+
+
+def _confirm(args: argparse.Namespace, question: str) -> bool:
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        print(f"{question}\nerror: not a terminal: add --yes to go ahead", file=sys.stderr)
+        return False
+    answer = input(f"{question} [y/N] ").strip().lower()
+    return answer in ("y", "yes")
+
+
+def _encoders(places: Places) -> Any:
+    """The encoder of a generation: Triton's ``embed`` at that generation's version."""
+    from services.common.errors import FailedPrecondition
+    from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
+    from services.index.generations import EncoderSpec
+
+    async def make(spec: EncoderSpec) -> Any:
+        if not places.triton_url:
+            raise FailedPrecondition(
+                "no Triton to re-embed with: give --triton-url, or --run-dir of a running "
+                "local stack"
+            )
+        return await TritonEncoder.connect(TritonEncoderConfig(
+            places.triton_url, model=spec.model or "embed",
+            model_version=str(spec.version) if spec.version else "",
+            default_timeout_s=60.0, tls=places.triton_tls,
+        ))  # fmt: skip
+
+    return make
+
+
+def _builder(args: argparse.Namespace, places: Places, client: Any, progress: Any) -> Any:
+    from services.index.rollout.builder import RolloutBuilder, RolloutOptions
+
+    options = RolloutOptions(
+        index_root=places.index_root,
+        batch=args.batch,
+        sample=getattr(args, "sample", 100_000),
+        parallel=args.parallel,
+        switch_lag=getattr(args, "switch_lag", 256),
+        wait_for_shards=not args.no_shard_wait,
+        shard_wait_s=args.shard_wait_s,
+    )
+    return RolloutBuilder(
+        client, _encoders(places), options, progress,
+        source_addresses=getattr(args, "source_shards", None),
+    )  # fmt: skip
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    from services.index.rollout.progress import ConsoleProgress
+
+    return ConsoleProgress(args.metrics_port, enabled=not args.quiet)
+
+
+# --- the commands --------------------------------------------------------------------------
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from services.index.generations import Registry
+    from services.index.rollout.builder import RolloutPlan
+
+    places = _places(args)
+    client = _client(places.redis_url)
+    registry = Registry(client)
+    if args.abort:
+        from services.index.rollout.builder import RolloutBuilder, RolloutOptions
+
+        aborted = RolloutBuilder(
+            client, _encoders(places), RolloutOptions(index_root=places.index_root)
+        ).abort()
+        print(f"aborted the rollout to {aborted['target']} (phase {aborted.get('phase')}): "
+              f"{aborted['source']} takes the writes; {aborted['target']} is "
+              f"{registry.get(aborted['target']).state}")  # fmt: skip
+        return 0
+    running = registry.rollout()
+    serving = registry.serving()
+    if running is None:
+        shards = args.shards or serving.num_shards
+        change = (
+            f"encoder {args.encoder}" if args.encoder
+            else "the quantizer retrained on the stored vectors" if args.retrain
+            else f"{serving.encoder.model} v{serving.encoder.version} re-embedded"
+        )  # fmt: skip
+        question = (
+            f"roll out a new generation from {serving.name} ({serving.num_shards} shards): "
+            f"{change}, {shards} shards.\n{COST}\nGo ahead?"
+        )
+    else:
+        question = (
+            f"resume the rollout to {running.get('target')} from {running.get('source')} "
+            f"(phase {running.get('phase')})?"
+        )
+    if not _confirm(args, question):
+        return 1
+    encoder = None
+    if args.encoder is not None and running is None:
+        encoder = _publish(args, places)
+    plan = RolloutPlan(encoder=encoder, num_shards=args.shards, retrain=args.retrain)
+    progress = _progress(args)
+    started = time.monotonic()
+    try:
+        builder = _builder(args, places, client, progress)
+        serving_now = asyncio.run(builder.rollout(plan))
+    finally:
+        progress.close()
+    print(f"{serving_now.name} serves ({serving_now.num_shards} shards, encoder "
+          f"{serving_now.encoder.model} v{serving_now.encoder.version}) after "
+          f"{time.monotonic() - started:.0f} s; `index rollback` returns to "
+          f"{registry.alias().previous}")  # fmt: skip
+    return 0
+
+
+def _publish(args: argparse.Namespace, places: Places) -> Any:
+    from services.common.errors import FailedPrecondition
+    from services.encoder.build.versions import publish_version
+
+    if places.triton_repo is None:
+        raise FailedPrecondition(
+            "--encoder: no Triton model repository to publish it into (give --triton-repo, "
+            "or --run-dir of a running local stack)"
+        )
+    print(f"publishing {args.encoder} into {places.triton_repo} ...", file=sys.stderr)
+    spec = publish_version(places.triton_repo, args.encoder, places.triton_url,
+                           tls=places.triton_tls)  # fmt: skip
+    print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)", file=sys.stderr)
+    return spec
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from services.index.generations import Registry
+
+    places = _places(args)
+    client = _client(places.redis_url)
+    alias = Registry(client).alias()
+    question = f"roll back from {alias.serving} to {alias.previous or '(none)'}?"
+    if alias.previous and not _confirm(args, question):
+        return 1
+    progress = _progress(args)
+    started = time.monotonic()
+    try:
+        serving = asyncio.run(_builder(args, places, client, progress).rollback())
+    finally:
+        progress.close()
+    print(f"{serving.name} serves again after {time.monotonic() - started:.0f} s "
+          f"({alias.serving} is previous)")  # fmt: skip
+    return 0
+
+
+def _retire(args: argparse.Namespace) -> int:
+    from services.index.generations import Registry
+    from services.index.rollout.lifecycle import retire
+
+    places = _places(args)
+    client = _client(places.redis_url)
+    registry = Registry(client)
+    name = args.generation or registry.alias().previous or None
+    if name is not None:
+        registry.get(name)  # NotFound before asking
+    if name is not None and not _confirm(args, f"retire {name} (its logs and keys deleted)?"):
+        return 1
+    done = retire(client, args.generation)
+    print(f"{done.generation.name} retired: {done.keys_deleted} keys deleted"
+          + (f", {done.documents_deleted} documents of its {done.generation.num_shards}-shard "
+             "layout" if done.documents_deleted else ""))  # fmt: skip
+    return 0
+
+
+def _generations(args: argparse.Namespace) -> int:
+    from services.index.generations import Registry, describe
+    from services.index.rollout.lifecycle import generation_sizes
+
+    places = _places(args)
+    client = _client(places.redis_url)
+    registry = Registry(client)
+    alias = registry.alias()
+    base = registry.base_shards()
+    rows = []
+    for gen in registry.all():
+        row = describe(gen, alias)
+        sizes = generation_sizes(client, gen, base, registry.addresses(gen.name))
+        row.update(documents=sizes.documents, bytes=sizes.bytes, drift=sizes.drift,
+                   log_entries=sizes.log_entries, replicas_up=sizes.replicas_up,
+                   replicas=sizes.replicas, addresses=registry.addresses(gen.name))  # fmt: skip
+        rows.append(row)
+    running = registry.rollout()
+    if args.json:
+        print(json.dumps({"alias": alias.__dict__, "generations": rows, "rollout": running},
+                         indent=2, sort_keys=True))  # fmt: skip
+        return 0
+    header = ("NAME", "STATE", "ALIAS", "SHARDS", "ENCODER", "DOCS", "BYTES", "DRIFT", "REPLICAS")
+    table = [header]
+    for r in rows:
+        enc = r["encoder"]
+        table.append((
+            r["name"], r["state"], r["alias"] or "-", str(r["num_shards"]),
+            f"{enc['model']} v{enc['version']} {enc['dim']}-d"
+            + (f" ({Path(enc['source']).name})" if enc.get("source") else ""),
+            _n(r["documents"]), _bytes(r["bytes"]),
+            "-" if r["drift"] is None else f"{r['drift']:.2f}",
+            f"{r['replicas_up']}/{r['replicas']}" if r["replicas"] else "-",
+        ))  # fmt: skip
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    print(f"alias epoch {alias.epoch}")
+    if running:
+        print(f"rollout {running.get('source')} -> {running.get('target')} "
+              f"({running.get('kind')}, {running.get('mode')}): phase {running.get('phase')}, "
+              f"{running.get('done', '0')}/{running.get('total', '?')} documents, builder pid "
+              f"{running.get('pid')} on {running.get('host')}, last heard "
+              f"{time.time() - float(running.get('beat', '0') or 0):.0f} s ago")  # fmt: skip
+    return 0
+
+
+def _n(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "?"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"

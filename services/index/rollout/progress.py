@@ -1,0 +1,169 @@
+"""What a rollout reports while it runs: a progress bar with its ETA on the terminal
+(tqdm) and Prometheus metrics (``--metrics-port``), both fed by the builder through
+:class:`Progress`.
+
+=====================================  ==================================================
+``gtr_rollout_phase{phase}``           1 for the running phase (train, bulk, catch_up,
+                                       switch), else 0
+``gtr_rollout_docs_reembedded_total``  documents encoded (``--retrain``: vectors reused)
+                                       and appended, or source log entries replayed
+``gtr_rollout_docs_per_second``        the rate of the last 10 s
+``gtr_rollout_docs``                   documents the bulk pass expects (counted at start)
+``gtr_rollout_lag_entries``            source log entries not yet replayed into the target
+``gtr_rollout_eta_seconds``            what is left of the running phase at that rate
+=====================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+PHASES = ("train", "bulk", "catch_up", "switch")
+
+
+class Progress:
+    """The builder's reports; this base class keeps the figures and prints nothing."""
+
+    def __init__(self) -> None:
+        self.current = ""
+        self.done = 0
+        self.expected: int | None = None
+        self.lag_entries: int | None = None
+        self._window: deque[tuple[float, int]] = deque()
+
+    def phase(self, name: str) -> None:
+        self.current = name
+
+    def total(self, docs: int | None, done: int = 0) -> None:
+        """The bulk pass expects ``docs`` documents, ``done`` of them already appended."""
+        self.expected = docs
+        self.done = done
+
+    def advance(self, docs: int) -> None:
+        self.done += docs
+        now = time.monotonic()
+        self._window.append((now, self.done))
+        while len(self._window) > 2 and now - self._window[0][0] > 10.0:
+            self._window.popleft()
+
+    def lag(self, entries: int) -> None:
+        self.lag_entries = entries
+
+    def message(self, text: str) -> None:
+        """A line for the operator (the CLI prints it)."""
+
+    @property
+    def rate(self) -> float:
+        if len(self._window) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._window[0], self._window[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        rate = self.rate
+        if rate <= 0:
+            return None
+        if self.current == "bulk" and self.expected is not None:
+            return max(0, self.expected - self.done) / rate
+        if self.current == "catch_up" and self.lag_entries is not None:
+            return self.lag_entries / rate
+        return None
+
+    def close(self) -> None:
+        """Release the bar and the metrics server."""
+
+
+class ConsoleProgress(Progress):
+    """A tqdm bar on stderr per phase, and the metrics on ``metrics_port`` (None: none)."""
+
+    def __init__(self, metrics_port: int | None = None, enabled: bool = True) -> None:
+        super().__init__()
+        self.enabled = enabled
+        self._bar: Any = None
+        self._server: Any = None
+        self._metrics: dict[str, Any] = {}
+        if metrics_port is not None:
+            self._serve_metrics(metrics_port)
+
+    def _serve_metrics(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        registry = CollectorRegistry()
+        self._metrics = {
+            "phase": Gauge("gtr_rollout_phase", "1 for the running phase", ["phase"],
+                           registry=registry),
+            "docs": Counter("gtr_rollout_docs_reembedded", "Documents re-embedded (or "
+                            "vectors reused) and appended", registry=registry),
+            "rate": Gauge("gtr_rollout_docs_per_second", "Rate of the last 10 s",
+                          registry=registry),
+            "expected": Gauge("gtr_rollout_docs", "Documents the bulk pass expects",
+                              registry=registry),
+            "lag": Gauge("gtr_rollout_lag_entries", "Source log entries not yet replayed",
+                         registry=registry),
+            "eta": Gauge("gtr_rollout_eta_seconds", "Time left in the running phase",
+                         registry=registry),
+        }  # fmt: skip
+        for name in PHASES:
+            self._metrics["phase"].labels(name).set(0)
+        self._server, _ = start_http_server(port, registry=registry)
+
+    def phase(self, name: str) -> None:
+        super().phase(name)
+        if self._metrics:
+            for p in PHASES:
+                self._metrics["phase"].labels(p).set(1 if p == name else 0)
+        self._close_bar()
+        if self.enabled:
+            from tqdm import tqdm
+
+            unit = "entries" if name == "catch_up" else "docs"
+            self._bar = tqdm(desc=name, unit=unit, dynamic_ncols=True, smoothing=0.1)
+
+    def total(self, docs: int | None, done: int = 0) -> None:
+        super().total(docs, done)
+        if self._metrics and docs is not None:
+            self._metrics["expected"].set(docs)
+        if self._bar is not None:
+            self._bar.reset(total=docs)
+            self._bar.update(done)
+
+    def advance(self, docs: int) -> None:
+        super().advance(docs)
+        if self._metrics:
+            self._metrics["docs"].inc(docs)
+            self._metrics["rate"].set(self.rate)
+            eta = self.eta_s
+            self._metrics["eta"].set(float("nan") if eta is None else eta)
+        if self._bar is not None:
+            self._bar.update(docs)
+
+    def lag(self, entries: int) -> None:
+        super().lag(entries)
+        if self._metrics:
+            self._metrics["lag"].set(entries)
+        if self._bar is not None:
+            self._bar.set_postfix(lag=entries, refresh=False)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            import sys
+
+            print(text, file=sys.stderr)
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        self._close_bar()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

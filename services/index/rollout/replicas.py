@@ -1,0 +1,74 @@
+"""The builder asks a generation's shard replicas what they have applied and how big they
+are (the Stats RPC): the switch waits for the target's replicas to reach the target's log
+tails, and ``index generations`` shows sizes and drift. Addresses are the gateway's
+``--shards`` syntax (``{gtr}:addrs``); a ``dns:`` target reaches one replica of its
+shard (whichever gRPC picks)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from services.common.errors import RetrievalError
+from services.common.tls import ClientTLS
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    address: str
+    shard: int
+    applied: str
+    vectors: int
+    memory_bytes: int
+    pq_error_ratio: float
+
+
+def parse_addresses(spec: str) -> list[list[str]]:
+    """ "a:1,a:2;b:1" → [["a:1", "a:2"], ["b:1"]] (the gateway's --shards syntax)."""
+    from services.gateway.settings import parse_shard_addresses
+
+    return parse_shard_addresses(spec)
+
+
+async def replica_stats(
+    address: str, tls: ClientTLS | None = None, timeout: float = 5.0
+) -> ReplicaStats:
+    """One replica's Stats; Unavailable (or the mapped error) when it does not answer."""
+    import grpc
+
+    from retrieval.v1 import index_pb2, index_pb2_grpc
+    from services.common.status import error_from_rpc
+    from services.common.tls import aio_channel
+
+    async with aio_channel(address, tls) as channel:
+        try:
+            reply = await index_pb2_grpc.IndexShardServiceStub(channel).Stats(
+                index_pb2.ShardStatsRequest(), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, f"shard replica {address}") from exc
+    return ReplicaStats(
+        address, reply.shard, reply.applied_position or "0-0", reply.vectors,
+        reply.memory_bytes, reply.pq_error_ratio,
+    )  # fmt: skip
+
+
+async def all_stats(
+    spec: str, tls: ClientTLS | None = None, timeout: float = 5.0
+) -> list[list[ReplicaStats | RetrievalError]]:
+    """Per shard, per replica of ``spec``: its Stats, or the error asking gave."""
+
+    async def one(address: str) -> ReplicaStats | RetrievalError:
+        try:
+            return await replica_stats(address, tls, timeout)
+        except RetrievalError as exc:
+            return exc
+
+    shards = parse_addresses(spec)
+    flat = await asyncio.gather(*(one(a) for replicas in shards for a in replicas))
+    out: list[list[ReplicaStats | RetrievalError]] = []
+    n = 0
+    for replicas in shards:
+        out.append(list(flat[n : n + len(replicas)]))
+        n += len(replicas)
+    return out

@@ -1,0 +1,337 @@
+"""The rollout builder (services/index/rollout/builder.py) on a real Redis, with the store
+written by the real writer (ChangeLogWriter), the documents re-embedded by the real
+encoder in this process (all-MiniLM-L6-v2) and, for the rollout to 3 shards, real shard
+processes of the new generation:
+
+- a rollout 2 → 3 shards with writes after P0 and right before the switch ends with the
+  target's logs holding exactly the store's documents (ids, versions, texts, vectors of
+  the new encoder), its replicas holding them, the alias switched and the gates moved;
+- a builder killed with SIGKILL mid-bulk and run again ends with the same logs as an
+  uninterrupted run, with no (id, version) appended twice;
+- rollback replays the writes since the switch into the previous generation; retire
+  deletes the retired generation's logs and its layout's documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from services.common.errors import GenerationMoved
+from services.common.redis_client import sync_client
+from services.encoder.base import Encoder
+from services.encoder.runtime.inprocess import InProcessEncoder
+from services.index.client.connection import StoreConnection
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.generations import EncoderSpec, Registry
+from services.index.keys import CLOSED, LAYOUT_KEY, GenerationKeys, Layout
+from services.index.rollout.builder import (
+    RolloutBuilder,
+    RolloutOptions,
+    RolloutPlan,
+    embedding_text,
+)
+from services.index.rollout.lifecycle import retire
+from services.index.rollout.progress import Progress
+from services.index.rollout.replicas import ReplicaStats, all_stats
+from tests.support.generation_logs import changes, folded
+from tests.support.processes import RedisServer, wait_until
+from tests.support.shards import ShardProcess, start_shard
+
+REDIS_DB = 10  # module_redis: the rolled-out store is shared by the module's tests
+TWIN_DB = 14  # the kill -9 test's uninterrupted twin
+ROOT = Path(__file__).resolve().parents[2]
+DIM = 384
+SPEC = EncoderSpec("embed", 1, DIM, "minilm", "all-MiniLM-L6-v2")
+WORDS = [
+    "protein", "cell", "gene", "tumour", "virus", "vaccine", "brain", "heart", "insulin",
+    "enzyme", "receptor", "bacteria", "membrane", "signal", "immune", "response", "dose",
+    "trial", "mouse", "patient",
+]  # fmt: skip
+
+
+def _docs(start: int, n: int, tag: str = "") -> list[DocRecord]:
+    rng = np.random.default_rng(start)
+    out = []
+    for i in range(start, start + n):
+        words = " ".join(rng.choice(WORDS, 12))
+        vec = rng.standard_normal(DIM).astype(np.float32)
+        out.append(DocRecord(f"d{i}", vec / np.linalg.norm(vec), title=f"title {i}{tag}",
+                             text=f"{words} {tag}", metadata={"n": str(i % 3)}))  # fmt: skip
+    return out
+
+
+async def _write(url: str, keys: GenerationKeys, upserts: list[DocRecord],
+                 deletes: Sequence[str] = ()) -> None:  # fmt: skip
+    writer = ChangeLogWriter(StoreConnection(url, keys.layout.base), DIM, keys=keys)
+    try:
+        for i in range(0, len(upserts), 32):
+            await writer.upsert(upserts[i : i + 32])
+        if deletes:
+            await writer.delete(list(deletes))
+    finally:
+        await writer.connection.close()
+
+
+def _write_now(url: str, keys: GenerationKeys, upserts: list[DocRecord],
+               deletes: Sequence[str] = ()) -> None:  # fmt: skip
+    """Write from another thread's event loop (the builder's loop is busy in a callback)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(_write(url, keys, upserts, deletes))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _new_store(url: str, docs: int) -> Any:
+    client = sync_client(url)
+    client.flushdb()
+    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+    Registry(client).ensure_first(2, SPEC, "")
+    asyncio.run(_write(url, G1, _docs(0, docs)))
+    return client
+
+
+G1 = GenerationKeys("g1", Layout(2, 2))
+
+
+def _store_state(client: Any, layout: Layout) -> dict[str, tuple[int, str]]:
+    """id → (version, body) of every document stored in ``layout``."""
+    out = {}
+    for key in client.scan_iter(match="doc:*", count=1000):
+        k = key.decode()
+        doc_id = k.split("}:", 1)[1]
+        if layout.doc(doc_id) != k:
+            continue
+        d = client.hgetall(key)
+        title, text = d[b"title"].decode(), d[b"text"].decode()
+        out[doc_id] = (int(d[b"ver"]), f"{title} {text}" if title else text)
+    return out
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Iterator[Encoder]:
+    enc = InProcessEncoder.torch(threads=1)
+    yield enc
+    asyncio.run(enc.close())
+
+
+def _encoders(encoder: Encoder) -> Any:
+    async def make(spec: EncoderSpec) -> Encoder:
+        return _Shared(encoder)
+
+    return make
+
+
+class _Shared(Encoder):
+    """The module's encoder, not closed by the builder."""
+
+    def __init__(self, inner: Encoder) -> None:
+        self.inner, self.model_name, self.dim = inner, inner.model_name, inner.dim
+        self.max_batch = inner.max_batch
+
+    async def encode(self, texts: Any, kind: Any, timeout: float | None = None) -> Any:
+        return await self.inner.encode(texts, kind, timeout)
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class RolledOut:
+    url: str
+    client: Any
+    shards: list[ShardProcess]
+    work: Path
+
+
+class _WritesDuringTheRollout(Progress):
+    """Writes after P0 (at the bulk's start) and right before the switch closes the
+    gates; starts the target's shard processes once it is trained."""
+
+    def __init__(self, url: str, client: Any, work: Path, shards: list[ShardProcess]) -> None:
+        super().__init__()
+        self.url, self.client, self.work, self.shards = url, client, work, shards
+
+    def phase(self, name: str) -> None:
+        super().phase(name)
+        if name == "bulk":
+            _write_now(self.url, G1, _docs(300, 20) + _docs(0, 10, " updated"),
+                       deletes=[f"d{i}" for i in range(10, 20)])  # fmt: skip
+            target = Registry(self.client).get("g2")
+            for shard in range(3):
+                self.shards.append(start_shard(
+                    index_dir=Path(target.index_dir), redis_url=self.url, shard=shard,
+                    shards=3, work_dir=self.work, replica=f"g2-{shard}",
+                    settings={"generation": "g2"}, wait=False,
+                ))  # fmt: skip
+            Registry(self.client).set_addresses("g2", ";".join(p.address for p in self.shards))
+        if name == "switch":
+            _write_now(self.url, G1, _docs(400, 5), deletes=["d20", "d21", "d22"])
+
+
+@pytest.fixture(scope="module")
+def rolled_out(
+    module_redis: str, encoder: Encoder, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RolledOut]:
+    work = tmp_path_factory.mktemp("rollout")
+    client = _new_store(module_redis, 300)
+    shards: list[ShardProcess] = []
+    progress = _WritesDuringTheRollout(module_redis, client, work, shards)
+    options = RolloutOptions(index_root=work / "generations", batch=32, sample=300,
+                             shard_wait_s=120.0)  # fmt: skip
+    builder = RolloutBuilder(client, _encoders(encoder), options, progress)
+    try:
+        asyncio.run(builder.rollout(RolloutPlan(num_shards=3)))
+        yield RolledOut(module_redis, client, shards, work)
+    finally:
+        for proc in shards:
+            proc.stop()
+        client.close()
+
+
+def test_a_rollout_to_3_shards_holds_exactly_the_acknowledged_documents(
+    rolled_out: RolledOut, encoder: Encoder
+) -> None:
+    client = rolled_out.client
+    g2 = GenerationKeys("g2", Layout(3, 2))
+    expected = _store_state(client, G1.layout)
+    assert len(expected) == 300 + 20 + 5 - 10 - 3  # written, minus the deletes
+    state = folded(client, g2)
+    assert {i: (v, body) for i, (v, body, _) in state.items()} == expected
+    # The documents were copied into the 3-shard layout with their versions.
+    assert _store_state(client, g2.layout) == expected
+    # Each vector is the new encoder's of the document's text.
+    some = sorted(expected)[:8]
+    docs = [client.hgetall(G1.layout.doc(i)) for i in some]
+    texts = [embedding_text(d[b"title"].decode(), d[b"text"].decode()) for d in docs]
+    want = asyncio.run(encoder.encode(texts, "document")).vectors
+    got = np.array([state[i][2] for i in some], dtype=np.float32)
+    assert (np.sum(want * got, axis=1) > 0.999).all()
+    logged = changes(client, g2)
+    assert len(logged) == len(set(logged))  # no (id, version) twice
+
+
+def test_the_switch_moved_the_alias_and_the_gates_and_the_replicas_hold_it(
+    rolled_out: RolledOut,
+) -> None:
+    client = rolled_out.client
+    registry = Registry(client)
+    alias = registry.alias()
+    assert (alias.serving, alias.previous, alias.epoch) == ("g2", "g1", 2)
+    g2 = registry.get("g2")
+    assert g2.state == "serving" and g2.params["trained"] and g2.num_shards == 3
+    assert registry.get("g1").state == "previous"
+    assert {registry.gate(Layout(2, 2), s) for s in range(2)} == {CLOSED}
+    assert {registry.gate(Layout(3, 2), s) for s in range(3)} == {"g2"}
+    assert client.exists("{gtr}:rollout") == 0
+    stats = asyncio.run(all_stats(registry.addresses("g2") or ""))
+    first = [replicas[0] for replicas in stats]
+    assert all(isinstance(r, ReplicaStats) for r in first), first
+    held = sum(r.vectors for r in first if isinstance(r, ReplicaStats))
+    assert held == len(_store_state(client, G1.layout))
+    # The source's logs are no longer held back by the rollout; g2's are, for a rollback.
+    assert not any(k.startswith(b"rollout:") for s in range(2)
+                   for k in client.hkeys(G1.snapshots(s)))  # fmt: skip
+    assert all(client.hget(GenerationKeys("g2", Layout(3, 2)).snapshots(s), "rollback:g1")
+               for s in range(3))  # fmt: skip
+
+
+def test_a_write_to_the_old_generation_is_refused_after_the_switch(rolled_out: RolledOut) -> None:
+    with pytest.raises(GenerationMoved) as caught:
+        asyncio.run(_write(rolled_out.url, G1, _docs(900, 1)))
+    assert caught.value.gate == CLOSED
+
+
+def test_rollback_replays_the_writes_since_the_switch_then_retire_deletes_the_layout(
+    rolled_out: RolledOut, encoder: Encoder
+) -> None:
+    client = rolled_out.client
+    g2 = GenerationKeys("g2", Layout(3, 2))
+    asyncio.run(_write(rolled_out.url, g2, _docs(500, 6) + _docs(30, 2, " again"),
+                       deletes=["d40", "d41"]))  # fmt: skip
+    options = RolloutOptions(index_root=rolled_out.work / "generations", batch=32,
+                             wait_for_shards=False)  # fmt: skip
+    asyncio.run(RolloutBuilder(client, _encoders(encoder), options).rollback())
+    registry = Registry(client)
+    alias = registry.alias()
+    assert (alias.serving, alias.previous, alias.epoch) == ("g1", "g2", 3)
+    # g1's logs fold to the 3-shard layout's documents: every write since the switch is in.
+    expected = _store_state(client, g2.layout)
+    assert "d500" in expected and "d40" not in expected
+    assert {i: (v, b) for i, (v, b, _) in folded(client, G1).items()} == expected
+    assert _store_state(client, G1.layout) == expected  # copied back into the base layout
+    assert {registry.gate(Layout(2, 2), s) for s in range(2)} == {"g1"}
+    for proc in rolled_out.shards:  # as the stack does once g2 is retired
+        proc.stop()
+    done = retire(client, "g2")
+    assert done.generation.state == "retired" and done.documents_deleted == len(expected)
+    assert not any(client.exists(g2.log(s)) for s in range(3))
+    assert _store_state(client, g2.layout) == {}
+    assert registry.alias().previous is None
+
+
+def _run_builder(url: str, root: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.support.rollout_runner", "--redis-url", url,
+         "--index-root", str(root), "--batch", "16", "--sample", "256"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def test_a_builder_killed_mid_bulk_resumes_to_the_logs_of_an_uninterrupted_run(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    crashed_url = f"redis://127.0.0.1:{redis_server.port}/{REDIS_DB + 1}"
+    twin_url = f"redis://127.0.0.1:{redis_server.port}/{TWIN_DB}"
+    crashed, twin = _new_store(crashed_url, 500), _new_store(twin_url, 500)
+    try:
+        straight = _run_builder(twin_url, tmp_path / "twin")
+        first = _run_builder(crashed_url, tmp_path / "crashed")
+
+        def mid_bulk() -> bool:
+            fields = crashed.hgetall("{gtr}:rollout")
+            return fields.get(b"phase") == b"bulk" and int(fields.get(b"done", 0)) >= 320
+
+        wait_until(mid_bulk, "the builder half-way through the bulk pass", timeout=300)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        assert crashed.hget("{gtr}:rollout", "phase") == b"bulk"  # it was killed mid-way
+        again = _run_builder(crashed_url, tmp_path / "crashed")
+        for proc in (again, straight):
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err.decode()[-2000:]
+            assert b"serving g2" in out
+        g2 = GenerationKeys("g2", Layout(2, 2))
+        a, b = folded(crashed, g2), folded(twin, g2)
+        assert set(a) == set(b) and len(a) == 500
+        assert all(a[i][:2] == b[i][:2] for i in a)  # versions and texts
+        va = np.array([a[i][2] for i in sorted(a)])
+        vb = np.array([b[i][2] for i in sorted(b)])
+        assert np.abs(va - vb).max() < 2e-3  # the same encoder's vectors (batching aside)
+        logged = changes(crashed, g2)
+        assert len(logged) == len(set(logged)) == 500  # nothing appended twice
+        assert json.loads(crashed.hget("{gtr}:gens", "g2"))["state"] == "serving"
+    finally:
+        for c in (crashed, twin):
+            c.flushdb()
+            c.close()
