@@ -112,24 +112,117 @@ two values): (dict "name" "gateway" "hpa" .Values.gateway.autoscaling). */}}
 {{/* GTR_GATEWAY_SHARDS: shards separated by ";", replicas of a shard by ",".
 With index.gatewayAddressing=service a shard is one dns:/// target of its headless
 Service (the gateway re-resolves it and balances over its A records); with "pods" it is the
-list of its pods' stable DNS names. */}}
+list of its pods' stable DNS names. These are g1's shards (the gateway's fallback for
+g1); other generations' are gtr.generationTargets, recorded in {gtr}:addrs. */}}
 {{- define "gtr.shardTargets" -}}
+{{- $g1 := dict "name" "g1" }}
+{{- range $g := .Values.index.generations }}{{ if eq $g.name "g1" }}{{ $g1 = $g }}{{ end }}{{ end }}
+{{- include "gtr.generationTargets" (dict "root" . "gen" $g1) }}
+{{- end }}
+
+{{/* The generations of index.generations with their defaults filled in, as YAML
+{"items": [{name, shards, replicas, indexDir, first}]}; fails on a g1 whose shard count
+is not index.shards, on a name listed twice. */}}
+{{- define "gtr.generations" -}}
 {{- $root := . }}
-{{- $ns := .Release.Namespace }}
+{{- $v := .Values.index }}
+{{- $items := list }}
+{{- $seen := dict }}
+{{- range $g := $v.generations }}
+{{- if hasKey $seen $g.name }}
+{{- fail (printf "index.generations lists %s twice" $g.name) }}
+{{- end }}
+{{- $_ := set $seen $g.name true }}
+{{- $first := eq $g.name "g1" }}
+{{- $shards := int ($g.shards | default $v.shards) }}
+{{- if and $first (ne $shards (int $v.shards)) }}
+{{- fail (printf "index.generations: g1 has %d shards but index.shards is %d: g1 is the store's first generation, and index.shards is its shard count" $shards (int $v.shards)) }}
+{{- end }}
+{{- $dir := "" }}
+{{- if $g.indexDir }}
+{{- $dir = $g.indexDir }}
+{{- else if $first }}
+{{- $dir = ternary "/var/lib/gtr/trained" "/var/lib/gtr/data/index" (not (empty $v.trainedIndex.existingClaim)) }}
+{{- else }}
+{{- $dir = printf "%s/%s" (trimSuffix "/" $v.generationsVolume.mountPath) $g.name }}
+{{- end }}
+{{- $items = append $items (dict "name" $g.name "shards" $shards "replicas" (int ($g.replicas | default $v.replicas)) "indexDir" $dir "first" $first) }}
+{{- end }}
+{{- toYaml (dict "items" $items) }}
+{{- end }}
+
+{{/* StatefulSet / Service name of a generation's shard: (dict "root" $ "gen" "g2" "shard" 0).
+g1 keeps the names it had before generations existed. */}}
+{{- define "gtr.generationShardName" -}}
+{{- if eq .gen "g1" }}
+{{- include "gtr.shardName" (dict "root" .root "shard" .shard) }}
+{{- else }}
+{{- printf "%s-%s-shard-%d" (include "gtr.fullname" .root) .gen (int .shard) }}
+{{- end }}
+{{- end }}
+
+{{/* Value of the gtr-retrieval.io/shard label of a generation's shard: "<s>" for g1 (as
+before generations), "<gen>.<s>" otherwise, so that no selector of one generation's
+shard matches another generation's pods. */}}
+{{- define "gtr.shardLabel" -}}
+{{- if eq .gen "g1" }}{{ .shard }}{{ else }}{{ printf "%s.%d" .gen (int .shard) }}{{ end }}
+{{- end }}
+
+{{/* A generation's shard addresses in the --shards syntax: (dict "root" $ "gen" (dict
+"name" "g2" "shards" 3 "replicas" 2)); shards and replicas default to index's. */}}
+{{- define "gtr.generationTargets" -}}
+{{- $root := .root }}
+{{- $ns := $root.Release.Namespace }}
+{{- $v := $root.Values.index }}
+{{- $gen := .gen.name }}
+{{- $replicas := int (.gen.replicas | default $v.replicas) }}
 {{- $targets := list }}
-{{- range $s := until (int .Values.index.shards) }}
-{{- $svc := printf "%s-headless" (include "gtr.shardName" (dict "root" $root "shard" $s)) }}
-{{- if eq $root.Values.index.gatewayAddressing "pods" }}
+{{- range $s := until (int (.gen.shards | default $v.shards)) }}
+{{- $name := include "gtr.generationShardName" (dict "root" $root "gen" $gen "shard" $s) }}
+{{- $svc := printf "%s-headless" $name }}
+{{- if eq $v.gatewayAddressing "pods" }}
 {{- $pods := list }}
-{{- range $r := until (int $root.Values.index.replicas) }}
-{{- $pods = append $pods (printf "%s-%d.%s.%s.svc:%d" (include "gtr.shardName" (dict "root" $root "shard" $s)) $r $svc $ns (int $root.Values.index.port)) }}
+{{- range $r := until $replicas }}
+{{- $pods = append $pods (printf "%s-%d.%s.%s.svc:%d" $name $r $svc $ns (int $v.port)) }}
 {{- end }}
 {{- $targets = append $targets (join "," $pods) }}
 {{- else }}
-{{- $targets = append $targets (printf "dns:///%s.%s.svc:%d" $svc $ns (int $root.Values.index.port)) }}
+{{- $targets = append $targets (printf "dns:///%s.%s.svc:%d" $svc $ns (int $v.port)) }}
 {{- end }}
 {{- end }}
 {{- join ";" $targets }}
+{{- end }}
+
+{{/* True when the generations volume is mounted anywhere: a generation other than g1 is
+listed, or the rollout Job or the drift watcher runs. */}}
+{{- define "gtr.generationsVolumeUsed" -}}
+{{- $v := .Values.index }}
+{{- $others := false }}
+{{- range $g := $v.generations }}{{ if ne $g.name "g1" }}{{ $others = true }}{{ end }}{{ end }}
+{{- if or $others $v.rollout.enabled $v.drift.autoRollout.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The claim of the generations volume. */}}
+{{- define "gtr.generationsClaim" -}}
+{{- default (printf "%s-generations" (include "gtr.fullname" .)) .Values.index.generationsVolume.existingClaim }}
+{{- end }}
+
+{{/* The arguments of `index rollout` that the Job and the drift watcher share (where the
+store, Triton, the model repository and the generations volume are). */}}
+{{- define "gtr.rolloutCommonArgs" -}}
+- --triton-url={{ printf "dns:///%s-triton-headless.%s.svc:%d" (include "gtr.fullname" .) .Release.Namespace (int .Values.encoder.ports.grpc) }}
+- --index-root={{ .Values.index.generationsVolume.mountPath }}
+{{- with .Values.index.rollout }}
+{{- if .batch }}
+- --batch={{ .batch }}
+{{- end }}
+{{- if .sample }}
+- --sample={{ .sample }}
+{{- end }}
+{{- range .extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Host name of the in-release Redis. */}}

@@ -1,0 +1,342 @@
+"""The chart's index generations (issue #24): the shards of every listed generation, the
+rollout Job, the drift watcher, Triton's repository sync; rendered offline with
+helm-python-sdk, every manifest validated against the Kubernetes 1.33 schemas
+(kubernetes-validate, strict), linted and checked by checkov like the rest of the chart
+(tests/unit/test_deploy_chart.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.cli.main import build_parser
+from services.common.settings import load_settings
+from services.gateway.settings import parse_shard_addresses
+from services.index.server.settings import ShardSettings
+from tests.unit.test_deploy_chart import (
+    ALLOWED_SKIPS,
+    CHART,
+    KUBE_VERSION,
+    NAMESPACE,
+    PREPARE_SCRIPT,
+    RELEASE,
+    Manifest,
+    _checkov,
+    component,
+    configmap_data,
+    helm,
+    kubernetes_validate,
+    of_kind,
+    render,
+    with_auth,
+)
+
+FULL = f"{RELEASE}-gtr-retrieval"
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[Any]:
+    helm.disable_logging()
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+G2 = {"name": "g2", "shards": 3}
+ROLLING: dict[str, Any] = {
+    "index": {
+        "generations": [{"name": "g1"}, G2],
+        "rollout": {"enabled": True, "name": "to-g2"},
+        "drift": {"autoRollout": {"enabled": True, "threshold": 2.0, "window": "1h"}},
+    },
+    "encoder": {"flavor": "cpu", "repositorySync": {"enabled": True}},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+}
+NEW_ENCODER: dict[str, Any] = {
+    "index": {
+        "generations": [{"name": "g1"}, {"name": "g2"}],
+        "rollout": {
+            "enabled": True,
+            "name": "minilm-v2",
+            "retrain": False,
+            "encoder": {"existingClaim": "checkpoints", "path": "minilm-v2"},
+        },
+    },
+    "encoder": {"flavor": "cpu", "repositorySync": {"enabled": True}},
+}
+
+
+def shard_sets(docs: list[Manifest], generation: str) -> list[Manifest]:
+    found = [
+        d
+        for d in of_kind(docs, "StatefulSet")
+        if component(d) == "index"
+        and d["spec"]["template"]["metadata"]["labels"].get("gtr-retrieval.io/generation", "g1")
+        == generation
+    ]
+    return sorted(found, key=lambda d: d["metadata"]["name"])
+
+
+def container(doc: Manifest, name: str | None = None) -> dict[str, Any]:
+    spec = doc["spec"]["template"]["spec"]
+    if name is None:
+        return dict(spec["containers"][0])
+    return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name)
+
+
+def parse(argv: list[str]) -> Any:
+    """The rendered arguments, parsed by the real CLI (a flag it does not know fails)."""
+    args, extra = build_parser().parse_known_args(argv)
+    assert extra == [], extra
+    return args
+
+
+@pytest.mark.parametrize("values", [ROLLING, NEW_ENCODER], ids=["retrain-drift", "new-encoder"])
+def test_generation_manifests_validate_and_lint(chart: Any, values: dict[str, Any]) -> None:
+    docs = render(chart, values)
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        assert len(doc["metadata"]["name"]) <= 63
+    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys))
+    report = helm.lint(
+        CHART, with_auth(values), strict=True, namespace=NAMESPACE,
+        kube_version=f"v{KUBE_VERSION}",
+    )  # fmt: skip
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_the_default_is_generation_g1_as_before(chart: Any) -> None:
+    """One g1 generation by default: the shards keep their names, labels and arguments (no
+    --generation, no init container, no generations volume), and nothing else is made."""
+    docs = render(chart)
+    sets = shard_sets(docs, "g1")
+    assert [s["metadata"]["name"] for s in sets] == [f"{FULL}-shard-0", f"{FULL}-shard-1"]
+    for s, sts in enumerate(sets):
+        pod = sts["spec"]["template"]["spec"]
+        assert "initContainers" not in pod
+        assert not any(a.startswith("--generation") for a in container(sts)["args"])
+        assert "generations" not in {v["name"] for v in pod["volumes"]}
+        assert sts["spec"]["selector"]["matchLabels"]["gtr-retrieval.io/shard"] == str(s)
+    assert not [d for d in docs if component(d) in {"rollout", "drift"}]
+    assert not [d for d in of_kind(docs, "PersistentVolumeClaim") if "generations" in str(d)]
+
+
+def test_each_generation_gets_its_own_shards(chart: Any) -> None:
+    docs = render(chart, {"index": {"generations": [{"name": "g1"}, G2]}})
+    assert len(shard_sets(docs, "g1")) == 2
+    g2 = shard_sets(docs, "g2")
+    assert [s["metadata"]["name"] for s in g2] == [f"{FULL}-g2-shard-{s}" for s in range(3)]
+    services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
+    addresses = ";".join(
+        f"dns:///{FULL}-g2-shard-{s}-headless.{NAMESPACE}.svc:50061" for s in range(3)
+    )
+    for s, sts in enumerate(g2):
+        shard = container(sts)
+        # the shard's own settings class takes the rendered flags
+        settings = load_settings(ShardSettings, shard["args"][2:], prog="index serve")
+        assert (settings.shard, settings.shards, settings.generation) == (s, 3, "g2")
+        assert f"--shard={s}" in shard["args"] and "--shards=3" in shard["args"]
+        assert "--generation=g2" in shard["args"]
+        assert "--index-dir=/var/lib/gtr/generations/g2" in shard["args"]
+        # no selector of g2 matches a g1 pod and no g1 selector a g2 pod
+        selector = sts["spec"]["selector"]["matchLabels"]
+        assert selector["gtr-retrieval.io/shard"] == f"g2.{s}"
+        for g1 in shard_sets(docs, "g1"):
+            g1_labels = g1["spec"]["template"]["metadata"]["labels"]
+            assert not selector.items() <= g1_labels.items()
+            pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+            assert not g1["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        headless = services[f"{FULL}-g2-shard-{s}-headless"]
+        assert headless["spec"]["selector"] == selector
+        # the pods wait for the rollout to train g2, then publish its addresses
+        wait = container(sts, "await-generation")
+        waited = parse(wait["args"])
+        assert waited.generation == "g2" and waited.addresses == addresses
+        assert waited.index_dir == "/var/lib/gtr/generations/g2"
+        assert parse_shard_addresses(waited.addresses) == [[a] for a in addresses.split(";")]
+        mounts = {m["name"]: m for m in shard["volumeMounts"]}
+        assert mounts["generations"]["mountPath"] == "/var/lib/gtr/generations"
+        assert mounts["generations"]["readOnly"] is True
+    claims = [d for d in of_kind(docs, "PersistentVolumeClaim") if component(d) == "index"]
+    assert [c["metadata"]["name"] for c in claims] == [f"{FULL}-generations"]
+    assert claims[0]["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claims[0]["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # the gateway keeps g1's shards as its fallback; the serving one comes from the alias
+    gateway_shards = configmap_data(docs, "gateway")["GTR_GATEWAY_SHARDS"]
+    assert "g2" not in gateway_shards and gateway_shards.count(";") == 1
+
+
+def test_pod_addressing_names_each_generations_pods(chart: Any) -> None:
+    docs = render(
+        chart,
+        {"index": {"gatewayAddressing": "pods", "generations": [{"name": "g3", "replicas": 3}]}},
+    )
+    wait = parse(container(shard_sets(docs, "g3")[0], "await-generation")["args"])
+    shards = parse_shard_addresses(wait.addresses)
+    assert len(shards) == 2 and all(len(r) == 3 for r in shards)
+    assert shards[1][2] == f"{FULL}-g3-shard-1-2.{FULL}-g3-shard-1-headless.{NAMESPACE}.svc:50061"
+    assert shard_sets(docs, "g1") == []
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"index": {"generations": [{"name": "g1", "shards": 3}]}}, "index.shards is 2"),
+        ({"index": {"generations": [{"name": "g2"}, {"name": "g2"}]}}, "lists g2 twice"),
+        ({"index": {"rollout": {"enabled": True}}}, "/index/rollout/name"),
+        ({"index": {"rollout": {"enabled": True, "name": "x", "retrain": False}}}, "encoder"),
+        ({"index": {"generations": [{"name": "blue"}]}}, "/index/generations/0/name"),
+        ({"index": {"generations": []}}, "/index/generations"),
+        ({"index": {"drift": {"autoRollout": {"threshold": 0.9}}}}, "threshold"),
+        ({"index": {"drift": {"autoRollout": {"window": "soon"}}}}, "window"),
+        ({"index": {"rollout": {"name": "Not_A_Name"}}}, "/index/rollout/name"),
+    ],
+)
+def test_bad_generation_values_are_refused(
+    chart: Any, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as err:
+        chart.render(with_auth(values), name=RELEASE, namespace=NAMESPACE)
+    assert message in str(err.value)
+
+
+def test_the_rollout_job_resumes_and_fails_fast_on_bad_input(chart: Any) -> None:
+    docs = render(chart, ROLLING)
+    (job,) = of_kind(docs, "Job")
+    assert job["metadata"]["name"] == f"{FULL}-rollout-to-g2"
+    spec = job["spec"]
+    assert spec["backoffLimit"] == 20 and spec["podReplacementPolicy"] == "Failed"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0]["action"] == "FailJob" and rules[0]["onExitCodes"]["values"] == [2]
+    rollout = container(job)
+    args = rollout["args"]
+    assert args[:3] == ["index", "rollout", "--retrain"]
+    assert "--redis-url=$(GTR_ROLLOUT_REDIS_URL)" in args and "--yes" in args
+    assert f"--triton-url=dns:///{FULL}-triton-headless.{NAMESPACE}.svc:8001" in args
+    assert "--index-root=/var/lib/gtr/generations" in args and "--metrics-port=9100" in args
+    mounts = {m["name"]: m for m in rollout["volumeMounts"]}
+    assert "readOnly" not in mounts["generations"]  # the builder writes the trained index
+    assert {p["name"]: p["containerPort"] for p in rollout["ports"]} == {"metrics": 9100}
+    metrics = next(
+        d for d in of_kind(docs, "Service") if d["metadata"]["name"] == f"{FULL}-rollout"
+    )
+    assert metrics["spec"]["selector"]["app.kubernetes.io/component"] == "rollout"
+    # the serving generation is never chosen by a workload: no argument or setting names it
+    for doc in (d for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}):
+        pod = doc["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            words = c.get("args", []) + [e["name"] for e in c.get("env", [])]
+            assert not [w for w in words if "serving" in w.lower()], doc["metadata"]["name"]
+    for data in (d.get("data", {}) for d in of_kind(docs, "ConfigMap")):
+        assert not [k for k in data if "SERVING" in k.upper()]
+
+
+def test_a_new_encoder_rollout_publishes_into_the_model_repository(chart: Any) -> None:
+    docs = render(chart, NEW_ENCODER)
+    (job,) = of_kind(docs, "Job")
+    rollout = container(job)
+    assert "--encoder=/encoders/minilm-v2" in rollout["args"]
+    assert "--triton-repo=/model-src" in rollout["args"] and "--retrain" not in rollout["args"]
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model-source"]["persistentVolumeClaim"]["claimName"] == "gtr-model-repository"
+    assert volumes["encoders"]["persistentVolumeClaim"] == {
+        "claimName": "checkpoints", "readOnly": True,
+    }  # fmt: skip
+    # every Triton pod links and loads the new version beside the serving one
+    triton = next(d for d in of_kind(docs, "Deployment") if component(d) == "triton")
+    sync = container(triton, "repository-sync")
+    assert sync["args"][:4] == ["/model-src", "/models", "2", "KIND_CPU"]
+    assert sync["args"][4:] == ["--watch", "10", "--triton-http", "http://127.0.0.1:8000"]
+    mounts = {m["name"]: m.get("readOnly", False) for m in sync["volumeMounts"]}
+    assert mounts == {"model-source": True, "models": False, "scripts": True}
+
+
+def test_the_drift_watcher_runs_the_same_rollout(chart: Any) -> None:
+    docs = render(chart, ROLLING)
+    drift = next(d for d in of_kind(docs, "Deployment") if component(d) == "drift")
+    assert drift["spec"]["replicas"] == 1 and drift["spec"]["strategy"]["type"] == "Recreate"
+    watch = container(drift)
+    args = parse(watch["args"])
+    assert (args.threshold, args.window, args.interval) == (2.0, 3600.0, 60.0)
+    assert args.shards == configmap_data(docs, "gateway")["GTR_GATEWAY_SHARDS"]
+    (job,) = of_kind(docs, "Job")
+    job_args = container(job)["args"]
+    shared = [a for a in job_args if a.startswith(("--triton-url", "--index-root"))]
+    assert [a for a in args.rollout_arg if not a.startswith("--metrics-port")] == shared
+    assert "--metrics-port=9101" in args.rollout_arg
+    ports = {p["name"]: p["containerPort"] for p in watch["ports"]}
+    assert ports == {"metrics": 9100, "rollout-metrics": 9101}
+    monitor = of_kind(docs, "ServiceMonitor")[0]
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics", "rollout-metrics"]
+
+
+def test_the_builders_may_reach_redis_the_shards_and_triton(chart: Any) -> None:
+    docs = render(chart, ROLLING)
+    policies = {component(p): p for p in of_kind(docs, "NetworkPolicy")}
+    for target in ("index", "triton", "redis"):
+        peers = policies[target]["spec"]["ingress"][0]["from"]
+        names = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers]
+        assert {"rollout", "drift"} <= set(names), (target, names)
+    for builder in ("rollout", "drift"):
+        ingress = policies[builder]["spec"]["ingress"]
+        assert len(ingress) == 1  # their metrics only
+    pods = [d for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}]
+    selectors = [p["spec"]["podSelector"]["matchLabels"] for p in policies.values()]
+    for pod in pods:
+        labels = pod["spec"]["template"]["metadata"]["labels"]
+        assert any(sel.items() <= labels.items() for sel in selectors), pod["metadata"]["name"]
+
+
+def test_checkov_passes_on_generations(chart: Any, tmp_path: Path) -> None:
+    checkov = _checkov()
+    if checkov is None:
+        pytest.skip("checkov is not installed (scripts/bootstrap.sh installs it)")
+    docs = render(chart, ROLLING)
+    manifests = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    (tmp_path / "manifests.yaml").write_text(yaml.safe_dump_all(manifests), encoding="utf-8")
+    done = subprocess.run(
+        [checkov, "-d", str(tmp_path), "--framework", "kubernetes", "--skip-download",
+         "--output", "json"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    report = json.loads(done.stdout)
+    report = report[0] if isinstance(report, list) else report
+    failed = [(c["check_id"], c["resource"]) for c in report["results"]["failed_checks"]]
+    assert failed == [], failed
+    skipped = {c["check_id"] for c in report["results"]["skipped_checks"]}
+    assert skipped <= ALLOWED_SKIPS, skipped - ALLOWED_SKIPS
+
+
+def test_repository_sync_links_a_published_version_and_unlinks_a_removed_one(
+    tmp_path: Path,
+) -> None:
+    source, dest = tmp_path / "src", tmp_path / "models"
+    embed = source / "embed"
+    (embed / "1").mkdir(parents=True)
+    config = 'name: "embed"\ninstance_group { count: 1 kind: KIND_CPU }\n'
+    (embed / "config.pbtxt").write_text(config)
+    sys.path.insert(0, str(PREPARE_SCRIPT.parent))
+    try:
+        import prepare_model_repository as prep
+    finally:
+        sys.path.pop(0)
+    assert prep.stage(str(source), str(dest), 2, "KIND_CPU") == (["embed"], ["embed"])
+    assert prep.stage(str(source), str(dest), 2, "KIND_CPU") == (["embed"], [])  # unchanged
+    (embed / "2").mkdir()  # a rollout published version 2
+    (embed / "config.pbtxt").write_text(config + "version_policy { all {} }\n")
+    assert prep.stage(str(source), str(dest), 2, "KIND_CPU")[1] == ["embed"]
+    assert (dest / "embed" / "2").resolve() == (embed / "2").resolve()
+    assert "version_policy" in (dest / "embed" / "config.pbtxt").read_text()
+    (embed / "1").rmdir()  # retired
+    assert prep.stage(str(source), str(dest), 2, "KIND_CPU")[1] == ["embed"]
+    assert sorted(p.name for p in (dest / "embed").iterdir()) == ["2", "config.pbtxt"]
