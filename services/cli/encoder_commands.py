@@ -169,7 +169,7 @@ def _repo(args: argparse.Namespace) -> int:
 def _publish(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from services.encoder.build.versions import publish_version
+    from services.encoder.serve.versions import publish_version
 
     spec = publish_version(Path(args.repo), Path(args.model_dir), args.triton_url)
     if args.json:

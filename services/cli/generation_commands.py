@@ -315,6 +315,7 @@ def _progress(args: argparse.Namespace) -> Any:
 
 
 def _rollout(args: argparse.Namespace) -> int:
+    from services.common.errors import FailedPrecondition
     from services.index.generations import Registry
     from services.index.rollout.builder import RolloutPlan
 
@@ -333,6 +334,11 @@ def _rollout(args: argparse.Namespace) -> int:
         return 0
     running = registry.rollout()
     serving = registry.serving()
+    if running is not None and args.encoder is not None:
+        raise FailedPrecondition(
+            f"a rollout to {running.get('target')} is recorded (phase {running.get('phase')}): "
+            "resume it with `index rollout` (no --encoder) or `index rollout --abort` first"
+        )
     if running is None:
         shards = args.shards or serving.num_shards
         change = (
@@ -345,6 +351,10 @@ def _rollout(args: argparse.Namespace) -> int:
             f"{change}, {shards} shards.\n{COST}\nGo ahead?"
         )
     else:
+        # a live builder or other options: refused (naming it) before asking anything
+        _builder(args, places, client, None).check_resumable(
+            running, RolloutPlan(num_shards=args.shards, retrain=args.retrain)
+        )
         question = (
             f"resume the rollout to {running.get('target')} from {running.get('source')} "
             f"(phase {running.get('phase')})?"
@@ -352,7 +362,7 @@ def _rollout(args: argparse.Namespace) -> int:
     if not _confirm(args, question):
         return 1
     encoder = None
-    if args.encoder is not None and running is None:
+    if args.encoder is not None:
         encoder = _publish(args, places)
     plan = RolloutPlan(encoder=encoder, num_shards=args.shards, retrain=args.retrain)
     progress = _progress(args)
@@ -371,7 +381,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
 def _publish(args: argparse.Namespace, places: Places) -> Any:
     from services.common.errors import FailedPrecondition
-    from services.encoder.build.versions import publish_version
+    from services.encoder.serve.versions import publish_version
 
     if places.triton_repo is None:
         raise FailedPrecondition(

@@ -84,3 +84,8 @@ def validate_request(texts: Sequence[str], kind: str, max_batch: int) -> list[st
     except TextError as exc:
         raise InvalidArgument(str(exc)) from None
     return items
+
+
+def version_key(version: int, key: str) -> str:
+    """The config parameter ``key`` of one model version: ``version.<n>.<key>``."""
+    return f"version.{version}.{key}"

@@ -27,11 +27,11 @@ from services.common.errors import FailedPrecondition
 from services.common.status import status_of
 from services.encoder.build.export import row_cosines
 from services.encoder.build.repository import RepositoryConfig, generate_repository
-from services.encoder.build.versions import publish_version, served_versions
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import Kind
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
+from services.encoder.serve.versions import publish_version, served_versions
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,

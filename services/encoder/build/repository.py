@@ -8,7 +8,7 @@ Both flavours expose the same model ``embed``:
   train --arch ade*``) puts both graphs in ``embed/1/`` and ``KIND`` picks the tower of
   each row (parameters ``onnx_file`` and ``document_onnx_file``); clients see no change.
   The model serves every version folder (``version_policy: all``): ``encoder publish``
-  (``services/encoder/build/versions.py``) adds the next encoder as ``embed/<n>/``,
+  (``services/encoder/serve/versions.py``) adds the next encoder as ``embed/<n>/``,
   each folder with its own graph(s), tokenizer and model code, and describes it in the
   parameters ``version.<n>.*`` (source model, dim, digest, graph files), which the
   model's versions and the client (``TritonEncoder.connect``) overlay on the shared ones.
@@ -44,7 +44,7 @@ from services.encoder.build.tensorrt_build import (
 )
 from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
 from services.encoder.profiles import ModelProfile
-from services.encoder.runtime.triton_client import version_key
+from services.encoder.base import version_key
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"

@@ -67,7 +67,7 @@ from services.common.errors import (
 )
 from services.common.retry import RetryPolicy, channel_options
 from services.common.tls import ClientTLS, Rotating
-from services.encoder.base import Embeddings, Encoder, validate_request
+from services.encoder.base import Embeddings, Encoder, validate_request, version_key
 from services.encoder.profiles import Kind
 
 KSERVE_SERVICE = "inference.GRPCInferenceService"
@@ -206,11 +206,6 @@ class ModelVersionInfo:
     source_model: str  # the checkpoint's name (or the Triton model's, if none recorded)
     dim: int
     digest: str  # of the version's graph(s) and tokenizer; "" for a repository from before
-
-
-def version_key(version: int, key: str) -> str:
-    """The config parameter ``key`` of one model version: ``version.<n>.<key>``."""
-    return f"version.{version}.{key}"
 
 
 def version_params(params: dict[str, str], version: int) -> dict[str, str]:
