@@ -254,3 +254,20 @@ def test_a_shard_of_an_unknown_generation_or_shard_count_refuses_to_start(
 def test_the_generation_setting_takes_generation_names_only() -> None:
     with pytest.raises(ValueError, match="is not a generation name"):
         ShardSettings(shard=0, shards=1, generation="blue", index_dir="x", snapshot_dir="y")
+
+
+def test_a_replica_refuses_a_snapshot_folder_of_another_generation(store: Store) -> None:
+    """g2's first replica wrote its snapshot folder's generation; a g1 replica pointed at
+    it (a copy-paste of the settings) refuses to load positions of another log."""
+    folder = store.shards[0].snapshot_dir
+    assert (folder / "GENERATION").read_text().strip() == "g2"
+    settings = ShardSettings(
+        shard=0,
+        shards=BASE,
+        redis_url=store.url,
+        index_dir=str(store.index_dir),
+        snapshot_dir=str(folder),
+        text_index=False,
+    )
+    with pytest.raises(FailedPrecondition, match="snapshots of generation g2, this replica"):
+        ShardReplica(settings)

@@ -63,6 +63,7 @@ class ShardReplica:
         self.metrics = metrics
         self.trained = TrainedIndex.load(Path(config.index_dir))
         self.text_config = config.text_config()
+        claim_snapshot_folder(Path(config.snapshot_dir), config.generation)
         self.shard, snapshot = load_newest(
             Path(config.snapshot_dir), self.trained, self.text_config
         )
@@ -399,6 +400,29 @@ class ShardReplica:
         except redis.RedisError as exc:
             raise Unavailable(f"reading the log tail of shard {self.config.shard}: {exc}") from exc
         return reply[0][0].decode() if reply else positions.ZERO
+
+
+GENERATION_FILE = "GENERATION"  # in a snapshot folder: the generation its snapshots follow
+
+
+def claim_snapshot_folder(directory: Path, generation: str) -> None:
+    """Record in ``directory`` the index generation its snapshots follow; FailedPrecondition
+    when it holds another generation's: their positions are another log's, so a replay
+    from them would skip or misapply changes. A folder with snapshots and no
+    :data:`GENERATION_FILE` was written before generations existed: g1's."""
+    marker = directory / GENERATION_FILE
+    if marker.is_file():
+        found: str | None = marker.read_text().strip()
+    else:
+        found = FIRST_GENERATION if list_snapshots(directory) else None
+    if found is not None and found != generation:
+        raise FailedPrecondition(
+            f"{directory} holds snapshots of generation {found}, this replica serves "
+            f"generation {generation}: give it a snapshot folder of its own"
+        )
+    if not marker.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        marker.write_text(generation + "\n")
 
 
 def _retrieve(task: asyncio.Task[str]) -> None:
