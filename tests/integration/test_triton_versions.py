@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import pytest
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.status import status_of
 from services.encoder.build.export import row_cosines
 from services.encoder.build.repository import RepositoryConfig, generate_repository
@@ -188,3 +188,18 @@ def test_the_gpu_flavour_is_refused_and_nothing_changes(served: Served, tmp_path
     with pytest.raises(FailedPrecondition, match=r"gpu flavour .* cannot serve a second encoder"):
         publish_version(repo, export)
     assert _snapshot(repo) == before
+
+
+def test_a_publish_triton_cannot_load_is_undone(served: Served) -> None:
+    """All or nothing: when the Triton to load it cannot be asked, the new version's
+    folder and parameters are taken back out (the serving Triton never saw them)."""
+    third = ensure_second_encoder(served.base, seed=3)  # not published: a new version
+    export = ensure_onnx(third, served.base).parent
+    before, ready = _snapshot(served.repo), _ready_versions(served.handle)
+    nobody = f"127.0.0.1:{free_port()}"
+    # the serving Triton loads it, the second cannot be asked: both are put back
+    with pytest.raises(Unavailable, match=f"Triton at {nobody} could not be asked"):
+        publish_version(served.repo, export, f"{served.handle.grpc_url},{nobody}")
+    assert _snapshot(served.repo) == before
+    assert not list((served.repo / "embed").glob(".staging-*"))
+    assert _ready_versions(served.handle) == ready

@@ -80,14 +80,16 @@ def _add_dense(root: Path, *, in_dim: int, out_dim: int, generator: object) -> N
     save_file({"linear.weight": weight.contiguous()}, str(dense / "model.safetensors"))
 
 
-def ensure_second_encoder(base: Path, *, out_dim: int | None = None) -> Path:
+def ensure_second_encoder(base: Path, *, out_dim: int | None = None, seed: int = 1) -> Path:
     """The perturbed MiniLM under ``base`` (built on first use, then reused):
-    ``base/all-MiniLM-L6-v2-perturbed`` (384-d) or ``…-perturbed-<out_dim>d``."""
-    name = "all-MiniLM-L6-v2-perturbed" + (f"-{out_dim}d" if out_dim else "")
+    ``base/all-MiniLM-L6-v2-perturbed`` (384-d), ``…-perturbed-<out_dim>d`` or, for
+    another ``seed`` (a third encoder), ``…-perturbed-s<seed>``."""
+    name = ("all-MiniLM-L6-v2-perturbed" + (f"-{out_dim}d" if out_dim else "")
+            + (f"-s{seed}" if seed != 1 else ""))  # fmt: skip
     root = Path(base) / name
     if not (root / "modules.json").exists():
         staging = Path(base) / f".{name}.building"
-        build_second_encoder(staging, out_dim=out_dim)
+        build_second_encoder(staging, out_dim=out_dim, seed=seed)
         shutil.rmtree(root, ignore_errors=True)
         staging.rename(root)
     return root
