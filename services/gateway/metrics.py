@@ -196,3 +196,57 @@ class QueryCacheMetrics:
                 registry=registry,
             ),
         )
+
+
+@dataclass
+class GenerationMetrics:
+    """Which index generation this gateway serves, and the writes a switch moved
+    (services/gateway/generations.py; docs/generations.md)."""
+
+    epoch: Gauge
+    serving_generation: Gauge
+    moved_writes: Counter
+    refresh_errors: Counter
+    _named: str = ""
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> GenerationMetrics:
+        return cls(
+            epoch=Gauge(
+                "gateway_generation_alias_epoch",
+                "Epoch of the generations alias as this gateway last read it (one more per "
+                "switch of the serving generation).",
+                registry=registry,
+            ),
+            serving_generation=Gauge(
+                "gateway_serving_generation",
+                "1 for the index generation this gateway answers with (the alias's "
+                "serving one as it last read it).",
+                ["generation"],
+                registry=registry,
+            ),
+            moved_writes=Counter(
+                "gateway_generation_moved_writes_total",
+                "Writes refused by a moved writer gate (a switch of the serving generation) "
+                "and written again to the new one; a write that runs out of deadline meanwhile "
+                "is answered UNAVAILABLE.",
+                registry=registry,
+            ),
+            refresh_errors=Counter(
+                "gateway_generation_alias_refresh_errors_total",
+                "Background reads of the generations alias that failed (the gateway serves on "
+                "with the generation it knows).",
+                registry=registry,
+            ),
+        )
+
+    def serving(self, generation: str, epoch: int) -> None:
+        self.epoch.set(epoch)
+        if generation != self._named:
+            if self._named:
+                self.serving_generation.labels(self._named).set(0)
+            self.serving_generation.labels(generation).set(1)
+            self._named = generation
+
+    def refresh_failed(self) -> None:
+        self.refresh_errors.inc()

@@ -1,5 +1,12 @@
 """The gateway's core: search = encode → fan-out → fetch → (rerank); writes = encode → log.
 
+Each request is served by one index generation (docs/generations.md): the pipelines take
+its parts (encoder, shards, documents, logs) from a
+:class:`~services.gateway.generations.GenerationSource` at the start of the request, and
+the answer names it. A write that finds its generation's writer gate moved (a switch)
+is encoded again with the new generation's encoder and written there, within its
+deadline.
+
 A search's first stage is dense (the query embedding), sparse (BM25 in the shards' text
 indexes; the query is not encoded) or hybrid (both lists from one fan-out, each merged
 over the shards by the router, then fused here by :mod:`services.common.fusion`); the
@@ -24,7 +31,13 @@ import numpy as np
 
 from services.common.deadline import Deadline
 from services.common.domain import IndexResult
-from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
+from services.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    GenerationMoved,
+    NotFound,
+    Unavailable,
+)
 from services.common.fusion import Fusion, Mode, RetrievalDefaults, fuse_hits
 from services.common.limits import Limits
 from services.encoder.base import Embeddings
@@ -38,18 +51,12 @@ from services.gateway.domain import (
     Timings,
     WriteResult,
 )
+from services.gateway.generations import Bundle, GenerationSource, Serving, resolve_token
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.ports import (
-    DocRecord,
-    DocumentStore,
-    DocumentWriter,
-    Encoder,
-    LogTails,
-    Reranker,
-    VectorIndex,
-)
+from services.gateway.ports import DocRecord, Reranker
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.texts import cut_for_encoder
+from services.index.keys import CLOSED
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +164,32 @@ def _group_key(q: SearchQuery, fetch_k: int, stage: _Stage) -> tuple[object, ...
     )
 
 
+# A write refused by its writer gate (a switch of the serving generation) is written again
+# to the new serving generation after this pause, doubled per refusal up to the maximum,
+# within the write's deadline (docs/generations.md: a switch pauses writes for its drain).
+MOVED_BACKOFF_S = 0.01
+MOVED_BACKOFF_MAX_S = 0.2
+
+
+def with_resolved_token(q: SearchQuery, serving: Serving) -> SearchQuery:
+    """``q`` with its write token as positions in ``serving``'s logs
+    (:func:`~services.gateway.generations.resolve_token`). A SESSION token that leaves
+    nothing to wait for (the serving generation's logs were empty at its switch) is read
+    as EVENTUAL."""
+    if not q.write_token and not q.token_origin.epoch:
+        return q
+    token = resolve_token(q.write_token, q.token_origin, serving)
+    if token == q.write_token and q.token_origin.epoch == serving.epoch:
+        return q
+    consistency = q.consistency
+    if consistency is Consistency.SESSION and not token:
+        consistency = Consistency.EVENTUAL
+    return dataclasses.replace(q, write_token=token, consistency=consistency)
+
+
 @dataclass
 class SearchPipeline:
-    encoder: Encoder
-    index: VectorIndex
-    documents: DocumentStore
-    tails: LogTails
+    source: GenerationSource
     reranker: Reranker | None = None
     limits: Limits = field(default_factory=Limits)
     metrics: GatewayMetrics | None = None
@@ -186,10 +213,36 @@ class SearchPipeline:
         start = time.perf_counter()
         budget = self.default_timeout_s if timeout is None else timeout
         deadline = Deadline.after(budget)
+        serving = self.source.current()
+        newest = max(q.token_origin.epoch for q in queries)
+        if newest > serving.epoch:  # a token of a switch this gateway has not seen yet
+            serving = await bounded(self.source.at_least(newest), deadline, "reading the alias")
+        with self.source.lease(serving) as parts:
+            results = await self._search_on(
+                serving, parts, [with_resolved_token(q, serving) for q in queries],
+                budget, deadline, batch,
+            )  # fmt: skip
+        total_ms = _ms(start)
+        for result in results:
+            result.timings.total_ms = total_ms
+        if self.metrics is not None:
+            self.metrics.observe_request(results, None if batch else queries[0].rerank)
+        return results
+
+    async def _search_on(
+        self,
+        serving: Serving,
+        parts: Bundle,
+        queries: Sequence[SearchQuery],
+        budget: float,
+        deadline: Deadline,
+        batch: bool,
+    ) -> list[SearchResult]:
+        """The search, wholly on one generation's parts."""
         if batch:
-            validation.check_batch(queries, self.limits, self.index.num_shards)
+            validation.check_batch(queries, self.limits, parts.index.num_shards)
         else:
-            validation.check_query(queries[0], self.limits, self.index.num_shards)
+            validation.check_query(queries[0], self.limits, parts.index.num_shards)
         if any(q.rerank for q in queries) and self.reranker is None:
             raise FailedPrecondition("rerank: no rerank service is configured on this gateway")
 
@@ -199,18 +252,18 @@ class SearchPipeline:
         stages = [self._stage(q, fk) for q, fk in zip(queries, fetch_ks, strict=True)]
 
         t = time.perf_counter()
-        vectors, truncated, cached = await self._embed_dense(queries, stages, deadline)
+        vectors, truncated, cached = await self._embed_dense(parts, queries, stages, deadline)
         encode_ms = _ms(t) if any(s.dense_k for s in stages) else 0.0  # sparse: no encode
 
         t = time.perf_counter()
-        routed = await self._strong_as_session(queries, deadline)
+        routed = await self._strong_as_session(parts, queries, deadline)
         found = await self._search_index(
-            routed, fetch_ks, stages, vectors, search_deadline(deadline, budget)
+            parts, routed, fetch_ks, stages, vectors, search_deadline(deadline, budget)
         )
         search_ms = _ms(t)
 
         index_results = [(f.hits, f.missing) for f in found]
-        fetch_ms = await self._fetch_documents(queries, depths, index_results, deadline)
+        fetch_ms = await self._fetch_documents(parts, queries, depths, index_results, deadline)
         results = await asyncio.gather(
             *[
                 self._finish(q, plan, hits, missing, deadline)
@@ -222,17 +275,14 @@ class SearchPipeline:
             result.fusion = stage.fusion
             result.sparse_missing_shards = f.sparse_missing
             result.partial = result.partial or bool(f.sparse_missing)
-        total_ms = _ms(start)
         for result, cut, from_cache in zip(results, truncated, cached, strict=True):
-            result.model = self.encoder.model_name
+            result.model = parts.encoder.model_name
+            result.generation = serving.generation
             result.query_truncated = cut
             result.embedding_cached = from_cache
             result.timings.encode_ms = encode_ms
             result.timings.search_ms = search_ms
             result.timings.fetch_ms = fetch_ms
-            result.timings.total_ms = total_ms
-        if self.metrics is not None:
-            self.metrics.observe_request(results, None if batch else queries[0].rerank)
         return list(results)
 
     def _stage(self, q: SearchQuery, fetch_k: int) -> _Stage:
@@ -245,28 +295,32 @@ class SearchPipeline:
         return _Stage(mode, depth, depth, q.fusion or self.retrieval.fusion)
 
     async def _embed_dense(
-        self, queries: Sequence[SearchQuery], stages: Sequence[_Stage], deadline: Deadline
+        self,
+        parts: Bundle,
+        queries: Sequence[SearchQuery],
+        stages: Sequence[_Stage],
+        deadline: Deadline,
     ) -> tuple[np.ndarray, list[bool], list[bool]]:
         """:meth:`_embed` of the queries that have a dense list (a sparse one is not
         encoded: its row of vectors stays zero and unused)."""
         rows = [i for i, s in enumerate(stages) if s.dense_k]
         if len(rows) == len(queries):
-            return await self._embed([q.text for q in queries], deadline)
-        vectors = np.zeros((len(queries), self.encoder.dim), dtype=np.float32)
+            return await self._embed(parts, [q.text for q in queries], deadline)
+        vectors = np.zeros((len(queries), parts.encoder.dim), dtype=np.float32)
         truncated, cached = [False] * len(queries), [False] * len(queries)
         if rows:
-            vecs, cut, hit = await self._embed([queries[i].text for i in rows], deadline)
+            vecs, cut, hit = await self._embed(parts, [queries[i].text for i in rows], deadline)
             vectors[rows] = vecs
             for j, i in enumerate(rows):
                 truncated[i], cached[i] = cut[j], hit[j]
         return vectors, truncated, cached
 
-    async def _encode(self, texts: list[str], deadline: Deadline) -> Embeddings:
+    async def _encode(self, parts: Bundle, texts: list[str], deadline: Deadline) -> Embeddings:
         """One encoder call, recorded once for the encode SLI (a BatchSearch's batch is
         one call; one that fails or times out is a miss)."""
         t = time.perf_counter()
         try:
-            embedded = await self.encoder.encode(texts, "query", timeout=deadline.remaining())
+            embedded = await parts.encoder.encode(texts, "query", timeout=deadline.remaining())
         except Exception:
             if self.metrics is not None:
                 self.metrics.observe_encode(None)
@@ -276,18 +330,20 @@ class SearchPipeline:
         return embedded
 
     async def _embed(
-        self, texts: list[str], deadline: Deadline
+        self, parts: Bundle, texts: list[str], deadline: Deadline
     ) -> tuple[np.ndarray, list[bool], list[bool]]:
         """(vectors, truncated, from the cache) per text. With the query cache: one
         lookup for all texts, one encoder call for the distinct misses (texts with one
-        normal form are encoded once), the new embeddings stored in the background."""
+        normal form are encoded once), the new embeddings stored in the background. The
+        cache keys on the generation's encoder (model, version, digest)."""
         cache = self.query_cache
         if cache is None:
-            embedded = await self._encode(texts, deadline)
+            embedded = await self._encode(parts, texts, deadline)
             return embedded.vectors, list(embedded.truncated), [False] * len(texts)
-        keys = cache.keys(texts, "query")
-        found = await cache.lookup(keys, timeout=deadline.remaining())
-        vectors = np.empty((len(texts), self.encoder.dim), dtype=np.float32)
+        dim = parts.encoder.dim
+        keys = cache.keys(texts, "query", encoder=parts.encoder_id, dim=dim)
+        found = await cache.lookup(keys, timeout=deadline.remaining(), dim=dim)
+        vectors = np.empty((len(texts), dim), dtype=np.float32)
         truncated = [False] * len(texts)
         misses: dict[str, list[int]] = {}
         for i, (key, hit) in enumerate(zip(keys, found, strict=True)):
@@ -299,7 +355,7 @@ class SearchPipeline:
         if misses:
             rows = [group[0] for group in misses.values()]
             miss_texts = [texts[i] for i in rows]
-            embedded = await self._encode(miss_texts, deadline)
+            embedded = await self._encode(parts, miss_texts, deadline)
             for group, row, cut in zip(
                 misses.values(), embedded.vectors, embedded.truncated, strict=True
             ):
@@ -337,7 +393,7 @@ class SearchPipeline:
         return max(q.k, depth), ""
 
     async def _strong_as_session(
-        self, queries: Sequence[SearchQuery], deadline: Deadline
+        self, parts: Bundle, queries: Sequence[SearchQuery], deadline: Deadline
     ) -> Sequence[SearchQuery]:
         """STRONG reads wait for the log tails as of now: read once for the whole request
         (one pipelined Redis round trip) and sent as a SESSION token. A tail that cannot
@@ -345,7 +401,7 @@ class SearchPipeline:
         to promise (a shard reading its own tail would only drop out as a partial)."""
         if not any(q.consistency is Consistency.STRONG for q in queries):
             return queries
-        tail = await bounded(self.tails.tail(), deadline, "reading the log tails")
+        tail = await bounded(parts.tails.tail(), deadline, "reading the log tails")
         return [
             dataclasses.replace(q, consistency=Consistency.SESSION, write_token=tail)
             if q.consistency is Consistency.STRONG
@@ -355,6 +411,7 @@ class SearchPipeline:
 
     async def _fetch_documents(
         self,
+        parts: Bundle,
         queries: Sequence[SearchQuery],
         depths: Sequence[int],
         results: list[tuple[list[Hit], list[int]]],
@@ -372,7 +429,7 @@ class SearchPipeline:
         if not ids:
             return 0.0
         t = time.perf_counter()
-        docs = await bounded(self.documents.get_many(ids), deadline, "the document fetch")
+        docs = await bounded(parts.documents.get_many(ids), deadline, "the document fetch")
         fetch_ms = _ms(t)
         by_id = dict(zip(ids, docs, strict=True))
         for i in wanted:
@@ -389,6 +446,7 @@ class SearchPipeline:
 
     async def _search_index(
         self,
+        parts: Bundle,
         queries: Sequence[SearchQuery],
         fetch_ks: Sequence[int],
         stages: Sequence[_Stage],
@@ -404,7 +462,7 @@ class SearchPipeline:
 
         async def run(rows: list[int]) -> None:
             first, stage = queries[rows[0]], stages[rows[0]]
-            result = await self.index.search(
+            result = await parts.index.search(
                 vectors[rows] if stage.dense_k else None,
                 stage.dense_k,
                 nprobe=first.nprobe,
@@ -471,28 +529,59 @@ class SearchPipeline:
         return result
 
 
+def _not_taken(moved: GenerationMoved) -> Unavailable:
+    return Unavailable(
+        "the write was not taken within its deadline: the serving index generation is "
+        f"switching ({moved.message}); nothing was written, write again"
+    )
+
+
 @dataclass
 class DocumentPipeline:
-    encoder: Encoder
-    writer: DocumentWriter
-    documents: DocumentStore
+    source: GenerationSource
     limits: Limits = field(default_factory=Limits)
     default_timeout_s: float = DEFAULT_TIMEOUT_S
+    # called once per write refused by a moved writer gate (the gateway's counter)
+    on_moved: Callable[[], None] = field(default=lambda: None)
 
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline.after(self.default_timeout_s if timeout is None else timeout)
 
     async def upsert(self, docs: Sequence[Document], timeout: float | None) -> WriteResult:
         """Encode (only what the model reads, see :mod:`services.gateway.texts`), then
-        store the whole documents and log them."""
+        store the whole documents and log them, in the serving generation (encoded again
+        with the next one's encoder when a switch moves the writes meanwhile)."""
         deadline = self._deadline(timeout)
         validation.check_documents(docs, self.limits)
         cuts = [cut_for_encoder(d.embedding_text) for d in docs]
         texts = [text for text, _ in cuts]
-        step = max(1, self.encoder.max_batch)
+        encoded: tuple[str, list[DocRecord], int] | None = None  # (encoder, records, cut)
+
+        async def write(serving: Serving, parts: Bundle) -> WriteResult:
+            nonlocal encoded
+            if encoded is None or encoded[0] != parts.encoder_id:
+                encoded = (
+                    parts.encoder_id,
+                    *await self._encode(parts, docs, texts, cuts, deadline),
+                )
+            _, records, truncated = encoded
+            token = await bounded(parts.writer.upsert(records), deadline, "the write")
+            return WriteResult(token, len(docs), truncated=truncated, origin=serving.origin)
+
+        return await self._write(write, deadline)
+
+    async def _encode(
+        self,
+        parts: Bundle,
+        docs: Sequence[Document],
+        texts: list[str],
+        cuts: list[tuple[str, bool]],
+        deadline: Deadline,
+    ) -> tuple[list[DocRecord], int]:
+        step = max(1, parts.encoder.max_batch)
         chunks = await asyncio.gather(
             *[
-                self.encoder.encode(texts[i : i + step], "document", timeout=deadline.remaining())
+                parts.encoder.encode(texts[i : i + step], "document", timeout=deadline.remaining())
                 for i in range(0, len(texts), step)
             ]
         )
@@ -503,19 +592,60 @@ class DocumentPipeline:
             DocRecord(d.id, vectors[i], d.title, d.text, dict(d.metadata))
             for i, d in enumerate(docs)
         ]
-        token = await bounded(self.writer.upsert(records), deadline, "the write")
-        return WriteResult(token, len(docs), truncated=truncated)
+        return records, truncated
 
     async def delete(self, ids: Sequence[str], timeout: float | None = None) -> WriteResult:
         deadline = self._deadline(timeout)
         validation.check_ids(ids, self.limits)
-        token, deleted, missing = await bounded(self.writer.delete(ids), deadline, "the delete")
-        return WriteResult(token, len(deleted), not_found=tuple(missing))
+
+        async def write(serving: Serving, parts: Bundle) -> WriteResult:
+            token, deleted, missing = await bounded(
+                parts.writer.delete(ids), deadline, "the delete"
+            )
+            return WriteResult(token, len(deleted), not_found=tuple(missing), origin=serving.origin)
+
+        return await self._write(write, deadline)
+
+    async def _write(
+        self, write: Callable[[Serving, Bundle], Awaitable[WriteResult]], deadline: Deadline
+    ) -> WriteResult:
+        """``write`` on the serving generation. When its writer gate refuses it
+        (GenerationMoved: nothing written), the alias is read again and the write goes to
+        the generation it names: at once when the gate names the new generation, after a
+        pause while the gate is closed (a switch drains) or the alias has not moved yet
+        (10 ms doubling to 200 ms). Unavailable when the deadline runs out first."""
+        serving = self.source.current()
+        pause = MOVED_BACKOFF_S
+        while True:
+            with self.source.lease(serving) as parts:
+                try:
+                    return await write(serving, parts)
+                except GenerationMoved as exc:
+                    moved = exc
+            self.on_moved()
+            tried = serving.generation
+            if moved.gate != CLOSED:  # the gate names the generation that takes writes now
+                serving = await self._reread(moved, deadline)
+            if moved.gate == CLOSED or serving.generation == tried:
+                left = deadline.remaining()
+                if left is not None and left <= pause:
+                    raise _not_taken(moved)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, MOVED_BACKOFF_MAX_S)
+                serving = await self._reread(moved, deadline)
+
+    async def _reread(self, moved: GenerationMoved, deadline: Deadline) -> Serving:
+        try:
+            return await bounded(self.source.refresh(), deadline, "reading the alias")
+        except DeadlineExceeded:
+            raise _not_taken(moved) from None
 
     async def get(self, doc_id: str, timeout: float | None = None) -> Document:
         deadline = self._deadline(timeout)
         validation.check_id(doc_id, self.limits)
-        (doc,) = await bounded(self.documents.get_many([doc_id]), deadline, "the read")
+        serving = self.source.current()
+        with self.source.lease(serving) as parts:
+            (doc,) = await bounded(parts.documents.get_many([doc_id]), deadline, "the read")
         if doc is None:
             raise NotFound(f"document {doc_id!r} does not exist")
         return doc

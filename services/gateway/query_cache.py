@@ -1,10 +1,12 @@
 """The query-embedding cache: a query's embedding kept in Redis, so that a query asked
 again skips the encoder (Triton) round trip.
 
-An entry is keyed by what decides the embedding: the model name, the size profile, the
-embedding width, the input kind (query/document) and the normalised text (a SHA-256 of
-them; see :func:`normalise`). Its value is one flag byte (the text was truncated to the
-model's query length) and the little-endian float32 vector.
+An entry is keyed by what decides the embedding: the encoder (its model name, and with
+Triton the model version and digest of the generation that asks: two index generations
+of one encoder share their entries, two encoders never do; docs/generations.md), the
+size profile, the embedding width, the input kind (query/document) and the normalised
+text (a SHA-256 of them; see :func:`normalise`). Its value is one flag byte (the text
+was truncated to the model's query length) and the little-endian float32 vector.
 
 * **TTL** (``ttl_s``): fixed from the insert, never refreshed by a hit, so that an
   embedding is recomputed at least once per TTL (a model replaced under the same name
@@ -185,17 +187,21 @@ class QueryEmbeddingCache:
         self._pending: set[asyncio.Task[None]] = set()
         self._bypass_until = 0.0
 
-    def key(self, text: str, kind: Kind) -> str:
-        """The entry of ``text`` embedded as ``kind`` by this cache's model and size."""
-        ident = "\x00".join((self.model, self.size, str(self.dim), kind))
+    def key(self, text: str, kind: Kind, encoder: str | None = None, dim: int | None = None) -> str:
+        """The entry of ``text`` embedded as ``kind`` by ``encoder`` (its identity,
+        :func:`services.gateway.generations.encoder_identity`; default this cache's
+        model) of width ``dim`` (default this cache's), in this cache's size."""
+        ident = "\x00".join((encoder or self.model, self.size, str(dim or self.dim), kind))
         digest = hashlib.sha256(
             (ident + "\x00" + normalise(text, self.lowercase)).encode("utf-8", "surrogatepass")
         ).hexdigest()
         return KEY_PREFIX + digest
 
-    def keys(self, texts: Sequence[str], kind: Kind) -> list[str]:
+    def keys(
+        self, texts: Sequence[str], kind: Kind, encoder: str | None = None, dim: int | None = None
+    ) -> list[str]:
         """The entry key of each text, computed once and passed to lookup and store."""
-        return [self.key(t, kind) for t in texts]
+        return [self.key(t, kind, encoder, dim) for t in texts]
 
     def _count(self, result: str, n: int = 1) -> None:
         if self.metrics is not None and n:
@@ -208,7 +214,7 @@ class QueryEmbeddingCache:
         log.warning("query cache %s failed (bypassed for %.1f s): %r", op, self.backoff_s, exc)
 
     async def lookup(
-        self, keys: Sequence[str], timeout: float | None = None
+        self, keys: Sequence[str], timeout: float | None = None, dim: int | None = None
     ) -> list[CachedEmbedding | None]:
         """Each key's (:meth:`keys`) cached embedding or None, in one round trip. Never
         raises (but for cancellation): an error or a lookup slower than ``timeout_s`` (or
@@ -231,14 +237,14 @@ class QueryEmbeddingCache:
                 self._failed("lookup", exc)
             self._count("error", len(keys))
             return [None] * len(keys)
-        found = [self._decode(v) for v in values]
+        found = [self._decode(v, dim or self.dim) for v in values]
         hits = sum(f is not None for f in found)
         self._count("hit", hits)
         self._count("miss", len(found) - hits)
         return found
 
-    def _decode(self, value: bytes | None) -> CachedEmbedding | None:
-        if value is None or len(value) != 1 + 4 * self.dim:
+    def _decode(self, value: bytes | None, dim: int) -> CachedEmbedding | None:
+        if value is None or len(value) != 1 + 4 * dim:
             return None
         vector = np.frombuffer(value, dtype="<f4", offset=1).astype(np.float32)
         return CachedEmbedding(vector, value[0] == 1)

@@ -1,4 +1,10 @@
-"""Gateway process: wire encoder, shard router, document store and reranker; serve."""
+"""Gateway process: wire encoder, shard router, document store and reranker; serve.
+
+The encoder, the shard router and the store clients are per index generation
+(docs/generations.md): :class:`GenerationParts` builds them for the generation the alias
+names, and :class:`~services.gateway.generations.GenerationSource` gives each request
+the serving one's.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -15,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common.auth import AuthInterceptor
 from services.common.balance import Balancing
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.logs import configure_logging
 from services.common.metrics import RpcMetrics
 from services.common.redis_client import async_client, parse_redis_url
@@ -22,27 +30,34 @@ from services.common.server import Admission, Server, create_server, serve_start
 from services.common.settings import load_settings
 from services.common.slo import slo_for
 from services.encoder.base import Encoder
-from services.gateway.metrics import GatewayMetrics, QueryCacheMetrics
+from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader
+from services.gateway.metrics import GatewayMetrics, GenerationMetrics, QueryCacheMetrics
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer, admission_cost
 from services.gateway.settings import GatewaySettings, parse_shard_addresses
 from services.index.core import coarse
+from services.index.generations import EncoderSpec, Generation
 from services.rerank.depths import depth_table
 
 log = logging.getLogger(__name__)
 
 
-async def build_encoder(settings: GatewaySettings) -> Encoder:
-    """The configured encoder: Triton (production) or the model in this process."""
+async def build_encoder(
+    settings: GatewaySettings, model: str = "", version: int = 0, model_dir: str | None = None
+) -> Encoder:
+    """The configured encoder: Triton (production) or the model in this process. Triton:
+    ``model`` (default ``--triton-model``) at ``version`` (0: the newest ready now,
+    pinned); in-process: ``model_dir`` (default ``--model-dir``)."""
     if settings.encoder == "triton":
         from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
         return await TritonEncoder.connect(
             TritonEncoderConfig(
                 url=settings.triton_url,
-                model=settings.triton_model,
+                model=model or settings.triton_model,
+                model_version=str(version) if version else "",
                 default_timeout_s=settings.default_timeout_s,
                 tls=settings.triton_client_tls(),
                 balancing=Balancing(settings.balance, settings.resolve_every_s),
@@ -50,7 +65,147 @@ async def build_encoder(settings: GatewaySettings) -> Encoder:
         )
     from services.encoder.runtime.inprocess import InProcessEncoder
 
-    return InProcessEncoder.torch(Path(settings.model_dir) if settings.model_dir else None)
+    folder = model_dir or settings.model_dir
+    return await asyncio.to_thread(InProcessEncoder.torch, Path(folder) if folder else None)
+
+
+def encoder_spec(settings: GatewaySettings, encoder: Encoder) -> EncoderSpec:
+    """What the gateway's own encoder is, for generation g1's record when the gateway is
+    the first to record it: Triton's model at the version it pinned, or the in-process
+    model's folder."""
+    if settings.encoder == "triton":
+        return EncoderSpec(
+            model=settings.triton_model,
+            version=int(getattr(encoder, "model_version", 0) or 0),
+            dim=encoder.dim,
+            digest=str(getattr(encoder, "digest", "") or ""),
+            source=encoder.model_name,
+        )
+    from services.encoder.model import default_model_dir
+
+    folder = settings.model_dir or str(default_model_dir())
+    return EncoderSpec(model=encoder.model_name, dim=encoder.dim, source=folder)
+
+
+class GenerationParts:
+    """Builds a generation's :class:`~services.gateway.generations.Bundle` from the real
+    clients (the :class:`~services.gateway.generations.GenerationSource`'s factory).
+
+    * **Encoder**: the gateway's own (``--triton-model`` at the version pinned at start,
+      or ``--model-dir``) for a generation recorded with it or with no version (version
+      0: the encoder the store was served with before generations); otherwise Triton's
+      model at the generation's version (one the rollout published,
+      ``encoder publish``), or in-process the checkpoint folder it records. A
+      generation whose width differs from that encoder's is refused.
+    * **Shards**: g1's are ``--shards``; another generation's are its addresses in
+      ``{gtr}:addrs`` (the local stack and the chart write them when its shards start).
+    * **Store clients**: on the shared connection, with the generation's keys (its logs,
+      its layout's documents and writer gates).
+    """
+
+    def __init__(self, settings: GatewaySettings, store: Any, base_shards: int, own: Encoder):
+        self.settings = settings
+        self.store = store
+        self.base_shards = base_shards
+        self.own = own
+        self.own_spec = encoder_spec(settings, own)
+
+    def _is_own(self, spec: EncoderSpec) -> bool:
+        if self.settings.encoder == "triton":
+            return spec.version == 0 or (
+                spec.version == self.own_spec.version
+                and spec.model in ("", self.settings.triton_model)
+            )
+        return (
+            not spec.source
+            or not Path(spec.source).is_dir()
+            or (Path(spec.source).resolve() == Path(self.own_spec.source).resolve())
+        )
+
+    async def encoder(self, gen: Generation) -> tuple[Encoder, bool]:
+        """(the generation's encoder, whether the bundle owns it)."""
+        spec = gen.encoder
+        if self._is_own(spec):
+            encoder, owned = self.own, False
+        elif self.settings.encoder == "triton":
+            encoder, owned = await build_encoder(self.settings, spec.model, spec.version), True
+        else:
+            encoder, owned = await build_encoder(self.settings, model_dir=spec.source), True
+        if spec.dim and encoder.dim != spec.dim:
+            if owned:
+                await encoder.close()
+            raise FailedPrecondition(
+                f"generation {gen.name} holds {spec.dim}-d vectors, its encoder "
+                f"({encoder.model_name}) gives {encoder.dim}-d ones"
+            )
+        return encoder, owned
+
+    async def __call__(self, gen: Generation) -> Bundle:
+        from services.index.client.documents import DocumentReader
+        from services.index.client.replicas import HedgePolicy
+        from services.index.client.router import ShardRouter
+        from services.index.client.tails import LogTailReader
+        from services.index.client.writer import ChangeLogWriter
+        from services.index.generations import read_addresses
+        from services.index.keys import ADDRESSES_KEY, FIRST_GENERATION
+
+        settings = self.settings
+        if gen.name == FIRST_GENERATION:
+            addresses: str | None = settings.shards
+        else:
+            addresses = await read_addresses(self.store.redis, gen.name)
+        if not addresses:
+            raise Unavailable(
+                f"generation {gen.name} has no shard addresses in {ADDRESSES_KEY} yet (its "
+                "shards start once it is trained)"
+            )
+        router = ShardRouter(
+            parse_shard_addresses(addresses),
+            hedge=HedgePolicy(enabled=settings.hedge),
+            tls=settings.client_tls(),
+            balancing=Balancing(settings.balance, settings.resolve_every_s),
+        )
+        if router.num_shards != gen.num_shards:
+            await router.close()
+            raise FailedPrecondition(
+                f"generation {gen.name} has {gen.num_shards} shards, its addresses "
+                f"({addresses}) name {router.num_shards}"
+            )
+        try:
+            encoder, owned = await self.encoder(gen)
+        except BaseException:
+            await router.close()
+            raise
+        keys = gen.keys(self.base_shards)
+        writer = ChangeLogWriter(
+            self.store,
+            dim=encoder.dim,
+            keys=keys,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
+        )
+        return Bundle(
+            gen.name,
+            encoder,
+            router,
+            DocumentReader(self.store, keys.layout),
+            LogTailReader(self.store, keys),
+            writer,
+            owned=[encoder, router] if owned else [router],
+        )
+
+
+def record_first_generation(url: str, num_shards: int, spec: EncoderSpec) -> None:
+    """Generation g1 (the gateway's shards and encoder), serving, unless the store has
+    its generations recorded already (whoever starts first records it)."""
+    from services.common.redis_client import sync_client
+    from services.index.generations import Registry
+
+    client = sync_client(url)
+    try:
+        Registry(client).ensure_first(num_shards, spec, "")
+    finally:
+        client.close()
 
 
 class RedisHealth:
@@ -92,39 +247,38 @@ class Gateway:
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
     from services.index.client.connection import StoreConnection
-    from services.index.client.documents import DocumentReader
-    from services.index.client.replicas import HedgePolicy
-    from services.index.client.router import ShardRouter
-    from services.index.client.tails import LogTailReader
-    from services.index.client.writer import ChangeLogWriter
     from services.index.layout import check_layout_at
 
     registry = CollectorRegistry()
     authenticator = settings.authenticator()
     tls = settings.client_tls()
     encoder = await build_encoder(settings)
-    router = ShardRouter(
-        parse_shard_addresses(settings.shards),
-        hedge=HedgePolicy(enabled=settings.hedge),
-        tls=tls,
-        balancing=Balancing(settings.balance, settings.resolve_every_s),
-    )
+    num_shards = len(parse_shard_addresses(settings.shards))  # generation g1's
     store = StoreConnection(
         settings.redis_url,
-        num_shards=router.num_shards,
+        num_shards=num_shards,
         max_connections=settings.redis_max_connections,
         pool_timeout_s=settings.redis_pool_timeout_s,
         read_retry_s=settings.redis_read_retry_s,
     )
-    writer = ChangeLogWriter(
-        store,
-        dim=encoder.dim,
-        wait_replicas=settings.redis_wait_replicas,
-        wait_timeout_ms=settings.redis_wait_timeout_ms,
-    )
-    stored = DocumentReader(store)
     # Refuse to serve a store of another key layout or shard count (says what to do).
-    await asyncio.to_thread(check_layout_at, settings.redis_url, router.num_shards)
+    await asyncio.to_thread(check_layout_at, settings.redis_url, num_shards)
+    await asyncio.to_thread(
+        record_first_generation, settings.redis_url, num_shards, encoder_spec(settings, encoder)
+    )
+    generation_metrics = GenerationMetrics.create(registry)
+    source = GenerationSource(
+        RedisAliasReader(store.redis),
+        GenerationParts(settings, store, num_shards, encoder),
+        refresh_s=settings.alias_refresh_ms / 1000.0,
+        events=generation_metrics,
+    )
+    try:
+        serving = await source.start()
+    except BaseException:
+        for part in (source, store, encoder):
+            await part.close()
+        raise
     reranker = (
         RerankClient(settings.rerank_url, depth_table(settings.rerank_depth_table), tls)
         if settings.rerank_url
@@ -161,10 +315,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         cost=admission_cost,
     )
     search = SearchPipeline(
-        encoder,
-        router,
-        stored,
-        LogTailReader(store),
+        source,
         reranker,
         metrics=metrics,
         default_timeout_s=settings.default_timeout_s,
@@ -173,7 +324,9 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         retrieval=settings.retrieval_defaults(),
     )
     documents = DocumentPipeline(
-        encoder, writer, stored, default_timeout_s=settings.default_timeout_s
+        source,
+        default_timeout_s=settings.default_timeout_s,
+        on_moved=generation_metrics.moved_writes.inc,
     )
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
@@ -194,19 +347,20 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         interceptors=[AuthInterceptor(authenticator)] if authenticator else [],
     )
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
-    closers: list[object] = [encoder, router, store, reranker, query_cache, redis_health]
+    closers: list[object] = [encoder, store, source, reranker, query_cache, redis_health]
     server.watch(
         redis_health.check,
         settings.health_interval_s,
         f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})",
     )
     log.info(
-        "gateway serving on %s:%d (model %s, %d shards, rerank %s; auth %s; TLS %s; "
-        "TLS to shards, rerank and Triton %s)",
+        "gateway serving on %s:%d (generation %s: model %s, %d shards; rerank %s; auth %s; "
+        "TLS %s; TLS to shards, rerank and Triton %s)",
         settings.host,
         port,
-        encoder.model_name,
-        router.num_shards,
+        serving.generation,
+        serving.bundle.encoder.model_name,
+        serving.bundle.index.num_shards,
         settings.rerank_url or "off",
         "on (bearer tokens)" if authenticator else "OFF (--no-auth: every client may write)",
         _tls_said(settings.server_tls() is not None, settings.tls_client_ca is not None),

@@ -195,6 +195,15 @@ class GatewaySettings(ClientTLSSettings):
         "rerank depth shrinks as in-flight requests rise past it and the rerank is skipped "
         "(said in the response) at the limit, before any search is refused.",
     )
+    alias_refresh_ms: float = Field(
+        500.0,
+        ge=10,
+        le=60_000,
+        description="How often the index generations alias ({gtr}:alias: which generation "
+        "serves, docs/generations.md) is read again in the background; it is also read at "
+        "once when a write finds its generation moved or a write token names a newer epoch. "
+        "Searches use the cached alias: no Redis round trip per request.",
+    )
     quantizer_threads: int = Field(
         1,
         ge=1,

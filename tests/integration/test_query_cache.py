@@ -386,6 +386,7 @@ def test_the_pipeline_encodes_each_distinct_miss_once(
     the misses and the store alike."""
     from services.encoder.runtime.inprocess import InProcessEncoder
     from services.gateway import query_cache
+    from services.gateway.generations import Bundle, GenerationSource
     from services.gateway.pipeline import SearchPipeline
 
     normalised: list[str] = []
@@ -399,16 +400,17 @@ def test_the_pipeline_encodes_each_distinct_miss_once(
     async def scenario() -> None:
         encoder = _Counting(InProcessEncoder.torch())
         cache = _cache(redis_url, dim=encoder.dim, lowercase=True)
-        pipeline = SearchPipeline(encoder, None, None, None, query_cache=cache)  # type: ignore[arg-type]
+        parts = Bundle("g1", encoder, None, None, None, None)  # type: ignore[arg-type]
+        pipeline = SearchPipeline(GenerationSource.fixed(parts), query_cache=cache)
         try:
             texts = ["Alpha beta", "alpha  BETA", "gamma", "Alpha beta"]
-            vectors, _, cached = await pipeline._embed(texts, _deadline())
+            vectors, _, cached = await pipeline._embed(parts, texts, _deadline())
             assert encoder.calls == [["Alpha beta", "gamma"]] and cached == [False] * 4
             assert sorted(normalised) == sorted(texts), "one key per text, not one per use"
             np.testing.assert_array_equal(vectors[0], vectors[1])
             await cache.drain()
             vectors2, _, cached2 = await pipeline._embed(
-                ["gamma", "delta", "ALPHA beta"], _deadline()
+                parts, ["gamma", "delta", "ALPHA beta"], _deadline()
             )
             assert encoder.calls[1:] == [["delta"]] and cached2 == [True, False, True]
             np.testing.assert_allclose(vectors2[0], vectors[2], atol=1e-6)

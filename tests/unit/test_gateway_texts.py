@@ -21,6 +21,7 @@ from services.encoder.base import Embeddings
 from services.encoder.model import TorchEmbedder
 from services.encoder.runtime.inprocess import InProcessEncoder
 from services.gateway.domain import Document
+from services.gateway.generations import Bundle, GenerationSource
 from services.gateway.pipeline import DocumentPipeline
 from services.gateway.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder
 from services.index.changelog import decode_entry
@@ -78,7 +79,8 @@ def test_upserts_send_the_encoder_only_what_it_reads(
         writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=embedder.dim)
         documents = DocumentReader(writer.connection)
         try:
-            pipeline = DocumentPipeline(encoder, writer, documents)
+            parts = Bundle("g1", encoder, None, documents, None, writer)  # type: ignore[arg-type]
+            pipeline = DocumentPipeline(GenerationSource.fixed(parts))
             result = await pipeline.upsert([Document("d", text)], timeout=60)
             stored = await documents.get_many(["d"])
             assert stored[0] is not None and stored[0].text == text

@@ -1,0 +1,365 @@
+"""Which index generation answers a request: the alias, cached, and each generation's
+parts (issue #24; the design: docs/generations.md).
+
+Every request is served wholly by one generation: its encoder (Triton model version), its
+shards, its layout's documents, its logs. :class:`GenerationSource` holds the alias
+(``{gtr}:alias``: serving generation and epoch) and answers :meth:`~GenerationSource.current`
+from memory: a search costs no Redis round trip for it, only an attribute read. The alias
+is read again
+
+* every ``refresh_s`` (``--alias-refresh-ms``, 500 ms) in the background, and
+* at once (:meth:`~GenerationSource.refresh`, concurrent callers share one read) when a
+  write finds its writer gate moved (``GenerationMoved``) or a write token names a newer
+  epoch than the cached one.
+
+A generation's parts (:class:`Bundle`: encoder, shard router, document reader, log tails,
+writer) are built by an injected factory the first time the alias names it, before the
+alias is swapped (requests keep the old generation until the new one can serve), and kept
+while the alias names it as serving or previous (a rollback finds them ready). A
+generation the alias no longer names (retired, or two switches away) is closed once the
+requests that hold it (:meth:`~GenerationSource.lease`) have finished.
+
+Write tokens keep their meaning across a switch (:func:`resolve_token`): a token of the
+serving epoch is read as it is; one of an older epoch is covered by the serving
+generation's ``switch_in`` positions (every write acknowledged before its switch is in
+them), plus its own positions when it names the serving generation (a rollback serves
+the same logs again); a token of a newer epoch than the store has reached is refused.
+
+No grpc here: the factory that builds bundles from the real clients is the server's
+(:mod:`services.gateway.server`), and the registry is read through
+:class:`AliasReader`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from services.common.domain import TokenOrigin, WriteToken
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.positions import merge_tokens
+from services.gateway.ports import DocumentStore, DocumentWriter, Encoder, LogTails, VectorIndex
+from services.index.generations import Alias, Generation, read_alias, read_generation
+from services.index.keys import FIRST_GENERATION
+
+log = logging.getLogger(__name__)
+
+# How often the alias is read in the background (GatewaySettings.alias_refresh_ms).
+DEFAULT_REFRESH_S = 0.5
+
+
+def encoder_identity(encoder: Encoder) -> str:
+    """What decides a query's embedding besides its text: the model, and the Triton
+    version and digest when the encoder has them (the query cache keys on this, so two
+    generations of one encoder share their cached embeddings and two encoders never do)."""
+    version = int(getattr(encoder, "model_version", 0) or 0)
+    digest = str(getattr(encoder, "digest", "") or "")
+    ident = encoder.model_name
+    if version:
+        ident += f"@{version}"
+    if digest:
+        ident += f"#{digest}"
+    return ident
+
+
+@dataclass(eq=False)
+class Bundle:
+    """One generation's parts, as a request uses them. ``owned``: what closing the
+    bundle closes (an encoder shared with other generations is not in it)."""
+
+    name: str
+    encoder: Encoder
+    index: VectorIndex
+    documents: DocumentStore
+    tails: LogTails
+    writer: DocumentWriter
+    owned: Sequence[Any] = ()
+    users: int = 0
+    retired: bool = False
+    closed: bool = False
+    encoder_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.encoder_id:
+            self.encoder_id = encoder_identity(self.encoder)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for part in reversed(list(self.owned)):
+            close = getattr(part, "close", None)
+            if close is None:
+                continue
+            try:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # one part failing to close must not keep the others open
+                log.exception("closing %r of generation %s", part, self.name)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The alias as this gateway knows it, with the serving generation's parts."""
+
+    generation: str
+    epoch: int
+    bundle: Bundle
+    # the serving generation's log positions at its switch-in, by shard (docs/generations.md)
+    switch_in: WriteToken = field(default_factory=dict)
+    previous: str | None = None
+
+    @property
+    def origin(self) -> TokenOrigin:
+        """What a write acknowledged now carries in its token."""
+        return TokenOrigin(self.generation, self.epoch)
+
+
+def resolve_token(token: WriteToken, origin: TokenOrigin, serving: Serving) -> WriteToken:
+    """The positions in ``serving``'s logs that a SESSION search with ``token`` (taken in
+    ``origin``) must wait for.
+
+    Same epoch: the token as it is. Older epoch (a token without origin counts as g1's,
+    from before any switch): the serving generation's ``switch_in`` positions, merged
+    with the token's own when it names the serving generation (its positions are in the
+    same logs: g1 serving again after a rollback). A newer epoch than ``serving``'s is
+    InvalidArgument (the caller re-reads the alias before it concludes that).
+    """
+    generation = origin.generation or FIRST_GENERATION
+    if origin.epoch > serving.epoch:
+        raise InvalidArgument(
+            f"write_token: epoch {origin.epoch} is newer than this store's alias (epoch "
+            f"{serving.epoch}, generation {serving.generation}): a token of another store?"
+        )
+    if origin.epoch == serving.epoch:
+        if generation != serving.generation:
+            raise InvalidArgument(
+                f"write_token: epoch {origin.epoch} is generation {serving.generation}'s in "
+                f"this store, not {generation}'s: a token of another store?"
+            )
+        return token
+    own = token if generation == serving.generation else {}
+    return merge_tokens(serving.switch_in, own)
+
+
+class AliasReader(Protocol):
+    """The registry as the gateway reads it (async; :class:`RedisAliasReader`)."""
+
+    async def alias(self) -> Alias | None: ...
+
+    async def generation(self, name: str) -> Generation: ...
+
+
+class RedisAliasReader:
+    """:class:`AliasReader` over the gateway's async Redis (or Redis Cluster) client."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def alias(self) -> Alias | None:
+        return await read_alias(self.client)
+
+    async def generation(self, name: str) -> Generation:
+        return await read_generation(self.client, name)
+
+
+BundleFactory = Callable[[Generation], Awaitable[Bundle]]
+
+
+class SourceEvents(Protocol):
+    """What the source reports (the gateway's metrics; :class:`NoEvents` by default)."""
+
+    def serving(self, generation: str, epoch: int) -> None: ...
+
+    def refresh_failed(self) -> None: ...
+
+
+class NoEvents:
+    def serving(self, generation: str, epoch: int) -> None:
+        pass
+
+    def refresh_failed(self) -> None:
+        pass
+
+
+class GenerationSource:
+    """The serving generation of each request (see the module's docstring)."""
+
+    def __init__(
+        self,
+        reader: AliasReader | None,
+        build: BundleFactory | None,
+        *,
+        refresh_s: float = DEFAULT_REFRESH_S,
+        events: SourceEvents | None = None,
+    ) -> None:
+        if refresh_s <= 0:
+            raise ValueError("refresh_s must be positive")
+        self._reader = reader
+        self._build = build
+        self.refresh_s = refresh_s
+        self._events: SourceEvents = events if events is not None else NoEvents()
+        self._serving: Serving | None = None
+        self._bundles: dict[str, Bundle] = {}
+        self._refreshing: asyncio.Task[Serving] | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self._last_error = ""
+
+    @classmethod
+    def fixed(cls, bundle: Bundle, epoch: int = 1) -> GenerationSource:
+        """One generation and no registry (a pipeline in a test, a tool over one store):
+        :meth:`refresh` answers the same."""
+        source = cls(None, None)
+        source._bundles[bundle.name] = bundle
+        source._serving = Serving(bundle.name, epoch, bundle)
+        return source
+
+    # --- reading ------------------------------------------------------------------------
+
+    def current(self) -> Serving:
+        """The alias as last read, from memory (no I/O)."""
+        if self._serving is None:
+            raise FailedPrecondition("the gateway has not read the generations alias yet")
+        return self._serving
+
+    async def refresh(self) -> Serving:
+        """Read the alias now (one read shared by every concurrent caller); a generation
+        it names for the first time is built before it serves."""
+        if self._reader is None:
+            return self.current()
+        task = self._refreshing
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self._refresh_once())
+            self._refreshing = task
+        # shielded: a caller whose deadline ends does not cancel the others' read
+        return await asyncio.shield(task)
+
+    async def at_least(self, epoch: int) -> Serving:
+        """The serving generation, re-read first when ``epoch`` is newer than the cached
+        alias's (a token taken after a switch this gateway has not seen yet)."""
+        serving = self.current()
+        if epoch > serving.epoch:
+            serving = await self.refresh()
+        return serving
+
+    @contextlib.contextmanager
+    def lease(self, serving: Serving) -> Iterator[Bundle]:
+        """Hold ``serving``'s parts for one request: a generation retired meanwhile is
+        closed only after its last request."""
+        bundle = serving.bundle
+        bundle.users += 1
+        try:
+            yield bundle
+        finally:
+            bundle.users -= 1
+            if bundle.retired and bundle.users == 0:
+                self._close_later(bundle)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> Serving:
+        """Read the alias, build the serving generation's parts, refresh in the background."""
+        serving = await self.refresh()
+        if self._reader is not None and self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._refresh_loop())
+        return serving
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        if self._refreshing is not None and not self._refreshing.done():
+            self._refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refreshing
+        for bundle in list(self._bundles.values()):
+            await bundle.close()
+        self._bundles.clear()
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
+
+    def bundles(self) -> dict[str, Bundle]:
+        """The generations whose parts are open now (by name)."""
+        return dict(self._bundles)
+
+    # --- inside -------------------------------------------------------------------------
+
+    async def _refresh_once(self) -> Serving:
+        assert self._reader is not None and self._build is not None
+        alias = await self._reader.alias()
+        if alias is None:
+            if self._serving is not None:
+                return self._serving
+            raise FailedPrecondition(
+                "no generation serves yet ({gtr}:alias is empty): the gateway records g1 at start"
+            )
+        current = self._serving
+        if current is not None and (current.generation, current.epoch) == (
+            alias.serving,
+            alias.epoch,
+        ):
+            return current
+        record = await self._reader.generation(alias.serving)
+        bundle = self._bundles.get(record.name)
+        if bundle is None:
+            bundle = await self._build(record)
+            self._bundles[record.name] = bundle
+        serving = Serving(
+            record.name,
+            alias.epoch,
+            bundle,
+            {int(s): p for s, p in record.switch_in.items()},
+            alias.previous,
+        )
+        self._serving = serving
+        if current is None or current.generation != serving.generation:
+            log.info(
+                "generation %s serves (alias epoch %d, previous %s)",
+                serving.generation,
+                serving.epoch,
+                serving.previous or "none",
+            )
+        self._events.serving(serving.generation, serving.epoch)
+        self._retire_others({alias.serving, alias.previous or ""})
+        return serving
+
+    def _retire_others(self, keep: set[str]) -> None:
+        for name in [n for n in self._bundles if n not in keep]:
+            bundle = self._bundles.pop(name)
+            bundle.retired = True
+            log.info("generation %s is no longer named by the alias: closing its parts", name)
+            if bundle.users == 0:
+                self._close_later(bundle)
+
+    def _close_later(self, bundle: Bundle) -> None:
+        task = asyncio.get_running_loop().create_task(bundle.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._events.refresh_failed()
+                message = f"{type(exc).__name__}: {exc}"
+                if message != self._last_error:  # once per distinct error, not per tick
+                    log.warning(
+                        "reading the generations alias failed (serving %s as before): %s",
+                        self._serving.generation if self._serving else "nothing",
+                        message,
+                    )
+                self._last_error = message
+            else:
+                self._last_error = ""
