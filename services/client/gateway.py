@@ -295,6 +295,7 @@ def format_hits(query: str, response: search_pb2.SearchResponse, width: int | No
             else ""
         )
         + f"; model {response.model}"
+        + (f", generation {response.generation}" if response.generation else "")
         + ("; query embedding from the cache" if response.embedding_cached else "")
         + ")"
     )

@@ -1,5 +1,5 @@
-"""The CLI's search output says where the query embedding came from and which first
-stage answered."""
+"""The CLI's search output says where the query embedding came from, which first stage
+and which index generation answered."""
 
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ def test_the_mode_and_fusion_that_answered_are_said_in_the_header() -> None:
     head = format_hits("read a csv file", response, width=100).splitlines()[0]
     assert "; hybrid (weighted); model all-MiniLM-L6-v2)" in head
     assert "shards [1] answered dense only" in head
+
+
+def test_the_index_generation_that_answered_is_said_in_the_header() -> None:
+    response = _response(False)
+    response.generation = "g2"
+    head = format_hits("read a csv file", response, width=100).splitlines()[0]
+    assert head.endswith("; model all-MiniLM-L6-v2, generation g2)")
 
 
 def test_a_skipped_rerank_is_said_with_its_reason() -> None:
