@@ -142,6 +142,31 @@ def test_a_gate_naming_g2_refuses_a_g1_writer_and_takes_a_g2_writer(
     assert decode_entry(last) == [Delete("c", 2)]
 
 
+def test_a_writer_that_waits_for_replicas_is_refused_by_its_gate_too(
+    any_redis_url: str, client: Any
+) -> None:
+    """With ``wait_replicas`` the script and WAIT go in one pipeline: its refusal is still
+    GenerationMoved (not Unavailable, not "reached 0 of 1 replicas")."""
+    Registry(client).set_gates(BASE, "g2")
+
+    async def run_both() -> None:
+        writer = ChangeLogWriter.connect(
+            any_redis_url, 2, dim=DIM, wait_replicas=1, wait_timeout_ms=100
+        )
+        try:
+            with pytest.raises(GenerationMoved) as refused:
+                await writer.upsert([rec("a")])
+            assert refused.value.gate == "g2"
+            with pytest.raises(GenerationMoved):
+                await writer.delete(["a"])
+        finally:
+            await writer.close()
+
+    before = state(client)
+    run(run_both())
+    assert state(client) == before
+
+
 def test_a_closed_gate_refuses_every_writer(any_redis_url: str, client: Any) -> None:
     run(_write(any_redis_url, None, [rec("a")]))
     shard = BASE.shard("a")

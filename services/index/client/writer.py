@@ -393,7 +393,12 @@ class ChangeLogWriter:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.evalsha(sha, len(keys), *keys, *args)
                 pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-                reply, acked = await pipe.execute()
+                # the script's own error, not the pipeline's rewording of it (a refusal
+                # by the writer gate is recognised by its text)
+                reply, acked = await pipe.execute(raise_on_error=False)
+            for result in (reply, acked):
+                if isinstance(result, Exception):
+                    raise result
         if int(acked) < self.wait_replicas:
             raise Unavailable(
                 f"redis: the write reached {acked} of {self.wait_replicas} replicas within "
