@@ -127,10 +127,13 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def check_layout_at(url: str, num_shards: int, wait_s: float = 60.0) -> None:
-    """:func:`check_layout` on the Redis (or Redis Cluster) of ``url``; while it cannot be
-    reached (a pod starting before Redis), tried again for up to ``wait_s``, then
-    Unavailable. A cluster client connects when it is made, so it is made in the loop."""
+def check_layout_at(
+    url: str, num_shards: int, wait_s: float = 60.0, generation: str = FIRST_GENERATION
+) -> None:
+    """:func:`check_layout` (of ``generation``) on the Redis (or Redis Cluster) of
+    ``url``; while it cannot be reached (a pod starting before Redis), tried again for up
+    to ``wait_s``, then Unavailable. A cluster client connects when it is made, so it is
+    made in the loop."""
     import time
 
     import redis
@@ -144,7 +147,7 @@ def check_layout_at(url: str, num_shards: int, wait_s: float = 60.0) -> None:
         try:
             client = sync_client(url)
             try:
-                check_layout(client, num_shards)
+                check_layout(client, num_shards, generation)
                 return
             finally:
                 client.close()

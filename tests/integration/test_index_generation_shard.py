@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from retrieval.v1 import common_pb2, index_pb2, index_pb2_grpc
-from services.common.errors import FailedPrecondition, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.redis_client import sync_client
 from services.index import convert
 from services.index.client.export import export_vectors
@@ -193,6 +193,15 @@ def test_export_vectors_streams_what_the_replica_holds(store: Store) -> None:
         assert (np.abs(vectors - in_range) <= vdiff / 255 / 2 + 1e-6).all()
         assert not np.array_equal(vectors, upserted)  # decoded codes, not the float32 ones
         assert seen == {client.xrevrange(G2.log(s), count=1)[0][0].decode()}
+
+
+def test_export_vectors_refuses_chunks_past_its_limits(store: Store) -> None:
+    async def run(batch: int) -> None:
+        async for _ in export_vectors(store.shards[0].address, batch=batch, timeout=10):
+            pass
+
+    with pytest.raises(InvalidArgument, match="batch: 70000 vectors of dimension 32"):
+        asyncio.run(run(70_000))
 
 
 def test_export_vectors_of_a_missing_replica_is_unavailable() -> None:
