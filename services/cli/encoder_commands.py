@@ -185,6 +185,30 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unpublish(args: argparse.Namespace) -> int:
+    from services.encoder.serve.versions import unpublish_version
+
+    unpublish_version(Path(args.repo), args.version, args.triton_url)
+    where = f" and from Triton at {args.triton_url}" if args.triton_url else ""
+    print(f"embed version {args.version} removed from {args.repo}{where}")
+    return 0
+
+
+def _versions(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from services.encoder.serve.versions import describe_versions
+
+    specs = describe_versions(Path(args.repo))
+    if args.json:
+        print(json.dumps([asdict(spec) for spec in specs]))
+        return 0
+    for spec in specs:
+        print(f"{spec.model} version {spec.version}: dim {spec.dim}, "
+              f"digest {spec.digest or '(none recorded)'}")  # fmt: skip
+    return 0
+
+
 def _build_plan(args: argparse.Namespace) -> int:
     from services.encoder.build.tensorrt_build import PlanConfig, build_plan_from_model
     from services.encoder.profiles import profile_for_model_dir
@@ -253,7 +277,7 @@ def _ensure_plan(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``encoder export|parity|repo|publish|build-plan|ensure-plan|train``."""
+    """Register ``encoder export|parity|repo|publish|unpublish|versions|build-plan|…``."""
     encoder = subparsers.add_parser(
         "encoder",
         help="GTR encoder: ONNX export, parity, Triton model repository, TensorRT plan, training",
@@ -356,6 +380,31 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="Triton's gRPC address(es) (host:port, a list or dns:///name:port) "
                    "to load the new version; without it only the repository changes")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the version as JSON")
+
+    p = add_command(
+        commands,
+        "unpublish",
+        _unpublish,
+        help="take a version of embed out of the repository and out of Triton",
+        description="For an encoder no index generation uses any more (after `index "
+        "retire`): the version folder and its parameters go, and the Tritons named by "
+        "--triton-url load embed again without it (its memory freed). The last version "
+        "stays (FAILED_PRECONDITION); an unknown one is NOT_FOUND.",
+    )
+    p.add_argument("--repo", required=True, help="the Triton model repository (cpu flavour)")
+    p.add_argument("--version", required=True, type=int, help="the version to take out")
+    p.add_argument("--triton-url", help="Triton's gRPC address(es) to unload it from")
+
+    p = add_command(
+        commands,
+        "versions",
+        _versions,
+        help="list the encoder versions of embed in a repository",
+        description="Each version of embed with its width and digest (from the config's "
+        "version.<n>.* parameters).",
+    )
+    p.add_argument("--repo", required=True, help="the Triton model repository")
+    p.add_argument("--json", action="store_true", help="print them as JSON")
 
     p = add_command(
         commands,

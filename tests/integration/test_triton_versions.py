@@ -23,15 +23,20 @@ import grpc
 import numpy as np
 import pytest
 
-from services.common.errors import FailedPrecondition, Unavailable
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.status import status_of
 from services.encoder.build.export import row_cosines
-from services.encoder.build.repository import RepositoryConfig, generate_repository
+from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import Kind
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
-from services.encoder.serve.versions import publish_version, served_versions
+from services.encoder.serve.versions import (
+    describe_versions,
+    publish_version,
+    served_versions,
+    unpublish_version,
+)
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -203,3 +208,36 @@ def test_a_publish_triton_cannot_load_is_undone(served: Served) -> None:
     assert _snapshot(served.repo) == before
     assert not list((served.repo / "embed").glob(".staging-*"))
     assert _ready_versions(served.handle) == ready
+
+
+def test_a_version_is_unpublished_from_the_repository_and_the_running_triton(
+    served: Served,
+) -> None:
+    """An encoder no generation uses any more leaves Triton (its memory freed); the
+    versions left keep answering; an unknown version is NOT_FOUND, the last one stays."""
+    third = ensure_second_encoder(served.base, seed=3)
+    url = served.handle.grpc_url
+    spec = publish_version(served.repo, ensure_onnx(third, served.base).parent, url)
+    assert _ready_versions(served.handle)[-1] == str(spec.version)
+    assert [s.version for s in describe_versions(served.repo)][-1] == spec.version
+
+    unpublish_version(served.repo, spec.version, url)
+    assert str(spec.version) not in _ready_versions(served.handle)
+    assert spec.version not in served_versions(served.repo)
+    assert not list((served.repo / "embed").glob(".retired-*"))
+    assert all(str(spec.version) not in k for k in read_config(
+        served.repo / "embed" / "config.pbtxt").parameters if k.startswith("version."))  # fmt: skip
+    _, got = asyncio.run(_encode_all(url, "1"))  # the first version still answers
+    assert min(row_cosines(got["query"], _expected(default_model_dir())["query"])) >= 0.999
+
+    with pytest.raises(NotFound, match="has no version 99"):
+        unpublish_version(served.repo, 99, url)
+
+
+def test_the_last_version_stays(served: Served, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    generate_repository(ensure_onnx(default_model_dir(), served.base), repo)
+    with pytest.raises(FailedPrecondition, match="only version") as info:
+        unpublish_version(repo, 1)
+    assert status_of(info.value) == grpc.StatusCode.FAILED_PRECONDITION
+    assert served_versions(repo) == [1]

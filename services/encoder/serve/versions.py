@@ -27,6 +27,9 @@ tell its caller whether the new version loads. A load that fails (Triton down, o
 version does not initialise) puts the repository back as it was and is an error: a
 publish is all or nothing. A Triton started later loads every version at start.
 
+:func:`unpublish_version` takes a version out again (an encoder no generation uses any
+more, after ``index retire``: its memory in Triton is freed); the last one stays.
+
 A second publish of the same export (same :func:`~services.encoder.build.repository.export_digest`)
 adds nothing and returns the version already there, so a rollout that resumes after a
 crash can publish again. Concurrent publishes to one repository are serialised by a lock
@@ -51,7 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.errors import FailedPrecondition, RetrievalError, Unavailable
+from services.common.errors import FailedPrecondition, NotFound, RetrievalError, Unavailable
+from services.encoder.base import version_key
 from services.encoder.build.export import (
     PARITY_MIN_COSINE,
     EncoderMeta,
@@ -278,6 +282,68 @@ def publish_version(
                     raise
             return EncoderSpec(EMBED_MODEL, version, export.meta.dim, export.digest,
                                export.meta.source_dir)  # fmt: skip
+
+
+def unpublish_version(
+    repo_dir: Path,
+    version: int,
+    triton_url: str | None = None,
+    *,
+    tls: ClientTLS | None = None,
+    load_timeout_s: float = LOAD_TIMEOUT_S,
+) -> None:
+    """Take version ``version`` of ``embed`` out of the repository and, with
+    ``triton_url``, out of those Tritons (they load ``embed`` again without it).
+
+    For an encoder no generation uses any more (``index retire``): its memory in every
+    Triton is freed. NotFound for a version that is not there; FailedPrecondition for the
+    last one (``embed`` would serve nothing). A failed load puts it back."""
+    repo = Path(repo_dir)
+    model_path = repo / EMBED_MODEL
+    config_path = model_path / "config.pbtxt"
+    if not config_path.exists():
+        raise FailedPrecondition(f"{repo} has no {EMBED_MODEL} model")
+    with _locked(model_path):
+        versions = served_versions(repo)
+        if version not in versions:
+            raise NotFound(f"{model_path} has no version {version} (versions: {versions})")
+        if versions == [version]:
+            raise FailedPrecondition(
+                f"version {version} is the only version of {model_path}: it stays"
+            )
+        old_text = config_path.read_text()
+        config = read_config(config_path)
+        prefix = version_key(version, "")
+        for key in [k for k in config.parameters if k.startswith(prefix)]:
+            del config.parameters[key]
+        from google.protobuf import text_format
+
+        # The folder out of Triton's sight first (a name that is not a number), then the
+        # parameters, then the load; the folder is deleted once Triton no longer runs it.
+        aside = model_path / f".retired-{version}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(model_path / str(version), aside)
+        _write_atomically(config_path, text_format.MessageToString(config))
+        if triton_url:
+            try:
+                _load_everywhere(triton_url, None, tls, load_timeout_s)
+            except BaseException:
+                _write_atomically(config_path, old_text)
+                os.rename(aside, model_path / str(version))
+                with contextlib.suppress(RetrievalError):
+                    _load_everywhere(triton_url, None, tls, load_timeout_s)
+                raise
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def describe_versions(repo_dir: Path) -> list[EncoderSpec]:
+    """Every version of ``embed`` in the repository, as its config describes it."""
+    repo = Path(repo_dir)
+    config_path = repo / EMBED_MODEL / "config.pbtxt"
+    if not config_path.exists():
+        raise FailedPrecondition(f"{repo} has no {EMBED_MODEL} model")
+    config = read_config(config_path)
+    return [spec_of(config, version) for version in served_versions(repo)]
 
 
 def triton_servers(url: str) -> list[str]:
