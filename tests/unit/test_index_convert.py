@@ -278,3 +278,34 @@ def test_a_sparse_only_query_crosses_the_wire_without_vectors() -> None:
     back = convert.query_from_pb(wire)
     assert (back.texts, back.sparse_k, back.k) == (("a", "b"), 9, 5)
     assert np.array_equal(back.vectors, hybrid.vectors)
+
+
+@given(
+    st.integers(0, 5).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.text(min_size=1), min_size=n, max_size=n),
+            f32_grid(n, 3),
+            POSITIONS,
+        )
+    )
+)
+def test_any_exported_chunk_survives_the_wire(chunk: tuple[list[str], np.ndarray, str]) -> None:
+    """ExportVectors: (ids, vectors, position) bit-exact, an empty chunk included."""
+    ids, vectors, position = chunk
+    reply = index_pb2.VectorChunk.FromString(
+        convert.vector_chunk_to_pb(ids, vectors, position, 1, "g2").SerializeToString()
+    )
+    got_ids, got, got_position = convert.vector_chunk_from_pb(reply)
+    assert got_ids == ids and got_position == position and got.shape == (len(ids), 3)
+    assert got.tobytes() == vectors.astype("<f4").tobytes()
+    assert (reply.shard, reply.generation) == (1, "g2")
+
+
+def test_export_batches_default_to_2_mib_and_refuse_more_than_8() -> None:
+    assert convert.export_batch(0, 384) == (2 << 20) // (4 * 384)
+    assert convert.export_batch(100, 384) == 100
+    assert convert.export_batch(0, 10**7) == 1  # a vector wider than 2 MiB: one a message
+    with pytest.raises(InvalidArgument, match="takes at most 5461"):
+        convert.export_batch(5462, 384)
+    with pytest.raises(InvalidArgument, match="takes at most 65536"):
+        convert.export_batch(65537, 8)
