@@ -92,11 +92,13 @@ class GenerationParts:
     clients (the :class:`~services.gateway.generations.GenerationSource`'s factory).
 
     * **Encoder**: the gateway's own (``--triton-model`` at the version pinned at start,
-      or ``--model-dir``) for a generation recorded with it or with no version (version
-      0: the encoder the store was served with before generations); otherwise Triton's
-      model at the generation's version (one the rollout published,
-      ``encoder publish``), or in-process the checkpoint folder it records. A
-      generation whose width differs from that encoder's is refused.
+      or ``--model-dir``) for a generation recorded with it; otherwise Triton's model at
+      the generation's version (one the rollout published, ``encoder publish``), or
+      in-process the checkpoint folder it records. A record with no version (version 0:
+      written before any publish, e.g. by a shard from its manifest) means the
+      repository's first version, 1, never "the newest": the own encoder pins the newest
+      at start, which after a publish is the new encoder, not the store's. A generation
+      whose width differs from that encoder's is refused.
     * **Shards**: g1's are ``--shards``; another generation's are its addresses in
       ``{gtr}:addrs`` (the local stack and the chart write them when its shards start).
     * **Store clients**: on the shared connection, with the generation's keys (its logs,
@@ -111,10 +113,9 @@ class GenerationParts:
         self.own_spec = encoder_spec(settings, own)
 
     def _is_own(self, spec: EncoderSpec) -> bool:
-        if self.settings.encoder == "triton":
-            return spec.version == 0 or (
-                spec.version == self.own_spec.version
-                and spec.model in ("", self.settings.triton_model)
+        if self.settings.encoder == "triton":  # version 0: the first version (see above)
+            return (spec.version or 1) == self.own_spec.version and (
+                spec.version == 0 or spec.model in ("", self.settings.triton_model)
             )
         return (
             not spec.source
@@ -128,7 +129,8 @@ class GenerationParts:
         if self._is_own(spec):
             encoder, owned = self.own, False
         elif self.settings.encoder == "triton":
-            encoder, owned = await build_encoder(self.settings, spec.model, spec.version), True
+            model = spec.model if spec.version else ""  # version 0: --triton-model's 1
+            encoder, owned = await build_encoder(self.settings, model, spec.version or 1), True
         else:
             encoder, owned = await build_encoder(self.settings, model_dir=spec.source), True
         if spec.dim and encoder.dim != spec.dim:

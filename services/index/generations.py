@@ -51,9 +51,11 @@ RUNNING: frozenset[str] = frozenset({"building", "catching_up", "switching", "se
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    """Which encoder a generation's vectors come from: Triton's model and version (0 =
-    the only/latest version, as a client that names none gets), its width, and the digest
-    of the weights (the query cache and the rollout compare generations by it)."""
+    """Which encoder a generation's vectors come from: Triton's model and version, its
+    width, and the digest of the weights (the query cache and the rollout compare
+    generations by it). Version 0 = recorded without one (before any ``encoder publish``,
+    e.g. by a shard from its manifest): the repository's first version, 1. Never "the
+    newest": after a publish that is another encoder (docs/generations.md)."""
 
     model: str
     version: int = 0

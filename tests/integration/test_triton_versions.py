@@ -241,3 +241,35 @@ def test_the_last_version_stays(served: Served, tmp_path: Path) -> None:
         unpublish_version(repo, 1)
     assert status_of(info.value) == grpc.StatusCode.FAILED_PRECONDITION
     assert served_versions(repo) == [1]
+
+
+def test_a_generation_recorded_without_a_version_gets_version_one_not_the_newest(
+    served: Served,
+) -> None:
+    """A shard records g1 from its manifest, with no Triton version (0). After a publish,
+    a gateway started later pins the newest version for its own encoder; g1's searches
+    must still be encoded by version 1, the store's encoder."""
+    from services.gateway.server import GenerationParts, build_encoder
+    from services.gateway.settings import GatewaySettings
+    from services.index.generations import EncoderSpec, Generation
+
+    url = served.handle.grpc_url
+    publish_version(served.repo, ensure_second_encoder(served.base), url)  # v2 (if not yet)
+    settings = GatewaySettings(shards="127.0.0.1:1", auth=False, triton_url=url)
+
+    async def go() -> None:
+        own = await build_encoder(settings)  # the newest, pinned
+        parts = GenerationParts(settings, None, 2, own)
+        try:
+            assert own.model_version == 2  # type: ignore[attr-defined]
+            g1 = Generation("g1", "serving", 2, EncoderSpec("all-MiniLM-L6-v2", 0, 384), "")
+            encoder, owned = await parts.encoder(g1)
+            assert owned and encoder.model_version == 1  # type: ignore[attr-defined]
+            assert encoder.model_name == "all-MiniLM-L6-v2"
+            await encoder.close()
+            g2 = Generation("g2", "building", 2, EncoderSpec("embed", 2, 384), "")
+            assert await parts.encoder(g2) == (own, False)  # the gateway's own encoder
+        finally:
+            await own.close()
+
+    asyncio.run(go())
