@@ -1,0 +1,206 @@
+"""The gateway's GenerationSource (services/gateway/generations.py) over a real Redis
+registry (issue #24): the alias is read from memory per request, re-read once for many
+concurrent callers, a generation's parts are built once and closed only after the last
+request that holds them, and a generation that cannot be built yet leaves the old one
+serving until it can.
+
+The bundles' parts here are plain objects that record whether they were closed: what is
+under test is when the source builds, keeps and closes them (the real parts over real
+shards: test_gateway_generations.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.redis_client import async_client
+from services.gateway.generations import (
+    Bundle,
+    GenerationSource,
+    RedisAliasReader,
+    resolve_token,
+)
+from services.index.generations import Alias, EncoderSpec, Generation, Registry
+from services.index.keys import ADDRESSES_KEY
+from tests.support.processes import await_until
+
+SPEC = EncoderSpec("embed", 1, 8, "d1")
+
+
+class Part:
+    """One part of a bundle (encoder, router, ...): knows whether it was closed."""
+
+    model_name = "test-encoder"
+    dim = 8
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def bundle_of(name: str, part: Any) -> Bundle:
+    """A bundle whose every part is ``part``."""
+    return Bundle(name, part, part, part, part, part, owned=[part])
+
+
+class Counting(RedisAliasReader):
+    """The real reader, counting its alias reads."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.reads = 0
+
+    async def alias(self) -> Alias | None:
+        self.reads += 1
+        await asyncio.sleep(0.01)  # a read in flight while others arrive
+        return await super().alias()
+
+
+class Factory:
+    """Builds a bundle per generation, refusing one whose addresses are not recorded yet
+    (as the gateway's GenerationParts does)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.built: list[str] = []
+        self.parts: dict[str, Part] = {}
+
+    async def __call__(self, gen: Generation) -> Bundle:
+        if gen.name != "g1" and not await self.client.hexists(ADDRESSES_KEY, gen.name):
+            raise Unavailable(f"generation {gen.name} has no shard addresses yet")
+        self.built.append(gen.name)
+        part = self.parts[gen.name] = Part(gen.name)
+        return bundle_of(gen.name, part)
+
+
+@pytest.fixture
+def registry(redis_url: str) -> Iterator[Registry]:
+    client = redis.Redis.from_url(redis_url)
+    registry = Registry(client)
+    registry.ensure_first(2, SPEC, "/idx/g1")
+    yield registry
+    client.close()
+
+
+def new_generation(registry: Registry, addresses: bool = True) -> Generation:
+    gen = registry.create(2, SPEC, "/idx", {"trained": True})
+    if addresses:
+        registry.set_addresses(gen.name, "127.0.0.1:1;127.0.0.1:2")
+    return gen
+
+
+def run(scenario: Any) -> None:
+    asyncio.run(scenario)
+
+
+def test_a_search_reads_the_alias_from_memory_and_concurrent_refreshes_share_one_read(
+    redis_url: str, registry: Registry
+) -> None:
+    async def scenario() -> None:
+        client = async_client(redis_url)
+        reader = Counting(client)
+        source = GenerationSource(reader, Factory(client), refresh_s=60)
+        try:
+            first = await source.start()
+            assert (first.generation, first.epoch, reader.reads) == ("g1", 1, 1)
+            for _ in range(1000):
+                assert source.current() is first
+            assert reader.reads == 1, "current() must not read Redis"
+            answers = await asyncio.gather(*[source.refresh() for _ in range(50)])
+            assert reader.reads == 2, "50 concurrent refreshes: one read"
+            assert all(a is first for a in answers), "an unchanged alias keeps its Serving"
+        finally:
+            await source.close()
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_a_retired_generation_is_closed_after_its_last_request(
+    redis_url: str, registry: Registry
+) -> None:
+    async def scenario() -> None:
+        client = async_client(redis_url)
+        factory = Factory(client)
+        source = GenerationSource(RedisAliasReader(client), factory, refresh_s=60)
+        try:
+            g1 = await source.start()
+            with source.lease(g1):  # a request on g1 spans two switches
+                g2 = new_generation(registry)
+                registry.switch(g2.name, {0: "5-0"})
+                serving = await source.refresh()
+                assert (serving.generation, serving.epoch) == ("g2", 2)
+                assert serving.switch_in == {0: "5-0"} and serving.previous == "g1"
+                assert not factory.parts["g1"].closed, "the previous generation stays open"
+                g3 = new_generation(registry)
+                registry.switch(g3.name, {})
+                await source.refresh()
+                assert sorted(source.bundles()) == ["g2", "g3"]
+                assert not factory.parts["g1"].closed, "closed under a running request"
+            await await_until(lambda: factory.parts["g1"].closed, "g1 closed after its lease")
+            # a rollback to g2 finds its parts open: nothing is built again
+            registry.switch("g2", {0: "9-0"})
+            back = await source.refresh()
+            assert (back.generation, back.epoch, back.switch_in) == ("g2", 4, {0: "9-0"})
+            assert factory.built == ["g1", "g2", "g3"]
+        finally:
+            await source.close()
+            await client.aclose()
+        assert all(p.closed for p in factory.parts.values())
+
+    run(scenario())
+
+
+def test_a_generation_that_cannot_be_built_yet_leaves_the_old_one_serving(
+    redis_url: str, registry: Registry
+) -> None:
+    async def scenario() -> None:
+        client = async_client(redis_url)
+        factory = Factory(client)
+        source = GenerationSource(RedisAliasReader(client), factory, refresh_s=0.05)
+        try:
+            await source.start()
+            g2 = new_generation(registry, addresses=False)
+            registry.switch(g2.name, {})
+            with pytest.raises(Unavailable, match="no shard addresses"):
+                await source.refresh()
+            assert source.current().generation == "g1", "searches go on with g1"
+            registry.set_addresses(g2.name, "127.0.0.1:1;127.0.0.1:2")
+            # the background refresh builds it as soon as it can
+            await await_until(lambda: source.current().generation == "g2", "g2 serves", 10)
+        finally:
+            await source.close()
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_a_write_token_keeps_its_meaning_across_switches() -> None:
+    from services.common.domain import TokenOrigin
+    from services.gateway.generations import Serving
+
+    g2 = Serving("g2", 3, bundle_of("g2", Part("g2")), {0: "100-0", 1: "100-1", 2: "90-0"})
+    own = {0: "120-0"}
+    # the serving epoch: as it is
+    assert resolve_token(own, TokenOrigin("g2", 3), g2) == own
+    # an older epoch of another generation: the serving one's positions at its switch
+    assert resolve_token({1: "5-0"}, TokenOrigin("g1", 1), g2) == g2.switch_in
+    # an older epoch of the serving generation (a rollback serves its logs again): both
+    assert resolve_token(own, TokenOrigin("g2", 2), g2) == {0: "120-0", 1: "100-1", 2: "90-0"}
+    # no origin (a token built from positions): g1's, from before any switch
+    assert resolve_token({0: "1-0"}, TokenOrigin(), g2) == g2.switch_in
+    g1 = Serving("g1", 1, bundle_of("g1", Part("g1")))
+    assert resolve_token({0: "1-0"}, TokenOrigin(), g1) == {0: "1-0"}, "as before generations"
+    with pytest.raises(InvalidArgument, match="epoch 4 is newer"):
+        resolve_token(own, TokenOrigin("g2", 4), g2)
+    with pytest.raises(InvalidArgument, match="generation g2's in this store, not g5's"):
+        resolve_token(own, TokenOrigin("g5", 3), g2)
