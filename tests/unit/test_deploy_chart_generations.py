@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from services.cli.drift_commands import rollout_argv
 from services.cli.main import build_parser
 from services.common.settings import load_settings
 from services.gateway.settings import parse_shard_addresses
@@ -219,11 +220,16 @@ def test_the_rollout_job_resumes_and_fails_fast_on_bad_input(chart: Any) -> None
     rules = spec["podFailurePolicy"]["rules"]
     assert rules[0]["action"] == "FailJob" and rules[0]["onExitCodes"]["values"] == [2]
     rollout = container(job)
-    args = rollout["args"]
-    assert args[:3] == ["index", "rollout", "--retrain"]
-    assert "--redis-url=$(GTR_ROLLOUT_REDIS_URL)" in args and "--yes" in args
-    assert f"--triton-url=dns:///{FULL}-triton-headless.{NAMESPACE}.svc:8001" in args
-    assert "--index-root=/var/lib/gtr/generations" in args and "--metrics-port=9100" in args
+    # the rendered flags, parsed by the real `index rollout`
+    args = parse(rollout["args"])
+    assert (args.index_command, args.retrain, args.encoder, args.yes) == (
+        "rollout", True, None, True,
+    )  # fmt: skip
+    assert args.redis_url == "$(GTR_ROLLOUT_REDIS_URL)" and args.metrics_port == 9100
+    assert args.triton_url == f"dns:///{FULL}-triton-headless.{NAMESPACE}.svc:8001"
+    assert str(args.index_root) == "/var/lib/gtr/generations"
+    # --retrain exports g1's vectors from its replicas: the gateway's g1 shards
+    assert args.source_shards == configmap_data(docs, "gateway")["GTR_GATEWAY_SHARDS"]
     mounts = {m["name"]: m for m in rollout["volumeMounts"]}
     assert "readOnly" not in mounts["generations"]  # the builder writes the trained index
     assert {p["name"]: p["containerPort"] for p in rollout["ports"]} == {"metrics": 9100}
@@ -244,9 +250,10 @@ def test_the_rollout_job_resumes_and_fails_fast_on_bad_input(chart: Any) -> None
 def test_a_new_encoder_rollout_publishes_into_the_model_repository(chart: Any) -> None:
     docs = render(chart, NEW_ENCODER)
     (job,) = of_kind(docs, "Job")
-    rollout = container(job)
-    assert "--encoder=/encoders/minilm-v2" in rollout["args"]
-    assert "--triton-repo=/model-src" in rollout["args"] and "--retrain" not in rollout["args"]
+    args = parse(container(job)["args"])
+    assert (str(args.encoder), str(args.triton_repo), args.retrain) == (
+        "/encoders/minilm-v2", "/model-src", False,
+    )  # fmt: skip
     volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model-source"]["persistentVolumeClaim"]["claimName"] == "gtr-model-repository"
     assert volumes["encoders"]["persistentVolumeClaim"] == {
@@ -271,9 +278,15 @@ def test_the_drift_watcher_runs_the_same_rollout(chart: Any) -> None:
     assert args.shards == configmap_data(docs, "gateway")["GTR_GATEWAY_SHARDS"]
     (job,) = of_kind(docs, "Job")
     job_args = container(job)["args"]
-    shared = [a for a in job_args if a.startswith(("--triton-url", "--index-root"))]
+    shared = [a for a in job_args if a.startswith(("--triton-url", "--index-root", "--source"))]
     assert [a for a in args.rollout_arg if not a.startswith("--metrics-port")] == shared
-    assert "--metrics-port=9101" in args.rollout_arg
+    # the rollout the watcher would start, parsed by the real `index rollout`
+    argv = rollout_argv(args)
+    assert argv[:3] == [sys.executable, "-m", "services.cli.main"]
+    started = parse(argv[3:])
+    assert (started.index_command, started.retrain, started.yes) == ("rollout", True, True)
+    assert started.redis_url == "$(GTR_DRIFT_REDIS_URL)" and started.metrics_port == 9101
+    assert started.source_shards == args.shards
     ports = {p["name"]: p["containerPort"] for p in watch["ports"]}
     assert ports == {"metrics": 9100, "rollout-metrics": 9101}
     monitor = of_kind(docs, "ServiceMonitor")[0]

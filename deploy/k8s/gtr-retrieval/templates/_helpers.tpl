@@ -212,6 +212,9 @@ store, Triton, the model repository and the generations volume are). */}}
 {{- define "gtr.rolloutCommonArgs" -}}
 - --triton-url={{ printf "dns:///%s-triton-headless.%s.svc:%d" (include "gtr.fullname" .) .Release.Namespace (int .Values.encoder.ports.grpc) }}
 - --index-root={{ .Values.index.generationsVolume.mountPath }}
+{{- /* --retrain exports the serving generation's vectors from its replicas: g1's are
+       not in {gtr}:addrs (the gateway falls back to its --shards), so name them */}}
+- --source-shards={{ include "gtr.shardTargets" . }}
 {{- with .Values.index.rollout }}
 {{- if .batch }}
 - --batch={{ .batch }}
