@@ -280,3 +280,14 @@ def test_a_replica_refuses_a_snapshot_folder_of_another_generation(store: Store)
     )
     with pytest.raises(FailedPrecondition, match="snapshots of generation g2, this replica"):
         ShardReplica(settings)
+
+
+def test_the_shard_metrics_say_which_generation() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from services.index.server.metrics import ShardMetrics
+
+    registry = CollectorRegistry()
+    ShardMetrics.create(registry, 2, "g2-shard-2", "g2")
+    labels = {"shard": "2", "replica": "g2-shard-2", "generation": "g2"}
+    assert registry.get_sample_value("index_generation_info", labels) == 1.0

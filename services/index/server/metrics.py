@@ -28,8 +28,18 @@ class ShardMetrics:
     registry: CollectorRegistry
 
     @classmethod
-    def create(cls, registry: CollectorRegistry, shard: int, replica: str) -> ShardMetrics:
+    def create(
+        cls, registry: CollectorRegistry, shard: int, replica: str, generation: str = "g1"
+    ) -> ShardMetrics:
         labels = ["shard", "replica"]
+        # which index generation the replica serves (docs/generations.md), joinable on
+        # (shard, replica): the other series keep their labels, so dashboards stay as they are
+        Gauge(
+            "index_generation_info",
+            "1, labelled with the index generation this replica serves.",
+            [*labels, "generation"],
+            registry=registry,
+        ).labels(str(shard), replica, generation).set(1)
         return cls(
             search_seconds=Histogram(
                 "index_search_seconds",

@@ -54,7 +54,7 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
     has died, see :attr:`ShardReplica.consuming`)."""
     faiss.omp_set_num_threads(settings.omp_threads)
     registry = CollectorRegistry()
-    metrics = ShardMetrics.create(registry, settings.shard, settings.replica)
+    metrics = ShardMetrics.create(registry, settings.shard, settings.replica, settings.generation)
     loop = asyncio.get_running_loop()
     if settings.peers and not (Path(settings.index_dir) / MANIFEST).exists():
         await seed_from_peers(settings, with_index=True)  # the trained index as well
