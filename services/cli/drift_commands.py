@@ -153,8 +153,10 @@ def rollout_argv(args: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "services.cli.main", "index", "rollout", "--retrain", "--yes"]
     if args.run_dir:
         argv.append(f"--run-dir={args.run_dir}")
+    elif args.redis_url_file:  # keeps a password off the rollout's command line too
+        argv.append(f"--redis-url-file={args.redis_url_file}")
     else:
-        argv.append(f"--redis-url={_redis_url(args)}")
+        argv.append(f"--redis-url={args.redis_url}")
     return argv + list(args.rollout_arg)
 
 

@@ -200,6 +200,11 @@ def test_pod_addressing_names_each_generations_pods(chart: Any) -> None:
         ({"index": {"drift": {"autoRollout": {"threshold": 0.9}}}}, "threshold"),
         ({"index": {"drift": {"autoRollout": {"window": "soon"}}}}, "window"),
         ({"index": {"rollout": {"name": "Not_A_Name"}}}, "/index/rollout/name"),
+        (
+            {**NEW_ENCODER, "encoder": {"flavor": "gpu", "repositorySync": {"enabled": True}}},
+            "needs encoder.flavor cpu",
+        ),
+        ({**NEW_ENCODER, "encoder": {"flavor": "cpu"}}, "needs encoder.repositorySync.enabled"),
     ],
 )
 def test_bad_generation_values_are_refused(
