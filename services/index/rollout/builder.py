@@ -143,7 +143,7 @@ class RolloutBuilder:
         ``plan`` asks for nothing else); the serving generation when done."""
         running = self.registry.rollout()
         if running is not None:
-            self._check_resumable(running, plan)
+            self.check_resumable(running, plan)
             return await self._resume(running)
         serving = self.registry.serving()
         if plan.retrain and plan.encoder is not None:
@@ -154,6 +154,11 @@ class RolloutBuilder:
         encoder = plan.encoder or serving.encoder
         if encoder.dim and serving.encoder.dim and plan.retrain and encoder != serving.encoder:
             raise InvalidArgument("--retrain keeps the serving encoder")
+        if plan.retrain and not (self.registry.addresses(serving.name) or self.source_addresses):
+            raise FailedPrecondition(
+                f"--retrain reuses the vectors {serving.name}'s replicas hold, but their "
+                "addresses are unknown ({gtr}:addrs names none): give --source-shards"
+            )
         name = f"g{int(self.redis.incr(NEXT_GENERATION_KEY))}"
         mode = "retrain" if plan.retrain else "encode"
         now = time.time()
@@ -176,7 +181,7 @@ class RolloutBuilder:
         into it (re-embedded with its encoder), then the same switch."""
         running = self.registry.rollout()
         if running is not None:
-            self._check_resumable(running, RolloutPlan())
+            self.check_resumable(running, RolloutPlan())
             if running.get("kind") != "rollback":
                 raise FailedPrecondition(
                     f"a rollout to {running.get('target')} was interrupted: finish it with "
@@ -253,7 +258,7 @@ class RolloutBuilder:
 
     # --- resume -------------------------------------------------------------------------
 
-    def _check_resumable(self, running: dict[str, str], plan: RolloutPlan) -> None:
+    def check_resumable(self, running: dict[str, str], plan: RolloutPlan) -> None:
         beat = float(running.get("beat", "0") or 0)
         alive = time.time() - beat < self.options.stale_after_s
         if alive and running.get("host") == socket.gethostname() and running.get("pid"):

@@ -1,0 +1,172 @@
+"""Bad input to `index rollout | rollback | retire | generations` on a real Redis, driven
+through the command line as an operator runs it: each a clear error with the right
+domain error (FAILED_PRECONDITION / NOT_FOUND over gRPC, exit status 2 on the command
+line) and nothing changed; --abort of an interrupted rollout puts the writes back."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from services.cli.main import main
+from services.common.errors import FailedPrecondition, NotFound
+from services.common.redis_client import sync_client
+from services.common.status import status_of
+from services.index.generations import EncoderSpec, Generation, Registry
+from services.index.keys import CLOSED, LAYOUT_KEY, Layout
+from services.index.rollout.lifecycle import retire
+
+SPEC = EncoderSpec("embed", 1, 384, "minilm")
+BASE = Layout(2, 2)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[Any]:
+    client = sync_client(redis_url)
+    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+    Registry(client).ensure_first(2, SPEC, "")
+    yield client
+    client.close()
+
+
+def _dump(client: Any) -> dict[bytes, Any]:
+    """Every key and its content: 'nothing changed' is this, before and after."""
+    out: dict[bytes, Any] = {}
+    for key in sorted(client.scan_iter(count=1000)):
+        kind = client.type(key)
+        out[key] = client.hgetall(key) if kind == b"hash" else client.dump(key)
+    return out
+
+
+def _cli(redis_url: str, *argv: str) -> list[str]:
+    return ["index", *argv, "--redis-url", redis_url]
+
+
+def _recorded(client: Any, *, alive: bool) -> None:
+    """A rollout g1 -> g2 in its bulk phase, its builder alive (this process, beating) or
+    gone (a pid that is not running, silent for a minute)."""
+    registry = Registry(client)
+    client.incr("{gtr}:next")
+    registry.put(Generation("g2", "building", 2, SPEC, "/nowhere/g2", {"trained": True}))
+    beat = time.time() if alive else time.time() - 60
+    registry.begin_rollout({
+        "target": "g2", "source": "g1", "kind": "rollout", "mode": "encode", "phase": "bulk",
+        "host": socket.gethostname(), "pid": str(os.getpid() if alive else 2**22 + 7),
+        "beat": repr(beat), "owner": "someone",
+        "plan": json.dumps({"encoder": SPEC.__dict__, "shards": 2, "retrain": False}),
+        "p0": "{}", "positions": "{}",
+    })  # fmt: skip
+
+
+def test_a_second_rollout_while_one_runs_is_refused_naming_it(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _recorded(store, alive=True)
+    before = _dump(store)
+    assert main(_cli(redis_url, "rollout", "--yes", "--shards", "3")) == 2
+    err = capsys.readouterr().err
+    assert "a rollout to g2 is running (phase bulk" in err and f"pid {os.getpid()}" in err
+    assert _dump(store) == before
+
+
+def test_an_interrupted_rollout_is_not_replaced_by_another_one(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _recorded(store, alive=False)
+    before = _dump(store)
+    assert main(_cli(redis_url, "rollout", "--yes", "--shards", "3")) == 2
+    assert "was interrupted (phase bulk): resume it with `index rollout`" in capsys.readouterr().err
+    assert _dump(store) == before
+
+
+def test_abort_of_an_interrupted_rollout_gives_the_writes_back_to_the_source(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _recorded(store, alive=False)
+    registry = Registry(store)
+    registry.set_gates(BASE, CLOSED)  # it died mid-switch: writes paused
+    store.hset("snap:{0}", "rollout:g2", "5-0")  # its hold on the source's log
+    assert main(_cli(redis_url, "rollout", "--abort")) == 0
+    assert "aborted the rollout to g2" in capsys.readouterr().out
+    assert registry.rollout() is None
+    assert registry.get("g2").state == "failed"
+    assert {registry.gate(BASE, s) for s in range(2)} == {"g1"}
+    assert store.hget("snap:{0}", "rollout:g2") is None
+    assert registry.alias().serving == "g1"
+    # Nothing left to abort: a clear error.
+    assert main(_cli(redis_url, "rollout", "--abort")) == 2
+    assert "no rollout is running" in capsys.readouterr().err
+
+
+def test_rollback_with_no_previous_generation_is_refused(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _dump(store)
+    assert main(_cli(redis_url, "rollback", "--yes")) == 2
+    assert "no previous generation to roll back to" in capsys.readouterr().err
+    assert _dump(store) == before
+
+
+def test_retire_of_the_serving_generation_is_refused(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _dump(store)
+    assert main(_cli(redis_url, "retire", "--generation", "g1", "--yes")) == 2
+    assert "g1 is the serving generation" in capsys.readouterr().err
+    with pytest.raises(FailedPrecondition) as caught:
+        retire(store, "g1")
+    assert status_of(caught.value) is grpc.StatusCode.FAILED_PRECONDITION
+    assert _dump(store) == before
+
+
+def test_retire_or_rollback_of_an_unknown_generation_is_not_found(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _dump(store)
+    assert main(_cli(redis_url, "retire", "--generation", "g9", "--yes")) == 2
+    assert "generation 'g9' does not exist" in capsys.readouterr().err
+    with pytest.raises(NotFound) as caught:
+        retire(store, "g9")
+    assert status_of(caught.value) is grpc.StatusCode.NOT_FOUND
+    # A previous generation the alias names but the registry lost: rollback says so.
+    store.hset("{gtr}:alias", "previous", "g7")
+    assert main(_cli(redis_url, "rollback", "--yes")) == 2
+    assert "generation 'g7' does not exist" in capsys.readouterr().err
+    store.hdel("{gtr}:alias", "previous")
+    assert _dump(store) == before
+
+
+def test_retrain_without_the_source_replicas_or_encoder_without_a_repository_changes_nothing(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    before = _dump(store)
+    assert main(_cli(redis_url, "rollout", "--yes", "--retrain", "--run-dir",
+                     str(tmp_path))) == 2  # fmt: skip
+    assert "give --source-shards" in capsys.readouterr().err
+    assert main(_cli(redis_url, "rollout", "--yes", "--encoder", str(tmp_path), "--run-dir",
+                     str(tmp_path))) == 2  # fmt: skip
+    assert "no Triton model repository" in capsys.readouterr().err
+    assert _dump(store) == before
+
+
+def test_generations_lists_the_registry(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _recorded(store, alive=True)
+    assert main(_cli(redis_url, "generations", "--json")) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(g["name"], g["state"], g["alias"]) for g in listed["generations"]] == [
+        ("g1", "serving", "serving"), ("g2", "building", ""),
+    ]  # fmt: skip
+    assert listed["rollout"]["phase"] == "bulk" and listed["alias"]["epoch"] == 1
+    assert main(_cli(redis_url, "generations")) == 0
+    table = capsys.readouterr().out
+    assert "g1    serving" in table and "rollout g1 -> g2 (rollout, encode): phase bulk" in table
