@@ -376,3 +376,26 @@ def test_a_rollback_serves_every_write_since_the_switch_and_a_newer_token_is_awa
         a.search("glaciers", future)
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "write_token: epoch 9" in (refused.value.details() or "")
+
+
+def test_a_write_whose_gate_stays_closed_is_unavailable_at_its_deadline_and_writes_nothing(
+    world: World,
+) -> None:
+    """A switch that never reopens the gates (a drain stuck): the gateway retries within
+    the write's deadline, then answers UNAVAILABLE (safe to retry) before the client's
+    own deadline ends, and nothing is stored."""
+    serving = world.registry.alias().serving
+    layout = G1.layout if serving == "g1" else G2.layout
+    moved_before = world.b.metric("gateway_generation_moved_writes_total") or 0.0
+    world.registry.set_gates(layout, CLOSED)
+    try:
+        doc = documents_pb2.Document(id="never-written", text="Nothing of this is stored.")
+        with pytest.raises(grpc.RpcError) as refused:
+            world.b.docs.Upsert(documents_pb2.UpsertRequest(documents=[doc]), timeout=2.0)
+    finally:
+        world.registry.set_gates(layout, serving)
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    assert "switching" in (refused.value.details() or "")
+    assert (world.b.metric("gateway_generation_moved_writes_total") or 0.0) - moved_before > 1
+    assert not world.client.exists(layout.doc("never-written"))
+    assert not world.client.exists(layout.version("never-written"))
