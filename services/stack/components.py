@@ -306,7 +306,10 @@ def triton_server(cfg: StackConfig) -> TritonServerConfig:
     """How the stack runs Triton: free ports, the run's repository; ``--tls``: TLS and
     mTLS on gRPC. Its HTTP endpoint is closed: it has neither TLS nor authentication
     (under ``--tls`` it would answer ``/v2/models/embed/infer`` to anyone), and nothing
-    of ours uses it (readiness is asked over gRPC, :func:`triton_ready`)."""
+    of ours uses it (readiness is asked over gRPC, :func:`triton_ready`). Explicit model
+    control: every version of the repository loaded at start (a restarted Triton serves
+    the published ones too), and ``encoder publish`` (an index rollout to a new encoder)
+    loads a new version while it serves (``services/encoder/serve/versions.py``)."""
     from services.encoder.serve.triton_server import TritonServerConfig, grpc_tls_args
 
     ports = [free_port(cfg.host) for _ in range(3)]
@@ -319,16 +322,28 @@ def triton_server(cfg: StackConfig) -> TritonServerConfig:
         host=cfg.host,
         backend_dir=cfg.run_dir / "triton-backends",
         http=False,
+        model_control="explicit",
         extra_args=(grpc_tls_args(certs.server_cert, certs.server_key, certs.ca) if certs else ()),
     )
 
 
 def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str]:
-    """(child, gRPC address, metrics address) of a Triton serving ``embed``."""
+    """(child, gRPC address, metrics address) of a Triton serving ``embed``.
+
+    The repository is generated from the default model's export, unless it already holds
+    encoder versions published beside the first (``encoder publish``, an index rollout to
+    a new encoder): regenerating would drop them, and with them what a generation's
+    queries are encoded with, so such a repository is kept as it is."""
     from services.encoder.build.repository import generate_repository
     from services.encoder.serve.triton_server import triton_command
+    from services.encoder.serve.versions import served_versions
 
-    generate_repository(onnx_export(cfg, say), cfg.model_repository)
+    repo = cfg.model_repository
+    published = served_versions(repo) if (repo / "embed").is_dir() else []
+    if any(v > 1 for v in published):
+        say(f"triton     keeping {repo}: it serves encoder versions {published} (encoder publish)")
+    else:
+        generate_repository(onnx_export(cfg, say), repo)
     server = triton_server(cfg)
     argv, env = triton_command(server)
     child = Child("triton", argv, cfg.logs / "triton.log", env=env, job="triton")

@@ -1,0 +1,298 @@
+"""``gtr-retrieval up`` runs the shards of every index generation (issue #24).
+
+One real stack for the module, started by the launcher ``up`` uses (:class:`Stack`: a real
+redis-server, real shard processes and a real gateway under the supervisor; the in-process
+encoder instead of Triton, whose versions are D's tests), on a run directory whose index
+was trained on random vectors. The tests then do what a rollout does to the registry:
+create a generation, train its index, mark it trained, retire it; and check that the stack
+starts its shards, publishes their addresses in ``{gtr}:addrs`` and ``stack.json``, serves
+the generation's own log from them, restarts one killed with ``kill -9``, and stops them
+and deletes their files once it is retired; and that a rollout's target comes back when
+``up`` itself is restarted. Last, Triton as ``up`` runs it: a new encoder version published
+while it serves is loaded, and kept and served again after ``up`` restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from services.gateway.settings import parse_shard_addresses
+from services.index.client.router import ShardRouter
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.query import Consistency
+from services.index.core.train import TrainOptions, train_index
+from services.index.generations import EncoderSpec, Generation, Registry
+from services.index.keys import ADDRESSES_KEY, GenerationKeys, Layout
+from services.stack import components, first_run
+from services.stack.children import RestartPolicy, State, Supervisor, grpc_healthy
+from services.stack.config import StackConfig
+from services.stack.endpoints import read_endpoints
+from services.stack.generations import spec
+from services.stack.launcher import Stack
+from tests.encoder_fixtures import encoder_base, ensure_onnx
+from tests.support.encoders import ensure_second_encoder
+from tests.support.processes import redis_binary, wait_until
+
+DIM = 384
+FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=2, window_s=60, poll_s=0.05)
+SMALL = TrainOptions(nlist=8, pq_m=8, pq_bits=4)
+
+
+def unit_vectors(n: int, seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+    return np.asarray(v / np.linalg.norm(v, axis=1, keepdims=True))
+
+
+@dataclass
+class Running:
+    """The module's stack (a test that restarts ``up`` puts the new one here)."""
+
+    stack: Stack
+    cfg: StackConfig
+    _client: redis.Redis | None = None
+    _client_url: str = ""
+
+    @property
+    def url(self) -> str:
+        return self.stack.endpoints.redis_url_with_secrets()
+
+    def registry(self) -> Registry:
+        if self._client is None or self._client_url != self.url:
+            self._client, self._client_url = redis.Redis.from_url(self.url), self.url
+        return Registry(self._client)
+
+    def addresses(self) -> dict[str, str]:
+        """``{gtr}:addrs``: generation -> its shard addresses."""
+        raw = self.registry().redis.hgetall(ADDRESSES_KEY)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def polls(self, n: int = 2) -> None:
+        """Wait until the generations supervisor has read the registry ``n`` more times."""
+        gens = self.stack.generations
+        assert gens is not None
+        start = gens.passes
+        wait_until(lambda: gens.passes >= start + n, f"{n} registry reads", 30)
+
+
+def start_stack(cfg: StackConfig) -> Stack:
+    stack = Stack(cfg)
+    stack.supervisor.watch()  # what `up` does: children supervised from the start,
+    stack.start()
+    assert stack.generations is not None
+    stack.generations.watch()  # and the registry followed once started
+    return stack
+
+
+def stop_stack(stack: Stack) -> None:
+    if stack.generations is not None:
+        stack.generations.halt()
+    stack.supervisor.stop_all()
+    if stack.generations is not None:
+        stack.generations.close()
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    if redis_binary() is None:
+        pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
+    cfg = StackConfig(
+        run_dir=tmp_path_factory.mktemp("generations") / "run", shards=2, replicas=1,
+        encoder="inprocess", rerank=False, prometheus=False, gateway_port=0,
+        progress=False, startup_timeout_s=240, restart=FAST,
+    )  # fmt: skip
+    train_index(unit_vectors(1000, 0), cfg.index_dir, SMALL)  # no first-run encode
+    holder = Running(start_stack(cfg), cfg)
+    try:
+        yield holder
+    finally:
+        stop_stack(holder.stack)
+        if holder._client is not None:
+            holder._client.close()
+
+
+def new_generation(running: Running, shards: int, *, trained: bool) -> Generation:
+    """What a rollout does up to its training: a record, and (``trained``) its index
+    under the stack's index root and ``params["trained"]``."""
+    registry = running.registry()
+    index_root = read_endpoints(running.cfg.run_dir)
+    assert index_root is not None and index_root.index_root
+    gen = registry.create(shards, EncoderSpec("embed", 2, DIM), "", {})
+    index_dir = Path(index_root.index_root) / gen.name
+    gen = registry.put(replace(gen, index_dir=str(index_dir)))
+    if trained:
+        train_index(unit_vectors(1000, gen.number), index_dir, SMALL)
+        gen = registry.put(replace(gen, params={"trained": True}))
+    return gen
+
+
+def listed(cfg: StackConfig) -> dict[str, list[list[str]]]:
+    """The generations ``stack.json`` lists with their shards."""
+    endpoints = read_endpoints(cfg.run_dir)
+    return endpoints.generations if endpoints is not None else {}
+
+
+async def _search_ids(spec_: str, queries: np.ndarray) -> list[str]:
+    """The best hit of each query on the shards of ``spec_`` (STRONG: all applied)."""
+    router = ShardRouter(parse_shard_addresses(spec_))
+    try:
+        # k ≥ all documents: the SQ8 refine ranks every one exactly
+        result = await router.search(queries, 50, consistency=Consistency.STRONG, timeout=30)
+    finally:
+        await router.close()
+    return [hits[0].id if hits else "" for hits in result.hits]
+
+
+@pytest.mark.slow  # the module's stack: two shards and a gateway, ~30 s
+def test_up_records_g1_and_publishes_its_shards(running: Running) -> None:
+    registry = running.registry()
+    g1 = registry.get("g1")
+    assert (g1.state, g1.num_shards) == ("serving", 2)
+    assert g1.index_dir == str(running.cfg.index_dir.resolve())
+    assert g1.encoder.dim == DIM
+    assert registry.alias().serving == "g1"
+
+    endpoints = read_endpoints(running.cfg.run_dir)
+    assert endpoints is not None
+    assert running.addresses()["g1"] == spec(endpoints.shards)
+    assert endpoints.generations["g1"] == endpoints.shards
+    assert all(grpc_healthy(a) for reps in endpoints.shards for a in reps)
+    # what `index rollout --run-dir` reads: Redis (whole URL), an index root
+    assert endpoints.redis_url_with_secrets() == running.stack._redis_url
+    assert endpoints.index_root == str(running.cfg.index_root.resolve())
+
+
+@pytest.mark.slow
+def test_a_trained_generation_gets_shards_that_serve_its_log_until_it_is_retired(
+    running: Running,
+) -> None:
+    cfg = running.cfg
+    gen = new_generation(running, 3, trained=False)
+    running.polls()
+    assert gen.name not in running.addresses()  # building, not trained: no shards yet
+
+    gen = new_generation(running, 3, trained=True)
+    wait_until(lambda: gen.name in running.addresses(), f"{gen.name}'s addresses published", 120)
+    shards = parse_shard_addresses(running.addresses()[gen.name])
+    assert len(shards) == 3 and all(grpc_healthy(a) for reps in shards for a in reps)
+    wait_until(lambda: gen.name in listed(cfg), "stack.json lists it", 30)
+
+    # its shards read its own logs (another layout: 3 shards over the base's 2)
+    registry = running.registry()
+    keys = GenerationKeys(gen.name, Layout(3, registry.base_shards()))
+    registry.set_gates(keys.layout, gen.name)
+    docs = unit_vectors(30, 7)
+
+    async def write() -> None:
+        writer = ChangeLogWriter.connect(running.url, 3, dim=DIM, keys=keys)
+        try:
+            await writer.upsert([DocRecord(f"n{i}", docs[i]) for i in range(len(docs))])
+        finally:
+            await writer.close()
+
+    asyncio.run(write())
+    spec_ = running.addresses()[gen.name]
+    assert asyncio.run(_search_ids(spec_, docs[:5])) == [f"n{i}" for i in range(5)]
+    assert asyncio.run(_search_ids(running.addresses()["g1"], docs[:5])) != [
+        f"n{i}" for i in range(5)
+    ]  # g1's shards never saw them
+
+    # kill -9 of one of its replicas: restarted on the same port
+    assert running.stack.generations is not None
+    victim = running.stack.generations.running[gen.name].children[1][0]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_until(lambda: victim.restarts == 1 and victim.state is State.RUNNING, "restarted", 120)
+    assert running.addresses()[gen.name] == spec_
+    assert asyncio.run(_search_ids(spec_, docs[5:8])) == ["n5", "n6", "n7"]
+
+    # retired: its shards stop, its addresses and files go; g1 serves on
+    children = running.stack.generations.running[gen.name].all()
+    registry.set_state(gen.name, "retired")
+    wait_until(lambda: gen.name not in running.addresses(), "addresses removed", 60)
+    wait_until(lambda: not any(c.alive() for c in children), "its shards stopped", 30)
+    assert not cfg.generation_snapshots(gen.name).exists()
+    assert not Path(gen.index_dir).exists()
+    assert all(c not in running.stack.supervisor.children for c in children)
+    assert "g1" in running.addresses()
+
+
+@pytest.mark.slow  # restarts the module's stack on its run directory: ~30 s
+def test_a_rollout_target_comes_back_when_up_restarts(running: Running) -> None:
+    target = new_generation(running, 2, trained=True)
+    wait_until(lambda: target.name in running.addresses(), "the target's shards", 120)
+    before = running.addresses()
+    stop_stack(running.stack)
+
+    running.stack = start_stack(running.cfg)  # `up` again on the same run directory
+    after = running.addresses()
+    assert set(after) == {"g1", target.name}
+    assert after[target.name] != before[target.name]  # new ports, stale ones replaced
+    endpoints = read_endpoints(running.cfg.run_dir)
+    assert endpoints is not None and endpoints.generations[target.name] == (
+        parse_shard_addresses(after[target.name])
+    )
+    assert all(grpc_healthy(a) for reps in endpoints.generations[target.name] for a in reps)
+
+    # failed (an aborted rollout): its shards stop, its files are kept for inspection
+    running.registry().set_state(target.name, "failed")
+    wait_until(lambda: target.name not in running.addresses(), "stopped", 60)
+    assert Path(target.index_dir).exists()
+
+
+def _ready_versions(url: str) -> list[str]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return sorted(client.get_model_metadata("embed").versions)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow  # two Triton starts and a publish (export + parity check): ~1-2 min
+def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from services.encoder.model import default_model_dir
+    from services.encoder.serve.versions import publish_version
+
+    base = encoder_base(tmp_path_factory)
+    cfg = StackConfig(run_dir=tmp_path / "run", restart=FAST, startup_timeout_s=240)
+    shutil.copytree(ensure_onnx(default_model_dir(), base).parent, cfg.run_dir / "export")
+    said: list[str] = []
+
+    def start_triton(sup: Supervisor) -> str:
+        triton, url, _ = components.triton_child(cfg, said.append)
+        sup.start(triton, functools.partial(components.triton_ready, url, "embed"), 240)
+        return url
+
+    sup = Supervisor(cfg.restart)
+    try:
+        url = start_triton(sup)
+        g1 = first_run.encoder_spec(cfg, url)  # what `up` records for g1: version 1, pinned
+        assert (g1.model, g1.version, g1.dim) == ("embed", 1, DIM) and g1.digest
+        published = publish_version(cfg.model_repository, ensure_second_encoder(base), url)
+        assert published.version == 2 and published.digest != g1.digest
+        assert _ready_versions(url) == ["1", "2"]  # loaded while it served
+    finally:
+        sup.stop_all()
+
+    sup = Supervisor(cfg.restart)  # `up` again on the same run directory
+    try:
+        url = start_triton(sup)
+        assert _ready_versions(url) == ["1", "2"]  # regenerating would have dropped 2
+        assert any("keeping" in line and "[1, 2]" in line for line in said)
+        assert first_run.encoder_spec(cfg, url).version == 2  # the newest, for a new record
+    finally:
+        sup.stop_all()
