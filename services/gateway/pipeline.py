@@ -214,7 +214,7 @@ class SearchPipeline:
         budget = self.default_timeout_s if timeout is None else timeout
         deadline = Deadline.after(budget)
         serving = self.source.current()
-        newest = max(q.token_origin.epoch for q in queries)
+        newest = max((q.token_origin.epoch for q in queries), default=0)
         if newest > serving.epoch:  # a token of a switch this gateway has not seen yet
             serving = await bounded(self.source.at_least(newest), deadline, "reading the alias")
         with self.source.lease(serving) as parts:

@@ -151,3 +151,23 @@ def test_document_round_trip() -> None:
         )
         == bare
     )
+
+
+def test_an_empty_batch_is_refused_before_the_generation_is_consulted() -> None:
+    """The pipeline reads the batch's newest token epoch before validating it (a newer one
+    re-reads the generations alias): an empty batch must still be the clear
+    INVALID_ARGUMENT, not a failure of that step."""
+    import asyncio
+    from typing import Any
+
+    from services.gateway.generations import Bundle, GenerationSource
+    from services.gateway.pipeline import SearchPipeline
+
+    class Shards:
+        num_shards = 2
+        model_name = "unused"
+
+    part: Any = Shards()
+    pipeline = SearchPipeline(GenerationSource.fixed(Bundle("g1", part, part, part, part, part)))
+    with pytest.raises(InvalidArgument, match=r"a batch takes 1\.\.64"):
+        asyncio.run(pipeline.search_batch([], timeout=5))
