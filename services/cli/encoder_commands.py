@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,21 +167,55 @@ def _repo(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class TritonPlace:
+    """The repository and the Triton(s) a version command works on."""
+
+    repo: Path
+    url: str | None
+    tls: Any
+
+
+def _triton_place(args: argparse.Namespace) -> TritonPlace:
+    """--repo / --triton-url / --triton-ca… as given, else the local stack's (its
+    stack.json: the repository it serves from, its Triton, its internal TLS)."""
+    from services.client.gateway import stack_run_dir
+    from services.common.errors import FailedPrecondition
+    from services.common.tls import ClientTLS
+    from services.stack.endpoints import read_endpoints
+
+    stack = read_endpoints(stack_run_dir(args.stack_run_dir))
+    repo = args.repo or (stack.triton_repository if stack else "")
+    if not repo:
+        raise FailedPrecondition(
+            "no model repository: give --repo, or --run-dir of a running local stack"
+        )
+    if stack and Path(repo).resolve() != Path(stack.triton_repository or "/").resolve():
+        stack = None  # another repository than the stack's: its Triton is not the stack's
+    url = getattr(args, "triton_url", None) or (stack.triton_grpc if stack else "") or None
+    paths = stack.internal_tls if stack and not args.triton_ca else {}
+    ca = args.triton_ca or paths.get("ca")
+    cert = args.triton_client_cert or paths.get("cert")
+    key = args.triton_client_key or paths.get("key")
+    return TritonPlace(Path(repo), url, ClientTLS.from_paths(ca, cert, key) if ca else None)
+
+
 def _publish(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from services.encoder.serve.versions import publish_version
 
-    spec = publish_version(Path(args.repo), Path(args.model_dir), args.triton_url)
+    place = _triton_place(args)
+    spec = publish_version(place.repo, Path(args.model_dir), place.url, tls=place.tls)
     if args.json:
         print(json.dumps(asdict(spec)))
         return 0
     loaded = (
-        f"; loaded by Triton at {args.triton_url}"
-        if args.triton_url
-        else "; no --triton-url: Triton serves it once asked to load embed, or restarted"
+        f"; loaded by Triton at {place.url}"
+        if place.url
+        else "; no Triton named: it serves it once asked to load embed, or restarted"
     )
-    print(f"{spec.model} version {spec.version}: {Path(args.model_dir).name} "
+    print(f"{spec.model} version {spec.version} in {place.repo}: {Path(args.model_dir).name} "
           f"(dim {spec.dim}, digest {spec.digest}){loaded}")  # fmt: skip
     return 0
 
@@ -188,9 +223,10 @@ def _publish(args: argparse.Namespace) -> int:
 def _unpublish(args: argparse.Namespace) -> int:
     from services.encoder.serve.versions import unpublish_version
 
-    unpublish_version(Path(args.repo), args.version, args.triton_url)
-    where = f" and from Triton at {args.triton_url}" if args.triton_url else ""
-    print(f"embed version {args.version} removed from {args.repo}{where}")
+    place = _triton_place(args)
+    unpublish_version(place.repo, args.version, place.url, tls=place.tls)
+    where = f" and from Triton at {place.url}" if place.url else ""
+    print(f"embed version {args.version} removed from {place.repo}{where}")
     return 0
 
 
@@ -199,7 +235,7 @@ def _versions(args: argparse.Namespace) -> int:
 
     from services.encoder.serve.versions import describe_versions
 
-    specs = describe_versions(Path(args.repo))
+    specs = describe_versions(_triton_place(args).repo)
     if args.json:
         print(json.dumps([asdict(spec) for spec in specs]))
         return 0
@@ -207,6 +243,26 @@ def _versions(args: argparse.Namespace) -> int:
         print(f"{spec.model} version {spec.version}: dim {spec.dim}, "
               f"digest {spec.digest or '(none recorded)'}")  # fmt: skip
     return 0
+
+
+def _add_triton_place(p: argparse.ArgumentParser, *, triton: bool = True) -> None:
+    """--run-dir, --repo (and --triton-url, TLS): the repository and the Triton(s)."""
+    p.add_argument("--run-dir", dest="stack_run_dir", default=None, metavar="DIR",
+                   help="run directory of the local stack ('up --run-dir'): its stack.json "
+                   "names the model repository, Triton and its TLS files (default: "
+                   "$GTR_RUN_DIR, else .run); flags given override it")  # fmt: skip
+    p.add_argument("--repo", help="the Triton model repository (default: the local stack's)")
+    if not triton:
+        p.set_defaults(triton_ca=None, triton_client_cert=None, triton_client_key=None)
+        return
+    p.add_argument("--triton-url",
+                   help="Triton's gRPC address(es) (host:port, a list or dns:///name:port) "
+                   "that load the change (default: the local stack's; none: only the "
+                   "repository changes)")  # fmt: skip
+    for flag, what in (("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
+                       ("--triton-client-cert", "PEM client certificate for Triton (mTLS)"),
+                       ("--triton-client-key", "PEM key of --triton-client-cert")):  # fmt: skip
+        p.add_argument(flag, default=None, help=f"{what} (default: the local stack's)")
 
 
 def _build_plan(args: argparse.Namespace) -> int:
@@ -370,15 +426,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "there adds nothing and prints its version. An index rollout to the new encoder "
         "uses that version (docs/generations.md).",
     )
-    p.add_argument("--repo", required=True, help="the Triton model repository (cpu flavour)")
+    _add_triton_place(p)
     p.add_argument(
         "--model-dir",
         required=True,
         help="sentence-transformers checkpoint (or an `encoder export` folder)",
     )
-    p.add_argument("--triton-url",
-                   help="Triton's gRPC address(es) (host:port, a list or dns:///name:port) "
-                   "to load the new version; without it only the repository changes")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the version as JSON")
 
     p = add_command(
@@ -391,9 +444,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "--triton-url load embed again without it (its memory freed). The last version "
         "stays (FAILED_PRECONDITION); an unknown one is NOT_FOUND.",
     )
-    p.add_argument("--repo", required=True, help="the Triton model repository (cpu flavour)")
+    _add_triton_place(p)
     p.add_argument("--version", required=True, type=int, help="the version to take out")
-    p.add_argument("--triton-url", help="Triton's gRPC address(es) to unload it from")
 
     p = add_command(
         commands,
@@ -403,7 +455,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         description="Each version of embed with its width and digest (from the config's "
         "version.<n>.* parameters).",
     )
-    p.add_argument("--repo", required=True, help="the Triton model repository")
+    _add_triton_place(p, triton=False)
     p.add_argument("--json", action="store_true", help="print them as JSON")
 
     p = add_command(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -210,28 +211,42 @@ def test_a_publish_triton_cannot_load_is_undone(served: Served) -> None:
     assert _ready_versions(served.handle) == ready
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.cli.main", "encoder", *args],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
 def test_a_version_is_unpublished_from_the_repository_and_the_running_triton(
     served: Served,
 ) -> None:
-    """An encoder no generation uses any more leaves Triton (its memory freed); the
-    versions left keep answering; an unknown version is NOT_FOUND, the last one stays."""
-    third = ensure_second_encoder(served.base, seed=3)
-    url = served.handle.grpc_url
-    spec = publish_version(served.repo, ensure_onnx(third, served.base).parent, url)
-    assert _ready_versions(served.handle)[-1] == str(spec.version)
-    assert [s.version for s in describe_versions(served.repo)][-1] == spec.version
+    """Through the CLI, as an operator would: an encoder no generation uses any more
+    leaves Triton (its memory freed) while the versions left keep answering; an unknown
+    version is NOT_FOUND (exit 2, no traceback)."""
+    third = ensure_onnx(ensure_second_encoder(served.base, seed=3), served.base).parent
+    url, repo = served.handle.grpc_url, str(served.repo)
+    run = _cli("publish", "--repo", repo, "--triton-url", url, "--model-dir", str(third),
+               "--json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    version = json.loads(run.stdout)["version"]
+    assert _ready_versions(served.handle)[-1] == str(version)
+    listed = json.loads(_cli("versions", "--repo", repo, "--json").stdout)
+    assert [v["version"] for v in listed] == served_versions(served.repo)
+    assert [s.version for s in describe_versions(served.repo)][-1] == version
 
-    unpublish_version(served.repo, spec.version, url)
-    assert str(spec.version) not in _ready_versions(served.handle)
-    assert spec.version not in served_versions(served.repo)
+    run = _cli("unpublish", "--repo", repo, "--triton-url", url, "--version", str(version))
+    assert run.returncode == 0, run.stderr
+    assert str(version) not in _ready_versions(served.handle)
+    assert version not in served_versions(served.repo)
     assert not list((served.repo / "embed").glob(".retired-*"))
-    assert all(str(spec.version) not in k for k in read_config(
-        served.repo / "embed" / "config.pbtxt").parameters if k.startswith("version."))  # fmt: skip
+    params = read_config(served.repo / "embed" / "config.pbtxt").parameters
+    assert not [k for k in params if k.startswith(f"version.{version}.")]
     _, got = asyncio.run(_encode_all(url, "1"))  # the first version still answers
     assert min(row_cosines(got["query"], _expected(default_model_dir())["query"])) >= 0.999
 
-    with pytest.raises(NotFound, match="has no version 99"):
-        unpublish_version(served.repo, 99, url)
+    run = _cli("unpublish", "--repo", repo, "--version", "99")
+    assert run.returncode == 2 and "has no version 99" in run.stderr
+    with pytest.raises(NotFound):
+        unpublish_version(served.repo, 99)
 
 
 def test_the_last_version_stays(served: Served, tmp_path: Path) -> None:
