@@ -423,3 +423,38 @@ def test_the_pipeline_encodes_each_distinct_miss_once(
 
 def _deadline() -> Deadline:
     return Deadline.after(30.0)
+
+
+def test_generations_of_one_encoder_share_entries_and_two_encoders_never_do(
+    redis_url: str,
+) -> None:
+    """Index generations (issue #24): the pipeline keys each lookup on the serving
+    generation's encoder (services/gateway/generations.py encoder_identity: model, Triton
+    version, digest). A query cached for one encoder is a miss for another, even of the
+    same width; a second generation of the same encoder (a retrained quantizer) hits."""
+    from services.gateway.generations import encoder_identity
+
+    class Triton:  # what identifies a Triton encoder: name, pinned version, digest
+        def __init__(self, version: int, digest: str) -> None:
+            self.model_name, self.model_version, self.digest = "embed-src", version, digest
+
+    v1, v2 = encoder_identity(Triton(1, "aa")), encoder_identity(Triton(2, "bb"))  # type: ignore[arg-type]
+    assert (v1, v2) == ("embed-src@1#aa", "embed-src@2#bb")
+
+    async def scenario() -> None:
+        cache = _cache(redis_url)
+        try:
+            cache.store(cache.keys(["q"], "query", encoder=v1), _vectors(1, 8, 0), [False])
+            await cache.drain()
+            assert await cache.lookup(cache.keys(["q"], "query", encoder=v2)) == [None]
+            (hit,) = await cache.lookup(cache.keys(["q"], "query", encoder=v1))
+            assert hit is not None
+            np.testing.assert_array_equal(hit.vector, _vectors(1, 8, 0)[0])
+            # another width is another entry
+            assert await cache.lookup(cache.keys(["q"], "query", encoder=v1, dim=16), dim=16) == [
+                None
+            ]
+        finally:
+            await cache.close()
+
+    asyncio.run(scenario())
