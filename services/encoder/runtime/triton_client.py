@@ -212,8 +212,7 @@ def version_params(params: dict[str, str], version: int) -> dict[str, str]:
     """The model-wide parameters overlaid with version ``version``'s (``version.<n>.key``),
     as the Python-backend models see them (``triton_models/model_errors.py``
     ``version_params``: a model file cannot import this package, so the rule is there
-    twice; ``tests/integration/test_triton_versions.py`` serves two versions through
-    both)."""
+    twice; ``tests/unit/test_encoder_versions.py`` checks both give the same)."""
     prefix = version_key(version, "")
     own = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
     return {**{k: v for k, v in params.items() if not k.startswith("version.")}, **own}

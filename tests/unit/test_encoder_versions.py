@@ -1,0 +1,118 @@
+"""What ``encoder publish`` refuses before touching a repository, and the per-version
+parameters (issue #24). No Triton here: tests/integration/test_triton_versions.py serves
+the versions on a real one. The configs are the generator's own (``cpu_embed_config``,
+``gpu_configs``), the tokenizer MiniLM's real ``tokenizer.json``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from services.encoder.build.export import EncoderMeta
+from services.encoder.build.repository import (
+    RepositoryConfig,
+    cpu_embed_config,
+    gpu_configs,
+    version_parameters,
+)
+from services.encoder.model import default_model_dir
+from services.encoder.profiles import get_profile
+from services.encoder.runtime.triton_client import describe_version, version_params
+from services.encoder.serve.versions import Export, servable_problem
+
+MINILM = EncoderMeta(
+    model_name="all-MiniLM-L6-v2", dim=384, profile="minilm",
+    max_lens={"query": 64, "document": 256}, pad_id=0, source_dir="/nowhere",
+)  # fmt: skip
+
+
+def _export(tmp_path: Path, meta: EncoderMeta, tokenizer: str | None = None) -> Export:
+    folder = tmp_path / "export"
+    folder.mkdir()
+    if tokenizer is None:
+        shutil.copy2(default_model_dir() / "tokenizer.json", folder / "tokenizer.json")
+    else:
+        (folder / "tokenizer.json").write_text(tokenizer)
+    return Export(folder / "model.onnx", meta, "d1g3st")
+
+
+def _cpu_config(meta: EncoderMeta = MINILM):  # type: ignore[no-untyped-def]
+    return cpu_embed_config(meta, get_profile("minilm"), RepositoryConfig())
+
+
+def test_an_encoder_of_the_same_width_and_a_fast_tokenizer_is_servable(tmp_path: Path) -> None:
+    other = EncoderMeta(**{**MINILM.__dict__, "model_name": "retrained", "pad_id": 3})
+    assert servable_problem(_cpu_config(), _export(tmp_path, other), tmp_path) is None
+
+
+def test_another_width_is_refused_saying_what_it_needs(tmp_path: Path) -> None:
+    wide = EncoderMeta(**{**MINILM.__dict__, "model_name": "gtr-t5-base", "dim": 768})
+    problem = servable_problem(_cpu_config(), _export(tmp_path, wide), tmp_path)
+    assert problem is not None
+    assert "768 dimensions" in problem and "EMBEDDING [384]" in problem
+    assert "needs a Triton model of its own" in problem
+
+
+@pytest.mark.parametrize(
+    ("change", "tokenizer", "said"),
+    [
+        ({"max_lens": {"query": 64}}, None, "token budgets for ['query']"),
+        ({}, "{not a tokenizer", "cannot be read by the `tokenizers` library"),
+        ({"pad_id": 10**6}, None, "pad id 1000000 is outside its tokenizer's vocabulary"),
+    ],
+)
+def test_a_tokenizer_the_model_cannot_run_is_refused(
+    tmp_path: Path, change: dict[str, object], tokenizer: str | None, said: str
+) -> None:
+    meta = EncoderMeta(**{**MINILM.__dict__, **change})  # type: ignore[arg-type]
+    problem = servable_problem(_cpu_config(), _export(tmp_path, meta, tokenizer), tmp_path)
+    assert problem is not None and said in problem
+
+
+def test_the_gpu_flavour_is_refused(tmp_path: Path) -> None:
+    config = gpu_configs(MINILM, get_profile("minilm"), RepositoryConfig(flavor="gpu"))["embed"]
+    problem = servable_problem(config, _export(tmp_path, MINILM), tmp_path)
+    assert problem is not None and "gpu flavour" in problem
+
+
+def test_each_version_reads_its_own_parameters_over_the_shared_ones() -> None:
+    config = _cpu_config()
+    for key, value in {**version_parameters(1, MINILM, "aaaa"),
+                       **version_parameters(2, EncoderMeta(**{**MINILM.__dict__,
+                                                              "model_name": "second"}),
+                                            "bbbb")}.items():  # fmt: skip
+        config.parameters[key].string_value = value
+    first, second = describe_version(config, 1, "embed"), describe_version(config, 2, "embed")
+    assert (first.source_model, first.digest) == ("all-MiniLM-L6-v2", "aaaa")
+    assert (second.source_model, second.digest, second.dim) == ("second", "bbbb", 384)
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    seen = version_params(params, 2)
+    assert seen["onnx_file"] == "model.onnx" and seen["document_onnx_file"] == ""
+    assert seen["intra_op_threads"] == params["intra_op_threads"]  # shared ones stay
+    assert not [k for k in seen if k.startswith("version.")]
+    # a repository from before versions: the shared parameters, no digest
+    old = _cpu_config()
+    assert describe_version(old, 1, "embed").digest == ""
+    assert describe_version(old, 1, "embed").source_model == "all-MiniLM-L6-v2"
+
+
+def test_the_model_and_the_client_overlay_a_versions_parameters_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rule is written twice (a model file cannot import the service): the model's
+    copy, imported with Triton's real ``triton_python_backend_utils`` from the wheel,
+    gives what the client's gives."""
+    import importlib
+
+    from services.encoder.build.repository import MODELS_DIR
+    from services.encoder.serve.triton_server import pytriton_root
+
+    monkeypatch.syspath_prepend(str(pytriton_root() / "backends" / "python"))
+    monkeypatch.syspath_prepend(str(MODELS_DIR))
+    model_errors = importlib.import_module("model_errors")
+    params = {"onnx_file": "model.onnx", "dim": "384", "version.2.onnx_file": "v2.onnx",
+              "version.2.document_onnx_file": "", "version.12.onnx_file": "v12.onnx"}  # fmt: skip
+    for version in (1, 2, 12):
+        assert model_errors.version_params(params, str(version)) == version_params(params, version)
