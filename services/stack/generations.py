@@ -21,8 +21,9 @@ A shard that exits is restarted by the :class:`Supervisor` like every child (sam
 port and data). Only the serving generation's shards are essential: one of them failing
 past the restart policy stops the stack, as before generations; another generation's
 shard failing that often is given up on, its generation's shards stopped and its addresses
-removed, and started again after ``restart.window_s`` (a broken rollout target must not
-take the serving stack down). A generation whose shards do not start is retried alike.
+removed, and started again after ``restart.window_s`` on the same ports (a gateway that
+routes to them finds them there; a broken rollout target must not take the serving stack
+down). A generation whose shards do not start is retried alike (on fresh ports).
 
 At ``up`` (:meth:`GenerationShards.start_all`) every such generation starts before the
 gateway, the serving one first: a stack stopped during a rollout comes back with the
@@ -102,7 +103,11 @@ class GenerationShards:
         self.on_change = on_change  # stack.json, Prometheus's targets
         self.poll_s = poll_s
         self.running: dict[str, RunningGeneration] = {}
-        self._retry_at: dict[str, float] = {}  # generation -> when to try it again
+        # a generation whose shards did not start or kept failing -> when to try again
+        self.retry_at: dict[str, float] = {}
+        # each generation's ports (per shard, its replicas'), kept for a start again in
+        # this run: a gateway that routes to them finds them where they were
+        self._ports: dict[str, list[list[int]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: Any = None
@@ -185,6 +190,8 @@ class GenerationShards:
         for name in [n for n in self.running if n not in want]:
             self._stop_generation(name, gens.get(name))
             changed = True
+        for name in [n for n in self.retry_at if n not in want]:
+            del self.retry_at[name]
         for name, running in list(self.running.items()):
             if any(c.state is State.STOPPED for c in running.all()):  # given up on
                 self._give_up(name, "a shard kept failing")
@@ -193,7 +200,7 @@ class GenerationShards:
         for gen in order:
             if self._stop.is_set():
                 break
-            if gen.name in self.running or self._retry_at.get(gen.name, 0.0) > time.monotonic():
+            if gen.name in self.running or self.retry_at.get(gen.name, 0.0) > time.monotonic():
                 continue
             essential = gen.name == serving
             try:
@@ -220,24 +227,30 @@ class GenerationShards:
             Path(gen.index_dir) if gen.name != FIRST_GENERATION else None,
         )
         children: list[list[Child]] = []
+        known = self._ports.get(gen.name, [])
+        # each replica's --peers: the others of its shard
+        ports = known if len(known) == gen.num_shards else [
+            components.shard_ports(cfg) for _ in range(gen.num_shards)
+        ]  # fmt: skip
+        self._ports[gen.name] = ports
         try:
             for shard in range(gen.num_shards):
-                ports = components.shard_ports(cfg)  # each replica's --peers: the others
-                replicas = []
+                replicas: list[Child] = []
+                children.append(replicas)
                 for replica in range(cfg.replicas):
-                    child = components.shard_child(cfg, shard, replica, ports, group)
+                    child = components.shard_child(cfg, shard, replica, ports[shard], group)
                     child.essential = essential
                     ready = _probe(child, self.tls)
                     self.supervisor.launch(child, ready, cfg.startup_timeout_s)
                     replicas.append(child)
-                children.append(replicas)
             for child in (c for reps in children for c in reps):
                 self.supervisor.await_ready(child)
         except ChildFailed as exc:
             started = [c for reps in children for c in reps]
             self.supervisor.remove(started, grace=2.0)
+            self._ports.pop(gen.name, None)  # perhaps taken meanwhile: fresh ones next time
             if not self._stop.is_set() and self.supervisor.failure is None:
-                self._retry_at[gen.name] = time.monotonic() + self.cfg.restart.window_s
+                self.retry_at[gen.name] = time.monotonic() + self.cfg.restart.window_s
                 self.report(
                     f"generation {gen.name}: its shards did not start (again in "
                     f"{self.cfg.restart.window_s:.0f} s): {exc}"
@@ -245,7 +258,7 @@ class GenerationShards:
             raise
         running = RunningGeneration(gen, children)
         self.running[gen.name] = running
-        self._retry_at.pop(gen.name, None)
+        self.retry_at.pop(gen.name, None)
         self.report(
             f"generation {gen.name} ({gen.state}): {gen.num_shards} shard(s) x "
             f"{cfg.replicas} replica(s) at {spec(running.addresses)}"
@@ -265,7 +278,7 @@ class GenerationShards:
     def _give_up(self, name: str, why: str) -> None:
         running = self.running.pop(name)
         self.supervisor.remove(running.all(), grace=2.0)
-        self._retry_at[name] = time.monotonic() + self.cfg.restart.window_s
+        self.retry_at[name] = time.monotonic() + self.cfg.restart.window_s
         self.report(
             f"generation {name}: {why}; its shards stopped, started again in "
             f"{self.cfg.restart.window_s:.0f} s"

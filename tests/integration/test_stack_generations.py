@@ -227,6 +227,27 @@ def test_a_trained_generation_gets_shards_that_serve_its_log_until_it_is_retired
     assert "g1" in running.addresses()
 
 
+@pytest.mark.slow
+def test_a_generation_whose_shards_do_not_start_leaves_the_stack_serving(
+    running: Running,
+) -> None:
+    registry = running.registry()
+    missing = running.cfg.index_root / "never-trained"
+    gen = registry.create(2, EncoderSpec("embed", 2, DIM), str(missing), {"trained": True})
+    gens = running.stack.generations
+    assert gens is not None
+    wait_until(lambda: gen.name in gens.retry_at, "its start failed, to be tried again", 120)
+    assert gen.name not in gens.running and gen.name not in running.addresses()
+    assert running.stack.supervisor.failure is None  # not essential: the stack serves on
+    assert all(c.alive() for c in running.stack.supervisor.children)
+    assert not any(c.name.startswith(f"{gen.name}-") for c in running.stack.supervisor.children)
+    assert (running.cfg.logs / f"{gen.name}-shard-0-replica-0.log").stat().st_size > 0
+
+    registry.set_state(gen.name, "failed")  # what `index rollout --abort` does
+    running.polls()
+    assert gen.name not in gens.retry_at
+
+
 @pytest.mark.slow  # restarts the module's stack on its run directory: ~30 s
 def test_a_rollout_target_comes_back_when_up_restarts(running: Running) -> None:
     target = new_generation(running, 2, trained=True)
