@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,11 @@ from services.index.rollout.progress import Progress
 from services.index.rollout.replicas import ReplicaStats, all_stats
 from tests.support.generation_logs import changes, folded
 from tests.support.processes import RedisServer, wait_until
-from tests.support.shards import ShardProcess, start_shard
+from tests.support.shards import ShardProcess, start_shard, train_test_index
 
 REDIS_DB = 10  # module_redis: the rolled-out store is shared by the module's tests
-TWIN_DB = 14  # the kill -9 test's uninterrupted twin
+CRASH_DB, TWIN_DB = 14, 15  # the kill -9 test's store and its uninterrupted twin
+RETRAIN_DB = 12  # the --retrain test's store
 ROOT = Path(__file__).resolve().parents[2]
 DIM = 384
 SPEC = EncoderSpec("embed", 1, DIM, "minilm", "all-MiniLM-L6-v2")
@@ -301,7 +302,7 @@ def _run_builder(url: str, root: Path) -> subprocess.Popen[bytes]:
 def test_a_builder_killed_mid_bulk_resumes_to_the_logs_of_an_uninterrupted_run(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    crashed_url = f"redis://127.0.0.1:{redis_server.port}/{REDIS_DB + 1}"
+    crashed_url = f"redis://127.0.0.1:{redis_server.port}/{CRASH_DB}"
     twin_url = f"redis://127.0.0.1:{redis_server.port}/{TWIN_DB}"
     crashed, twin = _new_store(crashed_url, 500), _new_store(twin_url, 500)
     try:
@@ -335,3 +336,88 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_logs_of_an_uninterrupted_run(
         for c in (crashed, twin):
             c.flushdb()
             c.close()
+
+
+class _WritesAfterP0(Progress):
+    """Writes after P0, before the export (their real versions come in by the replay)."""
+
+    def __init__(self, url: str, encoder: Encoder) -> None:
+        super().__init__()
+        self.url = url
+        self.docs = _encoded(encoder, _docs(700, 8) + _docs(5, 4, " edited"))
+
+    def phase(self, name: str) -> None:
+        super().phase(name)
+        if name == "train":
+            _write_now(self.url, G1, self.docs, deletes=["d50", "d51"])
+
+
+def _encoded(encoder: Encoder, docs: list[DocRecord]) -> list[DocRecord]:
+    """The documents with the encoder's vectors of their text (as the gateway writes them)."""
+
+    texts = [embedding_text(d.title, d.text) for d in docs]
+
+    async def run() -> Any:
+        step = encoder.max_batch
+        parts = [await encoder.encode(texts[i : i + step], "document")
+                 for i in range(0, len(texts), step)]  # fmt: skip
+        return np.concatenate([p.vectors for p in parts])
+
+    vectors = asyncio.run(run())
+    return [replace(d, vector=v) for d, v in zip(docs, vectors, strict=True)]
+
+
+def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_p0(
+    redis_server: RedisServer, encoder: Encoder, tmp_path: Path
+) -> None:
+    url = f"redis://127.0.0.1:{redis_server.port}/{RETRAIN_DB}"
+    client = sync_client(url)
+    client.flushdb()
+    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+    docs = _encoded(encoder, _docs(0, 300))
+    index_dir = train_test_index(np.stack([d.vector for d in docs]), tmp_path / "g1-index")
+    Registry(client).ensure_first(2, SPEC, str(index_dir))
+    asyncio.run(_write(url, G1, docs))
+    shards = [
+        start_shard(index_dir=index_dir, redis_url=url, shard=s, shards=2, work_dir=tmp_path,
+                    replica=f"g1-{s}", wait=False)
+        for s in range(2)
+    ]  # fmt: skip
+    try:
+        for proc in shards:
+            proc.wait_serving(120)
+        Registry(client).set_addresses("g1", ";".join(p.address for p in shards))
+        options = RolloutOptions(index_root=tmp_path / "generations", batch=32, sample=300,
+                                 wait_for_shards=False)  # fmt: skip
+        builder = RolloutBuilder(client, _encoders(encoder), options, _WritesAfterP0(url, encoder))
+        asyncio.run(builder.rollout(RolloutPlan(retrain=True)))
+    finally:
+        for proc in shards:
+            proc.stop()
+    try:
+        g2 = GenerationKeys("g2", Layout(2, 2))
+        expected = _store_state(client, G1.layout)
+        assert len(expected) == 300 + 8 - 2
+        state = folded(client, g2)
+        assert set(state) == set(expected)
+        after_p0 = {f"d{i}" for i in [*range(700, 708), *range(5, 9)]}
+        for doc_id, (version, body, _) in state.items():
+            assert body == expected[doc_id][1]
+            # reused vectors: version 0; written after P0: replayed with their version
+            assert version == (expected[doc_id][0] if doc_id in after_p0 else 0), doc_id
+        # Every vector is the encoder's of the document's text, within SQ8's round trip.
+        ids = sorted(expected)
+        stored = [client.hgetall(G1.layout.doc(i)) for i in ids]
+        want = _encoded(encoder, [
+            DocRecord(i, np.zeros(DIM), d[b"title"].decode(), d[b"text"].decode())
+            for i, d in zip(ids, stored, strict=True)
+        ])  # fmt: skip
+        got = np.array([state[i][2] for i in ids], dtype=np.float32)
+        cosine = np.sum(got * np.stack([w.vector for w in want]), axis=1)
+        assert cosine.min() > 0.999
+        g2_record = Registry(client).get("g2")
+        assert g2_record.params["mode"] == "retrain" and g2_record.encoder == SPEC
+        assert Registry(client).alias().serving == "g2"
+    finally:
+        client.flushdb()
+        client.close()
