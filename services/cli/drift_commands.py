@@ -53,7 +53,7 @@ def add_cli(sub: Any) -> None:
         "--shards",
         default="",
         help="g1's shard addresses when the registry holds none for it (the gateway's "
-        "--shards syntax).",
+        "--shards syntax); also the rollout's --source-shards.",
     )
     watch.add_argument(
         "--rollout-arg",
@@ -157,17 +157,24 @@ def rollout_argv(args: argparse.Namespace) -> list[str]:
         argv.append(f"--redis-url-file={args.redis_url_file}")
     else:
         argv.append(f"--redis-url={args.redis_url}")
-    return argv + list(args.rollout_arg)
+    extra = list(args.rollout_arg)
+    if args.shards and not any(a.startswith("--source-shards") for a in extra):
+        # --retrain exports the serving replicas' vectors; g1's may be in no registry entry
+        argv.append(f"--source-shards={args.shards}")
+    return argv + extra
 
 
 def _drift_watch(args: argparse.Namespace) -> int:
     import json
     import math
+    import signal
+    import threading
 
     from services.common.redis_client import sync_client
     from services.common.tls import ClientTLS
     from services.index.generations import Registry
     from services.index.rollout.drift import (
+        ChildRunner,
         DriftPolicy,
         DriftWatcher,
         WatchConfig,
@@ -175,6 +182,7 @@ def _drift_watch(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader's INFO lines
     fallback = args.shards
     if not fallback and args.run_dir:
         from services.stack.endpoints import read_endpoints
@@ -204,7 +212,8 @@ def _drift_watch(args: argparse.Namespace) -> int:
         prom = CollectorRegistry()
         metrics = DriftMetrics(prom)
         serve_metrics(prom, args.metrics_port, args.metrics_host)
-    watcher = DriftWatcher(config, registry, read_with_asyncio(tls), metrics=metrics)
+    runner = ChildRunner()
+    watcher = DriftWatcher(config, registry, read_with_asyncio(tls), runner, metrics=metrics)
     if args.once:
         serving = registry.alias().serving
         spec = watcher.spec_of(serving)
@@ -224,7 +233,15 @@ def _drift_watch(args: argparse.Namespace) -> int:
         "watching the serving generation: rollout --retrain when the PQ error ratio stays "
         "above %s for %.0f s (polls every %.0f s)", args.threshold, args.window, args.interval,
     )  # fmt: skip
-    watcher.run_forever()
+    stop = threading.Event()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # the pod is stopping: end the loop, and stop a rollout running (it resumes later)
+        stop.set()
+        runner.terminate()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    watcher.run_forever(stop)
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -24,12 +25,14 @@ import redis
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.generations import EncoderSpec, Registry
 from services.index.rollout.drift import (
+    DRIFT_KEY,
     DriftPolicy,
     DriftWatcher,
     WatchConfig,
     read_ratios,
     read_with_asyncio,
 )
+from tests.support.processes import wait_until
 from tests.support.shards import ShardCluster, run_shards, train_test_index
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,13 +46,20 @@ def _normalised(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def drifted(module_redis: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
-    rng = np.random.default_rng(24)
-    basis = rng.standard_normal((8, DIM))
-    trained_on = _normalised(rng.standard_normal((3000, 8)) @ basis)
-    index_dir = train_test_index(
+def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shards' quantizer, trained on an 8-dimensional subspace."""
+    rng = np.random.default_rng(8)
+    trained_on = _normalised(rng.standard_normal((3000, 8)) @ rng.standard_normal((8, DIM)))
+    return train_test_index(
         trained_on, tmp_path_factory.mktemp("drift-index") / "index", nlist=16, nprobe=4
     )
+
+
+@pytest.fixture(scope="module")
+def drifted(
+    index_dir: Path, module_redis: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ShardCluster]:
+    rng = np.random.default_rng(24)
     added = _normalised(rng.standard_normal((600, DIM)))
 
     async def load() -> None:
@@ -80,11 +90,11 @@ def test_the_shards_report_the_drift(drifted: ShardCluster) -> None:
 
 
 def test_the_watcher_starts_the_retrain_after_the_window(
-    drifted: ShardCluster, module_redis: str
+    drifted: ShardCluster, module_redis: str, index_dir: Path
 ) -> None:
     client = redis.Redis.from_url(module_redis)
     registry = Registry(client)
-    registry.ensure_first(SHARDS, EncoderSpec("embed", 0, DIM), "/index")
+    registry.ensure_first(SHARDS, EncoderSpec("embed", 0, DIM), str(index_dir))
     runs: list[list[str]] = []
 
     def run(argv: Sequence[str]) -> int:
@@ -114,9 +124,11 @@ def test_the_watcher_starts_the_retrain_after_the_window(
     client.close()
 
 
-def test_drift_watch_once_prints_the_reading(drifted: ShardCluster, module_redis: str) -> None:
+def test_drift_watch_once_prints_the_reading(
+    drifted: ShardCluster, module_redis: str, index_dir: Path
+) -> None:
     client = redis.Redis.from_url(module_redis)
-    Registry(client).ensure_first(SHARDS, EncoderSpec("embed", 0, DIM), "/index")
+    Registry(client).ensure_first(SHARDS, EncoderSpec("embed", 0, DIM), str(index_dir))
     client.close()
     done = subprocess.run(
         [sys.executable, "-m", "services.cli.main", "index", "drift-watch",
@@ -128,3 +140,44 @@ def test_drift_watch_once_prints_the_reading(drifted: ShardCluster, module_redis
     reading = json.loads(done.stdout.strip().splitlines()[-1])
     assert reading["generation"] == "g1" and reading["above"] is True
     assert reading["ratio"] > 1.5 and len(reading["per_shard"]) == SHARDS
+
+
+def test_drift_watch_runs_the_real_retrain_and_stops_on_sigterm(
+    drifted: ShardCluster, module_redis: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """The whole chain, last in the module (it switches the store to g2): the watcher
+    process reads the drifted shards, runs the real `index rollout --retrain` (which
+    exports their vectors, trains g2 and switches the alias; nothing runs g2's shards
+    here, hence --no-shard-wait), records it, and ends on SIGTERM."""
+    client = redis.Redis.from_url(module_redis)
+    registry = Registry(client)
+    registry.ensure_first(SHARDS, EncoderSpec("embed", 0, DIM), str(index_dir))
+    client.delete(DRIFT_KEY)  # the in-process watcher of a test above wrote it
+    log = (tmp_path / "drift-watch.log").open("wb")
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "index", "drift-watch",
+         f"--redis-url={module_redis}", "--threshold=1.5", "--window=0", "--interval=1",
+         f"--shards={spec(drifted)}", f"--rollout-arg=--index-root={tmp_path / 'gens'}",
+         "--rollout-arg=--no-shard-wait", "--rollout-arg=--quiet"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_until(
+            lambda: registry.redis.hget(DRIFT_KEY, "rollout") in (b"done", b"failed"),
+            "the watcher's rollout ended", timeout=180, interval=0.5,
+        )  # fmt: skip
+        assert registry.redis.hget(DRIFT_KEY, "rollout") == b"done", (
+            tmp_path / "drift-watch.log"
+        ).read_text()
+        assert registry.alias().serving == "g2"
+        g2 = registry.get("g2")
+        assert g2.params.get("trained") and g2.num_shards == SHARDS
+        assert Path(g2.index_dir) == tmp_path / "gens" / "g2"
+        assert registry.rollout() is None
+        watcher.send_signal(signal.SIGTERM)
+        assert watcher.wait(timeout=30) == 0
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+        log.close()
+        client.close()

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import math
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -193,7 +194,7 @@ class DriftWatcher:
         self.config = config
         self.registry = registry
         self.read = read
-        self.run = run or _run
+        self.run = run or ChildRunner()
         self.metrics = metrics
         self.clock = clock
         self.window = DriftWindow(config.policy)
@@ -275,15 +276,18 @@ class DriftWatcher:
         self.metrics.replicas.set(0 if reading is None else reading.answered)
         self.metrics.above.set(self.window.above_for(now))
 
-    def run_forever(self, stop: Callable[[], bool] = lambda: False) -> None:
-        self.resume_if_ours()
-        while not stop():
+    def run_forever(self, stop: threading.Event | None = None) -> None:
+        """Poll every interval until ``stop`` is set (SIGTERM in the CLI)."""
+        stop = stop or threading.Event()
+        if not stop.is_set():
+            self.resume_if_ours()
+        while not stop.is_set():
             started = self.clock()
             try:
                 self.poll()
             except Exception:  # a Redis hiccup must not end the watcher
                 log.exception("drift poll failed")
-            time.sleep(max(0.0, self.config.interval_s - (self.clock() - started)))
+            stop.wait(max(0.0, self.config.interval_s - (self.clock() - started)))
 
 
 def read_with_asyncio(tls: Any = None) -> Callable[[str], Reading]:
@@ -295,9 +299,25 @@ def read_with_asyncio(tls: Any = None) -> Callable[[str], Reading]:
     return read
 
 
-def _run(argv: Sequence[str]) -> int:
-    log.info("running %s", " ".join(argv))
-    return subprocess.run(list(argv), check=False).returncode
+class ChildRunner:
+    """Runs the rollout as a child process; :meth:`terminate` passes a SIGTERM on to it
+    (the watcher is stopping: the rollout stops where it is and is resumed later)."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen[bytes] | None = None
+
+    def __call__(self, argv: Sequence[str]) -> int:
+        log.info("running %s", " ".join(a for a in argv if "redis-url=" not in a))
+        self.child = subprocess.Popen(list(argv))
+        try:
+            return self.child.wait()
+        finally:
+            self.child = None
+
+    def terminate(self) -> None:
+        child = self.child
+        if child is not None and child.poll() is None:
+            child.terminate()
 
 
 def _s(value: bytes | str | None) -> str | None:
