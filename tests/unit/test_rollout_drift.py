@@ -283,3 +283,28 @@ def test_waiting_gives_up_at_its_timeout(registry: Registry) -> None:
 
     with pytest.raises(TimeoutError):
         await_generation(registry, "g7", "x:1", timeout_s=10, clock=clock, sleep=sleep)
+
+
+def test_await_generation_command_records_or_refuses(registry: Registry, redis_url: str) -> None:
+    """The chart's init container, as the pod runs it: exit 0 once it may serve (its
+    addresses recorded), exit 2 with the reason for a retired generation."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    registry.create(2, EncoderSpec("embed", 2, 384), "/gens/g2", {"trained": True})
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli.main", "index", "await-generation", *args,
+             f"--redis-url={redis_url}"],
+            cwd=root, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    done = run("g2", "--addresses=dns:///g2-0:1;dns:///g2-1:1", "--index-dir=/gens/g2")
+    assert done.returncode == 0, done.stderr
+    assert registry.addresses("g2") == "dns:///g2-0:1;dns:///g2-1:1"
+    registry.set_state("g2", "retired")
+    refused = run("g2", "--addresses=x:1")
+    assert refused.returncode == 2 and "g2 is retired" in refused.stderr
