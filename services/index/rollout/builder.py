@@ -40,6 +40,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -445,12 +446,34 @@ class RolloutBuilder:
         done = int(self._state.get("done", "0"))
         total = int(self._state.get("total", "0")) or self._count_documents()
         self.progress.total(total, done)
-        if not cursor.finished_:
-            async for batch, after in self._scan(cursor):
-                await self._append_documents(batch, target)
-                done += len(batch)
-                self.progress.advance(len(batch))
-                self._save(cursor=after.dump(), done=str(done))
+        # Up to `parallel` batches in flight: the next SCAN and document reads overlap the
+        # encoding of the ones before (Triton is not left idle while Redis answers). The
+        # cursor saved is the one after the oldest batch finished with every batch
+        # before it: a crash re-runs at most the batches in flight (appends idempotent).
+        pending: deque[tuple[_ScanCursor, int, asyncio.Task[np.ndarray]]] = deque()
+
+        async def finish_oldest() -> None:
+            nonlocal done
+            after, n, task = pending.popleft()
+            await task
+            done += n
+            self.progress.advance(n)
+            self._save(cursor=after.dump(), done=str(done))
+
+        try:
+            if not cursor.finished_:
+                async for batch, after in self._scan(cursor):
+                    task = asyncio.create_task(self._append_documents(batch, target))
+                    pending.append((after, len(batch), task))
+                    while len(pending) >= max(1, self.options.parallel) or (
+                        pending and pending[0][2].done()
+                    ):
+                        await finish_oldest()
+                while pending:
+                    await finish_oldest()
+        finally:
+            for _, _, task in pending:
+                task.cancel()
         self.registry.set_state(target.name, "catching_up")
         self._save(phase="catch_up")
 
@@ -579,7 +602,7 @@ class RolloutBuilder:
         while node_index < len(nodes):
             node = nodes[node_index]
             reply = await asyncio.to_thread(
-                node.scan, position, match="doc:*", count=max(10, self.options.batch)
+                node.scan, position, match="doc:*", count=max(10, 2 * self.options.batch)
             )
             position = int(reply[0])
             ids = list(dict.fromkeys(i for i in (_doc_id(k, src) for k in reply[1]) if i))
