@@ -53,7 +53,9 @@ class GatewaySettings(ClientTLSSettings):
         description="Index shard replicas: 'host:port,host:port;host:port' "
         "(';' between shards, ',' between replicas of one shard), or per shard one DNS "
         "target 'dns:///name:port' whose addresses are its replicas (re-resolved every "
-        "--resolve-every-s).",
+        "--resolve-every-s). These are index generation g1's shards (its shard count is the "
+        "store's base); another generation's are read from the registry ({gtr}:addrs) when "
+        "the alias names it (docs/generations.md).",
     )
     balance: Literal["least_outstanding", "round_robin"] = Field(
         "least_outstanding",
