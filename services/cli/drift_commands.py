@@ -75,9 +75,9 @@ def add_cli(sub: Any) -> None:
         help="Wait until a generation may serve, then record its shard addresses.",
         description="The init container of a generation's shard pods in the chart: waits "
         "until the registry records GENERATION with a trained index (g1: at once), checks "
-        "that its index_dir is --index-dir, and writes --addresses into {gtr}:addrs. Exits "
-        "2 with the reason when the generation is retired or failed, or its index is "
-        "elsewhere.",
+        "that its index_dir is --index-dir and its shard count --shards, and writes "
+        "--addresses into {gtr}:addrs. Exits 2 with the reason when the generation is "
+        "retired or failed, or its index or shard count is another.",
     )
     wait.add_argument("generation", help="The generation (g1, g2, ...).")
     wait.add_argument("--addresses", required=True, help="Its shards (the --shards syntax).")
@@ -85,6 +85,9 @@ def add_cli(sub: Any) -> None:
     wait_where.add_argument("--redis-url", help="The document store's Redis.")
     wait_where.add_argument("--redis-url-file", help="A file holding the Redis URL.")
     wait.add_argument("--index-dir", default=None, help="Where this pod reads the index.")
+    wait.add_argument(
+        "--shards", type=int, default=None, help="The shard count this pod is one of."
+    )
     wait.add_argument("--timeout", type=_duration, default=None, help="Give up after this.")
     wait.set_defaults(handler=_await_generation)
 
@@ -256,7 +259,7 @@ def _await_generation(args: argparse.Namespace) -> int:
     try:
         gen = await_generation(
             registry, args.generation, args.addresses,
-            index_dir=args.index_dir, timeout_s=args.timeout,
+            index_dir=args.index_dir, num_shards=args.shards, timeout_s=args.timeout,
         )  # fmt: skip
     except (FailedPrecondition, TimeoutError) as exc:
         print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)

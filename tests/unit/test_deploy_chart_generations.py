@@ -163,6 +163,7 @@ def test_each_generation_gets_its_own_shards(chart: Any) -> None:
         waited = parse(wait["args"])
         assert waited.generation == "g2" and waited.addresses == addresses
         assert waited.index_dir == "/var/lib/gtr/generations/g2"
+        assert waited.shards == 3
         assert parse_shard_addresses(waited.addresses) == [[a] for a in addresses.split(";")]
         mounts = {m["name"]: m for m in shard["volumeMounts"]}
         assert mounts["generations"]["mountPath"] == "/var/lib/gtr/generations"

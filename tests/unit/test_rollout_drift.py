@@ -265,10 +265,14 @@ def test_a_target_is_waited_for_until_trained(registry: Registry) -> None:
     assert registry.addresses("g2") == "dns:///g2-0:1"
 
 
-def test_a_retired_generation_or_another_index_dir_is_refused(registry: Registry) -> None:
+def test_a_retired_generation_another_index_dir_or_shard_count_is_refused(
+    registry: Registry,
+) -> None:
     registry.create(2, EncoderSpec("embed", 2, 384), "/gens/g2", {"trained": True})
     with pytest.raises(FailedPrecondition, match="indexDir"):
         await_generation(registry, "g2", "x:1", index_dir="/elsewhere")
+    with pytest.raises(FailedPrecondition, match=r"set its shards in index\.generations to 2"):
+        await_generation(registry, "g2", "x:1;y:1;z:1", num_shards=3)
     registry.set_state("g2", "retired")
     with pytest.raises(FailedPrecondition, match="retired"):
         await_generation(registry, "g2", "x:1")

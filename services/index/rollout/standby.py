@@ -36,6 +36,7 @@ def await_generation(
     addresses: str,
     *,
     index_dir: str | None = None,
+    num_shards: int | None = None,
     poll_s: float = 2.0,
     timeout_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -45,8 +46,9 @@ def await_generation(
 
     g1 is not waited for (its shards record it when the store has no generation yet);
     its addresses are recorded at once. Returns the record (None for a g1 not yet
-    recorded). FailedPrecondition: the generation is retired or failed, or its index is
-    elsewhere than ``index_dir``; DeadlineExceeded-like TimeoutError past ``timeout_s``."""
+    recorded). FailedPrecondition: the generation is retired or failed, has another shard
+    count than ``num_shards``, or its index is elsewhere than ``index_dir``; TimeoutError
+    past ``timeout_s``."""
     give_up = None if timeout_s is None else clock() + timeout_s
     said = clock() - 60.0
     while True:
@@ -61,6 +63,11 @@ def await_generation(
             raise FailedPrecondition(
                 f"generation {name} is {gen.state}: its shards have nothing to serve "
                 "(remove it from index.generations)"
+            )
+        if gen is not None and num_shards is not None and gen.num_shards != num_shards:
+            raise FailedPrecondition(
+                f"generation {name} has {gen.num_shards} shards, but this pod is one of "
+                f"{num_shards}: set its shards in index.generations to {gen.num_shards}"
             )
         if gen is not None and ready_to_serve(gen):
             if index_dir is not None and gen.index_dir.rstrip("/") != index_dir.rstrip("/"):
