@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.domain import TokenOrigin, WriteToken
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.positions import merge_tokens
 from services.gateway.ports import DocumentStore, DocumentWriter, Encoder, LogTails, VectorIndex
+from services.index.client.connection import REDIS_ERRORS
 from services.index.generations import Alias, Generation, read_alias, read_generation
 from services.index.keys import FIRST_GENERATION
 
@@ -156,16 +157,24 @@ class AliasReader(Protocol):
 
 
 class RedisAliasReader:
-    """:class:`AliasReader` over the gateway's async Redis (or Redis Cluster) client."""
+    """:class:`AliasReader` over the gateway's async Redis (or Redis Cluster) client; a
+    Redis that cannot be reached is Unavailable (a write re-reading the alias then fails
+    as its write would, safe to retry)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
 
     async def alias(self) -> Alias | None:
-        return await read_alias(self.client)
+        try:
+            return await read_alias(self.client)
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"redis: reading the generations alias: {exc}") from exc
 
     async def generation(self, name: str) -> Generation:
-        return await read_generation(self.client, name)
+        try:
+            return await read_generation(self.client, name)
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"redis: reading generation {name}: {exc}") from exc
 
 
 BundleFactory = Callable[[Generation], Awaitable[Bundle]]

@@ -204,3 +204,22 @@ def test_a_write_token_keeps_its_meaning_across_switches() -> None:
         resolve_token(own, TokenOrigin("g2", 4), g2)
     with pytest.raises(InvalidArgument, match="generation g2's in this store, not g5's"):
         resolve_token(own, TokenOrigin("g5", 3), g2)
+
+
+def test_a_redis_that_cannot_be_reached_is_unavailable_not_internal() -> None:
+    """A write that re-reads the alias while Redis is down fails as its write would:
+    UNAVAILABLE (safe to retry), not the client library's own error (INTERNAL)."""
+    from tests.support.processes import free_port
+
+    async def scenario() -> None:
+        client = async_client(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1.0)
+        try:
+            reader = RedisAliasReader(client)
+            with pytest.raises(Unavailable, match="reading the generations alias"):
+                await reader.alias()
+            with pytest.raises(Unavailable, match="reading generation g2"):
+                await reader.generation("g2")
+        finally:
+            await client.aclose()
+
+    run(scenario())
