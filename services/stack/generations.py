@@ -317,17 +317,24 @@ class GenerationShards:
         return {name: r.addresses for name, r in sorted(self.running.items())}
 
     def gateway_shards(self, base: int, serving: str) -> list[list[str]]:
-        """The gateway's ``--shards``: g1's shards (the gateway's g1 falls back to them);
-        without g1, the shards of a running generation of the base shard count (the
-        gateway checks its count against the store's), the serving one's first."""
+        """The gateway's ``--shards``: g1's shards (the gateway's g1 falls back to them,
+        and it checks the store's base shard count against their number). Without g1
+        (retired), a running generation of the base count's shards, the serving one's
+        first; without such a generation, addresses on this machine where nothing listens,
+        in the base count's shape: the gateway only routes a generation the alias names,
+        and a retired g1 is never named again."""
         if FIRST_GENERATION in self.running:
             return self.running[FIRST_GENERATION].addresses
         same = sorted(
             (r for r in self.running.values() if r.record.num_shards == base),
             key=lambda r: (r.record.name != serving, r.record.number),
         )
-        pick = same[0] if same else self.running.get(serving)
-        return pick.addresses if pick is not None else []
+        if same:
+            return same[0].addresses
+        host = self.cfg.host
+        return [
+            [f"{host}:{port}" for port in components.shard_ports(self.cfg)] for _ in range(base)
+        ]
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -235,10 +235,9 @@ class Stack:
         self.generations.start_all()
         self.endpoints.shards = self.generations.gateway_shards(cfg.shards, serving)
         self.endpoints.generations = self.generations.addresses()
-        _say(
-            f"index      {cfg.shards} shard(s) x {cfg.replicas} replica(s); generations "
-            f"running: {', '.join(self.endpoints.generations) or 'none'} (serving {serving})"
-        )
+        gens = self.endpoints.generations
+        running = ", ".join(f"{name} ({len(shards)} shard(s))" for name, shards in gens.items())
+        _say(f"index      {running}, {cfg.replicas} replica(s) per shard; serving {serving}")
 
         if cfg.rerank:
             rerank = components.rerank_child(cfg)

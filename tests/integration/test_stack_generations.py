@@ -271,6 +271,27 @@ def test_a_rollout_target_comes_back_when_up_restarts(running: Running) -> None:
     assert Path(target.index_dir).exists()
 
 
+@pytest.mark.slow  # the module's last stack test (g1 retired): restarts up, ~30 s
+def test_up_starts_again_once_g1_is_retired_for_a_generation_of_another_shard_count(
+    running: Running,
+) -> None:
+    from services.client.gateway import Gateway, search_once
+
+    target = new_generation(running, 3, trained=True)
+    wait_until(lambda: target.name in running.addresses(), "the target's shards", 120)
+    registry = running.registry()
+    registry.switch(target.name, {})  # what the rollout's switch does to the alias
+    registry.set_state("g1", "retired")
+    wait_until(lambda: "g1" not in running.addresses(), "g1's shards stopped", 60)
+    stop_stack(running.stack)
+
+    # `up` again: the gateway needs the base shard count (2) but no g1 runs any more
+    running.stack = start_stack(running.cfg)
+    assert set(running.addresses()) == {target.name}
+    response = search_once(Gateway(running.stack.endpoints.gateway), "anything", k=3, timeout=60)
+    assert response.generation == target.name
+
+
 def _ready_versions(url: str) -> list[str]:
     import tritonclient.grpc as grpcclient
 
