@@ -25,9 +25,11 @@ removed, and started again after ``restart.window_s`` on the same ports (a gatew
 routes to them finds them there; a broken rollout target must not take the serving stack
 down). A generation whose shards do not start is retried alike (on fresh ports).
 
-At ``up`` (:meth:`GenerationShards.start_all`) every such generation starts before the
-gateway, the serving one first: a stack stopped during a rollout comes back with the
-target's shards too, and the rollout resumes against them.
+At ``up`` (:meth:`GenerationShards.start_all`) the serving generation's shards and g1's
+(the gateway's ``--shards``) start before the gateway, and every other one that should run
+right after, in the background: a stack stopped during a rollout comes back with the
+target's shards too (on new ports, published before the rollout can use them), and the
+rollout resumes against them.
 """
 
 from __future__ import annotations
@@ -117,9 +119,12 @@ class GenerationShards:
     # --- lifecycle -----------------------------------------------------------------------
 
     def start_all(self) -> None:
-        """At ``up``: start every generation that should run, the serving one first, and
-        publish the addresses (ChildFailed when the serving one's shards do not start)."""
-        self.sync(raise_serving=True)
+        """At ``up``, before the gateway: start the shards the gateway needs, the serving
+        generation's and g1's (its ``--shards``), and publish the addresses (ChildFailed
+        when the serving one's do not start). The others (a rollout's target, a previous
+        generation) follow in the background once :meth:`watch` runs, so a target that
+        replays a long log does not hold the gateway back."""
+        self.sync(raise_serving=True, only=lambda gen, serving: gen in (serving, FIRST_GENERATION))
 
     def watch(self) -> None:
         """From now on, follow the registry in a background thread."""
@@ -182,7 +187,11 @@ class GenerationShards:
         raw = client.hgetall(ADDRESSES_KEY)
         return gens, alias, {k.decode(): v.decode() for k, v in raw.items()}
 
-    def sync(self, raise_serving: bool = False) -> None:
+    def sync(
+        self, raise_serving: bool = False, only: Callable[[str, str], bool] | None = None
+    ) -> None:
+        """One pass: stop what should not run, start what should (``only``: of those, the
+        generations it accepts, given the serving one's name), publish the addresses."""
         gens, alias, addrs = self.read()
         serving = alias.serving if alias is not None else FIRST_GENERATION
         want = {name: g for name, g in gens.items() if runs(g)}
@@ -200,6 +209,8 @@ class GenerationShards:
         for gen in order:
             if self._stop.is_set():
                 break
+            if only is not None and not only(gen.name, serving):
+                continue
             if gen.name in self.running or self.retry_at.get(gen.name, 0.0) > time.monotonic():
                 continue
             essential = gen.name == serving

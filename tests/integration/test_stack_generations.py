@@ -256,9 +256,14 @@ def test_a_rollout_target_comes_back_when_up_restarts(running: Running) -> None:
     stop_stack(running.stack)
 
     running.stack = start_stack(running.cfg)  # `up` again on the same run directory
+    assert set(running.addresses()) <= {"g1", target.name}  # no stale ports left published
+    wait_until(
+        lambda: running.addresses().get(target.name, before[target.name]) != before[target.name],
+        "the target's shards started again and published on their new ports",
+        120,
+    )
     after = running.addresses()
     assert set(after) == {"g1", target.name}
-    assert after[target.name] != before[target.name]  # new ports, stale ones replaced
     endpoints = read_endpoints(running.cfg.run_dir)
     assert endpoints is not None and endpoints.generations[target.name] == (
         parse_shard_addresses(after[target.name])
