@@ -282,6 +282,9 @@ def test_rollback_replays_the_writes_since_the_switch_then_retire_deletes_the_la
     assert {i: (v, b) for i, (v, b, _) in folded(client, G1).items()} == expected
     assert _store_state(client, G1.layout) == expected  # copied back into the base layout
     assert {registry.gate(Layout(2, 2), s) for s in range(2)} == {"g1"}
+    # g1's logs are held for a rollback to g2; g2's hold for one to g1 is released.
+    assert all(client.hget(G1.snapshots(s), "rollback:g2") for s in range(2))
+    assert not any(client.hget(g2.snapshots(s), "rollback:g1") for s in range(3))
     for proc in rolled_out.shards:  # as the stack does once g2 is retired
         proc.stop()
     done = retire(client, "g2")

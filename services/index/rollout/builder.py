@@ -49,7 +49,13 @@ from typing import Any
 import numpy as np
 
 from services.common import positions
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    RetrievalError,
+    Unavailable,
+)
 from services.encoder.base import Encoder
 from services.index.changelog import text
 from services.index.generations import EncoderSpec, Generation, Registry
@@ -83,6 +89,7 @@ class RolloutOptions:
     heartbeat_s: float = 1.0
     target_recall: float | None = None  # None: the trainer's default
     encode_timeout_s: float = 60.0
+    encode_retry_s: float = 300.0  # how long a failing encoder is retried before giving up
 
 
 @dataclass(frozen=True)
@@ -530,8 +537,10 @@ class RolloutBuilder:
         switch_in = {int(s): p for s, p in self.registry.get(target.name).switch_in.items()}
         self._hold(tgt, switch_in, f"rollback:{source.name}", heartbeat=False)
         self._release(src, f"rollout:{target.name}")
-        for gen in self.registry.all():  # S's own rollback hold: its previous is not one any more
-            if gen.name not in (source.name, target.name):
+        # The holds on S's logs for a rollback from S (to its previous, or, after a
+        # rollback, to T itself): S is the previous generation now, the only target left.
+        for gen in self.registry.all():
+            if gen.name != source.name:
                 self._release(src, f"rollback:{gen.name}")
         self._save(phase="done")
 
@@ -554,15 +563,33 @@ class RolloutBuilder:
 
         async def one(chunk: Sequence[str]) -> np.ndarray:
             async with sem:
-                out = await encoder.encode(
-                    list(chunk), "document", timeout=self.options.encode_timeout_s
-                )
+                out = await self._encode_retrying(encoder, list(chunk))
                 return np.asarray(out.vectors, dtype=np.float32)
 
         parts = await asyncio.gather(
             *(one(texts[i : i + step]) for i in range(0, len(texts), step))
         )
         return np.concatenate(parts) if parts else np.zeros((0, encoder.dim), np.float32)
+
+    async def _encode_retrying(self, encoder: Encoder, texts: list[str]) -> Any:
+        """``encoder.encode``, retried while the encoder is unavailable, overloaded, slow or
+        failing inside (a Triton restarting, a model stub replaced) for up to
+        ``encode_retry_s`` with backoff 0.5 s doubling to 10 s: a rollout of hours does not
+        die of a minute's outage. Bad input is not retried."""
+        deadline = time.monotonic() + self.options.encode_retry_s
+        backoff = 0.5
+        while True:
+            try:
+                timeout = self.options.encode_timeout_s
+                return await encoder.encode(texts, "document", timeout=timeout)
+            except (InvalidArgument, NotFound, FailedPrecondition):
+                raise
+            except RetrievalError as exc:
+                if time.monotonic() + backoff > deadline:
+                    raise
+                self.progress.message(f"encoder: {exc}; again in {backoff:.1f} s")
+                await asyncio.sleep(backoff)
+                backoff = min(10.0, backoff * 2)
 
     async def _append_documents(self, batch: list[tuple[str, dict[bytes, bytes]]],
                                 target: Generation) -> np.ndarray:  # fmt: skip

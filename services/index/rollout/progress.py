@@ -116,7 +116,7 @@ class ConsoleProgress(Progress):
             for p in PHASES:
                 self._metrics["phase"].labels(p).set(1 if p == name else 0)
         self._close_bar()
-        if self.enabled:
+        if self.enabled and name in PHASES and name != "switch":
             from tqdm import tqdm
 
             unit = "entries" if name == "catch_up" else "docs"
