@@ -325,7 +325,9 @@ class GenerationShards:
             client.hset(ADDRESSES_KEY, mapping=fresh)
 
     def addresses(self) -> dict[str, list[list[str]]]:
-        return {name: r.addresses for name, r in sorted(self.running.items())}
+        """Each running generation's shard addresses (read from other threads: a copy)."""
+        running = list(self.running.items())  # one C-level copy, whatever the poller does
+        return {name: r.addresses for name, r in sorted(running, key=lambda item: item[0])}
 
     def gateway_shards(self, base: int, serving: str) -> list[list[str]]:
         """The gateway's ``--shards``: g1's shards (the gateway's g1 falls back to them,

@@ -181,6 +181,54 @@ def test_a_child_that_keeps_failing_stops_every_child(cfg: StackConfig, tmp_path
     assert not any(c.alive() for c in sup.children)
 
 
+def _sleeper(tmp_path: Path, name: str, script: str = "sleep 60") -> Child:
+    return Child(name, ["sh", "-c", script], tmp_path / f"{name}.log")
+
+
+def test_a_child_that_is_not_essential_is_given_up_on_alone(tmp_path: Path) -> None:
+    """A shard of a generation that does not serve: failing past the policy, it is left
+    stopped; the rest serves on (an essential one would stop everything, as above)."""
+    gave_up: list[str] = []
+    sup = Supervisor(FAST, on_give_up=gave_up.append)
+    try:
+        steady = sup.start(_sleeper(tmp_path, "steady"), lambda: True, 10)
+        flaky = _sleeper(tmp_path, "flaky", "sleep 0.3; exit 3")
+        flaky.essential = False
+        sup.start(flaky, lambda: True, 10)
+        sup.watch()
+        wait_until(lambda: flaky.state is State.STOPPED, "the flaky child given up on", 30)
+        assert flaky.restarts == FAST.max_restarts and not flaky.alive()
+        assert sup.failure is None and not gave_up
+        assert steady.alive() and steady.state is State.RUNNING
+        assert "giving up on it, the rest of the stack serves on" in flaky.log_path.read_text()
+    finally:
+        sup.stop_all()
+
+
+def test_a_removed_child_is_stopped_and_its_pending_restart_dropped(tmp_path: Path) -> None:
+    """The shards of a retired generation: :meth:`Supervisor.remove` stops them for good,
+    even one that crashed and waits for its restart."""
+    slow = RestartPolicy(backoff_s=1.0, backoff_max_s=1.0, max_restarts=5, window_s=60, poll_s=0.05)
+    sup = Supervisor(slow)
+    try:
+        keep = sup.start(_sleeper(tmp_path, "keep"), lambda: True, 10)
+        crashed = sup.start(_sleeper(tmp_path, "crashed"), lambda: True, 10)
+        running = sup.start(_sleeper(tmp_path, "running"), lambda: True, 10)
+        sup.watch()
+        assert crashed.pid is not None
+        os.kill(crashed.pid, signal.SIGKILL)
+        wait_until(lambda: crashed.state is State.RESTARTING, "the crash noticed", 10)
+        assert sup.remove([crashed, running]) == []  # both stopped on SIGTERM (or dead)
+        assert not running.alive() and sup.children == [keep]
+        wait_until(
+            lambda: not any(t.is_alive() for t in sup._threads), "the restart thread ended", 10
+        )
+        assert crashed.restarts == 0 and not crashed.alive()
+        assert crashed.state is State.STOPPED and keep.alive()
+    finally:
+        sup.stop_all()
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     policy = RestartPolicy(backoff_s=0.5, backoff_max_s=3.0)
     assert [policy.delay(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
