@@ -117,18 +117,22 @@ class ConsoleProgress(Progress):
                 self._metrics["phase"].labels(p).set(1 if p == name else 0)
         self._close_bar()
         if self.enabled and name in PHASES and name != "switch":
-            from tqdm import tqdm
+            self._open_bar(name, None, 0)
 
-            unit = "entries" if name == "catch_up" else "docs"
-            self._bar = tqdm(desc=name, unit=unit, dynamic_ncols=True, smoothing=0.1)
+    def _open_bar(self, name: str, total: int | None, initial: int) -> None:
+        from tqdm import tqdm
+
+        unit = "entries" if name == "catch_up" else "docs"
+        self._bar = tqdm(desc=name, unit=unit, total=total, initial=initial, dynamic_ncols=True,
+                         smoothing=0.1)  # fmt: skip
 
     def total(self, docs: int | None, done: int = 0) -> None:
         super().total(docs, done)
         if self._metrics and docs is not None:
             self._metrics["expected"].set(docs)
-        if self._bar is not None:
-            self._bar.reset(total=docs)
-            self._bar.update(done)
+        if self._bar is not None:  # a new bar starting at `done` (not counted in its rate)
+            self._close_bar()
+            self._open_bar(self.current, docs, done)
 
     def advance(self, docs: int) -> None:
         super().advance(docs)
