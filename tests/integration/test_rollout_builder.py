@@ -47,6 +47,7 @@ from services.index.rollout.progress import Progress
 from services.index.rollout.replicas import ReplicaStats, all_stats
 from tests.support.generation_logs import changes, folded
 from tests.support.processes import RedisServer, wait_until
+from tests.support.redis_cluster import RedisCluster
 from tests.support.shards import ShardProcess, start_shard, train_test_index
 
 REDIS_DB = 10  # module_redis: the rolled-out store is shared by the module's tests
@@ -423,4 +424,43 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
         assert Registry(client).alias().serving == "g2"
     finally:
         client.flushdb()
+        client.close()
+
+
+def test_a_reshard_on_a_redis_cluster_copies_and_appends_every_document(
+    redis_cluster: RedisCluster, encoder: Encoder, tmp_path: Path
+) -> None:
+    """The builder's SCAN runs per primary, each append script in one target shard's slot."""
+    wait_until(redis_cluster.healthy, "cluster_state:ok", timeout=60)
+    redis_cluster.flush()
+    url = redis_cluster.url
+    client = sync_client(url)
+    try:
+        client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+        Registry(client).ensure_first(2, SPEC, "")
+        asyncio.run(_write(url, G1, _docs(0, 260)))
+
+        class AfterP0(Progress):
+            def phase(self, name: str) -> None:
+                super().phase(name)
+                if name == "bulk":
+                    _write_now(url, G1, _docs(3, 2, " edited"), deletes=["d9"])
+
+        options = RolloutOptions(index_root=tmp_path / "generations", batch=32, sample=300,
+                                 wait_for_shards=False)  # fmt: skip
+        builder = RolloutBuilder(client, _encoders(encoder), options, AfterP0())
+        asyncio.run(builder.rollout(RolloutPlan(num_shards=3)))
+        g2 = GenerationKeys("g2", Layout(3, 2))
+        expected = {}
+        for doc_id in (f"d{i}" for i in range(260)):
+            d = client.hgetall(G1.layout.doc(doc_id))
+            if d:
+                expected[doc_id] = (int(d[b"ver"]), f"{d[b'title'].decode()} {d[b'text'].decode()}")
+        assert len(expected) == 259 and expected["d3"][1].endswith("edited")
+        assert {i: (v, b) for i, (v, b, _) in folded(client, g2).items()} == expected
+        copies = {i: client.hget(g2.layout.doc(i), "ver") for i in expected}
+        assert all(int(v) == expected[i][0] for i, v in copies.items())
+        assert Registry(client).alias().serving == "g2"
+    finally:
+        redis_cluster.flush()
         client.close()
