@@ -315,7 +315,6 @@ def _progress(args: argparse.Namespace) -> Any:
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    from services.common.errors import FailedPrecondition
     from services.index.generations import Registry
     from services.index.rollout.builder import RolloutPlan
 
@@ -334,11 +333,7 @@ def _rollout(args: argparse.Namespace) -> int:
         return 0
     running = registry.rollout()
     serving = registry.serving()
-    if running is not None and args.encoder is not None:
-        raise FailedPrecondition(
-            f"a rollout to {running.get('target')} is recorded (phase {running.get('phase')}): "
-            "resume it with `index rollout` (no --encoder) or `index rollout --abort` first"
-        )
+    encoder_dir = str(args.encoder.resolve()) if args.encoder is not None else ""
     if running is None:
         shards = args.shards or serving.num_shards
         change = (
@@ -353,7 +348,8 @@ def _rollout(args: argparse.Namespace) -> int:
     else:
         # a live builder or other options: refused (naming it) before asking anything
         _builder(args, places, client, None).check_resumable(
-            running, RolloutPlan(num_shards=args.shards, retrain=args.retrain)
+            running,
+            RolloutPlan(num_shards=args.shards, retrain=args.retrain, encoder_dir=encoder_dir),
         )
         question = (
             f"resume the rollout to {running.get('target')} from {running.get('source')} "
@@ -361,10 +357,10 @@ def _rollout(args: argparse.Namespace) -> int:
         )
     if not _confirm(args, question):
         return 1
-    encoder = None
-    if args.encoder is not None:
-        encoder = _publish(args, places)
-    plan = RolloutPlan(encoder=encoder, num_shards=args.shards, retrain=args.retrain)
+    # A resumed rollout's encoder was published when it started (the same folder again).
+    encoder = _publish(args, places) if args.encoder is not None and running is None else None
+    plan = RolloutPlan(encoder=encoder, num_shards=args.shards, retrain=args.retrain,
+                       encoder_dir=encoder_dir)  # fmt: skip
     progress = _progress(args)
     started = time.monotonic()
     try:

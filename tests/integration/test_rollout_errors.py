@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,7 +84,8 @@ def test_an_interrupted_rollout_is_not_replaced_by_another_one(
     _recorded(store, alive=False)
     before = _dump(store)
     assert main(_cli(redis_url, "rollout", "--yes", "--shards", "3")) == 2
-    assert "was interrupted (phase bulk): resume it with `index rollout`" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "was interrupted (phase bulk) with other options: resume it with `index rollout`" in err
     assert _dump(store) == before
 
 
@@ -170,3 +172,38 @@ def test_generations_lists_the_registry(
     assert main(_cli(redis_url, "generations")) == 0
     table = capsys.readouterr().out
     assert "g1    serving" in table and "rollout g1 -> g2 (rollout, encode): phase bulk" in table
+
+
+def test_a_builder_of_another_host_counts_as_gone_once_its_heartbeat_stops(store: Any) -> None:
+    """A Job's replacement pod (another host) resumes the rollout of the pod before it once
+    that one's heartbeat is older than stale_after_s; while it beats, it is refused."""
+    from services.index.rollout.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+
+    _recorded(store, alive=True)
+    store.hset("{gtr}:rollout", mapping={"host": "rollout-pod-0", "beat": repr(time.time())})
+    options = RolloutOptions(index_root=Path("unused"), stale_after_s=1.0, heartbeat_s=0.2)
+    builder = RolloutBuilder(store, _no_encoder, options)
+    running = Registry(store).rollout() or {}
+    started = time.monotonic()
+    builder.check_resumable(running, RolloutPlan())  # returns: the other pod went silent
+    assert time.monotonic() - started < 3.0
+    # A pod that still beats: refused, naming it.
+    beating = threading.Event()
+
+    def beat() -> None:
+        while not beating.is_set():
+            store.hset("{gtr}:rollout", "beat", repr(time.time()))
+            beating.wait(0.1)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(FailedPrecondition, match=r"builder pid .* on rollout-pod-0"):
+            builder.check_resumable(Registry(store).rollout() or {}, RolloutPlan())
+    finally:
+        beating.set()
+        thread.join()
+
+
+async def _no_encoder(spec: Any) -> Any:
+    raise AssertionError("no encoder is needed to check a rollout")

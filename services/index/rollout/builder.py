@@ -99,6 +99,7 @@ class RolloutPlan:
     encoder: EncoderSpec | None = None  # None: the serving generation's encoder
     num_shards: int | None = None  # None: the serving generation's shard count
     retrain: bool = False  # reuse the vectors S's replicas hold (same encoder)
+    encoder_dir: str = ""  # the checkpoint folder --encoder named (a resume names it again)
 
 
 def _j(value: Any) -> str:
@@ -175,7 +176,7 @@ class RolloutBuilder:
             "phase": "create", "owner": self.owner, "host": socket.gethostname(),
             "pid": str(os.getpid()), "beat": repr(now), "started_at": repr(now),
             "plan": _j({"encoder": encoder.__dict__, "shards": num_shards,
-                        "retrain": plan.retrain}),
+                        "retrain": plan.retrain, "encoder_dir": plan.encoder_dir}),
         })  # fmt: skip
         index_dir = str(Path(self.options.index_root).resolve() / name)
         self.registry.put(Generation(
@@ -267,30 +268,50 @@ class RolloutBuilder:
     # --- resume -------------------------------------------------------------------------
 
     def check_resumable(self, running: dict[str, str], plan: RolloutPlan) -> None:
-        beat = float(running.get("beat", "0") or 0)
-        alive = time.time() - beat < self.options.stale_after_s
-        if alive and running.get("host") == socket.gethostname() and running.get("pid"):
-            alive = _pid_alive(int(running["pid"]))
-        if alive:
-            raise FailedPrecondition(
-                f"a rollout to {running.get('target')} is running (phase "
-                f"{running.get('phase')}, builder pid {running.get('pid')} on "
-                f"{running.get('host')}): wait for it, or stop it and `index rollout --abort`"
-            )
-        asked = plan.encoder is not None or plan.num_shards is not None or plan.retrain
+        """FailedPrecondition unless the recorded rollout's builder is gone and ``plan``
+        asks for nothing else. A builder on this host is gone when its pid is; one on
+        another host (a Job's previous pod) when its heartbeat stops: this waits up to
+        ``stale_after_s`` to see which."""
+        self._wait_until_silent(running)
+        asked = (plan.encoder is not None or plan.num_shards is not None or plan.retrain
+                 or bool(plan.encoder_dir))  # fmt: skip
         if asked and running.get("kind") == "rollout":
             recorded = json.loads(running.get("plan", "{}"))
             same = (
                 (plan.num_shards is None or plan.num_shards == recorded.get("shards"))
                 and plan.retrain == bool(recorded.get("retrain"))
                 and (plan.encoder is None or plan.encoder.__dict__ == recorded.get("encoder"))
+                and (not plan.encoder_dir or plan.encoder_dir == recorded.get("encoder_dir"))
             )
             if not same:
                 raise FailedPrecondition(
                     f"a rollout to {running.get('target')} was interrupted (phase "
-                    f"{running.get('phase')}): resume it with `index rollout` (no options) "
-                    "or `index rollout --abort` first"
+                    f"{running.get('phase')}) with other options: resume it with `index "
+                    "rollout` (no options, or the same ones) or `index rollout --abort` first"
                 )
+
+    def _wait_until_silent(self, running: dict[str, str]) -> None:
+        alive = FailedPrecondition(
+            f"a rollout to {running.get('target')} is running (phase "
+            f"{running.get('phase')}, builder pid {running.get('pid')} on "
+            f"{running.get('host')}): wait for it, or stop it and `index rollout --abort`"
+        )
+        if running.get("host") == socket.gethostname() and running.get("pid"):
+            if _pid_alive(int(running["pid"])):
+                raise alive
+            return
+        first = running.get("beat", "0") or "0"
+        deadline = time.monotonic() + self.options.stale_after_s + 2 * self.options.heartbeat_s
+        while time.time() - float(first) < self.options.stale_after_s:
+            time.sleep(min(0.5, self.options.heartbeat_s))
+            now = self.registry.rollout()
+            if now is None:
+                raise FailedPrecondition(
+                    f"the rollout to {running.get('target')} ended meanwhile: see `index "
+                    "generations`"
+                )
+            if (now.get("beat") or "0") != first or time.monotonic() > deadline:
+                raise alive
 
     async def _resume(self, running: dict[str, str]) -> Generation:
         self.redis.hset(
