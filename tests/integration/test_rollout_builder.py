@@ -50,6 +50,8 @@ from tests.support.processes import RedisServer, wait_until
 from tests.support.redis_cluster import RedisCluster
 from tests.support.shards import ShardProcess, start_shard, train_test_index
 
+pytestmark = pytest.mark.slow  # each test encodes hundreds of documents; some start shards
+
 REDIS_DB = 10  # module_redis: the rolled-out store is shared by the module's tests
 CRASH_DB, TWIN_DB = 14, 15  # the kill -9 test's store and its uninterrupted twin
 RETRAIN_DB = 12  # the --retrain test's store
