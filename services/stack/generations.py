@@ -110,6 +110,7 @@ class GenerationShards:
         # each generation's ports (per shard, its replicas'), kept for a start again in
         # this run: a gateway that routes to them finds them where they were
         self._ports: dict[str, list[list[int]]] = {}
+        self._cleaned: set[str] = set()  # retired generations whose files are deleted
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: Any = None
@@ -201,6 +202,9 @@ class GenerationShards:
             changed = True
         for name in [n for n in self.retry_at if n not in want]:
             del self.retry_at[name]
+        for gen in gens.values():  # retired while no stack watched
+            if gen.state == "retired" and gen.name not in self._cleaned:
+                self._delete_files(gen)
         for name, running in list(self.running.items()):
             if any(c.state is State.STOPPED for c in running.all()):  # given up on
                 self._give_up(name, "a shard kept failing")
@@ -284,7 +288,7 @@ class GenerationShards:
             + (f" (killed: {', '.join(killed)})" if killed else "")
         )
         if record is None or record.state == "retired":
-            self._delete_files(running)
+            self._delete_files(record or running.record)
 
     def _give_up(self, name: str, why: str) -> None:
         running = self.running.pop(name)
@@ -295,20 +299,19 @@ class GenerationShards:
             f"{self.cfg.restart.window_s:.0f} s"
         )
 
-    def _delete_files(self, running: RunningGeneration) -> None:
+    def _delete_files(self, record: Generation) -> None:
         """A retired generation's snapshots, and its index when the stack's own root
-        holds it (g1's index is the stack's and stays)."""
+        holds it (g1's index is the stack's and stays); for g1, every g1 replica's folder.
+        Also for one retired while no stack watched (``up`` killed before it saw the
+        retire): every retired record is checked once per run."""
         cfg = self.cfg
-        name = running.record.name
-        folders = [
-            cfg.snapshot_dir(s, r, name)
-            for s in range(running.record.num_shards)
-            for r in range(cfg.replicas)
-        ]
-        if name != FIRST_GENERATION:
-            folders.append(cfg.generation_snapshots(name))
-            index_dir = Path(running.record.index_dir).resolve()
-            if index_dir.is_relative_to(cfg.index_root.resolve()):
+        self._cleaned.add(record.name)
+        if record.name == FIRST_GENERATION:
+            folders = list((cfg.run_dir / "snapshots").glob("shard-*-replica-*"))
+        else:
+            folders = [cfg.generation_snapshots(record.name)]
+            index_dir = Path(record.index_dir).resolve()
+            if record.index_dir and index_dir.is_relative_to(cfg.index_root.resolve()):
                 folders.append(index_dir)
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)

@@ -286,8 +286,12 @@ def test_up_starts_again_once_g1_is_retired_for_a_generation_of_another_shard_co
     wait_until(lambda: target.name in running.addresses(), "the target's shards", 120)
     registry = running.registry()
     registry.switch(target.name, {})  # what the rollout's switch does to the alias
+    snapshots = running.cfg.run_dir / "snapshots"
+    assert list(snapshots.glob("shard-*-replica-*"))  # g1's
     registry.set_state("g1", "retired")
     wait_until(lambda: "g1" not in running.addresses(), "g1's shards stopped", 60)
+    assert not list(snapshots.glob("shard-*-replica-*"))  # g1's snapshots went
+    assert running.cfg.index_dir.exists()  # the stack's own index stays
     stop_stack(running.stack)
 
     # `up` again: the gateway needs the base shard count (2) but no g1 runs any more
