@@ -110,7 +110,9 @@ def add_cli(sub: Any) -> None:
     what.add_argument(
         "--abort", action="store_true",
         help="Give up the recorded rollout: writes go back to the serving generation, the "
-        "target is marked failed (`index retire` deletes it).",
+        "target is marked failed (`index retire` deletes it). Refused while its builder "
+        "runs (stop it first); a builder on another host counts as stopped once its "
+        "heartbeat is 15 s old.",
     )  # fmt: skip
     rollout.add_argument(
         "--shards", type=positive_int, default=None,

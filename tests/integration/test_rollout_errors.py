@@ -207,3 +207,14 @@ def test_a_builder_of_another_host_counts_as_gone_once_its_heartbeat_stops(store
 
 async def _no_encoder(spec: Any) -> Any:
     raise AssertionError("no encoder is needed to check a rollout")
+
+
+def test_abort_is_refused_while_the_builder_runs(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live builder could switch the alias after --abort gave the writes back."""
+    _recorded(store, alive=True)
+    before = _dump(store)
+    assert main(_cli(redis_url, "rollout", "--abort")) == 2
+    assert "a rollout to g2 is running" in capsys.readouterr().err
+    assert _dump(store) == before

@@ -241,6 +241,8 @@ class RolloutBuilder:
         running = self.registry.rollout()
         if running is None:
             raise FailedPrecondition("no rollout is running")
+        # Never under a live builder: it could switch the alias after the gates went back.
+        self._wait_until_silent(running)
         target, source = running["target"], running["source"]
         alias = self.registry.alias()
         if alias.serving == target:
@@ -531,6 +533,7 @@ class RolloutBuilder:
                 await self._replay(until=finals)
                 tails = {s: _last_id(self.redis, tgt.log(s)) for s in range(tgt.num_shards)}
                 if await self._target_applied(target, tails):
+                    self._save(phase="switch")  # still this builder's rollout (not aborted)
                     added = {s: _entries_added(self.redis, tgt.log(s)) for s in tails}
                     self.registry.switch(target.name, tails)
                     gen = self.registry.get(target.name)
