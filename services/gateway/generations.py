@@ -253,7 +253,10 @@ class GenerationSource:
         """The serving generation, re-read first when ``epoch`` is newer than the cached
         alias's (a token taken after a switch this gateway has not seen yet)."""
         serving = self.current()
-        if epoch > serving.epoch:
+        # Twice at most: the first may join a read that began before the token's switch.
+        for _ in range(2):
+            if epoch <= serving.epoch:
+                break
             serving = await self.refresh()
         return serving
 

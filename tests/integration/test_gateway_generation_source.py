@@ -60,9 +60,10 @@ class Counting(RedisAliasReader):
         self.reads = 0
 
     async def alias(self) -> Alias | None:
+        alias = await super().alias()
         self.reads += 1
-        await asyncio.sleep(0.01)  # a read in flight while others arrive
-        return await super().alias()
+        await asyncio.sleep(0.05)  # the read's answer on its way while others arrive
+        return alias
 
 
 class Factory:
@@ -220,6 +221,32 @@ def test_a_redis_that_cannot_be_reached_is_unavailable_not_internal() -> None:
             with pytest.raises(Unavailable, match="reading generation g2"):
                 await reader.generation("g2")
         finally:
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_a_newer_token_is_not_answered_by_a_read_that_began_before_its_switch(
+    redis_url: str, registry: Registry
+) -> None:
+    """A SESSION search with a token of epoch 2 joins an alias read already in flight, one
+    that began before the switch to epoch 2: the source reads again instead of calling the
+    token newer than the store."""
+
+    async def scenario() -> None:
+        client = async_client(redis_url)
+        reader = Counting(client)
+        source = GenerationSource(reader, Factory(client), refresh_s=60)
+        try:
+            await source.start()
+            stale = asyncio.ensure_future(source.refresh())
+            await await_until(lambda: reader.reads == 2, "a read of epoch 1 on its way")
+            registry.switch(new_generation(registry).name, {})
+            serving = await source.at_least(2)
+            assert (serving.generation, serving.epoch) == ("g2", 2)
+            assert (await stale).epoch == 1
+        finally:
+            await source.close()
             await client.aclose()
 
     run(scenario())
