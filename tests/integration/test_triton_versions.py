@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from tests.encoder_fixtures import (
     torch_embedder,
 )
 from tests.support.encoders import ensure_second_encoder
-from tests.support.processes import free_port
+from tests.support.processes import free_port, wait_until
 
 SAMPLES: list[tuple[list[str], Kind]] = [
     (SAMPLE_QUERIES, "query"),
@@ -288,3 +289,39 @@ def test_a_generation_recorded_without_a_version_gets_version_one_not_the_newest
             await own.close()
 
     asyncio.run(go())
+
+
+def test_a_triton_serving_a_copy_of_the_repository_is_awaited(
+    served: Served, tmp_path: Path
+) -> None:
+    """The chart's Triton pods serve a copy of the shared repository that a sidecar keeps
+    in step: the publish's load reaches a Triton whose copy has no new version yet, and
+    the publish waits until the sidecar has linked and loaded it (here the test plays the
+    sidecar, after Triton's log shows the publish's load)."""
+    shared = tmp_path / "shared"  # what the publish writes; the Triton serves served.repo
+    shutil.copytree(served.repo, shared, ignore=shutil.ignore_patterns(".publish.lock"))
+    # the third encoder (unpublished again above: its version number is reused)
+    third = ensure_onnx(ensure_second_encoder(served.base, seed=3), served.base).parent
+    loads = _load_count(served.handle)
+    with ThreadPoolExecutor(1) as pool:
+        publishing = pool.submit(publish_version, shared, third, served.handle.grpc_url)
+        wait_until(lambda: _load_count(served.handle) > loads or publishing.done(),
+                   "the publish asked Triton to load embed", timeout=300)  # fmt: skip
+        assert not publishing.done(), publishing.exception()  # waiting for the version
+        version = served_versions(shared)[-1]
+        shutil.copytree(shared / "embed" / str(version), served.repo / "embed" / str(version))
+        shutil.copy2(shared / "embed" / "config.pbtxt", served.repo / "embed" / "config.pbtxt")
+        _load(served.handle)  # the sidecar's load
+        spec = publishing.result(timeout=300)
+    assert spec.version == version
+    assert str(version) in _ready_versions(served.handle)
+
+
+def _load(handle: TritonHandle) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(handle.grpc_url)
+    try:
+        client.load_model("embed")
+    finally:
+        client.close()

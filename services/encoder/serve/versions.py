@@ -49,10 +49,11 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import FailedPrecondition, NotFound, RetrievalError, Unavailable
 from services.encoder.base import version_key
@@ -84,6 +85,10 @@ if TYPE_CHECKING:
     from services.common.tls import ClientTLS
 
 LOAD_TIMEOUT_S = 300.0  # one load of every version of embed (each initialises ONNX Runtime)
+# How long a Triton with its own copy of the repository may take to have the new version
+# (the chart's repository-sync links it every intervalSeconds, 10 by default, then loads).
+READY_WITHIN_S = 120.0
+AWAIT_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -392,12 +397,22 @@ def _ready(address: str, version: int, tls: ClientTLS | None, timeout_s: float) 
 
 
 def load_model(
-    address: str, version: int | None, tls: ClientTLS | None, timeout_s: float = LOAD_TIMEOUT_S
+    address: str,
+    version: int | None,
+    tls: ClientTLS | None,
+    timeout_s: float = LOAD_TIMEOUT_S,
+    ready_within_s: float = READY_WITHIN_S,
 ) -> None:
     """``RepositoryModelLoad`` of ``embed`` at one Triton (it reads the repository again:
     new versions load, the loaded ones keep serving until the new model replaces them);
-    then ``version`` must be ready. Unavailable when Triton cannot be asked,
-    FailedPrecondition when it refuses the model (its message says why)."""
+    then ``version`` must be ready within ``ready_within_s``. Unavailable when Triton
+    cannot be asked, FailedPrecondition when it refuses the model (its message says why).
+
+    A Triton that serves its own copy of the repository (the chart's Triton pods: a
+    ``repository-sync`` sidecar links each new version folder from the shared repository
+    within its interval and loads it) may answer this load before its copy has the
+    version: the version is then awaited, and a version that failed to load there
+    (Triton's repository index says UNAVAILABLE with the reason) ends the wait at once."""
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -409,22 +424,40 @@ def load_model(
             stub.RepositoryModelLoad(
                 service_pb2.RepositoryModelLoadRequest(model_name=EMBED_MODEL), timeout=timeout_s
             )
+            if version is not None:
+                _await_ready(stub, address, version, ready_within_s)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise Unavailable(f"Triton at {address} could not be asked to load "
                                   f"{EMBED_MODEL}: {details}") from None  # fmt: skip
+            hint = " (start it with --model-control-mode=explicit)" if (
+                "not allowed" in details) else ""  # fmt: skip
             raise FailedPrecondition(
                 f"Triton at {address} did not load {EMBED_MODEL}"
                 + (f" version {version}" if version else "")
-                + f": {details} (is it running with --model-control-mode=explicit?)"
+                + f": {details}{hint}"
             ) from None
-        if version is None:
-            return
-        # the load returns once done; that the version is ready is checked, not assumed
-        request = service_pb2.ModelReadyRequest(name=EMBED_MODEL, version=str(version))
-        if not stub.ModelReady(request, timeout=timeout_s).ready:
+
+
+def _await_ready(stub: Any, address: str, version: int, within_s: float) -> None:
+    """Until ``version`` of ``embed`` is ready at ``stub``'s Triton (see :func:`load_model`)."""
+    from tritonclient.grpc import service_pb2
+
+    until = time.monotonic() + within_s
+    ready = service_pb2.ModelReadyRequest(name=EMBED_MODEL, version=str(version))
+    while not stub.ModelReady(ready, timeout=max(1.0, within_s)).ready:
+        index = stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(), timeout=within_s)
+        for model in index.models:  # a version unloaded before (unpublished) says so
+            if (model.name, model.version) == (EMBED_MODEL, str(version)) and (
+                model.state == "UNAVAILABLE" and model.reason not in ("", "unloaded")
+            ):
+                raise FailedPrecondition(f"Triton at {address} could not load {EMBED_MODEL} "
+                                         f"version {version}: {model.reason}")  # fmt: skip
+        if time.monotonic() >= until:
             raise FailedPrecondition(
                 f"Triton at {address} loaded {EMBED_MODEL} but version {version} is not "
-                "ready: see its log"
+                f"there after {within_s:.0f} s: does it serve this repository (or a copy "
+                "that a repository-sync keeps up to date)?"
             )
+        time.sleep(AWAIT_EVERY_S)
