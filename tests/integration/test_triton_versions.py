@@ -325,3 +325,19 @@ def _load(handle: TritonHandle) -> None:
         client.load_model("embed")
     finally:
         client.close()
+
+
+def test_a_server_without_the_pinned_version_is_unavailable_not_not_found(served: Served) -> None:
+    """A pod that has not loaded the version yet answers NOT_FOUND; to the encoder that is
+    the server being unable to serve it (Unavailable: fail over), not a caller's mistake."""
+    cfg = TritonEncoderConfig(served.handle.grpc_url, model_version="9", retries=0)
+
+    async def go() -> None:
+        encoder = TritonEncoder(cfg, "nine", 384, 64)  # as pinned at a connect elsewhere
+        try:
+            with pytest.raises(Unavailable, match=r"version 9 is not found.*not loaded on"):
+                await encoder.encode(["x"], "query", timeout=10)
+        finally:
+            await encoder.close()
+
+    asyncio.run(go())

@@ -31,7 +31,9 @@ Versions: one Triton model (``embed``) may serve several encoder versions side b
 version gets Triton's newest, so an encoder that names none would silently change model
 the moment a new version is published: :meth:`TritonEncoder.connect` therefore **pins**
 the version, ``TritonEncoderConfig.model_version`` or, when that is empty, the newest
-version ready at connect time, and sends it on every infer and readiness probe. The
+version ready at connect time, and sends it on every infer and readiness probe. A server
+that answers NOT_FOUND for the pinned version has not loaded it (a pod whose copy of the
+repository lags): that is Unavailable there, and the next server is asked. The
 pinned version, its source model and its digest (from the config's per-version
 parameters ``version.<n>.*``, written by ``services/encoder/build/repository.py``) are
 the encoder's ``model_version``, ``model_name`` and ``digest``: what a generation records
@@ -61,6 +63,7 @@ from services.common.discovery import is_dns_target, parse_addresses, parse_dns_
 from services.common.errors import (
     DeadlineExceeded,
     InvalidArgument,
+    NotFound,
     Overloaded,
     RetrievalError,
     Unavailable,
@@ -387,6 +390,10 @@ class TritonEncoder(Encoder):
                     )
             except Exception as exc:
                 error = map_triton_error(exc, f"embedding {len(items)} texts at {server.address}")
+                if isinstance(error, NotFound) and self.cfg.model_version:
+                    # this server lacks the pinned version (a pod whose repository copy
+                    # has not got it yet): not the caller's mistake, another may have it
+                    error = Unavailable(f"{error.message} (not loaded on this server)")
                 if isinstance(error, Overloaded):
                     continue  # full: the next server may not be
                 if isinstance(error, Unavailable | DeadlineExceeded):
