@@ -374,7 +374,17 @@ def _rollout(args: argparse.Namespace) -> int:
           f"{serving_now.encoder.model} v{serving_now.encoder.version}) after "
           f"{time.monotonic() - started:.0f} s; `index rollback` returns to "
           f"{registry.alias().previous}")  # fmt: skip
+    _note_displaced(registry)
     return 0
+
+
+def _note_displaced(registry: Any) -> None:
+    """Say which generations still run their shards though no rollback can reach them."""
+    alias = registry.alias()
+    for gen in registry.all():
+        if gen.state == "previous" and gen.name != alias.previous:
+            print(f"note: {gen.name} is no longer the rollback target but its shards still "
+                  f"run: `index retire --generation {gen.name}` frees them")  # fmt: skip
 
 
 def _publish(args: argparse.Namespace, places: Places) -> Any:
@@ -410,6 +420,7 @@ def _rollback(args: argparse.Namespace) -> int:
         progress.close()
     print(f"{serving.name} serves again after {time.monotonic() - started:.0f} s "
           f"({alias.serving} is previous)")  # fmt: skip
+    _note_displaced(Registry(client))
     return 0
 
 
