@@ -174,6 +174,7 @@ class TritonPlace:
     repo: Path
     url: str | None
     tls: Any
+    redis_url: str = ""  # the local stack's store, when the repository is the stack's
 
 
 def _triton_place(args: argparse.Namespace) -> TritonPlace:
@@ -197,7 +198,8 @@ def _triton_place(args: argparse.Namespace) -> TritonPlace:
     ca = args.triton_ca or paths.get("ca")
     cert = args.triton_client_cert or paths.get("cert")
     key = args.triton_client_key or paths.get("key")
-    return TritonPlace(Path(repo), url, ClientTLS.from_paths(ca, cert, key) if ca else None)
+    tls = ClientTLS.from_paths(ca, cert, key) if ca else None
+    return TritonPlace(Path(repo), url, tls, stack.redis_url_with_secrets() if stack else "")
 
 
 def _publish(args: argparse.Namespace) -> int:
@@ -221,9 +223,27 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _unpublish(args: argparse.Namespace) -> int:
-    from services.encoder.serve.versions import unpublish_version
+    from services.common.errors import FailedPrecondition
+    from services.common.redis_client import sync_client
+    from services.encoder.serve.versions import generations_using, unpublish_version
+    from services.index.generations import Registry
 
     place = _triton_place(args)
+    redis_url = args.redis_url or place.redis_url
+    if redis_url:  # a version a generation still uses stays
+        client = sync_client(redis_url)
+        try:
+            using = generations_using(Registry(client).all(), args.version)
+        finally:
+            client.close()
+        if using:
+            raise FailedPrecondition(
+                f"embed version {args.version} is the encoder of generation(s) "
+                f"{', '.join(using)}: retire them first (`gtr-retrieval index retire`)"
+            )
+    else:
+        print("no store named (--redis-url, --run-dir): not checked that no index "
+              "generation uses this version", file=sys.stderr)  # fmt: skip
     unpublish_version(place.repo, args.version, place.url, tls=place.tls)
     where = f" and from Triton at {place.url}" if place.url else ""
     print(f"embed version {args.version} removed from {place.repo}{where}")
@@ -441,11 +461,16 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         help="take a version of embed out of the repository and out of Triton",
         description="For an encoder no index generation uses any more (after `index "
         "retire`): the version folder and its parameters go, and the Tritons named by "
-        "--triton-url load embed again without it (its memory freed). The last version "
-        "stays (FAILED_PRECONDITION); an unknown one is NOT_FOUND.",
+        "--triton-url load embed again without it (its memory freed). Refused "
+        "(FAILED_PRECONDITION): the version of an index generation that is not retired, "
+        "and the last version; an unknown one is NOT_FOUND.",
     )
     _add_triton_place(p)
     p.add_argument("--version", required=True, type=int, help="the version to take out")
+    p.add_argument("--redis-url", default=None,
+                   help="the store whose index generations must not use the version "
+                   "(default: the local stack's); a version a generation in a running "
+                   "state uses is refused")  # fmt: skip
 
     p = add_command(
         commands,

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -341,3 +341,36 @@ def test_a_server_without_the_pinned_version_is_unavailable_not_not_found(served
             await encoder.close()
 
     asyncio.run(go())
+
+
+def test_unpublish_refuses_a_version_an_index_generation_uses(
+    served: Served, tmp_path: Path, redis_url: str
+) -> None:
+    """On a real redis-server: a version that a generation not yet retired uses stays
+    (FAILED_PRECONDITION naming the generation, exit 2); g1 recorded without a version
+    uses version 1. Once the generation is retired the version may go."""
+    import redis
+
+    from services.index.generations import EncoderSpec, Registry
+
+    repo = tmp_path / "repo"
+    shutil.copytree(served.repo, repo, ignore=shutil.ignore_patterns(".publish.lock"))
+    assert served_versions(repo)[:2] == [1, 2]
+    client = redis.Redis.from_url(redis_url)
+    registry = Registry(client)
+    registry.ensure_first(2, EncoderSpec("all-MiniLM-L6-v2", 0, 384), "/index")  # version 1
+    g2 = registry.create(2, EncoderSpec("embed", 2, 384), "/index-g2", {})
+    before = _snapshot(repo)
+    for version, generation in ((1, "g1"), (2, "g2")):
+        run = _cli("unpublish", "--repo", str(repo), "--redis-url", redis_url,
+                   "--version", str(version))  # fmt: skip
+        assert run.returncode == 2, run.stderr
+        assert f"embed version {version} is the encoder of generation(s) {generation}" in (
+            run.stderr
+        )
+    assert _snapshot(repo) == before
+    registry.put(replace(g2, state="retired"))
+    run = _cli("unpublish", "--repo", str(repo), "--redis-url", redis_url, "--version", "2")
+    assert run.returncode == 0, run.stderr
+    assert 2 not in served_versions(repo)
+    client.close()

@@ -50,7 +50,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +77,7 @@ from services.encoder.build.repository import (
 )
 from services.encoder.profiles import KINDS
 from services.encoder.runtime.triton_client import describe_version, triton_addresses
-from services.index.generations import EncoderSpec
+from services.index.generations import RUNNING, EncoderSpec, Generation
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
@@ -339,6 +339,13 @@ def unpublish_version(
                     _load_everywhere(triton_url, None, tls, load_timeout_s)
                 raise
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def generations_using(generations: Iterable[Generation], version: int) -> list[str]:
+    """The generations in a running state (their shards run, they may serve again) whose
+    encoder is ``version`` of ``embed`` (a record without a version means version 1)."""
+    return [g.name for g in generations
+            if g.state in RUNNING and (g.encoder.version or 1) == version]  # fmt: skip
 
 
 def describe_versions(repo_dir: Path) -> list[EncoderSpec]:
