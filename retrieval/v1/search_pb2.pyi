@@ -116,7 +116,10 @@ class SearchRequest(_message.Message):
 
     @_builtins.property
     def fusion(self) -> Global___Fusion:
-        """Hybrid only: how the two lists are fused. Unset: the gateway's default fusion."""
+        """Hybrid only: how the two lists are fused. Unset: the gateway's default fusion. Any
+        parameter set here with a search whose mode (as resolved, the default included) is
+        dense or sparse is INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,

@@ -106,7 +106,8 @@ def add_cli(sub: Any) -> None:
         choices=["rrf", "weighted"],
         default=None,
         help="Fusion of a hybrid search (default: the gateway's). This and the three "
-        "flags below are refused with --mode dense or sparse.",
+        "flags below are refused with --mode dense or sparse, and by a gateway whose "
+        "default mode is one of them when --mode is not given.",
     )
     search.add_argument(
         "--rrf-k", type=uint32, default=None, help="k of --fusion rrf, 1..10000 (default: 60)."
@@ -162,7 +163,7 @@ def _search(args: argparse.Namespace) -> int:
         "--candidates": args.candidates,
     }
     given = [flag for flag, value in fusion_flags.items() if value is not None]
-    if given and args.mode in ("dense", "sparse"):  # the gateway would ignore them
+    if given and args.mode in ("dense", "sparse"):  # the gateway refuses them alike
         print(
             f"error: {', '.join(given)}: only a hybrid search fuses, not --mode {args.mode}",
             file=sys.stderr,

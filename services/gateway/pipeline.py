@@ -240,9 +240,13 @@ class SearchPipeline:
     ) -> list[SearchResult]:
         """The search, wholly on one generation's parts."""
         if batch:
-            validation.check_batch(queries, self.limits, parts.index.num_shards)
+            validation.check_batch(
+                queries, self.limits, parts.index.num_shards, self.retrieval.mode
+            )
         else:
-            validation.check_query(queries[0], self.limits, parts.index.num_shards)
+            validation.check_query(
+                queries[0], self.limits, parts.index.num_shards, default_mode=self.retrieval.mode
+            )
         if any(q.rerank for q in queries) and self.reranker is None:
             raise FailedPrecondition("rerank: no rerank service is configured on this gateway")
 

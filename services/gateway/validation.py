@@ -10,6 +10,7 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 
 from services.common.errors import InvalidArgument
+from services.common.fusion import Mode, RetrievalDefaults
 from services.common.limits import Limits
 from services.gateway.domain import Consistency, Document, FieldCondition, SearchQuery
 
@@ -39,7 +40,15 @@ def _check_id(doc_id: str, where: str, limits: Limits) -> None:
         raise InvalidArgument(f"{where}: must not be blank or start or end with whitespace")
 
 
-def check_query(query: SearchQuery, limits: Limits, num_shards: int, where: str = "") -> None:
+def check_query(
+    query: SearchQuery,
+    limits: Limits,
+    num_shards: int,
+    where: str = "",
+    default_mode: Mode = RetrievalDefaults.mode,
+) -> None:
+    """``default_mode``: the mode a query that names none gets (the gateway's
+    --default-mode): fusion parameters are refused unless the resolved mode is hybrid."""
     text = query.text
     if not text.strip():
         raise InvalidArgument(f"{where}query: must not be empty")
@@ -76,6 +85,20 @@ def check_query(query: SearchQuery, limits: Limits, num_shards: int, where: str 
         raise InvalidArgument(
             f"{where}fusion.candidates: {query.candidates} must be 0 (auto) or in k..{limits.max_k}"
         )
+    _check_fusion_mode(query, query.mode or default_mode, where)
+
+
+def _check_fusion_mode(query: SearchQuery, mode: Mode, where: str) -> None:
+    """Only a hybrid search fuses: fusion parameters sent with a dense or sparse search
+    would be silently dropped, so they are refused (the CLI refuses its flags alike)."""
+    if mode is Mode.HYBRID or (query.fusion is None and not query.candidates):
+        return
+    field = "fusion" if query.fusion is not None else "fusion.candidates"
+    named = "" if query.mode is not None else " (the gateway's default, --default-mode)"
+    raise InvalidArgument(
+        f"{where}{field}: only a hybrid search fuses; this search's mode is "
+        f"{mode.value}{named}: leave fusion unset, or ask for mode HYBRID"
+    )
 
 
 def check_filter(conditions: Sequence[FieldCondition], limits: Limits, where: str = "") -> None:
@@ -94,13 +117,18 @@ def check_filter(conditions: Sequence[FieldCondition], limits: Limits, where: st
             )
 
 
-def check_batch(queries: Sequence[SearchQuery], limits: Limits, num_shards: int) -> None:
+def check_batch(
+    queries: Sequence[SearchQuery],
+    limits: Limits,
+    num_shards: int,
+    default_mode: Mode = RetrievalDefaults.mode,
+) -> None:
     if not 1 <= len(queries) <= limits.max_batch_queries:
         raise InvalidArgument(
             f"requests: {len(queries)} searches, a batch takes 1..{limits.max_batch_queries}"
         )
     for i, query in enumerate(queries):
-        check_query(query, limits, num_shards, where=f"requests[{i}].")
+        check_query(query, limits, num_shards, f"requests[{i}].", default_mode)
     hits = sum(q.k for q in queries)
     if hits > limits.max_batch_hits:
         raise InvalidArgument(

@@ -2,7 +2,9 @@
 servers with their text indexes, real Redis, a real rerank server): a client that names
 no mode gets the default (hybrid, weighted fusion); dense, sparse and hybrid answer with
 their mode and each hit's ranks; CELI reranks the fused candidates; a deleted document
-never comes back in sparse or hybrid results; bad modes and fusions are INVALID_ARGUMENT.
+never comes back in sparse or hybrid results; bad modes and fusions, and fusion parameters
+sent with a dense or sparse search (also one that gets a dense default mode), are
+INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
-from tests.support.background import stack_with_rerank
+from services.gateway.server import start_gateway
+from services.gateway.settings import GatewaySettings
+from tests.support.background import BackgroundStack, stack_with_rerank
 from tests.support.shards import scifact_vectors, shared_test_index
 
 DOCS = [
@@ -38,7 +42,9 @@ SPARSE = search_pb2.RETRIEVAL_MODE_SPARSE
 
 
 class Front:
-    def __init__(self, address: str, nlist: int) -> None:
+    def __init__(self, bg: BackgroundStack, redis_url: str, nlist: int) -> None:
+        self.bg, self.redis_url = bg, redis_url
+        address = bg.address
         self.channel = grpc.insecure_channel(address)
         self.search = search_pb2_grpc.SearchServiceStub(self.channel)
         self.docs = documents_pb2_grpc.DocumentServiceStub(self.channel)
@@ -67,9 +73,9 @@ class Front:
 def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
     tmp = tmp_path_factory.mktemp("hybrid")
-    with stack_with_rerank(index_dir, tmp) as (bg, _):
+    with stack_with_rerank(index_dir, tmp) as (bg, store):
         nlist = json.loads((index_dir / "manifest.json").read_text())["nlist"]
-        f = Front(bg.address, nlist)
+        f = Front(bg, store.url, nlist)
         f.upsert(DOCS)
         yield f
         f.channel.close()
@@ -161,3 +167,68 @@ def test_bad_modes_and_fusions_are_invalid_arguments(
         front.ask("csv", 6, **fields)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in (err.value.details() or "")
+
+
+FUSION_FIELDS = [
+    ({"fusion": search_pb2.Fusion(method=search_pb2.FUSION_METHOD_RRF)}, "fusion:"),
+    ({"fusion": search_pb2.Fusion(rrf_k=10)}, "fusion:"),
+    ({"fusion": search_pb2.Fusion(dense_weight=0.9)}, "fusion:"),
+    ({"fusion": search_pb2.Fusion(candidates=20)}, "fusion.candidates:"),
+]
+
+
+@pytest.mark.parametrize("mode", [DENSE, SPARSE])
+@pytest.mark.parametrize(("fields", "field"), FUSION_FIELDS)
+def test_fusion_parameters_with_a_dense_or_sparse_mode_are_refused(
+    front: Front, mode: int, fields: dict[str, object], field: str
+) -> None:
+    """They used to be dropped without a word: the answer looked like the fusion had run."""
+    with pytest.raises(grpc.RpcError) as err:
+        front.ask("deflate", 6, mode=mode, **fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert details.startswith(field) and "only a hybrid search fuses" in details
+    # the same in a batch names the request; an empty fusion message is no parameter
+    requests = [
+        search_pb2.SearchRequest(query="deflate", k=2, mode=HYBRID, **fields),  # type: ignore[arg-type]
+        search_pb2.SearchRequest(query="deflate", k=2, mode=mode, fusion=search_pb2.Fusion()),  # type: ignore[arg-type]
+        search_pb2.SearchRequest(query="deflate", k=2, mode=mode, **fields),  # type: ignore[arg-type]
+    ]
+    with pytest.raises(grpc.RpcError) as err:
+        front.search.BatchSearch(search_pb2.BatchSearchRequest(requests=requests), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(f"requests[2].{field}")
+
+
+def test_fusion_parameters_meet_the_gateways_default_mode(front: Front) -> None:
+    """A request that names no mode gets --default-mode: the check sees that mode, so a
+    gateway that defaults to dense refuses a fusion, and the hybrid one takes it."""
+    spec = ";".join(",".join(f"127.0.0.1:{x.port}" for x in reps) for reps in front.bg.stack.shards)
+    dense_gateway = front.bg.run(
+        start_gateway(
+            GatewaySettings(
+                port=0,
+                redis_url=front.redis_url,
+                shards=spec,
+                encoder="inprocess",
+                triton_url="127.0.0.1:1",
+                auth=False,
+                default_mode="dense",
+            )
+        )
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{dense_gateway.port}") as channel:
+            stub = search_pb2_grpc.SearchServiceStub(channel)
+            rrf = search_pb2.Fusion(method=search_pb2.FUSION_METHOD_RRF)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Search(search_pb2.SearchRequest(query="deflate", k=2, fusion=rrf), timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "mode is dense (the gateway's default, --default-mode)" in (
+                err.value.details() or ""
+            )
+            asked = search_pb2.SearchRequest(query="deflate", k=2, mode=HYBRID, fusion=rrf)
+            assert stub.Search(asked, timeout=60).mode == HYBRID
+    finally:
+        front.bg.run(dense_gateway.close(0))
+    assert front.ask("deflate", k=2, fusion=search_pb2.Fusion(rrf_k=10)).fusion.rrf_k == 10

@@ -171,3 +171,19 @@ def test_an_empty_batch_is_refused_before_the_generation_is_consulted() -> None:
     pipeline = SearchPipeline(GenerationSource.fixed(Bundle("g1", part, part, part, part, part)))
     with pytest.raises(InvalidArgument, match=r"a batch takes 1\.\.64"):
         asyncio.run(pipeline.search_batch([], timeout=5))
+
+
+def test_fusion_parameters_need_a_hybrid_mode_as_resolved() -> None:
+    """The mode a query that names none gets (--default-mode) decides, not only its own."""
+    from services.common.fusion import Fusion, Method, Mode
+
+    rrf = _q(fusion=Fusion(Method.RRF))
+    with pytest.raises(InvalidArgument, match=r"^fusion: .* mode is sparse$|^fusion: "):
+        validation.check_query(_q(mode=Mode.SPARSE, fusion=Fusion()), LIMITS, 1)
+    with pytest.raises(InvalidArgument, match=r"mode is dense \(the gateway's default"):
+        validation.check_query(rrf, LIMITS, 1, default_mode=Mode.DENSE)
+    with pytest.raises(InvalidArgument, match=r"^requests\[0\]\.fusion\.candidates: "):
+        validation.check_batch([_q(candidates=20)], LIMITS, 1, Mode.SPARSE)
+    validation.check_query(rrf, LIMITS, 1, default_mode=Mode.HYBRID)
+    validation.check_query(_q(mode=Mode.HYBRID, candidates=20), LIMITS, 1, default_mode=Mode.DENSE)
+    validation.check_query(_q(), LIMITS, 1, default_mode=Mode.SPARSE)
