@@ -137,9 +137,11 @@ def local_stack(
     encoder: str = "triton",
     extra: Sequence[str] = (),
     timeout: float = 900.0,
+    keep_logs: Path | None = None,
 ) -> Iterator[LocalStack]:
     """``gtr-retrieval up`` (no reranker, no Prometheus, the gateway on a free port) until
-    it says it serves: the corpus ingested and the example searches answered."""
+    it says it serves: the corpus ingested and the example searches answered.
+    ``keep_logs``: copy the children's logs and up's own there when it stops."""
     args = [
         "up", "--run-dir", str(run_dir), "--shards", str(shards), "--replicas", str(replicas),
         "--encoder", encoder, "--no-rerank", "--no-prometheus", "--port", str(free_port()),
@@ -158,6 +160,11 @@ def local_stack(
         yield stack
     finally:
         _stop(proc)
+        if keep_logs is not None:
+            import shutil
+
+            shutil.copytree(run_dir / "logs", keep_logs / "logs", dirs_exist_ok=True)
+            shutil.copy2(log, keep_logs / log.name)
 
 
 def small_corpus(source: Path, path: Path, docs: int, text_chars: int = 400) -> list[str]:

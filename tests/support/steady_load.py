@@ -55,6 +55,7 @@ class WriteOp:
     epoch: int = 0
     positions: dict[int, str] = field(default_factory=dict)
     detail: str = ""
+    text: str = ""  # an upsert's text
 
     @property
     def ok(self) -> bool:
@@ -103,6 +104,28 @@ class Recorded:
     def write_rate(self) -> float:
         done = [w for w in self.writes if w.ok]
         return len(done) / max(self.stopped - self.started, 1e-9)
+
+    def timeline(self, bucket_s: float = 10.0) -> str:
+        """Per ``bucket_s`` of the run: searches started, their p50/p99/max latency (ms),
+        failed ones, the generations that answered, writes acknowledged, and the alias."""
+        import numpy as np
+
+        rows = []
+        t = self.started
+        while t < self.stopped:
+            ss = [s for s in self.searches if t <= s.start < t + bucket_s]
+            lat = np.asarray([s.latency for s in ss]) * 1e3 if ss else np.zeros(1)
+            acked = sum(1 for w in self.writes if w.ok and t <= w.end < t + bucket_s)
+            gens = ",".join(sorted({s.generation for s in ss}))
+            alias = [f"{a.serving}@{a.epoch}" for a in self.aliases if t <= a.at < t + bucket_s]
+            rows.append(
+                f"{t - self.started:6.0f}s searches {len(ss):4d} p50 {np.median(lat):6.0f} "
+                f"p99 {np.percentile(lat, 99):6.0f} max {lat.max():6.0f} ms failed "
+                f"{sum(s.code != 'OK' for s in ss):3d} by {gens:<8} writes {acked:4d} "
+                f"{' '.join(alias)}"
+            )
+            t += bucket_s
+        return "\n".join(rows)
 
     def serving_between(self, start: float, end: float) -> set[str]:
         """Generations the alias named at some moment of [start, end] (as polled)."""
@@ -219,7 +242,9 @@ class SteadyLoad:
 
     def _write(self, stub: Any) -> asyncio.Task[None] | None:
         """Of every 10 writes: 2 deletes of acknowledged documents, 1 upsert of a deleted
-        one, 7 upserts of new ones (a pool short of candidates writes a new one)."""
+        one, 4 upserts of a new text over a live one (a new version), 3 upserts of new ones
+        (a pool short of candidates writes a new one): the store grows by about a quarter
+        of the write rate, and every kind of change crosses each switch."""
         self._next += 1
         n = self._next
         if n % 5 == 2 and self._live:
@@ -227,6 +252,9 @@ class SteadyLoad:
             return asyncio.ensure_future(self._one_write(stub, doc_id, "delete"))
         if n % 10 == 4 and self._deleted:
             doc_id = self._deleted.pop(self.rng.randrange(len(self._deleted)))
+            return asyncio.ensure_future(self._one_write(stub, doc_id, "upsert"))
+        if n % 10 in (1, 5, 7, 9) and len(self._live) > 10:
+            doc_id = self._live.pop(self.rng.randrange(len(self._live)))
             return asyncio.ensure_future(self._one_write(stub, doc_id, "upsert"))
         return asyncio.ensure_future(self._one_write(stub, f"{self.prefix}-{n}", "upsert"))
 
@@ -236,6 +264,7 @@ class SteadyLoad:
         try:
             if kind == "upsert":
                 text = " ".join(self.rng.choice(WORDS) for _ in range(12)) + f" {doc_id}"
+                op.text = text
                 up = await stub.Upsert(
                     documents_pb2.UpsertRequest(documents=[documents_pb2.Document(
                         id=doc_id, title=doc_id, text=text, metadata={PROBE_KEY: doc_id},
@@ -323,3 +352,20 @@ def write_token_merged(ops: list[WriteOp]) -> common_pb2.WriteToken:
           and op.epoch == newest.epoch]
     )  # fmt: skip
     return write_token(newest.generation, newest.epoch, merged)
+
+
+def expected_texts(
+    writes: list[WriteOp], *, before_epoch: int | None = None, acked_before: float | None = None
+) -> dict[str, str]:
+    """id → the text of its last counted upsert, for the documents
+    :func:`expected_presence` says are present (the same arguments)."""
+    present, _, _ = expected_presence(writes, before_epoch=before_epoch, acked_before=acked_before)
+    out: dict[str, str] = {}
+    for op in writes:
+        if (
+            op.doc_id in present
+            and op.kind == "upsert"
+            and (before_epoch is None or op.epoch < before_epoch)
+        ):
+            out[op.doc_id] = op.text
+    return out
