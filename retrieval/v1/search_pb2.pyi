@@ -326,7 +326,10 @@ class SearchResponse(_message.Message):
     partial: _builtins.bool
     """True when some shards did not answer in time; their ids are in missing_shards."""
     model: _builtins.str
-    """The encoder model that embedded the query (e.g. "all-MiniLM-L6-v2")."""
+    """The encoder model that embedded the query (e.g. "all-MiniLM-L6-v2"); empty for a
+    sparse search, whose query is not embedded (its timings.encode_ms is 0, also in a
+    BatchSearch whose other queries were encoded).
+    """
     query_truncated: _builtins.bool
     """True when the query was longer than the query max length and was truncated."""
     reranked: _builtins.bool

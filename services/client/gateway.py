@@ -294,7 +294,7 @@ def format_hits(query: str, response: search_pb2.SearchResponse, width: int | No
             if response.HasField("fusion")
             else ""
         )
-        + f"; model {response.model}"
+        + (f"; model {response.model}" if response.model else "; query not encoded")
         + (f", generation {response.generation}" if response.generation else "")
         + ("; query embedding from the cache" if response.embedding_cached else "")
         + ")"

@@ -135,8 +135,10 @@ class GatewayMetrics:
         if not results:
             return
         t = results[0].timings
+        # the batch's one encode (0 for a sparse query: read it off a query that was encoded)
+        encode_ms = max(r.timings.encode_ms for r in results)
         for stage, ms in (
-            ("encode", t.encode_ms),
+            ("encode", encode_ms),
             ("search", t.search_ms),
             ("fetch", t.fetch_ms),
             ("total", t.total_ms),

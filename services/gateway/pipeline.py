@@ -279,12 +279,13 @@ class SearchPipeline:
             result.fusion = stage.fusion
             result.sparse_missing_shards = f.sparse_missing
             result.partial = result.partial or bool(f.sparse_missing)
-        for result, cut, from_cache in zip(results, truncated, cached, strict=True):
-            result.model = parts.encoder.model_name
+        for result, stage, cut, from_cache in zip(results, stages, truncated, cached, strict=True):
+            encoded = bool(stage.dense_k)  # a sparse query is not embedded: no model, no time
+            result.model = parts.encoder.model_name if encoded else ""
             result.generation = serving.generation
             result.query_truncated = cut
             result.embedding_cached = from_cache
-            result.timings.encode_ms = encode_ms
+            result.timings.encode_ms = encode_ms if encoded else 0.0
             result.timings.search_ms = search_ms
             result.timings.fetch_ms = fetch_ms
         return list(results)

@@ -142,6 +142,25 @@ def test_a_batch_mixes_modes(front: Front) -> None:
     assert all(r.hits[0].id == "zlib-py" for r in replies)
 
 
+def test_only_an_encoded_query_names_the_model_and_its_encode_time(front: Front) -> None:
+    """A sparse query is not embedded: its answer names no model and no encode time, also
+    in a batch whose dense query was encoded (the batch's encode time used to be given to
+    every query, and the encoder's name to a sparse one)."""
+    single = front.ask("deflate", mode=SPARSE)
+    assert single.model == "" and single.timings.encode_ms == 0
+    requests = [
+        search_pb2.SearchRequest(query=q, k=2, mode=m, nprobe=front.nlist)
+        for q, m in (("deflate", SPARSE), ("compress data", DENSE), ("csv rows", HYBRID))
+    ]
+    sparse, dense, hybrid = front.search.BatchSearch(
+        search_pb2.BatchSearchRequest(requests=requests), timeout=60
+    ).responses
+    assert dense.model and dense.model == hybrid.model
+    assert dense.timings.encode_ms > 0 and hybrid.timings.encode_ms == dense.timings.encode_ms
+    assert sparse.model == "" and sparse.timings.encode_ms == 0
+    assert sparse.timings.search_ms == dense.timings.search_ms  # one fan-out for the batch
+
+
 def test_a_deleted_document_never_returns_in_sparse_or_hybrid(front: Front) -> None:
     front.upsert([("gone-py", "shelve", "A persistent quokka dictionary.")])
     assert front.ask("quokka", mode=SPARSE).hits[0].id == "gone-py"

@@ -44,6 +44,15 @@ def test_the_index_generation_that_answered_is_said_in_the_header() -> None:
     assert head.endswith("; model all-MiniLM-L6-v2, generation g2)")
 
 
+def test_a_sparse_answer_names_no_model() -> None:
+    response = _response(False)
+    response.model = ""
+    response.mode = search_pb2.RETRIEVAL_MODE_SPARSE
+    response.generation = "g2"
+    head = format_hits("read a csv file", response, width=100).splitlines()[0]
+    assert head.endswith("; sparse; query not encoded, generation g2)")
+
+
 def test_a_skipped_rerank_is_said_with_its_reason() -> None:
     response = _response(False)
     response.rerank_skipped = True
