@@ -278,14 +278,20 @@ def _other_alerts() -> list[dict[str, Any]]:
         ),
         _alert(
             "GtrIndexQuantizerDrift",
-            "max by (namespace, shard) (index_pq_error_ratio) > 1.5",
+            # Only the serving generation's replicas: after a retrain the previous
+            # generation's keep running (until retired) with their drifted codebooks. A
+            # replica's generation is index_generation_info's; the serving one is what any
+            # gateway answers with (gateway_serving_generation 1; both during a switch).
+            "max by (namespace, shard) (index_pq_error_ratio"
+            " and on (namespace, shard, replica) (index_generation_info"
+            " and on (namespace, generation) (gateway_serving_generation == 1))) > 1.5",
             "30m",
             "warning",
             'Shard {{ $labels.shard }}: PQ error is {{ $value | printf "%.2f" }}x the error '
             "at training",
-            "The trained coarse quantizer and PQ codebooks no longer fit the vectors being "
-            "added, so recall degrades. Retrain the IVF-PQ index on a fresh sample and roll "
-            "it out (docs/deploy.md).",
+            "The trained coarse quantizer and PQ codebooks of the serving generation no "
+            "longer fit the vectors being added, so recall degrades. Retrain the IVF-PQ "
+            "index on a fresh sample and roll it out (docs/deploy.md, docs/generations.md).",
         ),
         _alert(
             "GtrSearchPartialResults",

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import RpcMetrics
 from services.common.slo import slo_for
-from services.gateway.metrics import GatewayMetrics, QueryCacheMetrics
+from services.gateway.metrics import GatewayMetrics, GenerationMetrics, QueryCacheMetrics
 from services.index.changelog import LogReader
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainOptions, train_index
@@ -92,6 +92,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     gateway = CollectorRegistry()
     GatewayMetrics.create(gateway, "m", "base", slo_for("base"), rerank=True)
     QueryCacheMetrics.create(gateway)
+    GenerationMetrics.create(gateway)
     RpcMetrics.create(gateway, "gateway")
 
     rng = np.random.default_rng(0)
