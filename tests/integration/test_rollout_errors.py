@@ -218,3 +218,21 @@ def test_abort_is_refused_while_the_builder_runs(
     assert main(_cli(redis_url, "rollout", "--abort")) == 2
     assert "a rollout to g2 is running" in capsys.readouterr().err
     assert _dump(store) == before
+
+
+def test_the_run_dir_of_a_local_stack_names_the_store(
+    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--run-dir` reads stack.json as the other client commands do: the Redis URL from
+    its URL file (password and all), nothing on the command line."""
+    url_file = tmp_path / "redis.url"
+    url_file.write_text(redis_url + "\n")
+    (tmp_path / "stack.json").write_text(json.dumps({
+        "redis_url": "redis://127.0.0.1:1/0", "redis_url_file": str(url_file),
+        "index_root": str(tmp_path / "generations"),
+    }))  # fmt: skip
+    assert main(["index", "generations", "--json", "--run-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["alias"]["serving"] == "g1"
+    # No stack there and no --redis-url: said so.
+    assert main(["index", "generations", "--run-dir", str(tmp_path / "none")]) == 2
+    assert "no store: give --redis-url" in capsys.readouterr().err
