@@ -183,13 +183,14 @@ BundleFactory = Callable[[Generation], Awaitable[Bundle]]
 class SourceEvents(Protocol):
     """What the source reports (the gateway's metrics; :class:`NoEvents` by default)."""
 
-    def serving(self, generation: str, epoch: int) -> None: ...
+    def serving(self, generation: str, epoch: int, model: str) -> None:
+        """``generation`` serves at ``epoch``; ``model``: its encoder's model name."""
 
     def refresh_failed(self) -> None: ...
 
 
 class NoEvents:
-    def serving(self, generation: str, epoch: int) -> None:
+    def serving(self, generation: str, epoch: int, model: str) -> None:
         pass
 
     def refresh_failed(self) -> None:
@@ -339,7 +340,7 @@ class GenerationSource:
                 serving.epoch,
                 serving.previous or "none",
             )
-        self._events.serving(serving.generation, serving.epoch)
+        self._events.serving(serving.generation, serving.epoch, bundle.encoder.model_name)
         self._retire_others({alias.serving, alias.previous or ""})
         return serving
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -14,7 +14,13 @@ from services.gateway.domain import SearchResult
 
 @dataclass
 class GatewayMetrics:
-    """What the gateway records per request; the SLIs of services/common/slo.py."""
+    """What the gateway records per request; the SLIs of services/common/slo.py.
+
+    The ``model`` label is the encoder of the index generation that answered (each
+    observation names it), not the one the gateway started with: after a switch to a
+    generation with another encoder its series are new ones, created at 0 as soon as the
+    gateway learns of the switch (:meth:`prime`). ``size`` (--encoder-size, the SLO's
+    row) stays the configured one."""
 
     stage_seconds: Histogram
     encode_seconds: Histogram
@@ -22,8 +28,11 @@ class GatewayMetrics:
     search_seconds: Histogram
     partial_results: Counter
     searches: Counter
-    model: str
+    model: str  # the model the gateway started with (the first generation it served)
     size: str
+    slo_seconds: Gauge | None = None
+    slo: SizeSlo | None = None
+    _primed: set[str] = field(default_factory=set)
 
     @classmethod
     def create(
@@ -47,12 +56,6 @@ class GatewayMetrics:
             ["objective", "model", "size"],
             registry=registry,
         )
-        for objective, seconds in (
-            ("encode", slo.encode_s),
-            ("search", slo.search_s),
-            ("search_rerank", slo.search_rerank_s),
-        ):
-            gauge.labels(objective, model, size).set(seconds)
         Gauge(
             "gateway_rerank_configured",
             "1 when this gateway has a rerank service configured, else 0.",
@@ -110,30 +113,55 @@ class GatewayMetrics:
             ),
             model=model,
             size=size,
+            slo_seconds=gauge,
+            slo=slo,
         )
-        # Every series from the start, so that rate() sees the first request and an SLI
-        # has its good events at 0 (not absent) while every request fails.
-        metrics.encode_calls.labels(model, size)
-        metrics.encode_seconds.labels(model, size)
         for flag in ("true", "false"):
-            metrics.search_seconds.labels(model, size, flag)
             metrics.searches.labels(flag)
+        metrics.prime(model)
         return metrics
 
-    def observe_encode(self, seconds: float | None) -> None:
-        """One encoder call (a BatchSearch's whole batch is one). ``None``: it failed or
-        timed out, a miss of the encode SLI."""
-        self.encode_calls.labels(self.model, self.size).inc()
-        if seconds is not None:
-            self.encode_seconds.labels(self.model, self.size).observe(seconds)
+    def prime(self, model: str) -> None:
+        """Create ``model``'s series at 0 (once), so that rate() sees its first request and
+        an SLI has its good events at 0 (not absent) while every request fails; the
+        objectives' gauge names ``model`` alone from now on (the serving encoder)."""
+        if model in self._primed:
+            return
+        self._primed.add(model)
+        self.encode_calls.labels(model, self.size)
+        self.encode_seconds.labels(model, self.size)
+        for flag in ("true", "false"):
+            self.search_seconds.labels(model, self.size, flag)
+        if self.slo_seconds is not None and self.slo is not None:
+            self.slo_seconds.clear()
+            for objective, seconds in (
+                ("encode", self.slo.encode_s),
+                ("search", self.slo.search_s),
+                ("search_rerank", self.slo.search_rerank_s),
+            ):
+                self.slo_seconds.labels(objective, model, self.size).set(seconds)
 
-    def observe_request(self, results: Sequence[SearchResult], slo_rerank: bool | None) -> None:
+    def observe_encode(self, seconds: float | None, model: str) -> None:
+        """One encoder call (a BatchSearch's whole batch is one) of ``model`` (the
+        answering generation's encoder). ``None``: it failed or timed out, a miss of the
+        encode SLI."""
+        self.prime(model)
+        self.encode_calls.labels(model, self.size).inc()
+        if seconds is not None:
+            self.encode_seconds.labels(model, self.size).observe(seconds)
+
+    def observe_request(
+        self, results: Sequence[SearchResult], slo_rerank: bool | None, model: str
+    ) -> None:
         """One answered search request: its stage times once (the rerank once per
         reranked query, each a call of its own), its queries one by one. ``slo_rerank``:
         for a Search, whether it asked for a rerank (which budget it is held to); None
-        for a BatchSearch, which no latency SLO covers (its time grows with the batch)."""
+        for a BatchSearch, which no latency SLO covers (its time grows with the batch).
+        ``model``: the encoder of the generation that answered (also for a sparse search,
+        whose query it did not encode: the series are the generation's)."""
         if not results:
             return
+        self.prime(model)
         t = results[0].timings
         # the batch's one encode (0 for a sparse query: read it off a query that was encoded)
         encode_ms = max(r.timings.encode_ms for r in results)
@@ -144,17 +172,17 @@ class GatewayMetrics:
             ("total", t.total_ms),
         ):
             if ms or stage == "total":
-                self.stage_seconds.labels(stage, self.model, self.size).observe(ms / 1000.0)
+                self.stage_seconds.labels(stage, model, self.size).observe(ms / 1000.0)
         for result in results:
             if result.timings.rerank_ms:
-                self.stage_seconds.labels("rerank", self.model, self.size).observe(
+                self.stage_seconds.labels("rerank", model, self.size).observe(
                     result.timings.rerank_ms / 1000.0
                 )
             if result.partial:
                 self.partial_results.inc()
             self.searches.labels(str(result.reranked).lower()).inc()
         if slo_rerank is not None:
-            self.search_seconds.labels(self.model, self.size, str(slo_rerank).lower()).observe(
+            self.search_seconds.labels(model, self.size, str(slo_rerank).lower()).observe(
                 t.total_ms / 1000.0
             )
 
@@ -242,7 +270,7 @@ class GenerationMetrics:
             ),
         )
 
-    def serving(self, generation: str, epoch: int) -> None:
+    def serving(self, generation: str, epoch: int, model: str = "") -> None:
         self.epoch.set(epoch)
         if generation != self._named:
             if self._named:
@@ -252,3 +280,20 @@ class GenerationMetrics:
 
     def refresh_failed(self) -> None:
         self.refresh_errors.inc()
+
+
+@dataclass
+class ServingEvents:
+    """The generation source's events for the gateway's metrics: which generation serves
+    (:class:`GenerationMetrics`) and its encoder's series, created at the switch
+    (:meth:`GatewayMetrics.prime`)."""
+
+    generations: GenerationMetrics
+    requests: GatewayMetrics
+
+    def serving(self, generation: str, epoch: int, model: str) -> None:
+        self.generations.serving(generation, epoch, model)
+        self.requests.prime(model)
+
+    def refresh_failed(self) -> None:
+        self.generations.refresh_failed()

@@ -225,8 +225,10 @@ class SearchPipeline:
         total_ms = _ms(start)
         for result in results:
             result.timings.total_ms = total_ms
-        if self.metrics is not None:
-            self.metrics.observe_request(results, None if batch else queries[0].rerank)
+        if self.metrics is not None:  # labelled with the answering generation's encoder
+            self.metrics.observe_request(
+                results, None if batch else queries[0].rerank, serving.bundle.encoder.model_name
+            )
         return results
 
     async def _search_on(
@@ -328,10 +330,10 @@ class SearchPipeline:
             embedded = await parts.encoder.encode(texts, "query", timeout=deadline.remaining())
         except Exception:
             if self.metrics is not None:
-                self.metrics.observe_encode(None)
+                self.metrics.observe_encode(None, parts.encoder.model_name)
             raise
         if self.metrics is not None:
-            self.metrics.observe_encode(time.perf_counter() - t)
+            self.metrics.observe_encode(time.perf_counter() - t, parts.encoder.model_name)
         return embedded
 
     async def _embed(

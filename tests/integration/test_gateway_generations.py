@@ -95,6 +95,15 @@ class GatewayThread:
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         return self.gateway.registry.get_sample_value(name, labels or {})
 
+    def by_model(self, sample: str) -> dict[str, float]:
+        """``sample`` summed by its ``model`` label (over its other labels)."""
+        out: dict[str, float] = {}
+        for family in self.gateway.registry.collect():
+            for s in family.samples:
+                if s.name == sample:
+                    out[s.labels["model"]] = out.get(s.labels["model"], 0.0) + s.value
+        return out
+
     def upsert(self, doc_id: str, text: str, title: str = "") -> common_pb2.WriteToken:
         doc = documents_pb2.Document(id=doc_id, title=title, text=text)
         reply = self.docs.Upsert(documents_pb2.UpsertRequest(documents=[doc]), timeout=60)
@@ -304,6 +313,16 @@ def test_a_switch_moves_searches_writes_and_tokens_to_the_next_generation(world:
     # once B named g2, it never answered with g1 again
     first_g2 = next(i for i, (g, _, _) in enumerate(watcher.answers) if g == "g2")
     assert all(g == "g2" for g, _, _ in watcher.answers[first_g2:])
+
+    # B's SLO and latency series name the encoder of the generation that answered: the
+    # searches it answered with g2 under g2's encoder, and its objectives under that one
+    # alone (they used to keep the model the gateway started with).
+    answered = {g: sum(x == g for x, _, _ in watcher.answers) for g in ("g1", "g2")}
+    searched = b.by_model("gtr_search_seconds_count")
+    assert searched.get(PERTURBED, 0.0) >= answered["g2"] >= 3, (searched, answered)
+    assert b.by_model("gtr_encode_calls_total").get(PERTURBED, 0.0) >= answered["g2"]
+    assert b.by_model("gateway_stage_seconds_count").get(PERTURBED, 0.0) > 0
+    assert set(b.by_model("gtr_slo_seconds")) == {PERTURBED}
 
     # The token from before the switch, on the new generation.
     after = b.search("kettle whistles boiling water", t1, nprobe=world.nlist)

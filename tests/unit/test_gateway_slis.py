@@ -65,8 +65,8 @@ def test_series_exist_before_the_first_request() -> None:
 
 def test_a_batch_counts_its_stages_once_and_its_queries_one_by_one() -> None:
     metrics, registry = make()
-    metrics.observe_encode(0.03)  # the batch's one encoder call
-    metrics.observe_request([result(partial=True), result(), result(partial=True)], None)
+    metrics.observe_encode(0.03, "m")  # the batch's one encoder call
+    metrics.observe_request([result(partial=True), result(), result(partial=True)], None, "m")
     assert value(registry, "gtr_encode_calls_total", model="m", size="xl") == 1
     assert value(registry, "gtr_encode_seconds_count", model="m", size="xl") == 1
     total = value(registry, "gateway_stage_seconds_count", stage="total", model="m", size="xl")
@@ -80,8 +80,8 @@ def test_a_batch_counts_its_stages_once_and_its_queries_one_by_one() -> None:
 
 def test_a_search_is_held_to_the_budget_it_asked_for() -> None:
     metrics, registry = make("xl")  # 150 ms without rerank, 400 ms with
-    metrics.observe_request([result(total_ms=300.0)], True)
-    metrics.observe_request([result(total_ms=300.0)], False)
+    metrics.observe_request([result(total_ms=300.0)], True, "m")
+    metrics.observe_request([result(total_ms=300.0)], False, "m")
     with_rerank = {"model": "m", "size": "xl", "rerank": "true"}
     without = {"model": "m", "size": "xl", "rerank": "false"}
     assert value(registry, "gtr_search_seconds_bucket", le="0.4", **with_rerank) == 1
@@ -91,7 +91,7 @@ def test_a_search_is_held_to_the_budget_it_asked_for() -> None:
 
 def test_a_failed_encode_is_a_valid_event_without_a_good_one() -> None:
     metrics, registry = make()
-    metrics.observe_encode(None)
+    metrics.observe_encode(None, "m")
     assert value(registry, "gtr_encode_calls_total", model="m", size="xl") == 1
     assert value(registry, "gtr_encode_seconds_count", model="m", size="xl") == 0
 
@@ -99,3 +99,24 @@ def test_a_failed_encode_is_a_valid_event_without_a_good_one() -> None:
 def test_an_unknown_encoder_size_is_refused_at_start() -> None:
     with pytest.raises(ValidationError, match="unknown encoder size 'huge'; known: base"):
         GatewaySettings(shards="127.0.0.1:1", encoder_size="huge")
+
+
+def test_the_model_label_follows_the_encoder_that_answered() -> None:
+    """After a switch to a generation with another encoder: its series start at 0 at the
+    switch (prime), the requests it answers count under it, the objectives name it alone."""
+    metrics, registry = make()
+    metrics.prime("m2")
+    assert value(registry, "gtr_encode_calls_total", model="m2", size="xl") == 0
+    assert value(registry, "gtr_search_seconds_count", model="m2", size="xl", rerank="false") == 0
+    assert (
+        registry.get_sample_value(
+            "gtr_slo_seconds", {"objective": "encode", "model": "m", "size": "xl"}
+        )
+        is None
+    )
+    assert value(registry, "gtr_slo_seconds", objective="encode", model="m2", size="xl") == 0.096
+    metrics.observe_encode(0.03, "m2")
+    metrics.observe_request([result()], False, "m2")
+    assert value(registry, "gtr_encode_calls_total", model="m2", size="xl") == 1
+    assert value(registry, "gtr_search_seconds_count", model="m2", size="xl", rerank="false") == 1
+    assert value(registry, "gtr_search_seconds_count", model="m", size="xl", rerank="false") == 0
