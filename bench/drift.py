@@ -9,7 +9,8 @@
    the shards hold, the quantizer trained on a sample of them), then the same eval
    (``after``).
 4. A second stack, ``up --corpus scifact`` (trained on SciFact from the start), the same
-   eval (``reference``).
+   eval (``reference``); it runs beside stack A unless ``--sequential`` (the two share
+   nothing: their own run directories, ports and Redis).
 
 Prints each eval's nDCG@10 (dense through the gateway, the quantizer's whole effect;
 the gateway's default hybrid beside it) and, last, one JSON line with ``after -
@@ -73,50 +74,75 @@ def _drift(stack: Any) -> list[float]:
     return out
 
 
+def drifted(root: Path, data: Path) -> dict[str, Any]:
+    """Stack A: trained on the stdlib docs, SciFact upserted, evaluated; ``index rollout
+    --retrain``; evaluated again."""
+    from tests.support.local_stack import local_stack
+
+    out: dict[str, Any] = {}
+    log = root / "cli-stdlib.log"
+    print("stack A: up on the stdlib docs (trained on them)", flush=True)
+    with local_stack(root / "run-stdlib", root / "up-stdlib.log", corpus=None) as a:
+        out["before"] = _ndcg(_eval(a, data, True, log))
+        out["drift_before"] = _drift(a)
+        print(f"  A: SciFact upserted, no retraining: nDCG@10 {out['before']}, "
+              f"pq_error_ratio {out['drift_before']}", flush=True)  # fmt: skip
+        t = time.monotonic()
+        done = a.run_cli("index", "rollout", "--retrain", "--run-dir",
+                         str(root / "run-stdlib"), "--yes", timeout=7200, log=log)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"rollout --retrain failed:\n{done.stdout}\n{done.stderr}")
+        out["rollout_seconds"] = round(time.monotonic() - t, 1)
+        out["after"] = _ndcg(_eval(a, data, False, log))
+        out["drift_after"] = _drift(a)
+        print(f"  A: after index rollout --retrain ({out['rollout_seconds']} s): "
+              f"nDCG@10 {out['after']}, pq_error_ratio {out['drift_after']}",
+              flush=True)  # fmt: skip
+    return out
+
+
+def reference(root: Path, data: Path) -> dict[str, Any]:
+    """Stack B: trained on SciFact from the start, evaluated."""
+    from tests.support.local_stack import local_stack
+
+    print("stack B: up on SciFact (trained on it from the start)", flush=True)
+    corpus = data / "corpus.jsonl"
+    with local_stack(root / "run-scifact", root / "up-scifact.log", corpus=corpus) as b:
+        out = {
+            "reference": _ndcg(_eval(b, data, False, root / "cli-scifact.log")),
+            "drift_reference": _drift(b),
+        }
+    print(f"  B: nDCG@10 {out['reference']}, pq_error_ratio {out['drift_reference']}",
+          flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--data", type=Path, default=SHARED / "scifact", help="BEIR folder")
     parser.add_argument("--keep", type=Path, help="keep run dirs and logs here")
     parser.add_argument("--out", type=Path, default=Path("bench/results/drift.json"))
+    parser.add_argument(
+        "--sequential", action="store_true",
+        help="run stack B after stack A (default: both at once; they share nothing)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-
-    from tests.support.local_stack import local_stack
 
     with tempfile.TemporaryDirectory(prefix="gtr-bench-drift-") as tmp_name:
         root = args.keep or Path(tmp_name)
         root.mkdir(parents=True, exist_ok=True)
-        log = root / "cli.log"
         result: dict[str, Any] = {"data": str(args.data), "split": "train"}
         start = time.monotonic()
+        if args.sequential:
+            result |= drifted(root, args.data)
+            result |= reference(root, args.data)
+        else:  # two independent stacks: their waits overlap
+            from concurrent.futures import ThreadPoolExecutor
 
-        print("stack A: up on the stdlib docs (trained on them)", flush=True)
-        with local_stack(root / "run-stdlib", root / "up-stdlib.log", corpus=None) as a:
-            before = _eval(a, args.data, True, log)
-            result["before"] = _ndcg(before)
-            result["drift_before"] = _drift(a)
-            print(f"  SciFact upserted, no retraining: nDCG@10 {result['before']}, "
-                  f"pq_error_ratio {result['drift_before']}", flush=True)  # fmt: skip
-            t = time.monotonic()
-            done = a.run_cli("index", "rollout", "--retrain", "--run-dir",
-                             str(root / "run-stdlib"), "--yes", timeout=7200, log=log)  # fmt: skip
-            if done.returncode != 0:
-                raise SystemExit(f"rollout --retrain failed:\n{done.stdout}\n{done.stderr}")
-            result["rollout_seconds"] = round(time.monotonic() - t, 1)
-            after = _eval(a, args.data, False, log)
-            result["after"] = _ndcg(after)
-            result["drift_after"] = _drift(a)
-            print(f"  after index rollout --retrain ({result['rollout_seconds']} s): "
-                  f"nDCG@10 {result['after']}, pq_error_ratio {result['drift_after']}",
-                  flush=True)  # fmt: skip
-
-        print("stack B: up on SciFact (trained on it from the start)", flush=True)
-        corpus = args.data / "corpus.jsonl"
-        with local_stack(root / "run-scifact", root / "up-scifact.log", corpus=corpus) as b:
-            reference = _eval(b, args.data, False, log)
-            result["reference"] = _ndcg(reference)
-            result["drift_reference"] = _drift(b)
-            print(f"  nDCG@10 {result['reference']}, pq_error_ratio "
-                  f"{result['drift_reference']}", flush=True)  # fmt: skip
+            with ThreadPoolExecutor(2) as pool:
+                a = pool.submit(drifted, root, args.data)
+                b = pool.submit(reference, root, args.data)
+                result |= a.result() | b.result()
 
     result["after_minus_reference"] = {
         k: round(result["after"][k] - result["reference"][k], 4) for k in result["reference"]
