@@ -158,14 +158,15 @@ class GenerationParts:
         from services.index.keys import ADDRESSES_KEY, FIRST_GENERATION
 
         settings = self.settings
-        if gen.name == FIRST_GENERATION:
+        if gen.name == FIRST_GENERATION and settings.shards:
             addresses: str | None = settings.shards
-        else:
+        else:  # g1 without --shards too: the addresses its shards registered
             addresses = await read_addresses(self.store.redis, gen.name)
         if not addresses:
             raise Unavailable(
                 f"generation {gen.name} has no shard addresses in {ADDRESSES_KEY} yet (its "
-                "shards start once it is trained)"
+                "shards start once it is trained"
+                + ("; or give g1's as --shards)" if gen.name == FIRST_GENERATION else ")")
             )
         router = ShardRouter(
             parse_shard_addresses(addresses),
@@ -201,6 +202,44 @@ class GenerationParts:
             writer,
             owned=[encoder, router] if owned else [router],
         )
+
+
+def base_shard_count(settings: GatewaySettings, wait_s: float = 60.0) -> int:
+    """The store's base shard count (generation g1's): ``--shards``'s, or without them the
+    store's key layout's (so a gateway needs no addresses of a retired g1). A store with no
+    layout yet needs ``--shards``: FailedPrecondition. While Redis cannot be reached, tried
+    again for up to ``wait_s`` (as the layout check does), then Unavailable."""
+    import time
+
+    import redis
+    from redis.exceptions import RedisClusterException
+
+    from services.common.redis_client import sync_client
+    from services.index.generations import Registry
+
+    if settings.shards:
+        return len(parse_shard_addresses(settings.shards))
+    give_up = time.monotonic() + wait_s
+    while True:
+        try:
+            client = sync_client(settings.redis_url)
+            try:
+                return Registry(client).base_shards()
+            finally:
+                client.close()
+        except FailedPrecondition:
+            raise FailedPrecondition(
+                "--shards is empty and the store has no key layout yet: give generation "
+                "g1's shard addresses as --shards (they set the store's base shard count)"
+            ) from None
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
+            if time.monotonic() > give_up:
+                raise Unavailable(
+                    f"Redis at {parse_redis_url(settings.redis_url).safe_url} cannot be "
+                    f"reached to read the base shard count ({exc})"
+                ) from exc
+            log.warning("Redis cannot be reached yet (%s); trying again", exc)
+            time.sleep(1.0)
 
 
 def record_first_generation(url: str, num_shards: int, spec: EncoderSpec) -> None:
@@ -261,7 +300,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     authenticator = settings.authenticator()
     tls = settings.client_tls()
     encoder = await build_encoder(settings)
-    num_shards = len(parse_shard_addresses(settings.shards))  # generation g1's
+    num_shards = await asyncio.to_thread(base_shard_count, settings)  # generation g1's
     store = StoreConnection(
         settings.redis_url,
         num_shards=num_shards,

@@ -49,13 +49,15 @@ class GatewaySettings(ClientTLSSettings):
     )
     redis_url_file: str | None = Field(None, description=REDIS_URL_FILE_HELP)
     shards: str = Field(
-        ...,
+        "",
         description="Index shard replicas: 'host:port,host:port;host:port' "
         "(';' between shards, ',' between replicas of one shard), or per shard one DNS "
         "target 'dns:///name:port' whose addresses are its replicas (re-resolved every "
         "--resolve-every-s). These are index generation g1's shards (its shard count is the "
         "store's base); another generation's are read from the registry ({gtr}:addrs) when "
-        "the alias names it (docs/generations.md).",
+        "the alias names it (docs/generations.md). Empty: the base shard count is read from "
+        "the store's key layout and g1's addresses, if g1 still serves, from {gtr}:addrs "
+        "(required for a store with no key layout yet; leave it empty once g1 is retired).",
     )
     balance: Literal["least_outstanding", "round_robin"] = Field(
         "least_outstanding",
@@ -285,7 +287,8 @@ class GatewaySettings(ClientTLSSettings):
     @field_validator("shards")
     @classmethod
     def _valid_shards(cls, value: str) -> str:
-        parse_shard_addresses(value)
+        if value:
+            parse_shard_addresses(value)
         return value
 
     @field_validator("triton_url")

@@ -41,12 +41,13 @@ from retrieval.v1 import (
     search_pb2_grpc,
 )
 from services.common.domain import Document
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.positions import compare
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.core.ids import shard_of
 from services.index.generations import EncoderSpec, Registry
-from services.index.keys import CLOSED, GenerationKeys, Layout
+from services.index.keys import ADDRESSES_KEY, CLOSED, GenerationKeys, Layout
 from services.index.rollout.append import TargetAppender, UpsertItem
 from tests.encoder_fixtures import encoder_base, torch_embedder
 from tests.support.encoders import ensure_second_encoder
@@ -418,3 +419,53 @@ def test_a_write_whose_gate_stays_closed_is_unavailable_at_its_deadline_and_writ
     assert (world.b.metric("gateway_generation_moved_writes_total") or 0.0) - moved_before > 1
     assert not world.client.exists(layout.doc("never-written"))
     assert not world.client.exists(layout.version("never-written"))
+
+
+def test_a_gateway_without_shards_takes_the_base_count_and_g1_from_the_store(
+    world: World,
+) -> None:
+    """Once g1 is retired its shards are gone: a gateway started then needs no addresses
+    of it (the stack used to list unreachable placeholders of the base count). Without
+    --shards the base count comes from the store's key layout and g1's addresses, while g1
+    serves, from {gtr}:addrs (none there: UNAVAILABLE naming --shards)."""
+    no_shards = gateway_settings(world.url, world.g1_shards, 100).model_copy(update={"shards": ""})
+    if world.registry.alias().serving != "g1":
+        pytest.fail("needs g1 serving: run the module (the rollback test comes before)")
+    assert world.registry.addresses("g1") is None
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(Unavailable, match=r"g1 has no shard addresses .*--shards"):
+            loop.run_until_complete(start_gateway(no_shards))
+    finally:
+        loop.close()
+
+    # g2 serves again and g1 is retired, its shards' addresses with it.
+    world.registry.set_gates(G1.layout, CLOSED)
+    alias = world.registry.switch("g2", tails(world, G2))
+    world.registry.set_gates(G2.layout, "g2")
+    world.registry.set_state("g1", "retired")
+    world.client.hdel(ADDRESSES_KEY, "g1")
+    assert alias.serving == "g2" and world.registry.base_shards() == BASE
+    c = GatewayThread(no_shards)
+    try:
+        reply = c.search(MARKER_QUERY, nprobe=world.nlist)
+        assert (reply.generation, reply.model) == ("g2", PERTURBED)
+        assert reply.hits[0].id == "only-g2" and not reply.partial
+        assert c.metric("gateway_serving_generation", {"generation": "g2"}) == 1.0
+    finally:
+        c.close()
+
+
+def test_without_shards_a_store_with_no_layout_is_refused_naming_shards(tmp_path: Path) -> None:
+    """The base shard count is the store's: with neither --shards nor a key layout there is
+    none to take (FAILED_PRECONDITION); once a layout is recorded, it is the layout's."""
+    from services.gateway.server import base_shard_count
+    from services.index.layout import check_layout_at
+
+    with run_redis(tmp_path / "redis") as store:
+        settings = GatewaySettings(redis_url=store.url, auth=False)
+        with pytest.raises(FailedPrecondition, match="--shards is empty and the store has no"):
+            base_shard_count(settings)
+        check_layout_at(store.url, 3)
+        assert base_shard_count(settings) == 3
+        assert base_shard_count(settings.model_copy(update={"shards": "a:1;b:1"})) == 2
