@@ -255,8 +255,10 @@ class TextIndex:
 
     def stats(self) -> TextStats:
         """Documents and segments (from the open searcher, in memory) and the working
-        directory's bytes, ``None`` when the directory cannot be read (removed, replaced
-        by a file, unmounted): a scrape reports what it can instead of failing."""
+        directory's bytes, ``None`` when the directory or one of its files cannot be read
+        (removed, replaced by a file, unmounted; an entry the OS cannot stat): a scrape
+        reports what it can instead of failing, and a sum that would leave a file out is
+        no figure of the directory."""
         disk: int | None = 0
         try:
             entries = list(self.directory.iterdir())
@@ -265,9 +267,14 @@ class TextIndex:
             disk, entries = None, []
         for path in entries:
             try:
-                disk = (disk or 0) + (path.stat().st_size if path.is_file() else 0)
+                size = path.stat().st_size if path.is_file() else 0
             except FileNotFoundError:  # a merge's garbage collection removed it meanwhile
                 continue
+            except OSError as e:
+                log.warning("text index file %s unreadable: %s", path, e)
+                disk = None
+                break
+            disk = (disk or 0) + size
         return TextStats(len(self), int(self._searcher.num_segments), disk)
 
     # --- snapshots -------------------------------------------------------------------
