@@ -17,19 +17,29 @@ about as quick as at small k (``refusal_p99_ratio``: big-k p99 time to a refusal
 small-k's, measured in the same run). ``--baseline-src DIR``: the same big-k burst, in the
 same run and against the same Redis and shard, first sent to a gateway started from the
 source tree DIR (``git archive <commit> | tar -x -C DIR``: the code before a change), so
-the summary holds the before and after figures side by side. Prints one JSON line last.
+the summary holds the before and after figures side by side (repeat the flag for several
+trees, e.g. alternating before/after). Each burst also holds ``gateway_handled``: the
+gateway's own ``grpc_server_handled_total`` of Search by code over the burst (scraped
+from its ``--metrics-port``; it includes the 8 warm-up calls), i.e. the calls that reached
+its interceptor: the client's count less these waited in gRPC to be accepted.
+``--py-spy DIR`` records the gateway and this client (all threads, idle ones too, native
+frames) during the big-k burst, one speedscope file each. Prints one JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +105,52 @@ async def _burst(address: str, calls: int, k: int, timeout: float) -> dict[str, 
     }
 
 
+@contextlib.contextmanager
+def _spied(folder: Path | None, pids: dict[str, int]) -> Iterator[None]:
+    """py-spy records each of ``pids`` (all threads, idle ones too, native frames) while
+    the block runs; one speedscope file per process in ``folder``."""
+    if folder is None:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    spy = Path(sys.executable).with_name("py-spy")
+    options = ["--threads", "--idle", "--native", "--rate", "200", "--format", "speedscope"]
+    recorders = [
+        subprocess.Popen(
+            [str(spy), "record", "--pid", str(pid), *options, "-o", str(folder / f"{name}.json")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, pid in pids.items()
+    ]
+    time.sleep(1.0)  # py-spy attaches
+    try:
+        yield
+    finally:
+        for recorder in recorders:
+            recorder.send_signal(signal.SIGINT)
+        for recorder in recorders:
+            recorder.wait(timeout=60)
+
+
+def _handled(metrics_port: int) -> dict[str, int]:
+    """The gateway's ``grpc_server_handled_total`` of Search, by code: the calls that
+    reached its interceptor (the client's count less these never got that far)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "grpc_server_handled":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels.get("method") == "Search":
+                code = sample.labels["code"]
+                counts[code] = counts.get(code, 0) + int(sample.value)
+    return counts
+
+
 def _ingest(address: str, docs: int) -> None:
     """The documents through the gateway's Upsert, as a client writes them."""
     import grpc
@@ -126,9 +182,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--only-big", action="store_true", help="skip the small-k burst")
     parser.add_argument(
+        "--py-spy",
+        type=Path,
+        help="record the gateway and this client with py-spy during the big-k burst"
+        " (speedscope files in this folder)",
+    )
+    parser.add_argument(
         "--baseline-src",
         type=Path,
-        help="also burst a gateway run from this source tree (the code before a change)",
+        action="append",
+        default=[],
+        help="also burst a gateway run from this source tree (the code before a change);"
+        " may be given more than once",
     )
     args = parser.parse_args(argv)
 
@@ -145,8 +210,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             log = (tmp / "gateway.log").open("ab")
 
-            def start_gateway(root: Path) -> tuple[subprocess.Popen[bytes], int]:
-                port = free_port()
+            def start_gateway(root: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+                port, metrics = free_port(), free_port()
                 env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
                 return subprocess.Popen(
                     [
@@ -155,36 +220,48 @@ def main(argv: list[str] | None = None) -> None:
                         "-m", "services.gateway.server", "--port", str(port),
                         "--redis-url", store.url, "--shards", shard.address,
                         "--encoder", "inprocess", "--no-auth", "--log-level", "WARNING",
-                        "--max-in-flight", str(args.limit),
+                        "--max-in-flight", str(args.limit), "--metrics-port", str(metrics),
                     ],
                     cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                ), port  # fmt: skip
+                ), port, metrics  # fmt: skip
 
-            before: dict[str, Any] | None = None
-            gateway, port = start_gateway(ROOT)
+            def burst(port: int, metrics: int, k: int) -> dict[str, Any]:
+                """One burst, and what the gateway's own metrics saw of it."""
+                seen = _handled(metrics)
+                result = asyncio.run(_burst(f"127.0.0.1:{port}", args.calls, k, args.timeout))
+                after = _handled(metrics)
+                result["gateway_handled"] = {
+                    code: after[code] - seen.get(code, 0)
+                    for code in after
+                    if after[code] > seen.get(code, 0)
+                }
+                return result
+
+            baselines: list[dict[str, Any]] = []
+            gateway, port, metrics = start_gateway(ROOT)
             try:
                 from tests.support.processes import wait_for_port
 
                 wait_for_port(port, timeout=120)
                 address = f"127.0.0.1:{port}"
                 _ingest(address, args.docs)
-                if args.baseline_src is not None:
-                    old, old_port = start_gateway(args.baseline_src.resolve())
+                for src in args.baseline_src:
+                    old, old_port, old_metrics = start_gateway(src.resolve())
                     try:
                         wait_for_port(old_port, timeout=120)
-                        before = asyncio.run(
-                            _burst(f"127.0.0.1:{old_port}", args.calls, args.big_k, args.timeout)
-                        )
-                        print(json.dumps({"before": before}), flush=True)
+                        before = burst(old_port, old_metrics, args.big_k)
+                        baselines.append({"src": str(src), **before})
+                        print(json.dumps({"before": baselines[-1]}), flush=True)
                     finally:
                         stop_process(old)
                 small = (
                     {"k": args.small_k, "codes": {}, "refusal_p99_s": None}
                     if args.only_big
-                    else asyncio.run(_burst(address, args.calls, args.small_k, args.timeout))
+                    else burst(port, metrics, args.small_k)
                 )
                 print(json.dumps(small), flush=True)
-                big = asyncio.run(_burst(address, args.calls, args.big_k, args.timeout))
+                with _spied(args.py_spy, {"gateway": gateway.pid, "client": os.getpid()}):
+                    big = burst(port, metrics, args.big_k)
                 print(json.dumps(big), flush=True)
             finally:
                 stop_process(gateway)
@@ -204,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
         "big_deadline_exceeded": big["codes"].get("DEADLINE_EXCEEDED", 0),
         "refusal_p99_ratio": ratio,
     }
-    if before is not None:
+    if baselines:
+        before = baselines[0]
+        summary["baselines"] = baselines
         summary["before_big"] = before
         summary["before_big_deadline_exceeded"] = before["codes"].get("DEADLINE_EXCEEDED", 0)
         summary["refusal_p50_before_over_after"] = (
