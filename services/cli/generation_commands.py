@@ -271,7 +271,11 @@ def _confirm(args: argparse.Namespace, question: str) -> bool:
 def _encoders(places: Places) -> Any:
     """The encoder of a generation: Triton's ``embed`` at that generation's version."""
     from services.common.errors import FailedPrecondition
-    from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
+    from services.encoder.runtime.triton_client import (
+        DOCUMENT_PRIORITY,
+        TritonEncoder,
+        TritonEncoderConfig,
+    )
     from services.index.generations import EncoderSpec
 
     async def make(spec: EncoderSpec) -> Any:
@@ -284,6 +288,7 @@ def _encoders(places: Places) -> Any:
             places.triton_url, model=spec.model or "embed",
             model_version=str(spec.version) if spec.version else "",
             default_timeout_s=60.0, tls=places.triton_tls,
+            priority=DOCUMENT_PRIORITY,  # queries' encodes go before the builder's batches
         ))  # fmt: skip
 
     return make

@@ -11,6 +11,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
 from services.encoder.build.tensorrt_build import TENSORRT_VERSION, PlanMeta, PlanVersionMismatch
 from services.encoder.model import default_model_dir
+from services.encoder.runtime.triton_client import DOCUMENT_PRIORITY, QUERY_PRIORITY
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
 
 
@@ -39,6 +40,9 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     # No queue policy: with one, Triton 24.10 held a request that arrived during a batch
     # until the next one arrived (bench/triton_batcher.py).
     assert not batching.HasField("default_queue_policy")
+    # queries (and callers naming no priority) before the builder's document batches
+    assert (batching.priority_levels, batching.default_priority_level) == (2, QUERY_PRIORITY)
+    assert QUERY_PRIORITY < DOCUMENT_PRIORITY <= batching.priority_levels  # 1 = first
     (group,) = config.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_CPU and group.count == 1
     params = {k: v.string_value for k, v in config.parameters.items()}
@@ -79,6 +83,9 @@ def test_gpu_repository_is_an_ensemble(minilm_onnx: Path, tmp_path: Path) -> Non
     (group,) = enc.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == 1  # minilm profile
     assert list(enc.dynamic_batching.preferred_batch_size) == [4, 8, 16, 32, 64]
+    # the TensorRT step queues queries before documents (the ensemble passes on the priority)
+    assert enc.dynamic_batching.priority_levels == 2
+    assert enc.dynamic_batching.default_priority_level == QUERY_PRIORITY
     steps = list(embed.ensemble_scheduling.step)
     assert [s.model_name for s in steps] == ["tokenizer", "encoder"]
     assert dict(steps[0].output_map) == {"INPUT_IDS": "ids", "ATTENTION_MASK": "mask",

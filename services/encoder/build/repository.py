@@ -36,6 +36,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.encoder.base import version_key
 from services.encoder.build.export import EncoderMeta
 from services.encoder.build.tensorrt_build import (
     TRITON_IMAGE_TAG,
@@ -44,7 +45,7 @@ from services.encoder.build.tensorrt_build import (
 )
 from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
 from services.encoder.profiles import ModelProfile
-from services.encoder.base import version_key
+from services.encoder.runtime.triton_client import PRIORITY_LEVELS, QUERY_PRIORITY
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
@@ -127,6 +128,8 @@ def _batching(config: mc.ModelConfig, max_batch: int, cfg: RepositoryConfig) -> 
     delay = QUEUE_DELAY_US if cfg.max_queue_delay_us is None else cfg.max_queue_delay_us
     config.dynamic_batching.preferred_batch_size.extend(sizes)
     config.dynamic_batching.max_queue_delay_microseconds = delay
+    config.dynamic_batching.priority_levels = PRIORITY_LEVELS
+    config.dynamic_batching.default_priority_level = QUERY_PRIORITY
     if cfg.max_queue_size > 0:
         config.dynamic_batching.default_queue_policy.max_queue_size = cfg.max_queue_size
 

@@ -84,6 +84,16 @@ def triton_addresses(url: str) -> list[str]:
     return parse_addresses(url, "Triton")
 
 
+# Triton's dynamic batcher priority levels (1 = served first), written into every
+# generated model config (services/encoder/build/repository.py). Queries, and every caller
+# that names no priority, are level 1; the index builder's bulk document encodes send
+# level 2, so a query waits at most for the batch already running, never behind the
+# builder's queued batches (issue #24: search p99 during a rollout).
+QUERY_PRIORITY = 1
+DOCUMENT_PRIORITY = 2
+PRIORITY_LEVELS = 2
+
+
 @dataclass(frozen=True)
 class TritonEncoderConfig:
     # Triton's gRPC endpoint(s): host:port, host:port,host:port, or dns:///name:port
@@ -91,6 +101,10 @@ class TritonEncoderConfig:
     model: str = "embed"
     # Triton's version of ``model`` to ask ("2"); "": the newest ready at connect, pinned
     model_version: str = ""
+    # Triton request priority sent on every infer (1 = first; the model's config has
+    # priority_levels 2, default 1): 0 = the model's default. The index builder sends 2
+    # (DOCUMENT_PRIORITY) so queries go before its batches.
+    priority: int = 0
     default_timeout_s: float = 10.0  # used when a call passes no timeout
     retries: int = 3  # extra attempts on UNAVAILABLE (at most 4: gRPC allows 5 attempts)
     backoff_s: float = 0.05  # first backoff; doubles, with jitter
@@ -387,6 +401,7 @@ class TritonEncoder(Encoder):
                         model_version=self.cfg.model_version,
                         outputs=outputs,
                         client_timeout=left,
+                        priority=self.cfg.priority,
                     )
             except Exception as exc:
                 error = map_triton_error(exc, f"embedding {len(items)} texts at {server.address}")

@@ -81,6 +81,10 @@ class RolloutOptions:
     batch: int = 64  # documents (or log entries) per batch; the progress is saved after each
     sample: int = 100_000  # training vectors at most (the first documents of the SCAN)
     parallel: int = 2  # encoder batches in flight (keeps a Triton busy while Redis answers)
+    # texts per encode call at most (and the encoder's max_batch): Triton runs a query's
+    # encode (higher priority) after the batch already running, so this bounds how long
+    # a search waits behind the builder; smaller = less wait, more per-call overhead
+    encode_batch: int = 16
     switch_lag: int = 256  # source log entries behind, at most, before the switch starts
     wait_for_shards: bool = True  # the switch waits for T's replicas to apply T's logs
     shard_wait_s: float = 300.0  # ...at most this long per attempt
@@ -582,7 +586,7 @@ class RolloutBuilder:
 
     async def _embed(self, target: Generation, texts: Sequence[str]) -> np.ndarray:
         encoder = await self._encoder_for(target)
-        step = max(1, encoder.max_batch)
+        step = max(1, min(encoder.max_batch, self.options.encode_batch))
         sem = asyncio.Semaphore(max(1, self.options.parallel))
 
         async def one(chunk: Sequence[str]) -> np.ndarray:
