@@ -271,11 +271,8 @@ def _confirm(args: argparse.Namespace, question: str) -> bool:
 def _encoders(places: Places) -> Any:
     """The encoder of a generation: Triton's ``embed`` at that generation's version."""
     from services.common.errors import FailedPrecondition
-    from services.encoder.runtime.triton_client import (
-        DOCUMENT_PRIORITY,
-        TritonEncoder,
-        TritonEncoderConfig,
-    )
+    from services.encoder.base import DOCUMENT_PRIORITY
+    from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
     from services.index.generations import EncoderSpec
 
     async def make(spec: EncoderSpec) -> Any:

@@ -89,3 +89,14 @@ def validate_request(texts: Sequence[str], kind: str, max_batch: int) -> list[st
 def version_key(version: int, key: str) -> str:
     """The config parameter ``key`` of one model version: ``version.<n>.<key>``."""
     return f"version.{version}.{key}"
+
+
+# Triton's dynamic batcher priority levels (1 = served first), written into every
+# generated model config (services/encoder/build/repository.py) and sent by
+# services/encoder/runtime/triton_client.py. Queries, and every caller
+# that names no priority, are level 1; the index builder's bulk document encodes send
+# level 2, so a query waits at most for the batch already running, never behind the
+# builder's queued batches (issue #24: search p99 during a rollout).
+QUERY_PRIORITY = 1
+DOCUMENT_PRIORITY = 2
+PRIORITY_LEVELS = 2

@@ -12,13 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from services.encoder.base import DOCUMENT_PRIORITY
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.model import default_model_dir
-from services.encoder.runtime.triton_client import (
-    DOCUMENT_PRIORITY,
-    TritonEncoder,
-    TritonEncoderConfig,
-)
+from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from tests.encoder_fixtures import SAMPLE_DOCUMENTS, encoder_base, ensure_onnx
 from tests.support.processes import free_port

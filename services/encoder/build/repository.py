@@ -36,7 +36,6 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.encoder.base import version_key
 from services.encoder.build.export import EncoderMeta
 from services.encoder.build.tensorrt_build import (
     TRITON_IMAGE_TAG,
@@ -45,7 +44,7 @@ from services.encoder.build.tensorrt_build import (
 )
 from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
 from services.encoder.profiles import ModelProfile
-from services.encoder.runtime.triton_client import PRIORITY_LEVELS, QUERY_PRIORITY
+from services.encoder.base import PRIORITY_LEVELS, QUERY_PRIORITY, version_key
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"

@@ -84,16 +84,6 @@ def triton_addresses(url: str) -> list[str]:
     return parse_addresses(url, "Triton")
 
 
-# Triton's dynamic batcher priority levels (1 = served first), written into every
-# generated model config (services/encoder/build/repository.py). Queries, and every caller
-# that names no priority, are level 1; the index builder's bulk document encodes send
-# level 2, so a query waits at most for the batch already running, never behind the
-# builder's queued batches (issue #24: search p99 during a rollout).
-QUERY_PRIORITY = 1
-DOCUMENT_PRIORITY = 2
-PRIORITY_LEVELS = 2
-
-
 @dataclass(frozen=True)
 class TritonEncoderConfig:
     # Triton's gRPC endpoint(s): host:port, host:port,host:port, or dns:///name:port
