@@ -102,6 +102,7 @@ def test_a_full_store_refuses_an_upsert_with_resource_exhausted_and_changes_noth
     before = stored_state(client, ids)
     client.config_set("maxmemory-policy", "noeviction")
     client.config_set("maxmemory", "1")  # bytes: every write that needs memory is refused
+    earlier = front.handled("Upsert", "RESOURCE_EXHAUSTED")
     try:
         with pytest.raises(grpc.RpcError) as refused:
             front.upsert(("py-csv", "csv.reader", "changed text"), ("py-new", "new", "a new doc"))
@@ -112,6 +113,12 @@ def test_a_full_store_refuses_an_upsert_with_resource_exhausted_and_changes_noth
         # The CLI's channel retries RESOURCE_EXHAUSTED (a busy gateway), but the answer
         # of a full store tells gRPC not to (grpc-retry-pushback-ms -1): it is sent once,
         # not five times with up to 64 MiB each.
+        # The server counts a call after its answer is sent: the refusal above may not be
+        # counted yet, and counted late it would look like a retry of the one below.
+        wait_until(
+            lambda: front.handled("Upsert", "RESOURCE_EXHAUSTED") > earlier,
+            "the gateway counted the first refused Upsert",
+        )
         refusals = front.handled("Upsert", "RESOURCE_EXHAUSTED")
         request = documents_pb2.UpsertRequest(
             documents=[documents_pb2.Document(id="py-new", title="new", text="a new doc")]
