@@ -71,6 +71,55 @@ def _connection_flags(parser: argparse.ArgumentParser, triton: bool = False) -> 
         )  # fmt: skip
 
 
+def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
+    """The flags of a builder run, declared once for ``index rollout`` and ``index
+    rollback`` (a rollback replays only the log, so it has no training, bulk or reshard
+    flags and shorter help); both then take the connection flags with Triton's."""
+
+    def both(rollout_help: str, rollback_help: str) -> str:
+        return rollout_help if rollout else rollback_help
+
+    parser.add_argument(
+        "--batch", type=positive_int, default=64,
+        help=both("Documents (or log entries) per batch; progress is saved after each (64).",
+                  "Log entries per batch (64)."),
+    )  # fmt: skip
+    if rollout:
+        parser.add_argument("--sample", type=positive_int, default=100_000,
+                            help="Training vectors at most (100000).")  # fmt: skip
+    parser.add_argument("--parallel", type=positive_int, default=2,
+                        help="Encoder batches in flight (2).")  # fmt: skip
+    if rollout:
+        parser.add_argument("--switch-lag", type=positive_int, default=256,
+                            help="Switch once the replay is at most this many source log "
+                            "entries behind (256).")  # fmt: skip
+    parser.add_argument(
+        "--shard-wait-s", type=float, default=300.0,
+        help=both("How long the switch waits for the new generation's replicas to apply its "
+                  "logs (300; three attempts, writes resume between them).",
+                  "How long the switch waits for the replicas (300)."),
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-shard-wait", action="store_true",
+        help=both("Switch without waiting for the new generation's replicas (only when "
+                  "nothing searches it yet: searches may see it incomplete).",
+                  "Switch without waiting for the replicas."),
+    )  # fmt: skip
+    if rollout:
+        parser.add_argument(
+            "--source-shards", default=None, metavar="SPEC",
+            help="--retrain: the serving generation's replicas ('host:port,host:port;"
+            "host:port') when {gtr}:addrs does not name them.",
+        )  # fmt: skip
+    parser.add_argument(
+        "--metrics-port", type=int, default=None,
+        help=both("Serve Prometheus metrics (gtr_rollout_*) on this port.", "Prometheus port."),
+    )  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="No progress bar.")
+    parser.add_argument("--yes", action="store_true", help="Do not ask before starting.")
+    _connection_flags(parser, triton=True)
+
+
 def add_cli(sub: Any) -> None:
     """Add rollout, rollback, retire and generations to the ``index`` command."""
     from services.cli.drift_commands import _index_actions
@@ -119,36 +168,7 @@ def add_cli(sub: Any) -> None:
         help="The new generation's shard count (default: the serving one's). Another "
         "count copies the documents into its own keys as the rollout goes.",
     )  # fmt: skip
-    rollout.add_argument("--batch", type=positive_int, default=64,
-                         help="Documents (or log entries) per batch; progress is saved after "
-                         "each (64).")  # fmt: skip
-    rollout.add_argument("--sample", type=positive_int, default=100_000,
-                         help="Training vectors at most (100000).")  # fmt: skip
-    rollout.add_argument("--parallel", type=positive_int, default=2,
-                         help="Encoder batches in flight (2).")  # fmt: skip
-    rollout.add_argument("--switch-lag", type=positive_int, default=256,
-                         help="Switch once the replay is at most this many source log "
-                         "entries behind (256).")  # fmt: skip
-    rollout.add_argument(
-        "--shard-wait-s", type=float, default=300.0,
-        help="How long the switch waits for the new generation's replicas to apply its logs "
-        "(300; three attempts, writes resume between them).",
-    )  # fmt: skip
-    rollout.add_argument(
-        "--no-shard-wait", action="store_true",
-        help="Switch without waiting for the new generation's replicas (only when nothing "
-        "searches it yet: searches may see it incomplete).",
-    )  # fmt: skip
-    rollout.add_argument(
-        "--source-shards", default=None, metavar="SPEC",
-        help="--retrain: the serving generation's replicas ('host:port,host:port;host:port') "
-        "when {gtr}:addrs does not name them.",
-    )  # fmt: skip
-    rollout.add_argument("--metrics-port", type=int, default=None,
-                         help="Serve Prometheus metrics (gtr_rollout_*) on this port.")  # fmt: skip
-    rollout.add_argument("--quiet", action="store_true", help="No progress bar.")
-    rollout.add_argument("--yes", action="store_true", help="Do not ask before starting.")
-    _connection_flags(rollout, triton=True)
+    _run_flags(rollout, rollout=True)
 
     rollback = add_command(
         isub, "rollback", _rollback,
@@ -160,19 +180,7 @@ def add_cli(sub: Any) -> None:
             "(FAILED_PRECONDITION) when there is no previous generation."
         ),
     )  # fmt: skip
-    for flag, default, helptext in (
-        ("--batch", 64, "Log entries per batch (64)."),
-        ("--parallel", 2, "Encoder batches in flight (2)."),
-    ):
-        rollback.add_argument(flag, type=positive_int, default=default, help=helptext)
-    rollback.add_argument("--shard-wait-s", type=float, default=300.0,
-                          help="How long the switch waits for the replicas (300).")  # fmt: skip
-    rollback.add_argument("--no-shard-wait", action="store_true",
-                          help="Switch without waiting for the replicas.")  # fmt: skip
-    rollback.add_argument("--metrics-port", type=int, default=None, help="Prometheus port.")
-    rollback.add_argument("--quiet", action="store_true", help="No progress bar.")
-    rollback.add_argument("--yes", action="store_true", help="Do not ask before starting.")
-    _connection_flags(rollback, triton=True)
+    _run_flags(rollback, rollout=False)
 
     retire = add_command(
         isub, "retire", _retire,
