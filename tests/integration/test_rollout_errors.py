@@ -11,6 +11,8 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +49,38 @@ def _dump(client: Any) -> dict[bytes, Any]:
     return out
 
 
-def _cli(redis_url: str, *argv: str) -> list[str]:
-    return ["index", *argv, "--redis-url", redis_url]
+@contextmanager
+def _unchanged(client: Any) -> Iterator[None]:
+    """The store holds key for key what it held before the block."""
+    before = _dump(client)
+    yield
+    assert _dump(client) == before
+
+
+@dataclass
+class Cli:
+    """`gtr-retrieval index ...` against the test's Redis, run as an operator runs it."""
+
+    redis_url: str
+    capsys: pytest.CaptureFixture[str]
+
+    def ok(self, *argv: str) -> str:
+        """Exit status 0; what it printed on stdout."""
+        assert main(["index", *argv, "--redis-url", self.redis_url]) == 0
+        return self.capsys.readouterr().out
+
+    def refused(self, *argv: str, says: str) -> str:
+        """Exit status 2 (a domain error) and `says` in what it printed on stderr, which
+        is returned."""
+        assert main(["index", *argv, "--redis-url", self.redis_url]) == 2
+        err = self.capsys.readouterr().err
+        assert says in err, err
+        return err
+
+
+@pytest.fixture
+def cli(redis_url: str, capsys: pytest.CaptureFixture[str]) -> Cli:
+    return Cli(redis_url, capsys)
 
 
 def _recorded(client: Any, *, alive: bool) -> None:
@@ -67,110 +99,84 @@ def _recorded(client: Any, *, alive: bool) -> None:
     })  # fmt: skip
 
 
-def test_a_second_rollout_while_one_runs_is_refused_naming_it(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_second_rollout_while_one_runs_is_refused_naming_it(store: Any, cli: Cli) -> None:
     _recorded(store, alive=True)
-    before = _dump(store)
-    assert main(_cli(redis_url, "rollout", "--yes", "--shards", "3")) == 2
-    err = capsys.readouterr().err
-    assert "a rollout to g2 is running (phase bulk" in err and f"pid {os.getpid()}" in err
-    assert _dump(store) == before
+    with _unchanged(store):
+        err = cli.refused("rollout", "--yes", "--shards", "3",
+                          says="a rollout to g2 is running (phase bulk")  # fmt: skip
+    assert f"pid {os.getpid()}" in err
 
 
-def test_an_interrupted_rollout_is_not_replaced_by_another_one(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_an_interrupted_rollout_is_not_replaced_by_another_one(store: Any, cli: Cli) -> None:
     _recorded(store, alive=False)
-    before = _dump(store)
-    assert main(_cli(redis_url, "rollout", "--yes", "--shards", "3")) == 2
-    err = capsys.readouterr().err
-    assert "was interrupted (phase bulk) with other options: resume it with `index rollout`" in err
-    assert _dump(store) == before
+    with _unchanged(store):
+        cli.refused(
+            "rollout", "--yes", "--shards", "3",
+            says="was interrupted (phase bulk) with other options: resume it with "
+            "`index rollout`",
+        )  # fmt: skip
 
 
 def test_abort_of_an_interrupted_rollout_gives_the_writes_back_to_the_source(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
+    store: Any, cli: Cli
 ) -> None:
     _recorded(store, alive=False)
     registry = Registry(store)
     registry.set_gates(BASE, CLOSED)  # it died mid-switch: writes paused
     store.hset("snap:{0}", "rollout:g2", "5-0")  # its hold on the source's log
-    assert main(_cli(redis_url, "rollout", "--abort")) == 0
-    assert "aborted the rollout to g2" in capsys.readouterr().out
+    assert "aborted the rollout to g2" in cli.ok("rollout", "--abort")
     assert registry.rollout() is None
     assert registry.get("g2").state == "failed"
     assert {registry.gate(BASE, s) for s in range(2)} == {"g1"}
     assert store.hget("snap:{0}", "rollout:g2") is None
     assert registry.alias().serving == "g1"
     # Nothing left to abort: a clear error.
-    assert main(_cli(redis_url, "rollout", "--abort")) == 2
-    assert "no rollout is running" in capsys.readouterr().err
+    cli.refused("rollout", "--abort", says="no rollout is running")
 
 
-def test_rollback_with_no_previous_generation_is_refused(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    before = _dump(store)
-    assert main(_cli(redis_url, "rollback", "--yes")) == 2
-    assert "no previous generation to roll back to" in capsys.readouterr().err
-    assert _dump(store) == before
+def test_rollback_with_no_previous_generation_is_refused(store: Any, cli: Cli) -> None:
+    with _unchanged(store):
+        cli.refused("rollback", "--yes", says="no previous generation to roll back to")
 
 
-def test_retire_of_the_serving_generation_is_refused(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    before = _dump(store)
-    assert main(_cli(redis_url, "retire", "--generation", "g1", "--yes")) == 2
-    assert "g1 is the serving generation" in capsys.readouterr().err
-    with pytest.raises(FailedPrecondition) as caught:
-        retire(store, "g1")
+def test_retire_of_the_serving_generation_is_refused(store: Any, cli: Cli) -> None:
+    with _unchanged(store):
+        cli.refused("retire", "--generation", "g1", "--yes", says="g1 is the serving generation")
+        with pytest.raises(FailedPrecondition) as caught:
+            retire(store, "g1")
     assert status_of(caught.value) is grpc.StatusCode.FAILED_PRECONDITION
-    assert _dump(store) == before
 
 
-def test_retire_or_rollback_of_an_unknown_generation_is_not_found(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    before = _dump(store)
-    assert main(_cli(redis_url, "retire", "--generation", "g9", "--yes")) == 2
-    assert "generation 'g9' does not exist" in capsys.readouterr().err
-    with pytest.raises(NotFound) as caught:
-        retire(store, "g9")
+def test_retire_or_rollback_of_an_unknown_generation_is_not_found(store: Any, cli: Cli) -> None:
+    with _unchanged(store):
+        cli.refused("retire", "--generation", "g9", "--yes", says="generation 'g9' does not exist")
+        with pytest.raises(NotFound) as caught:
+            retire(store, "g9")
+        # A previous generation the alias names but the registry lost: rollback says so.
+        store.hset("{gtr}:alias", "previous", "g7")
+        cli.refused("rollback", "--yes", says="generation 'g7' does not exist")
+        store.hdel("{gtr}:alias", "previous")
     assert status_of(caught.value) is grpc.StatusCode.NOT_FOUND
-    # A previous generation the alias names but the registry lost: rollback says so.
-    store.hset("{gtr}:alias", "previous", "g7")
-    assert main(_cli(redis_url, "rollback", "--yes")) == 2
-    assert "generation 'g7' does not exist" in capsys.readouterr().err
-    store.hdel("{gtr}:alias", "previous")
-    assert _dump(store) == before
 
 
 def test_retrain_without_the_source_replicas_or_encoder_without_a_repository_changes_nothing(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    store: Any, cli: Cli, tmp_path: Path
 ) -> None:
-    before = _dump(store)
-    assert main(_cli(redis_url, "rollout", "--yes", "--retrain", "--run-dir",
-                     str(tmp_path))) == 2  # fmt: skip
-    assert "give --source-shards" in capsys.readouterr().err
-    assert main(_cli(redis_url, "rollout", "--yes", "--encoder", str(tmp_path), "--run-dir",
-                     str(tmp_path))) == 2  # fmt: skip
-    assert "no Triton model repository" in capsys.readouterr().err
-    assert _dump(store) == before
+    run_dir = ("--run-dir", str(tmp_path))
+    with _unchanged(store):
+        cli.refused("rollout", "--yes", "--retrain", *run_dir, says="give --source-shards")
+        cli.refused("rollout", "--yes", "--encoder", str(tmp_path), *run_dir,
+                    says="no Triton model repository")  # fmt: skip
 
 
-def test_generations_lists_the_registry(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_generations_lists_the_registry(store: Any, cli: Cli) -> None:
     _recorded(store, alive=True)
-    assert main(_cli(redis_url, "generations", "--json")) == 0
-    listed = json.loads(capsys.readouterr().out)
+    listed = json.loads(cli.ok("generations", "--json"))
     assert [(g["name"], g["state"], g["alias"]) for g in listed["generations"]] == [
         ("g1", "serving", "serving"), ("g2", "building", ""),
     ]  # fmt: skip
     assert listed["rollout"]["phase"] == "bulk" and listed["alias"]["epoch"] == 1
-    assert main(_cli(redis_url, "generations")) == 0
-    table = capsys.readouterr().out
+    table = cli.ok("generations")
     assert "g1    serving" in table and "rollout g1 -> g2 (rollout, encode): phase bulk" in table
 
 
@@ -209,15 +215,11 @@ async def _no_encoder(spec: Any) -> Any:
     raise AssertionError("no encoder is needed to check a rollout")
 
 
-def test_abort_is_refused_while_the_builder_runs(
-    store: Any, redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_abort_is_refused_while_the_builder_runs(store: Any, cli: Cli) -> None:
     """A live builder could switch the alias after --abort gave the writes back."""
     _recorded(store, alive=True)
-    before = _dump(store)
-    assert main(_cli(redis_url, "rollout", "--abort")) == 2
-    assert "a rollout to g2 is running" in capsys.readouterr().err
-    assert _dump(store) == before
+    with _unchanged(store):
+        cli.refused("rollout", "--abort", says="a rollout to g2 is running")
 
 
 def test_the_run_dir_of_a_local_stack_names_the_store(
