@@ -59,6 +59,33 @@ def loaded(
     return shard
 
 
+@pytest.fixture
+def ten_docs(
+    trained: TrainedIndex, corpus: list[dict[str, str]], vectors: np.ndarray, tmp_path: Path
+) -> IvfPqShard:
+    """A shard of its own (its text index in tmp_path/text) holding the first ten
+    documents, applied at 1-0: for the tests that break it."""
+    shard = IvfPqShard(trained, TextIndex.create(tmp_path / "text"))
+    shard.apply(upserts(corpus[:10], vectors[:10]), "1-0")
+    return shard
+
+
+def text_directory(shard: IvfPqShard) -> Path:
+    assert shard.text is not None
+    return shard.text.directory
+
+
+def scrape(shard: IvfPqShard) -> str:
+    """The shard's /metrics text, as a replica's ShardMetrics bound to it serves it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.index.server.metrics import ShardMetrics
+
+    registry = CollectorRegistry()
+    ShardMetrics.create(registry, 0, "r0").bind(shard)
+    return generate_latest(registry).decode()
+
+
 QUERIES = [
     "Vitamin D deficiency is associated with tuberculosis",
     "0-dimensional biomaterials show inductive properties.",
@@ -193,23 +220,14 @@ def test_a_text_index_of_another_language_is_refused(tmp_path: Path) -> None:
 
 
 def test_text_index_gauges_read_the_shard_on_scrape(loaded: IvfPqShard) -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from services.index.server.metrics import ShardMetrics
-
-    registry = CollectorRegistry()
-    ShardMetrics.create(registry, 0, "r0").bind(loaded)
-    text = generate_latest(registry).decode()
+    text = scrape(loaded)
     assert f'index_text_documents{{replica="r0",shard="0"}} {float(N_DOCS)}' in text
     assert 'index_text_disk_bytes{replica="r0",shard="0"} ' in text
     assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' not in text
 
 
 def test_a_scrape_reports_what_it_can_when_the_text_directory_is_gone(
-    trained: TrainedIndex,
-    corpus: list[dict[str, str]],
-    vectors: np.ndarray,
-    tmp_path: Path,
+    ten_docs: IvfPqShard,
 ) -> None:
     """The text index's working directory removed under a live shard (a replica whose
     snapshot folder was replaced by a file; an unmounted volume): /metrics answered 500
@@ -217,61 +235,38 @@ def test_a_scrape_reports_what_it_can_when_the_text_directory_is_gone(
     directory. Now the gauges answer; only the directory's bytes are NaN."""
     import shutil
 
-    from prometheus_client import CollectorRegistry, generate_latest
+    directory = text_directory(ten_docs)
+    shutil.rmtree(directory)
+    directory.write_text("not a directory")
 
-    from services.index.server.metrics import ShardMetrics
-
-    text_index = TextIndex.create(tmp_path / "text")
-    shard = IvfPqShard(trained, text_index)
-    shard.apply(upserts(corpus[:10], vectors[:10]), "1-0")
-    shutil.rmtree(text_index.directory)
-    text_index.directory.write_text("not a directory")
-
-    stats = shard.stats().text
+    stats = ten_docs.stats().text
     assert stats is not None and stats.documents == 10 and stats.disk_bytes is None
-    registry = CollectorRegistry()
-    ShardMetrics.create(registry, 0, "r0").bind(shard)
-    text = generate_latest(registry).decode()
+    text = scrape(ten_docs)
     assert 'index_text_documents{replica="r0",shard="0"} 10.0' in text
     assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' in text
     assert 'index_vectors{replica="r0",shard="0"} 10.0' in text
 
 
 def test_one_unstatable_file_costs_the_text_bytes_only(
-    trained: TrainedIndex,
-    corpus: list[dict[str, str]],
-    vectors: np.ndarray,
-    tmp_path: Path,
+    ten_docs: IvfPqShard, tmp_path: Path
 ) -> None:
     """An entry of the text index's directory that the OS cannot stat (a symlink whose
     target has a 300-byte name: ENAMETOOLONG, raised as root too, where a permission error
     would not be) made ``stats()`` raise, so every gauge of the shard read NaN,
     index_vectors included. Now it is the unreadable-directory case: only the
     directory's bytes are unknown."""
-    from prometheus_client import CollectorRegistry, generate_latest
+    (text_directory(ten_docs) / "unstatable").symlink_to(tmp_path / ("a" * 300))
 
-    from services.index.server.metrics import ShardMetrics
-
-    text_index = TextIndex.create(tmp_path / "text")
-    shard = IvfPqShard(trained, text_index)
-    shard.apply(upserts(corpus[:10], vectors[:10]), "1-0")
-    (text_index.directory / "unstatable").symlink_to(tmp_path / ("a" * 300))
-
-    stats = shard.stats().text
+    stats = ten_docs.stats().text
     assert stats is not None and stats.documents == 10 and stats.disk_bytes is None
-    registry = CollectorRegistry()
-    ShardMetrics.create(registry, 0, "r0").bind(shard)
-    text = generate_latest(registry).decode()
+    text = scrape(ten_docs)
     assert 'index_vectors{replica="r0",shard="0"} 10.0' in text
     assert 'index_text_documents{replica="r0",shard="0"} 10.0' in text
     assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' in text
 
 
 def test_a_scrape_answers_when_the_shard_stats_raise(
-    trained: TrainedIndex,
-    corpus: list[dict[str, str]],
-    vectors: np.ndarray,
-    tmp_path: Path,
+    ten_docs: IvfPqShard,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -283,21 +278,12 @@ def test_a_scrape_answers_when_the_shard_stats_raise(
     into a real shard's ``stats()``: the fallback is kept for what is not foreseen."""
     import logging
 
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from services.index.server.metrics import ShardMetrics
-
-    shard = IvfPqShard(trained, TextIndex.create(tmp_path / "text"))
-    shard.apply(upserts(corpus[:10], vectors[:10]), "1-0")
-
     def unforeseen() -> None:
         raise RuntimeError("an unforeseen failure of the shard's stats")
 
-    monkeypatch.setattr(shard, "stats", unforeseen)
-    registry = CollectorRegistry()
-    ShardMetrics.create(registry, 0, "r0").bind(shard)
+    monkeypatch.setattr(ten_docs, "stats", unforeseen)
     with caplog.at_level(logging.ERROR, logger="services.index.server.metrics"):
-        text = generate_latest(registry).decode()
+        text = scrape(ten_docs)
     assert 'index_vectors{replica="r0",shard="0"} NaN' in text
     assert 'index_text_documents{replica="r0",shard="0"} NaN' in text
     assert "shard stats unavailable" in caplog.text
