@@ -4,36 +4,47 @@ Every rendered manifest is validated against the Kubernetes 1.33 OpenAPI schemas
 (kubernetes-validate, strict: unknown fields fail), and the properties the deployment
 relies on are asserted on the objects themselves: one StatefulSet per shard, the
 encoder size profile in the Triton Deployment, gRPC probes, security contexts. checkov
-runs on the rendered manifests when it is installed.
+(scripts/bootstrap.sh installs it) runs on the rendered manifests. The rendering and
+lookup helpers, shared with the chart's other tests, are tests/support/chart.py's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
-kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="kubernetes-validate is not installed"
+from tests.support.chart import (
+    ALLOWED_SKIPS,
+    CHART,
+    KUBE_VERSION,
+    NAMESPACE,
+    PREPARE_SCRIPT,
+    RELEASE,
+    ROOT,
+    Manifest,
+    chart,
+    checkov_manifests,
+    component,
+    configmap_data,
+    helm,
+    kubernetes_validate,
+    of_kind,
+    render,
+    run_checkov,
+    the,
+    with_auth,
+    workloads,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "k8s" / "gtr-retrieval"
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
-PREPARE_SCRIPT = CHART / "files" / "prepare_model_repository.py"
-
-KUBE_VERSION = "1.33.0"
-RELEASE = "gtr"
-NAMESPACE = "search"
+__all__ = ["chart"]  # the module-scoped fixture, shared
 
 # The GTR paper's encoder latencies (batch 1, 128 tokens) and the Triton instance counts:
 # written out here, independently of values.yaml, so a drift in the chart fails.
@@ -44,65 +55,6 @@ PROFILES: dict[str, dict[str, int]] = {
     "xxl": {"slo_ms": 349, "instances": 1},
 }
 APP_COMPONENTS = {"gateway", "index", "rerank", "triton"}
-# checkov findings the chart suppresses on purpose; each carries its reason in a
-# checkov.io/skip annotation.
-ALLOWED_SKIPS = {"CKV_K8S_43", "CKV_K8S_15", "CKV_K8S_35"}
-
-Manifest = dict[str, Any]
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    helm.disable_logging()
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
-
-
-# The chart requires bearer tokens by default (it does not render without them): every
-# render here names a token Secret unless its values say something of auth themselves.
-TOKENS_SECRET = {"auth": {"enabled": True, "existingSecret": "gtr-tokens"}}
-
-
-def with_auth(values: dict[str, Any] | None) -> dict[str, Any]:
-    return {**TOKENS_SECRET, **(values or {})}
-
-
-def render(chart: Any, values: dict[str, Any] | None = None) -> list[Manifest]:
-    """Render the chart and parse every manifest (NOTES.txt and empty templates skipped)."""
-    rendered: dict[str, str] = chart.render(with_auth(values), name=RELEASE, namespace=NAMESPACE)
-    docs: list[Manifest] = []
-    for path, text in sorted(rendered.items()):
-        if not path.endswith(".yaml"):
-            continue
-        docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return docs
-
-
-def of_kind(docs: list[Manifest], kind: str) -> list[Manifest]:
-    return [d for d in docs if d["kind"] == kind]
-
-
-def component(doc: Manifest) -> str:
-    return str(doc["metadata"]["labels"].get("app.kubernetes.io/component", ""))
-
-
-def workloads(docs: list[Manifest]) -> list[Manifest]:
-    return [d for d in docs if d["kind"] in {"Deployment", "StatefulSet"}]
-
-
-def the(docs: list[Manifest], kind: str, comp: str) -> Manifest:
-    found = [d for d in of_kind(docs, kind) if component(d) == comp]
-    assert len(found) == 1, f"expected one {kind} of {comp}, found {len(found)}"
-    return found[0]
-
-
-def configmap_data(docs: list[Manifest], suffix: str) -> dict[str, str]:
-    name = f"{RELEASE}-gtr-retrieval-{suffix}"
-    for doc in of_kind(docs, "ConfigMap"):
-        if doc["metadata"]["name"] == name:
-            data: dict[str, str] = doc["data"]
-            return data
-    raise AssertionError(f"no ConfigMap {name}")
 
 
 FULL_VALUES: dict[str, Any] = {
@@ -595,40 +547,13 @@ def test_prepare_model_repository_fails_without_a_matching_group(tmp_path: Path)
 # --- checkov ------------------------------------------------------------------------------
 
 
-def _checkov() -> str | None:
-    # scripts/bootstrap.sh installs checkov into a venv of its own (its pins clash with ours)
-    for candidate in (
-        Path(__file__).resolve().parents[2] / ".venv" / "tools" / "checkov" / "bin" / "checkov",
-        Path(sys.executable).parent / "checkov",
-    ):
-        if candidate.exists():
-            return str(candidate)
-    return shutil.which("checkov")
-
-
 @pytest.mark.parametrize("case", ["default", "full"])
 def test_checkov_passes(chart: Any, case: str, tmp_path: Path) -> None:
-    checkov = _checkov()
-    if checkov is None:
-        pytest.skip("checkov is not installed (pip install checkov)")
     docs = render(chart, CASES[case])
-    manifests = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
-    (tmp_path / "manifests.yaml").write_text(yaml.safe_dump_all(manifests), encoding="utf-8")
-    done = subprocess.run(
-        [checkov, "-d", str(tmp_path), "--framework", "kubernetes", "--skip-download",
-         "--output", "json"],
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
-    report = json.loads(done.stdout)
-    report = report[0] if isinstance(report, list) else report
-    results = report["results"]
-    failed = [(c["check_id"], c["resource"]) for c in results["failed_checks"]]
-    assert failed == [], failed
+    results = run_checkov(docs, tmp_path)  # no failed check, only the allowed skips
     assert len(results["passed_checks"]) > 100
-    skipped = {c["check_id"] for c in results["skipped_checks"]}
-    assert skipped <= ALLOWED_SKIPS, skipped - ALLOWED_SKIPS
     # each suppression is documented with its reason in the annotation itself
-    for wl in workloads(manifests):
+    for wl in workloads(checkov_manifests(docs)):
         for key, value in wl["metadata"].get("annotations", {}).items():
             if key.startswith("checkov.io/skip"):
                 check, _, reason = value.partition("=")

@@ -2,52 +2,41 @@
 rollout Job, the drift watcher, Triton's repository sync; rendered offline with
 helm-python-sdk, every manifest validated against the Kubernetes 1.33 schemas
 (kubernetes-validate, strict), linted and checked by checkov like the rest of the chart
-(tests/unit/test_deploy_chart.py)."""
+(tests/unit/test_deploy_chart.py; the shared helpers are tests/support/chart.py's)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from services.cli.drift_commands import rollout_argv
 from services.cli.main import build_parser
 from services.common.settings import load_settings
 from services.gateway.settings import parse_shard_addresses
 from services.index.server.settings import ShardSettings
-from tests.unit.test_deploy_chart import (
-    ALLOWED_SKIPS,
+from tests.support.chart import (
     CHART,
     KUBE_VERSION,
     NAMESPACE,
     PREPARE_SCRIPT,
     RELEASE,
     Manifest,
-    _checkov,
+    chart,
     component,
     configmap_data,
     helm,
     kubernetes_validate,
     of_kind,
     render,
+    run_checkov,
     with_auth,
 )
 
 FULL = f"{RELEASE}-gtr-retrieval"
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    helm.disable_logging()
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
-
+__all__ = ["chart"]  # the module-scoped fixture, shared
 
 G2 = {"name": "g2", "shards": 3}
 ROLLING: dict[str, Any] = {
@@ -317,23 +306,7 @@ def test_the_builders_may_reach_redis_the_shards_and_triton(chart: Any) -> None:
 
 
 def test_checkov_passes_on_generations(chart: Any, tmp_path: Path) -> None:
-    checkov = _checkov()
-    if checkov is None:
-        pytest.skip("checkov is not installed (scripts/bootstrap.sh installs it)")
-    docs = render(chart, ROLLING)
-    manifests = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
-    (tmp_path / "manifests.yaml").write_text(yaml.safe_dump_all(manifests), encoding="utf-8")
-    done = subprocess.run(
-        [checkov, "-d", str(tmp_path), "--framework", "kubernetes", "--skip-download",
-         "--output", "json"],
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
-    report = json.loads(done.stdout)
-    report = report[0] if isinstance(report, list) else report
-    failed = [(c["check_id"], c["resource"]) for c in report["results"]["failed_checks"]]
-    assert failed == [], failed
-    skipped = {c["check_id"] for c in report["results"]["skipped_checks"]}
-    assert skipped <= ALLOWED_SKIPS, skipped - ALLOWED_SKIPS
+    run_checkov(render(chart, ROLLING), tmp_path)  # no failed check, only the allowed skips
 
 
 def test_repository_sync_links_a_published_version_and_unlinks_a_removed_one(

@@ -1,7 +1,7 @@
 """The chart runs the images scripts/build_images.sh builds (issue #15), its Triton and
 Redis are production-shaped, and the schema refuses what it must.
 
-Rendered offline like tests/unit/test_deploy_chart.py (whose helpers this module uses);
+Rendered offline like tests/unit/test_deploy_chart.py (helpers: tests/support/chart.py);
 every manifest of the four install shapes the deploy README describes is validated
 against the Kubernetes schemas (kubernetes-validate, strict).
 """
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from services.gateway.settings import parse_shard_addresses
-from tests.unit.test_deploy_chart import (
+from tests.support.chart import (
     KUBE_VERSION,
     NAMESPACE,
     RELEASE,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.test_deploy_chart import chart, component, of_kind, render
+from tests.support.chart import chart, component, of_kind, render
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
