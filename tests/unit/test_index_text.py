@@ -86,6 +86,17 @@ def scrape(shard: IvfPqShard) -> str:
     return generate_latest(registry).decode()
 
 
+def only_the_text_bytes_are_unknown(ten_docs: IvfPqShard) -> None:
+    """The shard's stats and its scrape: every figure known but the text directory's
+    bytes (None in stats(), NaN on /metrics)."""
+    stats = ten_docs.stats().text
+    assert stats is not None and stats.documents == 10 and stats.disk_bytes is None
+    text = scrape(ten_docs)
+    assert 'index_vectors{replica="r0",shard="0"} 10.0' in text
+    assert 'index_text_documents{replica="r0",shard="0"} 10.0' in text
+    assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' in text
+
+
 QUERIES = [
     "Vitamin D deficiency is associated with tuberculosis",
     "0-dimensional biomaterials show inductive properties.",
@@ -239,12 +250,7 @@ def test_a_scrape_reports_what_it_can_when_the_text_directory_is_gone(
     shutil.rmtree(directory)
     directory.write_text("not a directory")
 
-    stats = ten_docs.stats().text
-    assert stats is not None and stats.documents == 10 and stats.disk_bytes is None
-    text = scrape(ten_docs)
-    assert 'index_text_documents{replica="r0",shard="0"} 10.0' in text
-    assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' in text
-    assert 'index_vectors{replica="r0",shard="0"} 10.0' in text
+    only_the_text_bytes_are_unknown(ten_docs)
 
 
 def test_one_unstatable_file_costs_the_text_bytes_only(
@@ -257,12 +263,7 @@ def test_one_unstatable_file_costs_the_text_bytes_only(
     directory's bytes are unknown."""
     (text_directory(ten_docs) / "unstatable").symlink_to(tmp_path / ("a" * 300))
 
-    stats = ten_docs.stats().text
-    assert stats is not None and stats.documents == 10 and stats.disk_bytes is None
-    text = scrape(ten_docs)
-    assert 'index_vectors{replica="r0",shard="0"} 10.0' in text
-    assert 'index_text_documents{replica="r0",shard="0"} 10.0' in text
-    assert 'index_text_disk_bytes{replica="r0",shard="0"} NaN' in text
+    only_the_text_bytes_are_unknown(ten_docs)
 
 
 def test_a_scrape_answers_when_the_shard_stats_raise(
