@@ -18,7 +18,13 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
 * ``reembed_ratio`` = the first ÷ the second (goal ≥ 0.8);
 * ``p99_before_ms``, ``p99_during_ms``: search latency p99 (client side) in the window
   before the rollout and from its start to its switch; ``p99_during_over_before`` (goal
-  ≤ 1.5); failed searches in each window.
+  ≤ 1.5); failed searches in each window;
+* where the time goes: ``p99_by_phase_ms`` (search p99 of the searches started in each
+  builder phase), ``stage_p99_ms`` (the gateway's own stage timings, ``encode``,
+  ``search``, ``fetch``, ``total``, before and during), and a 2-s timeline printed above.
+
+The phase watcher polls Redis from a process of its own: polling from a thread of this
+process took the GIL from the load generator's event loop during the rollout only.
 
 Usage: ``python -m bench.rollout [--docs 1500] [--before-s 30] [--encoder DIR]``.
 Server, builder and client share this machine's cores: the figures are for a CPU-only
@@ -34,7 +40,6 @@ import os
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -74,44 +79,76 @@ def p99(latencies: list[float]) -> float:
     return float(np.percentile(np.asarray(latencies), 99)) if latencies else float("nan")
 
 
-class PhaseWatch:
-    """The builder's phase as ``{gtr}:rollout`` says it, polled every 20 ms: when each
-    phase was first seen."""
+def start_s(marks: dict[str, float], load: Any) -> float:
+    return marks["rollout_start"] - load.record.started
 
-    def __init__(self, redis_client: Any) -> None:
-        self.redis = redis_client
+
+def p99_by_phase(searches: list[Any], marks: dict[str, float], end: float) -> dict[str, Any]:
+    """Search p99 (ms) and count of the OK searches that started in each builder phase:
+    where in the rollout the latency goes."""
+    starts = sorted((v, k.removeprefix("phase_")) for k, v in marks.items()
+                    if k.startswith("phase_"))  # fmt: skip
+    out: dict[str, Any] = {}
+    for n, (begin, phase) in enumerate(starts):
+        stop = starts[n + 1][0] if n + 1 < len(starts) else end
+        ok = [s.latency for s in searches if begin <= s.start < stop and s.code == "OK"]
+        out[phase] = {"p99_ms": round(1e3 * p99(ok), 1), "searches": len(ok)}
+    return out
+
+
+def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
+    """PhaseWatch's poller, in a process of its own: polling Redis every 20 ms from a
+    thread of the load generator's process took the GIL from its event loop and showed as
+    search latency during the rollout only."""
+    import redis
+
+    from services.index.generations import Registry
+
+    client = redis.Redis.from_url(redis_url)
+    reg = Registry(client)
+    seen: dict[str, float] = {}
+    bulk_appended, bulk_first = 0, None
+    while not stop.is_set():
+        state = reg.rollout() or {}
+        phase = state.get("phase")
+        if phase:
+            seen.setdefault(phase, time.monotonic())  # CLOCK_MONOTONIC: one for all processes
+        if phase == "bulk" and state.get("target"):
+            keys = reg.keys(reg.get(state["target"]))
+            appended = sum(int(client.hlen(keys.logged(s))) for s in range(keys.num_shards))
+            if bulk_first is None:
+                bulk_first = appended
+            bulk_appended = max(bulk_appended, appended)
+        time.sleep(0.02)
+    out.put({"seen": seen, "bulk_appended": bulk_appended, "bulk_first": bulk_first})
+
+
+class PhaseWatch:
+    """The builder's phase as ``{gtr}:rollout`` says it, polled every 20 ms by a process of
+    its own: when each phase was first seen, and the documents appended in the bulk phase."""
+
+    def __init__(self, redis_url: str) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._out: Any = ctx.Queue()
+        self._proc = ctx.Process(target=_watch_phases, args=(redis_url, self._stop, self._out))
         self.seen: dict[str, float] = {}
-        self.fields: dict[str, dict[str, str]] = {}
         self.bulk_appended = 0  # documents in the target's lv hashes while in bulk
         self.bulk_first: int | None = None  # ...when the bulk phase was first seen
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        from services.index.generations import Registry
-
-        reg = Registry(self.redis)
-        while not self._stop.is_set():
-            state = reg.rollout() or {}
-            phase = state.get("phase")
-            if phase:
-                self.seen.setdefault(phase, time.monotonic())
-                self.fields[phase] = state
-            if phase == "bulk" and state.get("target"):
-                keys = reg.keys(reg.get(state["target"]))
-                appended = sum(int(self.redis.hlen(keys.logged(s))) for s in range(keys.num_shards))
-                if self.bulk_first is None:
-                    self.bulk_first = appended
-                self.bulk_appended = max(self.bulk_appended, appended)
-            time.sleep(0.02)
 
     def __enter__(self) -> PhaseWatch:
-        self._thread.start()
+        self._proc.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(5)
+        result = self._out.get(timeout=30)
+        self._proc.join(10)
+        self.seen = result["seen"]
+        self.bulk_appended = result["bulk_appended"]
+        self.bulk_first = result["bulk_first"]
 
     def bulk_seconds(self) -> float | None:
         """From the first sighting of the bulk phase to the first of a later one."""
@@ -173,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 try:
                     await asyncio.sleep(args.before_s)  # the measured window before
                     marks["rollout_start"] = time.monotonic()
-                    with PhaseWatch(stack.redis()) as watch:
+                    with PhaseWatch(stack.redis_url) as watch:
                         done = await asyncio.to_thread(
                             stack.run_cli, "index", "rollout", "--encoder", str(encoder),
                             "--batch", str(args.batch), "--sample", str(args.sample),
@@ -196,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         inproc.append(inprocess_docs_per_s(onnx_path, texts, args.batch, threads))
 
     record = load.record
+    print(f"timeline (rollout from {start_s(marks, load):.0f} s):\n{record.timeline(2.0)}")
     start, end = marks["rollout_start"], marks["rollout_end"]
     before = [s for s in record.searches if s.start < start]
     during = [s for s in record.searches if start <= s.start < end]
@@ -232,6 +270,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }  # fmt: skip
     result["p99_during_over_before"] = result["p99_during_ms"] / result["p99_before_ms"]
+    result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)
+    # where a search's time goes, before and during: the gateway's own stage timings
+    result["stage_p99_ms"] = {}
+    for window, ops in (("before", before), ("during", during)):
+        timed = [s for s in ops if s.stages]
+        if timed:
+            result["stage_p99_ms"][window] = {
+                name: round(float(np.percentile([s.stages[name] for s in timed], 99)), 1)
+                for name in ("encode", "search", "fetch", "total")
+            }
     print(
         f"re-embed: {bulk_docs} documents in {bulk_s:.1f} s of bulk = {reembed:.1f} docs/s; "
         f"in-process {inproc_rate:.1f} docs/s (rounds {', '.join(f'{r:.1f}' for r in inproc)}); "

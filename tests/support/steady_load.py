@@ -38,6 +38,8 @@ class SearchOp:
     generation: str = ""
     partial: bool = False
     detail: str = ""
+    # the gateway's own stage timings (ms: encode, search, fetch, total) of an OK answer
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def latency(self) -> float:
@@ -236,7 +238,10 @@ class SteadyLoad:
         self.record.searches.append(
             SearchOp(
                 start, time.monotonic(), "OK", str(getattr(reply, "generation", "")),
-                bool(reply.partial),
+                bool(reply.partial), stages={
+                    name: getattr(reply.timings, f"{name}_ms")
+                    for name in ("encode", "search", "fetch", "total")
+                },
             )
         )  # fmt: skip
 
