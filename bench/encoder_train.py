@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--recipe", choices=sorted(RECIPES), default="full",
                    help="full: the trainer's defaults; cut: half an epoch, 96-token documents, "
                    "a 1,200-document eval sample (for a loaded machine)")  # fmt: skip
+    p.add_argument("--epochs", type=float,
+                   help="train every variant this many epochs instead of the recipe's "
+                   "(the same for all; the budget note and recipe_flags say so)")  # fmt: skip
     p.add_argument("--no-eval", action="store_true",
                    help="keep the quality figures already in --out (measured earlier)")  # fmt: skip
     p.add_argument("--triton", action="store_true",
@@ -216,15 +219,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     # Sections not measured by this run are kept, each with the command that measured it.
     report: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    recipe = RECIPES[args.recipe] + (["--epochs", f"{args.epochs:g}"] if args.epochs else [])
     if args.train:
-        train_missing(args.runs, args.data, args.threads, archs, RECIPES[args.recipe])
+        train_missing(args.runs, args.data, args.threads, archs, recipe)
     if not args.no_eval:
         from services.encoder.train.evaluate import compare, table
 
         done = [args.runs / a for a in archs if complete(args.runs / a)]
         quality = compare(args.data, done, plots=args.plots, progress=False)
         quality["budget"] = FULL_NOTE if args.recipe == "full" else CUT_NOTE
-        quality["recipe_flags"] = RECIPES[args.recipe]
+        if args.epochs:
+            quality["budget"] += f"; every variant trained {args.epochs:g} epochs (--epochs)"
+        quality["recipe_flags"] = recipe
         quality["not_run"] = [a for a in archs if not complete(args.runs / a)]
         quality["measured_by"] = {"command": command, "at": now}
         report = {**{k: v for k, v in report.items() if k == "triton"}, **quality}
