@@ -128,7 +128,9 @@ def _duration(text: str) -> float:
 
 
 def _add_tls(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-ca", default=None, help="PEM CA of the shards: talk TLS.")
+    parser.add_argument(
+        "--tls-ca", default=None, help="PEM CA of the shards: talk TLS (the rollout it starts too)."
+    )
     parser.add_argument("--tls-client-cert", default=None, help="PEM client certificate.")
     parser.add_argument("--tls-client-key", default=None, help="PEM key of it.")
 
@@ -164,6 +166,10 @@ def rollout_argv(args: argparse.Namespace) -> list[str]:
     if args.shards and not any(a.startswith("--source-shards") for a in extra):
         # --retrain exports the serving replicas' vectors; g1's may be in no registry entry
         argv.append(f"--source-shards={args.shards}")
+    for name in ("tls-ca", "tls-client-cert", "tls-client-key"):  # the replicas' TLS too
+        value = getattr(args, name.replace("-", "_"), None)
+        if value and not any(a.startswith(f"--{name}") for a in extra):
+            argv.append(f"--{name}={value}")
     return argv + extra
 
 

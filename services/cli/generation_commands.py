@@ -111,6 +111,18 @@ def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             help="--retrain: the serving generation's replicas ('host:port,host:port;"
             "host:port') when {gtr}:addrs does not name them.",
         )  # fmt: skip
+    stack = "default: the local stack's"
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="PEM",
+        help="PEM CA of the shard replicas: talk TLS to them ("
+        + both("--retrain's export of the serving replicas' vectors and ", "")
+        + f"the switch's wait for the new serving replicas; {stack}).",
+    )  # fmt: skip
+    parser.add_argument("--tls-client-cert", default=None, metavar="PEM",
+                        help="PEM client certificate for replicas that require one (mTLS, "
+                        f"as under `up --tls`; {stack}).")  # fmt: skip
+    parser.add_argument("--tls-client-key", default=None, metavar="PEM",
+                        help=f"PEM key of --tls-client-cert ({stack}).")  # fmt: skip
     parser.add_argument(
         "--metrics-port", type=int, default=None,
         help=both("Serve Prometheus metrics (gtr_rollout_*) on this port.", "Prometheus port."),
@@ -221,6 +233,7 @@ class Places:
     triton_repo: Path | None
     triton_tls: Any
     index_root: Path
+    shard_tls: Any = None  # ClientTLS to the shard replicas; None: plaintext
 
 
 def _places(args: argparse.Namespace) -> Places:
@@ -248,6 +261,7 @@ def _places(args: argparse.Namespace) -> Places:
     cert = getattr(args, "triton_client_cert", None) or tls_paths.get("cert")
     key = getattr(args, "triton_client_key", None) or tls_paths.get("key")
     triton_tls = ClientTLS.from_paths(ca, cert, key) if ca else None
+    shard_tls = _shard_tls(args, tls_paths)
     repo = getattr(args, "triton_repo", None) or (
         Path(stack.triton_repository) if stack and stack.triton_repository else None
     )
@@ -256,8 +270,25 @@ def _places(args: argparse.Namespace) -> Places:
     )
     return Places(
         url, getattr(args, "triton_url", None) or (stack.triton_grpc if stack else None) or None,
-        repo, triton_tls, root,
+        repo, triton_tls, root, shard_tls,
     )  # fmt: skip
+
+
+def _shard_tls(args: argparse.Namespace, stack_paths: dict[str, str]) -> Any:
+    """--tls-ca / --tls-client-cert / --tls-client-key when given, else the local stack's
+    internal TLS (stack.json; none without `up --tls`); its files checked now."""
+    from services.common.errors import InvalidArgument
+    from services.common.tls import ClientTLS
+
+    given = [getattr(args, f"tls_{n}", None) for n in ("ca", "client_cert", "client_key")]
+    ca, cert, key = given if any(given) else [stack_paths.get(n) for n in ("ca", "cert", "key")]
+    try:
+        tls = ClientTLS.from_paths(ca, cert, key)
+        if tls is not None:
+            tls.check()
+    except ValueError as exc:
+        raise InvalidArgument(f"shard replicas' TLS: {exc}") from None
+    return tls
 
 
 def _client(url: str) -> Any:
@@ -313,7 +344,7 @@ def _builder(args: argparse.Namespace, places: Places, client: Any, progress: An
     )
     return RolloutBuilder(
         client, _encoders(places), options, progress,
-        source_addresses=getattr(args, "source_shards", None),
+        source_addresses=getattr(args, "source_shards", None), shard_tls=places.shard_tls,
     )  # fmt: skip
 
 

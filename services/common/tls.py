@@ -240,6 +240,40 @@ def channel(
     return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
 
 
+def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
+    """Whether the server at ``address`` (``host:port``, a ``dns:///`` or ``ipv4:`` target
+    of one address) answers a TLS handshake: True when it does, False when it answers
+    something else (a plaintext server), None when it cannot be reached or the address is
+    not one host and port. Its certificate is not checked and no client certificate is
+    offered: this tells a TLS server from a plaintext one, nothing more. What lets a client
+    say why a server closes its connections, where gRPC reports only "Socket closed" for a
+    plaintext client of a TLS server (and for a TLS client without the client certificate
+    an mTLS server requires)."""
+    import socket
+
+    target = address.split("///", 1)[-1].removeprefix("ipv4:").removeprefix("ipv6:")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw,
+            context.wrap_socket(raw),
+        ):
+            return True
+    except ssl.SSLEOFError:
+        return None  # closed before answering: nothing said either way
+    except ssl.SSLError as exc:
+        # an alert is a TLS server refusing this handshake; anything else is not TLS
+        return "ALERT" in f"{exc.reason} {exc}".upper()
+    except OSError:
+        return None
+
+
 T = TypeVar("T")
 
 

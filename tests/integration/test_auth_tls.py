@@ -462,8 +462,9 @@ def locked_stack(
 ) -> Iterator[LockedStack]:
     """``up --auth --tls`` as the launcher runs it (its ``start`` and ``ingest``, without
     the signal handling of ``run``): Redis, the first run (encode, train, store), one
-    shard and the gateway as child processes; the in-process encoder stands in for
-    Triton, rerank and Prometheus are off."""
+    shard and the gateway as child processes (and, as ``run`` does, the shards of a
+    rollout's target once the registry records it); the in-process encoder stands in
+    for Triton, rerank and Prometheus are off."""
     if redis_binary() is None:
         pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
     tmp = tmp_path_factory.mktemp("locked-stack")
@@ -479,10 +480,16 @@ def locked_stack(
     stack = Stack(cfg)
     try:
         stack.start()
+        assert stack.generations is not None
+        stack.generations.watch()  # as `run` does: a rollout's target's shards start
         stack.ingest()
         yield LockedStack(stack, cfg)
     finally:
+        if stack.generations is not None:
+            stack.generations.halt()
         stack.supervisor.stop_all()
+        if stack.generations is not None:
+            stack.generations.close()
 
 
 def _redis_refusal(url: str) -> BaseException:
@@ -560,3 +567,64 @@ def test_every_child_reaches_the_locked_redis_and_no_command_line_shows_its_pass
     assert password not in published and "redis_url_file" in published
     for path in (cfg.redis_url_file, cfg.redis_password_file, cfg.redis_config_file):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_speaks_tls_tells_a_tls_server_from_a_plaintext_one(secured: Secured) -> None:
+    """What lets `index rollout` say "give --tls-ca" instead of gRPC's "Socket closed"."""
+    from services.common.tls import speaks_tls
+
+    assert speaks_tls(secured.shard_address) is True  # mTLS: no client certificate offered
+    assert speaks_tls(f"dns:///{secured.shard_address}") is True
+    assert speaks_tls(f"127.0.0.1:{secured.health_port}") is False  # plaintext gRPC
+    assert speaks_tls(f"127.0.0.1:{free_port()}") is None  # nothing listens
+
+
+@pytest.mark.slow  # the module's locked stack, a retrained generation's shard started
+def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
+    locked_stack: LockedStack, tmp_path: Path
+) -> None:
+    """`index rollout --retrain` exports the serving replicas' vectors over gRPC: under
+    `up --tls` the shards require the run's client certificate. Without TLS the rollout is
+    refused at once, naming --tls-ca, with nothing recorded (before the flags it waited
+    --shard-wait-s and failed with "Socket closed"); with --run-dir it takes the stack's
+    internal TLS from stack.json, exports, trains, waits until the new generation's
+    replica (started by the stack, mTLS too) applied its logs over Stats, and switches;
+    a strong search is answered by the new generation. `index rollback` (the same wait)
+    returns to g1, the state the module's other tests expect."""
+    import redis
+
+    from services.cli.client_commands import search_once
+    from services.index.generations import Registry
+
+    stack, cfg = locked_stack.stack, locked_stack.cfg
+    client = redis.Redis.from_url(locked_stack.url)
+    registry = Registry(client)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GTR_")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "services.cli.main", "index", *args, "--yes", "--quiet"]
+        return subprocess.run(argv, cwd=tmp_path, env={**clean, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+
+    try:
+        before = [g.name for g in registry.all()]
+        assert registry.alias().serving == "g1"
+        plaintext = cli("rollout", "--retrain", f"--redis-url-file={cfg.redis_url_file}",
+                        "--shard-wait-s=120")  # fmt: skip
+        assert plaintext.returncode == 2, plaintext.stderr
+        assert "speaks TLS" in plaintext.stderr and "give --tls-ca" in plaintext.stderr
+        assert "Traceback" not in plaintext.stderr
+        assert [g.name for g in registry.all()] == before and registry.rollout() is None
+
+        rolled = cli("rollout", "--retrain", f"--run-dir={cfg.run_dir}", "--shard-wait-s=120")
+        assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+        serving = registry.alias().serving
+        assert serving != "g1" and registry.get(serving).params["mode"] == "retrain"
+        response = search_once(stack.gateway(), "cells", k=3, timeout=60, consistency="strong")
+        assert response.generation == serving and len(response.hits) == 3
+
+        back = cli("rollback", f"--run-dir={cfg.run_dir}", "--shard-wait-s=120")
+        assert back.returncode == 0, back.stdout + back.stderr
+        assert registry.alias().serving == "g1"
+    finally:
+        client.close()

@@ -242,6 +242,31 @@ def test_the_rollout_job_resumes_and_fails_fast_on_bad_input(chart: Any) -> None
         assert not [k for k in data if "SERVING" in k.upper()]
 
 
+@pytest.mark.parametrize("mutual", [True, False])
+def test_the_rollout_job_reaches_tls_shards_with_the_release_certificate(
+    chart: Any, mutual: bool
+) -> None:
+    """Under tls.enabled the shards serve TLS (and want a client certificate with
+    tls.mutual): --retrain's export and the switch's wait are gRPC calls to them."""
+    tls = {"tls": {"enabled": True, "existingSecret": "gtr-tls", "mutual": mutual}}
+    docs = render(chart, {**ROLLING, **tls})
+    (job,) = of_kind(docs, "Job")
+    rollout = container(job)
+    args = parse(rollout["args"])
+    assert args.tls_ca == "/etc/gtr/tls/ca.crt"
+    pair = ("/etc/gtr/tls/tls.crt", "/etc/gtr/tls/tls.key") if mutual else (None, None)
+    assert (args.tls_client_cert, args.tls_client_key) == pair
+    assert {m["name"]: m["mountPath"] for m in rollout["volumeMounts"]}["tls"] == "/etc/gtr/tls"
+    # the drift watcher passes its own --tls-* on to the rollout it starts
+    drift = next(d for d in of_kind(docs, "Deployment") if component(d) == "drift")
+    started = parse(rollout_argv(parse(container(drift)["args"]))[3:])
+    assert (started.tls_ca, started.tls_client_cert, started.tls_client_key) == (
+        args.tls_ca, *pair,
+    )  # fmt: skip
+    plain = parse(container(of_kind(render(chart, ROLLING), "Job")[0])["args"])
+    assert (plain.tls_ca, plain.tls_client_cert) == (None, None)
+
+
 def test_a_new_encoder_rollout_publishes_into_the_model_repository(chart: Any) -> None:
     docs = render(chart, NEW_ENCODER)
     (job,) = of_kind(docs, "Job")

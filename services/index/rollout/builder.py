@@ -34,6 +34,7 @@ with nothing else to serve, and its Redis calls are short; the encoder is async.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -67,6 +68,9 @@ from services.index.rollout.append import (
     UpsertItem,
 )
 from services.index.rollout.progress import Progress
+
+if TYPE_CHECKING:
+    from services.common.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +140,7 @@ class RolloutBuilder:
         exporter: Exporter | None = None,
         applied: AppliedProbe | None = None,
         source_addresses: str | None = None,
+        shard_tls: ClientTLS | None = None,
     ) -> None:
         self.redis: Any = client
         self.registry = Registry(client)
@@ -145,6 +150,10 @@ class RolloutBuilder:
         self.exporter = exporter
         self.applied = applied
         self.source_addresses = source_addresses  # g1's shards when `{gtr}:addrs` lacks them
+        # how S's replicas (--retrain's export) and T's (the switch's wait) are reached:
+        # TLS, mTLS with a client certificate, or plaintext (None)
+        self.shard_tls = shard_tls
+        self._probed: set[str] = set()  # replicas whose transport was checked
         self.owner = uuid.uuid4().hex
         self._encoder: Encoder | None = None
         self._state: dict[str, str] = {}
@@ -172,6 +181,12 @@ class RolloutBuilder:
                 f"--retrain reuses the vectors {serving.name}'s replicas hold, but their "
                 "addresses are unknown ({gtr}:addrs names none): give --source-shards"
             )
+        if plan.retrain:  # a TLS / plaintext mismatch refused before anything is recorded
+            from services.index.rollout.replicas import parse_addresses
+
+            spec = self.registry.addresses(serving.name) or self.source_addresses or ""
+            for address in (a for replicas in parse_addresses(spec) for a in replicas):
+                await self._check_transport(address)
         name = f"g{int(self.redis.incr(NEXT_GENERATION_KEY))}"
         mode = "retrain" if plan.retrain else "encode"
         now = time.time()
@@ -671,10 +686,11 @@ class RolloutBuilder:
 
     async def _export_all(self, target: Generation) -> np.ndarray:
         """Append every vector S's replicas hold (version 0) and return a reservoir sample."""
+        exporter: Exporter
         if self.exporter is None:
             from services.index.client.export import export_vectors
 
-            exporter: Exporter = export_vectors
+            exporter = functools.partial(export_vectors, tls=self.shard_tls)
         else:
             exporter = self.exporter
         source = self._source()
@@ -741,11 +757,41 @@ class RolloutBuilder:
                     last_error = exc
                 except (Unavailable, OSError) as exc:
                     last_error = exc
+                    await self._check_transport(address)
             await asyncio.sleep(0.5)
+        hint = ""
+        if self.shard_tls is not None and not self.shard_tls.cert:
+            hint = (": if the replicas require client certificates (mTLS, as under `up --tls`), "
+                    "give --tls-client-cert and --tls-client-key")  # fmt: skip
         raise Unavailable(
             f"--retrain: no replica of {src.name}'s shard {shard} exported its vectors at or "
-            f"past P0 within {self.options.shard_wait_s:.0f} s ({last_error})"
+            f"past P0 within {self.options.shard_wait_s:.0f} s ({last_error}){hint}"
         )
+
+    async def _check_transport(self, address: str) -> None:
+        """FailedPrecondition at once when the replica at ``address`` speaks TLS and the
+        builder talks plaintext to it, or the other way round (gRPC says only "Socket
+        closed", and waiting does not help); checked once per replica."""
+        if address in self._probed:
+            return
+        from services.common.tls import speaks_tls
+
+        tls = await asyncio.to_thread(speaks_tls, address)
+        if tls is None:
+            return  # not reachable (down, starting): the wait goes on
+        self._probed.add(address)
+        if tls and self.shard_tls is None:
+            raise FailedPrecondition(
+                f"shard replica {address} speaks TLS and the rollout reaches the replicas in "
+                "plaintext: give --tls-ca (and --tls-client-cert and --tls-client-key when "
+                "they require client certificates, as under `up --tls`), or --run-dir of "
+                "the local stack"
+            )
+        if not tls and self.shard_tls is not None:
+            raise FailedPrecondition(
+                f"shard replica {address} speaks plaintext and the rollout reaches the "
+                "replicas over TLS (--tls-ca): drop the --tls-* flags"
+            )
 
     # --- replay ---------------------------------------------------------------------------
 
@@ -860,10 +906,15 @@ class RolloutBuilder:
     async def _applied(self, spec: str) -> list[list[str | None]]:
         if self.applied is not None:
             return await self.applied(spec)
-        from services.index.rollout.replicas import all_stats
+        from services.index.rollout.replicas import all_stats, parse_addresses
 
         out: list[list[str | None]] = []
-        for replicas in await all_stats(spec):
+        shards = parse_addresses(spec)
+        for addresses, replicas in zip(shards, await all_stats(spec, self.shard_tls),
+                                       strict=True):  # fmt: skip
+            for address, r in zip(addresses, replicas, strict=True):
+                if isinstance(r, Unavailable):
+                    await self._check_transport(address)
             out.append([getattr(r, "applied", None) for r in replicas])
         return out
 
