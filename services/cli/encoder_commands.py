@@ -233,7 +233,8 @@ def _unpublish(args: argparse.Namespace) -> int:
     if redis_url:  # a version a generation still uses stays
         client = sync_client(redis_url)
         try:
-            using = generations_using(Registry(client).all(), args.version)
+            registry = Registry(client)
+            using = generations_using(registry.all(), args.version, registry.rollout())
         finally:
             client.close()
         if using:

@@ -15,6 +15,11 @@ from typing import Any
 
 from services.cli.common import add_command, positive_int
 
+# `index retire`'s exit status when the generation was retired but its encoder version
+# stays published (Triton could not be asked, or refused the load): not 0, so a script or
+# Job notices what is left to do; not 2 (a refusal: nothing changed), since it did retire.
+ENCODER_KEPT = 3
+
 COST = (
     "During a rollout the new generation's shards run beside the serving one's (about "
     "twice the index's memory, and Triton serves both encoder versions); a reshard also "
@@ -23,14 +28,20 @@ COST = (
 )
 
 
-def _connection_flags(parser: argparse.ArgumentParser, triton: bool = False) -> None:
+def _connection_flags(
+    parser: argparse.ArgumentParser, triton: bool = False, *, retire: bool = False
+) -> None:
+    """--run-dir and the store's flags; ``triton``: a builder's Triton flags and
+    --index-root; ``retire``: the Triton flags `index retire` unpublishes with."""
+    names = (", Triton, the model repository and the index root" if triton
+             else ", Triton and the model repository" if retire else "")  # fmt: skip
     parser.add_argument(
         "--run-dir",
         dest="stack_run_dir",
         default=None,
         metavar="DIR",
         help="Run directory of the local stack ('up --run-dir'): its stack.json names Redis"
-        + (", Triton, the model repository and the index root" if triton else "")
+        + names
         + " (default: $GTR_RUN_DIR, else .run). Flags given override it.",
     )
     where = parser.add_mutually_exclusive_group()
@@ -45,24 +56,32 @@ def _connection_flags(parser: argparse.ArgumentParser, triton: bool = False) -> 
         default=None,
         help="A file whose first line is the Redis URL (keeps a password off the command line).",
     )
-    if triton:
+    if triton or retire:
         parser.add_argument(
             "--triton-url", default=None,
-            help="Triton's gRPC address(es) that re-embed the documents (default: the "
-            "local stack's).",
+            help="Triton's gRPC address(es) that "
+            + ("re-embed the documents" if triton else "unload the retired encoder version")
+            + " (default: the local stack's).",
         )  # fmt: skip
         parser.add_argument(
             "--triton-repo",
             type=Path,
             default=None,
             metavar="DIR",
-            help="Triton's model repository: --encoder is published into it as the next "
-            "version of embed (default: the local stack's).",
+            help="Triton's model repository: "
+            + (
+                "--encoder is published into it as the next version of embed"
+                if triton
+                else "the retired generation's version of embed is unpublished from it when "
+                "no other generation uses it"
+            )
+            + " (default: the local stack's).",
         )
         for flag, what in (("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
                            ("--triton-client-cert", "PEM client certificate for Triton (mTLS)"),
                            ("--triton-client-key", "PEM key of --triton-client-cert")):  # fmt: skip
             parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
+    if triton:
         parser.add_argument(
             "--index-root", type=Path, default=None,
             help="Where the new generation's trained index goes (<root>/<generation>; "
@@ -201,12 +220,20 @@ def add_cli(sub: Any) -> None:
             "Deletes the generation's logs, snapshot registrations and the rollout's "
             "bookkeeping, and, when no other generation has its shard count, that "
             "layout's documents; marks it retired (its shards are stopped; `index "
-            "rollback` to it is no longer possible). Refused for the serving generation."
+            "rollback` to it is no longer possible). Refused for the serving generation. "
+            "Then, when no generation in a running state (serving, previous, a rollout's "
+            "target) uses its encoder version, unpublishes that version of embed from the "
+            "Triton repository and has Triton unload it (as `encoder unpublish`). Exit "
+            f"status {ENCODER_KEPT} when the generation was retired but its version could "
+            "not be unpublished (Triton unreachable or refusing the load): the warning "
+            "names the `encoder unpublish` command to run later (or run this retire "
+            "again). Without a repository (no --triton-repo, no local stack) the version "
+            "is left published and a note says so (exit status 0)."
         ),
     )  # fmt: skip
     retire.add_argument("--generation", default=None, help="Which (default: the previous one).")
     retire.add_argument("--yes", action="store_true", help="Do not ask.")
-    _connection_flags(retire)
+    _connection_flags(retire, retire=True)
 
     listing = add_command(
         isub, "generations", _generations,
@@ -475,12 +502,58 @@ def _retire(args: argparse.Namespace) -> int:
     name = args.generation or registry.alias().previous or None
     if name is not None:
         registry.get(name)  # NotFound before asking
-    if name is not None and not _confirm(args, f"retire {name} (its logs and keys deleted)?"):
+    question = (f"retire {name} (its logs and keys deleted; its encoder version unpublished "
+                "from Triton when no other generation uses it)?")  # fmt: skip
+    if name is not None and not _confirm(args, question):
         return 1
     done = retire(client, args.generation)
     print(f"{done.generation.name} retired: {done.keys_deleted} keys deleted"
           + (f", {done.documents_deleted} documents of its {done.generation.num_shards}-shard "
              "layout" if done.documents_deleted else ""))  # fmt: skip
+    return _release_encoder(args, places, registry, done.generation)
+
+
+def _release_encoder(args: argparse.Namespace, places: Places, registry: Any, gen: Any) -> int:
+    """Unpublish ``gen``'s version of embed when no generation in a running state (nor
+    the recorded rollout's target) uses it; 0, or ENCODER_KEPT when it could not be."""
+    from services.common.errors import NotFound, RetrievalError
+    from services.encoder.serve.versions import generations_using, unpublish_version
+
+    version = gen.encoder.version or 1  # a record without a version: version 1
+    using = generations_using(registry.all(), version, registry.rollout())
+    if using:
+        print(f"embed version {version} stays published: the encoder of {', '.join(using)}")
+        return 0
+    later = f"gtr-retrieval encoder unpublish --version {version}" + "".join(
+        f" {flag} {value}" for flag, value in (
+            ("--repo", places.triton_repo or "DIR"),
+            ("--triton-url", places.triton_url or ("URL" if not places.triton_repo else "")),
+            ("--run-dir", args.stack_run_dir), ("--triton-ca", args.triton_ca),
+            ("--triton-client-cert", args.triton_client_cert),
+            ("--triton-client-key", args.triton_client_key),
+        ) if value
+    )  # fmt: skip
+    if places.triton_repo is None:
+        print(f"note: embed version {version} is no longer used by any generation but stays "
+              "published: no Triton model repository named (--triton-repo, or --run-dir of "
+              f"the local stack); `{later}` frees it", file=sys.stderr)  # fmt: skip
+        return 0
+    try:
+        unpublish_version(places.triton_repo, version, places.triton_url,
+                          tls=places.triton_tls)  # fmt: skip
+    except NotFound:  # a retire run again after the version went (or never published)
+        print(f"embed version {version} is not in {places.triton_repo}: nothing to unpublish")
+        return 0
+    except RetrievalError as exc:  # Triton unreachable or refusing: the repository as it was
+        print(f"warning: {gen.name} is retired, but embed version {version}, its encoder, is "
+              f"still published (Triton keeps it loaded): {exc.message}\nrun `{later}` once "
+              f"Triton answers (or `index retire --generation {gen.name}` again)",
+              file=sys.stderr)  # fmt: skip
+        return ENCODER_KEPT
+    where = f" and unloaded by Triton at {places.triton_url}" if places.triton_url else (
+        " (no Triton named: one serving it unloads it at its next load or restart)")  # fmt: skip
+    print(f"embed version {version} (no other generation uses it) unpublished from "
+          f"{places.triton_repo}{where}")  # fmt: skip
     return 0
 
 

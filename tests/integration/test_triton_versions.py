@@ -374,3 +374,84 @@ def test_unpublish_refuses_a_version_an_index_generation_uses(
     assert run.returncode == 0, run.stderr
     assert 2 not in served_versions(repo)
     client.close()
+
+
+def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
+    served: Served, tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`index retire` through the CLI on the local stack's run dir (real redis-server, the
+    module's tritonserver): a version that the serving generation, or a running rollout's
+    target, still uses stays published and loaded; the retired generation's version that
+    nobody uses any more leaves the repository and Triton. With Triton unreachable the
+    generation is retired all the same, the version stays, and the exit status is 3 with
+    a warning naming the version and the `encoder unpublish` command; `index retire`
+    again, Triton back, unpublishes it."""
+    import redis
+
+    from services.cli.main import main
+    from services.index.generations import EncoderSpec, Registry
+    from services.index.keys import LAYOUT_KEY
+
+    url, repo = served.handle.grpc_url, served.repo
+    shared = publish_version(repo, ensure_second_encoder(served.base), url).version
+    alone = publish_version(repo, ensure_second_encoder(served.base, seed=3), url).version
+    assert len({1, shared, alone}) == 3 and {"1", str(shared), str(alone)} <= set(
+        _ready_versions(served.handle)
+    )
+
+    def run_dir(name: str, triton_grpc: str) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "stack.json").write_text(json.dumps({
+            "redis_url": redis_url, "triton_grpc": triton_grpc,
+            "triton_repository": str(repo), "index_root": str(tmp_path / "generations"),
+        }))  # fmt: skip
+        return str(folder)
+
+    stack, down = run_dir("stack", url), run_dir("down", f"127.0.0.1:{free_port()}")
+    client = redis.Redis.from_url(redis_url)
+    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+    registry = Registry(client)
+    registry.ensure_first(2, EncoderSpec("all-MiniLM-L6-v2", 0, 384), "/index")  # version 1
+    g2 = registry.create(2, EncoderSpec("embed", shared, 384), "/g2", {})
+    registry.put(replace(g2, state="previous"))  # the rollback target
+    registry.create(2, EncoderSpec("embed", shared, 384), "/g3", {})  # a rollout's target
+    registry.begin_rollout({"target": "g3", "source": "g1", "kind": "rollout", "phase": "bulk"})
+    g4 = registry.create(2, EncoderSpec("embed", alone, 384), "/g4", {})
+    registry.put(replace(g4, state="failed"))  # an aborted rollout's target
+    g5 = registry.create(2, EncoderSpec("embed", 1, 384), "/g5", {})
+    registry.put(replace(g5, state="previous"))  # displaced from the rollback target
+
+    def retire(generation: str, where: str) -> tuple[int, str, str]:
+        status = main(["index", "retire", "--generation", generation, "--yes",
+                       "--run-dir", where])  # fmt: skip
+        out = capsys.readouterr()
+        return status, out.out, out.err
+
+    # still used: by a running rollout's target (g3), by the serving generation (g1)
+    before = _snapshot(repo)
+    for generation, version, user in (("g2", shared, "g3"), ("g5", 1, "g1")):
+        status, out, err = retire(generation, stack)
+        assert status == 0, err
+        assert registry.get(generation).state == "retired"
+        assert f"embed version {version} stays published: the encoder of {user}" in out
+    assert _snapshot(repo) == before
+    assert {"1", str(shared), str(alone)} <= set(_ready_versions(served.handle))
+
+    # nobody uses g4's version, but Triton cannot be asked: retired, the version kept
+    status, _, err = retire("g4", down)
+    assert status == 3, err
+    assert registry.get("g4").state == "retired"
+    assert f"g4 is retired, but embed version {alone}, its encoder, is still published" in err
+    assert f"gtr-retrieval encoder unpublish --version {alone} --repo {repo}" in err
+    assert _snapshot(repo) == before
+    assert str(alone) in _ready_versions(served.handle)
+
+    # again with Triton there: out of the repository and out of Triton
+    status, out, err = retire("g4", stack)
+    assert status == 0, err
+    assert f"embed version {alone} (no other generation uses it) unpublished" in out
+    assert alone not in served_versions(repo) and shared in served_versions(repo)
+    ready = _ready_versions(served.handle)
+    assert str(alone) not in ready and {"1", str(shared)} <= set(ready)
+    client.close()

@@ -116,3 +116,22 @@ def test_the_model_and_the_client_overlay_a_versions_parameters_alike(
               "version.2.document_onnx_file": "", "version.12.onnx_file": "v12.onnx"}  # fmt: skip
     for version in (1, 2, 12):
         assert model_errors.version_params(params, str(version)) == version_params(params, version)
+
+
+def test_a_recorded_rollouts_target_uses_the_version_its_plan_names() -> None:
+    """The builder takes the rollout lock (its plan naming the encoder) before it writes
+    the target's record: in between, the target counts by its plan."""
+    import json
+
+    from services.encoder.serve.versions import generations_using
+    from services.index.generations import EncoderSpec, Generation
+
+    g1 = Generation("g1", "serving", 2, EncoderSpec("all-MiniLM-L6-v2", 0, 384), "")
+    g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
+    plan = {"target": "g3", "plan": json.dumps({"encoder": {"model": "embed", "version": 2}})}
+    assert generations_using([g1, g2], 1) == ["g1"]  # no version recorded: version 1
+    assert generations_using([g1, g2], 2) == []  # a retired generation uses nothing
+    assert generations_using([g1, g2], 2, plan) == ["g3"]
+    assert generations_using([g1, g2], 2, {"target": "g3", "phase": "create"}) == []
+    g3 = Generation("g3", "building", 2, EncoderSpec("embed", 2, 384), "")
+    assert generations_using([g1, g2, g3], 2, plan) == ["g3"]  # named once

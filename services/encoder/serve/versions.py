@@ -28,7 +28,9 @@ version does not initialise) puts the repository back as it was and is an error:
 publish is all or nothing. A Triton started later loads every version at start.
 
 :func:`unpublish_version` takes a version out again (an encoder no generation uses any
-more, after ``index retire``: its memory in Triton is freed); the last one stays.
+more: its memory in Triton is freed); the last one stays. ``index retire`` calls it for
+the retired generation's version once :func:`generations_using` names nobody (``encoder
+unpublish`` is the same call by hand).
 
 A second publish of the same export (same :func:`~services.encoder.build.repository.export_digest`)
 adds nothing and returns the version already there, so a rollout that resumes after a
@@ -46,11 +48,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -341,11 +344,21 @@ def unpublish_version(
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def generations_using(generations: Iterable[Generation], version: int) -> list[str]:
+def generations_using(
+    generations: Iterable[Generation], version: int, rollout: Mapping[str, str] | None = None
+) -> list[str]:
     """The generations in a running state (their shards run, they may serve again) whose
-    encoder is ``version`` of ``embed`` (a record without a version means version 1)."""
-    return [g.name for g in generations
-            if g.state in RUNNING and (g.encoder.version or 1) == version]  # fmt: skip
+    encoder is ``version`` of ``embed`` (a record without a version means version 1), and
+    the target of the recorded ``rollout`` (``Registry.rollout()``) when its plan names
+    ``version``: the builder takes the lock before it writes the target's record."""
+    names = [g.name for g in generations
+             if g.state in RUNNING and (g.encoder.version or 1) == version]  # fmt: skip
+    if rollout:
+        planned = json.loads(rollout.get("plan") or "{}").get("encoder") or {}
+        target = rollout.get("target", "")
+        if planned and int(planned.get("version") or 1) == version and target not in names:
+            names.append(target)
+    return names
 
 
 def describe_versions(repo_dir: Path) -> list[EncoderSpec]:
