@@ -10,7 +10,8 @@ is read again
 * every ``refresh_s`` (``--alias-refresh-ms``, 500 ms) in the background, and
 * at once (:meth:`~GenerationSource.refresh`, concurrent callers share one read) when a
   write finds its writer gate moved (``GenerationMoved``) or a write token names a newer
-  epoch than the cached one.
+  epoch than the cached one, and by a read begun after it arrived
+  (:meth:`~GenerationSource.fresh`) for a STRONG search.
 
 A generation's parts (:class:`Bundle`: encoder, shard router, document reader, log tails,
 writer) are built by an injected factory the first time the alias names it, before the
@@ -249,6 +250,18 @@ class GenerationSource:
             self._refreshing = task
         # shielded: a caller whose deadline ends does not cancel the others' read
         return await asyncio.shield(task)
+
+    async def fresh(self) -> Serving:
+        """The alias as read by a read that began after this call: what a STRONG read is
+        served by (a read already in flight may predate a switch the client has seen, and
+        the cached alias lags a switch by up to ``refresh_s``)."""
+        if self._reader is None:
+            return self.current()
+        task = self._refreshing
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):  # its outcome is not ours to report
+                await asyncio.shield(task)
+        return await self.refresh()  # joins only a read begun after the one above
 
     async def at_least(self, epoch: int) -> Serving:
         """The serving generation, re-read first when ``epoch`` is newer than the cached

@@ -215,7 +215,11 @@ class SearchPipeline:
         deadline = Deadline.after(budget)
         serving = self.source.current()
         newest = max((q.token_origin.epoch for q in queries), default=0)
-        if newest > serving.epoch:  # a token of a switch this gateway has not seen yet
+        if any(q.consistency is Consistency.STRONG for q in queries):
+            # every write acknowledged before the request: the generation serving now, not
+            # the cached one (a switch leaves it behind for up to the refresh period)
+            serving = await bounded(self.source.fresh(), deadline, "reading the alias")
+        elif newest > serving.epoch:  # a token of a switch this gateway has not seen yet
             serving = await bounded(self.source.at_least(newest), deadline, "reading the alias")
         with self.source.lease(serving) as parts:
             results = await self._search_on(

@@ -250,3 +250,30 @@ def test_a_newer_token_is_not_answered_by_a_read_that_began_before_its_switch(
             await client.aclose()
 
     run(scenario())
+
+
+def test_a_strong_read_is_served_by_a_read_begun_after_it_arrived(
+    redis_url: str, registry: Registry
+) -> None:
+    """fresh(), what a STRONG search is served by: with a read of epoch 1 in flight when
+    the switch to epoch 2 happens and the cached alias still at 1, it answers g2 (joining
+    the read in flight, as refresh() does, would answer g1)."""
+
+    async def scenario() -> None:
+        client = async_client(redis_url)
+        reader = Counting(client)
+        source = GenerationSource(reader, Factory(client), refresh_s=60)
+        try:
+            await source.start()
+            stale = asyncio.ensure_future(source.refresh())
+            await await_until(lambda: reader.reads == 2, "a read of epoch 1 on its way")
+            registry.switch(new_generation(registry).name, {})
+            assert source.current().epoch == 1, "the cache has not seen the switch"
+            serving = await source.fresh()
+            assert (serving.generation, serving.epoch) == ("g2", 2)
+            assert (await stale).epoch == 1
+        finally:
+            await source.close()
+            await client.aclose()
+
+    run(scenario())
