@@ -229,7 +229,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         quality = compare(args.data, done, plots=args.plots, progress=False)
         quality["budget"] = FULL_NOTE if args.recipe == "full" else CUT_NOTE
         if args.epochs:
-            quality["budget"] += f"; every variant trained {args.epochs:g} epochs (--epochs)"
+            quality["budget"] = (
+                quality["budget"]
+                .replace("one epoch", f"{args.epochs:g} epochs (--epochs)")
+                .replace("0.5 epoch instead of 1", f"{args.epochs:g} epochs (--epochs)")
+            )
         quality["recipe_flags"] = recipe
         quality["not_run"] = [a for a in archs if not complete(args.runs / a)]
         quality["measured_by"] = {"command": command, "at": now}
