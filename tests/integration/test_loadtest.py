@@ -37,6 +37,7 @@ from loadtest.trivial_server import Hook, start_trivial_server
 from loadtest.workload import Workload
 from retrieval.v1 import search_pb2, search_pb2_grpc
 from tests.support.processes import free_port
+from tests.support.serial_server import serial_server_process
 
 QUERIES = ["alpha", "beta", "gamma", "delta"]
 
@@ -289,23 +290,12 @@ def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "unknown operation 'explode'" in capsys.readouterr().err
 
 
-def serial_server(service_s: float) -> Hook:
-    """One request at a time, ``service_s`` each: capacity 1/service_s requests/s."""
-    lock = asyncio.Lock()
-
-    async def serial(request: Any, context: grpc.aio.ServicerContext) -> None:
-        async with lock:
-            await asyncio.sleep(service_s)
-
-    return serial
-
-
-def run_sweep(hook: Hook, cfg: SweepConfig) -> dict[str, Any]:
-    async def body(target: Target) -> Any:
-        return await sweep(target, Workload(queries=QUERIES), RunConfig(1.0, 1.0), cfg)
-
-    result, _ = asyncio.run(with_server(hook, body))
-    return result  # type: ignore[no-any-return]
+def run_sweep(service_s: float, cfg: SweepConfig) -> dict[str, Any]:
+    """The sweep against a serial server (``service_s`` per search) in a process of its
+    own: on one event loop with the generator, its queued calls put the generator behind."""
+    with serial_server_process(service_s) as address:
+        target = Target(address)
+        return asyncio.run(sweep(target, Workload(queries=QUERIES), RunConfig(1.0, 1.0), cfg))
 
 
 # The sweeps' lag limit is out of reach (an hour): these tests are about the SLO and
@@ -320,7 +310,7 @@ def test_sweep_stops_when_the_slo_breaks_and_draws_a_png(tmp_path: Path) -> None
     and must stop by 100/s (twice the capacity: the queue grows by 50 requests a second)."""
     cfg = SweepConfig(start_rate=12.5, slo_ms=250.0, factor=2.0, step_s=1.5, refine=1,
                       cooldown_s=0.5, lag_limit_ms=UNREACHABLE_LAG_MS)  # fmt: skip
-    result = run_sweep(serial_server(0.02), cfg)
+    result = run_sweep(0.02, cfg)
     assert result["stop_reason"] == "slo"
     rates = [s["offered_rate"] for s in result["steps"]]
     assert rates[:2] == [12.5, 25.0]
@@ -339,7 +329,7 @@ def test_sweep_steps_down_when_the_first_rate_already_breaks_the_slo() -> None:
     4x put the generator itself behind on a busy machine (stop_reason "generator")."""
     cfg = SweepConfig(start_rate=100.0, slo_ms=250.0, factor=2.0, step_s=1.5, refine=0,
                       cooldown_s=0.5, lag_limit_ms=UNREACHABLE_LAG_MS)  # fmt: skip
-    result = run_sweep(serial_server(0.02), cfg)
+    result = run_sweep(0.02, cfg)
     rates = [s["offered_rate"] for s in result["steps"]]
     assert rates[:2] == [100.0, 50.0] and rates == sorted(rates, reverse=True)
     assert result["stop_reason"] == "slo"
@@ -412,7 +402,7 @@ def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
     cfg = SweepConfig(start_rate=12.5, slo_ms=1.0, factor=2.0, step_s=1.5, refine=0,
                       cooldown_s=0.5, lag_limit_ms=UNREACHABLE_LAG_MS,
                       criterion="throughput")  # fmt: skip
-    result = run_sweep(serial_server(0.01), cfg)
+    result = run_sweep(0.01, cfg)
     assert result["best_rate"] is None  # nothing meets 1 ms
     assert result["stop_reason"] == "throughput"
     assert [s["offered_rate"] for s in result["steps"]][:2] == [12.5, 25.0]
