@@ -40,10 +40,19 @@ from retrieval.v1 import search_pb2, search_pb2_grpc
 
 
 @contextmanager
-def trivial_server_process() -> Iterator[str]:
-    """``python -m loadtest.trivial_server --port 0`` in a child; yields its address."""
+def trivial_server_process(service_ms: float = 0.0) -> Iterator[str]:
+    """``python -m loadtest.trivial_server --port 0 [--service-ms N]`` in a child; yields
+    its address."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtest.trivial_server", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "loadtest.trivial_server",
+            "--port",
+            "0",
+            "--service-ms",
+            str(service_ms),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -86,8 +86,21 @@ async def start_trivial_server(
     return server, bound, servicer
 
 
-async def _serve(port: int) -> None:
-    server, bound, _ = await start_trivial_server(port)
+def serial(service_s: float) -> Hook:
+    """One search at a time, ``service_s`` each: a server of capacity 1/service_s per
+    second (the sweep tests' server)."""
+    lock = asyncio.Lock()
+
+    async def one_at_a_time(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async with lock:
+            await asyncio.sleep(service_s)
+
+    return one_at_a_time
+
+
+async def _serve(port: int, service_ms: float) -> None:
+    hook = serial(service_ms / 1000.0) if service_ms > 0 else None
+    server, bound, _ = await start_trivial_server(port, hook)
     print(f"listening on 127.0.0.1:{bound}", flush=True)
     await server.wait_for_termination()
 
@@ -95,8 +108,12 @@ async def _serve(port: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
+    parser.add_argument(
+        "--service-ms", type=float, default=0.0,
+        help="answer one search at a time, this long each (0: at once, concurrently)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    asyncio.run(_serve(args.port))
+    asyncio.run(_serve(args.port, args.service_ms))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from loadtest.trivial_server import Hook, start_trivial_server
 from loadtest.workload import Workload
 from retrieval.v1 import search_pb2, search_pb2_grpc
 from tests.support.processes import free_port
-from tests.support.serial_server import serial_server_process
 
 QUERIES = ["alpha", "beta", "gamma", "delta"]
 
@@ -293,7 +292,7 @@ def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> N
 def run_sweep(service_s: float, cfg: SweepConfig) -> dict[str, Any]:
     """The sweep against a serial server (``service_s`` per search) in a process of its
     own: on one event loop with the generator, its queued calls put the generator behind."""
-    with serial_server_process(service_s) as address:
+    with trivial_server_process(service_ms=1000 * service_s) as address:
         target = Target(address)
         return asyncio.run(sweep(target, Workload(queries=QUERIES), RunConfig(1.0, 1.0), cfg))
 
