@@ -99,6 +99,18 @@ def new_generation(registry: Registry, addresses: bool = True) -> Generation:
     return gen
 
 
+async def switch_during_a_read(
+    source: GenerationSource, reader: Counting, registry: Registry
+) -> asyncio.Future[Any]:
+    """Start the source, begin a read of epoch 1, switch to a new generation (epoch 2)
+    while that read's answer is on its way; → the read in flight."""
+    await source.start()
+    stale = asyncio.ensure_future(source.refresh())
+    await await_until(lambda: reader.reads == 2, "a read of epoch 1 on its way")
+    registry.switch(new_generation(registry).name, {})
+    return stale
+
+
 def run(scenario: Any) -> None:
     asyncio.run(scenario)
 
@@ -238,10 +250,7 @@ def test_a_newer_token_is_not_answered_by_a_read_that_began_before_its_switch(
         reader = Counting(client)
         source = GenerationSource(reader, Factory(client), refresh_s=60)
         try:
-            await source.start()
-            stale = asyncio.ensure_future(source.refresh())
-            await await_until(lambda: reader.reads == 2, "a read of epoch 1 on its way")
-            registry.switch(new_generation(registry).name, {})
+            stale = await switch_during_a_read(source, reader, registry)
             serving = await source.at_least(2)
             assert (serving.generation, serving.epoch) == ("g2", 2)
             assert (await stale).epoch == 1
@@ -264,10 +273,7 @@ def test_a_strong_read_is_served_by_a_read_begun_after_it_arrived(
         reader = Counting(client)
         source = GenerationSource(reader, Factory(client), refresh_s=60)
         try:
-            await source.start()
-            stale = asyncio.ensure_future(source.refresh())
-            await await_until(lambda: reader.reads == 2, "a read of epoch 1 on its way")
-            registry.switch(new_generation(registry).name, {})
+            stale = await switch_during_a_read(source, reader, registry)
             assert source.current().epoch == 1, "the cache has not seen the switch"
             serving = await source.fresh()
             assert (serving.generation, serving.epoch) == ("g2", 2)
