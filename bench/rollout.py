@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from services.common import cpus as cpu_sets
+
 SHARED = Path(
     os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
 )
@@ -75,6 +77,25 @@ def inprocess_docs_per_s(onnx_path: Path, texts: list[str], batch: int, threads:
     return len(texts) / (time.perf_counter() - start)
 
 
+def _budget(spec: str, machine: frozenset[int]) -> frozenset[int] | None:
+    if spec == "none" or len(machine) < 2:
+        return None
+    return frozenset({max(machine)}) if spec == "last" else cpu_sets.budget_for(spec, machine)
+
+
+def _inprocess_on(
+    cpus: frozenset[int] | None, onnx_path: Path, texts: list[str], batch: int, threads: int
+) -> float:
+    """:func:`inprocess_docs_per_s` with this process pinned to ``cpus`` meanwhile."""
+    before = cpu_sets.available()
+    if cpus:
+        cpu_sets.pin_process(os.getpid(), cpus)
+    try:
+        return inprocess_docs_per_s(onnx_path, texts, batch, threads)
+    finally:
+        cpu_sets.pin_process(os.getpid(), before)
+
+
 def p99(latencies: list[float]) -> float:
     return float(np.percentile(np.asarray(latencies), 99)) if latencies else float("nan")
 
@@ -91,8 +112,14 @@ def p99_by_phase(searches: list[Any], marks: dict[str, float], end: float) -> di
     out: dict[str, Any] = {}
     for n, (begin, phase) in enumerate(starts):
         stop = starts[n + 1][0] if n + 1 < len(starts) else end
-        ok = [s.latency for s in searches if begin <= s.start < stop and s.code == "OK"]
-        out[phase] = {"p99_ms": round(1e3 * p99(ok), 1), "searches": len(ok)}
+        ok = [s for s in searches if begin <= s.start < stop and s.code == "OK"]
+        out[phase] = {"p99_ms": round(1e3 * p99([s.latency for s in ok]), 1), "searches": len(ok)}
+        timed = [s for s in ok if s.stages]
+        if timed:  # the gateway's stage p99s in this phase
+            out[phase]["stages"] = {
+                name: round(float(np.percentile([s.stages[name] for s in timed], 99)), 1)
+                for name in ("encode", "search", "fetch", "total")
+            }
     return out
 
 
@@ -172,6 +199,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "measured bulk phase the rest",
     )  # fmt: skip
     parser.add_argument("--encoder", type=Path, help="new encoder (default: perturbed MiniLM)")
+    parser.add_argument(
+        "--cpus", default="last",
+        help="the rollout's CPU budget (`index rollout --cpus`): 'last' (default: the "
+        "last CPU of this machine), a CPU list, or 'none' (no budget: every process on "
+        "every CPU)",
+    )  # fmt: skip
     parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
     parser.add_argument("--out", type=Path, default=Path("bench/results/rollout.json"))
     args = parser.parse_args(argv)
@@ -182,7 +215,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from tests.support.local_stack import local_stack, queries, small_corpus
     from tests.support.steady_load import SteadyLoad
 
-    threads = os.cpu_count() or 1
+    machine = cpu_sets.available()
+    budget = _budget(args.cpus, machine)
+    threads = len(budget or machine)  # the in-process baseline gets what the rollout gets
+    cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
     with tempfile.TemporaryDirectory(prefix="gtr-bench-rollout-") as tmp_name:
         tmp = Path(tmp_name)
         encoder = args.encoder or ensure_second_encoder(tmp)
@@ -191,13 +227,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         texts = _texts(corpus)
         onnx_path = tmp / "onnx" / "model.onnx"
         export_onnx(encoder, onnx_path)
-        inproc = [inprocess_docs_per_s(onnx_path, texts, args.batch, threads)]
-        print(f"in-process ONNX ({threads} threads, batches of {args.batch}): "
-              f"{inproc[0]:.1f} docs/s", flush=True)  # fmt: skip
+        whole = inprocess_docs_per_s(onnx_path, texts, args.batch, len(machine))
+        print(f"in-process ONNX on every CPU ({len(machine)} threads): {whole:.1f} docs/s")
+        inproc = [_inprocess_on(budget, onnx_path, texts, args.batch, threads)]
+        print(f"in-process ONNX on the rollout's CPUs ({threads} threads, batches of "
+              f"{args.batch}): {inproc[0]:.1f} docs/s", flush=True)  # fmt: skip
 
         run_dir = args.run_dir or tmp / "run"
         print(f"starting the stack on {args.docs} documents ({run_dir})", flush=True)
         with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2) as stack:
+            if budget:  # the client stands in for callers on other machines: off the budget
+                cpu_sets.pin_process(os.getpid(), machine - budget)
             load = SteadyLoad(
                 stack.gateway, queries(SCIFACT), searches_per_s=args.searches_per_s,
                 writes_per_s=args.writes_per_s, redis_url=stack.redis_url, prefix="bench",
@@ -214,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         done = await asyncio.to_thread(
                             stack.run_cli, "index", "rollout", "--encoder", str(encoder),
                             "--batch", str(args.batch), "--sample", str(args.sample),
-                            "--run-dir", str(run_dir), "--yes",
+                            "--run-dir", str(run_dir), "--yes", *cli_budget,
                             timeout=3600, log=rollout_out,
                         )  # fmt: skip
                     marks["rollout_end"] = time.monotonic()
@@ -230,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if done.returncode != 0:
                 raise SystemExit(f"index rollout failed ({done.returncode}):\n{done.stdout}\n"
                                  f"{done.stderr}")  # fmt: skip
-        inproc.append(inprocess_docs_per_s(onnx_path, texts, args.batch, threads))
+        inproc.append(_inprocess_on(budget, onnx_path, texts, args.batch, threads))
 
     record = load.record
     print(f"timeline (rollout from {start_s(marks, load):.0f} s):\n{record.timeline(2.0)}")
@@ -250,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reembed_docs_per_s": reembed,
         "inprocess_docs_per_s": inproc_rate,
         "inprocess_rounds": [round(r, 1) for r in inproc],
+        "inprocess_every_cpu_docs_per_s": whole,
+        "cpu_budget": cpu_sets.format_cpus(budget) if budget else "none",
         "reembed_ratio": reembed / inproc_rate,
         "rollout_seconds": end - start,
         "searches_before": len(before),

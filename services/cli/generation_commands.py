@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -125,6 +127,14 @@ def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
                   "Switch without waiting for the replicas."),
     )  # fmt: skip
     if rollout:
+        parser.add_argument(
+            "--cpus", default=None, metavar="LIST",
+            help="A CPU budget ('1', '2-3'): the builder, the new encoder version's Triton "
+            "stub and the new generation's shards run on these CPUs and the local stack's "
+            "serving processes on the others until the rollout ends (docs/generations.md: "
+            "on shared cores it keeps search latency, at the cost of re-embedding speed). "
+            "Default: no budget, every process on every CPU.",
+        )  # fmt: skip
         parser.add_argument(
             "--source-shards", default=None, metavar="SPEC",
             help="--retrain: the serving generation's replicas ('host:port,host:port;"
@@ -385,9 +395,13 @@ def _progress(args: argparse.Namespace) -> Any:
 
 
 def _rollout(args: argparse.Namespace) -> int:
+    from services.common.cpus import budget_for, pin_process
     from services.index.generations import Registry
     from services.index.rollout.builder import RolloutPlan
 
+    budget = budget_for(args.cpus) if args.cpus else None
+    if budget:  # from here on (the export of --encoder too) this process runs there
+        pin_process(os.getpid(), budget)
     places = _places(args)
     client = _client(places.redis_url)
     registry = Registry(client)
@@ -427,17 +441,25 @@ def _rollout(args: argparse.Namespace) -> int:
         )
     if not _confirm(args, question):
         return 1
-    # A resumed rollout's encoder was published when it started (the same folder again).
-    encoder = _publish(args, places) if args.encoder is not None and running is None else None
-    plan = RolloutPlan(encoder=encoder, num_shards=args.shards, retrain=args.retrain,
-                       encoder_dir=encoder_dir)  # fmt: skip
-    progress = _progress(args)
-    started = time.monotonic()
-    try:
-        builder = _builder(args, places, client, progress)
-        serving_now = asyncio.run(builder.rollout(plan))
-    finally:
-        progress.close()
+    with contextlib.ExitStack() as stack:
+        # A resumed rollout's encoder was published when it started (the same folder again).
+        encoder = (
+            _publish(args, places, budget) if args.encoder is not None and running is None
+            else None
+        )  # fmt: skip
+        if budget:  # after the publish: Triton reloads the serving version too, on every CPU
+            from services.index.rollout.budget import CpuBudget
+
+            stack.enter_context(CpuBudget(client, budget, places.triton_repo))
+        plan = RolloutPlan(encoder=encoder, num_shards=args.shards, retrain=args.retrain,
+                           encoder_dir=encoder_dir)  # fmt: skip
+        progress = _progress(args)
+        started = time.monotonic()
+        try:
+            builder = _builder(args, places, client, progress)
+            serving_now = asyncio.run(builder.rollout(plan))
+        finally:
+            progress.close()
     print(f"{serving_now.name} serves ({serving_now.num_shards} shards, encoder "
           f"{serving_now.encoder.model} v{serving_now.encoder.version}) after "
           f"{time.monotonic() - started:.0f} s; `index rollback` returns to "
@@ -455,7 +477,7 @@ def _note_displaced(registry: Any) -> None:
                   f"run: `index retire --generation {gen.name}` frees them")  # fmt: skip
 
 
-def _publish(args: argparse.Namespace, places: Places) -> Any:
+def _publish(args: argparse.Namespace, places: Places, cpus: frozenset[int] | None) -> Any:
     from services.common.errors import FailedPrecondition
     from services.encoder.serve.versions import publish_version
 
@@ -466,7 +488,7 @@ def _publish(args: argparse.Namespace, places: Places) -> Any:
         )
     print(f"publishing {args.encoder} into {places.triton_repo} ...", file=sys.stderr)
     spec = publish_version(places.triton_repo, args.encoder, places.triton_url,
-                           tls=places.triton_tls)  # fmt: skip
+                           tls=places.triton_tls, cpus=cpus)  # fmt: skip
     print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)", file=sys.stderr)
     return spec
 

@@ -98,6 +98,9 @@ ALIAS_KEY = f"{REGISTRY_TAG}:alias"  # hash: serving, epoch, previous
 ROLLOUT_KEY = f"{REGISTRY_TAG}:rollout"  # hash: the running rollout's state
 NEXT_GENERATION_KEY = f"{REGISTRY_TAG}:next"  # counter of generation numbers
 ADDRESSES_KEY = f"{REGISTRY_TAG}:addrs"  # hash: name -> shard addresses (the --shards syntax)
+# string: a running rollout's CPU budget (``index rollout --cpus``, a CPU list), with a
+# TTL its CLI keeps refreshing; the local stack keeps serving off those CPUs meanwhile
+CPU_BUDGET_KEY = f"{REGISTRY_TAG}:cpu-budget"
 CLOSED = "-"  # a layout shard's writer gate while no generation takes its writes
 
 

@@ -43,10 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import FailedPrecondition
+from services.common import cpus as cpu_sets
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.index.generations import RUNNING, Alias, Generation, Registry
-from services.index.keys import ADDRESSES_KEY, FIRST_GENERATION
-from services.stack import components
+from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, FIRST_GENERATION
+from services.stack import components, cpu_budget
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
 from services.stack.config import StackConfig
@@ -116,6 +117,8 @@ class GenerationShards:
         self._client: Any = None
         self._last_error = ""
         self.passes = 0  # registry reads done (a test awaits a pass instead of sleeping)
+        self.machine = cpu_sets.available()  # what serving gets back after a CPU budget
+        self._placed: tuple[frozenset[int] | None, frozenset[int]] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -232,7 +235,47 @@ class GenerationShards:
         self._publish(addrs)
         if changed:
             self._changed()
+        self.place_cpus()
         self.passes += 1
+
+    def place_cpus(self) -> None:
+        """A rollout's CPU budget (:mod:`services.stack.cpu_budget`): its processes on its
+        CPUs, serving on the others; without one, everything on every CPU. Applied on every
+        pass while a budget holds (new threads, a stub loaded), else when the children
+        changed."""
+        client = self._redis()
+        raw = client.get(CPU_BUDGET_KEY)
+        budget = None
+        if raw:
+            try:
+                budget = cpu_sets.parse_cpus(raw.decode() if isinstance(raw, bytes) else raw)
+            except InvalidArgument:
+                log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
+        target = ""
+        if budget:
+            target = (Registry(client).rollout() or {}).get("target", "")
+        ours = self.running.get(target)
+        rollout_children = {id(c) for c in ours.all()} if ours is not None else set()
+        processes: list[cpu_budget.Process] = []
+        for child in list(self.supervisor.children):
+            proc = child.process
+            if proc is None or proc.poll() is not None:
+                continue
+            processes.append(cpu_budget.Process(proc.pid, id(child) in rollout_children))
+            if child.name == "triton":  # its backend stubs
+                for stub in cpu_sets.children_of(proc.pid):
+                    age = cpu_budget.stub_budget_age(stub)
+                    if budget is None and age is not None and age < cpu_budget.PUBLISH_GRACE_S:
+                        continue  # published for a rollout that records its budget next
+                    processes.append(cpu_budget.Process(stub, age is not None))
+        state = (budget, frozenset(p.pid for p in processes))
+        if budget is None and state == self._placed:
+            return
+        changed = cpu_budget.apply(cpu_budget.placement(processes, self.machine, budget))
+        if changed or state != self._placed:
+            where = cpu_sets.format_cpus(budget) if budget else "none"
+            log.info("CPU budget %s: %d thread(s) moved", where, changed)
+        self._placed = state
 
     def _start_generation(self, gen: Generation, essential: bool) -> None:
         cfg = self.cfg

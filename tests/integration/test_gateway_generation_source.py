@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 
@@ -278,6 +279,110 @@ def test_a_strong_read_is_served_by_a_read_begun_after_it_arrived(
             serving = await source.fresh()
             assert (serving.generation, serving.epoch) == ("g2", 2)
             assert (await stale).epoch == 1
+        finally:
+            await source.close()
+            await client.aclose()
+
+    run(scenario())
+
+
+class WarmPart(Part):
+    """A part that answers encode and search, recording which generation served while
+    each call ran."""
+
+    def __init__(self, name: str, source: list[GenerationSource]) -> None:
+        super().__init__(name)
+        self.source = source
+        self.calls: list[tuple[str, str]] = []
+
+    async def encode(self, texts: Any, kind: str, timeout: float | None = None) -> Any:
+        from services.encoder.base import Embeddings
+
+        self.calls.append(("encode", self.source[0].current().generation))
+        return Embeddings(np.zeros((len(texts), self.dim), np.float32), [False] * len(texts))
+
+    async def search(self, vectors: Any, k: int, **kw: Any) -> Any:
+        self.calls.append(("search", self.source[0].current().generation))
+        return None
+
+
+def test_a_switched_to_generation_is_warmed_before_it_serves(
+    redis_url: str, registry: Registry
+) -> None:
+    """Its first query goes through its encoder and its shards while the old generation
+    still serves: no search pays for the new one's cold channels and first calls."""
+
+    async def scenario() -> None:
+        client = async_client(redis_url)
+        holder: list[GenerationSource] = []
+        parts: dict[str, WarmPart] = {}
+
+        async def build(gen: Generation) -> Bundle:
+            part = parts[gen.name] = WarmPart(gen.name, holder)
+            return bundle_of(gen.name, part)
+
+        source = GenerationSource(RedisAliasReader(client), build, refresh_s=60)
+        holder.append(source)
+        try:
+            await source.start()
+            assert parts["g1"].calls == [], "the generation of the start is not warmed"
+            registry.switch(new_generation(registry).name, {})
+            serving = await source.refresh()
+            assert serving.generation == "g2"
+            assert parts["g2"].calls == [("encode", "g1"), ("search", "g1")]
+        finally:
+            await source.close()
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_a_rollout_target_is_prepared_before_its_switch_and_swapped_in_as_built(
+    redis_url: str, registry: Registry
+) -> None:
+    """Once the rollout's target catches up, the refresh builds and warms its parts while
+    the old generation serves; the switch then only swaps them in (no second build).
+    A target the rollout no longer names (aborted) is closed."""
+
+    async def scenario() -> None:
+        client = async_client(redis_url)
+        holder: list[GenerationSource] = []
+        parts: dict[str, WarmPart] = {}
+        built: list[str] = []
+
+        async def build(gen: Generation) -> Bundle:
+            built.append(gen.name)
+            part = parts[gen.name] = WarmPart(gen.name, holder)
+            return bundle_of(gen.name, part)
+
+        source = GenerationSource(RedisAliasReader(client), build, refresh_s=60)
+        holder.append(source)
+        try:
+            await source.start()
+            target = new_generation(registry)
+            registry.begin_rollout({"target": target.name, "source": "g1"})
+            await source.prepare_target()
+            assert built == ["g1"], "a building target is not prepared yet"
+            registry.set_state(target.name, "catching_up")
+            await source.prepare_target()
+            assert built == ["g1", target.name]
+            assert parts[target.name].calls == [("encode", "g1"), ("search", "g1")]
+            assert source.current().generation == "g1"
+            registry.switch(target.name, {})
+            registry.end_rollout()
+            assert (await source.refresh()).generation == target.name
+            assert built == ["g1", target.name], "the switch used the prepared parts"
+
+            aborted = new_generation(registry)
+            registry.begin_rollout({"target": aborted.name, "source": target.name})
+            registry.set_state(aborted.name, "catching_up")
+            await source.prepare_target()
+            assert aborted.name in source.bundles()
+            registry.end_rollout()  # aborted: the alias stays
+            await source.prepare_target()
+            assert aborted.name not in source.bundles()
+            await await_until(lambda: parts[aborted.name].closed, "the aborted target closed")
+            assert not parts[target.name].closed
         finally:
             await source.close()
             await client.aclose()

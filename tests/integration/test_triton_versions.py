@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from services.encoder.profiles import Kind
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from services.encoder.serve.versions import (
+    clear_cpu_budgets,
     describe_versions,
     publish_version,
     served_versions,
@@ -455,3 +457,41 @@ def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     ready = _ready_versions(served.handle)
     assert str(alone) not in ready and {"1", str(shared)} <= set(ready)
     client.close()
+
+
+def _stub_of(handle: TritonHandle, version: int) -> int:
+    """The pid of Triton's Python backend stub serving ``embed`` version ``version``."""
+    from services.common.cpus import children_of, cmdline
+
+    for pid in children_of(handle.process.pid):
+        argv = cmdline(pid)
+        if len(argv) > 1 and argv[1].endswith(f"/embed/{version}/model.py"):
+            return pid
+    raise AssertionError(f"no backend stub of embed version {version} runs")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU budget needs two CPUs")
+def test_a_version_published_with_a_cpu_budget_runs_its_stub_there(served: Served) -> None:
+    """`index rollout --cpus`: the new version's stub pins every thread of itself to the
+    budget before it loads (its ONNX Runtime threads inherit it), answers from there, and
+    the budget file goes when the rollout ends (a later load may use every CPU)."""
+    from services.common.cpus import BUDGET_FILE
+
+    cpu = max(os.sched_getaffinity(0))
+    fourth = ensure_onnx(ensure_second_encoder(served.base, seed=4), served.base).parent
+    url = served.handle.grpc_url
+    spec = publish_version(served.repo, fourth, url, cpus=frozenset({cpu}))
+    try:
+        assert (served.repo / "embed" / str(spec.version) / BUDGET_FILE).read_text() == str(cpu)
+        stub = _stub_of(served.handle, spec.version)
+        tasks = os.listdir(f"/proc/{stub}/task")
+        assert len(tasks) > 1
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in tasks} == {frozenset({cpu})}
+        other = _stub_of(served.handle, 1)  # the serving version's stub is left alone
+        assert os.sched_getaffinity(other) == os.sched_getaffinity(0)
+        _, got = asyncio.run(_encode_all(url, str(spec.version)))
+        assert got["query"].shape == (len(SAMPLE_QUERIES), 384)
+        clear_cpu_budgets(served.repo)
+        assert not list((served.repo / "embed").glob(f"*/{BUDGET_FILE}"))
+    finally:
+        unpublish_version(served.repo, spec.version, url)

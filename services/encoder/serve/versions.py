@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.cpus import BUDGET_FILE
 from services.common.errors import FailedPrecondition, NotFound, RetrievalError, Unavailable
 from services.encoder.base import version_key
 from services.encoder.build.export import (
@@ -224,6 +225,17 @@ def _version_folder(folder: Path, export: Export) -> None:
         _place(path, folder / (TOWER_ONNX[kind] if export.meta.towers else TOWER_ONNX["query"]))
 
 
+def _write_budget(folder: Path, cpus: frozenset[int]) -> None:
+    (folder / BUDGET_FILE).write_text(",".join(str(c) for c in sorted(cpus)))
+
+
+def clear_cpu_budgets(repo_dir: Path) -> None:
+    """Remove every version's CPU budget file (the rollout that wrote it has ended; a
+    stub loaded from now on may use every CPU)."""
+    for path in (Path(repo_dir) / EMBED_MODEL).glob(f"*/{BUDGET_FILE}"):
+        path.unlink(missing_ok=True)
+
+
 def publish_version(
     repo_dir: Path,
     model_dir: Path,
@@ -231,10 +243,13 @@ def publish_version(
     *,
     tls: ClientTLS | None = None,
     load_timeout_s: float = LOAD_TIMEOUT_S,
+    cpus: frozenset[int] | None = None,
 ) -> EncoderSpec:
     """Add the encoder at ``model_dir`` (a checkpoint, or an ``encoder export`` folder) as
     the next version of ``embed`` in the repository ``repo_dir`` and, with ``triton_url``
     (one address, a list or a ``dns:`` target), make those Triton servers load it.
+    ``cpus``: a rollout's CPU budget, written into the version folder (its backend stub
+    runs there; :func:`clear_cpu_budgets` removes it).
 
     Returns the published version's :class:`EncoderSpec` (model ``embed``, version, dim,
     digest, source). FailedPrecondition, with nothing changed, when the export fails its
@@ -262,6 +277,8 @@ def publish_version(
             for version in versions:  # the same export published before: nothing to add
                 spec = spec_of(config, version)
                 if spec.digest == export.digest:
+                    if cpus:
+                        _write_budget(model_path / str(version), cpus)
                     if triton_url:
                         _load_everywhere(triton_url, version, tls, load_timeout_s, if_ready=False)
                     return EncoderSpec(spec.model, version, spec.dim, spec.digest,
@@ -270,6 +287,8 @@ def publish_version(
             staging = model_path / f".staging-{version}"  # not a number: Triton skips it
             shutil.rmtree(staging, ignore_errors=True)
             _version_folder(staging, export)
+            if cpus:
+                _write_budget(staging, cpus)
             _params(config, version_parameters(version, export.meta, export.digest))
             config.version_policy.all.SetInParent()
             from google.protobuf import text_format

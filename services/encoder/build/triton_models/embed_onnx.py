@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +47,10 @@ from textcodec import TextCodec, TextError, parse_rows
 # rows per ONNX run between two checks for clients that have gone: bounds the work a
 # stopping server waits for to one such run
 PIECE_ROWS = 16
+# a version folder's file naming the CPUs its stub runs on (services.common.cpus)
+BUDGET_FILE = "cpu-budget"
+# how often (s) a request looks whether the CPUs this stub may use changed
+CPU_CHECK_S = 1.0
 
 
 class Cancelled(Exception):
@@ -57,6 +63,15 @@ def _threads(config: dict[str, Any], requested: int) -> int:
         return requested
     instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
     return max(1, len(os.sched_getaffinity(0)) // instances)
+
+
+def _pin_self(cpus: set[int]) -> None:
+    """Every thread of this process to ``cpus`` (a thread created later inherits it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            continue
 
 
 def parse_request(request: Any, kinds: set[str]) -> tuple[list[str], list[str]]:
@@ -78,9 +93,27 @@ class TritonPythonModel:
         )
         self.kinds = set(meta["max_lens"])
         self.piece_rows = min(PIECE_ROWS, max(1, int(config.get("max_batch_size", 0)) or 64))
+        self._ort, self._config, self._params, self._here = ort, config, params, here
+        # A rollout's CPU budget (docs/generations.md): a version published for a rollout
+        # with --cpus runs there until the stack widens it again at the end.
+        budget = os.path.join(here, BUDGET_FILE)
+        if os.path.exists(budget):
+            with open(budget) as fh:
+                _pin_self({int(c) for c in fh.read().split(",") if c.strip()})
+        self._cpus = len(os.sched_getaffinity(0))
+        self._checked = time.monotonic()
+        self._reopening: threading.Thread | None = None
+        self.session, self.sessions = self._open()
+
+    def _open(self) -> tuple[Any, dict[str, Any]]:
+        """(the main session, kind → session): one graph for every kind, or a tower per
+        kind; ONNX Runtime threads as :func:`_threads` says for the CPUs allowed now."""
+        ort, params = self._ort, self._params
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = _threads(config, int(params.get("intra_op_threads", "0")))
+        options.intra_op_num_threads = _threads(
+            self._config, int(params.get("intra_op_threads", "0"))
+        )
         options.inter_op_num_threads = 1
         # Busy-waiting worker threads take the cores that Triton's threads and this stub
         # need between batches: on a 2-core box that stalled requests for ~500 ms.
@@ -88,14 +121,36 @@ class TritonPythonModel:
         options.add_session_config_entry("session.intra_op.allow_spinning", spin)
 
         def session(name: str) -> Any:
-            path = os.path.join(here, name)
+            path = os.path.join(self._here, name)
             return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
-        self.session = session(params.get("onnx_file", "model.onnx"))
-        # kind → session: one graph for every kind, or a tower per kind
-        self.sessions = {kind: self.session for kind in self.kinds}
+        main = session(params.get("onnx_file", "model.onnx"))
+        sessions = {kind: main for kind in self.kinds}
         if params.get("document_onnx_file"):
-            self.sessions["document"] = session(params["document_onnx_file"])
+            sessions["document"] = session(params["document_onnx_file"])
+        return main, sessions
+
+    def _follow_cpus(self) -> None:
+        """When the CPUs this stub may use changed (a rollout's budget began or ended),
+        reopen the sessions with as many threads, in the background: requests keep the
+        old sessions until the new ones are ready. Looked at once a second at most."""
+        now = time.monotonic()
+        if now - self._checked < CPU_CHECK_S or int(self._params.get("intra_op_threads", "0")):
+            return
+        self._checked = now
+        cpus = len(os.sched_getaffinity(0))
+        if cpus == self._cpus or (self._reopening is not None and self._reopening.is_alive()):
+            return
+        self._cpus = cpus
+
+        def reopen() -> None:
+            try:
+                self.session, self.sessions = self._open()
+            except Exception:  # keep serving with the sessions there are
+                pass
+
+        self._reopening = threading.Thread(target=reopen, name="reopen-sessions", daemon=True)
+        self._reopening.start()
 
     def _embed(
         self, texts: list[str], kinds: list[str], gone: Callable[[], bool]
@@ -124,6 +179,7 @@ class TritonPythonModel:
         return vectors, truncated
 
     def execute(self, requests: list[Any]) -> list[Any]:
+        self._follow_cpus()
         responses: list[Any] = [None] * len(requests)
         spans: list[tuple[int, int, int]] = []  # (request index, first row, row count)
         texts: list[str] = []

@@ -1,0 +1,132 @@
+"""CPU sets: parse a ``taskset``-style list and pin a whole process to one (issue #24's
+rollout CPU budget, docs/generations.md "A rollout's CPU budget").
+
+Linux only (``sched_setaffinity``); elsewhere :func:`pin_process` does nothing and says so
+by returning 0. A process is pinned thread by thread (``/proc/<pid>/task``): the affinity
+of a process is per thread in Linux, and a thread created later inherits its creator's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from services.common.errors import InvalidArgument
+
+# The file in a Triton model version's folder that pins the version's backend stub to a
+# CPU set (written by ``encoder publish --cpus`` for a rollout, read by the stub).
+BUDGET_FILE = "cpu-budget"
+
+
+def available() -> frozenset[int]:
+    """The CPUs this process may run on."""
+    return frozenset(os.sched_getaffinity(0))
+
+
+def machine() -> frozenset[int]:
+    """The CPUs of this machine (or container): its cgroup's ``cpuset.cpus.effective``
+    when there is one, else every online CPU. Not this process's affinity, which a
+    parent may have narrowed."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/devices/system/cpu/online"):
+        try:
+            with open(path) as fh:
+                text = fh.read().strip()
+            if text:
+                return parse_cpus(text)
+        except (OSError, InvalidArgument):
+            continue
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def parse_cpus(spec: str) -> frozenset[int]:
+    """``"1"``, ``"2-3"``, ``"0,2-3"`` → the CPU numbers; InvalidArgument when malformed
+    or empty."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last or first)
+        except ValueError:
+            raise InvalidArgument(f"CPU list {spec!r}: {part!r} is not N or N-M") from None
+        if lo < 0 or hi < lo:
+            raise InvalidArgument(f"CPU list {spec!r}: {part!r} is not a range of CPU numbers")
+        cpus.update(range(lo, hi + 1))
+    if not cpus:
+        raise InvalidArgument(f"CPU list {spec!r} names no CPU")
+    return frozenset(cpus)
+
+
+def format_cpus(cpus: Iterable[int]) -> str:
+    """The inverse of :func:`parse_cpus` (ranges joined by commas)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def budget_for(spec: str, cpus_here: frozenset[int] | None = None) -> frozenset[int]:
+    """A rollout's CPU budget from ``spec``: CPUs of this machine (``cpus_here``, default
+    :func:`machine`), leaving at least one to serving; InvalidArgument otherwise."""
+    cpus = parse_cpus(spec)
+    mine = machine() if cpus_here is None else cpus_here
+    if not cpus <= mine:
+        raise InvalidArgument(
+            f"--cpus {spec}: CPU(s) {format_cpus(cpus - mine)} are not on this machine "
+            f"(it has {format_cpus(mine)})"
+        )
+    if cpus == mine:
+        raise InvalidArgument(
+            f"--cpus {spec} names every CPU this machine has ({format_cpus(mine)}): "
+            "leave at least one to serving"
+        )
+    return cpus
+
+
+def pin_process(pid: int, cpus: Iterable[int]) -> int:
+    """Every thread of ``pid`` to ``cpus``; the number of threads changed (threads that
+    end meanwhile are skipped; a process that is gone pins nothing)."""
+    target = set(cpus)
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0
+    changed = 0
+    for tid in tids:
+        try:
+            if os.sched_getaffinity(tid) != target:
+                os.sched_setaffinity(tid, target)
+                changed += 1
+        except OSError:  # the thread ended, or a CPU went offline
+            continue
+    return changed
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from ``/proc``)."""
+    out: list[int] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            out.append(int(name))
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return []

@@ -1,0 +1,76 @@
+"""The local stack's side of a rollout's CPU budget (``index rollout --cpus``; design and
+measurements: docs/generations.md "A rollout's CPU budget").
+
+On a machine whose cores serve searches, a rollout at full speed delays them: not for
+want of CPU time but of an idle core to wake up on (a woken thread waits for a busy core
+up to a scheduler tick, whatever the priorities). So a rollout given ``--cpus C`` gets
+those CPUs and serving the others, for as long as the budget is recorded
+(:data:`~services.index.keys.CPU_BUDGET_KEY`, kept alive by the rollout's CLI):
+
+- **rollout**: the rollout target's shards (named by ``{gtr}:rollout``) and every Triton
+  backend stub whose model version folder holds a budget file (the version the rollout
+  published with ``--cpus``; the stub pins itself at load, this keeps it there); the
+  builder pins itself. The rollout records the budget once its publish is done; until
+  then (at most :data:`PUBLISH_GRACE_S`) a stub with a budget file is left where it
+  pinned itself;
+- **serving**: every other child of the stack (Redis, Triton, the gateway, the serving
+  and previous generations' shards, Prometheus) and the other stubs: every CPU but C.
+
+Without a budget every process may use every CPU again (the stubs widen their ONNX
+Runtime thread pools to match). Applied on each pass of the generations poller, thread
+by thread, to the threads whose affinity differs (a no-op when nothing changed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.common import cpus as cpu_sets
+
+log = logging.getLogger(__name__)
+
+
+# How long a stub's budget file counts without a recorded budget: a publish's export and
+# load, before the rollout records its budget (an older file is a killed rollout's).
+PUBLISH_GRACE_S = 600.0
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    rollout: bool  # a rollout's process (else serving)
+
+
+def placement(
+    processes: Iterable[Process], machine: frozenset[int], budget: frozenset[int] | None
+) -> dict[int, frozenset[int]]:
+    """pid → the CPUs it may use: without a budget every process gets ``machine``; with one,
+    the rollout's processes get the budget and the others the rest (all of ``machine``
+    when the budget would leave serving nothing)."""
+    mine = (budget or frozenset()) & machine
+    if not mine or mine == machine:
+        return {p.pid: machine for p in processes}
+    return {p.pid: mine if p.rollout else machine - mine for p in processes}
+
+
+def stub_budget_age(pid: int) -> float | None:
+    """The age (s) of the budget file in the model version folder of ``pid``, a Triton
+    Python backend stub (argv ``triton_python_backend_stub <version dir>/model.py ...``);
+    None when it has none (or ``pid`` is no stub)."""
+    argv = cpu_sets.cmdline(pid)
+    if len(argv) < 2 or not argv[0].endswith("triton_python_backend_stub"):
+        return None
+    try:
+        written = os.stat(os.path.join(os.path.dirname(argv[1]), cpu_sets.BUDGET_FILE))
+    except OSError:
+        return None
+    return max(0.0, time.time() - written.st_mtime)
+
+
+def apply(placed: dict[int, frozenset[int]]) -> int:
+    """Pin each process (all its threads) to its CPUs; threads changed."""
+    return sum(cpu_sets.pin_process(pid, cpus) for pid, cpus in placed.items())

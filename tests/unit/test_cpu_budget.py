@@ -1,0 +1,87 @@
+"""A rollout's CPU budget (issue #24; docs/generations.md "A rollout's CPU budget"): CPU
+lists, where each process of the local stack goes, and pinning a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.common import cpus as cpu_sets
+from services.common.errors import InvalidArgument
+from services.stack.cpu_budget import Process, placement
+from tests.support.processes import wait_until
+
+MACHINE = frozenset({0, 1, 2, 3})
+
+
+def test_cpu_lists_parse_as_taskset_writes_them() -> None:
+    assert cpu_sets.parse_cpus("1") == {1}
+    assert cpu_sets.parse_cpus("0,2-3") == {0, 2, 3}
+    assert cpu_sets.format_cpus({5, 0, 2, 3}) == "0,2-3,5"
+
+
+@pytest.mark.parametrize("spec", ["", "a", "3-1", "-1", "1-x", ","])
+def test_a_malformed_cpu_list_is_invalid_argument(spec: str) -> None:
+    with pytest.raises(InvalidArgument):
+        cpu_sets.parse_cpus(spec)
+
+
+@given(st.sets(st.integers(0, 200), min_size=1))
+def test_format_and_parse_are_inverse(cpus: set[int]) -> None:
+    assert cpu_sets.parse_cpus(cpu_sets.format_cpus(cpus)) == cpus
+
+
+def test_a_budget_must_be_available_and_leave_serving_a_cpu() -> None:
+    assert cpu_sets.budget_for("3", MACHINE) == {3}
+    with pytest.raises(InvalidArgument, match="not on this machine"):
+        cpu_sets.budget_for("4", MACHINE)
+    with pytest.raises(InvalidArgument, match="leave at least one to serving"):
+        cpu_sets.budget_for("0-3", MACHINE)
+
+
+def test_with_a_budget_the_rollout_gets_it_and_serving_the_rest() -> None:
+    placed = placement([Process(10, False), Process(11, True)], MACHINE, frozenset({3}))
+    assert placed == {10: {0, 1, 2}, 11: {3}}
+
+
+@pytest.mark.parametrize("budget", [None, frozenset(), MACHINE, frozenset({7})])
+def test_without_a_usable_budget_every_process_gets_every_cpu(
+    budget: frozenset[int] | None,
+) -> None:
+    placed = placement([Process(10, False), Process(11, True)], MACHINE, budget)
+    assert placed == {10: MACHINE, 11: MACHINE}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_pin_process_moves_every_thread_of_a_running_process() -> None:
+    """A child with three threads: all of them end up on the one CPU, and back."""
+    code = (
+        "import threading,time\n" + "threading.Thread(target=time.sleep,args=(60,)).start()\n" * 2
+    )
+    child = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)"])
+    try:
+        tasks = f"/proc/{child.pid}/task"
+        wait_until(lambda: len(os.listdir(tasks)) == 3, "the child's three threads", timeout=10)
+        cpu = max(os.sched_getaffinity(0))
+        assert cpu_sets.pin_process(child.pid, {cpu}) == 3
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(tasks)} == {
+            frozenset({cpu})
+        }
+        assert cpu_sets.pin_process(child.pid, {cpu}) == 0, "nothing to change"
+        assert cpu_sets.pin_process(child.pid, os.sched_getaffinity(0)) == 3
+        assert child.pid in cpu_sets.children_of(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_stub_and_the_stack_name_the_same_budget_file() -> None:
+    """The Triton stub cannot import services/: its own constant must match."""
+    source = Path("services/encoder/build/triton_models/embed_onnx.py").read_text()
+    assert f'BUDGET_FILE = "{cpu_sets.BUDGET_FILE}"' in source
