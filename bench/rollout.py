@@ -13,8 +13,11 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   20 ms), re-embedded through Triton with the new model version while the searches go on
   (``--sample`` documents are encoded in the train phase before it, not counted);
 * ``inprocess_docs_per_s``: the same documents' texts encoded in this process by the same
-  model (its ONNX export, ONNX Runtime, as many threads as Triton's instance has, batches
-  of ``--batch``), measured before and after the rollout in the same run (the mean);
+  model (its ONNX export, ONNX Runtime, batches of ``--batch``) on the CPUs the rollout is
+  given (``--cpus``), with as many threads: the same compute, so the ratio measures the
+  re-embedding pipeline (Redis, Triton, the appends), not the budget; measured before and
+  after the rollout in the same run (the mean). ``inprocess_every_cpu_docs_per_s``: the
+  same on every CPU, for the record;
 * ``reembed_ratio`` = the first ÷ the second (goal ≥ 0.8);
 * ``p99_before_ms``, ``p99_during_ms``: search latency p99 (client side) in the window
   before the rollout and from its start to its switch; ``p99_during_over_before`` (goal
@@ -26,9 +29,12 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
 The phase watcher polls Redis from a process of its own: polling from a thread of this
 process took the GIL from the load generator's event loop during the rollout only.
 
-Usage: ``python -m bench.rollout [--docs 1500] [--before-s 30] [--encoder DIR]``.
-Server, builder and client share this machine's cores: the figures are for a CPU-only
-machine where the rollout competes with serving, the worst case.
+Usage: ``python -m bench.rollout [--docs 1500] [--before-s 30] [--encoder DIR] [--cpus
+last|LIST|none]``. Server, builder and client share this machine's cores: the figures are
+for a CPU-only machine where the rollout competes with serving. ``--cpus`` (default: the
+last CPU) is passed to ``index rollout --cpus`` (docs/generations.md "A rollout's CPU
+budget"); this process, the load generator, keeps off those CPUs once the stack runs (it
+stands in for callers on other machines). ``--cpus none``: no budget.
 """
 
 from __future__ import annotations
