@@ -85,3 +85,25 @@ def test_the_stub_and_the_stack_name_the_same_budget_file() -> None:
     """The Triton stub cannot import services/: its own constant must match."""
     source = Path("services/encoder/build/triton_models/embed_onnx.py").read_text()
     assert f'BUDGET_FILE = "{cpu_sets.BUDGET_FILE}"' in source
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("99", "are not on this machine"),
+        ("x", "is not N or N-M"),
+        (cpu_sets.format_cpus(cpu_sets.machine()), "leave at least one to serving"),
+    ],
+)
+def test_index_rollout_refuses_a_budget_it_cannot_give_before_anything_else(
+    spec: str, says: str
+) -> None:
+    """Exit 2 with the reason, before it reaches for Redis (whose address here answers
+    nothing: reaching it would fail otherwise, and later)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "index", "rollout", "--retrain",
+         "--cpus", spec, "--redis-url", "redis://127.0.0.1:1", "--yes"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert says in run.stderr and "Traceback" not in run.stderr
