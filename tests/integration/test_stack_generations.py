@@ -7,9 +7,11 @@ was trained on random vectors. The tests then do what a rollout does to the regi
 create a generation, train its index, mark it trained, retire it; and check that the stack
 starts its shards, publishes their addresses in ``{gtr}:addrs`` and ``stack.json``, serves
 the generation's own log from them, restarts one killed with ``kill -9``, and stops them
-and deletes their files once it is retired; and that a rollout's target comes back when
-``up`` itself is restarted. Last, Triton as ``up`` runs it: a new encoder version published
-while it serves is loaded, and kept and served again after ``up`` restarts.
+and deletes their files once it is retired; that a rollout's CPU budget puts its target's
+shards on the budget's CPUs and the rest of the stack on the others; and that a rollout's
+target comes back when ``up`` itself is restarted. Last, Triton as ``up`` runs it: a new
+encoder version published while it serves is loaded, and kept and served again after ``up``
+restarts.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ import numpy as np
 import pytest
 import redis
 
+from services.common.cpus import format_cpus
 from services.gateway.settings import parse_shard_addresses
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency
 from services.index.core.train import TrainOptions, train_index
 from services.index.generations import EncoderSpec, Generation, Registry
-from services.index.keys import ADDRESSES_KEY, GenerationKeys, Layout
+from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, GenerationKeys, Layout
 from services.stack import components, first_run
-from services.stack.children import RestartPolicy, State, Supervisor, grpc_healthy
+from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig
 from services.stack.endpoints import read_endpoints
 from services.stack.generations import spec
@@ -246,6 +249,75 @@ def test_a_generation_whose_shards_do_not_start_leaves_the_stack_serving(
     registry.set_state(gen.name, "failed")  # what `index rollout --abort` does
     running.polls()
     assert gen.name not in gens.retry_at
+
+
+def _thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPU sets the threads of ``pid`` may run on, read from ``/proc`` (one per
+    distinct set; empty when the process is gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return set()
+    found: set[frozenset[int]] = set()
+    for tid in tids:
+        try:
+            found.add(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
+def _all_on(children: list[Child], cpus: frozenset[int]) -> bool:
+    """Whether every thread of every one of ``children`` may run on ``cpus`` and no other."""
+    return all(c.pid is not None and _thread_cpus(c.pid) == {cpus} for c in children)
+
+
+@pytest.mark.slow  # a generation's shards started and retired on the module's stack: ~20 s
+def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_serving_on_the_others(
+    running: Running,
+) -> None:
+    every = frozenset(os.sched_getaffinity(0))
+    if len(every) < 2:
+        pytest.skip(f"a CPU budget leaves serving one CPU at least: this test may use {len(every)}")
+    budget = frozenset({max(every)})  # what `index rollout --cpus N` records
+    gens = running.stack.generations
+    assert gens is not None
+    registry = running.registry()
+    assert registry.rollout() is None
+    target = new_generation(running, 2, trained=True)
+    wait_until(lambda: target.name in running.addresses(), "the target's shards", 120)
+
+    ours = gens.running[target.name].all()
+    mine = {id(c) for c in ours}
+    theirs = [c for c in list(running.stack.supervisor.children) if id(c) not in mine]
+    names = {c.name for c in theirs}
+    assert {"redis", "gateway"} <= names
+    assert {c.name for c in gens.running["g1"].all()} <= names
+    assert _all_on(ours + theirs, every)  # no budget yet: every CPU for everyone
+
+    client = registry.redis
+    try:
+        registry.begin_rollout({"target": target.name, "source": "g1"})
+        client.set(CPU_BUDGET_KEY, format_cpus(budget), ex=120)  # the CLI's TTL is 30 s
+        wait_until(
+            lambda: _all_on(ours, budget) and _all_on(theirs, every - budget),
+            f"{target.name}'s shards on CPU {format_cpus(budget)}, the rest of the stack on "
+            f"{format_cpus(every - budget)}",
+            30,
+        )
+
+        client.delete(CPU_BUDGET_KEY)  # the rollout ended: no budget, no rollout
+        registry.end_rollout()
+        wait_until(
+            lambda: _all_on(ours + theirs, every),
+            f"every process back on CPUs {format_cpus(every)}",
+            30,
+        )
+    finally:
+        client.delete(CPU_BUDGET_KEY)
+        registry.end_rollout()
+        registry.set_state(target.name, "retired")
+        wait_until(lambda: target.name not in running.addresses(), "its shards stopped", 60)
 
 
 @pytest.mark.slow  # restarts the module's stack on its run directory: ~30 s
