@@ -16,6 +16,8 @@ from services.common.errors import InvalidArgument
 # The file in a Triton model version's folder that pins the version's backend stub to a
 # CPU set (written by ``encoder publish --cpus`` for a rollout, read by the stub).
 BUDGET_FILE = "cpu-budget"
+# how many times :func:`pin_process` lists a process's threads at most
+PIN_PASSES = 4
 
 
 def available() -> frozenset[int]:
@@ -89,20 +91,27 @@ def budget_for(spec: str, cpus_here: frozenset[int] | None = None) -> frozenset[
 
 def pin_process(pid: int, cpus: Iterable[int]) -> int:
     """Every thread of ``pid`` to ``cpus``; the number of threads changed (threads that
-    end meanwhile are skipped; a process that is gone pins nothing)."""
+    end meanwhile are skipped; a process that is gone pins nothing). The threads are
+    listed again until a pass changes none, so one started meanwhile by a thread not yet
+    pinned is not left behind."""
     target = set(cpus)
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return 0
     changed = 0
-    for tid in tids:
+    for _ in range(PIN_PASSES):
         try:
-            if os.sched_getaffinity(tid) != target:
-                os.sched_setaffinity(tid, target)
-                changed += 1
-        except OSError:  # the thread ended, or a CPU went offline
-            continue
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return changed
+        moved = 0
+        for tid in tids:
+            try:
+                if os.sched_getaffinity(tid) != target:
+                    os.sched_setaffinity(tid, target)
+                    moved += 1
+            except OSError:  # the thread ended, or a CPU went offline
+                continue
+        changed += moved
+        if not moved:
+            break
     return changed
 
 
