@@ -6,6 +6,9 @@ A flag that takes a count or a size refuses, at parse time with argparse's usage
 request's uint32 field can carry). ``run_handler`` runs a command's handler and turns a
 domain error (bad input, a missing file, no GPU here) into ``error: <message>`` on stderr
 and exit status 2; ``add_command`` registers a sub-command whose handler runs so.
+``tls_flags`` and ``client_tls`` read a command's ``--tls-*`` (shard replicas) or
+``--triton-*`` (Triton) client TLS flags the one way every command does: half a key pair,
+or a file that is not PEM, is such a domain error naming the flags.
 """
 
 from __future__ import annotations
@@ -69,3 +72,40 @@ def add_command(
     p: argparse.ArgumentParser = commands.add_parser(name, **parser)
     p.set_defaults(func=lambda args: run_handler(handler, args))
     return p
+
+
+def tls_flags(args: argparse.Namespace, prefix: str) -> tuple[str | None, str | None, str | None]:
+    """(CA, client certificate, client key) as given by ``--<prefix>-ca``,
+    ``--<prefix>-client-cert`` and ``--<prefix>-client-key`` (``prefix``: "tls" for the
+    shard replicas, "triton" for Triton). Half a key pair is :class:`InvalidArgument`
+    naming both flags (exit 2 under :func:`run_handler`), checked on the flags as given,
+    before any default fills the other half in: a certificate from the command line with
+    the local stack's key would only fail later, at the handshake."""
+    from services.common.errors import InvalidArgument
+
+    ca, cert, key = (
+        getattr(args, f"{prefix}_{n}", None) for n in ("ca", "client_cert", "client_key")
+    )
+    if bool(cert) != bool(key):
+        given, missing = ("cert", "key") if cert else ("key", "cert")
+        raise InvalidArgument(
+            f"--{prefix}-client-cert and --{prefix}-client-key go together: "
+            f"--{prefix}-client-{given} was given without --{prefix}-client-{missing}"
+        )
+    return ca or None, cert or None, key or None
+
+
+def client_tls(ca: str | None, cert: str | None, key: str | None, what: str) -> Any:
+    """The :class:`~services.common.tls.ClientTLS` of these files (None: plaintext), its
+    files read and its key pair matched now; a file that cannot be is
+    :class:`InvalidArgument` saying ``what`` it was for."""
+    from services.common.errors import InvalidArgument
+    from services.common.tls import ClientTLS
+
+    try:
+        tls = ClientTLS.from_paths(ca, cert, key)
+        if tls is not None:
+            tls.check()
+    except ValueError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+    return tls

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, non_negative_int
+from services.cli.common import add_command, client_tls, non_negative_int, tls_flags
 from services.cli.encoder_train_commands import add_train
 from services.common.errors import InvalidArgument
 
@@ -182,9 +182,9 @@ def _triton_place(args: argparse.Namespace) -> TritonPlace:
     stack.json: the repository it serves from, its Triton, its internal TLS)."""
     from services.client.gateway import stack_run_dir
     from services.common.errors import FailedPrecondition
-    from services.common.tls import ClientTLS
     from services.stack.endpoints import read_endpoints
 
+    ca, cert, key = tls_flags(args, "triton")  # half a key pair: refused before anything
     stack = read_endpoints(stack_run_dir(args.stack_run_dir))
     repo = args.repo or (stack.triton_repository if stack else "")
     if not repo:
@@ -194,11 +194,11 @@ def _triton_place(args: argparse.Namespace) -> TritonPlace:
     if stack and Path(repo).resolve() != Path(stack.triton_repository or "/").resolve():
         stack = None  # another repository than the stack's: its Triton is not the stack's
     url = getattr(args, "triton_url", None) or (stack.triton_grpc if stack else "") or None
-    paths = stack.internal_tls if stack and not args.triton_ca else {}
-    ca = args.triton_ca or paths.get("ca")
-    cert = args.triton_client_cert or paths.get("cert")
-    key = args.triton_client_key or paths.get("key")
-    tls = ClientTLS.from_paths(ca, cert, key) if ca else None
+    paths = stack.internal_tls if stack and not ca else {}
+    ca = ca or paths.get("ca")
+    if not cert:
+        cert, key = paths.get("cert"), paths.get("key")
+    tls = client_tls(ca, cert, key, "Triton's TLS") if ca else None
     return TritonPlace(Path(repo), url, tls, stack.redis_url_with_secrets() if stack else "")
 
 
@@ -281,7 +281,8 @@ def _add_triton_place(p: argparse.ArgumentParser, *, triton: bool = True) -> Non
                    "that load the change (default: the local stack's; none: only the "
                    "repository changes)")  # fmt: skip
     for flag, what in (("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
-                       ("--triton-client-cert", "PEM client certificate for Triton (mTLS)"),
+                       ("--triton-client-cert", "PEM client certificate for Triton (mTLS), with "
+                        "--triton-client-key"),
                        ("--triton-client-key", "PEM key of --triton-client-cert")):  # fmt: skip
         p.add_argument(flag, default=None, help=f"{what} (default: the local stack's)")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, positive_int
+from services.cli.common import add_command, client_tls, positive_int, tls_flags
 
 # `index retire`'s exit status when the generation was retired but its encoder version
 # stays published (Triton could not be asked, or refused the load): not 0, so a script or
@@ -80,7 +80,8 @@ def _connection_flags(
             + " (default: the local stack's).",
         )
         for flag, what in (("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
-                           ("--triton-client-cert", "PEM client certificate for Triton (mTLS)"),
+                           ("--triton-client-cert", "PEM client certificate for Triton (mTLS), with"
+                             " --triton-client-key"),
                            ("--triton-client-key", "PEM key of --triton-client-cert")):  # fmt: skip
             parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
     if triton:
@@ -277,9 +278,9 @@ def _places(args: argparse.Namespace) -> Places:
     from services.client.gateway import stack_run_dir
     from services.common.errors import FailedPrecondition
     from services.common.redis_client import read_redis_url
-    from services.common.tls import ClientTLS
     from services.stack.endpoints import read_endpoints
 
+    ca, cert, key = tls_flags(args, "triton")  # half a key pair: refused before anything
     stack = read_endpoints(stack_run_dir(args.stack_run_dir))
     if args.redis_url_file:
         try:
@@ -294,10 +295,10 @@ def _places(args: argparse.Namespace) -> Places:
             "local stack"
         )
     tls_paths = stack.internal_tls if stack else {}
-    ca = getattr(args, "triton_ca", None) or tls_paths.get("ca")
-    cert = getattr(args, "triton_client_cert", None) or tls_paths.get("cert")
-    key = getattr(args, "triton_client_key", None) or tls_paths.get("key")
-    triton_tls = ClientTLS.from_paths(ca, cert, key) if ca else None
+    ca = ca or tls_paths.get("ca")
+    if not cert:
+        cert, key = tls_paths.get("cert"), tls_paths.get("key")
+    triton_tls = client_tls(ca, cert, key, "Triton's TLS") if ca else None
     shard_tls = _shard_tls(args, tls_paths)
     repo = getattr(args, "triton_repo", None) or (
         Path(stack.triton_repository) if stack and stack.triton_repository else None
@@ -314,18 +315,9 @@ def _places(args: argparse.Namespace) -> Places:
 def _shard_tls(args: argparse.Namespace, stack_paths: dict[str, str]) -> Any:
     """--tls-ca / --tls-client-cert / --tls-client-key when given, else the local stack's
     internal TLS (stack.json; none without `up --tls`); its files checked now."""
-    from services.common.errors import InvalidArgument
-    from services.common.tls import ClientTLS
-
-    given = [getattr(args, f"tls_{n}", None) for n in ("ca", "client_cert", "client_key")]
+    given = tls_flags(args, "tls")  # half a key pair: refused here
     ca, cert, key = given if any(given) else [stack_paths.get(n) for n in ("ca", "cert", "key")]
-    try:
-        tls = ClientTLS.from_paths(ca, cert, key)
-        if tls is not None:
-            tls.check()
-    except ValueError as exc:
-        raise InvalidArgument(f"shard replicas' TLS: {exc}") from None
-    return tls
+    return client_tls(ca, cert, key, "shard replicas' TLS")
 
 
 def _client(url: str) -> Any:
@@ -443,9 +435,9 @@ def _rollout(args: argparse.Namespace) -> int:
         return 1
     with contextlib.ExitStack() as stack:
         # A resumed rollout's encoder was published when it started (the same folder again).
-        encoder = (
+        encoder, added = (
             _publish(args, places, budget) if args.encoder is not None and running is None
-            else None
+            else (None, False)
         )  # fmt: skip
         if budget:  # after the publish: Triton reloads the serving version too, on every CPU
             from services.index.rollout.budget import CpuBudget
@@ -458,6 +450,10 @@ def _rollout(args: argparse.Namespace) -> int:
         try:
             builder = _builder(args, places, client, progress)
             serving_now = asyncio.run(builder.rollout(plan))
+        except BaseException:
+            if added:  # refused before its builder took the lock: no version left behind
+                _withdraw(places, registry, encoder)
+            raise
         finally:
             progress.close()
     print(f"{serving_now.name} serves ({serving_now.num_shards} shards, encoder "
@@ -477,9 +473,13 @@ def _note_displaced(registry: Any) -> None:
                   f"run: `index retire --generation {gen.name}` frees them")  # fmt: skip
 
 
-def _publish(args: argparse.Namespace, places: Places, cpus: frozenset[int] | None) -> Any:
+def _publish(
+    args: argparse.Namespace, places: Places, cpus: frozenset[int] | None
+) -> tuple[Any, bool]:
+    """The published version's EncoderSpec, and whether this call added it (False: the
+    same export was there already)."""
     from services.common.errors import FailedPrecondition
-    from services.encoder.serve.versions import publish_version
+    from services.encoder.serve.versions import publish_version, served_versions
 
     if places.triton_repo is None:
         raise FailedPrecondition(
@@ -487,10 +487,36 @@ def _publish(args: argparse.Namespace, places: Places, cpus: frozenset[int] | No
             "or --run-dir of a running local stack)"
         )
     print(f"publishing {args.encoder} into {places.triton_repo} ...", file=sys.stderr)
+    before = served_versions(places.triton_repo)
     spec = publish_version(places.triton_repo, args.encoder, places.triton_url,
                            tls=places.triton_tls, cpus=cpus)  # fmt: skip
     print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)", file=sys.stderr)
-    return spec
+    return spec, spec.version not in before
+
+
+def _withdraw(places: Places, registry: Any, spec: Any) -> None:
+    """Unpublish the version this rollout added when it failed with nobody using it: its
+    builder never took the rollout lock (another rollout holds it, or the plan was
+    refused), so no generation and no recorded rollout names it (the check `index
+    retire` makes). A version the builder recorded stays for the resume. Best effort:
+    the rollout's own error is what the operator sees; a failure here is a warning."""
+    from services.encoder.serve.versions import generations_using, unpublish_version
+
+    if places.triton_repo is None:  # the publish needed one
+        return
+    try:
+        if generations_using(registry.all(), spec.version, registry.rollout()):
+            return
+        unpublish_version(places.triton_repo, spec.version, places.triton_url,
+                          tls=places.triton_tls)  # fmt: skip
+    except Exception as exc:
+        print(f"warning: embed version {spec.version}, published for this rollout, stays "
+              f"published: {getattr(exc, 'message', exc)}; `gtr-retrieval encoder unpublish "
+              f"--version {spec.version} --repo {places.triton_repo}` frees it once no "
+              "generation uses it", file=sys.stderr)  # fmt: skip
+        return
+    print(f"embed version {spec.version}, published for this rollout, unpublished again: "
+          "no generation and no running rollout uses it", file=sys.stderr)  # fmt: skip
 
 
 def _rollback(args: argparse.Namespace) -> int:

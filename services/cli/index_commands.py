@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.cli.common import add_command, client_tls, tls_flags
 from services.cli.serve import add_serve
 
 
@@ -73,7 +74,7 @@ def add_cli(sub: Any) -> None:
             "before (it applies the log up to its end first).",
         ),
     ):
-        cmd = isub.add_parser(name, help=helptext)
+        cmd = add_command(isub, name, _stats if name == "stats" else _snapshot, help=helptext)
         cmd.add_argument("address", help="host:port of the shard replica.")
         cmd.add_argument("--tls-ca", default=None, help="PEM CA to trust: talk TLS.")
         cmd.add_argument(
@@ -82,7 +83,6 @@ def add_cli(sub: Any) -> None:
             help="PEM client certificate for a replica that requires one (mTLS).",
         )
         cmd.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert.")
-        cmd.set_defaults(handler=_stats if name == "stats" else _snapshot)
 
 
 def _recall(text: str) -> float:
@@ -132,9 +132,9 @@ def _encode_corpus(path: Path, limit: int) -> tuple[Any, str]:
 
 
 def _shard_channel(args: argparse.Namespace) -> Any:
-    from services.common.tls import ClientTLS, channel
+    from services.common.tls import channel
 
-    tls = ClientTLS.from_paths(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    tls = client_tls(*tls_flags(args, "tls"), "the replica's TLS")
     return channel(args.address, tls)
 
 

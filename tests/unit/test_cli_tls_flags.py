@@ -1,0 +1,64 @@
+"""Half a client key pair on the command line (issue #24 follow-up): every command that
+takes ``--triton-client-cert/--triton-client-key`` (Triton) or ``--tls-client-cert/
+--tls-client-key`` (the shard replicas) refuses a certificate without its key, or a key
+without its certificate, with one line naming both flags and exit status 2, before it
+reaches for anything (the store's address here answers nothing). It used to end in a
+ValueError traceback naming the shard flags (with --triton-ca), or to be ignored and fail
+later at Redis (without it). Driven as an operator runs it: ``python -m
+services.cli.main`` as a subprocess, with real PEM files of a throwaway CA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.stack.certs import CertFiles, make_certs
+from tests.support.shards import ROOT
+
+NOWHERE = "redis://127.0.0.1:1/0"  # nothing listens: a command that got this far fails
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
+    return make_certs(tmp_path_factory.mktemp("half-pair"))
+
+
+# (command, the flags' prefix, the half given, whether --<prefix>-ca goes with it)
+ROLLOUT = ["index", "rollout", "--retrain", "--redis-url", NOWHERE, "--yes"]
+CASES = [
+    (ROLLOUT, "triton", "cert", True),
+    (ROLLOUT, "triton", "key", False),
+    (["index", "rollback", "--redis-url", NOWHERE, "--yes"], "triton", "key", True),
+    (["index", "retire", "--redis-url", NOWHERE, "--yes"], "triton", "cert", True),
+    (["encoder", "unpublish", "--version", "2", "--redis-url", NOWHERE], "triton", "key", True),
+    (["encoder", "publish", "--model-dir", "no-such-model"], "triton", "cert", False),
+    (ROLLOUT, "tls", "cert", True),
+    (["index", "stats", "127.0.0.1:1"], "tls", "key", True),
+    (["index", "snapshot", "127.0.0.1:1"], "tls", "cert", False),
+]
+
+
+@pytest.mark.parametrize(("command", "prefix", "half", "with_ca"), CASES)
+def test_half_a_client_key_pair_is_refused_naming_both_flags(
+    certs: CertFiles, tmp_path: Path, command: list[str], prefix: str, half: str, with_ca: bool
+) -> None:
+    given = {"cert": certs.client_cert, "key": certs.client_key}[half]
+    argv = [*command, f"--{prefix}-client-{half}", str(given)]
+    if with_ca:
+        argv += [f"--{prefix}-ca", str(certs.ca)]
+    if command[0] == "encoder":
+        argv += ["--repo", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *argv],  # no stack: cwd has no .run
+        cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert f"--{prefix}-client-cert" in lines[0] and f"--{prefix}-client-key" in lines[0]
+    assert lines[0].startswith("error: ")
