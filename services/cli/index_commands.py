@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +67,32 @@ def add_cli(sub: Any) -> None:
         main="services.index.server.process:main",
     )
 
-    for name, helptext in (
-        ("stats", "Print a replica's Stats (sizes, positions, quantizer drift) as JSON."),
-        (
-            "snapshot",
-            "Ask a replica to write a snapshot now, covering every change written "
-            "before (it applies the log up to its end first).",
-        ),
-    ):
-        cmd = add_command(isub, name, _stats if name == "stats" else _snapshot, help=helptext)
-        cmd.add_argument("address", help="host:port of the shard replica.")
+    stats = add_command(
+        isub,
+        "stats",
+        _stats,
+        help="Print replicas' Stats (sizes, positions, quantizer drift) as JSON.",
+        description="One address: that replica's Stats as a JSON object. Several (or a "
+        "gateway --shards list, 'a:1,a:2;b:1'): a JSON list with one entry per replica, "
+        '{"address", "stats"} for each that answered and {"address", "error": {"code", '
+        '"message"}} for each that did not. A replica that does not answer is also one '
+        "line on stderr (error: UNAVAILABLE: shard replica ADDRESS: ...), and the exit "
+        "status is then 1, as for any gRPC error of the client commands.",
+    )
+    stats.add_argument(
+        "address", nargs="+", help="host:port of a shard replica (several: each one's Stats)."
+    )
+    snapshot = add_command(
+        isub,
+        "snapshot",
+        _snapshot,
+        help="Ask a replica to write a snapshot now, covering every change written "
+        "before (it applies the log up to its end first).",
+        description="Exit status 1, with the gRPC status on stderr, when the replica "
+        "does not answer or refuses.",
+    )
+    snapshot.add_argument("address", help="host:port of the shard replica.")
+    for cmd in (stats, snapshot):
         cmd.add_argument("--tls-ca", default=None, help="PEM CA to trust: talk TLS.")
         cmd.add_argument(
             "--tls-client-cert",
@@ -131,32 +148,82 @@ def _encode_corpus(path: Path, limit: int) -> tuple[Any, str]:
     return np.concatenate(rows), embedder.model_name
 
 
-def _shard_channel(args: argparse.Namespace) -> Any:
-    from services.common.tls import channel
+def _shard_tls(args: argparse.Namespace) -> Any:
+    return client_tls(*tls_flags(args, "tls"), "the replica's TLS")
 
-    tls = client_tls(*tls_flags(args, "tls"), "the replica's TLS")
-    return channel(args.address, tls)
+
+def _rpc_failure(address: str, exc: Any) -> dict[str, str]:
+    """What a failed call to ``address`` said: its gRPC status name and message."""
+    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return {"code": code, "message": f"shard replica {address}: {details}"}
+
+
+def _addresses(given: list[str]) -> list[str]:
+    """The replicas named, one by one: the gateway's --shards syntax ('a:1,a:2;b:1') is
+    taken too, so a generation's addresses can be pasted as they are."""
+    return [a.strip() for spec in given for a in spec.replace(";", ",").split(",") if a.strip()]
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToJson
+    """Every replica's Stats, asked at once; the ones that answered are printed even
+    when others did not (each of those marked, and named on stderr: exit status 1)."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict, MessageToJson
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
+    from services.common.tls import channel
 
-    with _shard_channel(args) as channel:
-        reply = index_pb2_grpc.IndexShardServiceStub(channel).Stats(
-            index_pb2.ShardStatsRequest(), timeout=10
-        )
-    print(MessageToJson(reply))
-    return 0
+    tls = _shard_tls(args)
+    addresses = _addresses(args.address)
+    channels = [channel(a, tls) for a in addresses]
+    try:
+        calls = [
+            index_pb2_grpc.IndexShardServiceStub(c).Stats.future(
+                index_pb2.ShardStatsRequest(), timeout=10
+            )
+            for c in channels
+        ]
+        replies: list[Any] = []
+        for address, call in zip(addresses, calls, strict=True):
+            try:
+                replies.append(call.result())
+            except grpc.RpcError as exc:
+                replies.append(_rpc_failure(address, exc))
+    finally:
+        for c in channels:
+            c.close()
+    failed = [r for r in replies if isinstance(r, dict)]
+    for failure in failed:
+        print(f"error: {failure['code']}: {failure['message']}", file=sys.stderr)
+    if len(addresses) == 1:
+        if not failed:
+            print(MessageToJson(replies[0]))
+    else:
+        rows = [
+            {"address": a, "error": r}
+            if isinstance(r, dict)
+            else {"address": a, "stats": MessageToDict(r)}
+            for a, r in zip(addresses, replies, strict=True)
+        ]
+        print(json.dumps(rows, indent=2))
+    return 1 if failed else 0
 
 
 def _snapshot(args: argparse.Namespace) -> int:
-    from retrieval.v1 import index_pb2, index_pb2_grpc
+    import grpc
 
-    with _shard_channel(args) as channel:
-        reply = index_pb2_grpc.IndexShardServiceStub(channel).Snapshot(
-            index_pb2.SnapshotRequest(), timeout=120
-        )
+    from retrieval.v1 import index_pb2, index_pb2_grpc
+    from services.common.tls import channel
+
+    with channel(args.address, _shard_tls(args)) as shard:
+        try:
+            reply = index_pb2_grpc.IndexShardServiceStub(shard).Snapshot(
+                index_pb2.SnapshotRequest(), timeout=120
+            )
+        except grpc.RpcError as exc:
+            failure = _rpc_failure(args.address, exc)
+            print(f"error: {failure['code']}: {failure['message']}", file=sys.stderr)
+            return 1
     print(f"snapshot at {reply.position}: {reply.path}")
     return 0

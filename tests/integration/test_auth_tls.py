@@ -438,6 +438,37 @@ def test_index_stats_reaches_an_mtls_shard_only_with_a_client_certificate(
     assert refused.returncode != 0 and "UNAVAILABLE" in refused.stderr
 
 
+def test_index_stats_shows_the_replicas_that_answer_and_names_the_unreachable_one(
+    secured: Secured,
+) -> None:
+    """A replica that does not answer is one line naming its address and UNAVAILABLE on
+    stderr, exit status 1, never a gRPC traceback (issue #24 follow-up); listed with
+    others, the ones that answer are still shown and the unreachable one is marked."""
+    certs = secured.certs
+    down = f"127.0.0.1:{free_port()}"  # nothing listens there
+    tls = ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert),
+           "--tls-client-key", str(certs.client_key)]  # fmt: skip
+    run = {"cwd": ROOT, "capture_output": True, "text": True, "timeout": 120}
+
+    def index(*argv: str) -> subprocess.CompletedProcess[str]:
+        cli = [sys.executable, "-m", "services.cli.main", "index", *argv, *tls]
+        return subprocess.run(cli, **run)  # type: ignore[call-overload, no-any-return]
+
+    both = index("stats", secured.shard_address, down)
+    assert both.returncode == 1, both.stderr
+    up_row, down_row = json.loads(both.stdout)
+    assert up_row["address"] == secured.shard_address and up_row["stats"]["replica"] == "r0"
+    assert down_row["address"] == down and down_row["error"]["code"] == "UNAVAILABLE"
+    assert both.stderr.strip().splitlines() == [
+        f"error: UNAVAILABLE: {down_row['error']['message']}"
+    ]
+    assert f"shard replica {down}" in both.stderr
+    for alone in (index("stats", down), index("snapshot", down)):
+        assert alone.returncode == 1 and alone.stdout == ""
+        lines = alone.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: UNAVAILABLE: shard replica {down}")
+
+
 # --- the local stack's Redis (`gtr-retrieval up --auth --tls`) -------------------------
 
 
