@@ -479,7 +479,7 @@ def _publish(
     """The published version's EncoderSpec, and whether this call added it (False: the
     same export was there already)."""
     from services.common.errors import FailedPrecondition
-    from services.encoder.serve.versions import publish_version, served_versions
+    from services.encoder.serve.versions import EMBED_MODEL, publish_version, served_versions
 
     if places.triton_repo is None:
         raise FailedPrecondition(
@@ -487,7 +487,8 @@ def _publish(
             "or --run-dir of a running local stack)"
         )
     print(f"publishing {args.encoder} into {places.triton_repo} ...", file=sys.stderr)
-    before = served_versions(places.triton_repo)
+    has_embed = (places.triton_repo / EMBED_MODEL).is_dir()  # else publish says what is missing
+    before = served_versions(places.triton_repo) if has_embed else []
     spec = publish_version(places.triton_repo, args.encoder, places.triton_url,
                            tls=places.triton_tls, cpus=cpus)  # fmt: skip
     print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)", file=sys.stderr)

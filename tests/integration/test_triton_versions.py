@@ -459,6 +459,94 @@ def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     client.close()
 
 
+def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
+    served: Served, tmp_path: Path, redis_url: str
+) -> None:
+    """Two operators start `index rollout --encoder` at once: the one whose builder finds
+    the rollout lock taken (here: taken while its `Go ahead?` waits on a terminal, after
+    it read the registry) is refused, naming the running rollout, with exit status 2; the
+    version it had published for its rollout leaves the repository and Triton again
+    (nobody uses it), so `encoder versions` lists what it listed before."""
+    import pty
+    import select
+    import socket
+    import time
+
+    import redis
+
+    from services.index.generations import EncoderSpec, Registry
+    from services.index.keys import LAYOUT_KEY
+    from tests.support.processes import wait_until
+
+    url, repo = served.handle.grpc_url, served.repo
+    fresh = ensure_second_encoder(served.base, seed=5)  # published by no other test
+    run_dir = tmp_path / "stack"
+    run_dir.mkdir()
+    (run_dir / "stack.json").write_text(json.dumps({
+        "redis_url": redis_url, "triton_grpc": url, "triton_repository": str(repo),
+        "index_root": str(tmp_path / "generations"),
+    }))  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+    registry = Registry(client)
+    registry.ensure_first(2, EncoderSpec("embed", 1, 384), "/index")
+    listed = _cli("versions", "--repo", str(repo), "--json")
+    assert listed.returncode == 0, listed.stderr
+    versions, ready = served_versions(repo), _ready_versions(served.handle)
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "index", "rollout", "--encoder",
+         str(fresh), "--run-dir", str(run_dir), "--quiet"],
+        stdin=follower, stdout=follower, stderr=follower, close_fds=True,
+    )  # fmt: skip
+    os.close(follower)
+    said = bytearray()
+
+    def read() -> str:
+        while select.select([leader], [], [], 0)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the process closed its side
+                break
+            if not chunk:
+                break
+            said.extend(chunk)
+        return said.decode(errors="replace")
+
+    try:
+        wait_until(lambda: "Go ahead? [y/N]" in read(), "the rollout's question", 120)
+        # the other operator's rollout takes the lock meanwhile (its builder: this process)
+        registry.begin_rollout({
+            "target": "g7", "source": "g1", "kind": "rollout", "mode": "encode",
+            "phase": "bulk", "host": socket.gethostname(), "pid": str(os.getpid()),
+            "beat": repr(time.time()), "owner": "the other operator",
+            "plan": json.dumps({"encoder": EncoderSpec("embed", 1, 384).__dict__,
+                                "shards": 2, "retrain": False}),
+        })  # fmt: skip
+        os.write(leader, b"y\n")
+        # read while it runs: a full terminal buffer would block its writes
+        wait_until(lambda: read() is None or process.poll() is not None, "its exit", 300)
+        out = read()
+        assert process.returncode == 2, out
+        assert "a rollout to g7 is running" in out, out
+        added = versions[-1] + 1
+        assert f"published as embed version {added}" in out, out
+        assert f"embed version {added}, published for this rollout, unpublished again" in out
+        assert served_versions(repo) == versions
+        assert _ready_versions(served.handle) == ready
+        again = _cli("versions", "--repo", str(repo), "--json")
+        assert again.returncode == 0 and again.stdout == listed.stdout, again.stderr
+        assert (registry.rollout() or {}).get("target") == "g7"  # the other one's, intact
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(leader)
+        registry.end_rollout()
+        client.close()
+
+
 def _stub_of(handle: TritonHandle, version: int) -> int:
     """The pid of Triton's Python backend stub serving ``embed`` version ``version``."""
     from services.common.cpus import children_of, cmdline
