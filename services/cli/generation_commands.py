@@ -254,10 +254,22 @@ def add_cli(sub: Any) -> None:
             "previous, retired, failed), the alias (serving / previous), shard count, "
             "encoder (Triton model version, width, source), size (documents and bytes of "
             "one replica per shard, from the replicas' Stats), drift (the highest PQ error "
-            "ratio of its replicas) and, while one runs, the rollout's phase and progress."
+            "ratio of its replicas) and, while one runs, the rollout's phase and progress. "
+            "The replicas are asked over the rollout's shard TLS (--tls-*, by default the "
+            "local stack's); a replica that does not answer counts as down and its "
+            "generation's size is unknown (?)."
         ),
     )  # fmt: skip
     listing.add_argument("--json", action="store_true", help="Print JSON.")
+    stack = "default: the local stack's"
+    listing.add_argument("--tls-ca", default=None, metavar="PEM",
+                         help="PEM CA of the shard replicas: ask their Stats over TLS "
+                         f"({stack}).")  # fmt: skip
+    listing.add_argument("--tls-client-cert", default=None, metavar="PEM",
+                         help="PEM client certificate for replicas that require one (mTLS, "
+                         f"as under `up --tls`; {stack}).")  # fmt: skip
+    listing.add_argument("--tls-client-key", default=None, metavar="PEM",
+                         help=f"PEM key of --tls-client-cert ({stack}).")  # fmt: skip
     _connection_flags(listing)
 
 
@@ -618,7 +630,8 @@ def _generations(args: argparse.Namespace) -> int:
     rows = []
     for gen in registry.all():
         row = describe(gen, alias)
-        sizes = generation_sizes(client, gen, base, registry.addresses(gen.name))
+        sizes = generation_sizes(client, gen, base, registry.addresses(gen.name),
+                                 tls=places.shard_tls)  # fmt: skip
         row.update(documents=sizes.documents, bytes=sizes.bytes, drift=sizes.drift,
                    log_entries=sizes.log_entries, replicas_up=sizes.replicas_up,
                    replicas=sizes.replicas, addresses=registry.addresses(gen.name))  # fmt: skip

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import FailedPrecondition, RetrievalError
 from services.index.generations import Generation, Registry
 from services.index.keys import ADDRESSES_KEY, ALIAS_KEY, Layout
+
+if TYPE_CHECKING:
+    from services.common.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,10 @@ class Sizes:
 
 
 def generation_sizes(client: Any, gen: Generation, base: int, spec: str | None,
-                     timeout: float = 3.0) -> Sizes:  # fmt: skip
-    """Sizes of ``gen`` from its replicas' Stats (``spec``: its addresses) and its logs."""
+                     timeout: float = 3.0, tls: ClientTLS | None = None) -> Sizes:  # fmt: skip
+    """Sizes of ``gen`` from its replicas' Stats (``spec``: its addresses; ``tls``: how to
+    reach them, the rollout's shard TLS: under `up --tls` they require the run's client
+    certificate, and a replica asked without it counts as down) and its logs."""
     keys = gen.keys(base)
     entries = sum(int(client.xlen(keys.log(s))) for s in range(keys.num_shards))
     if not spec or gen.state in ("retired", "failed"):
@@ -124,7 +129,7 @@ def generation_sizes(client: Any, gen: Generation, base: int, spec: str | None,
     from services.index.rollout.replicas import ReplicaStats, all_stats
 
     try:
-        stats = asyncio.run(all_stats(spec, timeout=timeout))
+        stats = asyncio.run(all_stats(spec, tls, timeout=timeout))
     except (RetrievalError, ValueError):
         return Sizes(None, None, None, entries, 0, 0)
     documents = 0
