@@ -267,6 +267,47 @@ def test_the_rollout_job_reaches_tls_shards_with_the_release_certificate(
     assert (plain.tls_ca, plain.tls_client_cert) == (None, None)
 
 
+def _gateway_triton_tls(docs: list[Manifest]) -> tuple[str | None, str | None, str | None]:
+    """The CA, client certificate and key the rendered gateway uses for Triton (its
+    GatewaySettings.triton_client_tls: its --tls-* unless GTR_GATEWAY_TRITON_TLS is false)."""
+    gateway = next(d for d in of_kind(docs, "Deployment") if component(d) == "gateway")
+    own = {e["name"]: e["value"] for e in container(gateway)["env"] if "value" in e}
+    env = {**configmap_data(docs, "gateway"), **own}
+    if env.get("GTR_GATEWAY_TRITON_TLS", "true").lower() == "false":
+        return None, None, None
+    names = ("GTR_GATEWAY_TLS_CA", "GTR_GATEWAY_TLS_CLIENT_CERT", "GTR_GATEWAY_TLS_CLIENT_KEY")
+    ca, cert, key = (env.get(n) for n in names)
+    return ca, cert, key
+
+
+@pytest.mark.parametrize("tls", [None, {"mutual": True}, {"mutual": False}],
+                         ids=["plaintext", "mtls", "tls"])  # fmt: skip
+def test_the_encoder_rollout_job_reaches_triton_as_the_gateway_does(
+    chart: Any, tls: dict[str, Any] | None
+) -> None:
+    """`--encoder` publishes through Triton's gRPC port (the load) and re-embeds there: the
+    Job passes the Triton TLS flags the gateway uses for Triton, no more. The chart's
+    Triton serves plaintext under tls.enabled too (no --grpc-use-ssl; the gateway's
+    GTR_GATEWAY_TRITON_TLS=false, docs/deploy.md "TLS"), so a --triton-ca there would
+    open TLS to a plaintext port and fail every publish; once the chart gives Triton TLS,
+    this fails until the Job follows the gateway."""
+    values = dict(NEW_ENCODER)
+    if tls is not None:
+        values["tls"] = {"enabled": True, "existingSecret": "gtr-tls", **tls}
+    docs = render(chart, values)
+    (job,) = of_kind(docs, "Job")
+    args = parse(container(job)["args"])
+    assert args.encoder is not None
+    expected = _gateway_triton_tls(docs)
+    assert (args.triton_ca, args.triton_client_cert, args.triton_client_key) == expected
+    triton = next(d for d in of_kind(docs, "Deployment") if component(d) == "triton")
+    served_tls = [a for a in container(triton, "tritonserver")["args"] if "ssl" in a]
+    # the gateway speaks TLS to Triton exactly when Triton serves it (today: never)
+    assert (served_tls == []) == (expected == (None, None, None))
+    if tls is not None:  # the shards' TLS is passed all the same (--tls-*)
+        assert args.tls_ca == "/etc/gtr/tls/ca.crt"
+
+
 def test_a_new_encoder_rollout_publishes_into_the_model_repository(chart: Any) -> None:
     docs = render(chart, NEW_ENCODER)
     (job,) = of_kind(docs, "Job")
