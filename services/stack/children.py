@@ -33,6 +33,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common.cpus import pin_process
+
 if TYPE_CHECKING:
     from services.common.tls import ClientTLS
 
@@ -109,6 +111,9 @@ class Child:
     # that is not (a shard of a generation that does not serve) is only given up on:
     # stopped and left STOPPED, the rest of the stack serves on
     essential: bool = True
+    # the CPUs it starts on (a rollout's CPU budget, services/stack/cpu_budget.py); None:
+    # the launcher's
+    cpus: frozenset[int] | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +128,8 @@ class Child:
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
         )
         fh.close()
+        if self.cpus:  # before its interpreter starts threads: they inherit it
+            pin_process(self.process.pid, self.cpus)
         log.debug("started %s (pid %s): %s", self.name, self.process.pid, " ".join(self.argv))
 
     @property

@@ -238,22 +238,30 @@ class GenerationShards:
         self.place_cpus()
         self.passes += 1
 
+    def _budget(self) -> frozenset[int] | None:
+        """The running rollout's CPU budget on this machine (None: none, or one that
+        leaves serving nothing here)."""
+        raw = self._redis().get(CPU_BUDGET_KEY)
+        if not raw:
+            return None
+        try:
+            budget = cpu_sets.parse_cpus(raw.decode() if isinstance(raw, bytes) else raw)
+        except InvalidArgument:
+            log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
+            return None
+        mine = budget & self.machine
+        return mine if mine and mine != self.machine else None
+
+    def _rollout_target(self) -> str:
+        return (Registry(self._redis()).rollout() or {}).get("target", "")
+
     def place_cpus(self) -> None:
         """A rollout's CPU budget (:mod:`services.stack.cpu_budget`): its processes on its
         CPUs, serving on the others; without one, everything on every CPU. Applied on every
         pass while a budget holds (new threads, a stub loaded), else when the children
         changed."""
-        client = self._redis()
-        raw = client.get(CPU_BUDGET_KEY)
-        budget = None
-        if raw:
-            try:
-                budget = cpu_sets.parse_cpus(raw.decode() if isinstance(raw, bytes) else raw)
-            except InvalidArgument:
-                log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
-        target = ""
-        if budget:
-            target = (Registry(client).rollout() or {}).get("target", "")
+        budget = self._budget()
+        target = self._rollout_target() if budget else ""
         ours = self.running.get(target)
         rollout_children = {id(c) for c in ours.all()} if ours is not None else set()
         processes: list[cpu_budget.Process] = []
@@ -285,6 +293,7 @@ class GenerationShards:
             Path(gen.index_dir) if gen.name != FIRST_GENERATION else None,
         )
         children: list[list[Child]] = []
+        budget = self._budget() if gen.name == self._rollout_target() else None
         known = self._ports.get(gen.name, [])
         # each replica's --peers: the others of its shard
         ports = known if len(known) == gen.num_shards else [
@@ -298,6 +307,7 @@ class GenerationShards:
                 for replica in range(cfg.replicas):
                     child = components.shard_child(cfg, shard, replica, ports[shard], group)
                     child.essential = essential
+                    child.cpus = budget  # a rollout target starts on its CPU budget
                     ready = _probe(child, self.tls)
                     self.supervisor.launch(child, ready, cfg.startup_timeout_s)
                     replicas.append(child)

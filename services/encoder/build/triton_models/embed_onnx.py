@@ -131,15 +131,17 @@ class TritonPythonModel:
         return main, sessions
 
     def _follow_cpus(self) -> None:
-        """When the CPUs this stub may use changed (a rollout's budget began or ended),
-        reopen the sessions with as many threads, in the background: requests keep the
-        old sessions until the new ones are ready. Looked at once a second at most."""
+        """When this stub may use more CPUs than its sessions were opened for (a rollout's
+        budget ended), reopen them with as many threads, in the background: requests keep
+        the old sessions until the new ones are ready. Fewer CPUs (a budget began) reopen
+        nothing: opening a session costs a second of CPU on the cores serving is left with,
+        more than a thread too many costs. Looked at once a second at most."""
         now = time.monotonic()
         if now - self._checked < CPU_CHECK_S or int(self._params.get("intra_op_threads", "0")):
             return
         self._checked = now
         cpus = len(os.sched_getaffinity(0))
-        if cpus == self._cpus or (self._reopening is not None and self._reopening.is_alive()):
+        if cpus <= self._cpus or (self._reopening is not None and self._reopening.is_alive()):
             return
         self._cpus = cpus
 
