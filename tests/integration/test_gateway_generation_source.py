@@ -306,6 +306,26 @@ class WarmPart(Part):
         return None
 
 
+class WarmFactory:
+    """Builds every generation's bundle of one :class:`WarmPart` (``parts``), in the
+    order ``built`` lists, for the source it is given to."""
+
+    def __init__(self) -> None:
+        self.source: list[GenerationSource] = []
+        self.parts: dict[str, WarmPart] = {}
+        self.built: list[str] = []
+
+    def source_over(self, client: Any) -> GenerationSource:
+        source = GenerationSource(RedisAliasReader(client), self, refresh_s=60)
+        self.source.append(source)
+        return source
+
+    async def __call__(self, gen: Generation) -> Bundle:
+        self.built.append(gen.name)
+        part = self.parts[gen.name] = WarmPart(gen.name, self.source)
+        return bundle_of(gen.name, part)
+
+
 def test_a_switched_to_generation_is_warmed_before_it_serves(
     redis_url: str, registry: Registry
 ) -> None:
@@ -314,22 +334,15 @@ def test_a_switched_to_generation_is_warmed_before_it_serves(
 
     async def scenario() -> None:
         client = async_client(redis_url)
-        holder: list[GenerationSource] = []
-        parts: dict[str, WarmPart] = {}
-
-        async def build(gen: Generation) -> Bundle:
-            part = parts[gen.name] = WarmPart(gen.name, holder)
-            return bundle_of(gen.name, part)
-
-        source = GenerationSource(RedisAliasReader(client), build, refresh_s=60)
-        holder.append(source)
+        factory = WarmFactory()
+        source = factory.source_over(client)
         try:
             await source.start()
-            assert parts["g1"].calls == [], "the generation of the start is not warmed"
+            assert factory.parts["g1"].calls == [], "the generation of the start is not warmed"
             registry.switch(new_generation(registry).name, {})
             serving = await source.refresh()
             assert serving.generation == "g2"
-            assert parts["g2"].calls == [("encode", "g1"), ("search", "g1")]
+            assert factory.parts["g2"].calls == [("encode", "g1"), ("search", "g1")]
         finally:
             await source.close()
             await client.aclose()
@@ -346,17 +359,9 @@ def test_a_rollout_target_is_prepared_before_its_switch_and_swapped_in_as_built(
 
     async def scenario() -> None:
         client = async_client(redis_url)
-        holder: list[GenerationSource] = []
-        parts: dict[str, WarmPart] = {}
-        built: list[str] = []
-
-        async def build(gen: Generation) -> Bundle:
-            built.append(gen.name)
-            part = parts[gen.name] = WarmPart(gen.name, holder)
-            return bundle_of(gen.name, part)
-
-        source = GenerationSource(RedisAliasReader(client), build, refresh_s=60)
-        holder.append(source)
+        factory = WarmFactory()
+        source = factory.source_over(client)
+        parts, built = factory.parts, factory.built
         try:
             await source.start()
             target = new_generation(registry)
