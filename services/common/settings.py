@@ -42,8 +42,8 @@ class ServiceSettings(BaseSettings):
         ge=0,
         description="Unary requests in flight at most; one more is refused at once with "
         "RESOURCE_EXHAUSTED and a retry-after-ms hint (health and reflection always "
-        "answer). The gateway counts a search as one per 100 hits it may return or "
-        "rerank (k=1000: 10). 0 = no limit.",
+        "answer). The gateway counts a search as one per 25 hits it may return or "
+        "rerank (k=100: 4; k=1000: 40, at most the limit). 0 = no limit.",
     )
     retry_after_ms: int = Field(
         100, ge=1, description="The retry-after-ms hint of a request refused over the limit."

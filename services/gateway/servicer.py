@@ -11,8 +11,12 @@ from services.gateway import convert
 from services.gateway.pipeline import DocumentPipeline, SearchPipeline
 
 # A search takes one unit of the in-flight limit per this many hits it may return or
-# rerank (k or the rerank depth, summed over a batch): k <= 100 takes one, k = 1000 ten.
-HITS_PER_UNIT = 100
+# rerank (k or the rerank depth, summed over a batch): k <= 25 takes one, k = 100 four,
+# k = 1000 forty (at most the whole limit: alone). Measured (bench.overload, 1,000
+# concurrent calls, limit 32, 1.5 s deadline): 32 searches of 10 hits or one of 1,000 in
+# flight leave the event loop free to refuse the rest within ~0.3 s; three of 1,000 (at
+# 100 hits per unit) did not (52-182 of 1,000 DEADLINE_EXCEEDED, refusals at ~1.5 s).
+HITS_PER_UNIT = 25
 # Answers with more hits than this are converted to protobuf in a worker thread: 1,000
 # hits with their documents hold the event loop for milliseconds, during which gRPC
 # accepts no new call (so none can be refused either).

@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.client.gateway import gateway_channel
 from services.gateway.server import Gateway, start_gateway
+from services.gateway.servicer import HITS_PER_UNIT
 from services.gateway.settings import GatewaySettings
 from services.index.server.process import RunningShard, start_shard
 from services.rerank.serve.server import Reranker, start_rerank
@@ -206,9 +207,9 @@ def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint
 def test_the_in_flight_limit_counts_a_search_by_its_hits(
     redis_url: str, index_dir: Path, tmp_path: Path
 ) -> None:
-    """A search takes one unit of --max-in-flight per 100 hits (k=1000: ten, at most the
+    """A search takes one unit of --max-in-flight per 25 hits (k=1000: forty, at most the
     whole limit): with 3 small searches held under a limit of 4, a k=1000 search is
-    refused at once with the retry hint, a k=100 one is admitted; alone, k=1000 runs.
+    refused at once with the retry hint, a k=25 one is admitted; alone, k=1000 runs.
     Counted by calls, 32 searches at k=1000 saturated the gateway and 946 of 1,000
     concurrent ones ended DEADLINE_EXCEEDED (bench/overload.py)."""
 
@@ -224,17 +225,17 @@ def test_the_in_flight_limit_counts_a_search_by_its_hits(
                 trailing = dict(refused.value.trailing_metadata() or ())
                 assert trailing.get("retry-after-ms") == "100", trailing
 
-                batch = search_pb2.BatchSearchRequest(
-                    requests=[search_pb2.SearchRequest(query="x", k=60)] * 2
+                batch = search_pb2.BatchSearchRequest(  # 2 x 15 hits: two units
+                    requests=[search_pb2.SearchRequest(query="x", k=15)] * 2
                 )
                 with pytest.raises(grpc.aio.AioRpcError) as too_many:
                     await front.search.BatchSearch(batch, timeout=10)
                 assert too_many.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
                 small = await front.search.Search(
-                    search_pb2.SearchRequest(query="x", k=100), timeout=30
+                    search_pb2.SearchRequest(query="x", k=HITS_PER_UNIT), timeout=30
                 )
-                assert len(small.hits) == len(DOCS)
+                assert len(small.hits) == min(HITS_PER_UNIT, len(DOCS))
                 assert front.in_flight == 3
             alone = await front.search.Search(
                 search_pb2.SearchRequest(query="x", k=1000), timeout=30
