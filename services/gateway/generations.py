@@ -56,8 +56,11 @@ log = logging.getLogger(__name__)
 
 # How often the alias is read in the background (GatewaySettings.alias_refresh_ms).
 DEFAULT_REFRESH_S = 0.5
-# A generation switched to is warmed (:func:`warm`) for at most this long before it serves.
+# A rollout target is warmed (:func:`warm`) in the background for at most this long; a
+# generation met first at a switch (not prepared: a gateway started mid-rollout) for at
+# most WARM_INLINE_S, since requests that re-read the alias wait on that read.
 WARM_S = 2.0
+WARM_INLINE_S = 0.25
 WARM_QUERY = "warm up"
 # A rollout target in one of these states is built and warmed before its switch.
 PREPARED_STATES = ("catching_up", "switching")
@@ -376,7 +379,7 @@ class GenerationSource:
         if bundle is None:
             bundle = await self._build(record)
             if current is not None:  # a switch: the first searches must not be the cold ones
-                await warm(bundle, self.warm_s)
+                await warm(bundle, min(self.warm_s, WARM_INLINE_S))
             self._bundles[record.name] = bundle
         serving = Serving(
             record.name,

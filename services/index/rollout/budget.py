@@ -2,7 +2,8 @@
 side is :mod:`services.stack.cpu_budget`, the design docs/generations.md "A rollout's CPU
 budget").
 
-:class:`CpuBudget` pins the builder's process to the budget and records it in
+:class:`CpuBudget` records the budget (the CLI pinned its own process to it first, before
+the publish's export) in
 :data:`~services.index.keys.CPU_BUDGET_KEY` with a TTL of :data:`TTL_S`, renewed every
 :data:`RENEW_S` by a thread of its own until the rollout ends: a builder killed with
 ``-9`` leaves serving narrowed for at most the TTL. On exit the key goes and so do the
@@ -12,7 +13,6 @@ budget files of the Triton repository's version folders.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ class CpuBudget:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> CpuBudget:
-        cpu_sets.pin_process(os.getpid(), self.cpus)
         self._record()
         self._thread = threading.Thread(target=self._renew, name="cpu-budget", daemon=True)
         self._thread.start()
