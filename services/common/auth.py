@@ -33,7 +33,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 
 from services.common import errors
+from services.common.server import HandlerInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class AuthInterceptor(HandlerInterceptor):
     """Refuses a call without the token its method needs, before its handler runs.
 
     Put it after :class:`services.common.server.ErrorAndLatencyInterceptor` (inner): a
@@ -207,14 +208,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, authenticator: Authenticator) -> None:
         self._auth = authenticator
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
         try:
             self._auth.check(details.method, details.invocation_metadata)
         except errors.RetrievalError as exc:

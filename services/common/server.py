@@ -13,6 +13,7 @@ keeps the health status true to that check (:meth:`Server.watch`).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -100,7 +101,7 @@ class Admission:
 
     def full(self) -> bool:
         """No room for even the cheapest call: what a call is refused on before its
-        request is read (:meth:`ErrorAndLatencyInterceptor.intercept_service`)."""
+        request is read (:meth:`ErrorAndLatencyInterceptor.wrap`)."""
         return bool(self.limit) and self.in_flight >= self.limit
 
     def refusal(self, units: int = 1) -> AdmissionRefused:
@@ -144,7 +145,28 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[
     return parse
 
 
-class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class HandlerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The base of this project's server interceptors: each serves a call with a handler
+    of its own built around the one the call resolved to (:meth:`wrap`). A call to a
+    method no servicer has (no handler) passes through untouched, so gRPC answers it
+    UNIMPLEMENTED."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        return None if handler is None else self.wrap(handler, details)
+
+    @abc.abstractmethod
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        """The handler that serves the call ``details`` in place of ``handler``."""
+
+
+class ErrorAndLatencyInterceptor(HandlerInterceptor):
     """Maps :mod:`services.common.errors` to status codes, records RPC latency, and admits
     unary calls under the in-flight limit (streams are not counted: a long-lived stream
     is a channel, not a request)."""
@@ -153,21 +175,14 @@ class ErrorAndLatencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mi
         self._metrics = metrics
         self._admission = admission or Admission()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is not None and handler.stream_stream is not None:
+        if handler.stream_stream is not None:
             return self._stream(handler, details)
-        if (
-            handler is not None
-            and handler.unary_stream is not None
-            and not details.method.startswith(EXEMPT_PREFIXES)
-        ):
+        if handler.unary_stream is not None and not details.method.startswith(EXEMPT_PREFIXES):
             return self._response_stream(handler, details)
-        if handler is None or handler.unary_unary is None:
+        if handler.unary_unary is None:
             return handler
         if self._admission.full() and not details.method.startswith(EXEMPT_PREFIXES):
             return self._refused(details)
