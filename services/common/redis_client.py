@@ -20,10 +20,11 @@ The pool bounds, health checks and retries are the same for both kinds (see
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
@@ -34,6 +35,9 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode
 from redis.connection import parse_url
 from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _SINGLE_SCHEMES = ("redis", "rediss", "unix")
@@ -145,6 +149,35 @@ def sync_client(url: str, *, socket_timeout: float = 5.0) -> Any:
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 6),
         **target.options,
     )
+
+
+def with_sync_client(url: str, use: Callable[[Any], T], *, to: str, wait_s: float) -> T:
+    """``use(client)`` on a blocking client of ``url``, closed after, for a process that
+    starts: while Redis cannot be reached (a pod starting before Redis), tried again every
+    second for up to ``wait_s``, then Unavailable, "Redis at <url without its password>
+    cannot be reached to <to> (<error>)". A cluster client connects when it is made, so it
+    is made on every try. Any other error of ``use`` is raised at once."""
+    import time
+
+    from redis.exceptions import RedisClusterException
+
+    from services.common.errors import Unavailable
+
+    give_up = time.monotonic() + wait_s
+    while True:
+        try:
+            client = sync_client(url)
+            try:
+                return use(client)
+            finally:
+                client.close()
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
+            if time.monotonic() > give_up:
+                raise Unavailable(
+                    f"Redis at {parse_redis_url(url).safe_url} cannot be reached to {to} ({exc})"
+                ) from exc
+            log.warning("Redis cannot be reached yet (%s); trying again", exc)
+            time.sleep(1.0)
 
 
 def async_client(

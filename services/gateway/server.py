@@ -209,37 +209,23 @@ def base_shard_count(settings: GatewaySettings, wait_s: float = 60.0) -> int:
     store's key layout's (so a gateway needs no addresses of a retired g1). A store with no
     layout yet needs ``--shards``: FailedPrecondition. While Redis cannot be reached, tried
     again for up to ``wait_s`` (as the layout check does), then Unavailable."""
-    import time
-
-    import redis
-    from redis.exceptions import RedisClusterException
-
-    from services.common.redis_client import sync_client
+    from services.common.redis_client import with_sync_client
     from services.index.generations import Registry
 
     if settings.shards:
         return len(parse_shard_addresses(settings.shards))
-    give_up = time.monotonic() + wait_s
-    while True:
-        try:
-            client = sync_client(settings.redis_url)
-            try:
-                return Registry(client).base_shards()
-            finally:
-                client.close()
-        except FailedPrecondition:
-            raise FailedPrecondition(
-                "--shards is empty and the store has no key layout yet: give generation "
-                "g1's shard addresses as --shards (they set the store's base shard count)"
-            ) from None
-        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
-            if time.monotonic() > give_up:
-                raise Unavailable(
-                    f"Redis at {parse_redis_url(settings.redis_url).safe_url} cannot be "
-                    f"reached to read the base shard count ({exc})"
-                ) from exc
-            log.warning("Redis cannot be reached yet (%s); trying again", exc)
-            time.sleep(1.0)
+    try:
+        return with_sync_client(
+            settings.redis_url,
+            lambda client: Registry(client).base_shards(),
+            to="read the base shard count",
+            wait_s=wait_s,
+        )
+    except FailedPrecondition:
+        raise FailedPrecondition(
+            "--shards is empty and the store has no key layout yet: give generation "
+            "g1's shard addresses as --shards (they set the store's base shard count)"
+        ) from None
 
 
 def record_first_generation(url: str, num_shards: int, spec: EncoderSpec) -> None:

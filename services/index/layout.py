@@ -9,7 +9,6 @@ it would misread: every document key depends on the shard count.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from services.common.errors import FailedPrecondition, NotFound
@@ -21,8 +20,6 @@ from services.index.keys import (
     LAYOUT_VERSION,
     v1_shard_keys,
 )
-
-log = logging.getLogger(__name__)
 
 
 def migrate_hint(num_shards: int) -> str:
@@ -132,30 +129,12 @@ def check_layout_at(
 ) -> None:
     """:func:`check_layout` (of ``generation``) on the Redis (or Redis Cluster) of
     ``url``; while it cannot be reached (a pod starting before Redis), tried again for up
-    to ``wait_s``, then Unavailable. A cluster client connects when it is made, so it is
-    made in the loop."""
-    import time
+    to ``wait_s``, then Unavailable (:func:`services.common.redis_client.with_sync_client`)."""
+    from services.common.redis_client import with_sync_client
 
-    import redis
-    from redis.exceptions import RedisClusterException
-
-    from services.common.errors import Unavailable
-    from services.common.redis_client import parse_redis_url, sync_client
-
-    give_up = time.monotonic() + wait_s
-    while True:
-        try:
-            client = sync_client(url)
-            try:
-                check_layout(client, num_shards, generation)
-                return
-            finally:
-                client.close()
-        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
-            if time.monotonic() > give_up:
-                raise Unavailable(
-                    f"Redis at {parse_redis_url(url).safe_url} cannot be reached to check "
-                    f"its key layout ({exc})"
-                ) from exc
-            log.warning("Redis cannot be reached yet (%s); trying again", exc)
-            time.sleep(1.0)
+    with_sync_client(
+        url,
+        lambda client: check_layout(client, num_shards, generation),
+        to="check its key layout",
+        wait_s=wait_s,
+    )

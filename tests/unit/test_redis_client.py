@@ -51,11 +51,16 @@ def test_a_bad_url_is_refused_at_start_with_the_reason(url: str, message: str) -
 
 def test_a_gateway_whose_redis_never_answers_gives_up_with_a_clear_error() -> None:
     from services.common.errors import Unavailable
+    from services.gateway.server import base_shard_count
     from services.index.layout import check_layout_at
 
-    for url in ("redis://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1"):
-        with pytest.raises(Unavailable, match="cannot be reached to check its key layout"):
+    for url in ("redis://:secret@127.0.0.1:1/0", "redis+cluster://:secret@127.0.0.1:1"):
+        with pytest.raises(Unavailable, match="cannot be reached to check its key layout") as e:
             check_layout_at(url, 2, wait_s=0)
+        assert "secret" not in str(e.value) and ":***@127.0.0.1:1" in str(e.value)
+        settings = GatewaySettings(redis_url=url, auth=False)
+        with pytest.raises(Unavailable, match="cannot be reached to read the base shard count"):
+            base_shard_count(settings, wait_s=0)
 
 
 def test_wait_settings_of_the_writer_are_checked() -> None:
