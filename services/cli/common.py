@@ -8,7 +8,9 @@ domain error (bad input, a missing file, no GPU here) into ``error: <message>`` 
 and exit status 2; ``add_command`` registers a sub-command whose handler runs so.
 ``tls_flags`` and ``client_tls`` read a command's ``--tls-*`` (shard replicas) or
 ``--triton-*`` (Triton) client TLS flags the one way every command does: half a key pair,
-or a file that is not PEM, is such a domain error naming the flags.
+or a file that is not PEM, is such a domain error naming the flags. ``triton_tls`` is
+Triton's TLS of the files a command resolved: a client certificate without a CA is such an
+error too, naming ``--triton-ca``.
 """
 
 from __future__ import annotations
@@ -109,3 +111,23 @@ def client_tls(ca: str | None, cert: str | None, key: str | None, what: str) -> 
     except ValueError as exc:
         raise InvalidArgument(f"{what}: {exc}") from None
     return tls
+
+
+def triton_tls(ca: str | None, cert: str | None, key: str | None) -> Any:
+    """Triton's :class:`~services.common.tls.ClientTLS` of the files a command resolved
+    (its ``--triton-*`` flags, else the local stack's): None (plaintext) without any.
+    The CLI talks TLS to Triton only with a CA to trust, so a client certificate without
+    one is :class:`InvalidArgument` naming ``--triton-ca``: it used to be dropped without a
+    word and Triton reached in plaintext. (The gateway has no Triton flags of its own: its
+    ``--tls-client-*`` without ``--tls-ca`` is TLS trusting the system's roots.)"""
+    from services.common.errors import InvalidArgument
+
+    if not ca:
+        if cert or key:
+            raise InvalidArgument(
+                "--triton-client-cert and --triton-client-key need --triton-ca (the CA that "
+                "signed Triton's certificate): without it Triton would be reached in "
+                "plaintext and the client certificate not used"
+            )
+        return None
+    return client_tls(ca, cert, key, "Triton's TLS")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, client_tls, non_negative_int, tls_flags
+from services.cli.common import add_command, non_negative_int, tls_flags, triton_tls
 from services.cli.encoder_train_commands import add_train
 from services.common.errors import InvalidArgument
 
@@ -198,7 +198,7 @@ def _triton_place(args: argparse.Namespace) -> TritonPlace:
     ca = ca or paths.get("ca")
     if not cert:
         cert, key = paths.get("cert"), paths.get("key")
-    tls = client_tls(ca, cert, key, "Triton's TLS") if ca else None
+    tls = triton_tls(ca, cert, key)  # a client certificate without a CA: refused
     return TritonPlace(Path(repo), url, tls, stack.redis_url_with_secrets() if stack else "")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, client_tls, positive_int, tls_flags
+from services.cli.common import add_command, client_tls, positive_int, tls_flags, triton_tls
 
 # `index retire`'s exit status when the generation was retired but its encoder version
 # stays published (Triton could not be asked, or refused the load): not 0, so a script or
@@ -294,6 +294,11 @@ def _places(args: argparse.Namespace) -> Places:
 
     ca, cert, key = tls_flags(args, "triton")  # half a key pair: refused before anything
     stack = read_endpoints(stack_run_dir(args.stack_run_dir))
+    tls_paths = stack.internal_tls if stack else {}
+    ca = ca or tls_paths.get("ca")
+    if not cert:
+        cert, key = tls_paths.get("cert"), tls_paths.get("key")
+    triton = triton_tls(ca, cert, key)  # a client certificate without a CA: refused here
     if args.redis_url_file:
         try:
             url = read_redis_url(args.redis_url_file)
@@ -306,11 +311,6 @@ def _places(args: argparse.Namespace) -> Places:
             "no store: give --redis-url (or --redis-url-file), or --run-dir of a running "
             "local stack"
         )
-    tls_paths = stack.internal_tls if stack else {}
-    ca = ca or tls_paths.get("ca")
-    if not cert:
-        cert, key = tls_paths.get("cert"), tls_paths.get("key")
-    triton_tls = client_tls(ca, cert, key, "Triton's TLS") if ca else None
     shard_tls = _shard_tls(args, tls_paths)
     repo = getattr(args, "triton_repo", None) or (
         Path(stack.triton_repository) if stack and stack.triton_repository else None
@@ -320,7 +320,7 @@ def _places(args: argparse.Namespace) -> Places:
     )
     return Places(
         url, getattr(args, "triton_url", None) or (stack.triton_grpc if stack else None) or None,
-        repo, triton_tls, root, shard_tls,
+        repo, triton, root, shard_tls,
     )  # fmt: skip
 
 

@@ -62,3 +62,35 @@ def test_half_a_client_key_pair_is_refused_naming_both_flags(
     assert len(lines) == 1, run.stderr
     assert f"--{prefix}-client-cert" in lines[0] and f"--{prefix}-client-key" in lines[0]
     assert lines[0].startswith("error: ")
+
+
+# Commands that reach Triton, given a whole client key pair for it but no --triton-ca (and
+# no local stack whose CA would be taken): the CLI talks TLS to Triton only with a CA, so the
+# pair used to be dropped without a word and Triton reached in plaintext.
+WITHOUT_CA = [
+    ["index", "rollout", "--encoder", "no-such-model", "--redis-url", NOWHERE, "--yes"],
+    ["index", "rollback", "--redis-url", NOWHERE, "--yes"],
+    ["index", "retire", "--redis-url", NOWHERE, "--yes"],
+    ["encoder", "publish", "--model-dir", "no-such-model", "--triton-url", "127.0.0.1:1"],
+    ["encoder", "unpublish", "--version", "2", "--redis-url", NOWHERE],
+]
+
+
+@pytest.mark.parametrize("command", WITHOUT_CA, ids=lambda c: " ".join(c[:2]))
+def test_a_triton_client_key_pair_without_a_ca_is_refused_naming_triton_ca(
+    certs: CertFiles, tmp_path: Path, command: list[str]
+) -> None:
+    argv = [*command, "--triton-client-cert", str(certs.client_cert),
+            "--triton-client-key", str(certs.client_key)]  # fmt: skip
+    if command[0] == "encoder":
+        argv += ["--repo", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *argv],  # no stack: cwd has no .run
+        cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("error: ") and "--triton-ca" in lines[0], lines[0]
+    assert "--triton-client-cert" in lines[0]
