@@ -11,7 +11,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.index.core.changes import Upsert
-from services.index.core.query import TopK
+from services.index.core.query import DenseQuery, TopK
 from services.index.core.shard import IvfPqShard
 from services.index.core.trained import TrainedIndex
 from services.index.server.batcher import SearchBatcher
@@ -50,7 +50,8 @@ def test_concurrent_searches_coalesce_and_match(
         batcher = SearchBatcher(shard, workers=workers)
         try:
             return await asyncio.gather(*[
-                batcher.search(queries[i : i + 1], 5 + i % 3, 16, ()) for i in range(len(queries))
+                batcher.search(DenseQuery(queries[i : i + 1], 5 + i % 3, 16))
+                for i in range(len(queries))
             ])  # fmt: skip
         finally:
             batcher.close()
@@ -73,12 +74,13 @@ def test_filtered_search_and_errors(shard: IvfPqShard, vectors: np.ndarray, work
     async def run() -> None:
         batcher = SearchBatcher(shard, workers=workers)
         try:
-            top = await batcher.search(vectors[N_BASE : N_BASE + 2], 10, 16, (("parity", ("1",)),))
+            parity = (("parity", ("1",)),)
+            top = await batcher.search(DenseQuery(vectors[N_BASE : N_BASE + 2], 10, 16, parity))
             hits = top.hits()
             assert all(len(row) == 10 for row in hits)
             assert all(int(d) % 2 == 1 for row in hits for d, _ in row)
             with pytest.raises(InvalidArgument):
-                await batcher.search(vectors[N_BASE : N_BASE + 1, :10], 10, 16, ())
+                await batcher.search(DenseQuery(vectors[N_BASE : N_BASE + 1, :10], 10, 16))
         finally:
             batcher.close()
 
@@ -105,7 +107,9 @@ def test_pool_workers_run_faiss_with_the_configured_threads(
     async def run() -> None:
         batcher = SearchBatcher(shard, workers=2, omp_threads=3)
         try:
-            await asyncio.gather(*[batcher.search(vectors[i : i + 1], 5, 16, ()) for i in range(8)])
+            await asyncio.gather(
+                *[batcher.search(DenseQuery(vectors[i : i + 1], 5, 16)) for i in range(8)]
+            )
         finally:
             batcher.close()
 

@@ -9,7 +9,15 @@ import numpy as np
 
 from services.common.domain import Consistency, FieldCondition
 
-__all__ = ["Consistency", "FieldCondition", "FilterSpec", "Probes", "ShardAnswer", "ShardQuery"]
+__all__ = [
+    "Consistency",
+    "DenseQuery",
+    "FieldCondition",
+    "FilterSpec",
+    "Probes",
+    "ShardAnswer",
+    "ShardQuery",
+]
 
 Scored = tuple[str, float]  # (doc id, score): a cell of a TopK grid, read back as a pair
 # (key, any_of) conditions, all must hold; a FieldCondition is one
@@ -29,6 +37,20 @@ class Probes:
     @property
     def nprobe(self) -> int:
         return int(self.lists.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class DenseQuery:
+    """The dense part of a :class:`ShardQuery` as the shard's FAISS index runs it: the
+    query vectors (``(rows, dim)``), ``k``, ``nprobe`` (0: the index's own), the filter and
+    the caller's coarse assignment. The shard service hands one to its batcher
+    (:class:`services.index.server.batcher.SearchBatcher`), which joins several into one."""
+
+    vectors: np.ndarray
+    k: int
+    nprobe: int = 0
+    filter: FilterSpec = ()
+    probes: Probes | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ FAISS spends inside one batch call).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,31 +27,33 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
-from services.index.core.query import FilterSpec, Probes, TopK
+from services.index.core.query import DenseQuery, Probes, TopK
 from services.index.core.shard import IvfPqShard
 from services.index.server.metrics import ShardMetrics
 
 
 @dataclass
 class _Pending:
-    queries: np.ndarray
-    k: int
-    nprobe: int
+    query: DenseQuery
     future: asyncio.Future[TopK] = field(repr=False)
-    probes: Probes | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.query.vectors)
 
     @property
     def key(self) -> tuple[int, int]:
         """Requests batch together when their scans match: nprobe, and who assigned."""
-        return (self.nprobe, -1 if self.probes is None else self.probes.nprobe)
+        probes = self.query.probes
+        return (self.query.nprobe, -1 if probes is None else probes.nprobe)
 
 
 def _joined(batch: list[_Pending]) -> Probes | None:
     """The probes of a batch: its requests share a key, so all have probes or none do."""
-    first = batch[0].probes
+    first = batch[0].query.probes
     if first is None or len(batch) == 1:
         return first
-    given = [p.probes for p in batch if p.probes is not None]
+    given = [p.query.probes for p in batch if p.query.probes is not None]
     return Probes(
         first.quantizer,
         np.concatenate([p.lists for p in given]),
@@ -86,26 +89,20 @@ class SearchBatcher:
         self._draining = False
         self._tasks: set[asyncio.Future[None]] = set()  # keep running tasks referenced
 
-    async def search(
-        self,
-        queries: np.ndarray,
-        k: int,
-        nprobe: int,
-        filter: FilterSpec,
-        probes: Probes | None = None,
-        *,
-        checked: bool = False,
-    ) -> TopK:
-        """Top-k of ``queries``, batched with concurrent searches. Checked here (a bad
-        request must not join, and fail, a batch) unless the caller already did
+    async def search(self, query: DenseQuery, *, checked: bool = False) -> TopK:
+        """Top-k of ``query.vectors``, batched with concurrent searches. Checked here (a
+        bad request must not join, and fail, a batch) unless the caller already did
         (``checked``: the shard service checks every request once, where it enters)."""
         if not checked:
-            queries = self.shard.check(queries, k, nprobe, filter, probes)
+            vectors = self.shard.check(
+                query.vectors, query.k, query.nprobe, query.filter, query.probes
+            )
+            query = dataclasses.replace(query, vectors=vectors)
         loop = asyncio.get_running_loop()
-        if filter:
+        if query.filter:
             async with self._slots:
-                return await self._call(queries, k, nprobe, filter, probes)
-        pending = _Pending(queries, k, nprobe, loop.create_future(), probes)
+                return await self._call(query)
+        pending = _Pending(query, loop.create_future())
         self._queue.append(pending)
         if not self._draining:
             self._draining = True
@@ -129,23 +126,28 @@ class SearchBatcher:
 
     def _take(self) -> list[_Pending]:
         first = self._queue.popleft()
-        batch, rows, rest = [first], len(first.queries), deque[_Pending]()
+        batch, rows, rest = [first], first.rows, deque[_Pending]()
         while self._queue:
             item = self._queue.popleft()
-            if item.key == first.key and rows + len(item.queries) <= self.max_rows:
+            if item.key == first.key and rows + item.rows <= self.max_rows:
                 batch.append(item)
-                rows += len(item.queries)
+                rows += item.rows
             else:
                 rest.append(item)
         self._queue.extendleft(reversed(rest))
         return batch
 
     async def _run(self, batch: list[_Pending]) -> None:
-        queries = np.concatenate([p.queries for p in batch]) if len(batch) > 1 else batch[0].queries
-        probes = _joined(batch)
-        k = max(p.k for p in batch)
+        first = batch[0].query
+        joined = DenseQuery(
+            np.concatenate([p.query.vectors for p in batch]) if len(batch) > 1 else first.vectors,
+            max(p.query.k for p in batch),
+            first.nprobe,
+            (),  # a filtered search runs alone
+            _joined(batch),
+        )
         try:
-            hits = await self._call(queries, k, batch[0].nprobe, (), probes)
+            hits = await self._call(joined)
         except Exception as exc:
             for p in batch:
                 if not p.future.done():
@@ -157,40 +159,26 @@ class SearchBatcher:
             return
         row = 0
         for p in batch:
-            n = len(p.queries)
+            n = p.rows
             if not p.future.done():
-                p.future.set_result(hits.take(row, row + n, p.k))
+                p.future.set_result(hits.take(row, row + n, p.query.k))
             row += n
 
-    async def _call(
-        self,
-        queries: np.ndarray,
-        k: int,
-        nprobe: int,
-        filter: FilterSpec,
-        probes: Probes | None,
-    ) -> TopK:
+    async def _call(self, query: DenseQuery) -> TopK:
         """One FAISS call: inline on the event loop, or on a worker thread."""
         if self.inline:
-            return self._timed(queries, k, nprobe, filter, probes)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._timed, queries, k, nprobe, filter, probes
-        )
+            return self._timed(query)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, query)
 
-    def _timed(
-        self,
-        queries: np.ndarray,
-        k: int,
-        nprobe: int,
-        filter: FilterSpec,
-        probes: Probes | None = None,
-    ) -> TopK:
+    def _timed(self, query: DenseQuery) -> TopK:
         start = time.perf_counter()
-        hits = self.shard.search_top_k(queries, k, nprobe, filter, probes, checked=True)
+        hits = self.shard.search_top_k(
+            query.vectors, query.k, query.nprobe, query.filter, query.probes, checked=True
+        )
         if self.metrics is not None:
             labels = self.metrics.labels
             self.metrics.search_seconds.labels(*labels).observe(time.perf_counter() - start)
-            self.metrics.batch_size.labels(*labels).observe(len(queries))
+            self.metrics.batch_size.labels(*labels).observe(len(query.vectors))
         return hits
 
     def close(self) -> None:
