@@ -6,6 +6,7 @@ at import time, so several servers can live in one test process.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -22,6 +23,14 @@ LATENCY_BUCKETS: tuple[float, ...] = tuple(sorted(set(_EDGES) | set(slo.threshol
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
+def latency_histogram(
+    name: str, documentation: str, labels: Sequence[str] = (), *, registry: CollectorRegistry
+) -> Histogram:
+    """A histogram of seconds on :data:`LATENCY_BUCKETS`, the edges of every latency this
+    project records: each SLO threshold is one of them, so an SLI is a bucket count."""
+    return Histogram(name, documentation, labels, buckets=LATENCY_BUCKETS, registry=registry)
+
+
 @dataclass
 class RpcMetrics:
     """What the server interceptor records for every RPC of one service."""
@@ -35,11 +44,10 @@ class RpcMetrics:
         labels = ["service", "method", "code"]
         return cls(
             service=service,
-            latency=Histogram(
+            latency=latency_histogram(
                 "grpc_server_handling_seconds",
                 "Wall time of an RPC, by method and status code.",
                 labels,
-                buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
             handled=Counter(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.metrics import LATENCY_BUCKETS
+from services.common.metrics import latency_histogram
 from services.common.slo import SizeSlo
 from services.gateway.domain import SearchResult
 
@@ -67,21 +67,19 @@ class GatewayMetrics:
             registry=registry,
         ).set(1.0 if triton else 0.0)
         metrics = cls(
-            stage_seconds=Histogram(
+            stage_seconds=latency_histogram(
                 "gateway_stage_seconds",
                 "Wall time per stage of a search request (encode, search, fetch, total: "
                 "once per request; rerank: once per reranked query).",
                 ["stage", "model", "size"],
-                buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
-            encode_seconds=Histogram(
+            encode_seconds=latency_histogram(
                 "gtr_encode_seconds",
                 "Time of a successful query encoder call, one per Search or BatchSearch "
                 "request that is not answered from the query cache (the encode SLI's good "
                 "events).",
                 ["model", "size"],
-                buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
             encode_calls=Counter(
@@ -91,13 +89,12 @@ class GatewayMetrics:
                 ["model", "size"],
                 registry=registry,
             ),
-            search_seconds=Histogram(
+            search_seconds=latency_histogram(
                 "gtr_search_seconds",
                 "End-to-end time of a Search request answered OK, by whether it asked for "
                 "a rerank (the search SLI's good events; its valid events are "
                 'grpc_server_handled_total{service="gateway", method="Search"}).',
                 ["model", "size", "rerank"],
-                buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
             partial_results=Counter(

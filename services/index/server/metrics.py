@@ -12,7 +12,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common import positions
-from services.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from services.common.metrics import BATCH_BUCKETS, latency_histogram
 from services.index.changelog import LogReader
 from services.index.core.shard import IvfPqShard, ShardStats
 
@@ -41,11 +41,10 @@ class ShardMetrics:
             registry=registry,
         ).labels(str(shard), replica, generation).set(1)
         return cls(
-            search_seconds=Histogram(
+            search_seconds=latency_histogram(
                 "index_search_seconds",
                 "Time of one FAISS search call (a micro-batch of queries).",
                 labels,
-                buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
             batch_size=Histogram(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.common.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+from services.common.metrics import BATCH_BUCKETS, latency_histogram
 
 
 @dataclass
@@ -18,10 +18,9 @@ class RerankMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RerankMetrics:
         return cls(
-            latency=Histogram(
+            latency=latency_histogram(
                 "rerank_score_seconds",
                 "Time to score all pairs of one request.",
-                buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
             pairs=Counter("rerank_pairs", "(query, candidate) pairs scored.", registry=registry),
