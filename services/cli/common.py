@@ -11,18 +11,25 @@ and exit status 2; ``add_command`` registers a sub-command whose handler runs so
 or a file that is not PEM, is such a domain error naming the flags. ``triton_tls`` is
 Triton's TLS of the files a command resolved: a client certificate without a CA is such an
 error too, naming ``--triton-ca``.
+``config_from_args`` builds a command's dataclass config from its flags by field name.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.common.errors import RetrievalError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 UINT32_MAX = 2**32 - 1
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def _whole_number(text: str) -> int:
@@ -74,6 +81,19 @@ def add_command(
     p: argparse.ArgumentParser = commands.add_parser(name, **parser)
     p.set_defaults(func=lambda args: run_handler(handler, args))
     return p
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, **explicit: Any) -> C:
+    """The dataclass ``cls`` from a command's flags: a field takes the value of the flag
+    whose dest is its name; ``explicit`` gives the fields no flag maps to 1:1 (a renamed,
+    negated or converted flag) and wins; any other field keeps the class's default.
+    ``explicit`` naming no field of ``cls`` is a TypeError, as the constructor's would be."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(explicit) - names)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(unknown)}")
+    given = {name: getattr(args, name) for name in names - set(explicit) if hasattr(args, name)}
+    return cls(**given, **explicit)
 
 
 def tls_flags(args: argparse.Namespace, prefix: str) -> tuple[str | None, str | None, str | None]:

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, non_negative_int, tls_flags, triton_tls
+from services.cli.common import (
+    add_command,
+    config_from_args,
+    non_negative_int,
+    tls_flags,
+    triton_tls,
+)
 from services.cli.encoder_train_commands import add_train
 from services.common.errors import InvalidArgument
 
@@ -148,18 +154,19 @@ def perf_texts(codec: Any, kind: str, tokens: int, count: int) -> list[str]:
 
 
 def _repo(args: argparse.Namespace) -> int:
-    from services.encoder.build.repository import RepositoryConfig, generate_repository
+    from services.encoder.build.repository import (
+        TRITON_IMAGE_TAG,
+        RepositoryConfig,
+        generate_repository,
+    )
 
-    cfg = RepositoryConfig(
-        flavor=args.flavor,
-        instances=args.instances,
+    cfg = config_from_args(
+        RepositoryConfig,
+        args,
         intra_op_threads=args.threads,
-        max_batch=args.max_batch,
         max_queue_delay_us=args.queue_delay_us,
-        max_queue_size=args.max_queue_size,
-        allow_spinning=args.allow_spinning,
         plan_path=Path(args.plan) if args.plan else None,
-        **({"triton_image_tag": args.triton_image_tag} if args.triton_image_tag else {}),
+        triton_image_tag=args.triton_image_tag or TRITON_IMAGE_TAG,
     )
     repo = generate_repository(Path(args.onnx), Path(args.out), cfg)
     print(f"{args.flavor} repository for {repo.meta.model_name} at {repo.root}: "

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, positive_int, run_handler
+from services.cli.common import add_command, config_from_args, positive_int, run_handler
 
 ARCH_CHOICES = ("sde", "ade", "ade-ste", "ade-fte", "ade-spl")
 
@@ -164,33 +164,16 @@ def _train(args: argparse.Namespace) -> int:
     from services.encoder.train.trainer import TrainConfig, train
 
     first, last = args.negative_ranks
-    cfg = TrainConfig(
+    cfg = config_from_args(
+        TrainConfig,
+        args,
         data_dir=Path(args.data),
         out=Path(args.out),
-        arch=args.arch,
         base=Path(args.model_dir) if args.model_dir else None,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        micro_batch=args.micro_batch,
-        lr=args.lr,
-        temperature=args.temperature,
-        negatives=args.negatives,
         negative_skip=first - 1,
         negative_depth=last,
-        max_query_len=args.max_query_len,
-        max_doc_len=args.max_doc_len,
-        seed=args.seed,
-        dev_fraction=args.dev_fraction,
-        eval_every=args.eval_every,
-        dev_pool_depth=args.dev_pool_depth,
-        checkpoint_every=args.checkpoint_every,
-        stop_after=args.stop_after,
-        resume=args.resume,
         index_dir=Path(args.index_dir) if args.index_dir else None,
-        threads=args.threads,
         final_eval=not args.no_final_eval,
-        eval_doc_len=args.eval_doc_len,
-        eval_corpus=args.eval_corpus,
         progress=not args.quiet,
     )
     manifest = train(cfg).manifest

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.cli.common import config_from_args
 from services.cli.encoder_train_commands import add_encoder_eval_args, run_encoder_eval
 
 DESCRIPTION = """\
@@ -123,19 +124,12 @@ def run(args: argparse.Namespace) -> int:
     from services.eval.run import evaluate
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = EvalConfig(
+    cfg = config_from_args(
+        EvalConfig,
+        args,
         data_dir=args.data,
-        split=args.split,
         nprobes=tuple(args.nprobe),
-        rerank_checkpoint=args.rerank_checkpoint,
-        rerank_depth=args.rerank_depth,
-        max_queries=args.max_queries,
-        negatives=args.negatives,
-        temperature=args.temperature,
-        run_dir=args.run_dir,
-        threads=args.threads,
         progress=not args.quiet,
-        gateway=args.gateway,
         ingest=not args.no_ingest,
         timeout_s=args.timeout,
     )

@@ -9,6 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from services.cli.common import config_from_args
+
 DESCRIPTION = """\
 Capacity plan from corpus size, query rate, encoder size, latency SLO, rerank depth and
 replicas: shards, replicas per shard, GPUs, CPU cores and memory. Every figure prints
@@ -85,19 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         m = measured.load(args.results or measured.RESULTS)
-        inp = PlanInput(
-            docs=args.docs,
-            qps=args.qps,
-            model=args.model,
-            slo_ms=args.slo_ms,
-            rerank_depth=args.rerank_depth,
-            min_replicas=args.replicas,
-            utilisation=args.utilisation,
-            shard_memory_gib=args.shard_memory_gib,
-            overhead_ms=args.overhead_ms,
-            doc_bytes=args.doc_bytes,
-            encoder_arch=args.encoder_arch,
-        )
+        inp = config_from_args(PlanInput, args, min_replicas=args.replicas)
         result = plan(inp, m)
         fit = ScalingFit.read(args.scaling_fit) if args.scaling_fit else None
         rows = size_table(fit, args.annotations)

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import run_handler
+from services.cli.common import config_from_args, run_handler
 from services.cli.serve import add_serve
 
 _TRAIN_EPILOG = """\
@@ -132,14 +132,9 @@ def _train(args: argparse.Namespace) -> int:
         from services.rerank.train.trainer import TrainConfig, train
 
         _threads(a.threads)
-        cfg = TrainConfig(
-            data_dir=Path(a.data), out=Path(a.out),
-            backbone=Path(a.backbone) if a.backbone else None, variant=a.variant,
-            d_tok=a.d_tok, normalize=a.normalize, max_len=a.max_len, steps=a.steps,
-            queries_per_step=a.queries_per_step, negatives=a.negatives,
-            negative_depth=a.negative_depth, lr=a.lr, head_lr=a.head_lr, seed=a.seed,
-            dev_fraction=a.dev_fraction, max_train_queries=a.max_train_queries,
-            checkpoint_every=a.checkpoint_every, resume=a.resume,
+        cfg = config_from_args(
+            TrainConfig, a, data_dir=Path(a.data), out=Path(a.out),
+            backbone=Path(a.backbone) if a.backbone else None,
         )  # fmt: skip
         result = train(cfg)
         tail = result.losses[-50:]
@@ -156,10 +151,9 @@ def _eval(args: argparse.Namespace) -> int:
         from services.eval.rerank import CheckpointEvalConfig, evaluate
 
         _threads(a.threads)
-        cfg = CheckpointEvalConfig(
-            data_dir=Path(a.data), checkpoints=tuple(Path(c) for c in a.checkpoint),
-            depth=a.depth, max_queries=a.max_queries, batch_size=a.batch_size,
-            untrained=a.untrained, seed=a.seed, max_len=a.max_len,
+        cfg = config_from_args(
+            CheckpointEvalConfig, a, data_dir=Path(a.data),
+            checkpoints=tuple(Path(c) for c in a.checkpoint),
         )  # fmt: skip
         report = json.dumps(evaluate(cfg))
         if a.out:

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from services.cli.common import config_from_args
+
 
 def add_cli(sub: Any) -> None:
     up = sub.add_parser(
@@ -139,23 +141,13 @@ def _up(args: argparse.Namespace) -> int:
     configure_logging("text", args.log_level.upper(), service="up")
     if args.fresh and args.run_dir.exists():
         shutil.rmtree(args.run_dir)
-    config = StackConfig(
-        run_dir=args.run_dir,
-        corpus=args.corpus,
-        shards=args.shards,
-        replicas=args.replicas,
-        encoder=args.encoder,
+    config = config_from_args(
+        StackConfig,
+        args,
         rerank=not args.no_rerank,
         prometheus=not args.no_prometheus,
-        rerank_checkpoint=args.rerank_checkpoint,
         gateway_port=args.port,
         serve=not args.no_serve,
-        redis_fsync=args.redis_fsync,
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
-        auth=args.auth,
-        tls=args.tls,
-        query_cache=args.query_cache,
-        query_cache_ttl_s=args.query_cache_ttl_s,
-        query_cache_max_entries=args.query_cache_max_entries,
     )
     return run_stack(config)

@@ -1,0 +1,54 @@
+"""services.cli.common.config_from_args: a command's dataclass config from its flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.cli.common import config_from_args
+from services.cli.main import build_parser
+
+
+@dataclass(frozen=True)
+class _Config:
+    data_dir: Path
+    depth: int = 100
+    progress: bool = True
+    seed: int = 13
+
+
+def test_a_field_takes_the_flag_of_its_name_and_an_explicit_value_wins() -> None:
+    args = argparse.Namespace(data="d", depth=7, seed=5, quiet=True, command="x")
+    cfg = config_from_args(_Config, args, data_dir=Path(args.data), seed=1)
+    assert cfg == _Config(data_dir=Path("d"), depth=7, progress=True, seed=1)
+
+
+def test_a_field_no_flag_names_keeps_the_class_default() -> None:
+    cfg = config_from_args(_Config, argparse.Namespace(), data_dir=Path("d"))
+    assert (cfg.depth, cfg.progress, cfg.seed) == (100, True, 13)
+
+
+def test_an_explicit_value_for_no_field_is_refused() -> None:
+    with pytest.raises(TypeError, match="_Config has no field timeout_s"):
+        config_from_args(_Config, argparse.Namespace(), data_dir=Path("d"), timeout_s=3.0)
+
+
+def test_up_passes_every_flag_into_the_stack_config() -> None:
+    """The real parser and config: a flag renamed on one side only would keep its default
+    here, so each one is set to something other than its default and read back."""
+    from services.stack.config import StackConfig
+
+    argv = ["up", "--corpus", "c.jsonl", "--run-dir", "r", "--shards", "3", "--replicas", "2",
+            "--encoder", "inprocess", "--rerank-checkpoint", "ck", "--port", "0",
+            "--redis-fsync", "everysec", "--auth", "--tls", "--query-cache",
+            "--query-cache-ttl-s", "3", "--query-cache-max-entries", "4"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(StackConfig, args, gateway_port=args.port)
+    assert (cfg.run_dir, cfg.corpus, cfg.shards, cfg.replicas, cfg.encoder) == (
+        Path("r"), Path("c.jsonl"), 3, 2, "inprocess")  # fmt: skip
+    assert (cfg.rerank_checkpoint, cfg.gateway_port, cfg.redis_fsync) == (Path("ck"), 0, "everysec")
+    assert (cfg.auth, cfg.tls, cfg.query_cache) == (True, True, True)
+    assert (cfg.query_cache_ttl_s, cfg.query_cache_max_entries) == (3.0, 4)
