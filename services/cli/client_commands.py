@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -71,7 +72,7 @@ def add_cli(sub: Any) -> None:
     ingest.add_argument("--parallel", type=int, default=2, help="Upserts in flight.")
     ingest.add_argument("--limit", type=int, default=None, help="Stop after N documents.")
     _add_gateway_flag(ingest)
-    ingest.set_defaults(handler=_ingest, timeout=120.0)
+    ingest.set_defaults(handler=_rpc_errors(_ingest), timeout=120.0)
 
     search = sub.add_parser(
         "search",
@@ -127,30 +128,45 @@ def add_cli(sub: Any) -> None:
     )
     search.add_argument("--json", action="store_true", help="Print the response as JSON.")
     _add_gateway_flag(search)
-    search.set_defaults(handler=_search)
+    search.set_defaults(handler=_rpc_errors(_search))
 
     get = sub.add_parser("get", help="Print one document.")
     get.add_argument("id")
     _add_gateway_flag(get)
-    get.set_defaults(handler=_get)
+    get.set_defaults(handler=_rpc_errors(_get))
 
     delete = sub.add_parser("delete", help="Delete documents by id.")
     delete.add_argument("ids", nargs="+")
     _add_gateway_flag(delete)
-    delete.set_defaults(handler=_delete)
+    delete.set_defaults(handler=_rpc_errors(_delete))
 
 
-def _fail(exc: grpc.RpcError) -> int:
-    print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
-    return 1
+def _rpc_errors(
+    handler: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """``handler`` whose failed gateway call is said on stderr as ``error: CODE: details``,
+    exit status 1 (the code is what a script branches on: UNAVAILABLE, NOT_FOUND, ...)."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            return 1
+
+    return run
+
+
+def _documents(args: argparse.Namespace, rpc: str, request: Any) -> Any:
+    """``DocumentService.<rpc>(request)`` through the gateway of ``args`` within --timeout."""
+    with resolve_gateway(args).channel() as channel:
+        call = getattr(documents_pb2_grpc.DocumentServiceStub(channel), rpc)
+        return call(request, timeout=args.timeout)
 
 
 def _ingest(args: argparse.Namespace) -> int:
     gateway = resolve_gateway(args)
-    try:
-        n = ingest_file(gateway, args.file, args.batch, args.parallel, args.limit, args.timeout)
-    except grpc.RpcError as exc:
-        return _fail(exc)
+    n = ingest_file(gateway, args.file, args.batch, args.parallel, args.limit, args.timeout)
     print(f"upserted {n} documents through {gateway.address}")
     return 0
 
@@ -169,25 +185,21 @@ def _search(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    gateway = resolve_gateway(args)
-    try:
-        response = search_once(
-            gateway,
-            args.query,
-            args.k,
-            args.timeout,
-            consistency=args.consistency,
-            filters=args.filter,
-            rerank=args.rerank,
-            depth=args.depth,
-            mode=args.mode,
-            fusion=args.fusion,
-            rrf_k=args.rrf_k,
-            dense_weight=args.dense_weight,
-            candidates=args.candidates,
-        )
-    except grpc.RpcError as exc:
-        return _fail(exc)
+    response = search_once(
+        resolve_gateway(args),
+        args.query,
+        args.k,
+        args.timeout,
+        consistency=args.consistency,
+        filters=args.filter,
+        rerank=args.rerank,
+        depth=args.depth,
+        mode=args.mode,
+        fusion=args.fusion,
+        rrf_k=args.rrf_k,
+        dense_weight=args.dense_weight,
+        candidates=args.candidates,
+    )
     if args.json:
         from google.protobuf.json_format import MessageToJson
 
@@ -198,14 +210,7 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _get(args: argparse.Namespace) -> int:
-    with resolve_gateway(args).channel() as channel:
-        try:
-            resp = documents_pb2_grpc.DocumentServiceStub(channel).Get(
-                documents_pb2.GetRequest(id=args.id), timeout=args.timeout
-            )
-        except grpc.RpcError as exc:
-            return _fail(exc)
-    d = resp.document
+    d = _documents(args, "Get", documents_pb2.GetRequest(id=args.id)).document
     print(
         json.dumps(
             {"id": d.id, "title": d.title, "text": d.text, "metadata": dict(d.metadata)},
@@ -217,12 +222,6 @@ def _get(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    with resolve_gateway(args).channel() as channel:
-        try:
-            resp = documents_pb2_grpc.DocumentServiceStub(channel).Delete(
-                documents_pb2.DeleteRequest(ids=args.ids), timeout=args.timeout
-            )
-        except grpc.RpcError as exc:
-            return _fail(exc)
+    resp = _documents(args, "Delete", documents_pb2.DeleteRequest(ids=args.ids))
     print(f"deleted {resp.deleted}; not found: {list(resp.not_found)}")
     return 0
