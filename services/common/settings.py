@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
@@ -131,21 +131,39 @@ REDIS_URL_FILE_HELP = (
     "a URL with a password stays off the command line, where every local user sees it "
     "(`ps`). `gtr-retrieval up` passes its Redis this way."
 )
-RedisSettingsT = TypeVar("RedisSettingsT", bound=BaseSettings)
 
 
-def read_redis_url_file(settings: RedisSettingsT) -> RedisSettingsT:
-    """A model validator for settings with ``redis_url`` and ``redis_url_file``: the
-    URL read from the file replaces ``redis_url``."""
-    from services.common.redis_client import read_redis_url
+class RedisSettings(ServiceSettings):
+    """A service that uses the store's Redis (the gateway, an index shard): its URL, given
+    as ``--redis-url`` or read from ``--redis-url-file``, checked at start."""
 
-    path = getattr(settings, "redis_url_file", None)
-    if path is None:
-        return settings
-    if "redis_url" in settings.model_fields_set:
-        raise ValueError("give --redis-url or --redis-url-file, not both")
-    settings.redis_url = read_redis_url(path)  # type: ignore[attr-defined]
-    return settings
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="The store's Redis (documents, change logs, generations registry): "
+        "redis://host:port/0 (rediss:// with TLS) for one Redis, "
+        "redis+cluster://host:port,host:port (rediss+cluster://) for a Redis Cluster (the "
+        "nodes are seeds; user:password@ before them for AUTH).",
+    )
+    redis_url_file: str | None = Field(None, description=REDIS_URL_FILE_HELP)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        from services.common.redis_client import check_redis_url
+
+        return check_redis_url(value)
+
+    @model_validator(mode="after")
+    def _redis_url_file(self) -> RedisSettings:
+        """The URL read from ``--redis-url-file`` replaces ``--redis-url``."""
+        from services.common.redis_client import read_redis_url
+
+        if self.redis_url_file is None:
+            return self
+        if "redis_url" in self.model_fields_set:
+            raise ValueError("give --redis-url or --redis-url-file, not both")
+        self.redis_url = read_redis_url(self.redis_url_file)
+        return self
 
 
 class SettingsError(SystemExit):

@@ -12,12 +12,7 @@ from services.common.auth import Authenticator
 from services.common.discovery import parse_addresses
 from services.common.errors import RetrievalError
 from services.common.fusion import Fusion, Method, Mode, RetrievalDefaults
-from services.common.redis_client import check_redis_url
-from services.common.settings import (
-    REDIS_URL_FILE_HELP,
-    ClientTLSSettings,
-    read_redis_url_file,
-)
+from services.common.settings import ClientTLSSettings, RedisSettings
 from services.common.slo import SLOS
 from services.common.tls import ClientTLS
 from services.encoder.runtime.triton_client import triton_addresses
@@ -37,17 +32,10 @@ def parse_shard_addresses(spec: str) -> list[list[str]]:
     return [parse_addresses(part, "a shard") for part in parts]
 
 
-class GatewaySettings(ClientTLSSettings):
+class GatewaySettings(RedisSettings, ClientTLSSettings):
     model_config = SettingsConfigDict(env_prefix="GTR_GATEWAY_", extra="forbid")
 
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
-    redis_url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="Document store + change log: redis://host:port/0 (rediss:// with TLS) "
-        "for one Redis, redis+cluster://host:port,host:port (rediss+cluster://) for a "
-        "Redis Cluster (the nodes are seeds; user:password@ before them for AUTH).",
-    )
-    redis_url_file: str | None = Field(None, description=REDIS_URL_FILE_HELP)
     shards: str = Field(
         "",
         description="Index shard replicas: 'host:port,host:port;host:port' "
@@ -273,9 +261,6 @@ class GatewaySettings(ClientTLSSettings):
     def triton_client_tls(self) -> ClientTLS | None:
         """TLS of the channel to Triton: :meth:`client_tls` unless ``triton_tls`` is off."""
         return self.client_tls() if self.triton_tls else None
-
-    _redis_url = field_validator("redis_url")(check_redis_url)
-    _redis_url_file = model_validator(mode="after")(read_redis_url_file)
 
     @field_validator("encoder_size")
     @classmethod

@@ -8,17 +8,12 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.redis_client import check_redis_url
-from services.common.settings import (
-    REDIS_URL_FILE_HELP,
-    ClientTLSSettings,
-    read_redis_url_file,
-)
+from services.common.settings import ClientTLSSettings, RedisSettings
 from services.index.core.text import TextConfig, check_language
 from services.index.generations import generation_number
 
 
-class ShardSettings(ClientTLSSettings):
+class ShardSettings(RedisSettings, ClientTLSSettings):
     model_config = SettingsConfigDict(env_prefix="GTR_SHARD_", extra="forbid")
 
     port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
@@ -34,12 +29,6 @@ class ShardSettings(ClientTLSSettings):
         default_factory=socket.gethostname,
         description="Stable replica name (the pod name); keys its snapshot position.",
     )
-    redis_url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="Where the log lives: redis://host:port/0 (rediss:// with TLS) for one "
-        "Redis, redis+cluster://host:port,host:port (rediss+cluster://) for a Redis Cluster.",
-    )
-    redis_url_file: str | None = Field(None, description=REDIS_URL_FILE_HELP)
     index_dir: str = Field(..., description="Directory of the trained index (`index train`).")
     snapshot_dir: str = Field(..., description="This replica's snapshot directory.")
     snapshot_every_entries: int = Field(20_000, ge=1, description="Snapshot after N changes.")
@@ -99,7 +88,6 @@ class ShardSettings(ClientTLSSettings):
         description="Working directory of the text index (default: <snapshot-dir>/text, "
         "beside the snapshots on the same volume).",
     )
-    _redis_url = field_validator("redis_url")(check_redis_url)
 
     @field_validator("generation")
     @classmethod
@@ -108,7 +96,6 @@ class ShardSettings(ClientTLSSettings):
         return value
 
     _text_language = field_validator("text_language")(check_language)
-    _redis_url_file = model_validator(mode="after")(read_redis_url_file)
 
     def text_config(self) -> TextConfig | None:
         """Where and how the text index lives (None: ``--no-text-index``)."""
