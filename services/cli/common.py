@@ -12,6 +12,8 @@ or a file that is not PEM, is such a domain error naming the flags. ``triton_tls
 Triton's TLS of the files a command resolved: a client certificate without a CA is such an
 error too, naming ``--triton-ca``.
 ``config_from_args`` builds a command's dataclass config from its flags by field name.
+``add_group`` adds a command that only groups sub-commands (``gtr-retrieval index …``);
+``group_commands`` finds that list again for a module that adds to it.
 """
 
 from __future__ import annotations
@@ -81,6 +83,23 @@ def add_command(
     p: argparse.ArgumentParser = commands.add_parser(name, **parser)
     p.set_defaults(func=lambda args: run_handler(handler, args))
     return p
+
+
+def add_group(commands: Any, name: str, *, metavar: str = "ACTION", **parser: Any) -> Any:
+    """``commands.add_parser(name, **parser)`` for a command that only groups
+    sub-commands (``gtr-retrieval index train``): one of them is required, its name is
+    ``args.<name>_command``. Returns the list to add them to."""
+    group = commands.add_parser(name, **parser)
+    return group.add_subparsers(dest=f"{name}_command", metavar=metavar, required=True)
+
+
+def group_commands(commands: Any, name: str) -> Any:
+    """The sub-command list of the group ``name`` that :func:`add_group` made, for a module
+    that adds more to it (``index rollout`` beside ``index train``)."""
+    for action in commands.choices[name]._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise RuntimeError(f"the {name} command has no sub-commands")
 
 
 def config_from_args(cls: type[C], args: argparse.Namespace, **explicit: Any) -> C:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from services.cli.common import add_group
+
 
 def add_cli(sub: Any) -> None:
-    corpus = sub.add_parser("corpus", help="Corpora that ship with the system.")
-    csub = corpus.add_subparsers(dest="corpus_command", metavar="CORPUS", required=True)
+    csub = add_group(sub, "corpus", metavar="CORPUS", help="Corpora that ship with the system.")
     stdlib = csub.add_parser(
         "stdlib",
         help="Write the Python standard library documentation as a JSONL corpus.",

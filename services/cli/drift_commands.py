@@ -14,10 +14,12 @@ import logging
 import sys
 from typing import Any
 
+from services.cli.common import group_commands
+
 
 def add_cli(sub: Any) -> None:
     """Add the two actions to the ``index`` command (it exists: index_commands adds it)."""
-    isub = _index_actions(sub)
+    isub = group_commands(sub, "index")
 
     watch = isub.add_parser(
         "drift-watch",
@@ -90,15 +92,6 @@ def add_cli(sub: Any) -> None:
     )
     wait.add_argument("--timeout", type=_duration, default=None, help="Give up after this.")
     wait.set_defaults(handler=_await_generation)
-
-
-def _index_actions(sub: Any) -> Any:
-    """The ``index`` command's sub-command list, to add actions to."""
-    index = sub.choices["index"]
-    for action in index._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    raise RuntimeError("the index command has no sub-commands")
 
 
 def _positive_float(text: str) -> float:

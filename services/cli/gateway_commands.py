@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.cli.common import add_group
 from services.cli.serve import add_serve
 
 
 def add_cli(sub: Any) -> None:
-    gateway = sub.add_parser("gateway", help="The public gRPC gateway.")
-    actions = gateway.add_subparsers(dest="gateway_command", metavar="ACTION", required=True)
+    actions = add_group(sub, "gateway", help="The public gRPC gateway.")
     add_serve(
         actions,
         help="Run the gateway (SearchService + DocumentService).",

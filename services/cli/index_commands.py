@@ -8,13 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, client_tls, tls_flags
+from services.cli.common import add_command, add_group, client_tls, tls_flags
 from services.cli.serve import add_serve
 
 
 def add_cli(sub: Any) -> None:
-    index = sub.add_parser("index", help="FAISS IVF-PQ shards: train, serve, inspect.")
-    isub = index.add_subparsers(dest="index_command", metavar="ACTION", required=True)
+    isub = add_group(sub, "index", help="FAISS IVF-PQ shards: train, serve, inspect.")
 
     train = isub.add_parser(
         "train",

@@ -6,12 +6,13 @@ import argparse
 import sys
 from typing import Any
 
+from services.cli.common import add_group
+
 
 def add_cli(sub: Any) -> None:
-    redis_cmd = sub.add_parser(
-        "redis", help="The Redis document store and change logs: key layout, migration."
+    rsub = add_group(
+        sub, "redis", help="The Redis document store and change logs: key layout, migration."
     )
-    rsub = redis_cmd.add_subparsers(dest="redis_command", metavar="ACTION", required=True)
     url_help = (
         "redis://host:port/0 (one Redis) or redis+cluster://host:port,host:port "
         "(a Redis Cluster); rediss:// and rediss+cluster:// with TLS"

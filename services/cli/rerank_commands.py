@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import config_from_args, run_handler
+from services.cli.common import add_group, config_from_args, run_handler
 from services.cli.serve import add_serve
 
 _TRAIN_EPILOG = """\
@@ -27,8 +27,7 @@ Example (SciFact, ~12 + ~11 min on 2 CPU cores; nDCG@10 0.670 -> 0.743):
 
 
 def add_cli(sub: Any) -> None:
-    rerank = sub.add_parser("rerank", help="The CELI cross-encoder reranker.")
-    rsub = rerank.add_subparsers(dest="rerank_command", metavar="ACTION", required=True)
+    rsub = add_group(sub, "rerank", help="The CELI cross-encoder reranker.")
     add_serve(
         rsub,
         help="Run RerankService.",
