@@ -148,18 +148,11 @@ def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             help="--retrain: the serving generation's replicas ('host:port,host:port;"
             "host:port') when {gtr}:addrs does not name them.",
         )  # fmt: skip
-    stack = "default: the local stack's"
-    parser.add_argument(
-        "--tls-ca", default=None, metavar="PEM",
-        help="PEM CA of the shard replicas: talk TLS to them ("
-        + both("--retrain's export of the serving replicas' vectors and ", "")
-        + f"the switch's wait for the new serving replicas; {stack}).",
+    _shard_tls_flags(
+        parser, "talk TLS to them",
+        both("--retrain's export of the serving replicas' vectors and ", "")
+        + "the switch's wait for the new serving replicas; ",
     )  # fmt: skip
-    parser.add_argument("--tls-client-cert", default=None, metavar="PEM",
-                        help="PEM client certificate for replicas that require one (mTLS, "
-                        f"as under `up --tls`; {stack}).")  # fmt: skip
-    parser.add_argument("--tls-client-key", default=None, metavar="PEM",
-                        help=f"PEM key of --tls-client-cert ({stack}).")  # fmt: skip
     parser.add_argument(
         "--metrics-port", type=int, default=None,
         help=both("Serve Prometheus metrics (gtr_rollout_*) on this port.", "Prometheus port."),
@@ -167,6 +160,23 @@ def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     parser.add_argument("--yes", action="store_true", help="Do not ask before starting.")
     _connection_flags(parser, triton=True)
+
+
+def _shard_tls_flags(parser: argparse.ArgumentParser, ca_use: str, ca_when: str = "") -> None:
+    """--tls-ca, --tls-client-cert and --tls-client-key: the shard replicas' TLS, read by
+    :func:`_shard_tls`; the CA's help says ``ca_use`` (what it is for) and ``ca_when``."""
+    stack = "default: the local stack's"
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help=f"PEM CA of the shard replicas: {ca_use} ({ca_when}{stack}).",
+    )
+    parser.add_argument("--tls-client-cert", default=None, metavar="PEM",
+                        help="PEM client certificate for replicas that require one (mTLS, "
+                        f"as under `up --tls`; {stack}).")  # fmt: skip
+    parser.add_argument("--tls-client-key", default=None, metavar="PEM",
+                        help=f"PEM key of --tls-client-cert ({stack}).")  # fmt: skip
 
 
 def add_cli(sub: Any) -> None:
@@ -266,15 +276,7 @@ def add_cli(sub: Any) -> None:
         ),
     )  # fmt: skip
     listing.add_argument("--json", action="store_true", help="Print JSON.")
-    stack = "default: the local stack's"
-    listing.add_argument("--tls-ca", default=None, metavar="PEM",
-                         help="PEM CA of the shard replicas: ask their Stats over TLS "
-                         f"({stack}).")  # fmt: skip
-    listing.add_argument("--tls-client-cert", default=None, metavar="PEM",
-                         help="PEM client certificate for replicas that require one (mTLS, "
-                         f"as under `up --tls`; {stack}).")  # fmt: skip
-    listing.add_argument("--tls-client-key", default=None, metavar="PEM",
-                         help=f"PEM key of --tls-client-cert ({stack}).")  # fmt: skip
+    _shard_tls_flags(listing, "ask their Stats over TLS")
     _connection_flags(listing)
 
 

@@ -93,6 +93,18 @@ def test_malformed_bytes_and_wrong_wire_types_are_invalid_argument() -> None:
     asyncio.run(_with_server(body))
 
 
+def test_a_method_no_service_has_is_unimplemented() -> None:
+    """The interceptors let a call with no handler through untouched: gRPC's own answer."""
+
+    async def body(channel: grpc.aio.Channel) -> None:
+        for method in ("/retrieval.v1.RerankService/Nope", "/no.such.Service/Call"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await channel.unary_unary(method)(b"")
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, method
+
+    asyncio.run(_with_server(body))
+
+
 def test_health_reflection_and_metrics() -> None:
     async def body(channel: grpc.aio.Channel) -> None:
         health = health_pb2_grpc.HealthStub(channel)
