@@ -172,13 +172,13 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    fusion_flags = {
-        "--fusion": args.fusion,
-        "--rrf-k": args.rrf_k,
-        "--dense-weight": args.dense_weight,
-        "--candidates": args.candidates,
+    fusion = {  # a hybrid search's options, each named as the request and its flag's dest
+        "fusion": args.fusion,
+        "rrf_k": args.rrf_k,
+        "dense_weight": args.dense_weight,
+        "candidates": args.candidates,
     }
-    given = [flag for flag, value in fusion_flags.items() if value is not None]
+    given = [f"--{name.replace('_', '-')}" for name, value in fusion.items() if value is not None]
     if given and args.mode in ("dense", "sparse"):  # the gateway refuses them alike
         print(
             f"error: {', '.join(given)}: only a hybrid search fuses, not --mode {args.mode}",
@@ -195,10 +195,7 @@ def _search(args: argparse.Namespace) -> int:
         rerank=args.rerank,
         depth=args.depth,
         mode=args.mode,
-        fusion=args.fusion,
-        rrf_k=args.rrf_k,
-        dense_weight=args.dense_weight,
-        candidates=args.candidates,
+        **fusion,
     )
     if args.json:
         from google.protobuf.json_format import MessageToJson
