@@ -46,6 +46,7 @@ from services.common.fusion import Fusion, Method, fuse
 from services.corpus.beir import load_beir
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.query import IndexQuery
 from services.index.core.text import TextDoc, TextIndex
 from services.index.core.train import TrainOptions, train_index
 from tests.support.processes import run_redis
@@ -83,12 +84,13 @@ async def service_sparse_qps(
         nonlocal done
         i = offset
         while time.perf_counter() < stop:
-            await router.search(None, 0, texts=[queries[i % len(queries)]], sparse_k=10, timeout=5)
+            query = IndexQuery(None, 0, texts=(queries[i % len(queries)],), sparse_k=10)
+            await router.search(query, timeout=5)
             done += 1
             i += clients
 
     for q in queries[:50]:  # warm the channels
-        await router.search(None, 0, texts=[q], sparse_k=10, timeout=5)
+        await router.search(IndexQuery(None, 0, texts=(q,), sparse_k=10), timeout=5)
     start = time.perf_counter()
     stop = start + seconds
     await asyncio.gather(*[client(c) for c in range(clients)])
@@ -113,9 +115,10 @@ async def open_loop(
     async def one(i: int) -> None:
         t = time.perf_counter()
         if hybrid:
-            r = await router.search(
-                vectors[i : i + 1], CANDIDATES, texts=[texts[i]], sparse_k=CANDIDATES, timeout=5
+            query = IndexQuery(
+                vectors[i : i + 1], CANDIDATES, texts=(texts[i],), sparse_k=CANDIDATES
             )
+            r = await router.search(query, timeout=5)
             assert r.sparse is not None
             fuse(
                 [(h.id, h.score) for h in r.hits[0]],
@@ -124,7 +127,7 @@ async def open_loop(
                 10,
             )
         else:
-            await router.search(vectors[i : i + 1], 10, timeout=5)
+            await router.search(IndexQuery(vectors[i : i + 1], 10), timeout=5)
         latencies.append(time.perf_counter() - t)
 
     tasks = []

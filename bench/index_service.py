@@ -53,6 +53,7 @@ from services.eval.measures import score
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
+from services.index.core.query import IndexQuery
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainOptions, train_index
 from services.index.core.trained import TrainedIndex
@@ -212,9 +213,8 @@ async def service_recall(
 ) -> float:
     found: list[list[str]] = []
     for i in range(0, len(queries), 250):
-        result = await router.search(
-            queries[i : i + 250], 10, nprobe=nprobe, timeout=60, require_complete=True
-        )
+        batch = IndexQuery(queries[i : i + 250], 10, nprobe=nprobe, require_complete=True)
+        result = await router.search(batch, timeout=60)
         found += [[h.id for h in row] for row in result.hits]
     return recall_at_10(found, exact, ids)
 
@@ -230,12 +230,13 @@ async def service_qps(
         i = offset
         while time.perf_counter() < stop:
             t = time.perf_counter()
-            await router.search(queries[i % len(queries)][None], 10, nprobe=nprobe, timeout=5)
+            query = IndexQuery(queries[i % len(queries)][None], 10, nprobe=nprobe)
+            await router.search(query, timeout=5)
             latencies.append(time.perf_counter() - t)
             i += clients
 
     for _ in range(warm_up):  # warm the channels and the shards
-        await router.search(queries[:1], 10, nprobe=nprobe, timeout=5)
+        await router.search(IndexQuery(queries[:1], 10, nprobe=nprobe), timeout=5)
     start = time.perf_counter()
     stop = start + seconds
     await asyncio.gather(*[client(c) for c in range(clients)])

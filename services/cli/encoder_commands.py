@@ -233,27 +233,31 @@ def _publish(args: argparse.Namespace) -> int:
 def _unpublish(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.common.redis_client import sync_client
-    from services.encoder.serve.versions import generations_using, unpublish_version
+    from services.encoder.serve.versions import VersionInUse, generations_using, unpublish_version
     from services.index.generations import Registry
 
     place = _triton_place(args)
     redis_url = args.redis_url or place.redis_url
-    if redis_url:  # a version a generation still uses stays
-        client = sync_client(redis_url)
-        try:
-            registry = Registry(client)
-            using = generations_using(registry.all(), args.version, registry.rollout())
-        finally:
-            client.close()
-        if using:
-            raise FailedPrecondition(
-                f"embed version {args.version} is the encoder of generation(s) "
-                f"{', '.join(using)}: retire them first (`gtr-retrieval index retire`)"
-            )
-    else:
+    if not redis_url:
         print("no store named (--redis-url, --run-dir): not checked that no index "
               "generation uses this version", file=sys.stderr)  # fmt: skip
-    unpublish_version(place.repo, args.version, place.url, tls=place.tls)
+    client = sync_client(redis_url) if redis_url else None
+
+    def using() -> list[str]:  # asked under the publish lock (a rollout's publish waits)
+        registry = Registry(client)
+        return generations_using(registry.all(), args.version, registry.rollout())
+
+    try:  # a version a generation, or a rollout publishing its encoder, still uses stays
+        unpublish_version(place.repo, args.version, place.url, tls=place.tls,
+                          in_use=using if client is not None else None)  # fmt: skip
+    except VersionInUse as exc:
+        raise FailedPrecondition(
+            f"embed version {args.version} is the encoder of generation(s) "
+            f"{', '.join(exc.users)}: retire them first (`gtr-retrieval index retire`)"
+        ) from None
+    finally:
+        if client is not None:
+            client.close()
     where = f" and from Triton at {place.url}" if place.url else ""
     print(f"embed version {args.version} removed from {place.repo}{where}")
     return 0

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,8 +206,9 @@ def add_cli(sub: Any) -> None:
     what.add_argument(
         "--encoder", type=Path, default=None, metavar="DIR",
         help="A new encoder: a sentence-transformers checkpoint or an `encoder export` "
-        "folder, published into the Triton repository as the next version of embed "
-        "(refused, with nothing changed, when embed cannot serve its width or tokenizer).",
+        "folder, published (once the rollout lock is taken) into the Triton repository as "
+        "the next version of embed (refused, with nothing changed, when embed cannot serve "
+        "its width or tokenizer).",
     )  # fmt: skip
     what.add_argument(
         "--retrain", action="store_true",
@@ -378,7 +380,9 @@ def _encoders(places: Places) -> Any:
     return make
 
 
-def _builder(args: argparse.Namespace, places: Places, client: Any, progress: Any) -> Any:
+def _builder(
+    args: argparse.Namespace, places: Places, client: Any, progress: Any, publisher: Any = None
+) -> Any:
     from services.index.rollout.builder import RolloutBuilder, RolloutOptions
 
     options = RolloutOptions(
@@ -393,6 +397,7 @@ def _builder(args: argparse.Namespace, places: Places, client: Any, progress: An
     return RolloutBuilder(
         client, _encoders(places), options, progress,
         source_addresses=getattr(args, "source_shards", None), shard_tls=places.shard_tls,
+        publisher=publisher,
     )  # fmt: skip
 
 
@@ -422,9 +427,17 @@ def _rollout(args: argparse.Namespace) -> int:
         aborted = RolloutBuilder(
             client, _encoders(places), RolloutOptions(index_root=places.index_root)
         ).abort()
-        print(f"aborted the rollout to {aborted['target']} (phase {aborted.get('phase')}): "
-              f"{aborted['source']} takes the writes; {aborted['target']} is "
-              f"{registry.get(aborted['target']).state}")  # fmt: skip
+        target = aborted["target"]
+        if aborted.get("phase") == "publish":  # stopped before its target was recorded
+            print(f"aborted the rollout to {target} (phase publish): {aborted['source']} "
+                  f"serves and takes the writes as before; {target} was never recorded. If "
+                  "its encoder was published before it stopped, no generation uses that "
+                  "version: `gtr-retrieval encoder versions` lists it, `encoder unpublish "
+                  "--version N` frees it")  # fmt: skip
+            return 0
+        print(f"aborted the rollout to {target} (phase {aborted.get('phase')}): "
+              f"{aborted['source']} takes the writes; {target} is "
+              f"{registry.get(target).state}")  # fmt: skip
         return 0
     running = registry.rollout()
     serving = registry.serving()
@@ -453,26 +466,30 @@ def _rollout(args: argparse.Namespace) -> int:
     if not _confirm(args, question):
         return 1
     with contextlib.ExitStack() as stack:
-        # A resumed rollout's encoder was published when it started (the same folder again).
-        encoder, added = (
-            _publish(args, places, budget) if args.encoder is not None and running is None
-            else (None, False)
-        )  # fmt: skip
-        if budget:  # after the publish: Triton reloads the serving version too, on every CPU
-            from services.index.rollout.budget import CpuBudget
+        entered: list[bool] = []
 
-            stack.enter_context(CpuBudget(client, budget, places.triton_repo))
-        plan = RolloutPlan(encoder=encoder, num_shards=args.shards, retrain=args.retrain,
+        def budgeted() -> None:
+            if budget and not entered:
+                from services.index.rollout.budget import CpuBudget
+
+                stack.enter_context(CpuBudget(client, budget, places.triton_repo))
+                entered.append(True)
+
+        # --encoder is published by the builder's first phase, under the rollout lock (a
+        # resume in that phase publishes the same folder again); the budget starts after
+        # the publish: Triton reloads the serving version too, on every CPU.
+        publishing = (args.encoder is not None if running is None
+                      else running.get("phase") == "publish")  # fmt: skip
+        if not publishing:
+            budgeted()
+        plan = RolloutPlan(num_shards=args.shards, retrain=args.retrain,
                            encoder_dir=encoder_dir)  # fmt: skip
         progress = _progress(args)
         started = time.monotonic()
         try:
-            builder = _builder(args, places, client, progress)
+            builder = _builder(args, places, client, progress,
+                               _publisher(places, budget, budgeted))  # fmt: skip
             serving_now = asyncio.run(builder.rollout(plan))
-        except BaseException:
-            if added:  # refused before its builder took the lock: no version left behind
-                _withdraw(places, registry, encoder)
-            raise
         finally:
             progress.close()
     print(f"{serving_now.name} serves ({serving_now.num_shards} shards, encoder "
@@ -492,51 +509,28 @@ def _note_displaced(registry: Any) -> None:
                   f"run: `index retire --generation {gen.name}` frees them")  # fmt: skip
 
 
-def _publish(
-    args: argparse.Namespace, places: Places, cpus: frozenset[int] | None
-) -> tuple[Any, bool]:
-    """The published version's EncoderSpec, and whether this call added it (False: the
-    same export was there already)."""
-    from services.common.errors import FailedPrecondition
-    from services.encoder.serve.versions import EMBED_MODEL, publish_version, served_versions
+def _publisher(
+    places: Places, cpus: frozenset[int] | None, published: Callable[[], None]
+) -> Callable[[str], Any] | None:
+    """The builder's publish phase (``--encoder``, under the rollout lock): the folder
+    published into the repository and loaded by the Tritons named, then ``published()``;
+    None without a repository (a rollout that needs one is refused before the lock)."""
+    repo = places.triton_repo
+    if repo is None:
+        return None
 
-    if places.triton_repo is None:
-        raise FailedPrecondition(
-            "--encoder: no Triton model repository to publish it into (give --triton-repo, "
-            "or --run-dir of a running local stack)"
-        )
-    print(f"publishing {args.encoder} into {places.triton_repo} ...", file=sys.stderr)
-    has_embed = (places.triton_repo / EMBED_MODEL).is_dir()  # else publish says what is missing
-    before = served_versions(places.triton_repo) if has_embed else []
-    spec = publish_version(places.triton_repo, args.encoder, places.triton_url,
-                           tls=places.triton_tls, cpus=cpus)  # fmt: skip
-    print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)", file=sys.stderr)
-    return spec, spec.version not in before
+    def publish(folder: str) -> Any:
+        from services.encoder.serve.versions import publish_version
 
+        print(f"publishing {folder} into {repo} ...", file=sys.stderr)
+        spec = publish_version(repo, Path(folder), places.triton_url, tls=places.triton_tls,
+                               cpus=cpus)  # fmt: skip
+        print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)",
+              file=sys.stderr)  # fmt: skip
+        published()
+        return spec
 
-def _withdraw(places: Places, registry: Any, spec: Any) -> None:
-    """Unpublish the version this rollout added when it failed with nobody using it: its
-    builder never took the rollout lock (another rollout holds it, or the plan was
-    refused), so no generation and no recorded rollout names it (the check `index
-    retire` makes). A version the builder recorded stays for the resume. Best effort:
-    the rollout's own error is what the operator sees; a failure here is a warning."""
-    from services.encoder.serve.versions import generations_using, unpublish_version
-
-    if places.triton_repo is None:  # the publish needed one
-        return
-    try:
-        if generations_using(registry.all(), spec.version, registry.rollout()):
-            return
-        unpublish_version(places.triton_repo, spec.version, places.triton_url,
-                          tls=places.triton_tls)  # fmt: skip
-    except Exception as exc:
-        print(f"warning: embed version {spec.version}, published for this rollout, stays "
-              f"published: {getattr(exc, 'message', exc)}; `gtr-retrieval encoder unpublish "
-              f"--version {spec.version} --repo {places.triton_repo}` frees it once no "
-              "generation uses it", file=sys.stderr)  # fmt: skip
-        return
-    print(f"embed version {spec.version}, published for this rollout, unpublished again: "
-          "no generation and no running rollout uses it", file=sys.stderr)  # fmt: skip
+    return publish
 
 
 def _rollback(args: argparse.Namespace) -> int:
@@ -585,13 +579,19 @@ def _release_encoder(args: argparse.Namespace, places: Places, registry: Any, ge
     """Unpublish ``gen``'s version of embed when no generation in a running state (nor
     the recorded rollout's target) uses it; 0, or ENCODER_KEPT when it could not be."""
     from services.common.errors import NotFound, RetrievalError
-    from services.encoder.serve.versions import generations_using, unpublish_version
+    from services.encoder.serve.versions import VersionInUse, generations_using, unpublish_version
 
     version = gen.encoder.version or 1  # a record without a version: version 1
-    using = generations_using(registry.all(), version, registry.rollout())
-    if using:
-        print(f"embed version {version} stays published: the encoder of {', '.join(using)}")
+
+    def using() -> list[str]:
+        return generations_using(registry.all(), version, registry.rollout())
+
+    def kept(users: list[str]) -> int:
+        print(f"embed version {version} stays published: the encoder of {', '.join(users)}")
         return 0
+
+    if using():
+        return kept(using())
     later = f"gtr-retrieval encoder unpublish --version {version}" + "".join(
         f" {flag} {value}" for flag, value in (
             ("--repo", places.triton_repo or "DIR"),
@@ -606,9 +606,11 @@ def _release_encoder(args: argparse.Namespace, places: Places, registry: Any, ge
               "published: no Triton model repository named (--triton-repo, or --run-dir of "
               f"the local stack); `{later}` frees it", file=sys.stderr)  # fmt: skip
         return 0
-    try:
+    try:  # asked again under the publish lock: a rollout may have begun publishing meanwhile
         unpublish_version(places.triton_repo, version, places.triton_url,
-                          tls=places.triton_tls)  # fmt: skip
+                          tls=places.triton_tls, in_use=using)  # fmt: skip
+    except VersionInUse as exc:
+        return kept(exc.users)
     except NotFound:  # a retire run again after the version went (or never published)
         print(f"embed version {version} is not in {places.triton_repo}: nothing to unpublish")
         return 0

@@ -45,9 +45,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.domain import TokenOrigin, WriteToken
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.positions import merge_tokens
-from services.gateway.ports import DocumentStore, DocumentWriter, Encoder, LogTails, VectorIndex
+from services.gateway.ports import (
+    DocumentStore,
+    DocumentWriter,
+    Encoder,
+    IndexQuery,
+    LogTails,
+    VectorIndex,
+)
 from services.index.client.connection import REDIS_ERRORS
 from services.index.generations import Alias, Generation, read_alias, read_generation
 from services.index.keys import FIRST_GENERATION, ROLLOUT_KEY
@@ -75,7 +82,7 @@ async def warm(bundle: Bundle, timeout_s: float) -> bool:
     try:
         async with asyncio.timeout(timeout_s):
             embedded = await bundle.encoder.encode([WARM_QUERY], "query", timeout=timeout_s)
-            await bundle.index.search(embedded.vectors, 1, timeout=timeout_s)
+            await bundle.index.search(IndexQuery(embedded.vectors, 1), timeout_s)
         return True
     except Exception as exc:
         log.info("warming generation %s failed (it serves unwarmed): %s", bundle.name, exc)
@@ -414,7 +421,10 @@ class GenerationSource:
             self._retire_others({serving.generation, serving.previous or "", target})
         if not target or target in self._bundles:
             return
-        record = await self._reader.generation(target)
+        try:
+            record = await self._reader.generation(target)
+        except NotFound:  # `index rollout --encoder` publishing: the record comes after
+            return
         if record.state not in PREPARED_STATES:
             return
         try:

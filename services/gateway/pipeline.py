@@ -53,7 +53,7 @@ from services.gateway.domain import (
 )
 from services.gateway.generations import Bundle, GenerationSource, Serving, resolve_token
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.ports import DocRecord, Reranker
+from services.gateway.ports import DocRecord, IndexQuery, Reranker
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.texts import cut_for_encoder
 from services.index.keys import CLOSED
@@ -473,18 +473,18 @@ class SearchPipeline:
 
         async def run(rows: list[int]) -> None:
             first, stage = queries[rows[0]], stages[rows[0]]
-            result = await parts.index.search(
+            query = IndexQuery(
                 vectors[rows] if stage.dense_k else None,
                 stage.dense_k,
                 nprobe=first.nprobe,
                 filter=first.filter,
                 consistency=first.consistency,
                 write_token=first.write_token,
-                timeout=deadline.remaining(),
                 require_complete=first.require_complete,
-                texts=[queries[i].text for i in rows] if stage.sparse_k else (),
+                texts=tuple(queries[i].text for i in rows) if stage.sparse_k else (),
                 sparse_k=stage.sparse_k,
             )
+            result = await parts.index.search(query, deadline.remaining())
             for j, row in enumerate(rows):
                 out[row] = _Found(
                     first_stage(stages[row], result, j, fetch_ks[row]),

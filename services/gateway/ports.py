@@ -2,7 +2,8 @@
 
 The pipeline depends on these protocols, not on grpc, Redis or Triton. The server wires
 the real implementations, which speak the shared words of :mod:`services.common.domain`
-directly (no adapters): the index's :class:`~services.index.client.router.ShardRouter`, the
+(and a search of the index is the index's own :class:`IndexQuery`) directly (no
+adapters): the index's :class:`~services.index.client.router.ShardRouter`, the
 change log's :class:`~services.index.client.writer.ChangeLogWriter` (documents and their
 log entries), :class:`~services.index.client.documents.DocumentReader` (the stored
 documents), :class:`~services.index.client.tails.LogTailReader` (the logs' newest
@@ -15,24 +16,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-
-from services.common.domain import (
-    Consistency,
-    Document,
-    FieldCondition,
-    Hit,
-    IndexResult,
-    WriteToken,
-)
+from services.common.domain import Document, Hit, IndexResult, WriteToken
 from services.encoder.base import Encoder
 from services.index.client.writer import DocRecord
+from services.index.core.query import IndexQuery
 
 __all__ = [
     "DocRecord",
     "DocumentStore",
     "DocumentWriter",
     "Encoder",
+    "IndexQuery",
     "LogTails",
     "Reranker",
     "VectorIndex",
@@ -42,22 +36,10 @@ __all__ = [
 class VectorIndex(Protocol):
     num_shards: int
 
-    async def search(
-        self,
-        vectors: np.ndarray | None,
-        k: int,
-        *,
-        nprobe: int = 0,
-        filter: Sequence[FieldCondition] = (),
-        consistency: Consistency = Consistency.EVENTUAL,
-        write_token: WriteToken | None = None,
-        timeout: float | None = None,
-        require_complete: bool = False,
-        texts: Sequence[str] = (),
-        sparse_k: int = 0,
-    ) -> IndexResult:
+    async def search(self, query: IndexQuery, timeout: float | None = None) -> IndexResult:
         """Dense top-``k`` of each vector and, with ``texts`` / ``sparse_k``, the BM25
-        lists (``IndexResult.sparse``); ``vectors`` None and ``k`` 0: sparse only."""
+        lists (``IndexResult.sparse``); ``vectors`` None and ``k`` 0: sparse only. The
+        search is an :class:`IndexQuery`, the one type the router takes too."""
         ...
 
     async def close(self) -> None: ...

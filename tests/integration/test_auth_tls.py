@@ -35,6 +35,7 @@ from services.common.tls import ClientTLS, channel
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.client.router import ShardRouter
+from services.index.core.query import IndexQuery
 from services.index.server.process import RunningShard, start_shard
 from services.rerank.serve.server import Reranker, start_rerank
 from services.rerank.serve.settings import RerankSettings
@@ -359,7 +360,8 @@ def test_a_router_without_a_client_certificate_gets_no_answer_from_an_mtls_shard
     async def search(tls: ClientTLS) -> int:
         router = ShardRouter([[secured.shard_address]], tls=tls)
         try:
-            result = await router.search(np.ones((1, 384), np.float32) / np.sqrt(384), 3, timeout=5)
+            query = IndexQuery(np.ones((1, 384), np.float32) / np.sqrt(384), 3)
+            result = await router.search(query, timeout=5)
             return len(result.hits[0])
         finally:
             await router.close()

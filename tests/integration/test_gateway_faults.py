@@ -40,6 +40,7 @@ from services.common.errors import DeadlineExceeded, Unavailable
 from services.index import convert
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.core.query import IndexQuery
 from services.index.keys import DocKeys
 from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import RestartableRedis, free_port, start_redis, stop_process
@@ -211,13 +212,14 @@ def test_tiny_deadlines_do_not_empty_the_searches_of_other_clients(stack: Stack)
     async def run() -> tuple[list[IndexResult | BaseException], list[IndexResult | BaseException]]:
         router = ShardRouter(stack.cluster.addresses)
         try:
-            await router.search(queries[:1], 5, timeout=10)  # streams open, quantizer read
+            # streams open, quantizer read
+            await router.search(IndexQuery(queries[:1], 5), timeout=10)
             patient, hasty = [], []
             for wave in range(6):
                 batch = queries[wave * 10 : wave * 10 + 10]
                 results = await asyncio.gather(
                     *[
-                        router.search(q[None], 5, timeout=0.012 if i % 3 == 0 else 5.0)
+                        router.search(IndexQuery(q[None], 5), timeout=0.012 if i % 3 == 0 else 5.0)
                         for i, q in enumerate(batch)
                     ],
                     return_exceptions=True,
@@ -244,15 +246,16 @@ def test_no_shard_answering_is_an_error_not_an_empty_answer(stack: Stack) -> Non
         router = ShardRouter(stack.cluster.addresses)
         try:
             with pytest.raises(DeadlineExceeded):
-                await router.search(stack.vectors[:1], 5, timeout=0.0005)
+                await router.search(IndexQuery(stack.vectors[:1], 5), timeout=0.0005)
             with pytest.raises(DeadlineExceeded):
-                await router.search(stack.vectors[:3], 5, timeout=0.0005)  # not coalesced
+                batch = IndexQuery(stack.vectors[:3], 5)  # not coalesced
+                await router.search(batch, timeout=0.0005)
         finally:
             await router.close()
         down = ShardRouter([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]])
         try:
             with pytest.raises(Unavailable):
-                await down.search(stack.vectors[:1], 5, timeout=5)
+                await down.search(IndexQuery(stack.vectors[:1], 5), timeout=5)
         finally:
             await down.close()
 

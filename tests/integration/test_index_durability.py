@@ -20,7 +20,7 @@ from services.common.positions import WriteToken, merge_tokens
 from services.common.redis_client import sync_client
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.core.query import Consistency
+from services.index.core.query import Consistency, IndexQuery
 from services.index.core.snapshots import list_snapshots
 from services.index.keys import log_key, snapshot_positions_key
 from tests.support.shards import run_shards, scifact_vectors, shared_test_index
@@ -56,11 +56,11 @@ async def present(
     found: set[str] = set()
     for i in range(0, len(ids), 1000):
         chunk = ids[i : i + 1000]
-        result = await router.search(
+        query = IndexQuery(
             vector[None], 1000, nprobe=nlist, filter=[("uid", chunk)],
-            consistency=Consistency.SESSION,
-            write_token=token, timeout=20, require_complete=True,
+            consistency=Consistency.SESSION, write_token=token, require_complete=True,
         )  # fmt: skip
+        result = await router.search(query, timeout=20)
         found |= {h.id for h in result.hits[0]}
     return found
 
@@ -72,10 +72,11 @@ def wait_applied(address: str, token: WriteToken, vector: np.ndarray) -> None:
     async def go() -> None:
         router = ShardRouter([[address]])
         try:
-            await router.search(
+            query = IndexQuery(
                 vector[None], 1, consistency=Consistency.SESSION, write_token=token,
-                timeout=30, require_complete=True,
+                require_complete=True,
             )  # fmt: skip
+            await router.search(query, timeout=30)
         finally:
             await router.close()
 
@@ -239,17 +240,17 @@ def test_shard_down_gives_partial_results_within_the_deadline(
 
         asyncio.run(write())
 
-        async def query(**kw: object) -> tuple[IndexResult, float]:
+        async def query(require_complete: bool = False) -> tuple[IndexResult, float]:
             router = ShardRouter(cluster.addresses)
             try:
                 start = time.monotonic()
-                result = await router.search(
+                strong = IndexQuery(
                     vectors[:3],
                     10,
                     consistency=Consistency.STRONG,
-                    timeout=0.5,
-                    **kw,  # type: ignore[arg-type]
+                    require_complete=require_complete,
                 )
+                result = await router.search(strong, timeout=0.5)
                 return result, time.monotonic() - start
             finally:
                 await router.close()
@@ -289,11 +290,9 @@ def test_replica_failover_within_a_shard(
 
         async def run() -> list[IndexResult]:
             router = ShardRouter(cluster.addresses)
+            strong = IndexQuery(vectors[:1], 5, consistency=Consistency.STRONG)
             try:
-                return [
-                    await router.search(vectors[:1], 5, consistency=Consistency.STRONG, timeout=5)
-                    for _ in range(4)
-                ]
+                return [await router.search(strong, timeout=5) for _ in range(4)]
             finally:
                 await router.close()
 

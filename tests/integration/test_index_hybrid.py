@@ -18,7 +18,7 @@ from services.common.errors import InvalidArgument
 from services.common.limits import LIMITS
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.core.query import Consistency
+from services.index.core.query import Consistency, IndexQuery
 from tests.support.shards import (
     ShardCluster,
     run_shards,
@@ -72,11 +72,11 @@ def cluster(
         yield running
 
 
-def search(addresses: list[list[str]], *args: Any, **kw: Any) -> IndexResult:
+def search(addresses: list[list[str]], query: IndexQuery) -> IndexResult:
     async def run() -> IndexResult:
         router = ShardRouter(addresses)
         try:
-            return await router.search(*args, **kw)
+            return await router.search(query, timeout=30)
         finally:
             await router.close()
 
@@ -93,9 +93,9 @@ def test_hybrid_answers_both_lists_each_merged_over_the_shards(
 ) -> None:
     # each query is a document's title: BM25 puts that document first
     picked = [3, 250, 777, 1100]
-    texts = [docs[i]["title"] for i in picked]
-    hybrid = search(cluster.addresses, vectors[picked], 10, texts=texts, sparse_k=20, timeout=30)
-    dense = search(cluster.addresses, vectors[picked], 10, timeout=30)
+    texts = tuple(docs[i]["title"] for i in picked)
+    hybrid = search(cluster.addresses, IndexQuery(vectors[picked], 10, texts=texts, sparse_k=20))
+    dense = search(cluster.addresses, IndexQuery(vectors[picked], 10))
     assert ids(hybrid.hits) == ids(dense.hits)  # the dense list is the dense search's
     sparse = ids(hybrid.sparse)
     assert [row[0] for row in sparse] == [docs[i]["_id"] for i in picked]
@@ -105,22 +105,24 @@ def test_hybrid_answers_both_lists_each_merged_over_the_shards(
     for row in hybrid.sparse:  # merged over both shards, best BM25 score first
         assert [h.score for h in row] == sorted((h.score for h in row), reverse=True)
     assert {h.shard for row in hybrid.sparse for h in row} == {0, 1}
-    only = search(cluster.addresses, None, 0, texts=texts, sparse_k=20, timeout=30)
+    only = search(cluster.addresses, IndexQuery(None, 0, texts=texts, sparse_k=20))
     assert only.hits == [[], [], [], []] and ids(only.sparse) == sparse
 
 
 def test_concurrent_single_sparse_searches_coalesce_to_the_same_answers(
     cluster: ShardCluster, vectors: np.ndarray, docs: list[dict[str, str]]
 ) -> None:
-    texts = [docs[i]["title"] for i in range(0, 600, 20)]
-    batch = search(cluster.addresses, vectors[0:600:20], 5, texts=texts, sparse_k=5, timeout=30)
+    texts = tuple(docs[i]["title"] for i in range(0, 600, 20))
+    batch = search(cluster.addresses, IndexQuery(vectors[0:600:20], 5, texts=texts, sparse_k=5))
 
     async def run() -> list[IndexResult]:
         router = ShardRouter(cluster.addresses)
         try:
             return await asyncio.gather(
                 *[
-                    router.search(vectors[i : i + 1], 5, texts=[t], sparse_k=5, timeout=30)
+                    router.search(
+                        IndexQuery(vectors[i : i + 1], 5, texts=(t,), sparse_k=5), timeout=30
+                    )
                     for i, t in zip(range(0, 600, 20), texts, strict=True)
                 ]
             )
@@ -143,21 +145,22 @@ def test_sparse_reads_its_writes_and_never_returns_a_deleted_document(
                 [DocRecord("okapi", vectors[N_DOCS], "Okapi", "an okapi zebrafish", {"par": "9"})]
             )
             for consistency in (Consistency.SESSION, Consistency.STRONG):
-                found = await router.search(
-                    None, 0, texts=["okapi"], sparse_k=5, consistency=consistency,
-                    write_token=token, timeout=30,
+                query = IndexQuery(
+                    None, 0, texts=("okapi",), sparse_k=5, consistency=consistency,
+                    write_token=token,
                 )  # fmt: skip
+                found = await router.search(query, timeout=30)
                 assert ids(found.sparse) == [["okapi"]]
-            filtered = await router.search(
-                None, 0, texts=["okapi"], sparse_k=5, filter=[("par", ["1"])], timeout=30
-            )
+            query = IndexQuery(None, 0, texts=("okapi",), sparse_k=5, filter=[("par", ["1"])])
+            filtered = await router.search(query, timeout=30)
             assert ids(filtered.sparse) == [[]]
             token, deleted, _ = await writer.delete(["okapi"])
             assert deleted == ["okapi"]
-            gone = await router.search(
-                vectors[N_DOCS : N_DOCS + 1], 5, texts=["okapi zebrafish"], sparse_k=5,
-                consistency=Consistency.SESSION, write_token=token, timeout=30,
+            query = IndexQuery(
+                vectors[N_DOCS : N_DOCS + 1], 5, texts=("okapi zebrafish",), sparse_k=5,
+                consistency=Consistency.SESSION, write_token=token,
             )  # fmt: skip
+            gone = await router.search(query, timeout=30)
             assert "okapi" not in ids(gone.sparse)[0] and "okapi" not in ids(gone.hits)[0]
         finally:
             await router.close()
@@ -186,8 +189,8 @@ def test_a_replica_without_text_index_answers_dense_and_says_so(
     )
     try:
         addresses = [cluster.addresses[0], [plain.address]]
-        texts = [docs[i]["title"] for i in (1, 2)]
-        result = search(addresses, vectors[[1, 2]], 10, texts=texts, sparse_k=10, timeout=30)
+        texts = tuple(docs[i]["title"] for i in (1, 2))
+        result = search(addresses, IndexQuery(vectors[[1, 2]], 10, texts=texts, sparse_k=10))
         assert result.missing_shards == [] and result.sparse_missing_shards == [1]
         assert result.sparse is not None
         assert {h.shard for row in result.sparse for h in row} == {0}
@@ -201,13 +204,13 @@ def test_bad_sparse_searches_are_invalid_arguments(
 ) -> None:
     many = " ".join(f"w{i}" for i in range(LIMITS.max_query_terms + 1))
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"texts": ["a"], "sparse_k": 0}, "sparse_k"),
-        ({"texts": ["a", "b"], "sparse_k": 5}, "one query text per query vector"),
-        ({"texts": [many], "sparse_k": 5}, "distinct terms"),
+        ({"texts": ("a",), "sparse_k": 0}, "sparse_k"),
+        ({"texts": ("a", "b"), "sparse_k": 5}, "one query text per query vector"),
+        ({"texts": (many,), "sparse_k": 5}, "distinct terms"),
     ]
     for kw, message in cases:
         with pytest.raises(InvalidArgument, match=message):
-            search(cluster.addresses, vectors[:1], 5, timeout=30, **kw)
+            search(cluster.addresses, IndexQuery(vectors[:1], 5, **kw))
     # a text of no indexable term answers an empty sparse list, not an error
-    empty = search(cluster.addresses, None, 0, texts=["?! ..."], sparse_k=5, timeout=30)
+    empty = search(cluster.addresses, IndexQuery(None, 0, texts=("?! ...",), sparse_k=5))
     assert ids(empty.sparse) == [[]]

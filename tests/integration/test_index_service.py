@@ -24,7 +24,7 @@ from services.common.positions import WriteToken, merge_tokens
 from services.index import convert
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.core.query import Consistency
+from services.index.core.query import Consistency, IndexQuery
 from services.index.core.trained import Manifest
 from services.index.keys import replicas_seen_key, snapshot_positions_key
 from tests.support.log_end import log_end_moved
@@ -72,11 +72,11 @@ def cluster(
         yield running
 
 
-def search(cluster: ShardCluster, queries: np.ndarray, k: int = 10, **kw: object) -> IndexResult:
+def search(cluster: ShardCluster, query: IndexQuery, timeout: float | None = None) -> IndexResult:
     async def run() -> IndexResult:
         router = ShardRouter(cluster.addresses)
         try:
-            return await router.search(queries, k, **kw)  # type: ignore[arg-type]
+            return await router.search(query, timeout)
         finally:
             await router.close()
 
@@ -88,8 +88,9 @@ def test_sharded_index_matches_exact_search(cluster: ShardCluster, vectors: np.n
     flat = faiss.IndexFlatIP(384)
     flat.add(vectors[:N_BASE])
     _, exact = flat.search(queries, 10)
-    result = search(cluster, queries[:256], nprobe=32, consistency=Consistency.STRONG, timeout=30)
-    result2 = search(cluster, queries[256:], nprobe=32, timeout=30)
+    strong = IndexQuery(queries[:256], 10, nprobe=32, consistency=Consistency.STRONG)
+    result = search(cluster, strong, timeout=30)
+    result2 = search(cluster, IndexQuery(queries[256:], 10, nprobe=32), timeout=30)
     hits = result.hits + result2.hits
     assert result.missing_shards == [] and len(hits) == len(queries)
     recall = np.mean(
@@ -138,14 +139,12 @@ def test_session_reads_see_own_writes_and_deletes(
                 v = rng.standard_normal(384).astype(np.float32)
                 v /= np.linalg.norm(v)
                 token = await writer.upsert([DocRecord(f"session-{i}", v)])
-                found = await router.search(
-                    v[None], 1, consistency=Consistency.SESSION, write_token=token, timeout=5
-                )
+                query = IndexQuery(v[None], 1, consistency=Consistency.SESSION, write_token=token)
+                found = await router.search(query, timeout=5)
                 assert found.hits[0][0].id == f"session-{i}"
                 token, _, _ = await writer.delete([f"session-{i}"])
-                found = await router.search(
-                    v[None], 10, consistency=Consistency.SESSION, write_token=token, timeout=5
-                )
+                query = IndexQuery(v[None], 10, consistency=Consistency.SESSION, write_token=token)
+                found = await router.search(query, timeout=5)
                 assert all(h.id != f"session-{i}" for h in found.hits[0])
         finally:
             await writer.close()
@@ -165,7 +164,7 @@ def test_strong_reads_see_every_acknowledged_write(
             v = rng.standard_normal((20, 384)).astype(np.float32)
             v /= np.linalg.norm(v, axis=1, keepdims=True)
             await writer.upsert([DocRecord(f"strong-{i}", v[i]) for i in range(20)])
-            found = await router.search(v, 1, consistency=Consistency.STRONG, timeout=5)
+            found = await router.search(IndexQuery(v, 1, consistency=Consistency.STRONG), timeout=5)
             assert [row[0].id for row in found.hits] == [f"strong-{i}" for i in range(20)]
         finally:
             await writer.close()
@@ -188,15 +187,14 @@ def test_upsert_delete_upsert_deleted_never_comes_back(
             t4, _, _ = await writer.delete(["cycle"])
             token: WriteToken = merge_tokens(t1, t2, t3, t4)
             for _ in range(5):
-                found = await router.search(
-                    np.stack([a, b]), 50, consistency=Consistency.SESSION, write_token=token,
-                    timeout=5,
-                )  # fmt: skip
+                query = IndexQuery(
+                    np.stack([a, b]), 50, consistency=Consistency.SESSION, write_token=token
+                )
+                found = await router.search(query, timeout=5)
                 assert all(h.id != "cycle" for row in found.hits for h in row)
             t5 = await writer.upsert([DocRecord("cycle", b)])
-            found = await router.search(
-                b[None], 1, consistency=Consistency.SESSION, write_token=t5, timeout=5
-            )
+            query = IndexQuery(b[None], 1, consistency=Consistency.SESSION, write_token=t5)
+            found = await router.search(query, timeout=5)
             assert found.hits[0][0].id == "cycle"
         finally:
             await writer.close()
@@ -206,7 +204,8 @@ def test_upsert_delete_upsert_deleted_never_comes_back(
 
 
 def test_filters_pass_through_the_router(cluster: ShardCluster, vectors: np.ndarray) -> None:
-    found = search(cluster, vectors[N_BASE : N_BASE + 8], 20, filter=[("par", ["1"])], timeout=10)
+    filtered = IndexQuery(vectors[N_BASE : N_BASE + 8], 20, filter=[("par", ["1"])])
+    found = search(cluster, filtered, timeout=10)
     assert all(int(h.id) % 2 == 1 for row in found.hits for h in row)
     assert all(len(row) == 20 for row in found.hits)
 
@@ -266,25 +265,29 @@ def test_invalid_requests_are_invalid_argument_and_change_nothing(
 def test_router_keeps_errors_meaningful(
     cluster: ShardCluster, vectors: np.ndarray, module_redis: str
 ) -> None:
+    def session(token: WriteToken, require_complete: bool = False) -> IndexQuery:
+        return IndexQuery(
+            vectors[:1],
+            5,
+            consistency=Consistency.SESSION,
+            write_token=token,
+            require_complete=require_complete,
+        )
+
     with pytest.raises(InvalidArgument, match="k"):
-        search(cluster, vectors[:1], 0, timeout=5)
+        search(cluster, IndexQuery(vectors[:1], 0), timeout=5)
     with pytest.raises(InvalidArgument, match="unknown shards"):
-        search(cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token={9: "1-0"})
+        search(cluster, session({9: "1-0"}))
     # a position past the end of shard 0's log: refused, never waited for
     past = {0: "99999999999999-0"}
     with pytest.raises(InvalidArgument, match="shard 0"):
-        search(cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=past)
+        search(cluster, session(past))
     # a position no shard will reach in time: the deadline, not a hang
     with log_end_moved(module_redis, [0]) as far_position:
         far = {0: far_position}
         with pytest.raises(DeadlineExceeded):
-            search(
-                cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far,
-                timeout=0.5, require_complete=True,
-            )  # fmt: skip
-        partial = search(
-            cluster, vectors[:1], 5, consistency=Consistency.SESSION, write_token=far, timeout=0.5
-        )
+            search(cluster, session(far, require_complete=True), timeout=0.5)
+        partial = search(cluster, session(far), timeout=0.5)
         assert partial.missing_shards == [0] and all(h.shard == 1 for h in partial.hits[0])
 
 
@@ -329,7 +332,7 @@ def test_concurrent_single_queries_coalesce_to_the_same_answers(
             return list(
                 await asyncio.gather(
                     *[
-                        router.search(q[None], 3 + i % 5, nprobe=16, timeout=10)
+                        router.search(IndexQuery(q[None], 3 + i % 5, nprobe=16), timeout=10)
                         for i, q in enumerate(queries)
                     ]
                 )
@@ -420,14 +423,14 @@ def test_shared_quantizer_gives_the_same_answers_and_survives_a_stale_copy(
         shared = ShardRouter(cluster.addresses, share_quantizer=True)
         own = ShardRouter(cluster.addresses, share_quantizer=False)
         try:
-            a = await shared.search(queries, 10, nprobe=24, timeout=30)
-            b = await own.search(queries, 10, nprobe=24, timeout=30)
+            a = await shared.search(IndexQuery(queries, 10, nprobe=24), timeout=30)
+            b = await own.search(IndexQuery(queries, 10, nprobe=24), timeout=30)
             assert shared._quantizer is not None and own._quantizer is None
             assert a.hits == b.hits and a.missing_shards == b.missing_shards == []
             real = shared._quantizer
             stale = CoarseQuantizer(real.centroids * 1.01, real.metric, real.default_nprobe)
             shared._quantizer = stale
-            c = await shared.search(queries[:20], 10, nprobe=24, timeout=30)
+            c = await shared.search(IndexQuery(queries[:20], 10, nprobe=24), timeout=30)
             assert c.hits == b.hits[:20]
             assert shared._quantizer is None  # dropped; fetched again after a while
         finally:

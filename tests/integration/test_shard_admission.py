@@ -28,7 +28,7 @@ from services.index import convert
 from services.index.client.replicas import ShardStream
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.core.query import ShardQuery
+from services.index.core.query import IndexQuery, ShardQuery
 from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import run_redis
 from tests.support.shards import start_shard, train_test_index
@@ -80,7 +80,7 @@ def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
             router = ShardRouter([[full.address, free.address]], coalesce=False)
             try:
                 for _ in range(4):  # round-robin starts at each replica in turn
-                    result = await router.search(vectors[:1], 5, timeout=10)
+                    result = await router.search(IndexQuery(vectors[:1], 5), timeout=10)
                     assert len(result.hits[0]) == 5 and not result.missing_shards
             finally:
                 await router.close()

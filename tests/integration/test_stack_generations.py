@@ -33,7 +33,7 @@ from services.common.cpus import format_cpus
 from services.gateway.settings import parse_shard_addresses
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.core.query import Consistency
+from services.index.core.query import Consistency, IndexQuery
 from services.index.core.train import TrainOptions, train_index
 from services.index.generations import EncoderSpec, Generation, Registry
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, GenerationKeys, Layout
@@ -150,7 +150,8 @@ async def _search_ids(spec_: str, queries: np.ndarray) -> list[str]:
     router = ShardRouter(parse_shard_addresses(spec_))
     try:
         # k ≥ all documents: the SQ8 refine ranks every one exactly
-        result = await router.search(queries, 50, consistency=Consistency.STRONG, timeout=30)
+        query = IndexQuery(queries, 50, consistency=Consistency.STRONG)
+        result = await router.search(query, timeout=30)
     finally:
         await router.close()
     return [hits[0].id if hits else "" for hits in result.hits]

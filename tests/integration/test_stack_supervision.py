@@ -19,7 +19,7 @@ import redis
 
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.core.query import Consistency
+from services.index.core.query import Consistency, IndexQuery
 from services.index.keys import DocKeys
 from services.stack import components
 from services.stack.children import (
@@ -77,9 +77,8 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
             async def found(row: int) -> bool:
                 try:
                     # k ≥ all documents: the SQ8 refine ranks every one exactly
-                    result = await solo.search(
-                        docs[row : row + 1], 50, consistency=Consistency.STRONG, timeout=2
-                    )
+                    query = IndexQuery(docs[row : row + 1], 50, consistency=Consistency.STRONG)
+                    result = await solo.search(query, timeout=2)
                 except Exception:
                     return False
                 return bool(result.hits[0]) and result.hits[0][0].id == f"d{row}"

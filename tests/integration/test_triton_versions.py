@@ -11,6 +11,8 @@ the module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -464,9 +467,9 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
 ) -> None:
     """Two operators start `index rollout --encoder` at once: the one whose builder finds
     the rollout lock taken (here: taken while its `Go ahead?` waits on a terminal, after
-    it read the registry) is refused, naming the running rollout, with exit status 2; the
-    version it had published for its rollout leaves the repository and Triton again
-    (nobody uses it), so `encoder versions` lists what it listed before."""
+    it read the registry) is refused, naming the running rollout, with exit status 2, and
+    has published nothing: the lock comes before the publish (it used to publish first and
+    unpublish again), so `encoder versions` lists what it listed before."""
     import pty
     import select
     import socket
@@ -530,9 +533,7 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
         out = read()
         assert process.returncode == 2, out
         assert "a rollout to g7 is running" in out, out
-        added = versions[-1] + 1
-        assert f"published as embed version {added}" in out, out
-        assert f"embed version {added}, published for this rollout, unpublished again" in out
+        assert "publishing" not in out and "published as" not in out, out
         assert served_versions(repo) == versions
         assert _ready_versions(served.handle) == ready
         again = _cli("versions", "--repo", str(repo), "--json")
@@ -545,6 +546,178 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
         os.close(leader)
         registry.end_rollout()
         client.close()
+
+
+@contextlib.contextmanager
+def _publish_lock(repo: Path) -> Iterator[None]:
+    """Hold the repository's publish lock (``embed/.publish.lock``, the ``flock`` every
+    publish and unpublish takes): theirs wait until the block ends."""
+    with (repo / "embed" / ".publish.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _waits_for_a_lock(pid: int) -> bool:
+    """Whether process ``pid`` is blocked on a file lock (``/proc/locks``: a waiter's line
+    has ``->`` before the lock's type, then class, mode and the waiting pid)."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        at = fields.index("->") if "->" in fields else -1
+        if at >= 0 and fields[at + 4 : at + 5] == [str(pid)]:
+            return True
+    return False
+
+
+def _generation_stack(tmp_path: Path, redis_url: str, served: Served) -> tuple[Path, Any]:
+    """A run dir naming the module's Triton and repository and a fresh store whose g1
+    (2 shards, version 1) serves; → (run dir, blocking Redis client)."""
+    import redis
+
+    from services.index.generations import EncoderSpec, Registry
+    from services.index.keys import LAYOUT_KEY
+
+    run_dir = tmp_path / "stack"
+    run_dir.mkdir()
+    (run_dir / "stack.json").write_text(json.dumps({
+        "redis_url": redis_url, "triton_grpc": served.handle.grpc_url,
+        "triton_repository": str(served.repo), "index_root": str(tmp_path / "generations"),
+    }))  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+    Registry(client).ensure_first(2, EncoderSpec("embed", 1, 384), "/index")
+    return run_dir, client
+
+
+def _index(*args: str, **popen: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "services.cli.main", "index", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)  # fmt: skip
+
+
+def _finish(process: subprocess.Popen[str]) -> tuple[int, str]:
+    out, _ = process.communicate(timeout=300)
+    return process.returncode, out
+
+
+def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
+    served: Served, tmp_path: Path, redis_url: str
+) -> None:
+    """The race of a retire with `index rollout --encoder` whose export is the retired
+    generation's version (the publish returns the version already there): the retire's
+    first check finds nobody using it and its unpublish waits for the repository's lock
+    (held here); the rollout records its lock, phase `publish`, before its publish takes
+    that lock. Whichever gets the repository first, the version stays: the retire asks
+    again under the lock and sees the rollout publishing, and the rollout records the
+    version it got. (The rollout used to publish before taking the rollout lock: it was
+    never seen in phase `publish`, and a retire in between unpublished its version.)"""
+    from services.index.generations import EncoderSpec, Registry
+
+    url, repo = served.handle.grpc_url, served.repo
+    export = ensure_onnx(ensure_second_encoder(served.base, seed=5), served.base).parent
+    version = publish_version(repo, export, url).version
+    run_dir, client = _generation_stack(tmp_path, redis_url, served)
+    registry = Registry(client)
+    g2 = registry.create(2, EncoderSpec("embed", version, 384), "/g2", {})
+    registry.put(replace(g2, state="previous"))
+    retire = rollout = None
+    try:
+        with _publish_lock(repo):
+            retire = _index("retire", "--generation", "g2", "--yes", "--run-dir", str(run_dir))
+            wait_until(lambda: _waits_for_a_lock(retire.pid) or retire.poll() is not None,
+                       "the retire waiting to unpublish", 120)  # fmt: skip
+            assert retire.poll() is None, _finish(retire)
+            rollout = _index("rollout", "--encoder", str(export), "--run-dir", str(run_dir),
+                             "--yes", "--quiet")  # fmt: skip
+            wait_until(lambda: (registry.rollout() or {}).get("phase") == "publish"
+                       or rollout.poll() is not None,
+                       "the rollout's lock, taken before its publish", 120)  # fmt: skip
+            assert rollout.poll() is None, _finish(rollout)
+        status, out = _finish(retire)
+        assert status == 0, out
+        assert f"embed version {version} stays published: the encoder of g3" in out, out
+        assert registry.get("g2").state == "retired"
+        wait_until(lambda: (registry.rollout() or {}).get("phase") != "publish"
+                   or rollout.poll() is not None, "the rollout past its publish", 300)  # fmt: skip
+        plan = json.loads((registry.rollout() or {}).get("plan") or "{}")
+        assert (plan.get("encoder") or {}).get("version") == version, _finish(rollout)
+        assert registry.get("g3").encoder.version == version
+        assert version in served_versions(repo)
+        assert str(version) in _ready_versions(served.handle)
+    finally:
+        for process in (retire, rollout):
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                process.communicate()
+        registry.end_rollout()
+        client.close()
+        with contextlib.suppress(NotFound, FailedPrecondition):  # as the module had it
+            unpublish_version(repo, version, url)
+
+
+def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
+    served: Served, tmp_path: Path, redis_url: str
+) -> None:
+    """`index rollout --encoder` killed (-9) in its publish phase, before the publish got
+    the repository: `--abort` ends it with nothing recorded and nothing published; killed
+    so again, `index rollout` with no options resumes it: it publishes the folder its plan
+    names, records the version and its target, and goes on (here to the train phase, which
+    an empty store refuses); `--abort` then leaves the target `failed`."""
+    from services.index.generations import Registry
+
+    url, repo = served.handle.grpc_url, served.repo
+    export = ensure_onnx(ensure_second_encoder(served.base, seed=5), served.base).parent
+    run_dir, client = _generation_stack(tmp_path, redis_url, served)
+    registry = Registry(client)
+    where = ("--run-dir", str(run_dir))
+    versions = served_versions(repo)
+
+    def killed_while_publishing() -> str:
+        with _publish_lock(repo):
+            process = _index("rollout", "--encoder", str(export), *where, "--yes", "--quiet")
+            try:
+                wait_until(lambda: _waits_for_a_lock(process.pid) or process.poll() is not None,
+                           "the rollout waiting to publish", 120)  # fmt: skip
+                assert process.poll() is None, _finish(process)
+                running = registry.rollout() or {}
+                assert running.get("phase") == "publish", running
+            finally:
+                process.kill()
+                process.communicate()
+        assert served_versions(repo) == versions
+        with pytest.raises(NotFound):
+            registry.get(running["target"])
+        return running["target"]
+
+    target = killed_while_publishing()
+    status, out = _finish(_index("rollout", "--abort", *where))
+    assert status == 0, out
+    assert f"aborted the rollout to {target} (phase publish)" in out, out
+    assert registry.rollout() is None
+    assert served_versions(repo) == versions
+
+    target = killed_while_publishing()
+    status, out = _finish(_index("rollout", *where, "--yes", "--quiet"))
+    assert status == 2, out  # the train phase: an empty store has nothing to train on
+    assert "nothing to train on" in out, out
+    running = registry.rollout() or {}
+    assert running.get("phase") == "train", running
+    version = json.loads(running["plan"])["encoder"]["version"]
+    assert f"published as embed version {version}" in out, out
+    assert registry.get(target).encoder.version == version
+    assert version in served_versions(repo) and str(version) in _ready_versions(served.handle)
+    try:
+        status, out = _finish(_index("rollout", "--abort", *where))
+        assert status == 0, out
+        assert registry.get(target).state == "failed" and registry.rollout() is None
+    finally:
+        registry.end_rollout()
+        client.close()
+        with contextlib.suppress(NotFound, FailedPrecondition):
+            unpublish_version(repo, version, url)
 
 
 def _stub_of(handle: TritonHandle, version: int) -> int:

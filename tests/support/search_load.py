@@ -15,6 +15,7 @@ import numpy as np
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.domain import IndexResult
 from services.index.client.router import ShardRouter
+from services.index.core.query import IndexQuery
 from tests.support.shards import ShardProcess
 
 SearchOutcome = IndexResult | BaseException
@@ -35,7 +36,7 @@ async def search_load(
         nonlocal done
         async with gate:
             try:
-                return await router.search(row[None, :], 10, timeout=5.0)
+                return await router.search(IndexQuery(row[None, :], 10), timeout=5.0)
             except Exception as exc:
                 return exc
             finally:

@@ -135,3 +135,22 @@ def test_a_recorded_rollouts_target_uses_the_version_its_plan_names() -> None:
     assert generations_using([g1, g2], 2, {"target": "g3", "phase": "create"}) == []
     g3 = Generation("g3", "building", 2, EncoderSpec("embed", 2, 384), "")
     assert generations_using([g1, g2, g3], 2, plan) == ["g3"]  # named once
+
+
+def test_a_rollout_publishing_its_encoder_uses_every_version() -> None:
+    """`index rollout --encoder` takes the lock (phase publish, its plan naming no version
+    yet) before it publishes; the publish may return a version published before (the same
+    export), so until the version is recorded the rollout keeps every version."""
+    import json
+
+    from services.encoder.serve.versions import generations_using
+    from services.index.generations import EncoderSpec, Generation
+
+    g1 = Generation("g1", "serving", 2, EncoderSpec("embed", 1, 384), "")
+    g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
+    publishing = {"target": "g3", "phase": "publish",
+                  "plan": json.dumps({"encoder": None, "encoder_dir": "/new"})}  # fmt: skip
+    using = "g3 (a rollout publishing its encoder)"
+    assert generations_using([g1, g2], 2, publishing) == [using]
+    assert generations_using([g1, g2], 1, publishing) == ["g1", using]
+    assert generations_using([g1, g2], 2, dict(publishing, phase="create")) == []

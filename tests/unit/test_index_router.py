@@ -8,7 +8,7 @@ from services.common.deadline import Deadline
 from services.common.domain import Hit, IndexResult
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.index.client.router import merge_results, shard_deadline
-from services.index.core.query import ShardAnswer, TopK
+from services.index.core.query import Consistency, IndexQuery, ShardAnswer, TopK
 
 
 def answer(shard: int, *rows: list[tuple[str, float]], width: int | None = None) -> ShardAnswer:
@@ -135,3 +135,23 @@ def test_split_result_cuts_each_sparse_row_to_its_own_sparse_k() -> None:
     parts = split_result(IndexResult(rows, [], rows, [1]), [4, 4], [1, 3])
     assert [len(p.sparse[0]) for p in parts if p.sparse is not None] == [1, 3]
     assert all(p.sparse_missing_shards == [1] for p in parts)
+
+
+def test_index_query_as_each_shard_gets_it() -> None:
+    import numpy as np
+
+    token = {0: "5-0"}
+    session = IndexQuery(
+        np.ones((2, 4), np.float32), 7, nprobe=3, filter=[("par", ("1",))],
+        consistency=Consistency.SESSION, write_token=token, texts=("a", "b"), sparse_k=9,
+    )  # fmt: skip
+    first, second = session.shard_query(0), session.shard_query(1)
+    assert session.rows == 2
+    assert (first.shard, first.k, first.nprobe, first.min_position) == (0, 7, 3, "5-0")
+    assert (first.texts, first.sparse_k, list(first.filter)) == (("a", "b"), 9, [("par", ("1",))])
+    assert second.min_position == ""  # not in the token: nothing to wait for
+    eventual = IndexQuery(np.ones((1, 4), np.float32), 7, write_token=token)
+    assert eventual.shard_query(0).min_position == ""  # the token counts under SESSION only
+    sparse = IndexQuery(None, 0, texts=("a",), sparse_k=5).shard_query(1)
+    assert sparse.vectors.shape == (0, 0) and sparse.k == 0 and sparse.texts == ("a",)
+    assert IndexQuery(None, 0, texts=("a", "b", "c"), sparse_k=5).rows == 3

@@ -30,7 +30,10 @@ publish is all or nothing. A Triton started later loads every version at start.
 :func:`unpublish_version` takes a version out again (an encoder no generation uses any
 more: its memory in Triton is freed); the last one stays. ``index retire`` calls it for
 the retired generation's version once :func:`generations_using` names nobody (``encoder
-unpublish`` is the same call by hand).
+unpublish`` is the same call by hand), asked under the repository's publish lock
+(``in_use``): ``index rollout --encoder`` takes the rollout lock (phase ``publish``)
+before it publishes, so an unpublish either sees that rollout or ends before its publish
+looks for the same export.
 
 A second publish of the same export (same :func:`~services.encoder.build.repository.export_digest`)
 adds nothing and returns the version already there, so a rollout that resumes after a
@@ -53,7 +56,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -318,13 +321,16 @@ def unpublish_version(
     *,
     tls: ClientTLS | None = None,
     load_timeout_s: float = LOAD_TIMEOUT_S,
+    in_use: Callable[[], list[str]] | None = None,
 ) -> None:
     """Take version ``version`` of ``embed`` out of the repository and, with
     ``triton_url``, out of those Tritons (they load ``embed`` again without it).
 
     For an encoder no generation uses any more (``index retire``): its memory in every
     Triton is freed. NotFound for a version that is not there; FailedPrecondition for the
-    last one (``embed`` would serve nothing). A failed load puts it back."""
+    last one (``embed`` would serve nothing); :class:`VersionInUse`, nothing changed, when
+    ``in_use`` (asked under the publish lock: no publish runs meanwhile) names who still
+    uses it. A failed load puts it back."""
     repo = Path(repo_dir)
     model_path = repo / EMBED_MODEL
     config_path = model_path / "config.pbtxt"
@@ -334,6 +340,9 @@ def unpublish_version(
         versions = served_versions(repo)
         if version not in versions:
             raise NotFound(f"{model_path} has no version {version} (versions: {versions})")
+        users = in_use() if in_use is not None else []
+        if users:
+            raise VersionInUse(version, users)
         if versions == [version]:
             raise FailedPrecondition(
                 f"version {version} is the only version of {model_path}: it stays"
@@ -363,20 +372,33 @@ def unpublish_version(
         shutil.rmtree(aside, ignore_errors=True)
 
 
+class VersionInUse(FailedPrecondition):
+    """:func:`unpublish_version` refused: ``users`` (generations, a rollout) use it."""
+
+    def __init__(self, version: int, users: list[str]) -> None:
+        super().__init__(f"embed version {version} is the encoder of {', '.join(users)}")
+        self.version = version
+        self.users = users
+
+
 def generations_using(
     generations: Iterable[Generation], version: int, rollout: Mapping[str, str] | None = None
 ) -> list[str]:
     """The generations in a running state (their shards run, they may serve again) whose
     encoder is ``version`` of ``embed`` (a record without a version means version 1), and
     the target of the recorded ``rollout`` (``Registry.rollout()``) when its plan names
-    ``version``: the builder takes the lock before it writes the target's record."""
+    ``version`` (the builder takes the lock before it writes the target's record) or when
+    it is still publishing its encoder (phase ``publish``: the version is not known yet,
+    and may be this one, an export published before)."""
     names = [g.name for g in generations
              if g.state in RUNNING and (g.encoder.version or 1) == version]  # fmt: skip
     if rollout:
         planned = json.loads(rollout.get("plan") or "{}").get("encoder") or {}
         target = rollout.get("target", "")
-        if planned and int(planned.get("version") or 1) == version and target not in names:
-            names.append(target)
+        publishing = rollout.get("phase") == "publish"
+        using = publishing or bool(planned) and int(planned.get("version") or 1) == version
+        if using and target not in names:
+            names.append(f"{target} (a rollout publishing its encoder)" if publishing else target)
     return names
 
 

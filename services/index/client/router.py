@@ -59,7 +59,6 @@ from services.common.errors import (
     RetrievalError,
     Unavailable,
 )
-from services.common.positions import WriteToken
 from services.common.tls import ClientTLS
 from services.index import convert
 from services.index.client.replicas import HedgePolicy, Replica, ReplicaSet
@@ -67,10 +66,9 @@ from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import (
     PAD_ID,
     Consistency,
-    FilterSpec,
+    IndexQuery,
     Probes,
     ShardAnswer,
-    ShardQuery,
     TopK,
 )
 from services.index.core.shard import MAX_K
@@ -318,6 +316,13 @@ def deadline_class(remaining: float | None) -> int:
     return max(0, math.floor(math.log2(max(remaining * 1000.0, 1.0))))
 
 
+def _wave_key(query: IndexQuery, timeout: float | None) -> _WaveKey:
+    """What the searches of one wave share: nprobe, consistency, completeness, which
+    lists they ask for and their deadline class."""
+    kinds = (query.vectors is not None, query.sparse_k > 0)
+    return (query.nprobe, query.consistency, query.require_complete, kinds, deadline_class(timeout))
+
+
 class _Coalescer:
     """Waves of coalesced searches, ``max_waves`` in flight.
 
@@ -340,22 +345,24 @@ class _Coalescer:
         self._arrived = asyncio.Event()  # a search that must leave sooner was queued
         self._slot_wait_until = math.inf  # when the drain stops waiting for a slot
 
-    async def search(
-        self,
-        vector: np.ndarray | None,
-        k: int,
-        key: tuple[int, Consistency, bool],
-        timeout: float | None,
-        text: str = "",
-        sparse_k: int = 0,
-    ) -> IndexResult:
+    async def search(self, query: IndexQuery, timeout: float | None) -> IndexResult:
+        """The answer to ``query`` (one row, no filter, not SESSION) from the wave it joins."""
         future: asyncio.Future[IndexResult] = asyncio.get_running_loop().create_future()
-        wave_key = (*key, (vector is not None, sparse_k > 0), deadline_class(timeout))
+        wave_key = _wave_key(query, timeout)
         launch_by = math.inf if timeout is None else time.monotonic() + timeout * LAUNCH_BY_SHARE
         deadline = Deadline.after(timeout)
+        vector = query.vectors[0] if query.vectors is not None else None
+        text = query.texts[0] if query.texts else ""
         self._queue.setdefault(wave_key, []).append(
             _Waiting(
-                vector, k, deadline, future, text, sparse_k, launch_by, shard_deadline(deadline)
+                vector,
+                query.k,
+                deadline,
+                future,
+                text,
+                query.sparse_k,
+                launch_by,
+                shard_deadline(deadline),
             )
         )
         if launch_by < self._slot_wait_until:
@@ -453,17 +460,16 @@ class _Coalescer:
         k = max(w.k for w in wave) if dense else 0
         sparse_k = max(w.sparse_k for w in wave)
         try:
-            tasks = await self._router.launch(
+            query = IndexQuery(
                 np.stack(vectors) if dense else None,
                 k,
                 nprobe=nprobe,
-                filter=(),
                 consistency=consistency,
-                token={},
-                deadline=latest,
+                require_complete=require_complete,
                 texts=tuple(w.text for w in wave) if sparse else (),
                 sparse_k=sparse_k,
             )
+            tasks = await self._router.launch(query, latest)
         except Exception as exc:
             for w in wave:
                 if not w.future.done():
@@ -538,34 +544,18 @@ class ShardRouter:
         self._quantizer: CoarseQuantizer | None = None
         self._quantizer_retry_at = 0.0
 
-    async def search(
-        self,
-        vectors: np.ndarray | None,
-        k: int,
-        *,
-        nprobe: int = 0,
-        filter: FilterSpec = (),
-        consistency: Consistency = Consistency.EVENTUAL,
-        write_token: WriteToken | None = None,
-        timeout: float | None = None,
-        require_complete: bool = False,
-        texts: Sequence[str] = (),
-        sparse_k: int = 0,
-    ) -> IndexResult:
-        """Top-k per query vector over all shards, best first.
-
-        ``write_token`` (SESSION): each shard waits for its position in it; a shard not
-        in the token has nothing to wait for. ``timeout`` in seconds (None = none).
-        ``texts`` and ``sparse_k``: also the top ``sparse_k`` BM25 hits of each query
-        text (one per query vector) in ``IndexResult.sparse``; with ``vectors`` None and
-        ``k`` 0 only those (a sparse search).
-        """
+    async def search(self, query: IndexQuery, timeout: float | None = None) -> IndexResult:
+        """Top-k per query vector over all shards, best first (and the BM25 lists that
+        ``query`` asks for in ``IndexResult.sparse``: :class:`IndexQuery`). ``timeout`` in
+        seconds (None = none)."""
+        vectors, k, texts, sparse_k = query.vectors, query.k, query.texts, query.sparse_k
         if vectors is not None:
             vectors = np.ascontiguousarray(vectors, dtype=np.float32)
             if vectors.ndim != 2 or len(vectors) == 0:
                 raise InvalidArgument(f"queries: expected a (n, dim) matrix, got {vectors.shape}")
             if not 1 <= k <= MAX_K:
                 raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
+            query = dataclasses.replace(query, vectors=vectors)
         elif k or not sparse_k:
             raise InvalidArgument("a search needs query vectors, or texts and sparse_k only")
         if sparse_k or texts:
@@ -573,81 +563,32 @@ class ShardRouter:
                 raise InvalidArgument(f"sparse_k: {sparse_k} is out of range 1..{MAX_K}")
             if not texts or (vectors is not None and len(texts) != len(vectors)):
                 raise InvalidArgument("texts: one query text per query vector")
-        rows = len(vectors) if vectors is not None else len(texts)
-        if write_token:
-            unknown = [s for s in write_token if not 0 <= s < self.num_shards]
+        if query.write_token:
+            unknown = [s for s in query.write_token if not 0 <= s < self.num_shards]
             if unknown:
                 raise InvalidArgument(f"write_token: unknown shards {unknown}")
         if (
             self._coalescer is not None
-            and rows == 1
-            and not filter
-            and consistency is not Consistency.SESSION
+            and query.rows == 1
+            and not query.filter
+            and query.consistency is not Consistency.SESSION
         ):
-            key = (nprobe, consistency, require_complete)
-            vector = vectors[0] if vectors is not None else None
-            text = texts[0] if texts else ""
-            return await self._coalescer.search(vector, k, key, timeout, text, sparse_k)
-        return await self.fan_out(
-            vectors,
-            k,
-            nprobe=nprobe,
-            filter=filter,
-            consistency=consistency,
-            token=write_token or {},
-            timeout=timeout,
-            require_complete=require_complete,
-            texts=tuple(texts),
-            sparse_k=sparse_k,
-        )
+            return await self._coalescer.search(query, timeout)
+        return await self.fan_out(query, timeout)
 
-    async def fan_out(
-        self,
-        vectors: np.ndarray | None,
-        k: int,
-        *,
-        nprobe: int,
-        filter: FilterSpec,
-        consistency: Consistency,
-        token: WriteToken,
-        timeout: float | None,
-        require_complete: bool,
-        texts: tuple[str, ...] = (),
-        sparse_k: int = 0,
-    ) -> IndexResult:
+    async def fan_out(self, query: IndexQuery, timeout: float | None) -> IndexResult:
         """One ShardSearchRequest per shard for the whole batch; merge the answers."""
-        tasks = await self.launch(
-            vectors,
-            k,
-            nprobe=nprobe,
-            filter=filter,
-            consistency=consistency,
-            token=token,
-            deadline=shard_deadline(Deadline.after(timeout)),
-            texts=texts,
-            sparse_k=sparse_k,
-        )
+        tasks = await self.launch(query, shard_deadline(Deadline.after(timeout)))
         try:
             answers = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for task in tasks:
                 task.cancel()
-        rows = len(vectors) if vectors is not None else len(texts)
-        dense_k = k if vectors is not None else 0
-        return merge_answers(answers, rows, dense_k, sparse_k, require_complete)
+        dense_k = query.k if query.vectors is not None else 0
+        return merge_answers(answers, query.rows, dense_k, query.sparse_k, query.require_complete)
 
     async def launch(
-        self,
-        vectors: np.ndarray | None,
-        k: int,
-        *,
-        nprobe: int,
-        filter: FilterSpec,
-        consistency: Consistency,
-        token: WriteToken,
-        deadline: Deadline,
-        texts: tuple[str, ...] = (),
-        sparse_k: int = 0,
+        self, query: IndexQuery, deadline: Deadline
     ) -> list[asyncio.Task[ShardAnswer]]:
         """Send one ShardSearchRequest per shard for the whole batch: the tasks of their
         answers, in shard order (the caller merges what it waits for).
@@ -657,26 +598,14 @@ class ShardRouter:
         copy and sends that shard the batch again for it to assign itself (the shards
         that took the probes have the router's centroids: their answers stand).
         """
-        dense = vectors is not None
-        batch = vectors if vectors is not None else np.zeros((0, 0), np.float32)
-        quantizer = await self._coarse(batch) if dense else None
-        probes = quantizer.assign(batch, nprobe) if quantizer is not None else None
+        probes: Probes | None = None
+        if query.vectors is not None:
+            quantizer = await self._coarse(query.vectors)
+            if quantizer is not None:
+                probes = quantizer.assign(query.vectors, query.nprobe)
 
         def request(shard: int, probes: Probes | None) -> index_pb2.ShardSearchRequest:
-            return convert.query_to_pb(
-                ShardQuery(
-                    shard=shard,
-                    vectors=batch,
-                    k=k if dense else 0,
-                    nprobe=nprobe,
-                    filter=filter,
-                    consistency=consistency,
-                    min_position=token.get(shard, "") if consistency is Consistency.SESSION else "",
-                    probes=probes,
-                    texts=texts,
-                    sparse_k=sparse_k,
-                )
-            )
+            return convert.query_to_pb(query.shard_query(shard, probes))
 
         async def one(shard: _Shard) -> ShardAnswer:
             if probes is not None:

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.domain import Consistency, FieldCondition
+from services.common.domain import Consistency, FieldCondition, WriteToken
 
 __all__ = [
     "Consistency",
     "DenseQuery",
     "FieldCondition",
     "FilterSpec",
+    "IndexQuery",
     "Probes",
     "ShardAnswer",
     "ShardQuery",
@@ -67,6 +68,53 @@ class ShardQuery:
     # ``vectors`` with no rows and ``k`` 0: a sparse-only search.
     texts: tuple[str, ...] = ()
     sparse_k: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class IndexQuery:
+    """A search of the whole index: what the gateway's ``VectorIndex`` port takes and the
+    router (:class:`services.index.client.router.ShardRouter`) fans out, one
+    :class:`ShardQuery` per shard (:meth:`shard_query`).
+
+    The dense top ``k`` of each of ``vectors`` (``(rows, dim)``) and, with ``texts`` (one
+    per row) and ``sparse_k``, the BM25 top ``sparse_k`` of each text; ``vectors`` None and
+    ``k`` 0: the BM25 lists only (a sparse search). ``write_token`` (SESSION): each shard
+    waits for its position in it; a shard not in the token has nothing to wait for.
+    ``require_complete``: a shard that does not answer fails the search instead of being
+    reported missing. The time it may take is the caller's, given beside it."""
+
+    vectors: np.ndarray | None
+    k: int
+    nprobe: int = 0
+    filter: FilterSpec = ()
+    consistency: Consistency = Consistency.EVENTUAL
+    write_token: WriteToken | None = None
+    require_complete: bool = False
+    texts: tuple[str, ...] = ()
+    sparse_k: int = 0
+
+    @property
+    def rows(self) -> int:
+        """The queries of the batch."""
+        return len(self.vectors) if self.vectors is not None else len(self.texts)
+
+    def shard_query(self, shard: int, probes: Probes | None = None) -> ShardQuery:
+        """This search as ``shard`` gets it: its position of the write token (SESSION
+        only), the router's coarse assignment; a sparse search sends no vectors, k 0."""
+        dense = self.vectors is not None
+        session = self.consistency is Consistency.SESSION
+        return ShardQuery(
+            shard=shard,
+            vectors=self.vectors if self.vectors is not None else np.zeros((0, 0), np.float32),
+            k=self.k if dense else 0,
+            nprobe=self.nprobe,
+            filter=self.filter,
+            consistency=self.consistency,
+            min_position=(self.write_token or {}).get(shard, "") if session else "",
+            probes=probes,
+            texts=self.texts,
+            sparse_k=self.sparse_k,
+        )
 
 
 PAD_ID = ""  # the id of an empty cell of a TopK grid (document ids are never empty)

@@ -4,6 +4,14 @@ it, resumable after a crash anywhere (docs/generations.md, "The rollout").
 Phases, each recorded in ``{gtr}:rollout`` (``phase``) before it starts, with the progress
 it needs to resume (a SCAN cursor, per-shard log positions) saved after every batch:
 
+``publish``   (``--encoder``) take the lock first, then publish the checkpoint as a version
+              of Triton's ``embed`` (``publisher``; the same export again returns the
+              version already there), record it in the plan and write T's record: a
+              retire, an ``encoder unpublish`` or another rollout sees the lock during the
+              publish, so none unpublishes the version it is about to use
+              (:func:`~services.encoder.serve.versions.generations_using`, checked under
+              the repository's publish lock); a publish refused or failed ends the
+              rollout with nothing recorded
 ``create``    take the lock, record the target T (``building``)
 ``p0``        record P0, the tails of the source S's logs; a *hold* (``rollout:<T>`` in S's
               ``snap:`` hashes) keeps S's shards from trimming their logs past the
@@ -75,6 +83,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EncoderFactory = Callable[[EncoderSpec], Awaitable[Encoder]]
+# publishes a checkpoint folder (--encoder) as a version of Triton's embed; blocking (the
+# export and Triton's load take seconds), run in a thread
+Publisher = Callable[[str], EncoderSpec]
 Exporter = Callable[[str], AsyncIterator[tuple[list[str], np.ndarray, str]]]
 AppliedProbe = Callable[[str], Awaitable[list[list[str | None]]]]
 
@@ -141,6 +152,7 @@ class RolloutBuilder:
         applied: AppliedProbe | None = None,
         source_addresses: str | None = None,
         shard_tls: ClientTLS | None = None,
+        publisher: Publisher | None = None,
     ) -> None:
         self.redis: Any = client
         self.registry = Registry(client)
@@ -153,6 +165,7 @@ class RolloutBuilder:
         # how S's replicas (--retrain's export) and T's (the switch's wait) are reached:
         # TLS, mTLS with a client certificate, or plaintext (None)
         self.shard_tls = shard_tls
+        self.publisher = publisher  # the publish phase's (a plan with encoder_dir only)
         self._probed: set[str] = set()  # replicas whose transport was checked
         self.owner = uuid.uuid4().hex
         self._encoder: Encoder | None = None
@@ -168,8 +181,14 @@ class RolloutBuilder:
             self.check_resumable(running, plan)
             return await self._resume(running)
         serving = self.registry.serving()
-        if plan.retrain and plan.encoder is not None:
+        if plan.retrain and (plan.encoder is not None or plan.encoder_dir):
             raise InvalidArgument("--retrain reuses the serving encoder's vectors: no --encoder")
+        publish = plan.encoder is None and bool(plan.encoder_dir)
+        if publish and self.publisher is None:
+            raise FailedPrecondition(
+                "--encoder: no Triton model repository to publish it into (give "
+                "--triton-repo, or --run-dir of a running local stack)"
+            )
         num_shards = plan.num_shards or serving.num_shards
         if num_shards < 1:
             raise InvalidArgument(f"--shards {num_shards}: at least 1")
@@ -190,19 +209,28 @@ class RolloutBuilder:
         name = f"g{int(self.redis.incr(NEXT_GENERATION_KEY))}"
         mode = "retrain" if plan.retrain else "encode"
         now = time.time()
+        # With --encoder the lock comes first and the publish is its first phase: T's
+        # record, which needs the published version, is written at the phase's end.
         self.registry.begin_rollout({
             "target": name, "source": serving.name, "kind": "rollout", "mode": mode,
-            "phase": "create", "owner": self.owner, "host": socket.gethostname(),
-            "pid": str(os.getpid()), "beat": repr(now), "started_at": repr(now),
-            "plan": _j({"encoder": encoder.__dict__, "shards": num_shards,
-                        "retrain": plan.retrain, "encoder_dir": plan.encoder_dir}),
+            "phase": "publish" if publish else "create", "owner": self.owner,
+            "host": socket.gethostname(), "pid": str(os.getpid()), "beat": repr(now),
+            "started_at": repr(now),
+            "plan": _j({"encoder": None if publish else encoder.__dict__,
+                        "shards": num_shards, "retrain": plan.retrain,
+                        "encoder_dir": plan.encoder_dir}),
         })  # fmt: skip
+        if not publish:
+            self._record_target(name, serving.name, num_shards, encoder, mode, now)
+        return await self._resume(self.registry.rollout() or {})
+
+    def _record_target(self, name: str, source: str, num_shards: int, encoder: EncoderSpec,
+                       mode: str, now: float) -> None:  # fmt: skip
         index_dir = str(Path(self.options.index_root).resolve() / name)
         self.registry.put(Generation(
             name, "building", num_shards, encoder, index_dir,
-            {"trained": False, "source": serving.name, "mode": mode}, created_at=now,
+            {"trained": False, "source": source, "mode": mode}, created_at=now,
         ))  # fmt: skip
-        return await self._resume(self.registry.rollout() or {})
 
     async def rollback(self) -> Generation:
         """Make the previous generation serve again: replay every write since the switch
@@ -379,7 +407,7 @@ class RolloutBuilder:
         self._state.update(fields)
 
     async def _run(self) -> Generation:
-        order = ["create", "p0", "train", "bulk", "catch_up", "switch"]
+        order = ["publish", "create", "p0", "train", "bulk", "catch_up", "switch"]
         while True:
             phase = self._state.get("phase", "create")
             if phase == "done":
@@ -399,6 +427,37 @@ class RolloutBuilder:
 
     def _source(self) -> Generation:
         return self.registry.get(self._state["source"])
+
+    async def _phase_publish(self) -> None:
+        """Publish ``--encoder`` under the lock taken (a resume publishes the same folder
+        again: the version already there comes back), then record it in the plan and
+        write T's record. A publish that fails (refused, Triton unreachable: the
+        repository is put back as it was) ends the rollout: nothing else was recorded, so
+        nothing is left to resume or abort."""
+        plan = json.loads(self._state.get("plan") or "{}")
+        folder = plan.get("encoder_dir") or ""
+        if not folder:
+            raise FailedPrecondition("{gtr}:rollout is publishing, but its plan names no folder")
+        if self.publisher is None:
+            raise FailedPrecondition(
+                f"the rollout to {self._state['target']} stopped while publishing {folder}: "
+                "resuming it needs Triton's model repository (--triton-repo, or --run-dir of "
+                "the local stack), or `index rollout --abort`"
+            )
+        try:
+            spec = await asyncio.to_thread(self.publisher, folder)
+        except RetrievalError:
+            owner = self.redis.hget("{gtr}:rollout", "owner")
+            if owner is not None and text(owner) == self.owner:
+                self.registry.end_rollout()  # the lock was all there was
+            raise
+        plan["encoder"] = spec.__dict__
+        # T's record first: a crash before the phase moves publishes again (the same
+        # version) and writes the same record
+        self._record_target(self._state["target"], self._state["source"], int(plan["shards"]),
+                            spec, self._state.get("mode", "encode"),
+                            float(self._state.get("started_at") or time.time()))  # fmt: skip
+        self._save(plan=_j(plan), phase="create")
 
     async def _phase_create(self) -> None:
         # The record is written right after the lock; a crash between the two leaves none.
