@@ -396,7 +396,7 @@ def generations_using(
         planned = json.loads(rollout.get("plan") or "{}").get("encoder") or {}
         target = rollout.get("target", "")
         publishing = rollout.get("phase") == "publish"
-        using = publishing or bool(planned) and int(planned.get("version") or 1) == version
+        using = publishing or (bool(planned) and int(planned.get("version") or 1) == version)
         if using and target not in names:
             names.append(f"{target} (a rollout publishing its encoder)" if publishing else target)
     return names
