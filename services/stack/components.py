@@ -255,11 +255,13 @@ def query_cache_args(cfg: StackConfig) -> list[str]:
 def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     port = cfg.gateway_port or free_port(cfg.host)
     metrics_port = free_port(cfg.host)
+    # g1's shards; none once g1 is retired (the gateway reads the store's key layout)
+    shards = ";".join(",".join(r) for r in endpoints.shards)
     argv = [
         *CLI, "gateway", "serve",
         "--host", cfg.host, "--port", str(port), "--metrics-port", str(metrics_port),
         *redis_args(cfg),
-        "--shards", ";".join(",".join(r) for r in endpoints.shards),
+        *(["--shards", shards] if shards else []),
     ]  # fmt: skip
     if cfg.encoder == "triton":
         argv += ["--encoder", "triton", "--triton-url", endpoints.triton_grpc]

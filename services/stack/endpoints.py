@@ -32,7 +32,8 @@ class Endpoints:
     triton_metrics: str = ""
     # the model repository Triton serves (versions of `embed` are published into it)
     triton_repository: str = ""
-    # generation g1's shards (the gateway's --shards), one list of replicas per shard
+    # generation g1's shards (the gateway's --shards), one list of replicas per shard;
+    # empty once g1 is retired (the gateway is then started without --shards)
     shards: list[list[str]] = field(default_factory=list)
     # every running generation's shards (g1's included): name -> replicas per shard,
     # as the stack also publishes them in Redis ({gtr}:addrs)

@@ -385,25 +385,16 @@ class GenerationShards:
         running = list(self.running.items())  # one C-level copy, whatever the poller does
         return {name: r.addresses for name, r in sorted(running, key=lambda item: item[0])}
 
-    def gateway_shards(self, base: int, serving: str) -> list[list[str]]:
-        """The gateway's ``--shards``: g1's shards (the gateway's g1 falls back to them,
-        and it checks the store's base shard count against their number). Without g1
-        (retired), a running generation of the base count's shards, the serving one's
-        first; without such a generation, addresses on this machine where nothing listens,
-        in the base count's shape: the gateway only routes a generation the alias names,
-        and a retired g1 is never named again."""
+    def gateway_shards(self) -> list[list[str]]:
+        """The gateway's ``--shards``: g1's shards while they run (the gateway's g1 falls
+        back to them, and it checks the store's base shard count against their number);
+        none once g1 is retired: the gateway then takes the base shard count from the
+        store's key layout and the other generations' addresses from ``{gtr}:addrs``, and
+        never routes a retired g1 (it used to be given another generation's addresses, or
+        addresses where nothing listens, in g1's place)."""
         if FIRST_GENERATION in self.running:
             return self.running[FIRST_GENERATION].addresses
-        same = sorted(
-            (r for r in self.running.values() if r.record.num_shards == base),
-            key=lambda r: (r.record.name != serving, r.record.number),
-        )
-        if same:
-            return same[0].addresses
-        host = self.cfg.host
-        return [
-            [f"{host}:{port}" for port in components.shard_ports(self.cfg)] for _ in range(base)
-        ]
+        return []
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -233,7 +233,7 @@ class Stack:
             on_change=self._generations_changed,
         )  # fmt: skip
         self.generations.start_all()
-        self.endpoints.shards = self.generations.gateway_shards(cfg.shards, serving)
+        self.endpoints.shards = self.generations.gateway_shards()
         self.endpoints.generations = self.generations.addresses()
         gens = self.endpoints.generations
         running = ", ".join(f"{name} ({len(shards)} shard(s))" for name, shards in gens.items())

@@ -367,9 +367,15 @@ def test_up_starts_again_once_g1_is_retired_for_a_generation_of_another_shard_co
     assert running.cfg.index_dir.exists()  # the stack's own index stays
     stop_stack(running.stack)
 
-    # `up` again: the gateway needs the base shard count (2) but no g1 runs any more
+    # `up` again: the gateway needs the base shard count (2) but no g1 runs any more; it
+    # is started without --shards (it reads the count from the store's key layout), not
+    # with addresses made up in g1's place (the stack used to invent them)
     running.stack = start_stack(running.cfg)
     assert set(running.addresses()) == {target.name}
+    (gateway,) = [c for c in running.stack.supervisor.children if c.name == "gateway"]
+    assert "--shards" not in gateway.argv, gateway.argv
+    endpoints = read_endpoints(running.cfg.run_dir)
+    assert endpoints is not None and endpoints.shards == []
     response = search_once(Gateway(running.stack.endpoints.gateway), "anything", k=3, timeout=60)
     assert response.generation == target.name
 
