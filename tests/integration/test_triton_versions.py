@@ -353,7 +353,8 @@ def test_unpublish_refuses_a_version_an_index_generation_uses(
 ) -> None:
     """On a real redis-server: a version that a generation not yet retired uses stays
     (FAILED_PRECONDITION naming the generation, exit 2); g1 recorded without a version
-    uses version 1. Once the generation is retired the version may go."""
+    uses version 1; a rollout still publishing its encoder keeps every version. Once the
+    generation is retired and the rollout gone the version may go."""
     import redis
 
     from services.index.generations import EncoderSpec, Registry
@@ -375,6 +376,13 @@ def test_unpublish_refuses_a_version_an_index_generation_uses(
         )
     assert _snapshot(repo) == before
     registry.put(replace(g2, state="retired"))
+    plan = json.dumps({"encoder": None, "encoder_dir": "/new"})
+    registry.begin_rollout({"target": "g3", "source": "g1", "phase": "publish", "plan": plan})
+    run = _cli("unpublish", "--repo", str(repo), "--redis-url", redis_url, "--version", "2")
+    assert run.returncode == 2, run.stderr
+    assert "generation(s) g3 (a rollout publishing its encoder)" in run.stderr, run.stderr
+    assert _snapshot(repo) == before
+    registry.end_rollout()
     run = _cli("unpublish", "--repo", str(repo), "--redis-url", redis_url, "--version", "2")
     assert run.returncode == 0, run.stderr
     assert 2 not in served_versions(repo)
