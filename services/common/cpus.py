@@ -13,11 +13,27 @@ from collections.abc import Iterable
 
 from services.common.errors import InvalidArgument
 
-# The file in a Triton model version's folder that pins the version's backend stub to a
-# CPU set (written by ``encoder publish --cpus`` for a rollout, read by the stub).
+# The file that pins a Triton model version's backend stub to a CPU set (written by
+# ``encoder publish --cpus`` for a rollout, read by the stub): see budget_path.
 BUDGET_FILE = "cpu-budget"
 # how many times :func:`pin_process` lists a process's threads at most
 PIN_PASSES = 4
+
+
+def budget_path(version_dir: str) -> str:
+    """Where the CPU budget of the model version at ``version_dir`` (``<repo>/<model>/<n>``)
+    is written: beside the model folders, ``<repo>/.<model>.<n>.cpu-budget`` (Triton
+    takes a repository's files for no model). Not inside the version folder: a file
+    written or removed there after Triton loaded the version changes the folder's time
+    (Triton compares mtime and ctime), and Triton then reloads that version, by then the
+    serving one, at the next load request (an ``encoder publish``). The stub's
+    ``triton_models/embed_onnx.py`` says the same (it cannot import this)."""
+    version = os.path.normpath(version_dir)
+    model = os.path.dirname(version)
+    return os.path.join(
+        os.path.dirname(model),
+        f".{os.path.basename(model)}.{os.path.basename(version)}.{BUDGET_FILE}",
+    )
 
 
 def available() -> frozenset[int]:

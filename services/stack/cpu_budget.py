@@ -58,14 +58,15 @@ def placement(
 
 
 def stub_budget_age(pid: int) -> float | None:
-    """The age (s) of the budget file in the model version folder of ``pid``, a Triton
-    Python backend stub (argv ``triton_python_backend_stub <version dir>/model.py ...``);
-    None when it has none (or ``pid`` is no stub)."""
+    """The age (s) of the budget file of the model version of ``pid``, a Triton Python
+    backend stub (argv ``triton_python_backend_stub <version dir>/model.py ...``; the file
+    is :func:`~services.common.cpus.budget_path`); None when it has none (or ``pid`` is
+    no stub)."""
     argv = cpu_sets.cmdline(pid)
     if len(argv) < 2 or not argv[0].endswith("triton_python_backend_stub"):
         return None
     try:
-        written = os.stat(os.path.join(os.path.dirname(argv[1]), cpu_sets.BUDGET_FILE))
+        written = os.stat(cpu_sets.budget_path(os.path.dirname(argv[1])))
     except OSError:
         return None
     return max(0.0, time.time() - written.st_mtime)

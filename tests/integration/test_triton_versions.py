@@ -40,6 +40,7 @@ from services.encoder.serve.triton_server import TritonHandle, TritonServerConfi
 from services.encoder.serve.versions import (
     clear_cpu_budgets,
     describe_versions,
+    load_model,
     publish_version,
     served_versions,
     unpublish_version,
@@ -114,6 +115,9 @@ def test_a_second_encoder_is_published_and_served_beside_the_first(served: Serve
     url = served.handle.grpc_url
     second = ensure_second_encoder(served.base)
     want_first, want_second = _expected(default_model_dir()), _expected(second)
+    config_before = (served.repo / "embed" / "config.pbtxt").read_bytes()
+    first_stubs = _stubs(served.handle, served.repo, 1)
+    assert len(first_stubs) == 1  # one instance (RepositoryConfig(instances=1))
 
     async def go() -> None:
         # a client connected before the publish: pinned to version 1, the newest then
@@ -123,12 +127,21 @@ def test_a_second_encoder_is_published_and_served_beside_the_first(served: Serve
             publishing = asyncio.ensure_future(
                 asyncio.to_thread(publish_version, served.repo, second, url)
             )
-            answered = 0  # version 1 answers all along: Triton reloads it with no gap
+            answered = 0  # version 1 answers all along, from the same stub
             while not publishing.done():
                 await early.encode(["during the publish"], "query", timeout=30)
+                now = _stubs(served.handle, served.repo, 1)
+                assert now == first_stubs, f"version 1 reloaded: stubs {first_stubs} -> {now}"
                 answered += 1
             spec = await publishing
             assert answered > 0
+            # Triton loaded version 2 only: version 1 was not reloaded (a reload starts a
+            # new stub, then stops the old one), because config.pbtxt did not change
+            assert _stubs(served.handle, served.repo, 1) == first_stubs, (
+                "publishing version 2 reloaded version 1"
+            )
+            assert len(_stubs(served.handle, served.repo, 2)) == 1
+            assert (served.repo / "embed" / "config.pbtxt").read_bytes() == config_before
             assert (spec.model, spec.version, spec.dim) == ("embed", 2, 384)
             assert served_versions(served.repo) == [1, 2]
             assert _ready_versions(served.handle) == ["1", "2"]  # loaded, no restart
@@ -158,6 +171,19 @@ def test_a_second_encoder_is_published_and_served_beside_the_first(served: Serve
     assert (again.version, again.dim) == (2, 384)
     assert served_versions(served.repo) == [1, 2]
     assert _load_count(served.handle) == loads  # and nothing reloaded
+
+
+def _stubs(handle: TritonHandle, repo: Path, version: int) -> list[int]:
+    """The pids of Triton's Python backend stubs that run ``version`` of ``embed``: argv
+    ``triton_python_backend_stub <repo>/embed/<version>/model.py ...``, read from /proc
+    (as services/stack/cpu_budget.py ``stub_budget_age`` reads it). A reload of the
+    version starts a new stub before the old one stops."""
+    from services.common.cpus import children_of, cmdline
+
+    script = str(repo.resolve() / "embed" / str(version) / "model.py")
+    return sorted(pid for pid in children_of(handle.process.pid)
+                  if (argv := cmdline(pid))[:1] and argv[0].endswith("triton_python_backend_stub")
+                  and argv[1:2] == [script])  # fmt: skip
 
 
 def _load_count(handle: TritonHandle) -> int:
@@ -239,8 +265,10 @@ def test_a_version_is_unpublished_from_the_repository_and_the_running_triton(
     assert [v["version"] for v in listed] == served_versions(served.repo)
     assert [s.version for s in describe_versions(served.repo)][-1] == version
 
+    first_stubs = _stubs(served.handle, served.repo, 1)
     run = _cli("unpublish", "--repo", repo, "--triton-url", url, "--version", str(version))
     assert run.returncode == 0, run.stderr
+    assert _stubs(served.handle, served.repo, 1) == first_stubs  # not reloaded
     assert str(version) not in _ready_versions(served.handle)
     assert version not in served_versions(served.repo)
     assert not list((served.repo / "embed").glob(".retired-*"))
@@ -730,12 +758,8 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
 
 def _stub_of(handle: TritonHandle, version: int) -> int:
     """The pid of Triton's Python backend stub serving ``embed`` version ``version``."""
-    from services.common.cpus import children_of, cmdline
-
-    for pid in children_of(handle.process.pid):
-        argv = cmdline(pid)
-        if len(argv) > 1 and argv[1].endswith(f"/embed/{version}/model.py"):
-            return pid
+    for pid in _stubs(handle, Path(handle.config.model_repository), version):
+        return pid
     raise AssertionError(f"no backend stub of embed version {version} runs")
 
 
@@ -744,14 +768,16 @@ def test_a_version_published_with_a_cpu_budget_runs_its_stub_there(served: Serve
     """`index rollout --cpus`: the new version's stub pins every thread of itself to the
     budget before it loads (its ONNX Runtime threads inherit it), answers from there, and
     the budget file goes when the rollout ends (a later load may use every CPU)."""
-    from services.common.cpus import BUDGET_FILE
+    from services.common.cpus import BUDGET_FILE, budget_path
 
     cpu = max(os.sched_getaffinity(0))
     fourth = ensure_onnx(ensure_second_encoder(served.base, seed=4), served.base).parent
     url = served.handle.grpc_url
     spec = publish_version(served.repo, fourth, url, cpus=frozenset({cpu}))
     try:
-        assert (served.repo / "embed" / str(spec.version) / BUDGET_FILE).read_text() == str(cpu)
+        budget = Path(budget_path(str(served.repo / "embed" / str(spec.version))))
+        assert budget.read_text() == str(cpu)  # beside the model folders, not in its folder
+        assert budget.parent == served.repo and not list(served.repo.rglob(BUDGET_FILE))
         stub = _stub_of(served.handle, spec.version)
         tasks = os.listdir(f"/proc/{stub}/task")
         assert len(tasks) > 1
@@ -761,6 +787,11 @@ def test_a_version_published_with_a_cpu_budget_runs_its_stub_there(served: Serve
         _, got = asyncio.run(_encode_all(url, str(spec.version)))
         assert got["query"].shape == (len(SAMPLE_QUERIES), 384)
         clear_cpu_budgets(served.repo)
-        assert not list((served.repo / "embed").glob(f"*/{BUDGET_FILE}"))
+        assert not budget.exists()
+        # the rollout has ended: the next load (a later publish) reloads no version, this
+        # one included (its budget file was not in its folder)
+        stubs = {v: _stubs(served.handle, served.repo, v) for v in (1, spec.version)}
+        load_model(url, None, None)
+        assert {v: _stubs(served.handle, served.repo, v) for v in (1, spec.version)} == stubs
     finally:
         unpublish_version(served.repo, spec.version, url)

@@ -85,6 +85,9 @@ def test_the_stub_and_the_stack_name_the_same_budget_file() -> None:
     """The Triton stub cannot import services/: its own constant must match."""
     source = Path("services/encoder/build/triton_models/embed_onnx.py").read_text()
     assert f'BUDGET_FILE = "{cpu_sets.BUDGET_FILE}"' in source
+    # beside the model folders, not in the version folder (whose change after the load
+    # would make Triton reload the version; test_triton_versions checks the stub reads it)
+    assert cpu_sets.budget_path("/r/embed/2/") == "/r/.embed.2.cpu-budget"
 
 
 @pytest.mark.parametrize(

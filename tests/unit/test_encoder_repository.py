@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     assert _io(config) == {
         "TEXT": (mc.TYPE_STRING, [1]), "KIND": (mc.TYPE_STRING, [1]),
         "EMBEDDING": (mc.TYPE_FP32, [384]), "TRUNCATED": (mc.TYPE_BOOL, [1]),
+        "ENCODER": (mc.TYPE_STRING, [1]),  # the version's description, asked at connect
     }  # fmt: skip
     batching = config.dynamic_batching
     assert list(batching.preferred_batch_size) == [16, 32, 64]  # CPU: no small batches
@@ -50,8 +52,16 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     assert params["intra_op_threads"] == "2"
     assert params["allow_spinning"] == "0"  # busy-waiting threads stall the stub
     version = tmp_path / "embed" / "1"
-    for name in ("model.py", "textcodec.py", "model.onnx", "tokenizer.json", "encoder.json"):
+    for name in ("model.py", "textcodec.py", "model.onnx", "tokenizer.json", "encoder.json",
+                 "version.json"):  # fmt: skip
         assert (version / name).is_file(), name
+    # what is version 1's goes in its folder, not in config.pbtxt (a publish leaves it)
+    own = json.loads((version / "version.json").read_text())
+    assert own["source_model"] == "all-MiniLM-L6-v2" and len(own["digest"]) == 16
+    assert not [k for k in params if k.startswith("version.")]
+    # the publish lock exists before Triton loads the model (one made later would count
+    # as a change of every version and reload them)
+    assert (tmp_path / "embed" / ".publish.lock").is_file()
     # model.py is the file from services/encoder/build/triton_models, not a generated string
     source = Path("services/encoder/build/triton_models/embed_onnx.py").read_text()
     assert (version / "model.py").read_text() == source

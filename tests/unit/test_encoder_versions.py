@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from services.encoder.base import version_key
 from services.encoder.build.export import EncoderMeta
 from services.encoder.build.repository import (
     RepositoryConfig,
     cpu_embed_config,
     gpu_configs,
-    version_parameters,
+    version_description,
 )
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import get_profile
@@ -77,10 +78,17 @@ def test_the_gpu_flavour_is_refused(tmp_path: Path) -> None:
     assert problem is not None and "gpu flavour" in problem
 
 
+def _legacy_parameters(version: int, meta: EncoderMeta, digest: str) -> dict[str, str]:
+    """The ``version.<n>.*`` config parameters an older generator wrote for a version."""
+    return {version_key(version, k): v for k, v in version_description(meta, digest).items()}
+
+
 def test_each_version_reads_its_own_parameters_over_the_shared_ones() -> None:
+    """A repository of an older generator (versions described in config.pbtxt) still
+    serves: the client reads each version's parameters over the shared ones."""
     config = _cpu_config()
-    for key, value in {**version_parameters(1, MINILM, "aaaa"),
-                       **version_parameters(2, EncoderMeta(**{**MINILM.__dict__,
+    for key, value in {**_legacy_parameters(1, MINILM, "aaaa"),
+                       **_legacy_parameters(2, EncoderMeta(**{**MINILM.__dict__,
                                                               "model_name": "second"}),
                                             "bbbb")}.items():  # fmt: skip
         config.parameters[key].string_value = value
@@ -154,3 +162,66 @@ def test_a_rollout_publishing_its_encoder_uses_every_version() -> None:
     assert generations_using([g1, g2], 2, publishing) == [using]
     assert generations_using([g1, g2], 1, publishing) == ["g1", using]
     assert generations_using([g1, g2], 2, dict(publishing, phase="create")) == []
+
+
+def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_config(
+    tmp_path: Path,
+) -> None:
+    """What publish writes: a version folder with its ``version.json``, the config as it
+    was (Triton reloads every loaded version when the config changes). A repository whose
+    versions are described by ``version.<n>.*`` config parameters (the generator before)
+    is converted once: each version's ``version.json``, a config without them."""
+    from google.protobuf import text_format
+
+    from services.encoder.build.repository import ENCODER_OUTPUT, VERSION_FILE, read_config
+    from services.encoder.serve.versions import _convert, describe_versions
+
+    model = tmp_path / "embed"
+    config = _cpu_config()
+    del config.output[-1]  # the older generator had no ENCODER output
+    second = EncoderMeta(**{**MINILM.__dict__, "model_name": "second"})
+    for key, value in {**_legacy_parameters(1, MINILM, "aaaa"),
+                       **_legacy_parameters(2, second, "bbbb")}.items():  # fmt: skip
+        config.parameters[key].string_value = value
+    for version in (1, 2):
+        (model / str(version)).mkdir(parents=True)
+    (model / "config.pbtxt").write_text(text_format.MessageToString(config))
+    before = [(s.version, s.dim, s.digest) for s in describe_versions(tmp_path)]
+    assert before == [(1, 384, "aaaa"), (2, 384, "bbbb")]
+
+    converted = _convert(model, read_config(model / "config.pbtxt"))
+    assert converted is not None
+    (model / "config.pbtxt").write_text(converted)
+    new = read_config(model / "config.pbtxt")
+    assert not [k for k in new.parameters if k.startswith("version.")]
+    assert ENCODER_OUTPUT in {o.name for o in new.output}
+    assert [(s.version, s.dim, s.digest) for s in describe_versions(tmp_path)] == before
+    import json
+
+    own = json.loads((model / "2" / VERSION_FILE).read_text())
+    assert (own["source_model"], own["digest"], own["onnx_file"]) == ("second", "bbbb",
+                                                                      "model.onnx")  # fmt: skip
+    assert (model / "2" / "model.py").exists()  # the model code that reads version.json
+    assert _convert(model, new) is None  # converted once: the next publish changes nothing
+
+
+def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_publish(
+    tmp_path: Path,
+) -> None:
+    """Unpublish takes a version out through ``version_policy: specific`` before its
+    folder goes (a folder moved aside inside the model folder would make Triton reload
+    the others); a folder that policy leaves out is that unpublish, stopped."""
+
+    from services.encoder.build.repository import VERSION_FILE, write_version_file
+    from services.encoder.serve.versions import _convert, served_versions
+
+    model = tmp_path / "embed"
+    for version in (1, 2):
+        (model / str(version)).mkdir(parents=True)
+        write_version_file(model / str(version), version_description(MINILM, f"d{version}"))
+    config = _cpu_config()
+    config.version_policy.specific.versions[:] = [1]
+    converted = _convert(model, config)
+    assert converted is not None and "all {" in converted
+    assert served_versions(tmp_path) == [1]
+    assert (model / "1" / VERSION_FILE).exists()

@@ -9,9 +9,18 @@ Both flavours expose the same model ``embed``:
   each row (parameters ``onnx_file`` and ``document_onnx_file``); clients see no change.
   The model serves every version folder (``version_policy: all``): ``encoder publish``
   (``services/encoder/serve/versions.py``) adds the next encoder as ``embed/<n>/``,
-  each folder with its own graph(s), tokenizer and model code, and describes it in the
-  parameters ``version.<n>.*`` (source model, dim, digest, graph files), which the
-  model's versions and the client (``TritonEncoder.connect``) overlay on the shared ones.
+  each folder with its own graph(s), tokenizer and model code, described by its own
+  ``version.json`` (source model, dim, profile, digest, graph files), which the model
+  reads at initialize over the shared parameters and answers on the optional output
+  ``ENCODER`` (how ``TritonEncoder.connect`` learns its version's name and digest).
+  ``config.pbtxt`` never changes when a version is added or removed: Triton reloads a
+  loaded version on a load request when the config changed beyond ``instance_group`` /
+  ``version_policy``, or when its version folder or a non-version entry of the model
+  folder is newer than at its load (triton-inference-server/core,
+  ``ModelLifeCycle::AsyncLoad``, ``ConfigChangeRequiresReload``,
+  ``ModelTimestamp::IsModelVersionModified``). A repository of an older generator, whose
+  versions are described by config parameters ``version.<n>.*``, still serves (the model
+  and the client read those) and is converted by the next publish.
 * ``gpu``: ``embed`` is an ensemble of ``tokenizer`` (Python backend, on CPU) and
   ``encoder`` (``tensorrt_plan``, FP16 with FP32 norms, on the GPU). With a plan, the
   max batch, the sequence buckets and the tokenizer's truncation come from the shapes
@@ -36,6 +45,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.encoder.base import PRIORITY_LEVELS, QUERY_PRIORITY, version_key
 from services.encoder.build.export import EncoderMeta
 from services.encoder.build.tensorrt_build import (
     TRITON_IMAGE_TAG,
@@ -44,7 +54,6 @@ from services.encoder.build.tensorrt_build import (
 )
 from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
 from services.encoder.profiles import ModelProfile
-from services.encoder.base import PRIORITY_LEVELS, QUERY_PRIORITY, version_key
 
 Flavor = Literal["cpu", "gpu"]
 MODELS_DIR = Path(__file__).resolve().parent / "triton_models"
@@ -54,6 +63,15 @@ MODEL_ERRORS = MODELS_DIR / "model_errors.py"
 EMBED_MODEL = "embed"
 # A two-tower export's graphs, as placed in embed/1/ (the query tower keeps model.onnx).
 TOWER_ONNX = {"query": "model.onnx", "document": "document.onnx"}
+# One CPU embed version's description, in its version folder (see version_description).
+VERSION_FILE = "version.json"
+# The CPU embed model's optional output: its version's description (JSON), answered when
+# a request asks for it (TritonEncoder.connect), without running the graph.
+ENCODER_OUTPUT = "ENCODER"
+# The repository's publish lock (services/encoder/serve/versions.py), written with the
+# model folder: a file appearing in it after Triton loaded the model would count as a
+# change of every version (a non-version entry newer than their load) and reload them.
+PUBLISH_LOCK = ".publish.lock"
 
 
 @dataclass(frozen=True)
@@ -153,12 +171,36 @@ def export_digest(onnx_path: Path, meta: EncoderMeta) -> str:
     return digest.hexdigest()[:16]
 
 
-def version_parameters(version: int, meta: EncoderMeta, digest: str) -> dict[str, str]:
-    """The ``version.<n>.*`` parameters of one CPU ``embed`` version: what the client
-    reads (source model, dim, profile, digest) and the graph files its model runs."""
-    own = {**_common_params(meta), "digest": digest, "onnx_file": TOWER_ONNX["query"],
-           "document_onnx_file": TOWER_ONNX["document"] if meta.towers else ""}  # fmt: skip
-    return {version_key(version, key): value for key, value in own.items()}
+def version_description(meta: EncoderMeta, digest: str) -> dict[str, str]:
+    """What ``version.json`` says of one CPU ``embed`` version: what the client reads
+    (source model, dim, profile, digest) and the graph files its model runs."""
+    return {**_common_params(meta), "digest": digest, "onnx_file": TOWER_ONNX["query"],
+            "document_onnx_file": TOWER_ONNX["document"] if meta.towers else ""}  # fmt: skip
+
+
+def write_version_file(folder: Path, description: dict[str, str]) -> None:
+    """``version.json`` in a version folder (before Triton sees the folder)."""
+    (Path(folder) / VERSION_FILE).write_text(json.dumps(description, indent=1, sort_keys=True))
+
+
+def legacy_version_parameters(config: mc.ModelConfig, version: int) -> dict[str, str]:
+    """The ``version.<n>.*`` parameters an older generator wrote for ``version`` (its
+    keys without the prefix); empty for a repository of this one."""
+    prefix = version_key(version, "")
+    return {k[len(prefix) :]: v.string_value for k, v in config.parameters.items()
+            if k.startswith(prefix)}  # fmt: skip
+
+
+def read_version_description(
+    model_dir: Path, config: mc.ModelConfig, version: int
+) -> dict[str, str]:
+    """One version's description: the shared parameters overlaid with an older
+    generator's ``version.<n>.*`` ones and with the folder's ``version.json``."""
+    shared = {k: v.string_value for k, v in config.parameters.items()
+              if not k.startswith("version.")}  # fmt: skip
+    path = Path(model_dir) / str(version) / VERSION_FILE
+    own = json.loads(path.read_text()) if path.exists() else {}
+    return {**shared, **legacy_version_parameters(config, version), **own}
 
 
 def cpu_embed_config(
@@ -166,7 +208,8 @@ def cpu_embed_config(
 ) -> mc.ModelConfig:
     max_batch = cfg.max_batch or profile.max_batch
     config = mc.ModelConfig(name=EMBED_MODEL, backend="python", max_batch_size=max_batch)
-    _add_io(config, *_text_io(meta.dim))
+    inputs, outputs = _text_io(meta.dim)
+    _add_io(config, inputs, [*outputs, _tensor(ENCODER_OUTPUT, mc.TYPE_STRING, [1])])
     _batching(config, max_batch, cfg)
     config.instance_group.add(count=cfg.instances or 1, kind=mc.ModelInstanceGroup.KIND_CPU)
     threads = str(cfg.intra_op_threads)
@@ -233,12 +276,26 @@ def _write_config(root: Path, config: mc.ModelConfig) -> None:
     (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
 
 
+def model_code(folder: Path, source: Path) -> None:
+    """A Python-backend version folder's code: ``model.py`` (from ``source``) and its
+    helpers, compiled into ``__pycache__`` here. Else the backend stub writes the bytecode
+    into the folder after Triton read the folder's time at load, and Triton takes the
+    version for modified at the next load request (an ``encoder publish``) and reloads
+    it (the stub compiles ``model.py`` whatever ``PYTHONDONTWRITEBYTECODE`` says)."""
+    import importlib.util
+    import py_compile
+
+    for src, name in ((source, "model.py"), (TEXTCODEC, "textcodec.py"),
+                      (MODEL_ERRORS, "model_errors.py")):  # fmt: skip
+        shutil.copy2(src, folder / name)
+        path = str(folder / name)
+        py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True)
+
+
 def _python_model(root: Path, name: str, source: Path, export_dir: Path) -> None:
     version = root / name / "1"
     version.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(source, version / "model.py")
-    shutil.copy2(TEXTCODEC, version / "textcodec.py")
-    shutil.copy2(MODEL_ERRORS, version / "model_errors.py")
+    model_code(version, source)
     for artefact in ("tokenizer.json", "encoder.json"):
         shutil.copy2(export_dir / artefact, version / artefact)
 
@@ -300,9 +357,11 @@ def generate_repository(
         shutil.rmtree(root / name, ignore_errors=True)
     if cfg.flavor == "cpu":
         config = cpu_embed_config(meta, profile, cfg)
-        _params(config, version_parameters(1, meta, export_digest(onnx_path, meta)))
         _write_config(root, config)
+        (root / EMBED_MODEL / PUBLISH_LOCK).touch()
         _python_model(root, EMBED_MODEL, MODELS_DIR / "embed_onnx.py", export_dir)
+        write_version_file(root / EMBED_MODEL / "1",
+                           version_description(meta, export_digest(onnx_path, meta)))  # fmt: skip
         if meta.towers:
             for kind, path in meta.onnx_files(onnx_path).items():
                 _place(path, root / EMBED_MODEL / "1" / TOWER_ONNX[kind])

@@ -34,10 +34,13 @@ the version, ``TritonEncoderConfig.model_version`` or, when that is empty, the n
 version ready at connect time, and sends it on every infer and readiness probe. A server
 that answers NOT_FOUND for the pinned version has not loaded it (a pod whose copy of the
 repository lags): that is Unavailable there, and the next server is asked. The
-pinned version, its source model and its digest (from the config's per-version
-parameters ``version.<n>.*``, written by ``services/encoder/build/repository.py``) are
-the encoder's ``model_version``, ``model_name`` and ``digest``: what a generation records
-and what the query cache keys on.
+pinned version, its source model and its digest are the encoder's ``model_version``,
+``model_name`` and ``digest``: what a generation records and what the query cache keys
+on. The CPU ``embed`` answers them itself on its optional output ``ENCODER`` (read from
+the version folder's ``version.json``, so that publishing a version never changes the
+config, whose change would make Triton reload the serving version too); a model without
+that output (the GPU ensemble, a repository of an older generator) is read from its
+config's parameters (``version.<n>.*`` over the shared ones).
 
 Retries: the channel's, :mod:`services.common.retry` (gRPC's retryPolicy, UNAVAILABLE
 only, within the call's deadline; every KServe call is idempotent). gRPC cannot tell a
@@ -234,6 +237,36 @@ def describe_version(config: Any, version: int, model: str) -> ModelVersionInfo:
                             params.get("digest", ""))  # fmt: skip
 
 
+ENCODER_OUTPUT = "ENCODER"  # the CPU embed's optional output: its version's description
+
+
+async def read_version_info(
+    server: TritonServer, cfg: TritonEncoderConfig, config: Any, version: int
+) -> ModelVersionInfo:
+    """:class:`ModelVersionInfo` of ``version`` at ``server``: asked of the model itself
+    when it has the ``ENCODER`` output (a one-row request that runs no graph), else read
+    from ``config`` (:func:`describe_version`)."""
+    if ENCODER_OUTPUT not in {o.name for o in config.output}:
+        return describe_version(config, version, cfg.model)
+    import json
+
+    from tritonclient.grpc import InferInput, InferRequestedOutput
+
+    inputs = []
+    for name, value in (("TEXT", b"describe"), ("KIND", b"query")):
+        column = InferInput(name, [1, 1], "BYTES")
+        column.set_data_from_numpy(np.array([[value]], dtype=object))
+        inputs.append(column)
+    result = await server.client.infer(
+        cfg.model, inputs, model_version=str(version),
+        outputs=[InferRequestedOutput(ENCODER_OUTPUT)], client_timeout=cfg.connect_timeout_s,
+    )  # fmt: skip
+    own = json.loads(np.asarray(result.as_numpy(ENCODER_OUTPUT)).reshape(-1)[0])
+    base = describe_version(config, version, cfg.model)
+    return ModelVersionInfo(version, own.get("source_model") or base.source_model,
+                            int(own.get("dim") or base.dim), own.get("digest") or "")  # fmt: skip
+
+
 def newest_version(versions: Sequence[str]) -> int | None:
     """The highest numbered of Triton's version strings (the one an unversioned request
     gets), or None."""
@@ -320,6 +353,7 @@ class TritonEncoder(Encoder):
             for server in pool.order(servers):
                 try:
                     config, version = await _read_version(server, cfg)
+                    info = await read_version_info(server, cfg, config, version)
                     break
                 except Exception as exc:
                     error = (
@@ -333,7 +367,6 @@ class TritonEncoder(Encoder):
                         raise error from exc
             else:
                 raise error
-            info = describe_version(config, version, cfg.model)
             if info.dim <= 0:
                 raise Unavailable(f"model {cfg.model!r} at {cfg.url} declares no EMBEDDING width")
             pinned = replace(cfg, model_version=str(version))

@@ -5,9 +5,9 @@ An index rollout to a new encoder (docs/generations.md) needs the new encoder se
 the stored documents are re-embedded with the new one, and either may serve after the
 switch (rollback). Both are versions of the one model ``embed``: the CPU flavour's config
 has ``version_policy: all``, and each version folder ``embed/<n>/`` holds its own ONNX
-graph(s), tokenizer, ``encoder.json`` and copy of the model code, described by the config
-parameters ``version.<n>.*`` (source model, dim, profile, digest, graph files) that the
-model and the client (``TritonEncoder.connect``) overlay on the shared ones.
+graph(s), tokenizer, ``encoder.json``, copy of the model code and ``version.json`` (source
+model, dim, profile, digest, graph files), which the model overlays on the shared
+parameters and answers on its ``ENCODER`` output to the client (``TritonEncoder.connect``).
 
 :func:`publish_version` exports a checkpoint (the parity check gates it, as ``encoder
 export``), refuses one the model cannot serve (FailedPrecondition saying what would be
@@ -18,14 +18,24 @@ Triton load it without a restart.
 --load-model=*`` (``services/encoder/serve/triton_server.py``; the local stack and the
 chart start it so): at start it loads every model as before, and afterwards only a
 ``RepositoryModelLoad`` call changes what it serves. Publishing writes the version folder
-and the config, then asks each Triton named by ``triton_url`` to load ``embed`` again;
-Triton loads the new version beside the serving ones and swaps the model in when the
-load succeeded, with no gap in availability (a failed reload leaves the loaded model as
-it was). Polling (``--model-control-mode=poll``) was not chosen: Triton would pick up a
-version folder or config half written, at a moment nobody chose, and a publish could not
-tell its caller whether the new version loads. A load that fails (Triton down, or the new
-version does not initialise) puts the repository back as it was and is an error: a
-publish is all or nothing. A Triton started later loads every version at start.
+(``config.pbtxt`` is not touched), then asks each Triton named by ``triton_url`` to load
+``embed`` again; Triton loads the new version and leaves the loaded ones as they are:
+it reloads a loaded version only when the config changed beyond ``instance_group`` and
+``version_policy`` or when the version's folder, or a non-version entry of the model
+folder, is newer than at its load (triton-inference-server/core ``ModelLifeCycle::
+AsyncLoad``: ``ModelTimestamp::IsModelVersionModified``, ``ConfigChangeRequiresReload``).
+Hence nothing here writes into the model folder or a loaded version's folder around a
+load: the lock file exists from ``encoder repo`` on, a new version is staged under a
+dotted name and renamed into place before the load, an unpublish takes the version out
+through ``version_policy`` (ignored by that comparison) before its folder goes, and
+:func:`clear_cpu_budgets` puts a folder's time back. A repository of an older generator
+(``version.<n>.*`` config parameters) is converted by the next publish, which is then
+the one load that reloads every version. Polling (``--model-control-mode=poll``) was not
+chosen: Triton would pick up a version folder or config half written, at a moment nobody
+chose, and a publish could not tell its caller whether the new version loads. A load
+that fails (Triton down, or the new version does not initialise) puts the repository
+back as it was and is an error: a publish is all or nothing. A Triton started later
+loads every version at start.
 
 :func:`unpublish_version` takes a version out again (an encoder no generation uses any
 more: its memory in Triton is freed); the last one stays. ``index retire`` calls it for
@@ -61,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.cpus import BUDGET_FILE
+from services.common.cpus import BUDGET_FILE, budget_path
 from services.common.errors import FailedPrecondition, NotFound, RetrievalError, Unavailable
 from services.encoder.base import version_key
 from services.encoder.build.export import (
@@ -72,18 +82,22 @@ from services.encoder.build.export import (
 )
 from services.encoder.build.repository import (
     EMBED_MODEL,
-    MODEL_ERRORS,
+    ENCODER_OUTPUT,
     MODELS_DIR,
-    TEXTCODEC,
+    PUBLISH_LOCK,
     TOWER_ONNX,
-    _params,
+    VERSION_FILE,
     _place,
     export_digest,
+    legacy_version_parameters,
+    model_code,
     read_config,
-    version_parameters,
+    read_version_description,
+    version_description,
+    write_version_file,
 )
 from services.encoder.profiles import KINDS
-from services.encoder.runtime.triton_client import describe_version, triton_addresses
+from services.encoder.runtime.triton_client import triton_addresses
 from services.index.generations import RUNNING, EncoderSpec, Generation
 
 if TYPE_CHECKING:
@@ -114,10 +128,50 @@ def served_versions(repo_dir: Path, model: str = EMBED_MODEL) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def spec_of(config: mc.ModelConfig, version: int, source: str = "") -> EncoderSpec:
-    """The :class:`EncoderSpec` of one version, as the config describes it."""
-    info = describe_version(config, version, config.name)
-    return EncoderSpec(config.name, version, info.dim, info.digest, source)
+def spec_of(model_dir: Path, config: mc.ModelConfig, version: int, source: str = "") -> EncoderSpec:
+    """The :class:`EncoderSpec` of one version, as its ``version.json`` (or an older
+    repository's config parameters) describes it."""
+    own = read_version_description(model_dir, config, version)
+    widths = {o.name: list(o.dims) for o in config.output}.get("EMBEDDING", [0])
+    dim = int(own.get("dim") or widths[-1])
+    return EncoderSpec(config.name, version, dim, own.get("digest", ""), source)
+
+
+def _convert(model_path: Path, config: mc.ModelConfig) -> str | None:
+    """Convert a repository of an older generator in place: each version's
+    ``version.<n>.*`` parameters into its ``version.json`` (with this model code), and a
+    config without them, with the ``ENCODER`` output and ``version_policy: all``; also
+    finishes an unpublish that stopped before its folder went (a version folder that
+    ``version_policy: specific`` leaves out). Returns the new config text, or None when
+    there was nothing to convert. Triton reloads every version at the next load."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    changed = False
+    policy = config.version_policy
+    if policy.WhichOneof("policy_choice") == "specific":
+        kept = set(policy.specific.versions)
+        for version in served_versions(model_path.parent, model_path.name):
+            if version not in kept:
+                shutil.rmtree(model_path / str(version))
+    if policy.WhichOneof("policy_choice") != "all":
+        policy.all.SetInParent()
+        changed = True
+    for version in served_versions(model_path.parent, model_path.name):
+        folder = model_path / str(version)
+        if legacy_version_parameters(config, version) or not (folder / VERSION_FILE).exists():
+            own = read_version_description(model_path, config, version)
+            keys = ("source_model", "dim", "profile", "digest", "onnx_file", "document_onnx_file")
+            write_version_file(folder, {k: own.get(k, "") for k in keys})
+            _model_code(folder)
+            changed = True
+    for key in [k for k in config.parameters if k.startswith("version.")]:
+        del config.parameters[key]
+        changed = True
+    if ENCODER_OUTPUT not in {o.name for o in config.output}:
+        config.output.add(name=ENCODER_OUTPUT, data_type=model_config_pb2.TYPE_STRING, dims=[1])
+        changed = True
+    return text_format.MessageToString(config) if changed else None
 
 
 def servable_problem(config: mc.ModelConfig, export: Export, repo: Path) -> str | None:
@@ -200,8 +254,9 @@ def _parity(model_dir: Path, onnx_path: Path) -> None:
 
 @contextlib.contextmanager
 def _locked(model_dir: Path) -> Iterator[None]:
-    """One publish at a time per model folder (an exclusive ``flock``)."""
-    with (model_dir / ".publish.lock").open("a") as lock:
+    """One publish at a time per model folder (an exclusive ``flock`` on the lock file
+    ``encoder repo`` wrote; opening it to lock changes no time Triton looks at)."""
+    with (model_dir / PUBLISH_LOCK).open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -215,12 +270,16 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _model_code(folder: Path) -> None:
+    model_code(folder, MODELS_DIR / "embed_onnx.py")
+
+
 def _version_folder(folder: Path, export: Export) -> None:
-    """Fill a version folder: the model code, its helpers, tokenizer, meta and graph(s)."""
+    """Fill a version folder: the model code, its helpers, tokenizer, meta, graph(s) and
+    its description (``version.json``)."""
     folder.mkdir(parents=True)
-    shutil.copy2(MODELS_DIR / "embed_onnx.py", folder / "model.py")
-    shutil.copy2(TEXTCODEC, folder / "textcodec.py")
-    shutil.copy2(MODEL_ERRORS, folder / "model_errors.py")
+    _model_code(folder)
+    write_version_file(folder, version_description(export.meta, export.digest))
     source = export.onnx_path.parent
     for artefact in ("tokenizer.json", "encoder.json"):
         shutil.copy2(source / artefact, folder / artefact)
@@ -228,13 +287,19 @@ def _version_folder(folder: Path, export: Export) -> None:
         _place(path, folder / (TOWER_ONNX[kind] if export.meta.towers else TOWER_ONNX["query"]))
 
 
-def _write_budget(folder: Path, cpus: frozenset[int]) -> None:
-    (folder / BUDGET_FILE).write_text(",".join(str(c) for c in sorted(cpus)))
+def _write_budget(version_dir: Path, cpus: frozenset[int]) -> None:
+    """The CPU budget of the version at ``version_dir``, beside the model folders
+    (:func:`~services.common.cpus.budget_path`), written before the version loads."""
+    _write_atomically(Path(budget_path(str(version_dir))), ",".join(map(str, sorted(cpus))))
 
 
 def clear_cpu_budgets(repo_dir: Path) -> None:
     """Remove every version's CPU budget file (the rollout that wrote it has ended; a
-    stub loaded from now on may use every CPU)."""
+    stub loaded from now on may use every CPU). No version folder is touched (see
+    :func:`~services.common.cpus.budget_path`), except an older release's budget file
+    inside one."""
+    for path in Path(repo_dir).glob(f".{EMBED_MODEL}.*.{BUDGET_FILE}"):
+        path.unlink(missing_ok=True)
     for path in (Path(repo_dir) / EMBED_MODEL).glob(f"*/{BUDGET_FILE}"):
         path.unlink(missing_ok=True)
 
@@ -271,14 +336,16 @@ def publish_version(
     with tempfile.TemporaryDirectory(prefix="gtr-publish-") as work:
         export = _export(Path(model_dir), Path(work))
         with _locked(model_path):
-            old_text = config_path.read_text()
             config = read_config(config_path)
             problem = servable_problem(config, export, repo)
             if problem is not None:
                 raise FailedPrecondition(f"cannot publish {model_dir}: {problem}")
+            converted = _convert(model_path, config)
+            if converted is not None:  # an older generator's repository, once
+                _write_atomically(config_path, converted)
             versions = served_versions(repo)
             for version in versions:  # the same export published before: nothing to add
-                spec = spec_of(config, version)
+                spec = spec_of(model_path, config, version)
                 if spec.digest == export.digest:
                     if cpus:
                         _write_budget(model_path / str(version), cpus)
@@ -291,22 +358,15 @@ def publish_version(
             shutil.rmtree(staging, ignore_errors=True)
             _version_folder(staging, export)
             if cpus:
-                _write_budget(staging, cpus)
-            _params(config, version_parameters(version, export.meta, export.digest))
-            config.version_policy.all.SetInParent()
-            from google.protobuf import text_format
-
-            # The parameters first, then the folder: a crash between the two leaves only
-            # the parameters of a version that does not exist (rewritten by the next
-            # publish), never a version folder without its parameters.
-            _write_atomically(config_path, text_format.MessageToString(config))
+                _write_budget(model_path / str(version), cpus)
+            # The folder, whole, under its number; config.pbtxt stays as it is.
             os.rename(staging, model_path / str(version))
             if triton_url:
                 try:
                     _load_everywhere(triton_url, version, tls, load_timeout_s)
                 except BaseException:
                     shutil.rmtree(model_path / str(version), ignore_errors=True)
-                    _write_atomically(config_path, old_text)
+                    Path(budget_path(str(model_path / str(version)))).unlink(missing_ok=True)
                     with contextlib.suppress(RetrievalError):  # unload what was loaded
                         _load_everywhere(triton_url, None, tls, load_timeout_s)
                     raise
@@ -349,27 +409,30 @@ def unpublish_version(
             )
         old_text = config_path.read_text()
         config = read_config(config_path)
-        prefix = version_key(version, "")
+        prefix = version_key(version, "")  # an older generator's parameters of it
         for key in [k for k in config.parameters if k.startswith(prefix)]:
             del config.parameters[key]
         from google.protobuf import text_format
 
-        # The folder out of Triton's sight first (a name that is not a number), then the
-        # parameters, then the load; the folder is deleted once Triton no longer runs it.
-        aside = model_path / f".retired-{version}"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(model_path / str(version), aside)
+        # Out of Triton's sight through the version policy (a change Triton does not
+        # reload the other versions for, unlike a folder moved aside inside the model
+        # folder: a non-version entry newer than their load), then the load; the folder
+        # goes once Triton no longer runs it, and the policy is `all` again.
+        policy = config.version_policy
+        policy.specific.versions[:] = [v for v in versions if v != version]
         _write_atomically(config_path, text_format.MessageToString(config))
         if triton_url:
             try:
                 _load_everywhere(triton_url, None, tls, load_timeout_s)
             except BaseException:
                 _write_atomically(config_path, old_text)
-                os.rename(aside, model_path / str(version))
                 with contextlib.suppress(RetrievalError):
                     _load_everywhere(triton_url, None, tls, load_timeout_s)
                 raise
-        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(model_path / str(version))
+        Path(budget_path(str(model_path / str(version)))).unlink(missing_ok=True)
+        policy.all.SetInParent()
+        _write_atomically(config_path, text_format.MessageToString(config))
 
 
 class VersionInUse(FailedPrecondition):
@@ -409,7 +472,7 @@ def describe_versions(repo_dir: Path) -> list[EncoderSpec]:
     if not config_path.exists():
         raise FailedPrecondition(f"{repo} has no {EMBED_MODEL} model")
     config = read_config(config_path)
-    return [spec_of(config, version) for version in served_versions(repo)]
+    return [spec_of(repo / EMBED_MODEL, config, version) for version in served_versions(repo)]
 
 
 def triton_servers(url: str) -> list[str]:

@@ -14,6 +14,11 @@ through ``document_onnx_file``.
 A bad request (empty text, invalid UTF-8, unknown kind) gets its own error response;
 the other requests of the batch are answered, and the instance never dies.
 
+``ENCODER`` BYTES [1] (optional output): this version's description as JSON (version,
+source model, dim, profile, digest; from ``version.json``), one per row. A request that
+asks for it alone is answered without running the graph: ``TritonEncoder.connect``
+learns its pinned version's name and digest so, since they are no longer in the config.
+
 A request whose client has gone (``is_cancelled()``) is answered CANCELLED without being
 run, and the rows are run in pieces of at most ``PIECE_ROWS`` with the check repeated
 before each piece: when every request of the batch has gone, the rest is not run. A
@@ -24,6 +29,7 @@ made a SIGTERMed server overrun ``--exit-timeout-secs`` and exit 1.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -47,10 +53,15 @@ from textcodec import TextCodec, TextError, parse_rows
 # rows per ONNX run between two checks for clients that have gone: bounds the work a
 # stopping server waits for to one such run
 PIECE_ROWS = 16
-# a version folder's file naming the CPUs its stub runs on (services.common.cpus)
+# the file naming the CPUs a version's stub runs on (services.common.cpus budget_path:
+# <repo>/.<model>.<version>.cpu-budget, beside the model folders, never in the version
+# folder, whose change after the load would make Triton reload this version)
 BUDGET_FILE = "cpu-budget"
 # how often (s) a request looks whether the CPUs this stub may use changed
 CPU_CHECK_S = 1.0
+# the optional output describing this version, and the outputs that need the graph
+ENCODER_OUTPUT = "ENCODER"
+EMBED_OUTPUTS = ("EMBEDDING", "TRUNCATED")
 
 
 class Cancelled(Exception):
@@ -94,9 +105,15 @@ class TritonPythonModel:
         self.kinds = set(meta["max_lens"])
         self.piece_rows = min(PIECE_ROWS, max(1, int(config.get("max_batch_size", 0)) or 64))
         self._ort, self._config, self._params, self._here = ort, config, params, here
+        described = ("source_model", "dim", "profile", "digest")
+        self.description = json.dumps({"version": int(args["model_version"]),
+                                       **{k: params.get(k, "") for k in described}})  # fmt: skip
         # A rollout's CPU budget (docs/generations.md): a version published for a rollout
         # with --cpus runs there until the stack widens it again at the end.
-        budget = os.path.join(here, BUDGET_FILE)
+        version_dir = os.path.normpath(here)
+        model_dir = os.path.dirname(version_dir)
+        name = f".{os.path.basename(model_dir)}.{os.path.basename(version_dir)}.{BUDGET_FILE}"
+        budget = os.path.join(os.path.dirname(model_dir), name)
         if os.path.exists(budget):
             with open(budget) as fh:
                 _pin_self({int(c) for c in fh.read().split(",") if c.strip()})
@@ -186,6 +203,7 @@ class TritonPythonModel:
         spans: list[tuple[int, int, int]] = []  # (request index, first row, row count)
         texts: list[str] = []
         kinds: list[str] = []
+        described: set[int] = set()  # requests that asked for ENCODER
         for i, request in enumerate(requests):
             if request.is_cancelled():
                 responses[i] = cancelled_response()
@@ -195,6 +213,14 @@ class TritonPythonModel:
             except (BadRequest, TextError) as exc:
                 responses[i] = error_response(str(exc), invalid=True)
                 continue
+            asked = set(request.requested_output_names())
+            if ENCODER_OUTPUT in asked:
+                described.add(i)
+                if not asked & set(EMBED_OUTPUTS):  # the description alone: no graph run
+                    responses[i] = pb_utils.InferenceResponse(
+                        output_tensors=[self._describe(len(req_texts))]
+                    )
+                    continue
             spans.append((i, len(texts), len(req_texts)))
             texts.extend(req_texts)
             kinds.extend(req_kinds)
@@ -214,11 +240,19 @@ class TritonPythonModel:
                     responses[i] = error_response(f"embedding failed: {exc}", invalid=False)
                 return responses
             for i, first, count in spans:
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                tensors = [
                     pb_utils.Tensor("EMBEDDING", vectors[first : first + count]),
                     pb_utils.Tensor("TRUNCATED", truncated[first : first + count].reshape(-1, 1)),
-                ])  # fmt: skip
+                ]  # fmt: skip
+                if i in described:
+                    tensors.append(self._describe(count))
+                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
         return responses
+
+    def _describe(self, rows: int) -> Any:
+        """The ``ENCODER`` output: this version's description, once per row."""
+        column = np.array([self.description.encode()] * rows, dtype=np.object_)
+        return pb_utils.Tensor(ENCODER_OUTPUT, column.reshape(-1, 1))
 
     def finalize(self) -> None:
         self.session = None

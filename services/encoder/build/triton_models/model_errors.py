@@ -33,15 +33,27 @@ def version_params(params: dict[str, str], version: str) -> dict[str, str]:
     return {**shared, **{k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}}
 
 
+# A version folder's own description (``embed``: source model, dim, profile, digest, graph
+# files), written by ``encoder repo`` / ``encoder publish``: per-version facts live there,
+# not in config.pbtxt, whose change would make Triton reload every version.
+VERSION_FILE = "version.json"
+
+
 def model_files(args: dict[str, str]) -> tuple[dict[str, Any], dict[str, str], str, Any]:
     """(config, its string parameters as this version sees them, the version folder,
-    ``encoder.json``) of the model version that Triton's ``initialize(args)`` describes."""
+    ``encoder.json``) of the model version that Triton's ``initialize(args)`` describes:
+    the shared parameters overlaid with an older repository's ``version.<n>.*`` ones and
+    with the version folder's ``version.json``."""
     config = json.loads(args["model_config"])
     params = version_params(
         {k: v["string_value"] for k, v in config.get("parameters", {}).items()},
         str(args["model_version"]),
     )
     here = os.path.join(args["model_repository"], args["model_version"])
+    own = os.path.join(here, VERSION_FILE)
+    if os.path.exists(own):
+        with open(own) as f:
+            params.update({k: str(v) for k, v in json.load(f).items()})
     with open(os.path.join(here, "encoder.json")) as f:
         meta = json.load(f)
     return config, params, here, meta
