@@ -292,6 +292,56 @@ def test_the_last_version_stays(served: Served, tmp_path: Path) -> None:
     assert served_versions(repo) == [1]
 
 
+def _as_older_generator_wrote_it(repo: Path) -> None:
+    """Rewrite a generated repository as the generator before ``version.json`` wrote it:
+    version 1 described by config parameters ``version.1.*``, no ``ENCODER`` output."""
+    from google.protobuf import text_format
+
+    from services.encoder.build.repository import ENCODER_OUTPUT, VERSION_FILE
+
+    model = repo / "embed"
+    own = json.loads((model / "1" / VERSION_FILE).read_text())
+    (model / "1" / VERSION_FILE).unlink()
+    config = read_config(model / "config.pbtxt")
+    for key, value in own.items():
+        config.parameters[f"version.1.{key}"].string_value = value
+    outputs = [o for o in config.output if o.name != ENCODER_OUTPUT]
+    del config.output[:]
+    config.output.extend(outputs)
+    (model / "config.pbtxt").write_text(text_format.MessageToString(config))
+
+
+def test_a_repository_of_the_older_generator_serves_and_a_publish_converts_it(
+    served: Served, tmp_path: Path
+) -> None:
+    """Versions described in config.pbtxt (``version.<n>.*``, the generator before): the
+    client reads its version's name and digest there; a publish converts the repository
+    (``version.json`` per version, the ``ENCODER`` output) and both versions answer with
+    the same names and digests as before, read from the model. (The version folder keeps
+    this release's model code, which reads either description.)"""
+    repo = tmp_path / "repo"
+    generate_repository(ensure_onnx(default_model_dir(), served.base), repo,
+                        RepositoryConfig(instances=1, intra_op_threads=1))  # fmt: skip
+    digest = describe_versions(repo)[0].digest
+    _as_older_generator_wrote_it(repo)
+    cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
+                             metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+    with run_triton(cfg, tmp_path / "triton.log") as handle:
+        url = handle.grpc_url
+        before, _ = asyncio.run(_encode_all(url, "1"))
+        assert (before.model_name, before.digest) == ("all-MiniLM-L6-v2", digest)
+        spec = publish_version(repo, ensure_second_encoder(served.base), url)
+        config = read_config(repo / "embed" / "config.pbtxt")
+        assert not [k for k in config.parameters if k.startswith("version.")]
+        assert "ENCODER" in {o.name for o in config.output}
+        first, got = asyncio.run(_encode_all(url, "1"))
+        assert (first.model_name, first.digest) == ("all-MiniLM-L6-v2", digest)
+        want = _expected(default_model_dir())
+        assert min(row_cosines(got["query"], want["query"])) >= 0.999
+        second, _ = asyncio.run(_encode_all(url, str(spec.version)))
+        assert (second.model_name, second.digest) == ("all-MiniLM-L6-v2-perturbed", spec.digest)
+
+
 def test_a_generation_recorded_without_a_version_gets_version_one_not_the_newest(
     served: Served,
 ) -> None:
