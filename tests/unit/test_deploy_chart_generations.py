@@ -392,7 +392,10 @@ def test_repository_sync_links_a_published_version_and_unlinks_a_removed_one(
     assert prep.stage(str(source), str(dest), 2, "KIND_CPU") == (["embed"], [])  # unchanged
     (embed / "2").mkdir()  # a rollout published version 2
     (embed / "config.pbtxt").write_text(config + "version_policy { all {} }\n")
+    (embed / ".publish.lock").touch()  # dotted: publish's own, never linked (a non-version
+    (embed / ".staging-3").mkdir()  # entry newer than the load would reload every version)
     assert prep.stage(str(source), str(dest), 2, "KIND_CPU")[1] == ["embed"]
+    assert not [p for p in (dest / "embed").iterdir() if p.name.startswith(".")]
     assert (dest / "embed" / "2").resolve() == (embed / "2").resolve()
     assert "version_policy" in (dest / "embed" / "config.pbtxt").read_text()
     (embed / "1").rmdir()  # retired

@@ -60,7 +60,10 @@ def stage(source: str, dest: str, count: int, kind: str) -> tuple[list[str], lis
         dst_model = os.path.join(dest, model)
         os.makedirs(dst_model, exist_ok=True)
         differs = False
-        entries = set(os.listdir(src_model)) - {"config.pbtxt"}
+        # Dotted entries (encoder publish's lock and a version being staged) are not
+        # linked: Triton takes any non-version entry of a model folder newer than a
+        # version's load for a change of that version, and reloads every version.
+        entries = {e for e in os.listdir(src_model) if not e.startswith(".")} - {"config.pbtxt"}
         for entry in sorted(entries):
             link = os.path.join(dst_model, entry)
             target = os.path.join(src_model, entry)
