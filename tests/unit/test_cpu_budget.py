@@ -110,3 +110,30 @@ def test_index_rollout_refuses_a_budget_it_cannot_give_before_anything_else(
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     assert says in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_stack_finds_a_stubs_budget_beside_the_model_folders(tmp_path: Path) -> None:
+    """``stub_budget_age`` reads a backend stub's argv (``triton_python_backend_stub
+    <repo>/embed/<n>/model.py``) and the budget file of that version, which lives beside
+    the model folders (a file in the version folder made Triton reload the version)."""
+    from services.stack.cpu_budget import stub_budget_age
+
+    version = tmp_path / "embed" / "2"
+    version.mkdir(parents=True)
+    (version / "model.py").write_text("import time\ntime.sleep(60)\n")
+    stub = subprocess.Popen(  # a process whose argv is a stub's
+        ["/opt/tritonserver/backends/python/triton_python_backend_stub",
+         str(version / "model.py")], executable=sys.executable,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(cpu_sets.cmdline(stub.pid)) == 2, "the stub's argv", timeout=10)
+        assert stub_budget_age(stub.pid) is None  # no budget
+        (version / cpu_sets.BUDGET_FILE).write_text("1")  # where it was: not read any more
+        assert stub_budget_age(stub.pid) is None
+        Path(cpu_sets.budget_path(str(version))).write_text("1")
+        age = stub_budget_age(stub.pid)
+        assert age is not None and age < 60
+        assert stub_budget_age(os.getpid()) is None  # not a stub
+    finally:
+        stub.kill()
+        stub.wait()
