@@ -12,8 +12,10 @@ shards: test_gateway_generations.py).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import pytest
@@ -73,6 +75,7 @@ class Factory:
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self.source: GenerationSource | None = None  # the one it builds for
         self.built: list[str] = []
         self.parts: dict[str, Part] = {}
 
@@ -116,14 +119,53 @@ def run(scenario: Any) -> None:
     asyncio.run(scenario)
 
 
+class Builds(Protocol):
+    """A bundle factory that is told which source it builds for (``source``)."""
+
+    source: GenerationSource | None
+
+    async def __call__(self, gen: Generation) -> Bundle: ...
+
+
+R = TypeVar("R", bound=RedisAliasReader)
+F = TypeVar("F", bound=Builds)
+
+
+@dataclass
+class Scene(Generic[R, F]):
+    """A source over a real Redis with its alias reader and its bundle factory."""
+
+    reader: R
+    factory: F
+    source: GenerationSource
+
+
+@asynccontextmanager
+async def opened(
+    redis_url: str,
+    reader: Callable[[Any], R],
+    factory: Callable[[Any], F],
+    refresh_s: float = 60,
+) -> AsyncIterator[Scene[R, F]]:
+    """A source (not started yet) that reads the alias with ``reader`` and builds with
+    ``factory``, both over one client of ``redis_url``; the source and then the client
+    are closed on exit."""
+    client = async_client(redis_url)
+    read, build = reader(client), factory(client)
+    build.source = source = GenerationSource(read, build, refresh_s=refresh_s)
+    try:
+        yield Scene(read, build, source)
+    finally:
+        await source.close()
+        await client.aclose()
+
+
 def test_a_search_reads_the_alias_from_memory_and_concurrent_refreshes_share_one_read(
     redis_url: str, registry: Registry
 ) -> None:
     async def scenario() -> None:
-        client = async_client(redis_url)
-        reader = Counting(client)
-        source = GenerationSource(reader, Factory(client), refresh_s=60)
-        try:
+        async with opened(redis_url, Counting, Factory) as scene:
+            source, reader = scene.source, scene.reader
             first = await source.start()
             assert (first.generation, first.epoch, reader.reads) == ("g1", 1, 1)
             for _ in range(1000):
@@ -132,9 +174,6 @@ def test_a_search_reads_the_alias_from_memory_and_concurrent_refreshes_share_one
             answers = await asyncio.gather(*[source.refresh() for _ in range(50)])
             assert reader.reads == 2, "50 concurrent refreshes: one read"
             assert all(a is first for a in answers), "an unchanged alias keeps its Serving"
-        finally:
-            await source.close()
-            await client.aclose()
 
     run(scenario())
 
@@ -143,10 +182,8 @@ def test_a_retired_generation_is_closed_after_its_last_request(
     redis_url: str, registry: Registry
 ) -> None:
     async def scenario() -> None:
-        client = async_client(redis_url)
-        factory = Factory(client)
-        source = GenerationSource(RedisAliasReader(client), factory, refresh_s=60)
-        try:
+        async with opened(redis_url, RedisAliasReader, Factory) as scene:
+            source, factory = scene.source, scene.factory
             g1 = await source.start()
             with source.lease(g1):  # a request on g1 spans two switches
                 g2 = new_generation(registry)
@@ -166,9 +203,6 @@ def test_a_retired_generation_is_closed_after_its_last_request(
             back = await source.refresh()
             assert (back.generation, back.epoch, back.switch_in) == ("g2", 4, {0: "9-0"})
             assert factory.built == ["g1", "g2", "g3"]
-        finally:
-            await source.close()
-            await client.aclose()
         assert all(p.closed for p in factory.parts.values())
 
     run(scenario())
@@ -178,10 +212,8 @@ def test_a_generation_that_cannot_be_built_yet_leaves_the_old_one_serving(
     redis_url: str, registry: Registry
 ) -> None:
     async def scenario() -> None:
-        client = async_client(redis_url)
-        factory = Factory(client)
-        source = GenerationSource(RedisAliasReader(client), factory, refresh_s=0.05)
-        try:
+        async with opened(redis_url, RedisAliasReader, Factory, refresh_s=0.05) as scene:
+            source = scene.source
             await source.start()
             g2 = new_generation(registry, addresses=False)
             registry.switch(g2.name, {})
@@ -191,9 +223,6 @@ def test_a_generation_that_cannot_be_built_yet_leaves_the_old_one_serving(
             registry.set_addresses(g2.name, "127.0.0.1:1;127.0.0.1:2")
             # the background refresh builds it as soon as it can
             await await_until(lambda: source.current().generation == "g2", "g2 serves", 10)
-        finally:
-            await source.close()
-            await client.aclose()
 
     run(scenario())
 
@@ -247,17 +276,11 @@ def test_a_newer_token_is_not_answered_by_a_read_that_began_before_its_switch(
     token newer than the store."""
 
     async def scenario() -> None:
-        client = async_client(redis_url)
-        reader = Counting(client)
-        source = GenerationSource(reader, Factory(client), refresh_s=60)
-        try:
-            stale = await switch_during_a_read(source, reader, registry)
-            serving = await source.at_least(2)
+        async with opened(redis_url, Counting, Factory) as scene:
+            stale = await switch_during_a_read(scene.source, scene.reader, registry)
+            serving = await scene.source.at_least(2)
             assert (serving.generation, serving.epoch) == ("g2", 2)
             assert (await stale).epoch == 1
-        finally:
-            await source.close()
-            await client.aclose()
 
     run(scenario())
 
@@ -270,18 +293,12 @@ def test_a_strong_read_is_served_by_a_read_begun_after_it_arrived(
     the read in flight, as refresh() does, would answer g1)."""
 
     async def scenario() -> None:
-        client = async_client(redis_url)
-        reader = Counting(client)
-        source = GenerationSource(reader, Factory(client), refresh_s=60)
-        try:
-            stale = await switch_during_a_read(source, reader, registry)
-            assert source.current().epoch == 1, "the cache has not seen the switch"
-            serving = await source.fresh()
+        async with opened(redis_url, Counting, Factory) as scene:
+            stale = await switch_during_a_read(scene.source, scene.reader, registry)
+            assert scene.source.current().epoch == 1, "the cache has not seen the switch"
+            serving = await scene.source.fresh()
             assert (serving.generation, serving.epoch) == ("g2", 2)
             assert (await stale).epoch == 1
-        finally:
-            await source.close()
-            await client.aclose()
 
     run(scenario())
 
@@ -290,39 +307,38 @@ class WarmPart(Part):
     """A part that answers encode and search, recording which generation served while
     each call ran."""
 
-    def __init__(self, name: str, source: list[GenerationSource]) -> None:
+    def __init__(self, name: str, factory: WarmFactory) -> None:
         super().__init__(name)
-        self.source = source
+        self.factory = factory
         self.calls: list[tuple[str, str]] = []
+
+    def serving(self) -> str:
+        assert self.factory.source is not None
+        return self.factory.source.current().generation
 
     async def encode(self, texts: Any, kind: str, timeout: float | None = None) -> Any:
         from services.encoder.base import Embeddings
 
-        self.calls.append(("encode", self.source[0].current().generation))
+        self.calls.append(("encode", self.serving()))
         return Embeddings(np.zeros((len(texts), self.dim), np.float32), [False] * len(texts))
 
     async def search(self, query: Any, timeout: float | None = None) -> Any:
-        self.calls.append(("search", self.source[0].current().generation))
+        self.calls.append(("search", self.serving()))
         return None
 
 
 class WarmFactory:
     """Builds every generation's bundle of one :class:`WarmPart` (``parts``), in the
-    order ``built`` lists, for the source it is given to."""
+    order ``built`` lists, for the source it is given to (``source``)."""
 
-    def __init__(self) -> None:
-        self.source: list[GenerationSource] = []
+    def __init__(self, client: Any) -> None:
+        self.source: GenerationSource | None = None
         self.parts: dict[str, WarmPart] = {}
         self.built: list[str] = []
 
-    def source_over(self, client: Any) -> GenerationSource:
-        source = GenerationSource(RedisAliasReader(client), self, refresh_s=60)
-        self.source.append(source)
-        return source
-
     async def __call__(self, gen: Generation) -> Bundle:
         self.built.append(gen.name)
-        part = self.parts[gen.name] = WarmPart(gen.name, self.source)
+        part = self.parts[gen.name] = WarmPart(gen.name, self)
         return bundle_of(gen.name, part)
 
 
@@ -333,19 +349,14 @@ def test_a_switched_to_generation_is_warmed_before_it_serves(
     still serves: no search pays for the new one's cold channels and first calls."""
 
     async def scenario() -> None:
-        client = async_client(redis_url)
-        factory = WarmFactory()
-        source = factory.source_over(client)
-        try:
+        async with opened(redis_url, RedisAliasReader, WarmFactory) as scene:
+            source, factory = scene.source, scene.factory
             await source.start()
             assert factory.parts["g1"].calls == [], "the generation of the start is not warmed"
             registry.switch(new_generation(registry).name, {})
             serving = await source.refresh()
             assert serving.generation == "g2"
             assert factory.parts["g2"].calls == [("encode", "g1"), ("search", "g1")]
-        finally:
-            await source.close()
-            await client.aclose()
 
     run(scenario())
 
@@ -358,11 +369,8 @@ def test_a_rollout_target_is_prepared_before_its_switch_and_swapped_in_as_built(
     A target the rollout no longer names (aborted) is closed."""
 
     async def scenario() -> None:
-        client = async_client(redis_url)
-        factory = WarmFactory()
-        source = factory.source_over(client)
-        parts, built = factory.parts, factory.built
-        try:
+        async with opened(redis_url, RedisAliasReader, WarmFactory) as scene:
+            source, parts, built = scene.source, scene.factory.parts, scene.factory.built
             await source.start()
             target = new_generation(registry)
             registry.begin_rollout({"target": target.name, "source": "g1"})
@@ -388,9 +396,6 @@ def test_a_rollout_target_is_prepared_before_its_switch_and_swapped_in_as_built(
             assert aborted.name not in source.bundles()
             await await_until(lambda: parts[aborted.name].closed, "the aborted target closed")
             assert not parts[target.name].closed
-        finally:
-            await source.close()
-            await client.aclose()
 
     run(scenario())
 
@@ -405,22 +410,19 @@ def test_a_rollout_target_not_recorded_yet_is_left_for_a_later_refresh(
     prepared as any target."""
 
     async def scenario() -> None:
-        client = async_client(redis_url)
-        factory = WarmFactory()
-        source = factory.source_over(client)
-        try:
-            await source.start()
-            registry.begin_rollout({"target": "g2", "source": "g1", "phase": "publish"})
-            await source.prepare_target()
-            assert factory.built == ["g1"]
-            target = new_generation(registry)
-            assert target.name == "g2"
-            registry.set_state(target.name, "catching_up")
-            await source.prepare_target()
-            assert factory.built == ["g1", "g2"]
-        finally:
-            registry.end_rollout()
-            await source.close()
-            await client.aclose()
+        async with opened(redis_url, RedisAliasReader, WarmFactory) as scene:
+            source, factory = scene.source, scene.factory
+            try:
+                await source.start()
+                registry.begin_rollout({"target": "g2", "source": "g1", "phase": "publish"})
+                await source.prepare_target()
+                assert factory.built == ["g1"]
+                target = new_generation(registry)
+                assert target.name == "g2"
+                registry.set_state(target.name, "catching_up")
+                await source.prepare_target()
+                assert factory.built == ["g1", "g2"]
+            finally:
+                registry.end_rollout()
 
     run(scenario())
