@@ -145,6 +145,11 @@ def test_a_second_encoder_is_published_and_served_beside_the_first(served: Serve
             assert (spec.model, spec.version, spec.dim) == ("embed", 2, 384)
             assert served_versions(served.repo) == [1, 2]
             assert _ready_versions(served.handle) == ["1", "2"]  # loaded, no restart
+            # and the next load (the next rollout's publish) reloads neither: nothing the
+            # publish left behind (its temporary export, removed) touches version 2's files
+            stubs = [_stubs(served.handle, served.repo, v) for v in (1, 2)]
+            await asyncio.to_thread(load_model, url, None, None)
+            assert [_stubs(served.handle, served.repo, v) for v in (1, 2)] == stubs
             # the early client keeps version 1's vectors
             kept = (await early.encode(SAMPLE_QUERIES, "query", timeout=30)).vectors
             assert min(row_cosines(kept, want_first["query"])) >= 0.999

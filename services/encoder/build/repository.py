@@ -259,8 +259,19 @@ def gpu_configs(
     return {"tokenizer": tok, "encoder": enc, EMBED_MODEL: embed}
 
 
+def copy_graph(src: Path, dst: Path) -> None:
+    """A CPU ``embed`` version's own copy of an ONNX graph, never a hard link: a link
+    shares the inode, whose ctime changes whenever another link to it is made or removed
+    (``encoder publish``'s temporary export cleaned up, the export folder deleted, another
+    repository generated from it), and Triton takes a newer ctime under a version folder
+    for a change of that version and reloads it at the next load request."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst)
+
+
 def _place(src: Path, dst: Path) -> None:
-    """Hard-link big artefacts when on the same filesystem, copy otherwise."""
+    """Hard-link big artefacts when on the same filesystem, copy otherwise (the gpu
+    flavour's plan: one version, see :func:`copy_graph`)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists():
         dst.unlink()
@@ -364,9 +375,9 @@ def generate_repository(
                            version_description(meta, export_digest(onnx_path, meta)))  # fmt: skip
         if meta.towers:
             for kind, path in meta.onnx_files(onnx_path).items():
-                _place(path, root / EMBED_MODEL / "1" / TOWER_ONNX[kind])
+                copy_graph(path, root / EMBED_MODEL / "1" / TOWER_ONNX[kind])
         else:
-            _place(onnx_path, root / EMBED_MODEL / "1" / "model.onnx")
+            copy_graph(onnx_path, root / EMBED_MODEL / "1" / "model.onnx")
         return Repository(root, (EMBED_MODEL,), meta)
     if cfg.flavor != "gpu":
         raise InvalidArgument(f"unknown flavour {cfg.flavor!r}: use cpu or gpu")

@@ -87,7 +87,7 @@ from services.encoder.build.repository import (
     PUBLISH_LOCK,
     TOWER_ONNX,
     VERSION_FILE,
-    _place,
+    copy_graph,
     export_digest,
     legacy_version_parameters,
     model_code,
@@ -284,7 +284,7 @@ def _version_folder(folder: Path, export: Export) -> None:
     for artefact in ("tokenizer.json", "encoder.json"):
         shutil.copy2(source / artefact, folder / artefact)
     for kind, path in export.meta.onnx_files(export.onnx_path).items():
-        _place(path, folder / (TOWER_ONNX[kind] if export.meta.towers else TOWER_ONNX["query"]))
+        copy_graph(path, folder / (TOWER_ONNX[kind] if export.meta.towers else TOWER_ONNX["query"]))
 
 
 def _write_budget(version_dir: Path, cpus: frozenset[int]) -> None:
