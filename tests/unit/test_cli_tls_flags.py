@@ -26,6 +26,24 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
     return make_certs(tmp_path_factory.mktemp("half-pair"))
 
 
+def refusal(argv: list[str], cwd: Path) -> str:
+    """Run the CLI with ``argv`` in ``cwd`` (no local stack: it has no .run; an encoder
+    command's repository in it) as an operator would; assert it refused with exit status
+    2, one line on stderr and no traceback; → that line."""
+    if argv[0] == "encoder":
+        argv = [*argv, "--repo", str(cwd)]
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *argv],
+        cwd=cwd, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    return lines[0]
+
+
 # (command, the flags' prefix, the half given, whether --<prefix>-ca goes with it)
 ROLLOUT = ["index", "rollout", "--retrain", "--redis-url", NOWHERE, "--yes"]
 CASES = [
@@ -49,19 +67,9 @@ def test_half_a_client_key_pair_is_refused_naming_both_flags(
     argv = [*command, f"--{prefix}-client-{half}", str(given)]
     if with_ca:
         argv += [f"--{prefix}-ca", str(certs.ca)]
-    if command[0] == "encoder":
-        argv += ["--repo", str(tmp_path)]
-    run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *argv],  # no stack: cwd has no .run
-        cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 2, run.stderr
-    assert "Traceback" not in run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1, run.stderr
-    assert f"--{prefix}-client-cert" in lines[0] and f"--{prefix}-client-key" in lines[0]
-    assert lines[0].startswith("error: ")
+    line = refusal(argv, tmp_path)
+    assert f"--{prefix}-client-cert" in line and f"--{prefix}-client-key" in line
+    assert line.startswith("error: ")
 
 
 # Commands that reach Triton, given a whole client key pair for it but no --triton-ca (and
@@ -82,15 +90,6 @@ def test_a_triton_client_key_pair_without_a_ca_is_refused_naming_triton_ca(
 ) -> None:
     argv = [*command, "--triton-client-cert", str(certs.client_cert),
             "--triton-client-key", str(certs.client_key)]  # fmt: skip
-    if command[0] == "encoder":
-        argv += ["--repo", str(tmp_path)]
-    run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *argv],  # no stack: cwd has no .run
-        cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 2, run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1, run.stderr
-    assert lines[0].startswith("error: ") and "--triton-ca" in lines[0], lines[0]
-    assert "--triton-client-cert" in lines[0]
+    line = refusal(argv, tmp_path)
+    assert line.startswith("error: ") and "--triton-ca" in line, line
+    assert "--triton-client-cert" in line
