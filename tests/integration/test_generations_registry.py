@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.common.redis_client import async_client, sync_client
+from services.common.redis_client import async_client
 from services.index.generations import EncoderSpec, Registry, read_alias
 from services.index.keys import (
     CLOSED,
-    LAYOUT_KEY,
     GenerationKeys,
     Layout,
     doc_key,
@@ -23,16 +22,15 @@ from services.index.keys import (
     snapshot_positions_key,
     version_key,
 )
+from tests.support.generation_logs import two_shard_store
 
 MINILM = EncoderSpec("embed", 1, 384, "digest-1")
 
 
 @pytest.fixture
 def client(any_redis_url: str) -> Iterator[Any]:
-    c = sync_client(any_redis_url)
-    c.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
-    yield c
-    c.close()
+    with two_shard_store(any_redis_url) as c:
+        yield c
 
 
 def test_the_first_generation_and_base_layout_keep_the_keys_of_a_store_without_generations() -> (

@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from services.common.redis_client import sync_client
 from services.index.changelog import decode_entry
-from services.index.keys import LAYOUT_KEY, GenerationKeys, Layout
+from services.index.keys import GenerationKeys, Layout
 from services.index.rollout.append import (
     RETRAIN_VERSION,
     DeleteItem,
@@ -22,7 +21,7 @@ from services.index.rollout.append import (
     UpsertItem,
     meta_json,
 )
-from tests.support.generation_logs import changes, folded
+from tests.support.generation_logs import changes, folded, two_shard_store
 
 DIM = 8
 SAME = GenerationKeys("g2", Layout(2, base=2))
@@ -31,10 +30,8 @@ RESHARD = GenerationKeys("g3", Layout(3, base=2))
 
 @pytest.fixture
 def client(any_redis_url: str) -> Iterator[Any]:
-    c = sync_client(any_redis_url)
-    c.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
-    yield c
-    c.close()
+    with two_shard_store(any_redis_url) as c:
+        yield c
 
 
 def _vec(seed: int) -> np.ndarray:

@@ -1,13 +1,29 @@
-"""Reading a generation's change logs back in tests: every change in log order, and the
-state they fold to (what a replica that applied them holds)."""
+"""A generation's change logs in tests: a store to write them in (recorded as two shards
+of layout version 2), and reading them back: every change in log order, and the state
+they fold to (what a replica that applied them holds)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from services.common.redis_client import sync_client
 from services.index.changelog import decode_entry
 from services.index.core.changes import Upsert
-from services.index.keys import GenerationKeys
+from services.index.keys import LAYOUT_KEY, GenerationKeys
+
+
+@contextmanager
+def two_shard_store(redis_url: str) -> Iterator[Any]:
+    """A client of the Redis at ``redis_url`` with its store recorded as two shards of
+    layout version 2 (what the first generation, g1, is created over); closed on exit."""
+    client = sync_client(redis_url)
+    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def changes(client: Any, keys: GenerationKeys) -> list[tuple[str, str, int]]:
