@@ -12,6 +12,10 @@ Reusable by any test that needs shards (the gateway's too)::
 Each replica is a separate ``python -m services.index.server.process`` process, so a kill -9 is
 a real crash. ``start_shard`` waits until the gRPC health service reports SERVING (the
 shard replays its log before it does).
+
+For tests of the shard's core in-process, the module-scoped fixtures ``vectors`` (the
+SciFact embeddings) and ``trained`` (the session's index trained on them, loaded): import
+them into the test module.
 """
 
 from __future__ import annotations
@@ -26,12 +30,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.processes import free_port
+
+if TYPE_CHECKING:
+    from services.index.core.trained import TrainedIndex
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -303,8 +312,6 @@ def scifact_vectors(scifact_dir: Path) -> np.ndarray:
     """The 5,183 SciFact document embeddings (float32, 384-d, L2-normalised)."""
     path = scifact_dir / "corpus.all-MiniLM-L6-v2.npy"
     if not path.exists():
-        import pytest
-
         pytest.fail(f"{path} not found: the tests need it (set GTR_DATA_DIR)")
     return np.load(path)
 
@@ -312,3 +319,17 @@ def scifact_vectors(scifact_dir: Path) -> np.ndarray:
 def shared_test_index(base_tmp: Path, vectors: np.ndarray) -> Path:
     """One trained index per test session (trained on first use, under pytest's basetemp)."""
     return train_test_index(vectors, base_tmp / "index-scifact")
+
+
+@pytest.fixture(scope="module")
+def vectors(scifact_dir: Path) -> np.ndarray:
+    """The SciFact document embeddings (:func:`scifact_vectors`)."""
+    return scifact_vectors(scifact_dir)
+
+
+@pytest.fixture(scope="module")
+def trained(vectors: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> TrainedIndex:
+    """The session's index trained on ``vectors`` (:func:`shared_test_index`), loaded."""
+    from services.index.core.trained import TrainedIndex
+
+    return TrainedIndex.load(shared_test_index(tmp_path_factory.getbasetemp(), vectors))

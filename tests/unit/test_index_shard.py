@@ -14,19 +14,10 @@ from services.index.core.ids import faiss_id
 from services.index.core.shard import IvfPqShard
 from services.index.core.snapshots import list_snapshots, load_newest, write_snapshot
 from services.index.core.trained import TrainedIndex
-from tests.support.shards import scifact_vectors, shared_test_index
+from tests.support.shards import trained, vectors
 
 N_BASE = 4683  # the rest of the 5,183 SciFact documents are held-out queries
-
-
-@pytest.fixture(scope="module")
-def vectors(scifact_dir: Path) -> np.ndarray:
-    return scifact_vectors(scifact_dir)
-
-
-@pytest.fixture(scope="module")
-def trained(vectors: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> TrainedIndex:
-    return TrainedIndex.load(shared_test_index(tmp_path_factory.getbasetemp(), vectors))
+__all__ = ["trained", "vectors"]  # the module-scoped fixtures, shared
 
 
 @pytest.fixture(scope="module")

@@ -17,25 +17,16 @@ from services.index.core.shard import IvfPqShard, TextConfig
 from services.index.core.snapshots import load_newest, write_snapshot
 from services.index.core.text import TextIndex
 from services.index.core.train import TrainedIndex
-from tests.support.shards import scifact_vectors, shared_test_index
+from tests.support.shards import trained, vectors
 
 N_DOCS = 1500
+__all__ = ["trained", "vectors"]  # the module-scoped fixtures, shared
 
 
 @pytest.fixture(scope="module")
 def corpus(scifact_dir: Path) -> list[dict[str, str]]:
     with open(scifact_dir / "corpus.jsonl", encoding="utf-8") as fh:
         return [json.loads(line) for _, line in zip(range(N_DOCS), fh, strict=False)]
-
-
-@pytest.fixture(scope="module")
-def vectors(scifact_dir: Path) -> np.ndarray:
-    return scifact_vectors(scifact_dir)
-
-
-@pytest.fixture(scope="module")
-def trained(vectors: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> TrainedIndex:
-    return TrainedIndex.load(shared_test_index(tmp_path_factory.getbasetemp(), vectors))
 
 
 def upserts(corpus: list[dict[str, str]], vectors: np.ndarray) -> list[Upsert]:
