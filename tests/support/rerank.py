@@ -1,6 +1,7 @@
 """A tiny CELI checkpoint for tests that need a real rerank service: a BERT backbone of a
 few words built in the test, the CELI head on it, saved as the trainer saves; and a real
-rerank server on it, served from an event loop of its own in a background thread."""
+rerank server on it, served from an event loop of its own in a background thread. For the
+scorer's own tests, a tiny scorer without a server (``tiny_scorer``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from services.rerank.serve.metrics import RerankMetrics
+    from services.rerank.serve.scorer import CeliScorer
     from services.rerank.serve.server import Reranker
 
 # The stdlib-like words the gateway's rerank tests search with.
 WORDS = ["file", "read", "json", "csv", "thread", "pool", "hash", "bytes", "list", "row"]
+# The words of the scorer tests' backbone (tiny_scorer).
+GREEK = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+
+def tiny_scorer(base: Path, metrics: RerankMetrics | None = None) -> CeliScorer:
+    """A CELI scorer (no server) named "tiny" on an untrained backbone of :data:`GREEK`
+    written under ``base``: pairs of 32 tokens, queries of 8, 4-d token vectors, batches
+    of 3 (so a handful of texts spans several)."""
+    from services.rerank.checkpoint import CeliConfig, build_model
+    from services.rerank.serve.scorer import CeliScorer
+    from services.rerank.tiny import write_tiny_backbone
+
+    path = write_tiny_backbone(base / "bert", GREEK, seed=5)
+    cfg = CeliConfig(max_len=32, max_query_len=8, d_tok=4)
+    model, tok = build_model(path, cfg, seed=2)
+    return CeliScorer(model, tok, cfg, "tiny", batch_size=3, metrics=metrics)
 
 
 def tiny_checkpoint(base: Path, words: Sequence[str] = WORDS) -> Path:

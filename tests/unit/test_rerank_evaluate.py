@@ -9,9 +9,8 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.eval.measures import paired_comparison
 from services.eval.rerank import TERMS, rerank_runs
-from services.rerank.checkpoint import CeliConfig, build_model
 from services.rerank.serve.scorer import CeliScorer
-from services.rerank.tiny import write_tiny_backbone
+from tests.support.rerank import tiny_scorer
 
 
 def test_counts_and_mean_difference() -> None:
@@ -41,15 +40,9 @@ def test_needs_the_same_queries() -> None:
         paired_comparison([], [])
 
 
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-
-
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory: pytest.TempPathFactory) -> CeliScorer:
-    path = write_tiny_backbone(tmp_path_factory.mktemp("tiny") / "bert", WORDS, seed=5)
-    cfg = CeliConfig(max_len=32, max_query_len=8, d_tok=4)
-    model, tok = build_model(path, cfg, seed=2)
-    return CeliScorer(model, tok, cfg, "tiny", batch_size=3)
+    return tiny_scorer(tmp_path_factory.mktemp("tiny"))
 
 
 def test_rerank_runs_orders_the_head_by_each_term_and_keeps_the_tail(scorer: CeliScorer) -> None:

@@ -14,24 +14,18 @@ from retrieval.v1 import rerank_pb2
 from services.common.deadline import Deadline
 from services.common.domain import Document, Hit
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.rerank.checkpoint import CeliConfig, build_model
+from services.rerank.checkpoint import CeliConfig
 from services.rerank.domain import RerankQuery, RerankResult
 from services.rerank.serve import convert
 from services.rerank.serve.metrics import RerankMetrics
 from services.rerank.serve.scorer import CeliScorer
 from services.rerank.serve.settings import RerankSettings
-from services.rerank.tiny import write_tiny_backbone
-
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+from tests.support.rerank import tiny_scorer
 
 
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory: pytest.TempPathFactory) -> CeliScorer:
-    path = write_tiny_backbone(tmp_path_factory.mktemp("tiny") / "bert", WORDS, seed=5)
-    cfg = CeliConfig(max_len=32, max_query_len=8, d_tok=4)
-    model, tok = build_model(path, cfg, seed=2)
-    return CeliScorer(model, tok, cfg, "tiny", batch_size=3,
-                      metrics=RerankMetrics.create(CollectorRegistry()))  # fmt: skip
+    return tiny_scorer(tmp_path_factory.mktemp("tiny"), RerankMetrics.create(CollectorRegistry()))
 
 
 def _hit(i: int, text: str) -> Hit:
