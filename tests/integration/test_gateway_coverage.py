@@ -17,7 +17,6 @@ MiniLM encoder and a real rerank server (a tiny CELI checkpoint).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,8 +33,7 @@ from retrieval.v1 import (
     search_pb2_grpc,
 )
 from services.index.core.ids import shard_of
-from tests.support.background import BackgroundStack, stack_with_rerank
-from tests.support.shards import scifact_vectors, shared_test_index
+from tests.support.background import BackgroundStack, scifact_stack_with_rerank
 
 # id, title, text, metadata
 PY, GO = {"lang": "py"}, {"lang": "go"}
@@ -102,10 +100,7 @@ def _filter(**conditions: list[str]) -> common_pb2.Filter:
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
-    index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
-    tmp = tmp_path_factory.mktemp("coverage")
-    with stack_with_rerank(index_dir, tmp) as (bg, store):
-        nlist = json.loads((index_dir / "manifest.json").read_text())["nlist"]
+    with scifact_stack_with_rerank(tmp_path_factory, scifact_dir, "coverage") as (bg, store, nlist):
         f = Front(bg, store.url, nlist)
         f.upsert(DOCS)
         yield f

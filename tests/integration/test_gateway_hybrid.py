@@ -9,7 +9,6 @@ INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from retrieval.v1 import (
 )
 from services.gateway.server import start_gateway
 from services.gateway.settings import GatewaySettings
-from tests.support.background import BackgroundStack, stack_with_rerank
-from tests.support.shards import scifact_vectors, shared_test_index
+from tests.support.background import BackgroundStack, scifact_stack_with_rerank
 
 DOCS = [
     ("csv-py", "csv.reader", "Read rows of a csv file one list at a time."),
@@ -71,10 +69,7 @@ class Front:
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
-    index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
-    tmp = tmp_path_factory.mktemp("hybrid")
-    with stack_with_rerank(index_dir, tmp) as (bg, store):
-        nlist = json.loads((index_dir / "manifest.json").read_text())["nlist"]
+    with scifact_stack_with_rerank(tmp_path_factory, scifact_dir, "hybrid") as (bg, store, nlist):
         f = Front(bg, store.url, nlist)
         f.upsert(DOCS)
         yield f

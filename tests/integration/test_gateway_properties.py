@@ -40,9 +40,8 @@ from retrieval.v1 import (
 )
 from services.common.limits import LIMITS
 from services.gateway.query_cache import KEY_PREFIX
-from tests.support.background import BackgroundStack, stack_with_rerank
+from tests.support.background import BackgroundStack, scifact_stack_with_rerank
 from tests.support.rerank import WORDS
-from tests.support.shards import scifact_vectors, shared_test_index
 
 # What a client may get back for a request that is wrong or asks too much: each one
 # tells it what to do. INTERNAL and UNKNOWN (a bug) are not in it.
@@ -223,10 +222,9 @@ def _code(call: object) -> grpc.StatusCode:
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterator[Front]:
-    index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
-    tmp = tmp_path_factory.mktemp("properties")
     settings: dict[str, object] = {"query_cache": True, "default_timeout_s": 5.0}
-    with stack_with_rerank(index_dir, tmp, settings) as (bg, store):
+    stack = scifact_stack_with_rerank(tmp_path_factory, scifact_dir, "properties", settings)
+    with stack as (bg, store, _):
         f = Front(bg, store.url)
         seed = [
             documents_pb2.Document(id=i, title=t, text=x, metadata=m) for i, t, x, m in SEED_DOCS

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 from tests.support.processes import RedisServer, run_redis
 from tests.support.rerank import rerank_in_background
+from tests.support.shards import scifact_vectors, shared_test_index
 from tests.support.stack import TestStack, running_stack
 
 T = TypeVar("T")
@@ -93,3 +96,21 @@ def stack_with_rerank(
         ) as bg,
     ):
         yield bg, store
+
+
+@contextmanager
+def scifact_stack_with_rerank(
+    tmp_path_factory: pytest.TempPathFactory,
+    scifact_dir: Path,
+    name: str,
+    gateway_settings: dict[str, object] | None = None,
+) -> Iterator[tuple[BackgroundStack, RedisServer, int]]:
+    """:func:`stack_with_rerank` on the session's shared SciFact test index, in a new
+    temporary folder named after ``name``: the stack, its Redis and the index's nlist
+    (an nprobe that probes every list)."""
+    from services.index.core.trained import Manifest
+
+    index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
+    tmp = tmp_path_factory.mktemp(name)
+    with stack_with_rerank(index_dir, tmp, gateway_settings) as (bg, store):
+        yield bg, store, Manifest.read(index_dir).nlist
