@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from typing import Any
 
@@ -132,20 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
                 result = asyncio.run(_measure(plain, front, certs, data, args))
     print(
-        json.dumps(
-            {
-                "bench": "front_door",
-                "search_ratio": result["search"]["ratio"],
-                "get_ratio": result["get"]["ratio"],
-                "goal": 0.9,
-                "concurrency": args.concurrency,
-                "together": args.together,
-                "rounds": args.rounds,
-                "seconds": args.seconds,
-                "docs": len(data.docs),
-                **result,
-            }
-        )
+        pair.json_line("front_door", result, args, len(data.docs), goal=0.9, together=args.together)
     )
     return 0
 

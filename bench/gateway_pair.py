@@ -284,3 +284,22 @@ def compare(rounds: dict[str, list[Round]], new: str, base: str) -> dict[str, An
         "ratio": round(statistics.median(pairs), 3),
         "pair_ratios": [round(p, 3) for p in pairs],
     }
+
+
+def json_line(bench: str, result: dict[str, Any], args: Any, docs: int, **own: Any) -> str:
+    """The JSON line a bench prints last: its name, the search and Get ratios of
+    ``result`` (per call kind, a :func:`compare`), the bench's ``own`` figures, the rounds'
+    settings, the documents ingested, then every figure of ``result``."""
+    return json.dumps(
+        {
+            "bench": bench,
+            "search_ratio": result["search"]["ratio"],
+            "get_ratio": result["get"]["ratio"],
+            **own,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+            "seconds": args.seconds,
+            "docs": docs,
+            **result,
+        }
+    )

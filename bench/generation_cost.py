@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -195,21 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     print(
-        json.dumps(
-            {
-                "bench": "generation_cost",
-                "bookkeeping_us": bookkeeping,
-                "bookkeeping_share_of_search_p50": round(share, 7),
-                "search_ratio": result["search"]["ratio"],
-                "get_ratio": result["get"]["ratio"],
-                "search_alias_reads_per_call": result["search"]["now"]["alias_reads_per_call"],
-                "baseline_rev": args.baseline_rev,
-                "concurrency": args.concurrency,
-                "rounds": args.rounds,
-                "seconds": args.seconds,
-                "docs": len(data.docs),
-                **result,
-            }
+        pair.json_line(
+            "generation_cost",
+            result,
+            args,
+            len(data.docs),
+            bookkeeping_us=bookkeeping,
+            bookkeeping_share_of_search_p50=round(share, 7),
+            search_alias_reads_per_call=result["search"]["now"]["alias_reads_per_call"],
+            baseline_rev=args.baseline_rev,
         )
     )
     return 0
