@@ -1,7 +1,7 @@
 """The Helm chart in deploy/k8s/gtr-retrieval rendered offline with helm-python-sdk, for
 the chart's tests (tests/unit/test_deploy_chart*.py, test_deploy_redis_rules.py): the
-module-scoped ``chart`` fixture, ``render`` and the lookups on its manifests, and checkov
-on them."""
+module-scoped ``chart`` fixture, ``render`` and the lookups on its manifests, strict
+Kubernetes schema validation, helm lint, and checkov on them."""
 
 from __future__ import annotations
 
@@ -61,6 +61,30 @@ def render(chart: Any, values: dict[str, Any] | None = None) -> list[Manifest]:
             continue
         docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
     return docs
+
+
+def render_as_given(chart: Any, values: dict[str, Any] | None) -> dict[str, str]:
+    """The chart rendered with exactly ``values`` (no token Secret added, nothing parsed):
+    for the errors that values raise (helm.HelmValuesError, helm.HelmRenderError)."""
+    rendered: dict[str, str] = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return rendered
+
+
+def validate(doc: Manifest) -> None:
+    """Validate one manifest against the Kubernetes schemas of ``KUBE_VERSION``, strictly
+    (an unknown field fails): kubernetes_validate.ValidationError when it does not hold."""
+    kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def lint_findings(values: dict[str, Any] | None) -> list[Any]:
+    """``helm lint --strict`` of the chart with ``values`` (and a token Secret, as
+    :func:`render`) for ``KUBE_VERSION`` in ``NAMESPACE``: its errors and every message
+    of warning severity or worse (none for a clean chart)."""
+    report = helm.lint(
+        CHART, with_auth(values), strict=True, namespace=NAMESPACE,
+        kube_version=f"v{KUBE_VERSION}",
+    )  # fmt: skip
+    return [*report["errors"], *(m for m in report["messages"] if m["severity"] >= 2)]
 
 
 def of_kind(docs: list[Manifest], kind: str) -> list[Manifest]:

@@ -22,8 +22,6 @@ import yaml
 
 from tests.support.chart import (
     ALLOWED_SKIPS,
-    CHART,
-    KUBE_VERSION,
     NAMESPACE,
     PREPARE_SCRIPT,
     RELEASE,
@@ -35,10 +33,13 @@ from tests.support.chart import (
     configmap_data,
     helm,
     kubernetes_validate,
+    lint_findings,
     of_kind,
     render,
+    render_as_given,
     run_checkov,
     the,
+    validate,
     with_auth,
     workloads,
 )
@@ -91,15 +92,8 @@ CASES: dict[str, dict[str, Any] | None] = {
 
 @pytest.mark.parametrize("case", ["default", "cpu", "full", "external-redis"])
 def test_lint_passes(case: str) -> None:
-    report = helm.lint(
-        CHART,
-        with_auth(CASES[case]),
-        strict=True,
-        namespace=NAMESPACE,
-        kube_version=f"v{KUBE_VERSION}",
-    )
-    problems = [m for m in report["messages"] if m["severity"] >= 2]
-    assert report["errors"] == [] and problems == [], report
+    findings = lint_findings(CASES[case])
+    assert findings == [], findings
 
 
 @pytest.mark.parametrize(
@@ -153,7 +147,7 @@ def test_lint_passes(case: str) -> None:
 )
 def test_schema_rejects_invalid_values(chart: Any, values: dict[str, Any], where: str) -> None:
     with pytest.raises(helm.HelmValuesError) as err:
-        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+        render_as_given(chart, values)
     assert where in str(err.value)
 
 
@@ -179,7 +173,7 @@ def test_validator_rejects_an_unknown_field() -> None:
         },
     }
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
+        validate(bad)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -189,7 +183,7 @@ def test_manifests_validate(chart: Any, case: str) -> None:
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # CRDs: not in the Kubernetes schemas, checked below
-        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        validate(doc)
         assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]["name"]
         assert len(doc["metadata"]["name"]) <= 63
 
@@ -577,7 +571,7 @@ def test_without_tokens_the_chart_does_not_render(chart: Any) -> None:
     """Tokens are required by default: no Secret and no tokens is an error that says
     what to set (and how to turn auth off explicitly)."""
     with pytest.raises(helm.HelmRenderError) as err:
-        chart.render(None, name=RELEASE, namespace=NAMESPACE)
+        render_as_given(chart, None)
     assert "auth.existingSecret" in str(err.value) and "auth.enabled=false" in str(err.value)
 
 
@@ -622,7 +616,7 @@ def test_tls_on_every_hop_with_probes_on_the_plaintext_health_port(chart: Any) -
     docs = render(chart, TLS_VALUES)
     for doc in docs:
         if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+            validate(doc)
     seen = set()
     for wl in workloads(docs):
         comp = component(wl)
@@ -657,7 +651,7 @@ def test_tls_without_mutual_asks_no_client_certificate(chart: Any) -> None:
 
 def test_tls_needs_its_secret(chart: Any) -> None:
     with pytest.raises(helm.HelmValuesError) as err:
-        chart.render(with_auth({"tls": {"enabled": True}}), name=RELEASE, namespace=NAMESPACE)
+        render_as_given(chart, with_auth({"tls": {"enabled": True}}))
     assert "/tls/existingSecret" in str(err.value)
 
 

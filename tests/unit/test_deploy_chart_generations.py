@@ -18,8 +18,6 @@ from services.common.settings import load_settings
 from services.gateway.settings import parse_shard_addresses
 from services.index.server.settings import ShardSettings
 from tests.support.chart import (
-    CHART,
-    KUBE_VERSION,
     NAMESPACE,
     PREPARE_SCRIPT,
     RELEASE,
@@ -28,10 +26,12 @@ from tests.support.chart import (
     component,
     configmap_data,
     helm,
-    kubernetes_validate,
+    lint_findings,
     of_kind,
     render,
+    render_as_given,
     run_checkov,
+    validate,
     with_auth,
 )
 
@@ -93,15 +93,12 @@ def test_generation_manifests_validate_and_lint(chart: Any, values: dict[str, An
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue
-        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        validate(doc)
         assert len(doc["metadata"]["name"]) <= 63
     keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert len(keys) == len(set(keys))
-    report = helm.lint(
-        CHART, with_auth(values), strict=True, namespace=NAMESPACE,
-        kube_version=f"v{KUBE_VERSION}",
-    )  # fmt: skip
-    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    findings = lint_findings(values)
+    assert findings == [], findings
 
 
 def test_the_default_is_generation_g1_as_before(chart: Any) -> None:
@@ -201,7 +198,7 @@ def test_bad_generation_values_are_refused(
     chart: Any, values: dict[str, Any], message: str
 ) -> None:
     with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as err:
-        chart.render(with_auth(values), name=RELEASE, namespace=NAMESPACE)
+        render_as_given(chart, with_auth(values))
     assert message in str(err.value)
 
 

@@ -17,17 +17,15 @@ import yaml
 
 from services.gateway.settings import parse_shard_addresses
 from tests.support.chart import (
-    KUBE_VERSION,
-    NAMESPACE,
-    RELEASE,
     chart,
     component,
     configmap_data,
     helm,
-    kubernetes_validate,
     of_kind,
     render,
+    render_as_given,
     the,
+    validate,
     workloads,
 )
 
@@ -76,7 +74,7 @@ def test_every_shape_validates_and_runs_the_built_images(
 ) -> None:
     docs = render(chart, SHAPES[shape])
     for doc in docs:
-        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        validate(doc)
     images = images_of(docs)
     gpu = shape != "cpu-only"  # encoder.flavor is gpu by default
     assert images["gateway/gateway"] == {built["APP"]}
@@ -127,7 +125,7 @@ def test_triton_autoscaler_and_disruption_budget(chart: Any) -> None:
                                           "metrics": [metric]}}}  # fmt: skip
     docs = render(chart, values)
     hpa = next(d for d in of_kind(docs, "HorizontalPodAutoscaler") if component(d) == "triton")
-    kubernetes_validate.validate(hpa, KUBE_VERSION, strict=True)
+    validate(hpa)
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
     assert hpa["spec"]["metrics"] == [metric]
     assert "replicas" not in the(docs, "Deployment", "triton")["spec"]
@@ -217,7 +215,7 @@ def test_redis_disruption_budget_and_exporter(chart: Any) -> None:
     policy = next(d for d in of_kind(docs, "NetworkPolicy") if component(d) == "redis")
     assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == [6379, 9121]
     for doc in docs:
-        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        validate(doc)
 
 
 # --- separators: values, docs and the code agree ------------------------------------------
@@ -244,4 +242,4 @@ def test_schema_keeps_images_in_one_place(chart: Any) -> None:
     values = yaml.safe_load((ROOT / "deploy" / "k8s" / "gtr-retrieval" / "values.yaml").read_text())
     assert "image" not in values and "image" not in values["encoder"]
     with pytest.raises(helm.HelmValuesError, match="image"):
-        chart.render({"image": {"tag": "1.0"}}, name=RELEASE, namespace=NAMESPACE)
+        render_as_given(chart, {"image": {"tag": "1.0"}})
