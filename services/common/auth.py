@@ -41,7 +41,7 @@ from typing import Any
 import grpc
 
 from services.common import errors
-from services.common.server import HandlerInterceptor
+from services.common.interceptors import HandlerInterceptor
 
 log = logging.getLogger(__name__)
 

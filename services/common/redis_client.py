@@ -34,9 +34,19 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode
 from redis.connection import parse_url
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
 log = logging.getLogger(__name__)
+
+# What a Redis restart or a cluster failover raises while it lasts (worth a retry of a read).
+TRANSIENT: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    RedisClusterException,
+)
 T = TypeVar("T")
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -159,8 +169,6 @@ def with_sync_client(url: str, use: Callable[[Any], T], *, to: str, wait_s: floa
     is made on every try. Any other error of ``use`` is raised at once."""
     import time
 
-    from redis.exceptions import RedisClusterException
-
     from services.common.errors import Unavailable
 
     give_up = time.monotonic() + wait_s
@@ -171,7 +179,7 @@ def with_sync_client(url: str, use: Callable[[Any], T], *, to: str, wait_s: floa
                 return use(client)
             finally:
                 client.close()
-        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
+        except TRANSIENT as exc:
             if time.monotonic() > give_up:
                 raise Unavailable(
                     f"Redis at {parse_redis_url(url).safe_url} cannot be reached to {to} ({exc})"

@@ -13,7 +13,6 @@ keeps the health status true to that check (:meth:`Server.watch`).
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import logging
@@ -31,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from services.common import errors
+from services.common.interceptors import HandlerInterceptor
 from services.common.metrics import RpcMetrics, serve_metrics
 from services.common.settings import ServiceSettings
 from services.common.status import status_of, trailing_metadata
@@ -143,27 +143,6 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[
             return _Malformed(str(exc) or type(exc).__name__)
 
     return parse
-
-
-class HandlerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """The base of this project's server interceptors: each serves a call with a handler
-    of its own built around the one the call resolved to (:meth:`wrap`). A call to a
-    method no servicer has (no handler) passes through untouched, so gRPC answers it
-    UNIMPLEMENTED."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        return None if handler is None else self.wrap(handler, details)
-
-    @abc.abstractmethod
-    def wrap(
-        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
-        """The handler that serves the call ``details`` in place of ``handler``."""
 
 
 class ErrorAndLatencyInterceptor(HandlerInterceptor):

@@ -261,7 +261,6 @@ class GenerationSource:
         self._build = build
         self.refresh_s = refresh_s
         self._events: SourceEvents = events if events is not None else NoEvents()
-        self.warm_s = WARM_S
         self._target = ""  # the rollout's target, as last read (its parts are kept)
         self._serving: Serving | None = None
         self._bundles: dict[str, Bundle] = {}
@@ -386,7 +385,7 @@ class GenerationSource:
         if bundle is None:
             bundle = await self._build(record)
             if current is not None:  # a switch: the first searches must not be the cold ones
-                await warm(bundle, min(self.warm_s, WARM_INLINE_S))
+                await warm(bundle, WARM_INLINE_S)
             self._bundles[record.name] = bundle
         serving = Serving(
             record.name,
@@ -432,7 +431,7 @@ class GenerationSource:
         except (Unavailable, FailedPrecondition) as exc:  # its shards are not up yet
             log.debug("generation %s cannot be prepared yet: %s", target, exc)
             return
-        await warm(bundle, self.warm_s)
+        await warm(bundle, WARM_S)
         if target in self._bundles or self._target != target:  # built meanwhile / gone
             await bundle.close()
             return

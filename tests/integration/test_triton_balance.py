@@ -63,7 +63,9 @@ def _encoder_config(tritons: list[TritonHandle]) -> TritonEncoderConfig:
     )
 
 
-async def _load(encoder: Encoder, n: int, concurrency: int) -> list[BaseException]:
+async def _load(
+    encoder: Encoder, n: int, concurrency: int, timeout: float = 10
+) -> list[BaseException]:
     """``n`` encodes from ``concurrency`` closed-loop callers; the errors they got."""
     errors: list[BaseException] = []
     todo = iter(range(n))
@@ -71,7 +73,7 @@ async def _load(encoder: Encoder, n: int, concurrency: int) -> list[BaseExceptio
     async def caller() -> None:
         for i in todo:
             try:
-                await encoder.encode([f"query {i} about balancing"], "query", timeout=10)
+                await encoder.encode([f"query {i} about balancing"], "query", timeout=timeout)
             except Exception as exc:
                 errors.append(exc)
 
@@ -135,10 +137,11 @@ def test_least_outstanding_sends_a_stalled_triton_no_more_than_it_holds(
             start = [served(fast), served(stalled)]
             os.kill(stalled.process.pid, signal.SIGSTOP)  # the server; its metrics too
             try:
-                load = asyncio.ensure_future(_load(encoder, n, concurrency=callers))
-                # well before the encodes' own 10-s timeout: none of them may miss
+                # the encodes stuck on the stalled one wait for it: a deadline well past
+                # the wait below, so that none of them may miss
+                load = asyncio.ensure_future(_load(encoder, n, callers, timeout=120))
                 enough = lambda: served(fast) - start[0] >= n - callers  # noqa: E731
-                await asyncio.to_thread(wait_until, enough, "the other Triton's encodes", 8)
+                await asyncio.to_thread(wait_until, enough, "the other Triton's encodes", 60)
             finally:
                 os.kill(stalled.process.pid, signal.SIGCONT)
             errors = await load

@@ -17,20 +17,12 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import redis
-from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import RedisClusterException
 
 from services.common.errors import Unavailable
-from services.common.redis_client import Gate, async_client, is_cluster
+from services.common.redis_client import TRANSIENT, Gate, async_client, is_cluster
 from services.index.keys import FIRST_GENERATION, DocKeys, GenerationKeys, Layout
 
-# What a Redis restart or a cluster failover raises while it lasts (worth a retry of a read).
-TRANSIENT: tuple[type[Exception], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    ClusterDownError,
-    TryAgainError,
-    RedisClusterException,
-)
 # Everything a Redis client raises (RedisClusterException is no RedisError).
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
