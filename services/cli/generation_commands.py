@@ -477,7 +477,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
         # --encoder is published by the builder's first phase, under the rollout lock (a
         # resume in that phase publishes the same folder again); the budget starts after
-        # the publish: Triton reloads the serving version too, on every CPU.
+        # the publish: the export and Triton's load of the new version run on every CPU.
         publishing = (args.encoder is not None if running is None
                       else running.get("phase") == "publish")  # fmt: skip
         if not publishing:

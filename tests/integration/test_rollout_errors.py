@@ -238,3 +238,25 @@ def test_the_run_dir_of_a_local_stack_names_the_store(
     # No stack there and no --redis-url: said so.
     assert main(["index", "generations", "--run-dir", str(tmp_path / "none")]) == 2
     assert "no store: give --redis-url" in capsys.readouterr().err
+
+
+def test_a_publish_that_fails_outside_the_domain_errors_ends_the_rollout(
+    store: Any, tmp_path: Path
+) -> None:
+    """The export of --encoder can fail with what no domain error covers (a full disk,
+    torch): the publish phase held only the lock, so it gives the lock back and nothing
+    is left to resume or abort (as for a refused publish)."""
+    import asyncio
+
+    from services.index.rollout.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+
+    def full_disk(folder: str) -> EncoderSpec:
+        raise OSError(28, "No space left on device", folder)
+
+    options = RolloutOptions(index_root=tmp_path / "generations")
+    builder = RolloutBuilder(store, _no_encoder, options, publisher=full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        asyncio.run(builder.rollout(RolloutPlan(encoder_dir=str(tmp_path))))
+    registry = Registry(store)
+    assert registry.rollout() is None
+    assert registry.serving().name == "g1"

@@ -446,7 +446,7 @@ class RolloutBuilder:
             )
         try:
             spec = await asyncio.to_thread(self.publisher, folder)
-        except RetrievalError:
+        except Exception:  # refused, or failed in the export (torch, a full disk, ...)
             owner = self.redis.hget("{gtr}:rollout", "owner")
             if owner is not None and text(owner) == self.owner:
                 self.registry.end_rollout()  # the lock was all there was
