@@ -145,7 +145,8 @@ def _rpc_errors(
     handler: Callable[[argparse.Namespace], int],
 ) -> Callable[[argparse.Namespace], int]:
     """``handler`` whose failed gateway call is said on stderr as ``error: CODE: details``,
-    exit status 1 (the code is what a script branches on: UNAVAILABLE, NOT_FOUND, ...)."""
+    exit status 1 (the code is what a script branches on: UNAVAILABLE, NOT_FOUND, ...); a
+    file it cannot read (``ingest FILE``) is ``error: ...``, exit status 2."""
 
     def run(args: argparse.Namespace) -> int:
         try:
@@ -153,6 +154,9 @@ def _rpc_errors(
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
             return 1
+        except OSError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     return run
 
