@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.common.errors import RetrievalError
@@ -152,15 +152,22 @@ def client_tls(ca: str | None, cert: str | None, key: str | None, what: str) -> 
     return tls
 
 
-def triton_tls(ca: str | None, cert: str | None, key: str | None) -> Any:
-    """Triton's :class:`~services.common.tls.ClientTLS` of the files a command resolved
-    (its ``--triton-*`` flags, else the local stack's): None (plaintext) without any.
+def triton_tls(
+    ca: str | None, cert: str | None, key: str | None, stack: Mapping[str, str] | None = None
+) -> Any:
+    """Triton's :class:`~services.common.tls.ClientTLS` of a command's ``--triton-*``
+    flags, each missing one taken from the local stack's ``internal_tls`` files (``stack``:
+    the CA, or the client key pair): None (plaintext) without any.
     The CLI talks TLS to Triton only with a CA to trust, so a client certificate without
     one is :class:`InvalidArgument` naming ``--triton-ca``: it used to be dropped without a
     word and Triton reached in plaintext. (The gateway has no Triton flags of its own: its
     ``--tls-client-*`` without ``--tls-ca`` is TLS trusting the system's roots.)"""
     from services.common.errors import InvalidArgument
 
+    paths = stack or {}
+    ca = ca or paths.get("ca")
+    if not cert:
+        cert, key = paths.get("cert"), paths.get("key")
     if not ca:
         if cert or key:
             raise InvalidArgument(

@@ -202,11 +202,8 @@ def _triton_place(args: argparse.Namespace) -> TritonPlace:
     if stack and Path(repo).resolve() != Path(stack.triton_repository or "/").resolve():
         stack = None  # another repository than the stack's: its Triton is not the stack's
     url = getattr(args, "triton_url", None) or (stack.triton_grpc if stack else "") or None
-    paths = stack.internal_tls if stack and not ca else {}
-    ca = ca or paths.get("ca")
-    if not cert:
-        cert, key = paths.get("cert"), paths.get("key")
-    tls = triton_tls(ca, cert, key)  # a client certificate without a CA: refused
+    # a client certificate without a CA: refused
+    tls = triton_tls(ca, cert, key, stack.internal_tls if stack else None)
     return TritonPlace(Path(repo), url, tls, stack.redis_url_with_secrets() if stack else "")
 
 

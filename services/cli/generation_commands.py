@@ -303,11 +303,8 @@ def _places(args: argparse.Namespace) -> Places:
 
     ca, cert, key = tls_flags(args, "triton")  # half a key pair: refused before anything
     stack = read_endpoints(stack_run_dir(args.stack_run_dir))
-    tls_paths = stack.internal_tls if stack else {}
-    ca = ca or tls_paths.get("ca")
-    if not cert:
-        cert, key = tls_paths.get("cert"), tls_paths.get("key")
-    triton = triton_tls(ca, cert, key)  # a client certificate without a CA: refused here
+    # a client certificate without a CA: refused here
+    triton = triton_tls(ca, cert, key, stack.internal_tls if stack else None)
     if args.redis_url_file:
         try:
             url = read_redis_url(args.redis_url_file)
@@ -320,7 +317,7 @@ def _places(args: argparse.Namespace) -> Places:
             "no store: give --redis-url (or --redis-url-file), or --run-dir of a running "
             "local stack"
         )
-    shard_tls = _shard_tls(args, tls_paths)
+    shard_tls = _shard_tls(args, stack.internal_tls if stack else {})
     repo = getattr(args, "triton_repo", None) or (
         Path(stack.triton_repository) if stack and stack.triton_repository else None
     )

@@ -93,3 +93,25 @@ def test_a_triton_client_key_pair_without_a_ca_is_refused_naming_triton_ca(
     line = refusal(argv, tmp_path)
     assert line.startswith("error: ") and "--triton-ca" in line, line
     assert "--triton-client-cert" in line
+
+
+def test_triton_tls_takes_each_missing_file_from_the_local_stack(
+    certs: CertFiles, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One rule for every command that reaches Triton (encoder publish/unpublish/versions
+    and index rollout/rollback/retire): a flag given wins, each file not given comes from
+    the stack's internal TLS; so --triton-ca alone on an mTLS stack still presents the
+    stack's client certificate."""
+    from services.cli.common import triton_tls
+
+    own = make_certs(tmp_path_factory.mktemp("own-ca"))
+    stack = {"ca": str(certs.ca), "cert": str(certs.client_cert), "key": str(certs.client_key)}
+    assert triton_tls(None, None, None) is None
+    everything = triton_tls(None, None, None, stack)
+    assert (everything.ca, everything.cert, everything.key) == (
+        str(certs.ca), str(certs.client_cert), str(certs.client_key))  # fmt: skip
+    ca_only = triton_tls(str(own.ca), None, None, stack)
+    assert (ca_only.ca, ca_only.cert) == (str(own.ca), str(certs.client_cert))
+    pair = triton_tls(None, str(own.client_cert), str(own.client_key), stack)
+    assert (pair.ca, pair.cert, pair.key) == (
+        str(certs.ca), str(own.client_cert), str(own.client_key))  # fmt: skip
