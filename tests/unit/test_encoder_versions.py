@@ -225,3 +225,19 @@ def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_pub
     assert converted is not None and "all {" in converted
     assert served_versions(tmp_path) == [1]
     assert (model / "1" / VERSION_FILE).exists()
+
+
+@pytest.mark.parametrize("content", ['{"digest": "aaaa", cut short', '["not", "an object"]'])
+def test_a_version_json_that_is_not_a_publishs_is_a_failed_precondition_naming_it(
+    tmp_path: Path, content: str
+) -> None:
+    """``encoder versions`` / ``publish`` read each version's ``version.json``: one edited
+    by hand or cut short is FAILED_PRECONDITION naming the file, not a JSON traceback."""
+    from services.common.errors import FailedPrecondition
+    from services.encoder.build.repository import VERSION_FILE, read_version_description
+
+    path = tmp_path / "embed" / "1" / VERSION_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.raises(FailedPrecondition, match=str(path)):
+        read_version_description(tmp_path / "embed", _cpu_config(), 1)

@@ -195,11 +195,18 @@ def read_version_description(
     model_dir: Path, config: mc.ModelConfig, version: int
 ) -> dict[str, str]:
     """One version's description: the shared parameters overlaid with an older
-    generator's ``version.<n>.*`` ones and with the folder's ``version.json``."""
+    generator's ``version.<n>.*`` ones and with the folder's ``version.json``; one that
+    is not a JSON object (edited by hand, cut short) is :class:`FailedPrecondition`
+    naming the file."""
     shared = {k: v.string_value for k, v in config.parameters.items()
               if not k.startswith("version.")}  # fmt: skip
     path = Path(model_dir) / str(version) / VERSION_FILE
-    own = json.loads(path.read_text()) if path.exists() else {}
+    try:
+        own = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as exc:
+        raise FailedPrecondition(f"{path} is not the JSON a publish writes: {exc}") from None
+    if not isinstance(own, dict):
+        raise FailedPrecondition(f"{path} is not the JSON object a publish writes")
     return {**shared, **legacy_version_parameters(config, version), **own}
 
 
