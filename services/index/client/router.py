@@ -555,7 +555,8 @@ class ShardRouter:
                 raise InvalidArgument(f"queries: expected a (n, dim) matrix, got {vectors.shape}")
             if not 1 <= k <= MAX_K:
                 raise InvalidArgument(f"k: {k} is out of range 1..{MAX_K}")
-            query = dataclasses.replace(query, vectors=vectors)
+            if vectors is not query.vectors:  # a copy was made (another dtype or layout)
+                query = dataclasses.replace(query, vectors=vectors)
         elif k or not sparse_k:
             raise InvalidArgument("a search needs query vectors, or texts and sparse_k only")
         if sparse_k or texts:
