@@ -169,6 +169,9 @@ def _group_key(q: SearchQuery, fetch_k: int, stage: _Stage) -> tuple[object, ...
 # within the write's deadline (docs/generations.md: a switch pauses writes for its drain).
 MOVED_BACKOFF_S = 0.01
 MOVED_BACKOFF_MAX_S = 0.2
+# time left, beyond the pause, below which a refused write is not tried again (nor less
+# than twice its last attempt): the next attempt could not end before the deadline
+MOVED_MARGIN_S = 0.05
 
 
 def with_resolved_token(q: SearchQuery, serving: Serving) -> SearchQuery:
@@ -624,22 +627,26 @@ class DocumentPipeline:
         (GenerationMoved: nothing written), the alias is read again and the write goes to
         the generation it names: at once when the gate names the new generation, after a
         pause while the gate is closed (a switch drains) or the alias has not moved yet
-        (10 ms doubling to 200 ms). Unavailable when the deadline runs out first."""
+        (10 ms doubling to 200 ms). Unavailable when the deadline runs out first, or would
+        before another attempt could end: an attempt cut by the deadline would be
+        DEADLINE_EXCEEDED, which does not say that nothing was written."""
         serving = self.source.current()
         pause = MOVED_BACKOFF_S
         while True:
+            started = time.monotonic()
             with self.source.lease(serving) as parts:
                 try:
                     return await write(serving, parts)
                 except GenerationMoved as exc:
                     moved = exc
+            attempt_s = time.monotonic() - started
             self.on_moved()
             tried = serving.generation
             if moved.gate != CLOSED:  # the gate names the generation that takes writes now
                 serving = await self._reread(moved, deadline)
             if moved.gate == CLOSED or serving.generation == tried:
                 left = deadline.remaining()
-                if left is not None and left <= pause:
+                if left is not None and left <= pause + max(MOVED_MARGIN_S, 2 * attempt_s):
                     raise _not_taken(moved)
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, MOVED_BACKOFF_MAX_S)
