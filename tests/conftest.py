@@ -14,6 +14,17 @@ from tests.support.redis_cluster import RedisCluster, run_redis_cluster
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hypothesis without its per-example deadline (200 ms by default): on a loaded CI
+    machine a stall fails an example for its wall time, not for what the property says.
+    The examples' number and the health checks stay hypothesis's defaults."""
+    from hypothesis import settings
+
+    settings.register_profile("gtr", deadline=None)
+    settings.load_profile("gtr")
+
+
 SHARED_DATA = Path(
     os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
 )

@@ -294,12 +294,13 @@ def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
     """The CLI's channel retries RESOURCE_EXHAUSTED; the refusal carries gRPC's own
     pushback (``grpc-retry-pushback-ms``, the same value as ``retry-after-ms``), so gRPC
     waits the gateway's hint before each new attempt instead of its own backoff (0.2 s,
-    then 0.4 s: three attempts within 0.6 s). With a 1 s hint and a 1.5 s deadline
-    exactly two attempts reach the gateway."""
+    then 0.4 s: three attempts within 0.6 s). With a 2 s hint and a 3 s deadline
+    exactly two attempts reach the gateway (the first has 1 s to be refused, room for a
+    slow machine's new channel)."""
 
     async def scenario() -> None:
         async with front_door(
-            redis_url, index_dir, tmp_path, max_in_flight=2, retry_after_ms=1000
+            redis_url, index_dir, tmp_path, max_in_flight=2, retry_after_ms=2000
         ) as front:
             async with held(front, 2):
                 before = _handled(front, "Search", "RESOURCE_EXHAUSTED")
@@ -308,7 +309,7 @@ def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
                     with gateway_channel(f"127.0.0.1:{front.gateway.port}") as cli:
                         stub = search_pb2_grpc.SearchServiceStub(cli)
                         with pytest.raises(grpc.RpcError) as refused:
-                            stub.Search(search_pb2.SearchRequest(query="x", k=1), timeout=1.5)
+                            stub.Search(search_pb2.SearchRequest(query="x", k=1), timeout=3.0)
                         return refused.value
 
                 refused = await asyncio.to_thread(search_from_the_cli)
@@ -317,7 +318,7 @@ def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
                     grpc.StatusCode.DEADLINE_EXCEEDED,  # the deadline ended the pushback
                 ), refused
                 attempts = _handled(front, "Search", "RESOURCE_EXHAUSTED") - before
-                assert attempts == 2, f"{attempts:.0f} attempts in 1.5 s with a 1 s hint"
+                assert attempts == 2, f"{attempts:.0f} attempts in 3 s with a 2 s hint"
 
     asyncio.run(scenario())
 

@@ -240,7 +240,11 @@ def test_shard_down_gives_partial_results_within_the_deadline(
 
         asyncio.run(write())
 
-        async def query(require_complete: bool = False) -> tuple[IndexResult, float]:
+        # The complete answer may wait for the 400 upserts to be applied (a slow machine
+        # must not turn it partial); the partial ones get 2 s, ample for shard 0 alone.
+        async def query(
+            require_complete: bool = False, timeout: float = 2.0
+        ) -> tuple[IndexResult, float]:
             router = ShardRouter(cluster.addresses)
             try:
                 start = time.monotonic()
@@ -250,12 +254,12 @@ def test_shard_down_gives_partial_results_within_the_deadline(
                     consistency=Consistency.STRONG,
                     require_complete=require_complete,
                 )
-                result = await router.search(strong, timeout=0.5)
+                result = await router.search(strong, timeout=timeout)
                 return result, time.monotonic() - start
             finally:
                 await router.close()
 
-        full, _ = asyncio.run(query())
+        full, _ = asyncio.run(query(timeout=30.0))
         assert full.missing_shards == []
 
         hung = cluster.replica(1).process
@@ -264,8 +268,8 @@ def test_shard_down_gives_partial_results_within_the_deadline(
         try:
             partial, took = asyncio.run(query())
             # The stopped replica never answers: a router that waited for it would not
-            # return at all; 3 s (6x the deadline) leaves room for a busy CI machine.
-            assert partial.missing_shards == [1] and took < 3.0
+            # return at all; 6 s (3x the deadline) leaves room for a busy CI machine.
+            assert partial.missing_shards == [1] and took < 6.0
             assert all(h.shard == 0 for row in partial.hits for h in row)
             from_shard_0 = [h for h in full.hits[0] if h.shard == 0]
             assert partial.hits[0][: len(from_shard_0)] == from_shard_0
@@ -276,7 +280,7 @@ def test_shard_down_gives_partial_results_within_the_deadline(
 
         cluster.replica(1).kill()  # down: connection refused
         partial, took = asyncio.run(query())
-        assert partial.missing_shards == [1] and took < 3.0
+        assert partial.missing_shards == [1] and took < 6.0
         with pytest.raises(Unavailable):
             asyncio.run(query(require_complete=True))
 

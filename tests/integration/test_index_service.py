@@ -28,6 +28,7 @@ from services.index.core.query import Consistency, IndexQuery
 from services.index.core.trained import Manifest
 from services.index.keys import replicas_seen_key, snapshot_positions_key
 from tests.support.log_end import log_end_moved
+from tests.support.processes import wait_until
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
 
 N_BASE = 4683
@@ -285,9 +286,10 @@ def test_router_keeps_errors_meaningful(
     # a position no shard will reach in time: the deadline, not a hang
     with log_end_moved(module_redis, [0]) as far_position:
         far = {0: far_position}
+        # 3 s: shard 1 (and a new router's channels) answer in time on a slow machine too
         with pytest.raises(DeadlineExceeded):
-            search(cluster, session(far, require_complete=True), timeout=0.5)
-        partial = search(cluster, session(far), timeout=0.5)
+            search(cluster, session(far, require_complete=True), timeout=3)
+        partial = search(cluster, session(far), timeout=3)
         assert partial.missing_shards == [0] and all(h.shard == 1 for h in partial.hits[0])
 
 
@@ -390,8 +392,6 @@ def test_search_stream_answers_each_message_with_its_own_status(
 def test_replicas_register_as_alive(cluster: ShardCluster, module_redis: str) -> None:
     """Each replica records its log floor and, idle or not, re-registers every
     ``--heartbeat-s`` (what keeps it from being taken for a removed replica)."""
-    import time
-
     client = redis.Redis.from_url(module_redis)
 
     def seen() -> dict[Any, float]:
@@ -404,9 +404,10 @@ def test_replicas_register_as_alive(cluster: ShardCluster, module_redis: str) ->
     for shard in range(SHARDS):
         floors = client.hgetall(snapshot_positions_key(shard))
         assert len(floors) == 2 and set(floors) <= set(before)
-    time.sleep(3 * HEARTBEAT_S)
-    after = seen()
-    assert set(after) == set(before) and all(after[r] > before[r] for r in before)
+    # each re-registers (a heartbeat is every 0.5 s: 30 s is room for a starved thread)
+    wait_until(lambda: all(seen().get(r, 0.0) > before[r] for r in before),
+               "every replica re-registered", 30)  # fmt: skip
+    assert set(seen()) == set(before)
 
 
 def test_shared_quantizer_gives_the_same_answers_and_survives_a_stale_copy(

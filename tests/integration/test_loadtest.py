@@ -82,7 +82,9 @@ def test_fixed_schedule_is_kept_against_a_real_server() -> None:
     # so the last ones would leave tens of ms late; here they are as punctual as the first).
     sent = records.sent - records.start
     assert np.median(np.diff(sent)) == pytest.approx(0.01, abs=0.002)
-    assert np.median(records.lag_s[-10:]) < 0.01 and np.median(records.lag_s[:10]) < 0.01
+    # (a busy machine delays every send alike: the last ten as punctual as the first ten)
+    first, last = np.median(records.lag_s[:10]), np.median(records.lag_s[-10:])
+    assert first < 0.05 and last < first + 0.01, (first, last)
     summary = summarize(records, slo_ms=50.0)
     assert summary["scheduled_rate"] == pytest.approx(100.0, rel=1e-6)
 

@@ -171,11 +171,12 @@ def test_the_server_stops_scoring_at_the_callers_deadline(server, running) -> No
 
     before = scored()
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        _call(server, _request("t1w0 t1w1", texts), timeout=full_s / 5)
+        # a tenth of the baseline: a stall that inflated the baseline leaves a 6x margin
+        _call(server, _request("t1w0 t1w1", texts), timeout=full_s / 10)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # the scorer holds a lock per call: once this small call is answered, the one that
     # ran out of time has stopped in the server, however far it got
     _call(server, _request("t1w0", ["t1w0 t1w1"]), timeout=120)
     abandoned = scored() - before - 1
     assert abandoned < 1000, "the server scored every candidate after the deadline"
-    assert abandoned <= 0.6 * 1000, f"{abandoned:.0f} of 1000 pairs scored in 1/5 of the time"
+    assert abandoned <= 0.6 * 1000, f"{abandoned:.0f} of 1000 pairs scored in 1/10 of the time"

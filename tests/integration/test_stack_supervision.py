@@ -85,7 +85,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
 
             try:
                 await writer.upsert([DocRecord(f"d{i}", docs[i]) for i in range(20)])
-                assert await found(3)
+                await await_until(lambda: found(3), "the replica searches the upserts", 30)
 
                 # kill -9 of one replica: restarted on the same port, healthy, searched again
                 old_pid = victim.pid
@@ -207,7 +207,8 @@ def test_a_child_that_is_not_essential_is_given_up_on_alone(tmp_path: Path) -> N
 def test_a_removed_child_is_stopped_and_its_pending_restart_dropped(tmp_path: Path) -> None:
     """The shards of a retired generation: :meth:`Supervisor.remove` stops them for good,
     even one that crashed and waits for its restart."""
-    slow = RestartPolicy(backoff_s=1.0, backoff_max_s=1.0, max_restarts=5, window_s=60, poll_s=0.05)
+    # a 3-s backoff: the removal below comes well before the restart on a slow machine too
+    slow = RestartPolicy(backoff_s=3.0, backoff_max_s=3.0, max_restarts=5, window_s=60, poll_s=0.05)
     sup = Supervisor(slow)
     try:
         keep = sup.start(_sleeper(tmp_path, "keep"), lambda: True, 10)
@@ -220,7 +221,7 @@ def test_a_removed_child_is_stopped_and_its_pending_restart_dropped(tmp_path: Pa
         assert sup.remove([crashed, running]) == []  # both stopped on SIGTERM (or dead)
         assert not running.alive() and sup.children == [keep]
         wait_until(
-            lambda: not any(t.is_alive() for t in sup._threads), "the restart thread ended", 10
+            lambda: not any(t.is_alive() for t in sup._threads), "the restart thread ended", 30
         )
         assert crashed.restarts == 0 and not crashed.alive()
         assert crashed.state is State.STOPPED and keep.alive()

@@ -8,6 +8,7 @@ caller would; embeddings are compared with the in-process PyTorch model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ from tests.encoder_fixtures import (
     ensure_tiny_t5,
     torch_embedder,
 )
-from tests.support.processes import free_port
+from tests.support.processes import await_until, free_port
 
 
 def _serve(model_dir: Path, base: Path, name: str) -> Iterator[TritonHandle]:
@@ -265,18 +266,25 @@ def test_the_deadline_is_sent_to_triton(minilm: TritonHandle) -> None:
     own DEADLINE_EXCEEDED alone would not show that."""
     docs = [" ".join(f"w{i}{j}" for i in range(60)) for j in range(64)]
 
-    async def tight(address: str) -> None:
+    async def tight(address: str, proxy: InferProxy) -> None:
         config = TritonEncoderConfig(address)
         enc = TritonEncoder(config, "all-MiniLM-L6-v2", 384, 64)
         try:
             await enc.encode(["warm the channel up"], "query", timeout=30)  # connected now
-            with pytest.raises(DeadlineExceeded):
-                await enc.encode(docs, "query", timeout=0.02)
+            # A stall of 20 ms before the call leaves (a loaded machine) ends it in the
+            # client, unsent: then again, until one reaches the proxy (it records a call
+            # as it arrives, perhaps just after the client gave up).
+            for _ in range(5):
+                with pytest.raises(DeadlineExceeded):
+                    await enc.encode(docs, "query", timeout=0.02)
+                with contextlib.suppress(AssertionError):
+                    await await_until(lambda: proxy.attempts > 1, "the call at the proxy", 1)
+                    return
         finally:
             await enc.close()
 
     with proxied(minilm) as (address, proxy):
-        asyncio.run(tight(address))
+        asyncio.run(tight(address, proxy))
         # gRPC rounds a timeout up on the wire (its units): a few ms of slack
         assert proxy.attempts == 2 and 0 < proxy.deadlines[1] <= 0.03, proxy.deadlines
         got = asyncio.run(_proxied_encode(address, ["ok"], None, default_timeout_s=7.0))
