@@ -101,6 +101,10 @@ ADDRESSES_KEY = f"{REGISTRY_TAG}:addrs"  # hash: name -> shard addresses (the --
 # string: a running rollout's CPU budget (``index rollout --cpus``, a CPU list), with a
 # TTL its CLI keeps refreshing; the local stack keeps serving off those CPUs meanwhile
 CPU_BUDGET_KEY = f"{REGISTRY_TAG}:cpu-budget"
+# string: the generation whose shards the local stack keeps on that budget now ("" none),
+# written on each of its passes while a budget holds (short TTL): the builder's switch
+# waits until it no longer names the target (services/stack/cpu_budget.py)
+CPU_PLACED_KEY = f"{REGISTRY_TAG}:cpu-placed"
 CLOSED = "-"  # a layout shard's writer gate while no generation takes its writes
 
 

@@ -16,6 +16,14 @@ those CPUs and serving the others, for as long as the budget is recorded
 - **serving**: every other child of the stack (Redis, Triton, the gateway, the serving
   and previous generations' shards, Prometheus) and the other stubs: every CPU but C.
 
+**The hand-over.** Once the rollout reaches its switch phase (:data:`HANDED_OVER`) its
+target is about to serve: its shards and its stub go to serving's CPUs, and each pass
+records in :data:`~services.index.keys.CPU_PLACED_KEY` which generation the budget still
+holds; the builder closes the writes and moves the alias only once that no longer names
+its target (at most a poller pass later). Without the hand-over the new serving
+generation's first searches shared the budget's CPU with the builder's end (76 ms p99
+against 27 ms, docs/generations.md "The switch phase, traced").
+
 Without a budget every process may use every CPU again (the stubs widen their ONNX
 Runtime thread pools to match). Applied on each pass of the generations poller, thread
 by thread, to the threads whose affinity differs (a no-op when nothing changed).
@@ -37,6 +45,13 @@ log = logging.getLogger(__name__)
 # How long a stub's budget file counts without a recorded budget: a publish's export and
 # load, before the rollout records its budget (an older file is a killed rollout's).
 PUBLISH_GRACE_S = 600.0
+
+
+# The rollout phases in which the target's processes are serving's (on serving's CPUs).
+HANDED_OVER = frozenset({"switch", "done"})
+# How long the stack's record of its placement outlives its last pass (the poller runs
+# every 0.5 s): a stack that stopped leaves no record the builder would wait on.
+PLACED_TTL_S = 3
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from services.common import cpus as cpu_sets
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.index.generations import RUNNING, Alias, Generation, Registry
-from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, FIRST_GENERATION
+from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
 from services.stack import components, cpu_budget
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
@@ -252,8 +252,12 @@ class GenerationShards:
         mine = budget & self.machine
         return mine if mine and mine != self.machine else None
 
-    def _rollout_target(self) -> str:
-        return (Registry(self._redis()).rollout() or {}).get("target", "")
+    def _budgeted_target(self) -> str:
+        """The generation whose processes a CPU budget holds: the rollout's target until
+        its switch phase, when they go to serving's CPUs before the alias names it
+        (:mod:`services.stack.cpu_budget`); "" none."""
+        rollout = Registry(self._redis()).rollout() or {}
+        return "" if rollout.get("phase") in cpu_budget.HANDED_OVER else rollout.get("target", "")
 
     def place_cpus(self) -> None:
         """A rollout's CPU budget (:mod:`services.stack.cpu_budget`): its processes on its
@@ -261,7 +265,7 @@ class GenerationShards:
         pass while a budget holds (new threads, a stub loaded), else when the children
         changed."""
         budget = self._budget()
-        target = self._rollout_target() if budget else ""
+        target = self._budgeted_target() if budget else ""
         ours = self.running.get(target)
         rollout_children = {id(c) for c in ours.all()} if ours is not None else set()
         processes: list[cpu_budget.Process] = []
@@ -275,15 +279,18 @@ class GenerationShards:
                     age = cpu_budget.stub_budget_age(stub)
                     if budget is None and age is not None and age < cpu_budget.PUBLISH_GRACE_S:
                         continue  # published for a rollout that records its budget next
-                    processes.append(cpu_budget.Process(stub, age is not None))
+                    # the new version's stub, until the target is handed over
+                    processes.append(cpu_budget.Process(stub, age is not None and bool(target)))
         state = (budget, frozenset(p.pid for p in processes))
         if budget is None and state == self._placed:
             return
         changed = cpu_budget.apply(cpu_budget.placement(processes, self.machine, budget))
         if changed or state != self._placed:
             where = cpu_sets.format_cpus(budget) if budget else "none"
-            log.info("CPU budget %s: %d thread(s) moved", where, changed)
+            log.info("CPU budget %s (%s): %d thread(s) moved", where, target or "-", changed)
         self._placed = state
+        if budget is not None:  # what the builder's switch waits for
+            self._redis().set(CPU_PLACED_KEY, target, ex=cpu_budget.PLACED_TTL_S)
 
     def _start_generation(self, gen: Generation, essential: bool) -> None:
         cfg = self.cfg
@@ -293,7 +300,7 @@ class GenerationShards:
             Path(gen.index_dir) if gen.name != FIRST_GENERATION else None,
         )
         children: list[list[Child]] = []
-        budget = self._budget() if gen.name == self._rollout_target() else None
+        budget = self._budget() if gen.name == self._budgeted_target() else None
         known = self._ports.get(gen.name, [])
         # each replica's --peers: the others of its shard
         ports = known if len(known) == gen.num_shards else [

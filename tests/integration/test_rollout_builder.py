@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +36,7 @@ from services.encoder.runtime.inprocess import InProcessEncoder
 from services.index.client.connection import StoreConnection
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.generations import EncoderSpec, Registry
-from services.index.keys import CLOSED, LAYOUT_KEY, GenerationKeys, Layout
+from services.index.keys import CLOSED, CPU_PLACED_KEY, LAYOUT_KEY, GenerationKeys, Layout
 from services.index.rollout.builder import (
     RolloutBuilder,
     RolloutOptions,
@@ -166,6 +167,7 @@ class RolledOut:
     client: Any
     shards: list[ShardProcess]
     work: Path
+    gates_at_hand_over: set[str]  # g1's writer gates when the stack's record let g2 go
 
 
 class _WritesDuringTheRollout(Progress):
@@ -175,6 +177,8 @@ class _WritesDuringTheRollout(Progress):
     def __init__(self, url: str, client: Any, work: Path, shards: list[ShardProcess]) -> None:
         super().__init__()
         self.url, self.client, self.work, self.shards = url, client, work, shards
+        self.hand_over: threading.Thread | None = None
+        self.gates_at_hand_over: set[str] = set()
 
     def phase(self, name: str) -> None:
         super().phase(name)
@@ -191,6 +195,18 @@ class _WritesDuringTheRollout(Progress):
             Registry(self.client).set_addresses("g2", ";".join(p.address for p in self.shards))
         if name == "switch":
             _write_now(self.url, G1, _docs(400, 5), deletes=["d20", "d21", "d22"])
+            # A local stack with a CPU budget still holds g2's processes on it: the
+            # builder must wait for its hand-over before it closes the writes.
+            self.client.set(CPU_PLACED_KEY, "g2", ex=120)
+            self.hand_over = threading.Thread(target=self._hand_over, daemon=True)
+            self.hand_over.start()
+
+    def _hand_over(self) -> None:
+        # the stack's next pass, half a second on (its poller's interval): what the gates
+        # said then, before the record stops naming g2
+        time.sleep(0.5)
+        self.gates_at_hand_over = {Registry(self.client).gate(G1.layout, s) for s in range(2)}
+        self.client.set(CPU_PLACED_KEY, "", ex=120)
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +218,13 @@ def rolled_out(
     shards: list[ShardProcess] = []
     progress = _WritesDuringTheRollout(module_redis, client, work, shards)
     options = RolloutOptions(index_root=work / "generations", batch=32, sample=300,
-                             shard_wait_s=120.0)  # fmt: skip
+                             shard_wait_s=120.0, hand_over_s=60.0)  # fmt: skip
     builder = RolloutBuilder(client, _encoders(encoder), options, progress)
     try:
         asyncio.run(builder.rollout(RolloutPlan(num_shards=3)))
-        yield RolledOut(module_redis, client, shards, work)
+        assert progress.hand_over is not None
+        progress.hand_over.join()
+        yield RolledOut(module_redis, client, shards, work, progress.gates_at_hand_over)
     finally:
         for proc in shards:
             proc.stop()
@@ -239,6 +257,8 @@ def test_the_switch_moved_the_alias_and_the_gates_and_the_replicas_hold_it(
     rolled_out: RolledOut,
 ) -> None:
     client = rolled_out.client
+    # the switch waited for the stack's CPU hand-over: writes still went to g1 then
+    assert rolled_out.gates_at_hand_over == {"g1"}
     registry = Registry(client)
     alias = registry.alias()
     assert (alias.serving, alias.previous, alias.epoch) == ("g2", "g1", 2)

@@ -36,7 +36,14 @@ from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, IndexQuery
 from services.index.core.train import TrainOptions, train_index
 from services.index.generations import EncoderSpec, Generation, Registry
-from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, GenerationKeys, Layout
+from services.index.keys import (
+    ADDRESSES_KEY,
+    CPU_BUDGET_KEY,
+    CPU_PLACED_KEY,
+    ROLLOUT_KEY,
+    GenerationKeys,
+    Layout,
+)
 from services.stack import components, first_run
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig
@@ -304,6 +311,17 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_serving_on_the_oth
             lambda: _all_on(ours, budget) and _all_on(theirs, every - budget),
             f"{target.name}'s shards on CPU {format_cpus(budget)}, the rest of the stack on "
             f"{format_cpus(every - budget)}",
+            30,
+        )
+        wait_until(lambda: client.get(CPU_PLACED_KEY) == target.name.encode(),
+                   "the stack's record that the budget holds the target", 10)  # fmt: skip
+
+        # the switch phase: the target is handed over to serving's CPUs before the alias
+        # names it (the builder waits for the record), while the budget still holds
+        client.hset(ROLLOUT_KEY, "phase", "switch")
+        wait_until(
+            lambda: _all_on(ours + theirs, every - budget) and client.get(CPU_PLACED_KEY) == b"",
+            f"{target.name}'s shards handed over to CPU {format_cpus(every - budget)}",
             30,
         )
 

@@ -68,7 +68,7 @@ from services.common.errors import (
 from services.encoder.base import Encoder
 from services.index.changelog import text
 from services.index.generations import EncoderSpec, Generation, Registry
-from services.index.keys import CLOSED, NEXT_GENERATION_KEY, GenerationKeys
+from services.index.keys import CLOSED, CPU_PLACED_KEY, NEXT_GENERATION_KEY, GenerationKeys
 from services.index.rollout.append import (
     RETRAIN_VERSION,
     DeleteItem,
@@ -104,6 +104,9 @@ class RolloutOptions:
     wait_for_shards: bool = True  # the switch waits for T's replicas to apply T's logs
     shard_wait_s: float = 300.0  # ...at most this long per attempt
     switch_attempts: int = 3
+    # the switch waits this long at most for a local stack to move T's processes off a CPU
+    # budget (--cpus) onto serving's CPUs (services/stack/cpu_budget.py "The hand-over")
+    hand_over_s: float = 3.0
     stale_after_s: float = 15.0  # a rollout whose builder is silent this long is resumable
     heartbeat_s: float = 1.0
     target_recall: float | None = None  # None: the trainer's default
@@ -602,6 +605,7 @@ class RolloutBuilder:
         tgt = self.registry.keys(target)
         src = self.registry.keys(source)
         if alias.serving != target.name:
+            await self._handed_over(target)
             for attempt in range(1, self.options.switch_attempts + 1):
                 self.registry.set_state(target.name, "switching")
                 self.registry.set_gates(src.layout, CLOSED)
@@ -645,6 +649,21 @@ class RolloutBuilder:
             if gen.name != source.name:
                 self._release(src, f"rollback:{gen.name}")
         self._save(phase="done")
+
+    async def _handed_over(self, target: Generation) -> None:
+        """Wait, at most ``hand_over_s``, until no CPU budget holds T's processes: in the
+        switch phase a local stack moves them to serving's CPUs, so that T's first
+        searches do not share the budget's CPU with this builder's end. Nothing to wait
+        for without a budget, or without a stack placing one (its record expires)."""
+        deadline = time.monotonic() + self.options.hand_over_s
+        while text(self.redis.get(CPU_PLACED_KEY) or b"") == target.name:
+            if time.monotonic() > deadline:
+                self.progress.message(
+                    f"{target.name}'s processes are still on the rollout's CPU budget after "
+                    f"{self.options.hand_over_s:.0f} s: switching anyway"
+                )
+                return
+            await asyncio.sleep(0.05)
 
     # --- bulk: SCAN, encode, append -------------------------------------------------------
 
