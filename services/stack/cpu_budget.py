@@ -24,6 +24,10 @@ its target (at most a poller pass later). Without the hand-over the new serving
 generation's first searches shared the budget's CPU with the builder's end (76 ms p99
 against 27 ms, docs/generations.md "The switch phase, traced").
 
+**The end.** The rollout's CLI marks the budget ending with its pid when the rollout is
+over (:mod:`services.index.rollout.budget`); the budget holds until that process has
+exited, so its end stays on the budget's CPUs.
+
 Without a budget every process may use every CPU again (the stubs widen their ONNX
 Runtime thread pools to match). Applied on each pass of the generations poller, thread
 by thread, to the threads whose affinity differs (a no-op when nothing changed).
@@ -70,6 +74,16 @@ def placement(
     if not mine or mine == machine:
         return {p.pid: machine for p in processes}
     return {p.pid: mine if p.rollout else machine - mine for p in processes}
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs here (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 def stub_budget_age(pid: int) -> float | None:

@@ -47,6 +47,7 @@ from services.common import cpus as cpu_sets
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.index.generations import RUNNING, Alias, Generation, Registry
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
+from services.index.rollout import budget as rollout_budget
 from services.stack import components, cpu_budget
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
@@ -245,10 +246,12 @@ class GenerationShards:
         if not raw:
             return None
         try:
-            budget = cpu_sets.parse_cpus(raw.decode() if isinstance(raw, bytes) else raw)
+            budget, exiting = rollout_budget.parse(raw.decode() if isinstance(raw, bytes) else raw)
         except InvalidArgument:
             log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
             return None
+        if exiting is not None and not cpu_budget.alive(exiting):
+            return None  # the rollout ended and its process has exited
         mine = budget & self.machine
         return mine if mine and mine != self.machine else None
 

@@ -21,6 +21,7 @@ import functools
 import os
 import shutil
 import signal
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +45,7 @@ from services.index.keys import (
     GenerationKeys,
     Layout,
 )
+from services.index.rollout import budget as rollout_budget
 from services.stack import components, first_run
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig
@@ -325,11 +327,22 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_serving_on_the_oth
             30,
         )
 
-        client.delete(CPU_BUDGET_KEY)  # the rollout ended: no budget, no rollout
+        # the rollout ended; its CLI is exiting (a stand-in process): the budget holds
+        # until that process is gone, so its end stays off serving's CPUs
         registry.end_rollout()
+        cli = subprocess.Popen(["sleep", "600"])
+        try:
+            client.set(CPU_BUDGET_KEY, rollout_budget.ending(budget, cli.pid), ex=120)
+            client.delete(CPU_PLACED_KEY)
+            wait_until(lambda: client.get(CPU_PLACED_KEY) is not None,
+                       "a pass of the stack with the ending budget", 10)  # fmt: skip
+            assert _all_on(ours + theirs, every - budget)  # still off the budget's CPU
+        finally:
+            cli.kill()
+            cli.wait()
         wait_until(
             lambda: _all_on(ours + theirs, every),
-            f"every process back on CPUs {format_cpus(every)}",
+            f"every process back on CPUs {format_cpus(every)} once the CLI exited",
             30,
         )
     finally:

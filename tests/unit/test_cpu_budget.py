@@ -137,3 +137,28 @@ def test_the_stack_finds_a_stubs_budget_beside_the_model_folders(tmp_path: Path)
     finally:
         stub.kill()
         stub.wait()
+
+
+def test_an_ending_budget_names_the_exiting_process_and_parses_back() -> None:
+    from services.index.rollout import budget as rollout_budget
+
+    assert rollout_budget.parse("1,3") == (frozenset({1, 3}), None)  # a running rollout's
+    value = rollout_budget.ending(frozenset({2, 3}), 4242)
+    assert rollout_budget.parse(value) == (frozenset({2, 3}), 4242)
+    with pytest.raises(InvalidArgument):
+        rollout_budget.parse("x ending 4242")
+
+
+def test_a_process_counts_as_alive_until_it_has_exited() -> None:
+    from services.stack.cpu_budget import alive
+
+    assert alive(os.getpid())
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert alive(child.pid)
+        child.kill()
+        # not reaped yet: a zombie has ended (its CPU use with it)
+        wait_until(lambda: not alive(child.pid), "the killed child seen as ended", 10)
+    finally:
+        child.wait()
+    assert not alive(child.pid)
