@@ -109,6 +109,16 @@ def generation_number(name: str) -> int:
     return int(name[1:])
 
 
+# The rollout lock and its fields in one step; ARGV[1] the target ("" = the next name).
+_BEGIN_ROLLOUT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local target = ARGV[1]
+if target == '' then target = 'g' .. redis.call('INCR', KEYS[2]) end
+redis.call('HSET', KEYS[1], 'target', target, unpack(ARGV, 2))
+return target
+"""
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -264,16 +274,22 @@ class Registry:
 
     # --- the rollout lock ---------------------------------------------------------------
 
-    def begin_rollout(self, fields: Mapping[str, str]) -> None:
-        """Take the rollout lock (FailedPrecondition naming the running one when taken)."""
-        if not self.redis.hsetnx(ROLLOUT_KEY, "target", fields["target"]):
+    def begin_rollout(self, fields: Mapping[str, str]) -> str:
+        """Take the rollout lock with ``fields`` recorded in the same step (no reader sees
+        a lock without them). Without a ``target`` in ``fields`` the next generation
+        name is taken in that step too, so a refused rollout uses none up. The target's
+        name; FailedPrecondition naming the running rollout when the lock is taken."""
+        rest = [x for k, v in fields.items() if k != "target" for x in (k, v)]
+        target = self.redis.eval(_BEGIN_ROLLOUT, 2, ROLLOUT_KEY, NEXT_GENERATION_KEY,
+                                 fields.get("target", ""), *rest)  # fmt: skip
+        if target is None:
             running = self.rollout() or {}
             raise FailedPrecondition(
                 f"a rollout to {running.get('target', '?')} is running (phase "
                 f"{running.get('phase', '?')}): resume it with `index rollout` again, or "
                 "`index rollout --abort`"
             )
-        self.redis.hset(ROLLOUT_KEY, mapping=dict(fields))
+        return _s(target)
 
     def rollout(self) -> dict[str, str] | None:
         raw = self.redis.hgetall(ROLLOUT_KEY)

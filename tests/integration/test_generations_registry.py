@@ -102,6 +102,20 @@ def test_one_rollout_at_a_time(client: Any) -> None:
     assert reg.rollout() is not None and reg.rollout()["target"] == "g3"  # type: ignore[index]
 
 
+def test_a_rollout_takes_the_next_name_with_the_lock_and_a_refused_one_takes_none(
+    client: Any,
+) -> None:
+    reg = Registry(client)
+    reg.ensure_first(2, MINILM, "/idx/g1")
+    name = reg.begin_rollout({"source": "g1", "phase": "create"})
+    assert name == "g2" and reg.rollout() == {"target": "g2", "source": "g1", "phase": "create"}
+    for _ in range(3):  # refused while g2's runs: no number used up
+        with pytest.raises(FailedPrecondition, match="rollout to g2 is running"):
+            reg.begin_rollout({"source": "g1", "phase": "create"})
+    reg.end_rollout()
+    assert reg.begin_rollout({"source": "g1", "phase": "create"}) == "g3"
+
+
 def test_writer_gates_default_to_g1_on_the_base_layout_and_closed_elsewhere(client: Any) -> None:
     reg = Registry(client)
     base, other = Layout(2, 2), Layout(3, 2)

@@ -68,7 +68,7 @@ from services.common.errors import (
 from services.encoder.base import Encoder
 from services.index.changelog import text
 from services.index.generations import EncoderSpec, Generation, Registry
-from services.index.keys import CLOSED, CPU_PLACED_KEY, NEXT_GENERATION_KEY, GenerationKeys
+from services.index.keys import CLOSED, CPU_PLACED_KEY, GenerationKeys
 from services.index.rollout.append import (
     RETRAIN_VERSION,
     DeleteItem,
@@ -209,13 +209,13 @@ class RolloutBuilder:
             spec = self.registry.addresses(serving.name) or self.source_addresses or ""
             for address in (a for replicas in parse_addresses(spec) for a in replicas):
                 await self._check_transport(address)
-        name = f"g{int(self.redis.incr(NEXT_GENERATION_KEY))}"
         mode = "retrain" if plan.retrain else "encode"
         now = time.time()
         # With --encoder the lock comes first and the publish is its first phase: T's
-        # record, which needs the published version, is written at the phase's end.
-        self.registry.begin_rollout({
-            "target": name, "source": serving.name, "kind": "rollout", "mode": mode,
+        # record, which needs the published version, is written at the phase's end. The
+        # lock takes T's name with it: a refused rollout uses no number up.
+        name = self.registry.begin_rollout({
+            "source": serving.name, "kind": "rollout", "mode": mode,
             "phase": "publish" if publish else "create", "owner": self.owner,
             "host": socket.gethostname(), "pid": str(os.getpid()), "beat": repr(now),
             "started_at": repr(now),
