@@ -437,7 +437,12 @@ def test_index_stats_reaches_an_mtls_shard_only_with_a_client_certificate(
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["replica"] == "r0"  # the shard's Stats, as JSON
     refused = subprocess.run(argv, **run)  # type: ignore[call-overload]
-    assert refused.returncode != 0 and "UNAVAILABLE" in refused.stderr
+    # the replica that did not answer is named on stderr: exit 1 (2 is a usage error, a
+    # traceback would be a crash), stdout empty (no Stats printed for it)
+    assert refused.returncode == 1, refused.stderr
+    named = f"error: UNAVAILABLE: shard replica {secured.shard_address}: "
+    assert named in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and refused.stdout == ""
 
 
 def test_index_stats_shows_the_replicas_that_answer_and_names_the_unreachable_one(
