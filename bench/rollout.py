@@ -24,7 +24,9 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   ≤ 1.5); failed searches in each window;
 * where the time goes: ``p99_by_phase_ms`` (search p99 of the searches started in each
   builder phase), ``stage_p99_ms`` (the gateway's own stage timings, ``encode``,
-  ``search``, ``fetch``, ``total``, before and during), and a 2-s timeline printed above.
+  ``search``, ``fetch``, ``total``, before and during), a 2-s timeline printed above, and
+  ``switch_searches``: the switch phase search by search (its ~25 searches are too few
+  for a p99 to say where the time went), with when the load saw the alias move.
 
 The phase watcher polls Redis from a process of its own: polling from a thread of this
 process took the GIL from the load generator's event loop during the rollout only.
@@ -127,6 +129,23 @@ def p99_by_phase(searches: list[Any], marks: dict[str, float], end: float) -> di
                 for name in ("encode", "search", "fetch", "total")
             }
     return out
+
+
+def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[str, Any]:
+    """The switch phase search by search (too few for a p99 to say where): each OK one's
+    start (s from the phase's start), latency and the gateway's stages (ms), and the
+    generation that answered; with when the load saw the alias change."""
+    begin = marks.get("phase_switch")
+    if begin is None:
+        return {}
+    rows = [
+        [round(s.start - begin, 3), round(1e3 * s.latency, 1), s.generation,
+         *(round(s.stages.get(k, float("nan")), 1) for k in ("encode", "search", "fetch"))]
+        for s in record.searches if begin <= s.start < end and s.code == "OK"
+    ]  # fmt: skip
+    moved = [round(a.at - begin, 3) for a in record.aliases if begin <= a.at < end]
+    return {"columns": ["start_s", "ms", "generation", "encode", "search", "fetch"],
+            "rows": rows, "alias_changed_s": moved}  # fmt: skip
 
 
 def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
@@ -319,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }  # fmt: skip
     result["p99_during_over_before"] = result["p99_during_ms"] / result["p99_before_ms"]
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)
+    result["switch_searches"] = switch_searches(record, marks, end)
     # where a search's time goes, before and during: the gateway's own stage timings
     result["stage_p99_ms"] = {}
     for window, ops in (("before", before), ("during", during)):
