@@ -140,9 +140,10 @@ def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             "--cpus", default=None, metavar="LIST",
             help="A CPU budget ('1', '2-3'): the builder, the new encoder version's Triton "
             "stub and the new generation's shards run on these CPUs and the local stack's "
-            "serving processes on the others until the rollout ends (docs/generations.md: "
-            "on shared cores it keeps search latency, at the cost of re-embedding speed). "
-            "Default: no budget, every process on every CPU.",
+            "serving processes on the others; the new generation's processes join serving's "
+            "CPUs before the switch, and the budget ends once this command has exited "
+            "(docs/generations.md: on shared cores it keeps search latency, at the cost of "
+            "re-embedding speed). Default: no budget, every process on every CPU.",
         )  # fmt: skip
         parser.add_argument(
             "--source-shards", default=None, metavar="SPEC",
