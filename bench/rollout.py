@@ -26,7 +26,8 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   builder phase), ``stage_p99_ms`` (the gateway's own stage timings, ``encode``,
   ``search``, ``fetch``, ``total``, before and during), a 2-s timeline printed above, and
   ``switch_searches``: the switch phase search by search (its ~25 searches are too few
-  for a p99 to say where the time went), with when the load saw the alias move.
+  for a p99 to say where the time went), with when the load saw the alias move and the
+  writes that ended in it.
 
 The phase watcher polls Redis from a process of its own: polling from a thread of this
 process took the GIL from the load generator's event loop during the rollout only.
@@ -144,8 +145,17 @@ def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[st
         for s in record.searches if begin <= s.start < end and s.code == "OK"
     ]  # fmt: skip
     moved = [round(a.at - begin, 3) for a in record.aliases if begin <= a.at < end]
+    # the writes that ended in the phase: the ones the closed gates held are re-encoded
+    # with the new encoder at the switch, on the Triton version g2's searches use
+    writes = [
+        [round(w.start - begin, 3), round(1e3 * (w.end - w.start), 1), w.kind, w.code,
+         w.generation]
+        for w in record.writes if w.end and begin <= w.end < end
+    ]  # fmt: skip
     return {"columns": ["start_s", "ms", "generation", "encode", "search", "fetch"],
-            "rows": rows, "alias_changed_s": moved}  # fmt: skip
+            "rows": rows, "alias_changed_s": moved,
+            "write_columns": ["start_s", "ms", "kind", "code", "generation"],
+            "writes": writes}  # fmt: skip
 
 
 def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
