@@ -271,9 +271,14 @@ def test_a_version_is_unpublished_from_the_repository_and_the_running_triton(
     assert [s.version for s in describe_versions(served.repo)][-1] == version
 
     first_stubs = _stubs(served.handle, served.repo, 1)
+    # what a publish killed while staging leaves: gone before the load, or Triton would
+    # reload every version (a non-version entry newer than their load)
+    stale = served.repo / "embed" / ".staging-99"
+    shutil.copytree(served.repo / "embed" / str(version), stale)
     run = _cli("unpublish", "--repo", repo, "--triton-url", url, "--version", str(version))
     assert run.returncode == 0, run.stderr
     assert _stubs(served.handle, served.repo, 1) == first_stubs  # not reloaded
+    assert not stale.exists()
     assert str(version) not in _ready_versions(served.handle)
     assert version not in served_versions(served.repo)
     assert not list((served.repo / "embed").glob(".retired-*"))

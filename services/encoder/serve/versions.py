@@ -354,8 +354,8 @@ def publish_version(
                     return EncoderSpec(spec.model, version, spec.dim, spec.digest,
                                        export.meta.source_dir)  # fmt: skip
             version = (versions[-1] if versions else 0) + 1
+            _drop_stale_staging(model_path)
             staging = model_path / f".staging-{version}"  # not a number: Triton skips it
-            shutil.rmtree(staging, ignore_errors=True)
             _version_folder(staging, export)
             if cpus:
                 _write_budget(model_path / str(version), cpus)
@@ -407,6 +407,7 @@ def unpublish_version(
             raise FailedPrecondition(
                 f"version {version} is the only version of {model_path}: it stays"
             )
+        _drop_stale_staging(model_path)
         old_text = config_path.read_text()
         config = read_config(config_path)
         prefix = version_key(version, "")  # an older generator's parameters of it
@@ -433,6 +434,17 @@ def unpublish_version(
         Path(budget_path(str(model_path / str(version)))).unlink(missing_ok=True)
         policy.all.SetInParent()
         _write_atomically(config_path, text_format.MessageToString(config))
+
+
+def _drop_stale_staging(model_path: Path) -> None:
+    """Remove what a killed publish left in the model folder (under the publish lock: no
+    publish is running). Left there, a ``.staging-<n>`` folder, a non-version entry newer
+    than the versions' load, makes Triton reload every version at the next load. The
+    staging stays inside the model folder: on the repository's root, a Triton started
+    meanwhile (``--load-model=*``) takes the folder for a model, fails to load it and
+    exits ("failed to load all models"; tried with this wheel's tritonserver)."""
+    for stale in model_path.glob(".staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 class VersionInUse(FailedPrecondition):
