@@ -302,6 +302,32 @@ def test_the_last_version_stays(served: Served, tmp_path: Path) -> None:
     assert served_versions(repo) == [1]
 
 
+def test_an_unpublish_stopped_midway_is_finished_by_the_next_one(
+    served: Served, tmp_path: Path
+) -> None:
+    """An unpublish killed inside its folder removal leaves the policy `specific` and a
+    half-deleted numbered folder: the next unpublish finishes it (the folder goes, the
+    policy is `all`) instead of taking it for a version and putting it back in the policy."""
+    repo = tmp_path / "repo"
+    shutil.copytree(served.repo, repo)
+    model = repo / "embed"
+    versions = served_versions(repo)
+    for extra in range(versions[-1] + 1, versions[-1] + 3):  # two more, copies of the first
+        shutil.copytree(model / str(versions[0]), model / str(extra))
+    *kept, stopped, last = served_versions(repo)
+    from google.protobuf import text_format
+
+    config = read_config(model / "config.pbtxt")
+    config.version_policy.specific.versions[:] = [*kept, last]  # as the unpublish wrote it
+    (model / "config.pbtxt").write_text(text_format.MessageToString(config))
+    for path in sorted((model / str(stopped)).iterdir())[:1]:  # then stopped in its rmtree
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+    unpublish_version(repo, last)
+    assert served_versions(repo) == kept
+    assert read_config(model / "config.pbtxt").version_policy.WhichOneof("policy_choice") == "all"
+
+
 def _as_older_generator_wrote_it(repo: Path) -> None:
     """Rewrite a generated repository as the generator before ``version.json`` wrote it:
     version 1 described by config parameters ``version.1.*``, no ``ENCODER`` output."""

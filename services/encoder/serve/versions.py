@@ -397,6 +397,12 @@ def unpublish_version(
     if not config_path.exists():
         raise FailedPrecondition(f"{repo} has no {EMBED_MODEL} model")
     with _locked(model_path):
+        # An unpublish stopped before its folder went (the policy still `specific`, the
+        # folder perhaps half deleted) is finished first: its folder would otherwise be
+        # taken for a version, and put back into the policy.
+        converted = _convert(model_path, read_config(config_path))
+        if converted is not None:
+            _write_atomically(config_path, converted)
         versions = served_versions(repo)
         if version not in versions:
             raise NotFound(f"{model_path} has no version {version} (versions: {versions})")
