@@ -149,6 +149,17 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs on this machine: a zombie (ended, not yet
+    reaped by its parent) counts as ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:

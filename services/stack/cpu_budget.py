@@ -76,16 +76,6 @@ def placement(
     return {p.pid: mine if p.rollout else machine - mine for p in processes}
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs here (a zombie counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
-
-
 def stub_budget_age(pid: int) -> float | None:
     """The age (s) of the budget file of the model version of ``pid``, a Triton Python
     backend stub (argv ``triton_python_backend_stub <version dir>/model.py ...``; the file

@@ -250,7 +250,7 @@ class GenerationShards:
         except InvalidArgument:
             log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
             return None
-        if exiting is not None and not cpu_budget.alive(exiting):
+        if exiting is not None and not cpu_sets.running(exiting):
             return None  # the rollout ended and its process has exited
         mine = budget & self.machine
         return mine if mine and mine != self.machine else None

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from services.common import cpus as cpu_sets
 from services.common import positions
 from services.common.errors import (
     FailedPrecondition,
@@ -349,7 +350,7 @@ class RolloutBuilder:
             f"{running.get('host')}): wait for it, or stop it and `index rollout --abort`"
         )
         if running.get("host") == socket.gethostname() and running.get("pid"):
-            if _pid_alive(int(running["pid"])):
+            if cpu_sets.running(int(running["pid"])):
                 raise alive
             return
         first = running.get("beat", "0") or "0"
@@ -1155,13 +1156,3 @@ def _manifest(index_dir: str) -> dict[str, Any]:
         return dict(json.loads((Path(index_dir) / "manifest.json").read_text()))
     except (OSError, ValueError):
         return {}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
