@@ -7,6 +7,7 @@ depends on how the cores run them; here the counts are set, so the order is exac
 from __future__ import annotations
 
 from collections import Counter
+from typing import Literal
 
 import pytest
 from hypothesis import given
@@ -23,9 +24,11 @@ class _Server(Endpoint):
         return True
 
 
-def _pool(n: int, mode: str = "least_outstanding") -> EndpointPool[_Server]:
+def _pool(
+    n: int, mode: Literal["least_outstanding", "round_robin"] = "least_outstanding"
+) -> EndpointPool[_Server]:
     addresses = [f"10.0.0.{i}:1" for i in range(n)]
-    return EndpointPool("test", addresses, _Server, Balancing(mode))  # type: ignore[arg-type]
+    return EndpointPool("test", addresses, _Server, Balancing(mode))
 
 
 def _in_flight(server: _Server, calls: int) -> None:
