@@ -38,8 +38,17 @@ SHARED = Path(
 
 
 def _eval(stack: Any, data: Path, ingest: bool, log: Path) -> dict[str, Any]:
-    args = ["eval", "--data", str(data), "--split", "train", "--gateway", stack.gateway,
-            "--quiet", *([] if ingest else ["--no-ingest"])]  # fmt: skip
+    args = [
+        "eval",
+        "--data",
+        str(data),
+        "--split",
+        "train",
+        "--gateway",
+        stack.gateway,
+        "--quiet",
+        *([] if ingest else ["--no-ingest"]),
+    ]
     done = stack.run_cli(*args, timeout=7200, log=log)
     if done.returncode != 0:
         raise SystemExit(f"eval failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr}")
@@ -85,19 +94,32 @@ def drifted(root: Path, data: Path) -> dict[str, Any]:
     with local_stack(root / "run-stdlib", root / "up-stdlib.log", corpus=None) as a:
         out["before"] = _ndcg(_eval(a, data, True, log))
         out["drift_before"] = _drift(a)
-        print(f"  A: SciFact upserted, no retraining: nDCG@10 {out['before']}, "
-              f"pq_error_ratio {out['drift_before']}", flush=True)  # fmt: skip
+        print(
+            f"  A: SciFact upserted, no retraining: nDCG@10 {out['before']}, "
+            f"pq_error_ratio {out['drift_before']}",
+            flush=True,
+        )
         t = time.monotonic()
-        done = a.run_cli("index", "rollout", "--retrain", "--run-dir",
-                         str(root / "run-stdlib"), "--yes", timeout=7200, log=log)  # fmt: skip
+        done = a.run_cli(
+            "index",
+            "rollout",
+            "--retrain",
+            "--run-dir",
+            str(root / "run-stdlib"),
+            "--yes",
+            timeout=7200,
+            log=log,
+        )
         if done.returncode != 0:
             raise SystemExit(f"rollout --retrain failed:\n{done.stdout}\n{done.stderr}")
         out["rollout_seconds"] = round(time.monotonic() - t, 1)
         out["after"] = _ndcg(_eval(a, data, False, log))
         out["drift_after"] = _drift(a)
-        print(f"  A: after index rollout --retrain ({out['rollout_seconds']} s): "
-              f"nDCG@10 {out['after']}, pq_error_ratio {out['drift_after']}",
-              flush=True)  # fmt: skip
+        print(
+            f"  A: after index rollout --retrain ({out['rollout_seconds']} s): "
+            f"nDCG@10 {out['after']}, pq_error_ratio {out['drift_after']}",
+            flush=True,
+        )
     return out
 
 
@@ -112,8 +134,7 @@ def reference(root: Path, data: Path) -> dict[str, Any]:
             "reference": _ndcg(_eval(b, data, False, root / "cli-scifact.log")),
             "drift_reference": _drift(b),
         }
-    print(f"  B: nDCG@10 {out['reference']}, pq_error_ratio {out['drift_reference']}",
-          flush=True)  # fmt: skip
+    print(f"  B: nDCG@10 {out['reference']}, pq_error_ratio {out['drift_reference']}", flush=True)
     return out
 
 
@@ -123,9 +144,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--keep", type=Path, help="keep run dirs and logs here")
     parser.add_argument("--out", type=Path, default=Path("bench/results/drift.json"))
     parser.add_argument(
-        "--sequential", action="store_true",
+        "--sequential",
+        action="store_true",
         help="run stack B after stack A (default: both at once; they share nothing)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="gtr-bench-drift-") as tmp_name:

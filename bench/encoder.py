@@ -85,10 +85,16 @@ def bench_onnx_vs_torch(
     batch = onnx_e.tokenize([query], "query")
     t_torch = statistics.median(timed(lambda: torch_e.run(batch), args.seconds))
     t_onnx = statistics.median(timed(lambda: onnx_e.run(batch), args.seconds))
-    print(f"batch 1 × {batch.input_ids.shape[1]} tokens, {args.threads} threads: "
-          f"torch {t_torch * 1e3:.2f} ms, onnx {t_onnx * 1e3:.2f} ms")  # fmt: skip
-    out = {"query_tokens": int(batch.input_ids.shape[1]), "torch_ms": t_torch * 1e3,
-           "onnx_ms": t_onnx * 1e3, "onnx_vs_torch": t_torch / t_onnx}  # fmt: skip
+    print(
+        f"batch 1 × {batch.input_ids.shape[1]} tokens, {args.threads} threads: "
+        f"torch {t_torch * 1e3:.2f} ms, onnx {t_onnx * 1e3:.2f} ms"
+    )
+    out = {
+        "query_tokens": int(batch.input_ids.shape[1]),
+        "torch_ms": t_torch * 1e3,
+        "onnx_ms": t_onnx * 1e3,
+        "onnx_vs_torch": t_torch / t_onnx,
+    }
     if not args.skip_int8:
         from services.encoder.build.export import quantize_int8, row_cosines
 
@@ -134,8 +140,9 @@ async def _rate(enc: Any, texts: list[str], seconds: float, concurrency: int = 1
     return done / (time.perf_counter() - start)
 
 
-async def _triton_figures(grpc_url: str, texts: list[str], inproc_rate: Callable[[float], float],
-                          args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
+async def _triton_figures(
+    grpc_url: str, texts: list[str], inproc_rate: Callable[[float], float], args: argparse.Namespace
+) -> dict[str, float]:
     """Latency at concurrency 1, then ``--rounds`` alternations of in-process and Triton
     throughput: drift of a shared machine hits both sides, and the medians are compared."""
     from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
@@ -153,10 +160,14 @@ async def _triton_figures(grpc_url: str, texts: list[str], inproc_rate: Callable
     finally:
         await enc.close()
     ratios = [t / i for t, i in zip(triton, inproc, strict=True)]
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "triton_texts_per_s": statistics.median(triton),
-            "inprocess_texts_per_s": statistics.median(inproc),
-            "rounds_ratio_min": min(ratios), "rounds_ratio_max": max(ratios)}  # fmt: skip
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "triton_texts_per_s": statistics.median(triton),
+        "inprocess_texts_per_s": statistics.median(inproc),
+        "rounds_ratio_min": min(ratios),
+        "rounds_ratio_max": max(ratios),
+    }
 
 
 def bench_triton(onnx_path: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -181,10 +192,14 @@ def bench_triton(onnx_path: Path, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="gtr-bench-") as tmp:
         repo = Path(tmp) / "repo"
         # Default: the CPU layout of `encoder repo` (1 instance, threads = cores).
-        generate_repository(onnx_path, repo, RepositoryConfig(
-            instances=args.instances, max_queue_delay_us=args.queue_delay_us))  # fmt: skip
-        cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                                 metrics_port=free_port())  # fmt: skip
+        generate_repository(
+            onnx_path,
+            repo,
+            RepositoryConfig(instances=args.instances, max_queue_delay_us=args.queue_delay_us),
+        )
+        cfg = TritonServerConfig(
+            repo, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port()
+        )
         with run_triton(cfg, Path(tmp) / "triton.log") as handle:
             figures = asyncio.run(_triton_figures(handle.grpc_url, texts, inproc_rate, args))
     ratio = figures["triton_texts_per_s"] / figures["inprocess_texts_per_s"]

@@ -43,8 +43,18 @@ SCIFACT = (
 # The default recipe (`encoder train` defaults) cut for a shared 2-core machine: half an
 # epoch, documents at 96 tokens for training and evaluation, evaluation on 1,200 documents
 # (the dev queries' judged ones plus a seeded sample). The same for every variant.
-CUT_RECIPE = ["--epochs", "0.5", "--max-doc-len", "96", "--eval-doc-len", "96",
-              "--eval-corpus", "1200", "--eval-every", "0"]  # fmt: skip
+CUT_RECIPE = [
+    "--epochs",
+    "0.5",
+    "--max-doc-len",
+    "96",
+    "--eval-doc-len",
+    "96",
+    "--eval-corpus",
+    "1200",
+    "--eval-every",
+    "0",
+]
 # The trainer's defaults (one epoch, documents at 192 tokens, dev evaluated over the whole
 # corpus at the serving 256 tokens); only the in-training dev curve is off (it costs an
 # encode of the dev pool every --eval-every steps and changes no weight).
@@ -71,26 +81,43 @@ def complete(checkpoint: Path) -> bool:
     return bool(manifest.get("complete")) and "ndcg_at_10" in manifest.get("dev", {})
 
 
-def train_missing(runs: Path, data: Path, threads: int, archs: tuple[str, ...],
-                  recipe: list[str]) -> None:  # fmt: skip
+def train_missing(
+    runs: Path, data: Path, threads: int, archs: tuple[str, ...], recipe: list[str]
+) -> None:
     for arch in archs:
         out = runs / arch
         if complete(out):
             continue
-        cmd = [sys.executable, "-m", "services.cli.main", "encoder", "train", "--data",
-               str(data), "--arch", arch, "--out", str(out), "--threads", str(threads),
-               "--quiet", *recipe]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "encoder",
+            "train",
+            "--data",
+            str(data),
+            "--arch",
+            arch,
+            "--out",
+            str(out),
+            "--threads",
+            str(threads),
+            "--quiet",
+            *recipe,
+        ]
         print(f"training {arch}: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, check=True)
 
 
-async def _p50_rounds(urls: dict[str, str], texts: list[str], rounds: int, seconds: float
-                      ) -> dict[str, list[float]]:  # fmt: skip
+async def _p50_rounds(
+    urls: dict[str, str], texts: list[str], rounds: int, seconds: float
+) -> dict[str, list[float]]:
     """Per system, the latencies (ms) of one query at a time, in alternating rounds."""
     from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
-    encoders = {name: await TritonEncoder.connect(TritonEncoderConfig(url))
-                for name, url in urls.items()}  # fmt: skip
+    encoders = {
+        name: await TritonEncoder.connect(TritonEncoderConfig(url)) for name, url in urls.items()
+    }
     samples: dict[str, list[float]] = {name: [] for name in urls}
     try:
         for enc in encoders.values():
@@ -112,8 +139,9 @@ async def _p50_rounds(urls: dict[str, str], texts: list[str], rounds: int, secon
     return samples
 
 
-async def _towers_through_triton(url: str, checkpoint: Path, queries: list[str],
-                                 docs: list[str]) -> dict[str, float]:  # fmt: skip
+async def _towers_through_triton(
+    url: str, checkpoint: Path, queries: list[str], docs: list[str]
+) -> dict[str, float]:
     from services.encoder.build.export import row_cosines
     from services.encoder.model import TorchEmbedder
     from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
@@ -161,27 +189,39 @@ def bench_triton(runs: Path, rounds: int, seconds: float) -> dict[str, Any]:
             export_onnx(ckpt, onnx)
             repo = Path(tmp) / name / "repo"
             generate_repository(onnx, repo, RepositoryConfig())
-            cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                                     metrics_port=free_port(), startup_timeout_s=180)  # fmt: skip
+            cfg = TritonServerConfig(
+                repo,
+                grpc_port=free_port(),
+                http_port=free_port(),
+                metrics_port=free_port(),
+                startup_timeout_s=180,
+            )
             handle = stack.enter_context(run_triton(cfg, Path(tmp) / f"{name}.log"))
             urls[name] = handle.grpc_url
         if "sde" in urls:
-            samples = asyncio.run(_p50_rounds({k: urls[k] for k in ("base", "sde")}, queries,
-                                              rounds, seconds))  # fmt: skip
+            samples = asyncio.run(
+                _p50_rounds({k: urls[k] for k in ("base", "sde")}, queries, rounds, seconds)
+            )
             p50 = {k: float(np.percentile(v, 50)) for k, v in samples.items()}
             onnx_nodes = {k: _node_count(Path(tmp) / k / "model.onnx") for k in ("base", "sde")}
             result["p50"] = {
-                "base_ms": round(p50["base"], 2), "sde_ms": round(p50["sde"], 2),
+                "base_ms": round(p50["base"], 2),
+                "sde_ms": round(p50["sde"], 2),
                 "sde_over_base": round(p50["sde"] / p50["base"], 3),
                 "requests": {k: len(v) for k, v in samples.items()},
-                "rounds": rounds, "seconds_per_round": seconds, "onnx_nodes": onnx_nodes,
-            }  # fmt: skip
+                "rounds": rounds,
+                "seconds_per_round": seconds,
+                "onnx_nodes": onnx_nodes,
+            }
             ratio = p50["sde"] / p50["base"]
-            print(f"Triton p50 of one query: base {p50['base']:.2f} ms, trained SDE "
-                  f"{p50['sde']:.2f} ms (ratio {ratio:.3f}, goal <= 1.05)")  # fmt: skip
+            print(
+                f"Triton p50 of one query: base {p50['base']:.2f} ms, trained SDE "
+                f"{p50['sde']:.2f} ms (ratio {ratio:.3f}, goal <= 1.05)"
+            )
         if "ade_spl" in urls:
-            towers = asyncio.run(_towers_through_triton(urls["ade_spl"], systems["ade_spl"],
-                                                        queries[:32], docs))  # fmt: skip
+            towers = asyncio.run(
+                _towers_through_triton(urls["ade_spl"], systems["ade_spl"], queries[:32], docs)
+            )
             result["ade_spl_towers"] = {k: round(v, 6) for k, v in towers.items()}
             print(f"ADE-SPL through Triton vs in-process towers: {result['ade_spl_towers']}")
     return result
@@ -194,16 +234,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--train", action="store_true", help="train the missing variants first")
     p.add_argument("--archs", default=",".join(ARCHS), help="variants, in training order")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--recipe", choices=sorted(RECIPES), default="full",
-                   help="full: the trainer's defaults; cut: half an epoch, 96-token documents, "
-                   "a 1,200-document eval sample (for a loaded machine)")  # fmt: skip
-    p.add_argument("--epochs", type=float,
-                   help="train every variant this many epochs instead of the recipe's "
-                   "(the same for all; the budget note and recipe_flags say so)")  # fmt: skip
-    p.add_argument("--no-eval", action="store_true",
-                   help="keep the quality figures already in --out (measured earlier)")  # fmt: skip
-    p.add_argument("--triton", action="store_true",
-                   help="measure the Triton figures (else keep those in --out)")  # fmt: skip
+    p.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        default="full",
+        help="full: the trainer's defaults; cut: half an epoch, 96-token documents, "
+        "a 1,200-document eval sample (for a loaded machine)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=float,
+        help="train every variant this many epochs instead of the recipe's "
+        "(the same for all; the budget note and recipe_flags say so)",
+    )
+    p.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="keep the quality figures already in --out (measured earlier)",
+    )
+    p.add_argument(
+        "--triton",
+        action="store_true",
+        help="measure the Triton figures (else keep those in --out)",
+    )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seconds", type=float, default=3.0, help="per round and system")
     p.add_argument("--plots", type=Path, default=Path("docs/img/encoder-train"))
@@ -244,8 +297,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["triton"]["measured_by"] = {"command": command, "at": now}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report.get(k) for k in ("base", "variants", "triton")},
-                     separators=(",", ":")))  # fmt: skip
+    print(
+        json.dumps(
+            {k: report.get(k) for k in ("base", "variants", "triton")}, separators=(",", ":")
+        )
+    )
     return report
 
 

@@ -116,19 +116,29 @@ def main(argv: list[str] | None = None) -> int:
             plain_argv = [*pair.gateway_argv(store.url, shard_proc.address, plain), "--no-auth"]
             front_argv = [
                 *pair.gateway_argv(store.url, shard_proc.address, front),
-                "--read-tokens-file", str(tokens), "--write-tokens-file", str(tokens),
-                "--max-in-flight", "256",
-                "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-            ]  # fmt: skip
+                "--read-tokens-file",
+                str(tokens),
+                "--write-tokens-file",
+                str(tokens),
+                "--max-in-flight",
+                "256",
+                "--tls-cert",
+                str(certs.server_cert),
+                "--tls-key",
+                str(certs.server_key),
+            ]
             with (
                 pair.process(plain_argv, work / "plain.log") as plain_proc,
                 pair.process(front_argv, work / "front.log") as front_proc,
             ):
                 pair.wait_healthy(plain, plain_proc, work / "plain.log", "plain gateway")
                 pair.wait_healthy(
-                    front, front_proc, work / "front.log", "front-door gateway",
+                    front,
+                    front_proc,
+                    work / "front.log",
+                    "front-door gateway",
                     tls=ClientTLS(certs.ca),
-                )  # fmt: skip
+                )
                 result = asyncio.run(_measure(plain, front, certs, data, args))
     print(
         pair.json_line("front_door", result, args, len(data.docs), goal=0.9, together=args.together)

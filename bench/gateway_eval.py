@@ -61,9 +61,18 @@ def main() -> int:
             asyncio.run(log_corpus(redis_server.url, rows, vectors))
             with stack_in_background(redis_server.url, tmp / "index", tmp) as bg:
                 return cli(
-                    ["eval", "--data", str(args.data), "--gateway", bg.address, "--no-ingest",
-                     "--quiet", "--timeout", "60"]
-                )  # fmt: skip
+                    [
+                        "eval",
+                        "--data",
+                        str(args.data),
+                        "--gateway",
+                        bg.address,
+                        "--no-ingest",
+                        "--quiet",
+                        "--timeout",
+                        "60",
+                    ]
+                )
 
 
 if __name__ == "__main__":

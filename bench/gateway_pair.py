@@ -119,9 +119,14 @@ def one_shard(index_dir: Path, data: SciFact, work: Path) -> Iterator[tuple[Any,
     with run_redis(work / "redis") as store:
         ingest(store.url, data.vectors, data.docs)
         shard = start_shard(
-            index_dir=index_dir, redis_url=store.url, shard=0, shards=1,
-            work_dir=work, settings={"search-threads": "0"}, timeout=600,
-        )  # fmt: skip
+            index_dir=index_dir,
+            redis_url=store.url,
+            shard=0,
+            shards=1,
+            work_dir=work,
+            settings={"search-threads": "0"},
+            timeout=600,
+        )
         try:
             yield store, shard
         finally:
@@ -149,10 +154,20 @@ def gateway_argv(redis_url: str, shard_address: str, address: str) -> list[str]:
     """A gateway on the shard and Redis with the in-process encoder, listening on
     ``address``'s port; each bench adds its front-door flags."""
     return [
-        sys.executable, "-m", "services.gateway.server", "--redis-url", redis_url,
-        "--shards", shard_address, "--encoder", "inprocess", "--log-level", "WARNING",
-        "--port", address.rsplit(":", 1)[1],
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "services.gateway.server",
+        "--redis-url",
+        redis_url,
+        "--shards",
+        shard_address,
+        "--encoder",
+        "inprocess",
+        "--log-level",
+        "WARNING",
+        "--port",
+        address.rsplit(":", 1)[1],
+    ]
 
 
 @contextmanager

@@ -74,10 +74,13 @@ def _bookkeeping_us(repeat: int = 7, number: int = 20_000) -> dict[str, float]:
     plain = [SearchQuery("q", 10)]
     session = [
         SearchQuery(
-            "q", 10, consistency=Consistency.SESSION, write_token={0: "5-1"},
+            "q",
+            10,
+            consistency=Consistency.SESSION,
+            write_token={0: "5-1"},
             token_origin=TokenOrigin("g1", 1),
         )
-    ]  # fmt: skip
+    ]
 
     def one(queries: list[SearchQuery]) -> None:
         serving = source.current()

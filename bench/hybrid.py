@@ -245,9 +245,13 @@ def main() -> int:
             say(f"logged {len(records)} documents ({per_s:.0f}/s); starting {SHARDS} shards ...")
             settings = {"search-threads": "0", "omp-threads": "1", "log-level": "WARNING"}
             with run_shards(
-                tmp / "index", redis_server.url, tmp / "work", shards=SHARDS,
-                settings=settings, timeout=600,
-            ) as cluster:  # fmt: skip
+                tmp / "index",
+                redis_server.url,
+                tmp / "work",
+                shards=SHARDS,
+                settings=settings,
+                timeout=600,
+            ) as cluster:
                 stats = shard_stats(cluster.addresses)
                 figures = asyncio.run(measure(cluster.addresses, text, queries, qvecs, args))
     documents = sum(s.text_documents for s in stats)

@@ -366,11 +366,16 @@ def start_cluster(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--seconds", type=float, default=12.0,
-                        help="Per throughput figure, split over the rounds (12).")  # fmt: skip
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=12.0,
+        help="Per throughput figure, split over the rounds (12).",
+    )
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=4,
-                        help="Alternations of raw and service throughput (4).")  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="Alternations of raw and service throughput (4)."
+    )
     parser.add_argument("--threads", type=int, default=2, help="Encoder threads (first run).")
     parser.add_argument(
         "--encode-only", action="store_true", help="Only encode (and cache) the data, then stop."
@@ -474,10 +479,12 @@ def main() -> int:
                         k: round(statistics.median(v) * 1e6) for k, v in cpu.items()
                     }
                     say(f"CPU per query (µs): {result['cpu_us_per_query']}")
-                    say(f"raw in-process: {result['raw_qps']:.0f} q/s; service: "
+                    say(
+                        f"raw in-process: {result['raw_qps']:.0f} q/s; service: "
                         f"{result['service_qps']:.0f} q/s, p99 {result['service_p99_ms']:.1f} ms "
                         f"(medians of {args.rounds} alternating rounds; round ratios "
-                        f"{min(ratios):.2f}–{max(ratios):.2f})")  # fmt: skip
+                        f"{min(ratios):.2f}–{max(ratios):.2f})"
+                    )
                     p50, p99v, rate = await visibility(router, writer, base.shape[1], args.seconds)
                     result["visibility_p50_ms"] = round(p50, 1)
                     result["visibility_p99_ms"] = round(p99v, 1)

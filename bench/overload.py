@@ -213,17 +213,37 @@ def main(argv: list[str] | None = None) -> None:
             def start_gateway(root: Path) -> tuple[subprocess.Popen[bytes], int, int]:
                 port, metrics = free_port(), free_port()
                 env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-                return subprocess.Popen(
-                    [
-                        sys.executable,
-                        *(["-m", "cProfile", "-o", str(args.profile)] if args.profile else []),
-                        "-m", "services.gateway.server", "--port", str(port),
-                        "--redis-url", store.url, "--shards", shard.address,
-                        "--encoder", "inprocess", "--no-auth", "--log-level", "WARNING",
-                        "--max-in-flight", str(args.limit), "--metrics-port", str(metrics),
-                    ],
-                    cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                ), port, metrics  # fmt: skip
+                return (
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            *(["-m", "cProfile", "-o", str(args.profile)] if args.profile else []),
+                            "-m",
+                            "services.gateway.server",
+                            "--port",
+                            str(port),
+                            "--redis-url",
+                            store.url,
+                            "--shards",
+                            shard.address,
+                            "--encoder",
+                            "inprocess",
+                            "--no-auth",
+                            "--log-level",
+                            "WARNING",
+                            "--max-in-flight",
+                            str(args.limit),
+                            "--metrics-port",
+                            str(metrics),
+                        ],
+                        cwd=root,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    port,
+                    metrics,
+                )
 
             def burst(port: int, metrics: int, k: int) -> dict[str, Any]:
                 """One burst, and what the gateway's own metrics saw of it."""

@@ -54,9 +54,14 @@ async def _run(args: argparse.Namespace, url: str) -> dict[str, object]:
 
     encoder = InProcessEncoder.torch(threads=args.threads)
     cache = QueryEmbeddingCache(
-        url, model=encoder.model_name, size="minilm", dim=encoder.dim, ttl_s=3600,
-        max_entries=100_000, timeout_s=1.0,
-    )  # fmt: skip
+        url,
+        model=encoder.model_name,
+        size="minilm",
+        dim=encoder.dim,
+        ttl_s=3600,
+        max_entries=100_000,
+        timeout_s=1.0,
+    )
     texts = _queries(args.queries)
     out: dict[str, object] = {"queries": len(texts), "model": encoder.model_name}
     try:

@@ -51,11 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         results, ratio = compare(
             {policy: Side(policy, servers[policy].address) for policy in POLICIES}, args
         )
-        print(json.dumps({
-            "bench": "redis_fsync", "dim": DIM, "shards": SHARDS, "seconds": args.seconds,
-            "rounds": args.rounds, "filesystem_dir": str(base), "results": results,
-            "throughput_ratio_always_over_everysec": ratio,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "redis_fsync",
+                    "dim": DIM,
+                    "shards": SHARDS,
+                    "seconds": args.seconds,
+                    "rounds": args.rounds,
+                    "filesystem_dir": str(base),
+                    "results": results,
+                    "throughput_ratio_always_over_everysec": ratio,
+                }
+            )
+        )
         return 0
     finally:
         for child in servers.values():

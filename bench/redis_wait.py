@@ -66,11 +66,20 @@ def main(argv: list[str] | None = None) -> int:
             "no_wait": Side("no WAIT", primary.address, wait_replicas=0),
         }
         results, ratio = compare(sides, args)
-        print(json.dumps({
-            "bench": "redis_wait", "dim": DIM, "shards": SHARDS, "seconds": args.seconds,
-            "rounds": args.rounds, "appendfsync": "always", "results": results,
-            "throughput_ratio_wait_1_over_no_wait": ratio,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "redis_wait",
+                    "dim": DIM,
+                    "shards": SHARDS,
+                    "seconds": args.seconds,
+                    "rounds": args.rounds,
+                    "appendfsync": "always",
+                    "results": results,
+                    "throughput_ratio_wait_1_over_no_wait": ratio,
+                }
+            )
+        )
         return 0
     finally:
         for child in reversed(children):

@@ -60,10 +60,15 @@ def _records(rng: np.random.Generator, n: int, prefix: str) -> list[Any]:
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     text = "lorem ipsum dolor sit amet consectetur " * 15  # ~600 characters
     return [
-        DocRecord(f"{prefix}-{i}", vectors[i], title=f"doc {prefix}-{i}", text=text,
-                  metadata={"source": "bench"})
+        DocRecord(
+            f"{prefix}-{i}",
+            vectors[i],
+            title=f"doc {prefix}-{i}",
+            text=text,
+            metadata={"source": "bench"},
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 async def _round(

@@ -136,15 +136,24 @@ def kill_one(
     failed, partial, after = asyncio.run(run())
     say(f"  failed {failed}, partial {partial}, after one retry {after}")
     victim.restart(600)
-    return {"failed_during_kill": failed, "partial_during_kill": partial,
-            "failed_after_retry": after}  # fmt: skip
+    return {
+        "failed_during_kill": failed,
+        "partial_during_kill": partial,
+        "failed_after_retry": after,
+    }
 
 
 def seed(cluster: ShardCluster, tmp: Path, redis_url: str, shards: int) -> dict[str, object]:
     in_shard = int(shard_stats(cluster.replica(0, 1)).vectors)
     peers = ",".join(p.address for p in cluster.processes[0])
-    common = {"index_dir": tmp / "index", "redis_url": redis_url, "shard": 0, "shards": shards,
-              "work_dir": tmp, "wait": False}  # fmt: skip
+    common = {
+        "index_dir": tmp / "index",
+        "redis_url": redis_url,
+        "shard": 0,
+        "shards": shards,
+        "work_dir": tmp,
+        "wait": False,
+    }
     say(f"seed: shard 0 holds {in_shard} vectors; a new replica replays the whole log")
     started = time.perf_counter()
     replay = start_shard(replica="s0-replay", **common)  # type: ignore[arg-type]
@@ -198,10 +207,16 @@ def main() -> int:
                     dns.set(f"shard-{shard}.bench", list(HOSTS))
                     for r, host in enumerate(HOSTS):
                         proc = start_shard(
-                            index_dir=tmp / "index", redis_url=store.url, shard=shard,
-                            shards=args.shards, work_dir=tmp, replica=f"s{shard}-r{r}",
-                            port=port, host=host, wait=False,
-                        )  # fmt: skip
+                            index_dir=tmp / "index",
+                            redis_url=store.url,
+                            shard=shard,
+                            shards=args.shards,
+                            work_dir=tmp,
+                            replica=f"s{shard}-r{r}",
+                            port=port,
+                            host=host,
+                            wait=False,
+                        )
                         cluster.processes[shard].append(proc)
                 for proc in cluster.all():
                     proc.wait_serving(600)

@@ -79,8 +79,9 @@ def _time(scorer: Any, query: str, docs: list[str], repeats: int) -> float:
     return _interleaved({"x": scorer}, query, docs, repeats)["x"]
 
 
-def _interleaved(scorers: dict[str, Any], query: str, docs: list[str],
-                 repeats: int) -> dict[str, float]:  # fmt: skip
+def _interleaved(
+    scorers: dict[str, Any], query: str, docs: list[str], repeats: int
+) -> dict[str, float]:
     """Median seconds per scorer, runs alternated (A B A B …) so that load from other
     processes on a shared machine hits every scorer alike."""
     for scorer in scorers.values():
@@ -111,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     scorers = _scorers(args.checkpoint, args.batch_size)
     seconds = _interleaved(scorers, query, docs, args.repeats)
     pairs_per_s = {name: round(len(docs) / s, 1) for name, s in seconds.items()}
-    depths = {str(d): round(1000 * _time(scorers["celi"], query, docs[:d], args.repeats), 1)
-              for d in DEPTHS}  # fmt: skip
+    depths = {
+        str(d): round(1000 * _time(scorers["celi"], query, docs[:d], args.repeats), 1)
+        for d in DEPTHS
+    }
     tokens = scorers["celi"].pairs.encode(query, docs)[0]
     result = {
         "bench": "rerank",

@@ -116,8 +116,9 @@ def start_s(marks: dict[str, float], load: Any) -> float:
 def p99_by_phase(searches: list[Any], marks: dict[str, float], end: float) -> dict[str, Any]:
     """Search p99 (ms) and count of the OK searches that started in each builder phase:
     where in the rollout the latency goes."""
-    starts = sorted((v, k.removeprefix("phase_")) for k, v in marks.items()
-                    if k.startswith("phase_"))  # fmt: skip
+    starts = sorted(
+        (v, k.removeprefix("phase_")) for k, v in marks.items() if k.startswith("phase_")
+    )
     out: dict[str, Any] = {}
     for n, (begin, phase) in enumerate(starts):
         stop = starts[n + 1][0] if n + 1 < len(starts) else end
@@ -140,22 +141,30 @@ def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[st
     if begin is None:
         return {}
     rows = [
-        [round(s.start - begin, 3), round(1e3 * s.latency, 1), s.generation,
-         *(round(s.stages.get(k, float("nan")), 1) for k in ("encode", "search", "fetch"))]
-        for s in record.searches if begin <= s.start < end and s.code == "OK"
-    ]  # fmt: skip
+        [
+            round(s.start - begin, 3),
+            round(1e3 * s.latency, 1),
+            s.generation,
+            *(round(s.stages.get(k, float("nan")), 1) for k in ("encode", "search", "fetch")),
+        ]
+        for s in record.searches
+        if begin <= s.start < end and s.code == "OK"
+    ]
     moved = [round(a.at - begin, 3) for a in record.aliases if begin <= a.at < end]
     # the writes that ended in the phase: the ones the closed gates held are re-encoded
     # with the new encoder at the switch, on the Triton version g2's searches use
     writes = [
-        [round(w.start - begin, 3), round(1e3 * (w.end - w.start), 1), w.kind, w.code,
-         w.generation]
-        for w in record.writes if w.end and begin <= w.end < end
-    ]  # fmt: skip
-    return {"columns": ["start_s", "ms", "generation", "encode", "search", "fetch"],
-            "rows": rows, "alias_changed_s": moved,
-            "write_columns": ["start_s", "ms", "kind", "code", "generation"],
-            "writes": writes}  # fmt: skip
+        [round(w.start - begin, 3), round(1e3 * (w.end - w.start), 1), w.kind, w.code, w.generation]
+        for w in record.writes
+        if w.end and begin <= w.end < end
+    ]
+    return {
+        "columns": ["start_s", "ms", "generation", "encode", "search", "fetch"],
+        "rows": rows,
+        "alias_changed_s": moved,
+        "write_columns": ["start_s", "ms", "kind", "code", "generation"],
+        "writes": writes,
+    }
 
 
 def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
@@ -229,17 +238,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--before-s", type=float, default=30.0, help="window before (30 s)")
     parser.add_argument("--batch", type=int, default=32, help="builder and in-process batch")
     parser.add_argument(
-        "--sample", type=int, default=300,
+        "--sample",
+        type=int,
+        default=300,
         help="the builder's training sample (300): the train phase encodes these, the "
         "measured bulk phase the rest",
-    )  # fmt: skip
+    )
     parser.add_argument("--encoder", type=Path, help="new encoder (default: perturbed MiniLM)")
     parser.add_argument(
-        "--cpus", default="last",
+        "--cpus",
+        default="last",
         help="the rollout's CPU budget (`index rollout --cpus`): 'last' (default: the "
         "last CPU of this machine), a CPU list, or 'none' (no budget: every process on "
         "every CPU)",
-    )  # fmt: skip
+    )
     parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
     parser.add_argument("--out", type=Path, default=Path("bench/results/rollout.json"))
     args = parser.parse_args(argv)
@@ -265,8 +277,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         whole = inprocess_docs_per_s(onnx_path, texts, args.batch, len(machine))
         print(f"in-process ONNX on every CPU ({len(machine)} threads): {whole:.1f} docs/s")
         inproc = [_inprocess_on(budget, onnx_path, texts, args.batch, threads)]
-        print(f"in-process ONNX on the rollout's CPUs ({threads} threads, batches of "
-              f"{args.batch}): {inproc[0]:.1f} docs/s", flush=True)  # fmt: skip
+        print(
+            f"in-process ONNX on the rollout's CPUs ({threads} threads, batches of "
+            f"{args.batch}): {inproc[0]:.1f} docs/s",
+            flush=True,
+        )
 
         run_dir = args.run_dir or tmp / "run"
         print(f"starting the stack on {args.docs} documents ({run_dir})", flush=True)
@@ -274,9 +289,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if budget:  # the client stands in for callers on other machines: off the budget
                 cpu_sets.pin_process(os.getpid(), machine - budget)
             load = SteadyLoad(
-                stack.gateway, queries(SCIFACT), searches_per_s=args.searches_per_s,
-                writes_per_s=args.writes_per_s, redis_url=stack.redis_url, prefix="bench",
-            )  # fmt: skip
+                stack.gateway,
+                queries(SCIFACT),
+                searches_per_s=args.searches_per_s,
+                writes_per_s=args.writes_per_s,
+                redis_url=stack.redis_url,
+                prefix="bench",
+            )
             marks: dict[str, float] = {}
             rollout_out = tmp / "rollout.log"
 
@@ -287,11 +306,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     marks["rollout_start"] = time.monotonic()
                     with PhaseWatch(stack.redis_url) as watch:
                         done = await asyncio.to_thread(
-                            stack.run_cli, "index", "rollout", "--encoder", str(encoder),
-                            "--batch", str(args.batch), "--sample", str(args.sample),
-                            "--run-dir", str(run_dir), "--yes", *cli_budget,
-                            timeout=3600, log=rollout_out,
-                        )  # fmt: skip
+                            stack.run_cli,
+                            "index",
+                            "rollout",
+                            "--encoder",
+                            str(encoder),
+                            "--batch",
+                            str(args.batch),
+                            "--sample",
+                            str(args.sample),
+                            "--run-dir",
+                            str(run_dir),
+                            "--yes",
+                            *cli_budget,
+                            timeout=3600,
+                            log=rollout_out,
+                        )
                     marks["rollout_end"] = time.monotonic()
                     marks.update({f"phase_{k}": v for k, v in watch.seen.items()})
                     marks["bulk_seconds"] = watch.bulk_seconds() or float("nan")
@@ -303,8 +333,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             done = asyncio.run(scenario())
             if done.returncode != 0:
-                raise SystemExit(f"index rollout failed ({done.returncode}):\n{done.stdout}\n"
-                                 f"{done.stderr}")  # fmt: skip
+                raise SystemExit(
+                    f"index rollout failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+                )
         inproc.append(_inprocess_on(budget, onnx_path, texts, args.batch, threads))
 
     record = load.record
@@ -342,10 +373,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch": args.batch,
         "threads": threads,
         "phases_s": {
-            k.removeprefix("phase_"): round(v - start, 2) for k, v in marks.items()
+            k.removeprefix("phase_"): round(v - start, 2)
+            for k, v in marks.items()
             if k.startswith("phase_")
         },
-    }  # fmt: skip
+    }
     result["p99_during_over_before"] = result["p99_during_ms"] / result["p99_before_ms"]
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)
     result["switch_searches"] = switch_searches(record, marks, end)
@@ -372,9 +404,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     line = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"source": {"bench": "rollout", "run": time.strftime("%Y-%m-%d %H:%M UTC",
-                    time.gmtime())}, **line}, indent=2) + "\n"
-    )  # fmt: skip
+        json.dumps(
+            {
+                "source": {
+                    "bench": "rollout",
+                    "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                },
+                **line,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(json.dumps(line))
     return result
 

@@ -63,29 +63,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     error = np.linalg.norm(decoded - data.doc_vectors, axis=1)
     truth = exact_run(data, 10)
     out: dict[str, Any] = {
-        "data": str(args.data), "split": args.split, "documents": len(data.beir.doc_ids),
+        "data": str(args.data),
+        "split": args.split,
+        "documents": len(data.beir.doc_ids),
         "queries": len(data.qids),
         "sq8_error_l2_mean": round(float(error.mean()), 5),
         "sq8_error_l2_max": round(float(error.max()), 5),
-        "cosine_to_encoder_min": round(float(
-            (np.sum(decoded * data.doc_vectors, axis=1)
-             / np.linalg.norm(decoded, axis=1)).min()), 5),
-    }  # fmt: skip
+        "cosine_to_encoder_min": round(
+            float(
+                (np.sum(decoded * data.doc_vectors, axis=1) / np.linalg.norm(decoded, axis=1)).min()
+            ),
+            5,
+        ),
+    }
     for name, vectors in (("exact", data.doc_vectors), ("retrain", decoded)):
         with tempfile.TemporaryDirectory(prefix=f"gtr-retrain-{name}-") as work:
-            shard, manifest = build_shard(replace(data, doc_vectors=vectors), cfg,
-                                          Path(work) / "index")  # fmt: skip
+            shard, manifest = build_shard(
+                replace(data, doc_vectors=vectors), cfg, Path(work) / "index"
+            )
             run = shard_run(shard, data, 0)
         ndcg = score(run, data.beir.qrels, data.qids).mean("ndcg_at_10")
-        recall = np.mean([
-            len(set(run[q][:10]) & set(truth[q][:10])) / max(1, len(truth[q][:10]))
-            for q in data.qids
-        ])  # fmt: skip
+        recall = np.mean(
+            [
+                len(set(run[q][:10]) & set(truth[q][:10])) / max(1, len(truth[q][:10]))
+                for q in data.qids
+            ]
+        )
         out[f"{name}_ndcg_at_10"] = round(float(ndcg), 4)
         out[f"{name}_recall_at_10_vs_exact"] = round(float(recall), 4)
         out[f"{name}_nprobe"] = manifest.nprobe
-        print(f"{name:8s} nDCG@10 {ndcg:.4f}  10-recall@10 vs exact {recall:.4f}  "
-              f"(nlist {manifest.nlist}, nprobe {manifest.nprobe})", flush=True)  # fmt: skip
+        print(
+            f"{name:8s} nDCG@10 {ndcg:.4f}  10-recall@10 vs exact {recall:.4f}  "
+            f"(nlist {manifest.nlist}, nprobe {manifest.nprobe})",
+            flush=True,
+        )
     out["retrain_minus_exact_ndcg"] = round(out["retrain_ndcg_at_10"] - out["exact_ndcg_at_10"], 4)
     print(json.dumps(out))
     return out

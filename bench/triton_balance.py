@@ -152,11 +152,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     out[f"{key}counts"] = counts
                     out[f"{key}failed"] = run["failed"]
                     out[f"{key}encodes_per_s"] = run["encodes_per_s"]
-                    label = {"former": "one channel (former)", "balanced": "least outstanding",
-                             "round_robin": "round robin"}[mode]  # fmt: skip
-                    say(f"{label:>22}: encodes per Triton {counts} (by their metrics), "
+                    label = {
+                        "former": "one channel (former)",
+                        "balanced": "least outstanding",
+                        "round_robin": "round robin",
+                    }[mode]
+                    say(
+                        f"{label:>22}: encodes per Triton {counts} (by their metrics), "
                         f"min share {share:.3f}, {run['failed']} failed, "
-                        f"{run['encodes_per_s']:.0f} encodes/s")  # fmt: skip
+                        f"{run['encodes_per_s']:.0f} encodes/s"
+                    )
     print(json_line(out))
     return out
 

@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, layout in LAYOUTS.items():
             repo = Path(tmp) / name
             generate_repository(onnx_path, repo, RepositoryConfig(**layout))
-            cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                                     metrics_port=free_port())  # fmt: skip
+            cfg = TritonServerConfig(
+                repo, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port()
+            )
             with run_triton(cfg, Path(tmp) / f"{name}.log") as handle:
                 out[name] = asyncio.run(_measure(handle.grpc_url, queries, args))
             f = out[name]

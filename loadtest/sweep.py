@@ -167,10 +167,15 @@ def plot(result: dict[str, Any], path: Path, title: str) -> Path:
     behind = [s for s in steps if s["generator_behind"]]
     if behind:  # its latencies include the generator's own lag: say so on the plot
         kw = {"marker": "x", "color": "grey", "linestyle": "none", "markersize": 10}
-        top.plot([s["offered_rate"] for s in behind], [s["p99_ms"] for s in behind],
-                 label="generator behind (p99)", **kw)  # fmt: skip
-        bottom.plot([s["offered_rate"] for s in behind],
-                    [s["slo_attainment"] * 100 for s in behind], **kw)  # fmt: skip
+        top.plot(
+            [s["offered_rate"] for s in behind],
+            [s["p99_ms"] for s in behind],
+            label="generator behind (p99)",
+            **kw,
+        )
+        bottom.plot(
+            [s["offered_rate"] for s in behind], [s["slo_attainment"] * 100 for s in behind], **kw
+        )
     top.set_yscale("log")
     top.set_ylabel("latency from scheduled send (ms)")
     top.legend(fontsize="small")

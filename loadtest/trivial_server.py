@@ -109,9 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
     parser.add_argument(
-        "--service-ms", type=float, default=0.0,
+        "--service-ms",
+        type=float,
+        default=0.0,
         help="answer one search at a time, this long each (0: at once, concurrently)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     asyncio.run(_serve(args.port, args.service_ms))
 

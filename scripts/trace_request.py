@@ -113,8 +113,13 @@ async def trace(encoder: str, tmp: Path, stack: ExitStack) -> dict[str, int]:
 
         onnx = ensure_onnx(default_model_dir(), tmp / "encoder")
         generate_repository(onnx, tmp / "repo", RepositoryConfig(instances=1, intra_op_threads=1))
-        cfg = TritonServerConfig(tmp / "repo", grpc_port=free_port(), http_port=free_port(),
-                                 metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+        cfg = TritonServerConfig(
+            tmp / "repo",
+            grpc_port=free_port(),
+            http_port=free_port(),
+            metrics_port=free_port(),
+            startup_timeout_s=90,
+        )
         triton_url = stack.enter_context(run_triton(cfg, tmp / "triton.log")).grpc_url
     redis = stack.enter_context(run_redis(tmp / "redis"))
     quiet = {"health_interval_s": 3600.0}  # no health check fires during a window

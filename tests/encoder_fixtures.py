@@ -25,9 +25,22 @@ if TYPE_CHECKING:
 
 TINY_T5_DIM = 48
 _STDLIB_MODULES = (
-    "os", "json", "re", "pathlib", "collections", "functools", "itertools", "string",
-    "textwrap", "argparse", "logging", "subprocess", "shutil", "tempfile", "random",
-)  # fmt: skip
+    "os",
+    "json",
+    "re",
+    "pathlib",
+    "collections",
+    "functools",
+    "itertools",
+    "string",
+    "textwrap",
+    "argparse",
+    "logging",
+    "subprocess",
+    "shutil",
+    "tempfile",
+    "random",
+)
 
 
 def _corpus_lines() -> list[str]:
@@ -51,10 +64,19 @@ def build_tiny_t5(root: Path, seed: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     prefix = root / "_spm"
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_corpus_lines()), model_prefix=str(prefix), vocab_size=600,
-        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
-        pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>", minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(_corpus_lines()),
+        model_prefix=str(prefix),
+        vocab_size=600,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        minloglevel=2,
+    )
     # transformers' own spiece.model converter needs a newer protobuf than the one pinned
     # here, so the fast tokenizer is built from the trained pieces and scores instead.
     sp = spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
@@ -67,37 +89,84 @@ def build_tiny_t5(root: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     config = T5Config(  # type: ignore[call-arg]
-        vocab_size=len(tokenizer), d_model=TINY_T5_DIM, d_kv=12, d_ff=96, num_layers=2,
-        num_heads=4, feed_forward_proj="relu", relative_attention_num_buckets=8,
-        relative_attention_max_distance=32, dropout_rate=0.0, pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        d_model=TINY_T5_DIM,
+        d_kv=12,
+        d_ff=96,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="relu",
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     T5EncoderModel(config).eval().save_pretrained(str(root))
 
     (root / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": 512, "do_lower_case": False})
     )
-    (root / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},  # noqa: E501
-        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
-        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"},  # noqa: E501
-    ]))  # fmt: skip
+    (root / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.models.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling",
+                },
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Dense",
+                    "type": "sentence_transformers.models.Dense",
+                },
+                {
+                    "idx": 3,
+                    "name": "3",
+                    "path": "3_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
     (root / "1_Pooling").mkdir(exist_ok=True)
-    (root / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": TINY_T5_DIM, "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-    }))  # fmt: skip
+    (root / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": TINY_T5_DIM,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_mean_tokens": True,
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            }
+        )
+    )
     dense_dir = root / "2_Dense"
     dense_dir.mkdir(exist_ok=True)
-    (dense_dir / "config.json").write_text(json.dumps({
-        "in_features": TINY_T5_DIM, "out_features": TINY_T5_DIM, "bias": False,
-        "activation_function": "torch.nn.modules.linear.Identity",
-    }))  # fmt: skip
+    (dense_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "in_features": TINY_T5_DIM,
+                "out_features": TINY_T5_DIM,
+                "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity",
+            }
+        )
+    )
     weight = torch.randn(TINY_T5_DIM, TINY_T5_DIM, generator=torch.Generator().manual_seed(seed))
-    save_file({"linear.weight": (weight / TINY_T5_DIM**0.5).contiguous()},
-              str(dense_dir / "model.safetensors"))  # fmt: skip
+    save_file(
+        {"linear.weight": (weight / TINY_T5_DIM**0.5).contiguous()},
+        str(dense_dir / "model.safetensors"),
+    )
     (root / "3_Normalize").mkdir(exist_ok=True)
     return root
 
@@ -123,28 +192,55 @@ def build_tiny_bert(root: Path, seed: int = 0) -> Path:
     from services.encoder.model import default_model_dir
 
     root.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
-                 "special_tokens_map.json"):  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy2(default_model_dir() / name, root / name)
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=30522, hidden_size=TINY_BERT_DIM, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=30522,
+        hidden_size=TINY_BERT_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
     BertModel(config, add_pooling_layer=False).eval().save_pretrained(str(root))
     (root / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": 128, "do_lower_case": False})
     )
-    (root / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},  # noqa: E501
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},  # noqa: E501
-    ]))  # fmt: skip
+    (root / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.models.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling",
+                },
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
     (root / "1_Pooling").mkdir(exist_ok=True)
-    (root / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": TINY_BERT_DIM, "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": True,
-    }))  # fmt: skip
+    (root / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": TINY_BERT_DIM,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_mean_tokens": True,
+            }
+        )
+    )
     return root
 
 

@@ -41,13 +41,17 @@ def add_cli(sub: Any) -> None:
     where.add_argument("--redis-url-file", help="A file holding the Redis URL (first line).")
     where.add_argument("--run-dir", help="A local stack's run directory (`gtr-retrieval up`).")
     watch.add_argument(
-        "--threshold", type=_positive_float, required=True,
+        "--threshold",
+        type=_positive_float,
+        required=True,
         help="Ratio above which the quantizer counts as drifted (the alert uses 1.5).",
-    )  # fmt: skip
+    )
     watch.add_argument(
-        "--window", type=_duration, required=True,
+        "--window",
+        type=_duration,
+        required=True,
         help="How long it must stay above, in seconds or with a unit (90s, 30m, 2h).",
-    )  # fmt: skip
+    )
     watch.add_argument(
         "--interval", type=_duration, default=30.0, help="Seconds between polls (30)."
     )
@@ -221,20 +225,27 @@ def _drift_watch(args: argparse.Namespace) -> int:
         spec = watcher.spec_of(serving)
         reading = watcher.read(spec) if spec else None
         ratio = None if reading is None else reading.ratio
-        print(json.dumps({
-            "generation": serving,
-            "ratio": None if ratio is None or math.isnan(ratio) else ratio,
-            "threshold": args.threshold,
-            "above": ratio is not None and ratio > args.threshold,
-            "per_shard": [] if reading is None else [
-                [None if math.isnan(r) else r for r in s] for s in reading.per_shard
-            ],
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "generation": serving,
+                    "ratio": None if ratio is None or math.isnan(ratio) else ratio,
+                    "threshold": args.threshold,
+                    "above": ratio is not None and ratio > args.threshold,
+                    "per_shard": []
+                    if reading is None
+                    else [[None if math.isnan(r) else r for r in s] for s in reading.per_shard],
+                }
+            )
+        )
         return 0
     logging.getLogger(__name__).info(
         "watching the serving generation: rollout --retrain when the PQ error ratio stays "
-        "above %s for %.0f s (polls every %.0f s)", args.threshold, args.window, args.interval,
-    )  # fmt: skip
+        "above %s for %.0f s (polls every %.0f s)",
+        args.threshold,
+        args.window,
+        args.interval,
+    )
     stop = threading.Event()
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -257,9 +268,13 @@ def _await_generation(args: argparse.Namespace) -> int:
     registry = Registry(sync_client(_redis_url(args)))
     try:
         gen = await_generation(
-            registry, args.generation, args.addresses,
-            index_dir=args.index_dir, num_shards=args.shards, timeout_s=args.timeout,
-        )  # fmt: skip
+            registry,
+            args.generation,
+            args.addresses,
+            index_dir=args.index_dir,
+            num_shards=args.shards,
+            timeout_s=args.timeout,
+        )
     except (FailedPrecondition, TimeoutError) as exc:
         print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2

@@ -170,8 +170,10 @@ def _repo(args: argparse.Namespace) -> int:
         triton_image_tag=args.triton_image_tag or TRITON_IMAGE_TAG,
     )
     repo = generate_repository(Path(args.onnx), Path(args.out), cfg)
-    print(f"{args.flavor} repository for {repo.meta.model_name} at {repo.root}: "
-          f"models {', '.join(repo.models)}")  # fmt: skip
+    print(
+        f"{args.flavor} repository for {repo.meta.model_name} at {repo.root}: "
+        f"models {', '.join(repo.models)}"
+    )
     return 0
 
 
@@ -222,8 +224,10 @@ def _publish(args: argparse.Namespace) -> int:
         if place.url
         else "; no Triton named: it serves it once asked to load embed, or restarted"
     )
-    print(f"{spec.model} version {spec.version} in {place.repo}: {Path(args.model_dir).name} "
-          f"(dim {spec.dim}, digest {spec.digest}){loaded}")  # fmt: skip
+    print(
+        f"{spec.model} version {spec.version} in {place.repo}: {Path(args.model_dir).name} "
+        f"(dim {spec.dim}, digest {spec.digest}){loaded}"
+    )
     return 0
 
 
@@ -236,8 +240,11 @@ def _unpublish(args: argparse.Namespace) -> int:
     place = _triton_place(args)
     redis_url = args.redis_url or place.redis_url
     if not redis_url:
-        print("no store named (--redis-url, --run-dir): not checked that no index "
-              "generation uses this version", file=sys.stderr)  # fmt: skip
+        print(
+            "no store named (--redis-url, --run-dir): not checked that no index "
+            "generation uses this version",
+            file=sys.stderr,
+        )
     client = sync_client(redis_url) if redis_url else None
 
     def using() -> list[str]:  # asked under the publish lock (a rollout's publish waits)
@@ -245,8 +252,13 @@ def _unpublish(args: argparse.Namespace) -> int:
         return generations_using(registry.all(), args.version, registry.rollout())
 
     try:  # a version a generation, or a rollout publishing its encoder, still uses stays
-        unpublish_version(place.repo, args.version, place.url, tls=place.tls,
-                          in_use=using if client is not None else None)  # fmt: skip
+        unpublish_version(
+            place.repo,
+            args.version,
+            place.url,
+            tls=place.tls,
+            in_use=using if client is not None else None,
+        )
     except VersionInUse as exc:
         raise FailedPrecondition(
             f"embed version {args.version} is the encoder of generation(s) "
@@ -270,29 +282,42 @@ def _versions(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(spec) for spec in specs]))
         return 0
     for spec in specs:
-        print(f"{spec.model} version {spec.version}: dim {spec.dim}, "
-              f"digest {spec.digest or '(none recorded)'}")  # fmt: skip
+        print(
+            f"{spec.model} version {spec.version}: dim {spec.dim}, "
+            f"digest {spec.digest or '(none recorded)'}"
+        )
     return 0
 
 
 def _add_triton_place(p: argparse.ArgumentParser, *, triton: bool = True) -> None:
     """--run-dir, --repo (and --triton-url, TLS): the repository and the Triton(s)."""
-    p.add_argument("--run-dir", dest="stack_run_dir", default=None, metavar="DIR",
-                   help="run directory of the local stack ('up --run-dir'): its stack.json "
-                   "names the model repository, Triton and its TLS files (default: "
-                   "$GTR_RUN_DIR, else .run); flags given override it")  # fmt: skip
+    p.add_argument(
+        "--run-dir",
+        dest="stack_run_dir",
+        default=None,
+        metavar="DIR",
+        help="run directory of the local stack ('up --run-dir'): its stack.json "
+        "names the model repository, Triton and its TLS files (default: "
+        "$GTR_RUN_DIR, else .run); flags given override it",
+    )
     p.add_argument("--repo", help="the Triton model repository (default: the local stack's)")
     if not triton:
         p.set_defaults(triton_ca=None, triton_client_cert=None, triton_client_key=None)
         return
-    p.add_argument("--triton-url",
-                   help="Triton's gRPC address(es) (host:port, a list or dns:///name:port) "
-                   "that load the change (default: the local stack's; none: only the "
-                   "repository changes)")  # fmt: skip
-    for flag, what in (("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
-                       ("--triton-client-cert", "PEM client certificate for Triton (mTLS), with "
-                        "--triton-client-key"),
-                       ("--triton-client-key", "PEM key of --triton-client-cert")):  # fmt: skip
+    p.add_argument(
+        "--triton-url",
+        help="Triton's gRPC address(es) (host:port, a list or dns:///name:port) "
+        "that load the change (default: the local stack's; none: only the "
+        "repository changes)",
+    )
+    for flag, what in (
+        ("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
+        (
+            "--triton-client-cert",
+            "PEM client certificate for Triton (mTLS), with --triton-client-key",
+        ),
+        ("--triton-client-key", "PEM key of --triton-client-cert"),
+    ):
         p.add_argument(flag, default=None, help=f"{what} (default: the local stack's)")
 
 
@@ -314,10 +339,12 @@ def _build_plan(args: argparse.Namespace) -> int:
     report = build_plan_from_model(model_dir, Path(args.onnx), Path(args.out), cfg)
     for reason in report.rejected:
         print(f"refused: {reason}", file=sys.stderr)
-    print(f"wrote {report.plan_path} ({report.precision}): min cosine {report.min_cosine:.5f} "
-          f"at batch {cfg.max_shape[0]} x {cfg.max_shape[1]} tokens, {report.fp32_layers} "
-          f"ONNX nodes kept in FP32, {report.total_layers} network layers; engine inspector: "
-          f"{report.inspected_layers} layers with ONNX names checked")  # fmt: skip
+    print(
+        f"wrote {report.plan_path} ({report.precision}): min cosine {report.min_cosine:.5f} "
+        f"at batch {cfg.max_shape[0]} x {cfg.max_shape[1]} tokens, {report.fp32_layers} "
+        f"ONNX nodes kept in FP32, {report.total_layers} network layers; engine inspector: "
+        f"{report.inspected_layers} layers with ONNX names checked"
+    )
     return 0
 
 
@@ -348,17 +375,23 @@ def _ensure_plan(args: argparse.Namespace) -> int:
             lambda out: build_plan_from_model(model_dir, onnx, out, cfg),
         )
         plan, built, meta = ensured.path, ensured.built, ensured.meta
-    print(f"{'built' if built else 'cached'} {meta.precision} plan {plan} for {device.gpu} "
-          f"(sm {device.compute_capability}, TensorRT {device.tensorrt_version})")  # fmt: skip
+    print(
+        f"{'built' if built else 'cached'} {meta.precision} plan {plan} for {device.gpu} "
+        f"(sm {device.compute_capability}, TensorRT {device.tensorrt_version})"
+    )
     if meta.precision != "fp16":
-        print(f"warning: the plan is {meta.precision}: the FP16 build failed the parity gate "
-              "(--precision auto fell back); expect about twice the latency and memory of FP16; "
-              "Triton exports it as gtr_encoder_plan_info{precision}", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: the plan is {meta.precision}: the FP16 build failed the parity gate "
+            "(--precision auto fell back); expect about twice the latency and memory of FP16; "
+            "Triton exports it as gtr_encoder_plan_info{precision}",
+            file=sys.stderr,
+        )
     if args.repo:
         repo = generate_repository(
-            onnx, Path(args.repo),
+            onnx,
+            Path(args.repo),
             RepositoryConfig(flavor="gpu", instances=args.instances, plan_path=plan),
-        )  # fmt: skip
+        )
         print(f"gpu repository at {repo.root}: models {', '.join(repo.models)}")
     return 0
 
@@ -434,16 +467,26 @@ def add_cli(subparsers: Any) -> None:
         help="cpu: ONNX Runtime threads per instance (0 = cores / instances)",
     )
     p.add_argument("--max-batch", type=int, help="max_batch_size (default: from profile)")
-    p.add_argument("--queue-delay-us", type=non_negative_int,
-                   help="dynamic batching max queue delay in µs (default: 1000)")  # fmt: skip
-    p.add_argument("--max-queue-size", type=non_negative_int, default=0,
-                   help="Triton rejects requests beyond this many queued (the gateway "
-                   "answers RESOURCE_EXHAUSTED); default 0: no bound, because Triton "
-                   "24.10's queue policy holds requests up to ~0.5 s "
-                   "(docs/encoder.md)")  # fmt: skip
-    p.add_argument("--allow-spinning", action="store_true",
-                   help="cpu: let ONNX Runtime threads busy-wait (off: they stall Triton "
-                   "on a small shared CPU)")  # fmt: skip
+    p.add_argument(
+        "--queue-delay-us",
+        type=non_negative_int,
+        help="dynamic batching max queue delay in µs (default: 1000)",
+    )
+    p.add_argument(
+        "--max-queue-size",
+        type=non_negative_int,
+        default=0,
+        help="Triton rejects requests beyond this many queued (the gateway "
+        "answers RESOURCE_EXHAUSTED); default 0: no bound, because Triton "
+        "24.10's queue policy holds requests up to ~0.5 s "
+        "(docs/encoder.md)",
+    )
+    p.add_argument(
+        "--allow-spinning",
+        action="store_true",
+        help="cpu: let ONNX Runtime threads busy-wait (off: they stall Triton "
+        "on a small shared CPU)",
+    )
 
     p = add_command(
         commands,
@@ -479,10 +522,13 @@ def add_cli(subparsers: Any) -> None:
     )
     _add_triton_place(p)
     p.add_argument("--version", required=True, type=int, help="the version to take out")
-    p.add_argument("--redis-url", default=None,
-                   help="the store whose index generations must not use the version "
-                   "(default: the local stack's); a version a generation in a running "
-                   "state uses is refused")  # fmt: skip
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="the store whose index generations must not use the version "
+        "(default: the local stack's); a version a generation in a running "
+        "state uses is refused",
+    )
 
     p = add_command(
         commands,

@@ -227,8 +227,13 @@ def _encoder_eval(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    report = compare(args.data, list(args.encoder), plots=args.plots, doc_len=args.doc_len,
-                     progress=not args.quiet)  # fmt: skip
+    report = compare(
+        args.data,
+        list(args.encoder),
+        plots=args.plots,
+        doc_len=args.doc_len,
+        progress=not args.quiet,
+    )
     line = json.dumps(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")

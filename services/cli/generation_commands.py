@@ -43,8 +43,13 @@ def _connection_flags(
 ) -> None:
     """--run-dir and the store's flags; ``triton``: a builder's Triton flags and
     --index-root; ``retire``: the Triton flags `index retire` unpublishes with."""
-    names = (", Triton, the model repository and the index root" if triton
-             else ", Triton and the model repository" if retire else "")  # fmt: skip
+    names = (
+        ", Triton, the model repository and the index root"
+        if triton
+        else ", Triton and the model repository"
+        if retire
+        else ""
+    )
     parser.add_argument(
         "--run-dir",
         dest="stack_run_dir",
@@ -68,11 +73,12 @@ def _connection_flags(
     )
     if triton or retire:
         parser.add_argument(
-            "--triton-url", default=None,
+            "--triton-url",
+            default=None,
             help="Triton's gRPC address(es) that "
             + ("re-embed the documents" if triton else "unload the retired encoder version")
             + " (default: the local stack's).",
-        )  # fmt: skip
+        )
         parser.add_argument(
             "--triton-repo",
             type=Path,
@@ -87,18 +93,24 @@ def _connection_flags(
             )
             + " (default: the local stack's).",
         )
-        for flag, what in (("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
-                           ("--triton-client-cert", "PEM client certificate for Triton (mTLS), with"
-                             " --triton-client-key"),
-                           ("--triton-client-key", "PEM key of --triton-client-cert")):  # fmt: skip
+        for flag, what in (
+            ("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
+            (
+                "--triton-client-cert",
+                "PEM client certificate for Triton (mTLS), with --triton-client-key",
+            ),
+            ("--triton-client-key", "PEM key of --triton-client-cert"),
+        ):
             parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
     if triton:
         parser.add_argument(
-            "--index-root", type=Path, default=None,
+            "--index-root",
+            type=Path,
+            default=None,
             help="Where the new generation's trained index goes (<root>/<generation>; "
             "default: the local stack's, else ./generations). The shards of the generation "
             "must be able to read it.",
-        )  # fmt: skip
+        )
 
 
 def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
@@ -110,55 +122,81 @@ def _run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
         return rollout_help if rollout else rollback_help
 
     parser.add_argument(
-        "--batch", type=positive_int, default=64,
-        help=both("Documents (or log entries) per batch; progress is saved after each (64).",
-                  "Log entries per batch (64)."),
-    )  # fmt: skip
-    if rollout:
-        parser.add_argument("--sample", type=positive_int, default=100_000,
-                            help="Training vectors at most (100000).")  # fmt: skip
-    parser.add_argument("--parallel", type=positive_int, default=2,
-                        help="Encoder batches in flight (2).")  # fmt: skip
-    if rollout:
-        parser.add_argument("--switch-lag", type=positive_int, default=256,
-                            help="Switch once the replay is at most this many source log "
-                            "entries behind (256).")  # fmt: skip
-    parser.add_argument(
-        "--shard-wait-s", type=float, default=300.0,
-        help=both("How long the switch waits for the new generation's replicas to apply its "
-                  "logs (300; three attempts, writes resume between them).",
-                  "How long the switch waits for the replicas (300)."),
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-shard-wait", action="store_true",
-        help=both("Switch without waiting for the new generation's replicas (only when "
-                  "nothing searches it yet: searches may see it incomplete).",
-                  "Switch without waiting for the replicas."),
-    )  # fmt: skip
+        "--batch",
+        type=positive_int,
+        default=64,
+        help=both(
+            "Documents (or log entries) per batch; progress is saved after each (64).",
+            "Log entries per batch (64).",
+        ),
+    )
     if rollout:
         parser.add_argument(
-            "--cpus", default=None, metavar="LIST",
+            "--sample",
+            type=positive_int,
+            default=100_000,
+            help="Training vectors at most (100000).",
+        )
+    parser.add_argument(
+        "--parallel", type=positive_int, default=2, help="Encoder batches in flight (2)."
+    )
+    if rollout:
+        parser.add_argument(
+            "--switch-lag",
+            type=positive_int,
+            default=256,
+            help="Switch once the replay is at most this many source log entries behind (256).",
+        )
+    parser.add_argument(
+        "--shard-wait-s",
+        type=float,
+        default=300.0,
+        help=both(
+            "How long the switch waits for the new generation's replicas to apply its "
+            "logs (300; three attempts, writes resume between them).",
+            "How long the switch waits for the replicas (300).",
+        ),
+    )
+    parser.add_argument(
+        "--no-shard-wait",
+        action="store_true",
+        help=both(
+            "Switch without waiting for the new generation's replicas (only when "
+            "nothing searches it yet: searches may see it incomplete).",
+            "Switch without waiting for the replicas.",
+        ),
+    )
+    if rollout:
+        parser.add_argument(
+            "--cpus",
+            default=None,
+            metavar="LIST",
             help="A CPU budget ('1', '2-3'): the builder, the new encoder version's Triton "
             "stub and the new generation's shards run on these CPUs and the local stack's "
             "serving processes on the others; the new generation's processes join serving's "
             "CPUs before the switch, and the budget ends once this command has exited "
             "(docs/generations.md: on shared cores it keeps search latency, at the cost of "
             "re-embedding speed). Default: no budget, every process on every CPU.",
-        )  # fmt: skip
+        )
         parser.add_argument(
-            "--source-shards", default=None, metavar="SPEC",
+            "--source-shards",
+            default=None,
+            metavar="SPEC",
             help="--retrain: the serving generation's replicas ('host:port,host:port;"
             "host:port') when {gtr}:addrs does not name them.",
-        )  # fmt: skip
+        )
     _shard_tls_flags(
-        parser, "talk TLS to them",
+        parser,
+        "talk TLS to them",
         both("--retrain's export of the serving replicas' vectors and ", "")
         + "the switch's wait for the new serving replicas; ",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--metrics-port", type=int, default=None,
+        "--metrics-port",
+        type=int,
+        default=None,
         help=both("Serve Prometheus metrics (gtr_rollout_*) on this port.", "Prometheus port."),
-    )  # fmt: skip
+    )
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     parser.add_argument("--yes", action="store_true", help="Do not ask before starting.")
     _connection_flags(parser, triton=True)
@@ -174,18 +212,28 @@ def _shard_tls_flags(parser: argparse.ArgumentParser, ca_use: str, ca_when: str 
         metavar="PEM",
         help=f"PEM CA of the shard replicas: {ca_use} ({ca_when}{stack}).",
     )
-    parser.add_argument("--tls-client-cert", default=None, metavar="PEM",
-                        help="PEM client certificate for replicas that require one (mTLS, "
-                        f"as under `up --tls`; {stack}).")  # fmt: skip
-    parser.add_argument("--tls-client-key", default=None, metavar="PEM",
-                        help=f"PEM key of --tls-client-cert ({stack}).")  # fmt: skip
+    parser.add_argument(
+        "--tls-client-cert",
+        default=None,
+        metavar="PEM",
+        help="PEM client certificate for replicas that require one (mTLS, "
+        f"as under `up --tls`; {stack}).",
+    )
+    parser.add_argument(
+        "--tls-client-key",
+        default=None,
+        metavar="PEM",
+        help=f"PEM key of --tls-client-cert ({stack}).",
+    )
 
 
 def add_cli(sub: Any) -> None:
     """Add rollout, rollback, retire and generations to the ``index`` command."""
     isub = group_commands(sub, "index")
     rollout = add_command(
-        isub, "rollout", _rollout,
+        isub,
+        "rollout",
+        _rollout,
         help="Build the next index generation beside the serving one, then switch to it.",
         description=(
             "Builds the next generation (a new encoder, a retrained quantizer or another "
@@ -199,39 +247,47 @@ def add_cli(sub: Any) -> None:
             "hold (no re-embedding; see docs/generations.md for what that costs in "
             "recall). Progress bar with ETA on stderr; Prometheus metrics gtr_rollout_* "
             "on --metrics-port. Killed at any point, `index rollout` again resumes from "
-            "the saved phase and position; `index rollout --abort` gives up instead. "
-            + COST
+            "the saved phase and position; `index rollout --abort` gives up instead. " + COST
         ),
-    )  # fmt: skip
+    )
     what = rollout.add_mutually_exclusive_group()
     what.add_argument(
-        "--encoder", type=Path, default=None, metavar="DIR",
+        "--encoder",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="A new encoder: a sentence-transformers checkpoint or an `encoder export` "
         "folder, published (once the rollout lock is taken) into the Triton repository as "
         "the next version of embed (refused, with nothing changed, when embed cannot serve "
         "its width or tokenizer).",
-    )  # fmt: skip
+    )
     what.add_argument(
-        "--retrain", action="store_true",
+        "--retrain",
+        action="store_true",
         help="Same encoder: retrain the quantizer on the vectors the serving shards hold "
         "(decoded from their SQ8 codes: no re-embedding). What `index drift-watch` runs.",
-    )  # fmt: skip
+    )
     what.add_argument(
-        "--abort", action="store_true",
+        "--abort",
+        action="store_true",
         help="Give up the recorded rollout: writes go back to the serving generation, the "
         "target is marked failed (`index retire` deletes it). Refused while its builder "
         "runs (stop it first); a builder on another host counts as stopped once its "
         "heartbeat is 15 s old.",
-    )  # fmt: skip
+    )
     rollout.add_argument(
-        "--shards", type=positive_int, default=None,
+        "--shards",
+        type=positive_int,
+        default=None,
         help="The new generation's shard count (default: the serving one's). Another "
         "count copies the documents into its own keys as the rollout goes.",
-    )  # fmt: skip
+    )
     _run_flags(rollout, rollout=True)
 
     rollback = add_command(
-        isub, "rollback", _rollback,
+        isub,
+        "rollback",
+        _rollback,
         help="Make the previous generation serve again (writes since the switch replayed).",
         description=(
             "A rollout whose target is the previous generation: no training and no bulk; "
@@ -239,11 +295,13 @@ def add_cli(sub: Any) -> None:
             "into it, re-embedded with its encoder, then the same switch. Refused "
             "(FAILED_PRECONDITION) when there is no previous generation."
         ),
-    )  # fmt: skip
+    )
     _run_flags(rollback, rollout=False)
 
     retire = add_command(
-        isub, "retire", _retire,
+        isub,
+        "retire",
+        _retire,
         help="Delete a generation that does not serve (default: the previous one).",
         description=(
             "Deletes the generation's logs, snapshot registrations and the rollout's "
@@ -259,13 +317,15 @@ def add_cli(sub: Any) -> None:
             "again). Without a repository (no --triton-repo, no local stack) the version "
             "is left published and a note says so (exit status 0)."
         ),
-    )  # fmt: skip
+    )
     retire.add_argument("--generation", default=None, help="Which (default: the previous one).")
     retire.add_argument("--yes", action="store_true", help="Do not ask.")
     _connection_flags(retire, retire=True)
 
     listing = add_command(
-        isub, "generations", _generations,
+        isub,
+        "generations",
+        _generations,
         help="List the index generations: state, size, encoder, drift.",
         description=(
             "Every generation with its state (building, catching_up, switching, serving, "
@@ -277,7 +337,7 @@ def add_cli(sub: Any) -> None:
             "local stack's); a replica that does not answer counts as down and its "
             "generation's size is unknown (?)."
         ),
-    )  # fmt: skip
+    )
     listing.add_argument("--json", action="store_true", help="Print JSON.")
     _shard_tls_flags(listing, "ask their Stats over TLS")
     _connection_flags(listing)
@@ -326,9 +386,13 @@ def _places(args: argparse.Namespace) -> Places:
         Path(stack.index_root) if stack and stack.index_root else Path("generations")
     )
     return Places(
-        url, getattr(args, "triton_url", None) or (stack.triton_grpc if stack else None) or None,
-        repo, triton, root, shard_tls,
-    )  # fmt: skip
+        url,
+        getattr(args, "triton_url", None) or (stack.triton_grpc if stack else None) or None,
+        repo,
+        triton,
+        root,
+        shard_tls,
+    )
 
 
 def _shard_tls(args: argparse.Namespace, stack_paths: dict[str, str]) -> Any:
@@ -368,12 +432,16 @@ def _encoders(places: Places) -> Any:
                 "no Triton to re-embed with: give --triton-url, or --run-dir of a running "
                 "local stack"
             )
-        return await TritonEncoder.connect(TritonEncoderConfig(
-            places.triton_url, model=spec.model or "embed",
-            model_version=str(spec.version) if spec.version else "",
-            default_timeout_s=60.0, tls=places.triton_tls,
-            priority=DOCUMENT_PRIORITY,  # queries' encodes go before the builder's batches
-        ))  # fmt: skip
+        return await TritonEncoder.connect(
+            TritonEncoderConfig(
+                places.triton_url,
+                model=spec.model or "embed",
+                model_version=str(spec.version) if spec.version else "",
+                default_timeout_s=60.0,
+                tls=places.triton_tls,
+                priority=DOCUMENT_PRIORITY,  # queries' encodes go before the builder's batches
+            )
+        )
 
     return make
 
@@ -393,10 +461,14 @@ def _builder(
         shard_wait_s=args.shard_wait_s,
     )
     return RolloutBuilder(
-        client, _encoders(places), options, progress,
-        source_addresses=getattr(args, "source_shards", None), shard_tls=places.shard_tls,
+        client,
+        _encoders(places),
+        options,
+        progress,
+        source_addresses=getattr(args, "source_shards", None),
+        shard_tls=places.shard_tls,
         publisher=publisher,
-    )  # fmt: skip
+    )
 
 
 def _progress(args: argparse.Namespace) -> Any:
@@ -427,15 +499,19 @@ def _rollout(args: argparse.Namespace) -> int:
         ).abort()
         target = aborted["target"]
         if aborted.get("phase") == "publish":  # stopped before its target was recorded
-            print(f"aborted the rollout to {target} (phase publish): {aborted['source']} "
-                  f"serves and takes the writes as before; {target} was never recorded. If "
-                  "its encoder was published before it stopped, no generation uses that "
-                  "version: `gtr-retrieval encoder versions` lists it, `encoder unpublish "
-                  "--version N` frees it")  # fmt: skip
+            print(
+                f"aborted the rollout to {target} (phase publish): {aborted['source']} "
+                f"serves and takes the writes as before; {target} was never recorded. If "
+                "its encoder was published before it stopped, no generation uses that "
+                "version: `gtr-retrieval encoder versions` lists it, `encoder unpublish "
+                "--version N` frees it"
+            )
             return 0
-        print(f"aborted the rollout to {target} (phase {aborted.get('phase')}): "
-              f"{aborted['source']} takes the writes; {target} is "
-              f"{registry.get(target).state}")  # fmt: skip
+        print(
+            f"aborted the rollout to {target} (phase {aborted.get('phase')}): "
+            f"{aborted['source']} takes the writes; {target} is "
+            f"{registry.get(target).state}"
+        )
         return 0
     running = registry.rollout()
     serving = registry.serving()
@@ -443,10 +519,12 @@ def _rollout(args: argparse.Namespace) -> int:
     if running is None:
         shards = args.shards or serving.num_shards
         change = (
-            f"encoder {args.encoder}" if args.encoder
-            else "the quantizer retrained on the stored vectors" if args.retrain
+            f"encoder {args.encoder}"
+            if args.encoder
+            else "the quantizer retrained on the stored vectors"
+            if args.retrain
             else f"{serving.encoder.model} v{serving.encoder.version} re-embedded"
-        )  # fmt: skip
+        )
         question = (
             f"roll out a new generation from {serving.name} ({serving.num_shards} shards): "
             f"{change}, {shards} shards.\n{COST}\nGo ahead?"
@@ -476,24 +554,25 @@ def _rollout(args: argparse.Namespace) -> int:
         # --encoder is published by the builder's first phase, under the rollout lock (a
         # resume in that phase publishes the same folder again); the budget starts after
         # the publish: the export and Triton's load of the new version run on every CPU.
-        publishing = (args.encoder is not None if running is None
-                      else running.get("phase") == "publish")  # fmt: skip
+        publishing = (
+            args.encoder is not None if running is None else running.get("phase") == "publish"
+        )
         if not publishing:
             budgeted()
-        plan = RolloutPlan(num_shards=args.shards, retrain=args.retrain,
-                           encoder_dir=encoder_dir)  # fmt: skip
+        plan = RolloutPlan(num_shards=args.shards, retrain=args.retrain, encoder_dir=encoder_dir)
         progress = _progress(args)
         started = time.monotonic()
         try:
-            builder = _builder(args, places, client, progress,
-                               _publisher(places, budget, budgeted))  # fmt: skip
+            builder = _builder(args, places, client, progress, _publisher(places, budget, budgeted))
             serving_now = asyncio.run(builder.rollout(plan))
         finally:
             progress.close()
-    print(f"{serving_now.name} serves ({serving_now.num_shards} shards, encoder "
-          f"{serving_now.encoder.model} v{serving_now.encoder.version}) after "
-          f"{time.monotonic() - started:.0f} s; `index rollback` returns to "
-          f"{registry.alias().previous}")  # fmt: skip
+    print(
+        f"{serving_now.name} serves ({serving_now.num_shards} shards, encoder "
+        f"{serving_now.encoder.model} v{serving_now.encoder.version}) after "
+        f"{time.monotonic() - started:.0f} s; `index rollback` returns to "
+        f"{registry.alias().previous}"
+    )
     _note_displaced(registry)
     return 0
 
@@ -503,8 +582,10 @@ def _note_displaced(registry: Any) -> None:
     alias = registry.alias()
     for gen in registry.all():
         if gen.state == "previous" and gen.name != alias.previous:
-            print(f"note: {gen.name} is no longer the rollback target but its shards still "
-                  f"run: `index retire --generation {gen.name}` frees them")  # fmt: skip
+            print(
+                f"note: {gen.name} is no longer the rollback target but its shards still "
+                f"run: `index retire --generation {gen.name}` frees them"
+            )
 
 
 def _publisher(
@@ -521,10 +602,10 @@ def _publisher(
         from services.encoder.serve.versions import publish_version
 
         print(f"publishing {folder} into {repo} ...", file=sys.stderr)
-        spec = publish_version(repo, Path(folder), places.triton_url, tls=places.triton_tls,
-                               cpus=cpus)  # fmt: skip
-        print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)",
-              file=sys.stderr)  # fmt: skip
+        spec = publish_version(
+            repo, Path(folder), places.triton_url, tls=places.triton_tls, cpus=cpus
+        )
+        print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)", file=sys.stderr)
         published()
         return spec
 
@@ -546,8 +627,10 @@ def _rollback(args: argparse.Namespace) -> int:
         serving = asyncio.run(_builder(args, places, client, progress).rollback())
     finally:
         progress.close()
-    print(f"{serving.name} serves again after {time.monotonic() - started:.0f} s "
-          f"({alias.serving} is previous)")  # fmt: skip
+    print(
+        f"{serving.name} serves again after {time.monotonic() - started:.0f} s "
+        f"({alias.serving} is previous)"
+    )
     _note_displaced(Registry(client))
     return 0
 
@@ -562,14 +645,21 @@ def _retire(args: argparse.Namespace) -> int:
     name = args.generation or registry.alias().previous or None
     if name is not None:
         registry.get(name)  # NotFound before asking
-    question = (f"retire {name} (its logs and keys deleted; its encoder version unpublished "
-                "from Triton when no other generation uses it)?")  # fmt: skip
+    question = (
+        f"retire {name} (its logs and keys deleted; its encoder version unpublished "
+        "from Triton when no other generation uses it)?"
+    )
     if name is not None and not _confirm(args, question):
         return 1
     done = retire(client, args.generation)
-    print(f"{done.generation.name} retired: {done.keys_deleted} keys deleted"
-          + (f", {done.documents_deleted} documents of its {done.generation.num_shards}-shard "
-             "layout" if done.documents_deleted else ""))  # fmt: skip
+    print(
+        f"{done.generation.name} retired: {done.keys_deleted} keys deleted"
+        + (
+            f", {done.documents_deleted} documents of its {done.generation.num_shards}-shard layout"
+            if done.documents_deleted
+            else ""
+        )
+    )
     return _release_encoder(args, places, registry, done.generation)
 
 
@@ -591,37 +681,51 @@ def _release_encoder(args: argparse.Namespace, places: Places, registry: Any, ge
     if using():
         return kept(using())
     later = f"gtr-retrieval encoder unpublish --version {version}" + "".join(
-        f" {flag} {value}" for flag, value in (
+        f" {flag} {value}"
+        for flag, value in (
             ("--repo", places.triton_repo or "DIR"),
             ("--triton-url", places.triton_url or ("URL" if not places.triton_repo else "")),
-            ("--run-dir", args.stack_run_dir), ("--triton-ca", args.triton_ca),
+            ("--run-dir", args.stack_run_dir),
+            ("--triton-ca", args.triton_ca),
             ("--triton-client-cert", args.triton_client_cert),
             ("--triton-client-key", args.triton_client_key),
-        ) if value
-    )  # fmt: skip
+        )
+        if value
+    )
     if places.triton_repo is None:
-        print(f"note: embed version {version} is no longer used by any generation but stays "
-              "published: no Triton model repository named (--triton-repo, or --run-dir of "
-              f"the local stack); `{later}` frees it", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: embed version {version} is no longer used by any generation but stays "
+            "published: no Triton model repository named (--triton-repo, or --run-dir of "
+            f"the local stack); `{later}` frees it",
+            file=sys.stderr,
+        )
         return 0
     try:  # asked again under the publish lock: a rollout may have begun publishing meanwhile
-        unpublish_version(places.triton_repo, version, places.triton_url,
-                          tls=places.triton_tls, in_use=using)  # fmt: skip
+        unpublish_version(
+            places.triton_repo, version, places.triton_url, tls=places.triton_tls, in_use=using
+        )
     except VersionInUse as exc:
         return kept(exc.users)
     except NotFound:  # a retire run again after the version went (or never published)
         print(f"embed version {version} is not in {places.triton_repo}: nothing to unpublish")
         return 0
     except RetrievalError as exc:  # Triton unreachable or refusing: the repository as it was
-        print(f"warning: {gen.name} is retired, but embed version {version}, its encoder, is "
-              f"still published (Triton keeps it loaded): {exc.message}\nrun `{later}` once "
-              f"Triton answers (or `index retire --generation {gen.name}` again)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {gen.name} is retired, but embed version {version}, its encoder, is "
+            f"still published (Triton keeps it loaded): {exc.message}\nrun `{later}` once "
+            f"Triton answers (or `index retire --generation {gen.name}` again)",
+            file=sys.stderr,
+        )
         return ENCODER_KEPT
-    where = f" and unloaded by Triton at {places.triton_url}" if places.triton_url else (
-        " (no Triton named: one serving it unloads it at its next load or restart)")  # fmt: skip
-    print(f"embed version {version} (no other generation uses it) unpublished from "
-          f"{places.triton_repo}{where}")  # fmt: skip
+    where = (
+        f" and unloaded by Triton at {places.triton_url}"
+        if places.triton_url
+        else (" (no Triton named: one serving it unloads it at its next load or restart)")
+    )
+    print(
+        f"embed version {version} (no other generation uses it) unpublished from "
+        f"{places.triton_repo}{where}"
+    )
     return 0
 
 
@@ -637,39 +741,59 @@ def _generations(args: argparse.Namespace) -> int:
     rows = []
     for gen in registry.all():
         row = describe(gen, alias)
-        sizes = generation_sizes(client, gen, base, registry.addresses(gen.name),
-                                 tls=places.shard_tls)  # fmt: skip
-        row.update(documents=sizes.documents, bytes=sizes.bytes, drift=sizes.drift,
-                   log_entries=sizes.log_entries, replicas_up=sizes.replicas_up,
-                   replicas=sizes.replicas, addresses=registry.addresses(gen.name))  # fmt: skip
+        sizes = generation_sizes(
+            client, gen, base, registry.addresses(gen.name), tls=places.shard_tls
+        )
+        row.update(
+            documents=sizes.documents,
+            bytes=sizes.bytes,
+            drift=sizes.drift,
+            log_entries=sizes.log_entries,
+            replicas_up=sizes.replicas_up,
+            replicas=sizes.replicas,
+            addresses=registry.addresses(gen.name),
+        )
         rows.append(row)
     running = registry.rollout()
     if args.json:
-        print(json.dumps({"alias": alias.__dict__, "generations": rows, "rollout": running},
-                         indent=2, sort_keys=True))  # fmt: skip
+        print(
+            json.dumps(
+                {"alias": alias.__dict__, "generations": rows, "rollout": running},
+                indent=2,
+                sort_keys=True,
+            )
+        )
         return 0
     header = ("NAME", "STATE", "ALIAS", "SHARDS", "ENCODER", "DOCS", "BYTES", "DRIFT", "REPLICAS")
     table = [header]
     for r in rows:
         enc = r["encoder"]
-        table.append((
-            r["name"], r["state"], r["alias"] or "-", str(r["num_shards"]),
-            f"{enc['model']} v{enc['version']} {enc['dim']}-d"
-            + (f" ({Path(enc['source']).name})" if enc.get("source") else ""),
-            _n(r["documents"]), _bytes(r["bytes"]),
-            "-" if r["drift"] is None else f"{r['drift']:.2f}",
-            f"{r['replicas_up']}/{r['replicas']}" if r["replicas"] else "-",
-        ))  # fmt: skip
+        table.append(
+            (
+                r["name"],
+                r["state"],
+                r["alias"] or "-",
+                str(r["num_shards"]),
+                f"{enc['model']} v{enc['version']} {enc['dim']}-d"
+                + (f" ({Path(enc['source']).name})" if enc.get("source") else ""),
+                _n(r["documents"]),
+                _bytes(r["bytes"]),
+                "-" if r["drift"] is None else f"{r['drift']:.2f}",
+                f"{r['replicas_up']}/{r['replicas']}" if r["replicas"] else "-",
+            )
+        )
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     print(f"alias epoch {alias.epoch}")
     if running:
-        print(f"rollout {running.get('source')} -> {running.get('target')} "
-              f"({running.get('kind')}, {running.get('mode')}): phase {running.get('phase')}, "
-              f"{running.get('done', '0')}/{running.get('total', '?')} documents, builder pid "
-              f"{running.get('pid')} on {running.get('host')}, last heard "
-              f"{time.time() - float(running.get('beat', '0') or 0):.0f} s ago")  # fmt: skip
+        print(
+            f"rollout {running.get('source')} -> {running.get('target')} "
+            f"({running.get('kind')}, {running.get('mode')}): phase {running.get('phase')}, "
+            f"{running.get('done', '0')}/{running.get('total', '?')} documents, builder pid "
+            f"{running.get('pid')} on {running.get('host')}, last heard "
+            f"{time.time() - float(running.get('beat', '0') or 0):.0f} s ago"
+        )
     return 0
 
 

@@ -140,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
 def _print_towers() -> None:
     from services.plan.towers import ARCHS, tower_table
 
-    print("\nencoder weights per Triton instance by `encoder train --arch` (compute per text "
-          "unchanged; services/plan/towers.py):")  # fmt: skip
+    print(
+        "\nencoder weights per Triton instance by `encoder train --arch` (compute per text "
+        "unchanged; services/plan/towers.py):"
+    )
     print(f"  {'size':<7} " + " ".join(f"{a:>16}" for a in ARCHS))
     tables = {a: tower_table(a) for a in ARCHS}
     for i, row in enumerate(tables["sde"]):

@@ -128,8 +128,10 @@ class TokenFile:
                     self._read(st)
                     log.info(
                         "token file %s changed: %d tokens (was %d)",
-                        self.path, len(self.digests), before,
-                    )  # fmt: skip
+                        self.path,
+                        len(self.digests),
+                        before,
+                    )
             except (OSError, UnicodeDecodeError) as exc:
                 log.warning("token file %s unreadable, previous tokens kept: %s", self.path, exc)
         return self.digests

@@ -112,8 +112,10 @@ class Endpoint:
             log.warning(
                 "%s is suspect (%d misses in a row, last: %s): asked last until its health "
                 "check says it serves",
-                self.what, self.misses, why,
-            )  # fmt: skip
+                self.what,
+                self.misses,
+                why,
+            )
             self._probe = asyncio.ensure_future(self._until_serving())
 
     async def _until_serving(self) -> None:
@@ -186,11 +188,14 @@ class EndpointPool(Generic[E]):
             try:
                 self.update(await resolve(target, self.balancing.resolve_timeout_s))
             except Unavailable as exc:
-                log.warning("%s: %s; keeping %d known servers", self.what, exc,
-                            len(self.endpoints))  # fmt: skip
+                log.warning("%s: %s; keeping %d known servers", self.what, exc, len(self.endpoints))
             except Exception:  # the watcher must outlive a surprise: calls wait on it
-                log.exception("%s: resolving %s failed; keeping %d known servers",
-                              self.what, target, len(self.endpoints))  # fmt: skip
+                log.exception(
+                    "%s: resolving %s failed; keeping %d known servers",
+                    self.what,
+                    target,
+                    len(self.endpoints),
+                )
             self._resolved.set()
             await asyncio.sleep(self.balancing.resolve_every_s)
 
@@ -201,8 +206,12 @@ class EndpointPool(Generic[E]):
         ready pod: they fail over or time out as they are)."""
         if not addresses:
             if self.endpoints:
-                log.warning("%s: %s resolves to no server; keeping %d known",
-                            self.what, self.target, len(self.endpoints))  # fmt: skip
+                log.warning(
+                    "%s: %s resolves to no server; keeping %d known",
+                    self.what,
+                    self.target,
+                    len(self.endpoints),
+                )
             return
         known = {e.address: e for e in self.endpoints}
         first = not known
@@ -214,9 +223,13 @@ class EndpointPool(Generic[E]):
             if not first:
                 endpoint.probe("discovered")
         if added or gone:
-            log.info("%s servers: %s (added %s, removed %s)", self.what,
-                     ", ".join(addresses), [e.address for e in added],
-                     [e.address for e in gone])  # fmt: skip
+            log.info(
+                "%s servers: %s (added %s, removed %s)",
+                self.what,
+                ", ".join(addresses),
+                [e.address for e in added],
+                [e.address for e in gone],
+            )
         for endpoint in gone:
             task = asyncio.ensure_future(self._retire(endpoint))
             self._retiring.add(task)

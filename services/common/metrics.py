@@ -16,9 +16,27 @@ from services.common import slo
 # Latency buckets (seconds) from 0.5 ms to 10 s: covers a shard search and an xxl encode.
 # Every SLO threshold of services/common/slo.py is an edge, so an SLI is a bucket count.
 _EDGES = (
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.017, 0.025, 0.034, 0.05, 0.075, 0.096, 0.1,
-    0.15, 0.25, 0.349, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.017,
+    0.025,
+    0.034,
+    0.05,
+    0.075,
+    0.096,
+    0.1,
+    0.15,
+    0.25,
+    0.349,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 LATENCY_BUCKETS: tuple[float, ...] = tuple(sorted(set(_EDGES) | set(slo.thresholds())))
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 

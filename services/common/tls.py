@@ -165,8 +165,9 @@ class ServerCertificates:
             configuration = self.tls.configuration()
         except Exception as exc:  # in gRPC's handshake thread: never raise there
             self._refused = version
-            log.warning("TLS files changed but cannot be used yet (%s); keeping the "
-                        "certificate in use", exc)  # fmt: skip
+            log.warning(
+                "TLS files changed but cannot be used yet (%s); keeping the certificate in use", exc
+            )
             return None
         self.version = version
         self.reloads += 1
@@ -349,8 +350,11 @@ class Rotating(Generic[T]):
             new = self._build()
         except ValueError as exc:
             self._refused = version
-            log.warning("%s: TLS files changed but cannot be used yet (%s); keeping the "
-                        "connection in use", self.what, exc)  # fmt: skip
+            log.warning(
+                "%s: TLS files changed but cannot be used yet (%s); keeping the connection in use",
+                self.what,
+                exc,
+            )
             return
         self._version = version
         old, self._current = self._current, new
@@ -369,8 +373,11 @@ class Rotating(Generic[T]):
                 async with asyncio.timeout(timeout):
                     await idle.wait()
         except TimeoutError:
-            log.warning("%s: calls still on the replaced connection after %.0f s; closing it",
-                        self.what, timeout)  # fmt: skip
+            log.warning(
+                "%s: calls still on the replaced connection after %.0f s; closing it",
+                self.what,
+                timeout,
+            )
         finally:
             await self._retire(old)
 

@@ -25,11 +25,34 @@ from dataclasses import asdict, dataclass
 # Modules that open windows, print on import, start browsers, or only exist on other
 # platforms; and private/test packages.
 _SKIP_PREFIXES = (
-    "_", "test", "idlelib", "tkinter", "turtle", "turtledemo", "this", "antigravity",
-    "lib2to3", "ensurepip", "venv", "pydoc_data", "msilib", "winreg", "winsound",
-    "msvcrt", "nt", "_winapi", "distutils", "unittest.test", "ctypes.test", "sqlite3.test",
-    "idle", "__main__", "xxsubtype", "xxlimited", "encodings.",
-)  # fmt: skip
+    "_",
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "this",
+    "antigravity",
+    "lib2to3",
+    "ensurepip",
+    "venv",
+    "pydoc_data",
+    "msilib",
+    "winreg",
+    "winsound",
+    "msvcrt",
+    "nt",
+    "_winapi",
+    "distutils",
+    "unittest.test",
+    "ctypes.test",
+    "sqlite3.test",
+    "idle",
+    "__main__",
+    "xxsubtype",
+    "xxlimited",
+    "encodings.",
+)
 MIN_DOC_CHARS = 40
 
 

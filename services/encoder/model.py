@@ -101,9 +101,12 @@ def read_layout(model_dir: Path) -> STLayout:
             if activation not in _ACTIVATIONS:
                 raise InvalidArgument(f"unsupported Dense activation {activation} in {path}")
             dense = DenseSpec(
-                path, int(cfg["in_features"]), int(cfg["out_features"]),
-                bool(cfg.get("bias", True)), activation,
-            )  # fmt: skip
+                path,
+                int(cfg["in_features"]),
+                int(cfg["out_features"]),
+                bool(cfg.get("bias", True)),
+                activation,
+            )
         elif kind == "Normalize":
             normalize = True
         else:

@@ -172,9 +172,15 @@ def rerank_run(first: Run, data: EvalData, qids: list[str], cfg: EvalConfig) -> 
     beir = data.beir
     label = f"rerank top {cfg.rerank_depth}"
     runs = rerank_runs(
-        scorer, first, beir.queries, beir.docs, qids, cfg.rerank_depth,
-        label=label, progress=cfg.progress,
-    )  # fmt: skip
+        scorer,
+        first,
+        beir.queries,
+        beir.docs,
+        qids,
+        cfg.rerank_depth,
+        label=label,
+        progress=cfg.progress,
+    )
     return runs["score"]
 
 

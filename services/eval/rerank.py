@@ -112,15 +112,24 @@ def evaluate(cfg: CheckpointEvalConfig, progress: bool = True) -> dict[str, Any]
     run = dense_run(data, qids, k=max(cfg.depth, cfg.k))
     dense = score(run, data.qrels, qids)
     report: dict[str, Any] = {
-        "queries": len(qids), "depth": cfg.depth, "k": cfg.k,
+        "queries": len(qids),
+        "depth": cfg.depth,
+        "k": cfg.k,
         "ndcg@10": {"dense": round(dense.mean(ndcg), 4)},
-        "terms": {}, "vs_dense": {}, "seconds": {}, "pairs_per_s": {},
-    }  # fmt: skip
+        "terms": {},
+        "vs_dense": {},
+        "seconds": {},
+        "pairs_per_s": {},
+    }
     systems: list[Path | None] = [*cfg.checkpoints, *([None] if cfg.untrained else [])]
-    first = (CeliConfig.read(Path(cfg.checkpoints[0]) / CONFIG_FILE) if cfg.checkpoints
-             else CeliConfig(max_len=cfg.max_len))  # fmt: skip
-    same_limits = CeliConfig(d_tok=first.d_tok, max_query_len=first.max_query_len,
-                             max_len=first.max_len)  # the untrained row: same lengths  # fmt: skip
+    first = (
+        CeliConfig.read(Path(cfg.checkpoints[0]) / CONFIG_FILE)
+        if cfg.checkpoints
+        else CeliConfig(max_len=cfg.max_len)
+    )
+    same_limits = CeliConfig(
+        d_tok=first.d_tok, max_query_len=first.max_query_len, max_len=first.max_len
+    )  # the untrained row: same lengths
     for ckpt in systems:
         model, tokenizer, config = load_or_default(ckpt, same_limits)
         scorer = CeliScorer(model, tokenizer, config, config.variant, cfg.batch_size)

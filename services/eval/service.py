@@ -106,9 +106,15 @@ def evaluate_through_gateway(
             for name in ("service_dense", "hybrid_weighted"):
                 mode, fusion = MODES[name]
                 out.runs[f"{name}+rerank"] = search_run(
-                    stub, data, held, cfg, rerank=True, desc=f"{name} + rerank",
-                    mode=mode, fusion=fusion,
-                )  # fmt: skip
+                    stub,
+                    data,
+                    held,
+                    cfg,
+                    rerank=True,
+                    desc=f"{name} + rerank",
+                    mode=mode,
+                    fusion=fusion,
+                )
             out.seconds["rerank"] = time.perf_counter() - start
             out.rerank = {
                 "checkpoint": str(cfg.rerank_checkpoint),

@@ -226,9 +226,13 @@ class SearchPipeline:
             serving = await bounded(self.source.at_least(newest), deadline, "reading the alias")
         with self.source.lease(serving) as parts:
             results = await self._search_on(
-                serving, parts, [with_resolved_token(q, serving) for q in queries],
-                budget, deadline, batch,
-            )  # fmt: skip
+                serving,
+                parts,
+                [with_resolved_token(q, serving) for q in queries],
+                budget,
+                deadline,
+                batch,
+            )
         total_ms = _ms(start)
         for result in results:
             result.timings.total_ms = total_ms
@@ -509,9 +513,14 @@ class SearchPipeline:
         timings = Timings()
         depth, skipped = plan
         result = SearchResult(
-            hits=hits, model="", partial=bool(missing), missing_shards=missing, timings=timings,
-            rerank_skipped=bool(skipped), rerank_skipped_reason=skipped,
-        )  # fmt: skip
+            hits=hits,
+            model="",
+            partial=bool(missing),
+            missing_shards=missing,
+            timings=timings,
+            rerank_skipped=bool(skipped),
+            rerank_skipped_reason=skipped,
+        )
         if depth > 0 and self.reranker is not None and hits:
             t = time.perf_counter()
             candidates = hits[:depth]

@@ -203,8 +203,10 @@ class LogReader:
                     del known[r]
                 log.warning(
                     "%s: replicas %s not seen for %.0f s: no longer holding the log back",
-                    self.key, ", ".join(sorted(stale)), stale_after_s,
-                )  # fmt: skip
+                    self.key,
+                    ", ".join(sorted(stale)),
+                    stale_after_s,
+                )
         if not known:
             return None
         floor = positions.oldest(*known.values())

@@ -43,8 +43,14 @@ from services.index.keys import (
 
 State = Literal["building", "catching_up", "switching", "serving", "previous", "retired", "failed"]
 STATES: tuple[str, ...] = (
-    "building", "catching_up", "switching", "serving", "previous", "retired", "failed"
-)  # fmt: skip
+    "building",
+    "catching_up",
+    "switching",
+    "serving",
+    "previous",
+    "retired",
+    "failed",
+)
 # States whose shards run (the local stack and the chart keep their replicas up).
 RUNNING: frozenset[str] = frozenset({"building", "catching_up", "switching", "serving", "previous"})
 
@@ -193,9 +199,14 @@ class Registry:
         """Generation g1, serving, for a store that has none yet (idempotent: whoever comes
         first records it; a store written before generations existed becomes g1)."""
         first = Generation(
-            FIRST_GENERATION, "serving", num_shards, encoder, index_dir,
-            created_at=time.time(), serving_since=time.time(),
-        )  # fmt: skip
+            FIRST_GENERATION,
+            "serving",
+            num_shards,
+            encoder,
+            index_dir,
+            created_at=time.time(),
+            serving_since=time.time(),
+        )
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(GENERATIONS_KEY, first.name, first.to_json())
         pipe.hsetnx(ALIAS_KEY, "serving", first.name)
@@ -205,8 +216,9 @@ class Registry:
         self.redis.eval(
             "local n = tonumber(redis.call('GET', KEYS[1]) or '0') "
             "if n < 1 then redis.call('SET', KEYS[1], 1) end return 1",
-            1, NEXT_GENERATION_KEY,
-        )  # fmt: skip
+            1,
+            NEXT_GENERATION_KEY,
+        )
         return self.get(first.name)
 
     def create(
@@ -215,9 +227,14 @@ class Registry:
         """A new generation in state ``building`` with the next free name."""
         number = int(self.redis.incr(NEXT_GENERATION_KEY))
         gen = Generation(
-            f"g{number}", "building", num_shards, encoder, index_dir, dict(params),
+            f"g{number}",
+            "building",
+            num_shards,
+            encoder,
+            index_dir,
+            dict(params),
             created_at=time.time(),
-        )  # fmt: skip
+        )
         if not self.redis.hsetnx(GENERATIONS_KEY, gen.name, gen.to_json()):
             raise FailedPrecondition(f"generation {gen.name} exists already")
         return gen
@@ -253,9 +270,11 @@ class Registry:
                     )
                     now = time.time()
                     target = replace(
-                        target, state="serving", serving_since=now,
+                        target,
+                        state="serving",
+                        serving_since=now,
                         switch_in={str(s): p for s, p in switch_in.items()},
-                    )  # fmt: skip
+                    )
                     pipe.multi()
                     if old.name != to:
                         pipe.hset(
@@ -263,10 +282,14 @@ class Registry:
                         )
                     pipe.hset(GENERATIONS_KEY, to, target.to_json())
                     new = Alias(to, alias.epoch + 1, old.name if old.name != to else None)
-                    pipe.hset(ALIAS_KEY, mapping={
-                        "serving": new.serving, "epoch": str(new.epoch),
-                        "previous": new.previous or "",
-                    })  # fmt: skip
+                    pipe.hset(
+                        ALIAS_KEY,
+                        mapping={
+                            "serving": new.serving,
+                            "epoch": str(new.epoch),
+                            "previous": new.previous or "",
+                        },
+                    )
                     pipe.execute()
                     return new
                 except redis.WatchError:
@@ -280,8 +303,9 @@ class Registry:
         name is taken in that step too, so a refused rollout uses none up. The target's
         name; FailedPrecondition naming the running rollout when the lock is taken."""
         rest = [x for k, v in fields.items() if k != "target" for x in (k, v)]
-        target = self.redis.eval(_BEGIN_ROLLOUT, 2, ROLLOUT_KEY, NEXT_GENERATION_KEY,
-                                 fields.get("target", ""), *rest)  # fmt: skip
+        target = self.redis.eval(
+            _BEGIN_ROLLOUT, 2, ROLLOUT_KEY, NEXT_GENERATION_KEY, fields.get("target", ""), *rest
+        )
         if target is None:
             running = self.rollout() or {}
             raise FailedPrecondition(
@@ -327,7 +351,10 @@ def describe(gen: Generation, alias: Alias | None) -> dict[str, Any]:
     """One generation for `index generations` (JSON-ready)."""
     out = cast(dict[str, Any], json.loads(gen.to_json()))
     out["alias"] = (
-        "serving" if alias and alias.serving == gen.name
-        else "previous" if alias and alias.previous == gen.name else ""
-    )  # fmt: skip
+        "serving"
+        if alias and alias.serving == gen.name
+        else "previous"
+        if alias and alias.previous == gen.name
+        else ""
+    )
     return out

@@ -60,8 +60,14 @@ def tower_table(arch: str) -> list[TowerRow]:
     rows = []
     for p in PROFILES.values():
         params = tower_params(p, arch)
-        rows.append(TowerRow(
-            p.name, params / 1e6, params * 2 / GIB, params * 2 * p.triton_instances / GIB,
-            params * 4 / GIB, params / tower_params(p, "sde"),
-        ))  # fmt: skip
+        rows.append(
+            TowerRow(
+                p.name,
+                params / 1e6,
+                params * 2 / GIB,
+                params * 2 * p.triton_instances / GIB,
+                params * 4 / GIB,
+                params / tower_params(p, "sde"),
+            )
+        )
     return rows

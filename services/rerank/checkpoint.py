@@ -117,9 +117,12 @@ def build_model(backbone_dir: Path, config: CeliConfig, seed: int = 0) -> tuple[
 
 
 def save_checkpoint(
-    model: CeliModel, tokenizer: Any, config: CeliConfig, out: Path,
+    model: CeliModel,
+    tokenizer: Any,
+    config: CeliConfig,
+    out: Path,
     extra_files: dict[str, Any] | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """Write ``out`` atomically (temp dir + rename); ``extra_files``: name → JSON or tensors."""
     from safetensors.torch import save_file
 
@@ -159,9 +162,9 @@ def load_checkpoint(path: Path) -> tuple[CeliModel, Any, CeliConfig]:
     return model.eval(), tokenizer, config
 
 
-def load_or_default(path: Path | None, config: CeliConfig | None = None) -> tuple[
-    CeliModel, Any, CeliConfig
-]:  # fmt: skip
+def load_or_default(
+    path: Path | None, config: CeliConfig | None = None
+) -> tuple[CeliModel, Any, CeliConfig]:
     """The checkpoint at ``path``; without one, an *untrained* CELI head on the default
     backbone (its scores are noise around the backbone's features; logged loudly)."""
     if path is not None:
@@ -170,8 +173,10 @@ def load_or_default(path: Path | None, config: CeliConfig | None = None) -> tupl
     log.warning(
         "no rerank checkpoint configured: serving an UNTRAINED %s head (d_tok=%d) on %s; "
         "scores are not meaningful. Train one with `gtr-retrieval rerank train`.",
-        config.variant, config.d_tok, config.backbone,
-    )  # fmt: skip
+        config.variant,
+        config.d_tok,
+        config.backbone,
+    )
     model, tokenizer = build_model(default_backbone_dir(), config)
     init_for_training(model.head)  # neutral s_m, orthogonal W: s_l ≈ the backbone's MaxSim
     return model.eval(), tokenizer, config

@@ -368,9 +368,11 @@ class Supervisor:
                     f"(log {child.log_path})"
                 )
                 thread = threading.Thread(
-                    target=self._restart, args=(child, delay), name=f"restart-{child.name}",
+                    target=self._restart,
+                    args=(child, delay),
+                    name=f"restart-{child.name}",
                     daemon=True,
-                )  # fmt: skip
+                )
                 self._threads = [t for t in self._threads if t.is_alive()] + [thread]
                 thread.start()
             child.note(message)

@@ -42,27 +42,49 @@ def redis_child(cfg: StackConfig) -> Child:
         write_secret(cfg.redis_config_file, f"requirepass {password}\n")
         argv.append(str(cfg.redis_config_file.resolve()))  # redis-server [config] [options]
     argv += [
-        "--bind", cfg.host, "--dir", str(cfg.redis_dir.resolve()),
-        "--appendonly", "yes", "--appendfsync", cfg.redis_fsync, "--save", "",
-        "--daemonize", "no", "--protected-mode", "yes" if password else "no",
-    ]  # fmt: skip
+        "--bind",
+        cfg.host,
+        "--dir",
+        str(cfg.redis_dir.resolve()),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        cfg.redis_fsync,
+        "--save",
+        "",
+        "--daemonize",
+        "no",
+        "--protected-mode",
+        "yes" if password else "no",
+    ]
     certs = certificates(cfg)
     scheme, query = "redis", ""
     if certs is None:
         argv += ["--port", str(port)]
     else:
         argv += [
-            "--port", "0", "--tls-port", str(port),
-            "--tls-cert-file", str(certs.server_cert.resolve()),
-            "--tls-key-file", str(certs.server_key.resolve()),
-            "--tls-ca-cert-file", str(certs.ca.resolve()), "--tls-auth-clients", "yes",
-        ]  # fmt: skip
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(certs.server_cert.resolve()),
+            "--tls-key-file",
+            str(certs.server_key.resolve()),
+            "--tls-ca-cert-file",
+            str(certs.ca.resolve()),
+            "--tls-auth-clients",
+            "yes",
+        ]
         scheme = "rediss"
-        query = "?" + urlencode(safe="/", query={
-            "ssl_ca_certs": certs.ca.resolve(),
-            "ssl_certfile": certs.client_cert.resolve(),
-            "ssl_keyfile": certs.client_key.resolve(),
-        })  # fmt: skip
+        query = "?" + urlencode(
+            safe="/",
+            query={
+                "ssl_ca_certs": certs.ca.resolve(),
+                "ssl_certfile": certs.client_cert.resolve(),
+                "ssl_keyfile": certs.client_key.resolve(),
+            },
+        )
     userinfo = f":{password}@" if password else ""
     child = Child("redis", argv, cfg.logs / "redis.log")
     child.address = f"{scheme}://{userinfo}{cfg.host}:{port}/0{query}"
@@ -258,11 +280,18 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     # g1's shards; none once g1 is retired (the gateway reads the store's key layout)
     shards = ";".join(",".join(r) for r in endpoints.shards)
     argv = [
-        *CLI, "gateway", "serve",
-        "--host", cfg.host, "--port", str(port), "--metrics-port", str(metrics_port),
+        *CLI,
+        "gateway",
+        "serve",
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
         *redis_args(cfg),
         *(["--shards", shards] if shards else []),
-    ]  # fmt: skip
+    ]
     if cfg.encoder == "triton":
         argv += ["--encoder", "triton", "--triton-url", endpoints.triton_grpc]
     else:
@@ -359,8 +388,14 @@ def peer_tls_args(cfg: StackConfig) -> list[str]:
     certs = certificates(cfg)
     if certs is None:
         return []
-    return ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert),
-            "--tls-client-key", str(certs.client_key)]  # fmt: skip
+    return [
+        "--tls-ca",
+        str(certs.ca),
+        "--tls-client-cert",
+        str(certs.client_cert),
+        "--tls-client-key",
+        str(certs.client_key),
+    ]
 
 
 def shard_ports(cfg: StackConfig) -> list[int]:
@@ -402,18 +437,34 @@ def shard_child(
     index_dir = group.index_dir or cfg.index_dir
     generation = [] if group.generation == FIRST_GENERATION else ["--generation", group.generation]
     argv = [
-        *CLI, "index", "serve",
-        "--host", cfg.host, "--port", str(port),
-        "--shard", str(shard), "--shards", str(num_shards), "--replica", name, *generation,
-        *redis_args(cfg), "--index-dir", str(index_dir),
-        "--snapshot-dir", str(cfg.snapshot_dir(shard, replica, group.generation)),
-        "--metrics-port", str(metrics_port),
+        *CLI,
+        "index",
+        "serve",
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--shard",
+        str(shard),
+        "--shards",
+        str(num_shards),
+        "--replica",
+        name,
+        *generation,
+        *redis_args(cfg),
+        "--index-dir",
+        str(index_dir),
+        "--snapshot-dir",
+        str(cfg.snapshot_dir(shard, replica, group.generation)),
+        "--metrics-port",
+        str(metrics_port),
         # every replica of every shard shares this machine's cores: search inline
-        "--search-threads", "0",
+        "--search-threads",
+        "0",
         *(["--peers", ",".join(peers)] if peers else []),
         *peer_tls_args(cfg),
         *server_tls_args(cfg),
-    ]  # fmt: skip
+    ]
     child = Child(name, argv, cfg.logs / f"{name}.log", job="index")
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"
@@ -423,9 +474,17 @@ def shard_child(
 def rerank_child(cfg: StackConfig) -> Child:
     port, metrics_port = free_port(cfg.host), free_port(cfg.host)
     argv = [
-        *CLI, "rerank", "serve", "--host", cfg.host, "--port", str(port),
-        "--metrics-port", str(metrics_port), *server_tls_args(cfg),
-    ]  # fmt: skip
+        *CLI,
+        "rerank",
+        "serve",
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        *server_tls_args(cfg),
+    ]
     if cfg.rerank_checkpoint is not None:
         argv += ["--checkpoint", str(cfg.rerank_checkpoint)]
     child = Child("rerank", argv, cfg.logs / "rerank.log", job="rerank")
@@ -449,10 +508,11 @@ def prometheus_child(cfg: StackConfig, children: list[Child]) -> Child | None:
     write_prometheus_targets(cfg, children)
     port = free_port(cfg.host)
     argv = [
-        binary, f"--config.file={(home / 'prometheus.yml').resolve()}",
+        binary,
+        f"--config.file={(home / 'prometheus.yml').resolve()}",
         f"--storage.tsdb.path={(home / 'data').resolve()}",
         f"--web.listen-address={cfg.host}:{port}",
-    ]  # fmt: skip
+    ]
     child = Child("prometheus", argv, cfg.logs / "prometheus.log")
     child.address = f"{cfg.host}:{port}"
     return child

@@ -71,8 +71,9 @@ async def _encode(cfg: StackConfig, triton_grpc: str, texts: list[str]) -> tuple
         from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
         from services.stack.components import internal_tls
 
-        encoder = await TritonEncoder.connect(TritonEncoderConfig(
-            url=triton_grpc, default_timeout_s=120.0, tls=internal_tls(cfg)))  # fmt: skip
+        encoder = await TritonEncoder.connect(
+            TritonEncoderConfig(url=triton_grpc, default_timeout_s=120.0, tls=internal_tls(cfg))
+        )
     else:
         from services.encoder.runtime.inprocess import InProcessEncoder
 
@@ -81,8 +82,9 @@ async def _encode(cfg: StackConfig, triton_grpc: str, texts: list[str]) -> tuple
     step = max(1, encoder.max_batch)
     rows: list[np.ndarray] = []
     try:
-        with tqdm(total=len(texts), unit="doc", desc="encode", file=sys.stderr,
-                  disable=not cfg.progress) as bar:  # fmt: skip
+        with tqdm(
+            total=len(texts), unit="doc", desc="encode", file=sys.stderr, disable=not cfg.progress
+        ) as bar:
             for i in range(0, len(order), step):
                 batch = [texts[j] for j in order[i : i + step]]
                 rows.append((await encoder.encode(batch, "document")).vectors)
@@ -121,9 +123,12 @@ async def _triton_spec(cfg: StackConfig, triton_grpc: str) -> EncoderSpec:
     )
     try:
         return EncoderSpec(
-            model=encoder.cfg.model, version=encoder.model_version, dim=encoder.dim,
-            digest=encoder.digest, source=encoder.model_name,
-        )  # fmt: skip
+            model=encoder.cfg.model,
+            version=encoder.model_version,
+            dim=encoder.dim,
+            digest=encoder.digest,
+            source=encoder.model_name,
+        )
     finally:
         await encoder.close()
 
@@ -150,14 +155,21 @@ def store_documents(
     async def run() -> int:
         writer = ChangeLogWriter.connect(redis_url, num_shards=num_shards, dim=emb.vectors.shape[1])
         try:
-            with tqdm(total=len(emb.docs), unit="doc", desc="ingest", file=sys.stderr,
-                      disable=not progress) as bar:  # fmt: skip
+            with tqdm(
+                total=len(emb.docs),
+                unit="doc",
+                desc="ingest",
+                file=sys.stderr,
+                disable=not progress,
+            ) as bar:
                 for i in range(0, len(emb.docs), WRITE_BATCH):
                     batch = emb.docs[i : i + WRITE_BATCH]
-                    await writer.upsert([
-                        DocRecord(d.id, emb.vectors[i + n], d.title, d.text, dict(d.metadata))
-                        for n, d in enumerate(batch)
-                    ])  # fmt: skip
+                    await writer.upsert(
+                        [
+                            DocRecord(d.id, emb.vectors[i + n], d.title, d.text, dict(d.metadata))
+                            for n, d in enumerate(batch)
+                        ]
+                    )
                     bar.update(len(batch))
         finally:
             await writer.close()

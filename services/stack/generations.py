@@ -306,9 +306,11 @@ class GenerationShards:
         budget = self._budget() if gen.name == self._budgeted_target() else None
         known = self._ports.get(gen.name, [])
         # each replica's --peers: the others of its shard
-        ports = known if len(known) == gen.num_shards else [
-            components.shard_ports(cfg) for _ in range(gen.num_shards)
-        ]  # fmt: skip
+        ports = (
+            known
+            if len(known) == gen.num_shards
+            else [components.shard_ports(cfg) for _ in range(gen.num_shards)]
+        )
         self._ports[gen.name] = ports
         try:
             for shard in range(gen.num_shards):

@@ -146,10 +146,16 @@ class Stack:
             if self.generations is not None:
                 self.endpoints.generations = self.generations.addresses()
             children = [
-                {"name": c.name, "address": _public(c.address), "pid": c.pid,
-                 "state": c.state.value, "restarts": c.restarts, "log": str(c.log_path)}
+                {
+                    "name": c.name,
+                    "address": _public(c.address),
+                    "pid": c.pid,
+                    "state": c.state.value,
+                    "restarts": c.restarts,
+                    "log": str(c.log_path),
+                }
                 for c in self.supervisor.children
-            ]  # fmt: skip
+            ]
             state = {
                 **self.endpoints.as_json(),
                 "restarts": self.supervisor.restart_counts(),
@@ -229,9 +235,13 @@ class Stack:
         serving = self.record_first_generation()
         self.endpoints.index_root = str(cfg.index_root.resolve())
         self.generations = GenerationShards(
-            cfg, self.supervisor, redis.address, tls=tls, report=_say,
+            cfg,
+            self.supervisor,
+            redis.address,
+            tls=tls,
+            report=_say,
             on_change=self._generations_changed,
-        )  # fmt: skip
+        )
         self.generations.start_all()
         self.endpoints.shards = self.generations.gateway_shards()
         self.endpoints.generations = self.generations.addresses()

@@ -231,8 +231,12 @@ def test_the_bottleneck_ratio_in_both_placements_puts_every_cpu_back(
             queries = ["read a csv file", "parse json", "hash some bytes"]
             return await asyncio.to_thread(
                 bottleneck.measure_placements,
-                Target(s.address), triton.grpc_url, queries, args, stack,
-            )  # fmt: skip
+                Target(s.address),
+                triton.grpc_url,
+                queries,
+                args,
+                stack,
+            )
 
     out = asyncio.run(scenario())
     assert out["placement"] == "split" and out["ratio"] == out["split"]["ratio"]

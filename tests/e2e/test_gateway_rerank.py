@@ -158,9 +158,23 @@ def test_a_chosen_depth_the_reranker_overruns_answers_in_first_stage_order(
     table = tmp_path / "depths.json"
     table.write_text(json.dumps({"ms_per_query_at_depth": {"12": 1.0}}))
     port_file = tmp_path / "rerank.port"
-    argv = [sys.executable, "-m", "services.cli.main", "rerank", "serve", "--host", "127.0.0.1",
-            "--port", "0", "--port-file", str(port_file), "--checkpoint", str(checkpoint),
-            "--threads", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "rerank",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--checkpoint",
+        str(checkpoint),
+        "--threads",
+        "1",
+    ]
     with (tmp_path / "rerank.log").open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -206,9 +220,24 @@ def test_a_configured_depth_table_that_cannot_be_read_stops_the_gateway_at_start
     table = tmp_path / "depths.json"
     if content is not None:
         table.write_text(content)
-    argv = [sys.executable, "-m", "services.cli.main", "gateway", "serve", "--port", "0",
-            "--shards", "127.0.0.1:1", "--encoder", "inprocess", "--rerank-url", "127.0.0.1:2",
-            "--no-auth", "--rerank-depth-table", str(table)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "gateway",
+        "serve",
+        "--port",
+        "0",
+        "--shards",
+        "127.0.0.1:1",
+        "--encoder",
+        "inprocess",
+        "--rerank-url",
+        "127.0.0.1:2",
+        "--no-auth",
+        "--rerank-depth-table",
+        str(table),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "rerank_depth_table" in done.stderr and str(table) in done.stderr, done.stderr

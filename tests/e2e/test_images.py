@@ -60,9 +60,12 @@ def images() -> dict[str, str]:
     if os.environ.get("GTR_TEST_IMAGES_BUILT") != "1":
         started = time.monotonic()
         proc = subprocess.run(
-            [str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+            [str(BUILD_SCRIPT)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
             check=False,
-        )  # fmt: skip
+        )
         output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         assert proc.returncode == 0, f"build_images.sh failed:\n{output}"
         print(f"images built in {time.monotonic() - started:.0f} s\n{proc.stdout}")
@@ -134,12 +137,41 @@ def test_the_stack_from_the_images_answers_a_search(
     app = containers["app"]
     # 1. Artefacts, made by the application image's CLI.
     np.save(workdir / "emb.npy", np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:3000])
-    app.run(["encoder", "export", "--out", "/work/export/model.onnx", "--skip-parity"],
-            timeout=600, volumes=work)  # fmt: skip
-    app.run(["encoder", "repo", "--onnx", "/work/export/model.onnx", "--out", "/work/repo",
-             "--flavor", "cpu", "--threads", "1"], timeout=120, volumes=work)  # fmt: skip
-    app.run(["index", "train", "--embeddings", "/work/emb.npy", "--out", "/work/index",
-             "--model", "all-MiniLM-L6-v2"], timeout=600, volumes=work)  # fmt: skip
+    app.run(
+        ["encoder", "export", "--out", "/work/export/model.onnx", "--skip-parity"],
+        timeout=600,
+        volumes=work,
+    )
+    app.run(
+        [
+            "encoder",
+            "repo",
+            "--onnx",
+            "/work/export/model.onnx",
+            "--out",
+            "/work/repo",
+            "--flavor",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+        timeout=120,
+        volumes=work,
+    )
+    app.run(
+        [
+            "index",
+            "train",
+            "--embeddings",
+            "/work/emb.npy",
+            "--out",
+            "/work/index",
+            "--model",
+            "all-MiniLM-L6-v2",
+        ],
+        timeout=600,
+        volumes=work,
+    )
     assert json.loads((workdir / "index" / "manifest.json").read_text())["dim"] == 384
     # Writable by the image's user (uid 10001): the shard creates its text index there
     # at start (mkdir's mode is masked by the umask, hence the chmod).
@@ -150,22 +182,39 @@ def test_the_stack_from_the_images_answers_a_search(
     http, grpc_port, metrics = free_port(), free_port(), free_port()
     triton_log = workdir / "triton.log"
     triton = containers["triton"].start(
-        ["--model-repository=/work/repo", f"--http-port={http}", f"--grpc-port={grpc_port}",
-         f"--metrics-port={metrics}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
-         "--strict-readiness=true", "--exit-on-error=true", "--allow-gpu-metrics=false"],
-        triton_log, volumes=work,
-    )  # fmt: skip
+        [
+            "--model-repository=/work/repo",
+            f"--http-port={http}",
+            f"--grpc-port={grpc_port}",
+            f"--metrics-port={metrics}",
+            "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1",
+            "--strict-readiness=true",
+            "--exit-on-error=true",
+            "--allow-gpu-metrics=false",
+        ],
+        triton_log,
+        volumes=work,
+    )
     wait_until(lambda: http_ready(http), "tritonserver", triton, triton_log)
 
     # 3. One shard and the gateway (application image).
     shard_port = free_port()
     shard_log = workdir / "shard.log"
     shard = app.start(
-        ["index", "serve", f"--port={shard_port}", "--shard=0", "--shards=1",
-         f"--redis-url={redis_server.url}", "--index-dir=/work/index",
-         "--snapshot-dir=/work/snap"],
-        shard_log, volumes=work,
-    )  # fmt: skip
+        [
+            "index",
+            "serve",
+            f"--port={shard_port}",
+            "--shard=0",
+            "--shards=1",
+            f"--redis-url={redis_server.url}",
+            "--index-dir=/work/index",
+            "--snapshot-dir=/work/snap",
+        ],
+        shard_log,
+        volumes=work,
+    )
     wait_until(lambda: grpc_serving(shard_port), "index shard", shard, shard_log)
 
     gateway_port = free_port()
@@ -173,10 +222,17 @@ def test_the_stack_from_the_images_answers_a_search(
     gateway_help = app.run(["gateway", "serve", "--help"], timeout=60)
     auth = ["--no-auth"] if "--no-auth" in gateway_help else []
     gateway = app.start(
-        ["gateway", "serve", f"--port={gateway_port}", f"--redis-url={redis_server.url}",
-         f"--shards=127.0.0.1:{shard_port}", f"--triton-url=127.0.0.1:{grpc_port}", *auth],
+        [
+            "gateway",
+            "serve",
+            f"--port={gateway_port}",
+            f"--redis-url={redis_server.url}",
+            f"--shards=127.0.0.1:{shard_port}",
+            f"--triton-url=127.0.0.1:{grpc_port}",
+            *auth,
+        ],
         gateway_log,
-    )  # fmt: skip
+    )
     wait_until(lambda: grpc_serving(gateway_port), "gateway", gateway, gateway_log)
 
     # The image's HEALTHCHECK command, run in the container against the gateway.

@@ -251,16 +251,20 @@ def test_without_a_valid_token_every_method_is_unauthenticated(
         search = search_pb2_grpc.SearchServiceStub(ch)
         docs = documents_pb2_grpc.DocumentServiceStub(ch)
         calls: list[Callable[[], object]] = [
-            lambda: search.Search(search_pb2.SearchRequest(query="x", k=1), timeout=30,
-                                  metadata=metadata),
-            lambda: search.BatchSearch(search_pb2.BatchSearchRequest(), timeout=30,
-                                       metadata=metadata),
+            lambda: search.Search(
+                search_pb2.SearchRequest(query="x", k=1), timeout=30, metadata=metadata
+            ),
+            lambda: search.BatchSearch(
+                search_pb2.BatchSearchRequest(), timeout=30, metadata=metadata
+            ),
             lambda: docs.Get(documents_pb2.GetRequest(id="d01"), timeout=30, metadata=metadata),
-            lambda: docs.Upsert(documents_pb2.UpsertRequest(documents=DOCS[:1]), timeout=30,
-                                metadata=metadata),
-            lambda: docs.Delete(documents_pb2.DeleteRequest(ids=["d01"]), timeout=30,
-                                metadata=metadata),
-        ]  # fmt: skip
+            lambda: docs.Upsert(
+                documents_pb2.UpsertRequest(documents=DOCS[:1]), timeout=30, metadata=metadata
+            ),
+            lambda: docs.Delete(
+                documents_pb2.DeleteRequest(ids=["d01"]), timeout=30, metadata=metadata
+            ),
+        ]
         for call in calls:
             code, details = _code(call)
             assert code is grpc.StatusCode.UNAUTHENTICATED, details
@@ -389,8 +393,16 @@ def test_probes_get_the_health_status_in_plaintext_on_the_health_port_and_nothin
 
 
 def _cli(secured: Secured, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "services.cli.main", *args, "--gateway", secured.address,
-            "--tls-ca", str(secured.certs.ca)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        *args,
+        "--gateway",
+        secured.address,
+        "--tls-ca",
+        str(secured.certs.ca),
+    ]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GTR_")}
     return subprocess.run(
         argv, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120
@@ -429,8 +441,16 @@ def test_index_stats_reaches_an_mtls_shard_only_with_a_client_certificate(
     secured: Secured,
 ) -> None:
     certs = secured.certs
-    argv = [sys.executable, "-m", "services.cli.main", "index", "stats", secured.shard_address,
-            "--tls-ca", str(certs.ca)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "index",
+        "stats",
+        secured.shard_address,
+        "--tls-ca",
+        str(certs.ca),
+    ]
     mine = ["--tls-client-cert", str(certs.client_cert), "--tls-client-key", str(certs.client_key)]
     run = {"cwd": ROOT, "capture_output": True, "text": True, "timeout": 120}
     stats = subprocess.run([*argv, *mine], **run)  # type: ignore[call-overload]
@@ -453,8 +473,14 @@ def test_index_stats_shows_the_replicas_that_answer_and_names_the_unreachable_on
     others, the ones that answer are still shown and the unreachable one is marked."""
     certs = secured.certs
     down = f"127.0.0.1:{free_port()}"  # nothing listens there
-    tls = ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert),
-           "--tls-client-key", str(certs.client_key)]  # fmt: skip
+    tls = [
+        "--tls-ca",
+        str(certs.ca),
+        "--tls-client-cert",
+        str(certs.client_cert),
+        "--tls-client-key",
+        str(certs.client_key),
+    ]
     run = {"cwd": ROOT, "capture_output": True, "text": True, "timeout": 120}
 
     def index(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -511,10 +537,18 @@ def locked_stack(
         rows = [json.loads(line) for _, line in zip(range(300), fh, strict=False)]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     cfg = StackConfig(
-        run_dir=tmp / "run", corpus=corpus, shards=1, encoder="inprocess", rerank=False,
-        gateway_port=0, prometheus=False, progress=False,
-        startup_timeout_s=240, auth=True, tls=True,
-    )  # fmt: skip
+        run_dir=tmp / "run",
+        corpus=corpus,
+        shards=1,
+        encoder="inprocess",
+        rerank=False,
+        gateway_port=0,
+        prometheus=False,
+        progress=False,
+        startup_timeout_s=240,
+        auth=True,
+        tls=True,
+    )
     stack = Stack(cfg)
     try:
         stack.start()
@@ -626,10 +660,21 @@ def test_index_generations_sizes_the_mtls_shards_of_a_tls_stack(
     (its internal TLS, as `index rollout` takes it). It used to ask in plaintext, so every
     size was unknown (DOCS ?, replicas 0/1) (issue #24 follow-up)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GTR_")}
-    argv = [sys.executable, "-m", "services.cli.main", "index", "generations",
-            f"--run-dir={locked_stack.cfg.run_dir}"]  # fmt: skip
-    run = {"cwd": tmp_path, "env": {**clean, "PYTHONPATH": str(ROOT)},
-           "capture_output": True, "text": True, "timeout": 120}  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "index",
+        "generations",
+        f"--run-dir={locked_stack.cfg.run_dir}",
+    ]
+    run = {
+        "cwd": tmp_path,
+        "env": {**clean, "PYTHONPATH": str(ROOT)},
+        "capture_output": True,
+        "text": True,
+        "timeout": 120,
+    }
     listed = subprocess.run([*argv, "--json"], **run)  # type: ignore[call-overload]
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)["generations"]
@@ -667,14 +712,21 @@ def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "services.cli.main", "index", *args, "--yes", "--quiet"]
-        return subprocess.run(argv, cwd=tmp_path, env={**clean, "PYTHONPATH": str(ROOT)},
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        return subprocess.run(
+            argv,
+            cwd=tmp_path,
+            env={**clean, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     try:
         before = [g.name for g in registry.all()]
         assert registry.alias().serving == "g1"
-        plaintext = cli("rollout", "--retrain", f"--redis-url-file={cfg.redis_url_file}",
-                        "--shard-wait-s=120")  # fmt: skip
+        plaintext = cli(
+            "rollout", "--retrain", f"--redis-url-file={cfg.redis_url_file}", "--shard-wait-s=120"
+        )
         assert plaintext.returncode == 2, plaintext.stderr
         assert "speaks TLS" in plaintext.stderr and "give --tls-ca" in plaintext.stderr
         assert "Traceback" not in plaintext.stderr

@@ -112,13 +112,31 @@ def up(tmp_path: Path, scifact_dir: Path) -> Iterator[Up]:
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [
-                sys.executable, "-m", "services.cli.main", "up", "--corpus", str(corpus),
-                "--run-dir", str(run_dir), "--shards", "2", "--replicas", "2",
-                "--encoder", "inprocess", "--no-rerank", "--no-prometheus",
-                "--port", str(port),
+                sys.executable,
+                "-m",
+                "services.cli.main",
+                "up",
+                "--corpus",
+                str(corpus),
+                "--run-dir",
+                str(run_dir),
+                "--shards",
+                "2",
+                "--replicas",
+                "2",
+                "--encoder",
+                "inprocess",
+                "--no-rerank",
+                "--no-prometheus",
+                "--port",
+                str(port),
             ],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     handle = Up(proc, run_dir, f"127.0.0.1:{port}", log)
     try:
         _until(lambda: (run_dir / "stack.json").exists(), 600, "the stack up", handle)
@@ -318,12 +336,17 @@ def test_the_stack_keeps_its_promises_under_kills_stops_and_a_burst(up: Up) -> N
                 for mode in (search_pb2.RETRIEVAL_MODE_SPARSE, search_pb2.RETRIEVAL_MODE_HYBRID):
                     found = await search.Search(
                         search_pb2.SearchRequest(
-                            query=own, k=1, ids_only=True, nprobe=nlist, mode=mode,
+                            query=own,
+                            k=1,
+                            ids_only=True,
+                            nprobe=nlist,
+                            mode=mode,
                             consistency=common_pb2.CONSISTENCY_SESSION,
-                            write_token=write_token, require_complete=True,
+                            write_token=write_token,
+                            require_complete=True,
                         ),
                         timeout=30,
-                    )  # fmt: skip
+                    )
                     assert not found.partial, found
                     in_text[mode] = [h.id for h in found.hits][:1] == [doc_id]
                 try:

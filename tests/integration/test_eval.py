@@ -202,8 +202,10 @@ def test_through_a_gateway(
         for name in ("service_dense", "bm25", "hybrid_rrf", "hybrid_weighted"):
             assert r["ndcg_at_10"][name] >= 0.9, name
         assert r["hybrid"]["queries"] > 0 and set(r["hybrid"]["vs_dense"]) == {
-            "bm25", "hybrid_rrf", "hybrid_weighted",
-        }  # fmt: skip
+            "bm25",
+            "hybrid_rrf",
+            "hybrid_weighted",
+        }
         # the corpus is in the store now: --no-ingest searches what is there
         code, lines = run_eval(
             "--data", str(beir), "--split", "test", "--gateway", bg.address, "--no-ingest"

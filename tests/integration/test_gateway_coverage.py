@@ -139,7 +139,7 @@ def test_a_batch_of_searches_with_different_options_answers_each_by_its_own(
         front.request("read a csv file", k=3, rerank=RERANK_6),
         search_pb2.SearchRequest(query="sha256 hash of bytes", k=1),  # EVENTUAL, no token
         front.request("threads", k=4, filter=_filter(topic=["thread"]), ids_only=True),
-    ]  # fmt: skip
+    ]
     replies = front.search.BatchSearch(
         search_pb2.BatchSearchRequest(requests=requests), timeout=60
     ).responses

@@ -108,14 +108,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
             with log.open("ab") as out:
                 gateway = subprocess.Popen(
                     [
-                        sys.executable, "-m", "services.gateway.server",
-                        "--port", str(gw_port), "--redis-url", store.url, "--shards", spec,
-                        "--encoder", "inprocess", "--log-level", "WARNING",
-                        "--default-timeout-s", str(GATEWAY_DEFAULT_TIMEOUT_S),
-                        "--redis-max-connections", "8", "--no-auth",
+                        sys.executable,
+                        "-m",
+                        "services.gateway.server",
+                        "--port",
+                        str(gw_port),
+                        "--redis-url",
+                        store.url,
+                        "--shards",
+                        spec,
+                        "--encoder",
+                        "inprocess",
+                        "--log-level",
+                        "WARNING",
+                        "--default-timeout-s",
+                        str(GATEWAY_DEFAULT_TIMEOUT_S),
+                        "--redis-max-connections",
+                        "8",
+                        "--no-auth",
                     ],
-                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                )  # fmt: skip
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
             try:
                 address = f"127.0.0.1:{gw_port}"
                 _wait_serving(address, gateway, log)

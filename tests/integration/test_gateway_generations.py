@@ -251,15 +251,25 @@ def world(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
             from services.encoder.model import default_model_dir
 
             w = World(
-                store.url, client, Registry(client), nlist, g1_shards, a, b,
-                torch_embedder(default_model_dir()), torch_embedder(second), load_token,
-            )  # fmt: skip
+                store.url,
+                client,
+                Registry(client),
+                nlist,
+                g1_shards,
+                a,
+                b,
+                torch_embedder(default_model_dir()),
+                torch_embedder(second),
+                load_token,
+            )
             # Generation g2 as a rollout builds it: 3 shards, the perturbed encoder, the
             # documents re-embedded and copied into its layout, plus one of its own.
             g2 = w.registry.create(
-                3, EncoderSpec(PERTURBED, 0, 384, "", str(second)), str(index_dir),
+                3,
+                EncoderSpec(PERTURBED, 0, 384, "", str(second)),
+                str(index_dir),
                 {"trained": True},
-            )  # fmt: skip
+            )
             assert g2.name == "g2"
             copy_into(w, [d[0] for d in DOCS], G1.layout, G2)
             vector, _ = w.perturbed.embed([f"marker {MARKER_TEXT}"], "document")

@@ -69,22 +69,60 @@ SEED_DOCS = [
 
 _chars = st.characters(exclude_categories=["Cs"])  # a proto string cannot hold surrogates
 ODD = [
-    "", " ", "\t\n\r ", "\x00", "\x00abc", "\u200b", "\ufeff", "\u202e evil", "a\u0301",
-    "\U0010ffff", "🙂" * 3, "NaN", "nan", "inf", "-inf", "1e309", "-0", "null", "{}",
-    "doc:{0}:x", "{gtr-qcache}", "*", "../../etc/passwd", "'; DROP TABLE docs; --",
-    "x" * (LIMITS.max_id_bytes + 1), "é" * (LIMITS.max_id_bytes // 2 + 1),
-]  # fmt: skip
+    "",
+    " ",
+    "\t\n\r ",
+    "\x00",
+    "\x00abc",
+    "\u200b",
+    "\ufeff",
+    "\u202e evil",
+    "a\u0301",
+    "\U0010ffff",
+    "🙂" * 3,
+    "NaN",
+    "nan",
+    "inf",
+    "-inf",
+    "1e309",
+    "-0",
+    "null",
+    "{}",
+    "doc:{0}:x",
+    "{gtr-qcache}",
+    "*",
+    "../../etc/passwd",
+    "'; DROP TABLE docs; --",
+    "x" * (LIMITS.max_id_bytes + 1),
+    "é" * (LIMITS.max_id_bytes // 2 + 1),
+]
 HUGE = ["q" * (LIMITS.max_query_bytes + 1), "é" * (LIMITS.max_query_bytes // 2 + 1)]
 texts = st.one_of(st.text(_chars, max_size=40), st.sampled_from(ODD + HUGE), st.sampled_from(WORDS))
 ids = st.one_of(st.text(_chars, max_size=20), st.sampled_from(ODD), st.sampled_from(["seed-1"]))
 uint32 = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 1000, 1001, 2**32 - 1]))
 positions = st.one_of(
     st.sampled_from(
-        ["", "0-0", "1-0", "0", "-1", "1-", "-1-0", "a-b", "1-2-3", " 1-0", "NaN-0", "inf",
-         "18446744073709551616-0", "0-18446744073709551616", "\x00", "1-0\n"]
+        [
+            "",
+            "0-0",
+            "1-0",
+            "0",
+            "-1",
+            "1-",
+            "-1-0",
+            "a-b",
+            "1-2-3",
+            " 1-0",
+            "NaN-0",
+            "inf",
+            "18446744073709551616-0",
+            "0-18446744073709551616",
+            "\x00",
+            "1-0\n",
+        ]
     ),
     st.text(_chars, max_size=12),
-)  # fmt: skip
+)
 tokens = st.builds(
     lambda ps: common_pb2.WriteToken(
         positions=[common_pb2.ShardPosition(shard=s, position=p) for s, p in ps]

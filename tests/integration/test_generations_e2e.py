@@ -86,9 +86,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, data: Data) -> Iterator[Loca
     root = tmp_path_factory.mktemp("generations-stack")
     keep = os.environ.get("GTR_KEEP_LOGS")  # pytest keeps only its last 3 temp dirs
     with local_stack(
-        root / "run", root / "up.log", corpus=data.corpus, shards=2,
+        root / "run",
+        root / "up.log",
+        corpus=data.corpus,
+        shards=2,
         keep_logs=Path(keep) if keep else None,
-    ) as running:  # fmt: skip
+    ) as running:
         yield running
 
 
@@ -199,8 +202,9 @@ def history(writes: list[WriteOp], doc_id: str) -> list[str]:
     """A document's writes, for a failure message: kind, status, generation@epoch, when."""
     return [
         f"{w.kind} {w.code} {w.generation}@{w.epoch} {w.start:.2f}-{w.end:.2f} {w.detail}"
-        for w in writes if w.doc_id == doc_id
-    ]  # fmt: skip
+        for w in writes
+        if w.doc_id == doc_id
+    ]
 
 
 def nlist_of(gen: Generation) -> int:
@@ -236,12 +240,17 @@ async def check_gateway(
         async def searched(doc_id: str) -> tuple[bool, str]:
             reply = await search.Search(
                 search_pb2.SearchRequest(
-                    query=doc_id, k=1, ids_only=True, nprobe=nlist, filter=probe_filter(doc_id),
-                    consistency=common_pb2.CONSISTENCY_STRONG, require_complete=True,
+                    query=doc_id,
+                    k=1,
+                    ids_only=True,
+                    nprobe=nlist,
+                    filter=probe_filter(doc_id),
+                    consistency=common_pb2.CONSISTENCY_STRONG,
+                    require_complete=True,
                     mode=search_pb2.RETRIEVAL_MODE_DENSE,
                 ),
                 timeout=30,
-            )  # fmt: skip
+            )
             return [h.id for h in reply.hits] == [doc_id], str(getattr(reply, "generation", ""))
 
         ids = sorted(present) + sorted(absent) + corpus[:20]
@@ -278,12 +287,18 @@ async def session_sees_the_new_generation(
         op = WriteOp(doc_id, "upsert", time.monotonic(), text=f"written after the switch to {new}")
         record.writes.append(op)
         reply = await docs.Upsert(
-            documents_pb2.UpsertRequest(documents=[documents_pb2.Document(
-                id=doc_id, title=doc_id, text=op.text,
-                metadata={"probe": doc_id},
-            )]),
+            documents_pb2.UpsertRequest(
+                documents=[
+                    documents_pb2.Document(
+                        id=doc_id,
+                        title=doc_id,
+                        text=op.text,
+                        metadata={"probe": doc_id},
+                    )
+                ]
+            ),
             timeout=10,
-        )  # fmt: skip
+        )
         op.end, op.code = time.monotonic(), "OK"
         op.generation, op.epoch, op.positions = token_of(reply.write_token)
         assert op.generation == new and op.epoch == epoch, (
@@ -293,12 +308,18 @@ async def session_sees_the_new_generation(
         nlist = nlist_of(registry(stack).get(new))  # every list probed: exact
         found = await search.Search(
             search_pb2.SearchRequest(
-                query=doc_id, k=1, ids_only=True, filter=probe_filter(doc_id), nprobe=nlist,
-                consistency=common_pb2.CONSISTENCY_SESSION, write_token=reply.write_token,
-                require_complete=True, mode=search_pb2.RETRIEVAL_MODE_DENSE,
+                query=doc_id,
+                k=1,
+                ids_only=True,
+                filter=probe_filter(doc_id),
+                nprobe=nlist,
+                consistency=common_pb2.CONSISTENCY_SESSION,
+                write_token=reply.write_token,
+                require_complete=True,
+                mode=search_pb2.RETRIEVAL_MODE_DENSE,
             ),
             timeout=30,
-        )  # fmt: skip
+        )
         assert getattr(found, "generation", "") == new, (found.generation, new)
         assert [h.id for h in found.hits] == [doc_id], f"SESSION search in {new} missed {doc_id}"
 
@@ -316,18 +337,26 @@ def test_rollout_rollback_and_reshard_under_searches_and_writes(
     first = reg.alias()
     assert first.serving == "g1", first
     load = SteadyLoad(
-        stack.gateway, data.queries, searches_per_s=SEARCHES_PER_S, writes_per_s=WRITES_PER_S,
+        stack.gateway,
+        data.queries,
+        searches_per_s=SEARCHES_PER_S,
+        writes_per_s=WRITES_PER_S,
         redis_url=stack.redis_url,
-    )  # fmt: skip
+    )
     shard_checks: dict[str, dict[str, int]] = {}
 
     async def switch(args: list[str], what: str, tag: str) -> tuple[str, str, int]:
         before = await asyncio.to_thread(reg.alias)
         started = time.monotonic()
         done = await asyncio.to_thread(
-            stack.run_cli, *args, "--run-dir", run_dir, "--yes",
-            timeout=ROLLOUT_TIMEOUT_S, log=cli_log,
-        )  # fmt: skip
+            stack.run_cli,
+            *args,
+            "--run-dir",
+            run_dir,
+            "--yes",
+            timeout=ROLLOUT_TIMEOUT_S,
+            log=cli_log,
+        )
         _ok(done, what)
         print(f"{what}: {time.monotonic() - started:.1f} s", flush=True)
         after = await asyncio.to_thread(reg.alias)
@@ -339,9 +368,12 @@ def test_rollout_rollback_and_reshard_under_searches_and_writes(
         # the generation it replaced: its logs are final; it holds the writes of the
         # epochs before this switch
         shard_checks[f"{before.serving} after {what}"] = await check_shards(
-            stack, before.serving, load.record.writes, data.ids,
+            stack,
+            before.serving,
+            load.record.writes,
+            data.ids,
             before_epoch=after.epoch,
-        )  # fmt: skip
+        )
         # the new one, while writes go on: every write acknowledged before now
         now = time.monotonic()
         shard_checks[f"{after.serving} after {what}"] = await check_shards(
@@ -383,9 +415,10 @@ def test_rollout_rollback_and_reshard_under_searches_and_writes(
     nameless = [s for s in record.searches if not s.generation]
     assert not nameless, "SearchResponse.generation is empty (the gateway, part C)"
     stray = [
-        s for s in record.searches
+        s
+        for s in record.searches
         if s.generation not in record.serving_between(s.start - ALIAS_SLACK_S, s.end)
-    ]  # fmt: skip
+    ]
     assert not stray, f"answers from a generation the alias did not name: {stray[:5]}"
     assert {s.generation for s in record.searches} >= {"g1", "g2", "g3"}
     assert record.search_rate() >= 20, (
@@ -477,12 +510,14 @@ async def upsert_many(gateway: str, ids: list[str], batch: int = 32) -> None:
         docs = documents_pb2_grpc.DocumentServiceStub(channel)
         for i in range(0, len(ids), batch):
             await docs.Upsert(
-                documents_pb2.UpsertRequest(documents=[
-                    documents_pb2.Document(id=d, title=d, text=f"document {d} of the kill test")
-                    for d in ids[i : i + batch]
-                ]),
+                documents_pb2.UpsertRequest(
+                    documents=[
+                        documents_pb2.Document(id=d, title=d, text=f"document {d} of the kill test")
+                        for d in ids[i : i + batch]
+                    ]
+                ),
                 timeout=60,
-            )  # fmt: skip
+            )
 
 
 def test_a_builder_killed_mid_bulk_resumes_to_the_documents_of_an_uninterrupted_run(
@@ -492,17 +527,43 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_documents_of_an_uninterrupted_
     cli_log = log_dir(tmp_path) / "cli-kill.log"
     reg = registry(stack)
     if reg.rollout() is not None:  # an earlier test's rollout left running: not this one's
-        _ok(stack.run_cli("index", "rollout", "--abort", "--run-dir", run_dir, "--yes",
-                          log=cli_log), "rollout --abort")  # fmt: skip
+        _ok(
+            stack.run_cli(
+                "index", "rollout", "--abort", "--run-dir", run_dir, "--yes", log=cli_log
+            ),
+            "rollout --abort",
+        )
     alias = reg.alias()
     for gen in reg.all():  # fewer shard processes on the shared machine
         if gen.name != alias.serving and gen.state not in ("retired",):
-            _ok(stack.run_cli("index", "retire", "--generation", gen.name, "--run-dir",
-                              run_dir, "--yes", log=cli_log), f"retire {gen.name}")  # fmt: skip
+            _ok(
+                stack.run_cli(
+                    "index",
+                    "retire",
+                    "--generation",
+                    gen.name,
+                    "--run-dir",
+                    run_dir,
+                    "--yes",
+                    log=cli_log,
+                ),
+                f"retire {gen.name}",
+            )
     # enough documents that the bulk copy (what the training sample leaves) takes batches
     asyncio.run(upsert_many(stack.gateway, [f"kill-{i}" for i in range(KILL_EXTRA_DOCS)]))
-    rollout = ["index", "rollout", "--encoder", str(second_encoder), "--batch", "8",
-               "--sample", str(KILL_SAMPLE), "--run-dir", run_dir, "--yes"]  # fmt: skip
+    rollout = [
+        "index",
+        "rollout",
+        "--encoder",
+        str(second_encoder),
+        "--batch",
+        "8",
+        "--sample",
+        str(KILL_SAMPLE),
+        "--run-dir",
+        run_dir,
+        "--yes",
+    ]
 
     # an uninterrupted run
     _ok(stack.run_cli(*rollout, timeout=ROLLOUT_TIMEOUT_S, log=cli_log), "rollout")

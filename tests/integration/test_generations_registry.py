@@ -82,8 +82,10 @@ def test_a_switch_is_one_alias_change_that_raises_the_epoch(client: Any) -> None
     alias = reg.switch("g2", {0: "5-0", 1: "6-0", 2: "7-0"})
     assert alias.serving == "g2" and alias.previous == "g1" and alias.epoch == 2
     assert reg.get("g2").state == "serving" and reg.get("g2").switch_in == {
-        "0": "5-0", "1": "6-0", "2": "7-0",
-    }  # fmt: skip
+        "0": "5-0",
+        "1": "6-0",
+        "2": "7-0",
+    }
     assert reg.get("g1").state == "previous"
     back = reg.switch("g1", {0: "9-0", 1: "9-1"})
     assert (back.serving, back.previous, back.epoch) == ("g1", "g2", 3)

@@ -162,7 +162,12 @@ def test_policy_values_and_the_service_config() -> None:
     assert config["retryThrottling"] == {"maxTokens": 10, "tokenRatio": 0.1}
     assert json.loads(service_config(["a.B"], RetryPolicy(attempts=1))) == {}
     assert ("grpc.enable_retries", 0) in channel_options(["a.B"], RetryPolicy(attempts=1))
-    for bad in ({"attempts": 0}, {"attempts": 6}, {"initial_backoff_s": 0}, {"codes": ()},
-                {"initial_backoff_s": 2.0, "max_backoff_s": 1.0}):  # fmt: skip
+    for bad in (
+        {"attempts": 0},
+        {"attempts": 6},
+        {"initial_backoff_s": 0},
+        {"codes": ()},
+        {"initial_backoff_s": 2.0, "max_backoff_s": 1.0},
+    ):
         with pytest.raises(ValueError):
             RetryPolicy(**bad)  # type: ignore[arg-type]

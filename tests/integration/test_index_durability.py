@@ -57,9 +57,14 @@ async def present(
     for i in range(0, len(ids), 1000):
         chunk = ids[i : i + 1000]
         query = IndexQuery(
-            vector[None], 1000, nprobe=nlist, filter=[("uid", chunk)],
-            consistency=Consistency.SESSION, write_token=token, require_complete=True,
-        )  # fmt: skip
+            vector[None],
+            1000,
+            nprobe=nlist,
+            filter=[("uid", chunk)],
+            consistency=Consistency.SESSION,
+            write_token=token,
+            require_complete=True,
+        )
         result = await router.search(query, timeout=20)
         found |= {h.id for h in result.hits[0]}
     return found
@@ -73,9 +78,12 @@ def wait_applied(address: str, token: WriteToken, vector: np.ndarray) -> None:
         router = ShardRouter([[address]])
         try:
             query = IndexQuery(
-                vector[None], 1, consistency=Consistency.SESSION, write_token=token,
+                vector[None],
+                1,
+                consistency=Consistency.SESSION,
+                write_token=token,
                 require_complete=True,
-            )  # fmt: skip
+            )
             await router.search(query, timeout=30)
         finally:
             await router.close()
@@ -221,9 +229,14 @@ def test_log_is_trimmed_only_below_the_slowest_replica(
 
         with pytest.raises(RuntimeError, match="trimmed"):
             start_shard(
-                index_dir=index_dir, redis_url=any_redis_url, shard=0, shards=1, work_dir=stranger,
-                replica="stranger", timeout=30,
-            )  # fmt: skip
+                index_dir=index_dir,
+                redis_url=any_redis_url,
+                shard=0,
+                shards=1,
+                work_dir=stranger,
+                replica="stranger",
+                timeout=30,
+            )
 
 
 def test_shard_down_gives_partial_results_within_the_deadline(

@@ -146,9 +146,13 @@ def test_sparse_reads_its_writes_and_never_returns_a_deleted_document(
             )
             for consistency in (Consistency.SESSION, Consistency.STRONG):
                 query = IndexQuery(
-                    None, 0, texts=("okapi",), sparse_k=5, consistency=consistency,
+                    None,
+                    0,
+                    texts=("okapi",),
+                    sparse_k=5,
+                    consistency=consistency,
                     write_token=token,
-                )  # fmt: skip
+                )
                 found = await router.search(query, timeout=30)
                 assert ids(found.sparse) == [["okapi"]]
             query = IndexQuery(None, 0, texts=("okapi",), sparse_k=5, filter=[("par", ["1"])])
@@ -157,9 +161,13 @@ def test_sparse_reads_its_writes_and_never_returns_a_deleted_document(
             token, deleted, _ = await writer.delete(["okapi"])
             assert deleted == ["okapi"]
             query = IndexQuery(
-                vectors[N_DOCS : N_DOCS + 1], 5, texts=("okapi zebrafish",), sparse_k=5,
-                consistency=Consistency.SESSION, write_token=token,
-            )  # fmt: skip
+                vectors[N_DOCS : N_DOCS + 1],
+                5,
+                texts=("okapi zebrafish",),
+                sparse_k=5,
+                consistency=Consistency.SESSION,
+                write_token=token,
+            )
             gone = await router.search(query, timeout=30)
             assert "okapi" not in ids(gone.sparse)[0] and "okapi" not in ids(gone.hits)[0]
         finally:

@@ -244,7 +244,7 @@ def _session_at(position: str) -> Callable[[index_pb2.ShardSearchRequest], None]
         (lambda r: setattr(r.queries, "count", 2), "bytes"),
         (_session_at("soon"), "position"),
     ],
-)  # fmt: skip
+)
 def test_invalid_requests_are_invalid_argument_and_change_nothing(
     cluster: ShardCluster, vectors: np.ndarray, mutate: object, message: str
 ) -> None:
@@ -396,17 +396,21 @@ def test_replicas_register_as_alive(cluster: ShardCluster, module_redis: str) ->
 
     def seen() -> dict[Any, float]:
         return {
-            r: float(t) for shard in range(SHARDS)
+            r: float(t)
+            for shard in range(SHARDS)
             for r, t in client.hgetall(replicas_seen_key(shard)).items()
-        }  # fmt: skip
+        }
 
     before = seen()
     for shard in range(SHARDS):
         floors = client.hgetall(snapshot_positions_key(shard))
         assert len(floors) == 2 and set(floors) <= set(before)
     # each re-registers (a heartbeat is every 0.5 s: 30 s is room for a starved thread)
-    wait_until(lambda: all(seen().get(r, 0.0) > before[r] for r in before),
-               "every replica re-registered", 30)  # fmt: skip
+    wait_until(
+        lambda: all(seen().get(r, 0.0) > before[r] for r in before),
+        "every replica re-registered",
+        30,
+    )
     assert set(seen()) == set(before)
 
 
@@ -449,7 +453,7 @@ def test_shared_quantizer_gives_the_same_answers_and_survives_a_stale_copy(
         (dict(lists=np.full(8, 10**6, "<i8").tobytes()), grpc.StatusCode.INVALID_ARGUMENT, "0.."),
         (dict(scores=np.full(8, np.nan, "<f4").tobytes()), grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
     ],
-)  # fmt: skip
+)
 def test_bad_probes_are_refused(
     cluster: ShardCluster, vectors: np.ndarray, probes: dict, code: grpc.StatusCode, message: str
 ) -> None:

@@ -309,8 +309,15 @@ UNREACHABLE_LAG_MS = 3_600_000.0
 def test_sweep_stops_when_the_slo_breaks_and_draws_a_png(tmp_path: Path) -> None:
     """A server with a capacity of 50/s, a 250 ms budget: the sweep climbs 12.5, 25, ...
     and must stop by 100/s (twice the capacity: the queue grows by 50 requests a second)."""
-    cfg = SweepConfig(start_rate=12.5, slo_ms=250.0, factor=2.0, step_s=1.5, refine=1,
-                      cooldown_s=0.5, lag_limit_ms=UNREACHABLE_LAG_MS)  # fmt: skip
+    cfg = SweepConfig(
+        start_rate=12.5,
+        slo_ms=250.0,
+        factor=2.0,
+        step_s=1.5,
+        refine=1,
+        cooldown_s=0.5,
+        lag_limit_ms=UNREACHABLE_LAG_MS,
+    )
     result = run_sweep(0.02, cfg)
     assert result["stop_reason"] == "slo"
     rates = [s["offered_rate"] for s in result["steps"]]
@@ -328,8 +335,15 @@ def test_sweep_steps_down_when_the_first_rate_already_breaks_the_slo() -> None:
     a second and the 250 ms budget breaks within the step. Twice, not four times: the
     generator shares its event loop with the server, and the hundreds of calls queued at
     4x put the generator itself behind on a busy machine (stop_reason "generator")."""
-    cfg = SweepConfig(start_rate=100.0, slo_ms=250.0, factor=2.0, step_s=1.5, refine=0,
-                      cooldown_s=0.5, lag_limit_ms=UNREACHABLE_LAG_MS)  # fmt: skip
+    cfg = SweepConfig(
+        start_rate=100.0,
+        slo_ms=250.0,
+        factor=2.0,
+        step_s=1.5,
+        refine=0,
+        cooldown_s=0.5,
+        lag_limit_ms=UNREACHABLE_LAG_MS,
+    )
     result = run_sweep(0.02, cfg)
     rates = [s["offered_rate"] for s in result["steps"]]
     assert rates[:2] == [100.0, 50.0] and rates == sorted(rates, reverse=True)
@@ -344,11 +358,30 @@ def test_the_locust_file_starts_and_sends_requests() -> None:
     root = Path(__file__).resolve().parents[2]
     with trivial_server_process() as address:
         done = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(root / "loadtest" / "locustfile.py"),
-             "--headless", "-u", "2", "-r", "2", "-t", "3s", "--host", address,
-             "--gtr-rate", "20", "--json"],
-            cwd=root, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "locust",
+                "-f",
+                str(root / "loadtest" / "locustfile.py"),
+                "--headless",
+                "-u",
+                "2",
+                "-r",
+                "2",
+                "-t",
+                "3s",
+                "--host",
+                address,
+                "--gtr-rate",
+                "20",
+                "--json",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 0, done.stderr[-2000:]
     stats = {row["name"]: row for row in json.loads(done.stdout)}
     assert stats, done.stderr[-2000:]
@@ -400,9 +433,16 @@ def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
     """criterion="throughput" ignores latency: against a 100/s server it climbs past the
     rates that already break a tight budget and stops where the achieved rate falls
     behind the scheduled one (by 200/s, twice the capacity)."""
-    cfg = SweepConfig(start_rate=12.5, slo_ms=1.0, factor=2.0, step_s=1.5, refine=0,
-                      cooldown_s=0.5, lag_limit_ms=UNREACHABLE_LAG_MS,
-                      criterion="throughput")  # fmt: skip
+    cfg = SweepConfig(
+        start_rate=12.5,
+        slo_ms=1.0,
+        factor=2.0,
+        step_s=1.5,
+        refine=0,
+        cooldown_s=0.5,
+        lag_limit_ms=UNREACHABLE_LAG_MS,
+        criterion="throughput",
+    )
     result = run_sweep(0.01, cfg)
     assert result["best_rate"] is None  # nothing meets 1 ms
     assert result["stop_reason"] == "throughput"
@@ -468,8 +508,20 @@ def test_the_overhead_figures_are_measured_on_the_server_they_name() -> None:
     async def twenty_ms(request: Any, context: grpc.aio.ServicerContext) -> None:
         await asyncio.sleep(0.02)
 
-    argv = ["--rate", "20", "--seconds", "1", "--start-rate", "20", "--max-rate", "20",
-            "--step-seconds", "0.5", "--lag-limit-ms", "1000"]  # fmt: skip
+    argv = [
+        "--rate",
+        "20",
+        "--seconds",
+        "1",
+        "--start-rate",
+        "20",
+        "--max-rate",
+        "20",
+        "--step-seconds",
+        "0.5",
+        "--lag-limit-ms",
+        "1000",
+    ]
     args = overhead.build_parser().parse_args(argv)
 
     async def body(target: Target) -> dict[str, Any]:

@@ -170,10 +170,16 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iter
         log = tmp / "prometheus.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [binary, f"--config.file={home / 'prometheus.yml'}",
-                 f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                cwd=home, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    binary,
+                    f"--config.file={home / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                cwd=home,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         try:
             prometheus = Prometheus(f"http://127.0.0.1:{port}")
             await_ready(prometheus.url, proc, log)

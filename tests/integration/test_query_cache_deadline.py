@@ -57,9 +57,16 @@ async def _cache_with_an_entry(
     that must answer room on a slow machine; a SIGSTOPped Redis outlasts it."""
     registry = CollectorRegistry()
     cache = QueryEmbeddingCache(
-        url, model="m", size="base", dim=4, ttl_s=60, max_entries=10, timeout_s=0.5,
-        backoff_s=60.0, metrics=QueryCacheMetrics.create(registry),
-    )  # fmt: skip
+        url,
+        model="m",
+        size="base",
+        dim=4,
+        ttl_s=60,
+        max_entries=10,
+        timeout_s=0.5,
+        backoff_s=60.0,
+        metrics=QueryCacheMetrics.create(registry),
+    )
     keys = cache.keys([f"q-{os.urandom(4).hex()}"], "query")
     cache.store(keys, VECTOR[None, :], [False])
     await cache.drain()

@@ -46,10 +46,14 @@ def v1_write(
 def v1_upsert(client: Any, ids: list[str], seed: int) -> None:
     rng = np.random.default_rng(seed)
     per_doc = [
-        [f"title {i}", f"text {i} {seed}", '{"lang": "en"}',
-         rng.standard_normal(DIM).astype("<f4").tobytes()]
+        [
+            f"title {i}",
+            f"text {i} {seed}",
+            '{"lang": "en"}',
+            rng.standard_normal(DIM).astype("<f4").tobytes(),
+        ]
         for i in ids
-    ]  # fmt: skip
+    ]
     v1_write(client, _UPSERT, ids, per_doc, [str(len(ids)), str(DIM)])
 
 
@@ -84,9 +88,13 @@ def test_the_services_refuse_a_layout_1_store_and_name_the_command(
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
     with pytest.raises(RuntimeError, match="gtr-retrieval redis migrate"):
         start_shard(
-            index_dir=index_dir, redis_url=redis_url, shard=0, shards=SHARDS, work_dir=tmp_path,
+            index_dir=index_dir,
+            redis_url=redis_url,
+            shard=0,
+            shards=SHARDS,
+            work_dir=tmp_path,
             timeout=60,
-        )  # fmt: skip
+        )
     client.close()
 
 

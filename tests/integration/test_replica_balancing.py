@@ -184,8 +184,10 @@ def test_a_replica_that_leaves_dns_gets_no_more_searches_and_one_that_joins_gets
     async def until(replica_set: ReplicaSet, addresses: set[str]) -> None:
         await await_until(  # the watcher re-resolves every 0.1 s
             lambda: {r.address for r in replica_set.replicas} == addresses,
-            f"the replicas are {sorted(addresses)}", 10, 0.02,
-        )  # fmt: skip
+            f"the replicas are {sorted(addresses)}",
+            10,
+            0.02,
+        )
 
     async def run() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         target = replicas.dns.target(name, replicas.ports[shard])
@@ -204,8 +206,10 @@ def test_a_replica_that_leaves_dns_gets_no_more_searches_and_one_that_joins_gets
             # a replica that joins is asked last until its health check says SERVING
             await await_until(
                 lambda: not any(r.suspect for r in replica_set.replicas),
-                "the joined replica checked SERVING", 10, 0.02,
-            )  # fmt: skip
+                "the joined replica checked SERVING",
+                10,
+                0.02,
+            )
             await searches(replica_set, 40)
             t3 = replicas.searches()
             return (

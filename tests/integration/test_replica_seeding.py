@@ -83,10 +83,17 @@ def test_a_replica_added_after_the_log_was_trimmed_seeds_from_its_peer(
                 {"peers": peers, "seed-timeout-s": "120", "log-level": "INFO"} if peers else {}
             )
             proc = start_shard(
-                index_dir=kw.get("index_dir", index_dir), redis_url=store.url, shard=0,
-                shards=1, port=port, work_dir=tmp_path, replica=replica, host=host,
-                settings=settings, wait=False,
-            )  # fmt: skip
+                index_dir=kw.get("index_dir", index_dir),
+                redis_url=store.url,
+                shard=0,
+                shards=1,
+                port=port,
+                work_dir=tmp_path,
+                replica=replica,
+                host=host,
+                settings=settings,
+                wait=False,
+            )
             procs.append(proc)
             return proc
 
@@ -136,8 +143,10 @@ def test_a_replica_added_after_the_log_was_trimmed_seeds_from_its_peer(
                 np.testing.assert_array_equal(scores, want_scores)
                 a, b = _stats(old), _stats(proc)
                 assert (b.vectors, b.deleted, b.applied_position) == (
-                    a.vectors, a.deleted, a.applied_position,
-                )  # fmt: skip
+                    a.vectors,
+                    a.deleted,
+                    a.applied_position,
+                )
                 assert "seeded shard 0 from peer 127.0.0.2" in proc.log_tail(200)
             assert (bare_index / MANIFEST).exists()
             assert any(bare.snapshot_dir.glob("snap-*.npz"))
@@ -160,10 +169,16 @@ def test_a_replica_seeds_from_its_peer_over_mutual_tls(
     vectors = scifact_vectors(scifact_dir)
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), vectors)
     certs = make_certs(tmp_path / "certs", names=["shard-0.test"])  # not 127.0.0.2
-    server = {"tls_cert": str(certs.server_cert), "tls_key": str(certs.server_key),
-              "tls_client_ca": str(certs.ca)}  # fmt: skip
-    client = {"tls_ca": str(certs.ca), "tls_client_cert": str(certs.client_cert),
-              "tls_client_key": str(certs.client_key)}  # fmt: skip
+    server = {
+        "tls_cert": str(certs.server_cert),
+        "tls_key": str(certs.server_key),
+        "tls_client_ca": str(certs.ca),
+    }
+    client = {
+        "tls_ca": str(certs.ca),
+        "tls_client_cert": str(certs.client_cert),
+        "tls_client_key": str(certs.client_key),
+    }
     port = free_port()
     with run_redis(tmp_path / "redis") as store, run_dns() as dns:
         _ingest(store.url, vectors, 0, 1000, [])
@@ -171,11 +186,20 @@ def test_a_replica_seeds_from_its_peer_over_mutual_tls(
 
         def settings(replica: str, host: str, **more: object) -> ShardSettings:
             return ShardSettings(
-                host=host, port=port, shard=0, shards=1, replica=replica,
-                redis_url=store.url, index_dir=str(index_dir),
-                snapshot_dir=str(tmp_path / replica), snapshot_every_s=3600.0,
-                search_threads=0, grace_seconds=0.5, **server, **more,  # type: ignore[arg-type]
-            )  # fmt: skip
+                host=host,
+                port=port,
+                shard=0,
+                shards=1,
+                replica=replica,
+                redis_url=store.url,
+                index_dir=str(index_dir),
+                snapshot_dir=str(tmp_path / replica),
+                snapshot_every_s=3600.0,
+                search_threads=0,
+                grace_seconds=0.5,
+                **server,
+                **more,  # type: ignore[arg-type]
+            )
 
         async def run() -> None:
             loop = asyncio.get_running_loop()

@@ -45,8 +45,13 @@ def write_synthetic_beir(root: Path, seed: int = 0) -> list[str]:
         qrels.append(f"q{t}\td{t}-pos\t1")
         for k in range(5):
             other = [w for w in words if not w.startswith(f"t{t}w")]
-            docs.append({"_id": f"d{t}-neg{k}", "title": "",
-                         "text": " ".join([*topic[3:], *rng.sample(other, 4)])})  # fmt: skip
+            docs.append(
+                {
+                    "_id": f"d{t}-neg{k}",
+                    "title": "",
+                    "text": " ".join([*topic[3:], *rng.sample(other, 4)]),
+                }
+            )
     (root / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
     (root / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n")
     (root / "qrels" / "train.tsv").write_text("\n".join(qrels) + "\n")
@@ -63,9 +68,22 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _cfg(tiny_setup: tuple[Path, Path], out: Path, **kw: object) -> TrainConfig:
     data, backbone = tiny_setup
-    base = dict(data_dir=data, out=out, backbone=backbone, steps=40, negatives=3,
-                negative_depth=10, lr=2e-3, head_lr=2e-3, max_len=64, max_query_len=16,
-                dev_fraction=0.25, checkpoint_every=0, progress=False, d_tok=8)  # fmt: skip
+    base = dict(
+        data_dir=data,
+        out=out,
+        backbone=backbone,
+        steps=40,
+        negatives=3,
+        negative_depth=10,
+        lr=2e-3,
+        head_lr=2e-3,
+        max_len=64,
+        max_query_len=16,
+        dev_fraction=0.25,
+        checkpoint_every=0,
+        progress=False,
+        d_tok=8,
+    )
     return TrainConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -146,8 +164,9 @@ def test_server_reranks_with_the_trained_model(server) -> None:
     ("query", "texts", "top_n"),
     [("", ["a"], 0), ("   ", ["a"], 0), ("q", [], 0), ("q", ["a", "b"], 3), ("q", ["x"] * 1001, 0)],
 )
-def test_invalid_requests_are_invalid_argument(server, query: str, texts: list[str],
-                                               top_n: int) -> None:  # fmt: skip
+def test_invalid_requests_are_invalid_argument(
+    server, query: str, texts: list[str], top_n: int
+) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         _call(server, _request(query, texts, top_n))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

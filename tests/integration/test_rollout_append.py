@@ -41,9 +41,13 @@ def _vec(seed: int) -> np.ndarray:
 
 def _up(doc_id: str, version: int, seed: int = 0, text: str = "") -> UpsertItem:
     return UpsertItem(
-        doc_id, version, _vec(seed), title=f"t-{doc_id}", text=text or f"body of {doc_id}",
+        doc_id,
+        version,
+        _vec(seed),
+        title=f"t-{doc_id}",
+        text=text or f"body of {doc_id}",
         meta=meta_json({"lang": "en"}),
-    )  # fmt: skip
+    )
 
 
 def test_an_upsert_is_appended_once_and_an_older_version_never_overtakes(client: Any) -> None:
@@ -100,8 +104,12 @@ def test_a_reshard_copies_the_documents_and_raises_the_version_counters(client: 
     client.set(RESHARD.layout.version("k"), 9)  # a counter already past the copied version
     appender.upserts([_up("c", 7, 1), _up("k", 4, 2)])
     doc = client.hgetall(RESHARD.layout.doc("c"))
-    assert doc == {b"title": b"t-c", b"text": b"body of c", b"meta": b'{"lang": "en"}',
-                   b"ver": b"7"}  # fmt: skip
+    assert doc == {
+        b"title": b"t-c",
+        b"text": b"body of c",
+        b"meta": b'{"lang": "en"}',
+        b"ver": b"7",
+    }
     assert RESHARD.layout.doc("c").startswith("doc:{3.")
     assert int(client.get(RESHARD.layout.version("c"))) == 7
     assert int(client.get(RESHARD.layout.version("k"))) == 9  # raised only, never lowered

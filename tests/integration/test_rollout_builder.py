@@ -60,10 +60,27 @@ ROOT = Path(__file__).resolve().parents[2]
 DIM = 384
 SPEC = EncoderSpec("embed", 1, DIM, "minilm", "all-MiniLM-L6-v2")
 WORDS = [
-    "protein", "cell", "gene", "tumour", "virus", "vaccine", "brain", "heart", "insulin",
-    "enzyme", "receptor", "bacteria", "membrane", "signal", "immune", "response", "dose",
-    "trial", "mouse", "patient",
-]  # fmt: skip
+    "protein",
+    "cell",
+    "gene",
+    "tumour",
+    "virus",
+    "vaccine",
+    "brain",
+    "heart",
+    "insulin",
+    "enzyme",
+    "receptor",
+    "bacteria",
+    "membrane",
+    "signal",
+    "immune",
+    "response",
+    "dose",
+    "trial",
+    "mouse",
+    "patient",
+]
 
 
 def _docs(start: int, n: int, tag: str = "") -> list[DocRecord]:
@@ -72,13 +89,21 @@ def _docs(start: int, n: int, tag: str = "") -> list[DocRecord]:
     for i in range(start, start + n):
         words = " ".join(rng.choice(WORDS, 12))
         vec = rng.standard_normal(DIM).astype(np.float32)
-        out.append(DocRecord(f"d{i}", vec / np.linalg.norm(vec), title=f"title {i}{tag}",
-                             text=f"{words} {tag}", metadata={"n": str(i % 3)}))  # fmt: skip
+        out.append(
+            DocRecord(
+                f"d{i}",
+                vec / np.linalg.norm(vec),
+                title=f"title {i}{tag}",
+                text=f"{words} {tag}",
+                metadata={"n": str(i % 3)},
+            )
+        )
     return out
 
 
-async def _write(url: str, keys: GenerationKeys, upserts: list[DocRecord],
-                 deletes: Sequence[str] = ()) -> None:  # fmt: skip
+async def _write(
+    url: str, keys: GenerationKeys, upserts: list[DocRecord], deletes: Sequence[str] = ()
+) -> None:
     writer = ChangeLogWriter(StoreConnection(url, keys.layout.base), DIM, keys=keys)
     try:
         for i in range(0, len(upserts), 32):
@@ -89,8 +114,9 @@ async def _write(url: str, keys: GenerationKeys, upserts: list[DocRecord],
         await writer.connection.close()
 
 
-def _write_now(url: str, keys: GenerationKeys, upserts: list[DocRecord],
-               deletes: Sequence[str] = ()) -> None:  # fmt: skip
+def _write_now(
+    url: str, keys: GenerationKeys, upserts: list[DocRecord], deletes: Sequence[str] = ()
+) -> None:
     """Write from another thread's event loop (the builder's loop is busy in a callback)."""
     errors: list[BaseException] = []
 
@@ -183,15 +209,26 @@ class _WritesDuringTheRollout(Progress):
     def phase(self, name: str) -> None:
         super().phase(name)
         if name == "bulk":
-            _write_now(self.url, G1, _docs(300, 20) + _docs(0, 10, " updated"),
-                       deletes=[f"d{i}" for i in range(10, 20)])  # fmt: skip
+            _write_now(
+                self.url,
+                G1,
+                _docs(300, 20) + _docs(0, 10, " updated"),
+                deletes=[f"d{i}" for i in range(10, 20)],
+            )
             target = Registry(self.client).get("g2")
             for shard in range(3):
-                self.shards.append(start_shard(
-                    index_dir=Path(target.index_dir), redis_url=self.url, shard=shard,
-                    shards=3, work_dir=self.work, replica=f"g2-{shard}",
-                    settings={"generation": "g2"}, wait=False,
-                ))  # fmt: skip
+                self.shards.append(
+                    start_shard(
+                        index_dir=Path(target.index_dir),
+                        redis_url=self.url,
+                        shard=shard,
+                        shards=3,
+                        work_dir=self.work,
+                        replica=f"g2-{shard}",
+                        settings={"generation": "g2"},
+                        wait=False,
+                    )
+                )
             Registry(self.client).set_addresses("g2", ";".join(p.address for p in self.shards))
         if name == "switch":
             _write_now(self.url, G1, _docs(400, 5), deletes=["d20", "d21", "d22"])
@@ -217,8 +254,9 @@ def rolled_out(
     client = _new_store(module_redis, 300)
     shards: list[ShardProcess] = []
     progress = _WritesDuringTheRollout(module_redis, client, work, shards)
-    options = RolloutOptions(index_root=work / "generations", batch=32, sample=300,
-                             shard_wait_s=120.0, hand_over_s=60.0)  # fmt: skip
+    options = RolloutOptions(
+        index_root=work / "generations", batch=32, sample=300, shard_wait_s=120.0, hand_over_s=60.0
+    )
     builder = RolloutBuilder(client, _encoders(encoder), options, progress)
     try:
         asyncio.run(builder.rollout(RolloutPlan(num_shards=3)))
@@ -274,10 +312,13 @@ def test_the_switch_moved_the_alias_and_the_gates_and_the_replicas_hold_it(
     held = sum(r.vectors for r in first if isinstance(r, ReplicaStats))
     assert held == len(_store_state(client, G1.layout))
     # The source's logs are no longer held back by the rollout; g2's are, for a rollback.
-    assert not any(k.startswith(b"rollout:") for s in range(2)
-                   for k in client.hkeys(G1.snapshots(s)))  # fmt: skip
-    assert all(client.hget(GenerationKeys("g2", Layout(3, 2)).snapshots(s), "rollback:g1")
-               for s in range(3))  # fmt: skip
+    assert not any(
+        k.startswith(b"rollout:") for s in range(2) for k in client.hkeys(G1.snapshots(s))
+    )
+    assert all(
+        client.hget(GenerationKeys("g2", Layout(3, 2)).snapshots(s), "rollback:g1")
+        for s in range(3)
+    )
 
 
 def test_a_write_to_the_old_generation_is_refused_after_the_switch(rolled_out: RolledOut) -> None:
@@ -291,10 +332,12 @@ def test_rollback_replays_the_writes_since_the_switch_then_retire_deletes_the_la
 ) -> None:
     client = rolled_out.client
     g2 = GenerationKeys("g2", Layout(3, 2))
-    asyncio.run(_write(rolled_out.url, g2, _docs(500, 6) + _docs(30, 2, " again"),
-                       deletes=["d40", "d41"]))  # fmt: skip
-    options = RolloutOptions(index_root=rolled_out.work / "generations", batch=32,
-                             wait_for_shards=False)  # fmt: skip
+    asyncio.run(
+        _write(rolled_out.url, g2, _docs(500, 6) + _docs(30, 2, " again"), deletes=["d40", "d41"])
+    )
+    options = RolloutOptions(
+        index_root=rolled_out.work / "generations", batch=32, wait_for_shards=False
+    )
     asyncio.run(RolloutBuilder(client, _encoders(encoder), options).rollback())
     registry = Registry(client)
     alias = registry.alias()
@@ -319,10 +362,23 @@ def test_rollback_replays_the_writes_since_the_switch_then_retire_deletes_the_la
 
 def _run_builder(url: str, root: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.support.rollout_runner", "--redis-url", url,
-         "--index-root", str(root), "--batch", "16", "--sample", "256"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.support.rollout_runner",
+            "--redis-url",
+            url,
+            "--index-root",
+            str(root),
+            "--batch",
+            "16",
+            "--sample",
+            "256",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_a_builder_killed_mid_bulk_resumes_to_the_logs_of_an_uninterrupted_run(
@@ -385,8 +441,10 @@ def _encoded(encoder: Encoder, docs: list[DocRecord]) -> list[DocRecord]:
 
     async def run() -> Any:
         step = encoder.max_batch
-        parts = [await encoder.encode(texts[i : i + step], "document")
-                 for i in range(0, len(texts), step)]  # fmt: skip
+        parts = [
+            await encoder.encode(texts[i : i + step], "document")
+            for i in range(0, len(texts), step)
+        ]
         return np.concatenate([p.vectors for p in parts])
 
     vectors = asyncio.run(run())
@@ -405,16 +463,24 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
     Registry(client).ensure_first(2, SPEC, str(index_dir))
     asyncio.run(_write(url, G1, docs))
     shards = [
-        start_shard(index_dir=index_dir, redis_url=url, shard=s, shards=2, work_dir=tmp_path,
-                    replica=f"g1-{s}", wait=False)
+        start_shard(
+            index_dir=index_dir,
+            redis_url=url,
+            shard=s,
+            shards=2,
+            work_dir=tmp_path,
+            replica=f"g1-{s}",
+            wait=False,
+        )
         for s in range(2)
-    ]  # fmt: skip
+    ]
     try:
         for proc in shards:
             proc.wait_serving(120)
         Registry(client).set_addresses("g1", ";".join(p.address for p in shards))
-        options = RolloutOptions(index_root=tmp_path / "generations", batch=32, sample=300,
-                                 wait_for_shards=False)  # fmt: skip
+        options = RolloutOptions(
+            index_root=tmp_path / "generations", batch=32, sample=300, wait_for_shards=False
+        )
         builder = RolloutBuilder(client, _encoders(encoder), options, _WritesAfterP0(url, encoder))
         asyncio.run(builder.rollout(RolloutPlan(retrain=True)))
     finally:
@@ -434,10 +500,13 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
         # Every vector is the encoder's of the document's text, within SQ8's round trip.
         ids = sorted(expected)
         stored = [client.hgetall(G1.layout.doc(i)) for i in ids]
-        want = _encoded(encoder, [
-            DocRecord(i, np.zeros(DIM), d[b"title"].decode(), d[b"text"].decode())
-            for i, d in zip(ids, stored, strict=True)
-        ])  # fmt: skip
+        want = _encoded(
+            encoder,
+            [
+                DocRecord(i, np.zeros(DIM), d[b"title"].decode(), d[b"text"].decode())
+                for i, d in zip(ids, stored, strict=True)
+            ],
+        )
         got = np.array([state[i][2] for i in ids], dtype=np.float32)
         cosine = np.sum(got * np.stack([w.vector for w in want]), axis=1)
         assert cosine.min() > 0.999
@@ -468,8 +537,9 @@ def test_a_reshard_on_a_redis_cluster_copies_and_appends_every_document(
                 if name == "bulk":
                     _write_now(url, G1, _docs(3, 2, " edited"), deletes=["d9"])
 
-        options = RolloutOptions(index_root=tmp_path / "generations", batch=32, sample=300,
-                                 wait_for_shards=False)  # fmt: skip
+        options = RolloutOptions(
+            index_root=tmp_path / "generations", batch=32, sample=300, wait_for_shards=False
+        )
         builder = RolloutBuilder(client, _encoders(encoder), options, AfterP0())
         asyncio.run(builder.rollout(RolloutPlan(num_shards=3)))
         g2 = GenerationKeys("g2", Layout(3, 2))

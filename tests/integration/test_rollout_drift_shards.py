@@ -118,8 +118,11 @@ def test_the_watcher_starts_the_retrain_after_the_window(
     # the same shards under a threshold above their ratio: never
     calm = DriftWatcher(
         WatchConfig(DriftPolicy(1e6, 0, 100), 30, spec(drifted), ["never"]),
-        registry, read_with_asyncio(), run, clock=lambda: now[0],
-    )  # fmt: skip
+        registry,
+        read_with_asyncio(),
+        run,
+        clock=lambda: now[0],
+    )
     assert not calm.poll() and len(runs) == 1
     client.close()
 
@@ -131,11 +134,24 @@ def test_drift_watch_once_prints_the_reading(
     Registry(client).ensure_first(SHARDS, EncoderSpec("embed", 0, DIM), str(index_dir))
     client.close()
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "index", "drift-watch",
-         f"--redis-url={module_redis}", "--threshold=1.5", "--window=1h",
-         f"--shards={spec(drifted)}", "--once"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "index",
+            "drift-watch",
+            f"--redis-url={module_redis}",
+            "--threshold=1.5",
+            "--window=1h",
+            f"--shards={spec(drifted)}",
+            "--once",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     reading = json.loads(done.stdout.strip().splitlines()[-1])
     assert reading["generation"] == "g1" and reading["above"] is True
@@ -155,17 +171,32 @@ def test_drift_watch_runs_the_real_retrain_and_stops_on_sigterm(
     client.delete(DRIFT_KEY)  # the in-process watcher of a test above wrote it
     log = (tmp_path / "drift-watch.log").open("wb")
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "index", "drift-watch",
-         f"--redis-url={module_redis}", "--threshold=1.5", "--window=0", "--interval=1",
-         f"--shards={spec(drifted)}", f"--rollout-arg=--index-root={tmp_path / 'gens'}",
-         "--rollout-arg=--no-shard-wait", "--rollout-arg=--quiet"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "index",
+            "drift-watch",
+            f"--redis-url={module_redis}",
+            "--threshold=1.5",
+            "--window=0",
+            "--interval=1",
+            f"--shards={spec(drifted)}",
+            f"--rollout-arg=--index-root={tmp_path / 'gens'}",
+            "--rollout-arg=--no-shard-wait",
+            "--rollout-arg=--quiet",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_until(
             lambda: registry.redis.hget(DRIFT_KEY, "rollout") in (b"done", b"failed"),
-            "the watcher's rollout ended", timeout=180, interval=0.5,
-        )  # fmt: skip
+            "the watcher's rollout ended",
+            timeout=180,
+            interval=0.5,
+        )
         assert registry.redis.hget(DRIFT_KEY, "rollout") == b"done", (
             tmp_path / "drift-watch.log"
         ).read_text()

@@ -90,20 +90,30 @@ def _recorded(client: Any, *, alive: bool) -> None:
     client.incr("{gtr}:next")
     registry.put(Generation("g2", "building", 2, SPEC, "/nowhere/g2", {"trained": True}))
     beat = time.time() if alive else time.time() - 60
-    registry.begin_rollout({
-        "target": "g2", "source": "g1", "kind": "rollout", "mode": "encode", "phase": "bulk",
-        "host": socket.gethostname(), "pid": str(os.getpid() if alive else 2**22 + 7),
-        "beat": repr(beat), "owner": "someone",
-        "plan": json.dumps({"encoder": SPEC.__dict__, "shards": 2, "retrain": False}),
-        "p0": "{}", "positions": "{}",
-    })  # fmt: skip
+    registry.begin_rollout(
+        {
+            "target": "g2",
+            "source": "g1",
+            "kind": "rollout",
+            "mode": "encode",
+            "phase": "bulk",
+            "host": socket.gethostname(),
+            "pid": str(os.getpid() if alive else 2**22 + 7),
+            "beat": repr(beat),
+            "owner": "someone",
+            "plan": json.dumps({"encoder": SPEC.__dict__, "shards": 2, "retrain": False}),
+            "p0": "{}",
+            "positions": "{}",
+        }
+    )
 
 
 def test_a_second_rollout_while_one_runs_is_refused_naming_it(store: Any, cli: Cli) -> None:
     _recorded(store, alive=True)
     with _unchanged(store):
-        err = cli.refused("rollout", "--yes", "--shards", "3",
-                          says="a rollout to g2 is running (phase bulk")  # fmt: skip
+        err = cli.refused(
+            "rollout", "--yes", "--shards", "3", says="a rollout to g2 is running (phase bulk"
+        )
     assert f"pid {os.getpid()}" in err
 
 
@@ -111,10 +121,12 @@ def test_an_interrupted_rollout_is_not_replaced_by_another_one(store: Any, cli: 
     _recorded(store, alive=False)
     with _unchanged(store):
         cli.refused(
-            "rollout", "--yes", "--shards", "3",
-            says="was interrupted (phase bulk) with other options: resume it with "
-            "`index rollout`",
-        )  # fmt: skip
+            "rollout",
+            "--yes",
+            "--shards",
+            "3",
+            says="was interrupted (phase bulk) with other options: resume it with `index rollout`",
+        )
 
 
 def test_abort_of_an_interrupted_rollout_gives_the_writes_back_to_the_source(
@@ -165,16 +177,23 @@ def test_retrain_without_the_source_replicas_or_encoder_without_a_repository_cha
     run_dir = ("--run-dir", str(tmp_path))
     with _unchanged(store):
         cli.refused("rollout", "--yes", "--retrain", *run_dir, says="give --source-shards")
-        cli.refused("rollout", "--yes", "--encoder", str(tmp_path), *run_dir,
-                    says="no Triton model repository")  # fmt: skip
+        cli.refused(
+            "rollout",
+            "--yes",
+            "--encoder",
+            str(tmp_path),
+            *run_dir,
+            says="no Triton model repository",
+        )
 
 
 def test_generations_lists_the_registry(store: Any, cli: Cli) -> None:
     _recorded(store, alive=True)
     listed = json.loads(cli.ok("generations", "--json"))
     assert [(g["name"], g["state"], g["alias"]) for g in listed["generations"]] == [
-        ("g1", "serving", "serving"), ("g2", "building", ""),
-    ]  # fmt: skip
+        ("g1", "serving", "serving"),
+        ("g2", "building", ""),
+    ]
     assert listed["rollout"]["phase"] == "bulk" and listed["alias"]["epoch"] == 1
     table = cli.ok("generations")
     assert "g1    serving" in table and "rollout g1 -> g2 (rollout, encode): phase bulk" in table
@@ -229,10 +248,15 @@ def test_the_run_dir_of_a_local_stack_names_the_store(
     its URL file (password and all), nothing on the command line."""
     url_file = tmp_path / "redis.url"
     url_file.write_text(redis_url + "\n")
-    (tmp_path / "stack.json").write_text(json.dumps({
-        "redis_url": "redis://127.0.0.1:1/0", "redis_url_file": str(url_file),
-        "index_root": str(tmp_path / "generations"),
-    }))  # fmt: skip
+    (tmp_path / "stack.json").write_text(
+        json.dumps(
+            {
+                "redis_url": "redis://127.0.0.1:1/0",
+                "redis_url_file": str(url_file),
+                "index_root": str(tmp_path / "generations"),
+            }
+        )
+    )
     assert main(["index", "generations", "--json", "--run-dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["alias"]["serving"] == "g1"
     # No stack there and no --redis-url: said so.

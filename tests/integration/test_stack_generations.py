@@ -119,10 +119,17 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     if redis_binary() is None:
         pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
     cfg = StackConfig(
-        run_dir=tmp_path_factory.mktemp("generations") / "run", shards=2, replicas=1,
-        encoder="inprocess", rerank=False, prometheus=False, gateway_port=0,
-        progress=False, startup_timeout_s=240, restart=FAST,
-    )  # fmt: skip
+        run_dir=tmp_path_factory.mktemp("generations") / "run",
+        shards=2,
+        replicas=1,
+        encoder="inprocess",
+        rerank=False,
+        prometheus=False,
+        gateway_port=0,
+        progress=False,
+        startup_timeout_s=240,
+        restart=FAST,
+    )
     train_index(unit_vectors(1000, 0), cfg.index_dir, SMALL)  # no first-run encode
     holder = Running(start_stack(cfg), cfg)
     try:
@@ -315,8 +322,11 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_serving_on_the_oth
             f"{format_cpus(every - budget)}",
             30,
         )
-        wait_until(lambda: client.get(CPU_PLACED_KEY) == target.name.encode(),
-                   "the stack's record that the budget holds the target", 10)  # fmt: skip
+        wait_until(
+            lambda: client.get(CPU_PLACED_KEY) == target.name.encode(),
+            "the stack's record that the budget holds the target",
+            10,
+        )
 
         # the switch phase: the target is handed over to serving's CPUs before the alias
         # names it (the builder waits for the record), while the budget still holds
@@ -334,8 +344,11 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_serving_on_the_oth
         try:
             client.set(CPU_BUDGET_KEY, rollout_budget.ending(budget, cli.pid), ex=120)
             client.delete(CPU_PLACED_KEY)
-            wait_until(lambda: client.get(CPU_PLACED_KEY) is not None,
-                       "a pass of the stack with the ending budget", 10)  # fmt: skip
+            wait_until(
+                lambda: client.get(CPU_PLACED_KEY) is not None,
+                "a pass of the stack with the ending budget",
+                10,
+            )
             assert _all_on(ours + theirs, every - budget)  # still off the budget's CPU
         finally:
             cli.kill()

@@ -51,11 +51,15 @@ class Pki:
             (certs.ca, self.client_dir / "ca.pem"),
         ]
         if key:
-            pairs += [(certs.server_key, self.server_dir / "server.key"),
-                      (certs.client_key, self.client_dir / "client.key")]  # fmt: skip
+            pairs += [
+                (certs.server_key, self.server_dir / "server.key"),
+                (certs.client_key, self.client_dir / "client.key"),
+            ]
         if cert:
-            pairs += [(certs.server_cert, self.server_dir / "server.pem"),
-                      (certs.client_cert, self.client_dir / "client.pem")]  # fmt: skip
+            pairs += [
+                (certs.server_cert, self.server_dir / "server.pem"),
+                (certs.client_cert, self.client_dir / "client.pem"),
+            ]
         for src, dst in pairs:
             tmp = dst.with_suffix(".new")
             shutil.copyfile(src, tmp)

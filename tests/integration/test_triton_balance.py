@@ -52,8 +52,14 @@ def tritons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TritonHan
 
 
 def _config(repo: Path, host: str, port: int) -> TritonServerConfig:
-    return TritonServerConfig(repo, grpc_port=port, http_port=free_port(), host=host,
-                              metrics_port=free_port(), startup_timeout_s=120)  # fmt: skip
+    return TritonServerConfig(
+        repo,
+        grpc_port=port,
+        http_port=free_port(),
+        host=host,
+        metrics_port=free_port(),
+        startup_timeout_s=120,
+    )
 
 
 def _encoder_config(tritons: list[TritonHandle]) -> TritonEncoderConfig:
@@ -154,9 +160,11 @@ def test_least_outstanding_sends_a_stalled_triton_no_more_than_it_holds(
                 os.kill(stalled.process.pid, signal.SIGCONT)
             errors = await load
             await asyncio.to_thread(
-                wait_until, lambda: sum(served(h) for h in tritons) - sum(start) >= n,
-                f"Triton's metrics count {n} encodes", 10,
-            )  # fmt: skip
+                wait_until,
+                lambda: sum(served(h) for h in tritons) - sum(start) >= n,
+                f"Triton's metrics count {n} encodes",
+                10,
+            )
             return errors, served(fast) - start[0], served(stalled) - start[1]
         finally:
             await encoder.close()
@@ -199,9 +207,10 @@ def test_a_triton_that_appears_in_dns_gets_encodes(tritons: list[TritonHandle]) 
         target: str, appear: Callable[[], None]
     ) -> tuple[list[BaseException], list[int]]:
         cfg = TritonEncoderConfig(  # in turn: how many the second gets is then exact
-            target, probe_every_s=0.1,
+            target,
+            probe_every_s=0.1,
             balancing=Balancing("round_robin", resolve_every_s=0.1),
-        )  # fmt: skip
+        )
         encoder = await TritonEncoder.connect(cfg)
         try:
             start = served(second)

@@ -47,8 +47,13 @@ def _serve(model_dir: Path, base: Path, name: str) -> Iterator[TritonHandle]:
     onnx_path = ensure_onnx(model_dir, base)
     repo = base / f"repo-{name}"
     generate_repository(onnx_path, repo, RepositoryConfig(instances=1, intra_op_threads=1))
-    cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                             metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+    cfg = TritonServerConfig(
+        repo,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        startup_timeout_s=90,
+    )
     with run_triton(cfg, base / f"triton-{name}.log") as handle:
         yield handle
 
@@ -87,11 +92,13 @@ async def _with_encoder(handle: TritonHandle, fn, **cfg):  # type: ignore[no-unt
 
 
 @pytest.mark.parametrize("which", ["minilm", "tiny_t5"])
-def test_embeddings_match_in_process(which: str, request: pytest.FixtureRequest,
-                                     tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+def test_embeddings_match_in_process(
+    which: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     handle: TritonHandle = request.getfixturevalue(which)
-    model_dir = (default_model_dir() if which == "minilm"
-                 else ensure_tiny_t5(encoder_base(tmp_path_factory)))  # fmt: skip
+    model_dir = (
+        default_model_dir() if which == "minilm" else ensure_tiny_t5(encoder_base(tmp_path_factory))
+    )
     reference = torch_embedder(model_dir)
 
     async def go(enc: TritonEncoder) -> None:
@@ -314,8 +321,9 @@ def test_unreachable_server_is_unavailable() -> None:
 
     async def go() -> None:
         with pytest.raises(Unavailable):
-            await TritonEncoder.connect(TritonEncoderConfig(f"127.0.0.1:{port}",
-                                                            connect_timeout_s=2))  # fmt: skip
+            await TritonEncoder.connect(
+                TritonEncoderConfig(f"127.0.0.1:{port}", connect_timeout_s=2)
+            )
 
     asyncio.run(go())
 

@@ -60,17 +60,27 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
     # The GPU repository around a stand-in FP32 plan (what `--precision auto` writes when
     # the FP16 build fails the gate): the tokenizer exports it (gtr_encoder_plan_info).
     plan = root / "plan" / "model.plan"
-    write_plan(plan, b"stand-in engine", PlanMeta(TENSORRT_VERSION, "fp32", (1, 1), (8, 128),
-               (64, 256), 0.9999, 40, "NVIDIA L4", "8.9"))  # fmt: skip
+    write_plan(
+        plan,
+        b"stand-in engine",
+        PlanMeta(
+            TENSORRT_VERSION, "fp32", (1, 1), (8, 128), (64, 256), 0.9999, 40, "NVIDIA L4", "8.9"
+        ),
+    )
     generate_repository(onnx_path, root / "gpu", RepositoryConfig(flavor="gpu", plan_path=plan))
     shutil.copytree(root / "gpu" / "tokenizer", repo / "tokenizer")
     _inputs_optional(repo / "embed")
     _inputs_optional(repo / "tokenizer", cpu=True)
     for model in ("embed", "tokenizer"):
         assert (repo / model / "1" / "model_errors.py").exists(), model
-    server = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                                metrics_port=free_port(), ready_model="tokenizer",
-                                startup_timeout_s=180)  # fmt: skip
+    server = TritonServerConfig(
+        repo,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        ready_model="tokenizer",
+        startup_timeout_s=180,
+    )
     with run_triton(server, root / "triton.log") as handle:
         yield handle
 

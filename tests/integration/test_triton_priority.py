@@ -31,8 +31,13 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
     repo = base / "repo-priority"
     config = RepositoryConfig(instances=1, intra_op_threads=1, max_batch=BATCH)
     generate_repository(onnx_path, repo, config)
-    cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                             metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+    cfg = TritonServerConfig(
+        repo,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        startup_timeout_s=90,
+    )
     with run_triton(cfg, Path(base) / "triton-priority.log") as handle:
         yield handle
 
@@ -42,8 +47,9 @@ def test_a_query_is_answered_before_queued_document_batches(triton: TritonHandle
     docs = [f"{n} {long_doc}" for n in range(BATCH)]
 
     async def run() -> tuple[list[str], int]:
-        builder = await TritonEncoder.connect(TritonEncoderConfig(
-            triton.grpc_url, priority=DOCUMENT_PRIORITY, default_timeout_s=600))  # fmt: skip
+        builder = await TritonEncoder.connect(
+            TritonEncoderConfig(triton.grpc_url, priority=DOCUMENT_PRIORITY, default_timeout_s=600)
+        )
         search = await TritonEncoder.connect(
             TritonEncoderConfig(triton.grpc_url, default_timeout_s=600)
         )

@@ -50,15 +50,31 @@ def served(
     work = tmp_path_factory.mktemp("towers")
     monkeypatch_module.setenv("GTR_CACHE_DIR", str(work / "cache"))
     ckpt = work / "ade-spl"
-    train(TrainConfig(data_dir=write_beir(work / "beir"), out=ckpt, arch="ade-spl",
-                      base=ensure_tiny_bert(base), batch_size=4, lr=5e-3, max_doc_len=32,
-                      eval_every=0, final_eval=False, progress=False))  # fmt: skip
+    train(
+        TrainConfig(
+            data_dir=write_beir(work / "beir"),
+            out=ckpt,
+            arch="ade-spl",
+            base=ensure_tiny_bert(base),
+            batch_size=4,
+            lr=5e-3,
+            max_doc_len=32,
+            eval_every=0,
+            final_eval=False,
+            progress=False,
+        )
+    )
     onnx = work / "export" / "model.onnx"
     export_onnx(ckpt, onnx)
     repo = work / "repo"
     generate_repository(onnx, repo, RepositoryConfig(instances=1, intra_op_threads=1))
-    cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                             metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+    cfg = TritonServerConfig(
+        repo,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        startup_timeout_s=90,
+    )
     with run_triton(cfg, work / "triton.log") as handle:
         yield Served(ckpt, onnx, handle)
 
@@ -112,8 +128,9 @@ def test_a_request_mixing_kinds_runs_each_row_through_its_tower(served: Served) 
         inputs = []
         for name, column in (("TEXT", texts), ("KIND", kinds)):
             tensor = grpcclient.InferInput(name, [len(column), 1], "BYTES")
-            tensor.set_data_from_numpy(np.array([c.encode() for c in column],
-                                                dtype=object).reshape(-1, 1))  # fmt: skip
+            tensor.set_data_from_numpy(
+                np.array([c.encode() for c in column], dtype=object).reshape(-1, 1)
+            )
             inputs.append(tensor)
         got = np.asarray(client.infer("embed", inputs).as_numpy("EMBEDDING"))
     finally:

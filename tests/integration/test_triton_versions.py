@@ -72,10 +72,18 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     base = encoder_base(tmp_path_factory)
     repo = tmp_path_factory.mktemp("versions") / "repo"
-    generate_repository(ensure_onnx(default_model_dir(), base), repo,
-                        RepositoryConfig(instances=1, intra_op_threads=1))  # fmt: skip
-    cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                             metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+    generate_repository(
+        ensure_onnx(default_model_dir(), base),
+        repo,
+        RepositoryConfig(instances=1, intra_op_threads=1),
+    )
+    cfg = TritonServerConfig(
+        repo,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        startup_timeout_s=90,
+    )
     with run_triton(cfg, repo.parent / "triton.log") as handle:
         yield Served(handle, repo, base)
 
@@ -83,8 +91,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 async def _encode_all(url: str, version: str) -> tuple[TritonEncoder, dict[Kind, np.ndarray]]:
     encoder = await TritonEncoder.connect(TritonEncoderConfig(url, model_version=version))
     try:
-        got = {kind: (await encoder.encode(texts, kind, timeout=30)).vectors
-               for texts, kind in SAMPLES}  # fmt: skip
+        got = {
+            kind: (await encoder.encode(texts, kind, timeout=30)).vectors for texts, kind in SAMPLES
+        }
     finally:
         await encoder.close()
     return encoder, got
@@ -186,9 +195,13 @@ def _stubs(handle: TritonHandle, repo: Path, version: int) -> list[int]:
     from services.common.cpus import children_of, cmdline
 
     script = str(repo.resolve() / "embed" / str(version) / "model.py")
-    return sorted(pid for pid in children_of(handle.process.pid)
-                  if (argv := cmdline(pid))[:1] and argv[0].endswith("triton_python_backend_stub")
-                  and argv[1:2] == [script])  # fmt: skip
+    return sorted(
+        pid
+        for pid in children_of(handle.process.pid)
+        if (argv := cmdline(pid))[:1]
+        and argv[0].endswith("triton_python_backend_stub")
+        and argv[1:2] == [script]
+    )
 
 
 def _load_count(handle: TritonHandle) -> int:
@@ -212,10 +225,21 @@ def test_publish_cli_refuses_a_repository_without_embed(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "empty", ignore_errors=True)
     (tmp_path / "empty").mkdir()
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "encoder", "publish", "--repo",
-         str(tmp_path / "empty"), "--model-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "encoder",
+            "publish",
+            "--repo",
+            str(tmp_path / "empty"),
+            "--model-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     assert "has no embed model: generate the repository first" in run.stderr
 
@@ -224,8 +248,9 @@ def test_the_gpu_flavour_is_refused_and_nothing_changes(served: Served, tmp_path
     """An ensemble names one version of each step: publish says so instead of writing a
     version it cannot route to (an ``encoder export`` folder is taken as the encoder)."""
     repo = tmp_path / "gpu-repo"
-    generate_repository(ensure_onnx(default_model_dir(), served.base), repo,
-                        RepositoryConfig(flavor="gpu"))  # fmt: skip
+    generate_repository(
+        ensure_onnx(default_model_dir(), served.base), repo, RepositoryConfig(flavor="gpu")
+    )
     export = ensure_onnx(ensure_second_encoder(served.base), served.base).parent
     before = _snapshot(repo)
     with pytest.raises(FailedPrecondition, match=r"gpu flavour .* cannot serve a second encoder"):
@@ -249,8 +274,12 @@ def test_a_publish_triton_cannot_load_is_undone(served: Served) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli.main", "encoder", *args],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "encoder", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_version_is_unpublished_from_the_repository_and_the_running_triton(
@@ -261,8 +290,7 @@ def test_a_version_is_unpublished_from_the_repository_and_the_running_triton(
     version is NOT_FOUND (exit 2, no traceback)."""
     third = ensure_onnx(ensure_second_encoder(served.base, seed=3), served.base).parent
     url, repo = served.handle.grpc_url, str(served.repo)
-    run = _cli("publish", "--repo", repo, "--triton-url", url, "--model-dir", str(third),
-               "--json")  # fmt: skip
+    run = _cli("publish", "--repo", repo, "--triton-url", url, "--model-dir", str(third), "--json")
     assert run.returncode == 0, run.stderr
     version = json.loads(run.stdout)["version"]
     assert _ready_versions(served.handle)[-1] == str(version)
@@ -356,12 +384,20 @@ def test_a_repository_of_the_older_generator_serves_and_a_publish_converts_it(
     the same names and digests as before, read from the model. (The version folder keeps
     this release's model code, which reads either description.)"""
     repo = tmp_path / "repo"
-    generate_repository(ensure_onnx(default_model_dir(), served.base), repo,
-                        RepositoryConfig(instances=1, intra_op_threads=1))  # fmt: skip
+    generate_repository(
+        ensure_onnx(default_model_dir(), served.base),
+        repo,
+        RepositoryConfig(instances=1, intra_op_threads=1),
+    )
     digest = describe_versions(repo)[0].digest
     _as_older_generator_wrote_it(repo)
-    cfg = TritonServerConfig(repo, grpc_port=free_port(), http_port=free_port(),
-                             metrics_port=free_port(), startup_timeout_s=90)  # fmt: skip
+    cfg = TritonServerConfig(
+        repo,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        startup_timeout_s=90,
+    )
     with run_triton(cfg, tmp_path / "triton.log") as handle:
         url = handle.grpc_url
         before, _ = asyncio.run(_encode_all(url, "1"))
@@ -424,8 +460,11 @@ def test_a_triton_serving_a_copy_of_the_repository_is_awaited(
     loads = _load_count(served.handle)
     with ThreadPoolExecutor(1) as pool:
         publishing = pool.submit(publish_version, shared, third, served.handle.grpc_url)
-        wait_until(lambda: _load_count(served.handle) > loads or publishing.done(),
-                   "the publish asked Triton to load embed", timeout=300)  # fmt: skip
+        wait_until(
+            lambda: _load_count(served.handle) > loads or publishing.done(),
+            "the publish asked Triton to load embed",
+            timeout=300,
+        )
         assert not publishing.done(), publishing.exception()  # waiting for the version
         version = served_versions(shared)[-1]
         shutil.copytree(shared / "embed" / str(version), served.repo / "embed" / str(version))
@@ -482,8 +521,9 @@ def test_unpublish_refuses_a_version_an_index_generation_uses(
     g2 = registry.create(2, EncoderSpec("embed", 2, 384), "/index-g2", {})
     before = _snapshot(repo)
     for version, generation in ((1, "g1"), (2, "g2")):
-        run = _cli("unpublish", "--repo", str(repo), "--redis-url", redis_url,
-                   "--version", str(version))  # fmt: skip
+        run = _cli(
+            "unpublish", "--repo", str(repo), "--redis-url", redis_url, "--version", str(version)
+        )
         assert run.returncode == 2, run.stderr
         assert f"embed version {version} is the encoder of generation(s) {generation}" in (
             run.stderr
@@ -529,10 +569,16 @@ def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     def run_dir(name: str, triton_grpc: str) -> str:
         folder = tmp_path / name
         folder.mkdir()
-        (folder / "stack.json").write_text(json.dumps({
-            "redis_url": redis_url, "triton_grpc": triton_grpc,
-            "triton_repository": str(repo), "index_root": str(tmp_path / "generations"),
-        }))  # fmt: skip
+        (folder / "stack.json").write_text(
+            json.dumps(
+                {
+                    "redis_url": redis_url,
+                    "triton_grpc": triton_grpc,
+                    "triton_repository": str(repo),
+                    "index_root": str(tmp_path / "generations"),
+                }
+            )
+        )
         return str(folder)
 
     stack, down = run_dir("stack", url), run_dir("down", f"127.0.0.1:{free_port()}")
@@ -550,8 +596,7 @@ def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     registry.put(replace(g5, state="previous"))  # displaced from the rollback target
 
     def retire(generation: str, where: str) -> tuple[int, str, str]:
-        status = main(["index", "retire", "--generation", generation, "--yes",
-                       "--run-dir", where])  # fmt: skip
+        status = main(["index", "retire", "--generation", generation, "--yes", "--run-dir", where])
         out = capsys.readouterr()
         return status, out.out, out.err
 
@@ -607,10 +652,16 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
     fresh = ensure_second_encoder(served.base, seed=5)  # published by no other test
     run_dir = tmp_path / "stack"
     run_dir.mkdir()
-    (run_dir / "stack.json").write_text(json.dumps({
-        "redis_url": redis_url, "triton_grpc": url, "triton_repository": str(repo),
-        "index_root": str(tmp_path / "generations"),
-    }))  # fmt: skip
+    (run_dir / "stack.json").write_text(
+        json.dumps(
+            {
+                "redis_url": redis_url,
+                "triton_grpc": url,
+                "triton_repository": str(repo),
+                "index_root": str(tmp_path / "generations"),
+            }
+        )
+    )
     client = redis.Redis.from_url(redis_url)
     client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
     registry = Registry(client)
@@ -621,10 +672,23 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
 
     leader, follower = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "index", "rollout", "--encoder",
-         str(fresh), "--run-dir", str(run_dir), "--quiet"],
-        stdin=follower, stdout=follower, stderr=follower, close_fds=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "index",
+            "rollout",
+            "--encoder",
+            str(fresh),
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+        ],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        close_fds=True,
+    )
     os.close(follower)
     said = bytearray()
 
@@ -642,13 +706,26 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
     try:
         wait_until(lambda: "Go ahead? [y/N]" in read(), "the rollout's question", 120)
         # the other operator's rollout takes the lock meanwhile (its builder: this process)
-        registry.begin_rollout({
-            "target": "g7", "source": "g1", "kind": "rollout", "mode": "encode",
-            "phase": "bulk", "host": socket.gethostname(), "pid": str(os.getpid()),
-            "beat": repr(time.time()), "owner": "the other operator",
-            "plan": json.dumps({"encoder": EncoderSpec("embed", 1, 384).__dict__,
-                                "shards": 2, "retrain": False}),
-        })  # fmt: skip
+        registry.begin_rollout(
+            {
+                "target": "g7",
+                "source": "g1",
+                "kind": "rollout",
+                "mode": "encode",
+                "phase": "bulk",
+                "host": socket.gethostname(),
+                "pid": str(os.getpid()),
+                "beat": repr(time.time()),
+                "owner": "the other operator",
+                "plan": json.dumps(
+                    {
+                        "encoder": EncoderSpec("embed", 1, 384).__dict__,
+                        "shards": 2,
+                        "retrain": False,
+                    }
+                ),
+            }
+        )
         os.write(leader, b"y\n")
         # read while it runs: a full terminal buffer would block its writes
         wait_until(lambda: read() is None or process.poll() is not None, "its exit", 300)
@@ -703,10 +780,16 @@ def _generation_stack(tmp_path: Path, redis_url: str, served: Served) -> tuple[P
 
     run_dir = tmp_path / "stack"
     run_dir.mkdir()
-    (run_dir / "stack.json").write_text(json.dumps({
-        "redis_url": redis_url, "triton_grpc": served.handle.grpc_url,
-        "triton_repository": str(served.repo), "index_root": str(tmp_path / "generations"),
-    }))  # fmt: skip
+    (run_dir / "stack.json").write_text(
+        json.dumps(
+            {
+                "redis_url": redis_url,
+                "triton_grpc": served.handle.grpc_url,
+                "triton_repository": str(served.repo),
+                "index_root": str(tmp_path / "generations"),
+            }
+        )
+    )
     client = redis.Redis.from_url(redis_url)
     client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
     Registry(client).ensure_first(2, EncoderSpec("embed", 1, 384), "/index")
@@ -714,9 +797,13 @@ def _generation_stack(tmp_path: Path, redis_url: str, served: Served) -> tuple[P
 
 
 def _index(*args: str, **popen: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "services.cli.main", "index", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **popen)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "index", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
 
 
 def _finish(process: subprocess.Popen[str]) -> tuple[int, str]:
@@ -748,21 +835,35 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
     try:
         with _publish_lock(repo):
             retire = _index("retire", "--generation", "g2", "--yes", "--run-dir", str(run_dir))
-            wait_until(lambda: _waits_for_a_lock(retire.pid) or retire.poll() is not None,
-                       "the retire waiting to unpublish", 120)  # fmt: skip
+            wait_until(
+                lambda: _waits_for_a_lock(retire.pid) or retire.poll() is not None,
+                "the retire waiting to unpublish",
+                120,
+            )
             assert retire.poll() is None, _finish(retire)
-            rollout = _index("rollout", "--encoder", str(export), "--run-dir", str(run_dir),
-                             "--yes", "--quiet")  # fmt: skip
-            wait_until(lambda: (registry.rollout() or {}).get("phase") == "publish"
-                       or rollout.poll() is not None,
-                       "the rollout's lock, taken before its publish", 120)  # fmt: skip
+            rollout = _index(
+                "rollout", "--encoder", str(export), "--run-dir", str(run_dir), "--yes", "--quiet"
+            )
+            wait_until(
+                lambda: (
+                    (registry.rollout() or {}).get("phase") == "publish"
+                    or rollout.poll() is not None
+                ),
+                "the rollout's lock, taken before its publish",
+                120,
+            )
             assert rollout.poll() is None, _finish(rollout)
         status, out = _finish(retire)
         assert status == 0, out
         assert f"embed version {version} stays published: the encoder of g3" in out, out
         assert registry.get("g2").state == "retired"
-        wait_until(lambda: (registry.rollout() or {}).get("phase") != "publish"
-                   or rollout.poll() is not None, "the rollout past its publish", 300)  # fmt: skip
+        wait_until(
+            lambda: (
+                (registry.rollout() or {}).get("phase") != "publish" or rollout.poll() is not None
+            ),
+            "the rollout past its publish",
+            300,
+        )
         plan = json.loads((registry.rollout() or {}).get("plan") or "{}")
         assert (plan.get("encoder") or {}).get("version") == version, _finish(rollout)
         assert registry.get("g3").encoder.version == version
@@ -801,8 +902,11 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
         with _publish_lock(repo):
             process = _index("rollout", "--encoder", str(export), *where, "--yes", "--quiet")
             try:
-                wait_until(lambda: _waits_for_a_lock(process.pid) or process.poll() is not None,
-                           "the rollout waiting to publish", 120)  # fmt: skip
+                wait_until(
+                    lambda: _waits_for_a_lock(process.pid) or process.poll() is not None,
+                    "the rollout waiting to publish",
+                    120,
+                )
                 assert process.poll() is None, _finish(process)
                 running = registry.rollout() or {}
                 assert running.get("phase") == "publish", running

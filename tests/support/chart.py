@@ -81,9 +81,12 @@ def lint_findings(values: dict[str, Any] | None) -> list[Any]:
     :func:`render`) for ``KUBE_VERSION`` in ``NAMESPACE``: its errors and every message
     of warning severity or worse (none for a clean chart)."""
     report = helm.lint(
-        CHART, with_auth(values), strict=True, namespace=NAMESPACE,
+        CHART,
+        with_auth(values),
+        strict=True,
+        namespace=NAMESPACE,
         kube_version=f"v{KUBE_VERSION}",
-    )  # fmt: skip
+    )
     return [*report["errors"], *(m for m in report["messages"] if m["severity"] >= 2)]
 
 
@@ -144,10 +147,21 @@ def run_checkov(docs: list[Manifest], tmp_path: Path) -> dict[str, Any]:
     manifests = checkov_manifests(docs)
     (tmp_path / "manifests.yaml").write_text(yaml.safe_dump_all(manifests), encoding="utf-8")
     done = subprocess.run(
-        [checkov, "-d", str(tmp_path), "--framework", "kubernetes", "--skip-download",
-         "--output", "json"],
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+        [
+            checkov,
+            "-d",
+            str(tmp_path),
+            "--framework",
+            "kubernetes",
+            "--skip-download",
+            "--output",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     report = json.loads(done.stdout)
     report = report[0] if isinstance(report, list) else report
     results: dict[str, Any] = report["results"]

@@ -54,8 +54,11 @@ class Container:
         if not self.docker:
             self.name = subprocess.run(
                 ["buildah", "from", "--pull-never", "--quiet", self.image],
-                capture_output=True, text=True, check=True, env=BUILDAH_ENV,
-            ).stdout.strip()  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=True,
+                env=BUILDAH_ENV,
+            ).stdout.strip()
 
     def command(
         self,
@@ -76,8 +79,16 @@ class Container:
                 cmd += ["--entrypoint", argv[0]]
                 argv = argv[1:]
             return [*cmd, self.image, *argv]
-        cmd = ["env", f"STORAGE_DRIVER={BUILDAH_ENV['STORAGE_DRIVER']}", "buildah", "run",
-               "--isolation", "chroot", "--network", "host"]  # fmt: skip
+        cmd = [
+            "env",
+            f"STORAGE_DRIVER={BUILDAH_ENV['STORAGE_DRIVER']}",
+            "buildah",
+            "run",
+            "--isolation",
+            "chroot",
+            "--network",
+            "host",
+        ]
         cmd += [a for m in mounts for a in ("-v", m)]
         cmd += [a for k, v in (env or {}).items() for a in ("--env", f"{k}={v}")]
         # buildah run does not prepend the entrypoint; the image's is the first word.
@@ -88,8 +99,11 @@ class Container:
         """The image's Docker config (Entrypoint, User, Healthcheck, Labels...)."""
         out = subprocess.run(
             ["buildah", "inspect", "--type", "image", self.image],
-            capture_output=True, text=True, check=True, env=BUILDAH_ENV,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+            env=BUILDAH_ENV,
+        ).stdout
         config: dict[str, object] = json.loads(out)["Docker"]["config"]
         return config
 
@@ -100,8 +114,11 @@ class Container:
         """Run to completion; the output, or CalledProcessError with it."""
         proc = subprocess.run(
             self.command(argv, **kwargs),  # type: ignore[arg-type]
-            capture_output=True, text=True, timeout=timeout, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if proc.returncode != 0:
             raise AssertionError(
                 f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
@@ -114,8 +131,10 @@ class Container:
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 self.command(argv, **kwargs),  # type: ignore[arg-type]
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.processes.append(proc)
         return proc
 

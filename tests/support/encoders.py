@@ -62,19 +62,37 @@ def _add_dense(root: Path, *, in_dim: int, out_dim: int, generator: object) -> N
 
     modules = json.loads((root / "modules.json").read_text())
     modules = [m for m in modules if not str(m["type"]).endswith("Normalize")]
-    modules.append({"idx": len(modules), "name": str(len(modules)), "path": "2_Dense",
-                    "type": "sentence_transformers.models.Dense"})  # fmt: skip
-    modules.append({"idx": len(modules), "name": str(len(modules)), "path": "3_Normalize",
-                    "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+    modules.append(
+        {
+            "idx": len(modules),
+            "name": str(len(modules)),
+            "path": "2_Dense",
+            "type": "sentence_transformers.models.Dense",
+        }
+    )
+    modules.append(
+        {
+            "idx": len(modules),
+            "name": str(len(modules)),
+            "path": "3_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        }
+    )
     (root / "modules.json").write_text(json.dumps(modules, indent=2))
     shutil.rmtree(root / "2_Normalize", ignore_errors=True)
     (root / "3_Normalize").mkdir(exist_ok=True)
     dense = root / "2_Dense"
     dense.mkdir(exist_ok=True)
-    (dense / "config.json").write_text(json.dumps({
-        "in_features": in_dim, "out_features": out_dim, "bias": False,
-        "activation_function": "torch.nn.modules.linear.Identity",
-    }))  # fmt: skip
+    (dense / "config.json").write_text(
+        json.dumps(
+            {
+                "in_features": in_dim,
+                "out_features": out_dim,
+                "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity",
+            }
+        )
+    )
     assert isinstance(generator, torch.Generator)
     weight = torch.randn(out_dim, in_dim, generator=generator) / in_dim**0.5
     save_file({"linear.weight": weight.contiguous()}, str(dense / "model.safetensors"))
@@ -84,8 +102,11 @@ def ensure_second_encoder(base: Path, *, out_dim: int | None = None, seed: int =
     """The perturbed MiniLM under ``base`` (built on first use, then reused):
     ``base/all-MiniLM-L6-v2-perturbed`` (384-d), ``…-perturbed-<out_dim>d`` or, for
     another ``seed`` (a third encoder), ``…-perturbed-s<seed>``."""
-    name = ("all-MiniLM-L6-v2-perturbed" + (f"-{out_dim}d" if out_dim else "")
-            + (f"-s{seed}" if seed != 1 else ""))  # fmt: skip
+    name = (
+        "all-MiniLM-L6-v2-perturbed"
+        + (f"-{out_dim}d" if out_dim else "")
+        + (f"-s{seed}" if seed != 1 else "")
+    )
     root = Path(base) / name
     if not (root / "modules.json").exists():
         staging = Path(base) / f".{name}.building"

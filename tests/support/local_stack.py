@@ -76,8 +76,9 @@ class LocalStack:
         start = time.monotonic()
         while True:
             if not self.alive():
-                raise AssertionError(f"gtr-retrieval up exited while waiting for {what}:\n"
-                                     f"{self.tail()}")  # fmt: skip
+                raise AssertionError(
+                    f"gtr-retrieval up exited while waiting for {what}:\n{self.tail()}"
+                )
             try:
                 if condition():
                     return time.monotonic() - start
@@ -97,9 +98,14 @@ class LocalStack:
     ) -> subprocess.CompletedProcess[str]:
         """``gtr-retrieval <args>`` to its end (its output kept, also appended to ``log``)."""
         done = subprocess.run(
-            self.command(*args), cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-            timeout=timeout, check=False,
-        )  # fmt: skip
+            self.command(*args),
+            cwd=ROOT,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if log is not None:
             with log.open("a", encoding="utf-8") as fh:
                 fh.write(f"$ gtr-retrieval {' '.join(args)}  (exit {done.returncode})\n")
@@ -110,9 +116,13 @@ class LocalStack:
         """``gtr-retrieval <args>`` started (a session of its own, so a kill -9 of it hits
         nothing else); its output into ``out``."""
         return subprocess.Popen(
-            self.command(*args), cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+            self.command(*args),
+            cwd=ROOT,
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -143,20 +153,37 @@ def local_stack(
     it says it serves: the corpus ingested and the example searches answered.
     ``keep_logs``: copy the children's logs and up's own there when it stops."""
     args = [
-        "up", "--run-dir", str(run_dir), "--shards", str(shards), "--replicas", str(replicas),
-        "--encoder", encoder, "--no-rerank", "--no-prometheus", "--port", str(free_port()),
-        *(["--corpus", str(corpus)] if corpus is not None else []), *extra,
-    ]  # fmt: skip
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--shards",
+        str(shards),
+        "--replicas",
+        str(replicas),
+        "--encoder",
+        encoder,
+        "--no-rerank",
+        "--no-prometheus",
+        "--port",
+        str(free_port()),
+        *(["--corpus", str(corpus)] if corpus is not None else []),
+        *extra,
+    ]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [*CLI, *args], cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+            [*CLI, *args],
+            cwd=ROOT,
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     stack = LocalStack(proc, run_dir, log)
     try:
-        stack.until(lambda: "[up] serving" in log.read_text(errors="replace"), "up serving",
-                    timeout)  # fmt: skip
+        stack.until(
+            lambda: "[up] serving" in log.read_text(errors="replace"), "up serving", timeout
+        )
         yield stack
     finally:
         _stop(proc)

@@ -94,13 +94,30 @@ def start_redis(
     data_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--appendonly", "yes", "--appendfsync", fsync, "--save", "",
-            "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning", *extra,
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            fsync,
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     try:
         wait_for_port(port, 20)
     except TimeoutError:

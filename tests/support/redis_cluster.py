@@ -63,24 +63,54 @@ class ClusterNode:
         ports = ["--port", str(self.port)]
         if self.tls:
             ports = [
-                "--port", "0", "--tls-port", str(self.port), "--tls-cluster", "yes",
-                "--tls-replication", "yes", "--tls-auth-clients", "no",
-                "--tls-cert-file", str(self.tls / "server.pem"),
-                "--tls-key-file", str(self.tls / "server.key"),
-                "--tls-ca-cert-file", str(self.tls / "ca.pem"),
-            ]  # fmt: skip
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cluster",
+                "yes",
+                "--tls-replication",
+                "yes",
+                "--tls-auth-clients",
+                "no",
+                "--tls-cert-file",
+                str(self.tls / "server.pem"),
+                "--tls-key-file",
+                str(self.tls / "server.key"),
+                "--tls-ca-cert-file",
+                str(self.tls / "ca.pem"),
+            ]
         self.process = subprocess.Popen(
             [
-                *[binary, *auth, *ports], "--cluster-port", str(self.bus_port),
-                "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-                "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
+                *[binary, *auth, *ports],
+                "--cluster-port",
+                str(self.bus_port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         wait_for_port(self.port, 20)
 
     def kill(self) -> None:
@@ -188,12 +218,22 @@ def run_redis_cluster(
         for node in nodes:
             node.start()
         subprocess.run(
-            [cli, *(["-a", password, "--no-auth-warning"] if password else []),
-             *(["--tls", "--cacert", str(tls / "ca.pem")] if tls else []),
-             "--cluster", "create", *[n.address for n in nodes], "--cluster-replicas", "1",
-             "--cluster-yes"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
-        )  # fmt: skip
+            [
+                cli,
+                *(["-a", password, "--no-auth-warning"] if password else []),
+                *(["--tls", "--cacert", str(tls / "ca.pem")] if tls else []),
+                "--cluster",
+                "create",
+                *[n.address for n in nodes],
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=60,
+        )
         wait_until(cluster.healthy, "cluster_state:ok with every replica in sync", timeout=60)
         yield cluster
     finally:

@@ -25,9 +25,12 @@ async def _main(args: argparse.Namespace) -> int:
         return InProcessEncoder.torch(threads=1)
 
     options = RolloutOptions(
-        index_root=Path(args.index_root), batch=args.batch, sample=args.sample,
-        wait_for_shards=False, stale_after_s=5.0,
-    )  # fmt: skip
+        index_root=Path(args.index_root),
+        batch=args.batch,
+        sample=args.sample,
+        wait_for_shards=False,
+        stale_after_s=5.0,
+    )
     builder = RolloutBuilder(sync_client(args.redis_url), encoders, options)
     serving = await builder.rollout(RolloutPlan(num_shards=args.shards))
     print(f"serving {serving.name}", flush=True)

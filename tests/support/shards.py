@@ -170,11 +170,24 @@ def shard_argv(
 ) -> list[str]:
     merged = {**TEST_SETTINGS, **(settings or {})}
     argv = [
-        sys.executable, "-m", "services.index.server.process",
-        "--shard", str(shard), "--shards", str(shards), "--replica", replica,
-        "--port", str(port), "--redis-url", redis_url,
-        "--index-dir", str(index_dir), "--snapshot-dir", str(snapshot_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "services.index.server.process",
+        "--shard",
+        str(shard),
+        "--shards",
+        str(shards),
+        "--replica",
+        replica,
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_url,
+        "--index-dir",
+        str(index_dir),
+        "--snapshot-dir",
+        str(snapshot_dir),
+    ]
     for key, value in merged.items():
         argv += [f"--{key}", value]
     return argv

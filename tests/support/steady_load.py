@@ -24,9 +24,26 @@ import grpc
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 
 WORDS = (
-    "alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "lumen", "vortex", "quark",
-    "prism", "ember", "cobalt", "zephyr", "tundra", "quasar", "nimbus", "fjord", "saffron",
-)  # fmt: skip
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kappa",
+    "sigma",
+    "omega",
+    "lumen",
+    "vortex",
+    "quark",
+    "prism",
+    "ember",
+    "cobalt",
+    "zephyr",
+    "tundra",
+    "quasar",
+    "nimbus",
+    "fjord",
+    "saffron",
+)
 PROBE_KEY = "probe"  # every written document's metadata: {probe: its id}
 
 
@@ -237,13 +254,17 @@ class SteadyLoad:
             return
         self.record.searches.append(
             SearchOp(
-                start, time.monotonic(), "OK", str(getattr(reply, "generation", "")),
-                bool(reply.partial), stages={
+                start,
+                time.monotonic(),
+                "OK",
+                str(getattr(reply, "generation", "")),
+                bool(reply.partial),
+                stages={
                     name: getattr(reply.timings, f"{name}_ms")
                     for name in ("encode", "search", "fetch", "total")
                 },
             )
-        )  # fmt: skip
+        )
 
     def _write(self, stub: Any) -> asyncio.Task[None] | None:
         """Of every 10 writes: 2 deletes of acknowledged documents, 1 upsert of a deleted
@@ -271,11 +292,18 @@ class SteadyLoad:
                 text = " ".join(self.rng.choice(WORDS) for _ in range(12)) + f" {doc_id}"
                 op.text = text
                 up = await stub.Upsert(
-                    documents_pb2.UpsertRequest(documents=[documents_pb2.Document(
-                        id=doc_id, title=doc_id, text=text, metadata={PROBE_KEY: doc_id},
-                    )]),
+                    documents_pb2.UpsertRequest(
+                        documents=[
+                            documents_pb2.Document(
+                                id=doc_id,
+                                title=doc_id,
+                                text=text,
+                                metadata={PROBE_KEY: doc_id},
+                            )
+                        ]
+                    ),
                     timeout=self.write_timeout,
-                )  # fmt: skip
+                )
                 pb = up.write_token
             else:
                 gone = await stub.Delete(
@@ -353,9 +381,12 @@ def write_token_merged(ops: list[WriteOp]) -> common_pb2.WriteToken:
     done = [op for op in ops if op.ok]
     newest = max(done, key=lambda op: op.epoch)
     merged = positions.merge_tokens(
-        *[op.positions for op in done if op.generation == newest.generation
-          and op.epoch == newest.epoch]
-    )  # fmt: skip
+        *[
+            op.positions
+            for op in done
+            if op.generation == newest.generation and op.epoch == newest.epoch
+        ]
+    )
     return write_token(newest.generation, newest.epoch, merged)
 
 

@@ -12,10 +12,19 @@ def test_ingest_of_a_file_that_is_not_there_is_one_error_line_exit_2(tmp_path: P
     """It fails before any gateway is reached (the address given answers nothing)."""
     missing = tmp_path / "no-such-corpus.jsonl"
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "ingest", str(missing),
-         "--gateway", "127.0.0.1:1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "ingest",
+            str(missing),
+            "--gateway",
+            "127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
     assert run.stderr.startswith("error: ") and str(missing) in run.stderr, run.stderr

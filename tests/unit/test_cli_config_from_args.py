@@ -41,14 +41,41 @@ def test_up_passes_every_flag_into_the_stack_config() -> None:
     here, so each one is set to something other than its default and read back."""
     from services.stack.config import StackConfig
 
-    argv = ["up", "--corpus", "c.jsonl", "--run-dir", "r", "--shards", "3", "--replicas", "2",
-            "--encoder", "inprocess", "--rerank-checkpoint", "ck", "--port", "0",
-            "--redis-fsync", "everysec", "--auth", "--tls", "--query-cache",
-            "--query-cache-ttl-s", "3", "--query-cache-max-entries", "4"]  # fmt: skip
+    argv = [
+        "up",
+        "--corpus",
+        "c.jsonl",
+        "--run-dir",
+        "r",
+        "--shards",
+        "3",
+        "--replicas",
+        "2",
+        "--encoder",
+        "inprocess",
+        "--rerank-checkpoint",
+        "ck",
+        "--port",
+        "0",
+        "--redis-fsync",
+        "everysec",
+        "--auth",
+        "--tls",
+        "--query-cache",
+        "--query-cache-ttl-s",
+        "3",
+        "--query-cache-max-entries",
+        "4",
+    ]
     args = build_parser().parse_args(argv)
     cfg = config_from_args(StackConfig, args, gateway_port=args.port)
     assert (cfg.run_dir, cfg.corpus, cfg.shards, cfg.replicas, cfg.encoder) == (
-        Path("r"), Path("c.jsonl"), 3, 2, "inprocess")  # fmt: skip
+        Path("r"),
+        Path("c.jsonl"),
+        3,
+        2,
+        "inprocess",
+    )
     assert (cfg.rerank_checkpoint, cfg.gateway_port, cfg.redis_fsync) == (Path("ck"), 0, "everysec")
     assert (cfg.auth, cfg.tls, cfg.query_cache) == (True, True, True)
     assert (cfg.query_cache_ttl_s, cfg.query_cache_max_entries) == (3.0, 4)

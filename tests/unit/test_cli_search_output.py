@@ -67,13 +67,32 @@ def test_the_fusion_flags_reach_the_request() -> None:
     from services.client.gateway import search_request
 
     args = build_parser().parse_args(
-        ["search", "q", "-k", "7", "--mode", "hybrid", "--fusion", "weighted",
-         "--dense-weight", "0.25", "--rrf-k", "10", "--candidates", "50"]
-    )  # fmt: skip
+        [
+            "search",
+            "q",
+            "-k",
+            "7",
+            "--mode",
+            "hybrid",
+            "--fusion",
+            "weighted",
+            "--dense-weight",
+            "0.25",
+            "--rrf-k",
+            "10",
+            "--candidates",
+            "50",
+        ]
+    )
     request = search_request(
-        args.query, args.k, mode=args.mode, fusion=args.fusion, rrf_k=args.rrf_k,
-        dense_weight=args.dense_weight, candidates=args.candidates,
-    )  # fmt: skip
+        args.query,
+        args.k,
+        mode=args.mode,
+        fusion=args.fusion,
+        rrf_k=args.rrf_k,
+        dense_weight=args.dense_weight,
+        candidates=args.candidates,
+    )
     assert (request.k, request.mode) == (7, search_pb2.RETRIEVAL_MODE_HYBRID)
     assert request.fusion.method == search_pb2.FUSION_METHOD_WEIGHTED
     assert (request.fusion.dense_weight, request.fusion.rrf_k) == (0.25, 10)
@@ -104,8 +123,20 @@ def test_fusion_flags_outside_a_hybrid_search_are_refused(
     so instead of sending it (exit 2 before any gateway is resolved or called)."""
     from services.cli.main import main
 
-    code = main(["search", "q", "--mode", mode, "--rrf-k", "5", "--candidates", "20",
-                 "--gateway", "127.0.0.1:1"])  # fmt: skip
+    code = main(
+        [
+            "search",
+            "q",
+            "--mode",
+            mode,
+            "--rrf-k",
+            "5",
+            "--candidates",
+            "20",
+            "--gateway",
+            "127.0.0.1:1",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert f"--rrf-k, --candidates: only a hybrid search fuses, not --mode {mode}" in err

@@ -34,9 +34,12 @@ def refusal(argv: list[str], cwd: Path) -> str:
         argv = [*argv, "--repo", str(cwd)]
     run = subprocess.run(
         [sys.executable, "-m", "services.cli.main", *argv],
-        cwd=cwd, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
     lines = run.stderr.strip().splitlines()
@@ -88,8 +91,13 @@ WITHOUT_CA = [
 def test_a_triton_client_key_pair_without_a_ca_is_refused_naming_triton_ca(
     certs: CertFiles, tmp_path: Path, command: list[str]
 ) -> None:
-    argv = [*command, "--triton-client-cert", str(certs.client_cert),
-            "--triton-client-key", str(certs.client_key)]  # fmt: skip
+    argv = [
+        *command,
+        "--triton-client-cert",
+        str(certs.client_cert),
+        "--triton-client-key",
+        str(certs.client_key),
+    ]
     line = refusal(argv, tmp_path)
     assert line.startswith("error: ") and "--triton-ca" in line, line
     assert "--triton-client-cert" in line
@@ -109,9 +117,15 @@ def test_triton_tls_takes_each_missing_file_from_the_local_stack(
     assert triton_tls(None, None, None) is None
     everything = triton_tls(None, None, None, stack)
     assert (everything.ca, everything.cert, everything.key) == (
-        str(certs.ca), str(certs.client_cert), str(certs.client_key))  # fmt: skip
+        str(certs.ca),
+        str(certs.client_cert),
+        str(certs.client_key),
+    )
     ca_only = triton_tls(str(own.ca), None, None, stack)
     assert (ca_only.ca, ca_only.cert) == (str(own.ca), str(certs.client_cert))
     pair = triton_tls(None, str(own.client_cert), str(own.client_key), stack)
     assert (pair.ca, pair.cert, pair.key) == (
-        str(certs.ca), str(own.client_cert), str(own.client_key))  # fmt: skip
+        str(certs.ca),
+        str(own.client_cert),
+        str(own.client_key),
+    )

@@ -104,10 +104,23 @@ def test_index_rollout_refuses_a_budget_it_cannot_give_before_anything_else(
     """Exit 2 with the reason, before it reaches for Redis (whose address here answers
     nothing: reaching it would fail otherwise, and later)."""
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "index", "rollout", "--retrain",
-         "--cpus", spec, "--redis-url", "redis://127.0.0.1:1", "--yes"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "index",
+            "rollout",
+            "--retrain",
+            "--cpus",
+            spec,
+            "--redis-url",
+            "redis://127.0.0.1:1",
+            "--yes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     assert says in run.stderr and "Traceback" not in run.stderr
 
@@ -122,9 +135,9 @@ def test_the_stack_finds_a_stubs_budget_beside_the_model_folders(tmp_path: Path)
     version.mkdir(parents=True)
     (version / "model.py").write_text("import time\ntime.sleep(60)\n")
     stub = subprocess.Popen(  # a process whose argv is a stub's
-        ["/opt/tritonserver/backends/python/triton_python_backend_stub",
-         str(version / "model.py")], executable=sys.executable,
-    )  # fmt: skip
+        ["/opt/tritonserver/backends/python/triton_python_backend_stub", str(version / "model.py")],
+        executable=sys.executable,
+    )
     try:
         wait_until(lambda: len(cpu_sets.cmdline(stub.pid)) == 2, "the stub's argv", timeout=10)
         assert stub_budget_age(stub.pid) is None  # no budget

@@ -336,11 +336,15 @@ def test_probes_are_grpc_on_the_serving_port(chart: Any, case: str) -> None:
         seen.add(comp)
         for c in wl["spec"]["template"]["spec"]["containers"]:
             if comp == "triton":
-                paths = {p: c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe",
-                                                               "livenessProbe")}  # fmt: skip
-                assert paths == {"startupProbe": "/v2/health/ready",
-                                 "readinessProbe": "/v2/health/ready",
-                                 "livenessProbe": "/v2/health/live"}  # fmt: skip
+                paths = {
+                    p: c[p]["httpGet"]["path"]
+                    for p in ("startupProbe", "readinessProbe", "livenessProbe")
+                }
+                assert paths == {
+                    "startupProbe": "/v2/health/ready",
+                    "readinessProbe": "/v2/health/ready",
+                    "livenessProbe": "/v2/health/live",
+                }
                 assert {c[p]["httpGet"]["port"] for p in paths} == {"http"}
                 continue
             grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
@@ -491,8 +495,10 @@ def _model(root: Path, name: str, config: str) -> None:
 def _prepare(source: Path, dest: Path, count: int, kind: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(PREPARE_SCRIPT), str(source), str(dest), str(count), kind],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 # The layout protobuf's text_format writes (services/encoder/build/repository.py), and the

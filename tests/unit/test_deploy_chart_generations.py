@@ -215,8 +215,11 @@ def test_the_rollout_job_resumes_and_fails_fast_on_bad_input(chart: Any) -> None
     # the rendered flags, parsed by the real `index rollout`
     args = parse(rollout["args"])
     assert (args.index_command, args.retrain, args.encoder, args.yes) == (
-        "rollout", True, None, True,
-    )  # fmt: skip
+        "rollout",
+        True,
+        None,
+        True,
+    )
     assert args.redis_url == "$(GTR_ROLLOUT_REDIS_URL)" and args.metrics_port == 9100
     assert args.triton_url == f"dns:///{FULL}-triton-headless.{NAMESPACE}.svc:8001"
     assert str(args.index_root) == "/var/lib/gtr/generations"
@@ -258,8 +261,9 @@ def test_the_rollout_job_reaches_tls_shards_with_the_release_certificate(
     drift = next(d for d in of_kind(docs, "Deployment") if component(d) == "drift")
     started = parse(rollout_argv(parse(container(drift)["args"]))[3:])
     assert (started.tls_ca, started.tls_client_cert, started.tls_client_key) == (
-        args.tls_ca, *pair,
-    )  # fmt: skip
+        args.tls_ca,
+        *pair,
+    )
     plain = parse(container(of_kind(render(chart, ROLLING), "Job")[0])["args"])
     assert (plain.tls_ca, plain.tls_client_cert) == (None, None)
 
@@ -277,8 +281,9 @@ def _gateway_triton_tls(docs: list[Manifest]) -> tuple[str | None, str | None, s
     return ca, cert, key
 
 
-@pytest.mark.parametrize("tls", [None, {"mutual": True}, {"mutual": False}],
-                         ids=["plaintext", "mtls", "tls"])  # fmt: skip
+@pytest.mark.parametrize(
+    "tls", [None, {"mutual": True}, {"mutual": False}], ids=["plaintext", "mtls", "tls"]
+)
 def test_the_encoder_rollout_job_reaches_triton_as_the_gateway_does(
     chart: Any, tls: dict[str, Any] | None
 ) -> None:
@@ -310,13 +315,16 @@ def test_a_new_encoder_rollout_publishes_into_the_model_repository(chart: Any) -
     (job,) = of_kind(docs, "Job")
     args = parse(container(job)["args"])
     assert (str(args.encoder), str(args.triton_repo), args.retrain) == (
-        "/encoders/minilm-v2", "/model-src", False,
-    )  # fmt: skip
+        "/encoders/minilm-v2",
+        "/model-src",
+        False,
+    )
     volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model-source"]["persistentVolumeClaim"]["claimName"] == "gtr-model-repository"
     assert volumes["encoders"]["persistentVolumeClaim"] == {
-        "claimName": "checkpoints", "readOnly": True,
-    }  # fmt: skip
+        "claimName": "checkpoints",
+        "readOnly": True,
+    }
     # every Triton pod links and loads the new version beside the serving one
     triton = next(d for d in of_kind(docs, "Deployment") if component(d) == "triton")
     sync = container(triton, "repository-sync")

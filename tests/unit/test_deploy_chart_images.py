@@ -121,8 +121,16 @@ def test_triton_autoscaler_and_disruption_budget(chart: Any) -> None:
             "target": {"type": "AverageValue", "averageValue": "5000"},
         },
     }
-    values = {"encoder": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
-                                          "metrics": [metric]}}}  # fmt: skip
+    values = {
+        "encoder": {
+            "autoscaling": {
+                "enabled": True,
+                "minReplicas": 2,
+                "maxReplicas": 6,
+                "metrics": [metric],
+            }
+        }
+    }
     docs = render(chart, values)
     hpa = next(d for d in of_kind(docs, "HorizontalPodAutoscaler") if component(d) == "triton")
     validate(hpa)
@@ -208,9 +216,10 @@ def test_redis_disruption_budget_and_exporter(chart: Any) -> None:
     assert env["REDIS_ADDR"]["value"] == "redis://127.0.0.1:6379"
     assert "secretKeyRef" in env["REDIS_PASSWORD"]["valueFrom"]
     service = next(
-        d for d in of_kind(docs, "Service")
+        d
+        for d in of_kind(docs, "Service")
         if component(d) == "redis" and d["spec"].get("clusterIP") != "None"
-    )  # fmt: skip
+    )
     assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
     policy = next(d for d in of_kind(docs, "NetworkPolicy") if component(d) == "redis")
     assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == [6379, 9121]

@@ -41,9 +41,11 @@ def test_flavor_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(
     ("flag", "value", "said"),
-    [("--max-queue-size", "-3", "-3 is negative"), ("--queue-delay-us", "1.5",
-     "'1.5' is not a whole number")],
-)  # fmt: skip
+    [
+        ("--max-queue-size", "-3", "-3 is negative"),
+        ("--queue-delay-us", "1.5", "'1.5' is not a whole number"),
+    ],
+)
 def test_queue_flags_are_validated(
     flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -52,8 +54,9 @@ def test_queue_flags_are_validated(
     assert f"argument {flag}: {said}" in capsys.readouterr().err
 
 
-def test_export_parity_repo_round_trip(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_export_parity_repo_round_trip(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model_dir = ensure_tiny_t5(encoder_base(tmp_path_factory))
     onnx_path = tmp_path / "export" / "model.onnx"
     assert _main(["encoder", "export", "--model-dir", str(model_dir), "--out", str(onnx_path)]) == 0
@@ -61,8 +64,23 @@ def test_export_parity_repo_round_trip(tmp_path_factory: pytest.TempPathFactory,
     parity = ["encoder", "parity", "--model-dir", str(model_dir), "--onnx", str(onnx_path)]
     assert _main(parity) == 0
     repo = tmp_path / "repo"
-    assert _main(["encoder", "repo", "--onnx", str(onnx_path), "--out", str(repo),
-                  "--flavor", "cpu", "--threads", "2"]) == 0  # fmt: skip
+    assert (
+        _main(
+            [
+                "encoder",
+                "repo",
+                "--onnx",
+                str(onnx_path),
+                "--out",
+                str(repo),
+                "--flavor",
+                "cpu",
+                "--threads",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert read_config(repo / "embed" / "config.pbtxt").parameters["dim"].string_value == "48"
 
 
@@ -81,6 +99,16 @@ def test_build_plan_says_why_it_cannot_run_here(
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("tensorrt is installed: this checks the message on machines without it")
     model_dir = ensure_tiny_t5(encoder_base(tmp_path_factory))
-    code = _main(["encoder", "build-plan", "--model-dir", str(model_dir), "--onnx",
-                  str(tmp_path / "m.onnx"), "--out", str(tmp_path / "m.plan")])  # fmt: skip
+    code = _main(
+        [
+            "encoder",
+            "build-plan",
+            "--model-dir",
+            str(model_dir),
+            "--onnx",
+            str(tmp_path / "m.onnx"),
+            "--out",
+            str(tmp_path / "m.plan"),
+        ]
+    )
     assert code == 2 and "no GPU/TensorRT on this machine" in capsys.readouterr().err

@@ -114,17 +114,21 @@ def test_parity_refuses_nan_and_zero_rows_past_the_first(
     producer = next(n for n in graph.node if "embedding" in n.output)
     producer.output[list(producer.output).index("embedding")] = "embedding_raw"
     # embedding * f(tokens - (len(row 1) + 0.5)): f = sqrt gives NaN, relu 0, on row 1 only
-    graph.initializer.extend([
-        numpy_helper.from_array(np.array([1], dtype=np.int64), "gate_axes"),
-        numpy_helper.from_array(np.array(lengths[1] + 0.5, dtype=np.float32), "gate_cut"),
-    ])  # fmt: skip
-    graph.node.extend([
-        helper.make_node("Cast", ["attention_mask"], ["gate_mask"], to=onnx.TensorProto.FLOAT),
-        helper.make_node("ReduceSum", ["gate_mask", "gate_axes"], ["gate_len"], keepdims=1),
-        helper.make_node("Sub", ["gate_len", "gate_cut"], ["gate_d"]),
-        helper.make_node("Sqrt" if bad == "nan" else "Relu", ["gate_d"], ["gate_f"]),
-        helper.make_node("Mul", ["embedding_raw", "gate_f"], ["embedding"]),
-    ])  # fmt: skip
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "gate_axes"),
+            numpy_helper.from_array(np.array(lengths[1] + 0.5, dtype=np.float32), "gate_cut"),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("Cast", ["attention_mask"], ["gate_mask"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("ReduceSum", ["gate_mask", "gate_axes"], ["gate_len"], keepdims=1),
+            helper.make_node("Sub", ["gate_len", "gate_cut"], ["gate_d"]),
+            helper.make_node("Sqrt" if bad == "nan" else "Relu", ["gate_d"], ["gate_f"]),
+            helper.make_node("Mul", ["embedding_raw", "gate_f"], ["embedding"]),
+        ]
+    )
     broken = tmp_path / "model.onnx"
     onnx.save(model, str(broken))
     for sidecar in ("tokenizer.json", "encoder.json"):

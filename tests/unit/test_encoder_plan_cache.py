@@ -36,8 +36,17 @@ A100 = Device("NVIDIA A100-SXM4-40GB", "8.0", "10.7.0.23")
 
 
 def meta_of(device: Device) -> PlanMeta:
-    return PlanMeta(device.tensorrt_version, "fp16", (1, 1), (8, 128), (64, 512), 0.9995, 40,
-                    device.gpu, device.compute_capability)  # fmt: skip
+    return PlanMeta(
+        device.tensorrt_version,
+        "fp16",
+        (1, 1),
+        (8, 128),
+        (64, 512),
+        0.9995,
+        40,
+        device.gpu,
+        device.compute_capability,
+    )
 
 
 def put_plan(path: Path, device: Device, engine: bytes = b"engine") -> None:
@@ -59,10 +68,12 @@ def save_graph(path: Path, weight: float) -> None:
     """A small valid ONNX graph (y = x + w) whose one initializer is ``weight``."""
     w = numpy_helper.from_array(np.full((4,), weight, dtype=np.float32), "w")
     graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "w"], ["y"])], "g",
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        "g",
         [helper.make_tensor_value_info("x", onnx_lib.TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("y", onnx_lib.TensorProto.FLOAT, [4])], [w],
-    )  # fmt: skip
+        [helper.make_tensor_value_info("y", onnx_lib.TensorProto.FLOAT, [4])],
+        [w],
+    )
     onnx_lib.save(helper.make_model(graph), str(path))
 
 

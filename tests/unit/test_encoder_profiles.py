@@ -51,8 +51,12 @@ _GTR_CONFIGS = {
 
 @pytest.mark.parametrize("expected", sorted(_GTR_CONFIGS))
 def test_gtr_config_selects_its_size(tmp_path: Path, expected: str) -> None:
-    config = {"model_type": "t5", "vocab_size": 32128, "feed_forward_proj": "relu",
-              **_GTR_CONFIGS[expected]}  # fmt: skip
+    config = {
+        "model_type": "t5",
+        "vocab_size": 32128,
+        "feed_forward_proj": "relu",
+        **_GTR_CONFIGS[expected],
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert profile_for_model_dir(tmp_path).name == expected
 

@@ -32,10 +32,12 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     assert config.name == "embed" and config.backend == "python"
     assert config.max_batch_size == 64
     assert _io(config) == {
-        "TEXT": (mc.TYPE_STRING, [1]), "KIND": (mc.TYPE_STRING, [1]),
-        "EMBEDDING": (mc.TYPE_FP32, [384]), "TRUNCATED": (mc.TYPE_BOOL, [1]),
+        "TEXT": (mc.TYPE_STRING, [1]),
+        "KIND": (mc.TYPE_STRING, [1]),
+        "EMBEDDING": (mc.TYPE_FP32, [384]),
+        "TRUNCATED": (mc.TYPE_BOOL, [1]),
         "ENCODER": (mc.TYPE_STRING, [1]),  # the version's description, asked at connect
-    }  # fmt: skip
+    }
     batching = config.dynamic_batching
     assert list(batching.preferred_batch_size) == [16, 32, 64]  # CPU: no small batches
     assert batching.max_queue_delay_microseconds == 1000
@@ -52,8 +54,14 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     assert params["intra_op_threads"] == "2"
     assert params["allow_spinning"] == "0"  # busy-waiting threads stall the stub
     version = tmp_path / "embed" / "1"
-    for name in ("model.py", "textcodec.py", "model.onnx", "tokenizer.json", "encoder.json",
-                 "version.json"):  # fmt: skip
+    for name in (
+        "model.py",
+        "textcodec.py",
+        "model.onnx",
+        "tokenizer.json",
+        "encoder.json",
+        "version.json",
+    ):
         assert (version / name).is_file(), name
     # what is version 1's goes in its folder, not in config.pbtxt (a publish leaves it)
     own = json.loads((version / "version.json").read_text())
@@ -85,11 +93,15 @@ def test_gpu_repository_is_an_ensemble(minilm_onnx: Path, tmp_path: Path) -> Non
     assert tok.backend == "python" and enc.platform == "tensorrt_plan"
     assert embed.platform == "ensemble"
     assert {k: v for k, v in _io(tok).items() if k in ("TEXT", "KIND")} == {
-        "TEXT": (mc.TYPE_STRING, [1]), "KIND": (mc.TYPE_STRING, [1])}  # fmt: skip
+        "TEXT": (mc.TYPE_STRING, [1]),
+        "KIND": (mc.TYPE_STRING, [1]),
+    }
     assert _io(embed)["EMBEDDING"] == (mc.TYPE_FP32, [384])
-    assert _io(enc) == {"input_ids": (mc.TYPE_INT64, [-1]),
-                        "attention_mask": (mc.TYPE_INT64, [-1]),
-                        "embedding": (mc.TYPE_FP32, [384])}  # fmt: skip
+    assert _io(enc) == {
+        "input_ids": (mc.TYPE_INT64, [-1]),
+        "attention_mask": (mc.TYPE_INT64, [-1]),
+        "embedding": (mc.TYPE_FP32, [384]),
+    }
     (group,) = enc.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == 1  # minilm profile
     assert list(enc.dynamic_batching.preferred_batch_size) == [4, 8, 16, 32, 64]
@@ -98,8 +110,11 @@ def test_gpu_repository_is_an_ensemble(minilm_onnx: Path, tmp_path: Path) -> Non
     assert enc.dynamic_batching.default_priority_level == QUERY_PRIORITY
     steps = list(embed.ensemble_scheduling.step)
     assert [s.model_name for s in steps] == ["tokenizer", "encoder"]
-    assert dict(steps[0].output_map) == {"INPUT_IDS": "ids", "ATTENTION_MASK": "mask",
-                                         "TRUNCATED": "TRUNCATED"}  # fmt: skip
+    assert dict(steps[0].output_map) == {
+        "INPUT_IDS": "ids",
+        "ATTENTION_MASK": "mask",
+        "TRUNCATED": "TRUNCATED",
+    }
     assert dict(steps[1].input_map) == {"input_ids": "ids", "attention_mask": "mask"}
     assert dict(steps[1].output_map) == {"embedding": "EMBEDDING"}
     # every ensemble tensor is produced before it is consumed
@@ -160,14 +175,19 @@ def test_gpu_repository_refuses_a_plan_of_another_tensorrt(
 ) -> None:
     plan = _fake_plan(tmp_path / "trt11.plan", tensorrt="11.4.0.106")
     with pytest.raises(PlanVersionMismatch, match=r"TensorRT 11\.4\.0\.106"):
-        generate_repository(minilm_onnx, tmp_path / "repo",
-                            RepositoryConfig(flavor="gpu", plan_path=plan))  # fmt: skip
+        generate_repository(
+            minilm_onnx, tmp_path / "repo", RepositoryConfig(flavor="gpu", plan_path=plan)
+        )
     with pytest.raises(FailedPrecondition, match="not known here"):
         generate_repository(
-            minilm_onnx, tmp_path / "repo",
-            RepositoryConfig(flavor="gpu", plan_path=_fake_plan(tmp_path / "ok.plan"),
-                             triton_image_tag="19.01-py3"),
-        )  # fmt: skip
+            minilm_onnx,
+            tmp_path / "repo",
+            RepositoryConfig(
+                flavor="gpu",
+                plan_path=_fake_plan(tmp_path / "ok.plan"),
+                triton_image_tag="19.01-py3",
+            ),
+        )
 
 
 def test_gpu_repository_refuses_a_plan_without_its_metadata(
@@ -176,12 +196,14 @@ def test_gpu_repository_refuses_a_plan_without_its_metadata(
     plan = tmp_path / "bare.plan"
     plan.write_bytes(b"not a real engine")
     with pytest.raises(FailedPrecondition, match="build-plan"):
-        generate_repository(minilm_onnx, tmp_path / "repo",
-                            RepositoryConfig(flavor="gpu", plan_path=plan))  # fmt: skip
+        generate_repository(
+            minilm_onnx, tmp_path / "repo", RepositoryConfig(flavor="gpu", plan_path=plan)
+        )
 
 
-def test_gtr_profile_sets_instances_on_gpu(tmp_path_factory: pytest.TempPathFactory,
-                                           tmp_path: Path) -> None:  # fmt: skip
+def test_gtr_profile_sets_instances_on_gpu(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
     base = encoder_base(tmp_path_factory)
     onnx_path = ensure_onnx(ensure_tiny_t5(base), base)
     repo = generate_repository(onnx_path, tmp_path, RepositoryConfig(flavor="gpu"))

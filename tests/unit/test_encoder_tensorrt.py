@@ -62,8 +62,11 @@ def test_t5_rms_norms_are_pinned_whole(t5_onnx: onnx.ModelProto) -> None:
     assert ops["Mul"] == 2 * n_norms  # x * rsqrt(var) and weight * (...)
     assert all("layer_norm" in name for name in selection.norms)
     # nothing of the attention or the FFN body is in a norm
-    assert not any(n.op_type in {"Softmax", "MatMul", "Relu"}
-                   for n in t5_onnx.graph.node if n.name in selection.norms)  # fmt: skip
+    assert not any(
+        n.op_type in {"Softmax", "MatMul", "Relu"}
+        for n in t5_onnx.graph.node
+        if n.name in selection.norms
+    )
 
 
 def test_t5_residual_adds_and_ffn_output(t5_onnx: onnx.ModelProto) -> None:
@@ -182,8 +185,14 @@ def test_plan_is_not_written_when_parity_fails(base: Path, tmp_path: Path) -> No
     ids = np.array([[3, 4, 1]], dtype=np.int64)
     wrong = np.ones((1, 48), dtype=np.float32)  # not the model's output
     with pytest.raises(PlanParityError):
-        build_plan(ensure_onnx(model_dir, base), tmp_path / "m.plan", PlanConfig(), ids,
-                   np.ones_like(ids), wrong)  # fmt: skip
+        build_plan(
+            ensure_onnx(model_dir, base),
+            tmp_path / "m.plan",
+            PlanConfig(),
+            ids,
+            np.ones_like(ids),
+            wrong,
+        )
     assert not (tmp_path / "m.plan").exists() and not list(tmp_path.iterdir())
 
 
@@ -265,8 +274,9 @@ def _ort_run(model: onnx.ModelProto, extra_outputs: list[str]) -> list[np.ndarra
     model.graph.output.extend(types[name] for name in extra_outputs)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # node by node
-    session = ort.InferenceSession(model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])  # fmt: skip
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
     ids = np.random.default_rng(0).integers(3, 500, size=(4, 40)).astype(np.int64)
     ids[3, 25:] = 0
     mask = (ids != 0).astype(np.int64)
@@ -331,15 +341,26 @@ def test_fp16_cast_of_the_plain_tiny_t5_keeps_parity(t5_onnx: onnx.ModelProto) -
 
 def test_inspector_reports_kept_nodes_that_run_in_fp16() -> None:
     keep = frozenset({"/a/Add", "/a/layer_norm/Pow"})
-    info = {"Layers": [
-        {"Name": "L0", "Metadata": "[ONNX Layer: /a/Add]",
-         "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}]},
-        {"Name": "L1", "Metadata": "[ONNX Layer: /a/layer_norm/Pow]",
-         "Outputs": [{"Format/Datatype": "Row major linear FP32"}]},
-        {"Name": "L2", "Metadata": "[ONNX Layer: /a/Add]\x1f[ONNX Layer: /a/q/MatMul]",
-         "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}]},
-        {"Name": "L3", "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}]},
-    ]}  # fmt: skip
+    info = {
+        "Layers": [
+            {
+                "Name": "L0",
+                "Metadata": "[ONNX Layer: /a/Add]",
+                "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}],
+            },
+            {
+                "Name": "L1",
+                "Metadata": "[ONNX Layer: /a/layer_norm/Pow]",
+                "Outputs": [{"Format/Datatype": "Row major linear FP32"}],
+            },
+            {
+                "Name": "L2",
+                "Metadata": "[ONNX Layer: /a/Add]\x1f[ONNX Layer: /a/q/MatMul]",
+                "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}],
+            },
+            {"Name": "L3", "Outputs": [{"Format/Datatype": "Row major linear FP16 format"}]},
+        ]
+    }
     assert fp16_layers_of_kept_nodes(info, keep) == ["L0"]
     assert layers_with_onnx_names(info) == 3
 

@@ -45,8 +45,16 @@ def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyP
 
 
 def config(beir: Path, base: Path, out: Path, arch: str, **kw: object) -> TrainConfig:
-    cfg = TrainConfig(data_dir=beir, out=out, arch=arch, base=base, batch_size=4,  # type: ignore[arg-type]
-                      max_doc_len=32, eval_every=2, progress=False)  # fmt: skip
+    cfg = TrainConfig(
+        data_dir=beir,
+        out=out,
+        arch=arch,
+        base=base,
+        batch_size=4,  # type: ignore[arg-type]
+        max_doc_len=32,
+        eval_every=2,
+        progress=False,
+    )
     return replace(cfg, **kw)  # type: ignore[arg-type]
 
 
@@ -88,8 +96,12 @@ def test_train_writes_loadable_towers_and_a_manifest(
     manifest = train(config(beir, bert_dir, out, arch)).manifest
     assert manifest["complete"] and manifest["arch"] == arch
     assert manifest["steps"] == manifest["total_steps"] == 5  # 19 train pairs / batch 4
-    assert set(manifest["dev"]) >= {"ndcg_at_10", "recall_at_100", "mrr_at_10",
-                                    "contrastive_entropy"}  # fmt: skip
+    assert set(manifest["dev"]) >= {
+        "ndcg_at_10",
+        "recall_at_100",
+        "mrr_at_10",
+        "contrastive_entropy",
+    }
     assert manifest["dev_split"]["dev_queries"] == 5 and len(manifest["dev_split"]["dev_qids"]) == 5
     assert manifest["data"]["digest"] and manifest["recipe"]["batch_size"] == 4
     assert [p["step"] for p in manifest["curve"]["dev"]] == [2, 4, 5]
@@ -109,8 +121,10 @@ def test_train_writes_loadable_towers_and_a_manifest(
     if arch == "ade-spl":  # the shared projection saved in both, identical
         from safetensors.torch import load_file
 
-        weights = [load_file(str(out / t / "2_Dense" / "model.safetensors"))["linear.weight"]
-                   for t in ("query", "document")]  # fmt: skip
+        weights = [
+            load_file(str(out / t / "2_Dense" / "model.safetensors"))["linear.weight"]
+            for t in ("query", "document")
+        ]
         assert torch.equal(weights[0], weights[1])
         assert not torch.equal(weights[0], torch.eye(32)), "the projection was trained"
 
@@ -175,8 +189,13 @@ def test_compare_reports_every_variant_against_the_base(
     report = compare(beir, outs, plots=tmp_path / "plots", progress=False)
     assert set(report["variants"]) == {"sde", "ade_spl"}
     for row in [report["base"], *report["variants"].values()]:
-        assert {"ndcg_at_10", "recall_at_100", "contrastive_entropy", "separability",
-                "train_seconds"} <= set(row)  # fmt: skip
+        assert {
+            "ndcg_at_10",
+            "recall_at_100",
+            "contrastive_entropy",
+            "separability",
+            "train_seconds",
+        } <= set(row)
         assert 0.0 <= row["separability"] <= 1.0 and Path(row["projection_png"]).exists()
     sde = report["variants"]["sde"]
     assert sde["paired_low"] <= sde["ndcg_at_10_diff"] <= sde["paired_high"]
@@ -213,9 +232,22 @@ def _index(root: Path, dim: int) -> Path:
     """An index folder whose manifest says ``dim`` (as `index train` writes it)."""
     from services.index.core.train import Manifest
 
-    Manifest(dim=dim, metric="ip", factory="IVF1,PQ4", model="m", nlist=1, pq_m=4, pq_bits=8,
-             refine=False, refine_factor=1, nprobe=1, train_points=1, train_pq_error=0.0,
-             train_seconds=0.0, created_at="now").write(root)  # fmt: skip
+    Manifest(
+        dim=dim,
+        metric="ip",
+        factory="IVF1,PQ4",
+        model="m",
+        nlist=1,
+        pq_m=4,
+        pq_bits=8,
+        refine=False,
+        refine_factor=1,
+        nprobe=1,
+        train_points=1,
+        train_pq_error=0.0,
+        train_seconds=0.0,
+        created_at="now",
+    ).write(root)
     return root
 
 
@@ -238,8 +270,9 @@ def test_the_gpu_flavour_refuses_a_two_tower_export(tmp_path: Path) -> None:
     for name in ("model.onnx", "document.onnx", "tokenizer.json"):
         (export / name).write_bytes(b"")
     towers = {"query": "model.onnx", "document": "document.onnx"}
-    EncoderMeta("ade-spl", 32, "minilm", {"query": 64, "document": 256}, 0, "x",
-                towers=towers).write(export)  # fmt: skip
+    EncoderMeta(
+        "ade-spl", 32, "minilm", {"query": 64, "document": 256}, 0, "x", towers=towers
+    ).write(export)
     kept = tmp_path / "repo" / "embed" / "config.pbtxt"  # a repository already there
     kept.parent.mkdir(parents=True)
     kept.write_text("name: 'embed'")

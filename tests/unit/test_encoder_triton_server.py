@@ -24,8 +24,11 @@ def wheel() -> Path:
 def test_backend_dir_holds_this_pythons_stub(wheel: Path, tmp_path: Path) -> None:
     backend = prepare_backend_dir(tmp_path) / "python"
     names = sorted(p.name for p in backend.iterdir())
-    assert names == ["libtriton_python.so", "triton_python_backend_stub",
-                     "triton_python_backend_utils.py"]  # fmt: skip
+    assert names == [
+        "libtriton_python.so",
+        "triton_python_backend_stub",
+        "triton_python_backend_utils.py",
+    ]
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = wheel / "python_backend_stubs" / version / "triton_python_backend_stub"
     assert (backend / "triton_python_backend_stub").read_bytes() == stub.read_bytes()
@@ -34,8 +37,9 @@ def test_backend_dir_holds_this_pythons_stub(wheel: Path, tmp_path: Path) -> Non
 
 
 def test_command_and_environment(wheel: Path, tmp_path: Path) -> None:
-    cfg = TritonServerConfig(tmp_path / "repo", grpc_port=1, http_port=2, metrics_port=3,
-                             backend_dir=tmp_path / "b")  # fmt: skip
+    cfg = TritonServerConfig(
+        tmp_path / "repo", grpc_port=1, http_port=2, metrics_port=3, backend_dir=tmp_path / "b"
+    )
     argv, env = triton_command(cfg)
     assert argv[0] == str(wheel / "bin" / "tritonserver")
     assert f"--model-repository={(tmp_path / 'repo').resolve()}" in argv

@@ -24,9 +24,13 @@ from services.encoder.runtime.triton_client import describe_version, version_par
 from services.encoder.serve.versions import Export, servable_problem
 
 MINILM = EncoderMeta(
-    model_name="all-MiniLM-L6-v2", dim=384, profile="minilm",
-    max_lens={"query": 64, "document": 256}, pad_id=0, source_dir="/nowhere",
-)  # fmt: skip
+    model_name="all-MiniLM-L6-v2",
+    dim=384,
+    profile="minilm",
+    max_lens={"query": 64, "document": 256},
+    pad_id=0,
+    source_dir="/nowhere",
+)
 
 
 def _export(tmp_path: Path, meta: EncoderMeta, tokenizer: str | None = None) -> Export:
@@ -87,10 +91,10 @@ def test_each_version_reads_its_own_parameters_over_the_shared_ones() -> None:
     """A repository of an older generator (versions described in config.pbtxt) still
     serves: the client reads each version's parameters over the shared ones."""
     config = _cpu_config()
-    for key, value in {**_legacy_parameters(1, MINILM, "aaaa"),
-                       **_legacy_parameters(2, EncoderMeta(**{**MINILM.__dict__,
-                                                              "model_name": "second"}),
-                                            "bbbb")}.items():  # fmt: skip
+    for key, value in {
+        **_legacy_parameters(1, MINILM, "aaaa"),
+        **_legacy_parameters(2, EncoderMeta(**{**MINILM.__dict__, "model_name": "second"}), "bbbb"),
+    }.items():
         config.parameters[key].string_value = value
     first, second = describe_version(config, 1, "embed"), describe_version(config, 2, "embed")
     assert (first.source_model, first.digest) == ("all-MiniLM-L6-v2", "aaaa")
@@ -120,8 +124,13 @@ def test_the_model_and_the_client_overlay_a_versions_parameters_alike(
     monkeypatch.syspath_prepend(str(pytriton_root() / "backends" / "python"))
     monkeypatch.syspath_prepend(str(MODELS_DIR))
     model_errors = importlib.import_module("model_errors")
-    params = {"onnx_file": "model.onnx", "dim": "384", "version.2.onnx_file": "v2.onnx",
-              "version.2.document_onnx_file": "", "version.12.onnx_file": "v12.onnx"}  # fmt: skip
+    params = {
+        "onnx_file": "model.onnx",
+        "dim": "384",
+        "version.2.onnx_file": "v2.onnx",
+        "version.2.document_onnx_file": "",
+        "version.12.onnx_file": "v12.onnx",
+    }
     for version in (1, 2, 12):
         assert model_errors.version_params(params, str(version)) == version_params(params, version)
 
@@ -156,8 +165,11 @@ def test_a_rollout_publishing_its_encoder_uses_every_version() -> None:
 
     g1 = Generation("g1", "serving", 2, EncoderSpec("embed", 1, 384), "")
     g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
-    publishing = {"target": "g3", "phase": "publish",
-                  "plan": json.dumps({"encoder": None, "encoder_dir": "/new"})}  # fmt: skip
+    publishing = {
+        "target": "g3",
+        "phase": "publish",
+        "plan": json.dumps({"encoder": None, "encoder_dir": "/new"}),
+    }
     using = "g3 (a rollout publishing its encoder)"
     assert generations_using([g1, g2], 2, publishing) == [using]
     assert generations_using([g1, g2], 1, publishing) == ["g1", using]
@@ -180,8 +192,10 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
     config = _cpu_config()
     del config.output[-1]  # the older generator had no ENCODER output
     second = EncoderMeta(**{**MINILM.__dict__, "model_name": "second"})
-    for key, value in {**_legacy_parameters(1, MINILM, "aaaa"),
-                       **_legacy_parameters(2, second, "bbbb")}.items():  # fmt: skip
+    for key, value in {
+        **_legacy_parameters(1, MINILM, "aaaa"),
+        **_legacy_parameters(2, second, "bbbb"),
+    }.items():
         config.parameters[key].string_value = value
     for version in (1, 2):
         (model / str(version)).mkdir(parents=True)
@@ -199,8 +213,11 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
     import json
 
     own = json.loads((model / "2" / VERSION_FILE).read_text())
-    assert (own["source_model"], own["digest"], own["onnx_file"]) == ("second", "bbbb",
-                                                                      "model.onnx")  # fmt: skip
+    assert (own["source_model"], own["digest"], own["onnx_file"]) == (
+        "second",
+        "bbbb",
+        "model.onnx",
+    )
     assert (model / "2" / "model.py").exists()  # the model code that reads version.json
     assert _convert(model, new) is None  # converted once: the next publish changes nothing
 

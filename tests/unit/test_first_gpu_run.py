@@ -86,8 +86,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def argv(span: str, env: dict[str, Path]) -> list[str]:
     """A documented command as this machine runs it (its own CLI and python)."""
     text = span.replace("$GTR", str(env["GTR"])).replace("$CORPUS", str(env["CORPUS"]))
-    args = [a.replace("build/", f"{env['build']}/", 1) if a.startswith("build/") else a
-            for a in shlex.split(text)]  # fmt: skip
+    args = [
+        a.replace("build/", f"{env['build']}/", 1) if a.startswith("build/") else a
+        for a in shlex.split(text)
+    ]
     args = [re.sub(r"(=)build/", rf"\g<1>{env['build']}/", a) for a in args]
     if args[0] == "gtr-retrieval":
         args[0] = CLI
@@ -109,8 +111,16 @@ def span(row: int, start: str) -> str:
 def test_the_checklist_has_its_rows() -> None:
     assert sorted(ROWS) == list(range(1, 18))
     checks = " ".join(check for check, _, _ in ROWS.values())
-    for topic in ("our images", "uid 10001", "second start", "xl/xxl", "2 instances",
-                  "GPU shards", "GPU rerank", "128 tokens"):  # fmt: skip
+    for topic in (
+        "our images",
+        "uid 10001",
+        "second start",
+        "xl/xxl",
+        "2 instances",
+        "GPU shards",
+        "GPU rerank",
+        "128 tokens",
+    ):
         assert topic in checks, topic
 
 
@@ -162,8 +172,13 @@ def test_rows_4_to_9_run_up_to_tensorrt(env: dict[str, Path]) -> None:
     assert done.returncode == 2 and NO_TRT_REASON in done.stderr, done.stderr
     # 6: the repository around a plan (a stand-in with the metadata build-plan writes)
     plan = env["build"] / "gtr" / "model.plan"
-    write_plan(plan, b"stand-in", PlanMeta(TENSORRT_VERSION, "fp16", (1, 1), (8, 128),
-               (64, 512), 0.9995, 40, "NVIDIA L4", "8.9"))  # fmt: skip
+    write_plan(
+        plan,
+        b"stand-in",
+        PlanMeta(
+            TENSORRT_VERSION, "fp16", (1, 1), (8, 128), (64, 512), 0.9995, 40, "NVIDIA L4", "8.9"
+        ),
+    )
     done = run(argv(span(6, "gtr-retrieval encoder repo"), env))
     assert done.returncode == 0, done.stderr
     assert {p.name for p in (env["build"] / "repo").iterdir()} >= {"tokenizer", "encoder", "embed"}
@@ -185,12 +200,18 @@ def test_rows_4_to_9_run_up_to_tensorrt(env: dict[str, Path]) -> None:
     chart_args = (ROOT / "deploy/k8s/gtr-retrieval/templates/triton.yaml").read_text()
     for arg in command[:2] + [a.split("=")[0] for a in command[2:]]:
         assert f"- {arg}" in chart_args, arg  # the flags the chart's init container passes
-    mounts = {docker[i + 1].split(":")[1]: docker[i + 1].split(":")[0]
-              for i, a in enumerate(docker) if a == "-v"}  # fmt: skip
-    local = [a.replace("/model-src/checkpoint", str(env["GTR"]))
-             .replace("/model-src/export", str(env["build"] / "gtr"))
-             .replace("/plans", str(env["build"] / "plans"))
-             .replace("/models", str(env["build"] / "repo-ep")) for a in command]  # fmt: skip
+    mounts = {
+        docker[i + 1].split(":")[1]: docker[i + 1].split(":")[0]
+        for i, a in enumerate(docker)
+        if a == "-v"
+    }
+    local = [
+        a.replace("/model-src/checkpoint", str(env["GTR"]))
+        .replace("/model-src/export", str(env["build"] / "gtr"))
+        .replace("/plans", str(env["build"] / "plans"))
+        .replace("/models", str(env["build"] / "repo-ep"))
+        for a in command
+    ]
     assert set(mounts) >= {"/model-src/checkpoint", "/model-src/export", "/plans", "/models"}
     done = run([CLI, *local])
     assert done.returncode == 2 and NO_TRT_REASON in done.stderr, done.stderr
@@ -236,8 +257,21 @@ def test_rows_11_and_12_perf_input_of_128_tokens_and_two_instances(
     # 12: two instances of the TensorRT model in the repository
     plan = env["build"] / "gtr" / "model.plan"
     if not plan.exists():
-        write_plan(plan, b"stand-in", PlanMeta(TENSORRT_VERSION, "fp16", (1, 1), (8, 128),
-                   (64, 512), 0.9995, 40, "NVIDIA L4", "8.9"))  # fmt: skip
+        write_plan(
+            plan,
+            b"stand-in",
+            PlanMeta(
+                TENSORRT_VERSION,
+                "fp16",
+                (1, 1),
+                (8, 128),
+                (64, 512),
+                0.9995,
+                40,
+                "NVIDIA L4",
+                "8.9",
+            ),
+        )
     done = run(argv(span(12, "gtr-retrieval encoder repo"), env))
     assert done.returncode == 0, done.stderr
     config = (env["build"] / "repo2" / "encoder" / "config.pbtxt").read_text()
@@ -248,8 +282,10 @@ def test_rows_11_and_12_perf_input_of_128_tokens_and_two_instances(
 
 @pytest.mark.slow
 def test_rows_13_and_14_embed_and_train_for_the_gpu(env: dict[str, Path]) -> None:
-    embed, train = (argv(span(13, start), env) for start in
-                    ("gtr-retrieval encoder embed", "gtr-retrieval index train"))  # fmt: skip
+    embed, train = (
+        argv(span(13, start), env)
+        for start in ("gtr-retrieval encoder embed", "gtr-retrieval index train")
+    )
     done = run(embed)
     assert done.returncode == 0, done.stderr
     vectors = np.load(env["build"] / "emb768.npy")
@@ -319,6 +355,9 @@ def test_rows_16_and_17_render_gpu_shards_and_gpu_rerank(row: int) -> None:
     else:
         rerank = deployments["gtr-gtr-retrieval-rerank"]["spec"]["template"]["spec"]
         assert rerank["containers"][0]["image"] == image("appGpu")
-        config = next(d for d in docs if d["kind"] == "ConfigMap"
-                      and d["metadata"]["name"] == "gtr-gtr-retrieval-rerank")  # fmt: skip
+        config = next(
+            d
+            for d in docs
+            if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gtr-gtr-retrieval-rerank"
+        )
         assert config["data"]["GTR_RERANK_DEVICE"] == "cuda"

@@ -106,12 +106,17 @@ def test_the_gateway_s_first_stage_per_mode() -> None:
     assert [(h.id, h.dense_rank, h.sparse_rank) for h in dense] == [("a", 0, 0), ("b", 0, 0)]
     sparse = first_stage(_Stage(Mode.SPARSE, 0, 3, None), result(), 0, 3)
     assert [(h.id, h.sparse_rank, h.score) for h in sparse] == [
-        ("c", 1, 12.0), ("d", 2, 7.0), ("a", 3, 3.0),
-    ]  # fmt: skip
+        ("c", 1, 12.0),
+        ("d", 2, 7.0),
+        ("a", 3, 3.0),
+    ]
     fusion = Fusion(Method.RRF)
     hybrid = first_stage(_Stage(Mode.HYBRID, 3, 3, fusion), result(), 0, 4)
     assert [(h.id, h.shard, h.dense_rank, h.sparse_rank) for h in hybrid] == [
-        ("a", 0, 1, 3), ("c", 0, 3, 1), ("b", 0, 2, 0), ("d", 1, 0, 2),
-    ]  # fmt: skip
+        ("a", 0, 1, 3),
+        ("c", 0, 3, 1),
+        ("b", 0, 2, 0),
+        ("d", 1, 0, 2),
+    ]
     assert all(h.score == h.first_stage_score for h in hybrid)
     assert [h.id for h in hybrid] == [f.id for f in fuse(DENSE, SPARSE, fusion, 4)]

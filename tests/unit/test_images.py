@@ -257,9 +257,13 @@ def test_the_healthcheck_follows_the_process_under_tls(tmp_path: Path) -> None:
     certs = make_certs(tmp_path / "tls", ["gtr-gateway.search.svc"])
     health_port = free_port()
     tls_flags = [
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--tls-client-ca", str(certs.ca),
-    ]  # fmt: skip
+        "--tls-cert",
+        str(certs.server_cert),
+        "--tls-key",
+        str(certs.server_key),
+        "--tls-client-ca",
+        str(certs.ca),
+    ]
 
     async def scenario() -> None:
         server, port = await create_server(

@@ -29,8 +29,7 @@ def vectors(scifact_dir: Path) -> np.ndarray:
 def shard(vectors: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> IvfPqShard:
     trained = TrainedIndex.load(shared_test_index(tmp_path_factory.getbasetemp(), vectors))
     loaded = IvfPqShard(trained)
-    loaded.apply([Upsert(str(i), vectors[i], {"parity": str(i % 2)})
-                  for i in range(N_BASE)], "1-0")  # fmt: skip
+    loaded.apply([Upsert(str(i), vectors[i], {"parity": str(i % 2)}) for i in range(N_BASE)], "1-0")
     return loaded
 
 
@@ -49,10 +48,12 @@ def test_concurrent_searches_coalesce_and_match(
     async def run() -> list[TopK]:
         batcher = SearchBatcher(shard, workers=workers)
         try:
-            return await asyncio.gather(*[
-                batcher.search(DenseQuery(queries[i : i + 1], 5 + i % 3, 16))
-                for i in range(len(queries))
-            ])  # fmt: skip
+            return await asyncio.gather(
+                *[
+                    batcher.search(DenseQuery(queries[i : i + 1], 5 + i % 3, 16))
+                    for i in range(len(queries))
+                ]
+            )
         finally:
             batcher.close()
 

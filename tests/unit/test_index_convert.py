@@ -34,8 +34,11 @@ def top_ks(draw: st.DrawFn) -> TopK:
     """A shard's grid: 1..4 query rows (a shard search has at least one), width = k >= 1,
     any ids, pads ("" with -inf) anywhere."""
     rows, width = draw(st.integers(1, 4)), draw(st.integers(1, 5))
-    ids = draw(st.lists(st.text(min_size=1) | st.just(PAD_ID), min_size=rows * width,
-                        max_size=rows * width))  # fmt: skip
+    ids = draw(
+        st.lists(
+            st.text(min_size=1) | st.just(PAD_ID), min_size=rows * width, max_size=rows * width
+        )
+    )
     scores = draw(f32_grid(rows, width))
     scores[np.array(ids).reshape(rows, width) == PAD_ID] = -np.inf
     return TopK(ids, scores)
@@ -89,8 +92,13 @@ def test_query_round_trip(consistency: Consistency) -> None:
     back = convert.query_from_pb(wire)
     assert np.array_equal(back.vectors, query.vectors)
     assert (back.shard, back.k, back.nprobe, back.filter, back.consistency, back.min_position) == (
-        3, 17, 9, query.filter, consistency, "1700000000000-4",
-    )  # fmt: skip
+        3,
+        17,
+        9,
+        query.filter,
+        consistency,
+        "1700000000000-4",
+    )
 
 
 def test_unspecified_consistency_is_eventual_and_unknown_is_rejected() -> None:
@@ -175,8 +183,11 @@ def test_any_quantizer_survives_the_wire_and_assigns_alike(
     wire = index_pb2.QuantizerReply.FromString(convert.quantizer_to_pb(sent).SerializeToString())
     got = convert.quantizer_from_pb(wire)
     assert (got.id, got.metric, got.nlist, got.dim, got.default_nprobe) == (
-        sent.id, metric, *centroids.shape, nprobe,
-    )  # fmt: skip
+        sent.id,
+        metric,
+        *centroids.shape,
+        nprobe,
+    )
     assert got.centroids.dtype == np.float32 and np.array_equal(got.centroids, centroids)
     queries = np.random.default_rng(0).standard_normal((3, sent.dim)).astype(np.float32)
     a, b = sent.assign(queries), got.assign(queries)
@@ -218,24 +229,53 @@ def test_a_malformed_answer_is_an_outage_not_a_crash() -> None:
 
 def test_stats_to_pb_carries_every_field() -> None:
     stats = ShardStats(
-        vectors=10, deleted=2, applied_position="9-0", bytes_per_vector=440.0,
-        memory_bytes=12345, train_pq_error=0.17, recent_pq_error=0.2,
-        pq_error_ratio=0.2 / 0.17, list_imbalance=1.25,
-    )  # fmt: skip
+        vectors=10,
+        deleted=2,
+        applied_position="9-0",
+        bytes_per_vector=440.0,
+        memory_bytes=12345,
+        train_pq_error=0.17,
+        recent_pq_error=0.2,
+        pq_error_ratio=0.2 / 0.17,
+        list_imbalance=1.25,
+    )
     manifest = Manifest(
-        dim=384, metric="IP", factory="IVF8,PQ48x8,Refine(SQ8)", model="m", nlist=8, pq_m=48,
-        pq_bits=8, refine=True, refine_factor=4, nprobe=4, train_points=100,
-        train_pq_error=0.17, train_seconds=1.0, created_at="now",
-    )  # fmt: skip
+        dim=384,
+        metric="IP",
+        factory="IVF8,PQ48x8,Refine(SQ8)",
+        model="m",
+        nlist=8,
+        pq_m=48,
+        pq_bits=8,
+        refine=True,
+        refine_factor=4,
+        nprobe=4,
+        train_points=100,
+        train_pq_error=0.17,
+        train_seconds=1.0,
+        created_at="now",
+    )
     replica = ReplicaStats(
-        shard=2, replica="r", index=stats, manifest=manifest, snapshot_position="8-0",
-        log_lag_s=0.5, gpu=True, searches=7,
-    )  # fmt: skip
+        shard=2,
+        replica="r",
+        index=stats,
+        manifest=manifest,
+        snapshot_position="8-0",
+        log_lag_s=0.5,
+        gpu=True,
+        searches=7,
+    )
     pb = convert.stats_to_pb(replica)
     pb = index_pb2.ShardStats.FromString(pb.SerializeToString())
     assert (pb.shard, pb.replica, pb.dim, pb.factory, pb.metric, pb.model, pb.nlist) == (
-        2, "r", 384, manifest.factory, "IP", "m", 8,
-    )  # fmt: skip
+        2,
+        "r",
+        384,
+        manifest.factory,
+        "IP",
+        "m",
+        8,
+    )
     assert (pb.vectors, pb.deleted, pb.applied_position, pb.snapshot_position) == (
         10,
         2,
@@ -243,8 +283,14 @@ def test_stats_to_pb_carries_every_field() -> None:
         "8-0",
     )
     assert pb.memory_bytes == 12345 and pb.gpu and pb.searches == 7
-    for name in ("bytes_per_vector", "train_pq_error", "recent_pq_error", "pq_error_ratio",
-                 "list_imbalance", "log_lag_seconds"):  # fmt: skip
+    for name in (
+        "bytes_per_vector",
+        "train_pq_error",
+        "recent_pq_error",
+        "pq_error_ratio",
+        "list_imbalance",
+        "log_lag_seconds",
+    ):
         expected = getattr(stats, name, 0.5)
         assert math.isclose(getattr(pb, name), expected, rel_tol=1e-6), name
 

@@ -21,9 +21,7 @@ def test_merge_top_k_by_score_across_shards() -> None:
     merged = merge_results([a, b], 1, 3, True).hits[0]
     assert [(h.id, h.shard) for h in merged] == [("a1", 0), ("b1", 1), ("b2", 1)]
     assert [h.score for h in merged] == pytest.approx([0.9, 0.7, 0.6])
-    assert [h.id for h in merge_results([a, b], 1, 9, True).hits[0]] == [
-        "a1", "b1", "b2", "a2"
-    ]  # fmt: skip
+    assert [h.id for h in merge_results([a, b], 1, 9, True).hits[0]] == ["a1", "b1", "b2", "a2"]
     empty = [answer(0, [], width=5), answer(1, [], width=0)]
     assert merge_results(empty, 1, 5, True).hits == [[]]
     tie = merge_results([answer(0, [("x", 0.5)]), answer(1, [("y", 0.5)])], 1, 1, True)
@@ -115,8 +113,10 @@ def test_merge_answers_merges_each_list_and_names_shards_without_a_sparse_one() 
     assert [h.id for h in merged.hits[0]] == ["a1", "c1", "b1"]
     assert merged.sparse is not None
     assert [(h.id, h.shard, h.score) for h in merged.sparse[0]] == [
-        ("a2", 0, 12.0), ("b9", 1, 8.0), ("a3", 0, 3.0),
-    ]  # fmt: skip
+        ("a2", 0, 12.0),
+        ("b9", 1, 8.0),
+        ("a3", 0, 3.0),
+    ]
     assert merged.missing_shards == [3] and merged.sparse_missing_shards == [2]
     # a sparse-only search: no dense list (the shards answered an empty grid)
     a.top, b.top = TopK.empty(0, 0), TopK.empty(0, 0)
@@ -142,9 +142,15 @@ def test_index_query_as_each_shard_gets_it() -> None:
 
     token = {0: "5-0"}
     session = IndexQuery(
-        np.ones((2, 4), np.float32), 7, nprobe=3, filter=[("par", ("1",))],
-        consistency=Consistency.SESSION, write_token=token, texts=("a", "b"), sparse_k=9,
-    )  # fmt: skip
+        np.ones((2, 4), np.float32),
+        7,
+        nprobe=3,
+        filter=[("par", ("1",))],
+        consistency=Consistency.SESSION,
+        write_token=token,
+        texts=("a", "b"),
+        sparse_k=9,
+    )
     first, second = session.shard_query(0), session.shard_query(1)
     assert session.rows == 2
     assert (first.shard, first.k, first.nprobe, first.min_position) == (0, 7, 3, "5-0")

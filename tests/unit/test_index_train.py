@@ -137,9 +137,12 @@ def scifact_index(vectors: np.ndarray, tmp_path_factory: pytest.TempPathFactory)
 
 def _recall_at_10(shard: IvfPqShard, queries: np.ndarray, exact: np.ndarray, nprobe: int) -> float:
     found = np.array(
-        [int(d) for i in range(0, len(queries), 256)
-         for d in shard.search_top_k(queries[i : i + 256], 10, nprobe).ids]
-    ).reshape(len(queries), 10)  # fmt: skip
+        [
+            int(d)
+            for i in range(0, len(queries), 256)
+            for d in shard.search_top_k(queries[i : i + 256], 10, nprobe).ids
+        ]
+    ).reshape(len(queries), 10)
     return float((found[:, :, None] == exact[:, None, :]).any(axis=2).mean())
 
 

@@ -96,9 +96,20 @@ def test_gpu_extra_pins_the_tensorrt_of_the_charts_triton_image() -> None:
 def _dry_run(requirements: list[str], tmp_path: Path) -> list[str]:
     """Names pip would install for ``requirements`` (with dependencies); skip if offline."""
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-           "--only-binary=:all:", "--quiet", "--disable-pip-version-check",
-           "--report", str(report), *requirements]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--only-binary=:all:",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--report",
+        str(report),
+        *requirements,
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
     except subprocess.TimeoutExpired:

@@ -113,8 +113,12 @@ def test_stack_children_are_the_running_children_of_a_stack_json(
     family: tuple[int, int],
 ) -> None:
     parent, child = family
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     stack = {
         "children": [
             {"name": "triton", "pid": parent, "state": "running"},

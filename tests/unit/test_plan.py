@@ -25,12 +25,19 @@ def fig(value: float) -> Figure:
 # The bench: 100,000 vectors of 384-d, nprobe 10 of nlist 100 (so 10,000 scanned per
 # query), 1,000 µs of shard CPU per query (0.1 µs per scanned vector), 488 B per vector.
 M = Measured(
-    index_vectors=fig(100_000), index_dim=fig(384), index_nprobe_share=fig(0.1),
-    index_nlist=fig(100), shard_cpu_us_per_query=fig(1000), router_cpu_us_per_query=fig(100),
-    bytes_per_vector=fig(488), cpu_encoder_texts_per_s=fig(400), cpu_encoder_cores=fig(2),
-    cpu_encoder_p99_ms=fig(15), rerank_ms_at_depth={10: fig(500), 20: fig(1000)},
+    index_vectors=fig(100_000),
+    index_dim=fig(384),
+    index_nprobe_share=fig(0.1),
+    index_nlist=fig(100),
+    shard_cpu_us_per_query=fig(1000),
+    router_cpu_us_per_query=fig(100),
+    bytes_per_vector=fig(488),
+    cpu_encoder_texts_per_s=fig(400),
+    cpu_encoder_cores=fig(2),
+    cpu_encoder_p99_ms=fig(15),
+    rerank_ms_at_depth={10: fig(500), 20: fig(1000)},
     rerank_threads=fig(2),
-)  # fmt: skip
+)
 
 
 def test_bytes_per_vector_and_rerank_interpolation() -> None:

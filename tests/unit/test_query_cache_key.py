@@ -37,12 +37,29 @@ def _ids(text: str) -> list[int]:
     st.one_of(
         st.text(_chars, max_size=40),
         st.lists(
-            st.sampled_from(["Read", " ", "\t", "\u00a0", "\u3000", "CSV", "Caf\u00e9",
-                             "cafe\u0301", "ΑΣ", "İ", "ß", "\n", "\r\n", "ǅ", "ﬁ"]),
+            st.sampled_from(
+                [
+                    "Read",
+                    " ",
+                    "\t",
+                    "\u00a0",
+                    "\u3000",
+                    "CSV",
+                    "Caf\u00e9",
+                    "cafe\u0301",
+                    "ΑΣ",
+                    "İ",
+                    "ß",
+                    "\n",
+                    "\r\n",
+                    "ǅ",
+                    "ﬁ",
+                ]
+            ),
             max_size=8,
         ).map("".join),
     )
-)  # fmt: skip
+)
 @example("ΟΔΟΣ ΣΑΣ")  # Greek capital sigma at a word's end: the tokenizer lowercases per char
 @example("  Read\u00a0a\tCSV  file\u3000")
 def test_the_normal_form_reads_as_the_text_itself(text: str) -> None:

@@ -55,6 +55,14 @@ def test_the_redis_commands_take_a_url_or_a_url_file_not_both(tmp_path: Path) ->
     assert args.redis_url_file == "f" and args.redis_url is None
     with pytest.raises(SystemExit):
         parser.parse_args(
-            ["redis", "layout", "--redis-url", "redis://x:1/0", "--redis-url-file", "f",
-             "--shards", "2"]
-        )  # fmt: skip
+            [
+                "redis",
+                "layout",
+                "--redis-url",
+                "redis://x:1/0",
+                "--redis-url-file",
+                "f",
+                "--shards",
+                "2",
+            ]
+        )

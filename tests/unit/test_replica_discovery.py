@@ -17,14 +17,16 @@ from tests.support.dns import run_dns
 @pytest.mark.parametrize(
     ("spec", "target"),
     [
-        ("dns:///gtr-shard-0-headless.ns.svc:50061",
-         DnsTarget("gtr-shard-0-headless.ns.svc", 50061)),
+        (
+            "dns:///gtr-shard-0-headless.ns.svc:50061",
+            DnsTarget("gtr-shard-0-headless.ns.svc", 50061),
+        ),
         ("dns:shard-0:7", DnsTarget("shard-0", 7)),
         ("dns://10.96.0.10/shard-0.test:7", DnsTarget("shard-0.test", 7, "10.96.0.10")),
         ("dns://127.0.0.1:5353/a.b:2", DnsTarget("a.b", 2, "127.0.0.1", 5353)),
         ("dns://[::1]:5353/a:3", DnsTarget("a", 3, "::1", 5353)),
     ],
-)  # fmt: skip
+)
 def test_dns_target_forms(spec: str, target: DnsTarget) -> None:
     assert parse_dns_target(spec) == target
 

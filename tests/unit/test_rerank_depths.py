@@ -28,8 +28,14 @@ def test_largest_measured_depth_within_budget(budget_ms: float, depth: int) -> N
 
 def test_reads_the_bench_file_and_a_bare_mapping(tmp_path: Path) -> None:
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"ms_per_query_at_depth": {str(k): v for k, v in TABLE.items()},
-                                 "source": {"bench": "rerank"}}))  # fmt: skip
+    bench.write_text(
+        json.dumps(
+            {
+                "ms_per_query_at_depth": {str(k): v for k, v in TABLE.items()},
+                "source": {"bench": "rerank"},
+            }
+        )
+    )
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"10": 5, "20": 9.5}))
     assert load_depth_table(bench) == TABLE

@@ -42,10 +42,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_backbone(tmp_path_factory.mktemp("tiny") / "bert", WORDS, seed=3)
 
 
-def _model(tiny_dir: Path, variant: str = "celi", d_tok: int = 8, max_len: int = 40,
-           normalize: bool = True):  # fmt: skip
-    cfg = CeliConfig(variant=variant, d_tok=d_tok, max_len=max_len, max_query_len=8,  # type: ignore[arg-type]
-                     normalize=normalize)  # fmt: skip
+def _model(
+    tiny_dir: Path, variant: str = "celi", d_tok: int = 8, max_len: int = 40, normalize: bool = True
+):
+    cfg = CeliConfig(
+        variant=variant,
+        d_tok=d_tok,
+        max_len=max_len,
+        max_query_len=8,  # type: ignore[arg-type]
+        normalize=normalize,
+    )
     model, tok = build_model(tiny_dir, cfg, seed=1)
     return model.eval(), PairEncoder(tok, cfg.max_query_len, cfg.max_len)
 
@@ -113,8 +119,9 @@ def test_sep_positions_without_token_types_give_same_segments(tiny_dir: Path) ->
     model, pairs = _model(tiny_dir)
     ids, types = pairs.encode(QUERY, DOCS)
     batch = pairs.pad(ids, types)
-    with_types = segment_masks(batch.input_ids, batch.attention_mask, model.special,
-                               batch.token_type_ids)  # fmt: skip
+    with_types = segment_masks(
+        batch.input_ids, batch.attention_mask, model.special, batch.token_type_ids
+    )
     from_seps = segment_masks(batch.input_ids, batch.attention_mask, model.special)
     assert torch.equal(with_types[0], from_seps[0]) and torch.equal(with_types[1], from_seps[1])
 

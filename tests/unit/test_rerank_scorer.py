@@ -119,8 +119,9 @@ def test_proto_round_trips_through_bytes() -> None:
     read = convert.query_from_pb(wire)
     assert (read.query, read.top_n) == ("q", 1)
     assert [(h.id, h.shard, h.first_stage_score) for h in read.candidates] == [
-        ("a", 2, 0.75), ("b", 0, -0.5),
-    ]  # fmt: skip
+        ("a", 2, 0.75),
+        ("b", 0, -0.5),
+    ]
     assert [h.document.embedding_text for h in read.candidates if h.document] == ["Title body", ""]
 
     scored = RerankResult((dataclasses.replace(read.candidates[1], score=1.5),), (1,), "celi:m")
@@ -158,8 +159,9 @@ def test_cli_registers_serve_train_eval() -> None:
     assert args.passthrough and extra == ["--port", "0"]
     args = parser.parse_args(["rerank", "train", "--data", "d", "--out", "o", "--resume"])
     assert args.resume and args.negatives == 7 and args.variant == "celi"
-    args = parser.parse_args(["rerank", "eval", "--data", "d", "--checkpoint", "a",
-                              "--checkpoint", "b"])  # fmt: skip
+    args = parser.parse_args(
+        ["rerank", "eval", "--data", "d", "--checkpoint", "a", "--checkpoint", "b"]
+    )
     assert args.checkpoint == ["a", "b"] and callable(args.handler)
 
 

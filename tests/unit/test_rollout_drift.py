@@ -301,10 +301,21 @@ def test_await_generation_command_records_or_refuses(registry: Registry, redis_u
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "index", "await-generation", *args,
-             f"--redis-url={redis_url}"],
-            cwd=root, capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "services.cli.main",
+                "index",
+                "await-generation",
+                *args,
+                f"--redis-url={redis_url}",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
 
     done = run("g2", "--addresses=dns:///g2-0:1;dns:///g2-1:1", "--index-dir=/gens/g2")
     assert done.returncode == 0, done.stderr

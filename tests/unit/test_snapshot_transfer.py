@@ -99,9 +99,11 @@ def test_a_snapshot_sent_as_wire_messages_arrives_identical(tmp_path: Path, size
         offer.close()
     first, *rest = (index_pb2.SnapshotChunk.FromString(m) for m in wire)
     receiver = Receiver(
-        tmp_path / "b" / "snaps", tmp_path / "b" / "index", first.position,
+        tmp_path / "b" / "snaps",
+        tmp_path / "b" / "index",
+        first.position,
         convert.files_from_pb(first),
-    )  # fmt: skip
+    )
     for chunk in rest:
         receiver.write(chunk.file, chunk.offset, chunk.data)
     got = receiver.finish()

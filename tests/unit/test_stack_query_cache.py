@@ -26,9 +26,17 @@ def gateway_settings(cfg: StackConfig) -> GatewaySettings:
 
 def test_up_query_cache_turns_on_the_gateways_cache(tmp_path: Path) -> None:
     args = build_parser().parse_args(
-        ["up", "--run-dir", str(tmp_path), "--query-cache", "--query-cache-ttl-s", "120",
-         "--query-cache-max-entries", "777"]
-    )  # fmt: skip
+        [
+            "up",
+            "--run-dir",
+            str(tmp_path),
+            "--query-cache",
+            "--query-cache-ttl-s",
+            "120",
+            "--query-cache-max-entries",
+            "777",
+        ]
+    )
     cfg = StackConfig(
         run_dir=tmp_path,
         encoder="inprocess",

@@ -137,8 +137,10 @@ class ParityReport:
     def summary(self) -> str:
         verdict = "OK" if self.passed else "FAILED"
         why = f": {self.problem}" if self.problem else ""
-        return (f"parity {verdict}{why}: min cosine {self.min_cosine:.6f} over "
-                f"{len(self.cosines)} rows (threshold {self.threshold})")  # fmt: skip
+        return (
+            f"parity {verdict}{why}: min cosine {self.min_cosine:.6f} over "
+            f"{len(self.cosines)} rows (threshold {self.threshold})"
+        )
 
 
 def row_cosines(a: np.ndarray, b: np.ndarray) -> list[float]:
@@ -197,8 +199,11 @@ def _export_graph(embedder: TorchEmbedder, onnx_path: Path, opset: int) -> None:
     # The TorchScript exporter leaves traced HF modules in a modified state; export a copy
     # so that the embedder used for the parity check afterwards is untouched.
     module = copy.deepcopy(embedder.module)
-    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
-            OUTPUT_NAME: {0: "batch"}}  # fmt: skip
+    axes = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "seq"},
+        OUTPUT_NAME: {0: "batch"},
+    }
     # The tracer warns about Python-level shape checks in transformers' masking code; the
     # export is validated numerically (check_parity, several sequence lengths) instead.
     with torch.inference_mode(), warnings.catch_warnings():
@@ -246,8 +251,11 @@ def check_parity(
     from services.encoder.model import TorchEmbedder, tower_dirs
 
     dirs = tower_dirs(model_dir)
-    files = EncoderMeta.read(Path(onnx_path).parent).onnx_files(Path(onnx_path)) if (
-        Path(onnx_path).parent / "encoder.json").exists() else {}  # fmt: skip
+    files = (
+        EncoderMeta.read(Path(onnx_path).parent).onnx_files(Path(onnx_path))
+        if (Path(onnx_path).parent / "encoder.json").exists()
+        else {}
+    )
     kinds: list[Kind] = ["query", "document"] if dirs["query"] != dirs["document"] else [kind]
     references, outputs = [], []
     for each in kinds:

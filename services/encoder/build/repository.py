@@ -115,8 +115,11 @@ def _tensor(name: str, dtype: int, dims: list[int]) -> tuple[str, int, list[int]
     return name, dtype, dims
 
 
-def _add_io(config: mc.ModelConfig, inputs: list[tuple[str, int, list[int]]],
-            outputs: list[tuple[str, int, list[int]]]) -> None:  # fmt: skip
+def _add_io(
+    config: mc.ModelConfig,
+    inputs: list[tuple[str, int, list[int]]],
+    outputs: list[tuple[str, int, list[int]]],
+) -> None:
     for name, dtype, dims in inputs:
         config.input.add(name=name, data_type=dtype, dims=dims)  # type: ignore[arg-type]
     for name, dtype, dims in outputs:
@@ -174,8 +177,12 @@ def export_digest(onnx_path: Path, meta: EncoderMeta) -> str:
 def version_description(meta: EncoderMeta, digest: str) -> dict[str, str]:
     """What ``version.json`` says of one CPU ``embed`` version: what the client reads
     (source model, dim, profile, digest) and the graph files its model runs."""
-    return {**_common_params(meta), "digest": digest, "onnx_file": TOWER_ONNX["query"],
-            "document_onnx_file": TOWER_ONNX["document"] if meta.towers else ""}  # fmt: skip
+    return {
+        **_common_params(meta),
+        "digest": digest,
+        "onnx_file": TOWER_ONNX["query"],
+        "document_onnx_file": TOWER_ONNX["document"] if meta.towers else "",
+    }
 
 
 def write_version_file(folder: Path, description: dict[str, str]) -> None:
@@ -187,8 +194,11 @@ def legacy_version_parameters(config: mc.ModelConfig, version: int) -> dict[str,
     """The ``version.<n>.*`` parameters an older generator wrote for ``version`` (its
     keys without the prefix); empty for a repository of this one."""
     prefix = version_key(version, "")
-    return {k[len(prefix) :]: v.string_value for k, v in config.parameters.items()
-            if k.startswith(prefix)}  # fmt: skip
+    return {
+        k[len(prefix) :]: v.string_value
+        for k, v in config.parameters.items()
+        if k.startswith(prefix)
+    }
 
 
 def read_version_description(
@@ -198,8 +208,9 @@ def read_version_description(
     generator's ``version.<n>.*`` ones and with the folder's ``version.json``; one that
     is not a JSON object (edited by hand, cut short) is :class:`FailedPrecondition`
     naming the file."""
-    shared = {k: v.string_value for k, v in config.parameters.items()
-              if not k.startswith("version.")}  # fmt: skip
+    shared = {
+        k: v.string_value for k, v in config.parameters.items() if not k.startswith("version.")
+    }
     path = Path(model_dir) / str(version) / VERSION_FILE
     try:
         own = json.loads(path.read_text()) if path.exists() else {}
@@ -222,9 +233,17 @@ def cpu_embed_config(
     threads = str(cfg.intra_op_threads)
     spinning = "1" if cfg.allow_spinning else "0"
     towers = {"document_onnx_file": TOWER_ONNX["document"]} if meta.towers else {}
-    _params(config, {**_common_params(meta), "onnx_file": "model.onnx", **towers,
-                     "intra_op_threads": threads, "allow_spinning": spinning,
-                     **cfg.extra_parameters})  # fmt: skip
+    _params(
+        config,
+        {
+            **_common_params(meta),
+            "onnx_file": "model.onnx",
+            **towers,
+            "intra_op_threads": threads,
+            "allow_spinning": spinning,
+            **cfg.extra_parameters,
+        },
+    )
     # every version folder is served: encoder publish adds versions beside the first
     config.version_policy.all.SetInParent()
     return config
@@ -236,8 +255,10 @@ def gpu_configs(
     """``tokenizer`` (Python, CPU) → ``encoder`` (TensorRT, GPU), glued by ensemble ``embed``."""
     max_batch = cfg.max_batch or profile.max_batch
     text_in, text_out = _text_io(meta.dim)
-    ids = [_tensor("INPUT_IDS", mc.TYPE_INT64, [-1]),
-           _tensor("ATTENTION_MASK", mc.TYPE_INT64, [-1])]  # fmt: skip
+    ids = [
+        _tensor("INPUT_IDS", mc.TYPE_INT64, [-1]),
+        _tensor("ATTENTION_MASK", mc.TYPE_INT64, [-1]),
+    ]
 
     tok = mc.ModelConfig(name="tokenizer", backend="python", max_batch_size=max_batch)
     _add_io(tok, text_in, [*ids, _tensor("TRUNCATED", mc.TYPE_BOOL, [1])])
@@ -245,9 +266,11 @@ def gpu_configs(
     _params(tok, {**_common_params(meta), "seq_buckets": ",".join(map(str, cfg.seq_buckets))})
 
     enc = mc.ModelConfig(name="encoder", platform="tensorrt_plan", max_batch_size=max_batch)
-    _add_io(enc, [_tensor("input_ids", mc.TYPE_INT64, [-1]),
-                  _tensor("attention_mask", mc.TYPE_INT64, [-1])],
-            [_tensor("embedding", mc.TYPE_FP32, [meta.dim])])  # fmt: skip
+    _add_io(
+        enc,
+        [_tensor("input_ids", mc.TYPE_INT64, [-1]), _tensor("attention_mask", mc.TYPE_INT64, [-1])],
+        [_tensor("embedding", mc.TYPE_FP32, [meta.dim])],
+    )
     _batching(enc, max_batch, cfg)
     enc.instance_group.add(
         count=cfg.instances or profile.triton_instances, kind=mc.ModelInstanceGroup.KIND_GPU
@@ -303,8 +326,11 @@ def model_code(folder: Path, source: Path) -> None:
     import importlib.util
     import py_compile
 
-    for src, name in ((source, "model.py"), (TEXTCODEC, "textcodec.py"),
-                      (MODEL_ERRORS, "model_errors.py")):  # fmt: skip
+    for src, name in (
+        (source, "model.py"),
+        (TEXTCODEC, "textcodec.py"),
+        (MODEL_ERRORS, "model_errors.py"),
+    ):
         shutil.copy2(src, folder / name)
         path = str(folder / name)
         py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True)
@@ -378,8 +404,9 @@ def generate_repository(
         _write_config(root, config)
         (root / EMBED_MODEL / PUBLISH_LOCK).touch()
         _python_model(root, EMBED_MODEL, MODELS_DIR / "embed_onnx.py", export_dir)
-        write_version_file(root / EMBED_MODEL / "1",
-                           version_description(meta, export_digest(onnx_path, meta)))  # fmt: skip
+        write_version_file(
+            root / EMBED_MODEL / "1", version_description(meta, export_digest(onnx_path, meta))
+        )
         if meta.towers:
             for kind, path in meta.onnx_files(onnx_path).items():
                 copy_graph(path, root / EMBED_MODEL / "1" / TOWER_ONNX[kind])
@@ -394,9 +421,14 @@ def generate_repository(
         cfg = fit_to_plan(cfg, plan_meta)
     configs = gpu_configs(meta, profile, cfg)
     if plan_meta is not None:  # exported by the tokenizer as gtr_encoder_plan_info
-        _params(configs["tokenizer"], {"plan_precision": plan_meta.precision,
-                                       "plan_tensorrt_version": plan_meta.tensorrt_version,
-                                       "plan_gpu": plan_meta.gpu})  # fmt: skip
+        _params(
+            configs["tokenizer"],
+            {
+                "plan_precision": plan_meta.precision,
+                "plan_tensorrt_version": plan_meta.tensorrt_version,
+                "plan_gpu": plan_meta.gpu,
+            },
+        )
     for config in configs.values():
         _write_config(root, config)
     _python_model(root, "tokenizer", MODELS_DIR / "tokenize_text.py", export_dir)

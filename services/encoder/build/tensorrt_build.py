@@ -100,8 +100,9 @@ class _Graph:
 
     def is_constant(self, tensor: str) -> bool:
         node = self.producer.get(tensor)
-        return tensor in self.constants or (node is not None and node.op_type == "Identity"
-                                            and node.input[0] in self.constants)  # fmt: skip
+        return tensor in self.constants or (
+            node is not None and node.op_type == "Identity" and node.input[0] in self.constants
+        )
 
     def next_nodes(self, node: Any) -> list[Any]:
         return [c for out in node.output for c in self.consumers.get(out, [])]
@@ -184,15 +185,18 @@ def select_fp32_nodes(model: Any, *, keep_ffn_out: bool = True) -> Fp32Selection
                 norm_starts.add(src.input[0])
             last_norm = members
     residual = {
-        n.name for n in graph.nodes
-        if n.op_type == "Add" and len(n.input) == 2
+        n.name
+        for n in graph.nodes
+        if n.op_type == "Add"
+        and len(n.input) == 2
         and not any(graph.is_constant(i) for i in n.input)
         and n.output[0] in norm_starts
-    }  # fmt: skip
+    }
     ffn = {
-        n.name for n in graph.nodes
+        n.name
+        for n in graph.nodes
         if keep_ffn_out and n.op_type == "MatMul" and re.search(r"/wo(/|$)", n.name)
-    }  # fmt: skip
+    }
     tail = _downstream(graph, last_norm) - norms if last_norm else set()
     return Fp32Selection(frozenset(norms), frozenset(residual), frozenset(ffn), frozenset(tail))
 
@@ -242,10 +246,12 @@ def _boundary_free(model: Any, keep: set[str]) -> Any:
         ):
             keep.add(node.name)
     inside = [
-        v for v in model.graph.value_info
-        if (p := graph.producer.get(v.name)) is not None and p.name in keep
+        v
+        for v in model.graph.value_info
+        if (p := graph.producer.get(v.name)) is not None
+        and p.name in keep
         and all(c.name in keep for c in graph.consumers.get(v.name, []))
-    ]  # fmt: skip
+    ]
     for value in inside:
         model.graph.value_info.remove(value)
     return model
@@ -384,8 +390,10 @@ class PlanConfig:
     def for_profile(cls, profile: ModelProfile) -> PlanConfig:
         # opt: batch 8 of 128-token inputs, the GTR paper's latency point, between the
         # typical query (32) and document (256) lengths of the profile.
-        return cls(opt_shape=(min(8, profile.max_batch), 128),
-                   max_shape=(profile.max_batch, profile.document_max_len))  # fmt: skip
+        return cls(
+            opt_shape=(min(8, profile.max_batch), 128),
+            max_shape=(profile.max_batch, profile.document_max_len),
+        )
 
     @property
     def attempts(self) -> tuple[Precision, ...]:
@@ -496,8 +504,12 @@ def _run_engine(trt: Any, engine_bytes: bytes, ids: np.ndarray, mask: np.ndarray
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     engine = runtime.deserialize_cuda_engine(engine_bytes)
     context = engine.create_execution_context()
-    torch_types = {trt.int64: torch.int64, trt.int32: torch.int32, trt.float32: torch.float32,
-                   trt.float16: torch.float16}  # fmt: skip
+    torch_types = {
+        trt.int64: torch.int64,
+        trt.int32: torch.int32,
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+    }
     stream = torch.cuda.Stream()
     # Copies, allocation and execution on one stream: a copy queued on another stream
     # (the default one) is not ordered before execute_async_v3 on this one.
@@ -508,8 +520,9 @@ def _run_engine(trt: Any, engine_bytes: bytes, ids: np.ndarray, mask: np.ndarray
             tensors[name] = torch.from_numpy(array).to("cuda", dtype=dtype).contiguous()
             context.set_input_shape(name, tuple(array.shape))
         out_shape = tuple(context.get_tensor_shape("embedding"))
-        out = torch.empty(out_shape, dtype=torch_types[engine.get_tensor_dtype("embedding")],
-                          device="cuda")  # fmt: skip
+        out = torch.empty(
+            out_shape, dtype=torch_types[engine.get_tensor_dtype("embedding")], device="cuda"
+        )
         tensors["embedding"] = out
         for name, tensor in tensors.items():
             context.set_tensor_address(name, tensor.data_ptr())
@@ -559,8 +572,13 @@ def build_plan(
             if attempt:  # the FP16 cast converted the graph in place: load it again
                 model = onnx.load(str(onnx_path))
             graph = fp16_graph(model, keep, inplace=True) if precision == "fp16" else model
-            onnx.save_model(graph, str(graph_file), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location="model.onnx.data")  # fmt: skip
+            onnx.save_model(
+                graph,
+                str(graph_file),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location="model.onnx.data",
+            )
             engine_bytes, info, layers = _build_engine(trt, graph_file, cfg, precision)
         got = _run_engine(trt, engine_bytes, probe_ids, probe_mask)
         cosine, failure = check_embeddings(reference, got, cfg.min_cosine)
@@ -573,16 +591,30 @@ def build_plan(
             rejected.append(f"{precision}: {failure}")
             continue
         if rejected:
-            log.warning("%s plan written after %s: expect about twice the latency and memory "
-                        "of FP16 (Triton exports gtr_encoder_plan_info{precision=%r})",
-                        precision, "; ".join(rejected), precision)  # fmt: skip
+            log.warning(
+                "%s plan written after %s: expect about twice the latency and memory "
+                "of FP16 (Triton exports gtr_encoder_plan_info{precision=%r})",
+                precision,
+                "; ".join(rejected),
+                precision,
+            )
         gpu, capability = _device()
-        meta = PlanMeta(trt.__version__, precision, cfg.min_shape, cfg.opt_shape,
-                        cfg.max_shape, cosine, len(keep), gpu, capability)  # fmt: skip
+        meta = PlanMeta(
+            trt.__version__,
+            precision,
+            cfg.min_shape,
+            cfg.opt_shape,
+            cfg.max_shape,
+            cosine,
+            len(keep),
+            gpu,
+            capability,
+        )
         write_plan(Path(plan_path), engine_bytes, meta)
         inspected = layers_with_onnx_names(info)
-        return PlanReport(plan_path, cosine, len(keep), layers, precision, tuple(rejected),
-                          inspected)  # fmt: skip
+        return PlanReport(
+            plan_path, cosine, len(keep), layers, precision, tuple(rejected), inspected
+        )
     raise PlanParityError(
         f"no plan written ({'; '.join(rejected)}; {len(keep)} ONNX nodes kept in FP32): "
         + MORE_FP32_HINT
@@ -622,8 +654,9 @@ def build_plan_from_model(
     # One text long enough to fill the longest sequence (truncated there).
     texts = [*PROBE_TEXTS, " ".join(PROBE_TEXTS) * 40]
     batch = embedder.tokenize(texts, "document")
-    ids, mask = probe_tokens(batch.input_ids, batch.attention_mask, cfg.max_shape,
-                             embedder.tokenizer_spec.pad_id)  # fmt: skip
+    ids, mask = probe_tokens(
+        batch.input_ids, batch.attention_mask, cfg.max_shape, embedder.tokenizer_spec.pad_id
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     module = embedder.module.to(device)
     rows = []

@@ -33,8 +33,10 @@ class OnnxEmbedder:
         )
         self.session = onnx_session(onnx_path, threads)
         files = self.meta.onnx_files(onnx_path)
-        self.sessions = {kind: self.session if files[kind] == onnx_path
-                         else onnx_session(files[kind], threads) for kind in files}  # fmt: skip
+        self.sessions = {
+            kind: self.session if files[kind] == onnx_path else onnx_session(files[kind], threads)
+            for kind in files
+        }
 
     def tokenize(self, texts: list[str], kind: Kind) -> TokenBatch:
         return self.codec.encode(texts, kind)

@@ -233,8 +233,9 @@ def describe_version(config: Any, version: int, model: str) -> ModelVersionInfo:
     params = version_params({k: v.string_value for k, v in config.parameters.items()}, version)
     dims = {o.name: list(o.dims) for o in config.output}
     dim = int(params.get("dim") or dims.get("EMBEDDING", [0])[-1])
-    return ModelVersionInfo(version, params.get("source_model") or model, dim,
-                            params.get("digest", ""))  # fmt: skip
+    return ModelVersionInfo(
+        version, params.get("source_model") or model, dim, params.get("digest", "")
+    )
 
 
 ENCODER_OUTPUT = "ENCODER"  # the CPU embed's optional output: its version's description
@@ -258,13 +259,20 @@ async def read_version_info(
         column.set_data_from_numpy(np.array([[value]], dtype=object))
         inputs.append(column)
     result = await server.client.infer(
-        cfg.model, inputs, model_version=str(version),
-        outputs=[InferRequestedOutput(ENCODER_OUTPUT)], client_timeout=cfg.connect_timeout_s,
-    )  # fmt: skip
+        cfg.model,
+        inputs,
+        model_version=str(version),
+        outputs=[InferRequestedOutput(ENCODER_OUTPUT)],
+        client_timeout=cfg.connect_timeout_s,
+    )
     own = json.loads(np.asarray(result.as_numpy(ENCODER_OUTPUT)).reshape(-1)[0])
     base = describe_version(config, version, cfg.model)
-    return ModelVersionInfo(version, own.get("source_model") or base.source_model,
-                            int(own.get("dim") or base.dim), own.get("digest") or "")  # fmt: skip
+    return ModelVersionInfo(
+        version,
+        own.get("source_model") or base.source_model,
+        int(own.get("dim") or base.dim),
+        own.get("digest") or "",
+    )
 
 
 def newest_version(versions: Sequence[str]) -> int | None:

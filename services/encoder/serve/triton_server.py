@@ -136,8 +136,11 @@ def prepare_backend_dir(dest: Path | None = None) -> Path:
     dest = Path(dest or Path(tempfile.gettempdir()) / f"gtr-triton-backends-{os.getuid()}")
     target = dest / "python"
     target.mkdir(parents=True, exist_ok=True)
-    for src in (root / "backends" / "python" / "libtriton_python.so",
-                root / "backends" / "python" / "triton_python_backend_utils.py", stub):  # fmt: skip
+    for src in (
+        root / "backends" / "python" / "libtriton_python.so",
+        root / "backends" / "python" / "triton_python_backend_utils.py",
+        stub,
+    ):
         dst = target / src.name
         if not dst.exists() or dst.stat().st_size != src.stat().st_size:
             shutil.copy2(src, dst)
@@ -151,8 +154,11 @@ def triton_env_overrides(cfg: TritonServerConfig) -> dict[str, str]:
         libs.append(os.environ["LD_LIBRARY_PATH"])
     # sys.executable is <venv>/bin/python (a symlink: do not resolve it).
     path = [str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")]
-    return {"LD_LIBRARY_PATH": ":".join(libs), "PATH": ":".join(path),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+    return {
+        "LD_LIBRARY_PATH": ":".join(libs),
+        "PATH": ":".join(path),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
 
 
 def triton_command(cfg: TritonServerConfig) -> tuple[list[str], dict[str, str]]:
@@ -280,8 +286,14 @@ def run_triton(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     handle = TritonHandle(cfg, process, log_path)
     try:
         wait_ready(handle, tls)

@@ -351,8 +351,9 @@ def publish_version(
                         _write_budget(model_path / str(version), cpus)
                     if triton_url:
                         _load_everywhere(triton_url, version, tls, load_timeout_s, if_ready=False)
-                    return EncoderSpec(spec.model, version, spec.dim, spec.digest,
-                                       export.meta.source_dir)  # fmt: skip
+                    return EncoderSpec(
+                        spec.model, version, spec.dim, spec.digest, export.meta.source_dir
+                    )
             version = (versions[-1] if versions else 0) + 1
             _drop_stale_staging(model_path)
             staging = model_path / f".staging-{version}"  # not a number: Triton skips it
@@ -370,8 +371,9 @@ def publish_version(
                     with contextlib.suppress(RetrievalError):  # unload what was loaded
                         _load_everywhere(triton_url, None, tls, load_timeout_s)
                     raise
-            return EncoderSpec(EMBED_MODEL, version, export.meta.dim, export.digest,
-                               export.meta.source_dir)  # fmt: skip
+            return EncoderSpec(
+                EMBED_MODEL, version, export.meta.dim, export.digest, export.meta.source_dir
+            )
 
 
 def unpublish_version(
@@ -471,8 +473,9 @@ def generations_using(
     ``version`` (the builder takes the lock before it writes the target's record) or when
     it is still publishing its encoder (phase ``publish``: the version is not known yet,
     and may be this one, an export published before)."""
-    names = [g.name for g in generations
-             if g.state in RUNNING and (g.encoder.version or 1) == version]  # fmt: skip
+    names = [
+        g.name for g in generations if g.state in RUNNING and (g.encoder.version or 1) == version
+    ]
     if rollout:
         planned = json.loads(rollout.get("plan") or "{}").get("encoder") or {}
         target = rollout.get("target", "")
@@ -571,10 +574,14 @@ def load_model(
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise Unavailable(f"Triton at {address} could not be asked to load "
-                                  f"{EMBED_MODEL}: {details}") from None  # fmt: skip
-            hint = " (start it with --model-control-mode=explicit)" if (
-                "not allowed" in details) else ""  # fmt: skip
+                raise Unavailable(
+                    f"Triton at {address} could not be asked to load {EMBED_MODEL}: {details}"
+                ) from None
+            hint = (
+                " (start it with --model-control-mode=explicit)"
+                if ("not allowed" in details)
+                else ""
+            )
             raise FailedPrecondition(
                 f"Triton at {address} did not load {EMBED_MODEL}"
                 + (f" version {version}" if version else "")
@@ -594,8 +601,10 @@ def _await_ready(stub: Any, address: str, version: int, within_s: float) -> None
             if (model.name, model.version) == (EMBED_MODEL, str(version)) and (
                 model.state == "UNAVAILABLE" and model.reason not in ("", "unloaded")
             ):
-                raise FailedPrecondition(f"Triton at {address} could not load {EMBED_MODEL} "
-                                         f"version {version}: {model.reason}")  # fmt: skip
+                raise FailedPrecondition(
+                    f"Triton at {address} could not load {EMBED_MODEL} "
+                    f"version {version}: {model.reason}"
+                )
         if time.monotonic() >= until:
             raise FailedPrecondition(
                 f"Triton at {address} loaded {EMBED_MODEL} but version {version} is not "

@@ -86,8 +86,11 @@ def eval_corpus(td: TrainingData, size: int | None, seed: int) -> TrainingData:
         return td
     judged = {d for q in td.dev_qids for d in td.data.qrels[q]}
     others = [d for d in td.data.doc_ids if d not in judged]
-    keep = judged | set(random.Random(f"{seed}:eval-corpus").sample(
-        others, max(0, min(len(others), size - len(judged)))))  # fmt: skip
+    keep = judged | set(
+        random.Random(f"{seed}:eval-corpus").sample(
+            others, max(0, min(len(others), size - len(judged)))
+        )
+    )
     doc_ids = [d for d in td.data.doc_ids if d in keep]
     data = replace(td.data, doc_ids=doc_ids)
     return replace(td, data=data)
@@ -138,16 +141,21 @@ class LazyEncoder:
             if self.doc_len:
                 spec = embedder.tokenizer_spec
                 lens = {"query": embedder.codec.max_lens["query"], "document": self.doc_len}
-                embedder.codec = TextCodec(Tokenizer.from_str(spec.tokenizer_json), lens,
-                                           spec.pad_id)  # fmt: skip
+                embedder.codec = TextCodec(
+                    Tokenizer.from_str(spec.tokenizer_json), lens, spec.pad_id
+                )
             self._embedder = embedder
         return self._embedder.embed(texts, kind)[0]  # type: ignore[attr-defined,no-any-return]
 
 
 def base_ranks(
-    td: TrainingData, qids: list[str], encode: LazyEncoder, key: str, depth: int,
+    td: TrainingData,
+    qids: list[str],
+    encode: LazyEncoder,
+    key: str,
+    depth: int,
     progress: bool,
-) -> dict[str, list[str]]:  # fmt: skip
+) -> dict[str, list[str]]:
     """The base model's exact top-``depth`` document ids for each of ``qids``."""
     docs = corpus_vectors(td.data, key, encode, progress)
     texts = [td.data.queries[q] for q in qids]
@@ -157,8 +165,13 @@ def base_ranks(
 
 
 def mine_negatives(
-    td: TrainingData, encode: LazyEncoder, key: str, skip: int, depth: int, progress: bool,
-) -> dict[str, list[str]]:  # fmt: skip
+    td: TrainingData,
+    encode: LazyEncoder,
+    key: str,
+    skip: int,
+    depth: int,
+    progress: bool,
+) -> dict[str, list[str]]:
     """Per train query: the base model's ranks ``skip+1 … depth``, judged positives removed."""
     if not 0 <= skip < depth:
         raise InvalidArgument(f"negative ranks {skip + 1}-{depth}: need 0 <= skip < depth")

@@ -48,16 +48,21 @@ class SystemVectors:
 
 
 def system_vectors(
-    name: str, checkpoint: Path, td: TrainingData, progress: bool, doc_len: int | None = None,
-) -> SystemVectors:  # fmt: skip
+    name: str,
+    checkpoint: Path,
+    td: TrainingData,
+    progress: bool,
+    doc_len: int | None = None,
+) -> SystemVectors:
     """Dev query vectors by the query tower, corpus vectors by the document tower.
 
     ``doc_len``: documents truncated to this many tokens (None: the serving limit).
     """
     dirs = tower_dirs(checkpoint)
     q_encode = LazyEncoder(dirs["query"], doc_len)
-    d_encode = (q_encode if dirs["document"] == dirs["query"]
-                else LazyEncoder(dirs["document"], doc_len))  # fmt: skip
+    d_encode = (
+        q_encode if dirs["document"] == dirs["query"] else LazyEncoder(dirs["document"], doc_len)
+    )
     qkey, dkey = q_encode.key(), d_encode.key()
     texts = [td.data.queries[q] for q in td.dev_qids]
     queries = embed_cached(texts, "query", qkey, q_encode, progress=progress)  # type: ignore[arg-type]
@@ -86,8 +91,14 @@ def dev_pairs(td: TrainingData) -> tuple[list[tuple[int, int]], dict[int, set[in
 def entropy(vectors: SystemVectors, td: TrainingData, temperature: float = TEMPERATURE) -> float:
     pairs, relevant = dev_pairs(td)
     negatives = min(NEGATIVES, vectors.docs.shape[0] - 1 - max(len(r) for r in relevant.values()))
-    return contrastive_entropy(vectors.queries, vectors.docs, pairs, relevant,
-                               negatives=max(1, negatives), temperature=temperature)  # fmt: skip
+    return contrastive_entropy(
+        vectors.queries,
+        vectors.docs,
+        pairs,
+        relevant,
+        negatives=max(1, negatives),
+        temperature=temperature,
+    )
 
 
 def means(scores: Scores) -> dict[str, float]:
@@ -95,8 +106,11 @@ def means(scores: Scores) -> dict[str, float]:
 
 
 def dev_metrics(
-    checkpoint: Path, td: TrainingData, progress: bool = True, doc_len: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    checkpoint: Path,
+    td: TrainingData,
+    progress: bool = True,
+    doc_len: int | None = None,
+) -> dict[str, Any]:
     """The manifest's dev figures: exact-search measures and contrastive entropy."""
     vectors = system_vectors(Path(checkpoint).name, checkpoint, td, progress, doc_len)
     out: dict[str, Any] = means(exact_scores(vectors, td))
@@ -131,8 +145,12 @@ def separability(vectors: SystemVectors, td: TrainingData, seed: int = 0) -> flo
 
 
 def plot_projection(
-    vectors: SystemVectors, td: TrainingData, path: Path, title: str, seed: int = 0,
-) -> None:  # fmt: skip
+    vectors: SystemVectors,
+    td: TrainingData,
+    path: Path,
+    title: str,
+    seed: int = 0,
+) -> None:
     """t-SNE of the probe's points: queries and documents in two colours."""
     import matplotlib
 
@@ -141,8 +159,9 @@ def plot_projection(
     from sklearn.manifold import TSNE
 
     x, y = probe_points(vectors, td)
-    xy = TSNE(n_components=2, perplexity=min(30.0, (len(x) - 1) / 3), init="pca",
-              random_state=seed).fit_transform(x)  # fmt: skip
+    xy = TSNE(
+        n_components=2, perplexity=min(30.0, (len(x) - 1) / 3), init="pca", random_state=seed
+    ).fit_transform(x)
     fig, ax = plt.subplots(figsize=(5, 5))
     for label, colour, name in ((0, "C0", "queries"), (1, "C1", "documents")):
         ax.scatter(xy[y == label, 0], xy[y == label, 1], s=8, c=colour, label=name, alpha=0.7)
@@ -161,8 +180,12 @@ def _variant_key(arch: str) -> str:
 
 
 def _system_report(
-    vectors: SystemVectors, td: TrainingData, scores: Scores, plots: Path | None, title: str,
-) -> dict[str, Any]:  # fmt: skip
+    vectors: SystemVectors,
+    td: TrainingData,
+    scores: Scores,
+    plots: Path | None,
+    title: str,
+) -> dict[str, Any]:
     row: dict[str, Any] = means(scores)
     row["contrastive_entropy"] = round(entropy(vectors, td), 4)
     row["separability"] = round(separability(vectors, td), 4)
@@ -174,9 +197,12 @@ def _system_report(
 
 
 def compare(
-    data_dir: Path, checkpoints: list[Path], plots: Path | None = None,
-    doc_len: int | None = None, progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    data_dir: Path,
+    checkpoints: list[Path],
+    plots: Path | None = None,
+    doc_len: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """The base checkpoint and each trained one on the trainers' dev split, side by side.
 
     Every checkpoint must come from ``encoder train`` on the same data (digest), base and
@@ -195,8 +221,10 @@ def compare(
             raise InvalidArgument(f"{path}: training is not complete (resume it first)")
         for field in ("base_checkpoint", "dev_split"):
             if m[field] != first[field]:
-                raise InvalidArgument(f"{path}: another {field.replace('_', ' ')} than "
-                                      f"{checkpoints[0]}: not comparable")  # fmt: skip
+                raise InvalidArgument(
+                    f"{path}: another {field.replace('_', ' ')} than "
+                    f"{checkpoints[0]}: not comparable"
+                )
     split = first["dev_split"]
     td = load_training_data(data_dir, split["seed"], split["dev_fraction"])
     if td.digest != first["data"]["digest"]:
@@ -237,17 +265,23 @@ def compare(
         row = _system_report(vectors, td, scores, plots, m["arch"])
         paired = paired_comparison(base_scores.values("ndcg_at_10"), scores.values("ndcg_at_10"))
         timing = m["timing"]
-        row.update({
-            "checkpoint": str(path),
-            "paired_low": paired["ci95"][0], "paired_high": paired["ci95"][1],
-            "ndcg_at_10_diff": paired["mean_diff"], "wins": paired["wins"],
-            "losses": paired["losses"], "p_value": paired["p_value"],
-            "train_seconds": timing.get("train_seconds"),
-            "train_wall_seconds": timing.get("wall_seconds"),
-            "train_cpu_seconds": timing.get("cpu_seconds"),
-            "train_peak_rss_mib": timing.get("peak_rss_mib"),
-            "steps": m["steps"], "recipe": m["recipe"],
-        })  # fmt: skip
+        row.update(
+            {
+                "checkpoint": str(path),
+                "paired_low": paired["ci95"][0],
+                "paired_high": paired["ci95"][1],
+                "ndcg_at_10_diff": paired["mean_diff"],
+                "wins": paired["wins"],
+                "losses": paired["losses"],
+                "p_value": paired["p_value"],
+                "train_seconds": timing.get("train_seconds"),
+                "train_wall_seconds": timing.get("wall_seconds"),
+                "train_cpu_seconds": timing.get("cpu_seconds"),
+                "train_peak_rss_mib": timing.get("peak_rss_mib"),
+                "steps": m["steps"],
+                "recipe": m["recipe"],
+            }
+        )
         report["variants"][name] = row
     # The paper's questions: each variant against SDE, and ADE-SPL against plain ADE.
     wanted = [(a, "sde") for a in per_query if a != "sde"] + [("ade_spl", "ade")]
@@ -261,20 +295,30 @@ def compare(
 
 def table(report: dict[str, Any]) -> str:
     """The comparison as a fixed-width table (one row per system)."""
-    head = (f"{'system':<10} {'nDCG@10':>8} {'diff [95% CI]':>24} {'R@100':>7} {'MRR@10':>7} "
-            f"{'CE':>6} {'sep':>6} {'train s':>8}")  # fmt: skip
-    lines = [f"dev: {report['dev_queries']} queries, {report['search']}, documents at "
-             f"{report['doc_len']} tokens", head]  # fmt: skip
+    head = (
+        f"{'system':<10} {'nDCG@10':>8} {'diff [95% CI]':>24} {'R@100':>7} {'MRR@10':>7} "
+        f"{'CE':>6} {'sep':>6} {'train s':>8}"
+    )
+    lines = [
+        f"dev: {report['dev_queries']} queries, {report['search']}, documents at "
+        f"{report['doc_len']} tokens",
+        head,
+    ]
     rows = [("base", report["base"]), *report["variants"].items()]
     for name, r in rows:
-        diff = (f"{r['ndcg_at_10_diff']:+.4f} [{r['paired_low']:+.4f}, {r['paired_high']:+.4f}]"
-                if "paired_low" in r else "")  # fmt: skip
+        diff = (
+            f"{r['ndcg_at_10_diff']:+.4f} [{r['paired_low']:+.4f}, {r['paired_high']:+.4f}]"
+            if "paired_low" in r
+            else ""
+        )
         lines.append(
             f"{name:<10} {r['ndcg_at_10']:>8.4f} {diff:>24} {r['recall_at_100']:>7.4f} "
             f"{r['mrr_at_10']:>7.4f} {r['contrastive_entropy']:>6.3f} {r['separability']:>6.3f} "
             f"{r['train_seconds'] or 0:>8.0f}"
         )
     for pair, c in report.get("pairs", {}).items():
-        lines.append(f"nDCG@10 {pair}: {c['mean_diff']:+.4f} [{c['ci95'][0]:+.4f}, "
-                     f"{c['ci95'][1]:+.4f}] ({c['wins']} wins, {c['losses']} losses)")  # fmt: skip
+        lines.append(
+            f"nDCG@10 {pair}: {c['mean_diff']:+.4f} [{c['ci95'][0]:+.4f}, "
+            f"{c['ci95'][1]:+.4f}] ({c['wins']} wins, {c['losses']} losses)"
+        )
     return "\n".join(lines)

@@ -182,17 +182,32 @@ def save_tower(encoder: DualEncoder, base_dir: Path, out: Path, added_projection
         modules = json.loads((out / "modules.json").read_text())
         if not any(str(m["type"]).endswith("Dense") for m in modules):
             at = 1 + next(i for i, m in enumerate(modules) if str(m["type"]).endswith("Pooling"))
-            modules.insert(at, {"idx": at, "name": DENSE_DIR, "path": DENSE_DIR,
-                                "type": "sentence_transformers.models.Dense"})  # fmt: skip
+            modules.insert(
+                at,
+                {
+                    "idx": at,
+                    "name": DENSE_DIR,
+                    "path": DENSE_DIR,
+                    "type": "sentence_transformers.models.Dense",
+                },
+            )
             for i, module in enumerate(modules):
                 module["idx"] = i
             (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     dense_out.mkdir(parents=True, exist_ok=True)
     (dense_out / "pytorch_model.bin").unlink(missing_ok=True)
-    (dense_out / "config.json").write_text(json.dumps({
-        "in_features": linear.in_features, "out_features": linear.out_features,
-        "bias": linear.bias is not None, "activation_function": activation,
-    }, indent=2) + "\n")  # fmt: skip
+    (dense_out / "config.json").write_text(
+        json.dumps(
+            {
+                "in_features": linear.in_features,
+                "out_features": linear.out_features,
+                "bias": linear.bias is not None,
+                "activation_function": activation,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     state = {"linear.weight": linear.weight.detach().contiguous()}
     if linear.bias is not None:
         state["linear.bias"] = linear.bias.detach().contiguous()

@@ -109,9 +109,23 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def recipe(self) -> dict[str, Any]:
-        keep = ("epochs", "batch_size", "micro_batch", "lr", "warmup_fraction", "weight_decay",
-                "grad_clip", "temperature", "negatives", "negative_skip", "negative_depth",
-                "max_query_len", "max_doc_len", "seed", "dev_fraction")  # fmt: skip
+        keep = (
+            "epochs",
+            "batch_size",
+            "micro_batch",
+            "lr",
+            "warmup_fraction",
+            "weight_decay",
+            "grad_clip",
+            "temperature",
+            "negatives",
+            "negative_skip",
+            "negative_depth",
+            "max_query_len",
+            "max_doc_len",
+            "seed",
+            "dev_fraction",
+        )
         return {k: v for k, v in asdict(self).items() if k in keep}
 
 
@@ -184,9 +198,13 @@ class Batches:
 
 
 def in_batch_loss(
-    q: torch.Tensor, d: torch.Tensor, qids: list[str], dids: list[str],
-    qrels: dict[str, dict[str, int]], temperature: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    d: torch.Tensor,
+    qids: list[str],
+    dids: list[str],
+    qrels: dict[str, dict[str, int]],
+    temperature: float,
+) -> torch.Tensor:
     """Sampled softmax: query i's positive is document i; other judged positives masked."""
     logits = q @ d.T / temperature
     mask = torch.zeros_like(logits, dtype=torch.bool)
@@ -207,9 +225,13 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 
 def step_loss(
-    towers: Towers, codec: TextCodec, texts_q: list[str], texts_d: list[str],
-    loss_fn: Any, micro: int | None,
-) -> float:  # fmt: skip
+    towers: Towers,
+    codec: TextCodec,
+    texts_q: list[str],
+    texts_d: list[str],
+    loss_fn: Any,
+    micro: int | None,
+) -> float:
     """Forward + backward of one batch (GradCache when ``micro`` is smaller); the loss."""
     if micro is None or micro >= len(texts_q):
         q = _forward(towers.query, codec.encode(texts_q, "query"))
@@ -218,8 +240,10 @@ def step_loss(
         loss.backward()
         return float(loss.item())
     per_doc = max(1, micro * len(texts_d) // len(texts_q))
-    plan = [(towers.query, "query", texts_q, _chunks(len(texts_q), micro)),
-            (towers.document, "document", texts_d, _chunks(len(texts_d), per_doc))]  # fmt: skip
+    plan = [
+        (towers.query, "query", texts_q, _chunks(len(texts_q), micro)),
+        (towers.document, "document", texts_d, _chunks(len(texts_d), per_doc)),
+    ]
     cached: list[list[tuple[torch.Tensor, TokenBatch, torch.Tensor]]] = []
     for tower, kind, texts, chunks in plan:
         rows = []
@@ -248,10 +272,13 @@ def _optimizer(towers: Towers, cfg: TrainConfig) -> torch.optim.Optimizer:
     plain: list[torch.nn.Parameter] = []
     for name, p in towers.named_parameters():
         (plain if p.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(p)
-    return torch.optim.AdamW([
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": plain, "weight_decay": 0.0},
-    ], lr=cfg.lr)  # fmt: skip
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": plain, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+    )
 
 
 def _schedule(opt: torch.optim.Optimizer, steps: int, warmup_fraction: float) -> Any:
@@ -279,12 +306,28 @@ class DevPool:
         towers.train(False)
         try:
             data = self.td.data
-            docs = torch.cat([_forward(towers.document, codec.encode(
-                [data.docs[d] for d in self.doc_ids[i : i + batch]], "document"))
-                for i in range(0, len(self.doc_ids), batch)])  # fmt: skip
-            qs = torch.cat([_forward(towers.query, codec.encode(
-                [data.queries[q] for q in self.td.dev_qids[i : i + batch]], "query"))
-                for i in range(0, len(self.td.dev_qids), batch)])  # fmt: skip
+            docs = torch.cat(
+                [
+                    _forward(
+                        towers.document,
+                        codec.encode(
+                            [data.docs[d] for d in self.doc_ids[i : i + batch]], "document"
+                        ),
+                    )
+                    for i in range(0, len(self.doc_ids), batch)
+                ]
+            )
+            qs = torch.cat(
+                [
+                    _forward(
+                        towers.query,
+                        codec.encode(
+                            [data.queries[q] for q in self.td.dev_qids[i : i + batch]], "query"
+                        ),
+                    )
+                    for i in range(0, len(self.td.dev_qids), batch)
+                ]
+            )
             sims = (qs @ docs.T).numpy()
             top = np.argsort(-sims, axis=1, kind="stable")[:, :10]
             run = {q: [self.doc_ids[j] for j in top[r]] for r, q in enumerate(self.td.dev_qids)}
@@ -325,10 +368,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     key = model_key(base)
     encode = LazyEncoder(base)
     mine0 = time.perf_counter()
-    negatives = (mine_negatives(td, encode, key, cfg.negative_skip, cfg.negative_depth,
-                                cfg.progress) if cfg.negatives else {})  # fmt: skip
-    pool = DevPool(td, base_ranks(td, td.dev_qids, encode, key, cfg.dev_pool_depth,
-                                  cfg.progress)) if cfg.eval_every else None  # fmt: skip
+    negatives = (
+        mine_negatives(td, encode, key, cfg.negative_skip, cfg.negative_depth, cfg.progress)
+        if cfg.negatives
+        else {}
+    )
+    pool = (
+        DevPool(td, base_ranks(td, td.dev_qids, encode, key, cfg.dev_pool_depth, cfg.progress))
+        if cfg.eval_every
+        else None
+    )
     mine_seconds = time.perf_counter() - mine0
     del encode
     batches = Batches(td, negatives, cfg)
@@ -348,8 +397,13 @@ def train(cfg: TrainConfig) -> TrainResult:
         trained_s = float(state["train_seconds"])
     towers.train(True)
     qrels = td.data.qrels
-    bar = tqdm(range(start, batches.steps), initial=start, total=batches.steps,
-               desc=f"train {arch}", disable=not cfg.progress)  # fmt: skip
+    bar = tqdm(
+        range(start, batches.steps),
+        initial=start,
+        total=batches.steps,
+        desc=f"train {arch}",
+        disable=not cfg.progress,
+    )
     seg = time.perf_counter()
     eval_s = 0.0
     for step in bar:
@@ -357,8 +411,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         texts_q = [td.data.queries[q] for q in qids]
         texts_d = [td.data.docs[d] for d in dids]
 
-        def loss_fn(q: torch.Tensor, d: torch.Tensor, qids: list[str] = qids,
-                    dids: list[str] = dids) -> torch.Tensor:  # fmt: skip
+        def loss_fn(
+            q: torch.Tensor, d: torch.Tensor, qids: list[str] = qids, dids: list[str] = dids
+        ) -> torch.Tensor:
             return in_batch_loss(q, d, qids, dids, qrels, cfg.temperature)
 
         opt.zero_grad(set_to_none=True)
@@ -378,8 +433,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             eval_s += time.perf_counter() - e0
             log.info("step %d: dev pool nDCG@10 %.4f", done, curve[-1]["dev_pool_ndcg_at_10"])
         stop = cfg.stop_after is not None and done >= cfg.stop_after and done < batches.steps
-        if stop or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-                    and done < batches.steps):  # fmt: skip
+        if stop or (
+            cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < batches.steps
+        ):
             elapsed = trained_s + time.perf_counter() - seg - eval_s
             _save_state(out, towers, opt, sched, cfg, arch, done, losses, curve, elapsed)
             save_towers(towers, base, out)
@@ -420,8 +476,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         "resumed": cfg.resume,
     }
     dev: dict[str, Any] = {}
-    manifest = _manifest(cfg, arch, base, td, towers, dim, batches.steps, batches.steps, losses,
-                         curve, dev, timing)  # fmt: skip
+    manifest = _manifest(
+        cfg, arch, base, td, towers, dim, batches.steps, batches.steps, losses, curve, dev, timing
+    )
     write_manifest(out, manifest)
     if cfg.final_eval:
         from services.encoder.train.evaluate import dev_metrics
@@ -434,8 +491,20 @@ def train(cfg: TrainConfig) -> TrainResult:
         timing["dev_eval_seconds"] = round(time.perf_counter() - e0, 1)
         usage = _usage()
         timing["peak_rss_mib"] = round(usage["peak_rss_mib"], 1)
-        manifest = _manifest(cfg, arch, base, td, towers, dim, batches.steps, batches.steps,
-                             losses, curve, dev, timing)  # fmt: skip
+        manifest = _manifest(
+            cfg,
+            arch,
+            base,
+            td,
+            towers,
+            dim,
+            batches.steps,
+            batches.steps,
+            losses,
+            curve,
+            dev,
+            timing,
+        )
         write_manifest(out, manifest)
     plot_curve(manifest, out / CURVE_PNG)
     return TrainResult(out, manifest)
@@ -448,24 +517,49 @@ def _dim(tower: DualEncoder) -> int:
 
 
 def _save_state(
-    out: Path, towers: Towers, opt: Any, sched: Any, cfg: TrainConfig, arch: str, step: int,
-    losses: list[float], curve: list[dict[str, Any]], train_seconds: float,
-) -> None:  # fmt: skip
+    out: Path,
+    towers: Towers,
+    opt: Any,
+    sched: Any,
+    cfg: TrainConfig,
+    arch: str,
+    step: int,
+    losses: list[float],
+    curve: list[dict[str, Any]],
+    train_seconds: float,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    state = {"towers": towers.state_dict(), "optimizer": opt.state_dict(),
-             "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "step": step,
-             "losses": losses, "curve": curve, "recipe": cfg.recipe(), "arch": arch,
-             "train_seconds": train_seconds}  # fmt: skip
+    state = {
+        "towers": towers.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "step": step,
+        "losses": losses,
+        "curve": curve,
+        "recipe": cfg.recipe(),
+        "arch": arch,
+        "train_seconds": train_seconds,
+    }
     tmp = out / f"{TRAINER_STATE}.tmp"
     torch.save(state, tmp)
     tmp.replace(out / TRAINER_STATE)
 
 
 def _manifest(
-    cfg: TrainConfig, arch: Arch, base: Path, td: TrainingData, towers: Towers, dim: int,
-    step: int, steps: int, losses: list[float], curve: list[dict[str, Any]],
-    dev: dict[str, Any], timing: dict[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+    cfg: TrainConfig,
+    arch: Arch,
+    base: Path,
+    td: TrainingData,
+    towers: Towers,
+    dim: int,
+    step: int,
+    steps: int,
+    losses: list[float],
+    curve: list[dict[str, Any]],
+    dev: dict[str, Any],
+    timing: dict[str, Any],
+) -> dict[str, Any]:
     return {
         "arch": arch,
         "complete": step >= steps,
@@ -524,16 +618,27 @@ def plot_curve(manifest: dict[str, Any], path: Path) -> None:
         pool = [p for p in dev if "dev_pool_ndcg_at_10" in p]
         exact = [p for p in dev if "dev_exact_ndcg_at_10" in p]
         if pool:
-            ax2.plot([p["step"] for p in pool], [p["dev_pool_ndcg_at_10"] for p in pool], "o-",
-                     color="C1", label="dev nDCG@10 (base top-k pool)")  # fmt: skip
+            ax2.plot(
+                [p["step"] for p in pool],
+                [p["dev_pool_ndcg_at_10"] for p in pool],
+                "o-",
+                color="C1",
+                label="dev nDCG@10 (base top-k pool)",
+            )
         if exact:
-            ax2.plot([p["step"] for p in exact], [p["dev_exact_ndcg_at_10"] for p in exact], "s",
-                     color="C3", label="dev nDCG@10 (exact, corpus)")  # fmt: skip
+            ax2.plot(
+                [p["step"] for p in exact],
+                [p["dev_exact_ndcg_at_10"] for p in exact],
+                "s",
+                color="C3",
+                label="dev nDCG@10 (exact, corpus)",
+            )
         ax2.set_ylabel("dev nDCG@10")
         ax2.legend(loc="upper right")
     ax.legend(loc="upper left")
-    ax.set_title(f"{manifest['arch']}: {manifest['steps']} steps, batch "
-                 f"{manifest['recipe']['batch_size']}")  # fmt: skip
+    ax.set_title(
+        f"{manifest['arch']}: {manifest['steps']} steps, batch {manifest['recipe']['batch_size']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

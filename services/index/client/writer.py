@@ -302,8 +302,11 @@ class ChangeLogWriter:
             part_ids = [ids[n] for n in members]
             shards, slots = self._layout(part_ids)
             args: list[str | bytes] = [
-                str(len(members)), str(vectors.shape[1]), self.keys.name, self._absent_gate
-            ]  # fmt: skip
+                str(len(members)),
+                str(vectors.shape[1]),
+                self.keys.name,
+                self._absent_gate,
+            ]
             for n, slot in zip(members, slots, strict=True):
                 record = records[n]
                 args += [

@@ -352,9 +352,16 @@ class IvfPqShard:
         if selector is not None:
             params.sel = selector
         self.ivf.search_preassigned_c(  # type: ignore[attr-defined]
-            n, faiss.swig_ptr(queries), k, faiss.swig_ptr(lists), faiss.swig_ptr(coarse),
-            faiss.swig_ptr(scores), faiss.swig_ptr(ids), False, params,
-        )  # fmt: skip
+            n,
+            faiss.swig_ptr(queries),
+            k,
+            faiss.swig_ptr(lists),
+            faiss.swig_ptr(coarse),
+            faiss.swig_ptr(scores),
+            faiss.swig_ptr(ids),
+            False,
+            params,
+        )
         return scores, ids
 
     def search_text(self, terms: Sequence[Sequence[str]], k: int, filter: FilterSpec = ()) -> TopK:

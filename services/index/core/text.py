@@ -55,10 +55,26 @@ META = "meta.json"
 OWN_META = "gtr-text.json"  # ours, beside Tantivy's files: how the text was analysed
 # Snowball stemmers Tantivy ships (tantivy-stemmers' Language); "none": no stemming.
 LANGUAGES = (
-    "arabic", "danish", "dutch", "english", "finnish", "french", "german", "greek",
-    "hungarian", "italian", "norwegian", "portuguese", "romanian", "russian", "spanish",
-    "swedish", "tamil", "turkish", "none",
-)  # fmt: skip
+    "arabic",
+    "danish",
+    "dutch",
+    "english",
+    "finnish",
+    "french",
+    "german",
+    "greek",
+    "hungarian",
+    "italian",
+    "norwegian",
+    "portuguese",
+    "romanian",
+    "russian",
+    "spanish",
+    "swedish",
+    "tamil",
+    "turkish",
+    "none",
+)
 
 
 def check_language(language: str) -> str:

@@ -121,8 +121,11 @@ def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
     if options.nprobe is not None and not 1 <= options.nprobe <= nlist:
         raise InvalidArgument(f"nprobe={options.nprobe} must be in 1..nlist ({nlist})")
     if problem:
-        log.warning("this index cannot be searched on a GPU (shards will use the CPU): %s; "
-                    "train with --gpu for GPU-compatible settings", problem)  # fmt: skip
+        log.warning(
+            "this index cannot be searched on a GPU (shards will use the CPU): %s; "
+            "train with --gpu for GPU-compatible settings",
+            problem,
+        )
     return replace(options, nlist=nlist, pq_m=pq_m)
 
 
@@ -197,8 +200,11 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
     )
     tuning = tune_nprobe(TrainedIndex(manifest, index, refine), x, opts)
     if tuning is None:
-        log.warning("%d training vectors are too few to tune nprobe: nprobe %d (nlist/10, "
-                    "at least 32)", n, manifest.nprobe)  # fmt: skip
+        log.warning(
+            "%d training vectors are too few to tune nprobe: nprobe %d (nlist/10, at least 32)",
+            n,
+            manifest.nprobe,
+        )
     else:
         manifest.nprobe = tuning.nprobe
         manifest.target_recall = tuning.target
@@ -212,11 +218,17 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
         manifest.flat_ms_per_query = tuning.flat_ms_per_query
         manifest.ivf_ms_per_query = tuning.ivf_ms_per_query
         if tuning.target is not None and min(tuning.recall, tuning.wide_recall) < tuning.target:
-            log.warning("no nprobe reaches 10-recall@10 %.3f and %d-recall@%d %.3f: %.4f and "
-                        "%.4f with every list probed; the PQ codes cap it (raise --pq-m or "
-                        "--refine-factor, or lower --target-recall)", tuning.target,
-                        tuning.wide_k, tuning.wide_k, tuning.target, tuning.recall,
-                        tuning.wide_recall)  # fmt: skip
+            log.warning(
+                "no nprobe reaches 10-recall@10 %.3f and %d-recall@%d %.3f: %.4f and "
+                "%.4f with every list probed; the PQ codes cap it (raise --pq-m or "
+                "--refine-factor, or lower --target-recall)",
+                tuning.target,
+                tuning.wide_k,
+                tuning.wide_k,
+                tuning.target,
+                tuning.recall,
+                tuning.wide_recall,
+            )
     manifest.ivf_advice = ivf_advice(n, tuning)
     if manifest.ivf_advice:
         log.warning("%s", manifest.ivf_advice)

@@ -82,8 +82,9 @@ def gpu_pq_problem(dim: int, pq_m: int, pq_bits: int) -> str | None:
     if pq_m not in GPU_PQ_M:
         return f"GPU IVF-PQ supports pq_m in {list(GPU_PQ_M)}, not {pq_m}"
     if dim % pq_m or dim // pq_m not in GPU_PQ_SUBDIMS:
-        return (f"GPU IVF-PQ supports {list(GPU_PQ_SUBDIMS)} dims per sub-quantizer, not "
-                f"{dim}/{pq_m}")  # fmt: skip
+        return (
+            f"GPU IVF-PQ supports {list(GPU_PQ_SUBDIMS)} dims per sub-quantizer, not {dim}/{pq_m}"
+        )
     return None
 
 

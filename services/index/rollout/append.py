@@ -180,9 +180,13 @@ class TargetAppender:
                 if vector.shape[0] != dim:
                     raise ValueError(f"{item.doc_id!r}: dimension {vector.shape[0]}, not {dim}")
                 args += [
-                    item.doc_id, str(item.version), item.title, item.text, item.meta,
+                    item.doc_id,
+                    str(item.version),
+                    item.title,
+                    item.text,
+                    item.meta,
                     vector.tobytes(),
-                ]  # fmt: skip
+                ]
             self._run(shard, [items[n].doc_id for n in members], args, out)
         return out
 

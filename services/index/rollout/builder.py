@@ -215,26 +215,46 @@ class RolloutBuilder:
         # With --encoder the lock comes first and the publish is its first phase: T's
         # record, which needs the published version, is written at the phase's end. The
         # lock takes T's name with it: a refused rollout uses no number up.
-        name = self.registry.begin_rollout({
-            "source": serving.name, "kind": "rollout", "mode": mode,
-            "phase": "publish" if publish else "create", "owner": self.owner,
-            "host": socket.gethostname(), "pid": str(os.getpid()), "beat": repr(now),
-            "started_at": repr(now),
-            "plan": _j({"encoder": None if publish else encoder.__dict__,
-                        "shards": num_shards, "retrain": plan.retrain,
-                        "encoder_dir": plan.encoder_dir}),
-        })  # fmt: skip
+        name = self.registry.begin_rollout(
+            {
+                "source": serving.name,
+                "kind": "rollout",
+                "mode": mode,
+                "phase": "publish" if publish else "create",
+                "owner": self.owner,
+                "host": socket.gethostname(),
+                "pid": str(os.getpid()),
+                "beat": repr(now),
+                "started_at": repr(now),
+                "plan": _j(
+                    {
+                        "encoder": None if publish else encoder.__dict__,
+                        "shards": num_shards,
+                        "retrain": plan.retrain,
+                        "encoder_dir": plan.encoder_dir,
+                    }
+                ),
+            }
+        )
         if not publish:
             self._record_target(name, serving.name, num_shards, encoder, mode, now)
         return await self._resume(self.registry.rollout() or {})
 
-    def _record_target(self, name: str, source: str, num_shards: int, encoder: EncoderSpec,
-                       mode: str, now: float) -> None:  # fmt: skip
+    def _record_target(
+        self, name: str, source: str, num_shards: int, encoder: EncoderSpec, mode: str, now: float
+    ) -> None:
         index_dir = str(Path(self.options.index_root).resolve() / name)
-        self.registry.put(Generation(
-            name, "building", num_shards, encoder, index_dir,
-            {"trained": False, "source": source, "mode": mode}, created_at=now,
-        ))  # fmt: skip
+        self.registry.put(
+            Generation(
+                name,
+                "building",
+                num_shards,
+                encoder,
+                index_dir,
+                {"trained": False, "source": source, "mode": mode},
+                created_at=now,
+            )
+        )
 
     async def rollback(self) -> Generation:
         """Make the previous generation serve again: replay every write since the switch
@@ -273,14 +293,25 @@ class RolloutBuilder:
                     "instead"
                 )
         now = time.time()
-        self.registry.begin_rollout({
-            "target": target.name, "source": serving.name, "kind": "rollback",
-            "mode": "replay", "phase": "catch_up", "owner": self.owner,
-            "host": socket.gethostname(), "pid": str(os.getpid()), "beat": repr(now),
-            "started_at": repr(now), "target_state": target.state,
-            "p0": _j(start), "positions": _j(start), "replayed": _j({}),
-            "added0": _j(serving.params.get("switch_added", {})),
-        })  # fmt: skip
+        self.registry.begin_rollout(
+            {
+                "target": target.name,
+                "source": serving.name,
+                "kind": "rollback",
+                "mode": "replay",
+                "phase": "catch_up",
+                "owner": self.owner,
+                "host": socket.gethostname(),
+                "pid": str(os.getpid()),
+                "beat": repr(now),
+                "started_at": repr(now),
+                "target_state": target.state,
+                "p0": _j(start),
+                "positions": _j(start),
+                "replayed": _j({}),
+                "added0": _j(serving.params.get("switch_added", {})),
+            }
+        )
         self._hold(src, start, f"rollout:{target.name}")
         self.registry.set_state(target.name, "catching_up")
         return await self._resume(self.registry.rollout() or {})
@@ -326,8 +357,12 @@ class RolloutBuilder:
         another host (a Job's previous pod) when its heartbeat stops: this waits up to
         ``stale_after_s`` to see which."""
         self._wait_until_silent(running)
-        asked = (plan.encoder is not None or plan.num_shards is not None or plan.retrain
-                 or bool(plan.encoder_dir))  # fmt: skip
+        asked = (
+            plan.encoder is not None
+            or plan.num_shards is not None
+            or plan.retrain
+            or bool(plan.encoder_dir)
+        )
         if asked and running.get("kind") == "rollout":
             recorded = json.loads(running.get("plan", "{}"))
             same = (
@@ -369,9 +404,13 @@ class RolloutBuilder:
     async def _resume(self, running: dict[str, str]) -> Generation:
         self.redis.hset(
             "{gtr}:rollout",
-            mapping={"owner": self.owner, "host": socket.gethostname(),
-                     "pid": str(os.getpid()), "beat": repr(time.time())},
-        )  # fmt: skip
+            mapping={
+                "owner": self.owner,
+                "host": socket.gethostname(),
+                "pid": str(os.getpid()),
+                "beat": repr(time.time()),
+            },
+        )
         self._state = dict(running, owner=self.owner)
         beat = asyncio.create_task(self._heartbeat())
         try:
@@ -458,9 +497,14 @@ class RolloutBuilder:
         plan["encoder"] = spec.__dict__
         # T's record first: a crash before the phase moves publishes again (the same
         # version) and writes the same record
-        self._record_target(self._state["target"], self._state["source"], int(plan["shards"]),
-                            spec, self._state.get("mode", "encode"),
-                            float(self._state.get("started_at") or time.time()))  # fmt: skip
+        self._record_target(
+            self._state["target"],
+            self._state["source"],
+            int(plan["shards"]),
+            spec,
+            self._state.get("mode", "encode"),
+            float(self._state.get("started_at") or time.time()),
+        )
         self._save(plan=_j(plan), phase="create")
 
     async def _phase_create(self) -> None:
@@ -505,9 +549,14 @@ class RolloutBuilder:
                 f"{self._state['source']}'s documents are none: nothing to train on"
             )
         manifest = await asyncio.to_thread(self._train, target, sample)
-        params = dict(target.params, trained=True, nprobe=manifest.nprobe, nlist=manifest.nlist,
-                      train_points=manifest.train_points,
-                      measured_recall=manifest.measured_recall)  # fmt: skip
+        params = dict(
+            target.params,
+            trained=True,
+            nprobe=manifest.nprobe,
+            nlist=manifest.nlist,
+            train_points=manifest.train_points,
+            measured_recall=manifest.measured_recall,
+        )
         self.registry.put(replace(target, params=params))
         self.progress.message(
             f"{target.name}: trained on {manifest.train_points} vectors (nlist "
@@ -713,20 +762,27 @@ class RolloutBuilder:
                 await asyncio.sleep(backoff)
                 backoff = min(10.0, backoff * 2)
 
-    async def _append_documents(self, batch: list[tuple[str, dict[bytes, bytes]]],
-                                target: Generation) -> np.ndarray:  # fmt: skip
+    async def _append_documents(
+        self, batch: list[tuple[str, dict[bytes, bytes]]], target: Generation
+    ) -> np.ndarray:
         """Encode and append SCANned documents; their vectors."""
         if not batch:
             return np.zeros((0, target.encoder.dim or 1), np.float32)
-        texts = [embedding_text(text(d.get(b"title", b"")), text(d.get(b"text", b"")))
-                 for _, d in batch]  # fmt: skip
+        texts = [
+            embedding_text(text(d.get(b"title", b"")), text(d.get(b"text", b""))) for _, d in batch
+        ]
         vectors = await self._embed(target, texts)
         items = [
-            UpsertItem(doc_id, int(d.get(b"ver", b"0")), vectors[n],
-                       text(d.get(b"title", b"")), text(d.get(b"text", b"")),
-                       text(d.get(b"meta", b"{}")))
+            UpsertItem(
+                doc_id,
+                int(d.get(b"ver", b"0")),
+                vectors[n],
+                text(d.get(b"title", b"")),
+                text(d.get(b"text", b"")),
+                text(d.get(b"meta", b"{}")),
+            )
             for n, (doc_id, d) in enumerate(batch)
-        ]  # fmt: skip
+        ]
         await asyncio.to_thread(self._appender(target).upserts, items)
         return vectors
 
@@ -791,17 +847,25 @@ class RolloutBuilder:
         total = self._count_documents()
         self.progress.total(total)
         for shard, replicas in enumerate(shards):
-            position = await self._export_shard(exporter, replicas, shard, p0[shard], src,
-                                                appender, sample, rng, seen)  # fmt: skip
+            position = await self._export_shard(
+                exporter, replicas, shard, p0[shard], src, appender, sample, rng, seen
+            )
             seen = position
         dim = target.encoder.dim or (sample[0].shape[0] if sample else 0)
         return np.stack(sample) if sample else np.zeros((0, dim), np.float32)
 
     async def _export_shard(
-        self, exporter: Exporter, replicas: list[str], shard: int, p0: str,
-        src: GenerationKeys, appender: TargetAppender, sample: list[np.ndarray],
-        rng: np.random.Generator, seen: int,
-    ) -> int:  # fmt: skip
+        self,
+        exporter: Exporter,
+        replicas: list[str],
+        shard: int,
+        p0: str,
+        src: GenerationKeys,
+        appender: TargetAppender,
+        sample: list[np.ndarray],
+        rng: np.random.Generator,
+        seen: int,
+    ) -> int:
         deadline = time.monotonic() + self.options.shard_wait_s
         last_error: Exception | None = None
         while time.monotonic() < deadline:
@@ -817,10 +881,16 @@ class RolloutBuilder:
                             d = docs.get(doc_id)
                             if d is None:
                                 continue  # deleted since: the replay appends the delete
-                            items.append(UpsertItem(
-                                doc_id, RETRAIN_VERSION, vectors[n], text(d.get(b"title", b"")),
-                                text(d.get(b"text", b"")), text(d.get(b"meta", b"{}")),
-                            ))  # fmt: skip
+                            items.append(
+                                UpsertItem(
+                                    doc_id,
+                                    RETRAIN_VERSION,
+                                    vectors[n],
+                                    text(d.get(b"title", b"")),
+                                    text(d.get(b"text", b"")),
+                                    text(d.get(b"meta", b"{}")),
+                                )
+                            )
                             count += 1
                             if len(sample) < self.options.sample:
                                 sample.append(np.asarray(vectors[n], np.float32))
@@ -840,8 +910,10 @@ class RolloutBuilder:
             await asyncio.sleep(0.5)
         hint = ""
         if self.shard_tls is not None and not self.shard_tls.cert:
-            hint = (": if the replicas require client certificates (mTLS, as under `up --tls`), "
-                    "give --tls-client-cert and --tls-client-key")  # fmt: skip
+            hint = (
+                ": if the replicas require client certificates (mTLS, as under `up --tls`), "
+                "give --tls-client-cert and --tls-client-key"
+            )
         raise Unavailable(
             f"--retrain: no replica of {src.name}'s shard {shard} exported its vectors at or "
             f"past P0 within {self.options.shard_wait_s:.0f} s ({last_error}){hint}"
@@ -912,8 +984,9 @@ class RolloutBuilder:
                     self.progress.lag(lag)
         return count
 
-    async def _replay_entries(self, entries: list[Any], src: GenerationKeys, target: Generation,
-                              appender: TargetAppender) -> None:  # fmt: skip
+    async def _replay_entries(
+        self, entries: list[Any], src: GenerationKeys, target: Generation, appender: TargetAppender
+    ) -> None:
         """Append a batch of S's entries in order (their upserts re-embedded together)."""
         parsed = [_parse_entry(fields) for _, fields in entries]
         need: list[tuple[int, int]] = []  # (entry, row) of the upserts whose text is missing
@@ -931,9 +1004,10 @@ class RolloutBuilder:
         k = 0
         for e, entry in enumerate(parsed):
             if entry.op == "d":
-                await asyncio.to_thread(appender.deletes, [
-                    DeleteItem(i, v) for i, v in zip(entry.ids, entry.versions, strict=True)
-                ])  # fmt: skip
+                await asyncio.to_thread(
+                    appender.deletes,
+                    [DeleteItem(i, v) for i, v in zip(entry.ids, entry.versions, strict=True)],
+                )
                 continue
             assert vectors is not None
             items = []
@@ -943,8 +1017,9 @@ class RolloutBuilder:
                 if (e, n) in need:
                     continue
                 title, body = entry.rows[n]
-                items.append(UpsertItem(doc_id, entry.versions[n], row, title, body,
-                                        entry.metas[n]))  # fmt: skip
+                items.append(
+                    UpsertItem(doc_id, entry.versions[n], row, title, body, entry.metas[n])
+                )
             await asyncio.to_thread(appender.upserts, items)
 
     def _lag(self) -> int | None:
@@ -974,10 +1049,10 @@ class RolloutBuilder:
             if spec:
                 applied = await self._applied(spec)
                 if len(applied) == len(tails) and all(
-                    replicas and all(p is not None and positions.at_least(p, tails[s])
-                                     for p in replicas)
+                    replicas
+                    and all(p is not None and positions.at_least(p, tails[s]) for p in replicas)
                     for s, replicas in enumerate(applied)
-                ):  # fmt: skip
+                ):
                     return True
             await asyncio.sleep(0.2)
         return False
@@ -989,8 +1064,7 @@ class RolloutBuilder:
 
         out: list[list[str | None]] = []
         shards = parse_addresses(spec)
-        for addresses, replicas in zip(shards, await all_stats(spec, self.shard_tls),
-                                       strict=True):  # fmt: skip
+        for addresses, replicas in zip(shards, await all_stats(spec, self.shard_tls), strict=True):
             for address, r in zip(addresses, replicas, strict=True):
                 if isinstance(r, Unavailable):
                     await self._check_transport(address)
@@ -999,8 +1073,9 @@ class RolloutBuilder:
 
     # --- holds on a generation's logs ------------------------------------------------------
 
-    def _hold(self, keys: GenerationKeys, at: dict[int, str], name: str,
-              heartbeat: bool = True) -> None:  # fmt: skip
+    def _hold(
+        self, keys: GenerationKeys, at: dict[int, str], name: str, heartbeat: bool = True
+    ) -> None:
         """Keep ``keys``' shards from trimming their logs past ``at`` (registered like a
         replica's snapshot; without ``heartbeat`` it never goes stale)."""
         now = repr(time.time())
@@ -1040,8 +1115,14 @@ class _ScanCursor:
         return cls(0, 0, 0, True)
 
     def dump(self) -> str:
-        return _j({"node": self.node, "cursor": self.cursor, "nodes": self.nodes,
-                   "finished": self.finished_})  # fmt: skip
+        return _j(
+            {
+                "node": self.node,
+                "cursor": self.cursor,
+                "nodes": self.nodes,
+                "finished": self.finished_,
+            }
+        )
 
     @classmethod
     def load(cls, raw: str) -> _ScanCursor:
@@ -1097,8 +1178,9 @@ def _doc_id(key: bytes | str, keys: GenerationKeys) -> str | None:
     return doc_id if layout.tag(layout.shard(doc_id)) == tag else None
 
 
-def _read_docs(client: Any, keys: GenerationKeys, ids: Sequence[str]
-               ) -> list[tuple[str, dict[bytes, bytes]]]:  # fmt: skip
+def _read_docs(
+    client: Any, keys: GenerationKeys, ids: Sequence[str]
+) -> list[tuple[str, dict[bytes, bytes]]]:
     if not ids:
         return []
     pipe = client.pipeline(transaction=False)

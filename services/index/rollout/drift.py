@@ -163,9 +163,10 @@ class DriftMetrics:
             registry=registry,
         )
         self.replicas = Gauge(
-            "gtr_drift_replicas_answered", "Replicas that answered the last poll.",
+            "gtr_drift_replicas_answered",
+            "Replicas that answered the last poll.",
             registry=registry,
-        )  # fmt: skip
+        )
         self.rollouts = Counter(
             "gtr_drift_rollouts_total",
             "Rollouts (--retrain) the watcher started, by outcome (done, failed).",
@@ -239,9 +240,11 @@ class DriftWatcher:
         log.warning(
             "generation %s: PQ error ratio %.3f has stayed above %.3f for %.0f s: "
             "starting index rollout --retrain",
-            serving, reading.ratio or math.nan, self.config.policy.threshold,
+            serving,
+            reading.ratio or math.nan,
+            self.config.policy.threshold,
             self.window.above_for(now),
-        )  # fmt: skip
+        )
         self._start_rollout(resume=False)
         self.window.reset()
         return True

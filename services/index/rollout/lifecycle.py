@@ -117,8 +117,14 @@ class Sizes:
     replicas: int
 
 
-def generation_sizes(client: Any, gen: Generation, base: int, spec: str | None,
-                     timeout: float = 3.0, tls: ClientTLS | None = None) -> Sizes:  # fmt: skip
+def generation_sizes(
+    client: Any,
+    gen: Generation,
+    base: int,
+    spec: str | None,
+    timeout: float = 3.0,
+    tls: ClientTLS | None = None,
+) -> Sizes:
     """Sizes of ``gen`` from its replicas' Stats (``spec``: its addresses; ``tls``: how to
     reach them, the rollout's shard TLS: under `up --tls` they require the run's client
     certificate, and a replica asked without it counts as down) and its logs."""

@@ -93,19 +93,27 @@ class ConsoleProgress(Progress):
 
         registry = CollectorRegistry()
         self._metrics = {
-            "phase": Gauge("gtr_rollout_phase", "1 for the running phase", ["phase"],
-                           registry=registry),
-            "docs": Counter("gtr_rollout_docs_reembedded", "Documents re-embedded (or "
-                            "vectors reused) and appended", registry=registry),
-            "rate": Gauge("gtr_rollout_docs_per_second", "Rate of the last 10 s",
-                          registry=registry),
-            "expected": Gauge("gtr_rollout_docs", "Documents the bulk pass expects",
-                              registry=registry),
-            "lag": Gauge("gtr_rollout_lag_entries", "Source log entries not yet replayed",
-                         registry=registry),
-            "eta": Gauge("gtr_rollout_eta_seconds", "Time left in the running phase",
-                         registry=registry),
-        }  # fmt: skip
+            "phase": Gauge(
+                "gtr_rollout_phase", "1 for the running phase", ["phase"], registry=registry
+            ),
+            "docs": Counter(
+                "gtr_rollout_docs_reembedded",
+                "Documents re-embedded (or vectors reused) and appended",
+                registry=registry,
+            ),
+            "rate": Gauge(
+                "gtr_rollout_docs_per_second", "Rate of the last 10 s", registry=registry
+            ),
+            "expected": Gauge(
+                "gtr_rollout_docs", "Documents the bulk pass expects", registry=registry
+            ),
+            "lag": Gauge(
+                "gtr_rollout_lag_entries", "Source log entries not yet replayed", registry=registry
+            ),
+            "eta": Gauge(
+                "gtr_rollout_eta_seconds", "Time left in the running phase", registry=registry
+            ),
+        }
         for name in PHASES:
             self._metrics["phase"].labels(name).set(0)
         self._server, _ = start_http_server(port, registry=registry)
@@ -123,8 +131,9 @@ class ConsoleProgress(Progress):
         from tqdm import tqdm
 
         unit = "entries" if name == "catch_up" else "docs"
-        self._bar = tqdm(desc=name, unit=unit, total=total, initial=initial, dynamic_ncols=True,
-                         smoothing=0.1)  # fmt: skip
+        self._bar = tqdm(
+            desc=name, unit=unit, total=total, initial=initial, dynamic_ncols=True, smoothing=0.1
+        )
 
     def total(self, docs: int | None, done: int = 0) -> None:
         super().total(docs, done)

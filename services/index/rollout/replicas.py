@@ -48,9 +48,13 @@ async def replica_stats(
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, f"shard replica {address}") from exc
     return ReplicaStats(
-        address, reply.shard, reply.applied_position or "0-0", reply.vectors,
-        reply.memory_bytes, reply.pq_error_ratio,
-    )  # fmt: skip
+        address,
+        reply.shard,
+        reply.applied_position or "0-0",
+        reply.vectors,
+        reply.memory_bytes,
+        reply.pq_error_ratio,
+    )
 
 
 async def all_stats(

@@ -84,7 +84,8 @@ def await_generation(
         if now - said >= 60.0:
             said = now
             log.info(
-                "waiting for generation %s: %s", name,
+                "waiting for generation %s: %s",
+                name,
                 "not recorded yet" if gen is None else f"{gen.state}, quantizer not trained yet",
-            )  # fmt: skip
+            )
         sleep(poll_s)

@@ -130,8 +130,12 @@ async def seed_from_peers(settings: ShardSettings, with_index: bool = False) -> 
                 continue
             log.info(
                 "seeded shard %d from peer %s: snapshot at %s, %d bytes in %.1f s",
-                settings.shard, peer, seeded.snapshot.position, seeded.bytes, seeded.seconds,
-            )  # fmt: skip
+                settings.shard,
+                peer,
+                seeded.snapshot.position,
+                seeded.bytes,
+                seeded.seconds,
+            )
             return seeded
         if time.monotonic() + RETRY_EVERY_S > deadline:
             raise FailedPrecondition(

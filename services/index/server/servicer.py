@@ -124,8 +124,12 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
             request.with_index,
             request.generation,
         )
-        log.info("sending snapshot %s (%d bytes) to %s", offer.position,
-                 sum(f.size for f in offer.files), request.replica or "a peer")  # fmt: skip
+        log.info(
+            "sending snapshot %s (%d bytes) to %s",
+            offer.position,
+            sum(f.size for f in offer.files),
+            request.replica or "a peer",
+        )
         try:
             yield convert.offer_to_pb(offer)
             chunks = offer.chunks()
@@ -150,11 +154,17 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
             stop = min(start + batch, len(export))
             vectors = await loop.run_in_executor(None, export.vectors, start, stop)
             yield convert.vector_chunk_to_pb(
-                export.ids[start:stop], vectors, export.position,
-                replica.config.shard, replica.generation,
-            )  # fmt: skip
+                export.ids[start:stop],
+                vectors,
+                export.position,
+                replica.config.shard,
+                replica.generation,
+            )
         if not len(export):  # an empty shard still says where it stands
             yield convert.vector_chunk_to_pb(
-                [], np.zeros((0, export.codes.shape[1]), np.float32), export.position,
-                replica.config.shard, replica.generation,
-            )  # fmt: skip
+                [],
+                np.zeros((0, export.codes.shape[1]), np.float32),
+                export.position,
+                replica.config.shard,
+                replica.generation,
+            )

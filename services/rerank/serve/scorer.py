@@ -53,9 +53,11 @@ class PairEncoder:
 
     def truncate_query(self, query: str) -> str:
         enc = self.tokenizer(
-            query, add_special_tokens=False, return_offsets_mapping=True,
+            query,
+            add_special_tokens=False,
+            return_offsets_mapping=True,
             split_special_tokens=True,
-        )  # fmt: skip
+        )
         offsets = enc["offset_mapping"]
         if len(offsets) <= self.max_query_len:
             return query
@@ -65,15 +67,20 @@ class PairEncoder:
         """Token ids and token type ids of every pair, unpadded."""
         q = self.truncate_query(query)
         enc = self.tokenizer(
-            [q] * len(docs), docs, truncation="only_second", max_length=self.max_len,
-            split_special_tokens=True, return_token_type_ids=True,
-        )  # fmt: skip
+            [q] * len(docs),
+            docs,
+            truncation="only_second",
+            max_length=self.max_len,
+            split_special_tokens=True,
+            return_token_type_ids=True,
+        )
         ids = enc["input_ids"]
         types = enc.get("token_type_ids") or [[0] * len(x) for x in ids]
         return ids, types
 
-    def pad(self, ids: list[list[int]], types: list[list[int]],
-            rows: np.ndarray | None = None) -> PairBatch:  # fmt: skip
+    def pad(
+        self, ids: list[list[int]], types: list[list[int]], rows: np.ndarray | None = None
+    ) -> PairBatch:
         """One batch of the pairs ``rows`` (default: all, in order), padded to the longest."""
         rows = np.arange(len(ids)) if rows is None else rows
         width = max(len(ids[r]) for r in rows)
@@ -83,16 +90,19 @@ class PairEncoder:
         for k, r in enumerate(rows):
             n = len(ids[r])
             input_ids[k, :n], mask[k, :n], tt[k, :n] = ids[r], 1, types[r]
-        return PairBatch(torch.from_numpy(input_ids), torch.from_numpy(mask),
-                         torch.from_numpy(tt), rows)  # fmt: skip
+        return PairBatch(
+            torch.from_numpy(input_ids), torch.from_numpy(mask), torch.from_numpy(tt), rows
+        )
 
     def batches(
         self, ids: list[list[int]], types: list[list[int]], batch_size: int
     ) -> list[PairBatch]:
         """Length-sorted batches (longest first), each padded to its own longest pair."""
         order = np.argsort([-len(x) for x in ids], kind="stable")
-        return [self.pad(ids, types, order[s : s + batch_size])
-                for s in range(0, len(order), batch_size)]  # fmt: skip
+        return [
+            self.pad(ids, types, order[s : s + batch_size])
+            for s in range(0, len(order), batch_size)
+        ]
 
 
 def validate(request: RerankQuery) -> int:
@@ -149,8 +159,12 @@ class CeliScorer:
         with self._lock, torch.inference_mode():
             for k, batch in enumerate(batches):
                 deadline.check(f"rerank batch {k + 1}/{len(batches)}")
-                out = self.model(*(t.to(self.device) for t in (
-                    batch.input_ids, batch.attention_mask, batch.token_type_ids)))  # fmt: skip
+                out = self.model(
+                    *(
+                        t.to(self.device)
+                        for t in (batch.input_ids, batch.attention_mask, batch.token_type_ids)
+                    )
+                )
                 for name, values in (("s_m", out.s_m), ("s_l", out.s_l), ("score", out.score)):
                     terms[name][batch.rows] = values.float().cpu().numpy()
                 if self.metrics is not None:

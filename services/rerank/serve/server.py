@@ -61,8 +61,13 @@ async def start_rerank(settings: RerankSettings) -> Reranker:
         return [rerank_pb2.DESCRIPTOR.services_by_name["RerankService"].full_name]
 
     server, port = await create_server(settings, register, RpcMetrics.create(registry, "rerank"))
-    log.info("rerank serving on %s:%d (model %s, batch %d)", settings.host, port, scorer.name,
-             settings.batch_size)  # fmt: skip
+    log.info(
+        "rerank serving on %s:%d (model %s, batch %d)",
+        settings.host,
+        port,
+        scorer.name,
+        settings.batch_size,
+    )
     return Reranker(server, port, registry, scorer)
 
 

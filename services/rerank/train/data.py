@@ -29,8 +29,12 @@ def doc_embeddings(data: BeirData, embedder: object | None = None) -> np.ndarray
         return emb
     embedder = embedder or _embedder()
     texts = [data.docs[d] for d in data.doc_ids]
-    return np.concatenate([embedder.embed(texts[i : i + 64], "document")[0]  # type: ignore[attr-defined]
-                           for i in range(0, len(texts), 64)])  # fmt: skip
+    return np.concatenate(
+        [
+            embedder.embed(texts[i : i + 64], "document")[0]  # type: ignore[attr-defined]
+            for i in range(0, len(texts), 64)
+        ]
+    )
 
 
 def _embedder() -> object:
@@ -44,8 +48,16 @@ def dense_run(data: BeirData, qids: list[str], k: int = 100) -> dict[str, list[s
     embedder = _embedder()
     docs = doc_embeddings(data, embedder)
     texts = [data.queries[q] for q in qids]
-    vecs = np.concatenate([embedder.embed(texts[i : i + 64], "query")[0]  # type: ignore[attr-defined]
-                           for i in range(0, len(texts), 64)]) if texts else np.zeros((0, docs.shape[1]))  # noqa: E501  # fmt: skip
+    vecs = (
+        np.concatenate(
+            [
+                embedder.embed(texts[i : i + 64], "query")[0]  # type: ignore[attr-defined]
+                for i in range(0, len(texts), 64)
+            ]
+        )
+        if texts
+        else np.zeros((0, docs.shape[1]))
+    )
     sims = vecs @ docs.T
     k = min(k, docs.shape[0])
     top = np.argpartition(-sims, k - 1, axis=1)[:, :k]

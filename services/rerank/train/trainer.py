@@ -147,10 +147,15 @@ def _schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_sc
 
 def _celi_config(cfg: TrainConfig, backbone: Path, stats: dict[str, Any]) -> CeliConfig:
     return CeliConfig(
-        variant=cfg.variant, d_tok=cfg.d_tok, normalize=cfg.normalize,
-        max_query_len=cfg.max_query_len, max_len=cfg.max_len,
-        backbone=_backbone_name(backbone), trained=True, training=stats,
-    )  # fmt: skip
+        variant=cfg.variant,
+        d_tok=cfg.d_tok,
+        normalize=cfg.normalize,
+        max_query_len=cfg.max_query_len,
+        max_len=cfg.max_len,
+        backbone=_backbone_name(backbone),
+        trained=True,
+        training=stats,
+    )
 
 
 def _backbone_name(path: Path) -> str:
@@ -192,8 +197,13 @@ def train(cfg: TrainConfig) -> TrainResult:
     model.train()
     began = time.perf_counter()
     session = TrainingSession(cfg, model, tokenizer, opt, sched, ts, backbone_dir, losses, began)
-    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
-               desc=f"train {cfg.variant}", disable=not cfg.progress)  # fmt: skip
+    bar = tqdm(
+        range(start_step, cfg.steps),
+        initial=start_step,
+        total=cfg.steps,
+        desc=f"train {cfg.variant}",
+        disable=not cfg.progress,
+    )
     for step in bar:
         ids: list[list[int]] = []
         types: list[list[int]] = []
@@ -260,13 +270,27 @@ class TrainingSession:
             "step": step,
             "losses": losses,
         }
-        split = {"seed": cfg.seed, "dev_fraction": cfg.dev_fraction,
-                 "train": self.data.train_qids, "dev": self.data.dev_qids}  # fmt: skip
+        split = {
+            "seed": cfg.seed,
+            "dev_fraction": cfg.dev_fraction,
+            "train": self.data.train_qids,
+            "dev": self.data.dev_qids,
+        }
         config = _celi_config(cfg, self.backbone_dir, stats)
-        save_checkpoint(self.model, self.tokenizer, config, Path(cfg.out),
-                        {TRAINER_STATE: state, "split.json": split})  # fmt: skip
-        log.info("step %d/%d: checkpoint written to %s (loss %.4f)", step, cfg.steps, cfg.out,
-                 stats["loss_last_50"])  # fmt: skip
+        save_checkpoint(
+            self.model,
+            self.tokenizer,
+            config,
+            Path(cfg.out),
+            {TRAINER_STATE: state, "split.json": split},
+        )
+        log.info(
+            "step %d/%d: checkpoint written to %s (loss %.4f)",
+            step,
+            cfg.steps,
+            cfg.out,
+            stats["loss_last_50"],
+        )
 
 
 def _mean(values: list[float]) -> float:

@@ -29,6 +29,7 @@ made a SIGTERMed server overrun ``--exit-timeout-secs`` and exit 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -106,8 +107,9 @@ class TritonPythonModel:
         self.piece_rows = min(PIECE_ROWS, max(1, int(config.get("max_batch_size", 0)) or 64))
         self._ort, self._config, self._params, self._here = ort, config, params, here
         described = ("source_model", "dim", "profile", "digest")
-        self.description = json.dumps({"version": int(args["model_version"]),
-                                       **{k: params.get(k, "") for k in described}})  # fmt: skip
+        self.description = json.dumps(
+            {"version": int(args["model_version"]), **{k: params.get(k, "") for k in described}}
+        )
         # A rollout's CPU budget (docs/generations.md): a version published for a rollout
         # with --cpus runs there until the stack widens it again at the end.
         version_dir = os.path.normpath(here)
@@ -163,10 +165,9 @@ class TritonPythonModel:
         self._cpus = cpus
 
         def reopen() -> None:
-            try:
+            # keep serving with the sessions there are
+            with contextlib.suppress(Exception):
                 self.session, self.sessions = self._open()
-            except Exception:  # keep serving with the sessions there are
-                pass
 
         self._reopening = threading.Thread(target=reopen, name="reopen-sessions", daemon=True)
         self._reopening.start()
@@ -243,7 +244,7 @@ class TritonPythonModel:
                 tensors = [
                     pb_utils.Tensor("EMBEDDING", vectors[first : first + count]),
                     pb_utils.Tensor("TRUNCATED", truncated[first : first + count].reshape(-1, 1)),
-                ]  # fmt: skip
+                ]
                 if i in described:
                     tensors.append(self._describe(count))
                 responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)

@@ -34,8 +34,11 @@ def _plan_info(params: dict[str, str]) -> tuple[Any, Any] | None:
     precision = params.get("plan_precision")
     if not precision:
         return None
-    labels = {"precision": precision, "tensorrt_version": params.get("plan_tensorrt_version", ""),
-              "gpu": params.get("plan_gpu", "")}  # fmt: skip
+    labels = {
+        "precision": precision,
+        "tensorrt_version": params.get("plan_tensorrt_version", ""),
+        "gpu": params.get("plan_gpu", ""),
+    }
     if precision != "fp16":
         pb_utils.Logger.log_warn(
             f"the encoder serves a {precision} TensorRT plan (the FP16 one failed the parity "
@@ -74,9 +77,15 @@ class TritonPythonModel:
             except (BadRequest, TextError) as exc:
                 responses.append(error_response(str(exc), invalid=True))
                 continue
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("INPUT_IDS", batch.input_ids),
-                pb_utils.Tensor("ATTENTION_MASK", batch.attention_mask),
-                pb_utils.Tensor("TRUNCATED", batch.truncated.reshape(-1, 1).astype(np.bool_)),
-            ]))  # fmt: skip
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor("INPUT_IDS", batch.input_ids),
+                        pb_utils.Tensor("ATTENTION_MASK", batch.attention_mask),
+                        pb_utils.Tensor(
+                            "TRUNCATED", batch.truncated.reshape(-1, 1).astype(np.bool_)
+                        ),
+                    ]
+                )
+            )
         return responses
