@@ -49,7 +49,7 @@ from threadpoolctl import threadpool_limits
 
 from services.common import positions
 from services.corpus.beir import load_beir
-from services.eval.measures import score
+from services.measures.ranking import score
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert

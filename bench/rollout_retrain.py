@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from services.eval.config import EvalConfig
     from services.eval.data import load
     from services.eval.inprocess import build_shard, exact_run, shard_run
-    from services.eval.measures import score
+    from services.measures.ranking import score
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=SHARED / "scifact")

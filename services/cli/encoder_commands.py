@@ -79,7 +79,7 @@ def _embed(args: argparse.Namespace) -> int:
 
     from services.corpus.readers import read_corpus
     from services.encoder.model import TorchEmbedder
-    from services.eval.embeddings import encode_all
+    from services.encoder.embeddings import encode_all
 
     embedder = TorchEmbedder(_model_dir(args), threads=args.threads)
     docs = list(read_corpus(Path(args.corpus), limit=args.limit))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.eval.entropy import NEGATIVES, TEMPERATURE
+from services.measures.entropy import NEGATIVES, TEMPERATURE
 from services.index.core.train import TrainOptions
 
 DEPTH = 100  # hits per query: Recall@100 needs 100

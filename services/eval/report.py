@@ -9,9 +9,9 @@ import numpy as np
 
 from services.eval.config import EvalConfig
 from services.eval.data import EvalData
-from services.eval.entropy import contrastive_entropy
+from services.measures.entropy import contrastive_entropy
 from services.eval.inprocess import Systems
-from services.eval.measures import MEASURE_NAMES, paired_comparison, score
+from services.measures.ranking import MEASURE_NAMES, paired_comparison, score
 
 NO_CHECKPOINT = (
     "not measured: no --rerank-checkpoint given (an untrained CELI head ranks at random; "

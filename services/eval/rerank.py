@@ -13,7 +13,7 @@ For CELI the report also gives nDCG@10 of ``s_m`` alone and ``s_l`` alone, and
 ``untrained=True`` adds the untrained default head (the backbone's zero-shot MaxSim).
 ``vs_dense`` compares each reranker with the dense order query by query (wins,
 losses, mean difference, its bootstrap 95 % interval and the paired t-test). nDCG@10 is
-computed by ``ir-measures`` (:mod:`services.eval.measures`), as ``gtr-retrieval eval`` does.
+computed by ``ir-measures`` (:mod:`services.measures.ranking`), as ``gtr-retrieval eval`` does.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound
 from services.corpus.beir import BeirData, load_beir, split_queries
-from services.eval.measures import Run, paired_comparison, score
+from services.measures.ranking import Run, paired_comparison, score
 from services.rerank.checkpoint import CONFIG_FILE, CeliConfig, load_or_default
 from services.rerank.serve.scorer import CeliScorer
 from services.rerank.train.data import dense_run

@@ -1,6 +1,6 @@
 """Model size vs annotated data (Fang et al., "Scaling Laws for Dense Retrieval", SIGIR 2024).
 
-The paper fits the contrastive entropy ``L`` (:mod:`services.eval.entropy`) of a dense
+The paper fits the contrastive entropy ``L`` (:mod:`services.measures.entropy`) of a dense
 retriever with ``N`` non-embedding parameters trained on ``D`` annotated queries as
 
     L(N, D) = ((A / N)^(α/β) + B / D)^β + δ

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.eval.entropy import contrastive_entropy
-from services.eval.measures import paired_comparison, score
+from services.measures.entropy import contrastive_entropy
+from services.measures.ranking import paired_comparison, score
 
 
 def test_ndcg_recall_and_mrr_of_a_small_run() -> None:

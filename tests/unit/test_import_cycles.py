@@ -15,6 +15,11 @@ by name at run time (``importlib.import_module``, as ``services/cli/serve.py`` s
   ``from p import name`` points at ``p.name`` when that is a module, else at ``p``.
 
 A failure prints each cycle with the import line behind every edge.
+
+Between the *top-level* packages (``services.X``, every subpackage folded into its X) there
+is no cycle either, and the imports go down the layers of :data:`LAYERS` (issue #32). The
+only exceptions are the imports of :data:`KNOWN`, each tied to the files it may come from;
+an entry whose imports are gone fails too, so the list can only shrink.
 """
 
 from __future__ import annotations
@@ -275,3 +280,176 @@ def test_an_acyclic_tree_passes(tmp_path: Path) -> None:
     )
     assert package_cycles(tmp_path, "pkg") == []
     assert module_cycles(tmp_path, "pkg") == []
+
+
+# --- top-level packages: no cycle, and the layer order --------------------------------------
+
+# Bottom → top; a package imports from its own layer or lower ones only. ``measures`` has
+# nothing above ``common`` (ranking measures, contrastive entropy), so the encoder's training
+# and ``eval`` share it; ``generations`` is the package issue #32's other branch creates.
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"common"}),
+    frozenset({"corpus", "measures"}),
+    frozenset({"index", "encoder", "rerank"}),
+    frozenset({"eval", "client"}),
+    frozenset({"generations"}),
+    frozenset({"gateway"}),
+    frozenset({"plan", "stack", "cli"}),
+)
+
+
+@dataclass(frozen=True)
+class Known:
+    """A still-allowed import between two top-level packages, from ``files`` only (a path
+    relative to the repository; one ending in ``/`` is a folder)."""
+
+    files: tuple[str, ...]
+    why: str
+
+
+_GENERATIONS = "issue #32: the generations package (other branch) moves these files"
+KNOWN: dict[tuple[str, str], Known] = {
+    ("services.index", "services.gateway"): Known(("services/index/rollout/",), _GENERATIONS),
+    ("services.index", "services.encoder"): Known(("services/index/rollout/",), _GENERATIONS),
+    ("services.encoder", "services.index"): Known(
+        ("services/encoder/serve/versions.py",), _GENERATIONS
+    ),
+}
+
+
+def top_level(name: str, top: str) -> str:
+    """``services.index.core.shard`` → ``services.index``."""
+    return ".".join(name.split(".")[: len(top.split(".")) + 1])
+
+
+def _file_of(where: str) -> str:
+    return where.rpartition(":")[0]
+
+
+def _allowed(edge: tuple[str, str], where: str, known: Mapping[tuple[str, str], Known]) -> bool:
+    entry = known.get(edge)
+    if entry is None:
+        return False
+    path = _file_of(where)
+    return any(path == f or (f.endswith("/") and path.startswith(f)) for f in entry.files)
+
+
+def top_level_imports(root: Path, top: str = TOP) -> list[tuple[str, str, str]]:
+    """(from, to, where) of every import between two top-level packages of ``top``."""
+    _, found = _graph(root, top)
+    edges: list[tuple[str, str, str]] = []
+    for i in found:
+        a, b = top_level(i.source, top), top_level(i.target, top)
+        if a != b and top not in (a, b):
+            edges.append((a, b, i.where))
+    return edges
+
+
+def top_level_cycles(
+    root: Path, top: str = TOP, known: Mapping[tuple[str, str], Known] = KNOWN
+) -> list[Cycle]:
+    """Cycles between top-level packages, the imports of ``known`` left out."""
+    return cycles(e for e in top_level_imports(root, top) if not _allowed(e[:2], e[2], known))
+
+
+def layer_breaches(
+    root: Path,
+    top: str = TOP,
+    layers: tuple[frozenset[str], ...] = LAYERS,
+    known: Mapping[tuple[str, str], Known] = KNOWN,
+) -> list[str]:
+    """One line per import from a lower layer up to a higher one (``known`` left out), and
+    one per top-level package that has no layer."""
+    layer_of = {f"{top}.{name}": n for n, layer in enumerate(layers) for name in layer}
+    problems: list[str] = []
+    edges = top_level_imports(root, top)
+    for package in sorted({p for a, b, _ in edges for p in (a, b)} - set(layer_of)):
+        problems.append(f"{package} is in no layer: place it in LAYERS")
+    for a, b, where in edges:
+        upward = a in layer_of and b in layer_of and layer_of[a] < layer_of[b]
+        if upward and not _allowed((a, b), where, known):
+            problems.append(f"{a} (layer {layer_of[a]}) -> {b} (layer {layer_of[b]})  ({where})")
+    return list(dict.fromkeys(problems))  # one line per statement, not per name
+
+
+def stale_known(
+    root: Path, top: str = TOP, known: Mapping[tuple[str, str], Known] = KNOWN
+) -> list[str]:
+    """The entries of ``known`` that no import uses any more: to be removed."""
+    used = {e[:2] for e in top_level_imports(root, top) if _allowed(e[:2], e[2], known)}
+    return [
+        f"{a} -> {b} ({', '.join(k.files)})" for (a, b), k in known.items() if (a, b) not in used
+    ]
+
+
+def test_no_cycle_between_top_level_packages() -> None:
+    found = top_level_cycles(ROOT)
+    if found:
+        pytest.fail(
+            "import cycles between top-level packages of services/:\n" + describe(found),
+            pytrace=False,
+        )
+
+
+def test_top_level_packages_import_down_the_layers() -> None:
+    problems = layer_breaches(ROOT)
+    if problems:
+        pytest.fail(
+            "imports up the layers (LAYERS, bottom to top):\n" + "\n".join(problems),
+            pytrace=False,
+        )
+
+
+def test_the_known_imports_all_still_exist() -> None:
+    stale = stale_known(ROOT)
+    if stale:
+        pytest.fail("KNOWN entries no import needs any more:\n" + "\n".join(stale), pytrace=False)
+
+
+def test_a_cycle_through_subpackages_is_a_top_level_cycle(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a/__init__.py": "",
+            "pkg/a/deep/__init__.py": "",
+            "pkg/a/deep/m.py": "def f() -> None:\n    import pkg.b.n\n",
+            "pkg/b/__init__.py": "",
+            "pkg/b/n.py": "from pkg.a import other\n",
+            "pkg/a/other.py": "",
+        },
+    )
+    assert package_cycles(tmp_path, "pkg") == []  # pkg.a.deep, pkg.b and pkg.a: no cycle
+    assert describe(top_level_cycles(tmp_path, "pkg", {})) == (
+        "pkg.a -> pkg.b -> pkg.a\n"
+        "    pkg.a -> pkg.b  (pkg/a/deep/m.py:2)\n"
+        "    pkg.b -> pkg.a  (pkg/b/n.py:1)"
+    )
+    known = {("pkg.a", "pkg.b"): Known(("pkg/a/deep/",), "test")}
+    assert top_level_cycles(tmp_path, "pkg", known) == []
+    assert stale_known(tmp_path, "pkg", known) == []
+    elsewhere = {("pkg.a", "pkg.b"): Known(("pkg/a/other.py",), "test")}
+    assert len(top_level_cycles(tmp_path, "pkg", elsewhere)) == 1
+    assert stale_known(tmp_path, "pkg", elsewhere) == ["pkg.a -> pkg.b (pkg/a/other.py)"]
+
+
+def test_an_import_up_the_layers_is_a_breach(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low/__init__.py": "",
+            "pkg/low/x.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.high\n"
+            ),
+            "pkg/high/__init__.py": "from pkg.low import x\n",
+            "pkg/stray/__init__.py": "import pkg.low\n",
+        },
+    )
+    layers = (frozenset({"low"}), frozenset({"high"}))
+    assert layer_breaches(tmp_path, "pkg", layers, {}) == [
+        "pkg.stray is in no layer: place it in LAYERS",
+        "pkg.low (layer 0) -> pkg.high (layer 1)  (pkg/low/x.py:3)",
+    ]
+    known = {("pkg.low", "pkg.high"): Known(("pkg/low/x.py",), "test")}
+    assert layer_breaches(tmp_path, "pkg", (*layers, frozenset({"stray"})), known) == []

@@ -26,7 +26,7 @@ import numpy as np
 
 from services.common.errors import InvalidArgument
 from services.corpus.beir import BeirData, load_beir, split_queries
-from services.eval.embeddings import beside_corpus, cache_dir, embed_cached
+from services.encoder.embeddings import beside_corpus, cache_dir, embed_cached
 
 log = logging.getLogger(__name__)
 SPLIT = "train"

@@ -3,7 +3,7 @@
 Each system (the base checkpoint, or a checkpoint of ``encoder train``) is loaded per
 tower with :class:`~services.encoder.model.TorchEmbedder` — the serving code path, with
 the serving sequence limits — and its query and corpus vectors are cached by the
-weights' digest (:mod:`services.eval.embeddings`), so a second look costs seconds.
+weights' digest (:mod:`services.encoder.embeddings`), so a second look costs seconds.
 Measures: nDCG@10, Recall@100 and MRR@10 by ``ir-measures``; contrastive entropy (Fang
 et al. 2024) of the dev pairs; against the base model, the paired bootstrap 95 % interval
 of the per-query nDCG@10 difference.
@@ -32,9 +32,9 @@ from services.encoder.train.data import (
     exact_top,
 )
 from services.encoder.train.towers import tower_dirs
-from services.eval.embeddings import embed_cached
-from services.eval.entropy import NEGATIVES, TEMPERATURE, contrastive_entropy
-from services.eval.measures import Scores, score
+from services.encoder.embeddings import embed_cached
+from services.measures.entropy import NEGATIVES, TEMPERATURE, contrastive_entropy
+from services.measures.ranking import Scores, score
 
 log = logging.getLogger(__name__)
 DEPTH = 100
@@ -210,7 +210,7 @@ def compare(
     """
     from services.encoder.train.data import eval_corpus, load_training_data
     from services.encoder.train.manifest import read_manifest
-    from services.eval.measures import paired_comparison
+    from services.measures.ranking import paired_comparison
 
     if not checkpoints:
         raise InvalidArgument("give at least one --encoder checkpoint")

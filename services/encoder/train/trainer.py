@@ -67,7 +67,7 @@ from services.encoder.train.towers import (
     is_asymmetric,
     save_towers,
 )
-from services.eval.measures import score
+from services.measures.ranking import score
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.pt"

@@ -6,6 +6,9 @@ input side is a new file and a repeated run reads the old one in a second. For t
 documents, a ``corpus.<model>.npy`` beside the corpus (as in ``../shared/data/scifact``)
 is used when its row count matches; it is the same embedding of ``title + " " + text``.
 Encoding shows a progress bar (batches of 64, the in-process PyTorch model).
+
+It is the encoder's (it runs the encoder's model and knows its input kinds): the encoder's
+training and ``gtr-retrieval eval`` both use it, and eval sits above the encoder (issue #32).
 """
 
 from __future__ import annotations
