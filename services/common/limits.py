@@ -38,3 +38,7 @@ class Limits:
 
 
 LIMITS = Limits()
+
+# The name the router and the shard core check ``k`` against; here, not in the shard core,
+# so the gateway's router reads it without loading the shard (tantivy, the GPU code).
+MAX_K = LIMITS.max_k

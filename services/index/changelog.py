@@ -41,8 +41,7 @@ import numpy as np
 import redis
 
 from services.common import positions
-from services.index.core.changes import Change, Delete, Upsert
-from services.index.core.text import body_of
+from services.index.core.changes import Change, Delete, Upsert, body_of
 from services.index.keys import FIRST_GENERATION, GenerationKeys, Layout
 
 log = logging.getLogger(__name__)

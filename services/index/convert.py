@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from retrieval.v1 import common_pb2, index_pb2
@@ -14,8 +16,14 @@ from services.common.convert import (
 from services.common.errors import InvalidArgument, Unavailable
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
-from services.index.core.stats import ReplicaStats
-from services.index.core.transfer import FileInfo, Offer
+
+if TYPE_CHECKING:
+    # The stats and the snapshot transfer are a shard's: they import the shard core and
+    # tantivy, which the gateway, a user of this module through its router, never loads
+    # (tests/unit/test_gateway_imports.py). Only annotations name them here, and
+    # files_from_pb imports FileInfo where a shard calls it.
+    from services.index.core.stats import ReplicaStats
+    from services.index.core.transfer import FileInfo, Offer
 
 
 def _f32(a: np.ndarray) -> bytes:
@@ -189,6 +197,8 @@ def offer_to_pb(offer: Offer) -> index_pb2.SnapshotChunk:
 
 
 def files_from_pb(first: index_pb2.SnapshotChunk) -> list[FileInfo]:
+    from services.index.core.transfer import FileInfo
+
     return [FileInfo(f.name, f.size, f.sha256, f.index) for f in first.files]
 
 

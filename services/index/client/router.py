@@ -59,6 +59,7 @@ from services.common.errors import (
     RetrievalError,
     Unavailable,
 )
+from services.common.limits import MAX_K
 from services.common.tls import ClientTLS
 from services.index import convert
 from services.index.client.replicas import HedgePolicy, Replica, ReplicaSet
@@ -71,7 +72,6 @@ from services.index.core.query import (
     ShardAnswer,
     TopK,
 )
-from services.index.core.shard import MAX_K
 
 log = logging.getLogger(__name__)
 

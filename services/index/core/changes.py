@@ -23,3 +23,10 @@ class Delete:
 
 
 Change = Upsert | Delete
+
+
+def body_of(title: str, text: str) -> str:
+    """What the text index indexes of a document (:attr:`Upsert.body`). Here, not in the text
+    index's module, because the change-log writer builds it in the gateway, which never
+    loads tantivy."""
+    return f"{title} {text}" if title else text

@@ -108,10 +108,6 @@ def tag_term(key: str, value: str) -> str:
     return f"{key}\x1f{value}"
 
 
-def body_of(title: str, text: str) -> str:
-    return f"{title} {text}" if title else text
-
-
 @dataclass(frozen=True)
 class TextConfig:
     """Where a shard keeps its text index (working directories under ``root``) and how
