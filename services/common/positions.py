@@ -1,13 +1,31 @@
-"""Log positions: Redis Stream entry IDs ("<ms>-<seq>"), compared as (ms, seq)."""
+"""Log positions: Redis Stream entry IDs ("<ms>-<seq>"), compared as (ms, seq).
+
+On the wire and in Redis a position is its string; inside a process that compares it
+more than once (a shard's SESSION search: the applied position, the log end, each waiter)
+it is a :class:`Position`, parsed once where it comes in (issue #32). The string helpers
+below (:func:`at_least`, :func:`newest`, :func:`compare`, …) stay for the code that
+compares a position once or keeps the strings (the write tokens, the rollout): each call
+parses its arguments again.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from services.common.domain import WriteToken
 from services.common.errors import InvalidArgument
 
-__all__ = ["ZERO", "WriteToken", "at_least", "compare", "covers", "merge_tokens", "parse"]
+__all__ = [
+    "ZERO",
+    "Position",
+    "WriteToken",
+    "at_least",
+    "compare",
+    "covers",
+    "merge_tokens",
+    "parse",
+]
 
 ZERO = "0-0"
 
@@ -32,6 +50,34 @@ def parse(position: str) -> tuple[int, int]:
     if ms > _U64_MAX or seq > _U64_MAX:
         raise InvalidArgument(f"log position {position!r}: a part exceeds 2^64-1")
     return ms, seq
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Position:
+    """A parsed stream ID; ordered as the stream orders its entries (``ms``, then ``seq``).
+
+    ``str(Position.parse(x)) == x`` for every valid ``x`` (digits without leading zeros,
+    as Redis writes them), so a position goes back on the wire unchanged.
+    """
+
+    ms: int
+    seq: int
+
+    @classmethod
+    def parse(cls, position: str) -> Position:
+        """InvalidArgument when ``position`` is not ``"<ms>-<seq>"`` (see :func:`parse`)."""
+        return cls(*parse(position))
+
+    @classmethod
+    def of(cls, position: Position | str) -> Position:
+        """``position`` itself, or parsed: for callers that may hold either."""
+        return position if isinstance(position, Position) else cls.parse(position)
+
+    def __str__(self) -> str:
+        return f"{self.ms}-{self.seq}"
+
+
+ZERO_POSITION = Position(0, 0)
 
 
 def at_least(applied: str, wanted: str) -> bool:

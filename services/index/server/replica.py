@@ -32,6 +32,7 @@ from services.common.errors import (
     InvalidArgument,
     Unavailable,
 )
+from services.common.positions import ZERO_POSITION, Position
 from services.common.redis_client import async_client, sync_client
 from services.index.changelog import LogReader, decode_entry, text
 from services.index.core.changes import Change, Upsert
@@ -73,7 +74,7 @@ class ShardReplica:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[tuple[str, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[Position, asyncio.Future[None]]] = []
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._last_heartbeat = time.monotonic()
@@ -86,9 +87,11 @@ class ShardReplica:
         self._read_log_end = self._async.register_script(_LOG_END)
         # The newest log end read so far: it only grows (a stream's last-generated-id
         # never goes back), so a position at or below it needs no read.
-        self.known_written = positions.ZERO
+        self.known_written = ZERO_POSITION
         self._end_reads = 0  # log-end reads started so far
-        self._end_read: tuple[int, asyncio.Task[str]] | None = None  # the newest of them
+        self._end_read: tuple[int, asyncio.Task[Position]] | None = None  # the newest of them
+        # shard.applied (a string, the shard core's) and its parse, redone only when it moves
+        self._applied: tuple[str, Position] = ("", ZERO_POSITION)
 
     @property
     def key(self) -> str:
@@ -308,21 +311,34 @@ class ShardReplica:
         return positions.oldest(self.snapshot_position, *kept)
 
     # --- waiting for positions (event loop side) -----------------------------------------
+    # Typed positions here: a SESSION search's position is parsed once (ShardService.search),
+    # the applied one once per applied batch, and every comparison is of two Positions.
+
+    def applied_position(self) -> Position:
+        """``shard.applied`` parsed, from a cache kept while it does not move."""
+        applied = self.shard.applied
+        cached, parsed = self._applied
+        if applied is not cached and applied != cached:
+            parsed = Position.parse(applied)
+            self._applied = (applied, parsed)
+        return parsed
 
     def _wake_waiters(self) -> None:
         still = []
+        applied = self.applied_position()
         for wanted, future in self._waiters:
             if future.done():
                 continue
-            if positions.at_least(self.shard.applied, wanted):
+            if applied >= wanted:
                 future.set_result(None)
             else:
                 still.append((wanted, future))
         self._waiters = still
 
-    async def wait_for(self, wanted: str, timeout: float | None) -> None:
+    async def wait_for(self, wanted: Position | str, timeout: float | None) -> None:
         """Return once ``wanted`` is applied; DeadlineExceeded when ``timeout`` runs out."""
-        if positions.at_least(self.shard.applied, wanted):
+        wanted = Position.of(wanted)
+        if self.applied_position() >= wanted:
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((wanted, future))
@@ -334,7 +350,7 @@ class ShardReplica:
                 f"shard {self.config.shard} has applied {self.shard.applied}, not yet {wanted}"
             ) from None
 
-    async def check_written(self, wanted: str, timeout: float | None) -> None:
+    async def check_written(self, wanted: Position | str, timeout: float | None) -> None:
         """InvalidArgument when ``wanted`` (a SESSION token's position for this shard) is
         past the newest position ever written to the shard's log (its stream's
         last-generated-id): a token of another store, or a forged one, that no wait could
@@ -349,22 +365,21 @@ class ShardReplica:
         longer knows, and that search waits until its deadline, as it did before this
         check existed. When Redis cannot tell (down, slow), nothing is decided here: the
         wait that follows needs Redis too and ends with the deadline as before."""
-        if positions.at_least(self.shard.applied, wanted) or positions.at_least(
-            self.known_written, wanted
-        ):
+        wanted = Position.of(wanted)
+        if self.applied_position() >= wanted or self.known_written >= wanted:
             return
         try:
             last = await asyncio.wait_for(self.log_end(enough=wanted), timeout)
         except (TimeoutError, Unavailable):
             return
-        if positions.compare(wanted, last) > 0:
+        if wanted > last:
             raise InvalidArgument(
                 f"write_token: position {wanted} of shard {self.config.shard} is past the end "
                 f"of its log (the newest written is {last}): a token of another store, a "
                 "forged one, or one of a write lost when Redis failed over"
             )
 
-    async def log_end(self, enough: str | None = None) -> str:
+    async def log_end(self, enough: Position | None = None) -> Position:
         """The newest position ever written to this shard's log, from a read that started
         after this call (so it sees every write acknowledged before the call), or, with
         ``enough``, the end already known once it reaches ``enough``. Calls that come
@@ -377,7 +392,7 @@ class ShardReplica:
                 return await asyncio.shield(current[1])
             if current is not None and not current[1].done():
                 await asyncio.wait([current[1]])  # started before this call: not enough
-                if enough is not None and positions.at_least(self.known_written, enough):
+                if enough is not None and self.known_written >= enough:
                     return self.known_written
                 continue
             self._end_reads += 1
@@ -385,12 +400,12 @@ class ShardReplica:
             task.add_done_callback(_retrieve)
             self._end_read = (self._end_reads, task)
 
-    async def _fetch_log_end(self) -> str:
+    async def _fetch_log_end(self) -> Position:
         try:
-            end = text(await self._read_log_end(keys=[self.key]))
+            end = Position.parse(text(await self._read_log_end(keys=[self.key])))
         except (redis.RedisError, RedisClusterException) as exc:
             raise Unavailable(f"reading the log end of shard {self.config.shard}: {exc}") from exc
-        self.known_written = positions.newest(self.known_written, end)
+        self.known_written = max(self.known_written, end)
         return end
 
     async def tail(self) -> str:
@@ -425,7 +440,7 @@ def claim_snapshot_folder(directory: Path, generation: str) -> None:
         marker.write_text(generation + "\n")
 
 
-def _retrieve(task: asyncio.Task[str]) -> None:
+def _retrieve(task: asyncio.Task[Position]) -> None:
     """Mark a shared read's failure as seen: every caller may have stopped waiting."""
     if not task.cancelled():
         task.exception()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common import positions
 from services.common.deadline import Deadline
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.limits import LIMITS
+from services.common.positions import Position
 from services.index.core.query import Consistency, DenseQuery, ShardAnswer, ShardQuery, TopK
 from services.index.core.shard import ShardStats, VectorExport
 from services.index.core.stats import ReplicaStats
@@ -48,9 +48,11 @@ class ShardService:
         )
         terms, unavailable = self._sparse_terms(query, dense)
         if query.consistency is Consistency.SESSION and query.min_position:
-            positions.parse(query.min_position)
-            await self.replica.check_written(query.min_position, deadline.remaining())
-            await self.replica.wait_for(query.min_position, deadline.remaining())
+            # Parsed once, here where the request enters the shard: the waits compare
+            # Positions (InvalidArgument for a malformed one, before any wait).
+            wanted = Position.parse(query.min_position)
+            await self.replica.check_written(wanted, deadline.remaining())
+            await self.replica.wait_for(wanted, deadline.remaining())
         elif query.consistency is Consistency.STRONG:
             await self.replica.wait_for(await self.replica.tail(), deadline.remaining())
         deadline.check("the search")
