@@ -49,7 +49,6 @@ from threadpoolctl import threadpool_limits
 
 from services.common import positions
 from services.corpus.beir import load_beir
-from services.measures.ranking import score
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
@@ -57,6 +56,7 @@ from services.index.core.query import IndexQuery
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainOptions, train_index
 from services.index.core.trained import TrainedIndex
+from services.measures.ranking import score
 from tests.support.processes import run_redis
 from tests.support.shards import ShardCluster, run_shards
 

@@ -78,8 +78,8 @@ def _embed(args: argparse.Namespace) -> int:
     import numpy as np
 
     from services.corpus.readers import read_corpus
-    from services.encoder.model import TorchEmbedder
     from services.encoder.embeddings import encode_all
+    from services.encoder.model import TorchEmbedder
 
     embedder = TorchEmbedder(_model_dir(args), threads=args.threads)
     docs = list(read_corpus(Path(args.corpus), limit=args.limit))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.measures.entropy import NEGATIVES, TEMPERATURE
 from services.index.core.train import TrainOptions
+from services.measures.entropy import NEGATIVES, TEMPERATURE
 
 DEPTH = 100  # hits per query: Recall@100 needs 100
 RERANK_DEPTH = 20  # first-stage candidates the reranker re-orders

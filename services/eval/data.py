@@ -9,9 +9,9 @@ import numpy as np
 
 from services.common.errors import InvalidArgument
 from services.corpus.beir import BeirData, load_beir
+from services.encoder.embeddings import Encode, beside_corpus, embed_cached, torch_encoder
 from services.encoder.profiles import Kind
 from services.eval.config import EvalConfig
-from services.encoder.embeddings import Encode, beside_corpus, embed_cached, torch_encoder
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import numpy as np
 
 from services.eval.config import EvalConfig
 from services.eval.data import EvalData
-from services.measures.entropy import contrastive_entropy
 from services.eval.inprocess import Systems
+from services.measures.entropy import contrastive_entropy
 from services.measures.ranking import MEASURE_NAMES, paired_comparison, score
 
 NO_CHECKPOINT = (

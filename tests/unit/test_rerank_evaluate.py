@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.measures.ranking import paired_comparison
 from services.eval.rerank import TERMS, rerank_runs
+from services.measures.ranking import paired_comparison
 from services.rerank.serve.scorer import CeliScorer
 from tests.support.rerank import tiny_scorer
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import InvalidArgument
+from services.encoder.embeddings import embed_cached
 from services.encoder.train.data import (
     LazyEncoder,
     TrainingData,
@@ -32,7 +33,6 @@ from services.encoder.train.data import (
     exact_top,
 )
 from services.encoder.train.towers import tower_dirs
-from services.encoder.embeddings import embed_cached
 from services.measures.entropy import NEGATIVES, TEMPERATURE, contrastive_entropy
 from services.measures.ranking import Scores, score
 
