@@ -1,12 +1,13 @@
 """The gateway process loads what it uses: not the shard core, not the text index.
 
-A fresh interpreter imports the gateway's server and the index clients it builds at start
-(the router, the change-log writer, the document and log-tail readers, imported inside
-``build`` of ``services/gateway/server.py``), then lists its modules. The shard core
-(``services.index.core.shard``: the GPU code, the slots, the trained index) and the text
-index (``services.index.core.text`` and tantivy) serve shards only; a gateway that loads
-them pays their import time and memory in every replica for nothing. faiss stays: the
-router's shared coarse quantizer uses it (docs/architecture.md).
+A fresh interpreter imports the gateway's server and what its start imports inside its
+functions (``services/gateway/server.py``: the Triton encoder, the store connection and
+layout check, the router, the change-log writer, the document and log-tail readers), then
+lists its modules. The shard core (``services.index.core.shard``: the GPU code, the slots,
+the trained index) and the text index (``services.index.core.text`` and tantivy) serve
+shards only; a gateway that loads them pays their import time and memory in every replica
+for nothing. faiss stays: the router's shared coarse quantizer uses it
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 GATEWAY = (
     "services.gateway.server",
+    "services.encoder.runtime.triton_client",
+    "services.index.client.connection",
     "services.index.client.router",
     "services.index.client.writer",
     "services.index.client.documents",
     "services.index.client.tails",
+    "services.index.layout",
 )
 NOT_IN_THE_GATEWAY = ("tantivy", "services.index.core.shard", "services.index.core.text")
 
