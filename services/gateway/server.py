@@ -31,6 +31,7 @@ from services.common.server import Admission, Server, create_server, serve_start
 from services.common.settings import load_settings
 from services.common.slo import slo_for
 from services.encoder.base import Encoder
+from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader
 from services.gateway.metrics import (
     GatewayMetrics,
@@ -38,7 +39,7 @@ from services.gateway.metrics import (
     QueryCacheMetrics,
     ServingEvents,
 )
-from services.gateway.pipeline import DocumentPipeline, SearchPipeline
+from services.gateway.pipeline import SearchPipeline
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer, admission_cost
