@@ -197,7 +197,7 @@ def test_a_replica_seeds_from_its_peer_over_mutual_tls(
                 snapshot_every_s=3600.0,
                 search_threads=0,
                 grace_seconds=0.5,
-                **server,
+                **server,  # type: ignore[arg-type]
                 **more,  # type: ignore[arg-type]
             )
 

@@ -48,9 +48,9 @@ def config(beir: Path, base: Path, out: Path, arch: str, **kw: object) -> TrainC
     cfg = TrainConfig(
         data_dir=beir,
         out=out,
-        arch=arch,
+        arch=arch,  # type: ignore[arg-type]
         base=base,
-        batch_size=4,  # type: ignore[arg-type]
+        batch_size=4,
         max_doc_len=32,
         eval_every=2,
         progress=False,

@@ -46,10 +46,10 @@ def _model(
     tiny_dir: Path, variant: str = "celi", d_tok: int = 8, max_len: int = 40, normalize: bool = True
 ):
     cfg = CeliConfig(
-        variant=variant,
+        variant=variant,  # type: ignore[arg-type]
         d_tok=d_tok,
         max_len=max_len,
-        max_query_len=8,  # type: ignore[arg-type]
+        max_query_len=8,
         normalize=normalize,
     )
     model, tok = build_model(tiny_dir, cfg, seed=1)
