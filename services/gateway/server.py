@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -48,6 +48,9 @@ from services.gateway.settings import GatewaySettings, parse_shard_addresses
 from services.index.core import coarse
 from services.index.generations import EncoderSpec, Generation
 from services.rerank.depths import depth_table
+
+if TYPE_CHECKING:
+    from services.index.client.connection import StoreConnection
 
 log = logging.getLogger(__name__)
 
@@ -281,26 +284,11 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    from services.index.client.connection import StoreConnection
-    from services.index.layout import check_layout_at
-
     registry = CollectorRegistry()
     authenticator = settings.authenticator()
     tls = settings.client_tls()
     encoder = await build_encoder(settings)
-    num_shards = await asyncio.to_thread(base_shard_count, settings)  # generation g1's
-    store = StoreConnection(
-        settings.redis_url,
-        num_shards=num_shards,
-        max_connections=settings.redis_max_connections,
-        pool_timeout_s=settings.redis_pool_timeout_s,
-        read_retry_s=settings.redis_read_retry_s,
-    )
-    # Refuse to serve a store of another key layout or shard count (says what to do).
-    await asyncio.to_thread(check_layout_at, settings.redis_url, num_shards)
-    await asyncio.to_thread(
-        record_first_generation, settings.redis_url, num_shards, encoder_spec(settings, encoder)
-    )
+    store, num_shards = await _open_store(settings, encoder)
     generation_metrics = GenerationMetrics.create(registry)
     metrics = _gateway_metrics(settings, registry, encoder)
     source = GenerationSource(
@@ -357,6 +345,28 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     )
     _log_serving(settings, port, serving, tls, authenticated=authenticator is not None)
     return Gateway(server, port, registry, closers)
+
+
+async def _open_store(settings: GatewaySettings, encoder: Encoder) -> tuple[StoreConnection, int]:
+    """The store's connection and generation g1's shard count; refuses a store of another
+    key layout or shard count (saying what to do) and records g1 on first use."""
+    from services.index.client.connection import StoreConnection
+    from services.index.layout import check_layout_at
+
+    num_shards = await asyncio.to_thread(base_shard_count, settings)  # generation g1's
+    store = StoreConnection(
+        settings.redis_url,
+        num_shards=num_shards,
+        max_connections=settings.redis_max_connections,
+        pool_timeout_s=settings.redis_pool_timeout_s,
+        read_retry_s=settings.redis_read_retry_s,
+    )
+    # Refuse to serve a store of another key layout or shard count (says what to do).
+    await asyncio.to_thread(check_layout_at, settings.redis_url, num_shards)
+    await asyncio.to_thread(
+        record_first_generation, settings.redis_url, num_shards, encoder_spec(settings, encoder)
+    )
+    return store, num_shards
 
 
 def _gateway_metrics(
