@@ -1,0 +1,23 @@
+"""The gateway: the public API in front of the encoder, the index shards and the reranker.
+
+Package map:
+
+- ``server``: the process; wires encoder, shard router, document store and reranker.
+- ``settings``: its configuration (env vars ``GTR_GATEWAY_<FIELD>`` or flags).
+- ``servicer``: the public gRPC servicers (proto → domain → pipeline → proto).
+- ``convert``: protobuf ↔ domain conversions.
+- ``domain``: the requests and results the pipelines work with, free of protobuf.
+- ``validation``: public request checks, with messages that name the field and rule.
+- ``pipeline``: the search core, running a query through the stages below.
+- ``budget``: the time each search stage gets, and the bounded wait.
+- ``embedding``: the query embeddings (encoder call, query-embedding cache).
+- ``first_stage``: dense, sparse or hybrid (fused) first stage; the index calls.
+- ``reranking``: the rerank depth for the time left, and the reranked answer.
+- ``document_pipeline``: the writes (encode → log) and reads of documents.
+- ``texts``: what of a document the encoder gets.
+- ``query_cache``: query embeddings kept in Redis.
+- ``generations``: which index generation answers a request.
+- ``ports``: the protocols the pipelines reach the other stages through.
+- ``rerank_client``: the client of the internal RerankService.
+- ``metrics``: gateway metrics.
+"""

@@ -12,10 +12,10 @@ import asyncio
 import gc
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -30,15 +30,17 @@ from services.common.redis_client import async_client, parse_redis_url
 from services.common.server import Admission, Server, create_server, serve_started
 from services.common.settings import load_settings
 from services.common.slo import slo_for
+from services.common.tls import ClientTLS
 from services.encoder.base import Encoder
-from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader
+from services.gateway.document_pipeline import DocumentPipeline
+from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader, Serving
 from services.gateway.metrics import (
     GatewayMetrics,
     GenerationMetrics,
     QueryCacheMetrics,
     ServingEvents,
 )
-from services.gateway.pipeline import DocumentPipeline, SearchPipeline
+from services.gateway.pipeline import SearchPipeline
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer, admission_cost
@@ -46,6 +48,9 @@ from services.gateway.settings import GatewaySettings, parse_shard_addresses
 from services.index.core import coarse
 from services.index.generations import EncoderSpec, Generation
 from services.rerank.depths import depth_table
+
+if TYPE_CHECKING:
+    from services.index.client.connection import StoreConnection
 
 log = logging.getLogger(__name__)
 
@@ -279,35 +284,13 @@ class Gateway:
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    from services.index.client.connection import StoreConnection
-    from services.index.layout import check_layout_at
-
     registry = CollectorRegistry()
     authenticator = settings.authenticator()
     tls = settings.client_tls()
     encoder = await build_encoder(settings)
-    num_shards = await asyncio.to_thread(base_shard_count, settings)  # generation g1's
-    store = StoreConnection(
-        settings.redis_url,
-        num_shards=num_shards,
-        max_connections=settings.redis_max_connections,
-        pool_timeout_s=settings.redis_pool_timeout_s,
-        read_retry_s=settings.redis_read_retry_s,
-    )
-    # Refuse to serve a store of another key layout or shard count (says what to do).
-    await asyncio.to_thread(check_layout_at, settings.redis_url, num_shards)
-    await asyncio.to_thread(
-        record_first_generation, settings.redis_url, num_shards, encoder_spec(settings, encoder)
-    )
+    store, num_shards = await _open_store(settings, encoder)
     generation_metrics = GenerationMetrics.create(registry)
-    metrics = GatewayMetrics.create(
-        registry,
-        encoder.model_name,
-        settings.encoder_size,
-        slo_for(settings.encoder_size),
-        rerank=bool(settings.rerank_url),
-        triton=settings.encoder == "triton",
-    )
+    metrics = _gateway_metrics(settings, registry, encoder)
     source = GenerationSource(
         RedisAliasReader(store.redis),
         GenerationParts(settings, store, num_shards, encoder),
@@ -325,22 +308,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         if settings.rerank_url
         else None
     )
-    query_cache = (
-        QueryEmbeddingCache(
-            settings.query_cache_redis_url or settings.redis_url,
-            model=encoder.model_name,
-            size=settings.encoder_size,
-            dim=encoder.dim,
-            ttl_s=settings.query_cache_ttl_s,
-            max_entries=settings.query_cache_max_entries,
-            timeout_s=settings.query_cache_timeout_ms / 1000.0,
-            lowercase=settings.query_cache_lowercase,
-            max_connections=settings.redis_max_connections,
-            metrics=QueryCacheMetrics.create(registry),
-        )
-        if settings.query_cache
-        else None
-    )
+    query_cache = _query_cache(settings, encoder, registry)
     admission = Admission(
         settings.max_in_flight,
         settings.retry_after_ms,
@@ -361,20 +329,9 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         default_timeout_s=settings.default_timeout_s,
         on_moved=generation_metrics.moved_writes.inc,
     )
-
-    def register(server: grpc.aio.Server) -> Sequence[str]:
-        search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(search), server)
-        documents_pb2_grpc.add_DocumentServiceServicer_to_server(
-            DocumentServicer(documents), server
-        )
-        return [
-            search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
-            documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name,
-        ]
-
     server, port = await create_server(
         settings,
-        register,
+        _registrar(search, documents),
         RpcMetrics.create(registry, "gateway"),
         admission,
         interceptors=[AuthInterceptor(authenticator)] if authenticator else [],
@@ -386,6 +343,91 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         settings.health_interval_s,
         f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})",
     )
+    _log_serving(settings, port, serving, tls, authenticated=authenticator is not None)
+    return Gateway(server, port, registry, closers)
+
+
+async def _open_store(settings: GatewaySettings, encoder: Encoder) -> tuple[StoreConnection, int]:
+    """The store's connection and generation g1's shard count; refuses a store of another
+    key layout or shard count (saying what to do) and records g1 on first use."""
+    from services.index.client.connection import StoreConnection
+    from services.index.layout import check_layout_at
+
+    num_shards = await asyncio.to_thread(base_shard_count, settings)  # generation g1's
+    store = StoreConnection(
+        settings.redis_url,
+        num_shards=num_shards,
+        max_connections=settings.redis_max_connections,
+        pool_timeout_s=settings.redis_pool_timeout_s,
+        read_retry_s=settings.redis_read_retry_s,
+    )
+    # Refuse to serve a store of another key layout or shard count (says what to do).
+    await asyncio.to_thread(check_layout_at, settings.redis_url, num_shards)
+    await asyncio.to_thread(
+        record_first_generation, settings.redis_url, num_shards, encoder_spec(settings, encoder)
+    )
+    return store, num_shards
+
+
+def _gateway_metrics(
+    settings: GatewaySettings, registry: CollectorRegistry, encoder: Encoder
+) -> GatewayMetrics:
+    return GatewayMetrics.create(
+        registry,
+        encoder.model_name,
+        settings.encoder_size,
+        slo_for(settings.encoder_size),
+        rerank=bool(settings.rerank_url),
+        triton=settings.encoder == "triton",
+    )
+
+
+def _query_cache(
+    settings: GatewaySettings, encoder: Encoder, registry: CollectorRegistry
+) -> QueryEmbeddingCache | None:
+    """The query-embedding cache of ``--query-cache``; None when it is off."""
+    if not settings.query_cache:
+        return None
+    return QueryEmbeddingCache(
+        settings.query_cache_redis_url or settings.redis_url,
+        model=encoder.model_name,
+        size=settings.encoder_size,
+        dim=encoder.dim,
+        ttl_s=settings.query_cache_ttl_s,
+        max_entries=settings.query_cache_max_entries,
+        timeout_s=settings.query_cache_timeout_ms / 1000.0,
+        lowercase=settings.query_cache_lowercase,
+        max_connections=settings.redis_max_connections,
+        metrics=QueryCacheMetrics.create(registry),
+    )
+
+
+def _registrar(
+    search: SearchPipeline, documents: DocumentPipeline
+) -> Callable[[grpc.aio.Server], Sequence[str]]:
+    """What adds the public services to the server (their names for reflection/health)."""
+
+    def register(server: grpc.aio.Server) -> Sequence[str]:
+        search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(search), server)
+        documents_pb2_grpc.add_DocumentServiceServicer_to_server(
+            DocumentServicer(documents), server
+        )
+        return [
+            search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
+            documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name,
+        ]
+
+    return register
+
+
+def _log_serving(
+    settings: GatewaySettings,
+    port: int,
+    serving: Serving,
+    tls: ClientTLS | None,
+    *,
+    authenticated: bool,
+) -> None:
     log.info(
         "gateway serving on %s:%d (generation %s: model %s, %d shards; rerank %s; auth %s; "
         "TLS %s; TLS to shards, rerank and Triton %s)",
@@ -395,11 +437,10 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         serving.bundle.encoder.model_name,
         serving.bundle.index.num_shards,
         settings.rerank_url or "off",
-        "on (bearer tokens)" if authenticator else "OFF (--no-auth: every client may write)",
+        "on (bearer tokens)" if authenticated else "OFF (--no-auth: every client may write)",
         _tls_said(settings.server_tls() is not None, settings.tls_client_ca is not None),
         _tls_said(tls is not None, settings.tls_client_cert is not None),
     )
-    return Gateway(server, port, registry, closers)
 
 
 def _tls_said(on: bool, mutual: bool) -> str:

@@ -8,7 +8,8 @@ import grpc
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.gateway import convert
-from services.gateway.pipeline import DocumentPipeline, SearchPipeline
+from services.gateway.document_pipeline import DocumentPipeline
+from services.gateway.pipeline import SearchPipeline
 
 # A search takes one unit of the in-flight limit per this many hits it may return or
 # rerank (k or the rerank depth, summed over a batch): k <= 25 takes one, k = 100 four,

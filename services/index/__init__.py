@@ -1,15 +1,18 @@
 """The index: sharded FAISS IVF-PQ over a Redis change log, in four roles.
 
 ``core/``
-    the shard itself, no grpc: IVF-PQ + SQ8 refine (``shard``), FAISS id → slot
-    (``slots``), snapshots, training, the shared coarse quantizer, the changes a log
-    entry carries, the search request and its answer grid (``query``).
+    the shard itself, no grpc: IVF-PQ + SQ8 refine (``shard``; its preassigned scan and
+    refine: ``scan``; its metadata tags: ``tags``; its PQ drift window: ``pq_drift``),
+    FAISS id → slot (``slots``), snapshots and the shard's state codec (``snapshots``),
+    training, the shared coarse quantizer, the changes a log entry carries, the search
+    request and its answer grid (``query``).
 ``server/``
     a replica process of one shard: the log consumer (``replica``), micro-batched
     searches (``batcher``), consistency waits (``service``), the gRPC servicer and the
     process (``process``, run by ``gtr-retrieval index serve``).
 ``client/``
-    what the gateway uses: the router (fan-out, merge, coalescing), a shard's replicas
+    what the gateway uses: the router (fan-out: ``router``; merge: ``merge``;
+    coalescing: ``coalescer``), a shard's replicas
     (failover, hedging), the search stream, the change-log writer, the readers of the
     stored documents and of the logs' tails, and the Redis connection those three share.
 ``changelog``, ``convert``

@@ -109,15 +109,45 @@ def rerank_ms(m: Measured, depth: int) -> float:
     return v_last * depth / d_last
 
 
-def plan(inp: PlanInput, m: Measured) -> Plan:
-    inp.check()
-    prof: ModelProfile = get_profile(inp.model)
-    out = Plan()
-    src_prof = f"services/encoder/profiles.py: {prof.name} ({prof.slo_source})"
-    dim = prof.dim
-    util = inp.utilisation
+@dataclass(frozen=True)
+class _Case:
+    """What every section of a plan reads: the inputs, the measurements, the size profile.
+    A section reads the figures of the sections before it from the plan's lines."""
 
-    # --- memory of the index ---------------------------------------------------------
+    inp: PlanInput
+    m: Measured
+    prof: ModelProfile
+
+    @property
+    def profile_source(self) -> str:
+        return f"services/encoder/profiles.py: {self.prof.name} ({self.prof.slo_source})"
+
+
+def plan(inp: PlanInput, m: Measured) -> Plan:
+    """The lines of a deployment's plan, section by section (see the module docstring)."""
+    inp.check()
+    case = _Case(inp, m, get_profile(inp.model))
+    out = Plan()
+    for section in (
+        _index_memory,
+        _latency_budget,
+        _shards,
+        _replicas,
+        _text_index,
+        _encoder,
+        _rerank_gateway_redis,
+    ):
+        section(out, case)
+    cores = sum(out[n] for n in ("index cores", "encoder cores", "rerank cores", "gateway cores"))
+    out.add("CPU cores, total", cores, "cores", "index + encoder + rerank + gateway")
+    return out
+
+
+def _index_memory(out: Plan, case: _Case) -> None:
+    """The index's bytes per vector and its memory, one copy."""
+    inp, m, prof = case.inp, case.m, case.prof
+    dim = prof.dim
+    src_prof = case.profile_source
     bpv = out.add(
         "index bytes per vector",
         index_bytes_per_vector(m, dim),
@@ -127,7 +157,7 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
         m.bytes_per_vector.source,
         src_prof,
     )
-    index_gib = out.add(
+    out.add(
         "index memory, one copy",
         inp.docs * bpv * inp.memory_headroom / GIB,
         "GiB",
@@ -135,7 +165,11 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
         "input: docs",
     )
 
-    # --- latency budget ----------------------------------------------------------------
+
+def _latency_budget(out: Plan, case: _Case) -> None:
+    """The encoder's and the rerank's latency, and what the SLO leaves the search."""
+    inp, m, prof = case.inp, case.m, case.prof
+    src_prof = case.profile_source
     if prof.name == "minilm":
         enc_ms = out.add(
             "encoder latency",
@@ -180,7 +214,13 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
             "SLO: serve it on a GPU (not measured here) or lower the depth"
         )
 
-    # --- shards ----------------------------------------------------------------------
+
+def _shards(out: Plan, case: _Case) -> None:
+    """The search CPU per query over the whole corpus, and the shards it and the memory need."""
+    inp, m, prof = case.inp, case.m, case.prof
+    dim = prof.dim
+    budget = out["search budget"]
+    index_gib = out["index memory, one copy"]
     # one trained index for all shards: nlist = default_nlist(docs); a query scans
     # nprobe/nlist of every shard, i.e. nprobe × docs / nlist vectors in all
     nlist = default_nlist(inp.docs)
@@ -203,16 +243,23 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
     )
     by_latency = math.ceil(search_us / 1000 / budget)
     by_memory = math.ceil(index_gib / inp.shard_memory_gib)
-    shards = int(
-        out.add(
-            "shards",
-            max(1, by_latency, by_memory),
-            "",
-            f"max(⌈{search_us / 1000:.2f} ms / {budget:.1f} ms⌉ = {by_latency} for latency, "
-            f"⌈{index_gib:.2f} GiB / {inp.shard_memory_gib:g} GiB⌉ = {by_memory} for memory)",
-            "inputs: shard_memory_gib",
-        )
+    out.add(
+        "shards",
+        max(1, by_latency, by_memory),
+        "",
+        f"max(⌈{search_us / 1000:.2f} ms / {budget:.1f} ms⌉ = {by_latency} for latency, "
+        f"⌈{index_gib:.2f} GiB / {inp.shard_memory_gib:g} GiB⌉ = {by_memory} for memory)",
+        "inputs: shard_memory_gib",
     )
+
+
+def _replicas(out: Plan, case: _Case) -> None:
+    """The replicas per shard the query rate needs, their cores and memory."""
+    inp = case.inp
+    util = inp.utilisation
+    search_us = out["search CPU per query, whole corpus"]
+    shards = int(out["shards"])
+    index_gib = out["index memory, one copy"]
     shard_us = search_us / shards
     replicas_cpu = math.ceil(inp.qps * shard_us * 1e-6 / util)
     replicas = int(
@@ -238,6 +285,13 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
         "GiB",
         f"{index_gib:.2f} GiB × {replicas} replicas",
     )
+
+
+def _text_index(out: Plan, case: _Case) -> None:
+    """The BM25 text index's disk and the shard volume (when it was measured)."""
+    inp, m = case.inp, case.m
+    bpv = out["index bytes per vector"]
+    shards = int(out["shards"])
     if m.text_bytes_per_doc is not None and m.text_doc_bytes is not None:
         text_bpd = out.add(
             "text index bytes per document",
@@ -267,7 +321,12 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
             "services/index/server/settings.py: keep_snapshots",
         )
 
-    # --- encoder ---------------------------------------------------------------------
+
+def _encoder(out: Plan, case: _Case) -> None:
+    """The encoder's GPUs or cores, and the weights of one instance."""
+    inp, m, prof = case.inp, case.m, case.prof
+    util = inp.utilisation
+    src_prof = case.profile_source
     if prof.name == "minilm":
         per_core = m.cpu_encoder_texts_per_s.value / m.cpu_encoder_cores.value
         out.add("encoder GPUs", 0, "GPUs", "MiniLM runs on CPU")
@@ -301,7 +360,12 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
         "services/plan/towers.py",
     )
 
-    # --- rerank, gateway, Redis -------------------------------------------------------
+
+def _rerank_gateway_redis(out: Plan, case: _Case) -> None:
+    """The rerank's and the gateway's cores, and Redis's memory."""
+    inp, m = case.inp, case.m
+    util = inp.utilisation
+    rr_ms = out["rerank latency"]
     threads = m.rerank_threads.value
     out.add(
         "rerank cores",
@@ -325,6 +389,3 @@ def plan(inp: PlanInput, m: Measured) -> Plan:
         f"{inp.docs:,} docs × {inp.doc_bytes} B × 2 (hash and allocator overhead, assumed)",
         "input: doc_bytes",
     )
-    cores = sum(out[n] for n in ("index cores", "encoder cores", "rerank cores", "gateway cores"))
-    out.add("CPU cores, total", cores, "cores", "index + encoder + rerank + gateway")
-    return out

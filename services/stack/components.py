@@ -1,4 +1,5 @@
-"""How the local stack starts each component (argv, environment, readiness)."""
+"""How the local stack starts each component (argv, environment, readiness); Triton's in
+:mod:`.triton_component`, Prometheus's in :mod:`.prometheus_component`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from services.stack.config import StackConfig
 
 if TYPE_CHECKING:
     from services.common.tls import ClientTLS
-    from services.encoder.serve.triton_server import TritonServerConfig
     from services.stack.certs import CertFiles
     from services.stack.endpoints import Endpoints
 
@@ -237,13 +237,6 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def triton_ready(grpc_address: str, model: str, tls: ClientTLS | None = None) -> bool:
-    """Triton's ``model`` is ready, asked over gRPC (``tls``: the run's mTLS)."""
-    from services.encoder.serve.triton_server import model_ready
-
-    return model_ready(grpc_address, model, tls)
-
-
 def corpus_file(cfg: StackConfig) -> Path:
     """The corpus to ingest: the given file, or the stdlib documentation written once."""
     if cfg.corpus is not None:
@@ -316,71 +309,6 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"
     return child, f"{cfg.host}:{metrics_port}"
-
-
-Say = Callable[[str], None]
-
-
-def onnx_export(cfg: StackConfig, say: Say) -> Path:
-    """The ONNX export of the default model, made once and cached under the run dir."""
-    from services.encoder.build.export import export_onnx
-    from services.encoder.model import default_model_dir
-
-    onnx_path = cfg.run_dir / "export" / "model.onnx"
-    if not (onnx_path.exists() and (onnx_path.parent / "encoder.json").exists()):
-        say("encoder    exporting the default model to ONNX (first run only)")
-        export_onnx(default_model_dir(), onnx_path)
-    return onnx_path
-
-
-def triton_server(cfg: StackConfig) -> TritonServerConfig:
-    """How the stack runs Triton: free ports, the run's repository; ``--tls``: TLS and
-    mTLS on gRPC. Its HTTP endpoint is closed: it has neither TLS nor authentication
-    (under ``--tls`` it would answer ``/v2/models/embed/infer`` to anyone), and nothing
-    of ours uses it (readiness is asked over gRPC, :func:`triton_ready`). Explicit model
-    control: every version of the repository loaded at start (a restarted Triton serves
-    the published ones too), and ``encoder publish`` (an index rollout to a new encoder)
-    loads a new version while it serves (``services/encoder/serve/versions.py``)."""
-    from services.encoder.serve.triton_server import TritonServerConfig, grpc_tls_args
-
-    ports = [free_port(cfg.host) for _ in range(3)]
-    certs = certificates(cfg)
-    return TritonServerConfig(
-        model_repository=cfg.model_repository,
-        grpc_port=ports[0],
-        http_port=ports[1],
-        metrics_port=ports[2],
-        host=cfg.host,
-        backend_dir=cfg.run_dir / "triton-backends",
-        http=False,
-        model_control="explicit",
-        extra_args=(grpc_tls_args(certs.server_cert, certs.server_key, certs.ca) if certs else ()),
-    )
-
-
-def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str]:
-    """(child, gRPC address, metrics address) of a Triton serving ``embed``.
-
-    The repository is generated from the default model's export, unless it already holds
-    encoder versions published beside the first (``encoder publish``, an index rollout to
-    a new encoder): regenerating would drop them, and with them what a generation's
-    queries are encoded with, so such a repository is kept as it is."""
-    from services.encoder.build.repository import generate_repository
-    from services.encoder.serve.triton_server import triton_command
-    from services.encoder.serve.versions import served_versions
-
-    repo = cfg.model_repository
-    published = served_versions(repo) if (repo / "embed").is_dir() else []
-    if any(v > 1 for v in published):
-        say(f"triton     keeping {repo}: it serves encoder versions {published} (encoder publish)")
-    else:
-        generate_repository(onnx_export(cfg, say), repo)
-    server = triton_server(cfg)
-    argv, env = triton_command(server)
-    child = Child("triton", argv, cfg.logs / "triton.log", env=env, job="triton")
-    child.address = server.grpc_url
-    child.metrics = f"{cfg.host}:{server.metrics_port}"
-    return child, server.grpc_url, child.metrics
 
 
 def peer_tls_args(cfg: StackConfig) -> list[str]:
@@ -491,46 +419,3 @@ def rerank_child(cfg: StackConfig) -> Child:
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"
     return child
-
-
-PROMETHEUS_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
-
-
-def prometheus_child(cfg: StackConfig, children: list[Child]) -> Child | None:
-    """Prometheus scraping every child, with the SLO rules; None when not installed."""
-    binary = shutil.which("prometheus")
-    if binary is None or not (PROMETHEUS_CONFIG / "prometheus.yml").exists():
-        return None
-    home = cfg.run_dir / "prometheus"
-    home.mkdir(parents=True, exist_ok=True)
-    for name in ("prometheus.yml", "rules.yml"):
-        shutil.copy2(PROMETHEUS_CONFIG / name, home / name)
-    write_prometheus_targets(cfg, children)
-    port = free_port(cfg.host)
-    argv = [
-        binary,
-        f"--config.file={(home / 'prometheus.yml').resolve()}",
-        f"--storage.tsdb.path={(home / 'data').resolve()}",
-        f"--web.listen-address={cfg.host}:{port}",
-    ]
-    child = Child("prometheus", argv, cfg.logs / "prometheus.log")
-    child.address = f"{cfg.host}:{port}"
-    return child
-
-
-def write_prometheus_targets(cfg: StackConfig, children: Sequence[Child]) -> None:
-    """Prometheus's ``targets.json`` (file_sd: re-read on change, no restart): every
-    child with a metrics endpoint; rewritten when a generation's shards start or stop."""
-    import json
-
-    home = cfg.run_dir / "prometheus"
-    if not home.is_dir():
-        return
-    targets = [
-        {"targets": [c.metrics], "labels": {"job": c.job, "instance": c.name}}
-        for c in children
-        if c.metrics and c.job
-    ]
-    tmp = home / "targets.json.tmp"
-    tmp.write_text(json.dumps(targets, indent=2), encoding="utf-8")
-    tmp.replace(home / "targets.json")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from services.common.redis_client import parse_redis_url
 from services.common.tls import ClientTLS
 from services.index.keys import FIRST_GENERATION
-from services.stack import components, first_run
+from services.stack import components, first_run, prometheus_component, triton_component
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig, example_queries
 from services.stack.endpoints import Endpoints
@@ -220,8 +220,8 @@ class Stack:
 
         if cfg.encoder == "triton":
             _say("triton     generating the CPU model repository and starting tritonserver")
-            triton, grpc_address, metrics = components.triton_child(cfg, _say)
-            ready = functools.partial(components.triton_ready, grpc_address, "embed", tls)
+            triton, grpc_address, metrics = triton_component.triton_child(cfg, _say)
+            ready = functools.partial(triton_component.triton_ready, grpc_address, "embed", tls)
             self.supervisor.start(triton, ready, timeout)
             self.endpoints.triton_grpc = grpc_address
             self.endpoints.triton_metrics = metrics
@@ -260,7 +260,7 @@ class Stack:
         self.endpoints.gateway = gateway.address
         self.endpoints.gateway_metrics = metrics_address
         if cfg.prometheus:
-            prom = components.prometheus_child(cfg, self.supervisor.children)
+            prom = prometheus_component.prometheus_child(cfg, self.supervisor.children)
             if prom is not None:
                 url = f"http://{prom.address}/-/ready"
                 self.supervisor.start(prom, functools.partial(components.http_ok, url), timeout)
@@ -296,7 +296,7 @@ class Stack:
         """A generation's shards started or stopped: stack.json and Prometheus follow."""
         self._publish()
         if self.config.prometheus:
-            components.write_prometheus_targets(self.config, self.supervisor.children)
+            prometheus_component.write_prometheus_targets(self.config, self.supervisor.children)
 
     def train_if_needed(self) -> first_run.CorpusEmbeddings | None:
         """First run (no trained index): encode the corpus once, train on a sample of it;

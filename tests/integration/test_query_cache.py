@@ -408,12 +408,12 @@ def test_the_pipeline_encodes_each_distinct_miss_once(
         pipeline = SearchPipeline(GenerationSource.fixed(parts), query_cache=cache)
         try:
             texts = ["Alpha beta", "alpha  BETA", "gamma", "Alpha beta"]
-            vectors, _, cached = await pipeline._embed(parts, texts, _deadline())
+            vectors, _, cached = await pipeline.embedder.embed(parts, texts, _deadline())
             assert encoder.calls == [["Alpha beta", "gamma"]] and cached == [False] * 4
             assert sorted(normalised) == sorted(texts), "one key per text, not one per use"
             np.testing.assert_array_equal(vectors[0], vectors[1])
             await cache.drain()
-            vectors2, _, cached2 = await pipeline._embed(
+            vectors2, _, cached2 = await pipeline.embedder.embed(
                 parts, ["gamma", "delta", "ALPHA beta"], _deadline()
             )
             assert encoder.calls[1:] == [["delta"]] and cached2 == [True, False, True]

@@ -46,7 +46,7 @@ from services.index.keys import (
     Layout,
 )
 from services.index.rollout import budget as rollout_budget
-from services.stack import components, first_run
+from services.stack import first_run, triton_component
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig
 from services.stack.endpoints import read_endpoints
@@ -447,8 +447,8 @@ def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
     said: list[str] = []
 
     def start_triton(sup: Supervisor) -> str:
-        triton, url, _ = components.triton_child(cfg, said.append)
-        sup.start(triton, functools.partial(components.triton_ready, url, "embed"), 240)
+        triton, url, _ = triton_component.triton_child(cfg, said.append)
+        sup.start(triton, functools.partial(triton_component.triton_ready, url, "embed"), 240)
         return url
 
     sup = Supervisor(cfg.restart)

@@ -21,7 +21,7 @@ from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, IndexQuery
 from services.index.keys import DocKeys
-from services.stack import components
+from services.stack import components, triton_component
 from services.stack.children import (
     STOP_GRACE_S,
     Child,
@@ -320,7 +320,7 @@ def test_triton_under_load_stops_on_sigterm_without_sigkill(
     load: subprocess.Popen[bytes] | None = None
     child.start()
     try:
-        child.wait_ready(lambda: components.triton_ready(server.grpc_url, "embed"), 120)
+        child.wait_ready(lambda: triton_component.triton_ready(server.grpc_url, "embed"), 120)
         metrics = f"127.0.0.1:{ports[2]}"
         wait_until(lambda: _metrics_answer(metrics), "Triton's metrics endpoint", timeout=30)
         load = subprocess.Popen([sys.executable, "-c", LOAD, server.grpc_url])

@@ -25,8 +25,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import InvalidArgument, NotFound, Overloaded
+from services.encoder.build.plan_meta import PlanMeta, write_plan
 from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
-from services.encoder.build.tensorrt_build import TENSORRT_VERSION, PlanMeta, write_plan
+from services.encoder.build.tensorrt_build import TENSORRT_VERSION
 from services.encoder.model import default_model_dir
 from services.encoder.runtime.triton_client import (
     TritonEncoder,

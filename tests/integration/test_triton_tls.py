@@ -27,7 +27,7 @@ from services.common.tls import ClientTLS
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, run_triton
-from services.stack import components
+from services.stack import components, triton_component
 from services.stack.certs import CertFiles, make_certs
 from services.stack.config import StackConfig
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
@@ -42,7 +42,7 @@ class SecureTriton:
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureTriton]:
-    """Triton as ``up --tls`` runs it (the flags of ``components.triton_server``), on the
+    """Triton as ``up --tls`` runs it (the flags of ``triton_component.triton_server``), on the
     tiny repository."""
     base = encoder_base(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("triton-tls")
@@ -54,7 +54,7 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureTriton]:
     generate_repository(
         onnx_path, cfg.model_repository, RepositoryConfig(instances=1, intra_op_threads=1)
     )
-    server = replace(components.triton_server(cfg), startup_timeout_s=120)
+    server = replace(triton_component.triton_server(cfg), startup_timeout_s=120)
     with run_triton(server, tmp / "triton.log", tls=components.internal_tls(cfg)) as handle:
         yield SecureTriton(handle, certs, other)
 

@@ -28,7 +28,7 @@ from services.encoder.build.plan_cache import (
     external_data_files,
     plan_key,
 )
-from services.encoder.build.tensorrt_build import PlanMeta, plan_meta_path, write_plan
+from services.encoder.build.plan_meta import PlanMeta, plan_meta_path, write_plan
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
 
 L4 = Device("NVIDIA L4", "8.9", "10.7.0.23")

@@ -10,8 +10,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.base import DOCUMENT_PRIORITY, QUERY_PRIORITY
+from services.encoder.build.plan_meta import PlanMeta, PlanVersionMismatch
 from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
-from services.encoder.build.tensorrt_build import TENSORRT_VERSION, PlanMeta, PlanVersionMismatch
+from services.encoder.build.tensorrt_build import TENSORRT_VERSION
 from services.encoder.model import default_model_dir
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
 

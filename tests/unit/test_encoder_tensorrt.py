@@ -15,21 +15,19 @@ import onnx
 import pytest
 
 from services.common.errors import FailedPrecondition
+from services.encoder.build.onnx_fp16 import fp16_graph, select_fp32_nodes
+from services.encoder.build.plan_meta import PlanMeta, PlanVersionMismatch
 from services.encoder.build.tensorrt_build import (
     MORE_FP32_HINT,
     NO_TRT_REASON,
     PLAN_MIN_COSINE,
     PlanConfig,
-    PlanMeta,
-    PlanVersionMismatch,
     build_plan,
     build_plan_from_model,
     check_embeddings,
-    fp16_graph,
     fp16_layers_of_kept_nodes,
     layers_with_onnx_names,
     probe_tokens,
-    select_fp32_nodes,
 )
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import get_profile
@@ -317,9 +315,9 @@ def test_fp16_cast_sets_weights_aside_for_shape_inference(
     hot_t5_onnx: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # GTR xl/xxl exceed protobuf's 2 GB: shape inference runs without the weights' bytes.
-    import services.encoder.build.tensorrt_build as tb
+    import services.encoder.build.onnx_fp16 as graph_module
 
-    monkeypatch.setattr(tb, "_SET_ASIDE", 1024)  # the tiny T5's weights count as big here
+    monkeypatch.setattr(graph_module, "_SET_ASIDE", 1024)  # the tiny T5's weights count as big here
     model = onnx.load(str(hot_t5_onnx))
     before = {i.name: i.raw_data for i in model.graph.initializer}
     assert sum(len(b) > 1024 for b in before.values()) > 5

@@ -143,7 +143,8 @@ def test_resume_gives_the_uninterrupted_result(beir: Path, bert_dir: Path, tmp_p
 
 
 def test_micro_batches_give_the_full_batch_gradient(beir: Path, bert_dir: Path) -> None:
-    from services.encoder.train.trainer import _codec, in_batch_loss, step_loss
+    from services.encoder.train.steps import in_batch_loss, step_loss
+    from services.encoder.train.trainer import _codec
 
     cfg = config(beir, bert_dir, Path("unused"), "ade")
     codec = _codec(bert_dir, cfg)
@@ -168,7 +169,7 @@ def test_micro_batches_give_the_full_batch_gradient(beir: Path, bert_dir: Path) 
 
 
 def test_a_second_positive_of_the_query_is_not_a_negative() -> None:
-    from services.encoder.train.trainer import in_batch_loss
+    from services.encoder.train.steps import in_batch_loss
 
     q = torch.eye(2)
     d = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])  # doc 2 = another positive of q0

@@ -23,12 +23,8 @@ import numpy as np
 import pytest
 import yaml
 
-from services.encoder.build.tensorrt_build import (
-    NO_TRT_REASON,
-    TENSORRT_VERSION,
-    PlanMeta,
-    write_plan,
-)
+from services.encoder.build.plan_meta import PlanMeta, write_plan
+from services.encoder.build.tensorrt_build import NO_TRT_REASON, TENSORRT_VERSION
 from tests.encoder_fixtures import encoder_base, ensure_tiny_t5
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -95,23 +95,23 @@ def test_fusion_ranks_the_union_best_first(
 def test_the_gateway_s_first_stage_per_mode() -> None:
     from services.common.domain import Hit, IndexResult
     from services.common.fusion import Mode
-    from services.gateway.pipeline import _Stage, first_stage
+    from services.gateway.first_stage import Stage, first_stage
 
     def result() -> IndexResult:
         dense = [Hit(d, s, 0, s) for d, s in DENSE]
         sparse = [Hit(d, s, 1 if d == "d" else 0, s) for d, s in SPARSE]
         return IndexResult([dense], [], [sparse], [])
 
-    dense = first_stage(_Stage(Mode.DENSE, 3, 0, None), result(), 0, 2)
+    dense = first_stage(Stage(Mode.DENSE, 3, 0, None), result(), 0, 2)
     assert [(h.id, h.dense_rank, h.sparse_rank) for h in dense] == [("a", 0, 0), ("b", 0, 0)]
-    sparse = first_stage(_Stage(Mode.SPARSE, 0, 3, None), result(), 0, 3)
+    sparse = first_stage(Stage(Mode.SPARSE, 0, 3, None), result(), 0, 3)
     assert [(h.id, h.sparse_rank, h.score) for h in sparse] == [
         ("c", 1, 12.0),
         ("d", 2, 7.0),
         ("a", 3, 3.0),
     ]
     fusion = Fusion(Method.RRF)
-    hybrid = first_stage(_Stage(Mode.HYBRID, 3, 3, fusion), result(), 0, 4)
+    hybrid = first_stage(Stage(Mode.HYBRID, 3, 3, fusion), result(), 0, 4)
     assert [(h.id, h.shard, h.dense_rank, h.sparse_rank) for h in hybrid] == [
         ("a", 0, 1, 3),
         ("c", 0, 3, 1),

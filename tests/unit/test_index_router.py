@@ -7,7 +7,7 @@ import pytest
 from services.common.deadline import Deadline
 from services.common.domain import Hit, IndexResult
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.index.client.router import merge_results, shard_deadline
+from services.index.client.merge import merge_results, shard_deadline
 from services.index.core.query import Consistency, IndexQuery, ShardAnswer, TopK
 
 
@@ -90,7 +90,7 @@ def test_shard_deadline_keeps_a_reserve() -> None:
 
 
 def test_split_result_gives_each_request_its_row_and_k() -> None:
-    from services.index.client.router import split_result
+    from services.index.client.merge import split_result
 
     rows = [
         [Hit(f"{q}-{i}", 1.0 - i / 10, i % 2, 1.0 - i / 10) for i in range(5)] for q in range(3)
@@ -101,7 +101,7 @@ def test_split_result_gives_each_request_its_row_and_k() -> None:
 
 
 def test_merge_answers_merges_each_list_and_names_shards_without_a_sparse_one() -> None:
-    from services.index.client.router import merge_answers
+    from services.index.client.merge import merge_answers
 
     a = answer(0, [("a1", 0.9), ("a2", 0.5)])
     a.sparse = TopK.from_hits([[("a2", 12.0), ("a3", 3.0)]])
@@ -129,7 +129,7 @@ def test_merge_answers_merges_each_list_and_names_shards_without_a_sparse_one() 
 
 
 def test_split_result_cuts_each_sparse_row_to_its_own_sparse_k() -> None:
-    from services.index.client.router import split_result
+    from services.index.client.merge import split_result
 
     rows = [[Hit(f"{q}-{i}", 1.0, 0, 1.0) for i in range(4)] for q in range(2)]
     parts = split_result(IndexResult(rows, [], rows, [1]), [4, 4], [1, 3])

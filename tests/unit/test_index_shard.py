@@ -102,11 +102,11 @@ def test_a_63_bit_id_collision_keeps_the_newer_document(
 def test_refine_by_blocks_gives_the_same_answers(
     loaded: IvfPqShard, vectors: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import services.index.core.shard as shard_module
+    import services.index.core.scan as scan_module
 
     queries = vectors[N_BASE : N_BASE + 60]
     whole = loaded.search_top_k(queries, 10, 8)
-    monkeypatch.setattr(shard_module, "REFINE_BLOCK", 3 * 40 + 1)  # 3 rows of 40 per block
+    monkeypatch.setattr(scan_module, "REFINE_BLOCK", 3 * 40 + 1)  # 3 rows of 40 per block
     blocks = loaded.search_top_k(queries, 10, 8)
     assert blocks.ids == whole.ids
     np.testing.assert_array_equal(blocks.scores, whole.scores)

@@ -13,9 +13,9 @@ import tantivy
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.limits import LIMITS
 from services.index.core.changes import Delete, Upsert
-from services.index.core.shard import IvfPqShard, TextConfig
+from services.index.core.shard import IvfPqShard
 from services.index.core.snapshots import load_newest, write_snapshot
-from services.index.core.text import TextIndex
+from services.index.core.text import TextConfig, TextIndex
 from services.index.core.train import TrainedIndex
 from tests.support.shards import trained, vectors
 

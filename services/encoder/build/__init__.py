@@ -1,0 +1,11 @@
+"""The encoder's artefacts: what is built once and then served.
+
+Package map:
+
+- ``export``: the ONNX export of the dual encoder and the parity check gating every artefact.
+- ``tensorrt_build``: the TensorRT plan (FP16 with FP32 islands, FP32 fallback, the gate).
+- ``onnx_fp16``: which ONNX nodes stay FP32 in an FP16 engine, and the FP16 cast.
+- ``plan_meta``: a plan's ``<plan>.json`` and the atomic write of both.
+- ``plan_cache``: plans cached per GPU and TensorRT release, refused elsewhere.
+- ``repository``: the generated Triton model repository (``triton_models/``: its models).
+"""

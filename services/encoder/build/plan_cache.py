@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import FailedPrecondition
-from services.encoder.build.tensorrt_build import PlanMeta, file_sha256, tensorrt_release
+from services.encoder.build.plan_meta import PlanMeta, file_sha256, tensorrt_release
 
 log = logging.getLogger(__name__)
 

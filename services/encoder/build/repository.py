@@ -47,12 +47,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.base import PRIORITY_LEVELS, QUERY_PRIORITY, version_key
 from services.encoder.build.export import EncoderMeta
-from services.encoder.build.tensorrt_build import (
-    TRITON_IMAGE_TAG,
-    TRITON_TENSORRT,
-    PlanMeta,
-)
-from services.encoder.build.tensorrt_build import plan_meta_path as plan_meta_file
+from services.encoder.build.plan_meta import PlanMeta
+from services.encoder.build.plan_meta import plan_meta_path as plan_meta_file
+from services.encoder.build.tensorrt_build import TRITON_IMAGE_TAG, TRITON_TENSORRT
 from services.encoder.profiles import ModelProfile
 
 Flavor = Literal["cpu", "gpu"]

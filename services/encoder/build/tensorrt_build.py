@@ -10,8 +10,9 @@ keeps ``wo`` in fp32 for the same reason). The remedy here:
   output projection ``wo``, and everything after the last norm (pooling, dense,
   normalise): :func:`select_fp32_nodes`;
 * cast the ONNX graph to FP16 except those nodes (ONNX Runtime's maintained float16
-  converter with a node block list, :func:`fp16_graph`) and build a *strongly typed*
-  network from it, so that TensorRT runs each tensor in the type the graph gives it:
+  converter with a node block list, :func:`fp16_graph`; both in :mod:`.onnx_fp16`) and
+  build a *strongly typed* network from it, so that TensorRT runs each tensor in the type
+  the graph gives it:
   per-layer precision hints are ignored inside fused regions (TensorRT issues 3889,
   3941), types are not;
 * build, run a probe batch at the profile's maximum shape (max batch × max sequence),
@@ -21,7 +22,8 @@ keeps ``wo`` in fp32 for the same reason). The remedy here:
 * record in ``<plan>.json`` the TensorRT version that built it, its precision and its
   shapes: a plan only loads in the TensorRT version that built it (Triton rejects
   others, triton-inference-server issue 7613), and the Triton repository takes its
-  max batch and sequence buckets from these shapes (:mod:`.repository`).
+  max batch and sequence buckets from these shapes (:mod:`.repository`; the file and its
+  write: :mod:`.plan_meta`).
 
 The graph analysis and the FP16 cast are pure ``onnx``/``onnxruntime`` and run (and are
 tested) anywhere; ``tensorrt`` and CUDA are imported only inside :func:`build_plan`.
@@ -30,14 +32,11 @@ tested) anywhere; ``tensorrt`` and CUDA are imported only inside :func:`build_pl
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
-import os
 import re
 import tempfile
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +44,8 @@ import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build.export import check_embeddings
+from services.encoder.build.onnx_fp16 import fp16_graph, select_fp32_nodes
+from services.encoder.build.plan_meta import PlanMeta, Precision, tensorrt_release, write_plan
 from services.encoder.profiles import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -60,317 +61,11 @@ TRITON_IMAGE_TAG = "24.12-py3"
 TRITON_TENSORRT: dict[str, str] = {"24.12-py3": "10.7.0"}
 TENSORRT_VERSION = TRITON_TENSORRT[TRITON_IMAGE_TAG]
 
-Precision = Literal["fp16", "fp32"]
 # What to do when the gate refuses; names flags of `gtr-retrieval encoder build-plan`.
 MORE_FP32_HINT = (
     "keep more ONNX nodes in FP32 with --extra-fp32-nodes NODE[,NODE...] or build an FP32 "
     "plan with --precision fp32"
 )
-
-
-@dataclass(frozen=True)
-class Fp32Selection:
-    """ONNX node names to keep in FP32, by reason (for the build log and the tests)."""
-
-    norms: frozenset[str]
-    residual_adds: frozenset[str]
-    ffn_out: frozenset[str]
-    tail: frozenset[str]
-
-    @property
-    def all(self) -> frozenset[str]:
-        return self.norms | self.residual_adds | self.ffn_out | self.tail
-
-
-class _Graph:
-    """Producer/consumer maps over an ONNX graph (nodes are topologically sorted)."""
-
-    def __init__(self, model: Any) -> None:
-        self.nodes = list(model.graph.node)
-        self.constants = {i.name for i in model.graph.initializer}
-        self.producer: dict[str, Any] = {}
-        self.consumers: dict[str, list[Any]] = {}
-        for node in self.nodes:
-            for out in node.output:
-                self.producer[out] = node
-                if node.op_type == "Constant":
-                    self.constants.add(out)
-            for inp in node.input:
-                self.consumers.setdefault(inp, []).append(node)
-
-    def is_constant(self, tensor: str) -> bool:
-        node = self.producer.get(tensor)
-        return tensor in self.constants or (
-            node is not None and node.op_type == "Identity" and node.input[0] in self.constants
-        )
-
-    def next_nodes(self, node: Any) -> list[Any]:
-        return [c for out in node.output for c in self.consumers.get(out, [])]
-
-    def constant_value(self, tensor: str, model: Any) -> float | None:
-        from onnx import numpy_helper
-
-        for init in model.graph.initializer:
-            if init.name == tensor:
-                return float(numpy_helper.to_array(init).reshape(-1)[0])
-        node = self.producer.get(tensor)
-        if node is not None and node.op_type == "Constant":
-            return float(numpy_helper.to_array(node.attribute[0].t).reshape(-1)[0])
-        return None
-
-
-_NORM_OPS = {"Pow", "ReduceMean", "Add", "Sqrt", "Reciprocal", "Div", "Mul", "Cast", "Sub"}
-
-
-def _rms_norm(graph: _Graph, pow_node: Any) -> list[Any]:
-    """Nodes of one norm, from its ``Pow`` to the ``Mul`` by the weight (bias Add for LN)."""
-    members = [pow_node]
-    source = graph.producer.get(pow_node.input[0])
-    while source is not None and source.op_type in {"Cast", "Sub"}:  # x.float(), x - mean
-        members.append(source)
-        if source.op_type == "Sub":
-            mean = graph.producer.get(source.input[1])
-            if mean is not None and mean.op_type == "ReduceMean":
-                members.append(mean)
-            break
-        source = graph.producer.get(source.input[0])
-    frontier, seen = [pow_node], {pow_node.name}
-    while frontier:
-        node = frontier.pop()
-        for nxt in graph.next_nodes(node):
-            if nxt.name in seen or nxt.op_type not in _NORM_OPS:
-                continue
-            seen.add(nxt.name)
-            members.append(nxt)
-            weighted = nxt.op_type == "Mul" and any(graph.is_constant(i) for i in nxt.input)
-            if not weighted:
-                frontier.append(nxt)
-    # Also the normalised input's Mul(x, rsqrt) whose x comes from outside the walk.
-    return members
-
-
-def _downstream(graph: _Graph, start: Iterable[Any]) -> set[str]:
-    seen: set[str] = set()
-    stack = list(start)
-    while stack:
-        node = stack.pop()
-        for nxt in graph.next_nodes(node):
-            if nxt.name not in seen:
-                seen.add(nxt.name)
-                stack.append(nxt)
-    return seen
-
-
-def select_fp32_nodes(model: Any, *, keep_ffn_out: bool = True) -> Fp32Selection:
-    """Which ONNX nodes must stay FP32 in an FP16 engine (see the module docstring)."""
-    graph = _Graph(model)
-    norms: set[str] = set()
-    norm_starts: set[str] = set()  # tensors whose consumer starts a norm
-    last_norm: list[Any] = []
-    for node in graph.nodes:
-        if node.op_type == "LayerNormalization":
-            norms.add(node.name)
-            norm_starts.add(node.input[0])
-            last_norm = [node]
-        elif node.op_type == "Pow" and graph.constant_value(node.input[1], model) == 2.0:
-            members = _rms_norm(graph, node)
-            if not any(m.op_type == "ReduceMean" for m in members):
-                continue  # a square that is not a norm
-            norms.update(m.name for m in members)
-            entry = node
-            while (src := graph.producer.get(entry.input[0])) is not None and src.op_type == "Cast":
-                entry = src
-            norm_starts.add(entry.input[0])
-            if src is not None and src.op_type == "Sub":
-                norm_starts.add(src.input[0])
-            last_norm = members
-    residual = {
-        n.name
-        for n in graph.nodes
-        if n.op_type == "Add"
-        and len(n.input) == 2
-        and not any(graph.is_constant(i) for i in n.input)
-        and n.output[0] in norm_starts
-    }
-    ffn = {
-        n.name
-        for n in graph.nodes
-        if keep_ffn_out and n.op_type == "MatMul" and re.search(r"/wo(/|$)", n.name)
-    }
-    tail = _downstream(graph, last_norm) - norms if last_norm else set()
-    return Fp32Selection(frozenset(norms), frozenset(residual), frozenset(ffn), frozenset(tail))
-
-
-_SET_ASIDE = 1 << 20  # initializers above this many bytes are weights, not shape tensors
-
-
-def _infer_value_types(model: Any) -> None:
-    """Fill ``model.graph.value_info`` by ONNX shape inference, in place, at any model size.
-
-    ``infer_shapes`` serialises the model, which fails above protobuf's 2 GB (GTR xl/xxl):
-    the weights' bytes are set aside meanwhile (small initializers, the shape tensors
-    inference reads, stay).
-    """
-    import onnx
-
-    stash = [(i, i.raw_data) for i in model.graph.initializer if len(i.raw_data) > _SET_ASIDE]
-    for init, _ in stash:
-        init.ClearField("raw_data")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    finally:
-        for init, data in stash:
-            init.raw_data = data
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(inferred.graph.value_info)
-
-
-def _boundary_free(model: Any, keep: set[str]) -> Any:
-    """``model`` with value types inferred, minus those of tensors inside the FP32 region.
-
-    The float16 converter turns every typed float tensor into FP16 and wraps each kept
-    node in Cast(→fp32) … Cast(→fp16); between two kept nodes that round trip through
-    FP16 is exactly the overflow the block list is there to avoid. A tensor without a
-    value type is left alone, so only the tensors that cross the region's boundary keep
-    theirs (and get their Cast).
-    """
-    _infer_value_types(model)
-    graph = _Graph(model)
-    # Constants (and Identity copies of initializers) used only by kept nodes stay FP32 too.
-    for node in graph.nodes:
-        users = graph.next_nodes(node)
-        if (
-            node.op_type in {"Constant", "Identity"}
-            and users
-            and all(u.name in keep for u in users)
-        ):
-            keep.add(node.name)
-    inside = [
-        v
-        for v in model.graph.value_info
-        if (p := graph.producer.get(v.name)) is not None
-        and p.name in keep
-        and all(c.name in keep for c in graph.consumers.get(v.name, []))
-    ]
-    for value in inside:
-        model.graph.value_info.remove(value)
-    return model
-
-
-def fp16_graph(model: Any, keep_fp32: Iterable[str], *, inplace: bool = False) -> Any:
-    """``model`` cast to FP16 except the nodes ``keep_fp32`` (inputs and outputs keep their types).
-
-    ONNX Runtime's float16 converter (``onnxruntime.transformers.float16``, the maintained
-    fork of onnxconverter-common's) with ``keep_fp32`` as its node block list. Initializers
-    used only by kept nodes stay FP32; others are clamped to FP16's range. ``inplace``
-    converts ``model`` itself (no copy of an xxl model's 19 GB).
-    """
-    import copy
-
-    from onnxruntime.transformers import float16
-
-    keep = set(keep_fp32)
-    prepared = _boundary_free(model if inplace else copy.deepcopy(model), keep)
-    return float16.convert_float_to_float16(
-        prepared, keep_io_types=True, node_block_list=sorted(keep), disable_shape_infer=True
-    )
-
-
-def tensorrt_release(version: str) -> str:
-    """``major.minor.patch`` of a TensorRT version string (plans are tied to it)."""
-    return ".".join(version.split(".")[:3])
-
-
-class PlanVersionMismatch(FailedPrecondition):
-    """A plan built by another TensorRT release than the one that would load it."""
-
-
-def plan_meta_path(plan_path: Path) -> Path:
-    return Path(plan_path).with_name(Path(plan_path).name + ".json")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_temp(beside: Path, data: bytes) -> Path:
-    """``data`` in a new file of a unique name beside ``beside`` (flushed to disk)."""
-    fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".tmp", dir=beside.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return Path(name)
-
-
-def write_plan(plan_path: Path, engine: bytes, meta: PlanMeta) -> PlanMeta:
-    """Write ``engine`` at ``plan_path`` with its ``<plan>.json`` (recording its sha256).
-
-    Several builders may share a cache (the chart's init containers, one per pod): each
-    writes under temp names of its own, the json first and the plan renamed last, so a
-    reader that finds the plan finds a json; a json of another builder's plan (two
-    builders interleaving) is caught by the digest, which every read checks
-    (:func:`services.encoder.build.plan_cache.check_plan`).
-    """
-    plan_path = Path(plan_path)
-    plan_path.parent.mkdir(parents=True, exist_ok=True)
-    meta = replace(meta, plan_sha256=hashlib.sha256(engine).hexdigest())
-    tmp_plan = _write_temp(plan_path, engine)
-    meta_path = plan_meta_path(plan_path)
-    tmp_meta = _write_temp(meta_path, (json.dumps(asdict(meta), indent=2) + "\n").encode())
-    try:
-        os.replace(tmp_meta, meta_path)
-        os.replace(tmp_plan, plan_path)
-    finally:
-        for tmp in (tmp_plan, tmp_meta):
-            tmp.unlink(missing_ok=True)
-    return meta
-
-
-@dataclass(frozen=True)
-class PlanMeta:
-    """``<plan>.json``: what built the plan and which shapes it covers."""
-
-    tensorrt_version: str
-    precision: Precision
-    min_shape: tuple[int, int]
-    opt_shape: tuple[int, int]
-    max_shape: tuple[int, int]
-    min_cosine: float
-    fp32_nodes: int
-    gpu: str = "unknown"
-    compute_capability: str = "unknown"
-    plan_sha256: str = ""  # of the plan file this describes ("" in plans of older builds)
-
-    def write(self, plan_path: Path) -> None:
-        plan_meta_path(plan_path).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def read(cls, plan_path: Path) -> PlanMeta:
-        path = plan_meta_path(plan_path)
-        if not path.exists():
-            raise FailedPrecondition(
-                f"{plan_path} has no {path.name}: build plans with `gtr-retrieval encoder "
-                "build-plan`, which records the TensorRT version and shapes Triton needs"
-            )
-        raw = json.loads(path.read_text())
-        for key in ("min_shape", "opt_shape", "max_shape"):
-            raw[key] = tuple(int(v) for v in raw[key])
-        return cls(**raw)
-
-    def check_tensorrt(self, version: str, loader: str) -> None:
-        """PlanVersionMismatch unless ``version`` (the loader's TensorRT) built this plan."""
-        if tensorrt_release(version) != tensorrt_release(self.tensorrt_version):
-            raise PlanVersionMismatch(
-                f"the plan was built with TensorRT {self.tensorrt_version}, {loader} has "
-                f"TensorRT {version}: a plan loads only in the TensorRT release that built "
-                "it; rebuild it with `encoder build-plan` where `pip install '.[gpu]'` "
-                f"installed TensorRT {tensorrt_release(version)}"
-            )
 
 
 @dataclass(frozen=True)

@@ -196,21 +196,10 @@ def _system_report(
     return row
 
 
-def compare(
-    data_dir: Path,
-    checkpoints: list[Path],
-    plots: Path | None = None,
-    doc_len: int | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """The base checkpoint and each trained one on the trainers' dev split, side by side.
-
-    Every checkpoint must come from ``encoder train`` on the same data (digest), base and
-    dev split; ``doc_len`` defaults to the one their own evaluation used.
-    """
-    from services.encoder.train.data import eval_corpus, load_training_data
+def _comparable_manifests(checkpoints: list[Path]) -> list[dict[str, Any]]:
+    """The checkpoints' manifests; InvalidArgument unless every training is complete and
+    they share their base checkpoint and dev split."""
     from services.encoder.train.manifest import read_manifest
-    from services.measures.ranking import paired_comparison
 
     if not checkpoints:
         raise InvalidArgument("give at least one --encoder checkpoint")
@@ -225,6 +214,62 @@ def compare(
                     f"{path}: another {field.replace('_', ' ')} than "
                     f"{checkpoints[0]}: not comparable"
                 )
+    return manifests
+
+
+def _variant_row(
+    path: Path,
+    manifest: dict[str, Any],
+    vectors: SystemVectors,
+    td: TrainingData,
+    scores: Scores,
+    base_scores: Scores,
+    plots: Path | None,
+) -> dict[str, Any]:
+    """One trained checkpoint's row: its measures, its paired nDCG@10 difference from the
+    base, and what its training cost."""
+    from services.measures.ranking import paired_comparison
+
+    row = _system_report(vectors, td, scores, plots, manifest["arch"])
+    paired = paired_comparison(base_scores.values("ndcg_at_10"), scores.values("ndcg_at_10"))
+    timing = manifest["timing"]
+    row.update(
+        {
+            "checkpoint": str(path),
+            "paired_low": paired["ci95"][0],
+            "paired_high": paired["ci95"][1],
+            "ndcg_at_10_diff": paired["mean_diff"],
+            "wins": paired["wins"],
+            "losses": paired["losses"],
+            "p_value": paired["p_value"],
+            "train_seconds": timing.get("train_seconds"),
+            "train_wall_seconds": timing.get("wall_seconds"),
+            "train_cpu_seconds": timing.get("cpu_seconds"),
+            "train_peak_rss_mib": timing.get("peak_rss_mib"),
+            "steps": manifest["steps"],
+            "recipe": manifest["recipe"],
+        }
+    )
+    return row
+
+
+def compare(
+    data_dir: Path,
+    checkpoints: list[Path],
+    plots: Path | None = None,
+    doc_len: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The base checkpoint and each trained one on the trainers' dev split, side by side.
+
+    Every checkpoint must come from ``encoder train`` on the same data (digest), base and
+    dev split; ``doc_len`` defaults to the one their own evaluation used.
+    """
+    from services.encoder.train.data import eval_corpus, load_training_data
+    from services.measures.ranking import paired_comparison
+
+    manifests = _comparable_manifests(checkpoints)
+    first = manifests[0]
     split = first["dev_split"]
     td = load_training_data(data_dir, split["seed"], split["dev_fraction"])
     if td.digest != first["data"]["digest"]:
@@ -262,27 +307,7 @@ def compare(
         vectors = system_vectors(name, path, td, progress, doc_len)
         scores = exact_scores(vectors, td)
         per_query[name] = scores.values("ndcg_at_10")
-        row = _system_report(vectors, td, scores, plots, m["arch"])
-        paired = paired_comparison(base_scores.values("ndcg_at_10"), scores.values("ndcg_at_10"))
-        timing = m["timing"]
-        row.update(
-            {
-                "checkpoint": str(path),
-                "paired_low": paired["ci95"][0],
-                "paired_high": paired["ci95"][1],
-                "ndcg_at_10_diff": paired["mean_diff"],
-                "wins": paired["wins"],
-                "losses": paired["losses"],
-                "p_value": paired["p_value"],
-                "train_seconds": timing.get("train_seconds"),
-                "train_wall_seconds": timing.get("wall_seconds"),
-                "train_cpu_seconds": timing.get("cpu_seconds"),
-                "train_peak_rss_mib": timing.get("peak_rss_mib"),
-                "steps": m["steps"],
-                "recipe": m["recipe"],
-            }
-        )
-        report["variants"][name] = row
+        report["variants"][name] = _variant_row(path, m, vectors, td, scores, base_scores, plots)
     # The paper's questions: each variant against SDE, and ADE-SPL against plain ADE.
     wanted = [(a, "sde") for a in per_query if a != "sde"] + [("ade_spl", "ade")]
     report["pairs"] = {

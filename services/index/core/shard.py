@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,25 +33,19 @@ from services.index.core.changes import Change, Delete, Upsert
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.gpu import GpuMirror
 from services.index.core.ids import faiss_id
+from services.index.core.pq_drift import PqDrift
 from services.index.core.query import PAD_ID, FilterSpec, Probes, Scored, TopK
 from services.index.core.rwlock import RWLock
+from services.index.core.scan import refine, search_preassigned
 from services.index.core.slots import SlotTable
-from services.index.core.text import TextConfig, TextDoc, TextIndex, TextStats
-from services.index.core.trained import TrainedIndex, pq_error
+from services.index.core.tags import TagPostings, check_filter
+from services.index.core.text import TextDoc, TextIndex, TextStats
+from services.index.core.trained import TrainedIndex
 
 log = logging.getLogger(__name__)
 
 MAX_K = LIMITS.max_k
 MAX_QUERIES = LIMITS.max_shard_queries
-# Candidates decoded at once by the refine: bounds its float buffer (× dim × 4 bytes) for
-# the largest request (256 queries × k 1,000 × refine 4 would otherwise take 1.5 GB).
-REFINE_BLOCK = 8192
-DRIFT_WINDOW = 10_000  # recent adds over which the PQ error is averaged
-
-MAX_FILTER_KEY_BYTES = LIMITS.max_key_bytes
-MAX_FILTER_VALUES = LIMITS.max_filter_values
-
-Tag = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -138,11 +131,8 @@ class IvfPqShard:
         self._reserve(1024)
         self._slots = SlotTable()  # FAISS id → slot
         self._free: list[int] = []
-        self._tags: dict[int, tuple[Tag, ...]] = {}
-        self._postings: dict[Tag, set[int]] = {}
-        self._recent_errors: deque[tuple[int, float]] = deque()
-        self._recent_count = 0
-        self._recent_sum = 0.0
+        self._tags = TagPostings()
+        self._drift = PqDrift()
         self.applied = positions.ZERO
         self.deleted_total = 0
         self.lock = RWLock()
@@ -212,7 +202,7 @@ class IvfPqShard:
             if positions.parse(position) > positions.parse(self.applied):
                 self.applied = position
         if upserts:
-            self._track_error(vectors)
+            self._drift.track(self.index, vectors)
         return ApplyResult(added=len(upserts), removed=removed, position=self.applied)
 
     def _present(self, fids: dict[str, int]) -> set[int]:
@@ -235,13 +225,7 @@ class IvfPqShard:
         slots = self._slots.remove(ids)
         self._docs[slots] = None
         self._free.extend(slots.tolist())
-        for fid in fids:
-            for tag in self._tags.pop(fid, ()):
-                bucket = self._postings.get(tag)
-                if bucket is not None:
-                    bucket.discard(fid)
-                    if not bucket:
-                        del self._postings[tag]
+        self._tags.remove(fids)
         return removed
 
     def _add(self, upserts: list[Upsert], vectors: np.ndarray, fids: list[int]) -> None:
@@ -252,11 +236,7 @@ class IvfPqShard:
         self._docs[slots] = [u.doc_id for u in upserts]
         self._slots.add(ids, slots)
         for upsert, fid in zip(upserts, fids, strict=True):
-            tags = tuple(sorted(upsert.tags.items()))
-            if tags:
-                self._tags[fid] = tags
-                for tag in tags:
-                    self._postings.setdefault(tag, set()).add(fid)
+            self._tags.add(fid, upsert.tags)
 
     def _take_slot(self) -> int:
         if self._free:
@@ -273,17 +253,6 @@ class IvfPqShard:
         docs = np.full(capacity, None, dtype=object)
         docs[: self._used] = self._docs[: self._used]
         self._codes, self._docs = codes, docs
-
-    def _track_error(self, vectors: np.ndarray) -> None:
-        error = pq_error(self.index, vectors)
-        n = len(vectors)
-        self._recent_errors.append((n, error * n))
-        self._recent_count += n
-        self._recent_sum += error * n
-        while self._recent_count - self._recent_errors[0][0] >= DRIFT_WINDOW:
-            old_n, old_sum = self._recent_errors.popleft()
-            self._recent_count -= old_n
-            self._recent_sum -= old_sum
 
     # --- reads -----------------------------------------------------------------------
 
@@ -317,14 +286,14 @@ class IvfPqShard:
             queries = self.check(queries, k, nprobe, filter, probes)
         nprobe = nprobe or self.manifest.nprobe
         with self.lock.read():
-            selector = self._selector(filter)
+            selector = self._tags.selector(filter)
             if selector is None and filter:
                 return TopK.empty(len(queries), k)
             fetch = k * self.manifest.refine_factor if self.manifest.refine else k
             if self.gpu is not None and selector is None:
                 scores, ids = self.gpu.search(queries, fetch, probes.nprobe if probes else nprobe)
             elif probes is not None:
-                scores, ids = self._search_preassigned(queries, fetch, probes, selector)
+                scores, ids = search_preassigned(self.ivf, queries, fetch, probes, selector)
             else:
                 params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
                 if selector is not None:
@@ -332,37 +301,11 @@ class IvfPqShard:
                 scores, ids = self.index.search(queries, fetch, params=params)
             slots = self._slots.lookup(ids)
             if self.manifest.refine:
-                slots, scores = self._refine(queries, slots, k)
+                slots, scores = refine(self.sq, self._codes, queries, slots, k)
             else:
                 scores = np.where(slots >= 0, scores, np.float32(-np.inf)).astype(np.float32)
             names = np.where(slots >= 0, self._docs[np.maximum(slots, 0)], PAD_ID)
             return TopK(names.ravel().tolist(), scores)
-
-    def _search_preassigned(
-        self, queries: np.ndarray, k: int, probes: Probes, selector: faiss.IDSelector | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        # The Python wrapper of search_preassigned takes no SearchParameters (so no
-        # selector and no per-call nprobe): call the C++ method directly.
-        n = len(queries)
-        scores = np.empty((n, k), dtype=np.float32)
-        ids = np.empty((n, k), dtype=np.int64)
-        lists = np.ascontiguousarray(probes.lists, dtype=np.int64)
-        coarse = np.ascontiguousarray(probes.scores, dtype=np.float32)
-        params = faiss.SearchParametersIVF(nprobe=probes.nprobe)  # type: ignore[call-arg]
-        if selector is not None:
-            params.sel = selector
-        self.ivf.search_preassigned_c(  # type: ignore[attr-defined]
-            n,
-            faiss.swig_ptr(queries),
-            k,
-            faiss.swig_ptr(lists),
-            faiss.swig_ptr(coarse),
-            faiss.swig_ptr(scores),
-            faiss.swig_ptr(ids),
-            False,
-            params,
-        )
-        return scores, ids
 
     def search_text(self, terms: Sequence[Sequence[str]], k: int, filter: FilterSpec = ()) -> TopK:
         """BM25 top-``k`` of each query (its analysed terms: :meth:`query_terms`) as a
@@ -424,53 +367,8 @@ class IvfPqShard:
 
     @staticmethod
     def check_filter(filter: FilterSpec) -> None:
-        for key, values in filter:
-            if not key or len(key.encode("utf-8")) > MAX_FILTER_KEY_BYTES:
-                raise InvalidArgument(
-                    f"filter: key {key!r} must be 1..{MAX_FILTER_KEY_BYTES} bytes"
-                )
-            if not 1 <= len(values) <= MAX_FILTER_VALUES:
-                raise InvalidArgument(
-                    f"filter: key {key!r} has {len(values)} values, takes 1..{MAX_FILTER_VALUES}"
-                )
-
-    def _selector(self, filter: FilterSpec) -> faiss.IDSelector | None:
-        if not filter:
-            return None
-        allowed: set[int] | None = None
-        for key, values in filter:
-            matching: set[int] = set()
-            for value in values:
-                matching |= self._postings.get((key, value), set())
-            allowed = matching if allowed is None else allowed & matching
-            if not allowed:
-                return None
-        assert allowed is not None
-        return faiss.IDSelectorBatch(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))
-
-    def _refine(
-        self, queries: np.ndarray, slots: np.ndarray, k: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Re-rank the IVF-PQ candidates (a grid of slots) by their SQ8-decoded inner
-        product, all queries at once; the top-k (slots, scores) grids, -1 / -inf where
-        fewer candidates exist. A pad is decoded as slot 0 and then masked: cheaper than
-        gathering the real candidates and their queries apart. Large grids go by blocks
-        of rows (:data:`REFINE_BLOCK` candidates).
-        """
-        n, fetch = slots.shape
-        rows = max(1, REFINE_BLOCK // fetch)
-        if n > rows:
-            parts = [
-                self._refine(queries[i : i + rows], slots[i : i + rows], k)
-                for i in range(0, n, rows)
-            ]
-            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-        valid = slots >= 0
-        decoded = self.sq.decode(self._codes[np.maximum(slots, 0).ravel()])
-        exact = np.matmul(decoded.reshape(n, fetch, self.dim), queries[:, :, None])[:, :, 0]
-        exact[~valid] = -np.inf
-        order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(slots, order, axis=1), np.take_along_axis(exact, order, axis=1)
+        """InvalidArgument for a filter past the limits (:func:`.tags.check_filter`)."""
+        check_filter(filter)
 
     # --- state -----------------------------------------------------------------------
 
@@ -501,7 +399,7 @@ class IvfPqShard:
             )
         total = sizes.sum()
         imbalance = float((sizes**2).sum() * len(sizes) / total**2) if total else 1.0
-        recent = self._recent_sum / self._recent_count if self._recent_count else 0.0
+        recent = self._drift.mean
         train = self.manifest.train_pq_error
         return ShardStats(
             text=self.text.stats() if self.text is not None else None,
@@ -512,7 +410,7 @@ class IvfPqShard:
             memory_bytes=memory,
             train_pq_error=train,
             recent_pq_error=recent,
-            pq_error_ratio=recent / train if train and self._recent_count else math.nan,
+            pq_error_ratio=recent / train if train and self._drift.count else math.nan,
             list_imbalance=imbalance,
         )
 
@@ -529,86 +427,3 @@ class IvfPqShard:
                 self.applied,
                 self._refine_index,
             )
-
-    # --- snapshot state --------------------------------------------------------------
-
-    def export_state(self) -> dict[str, np.ndarray]:
-        """A consistent copy of everything needed to rebuild this shard (for snapshots)."""
-        import json
-
-        with self.lock.read():
-            fids, slots = self._slots.items()
-            meta = {
-                "applied": self.applied,
-                "deleted_total": self.deleted_total,
-                "recent_count": self._recent_count,
-                "recent_sum": self._recent_sum,
-                "docs": self._docs[slots].tolist(),
-                "tags": [dict(self._tags.get(int(f), ())) for f in fids],
-            }
-            state = {
-                "index": faiss.serialize_index(self.index),
-                "fids": fids,
-                "codes": self._codes[slots].copy(),
-            }
-            if self.text is not None:
-                # the text index's files at the same position (no apply runs meanwhile)
-                files = self.text.export_files()
-                meta["text_files"] = [[name, len(data)] for name, data in files.items()]
-                state["text"] = np.frombuffer(b"".join(files.values()), dtype=np.uint8)
-            state["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-            return state
-
-    @classmethod
-    def from_state(
-        cls,
-        trained: TrainedIndex,
-        state: dict[str, np.ndarray],
-        text: TextConfig | None = None,
-    ) -> IvfPqShard:
-        """The shard :meth:`export_state` saved; its text index restored under
-        ``text.root`` when the state holds one (else none: the shard serves dense only)."""
-        import json
-
-        shard = cls(trained)
-        shard.index = faiss.deserialize_index(np.asarray(state["index"], dtype=np.uint8))
-        shard.ivf = faiss.extract_index_ivf(shard.index)
-        shard.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
-        meta = json.loads(bytes(np.asarray(state["meta"], dtype=np.uint8)).decode())
-        fids = np.asarray(state["fids"], dtype=np.int64)
-        codes = np.asarray(state["codes"], dtype=np.uint8)
-        if len(fids) != int(shard.index.ntotal) or len(codes) != len(fids):
-            raise ValueError("snapshot is inconsistent: id count differs from the index")
-        capacity = max(1024, 2 * len(fids))
-        shard._reserve(capacity)
-        shard._codes[: len(fids)] = codes
-        shard._docs[: len(fids)] = meta["docs"]
-        shard._used = len(fids)
-        shard._slots = SlotTable(capacity)
-        shard._slots.add(fids, np.arange(len(fids), dtype=np.int64))
-        for fid, tags in zip(fids.tolist(), meta["tags"], strict=True):
-            if tags:
-                shard._tags[fid] = tuple(sorted(tags.items()))
-                for tag in shard._tags[fid]:
-                    shard._postings.setdefault(tag, set()).add(fid)
-        shard.applied = meta["applied"]
-        shard.deleted_total = meta["deleted_total"]
-        shard._recent_count = meta["recent_count"]
-        shard._recent_sum = meta["recent_sum"]
-        if shard._recent_count:
-            shard._recent_errors.append((shard._recent_count, shard._recent_sum))
-        if text is not None and "text" in state:
-            blob = bytes(np.asarray(state["text"], dtype=np.uint8))
-            files, at = {}, 0
-            for name, size in meta["text_files"]:
-                files[name] = blob[at : at + size]
-                at += size
-            if at != len(blob):
-                raise ValueError("snapshot is inconsistent: text index files differ in size")
-            shard.text = TextIndex.restore(text.root, files, text.language)
-        elif text is not None:
-            log.warning(
-                "snapshot at %s has no text index: this replica serves dense searches only",
-                shard.applied,
-            )
-        return shard

@@ -199,10 +199,27 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
         gpu_problem=gpu_pq_problem(dim, opts.pq_m, opts.pq_bits),
     )
     tuning = tune_nprobe(TrainedIndex(manifest, index, refine), x, opts)
+    _record_tuning(manifest, tuning)
+    manifest.ivf_advice = ivf_advice(n, tuning)
+    if manifest.ivf_advice:
+        log.warning("%s", manifest.ivf_advice)
+    ivf.nprobe = manifest.nprobe
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    faiss.write_index(index, str(out / TRAINED))
+    faiss.write_index(refine, str(out / REFINE))
+    manifest.write(out)
+    return manifest
+
+
+def _record_tuning(manifest: Manifest, tuning: NprobeTuning | None) -> None:
+    """``tuning``'s nprobe and measured recalls into ``manifest`` (the rule of thumb's
+    nprobe kept, and said, when the sample was too small to tune)."""
     if tuning is None:
         log.warning(
             "%d training vectors are too few to tune nprobe: nprobe %d (nlist/10, at least 32)",
-            n,
+            manifest.train_points,
             manifest.nprobe,
         )
     else:
@@ -229,17 +246,6 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
                 tuning.recall,
                 tuning.wide_recall,
             )
-    manifest.ivf_advice = ivf_advice(n, tuning)
-    if manifest.ivf_advice:
-        log.warning("%s", manifest.ivf_advice)
-    ivf.nprobe = manifest.nprobe
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    faiss.write_index(index, str(out / TRAINED))
-    faiss.write_index(refine, str(out / REFINE))
-    manifest.write(out)
-    return manifest
 
 
 @dataclass(frozen=True)
