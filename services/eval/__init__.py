@@ -8,5 +8,9 @@
   by its score and by each of its terms), used here and by ``gtr-retrieval rerank eval``;
 - :mod:`.service`: the same through a running gateway;
 - :mod:`.report`: the table and the JSON line; the command is
-  :mod:`services.cli.eval_commands`.
+  :mod:`services.cli.eval_commands`;
+- :mod:`.run`: one evaluation from a config to a report (in process or through a gateway);
+- :mod:`.config`: what one run evaluates;
+- :mod:`.data`: the BEIR folder of one evaluation as arrays (queries, documents, their
+  embeddings).
 """
