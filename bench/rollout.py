@@ -173,7 +173,7 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
     search latency during the rollout only."""
     import redis
 
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     client = redis.Redis.from_url(redis_url)
     reg = Registry(client)

@@ -1,10 +1,10 @@
 """``gtr-retrieval index drift-watch`` and ``index await-generation`` (issue #24).
 
 drift-watch: start ``index rollout --retrain`` when the serving generation's PQ error
-ratio stays above a threshold for a window (:mod:`services.index.rollout.drift`); off
+ratio stays above a threshold for a window (:mod:`services.generations.drift`); off
 unless run (the chart's ``index.drift.autoRollout.enabled``).
 await-generation: a generation's shard pods wait until it may serve, then publish its
-addresses (:mod:`services.index.rollout.standby`; the chart's init container).
+addresses (:mod:`services.generations.standby`; the chart's init container).
 """
 
 from __future__ import annotations
@@ -178,14 +178,14 @@ def _drift_watch(args: argparse.Namespace) -> int:
 
     from services.common.redis_client import sync_client
     from services.common.tls import ClientTLS
-    from services.index.generations import Registry
-    from services.index.rollout.drift import (
+    from services.generations.drift import (
         ChildRunner,
         DriftPolicy,
         DriftWatcher,
         WatchConfig,
         read_with_asyncio,
     )
+    from services.generations.registry import Registry
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader's INFO lines
@@ -213,7 +213,7 @@ def _drift_watch(args: argparse.Namespace) -> int:
         from prometheus_client import CollectorRegistry
 
         from services.common.metrics import serve_metrics
-        from services.index.rollout.drift import DriftMetrics
+        from services.generations.drift import DriftMetrics
 
         prom = CollectorRegistry()
         metrics = DriftMetrics(prom)
@@ -261,8 +261,8 @@ def _drift_watch(args: argparse.Namespace) -> int:
 def _await_generation(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.common.redis_client import sync_client
-    from services.index.generations import Registry
-    from services.index.rollout.standby import await_generation
+    from services.generations.registry import Registry
+    from services.generations.standby import await_generation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     registry = Registry(sync_client(_redis_url(args)))

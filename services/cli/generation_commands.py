@@ -1,5 +1,5 @@
 """``gtr-retrieval index rollout | rollback | retire | generations``: index generations
-(docs/generations.md). The builder is :mod:`services.index.rollout.builder`; this module
+(docs/generations.md). The builder is :mod:`services.generations.builder`; this module
 is the commands' flags, the connection to the store and Triton, and the output."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -424,7 +424,7 @@ def _encoders(places: Places) -> Any:
     from services.common.errors import FailedPrecondition
     from services.encoder.base import DOCUMENT_PRIORITY
     from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
-    from services.index.generations import EncoderSpec
+    from services.generations.registry import EncoderSpec
 
     async def make(spec: EncoderSpec) -> Any:
         if not places.triton_url:
@@ -446,10 +446,39 @@ def _encoders(places: Places) -> Any:
     return make
 
 
+@contextlib.contextmanager
+def _in_flags() -> Iterator[None]:
+    """The package's errors say what is missing; this adds which flag supplies it."""
+    from services.common.errors import FailedPrecondition
+    from services.generations.errors import (
+        NoModelRepository,
+        SourceAddressesUnknown,
+        TransportMismatch,
+    )
+
+    try:
+        yield
+    except SourceAddressesUnknown as exc:
+        raise FailedPrecondition(f"--retrain: {exc.message}: give --source-shards") from None
+    except NoModelRepository as exc:
+        raise FailedPrecondition(
+            f"--encoder: {exc.message} (give --triton-repo, or --run-dir of a running local "
+            "stack; or `index rollout --abort`)"
+        ) from None
+    except TransportMismatch as exc:
+        hint = (
+            "give --tls-ca (and --tls-client-cert and --tls-client-key when they require "
+            "client certificates, as under `up --tls`), or --run-dir of the local stack"
+            if exc.replica_tls
+            else "drop the --tls-* flags"
+        )
+        raise FailedPrecondition(f"{exc.message}: {hint}") from None
+
+
 def _builder(
     args: argparse.Namespace, places: Places, client: Any, progress: Any, publisher: Any = None
 ) -> Any:
-    from services.index.rollout.builder import RolloutBuilder, RolloutOptions
+    from services.generations.builder import RolloutBuilder, RolloutOptions
 
     options = RolloutOptions(
         index_root=places.index_root,
@@ -472,7 +501,7 @@ def _builder(
 
 
 def _progress(args: argparse.Namespace) -> Any:
-    from services.index.rollout.progress import ConsoleProgress
+    from services.generations.progress import ConsoleProgress
 
     return ConsoleProgress(args.metrics_port, enabled=not args.quiet)
 
@@ -482,8 +511,8 @@ def _progress(args: argparse.Namespace) -> Any:
 
 def _rollout(args: argparse.Namespace) -> int:
     from services.common.cpus import budget_for, pin_process
-    from services.index.generations import Registry
-    from services.index.rollout.builder import RolloutPlan
+    from services.generations.builder import RolloutPlan
+    from services.generations.registry import Registry
 
     budget = budget_for(args.cpus) if args.cpus else None
     if budget:  # from here on (the export of --encoder too) this process runs there
@@ -492,15 +521,15 @@ def _rollout(args: argparse.Namespace) -> int:
     client = _client(places.redis_url)
     registry = Registry(client)
     if args.abort:
-        from services.index.rollout.builder import RolloutBuilder, RolloutOptions
+        from services.generations.builder import RolloutBuilder, RolloutOptions
 
         aborted = RolloutBuilder(
             client, _encoders(places), RolloutOptions(index_root=places.index_root)
         ).abort()
-        target = aborted["target"]
-        if aborted.get("phase") == "publish":  # stopped before its target was recorded
+        target = aborted.target
+        if aborted.phase == "publish":  # stopped before its target was recorded
             print(
-                f"aborted the rollout to {target} (phase publish): {aborted['source']} "
+                f"aborted the rollout to {target} (phase publish): {aborted.source} "
                 f"serves and takes the writes as before; {target} was never recorded. If "
                 "its encoder was published before it stopped, no generation uses that "
                 "version: `gtr-retrieval encoder versions` lists it, `encoder unpublish "
@@ -508,12 +537,12 @@ def _rollout(args: argparse.Namespace) -> int:
             )
             return 0
         print(
-            f"aborted the rollout to {target} (phase {aborted.get('phase')}): "
-            f"{aborted['source']} takes the writes; {target} is "
+            f"aborted the rollout to {target} (phase {aborted.phase}): "
+            f"{aborted.source} takes the writes; {target} is "
             f"{registry.get(target).state}"
         )
         return 0
-    running = registry.rollout()
+    running = registry.running()
     serving = registry.serving()
     encoder_dir = str(args.encoder.resolve()) if args.encoder is not None else ""
     if running is None:
@@ -536,8 +565,7 @@ def _rollout(args: argparse.Namespace) -> int:
             RolloutPlan(num_shards=args.shards, retrain=args.retrain, encoder_dir=encoder_dir),
         )
         question = (
-            f"resume the rollout to {running.get('target')} from {running.get('source')} "
-            f"(phase {running.get('phase')})?"
+            f"resume the rollout to {running.target} from {running.source} (phase {running.phase})?"
         )
     if not _confirm(args, question):
         return 1
@@ -546,7 +574,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
         def budgeted() -> None:
             if budget and not entered:
-                from services.index.rollout.budget import CpuBudget
+                from services.generations.budget import CpuBudget
 
                 stack.enter_context(CpuBudget(client, budget, places.triton_repo))
                 entered.append(True)
@@ -554,9 +582,7 @@ def _rollout(args: argparse.Namespace) -> int:
         # --encoder is published by the builder's first phase, under the rollout lock (a
         # resume in that phase publishes the same folder again); the budget starts after
         # the publish: the export and Triton's load of the new version run on every CPU.
-        publishing = (
-            args.encoder is not None if running is None else running.get("phase") == "publish"
-        )
+        publishing = args.encoder is not None if running is None else running.phase == "publish"
         if not publishing:
             budgeted()
         plan = RolloutPlan(num_shards=args.shards, retrain=args.retrain, encoder_dir=encoder_dir)
@@ -564,7 +590,8 @@ def _rollout(args: argparse.Namespace) -> int:
         started = time.monotonic()
         try:
             builder = _builder(args, places, client, progress, _publisher(places, budget, budgeted))
-            serving_now = asyncio.run(builder.rollout(plan))
+            with _in_flags():
+                serving_now = asyncio.run(builder.rollout(plan))
         finally:
             progress.close()
     print(
@@ -613,7 +640,7 @@ def _publisher(
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     places = _places(args)
     client = _client(places.redis_url)
@@ -624,7 +651,8 @@ def _rollback(args: argparse.Namespace) -> int:
     progress = _progress(args)
     started = time.monotonic()
     try:
-        serving = asyncio.run(_builder(args, places, client, progress).rollback())
+        with _in_flags():
+            serving = asyncio.run(_builder(args, places, client, progress).rollback())
     finally:
         progress.close()
     print(
@@ -636,8 +664,8 @@ def _rollback(args: argparse.Namespace) -> int:
 
 
 def _retire(args: argparse.Namespace) -> int:
-    from services.index.generations import Registry
-    from services.index.rollout.lifecycle import retire
+    from services.generations.lifecycle import retire
+    from services.generations.registry import Registry
 
     places = _places(args)
     client = _client(places.redis_url)
@@ -664,22 +692,13 @@ def _retire(args: argparse.Namespace) -> int:
 
 
 def _release_encoder(args: argparse.Namespace, places: Places, registry: Any, gen: Any) -> int:
-    """Unpublish ``gen``'s version of embed when no generation in a running state (nor
-    the recorded rollout's target) uses it; 0, or ENCODER_KEPT when it could not be."""
-    from services.common.errors import NotFound, RetrievalError
-    from services.encoder.serve.versions import VersionInUse, generations_using, unpublish_version
+    """Say what became of ``gen``'s version of embed (the decision is
+    :func:`services.generations.encoders.release_encoder`'s); 0, or ENCODER_KEPT when it
+    could not be unpublished."""
+    from services.generations.encoders import release_encoder
 
-    version = gen.encoder.version or 1  # a record without a version: version 1
-
-    def using() -> list[str]:
-        return generations_using(registry.all(), version, registry.rollout())
-
-    def kept(users: list[str]) -> int:
-        print(f"embed version {version} stays published: the encoder of {', '.join(users)}")
-        return 0
-
-    if using():
-        return kept(using())
+    done = release_encoder(registry, gen, places.triton_repo, places.triton_url, places.triton_tls)
+    version = done.version
     later = f"gtr-retrieval encoder unpublish --version {version}" + "".join(
         f" {flag} {value}"
         for flag, value in (
@@ -692,46 +711,42 @@ def _release_encoder(args: argparse.Namespace, places: Places, registry: Any, ge
         )
         if value
     )
-    if places.triton_repo is None:
+    if done.outcome == "kept":
+        print(f"embed version {version} stays published: the encoder of {', '.join(done.users)}")
+    elif done.outcome == "no_repository":
         print(
             f"note: embed version {version} is no longer used by any generation but stays "
             "published: no Triton model repository named (--triton-repo, or --run-dir of "
             f"the local stack); `{later}` frees it",
             file=sys.stderr,
         )
-        return 0
-    try:  # asked again under the publish lock: a rollout may have begun publishing meanwhile
-        unpublish_version(
-            places.triton_repo, version, places.triton_url, tls=places.triton_tls, in_use=using
-        )
-    except VersionInUse as exc:
-        return kept(exc.users)
-    except NotFound:  # a retire run again after the version went (or never published)
+    elif done.outcome == "absent":
         print(f"embed version {version} is not in {places.triton_repo}: nothing to unpublish")
-        return 0
-    except RetrievalError as exc:  # Triton unreachable or refusing: the repository as it was
+    elif done.outcome == "failed":
+        message = done.error.message if done.error is not None else ""
         print(
             f"warning: {gen.name} is retired, but embed version {version}, its encoder, is "
-            f"still published (Triton keeps it loaded): {exc.message}\nrun `{later}` once "
+            f"still published (Triton keeps it loaded): {message}\nrun `{later}` once "
             f"Triton answers (or `index retire --generation {gen.name}` again)",
             file=sys.stderr,
         )
         return ENCODER_KEPT
-    where = (
-        f" and unloaded by Triton at {places.triton_url}"
-        if places.triton_url
-        else (" (no Triton named: one serving it unloads it at its next load or restart)")
-    )
-    print(
-        f"embed version {version} (no other generation uses it) unpublished from "
-        f"{places.triton_repo}{where}"
-    )
+    else:
+        where = (
+            f" and unloaded by Triton at {places.triton_url}"
+            if places.triton_url
+            else (" (no Triton named: one serving it unloads it at its next load or restart)")
+        )
+        print(
+            f"embed version {version} (no other generation uses it) unpublished from "
+            f"{places.triton_repo}{where}"
+        )
     return 0
 
 
 def _generations(args: argparse.Namespace) -> int:
-    from services.index.generations import Registry, describe
-    from services.index.rollout.lifecycle import generation_sizes
+    from services.generations.lifecycle import generation_sizes
+    from services.generations.registry import Registry, describe
 
     places = _places(args)
     client = _client(places.redis_url)

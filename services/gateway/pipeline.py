@@ -41,6 +41,7 @@ from services.common.errors import (
 from services.common.fusion import Fusion, Mode, RetrievalDefaults, fuse_hits
 from services.common.limits import Limits
 from services.encoder.base import Embeddings
+from services.encoder.texts import cut_for_encoder
 from services.gateway import validation
 from services.gateway.domain import (
     Consistency,
@@ -55,7 +56,6 @@ from services.gateway.generations import Bundle, GenerationSource, Serving, reso
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.ports import DocRecord, IndexQuery, Reranker
 from services.gateway.query_cache import QueryEmbeddingCache
-from services.gateway.texts import cut_for_encoder
 from services.index.keys import CLOSED
 
 log = logging.getLogger(__name__)
@@ -571,7 +571,7 @@ class DocumentPipeline:
         return Deadline.after(self.default_timeout_s if timeout is None else timeout)
 
     async def upsert(self, docs: Sequence[Document], timeout: float | None) -> WriteResult:
-        """Encode (only what the model reads, see :mod:`services.gateway.texts`), then
+        """Encode (only what the model reads, see :mod:`services.encoder.texts`), then
         store the whole documents and log them, in the serving generation (encoded again
         with the next one's encoder when a switch moves the writes meanwhile)."""
         deadline = self._deadline(timeout)

@@ -703,7 +703,7 @@ def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
     import redis
 
     from services.cli.client_commands import search_once
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     stack, cfg = locked_stack.stack, locked_stack.cfg
     client = redis.Redis.from_url(locked_stack.url)

@@ -37,7 +37,7 @@ import pytest
 
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common import positions
-from services.index.generations import Generation, Registry
+from services.generations.registry import Generation, Registry
 from services.index.keys import GenerationKeys
 from tests.encoder_fixtures import encoder_base
 from tests.support.encoders import ensure_second_encoder

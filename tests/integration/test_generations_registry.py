@@ -1,4 +1,4 @@
-"""The registry of index generations (services/index/generations.py) and the key names of
+"""The registry of index generations (services/generations/registry.py) and the key names of
 other layouts and generations (services/index/keys.py), on a real Redis and a real
 Redis Cluster."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.redis_client import async_client
-from services.index.generations import EncoderSpec, Registry, read_alias
+from services.generations.registry import EncoderSpec, Registry, read_alias
 from services.index.keys import (
     CLOSED,
     GenerationKeys,

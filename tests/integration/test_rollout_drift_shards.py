@@ -22,9 +22,7 @@ import numpy as np
 import pytest
 import redis
 
-from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.generations import EncoderSpec, Registry
-from services.index.rollout.drift import (
+from services.generations.drift import (
     DRIFT_KEY,
     DriftPolicy,
     DriftWatcher,
@@ -32,6 +30,8 @@ from services.index.rollout.drift import (
     read_ratios,
     read_with_asyncio,
 )
+from services.generations.registry import EncoderSpec, Registry
+from services.index.client.writer import ChangeLogWriter, DocRecord
 from tests.support.processes import wait_until
 from tests.support.shards import ShardCluster, run_shards, train_test_index
 

@@ -31,12 +31,13 @@ import pytest
 import redis
 
 from services.common.cpus import format_cpus
-from services.gateway.settings import parse_shard_addresses
+from services.generations import budget as rollout_budget
+from services.generations.registry import EncoderSpec, Generation, Registry
+from services.index.client.addresses import parse_shard_addresses
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, IndexQuery
 from services.index.core.train import TrainOptions, train_index
-from services.index.generations import EncoderSpec, Generation, Registry
 from services.index.keys import (
     ADDRESSES_KEY,
     CPU_BUDGET_KEY,
@@ -45,7 +46,6 @@ from services.index.keys import (
     GenerationKeys,
     Layout,
 )
-from services.index.rollout import budget as rollout_budget
 from services.stack import components, first_run
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig

@@ -190,7 +190,7 @@ def test_a_second_encoder_is_published_and_served_beside_the_first(served: Serve
 def _stubs(handle: TritonHandle, repo: Path, version: int) -> list[int]:
     """The pids of Triton's Python backend stubs that run ``version`` of ``embed``: argv
     ``triton_python_backend_stub <repo>/embed/<version>/model.py ...``, read from /proc
-    (as services/stack/cpu_budget.py ``stub_budget_age`` reads it). A reload of the
+    (as services/generations/placement.py ``stub_budget_age`` reads it). A reload of the
     version starts a new stub before the old one stops."""
     from services.common.cpus import children_of, cmdline
 
@@ -422,7 +422,7 @@ def test_a_generation_recorded_without_a_version_gets_version_one_not_the_newest
     must still be encoded by version 1, the store's encoder."""
     from services.gateway.server import GenerationParts, build_encoder
     from services.gateway.settings import GatewaySettings
-    from services.index.generations import EncoderSpec, Generation
+    from services.generations.registry import EncoderSpec, Generation
 
     url = served.handle.grpc_url
     publish_version(served.repo, ensure_second_encoder(served.base), url)  # v2 (if not yet)
@@ -510,7 +510,7 @@ def test_unpublish_refuses_a_version_an_index_generation_uses(
     generation is retired and the rollout gone the version may go."""
     import redis
 
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
 
     repo = tmp_path / "repo"
     shutil.copytree(served.repo, repo, ignore=shutil.ignore_patterns(".publish.lock"))
@@ -556,7 +556,7 @@ def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     import redis
 
     from services.cli.main import main
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
     from services.index.keys import LAYOUT_KEY
 
     url, repo = served.handle.grpc_url, served.repo
@@ -644,7 +644,7 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
 
     import redis
 
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
     from services.index.keys import LAYOUT_KEY
     from tests.support.processes import wait_until
 
@@ -775,7 +775,7 @@ def _generation_stack(tmp_path: Path, redis_url: str, served: Served) -> tuple[P
     (2 shards, version 1) serves; → (run dir, blocking Redis client)."""
     import redis
 
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
     from services.index.keys import LAYOUT_KEY
 
     run_dir = tmp_path / "stack"
@@ -822,7 +822,7 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
     again under the lock and sees the rollout publishing, and the rollout records the
     version it got. (The rollout used to publish before taking the rollout lock: it was
     never seen in phase `publish`, and a retire in between unpublished its version.)"""
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
 
     url, repo = served.handle.grpc_url, served.repo
     export = ensure_onnx(ensure_second_encoder(served.base, seed=5), served.base).parent
@@ -889,7 +889,7 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
     so again, `index rollout` with no options resumes it: it publishes the folder its plan
     names, records the version and its target, and goes on (here to the train phase, which
     an empty store refuses); `--abort` then leaves the target `failed`."""
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     url, repo = served.handle.grpc_url, served.repo
     export = ensure_onnx(ensure_second_encoder(served.base, seed=5), served.base).parent

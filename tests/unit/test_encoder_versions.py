@@ -140,8 +140,8 @@ def test_a_recorded_rollouts_target_uses_the_version_its_plan_names() -> None:
     the target's record: in between, the target counts by its plan."""
     import json
 
-    from services.encoder.serve.versions import generations_using
-    from services.index.generations import EncoderSpec, Generation
+    from services.generations.encoders import generations_using
+    from services.generations.registry import EncoderSpec, Generation
 
     g1 = Generation("g1", "serving", 2, EncoderSpec("all-MiniLM-L6-v2", 0, 384), "")
     g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
@@ -160,8 +160,8 @@ def test_a_rollout_publishing_its_encoder_uses_every_version() -> None:
     export), so until the version is recorded the rollout keeps every version."""
     import json
 
-    from services.encoder.serve.versions import generations_using
-    from services.index.generations import EncoderSpec, Generation
+    from services.generations.encoders import generations_using
+    from services.generations.registry import EncoderSpec, Generation
 
     g1 = Generation("g1", "serving", 2, EncoderSpec("embed", 1, 384), "")
     g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")

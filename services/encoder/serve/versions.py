@@ -39,7 +39,8 @@ loads every version at start.
 
 :func:`unpublish_version` takes a version out again (an encoder no generation uses any
 more: its memory in Triton is freed); the last one stays. ``index retire`` calls it for
-the retired generation's version once :func:`generations_using` names nobody (``encoder
+the retired generation's version once no generation uses it
+(:func:`services.generations.encoders.generations_using`, the policy) (``encoder
 unpublish`` is the same call by hand), asked under the repository's publish lock
 (``in_use``): ``index rollout --encoder`` takes the rollout lock (phase ``publish``)
 before it publishes, so an unpublish either sees that rollout or ends before its publish
@@ -61,17 +62,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.cpus import BUDGET_FILE, budget_path
+from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, NotFound, RetrievalError, Unavailable
 from services.encoder.base import version_key
 from services.encoder.build.export import (
@@ -98,7 +99,6 @@ from services.encoder.build.repository import (
 )
 from services.encoder.profiles import KINDS
 from services.encoder.runtime.triton_client import triton_addresses
-from services.index.generations import RUNNING, EncoderSpec, Generation
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
@@ -462,28 +462,6 @@ class VersionInUse(FailedPrecondition):
         super().__init__(f"embed version {version} is the encoder of {', '.join(users)}")
         self.version = version
         self.users = users
-
-
-def generations_using(
-    generations: Iterable[Generation], version: int, rollout: Mapping[str, str] | None = None
-) -> list[str]:
-    """The generations in a running state (their shards run, they may serve again) whose
-    encoder is ``version`` of ``embed`` (a record without a version means version 1), and
-    the target of the recorded ``rollout`` (``Registry.rollout()``) when its plan names
-    ``version`` (the builder takes the lock before it writes the target's record) or when
-    it is still publishing its encoder (phase ``publish``: the version is not known yet,
-    and may be this one, an export published before)."""
-    names = [
-        g.name for g in generations if g.state in RUNNING and (g.encoder.version or 1) == version
-    ]
-    if rollout:
-        planned = json.loads(rollout.get("plan") or "{}").get("encoder") or {}
-        target = rollout.get("target", "")
-        publishing = rollout.get("phase") == "publish"
-        using = publishing or (bool(planned) and int(planned.get("version") or 1) == version)
-        if using and target not in names:
-            names.append(f"{target} (a rollout publishing its encoder)" if publishing else target)
-    return names
 
 
 def describe_versions(repo_dir: Path) -> list[EncoderSpec]:

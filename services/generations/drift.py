@@ -122,7 +122,7 @@ async def read_ratios(spec: str, tls: Any = None) -> Reading:
     """Ask every replica of the generation at ``spec`` (the gateway's ``--shards`` syntax:
     ``;`` between shards, ``,`` between replicas, or one ``dns:///`` target per shard) for
     its Stats; replicas that do not answer within 5 s are left out."""
-    from services.gateway.settings import parse_shard_addresses
+    from services.index.client.addresses import parse_shard_addresses
     from services.index.client.router import ShardRouter
 
     router = ShardRouter(
@@ -178,7 +178,7 @@ class DriftMetrics:
 class DriftWatcher:
     """The loop of ``index drift-watch``: poll, keep the window, start the rollout.
 
-    ``registry`` is a :class:`~services.index.generations.Registry`; ``read`` reads a
+    ``registry`` is a :class:`~services.generations.registry.Registry`; ``read`` reads a
     generation's ratios from its address spec (:func:`read_ratios`); ``run`` runs the
     rollout's argv to its end and returns its exit status. All three are injected so that
     the loop runs against a real Redis and real shards in tests, and in the pod."""
