@@ -60,6 +60,7 @@ from services.generations.replicas import parse_addresses
 from services.generations.state import (
     DONE,
     PHASES,
+    Mode,
     RecordedPlan,
     RolloutState,
     RolloutStore,
@@ -130,7 +131,7 @@ class RolloutBuilder:
         publish = plan.encoder is None and bool(plan.encoder_dir)
         num_shards = plan.num_shards or serving.num_shards
         encoder = plan.encoder or serving.encoder
-        mode = "retrain" if plan.retrain else "encode"
+        mode: Mode = "retrain" if plan.retrain else "encode"
         now = time.time()
         # With a checkpoint to publish the lock comes first and the publish is its first
         # phase: T's record, which needs the published version, is written at the

@@ -59,7 +59,7 @@ async def replay(ctx: RolloutContext, until: dict[int, str] | None) -> int:
             if not entries:
                 break
             await _replay_entries(ctx, entries, src, embedder, appender)  # type: ignore[arg-type]
-            position = text(entries[-1][0])  # type: ignore[index]
+            position = text(entries[-1][0])  # type: ignore[index, arg-type]
             done[shard] = position
             replayed[shard] = replayed.get(shard, 0) + len(entries)  # type: ignore[arg-type]
             count += len(entries)  # type: ignore[arg-type]

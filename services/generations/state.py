@@ -284,7 +284,9 @@ class RolloutStore:
             raise Takeover(
                 f"the rollout to {state.target} was taken over or aborted: this builder stops"
             )
-        progress = {k: v for k, v in state.to_fields().items() if k not in CLAIM_FIELDS}
+        progress: dict[Any, Any] = {
+            k: v for k, v in state.to_fields().items() if k not in CLAIM_FIELDS
+        }
         self.redis.hset(ROLLOUT_KEY, mapping=progress)
         return state
 
