@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from services.common import cpus as cpu_sets
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition
 from services.common.redis_client import SyncRedis
 from services.generations import logs, rollback
 from services.generations.context import (
@@ -48,7 +48,7 @@ from services.generations.context import (
     Wiring,
 )
 from services.generations.encoding import EncoderFactory, embedding_text
-from services.generations.errors import NoModelRepository, SourceAddressesUnknown
+from services.generations.errors import NoModelRepository, PlanRefused, SourceAddressesUnknown
 from services.generations.phase_bulk import run_bulk
 from services.generations.phase_catch_up import run_catch_up
 from services.generations.phase_publish import record_target, run_create, run_p0, run_publish
@@ -162,15 +162,17 @@ class RolloutBuilder:
         """InvalidArgument / FailedPrecondition for a plan that cannot run, before
         anything is recorded."""
         if plan.retrain and (plan.encoder is not None or plan.encoder_dir):
-            raise InvalidArgument("a retrain reuses the serving encoder's vectors: no new encoder")
+            raise PlanRefused(
+                "reuses the serving encoder's vectors: no new encoder", option="retrain"
+            )
         if plan.encoder is None and plan.encoder_dir and self.wiring.publisher is None:
             raise NoModelRepository("a new encoder: no Triton model repository to publish it into")
         num_shards = plan.num_shards or serving.num_shards
         if num_shards < 1:
-            raise InvalidArgument(f"{num_shards} shards: at least 1")
+            raise PlanRefused(f"{num_shards}: at least 1", option="shards")
         encoder = plan.encoder or serving.encoder
         if encoder.dim and serving.encoder.dim and plan.retrain and encoder != serving.encoder:
-            raise InvalidArgument("a retrain keeps the serving encoder")
+            raise PlanRefused("keeps the serving encoder", option="retrain")
         spec = self.registry.addresses(serving.name) or self.wiring.source_addresses
         if plan.retrain and not spec:
             raise SourceAddressesUnknown(
