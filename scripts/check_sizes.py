@@ -6,8 +6,8 @@ read in one sitting and a function on one screen. A module counts its lines; a f
 counts the lines from its ``def`` to its last line, its docstring left out. Flat
 declarations (an argument table, a settings class's fields) are data, not control flow:
 a function whose body is a run of calls that each add one declaration (``add_argument``,
-``add_command`` and the like) is exempt when at least 90 % of its statements are such calls, and so is
-any module listed in :data:`EXEMPT` with the reason.
+``add_command`` and the like) is exempt when at least 90 % of its statements are such
+calls, and so is any module listed in :data:`EXEMPT` with the reason.
 
 Usage: ``python scripts/check_sizes.py [--json]``; exit status 1 when anything is over.
 ``tests/unit/test_sizes.py`` runs it in CI.

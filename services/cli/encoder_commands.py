@@ -212,7 +212,7 @@ def _triton_place(args: argparse.Namespace) -> TritonPlace:
 def _publish(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from services.encoder.serve.versions import publish_version
+    from services.encoder.serve.publish import publish_version
 
     place = _triton_place(args)
     spec = publish_version(place.repo, Path(args.model_dir), place.url, tls=place.tls)
@@ -234,7 +234,7 @@ def _publish(args: argparse.Namespace) -> int:
 def _unpublish(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.common.redis_client import sync_client
-    from services.encoder.serve.versions import VersionInUse, unpublish_version
+    from services.encoder.serve.unpublish import VersionInUse, unpublish_version
     from services.generations.encoders import in_use
     from services.generations.registry import Registry
 

@@ -53,7 +53,7 @@ def generations_using(
 
 
 def in_use(registry: Registry, version: int) -> Callable[[], list[str]]:
-    """The question :func:`~services.encoder.serve.versions.unpublish_version` asks under
+    """The question :func:`~services.encoder.serve.unpublish.unpublish_version` asks under
     the publish lock: who uses ``version`` now."""
     return lambda: generations_using(registry.all(), version, registry.running())
 
@@ -84,7 +84,7 @@ def release_encoder(
     """Unpublish ``gen``'s version of ``embed`` when no generation in a running state
     (nor the recorded rollout's target) uses it; asked again under the publish lock, as a
     rollout may have begun publishing meanwhile."""
-    from services.encoder.serve.versions import VersionInUse, unpublish_version
+    from services.encoder.serve.unpublish import VersionInUse, unpublish_version
 
     version = gen.encoder.version or 1  # a record without a version: version 1
     using = in_use(registry, version)

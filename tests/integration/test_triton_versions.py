@@ -36,15 +36,12 @@ from services.encoder.build.repository import RepositoryConfig, generate_reposit
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import Kind
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
+from services.encoder.serve.publish import publish_version
+from services.encoder.serve.triton_load import load_model
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
-from services.encoder.serve.versions import (
-    clear_cpu_budgets,
-    describe_versions,
-    load_model,
-    publish_version,
-    served_versions,
-    unpublish_version,
-)
+from services.encoder.serve.unpublish import unpublish_version
+from services.generations.state import RolloutState
+from services.encoder.serve.versions import clear_cpu_budgets, describe_versions, served_versions
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -97,6 +94,11 @@ async def _encode_all(url: str, version: str) -> tuple[TritonEncoder, dict[Kind,
     finally:
         await encoder.close()
     return encoder, got
+
+
+def _recorded(registry: Any) -> RolloutState:
+    """The rollout ``{gtr}:rollout`` records (an empty record when none runs)."""
+    return registry.running() or RolloutState(target="")
 
 
 def _expected(model_dir: Path) -> dict[Kind, np.ndarray]:
@@ -737,7 +739,7 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
         assert _ready_versions(served.handle) == ready
         again = _cli("versions", "--repo", str(repo), "--json")
         assert again.returncode == 0 and again.stdout == listed.stdout, again.stderr
-        assert (registry.rollout() or {}).get("target") == "g7"  # the other one's, intact
+        assert _recorded(registry).target == "g7"  # the other one's, intact
     finally:
         if process.poll() is None:
             process.kill()
@@ -846,7 +848,7 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
             )
             wait_until(
                 lambda: (
-                    (registry.rollout() or {}).get("phase") == "publish"
+                    _recorded(registry).phase == "publish"
                     or rollout.poll() is not None
                 ),
                 "the rollout's lock, taken before its publish",
@@ -859,13 +861,14 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
         assert registry.get("g2").state == "retired"
         wait_until(
             lambda: (
-                (registry.rollout() or {}).get("phase") != "publish" or rollout.poll() is not None
+                _recorded(registry).phase != "publish" or rollout.poll() is not None
             ),
             "the rollout past its publish",
             300,
         )
-        plan = json.loads((registry.rollout() or {}).get("plan") or "{}")
-        assert (plan.get("encoder") or {}).get("version") == version, _finish(rollout)
+        plan = _recorded(registry).plan
+        planned = plan.encoder if plan is not None else None
+        assert planned is not None and planned.version == version, _finish(rollout)
         assert registry.get("g3").encoder.version == version
         assert version in served_versions(repo)
         assert str(version) in _ready_versions(served.handle)
@@ -908,37 +911,38 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
                     120,
                 )
                 assert process.poll() is None, _finish(process)
-                running = registry.rollout() or {}
-                assert running.get("phase") == "publish", running
+                running = _recorded(registry)
+                assert running.phase == "publish", running
             finally:
                 process.kill()
                 process.communicate()
         assert served_versions(repo) == versions
         with pytest.raises(NotFound):
-            registry.get(running["target"])
-        return running["target"]
+            registry.get(running.target)
+        return running.target
 
     target = killed_while_publishing()
     status, out = _finish(_index("rollout", "--abort", *where))
     assert status == 0, out
     assert f"aborted the rollout to {target} (phase publish)" in out, out
-    assert registry.rollout() is None
+    assert registry.running() is None
     assert served_versions(repo) == versions
 
     target = killed_while_publishing()
     status, out = _finish(_index("rollout", *where, "--yes", "--quiet"))
     assert status == 2, out  # the train phase: an empty store has nothing to train on
     assert "nothing to train on" in out, out
-    running = registry.rollout() or {}
-    assert running.get("phase") == "train", running
-    version = json.loads(running["plan"])["encoder"]["version"]
+    running = _recorded(registry)
+    assert running.phase == "train" and running.plan is not None, running
+    assert running.plan.encoder is not None, running
+    version = running.plan.encoder.version
     assert f"published as embed version {version}" in out, out
     assert registry.get(target).encoder.version == version
     assert version in served_versions(repo) and str(version) in _ready_versions(served.handle)
     try:
         status, out = _finish(_index("rollout", "--abort", *where))
         assert status == 0, out
-        assert registry.get(target).state == "failed" and registry.rollout() is None
+        assert registry.get(target).state == "failed" and registry.running() is None
     finally:
         registry.end_rollout()
         client.close()

@@ -21,7 +21,7 @@ from services.encoder.build.repository import (
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import get_profile
 from services.encoder.runtime.triton_client import describe_version, version_params
-from services.encoder.serve.versions import Export, servable_problem
+from services.encoder.serve.publish import Export, servable_problem
 
 MINILM = EncoderMeta(
     model_name="all-MiniLM-L6-v2",
@@ -186,7 +186,7 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
     from google.protobuf import text_format
 
     from services.encoder.build.repository import ENCODER_OUTPUT, VERSION_FILE, read_config
-    from services.encoder.serve.versions import _convert, describe_versions
+    from services.encoder.serve.versions import convert_older, describe_versions
 
     model = tmp_path / "embed"
     config = _cpu_config()
@@ -203,7 +203,7 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
     before = [(s.version, s.dim, s.digest) for s in describe_versions(tmp_path)]
     assert before == [(1, 384, "aaaa"), (2, 384, "bbbb")]
 
-    converted = _convert(model, read_config(model / "config.pbtxt"))
+    converted = convert_older(model, read_config(model / "config.pbtxt"))
     assert converted is not None
     (model / "config.pbtxt").write_text(converted)
     new = read_config(model / "config.pbtxt")
@@ -219,7 +219,7 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
         "model.onnx",
     )
     assert (model / "2" / "model.py").exists()  # the model code that reads version.json
-    assert _convert(model, new) is None  # converted once: the next publish changes nothing
+    assert convert_older(model, new) is None  # converted once: the next publish changes nothing
 
 
 def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_publish(
@@ -230,7 +230,7 @@ def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_pub
     the others); a folder that policy leaves out is that unpublish, stopped."""
 
     from services.encoder.build.repository import VERSION_FILE, write_version_file
-    from services.encoder.serve.versions import _convert, served_versions
+    from services.encoder.serve.versions import convert_older, served_versions
 
     model = tmp_path / "embed"
     for version in (1, 2):
@@ -238,7 +238,7 @@ def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_pub
         write_version_file(model / str(version), version_description(MINILM, f"d{version}"))
     config = _cpu_config()
     config.version_policy.specific.versions[:] = [1]
-    converted = _convert(model, config)
+    converted = convert_older(model, config)
     assert converted is not None and "all {" in converted
     assert served_versions(tmp_path) == [1]
     assert (model / "1" / VERSION_FILE).exists()
