@@ -199,16 +199,12 @@ class Registry:
 
     def busy(self) -> FailedPrecondition:
         """The error of a rollout refused because another one holds the lock."""
-        running = self.rollout() or {}
+        running = self.running()
         return FailedPrecondition(
-            f"a rollout to {running.get('target', '?')} is running (phase "
-            f"{running.get('phase', '?')}): resume it with `index rollout` again, or "
-            "`index rollout --abort`"
+            f"a rollout to {running.target if running else '?'} is running (phase "
+            f"{running.phase if running else '?'}): resume it with `index rollout` again, "
+            "or `index rollout --abort`"
         )
-
-    def rollout(self) -> dict[str, str] | None:
-        """The rollout hash as it is (None: no rollout); typed: :meth:`running`."""
-        return RolloutStore(self.redis).raw()
 
     def running(self) -> RolloutState | None:
         """The running rollout's record, None when none runs."""

@@ -167,6 +167,11 @@ class RolloutState:
         """True when the recorded builder runs on this host (its pid tells if it lives)."""
         return self.host == socket.gethostname() and self.pid is not None
 
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON-ready values (``index generations --json``, bench): the
+        maps keyed by shard number, the plan and the cursor as objects."""
+        return asdict(self)
+
     def to_fields(self) -> dict[str, str]:
         """The hash's fields (the encodings older builders wrote)."""
         out = {
@@ -234,13 +239,13 @@ class RolloutStore:
     def __init__(self, client: SyncRedis) -> None:
         self.redis = client
 
-    def raw(self) -> dict[str, str] | None:
-        """The hash as it is (for `index generations --json` and tests); None: no rollout."""
+    def _fields(self) -> dict[str, str] | None:
+        """The hash as it is; None: no rollout."""
         got: Mapping[Any, Any] = self.redis.hgetall(ROLLOUT_KEY)  # type: ignore[assignment]
         return {text_of(k): text_of(v) for k, v in got.items()} or None
 
     def load(self) -> RolloutState | None:
-        raw = self.raw()
+        raw = self._fields()
         return None if raw is None else RolloutState.from_fields(raw)
 
     def begin(self, fields_: Mapping[str, str]) -> str | None:

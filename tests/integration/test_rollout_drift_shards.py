@@ -204,7 +204,7 @@ def test_drift_watch_runs_the_real_retrain_and_stops_on_sigterm(
         g2 = registry.get("g2")
         assert g2.params.get("trained") and g2.num_shards == SHARDS
         assert Path(g2.index_dir) == tmp_path / "gens" / "g2"
-        assert registry.rollout() is None
+        assert registry.running() is None
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(timeout=30) == 0
     finally:

@@ -137,7 +137,7 @@ def test_abort_of_an_interrupted_rollout_gives_the_writes_back_to_the_source(
     registry.set_gates(BASE, CLOSED)  # it died mid-switch: writes paused
     store.hset("snap:{0}", "rollout:g2", "5-0")  # its hold on the source's log
     assert "aborted the rollout to g2" in cli.ok("rollout", "--abort")
-    assert registry.rollout() is None
+    assert registry.running() is None
     assert registry.get("g2").state == "failed"
     assert {registry.gate(BASE, s) for s in range(2)} == {"g1"}
     assert store.hget("snap:{0}", "rollout:g2") is None
@@ -283,5 +283,5 @@ def test_a_publish_that_fails_outside_the_domain_errors_ends_the_rollout(
     with pytest.raises(OSError, match="No space left"):
         asyncio.run(builder.rollout(RolloutPlan(encoder_dir=str(tmp_path))))
     registry = Registry(store)
-    assert registry.rollout() is None
+    assert registry.running() is None
     assert registry.serving().name == "g1"
