@@ -191,7 +191,7 @@ class RolloutState:
             out["plan"] = self.plan.dump()
         if self.target_state:
             out["target_state"] = self.target_state
-        if self.p0 or self.positions:
+        if self.p0 or self.positions or self.replayed or self.added0:
             out |= {
                 "p0": _j(self.p0),
                 "positions": _j(self.positions),
