@@ -285,3 +285,32 @@ def test_a_publish_that_fails_outside_the_domain_errors_ends_the_rollout(
     registry = Registry(store)
     assert registry.running() is None
     assert registry.serving().name == "g1"
+
+
+@pytest.mark.parametrize(
+    ("plan", "starts"),
+    [
+        (
+            {"retrain": True, "encoder_dir": "/checkpoints/new"},
+            "--retrain reuses the serving encoder's vectors",
+        ),
+        ({"num_shards": -1}, "--shards -1: at least 1"),
+    ],
+)
+def test_a_plan_the_builder_refuses_is_worded_with_its_flag_first(
+    store: Any, tmp_path: Path, plan: dict[str, Any], starts: str
+) -> None:
+    """The builder's PlanRefused names no flag; the CLI's wording puts the flag first."""
+    import asyncio
+
+    from services.cli.generation_places import in_flags
+    from services.common.errors import InvalidArgument
+    from services.generations.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+
+    async def no_encoder(spec: EncoderSpec) -> Any:
+        raise AssertionError("a refused plan encodes nothing")
+
+    builder = RolloutBuilder(store, no_encoder, RolloutOptions(index_root=tmp_path))
+    with _unchanged(store), pytest.raises(InvalidArgument) as refused, in_flags():
+        asyncio.run(builder.rollout(RolloutPlan(**plan)))
+    assert refused.value.message.startswith(starts), refused.value.message
