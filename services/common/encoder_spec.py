@@ -3,7 +3,7 @@
 It sits in ``common`` because both sides of the generation record need it: the index's
 shards read it from their generation's record (:mod:`services.index.records`) and the
 encoder's repository returns it for a version it publishes
-(:mod:`services.encoder.serve.versions`); neither may import the other.
+(:mod:`services.encoder.serve.publish`); neither may import the other.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Which encoder versions stay published: the policy over Triton's ``embed`` versions.
 
 The mechanics (publish, unpublish, the repository's lock) are the encoder's
-(:mod:`services.encoder.serve.versions`); which versions generations still use is known
+(:mod:`services.encoder.serve.publish`, :mod:`~services.encoder.serve.unpublish`,
+:mod:`~services.encoder.serve.versions`); which versions generations still use is known
 here, from the registry. A version stays published while a generation in a running state
 uses it (its shards run, it may serve again) or the recorded rollout will; ``index
 retire`` releases the retired generation's version through :func:`release_encoder`, and

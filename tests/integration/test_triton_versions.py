@@ -40,8 +40,8 @@ from services.encoder.serve.publish import publish_version
 from services.encoder.serve.triton_load import load_model
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
 from services.encoder.serve.unpublish import unpublish_version
-from services.generations.state import RolloutState
 from services.encoder.serve.versions import clear_cpu_budgets, describe_versions, served_versions
+from services.generations.state import RolloutState
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -847,10 +847,7 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
                 "rollout", "--encoder", str(export), "--run-dir", str(run_dir), "--yes", "--quiet"
             )
             wait_until(
-                lambda: (
-                    _recorded(registry).phase == "publish"
-                    or rollout.poll() is not None
-                ),
+                lambda: _recorded(registry).phase == "publish" or rollout.poll() is not None,
                 "the rollout's lock, taken before its publish",
                 120,
             )
@@ -860,9 +857,7 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
         assert f"embed version {version} stays published: the encoder of g3" in out, out
         assert registry.get("g2").state == "retired"
         wait_until(
-            lambda: (
-                _recorded(registry).phase != "publish" or rollout.poll() is not None
-            ),
+            lambda: _recorded(registry).phase != "publish" or rollout.poll() is not None,
             "the rollout past its publish",
             300,
         )
