@@ -51,36 +51,7 @@ def _add_connection_flags(
         help="A file whose first line is the Redis URL (keeps a password off the command line).",
     )
     if triton or retire:
-        parser.add_argument(
-            "--triton-url",
-            default=None,
-            help="Triton's gRPC address(es) that "
-            + ("re-embed the documents" if triton else "unload the retired encoder version")
-            + " (default: the local stack's).",
-        )
-        parser.add_argument(
-            "--triton-repo",
-            type=Path,
-            default=None,
-            metavar="DIR",
-            help="Triton's model repository: "
-            + (
-                "--encoder is published into it as the next version of embed"
-                if triton
-                else "the retired generation's version of embed is unpublished from it when "
-                "no other generation uses it"
-            )
-            + " (default: the local stack's).",
-        )
-        for flag, what in (
-            ("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
-            (
-                "--triton-client-cert",
-                "PEM client certificate for Triton (mTLS), with --triton-client-key",
-            ),
-            ("--triton-client-key", "PEM key of --triton-client-cert"),
-        ):
-            parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
+        _add_triton_flags(parser, triton)
     if triton:
         parser.add_argument(
             "--index-root",
@@ -90,6 +61,41 @@ def _add_connection_flags(
             "default: the local stack's, else ./generations). The shards of the generation "
             "must be able to read it.",
         )
+
+
+def _add_triton_flags(parser: argparse.ArgumentParser, builder: bool) -> None:
+    """Triton's flags: a builder's (``builder``: it re-embeds and publishes) or `index
+    retire`'s (it unpublishes)."""
+    parser.add_argument(
+        "--triton-url",
+        default=None,
+        help="Triton's gRPC address(es) that "
+        + ("re-embed the documents" if builder else "unload the retired encoder version")
+        + " (default: the local stack's).",
+    )
+    parser.add_argument(
+        "--triton-repo",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Triton's model repository: "
+        + (
+            "--encoder is published into it as the next version of embed"
+            if builder
+            else "the retired generation's version of embed is unpublished from it when "
+            "no other generation uses it"
+        )
+        + " (default: the local stack's).",
+    )
+    for flag, what in (
+        ("--triton-ca", "PEM CA to trust: talk TLS to Triton"),
+        (
+            "--triton-client-cert",
+            "PEM client certificate for Triton (mTLS), with --triton-client-key",
+        ),
+        ("--triton-client-key", "PEM key of --triton-client-cert"),
+    ):
+        parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
 
 
 def _either(rollout: bool, rollout_help: str, rollback_help: str) -> str:

@@ -90,7 +90,13 @@ def test_a_saved_state_reads_back_equal_with_its_format_version(client: Any, sta
 
 def test_a_record_an_older_builder_wrote_still_reads(client: Any) -> None:
     """Fields of the release before the typed record: no version, kind or mode."""
-    spec = {"model": "embed", "version": 1, "dim": 384, "digest": "minilm", "source": ""}
+    spec: dict[str, Any] = {
+        "model": "embed",
+        "version": 1,
+        "dim": 384,
+        "digest": "minilm",
+        "source": "",
+    }
     client.hset(
         ROLLOUT_KEY,
         mapping={
