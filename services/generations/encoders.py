@@ -11,7 +11,7 @@ retire`` releases the retired generation's version through :func:`release_encode
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def generations_using(
     generations: Iterable[Generation],
     version: int,
-    rollout: RolloutState | Mapping[str, str] | None = None,
+    rollout: RolloutState | None = None,
 ) -> list[str]:
     """The generations in a running state whose encoder is ``version`` of ``embed`` (a
     record without a version means version 1), and the target of the recorded
@@ -38,8 +38,6 @@ def generations_using(
     names = [
         g.name for g in generations if g.state in RUNNING and (g.encoder.version or 1) == version
     ]
-    if rollout is not None and not isinstance(rollout, RolloutState):
-        rollout = RolloutState.from_fields(rollout) if rollout else None
     if rollout is not None:
         planned = rollout.plan.encoder if rollout.plan is not None else None
         publishing = rollout.phase == "publish"

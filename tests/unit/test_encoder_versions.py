@@ -138,18 +138,17 @@ def test_the_model_and_the_client_overlay_a_versions_parameters_alike(
 def test_a_recorded_rollouts_target_uses_the_version_its_plan_names() -> None:
     """The builder takes the rollout lock (its plan naming the encoder) before it writes
     the target's record: in between, the target counts by its plan."""
-    import json
-
     from services.generations.encoders import generations_using
     from services.generations.registry import EncoderSpec, Generation
+    from services.generations.state import RecordedPlan, RolloutState
 
     g1 = Generation("g1", "serving", 2, EncoderSpec("all-MiniLM-L6-v2", 0, 384), "")
     g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
-    plan = {"target": "g3", "plan": json.dumps({"encoder": {"model": "embed", "version": 2}})}
+    plan = RolloutState(target="g3", plan=RecordedPlan(EncoderSpec("embed", 2)))
     assert generations_using([g1, g2], 1) == ["g1"]  # no version recorded: version 1
     assert generations_using([g1, g2], 2) == []  # a retired generation uses nothing
     assert generations_using([g1, g2], 2, plan) == ["g3"]
-    assert generations_using([g1, g2], 2, {"target": "g3", "phase": "create"}) == []
+    assert generations_using([g1, g2], 2, RolloutState(target="g3", phase="create")) == []
     g3 = Generation("g3", "building", 2, EncoderSpec("embed", 2, 384), "")
     assert generations_using([g1, g2, g3], 2, plan) == ["g3"]  # named once
 
@@ -158,22 +157,19 @@ def test_a_rollout_publishing_its_encoder_uses_every_version() -> None:
     """`index rollout --encoder` takes the lock (phase publish, its plan naming no version
     yet) before it publishes; the publish may return a version published before (the same
     export), so until the version is recorded the rollout keeps every version."""
-    import json
-
     from services.generations.encoders import generations_using
     from services.generations.registry import EncoderSpec, Generation
+    from services.generations.state import RecordedPlan, RolloutState
 
     g1 = Generation("g1", "serving", 2, EncoderSpec("embed", 1, 384), "")
     g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
-    publishing = {
-        "target": "g3",
-        "phase": "publish",
-        "plan": json.dumps({"encoder": None, "encoder_dir": "/new"}),
-    }
+    publishing = RolloutState(
+        target="g3", phase="publish", plan=RecordedPlan(None, encoder_dir="/new")
+    )
     using = "g3 (a rollout publishing its encoder)"
     assert generations_using([g1, g2], 2, publishing) == [using]
     assert generations_using([g1, g2], 1, publishing) == ["g1", using]
-    assert generations_using([g1, g2], 2, dict(publishing, phase="create")) == []
+    assert generations_using([g1, g2], 2, publishing.with_(phase="create")) == []
 
 
 def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_config(
