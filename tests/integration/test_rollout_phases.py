@@ -5,29 +5,24 @@ encoder in this process standing in for Triton (the encoder is not the subject h
 vector of a text is a hash of it, so a test knows which vector each document must get).
 
 Every test checks what its phase alone must leave behind: the record it moves on, the
-target's logs, the registry (alias, gates, states) and the holds on the logs.
+target's logs, the registry (alias, gates, states) and the holds on the logs. The store
+and the encoder stand-in are tests/support/hash_store.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, Unavailable
-from services.common.redis_client import sync_client
-from services.encoder.base import Embeddings, Encoder
 from services.generations import logs
 from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring
-from services.generations.encoding import embedding_text
 from services.generations.lifecycle import retire
 from services.generations.phase_bulk import run_bulk
 from services.generations.phase_catch_up import run_catch_up
@@ -37,79 +32,27 @@ from services.generations.phase_train import run_train
 from services.generations.progress import Progress
 from services.generations.registry import Registry
 from services.generations.state import RecordedPlan, RolloutState, RolloutStore
-from services.index.client.connection import StoreConnection
-from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.keys import CLOSED, LAYOUT_KEY, GenerationKeys, Layout
+from services.index.keys import CLOSED
 from tests.support.generation_logs import changes, folded
+from tests.support.hash_store import (
+    DIM,
+    G1,
+    G2,
+    SPEC,
+    doc,
+    expected,
+    g1_store,
+    hash_encoders,
+    write,
+)
 
-DIM = 16
-SPEC = EncoderSpec("embed", 1, DIM, "hash-v1", "hash")
 NEW = EncoderSpec("embed", 2, DIM, "hash-v2", "hash")
-G1 = GenerationKeys("g1", Layout(2, 2))
-G2 = GenerationKeys("g2", Layout(2, 2))
 OWNER = "phase-test"
-
-
-def _vector(text: str) -> np.ndarray:
-    seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
-    v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
-    return v / np.linalg.norm(v)
-
-
-class HashEncoder(Encoder):
-    """The vector of a text is a hash of it: deterministic, and cheap."""
-
-    model_name = "hash"
-    dim = DIM
-    max_batch = 8
-
-    async def encode(self, texts: Sequence[str], kind: Any, timeout: float | None = None) -> Any:
-        return Embeddings(np.stack([_vector(t) for t in texts]), [False] * len(texts))
-
-    async def close(self) -> None:
-        return None
-
-
-async def _encoders(spec: EncoderSpec) -> Encoder:
-    return HashEncoder()
-
-
-def _doc(i: int, tag: str = "") -> DocRecord:
-    vec = _vector(f"stored {i}")
-    return DocRecord(f"d{i}", vec, title=f"title {i}", text=f"body {i} {tag}", metadata={})
-
-
-def _write(
-    url: str, keys: GenerationKeys, upserts: list[DocRecord], deletes: Sequence[str] = ()
-) -> None:
-    async def run() -> None:
-        writer = ChangeLogWriter(StoreConnection(url, keys.layout.base), DIM, keys=keys)
-        try:
-            for i in range(0, len(upserts), 16):
-                await writer.upsert(upserts[i : i + 16])
-            if deletes:
-                await writer.delete(list(deletes))
-        finally:
-            await writer.connection.close()
-
-    asyncio.run(run())
-
-
-def _expected(doc: DocRecord) -> tuple[float, ...]:
-    """The vector the rollout must give ``doc``: its embedding text's, through the encoder."""
-    return tuple(round(float(x), 4) for x in _vector(embedding_text(doc.title, doc.text)))
 
 
 @pytest.fixture
 def store(redis_url: str, tmp_path: Path) -> Iterator[Any]:
-    """g1 serving two shards (its index trained with 4-bit PQ, so that a small sample
-    trains the target) and 60 documents written by the writer."""
-    client = sync_client(redis_url)
-    client.hset(LAYOUT_KEY, mapping={"version": "2", "shards": "2"})
-    (tmp_path / "g1").mkdir()
-    (tmp_path / "g1" / "manifest.json").write_text(json.dumps({"pq_bits": 4, "refine": False}))
-    Registry(client).ensure_first(2, SPEC, str(tmp_path / "g1"))
-    _write(redis_url, G1, [_doc(i) for i in range(60)])
+    client = g1_store(redis_url, tmp_path)
     yield client
     client.close()
 
@@ -127,7 +70,9 @@ def _context(
     assert started is not None
     if record:
         record_target(Registry(client), tmp_path, "g2", "g1", 2, SPEC, "encode", 0.0)
-    wiring = Wiring(_encoders, options.pop("publisher", None), applied=options.pop("applied", None))
+    wiring = Wiring(
+        hash_encoders, options.pop("publisher", None), applied=options.pop("applied", None)
+    )
     return RolloutContext(
         client,
         Registry(client),
@@ -238,9 +183,9 @@ def test_bulk_appends_every_document_with_the_targets_vector(store: Any, tmp_pat
     assert _stored(store) == state
     assert Registry(store).get("g2").state == "catching_up"
     appended = folded(store, G2)
-    docs = {d.doc_id: d for d in (_doc(i) for i in range(60))}
+    docs = {d.doc_id: d for d in (doc(i) for i in range(60))}
     assert set(appended) == set(docs)
-    assert all(appended[i][2] == _expected(docs[i]) for i in docs)
+    assert all(appended[i][2] == expected(docs[i]) for i in docs)
     assert len(changes(store, G2)) == 60  # once each
 
 
@@ -253,7 +198,7 @@ def test_bulk_resumed_from_a_saved_cursor_appends_nothing_twice(store: Any, tmp_
         Registry(store),
         RolloutStore(store),
         RolloutOptions(index_root=tmp_path, batch=8, wait_for_shards=False),
-        Wiring(_encoders),
+        Wiring(hash_encoders),
         Progress(),
         _stored(store),
     )
@@ -273,8 +218,8 @@ def test_catch_up_replays_the_writes_after_p0_into_the_target(
     ctx = _context(store, tmp_path, "p0")
     _run(ctx, run_p0)
     before = sum(store.xlen(G1.log(s)) for s in range(2))
-    late = [_doc(i, "late") for i in (3, 70, 71)]
-    _write(redis_url, G1, late, deletes=["d5"])
+    late = [doc(i, "late") for i in (3, 70, 71)]
+    write(redis_url, G1, late, deletes=["d5"])
     written = sum(store.xlen(G1.log(s)) for s in range(2)) - before
     ctx.save(phase="catch_up")
     state = _run(ctx, run_catch_up)
@@ -283,7 +228,7 @@ def test_catch_up_replays_the_writes_after_p0_into_the_target(
     assert sum(state.replayed.values()) == written  # every entry since P0, once
     replayed = folded(store, G2)
     assert set(replayed) == {"d3", "d70", "d71"}  # d5's delete leaves nothing alive
-    assert all(replayed[d.doc_id][2] == _expected(d) for d in late)
+    assert all(replayed[d.doc_id][2] == expected(d) for d in late)
     assert [c[1] for c in changes(store, G2) if c[0] == "d5"] == ["d"]  # only its delete
 
 
@@ -300,7 +245,7 @@ def test_switch_replays_the_last_writes_then_moves_the_alias_and_the_gates(
     store: Any, tmp_path: Path, redis_url: str
 ) -> None:
     ctx = _ready_to_switch(store, tmp_path)
-    _write(redis_url, G1, [_doc(80, "last")])  # after the catch-up, before the switch
+    write(redis_url, G1, [doc(80, "last")])  # after the catch-up, before the switch
     state = _run(ctx, run_switch)
     registry = Registry(store)
     alias = registry.alias()
@@ -352,17 +297,17 @@ def test_rollback_replays_the_writes_since_the_switch_into_the_previous_generati
     store: Any, tmp_path: Path, redis_url: str
 ) -> None:
     _switched(store, tmp_path)
-    since = [_doc(90, "after the switch")]
-    _write(redis_url, G2, since, deletes=["d1"])
+    since = [doc(90, "after the switch")]
+    write(redis_url, G2, since, deletes=["d1"])
     builder = RolloutBuilder(
-        store, _encoders, RolloutOptions(index_root=tmp_path, batch=8, wait_for_shards=False)
+        store, hash_encoders, RolloutOptions(index_root=tmp_path, batch=8, wait_for_shards=False)
     )
     serving = asyncio.run(builder.rollback())
     registry = Registry(store)
     assert serving.name == "g1"
     assert (registry.alias().serving, registry.alias().previous) == ("g1", "g2")
     in_g1 = folded(store, G1)
-    assert in_g1["d90"][2] == _expected(since[0])
+    assert in_g1["d90"][2] == expected(since[0])
     assert "d1" not in in_g1 and "d2" in in_g1
     assert RolloutStore(store).load() is None
 
@@ -376,7 +321,7 @@ def test_abort_gives_the_writes_back_to_the_source_and_fails_the_target(
     store.hset("{gtr}:rollout", "pid", "")  # the builder is gone (no pid, no heartbeat)
     store.hset("{gtr}:rollout", "beat", repr(0.0))
     del ctx
-    builder = RolloutBuilder(store, _encoders, RolloutOptions(index_root=tmp_path))
+    builder = RolloutBuilder(store, hash_encoders, RolloutOptions(index_root=tmp_path))
     aborted = builder.abort()
     assert aborted.target == "g2" and aborted.phase == "switch"
     assert {registry.gate(G1.layout, s) for s in range(2)} == {"g1"}
