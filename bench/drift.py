@@ -66,7 +66,7 @@ def _drift(stack: Any) -> list[float]:
     import grpc
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     reg = Registry(stack.redis())
     spec = reg.addresses(reg.alias().serving) or ";".join(

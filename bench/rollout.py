@@ -173,19 +173,19 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
     search latency during the rollout only."""
     import redis
 
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     client = redis.Redis.from_url(redis_url)
     reg = Registry(client)
     seen: dict[str, float] = {}
     bulk_appended, bulk_first = 0, None
     while not stop.is_set():
-        state = reg.rollout() or {}
-        phase = state.get("phase")
+        state = reg.running()
+        phase = state.phase if state is not None else None
         if phase:
             seen.setdefault(phase, time.monotonic())  # CLOCK_MONOTONIC: one for all processes
-        if phase == "bulk" and state.get("target"):
-            keys = reg.keys(reg.get(state["target"]))
+        if state is not None and phase == "bulk" and state.target:
+            keys = reg.keys(reg.get(state.target))
             appended = sum(int(client.hlen(keys.logged(s))) for s in range(keys.num_shards))
             if bulk_first is None:
                 bulk_first = appended

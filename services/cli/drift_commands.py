@@ -1,10 +1,10 @@
 """``gtr-retrieval index drift-watch`` and ``index await-generation`` (issue #24).
 
 drift-watch: start ``index rollout --retrain`` when the serving generation's PQ error
-ratio stays above a threshold for a window (:mod:`services.index.rollout.drift`); off
+ratio stays above a threshold for a window (:mod:`services.generations.drift`); off
 unless run (the chart's ``index.drift.autoRollout.enabled``).
 await-generation: a generation's shard pods wait until it may serve, then publish its
-addresses (:mod:`services.index.rollout.standby`; the chart's init container).
+addresses (:mod:`services.generations.standby`; the chart's init container).
 """
 
 from __future__ import annotations
@@ -172,72 +172,34 @@ def rollout_argv(args: argparse.Namespace) -> list[str]:
 
 def _drift_watch(args: argparse.Namespace) -> int:
     import json
-    import math
-    import signal
-    import threading
 
     from services.common.redis_client import sync_client
     from services.common.tls import ClientTLS
-    from services.index.generations import Registry
-    from services.index.rollout.drift import (
+    from services.generations.drift import (
         ChildRunner,
-        DriftPolicy,
         DriftWatcher,
         WatchConfig,
         read_with_asyncio,
+        watch_until_sigterm,
     )
+    from services.generations.registry import Registry
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader's INFO lines
-    fallback = args.shards
-    if not fallback and args.run_dir:
-        from services.stack.endpoints import read_endpoints
-
-        endpoints = read_endpoints(args.run_dir)
-        if endpoints is not None:
-            fallback = ";".join(",".join(r) for r in endpoints.shards)
     try:
         tls = ClientTLS.from_paths(args.tls_ca, args.tls_client_cert, args.tls_client_key)
-        config = WatchConfig(
-            policy=DriftPolicy(args.threshold, args.window, stale_s=3 * args.interval + 10),
-            interval_s=args.interval,
-            fallback_shards=fallback,
-            rollout_argv=rollout_argv(args),
+        config = WatchConfig.of(
+            args.threshold, args.window, args.interval, _fallback_shards(args), rollout_argv(args)
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     registry = Registry(sync_client(_redis_url(args)))
-    metrics = None
-    if args.metrics_port is not None and not args.once:
-        from prometheus_client import CollectorRegistry
-
-        from services.common.metrics import serve_metrics
-        from services.index.rollout.drift import DriftMetrics
-
-        prom = CollectorRegistry()
-        metrics = DriftMetrics(prom)
-        serve_metrics(prom, args.metrics_port, args.metrics_host)
     runner = ChildRunner()
+    metrics = None if args.once else _drift_metrics(args)
     watcher = DriftWatcher(config, registry, read_with_asyncio(tls), runner, metrics=metrics)
     if args.once:
-        serving = registry.alias().serving
-        spec = watcher.spec_of(serving)
-        reading = watcher.read(spec) if spec else None
-        ratio = None if reading is None else reading.ratio
-        print(
-            json.dumps(
-                {
-                    "generation": serving,
-                    "ratio": None if ratio is None or math.isnan(ratio) else ratio,
-                    "threshold": args.threshold,
-                    "above": ratio is not None and ratio > args.threshold,
-                    "per_shard": []
-                    if reading is None
-                    else [[None if math.isnan(r) else r for r in s] for s in reading.per_shard],
-                }
-            )
-        )
+        print(json.dumps(watcher.once()))
         return 0
     logging.getLogger(__name__).info(
         "watching the serving generation: rollout --retrain when the PQ error ratio stays "
@@ -246,23 +208,40 @@ def _drift_watch(args: argparse.Namespace) -> int:
         args.window,
         args.interval,
     )
-    stop = threading.Event()
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        # the pod is stopping: end the loop, and stop a rollout running (it resumes later)
-        stop.set()
-        runner.terminate()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    watcher.run_forever(stop)
+    watch_until_sigterm(watcher, runner)
     return 0
+
+
+def _fallback_shards(args: argparse.Namespace) -> str:
+    """--shards, else the local stack's shards (--run-dir), for g1 without addresses."""
+    if args.shards or not args.run_dir:
+        return str(args.shards)
+    from services.stack.endpoints import read_endpoints
+
+    endpoints = read_endpoints(args.run_dir)
+    return "" if endpoints is None else ";".join(",".join(r) for r in endpoints.shards)
+
+
+def _drift_metrics(args: argparse.Namespace) -> Any:
+    """gtr_drift_* served on --metrics-port (None without it)."""
+    if args.metrics_port is None:
+        return None
+    from prometheus_client import CollectorRegistry
+
+    from services.common.metrics import serve_metrics
+    from services.generations.drift import DriftMetrics
+
+    prom = CollectorRegistry()
+    metrics = DriftMetrics(prom)
+    serve_metrics(prom, args.metrics_port, args.metrics_host)
+    return metrics
 
 
 def _await_generation(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.common.redis_client import sync_client
-    from services.index.generations import Registry
-    from services.index.rollout.standby import await_generation
+    from services.generations.registry import Registry
+    from services.generations.standby import await_generation
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     registry = Registry(sync_client(_redis_url(args)))

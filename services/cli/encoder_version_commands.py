@@ -54,7 +54,7 @@ def _triton_place(args: argparse.Namespace) -> TritonPlace:
 def _publish(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from services.encoder.serve.versions import publish_version
+    from services.encoder.serve.publish import publish_version
 
     place = _triton_place(args)
     spec = publish_version(place.repo, Path(args.model_dir), place.url, tls=place.tls)
@@ -76,8 +76,9 @@ def _publish(args: argparse.Namespace) -> int:
 def _unpublish(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.common.redis_client import sync_client
-    from services.encoder.serve.versions import VersionInUse, generations_using, unpublish_version
-    from services.index.generations import Registry
+    from services.encoder.serve.unpublish import VersionInUse, unpublish_version
+    from services.generations.encoders import in_use
+    from services.generations.registry import Registry
 
     place = _triton_place(args)
     redis_url = args.redis_url or place.redis_url
@@ -89,17 +90,14 @@ def _unpublish(args: argparse.Namespace) -> int:
         )
     client = sync_client(redis_url) if redis_url else None
 
-    def using() -> list[str]:  # asked under the publish lock (a rollout's publish waits)
-        registry = Registry(client)
-        return generations_using(registry.all(), args.version, registry.rollout())
-
     try:  # a version a generation, or a rollout publishing its encoder, still uses stays
         unpublish_version(
             place.repo,
             args.version,
             place.url,
             tls=place.tls,
-            in_use=using if client is not None else None,
+            # asked under the publish lock (a rollout's publish waits)
+            in_use=in_use(Registry(client), args.version) if client is not None else None,
         )
     except VersionInUse as exc:
         raise FailedPrecondition(

@@ -13,7 +13,7 @@ from services.common import positions
 from services.common.domain import Consistency, FieldCondition, TokenOrigin, WriteToken
 from services.common.errors import InvalidArgument
 
-# A generation's name: "g" and its number (services.index.generations.generation_number).
+# A generation's name: "g" and its number (services.generations.registry.generation_number).
 _GENERATION = re.compile(r"g[1-9][0-9]{0,8}")
 
 _CONSISTENCY = {

@@ -140,6 +140,11 @@ def read_redis_url(path: str) -> str:
         ) from None
 
 
+# A blocking client as sync_client makes it: one Redis or a cluster (bytes replies). The
+# registry and the rollout builder take it; redis-py types its replies loosely (Any).
+SyncRedis = redis.Redis | redis.cluster.RedisCluster
+
+
 def sync_client(url: str, *, socket_timeout: float = 5.0) -> Any:
     """A blocking client (``redis.Redis`` or ``redis.cluster.RedisCluster``); replies are
     bytes. Used by threads that block on the log (``XREAD``) and by the command line."""

@@ -1,5 +1,5 @@
 """The gateway's core for documents: writes = encode (only what the model reads, see
-:mod:`services.gateway.texts`) → store and log, in the serving index generation (encoded
+:mod:`services.encoder.texts`) → store and log, in the serving index generation (encoded
 again with the new generation's encoder and written there, within the deadline, when a
 switch moves the writes meanwhile); reads by id.
 
@@ -18,12 +18,12 @@ import numpy as np
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, GenerationMoved, NotFound, Unavailable
 from services.common.limits import Limits
+from services.encoder.texts import cut_for_encoder
 from services.gateway import validation
 from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded
 from services.gateway.domain import Document, WriteResult
 from services.gateway.generations import Bundle, GenerationSource, Serving
 from services.gateway.ports import DocRecord
-from services.gateway.texts import cut_for_encoder
 from services.index.keys import CLOSED
 
 # A write refused by its writer gate (a switch of the serving generation) is written again
@@ -55,7 +55,7 @@ class DocumentPipeline:
         return Deadline.after(self.default_timeout_s if timeout is None else timeout)
 
     async def upsert(self, docs: Sequence[Document], timeout: float | None) -> WriteResult:
-        """Encode (only what the model reads, see :mod:`services.gateway.texts`), then
+        """Encode (only what the model reads, see :mod:`services.encoder.texts`), then
         store the whole documents and log them, in the serving generation (encoded again
         with the next one's encoder when a switch moves the writes meanwhile)."""
         deadline = self._deadline(timeout)

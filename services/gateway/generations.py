@@ -55,8 +55,8 @@ from services.gateway.ports import (
     LogTails,
     VectorIndex,
 )
+from services.generations.registry import Alias, Generation, read_alias, read_generation
 from services.index.client.connection import REDIS_ERRORS
-from services.index.generations import Alias, Generation, read_alias, read_generation
 from services.index.keys import FIRST_GENERATION, ROLLOUT_KEY
 
 log = logging.getLogger(__name__)

@@ -44,9 +44,10 @@ from services.gateway.pipeline import SearchPipeline
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer, admission_cost
-from services.gateway.settings import GatewaySettings, parse_shard_addresses
+from services.gateway.settings import GatewaySettings
+from services.generations.registry import EncoderSpec, Generation
+from services.index.client.addresses import parse_shard_addresses
 from services.index.core import coarse
-from services.index.generations import EncoderSpec, Generation
 from services.rerank.depths import depth_table
 
 if TYPE_CHECKING:
@@ -154,12 +155,12 @@ class GenerationParts:
         return encoder, owned
 
     async def __call__(self, gen: Generation) -> Bundle:
+        from services.generations.registry import read_addresses
         from services.index.client.documents import DocumentReader
         from services.index.client.replicas import HedgePolicy
         from services.index.client.router import ShardRouter
         from services.index.client.tails import LogTailReader
         from services.index.client.writer import ChangeLogWriter
-        from services.index.generations import read_addresses
         from services.index.keys import ADDRESSES_KEY, FIRST_GENERATION
 
         settings = self.settings
@@ -215,7 +216,7 @@ def base_shard_count(settings: GatewaySettings, wait_s: float = 60.0) -> int:
     layout yet needs ``--shards``: FailedPrecondition. While Redis cannot be reached, tried
     again for up to ``wait_s`` (as the layout check does), then Unavailable."""
     from services.common.redis_client import with_sync_client
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     if settings.shards:
         return len(parse_shard_addresses(settings.shards))
@@ -237,7 +238,7 @@ def record_first_generation(url: str, num_shards: int, spec: EncoderSpec) -> Non
     """Generation g1 (the gateway's shards and encoder), serving, unless the store has
     its generations recorded already (whoever starts first records it)."""
     from services.common.redis_client import sync_client
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     client = sync_client(url)
     try:

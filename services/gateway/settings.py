@@ -9,27 +9,14 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.auth import Authenticator
-from services.common.discovery import parse_addresses
 from services.common.errors import RetrievalError
 from services.common.fusion import Fusion, Method, Mode, RetrievalDefaults
 from services.common.settings import ClientTLSSettings, RedisSettings
 from services.common.slo import SLOS
 from services.common.tls import ClientTLS
 from services.encoder.runtime.triton_client import triton_addresses
+from services.index.client.addresses import parse_shard_addresses
 from services.rerank.depths import load_depth_table
-
-
-def parse_shard_addresses(spec: str) -> list[list[str]]:
-    """ "a:1,a:2;b:1" → [["a:1", "a:2"], ["b:1"]]: shards split by ';', replicas by ','.
-
-    A shard may instead be one DNS target, ``dns:///name:port`` (or
-    ``dns://dns-server[:port]/name:port``): its replicas are the addresses the name
-    resolves to, resolved again while the gateway runs (the chart's headless Service).
-    """
-    parts = spec.split(";")
-    if any(not part.strip(" ,") for part in parts):
-        raise ValueError("expected 'host:port[,host:port...][;host:port...]', one group per shard")
-    return [parse_addresses(part, "a shard") for part in parts]
 
 
 class GatewaySettings(RedisSettings, ClientTLSSettings):

@@ -20,7 +20,7 @@ Generations (issue #24, docs/generations.md) add, without renaming the keys abov
 are the base layout's and generation g1's): ``{N.s}`` tags for another shard count N,
 ``:<gen>`` suffixes on the logs and snapshot keys of another generation, the writer gate
 ``wgen:{s}``, the builder's ``lv:{s}:<gen>`` and the registry under the tag ``{gtr}``
-(:class:`Layout`, :class:`GenerationKeys`, :mod:`services.index.generations`).
+(:class:`Layout`, :class:`GenerationKeys`, :mod:`services.index.records`).
 
 Layout version 1 (before Redis Cluster) had no tags: ``doc:<id>``, ``ver:<id>``,
 ``log:<s>``, ``snap:<s>``, ``snapseen:<s>``; ``gtr-retrieval redis migrate`` rewrites
@@ -103,7 +103,7 @@ ADDRESSES_KEY = f"{REGISTRY_TAG}:addrs"  # hash: name -> shard addresses (the --
 CPU_BUDGET_KEY = f"{REGISTRY_TAG}:cpu-budget"
 # string: the generation whose shards the local stack keeps on that budget now ("" none),
 # written on each of its passes while a budget holds (short TTL): the builder's switch
-# waits until it no longer names the target (services/stack/cpu_budget.py)
+# waits until it no longer names the target (services/generations/placement.py)
 CPU_PLACED_KEY = f"{REGISTRY_TAG}:cpu-placed"
 CLOSED = "-"  # a layout shard's writer gate while no generation takes its writes
 

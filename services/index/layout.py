@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.index.generations import RUNNING, Registry
 from services.index.keys import (
     FIRST_GENERATION,
     GENERATIONS_KEY,
@@ -20,6 +19,7 @@ from services.index.keys import (
     LAYOUT_VERSION,
     v1_shard_keys,
 )
+from services.index.records import RUNNING, get_generation
 
 
 def migrate_hint(num_shards: int) -> str:
@@ -103,7 +103,7 @@ def check_generation(client: Any, generation: str, num_shards: int) -> None:
     """FailedPrecondition unless the registry has ``generation`` with ``num_shards``
     shards in a state whose shards run."""
     try:
-        record = Registry(client).get(generation)
+        record = get_generation(client, generation)
     except NotFound:
         raise FailedPrecondition(
             f"generation {generation} is not in the registry ({GENERATIONS_KEY}): a "

@@ -111,7 +111,7 @@ class Child:
     # that is not (a shard of a generation that does not serve) is only given up on:
     # stopped and left STOPPED, the rest of the stack serves on
     essential: bool = True
-    # the CPUs it starts on (a rollout's CPU budget, services/stack/cpu_budget.py); None:
+    # the CPUs it starts on (a rollout's CPU budget, services/generations/placement.py); None:
     # the launcher's
     cpus: frozenset[int] | None = None
 

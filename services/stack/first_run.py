@@ -27,10 +27,10 @@ import numpy as np
 
 from services.common.domain import Document
 from services.corpus.readers import read_corpus
-from services.gateway.texts import cut_for_encoder
+from services.encoder.texts import cut_for_encoder
+from services.generations.registry import EncoderSpec
 from services.index.core.train import TrainOptions, train_index
 from services.index.core.trained import Manifest
-from services.index.generations import EncoderSpec
 from services.stack.config import StackConfig
 
 Say = Callable[[str], None]

@@ -1,7 +1,7 @@
 """The local stack's generations supervisor (issue #24, docs/generations.md).
 
 ``gtr-retrieval up`` runs the shards of every index generation whose shards should run:
-a record in a running state (:data:`services.index.generations.RUNNING`: building,
+a record in a running state (:data:`services.generations.registry.RUNNING`: building,
 catching up, switching, serving, previous) whose index is trained (``params["trained"]``,
 set by the rollout once the generation's ``index_dir`` holds its trained index; g1's is
 the stack's own, always trained). Every :data:`POLL_S` it reads the registry and
@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common import cpus as cpu_sets
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.index.generations import RUNNING, Alias, Generation, Registry
+from services.common.errors import FailedPrecondition
+from services.generations import placement
+from services.generations.registry import Alias, Generation, Registry, shards_run
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
-from services.index.rollout import budget as rollout_budget
-from services.stack import components, cpu_budget
+from services.stack import components
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
 from services.stack.config import StackConfig
@@ -59,12 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the registry is read
-
-
-def runs(gen: Generation) -> bool:
-    """Whether the stack runs ``gen``'s shards: a running state and a trained index."""
-    trained = gen.name == FIRST_GENERATION or bool(gen.params.get("trained"))
-    return gen.state in RUNNING and trained
 
 
 def spec(replicas: Iterable[Iterable[str]]) -> str:
@@ -199,7 +193,7 @@ class GenerationShards:
         generations it accepts, given the serving one's name), publish the addresses."""
         gens, alias, addrs = self.read()
         serving = alias.serving if alias is not None else FIRST_GENERATION
-        want = {name: g for name, g in gens.items() if runs(g)}
+        want = {name: g for name, g in gens.items() if shards_run(g)}
         changed = False
         for name in [n for n in self.running if n not in want]:
             self._stop_generation(name, gens.get(name))
@@ -243,27 +237,16 @@ class GenerationShards:
         """The running rollout's CPU budget on this machine (None: none, or one that
         leaves serving nothing here)."""
         raw = self._redis().get(CPU_BUDGET_KEY)
-        if not raw:
-            return None
-        try:
-            budget, exiting = rollout_budget.parse(raw.decode() if isinstance(raw, bytes) else raw)
-        except InvalidArgument:
-            log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
-            return None
-        if exiting is not None and not cpu_sets.running(exiting):
-            return None  # the rollout ended and its process has exited
-        mine = budget & self.machine
-        return mine if mine and mine != self.machine else None
+        return placement.active_budget(raw, self.machine)
 
     def _budgeted_target(self) -> str:
         """The generation whose processes a CPU budget holds: the rollout's target until
         its switch phase, when they go to serving's CPUs before the alias names it
-        (:mod:`services.stack.cpu_budget`); "" none."""
-        rollout = Registry(self._redis()).rollout() or {}
-        return "" if rollout.get("phase") in cpu_budget.HANDED_OVER else rollout.get("target", "")
+        (:mod:`services.generations.placement`); "" none."""
+        return placement.budgeted_target(Registry(self._redis()).running())
 
     def place_cpus(self) -> None:
-        """A rollout's CPU budget (:mod:`services.stack.cpu_budget`): its processes on its
+        """A rollout's CPU budget (:mod:`services.generations.placement`): its processes on its
         CPUs, serving on the others; without one, everything on every CPU. Applied on every
         pass while a budget holds (new threads, a stub loaded), else when the children
         changed."""
@@ -271,29 +254,29 @@ class GenerationShards:
         target = self._budgeted_target() if budget else ""
         ours = self.running.get(target)
         rollout_children = {id(c) for c in ours.all()} if ours is not None else set()
-        processes: list[cpu_budget.Process] = []
+        processes: list[placement.Process] = []
         for child in list(self.supervisor.children):
             proc = child.process
             if proc is None or proc.poll() is not None:
                 continue
-            processes.append(cpu_budget.Process(proc.pid, id(child) in rollout_children))
+            processes.append(placement.Process(proc.pid, id(child) in rollout_children))
             if child.name == "triton":  # its backend stubs
                 for stub in cpu_sets.children_of(proc.pid):
-                    age = cpu_budget.stub_budget_age(stub)
-                    if budget is None and age is not None and age < cpu_budget.PUBLISH_GRACE_S:
+                    age = placement.stub_budget_age(stub)
+                    if budget is None and age is not None and age < placement.PUBLISH_GRACE_S:
                         continue  # published for a rollout that records its budget next
                     # the new version's stub, until the target is handed over
-                    processes.append(cpu_budget.Process(stub, age is not None and bool(target)))
+                    processes.append(placement.Process(stub, age is not None and bool(target)))
         state = (budget, frozenset(p.pid for p in processes))
         if budget is None and state == self._placed:
             return
-        changed = cpu_budget.apply(cpu_budget.placement(processes, self.machine, budget))
+        changed = placement.apply(placement.placement(processes, self.machine, budget))
         if changed or state != self._placed:
             where = cpu_sets.format_cpus(budget) if budget else "none"
             log.info("CPU budget %s (%s): %d thread(s) moved", where, target or "-", changed)
         self._placed = state
         if budget is not None:  # what the builder's switch waits for
-            self._redis().set(CPU_PLACED_KEY, target, ex=cpu_budget.PLACED_TTL_S)
+            self._redis().set(CPU_PLACED_KEY, target, ex=placement.PLACED_TTL_S)
 
     def _start_generation(self, gen: Generation, essential: bool) -> None:
         cfg = self.cfg

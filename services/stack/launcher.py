@@ -274,7 +274,7 @@ class Stack:
         trained index, and the encoder it was trained with (Triton's ``embed`` version
         serving now, pinned: a version published later must not change g1's vectors).
         Returns the serving generation's name."""
-        from services.index.generations import Registry
+        from services.generations.registry import Registry
 
         cfg = self.config
         client = components._redis(self._redis_url)

@@ -37,7 +37,7 @@ def triton_server(cfg: StackConfig) -> TritonServerConfig:
     of ours uses it (readiness is asked over gRPC, :func:`triton_ready`). Explicit model
     control: every version of the repository loaded at start (a restarted Triton serves
     the published ones too), and ``encoder publish`` (an index rollout to a new encoder)
-    loads a new version while it serves (``services/encoder/serve/versions.py``)."""
+    loads a new version while it serves (``services/encoder/serve/publish.py``)."""
     from services.encoder.serve.triton_server import TritonServerConfig, grpc_tls_args
 
     ports = [free_port(cfg.host) for _ in range(3)]

@@ -703,7 +703,7 @@ def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
     import redis
 
     from services.cli.client_commands import search_once
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     stack, cfg = locked_stack.stack, locked_stack.cfg
     client = redis.Redis.from_url(locked_stack.url)
@@ -730,7 +730,7 @@ def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
         assert plaintext.returncode == 2, plaintext.stderr
         assert "speaks TLS" in plaintext.stderr and "give --tls-ca" in plaintext.stderr
         assert "Traceback" not in plaintext.stderr
-        assert [g.name for g in registry.all()] == before and registry.rollout() is None
+        assert [g.name for g in registry.all()] == before and registry.running() is None
 
         rolled = cli("rollout", "--retrain", f"--run-dir={cfg.run_dir}", "--shard-wait-s=120")
         assert rolled.returncode == 0, rolled.stdout + rolled.stderr

@@ -29,7 +29,7 @@ from services.gateway.generations import (
     RedisAliasReader,
     resolve_token,
 )
-from services.index.generations import Alias, EncoderSpec, Generation, Registry
+from services.generations.registry import Alias, EncoderSpec, Generation, Registry
 from services.index.keys import ADDRESSES_KEY
 from tests.support.processes import await_until
 

@@ -5,7 +5,7 @@ redis-server, generation g1's two shard processes, generation g2's three shard p
 tests/support/encoders.py, in-process), and two real gateways on free ports driven over
 gRPC. The test plays the rollout's part with the registry (``Registry.switch``, the writer
 gates) and the builder's idempotent appends (``TargetAppender``), as
-services/index/rollout does; the gateway is what is under test.
+services/generations does; the gateway is what is under test.
 
 * Gateway B re-reads the alias every 100 ms: the searches it answers while the alias flips
   each name one generation, and are answered wholly by it (its encoder's model, its
@@ -45,10 +45,10 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.common.positions import compare
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
+from services.generations.append import TargetAppender, UpsertItem
+from services.generations.registry import EncoderSpec, Registry
 from services.index.core.ids import shard_of
-from services.index.generations import EncoderSpec, Registry
 from services.index.keys import ADDRESSES_KEY, CLOSED, GenerationKeys, Layout
-from services.index.rollout.append import TargetAppender, UpsertItem
 from tests.encoder_fixtures import encoder_base, torch_embedder
 from tests.support.encoders import ensure_second_encoder
 from tests.support.processes import run_redis, wait_until

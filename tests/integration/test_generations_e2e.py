@@ -37,7 +37,7 @@ import pytest
 
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common import positions
-from services.index.generations import Generation, Registry
+from services.generations.registry import Generation, Registry
 from services.index.keys import GenerationKeys
 from tests.encoder_fixtures import encoder_base
 from tests.support.encoders import ensure_second_encoder
@@ -452,11 +452,11 @@ def test_rollout_rollback_and_reshard_under_searches_and_writes(
 
 
 def _target_keys(reg: Registry) -> GenerationKeys | None:
-    rollout = reg.rollout()
+    rollout = reg.running()
     # none yet; with --encoder the target is recorded at the end of the publish phase
-    if not rollout or "target" not in rollout or rollout.get("phase") == "publish":
+    if rollout is None or not rollout.target or rollout.phase == "publish":
         return None
-    return reg.keys(reg.get(rollout["target"]))
+    return reg.keys(reg.get(rollout.target))
 
 
 def _appended(reg: Registry, keys: GenerationKeys) -> int:
@@ -526,7 +526,7 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_documents_of_an_uninterrupted_
     run_dir = str(stack.run_dir)
     cli_log = log_dir(tmp_path) / "cli-kill.log"
     reg = registry(stack)
-    if reg.rollout() is not None:  # an earlier test's rollout left running: not this one's
+    if reg.running() is not None:  # an earlier test's rollout left running: not this one's
         _ok(
             stack.run_cli(
                 "index", "rollout", "--abort", "--run-dir", run_dir, "--yes", log=cli_log
@@ -579,9 +579,9 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_documents_of_an_uninterrupted_
         def bulk_started() -> bool:
             """The bulk phase has appended a batch of its own (past the train sample)."""
             assert builder.poll() is None, (tmp_path / "killed.log").read_text()
-            state = reg.rollout() or {}
+            state = reg.running()
             keys = _target_keys(reg)
-            if state.get("phase") != "bulk" or keys is None:
+            if state is None or state.phase != "bulk" or keys is None:
                 return False
             at_bulk.append(_appended(reg, keys))
             return at_bulk[-1] > at_bulk[0]
@@ -593,9 +593,9 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_documents_of_an_uninterrupted_
             os.killpg(builder.pid, signal.SIGKILL)
         builder.wait(10)
     assert builder.returncode == -signal.SIGKILL
-    state = reg.rollout()
-    assert state is not None and state.get("phase") == "bulk", state
-    killed = state["target"]
+    state = reg.running()
+    assert state is not None and state.phase == "bulk", state
+    killed = state.target
     total = len(_logged(reg, whole))
     at_kill = len(_logged(reg, killed))
     assert 0 < at_kill < total, f"not killed mid-way: {at_kill} of {total} appended"
@@ -603,7 +603,7 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_documents_of_an_uninterrupted_
     # `index rollout` again (no options: the recorded plan) resumes the same target
     again = ["index", "rollout", "--run-dir", run_dir, "--yes"]
     _ok(stack.run_cli(*again, timeout=ROLLOUT_TIMEOUT_S, log=cli_log), "rollout (resumed)")
-    assert reg.rollout() is None
+    assert reg.running() is None
     assert reg.alias().serving == killed, (reg.alias(), killed)
 
     # the same documents and versions as the uninterrupted run; nothing appended twice

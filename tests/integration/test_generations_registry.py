@@ -1,4 +1,4 @@
-"""The registry of index generations (services/index/generations.py) and the key names of
+"""The registry of index generations (services/generations/registry.py) and the key names of
 other layouts and generations (services/index/keys.py), on a real Redis and a real
 Redis Cluster."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.redis_client import async_client
-from services.index.generations import EncoderSpec, Registry, read_alias
+from services.generations.registry import EncoderSpec, Registry, read_alias
 from services.index.keys import (
     CLOSED,
     GenerationKeys,
@@ -98,10 +98,12 @@ def test_one_rollout_at_a_time(client: Any) -> None:
     reg.begin_rollout({"target": "g2", "phase": "bulk"})
     with pytest.raises(FailedPrecondition, match="rollout to g2 is running"):
         reg.begin_rollout({"target": "g3", "phase": "start"})
-    assert reg.rollout() == {"target": "g2", "phase": "bulk"}
+    running = reg.running()
+    assert running is not None and (running.target, running.phase) == ("g2", "bulk")
     reg.end_rollout()
     reg.begin_rollout({"target": "g3", "phase": "start"})
-    assert reg.rollout() is not None and reg.rollout()["target"] == "g3"  # type: ignore[index]
+    running = reg.running()
+    assert running is not None and running.target == "g3"
 
 
 def test_a_rollout_takes_the_next_name_with_the_lock_and_a_refused_one_takes_none(
@@ -110,7 +112,9 @@ def test_a_rollout_takes_the_next_name_with_the_lock_and_a_refused_one_takes_non
     reg = Registry(client)
     reg.ensure_first(2, MINILM, "/idx/g1")
     name = reg.begin_rollout({"source": "g1", "phase": "create"})
-    assert name == "g2" and reg.rollout() == {"target": "g2", "source": "g1", "phase": "create"}
+    running = reg.running()
+    assert name == "g2" and running is not None
+    assert (running.target, running.source, running.phase) == ("g2", "g1", "create")
     for _ in range(3):  # refused while g2's runs: no number used up
         with pytest.raises(FailedPrecondition, match="rollout to g2 is running"):
             reg.begin_rollout({"source": "g1", "phase": "create"})

@@ -19,11 +19,11 @@ import pytest
 from retrieval.v1 import common_pb2, index_pb2, index_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.redis_client import sync_client
+from services.generations.registry import EncoderSpec, Registry
 from services.index import convert
 from services.index.client.export import export_vectors
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.trained import TrainedIndex
-from services.index.generations import EncoderSpec, Registry
 from services.index.keys import GenerationKeys, Layout, log_key
 from services.index.layout import check_layout
 from services.index.server.replica import ShardReplica

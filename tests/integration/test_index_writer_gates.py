@@ -14,13 +14,13 @@ import pytest
 
 from services.common.errors import GenerationMoved
 from services.common.redis_client import sync_client
+from services.generations.registry import Registry
 from services.index.changelog import LogReader, decode_entry
 from services.index.client.connection import StoreConnection
 from services.index.client.documents import DocumentReader
 from services.index.client.tails import LogTailReader
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Delete, Upsert
-from services.index.generations import Registry
 from services.index.keys import CLOSED, GenerationKeys, Layout, log_key
 
 DIM = 8

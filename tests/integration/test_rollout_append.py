@@ -1,5 +1,5 @@
 """The rollout builder's idempotent appends into a target generation's logs
-(services/index/rollout/append.py) on a real Redis and a real Redis Cluster: nothing is
+(services/generations/append.py) on a real Redis and a real Redis Cluster: nothing is
 appended twice, an older version never overtakes a newer one, a reshard copies the
 documents and raises the version counters, and a batch run again after a crash leaves the
 logs as an uninterrupted run does."""
@@ -12,15 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from services.index.changelog import decode_entry
-from services.index.keys import GenerationKeys, Layout
-from services.index.rollout.append import (
+from services.generations.append import (
     RETRAIN_VERSION,
     DeleteItem,
     TargetAppender,
     UpsertItem,
     meta_json,
 )
+from services.index.changelog import decode_entry
+from services.index.keys import GenerationKeys, Layout
 from tests.support.generation_logs import changes, folded, two_shard_store
 
 DIM = 8

@@ -1,4 +1,4 @@
-"""The rollout builder (services/index/rollout/builder.py) on a real Redis, with the store
+"""The rollout builder (services/generations/builder.py) on a real Redis, with the store
 written by the real writer (ChangeLogWriter), the documents re-embedded by the real
 encoder in this process (all-MiniLM-L6-v2) and, for the rollout to 3 shards, real shard
 processes of the new generation:
@@ -33,19 +33,20 @@ from services.common.errors import GenerationMoved
 from services.common.redis_client import sync_client
 from services.encoder.base import Encoder
 from services.encoder.runtime.inprocess import InProcessEncoder
-from services.index.client.connection import StoreConnection
-from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.generations import EncoderSpec, Registry
-from services.index.keys import CLOSED, CPU_PLACED_KEY, LAYOUT_KEY, GenerationKeys, Layout
-from services.index.rollout.builder import (
+from services.generations.builder import (
     RolloutBuilder,
     RolloutOptions,
     RolloutPlan,
     embedding_text,
 )
-from services.index.rollout.lifecycle import retire
-from services.index.rollout.progress import Progress
-from services.index.rollout.replicas import ReplicaStats, all_stats
+from services.generations.lifecycle import retire
+from services.generations.progress import Progress
+from services.generations.registry import EncoderSpec, Registry
+from services.generations.replicas import ReplicaStats, all_stats
+from services.generations.state import RolloutStore
+from services.index.client.connection import StoreConnection
+from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.keys import CLOSED, CPU_PLACED_KEY, LAYOUT_KEY, GenerationKeys, Layout
 from tests.support.generation_logs import changes, folded
 from tests.support.processes import RedisServer, wait_until
 from tests.support.redis_cluster import RedisCluster
@@ -392,13 +393,14 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_logs_of_an_uninterrupted_run(
         first = _run_builder(crashed_url, tmp_path / "crashed")
 
         def mid_bulk() -> bool:
-            fields = crashed.hgetall("{gtr}:rollout")
-            return fields.get(b"phase") == b"bulk" and int(fields.get(b"done", 0)) >= 320
+            state = RolloutStore(crashed).load()
+            return state is not None and state.phase == "bulk" and state.done >= 320
 
         wait_until(mid_bulk, "the builder half-way through the bulk pass", timeout=300)
         first.send_signal(signal.SIGKILL)
         first.wait(10)
-        assert crashed.hget("{gtr}:rollout", "phase") == b"bulk"  # it was killed mid-way
+        killed = RolloutStore(crashed).load()
+        assert killed is not None and killed.phase == "bulk"  # it was killed mid-way
         again = _run_builder(crashed_url, tmp_path / "crashed")
         for proc in (again, straight):
             out, err = proc.communicate(timeout=600)

@@ -22,9 +22,7 @@ import numpy as np
 import pytest
 import redis
 
-from services.index.client.writer import ChangeLogWriter, DocRecord
-from services.index.generations import EncoderSpec, Registry
-from services.index.rollout.drift import (
+from services.generations.drift import (
     DRIFT_KEY,
     DriftPolicy,
     DriftWatcher,
@@ -32,6 +30,8 @@ from services.index.rollout.drift import (
     read_ratios,
     read_with_asyncio,
 )
+from services.generations.registry import EncoderSpec, Registry
+from services.index.client.writer import ChangeLogWriter, DocRecord
 from tests.support.processes import wait_until
 from tests.support.shards import ShardCluster, run_shards, train_test_index
 
@@ -204,7 +204,7 @@ def test_drift_watch_runs_the_real_retrain_and_stops_on_sigterm(
         g2 = registry.get("g2")
         assert g2.params.get("trained") and g2.num_shards == SHARDS
         assert Path(g2.index_dir) == tmp_path / "gens" / "g2"
-        assert registry.rollout() is None
+        assert registry.running() is None
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(timeout=30) == 0
     finally:

@@ -23,9 +23,9 @@ from services.cli.main import main
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.redis_client import sync_client
 from services.common.status import status_of
-from services.index.generations import EncoderSpec, Generation, Registry
+from services.generations.lifecycle import retire
+from services.generations.registry import EncoderSpec, Generation, Registry
 from services.index.keys import CLOSED, LAYOUT_KEY, Layout
-from services.index.rollout.lifecycle import retire
 
 SPEC = EncoderSpec("embed", 1, 384, "minilm")
 BASE = Layout(2, 2)
@@ -137,7 +137,7 @@ def test_abort_of_an_interrupted_rollout_gives_the_writes_back_to_the_source(
     registry.set_gates(BASE, CLOSED)  # it died mid-switch: writes paused
     store.hset("snap:{0}", "rollout:g2", "5-0")  # its hold on the source's log
     assert "aborted the rollout to g2" in cli.ok("rollout", "--abort")
-    assert registry.rollout() is None
+    assert registry.running() is None
     assert registry.get("g2").state == "failed"
     assert {registry.gate(BASE, s) for s in range(2)} == {"g1"}
     assert store.hget("snap:{0}", "rollout:g2") is None
@@ -202,13 +202,14 @@ def test_generations_lists_the_registry(store: Any, cli: Cli) -> None:
 def test_a_builder_of_another_host_counts_as_gone_once_its_heartbeat_stops(store: Any) -> None:
     """A Job's replacement pod (another host) resumes the rollout of the pod before it once
     that one's heartbeat is older than stale_after_s; while it beats, it is refused."""
-    from services.index.rollout.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+    from services.generations.builder import RolloutBuilder, RolloutOptions, RolloutPlan
 
     _recorded(store, alive=True)
     store.hset("{gtr}:rollout", mapping={"host": "rollout-pod-0", "beat": repr(time.time())})
     options = RolloutOptions(index_root=Path("unused"), stale_after_s=1.0, heartbeat_s=0.2)
     builder = RolloutBuilder(store, _no_encoder, options)
-    running = Registry(store).rollout() or {}
+    running = Registry(store).running()
+    assert running is not None
     started = time.monotonic()
     builder.check_resumable(running, RolloutPlan())  # returns: the other pod went silent
     assert time.monotonic() - started < 3.0
@@ -224,7 +225,7 @@ def test_a_builder_of_another_host_counts_as_gone_once_its_heartbeat_stops(store
     thread.start()
     try:
         with pytest.raises(FailedPrecondition, match=r"builder pid .* on rollout-pod-0"):
-            builder.check_resumable(Registry(store).rollout() or {}, RolloutPlan())
+            builder.check_resumable(Registry(store).running() or running, RolloutPlan())
     finally:
         beating.set()
         thread.join()
@@ -272,7 +273,7 @@ def test_a_publish_that_fails_outside_the_domain_errors_ends_the_rollout(
     is left to resume or abort (as for a refused publish)."""
     import asyncio
 
-    from services.index.rollout.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+    from services.generations.builder import RolloutBuilder, RolloutOptions, RolloutPlan
 
     def full_disk(folder: str) -> EncoderSpec:
         raise OSError(28, "No space left on device", folder)
@@ -282,5 +283,34 @@ def test_a_publish_that_fails_outside_the_domain_errors_ends_the_rollout(
     with pytest.raises(OSError, match="No space left"):
         asyncio.run(builder.rollout(RolloutPlan(encoder_dir=str(tmp_path))))
     registry = Registry(store)
-    assert registry.rollout() is None
+    assert registry.running() is None
     assert registry.serving().name == "g1"
+
+
+@pytest.mark.parametrize(
+    ("plan", "starts"),
+    [
+        (
+            {"retrain": True, "encoder_dir": "/checkpoints/new"},
+            "--retrain reuses the serving encoder's vectors",
+        ),
+        ({"num_shards": -1}, "--shards -1: at least 1"),
+    ],
+)
+def test_a_plan_the_builder_refuses_is_worded_with_its_flag_first(
+    store: Any, tmp_path: Path, plan: dict[str, Any], starts: str
+) -> None:
+    """The builder's PlanRefused names no flag; the CLI's wording puts the flag first."""
+    import asyncio
+
+    from services.cli.generation_places import in_flags
+    from services.common.errors import InvalidArgument
+    from services.generations.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+
+    async def no_encoder(spec: EncoderSpec) -> Any:
+        raise AssertionError("a refused plan encodes nothing")
+
+    builder = RolloutBuilder(store, no_encoder, RolloutOptions(index_root=tmp_path))
+    with _unchanged(store), pytest.raises(InvalidArgument) as refused, in_flags():
+        asyncio.run(builder.rollout(RolloutPlan(**plan)))
+    assert refused.value.message.startswith(starts), refused.value.message

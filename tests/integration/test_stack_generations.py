@@ -31,12 +31,13 @@ import pytest
 import redis
 
 from services.common.cpus import format_cpus
-from services.gateway.settings import parse_shard_addresses
+from services.generations import budget as rollout_budget
+from services.generations.registry import EncoderSpec, Generation, Registry
+from services.index.client.addresses import parse_shard_addresses
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, IndexQuery
 from services.index.core.train import TrainOptions, train_index
-from services.index.generations import EncoderSpec, Generation, Registry
 from services.index.keys import (
     ADDRESSES_KEY,
     CPU_BUDGET_KEY,
@@ -45,7 +46,6 @@ from services.index.keys import (
     GenerationKeys,
     Layout,
 )
-from services.index.rollout import budget as rollout_budget
 from services.stack import first_run, triton_component
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig
@@ -300,7 +300,7 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_serving_on_the_oth
     gens = running.stack.generations
     assert gens is not None
     registry = running.registry()
-    assert registry.rollout() is None
+    assert registry.running() is None
     target = new_generation(running, 2, trained=True)
     wait_until(lambda: target.name in running.addresses(), "the target's shards", 120)
 
@@ -439,7 +439,7 @@ def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     from services.encoder.model import default_model_dir
-    from services.encoder.serve.versions import publish_version
+    from services.encoder.serve.publish import publish_version
 
     base = encoder_base(tmp_path_factory)
     cfg = StackConfig(run_dir=tmp_path / "run", restart=FAST, startup_timeout_s=240)

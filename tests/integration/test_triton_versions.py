@@ -36,15 +36,12 @@ from services.encoder.build.repository import RepositoryConfig, generate_reposit
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import Kind
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
+from services.encoder.serve.publish import publish_version
+from services.encoder.serve.triton_load import load_model
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
-from services.encoder.serve.versions import (
-    clear_cpu_budgets,
-    describe_versions,
-    load_model,
-    publish_version,
-    served_versions,
-    unpublish_version,
-)
+from services.encoder.serve.unpublish import unpublish_version
+from services.encoder.serve.versions import clear_cpu_budgets, describe_versions, served_versions
+from services.generations.state import RolloutState
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -97,6 +94,11 @@ async def _encode_all(url: str, version: str) -> tuple[TritonEncoder, dict[Kind,
     finally:
         await encoder.close()
     return encoder, got
+
+
+def _recorded(registry: Any) -> RolloutState:
+    """The rollout ``{gtr}:rollout`` records (an empty record when none runs)."""
+    return registry.running() or RolloutState(target="")
 
 
 def _expected(model_dir: Path) -> dict[Kind, np.ndarray]:
@@ -190,7 +192,7 @@ def test_a_second_encoder_is_published_and_served_beside_the_first(served: Serve
 def _stubs(handle: TritonHandle, repo: Path, version: int) -> list[int]:
     """The pids of Triton's Python backend stubs that run ``version`` of ``embed``: argv
     ``triton_python_backend_stub <repo>/embed/<version>/model.py ...``, read from /proc
-    (as services/stack/cpu_budget.py ``stub_budget_age`` reads it). A reload of the
+    (as services/generations/placement.py ``stub_budget_age`` reads it). A reload of the
     version starts a new stub before the old one stops."""
     from services.common.cpus import children_of, cmdline
 
@@ -422,7 +424,7 @@ def test_a_generation_recorded_without_a_version_gets_version_one_not_the_newest
     must still be encoded by version 1, the store's encoder."""
     from services.gateway.server import GenerationParts, build_encoder
     from services.gateway.settings import GatewaySettings
-    from services.index.generations import EncoderSpec, Generation
+    from services.generations.registry import EncoderSpec, Generation
 
     url = served.handle.grpc_url
     publish_version(served.repo, ensure_second_encoder(served.base), url)  # v2 (if not yet)
@@ -510,7 +512,7 @@ def test_unpublish_refuses_a_version_an_index_generation_uses(
     generation is retired and the rollout gone the version may go."""
     import redis
 
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
 
     repo = tmp_path / "repo"
     shutil.copytree(served.repo, repo, ignore=shutil.ignore_patterns(".publish.lock"))
@@ -556,7 +558,7 @@ def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     import redis
 
     from services.cli.main import main
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
     from services.index.keys import LAYOUT_KEY
 
     url, repo = served.handle.grpc_url, served.repo
@@ -644,7 +646,7 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
 
     import redis
 
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
     from services.index.keys import LAYOUT_KEY
     from tests.support.processes import wait_until
 
@@ -737,7 +739,7 @@ def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
         assert _ready_versions(served.handle) == ready
         again = _cli("versions", "--repo", str(repo), "--json")
         assert again.returncode == 0 and again.stdout == listed.stdout, again.stderr
-        assert (registry.rollout() or {}).get("target") == "g7"  # the other one's, intact
+        assert _recorded(registry).target == "g7"  # the other one's, intact
     finally:
         if process.poll() is None:
             process.kill()
@@ -775,7 +777,7 @@ def _generation_stack(tmp_path: Path, redis_url: str, served: Served) -> tuple[P
     (2 shards, version 1) serves; → (run dir, blocking Redis client)."""
     import redis
 
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
     from services.index.keys import LAYOUT_KEY
 
     run_dir = tmp_path / "stack"
@@ -822,7 +824,7 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
     again under the lock and sees the rollout publishing, and the rollout records the
     version it got. (The rollout used to publish before taking the rollout lock: it was
     never seen in phase `publish`, and a retire in between unpublished its version.)"""
-    from services.index.generations import EncoderSpec, Registry
+    from services.generations.registry import EncoderSpec, Registry
 
     url, repo = served.handle.grpc_url, served.repo
     export = ensure_onnx(ensure_second_encoder(served.base, seed=5), served.base).parent
@@ -845,10 +847,7 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
                 "rollout", "--encoder", str(export), "--run-dir", str(run_dir), "--yes", "--quiet"
             )
             wait_until(
-                lambda: (
-                    (registry.rollout() or {}).get("phase") == "publish"
-                    or rollout.poll() is not None
-                ),
+                lambda: _recorded(registry).phase == "publish" or rollout.poll() is not None,
                 "the rollout's lock, taken before its publish",
                 120,
             )
@@ -858,14 +857,13 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
         assert f"embed version {version} stays published: the encoder of g3" in out, out
         assert registry.get("g2").state == "retired"
         wait_until(
-            lambda: (
-                (registry.rollout() or {}).get("phase") != "publish" or rollout.poll() is not None
-            ),
+            lambda: _recorded(registry).phase != "publish" or rollout.poll() is not None,
             "the rollout past its publish",
             300,
         )
-        plan = json.loads((registry.rollout() or {}).get("plan") or "{}")
-        assert (plan.get("encoder") or {}).get("version") == version, _finish(rollout)
+        plan = _recorded(registry).plan
+        planned = plan.encoder if plan is not None else None
+        assert planned is not None and planned.version == version, _finish(rollout)
         assert registry.get("g3").encoder.version == version
         assert version in served_versions(repo)
         assert str(version) in _ready_versions(served.handle)
@@ -889,7 +887,7 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
     so again, `index rollout` with no options resumes it: it publishes the folder its plan
     names, records the version and its target, and goes on (here to the train phase, which
     an empty store refuses); `--abort` then leaves the target `failed`."""
-    from services.index.generations import Registry
+    from services.generations.registry import Registry
 
     url, repo = served.handle.grpc_url, served.repo
     export = ensure_onnx(ensure_second_encoder(served.base, seed=5), served.base).parent
@@ -908,37 +906,38 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
                     120,
                 )
                 assert process.poll() is None, _finish(process)
-                running = registry.rollout() or {}
-                assert running.get("phase") == "publish", running
+                running = _recorded(registry)
+                assert running.phase == "publish", running
             finally:
                 process.kill()
                 process.communicate()
         assert served_versions(repo) == versions
         with pytest.raises(NotFound):
-            registry.get(running["target"])
-        return running["target"]
+            registry.get(running.target)
+        return running.target
 
     target = killed_while_publishing()
     status, out = _finish(_index("rollout", "--abort", *where))
     assert status == 0, out
     assert f"aborted the rollout to {target} (phase publish)" in out, out
-    assert registry.rollout() is None
+    assert registry.running() is None
     assert served_versions(repo) == versions
 
     target = killed_while_publishing()
     status, out = _finish(_index("rollout", *where, "--yes", "--quiet"))
     assert status == 2, out  # the train phase: an empty store has nothing to train on
     assert "nothing to train on" in out, out
-    running = registry.rollout() or {}
-    assert running.get("phase") == "train", running
-    version = json.loads(running["plan"])["encoder"]["version"]
+    running = _recorded(registry)
+    assert running.phase == "train" and running.plan is not None, running
+    assert running.plan.encoder is not None, running
+    version = running.plan.encoder.version
     assert f"published as embed version {version}" in out, out
     assert registry.get(target).encoder.version == version
     assert version in served_versions(repo) and str(version) in _ready_versions(served.handle)
     try:
         status, out = _finish(_index("rollout", "--abort", *where))
         assert status == 0, out
-        assert registry.get(target).state == "failed" and registry.rollout() is None
+        assert registry.get(target).state == "failed" and registry.running() is None
     finally:
         registry.end_rollout()
         client.close()

@@ -16,8 +16,8 @@ from pathlib import Path
 from services.common.redis_client import sync_client
 from services.encoder.base import Encoder
 from services.encoder.runtime.inprocess import InProcessEncoder
-from services.index.generations import EncoderSpec
-from services.index.rollout.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+from services.generations.builder import RolloutBuilder, RolloutOptions, RolloutPlan
+from services.generations.registry import EncoderSpec
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -322,7 +322,7 @@ class SteadyLoad:
     async def _watch_alias(self) -> None:
         import redis.asyncio as aioredis
 
-        from services.index.generations import read_alias
+        from services.generations.registry import read_alias
 
         client = aioredis.Redis.from_url(self.redis_url)  # type: ignore[arg-type]
         try:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from services.common import cpus as cpu_sets
 from services.common.errors import InvalidArgument
-from services.stack.cpu_budget import Process, placement
+from services.generations.placement import Process, placement
 from tests.support.processes import wait_until
 
 MACHINE = frozenset({0, 1, 2, 3})
@@ -129,7 +129,7 @@ def test_the_stack_finds_a_stubs_budget_beside_the_model_folders(tmp_path: Path)
     """``stub_budget_age`` reads a backend stub's argv (``triton_python_backend_stub
     <repo>/embed/<n>/model.py``) and the budget file of that version, which lives beside
     the model folders (a file in the version folder made Triton reload the version)."""
-    from services.stack.cpu_budget import stub_budget_age
+    from services.generations.placement import stub_budget_age
 
     version = tmp_path / "embed" / "2"
     version.mkdir(parents=True)
@@ -153,7 +153,7 @@ def test_the_stack_finds_a_stubs_budget_beside_the_model_folders(tmp_path: Path)
 
 
 def test_an_ending_budget_names_the_exiting_process_and_parses_back() -> None:
-    from services.index.rollout import budget as rollout_budget
+    from services.generations import budget as rollout_budget
 
     assert rollout_budget.parse("1,3") == (frozenset({1, 3}), None)  # a running rollout's
     value = rollout_budget.ending(frozenset({2, 3}), 4242)

@@ -15,7 +15,7 @@ import pytest
 from services.cli.drift_commands import rollout_argv
 from services.cli.main import build_parser
 from services.common.settings import load_settings
-from services.gateway.settings import parse_shard_addresses
+from services.index.client.addresses import parse_shard_addresses
 from services.index.server.settings import ShardSettings
 from tests.support.chart import (
     NAMESPACE,

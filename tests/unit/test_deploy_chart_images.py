@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.gateway.settings import parse_shard_addresses
+from services.index.client.addresses import parse_shard_addresses
 from tests.support.chart import (
     chart,
     component,

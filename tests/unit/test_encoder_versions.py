@@ -21,7 +21,7 @@ from services.encoder.build.repository import (
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import get_profile
 from services.encoder.runtime.triton_client import describe_version, version_params
-from services.encoder.serve.versions import Export, servable_problem
+from services.encoder.serve.publish import Export, servable_problem
 
 MINILM = EncoderMeta(
     model_name="all-MiniLM-L6-v2",
@@ -138,18 +138,17 @@ def test_the_model_and_the_client_overlay_a_versions_parameters_alike(
 def test_a_recorded_rollouts_target_uses_the_version_its_plan_names() -> None:
     """The builder takes the rollout lock (its plan naming the encoder) before it writes
     the target's record: in between, the target counts by its plan."""
-    import json
-
-    from services.encoder.serve.versions import generations_using
-    from services.index.generations import EncoderSpec, Generation
+    from services.generations.encoders import generations_using
+    from services.generations.registry import EncoderSpec, Generation
+    from services.generations.state import RecordedPlan, RolloutState
 
     g1 = Generation("g1", "serving", 2, EncoderSpec("all-MiniLM-L6-v2", 0, 384), "")
     g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
-    plan = {"target": "g3", "plan": json.dumps({"encoder": {"model": "embed", "version": 2}})}
+    plan = RolloutState(target="g3", plan=RecordedPlan(EncoderSpec("embed", 2)))
     assert generations_using([g1, g2], 1) == ["g1"]  # no version recorded: version 1
     assert generations_using([g1, g2], 2) == []  # a retired generation uses nothing
     assert generations_using([g1, g2], 2, plan) == ["g3"]
-    assert generations_using([g1, g2], 2, {"target": "g3", "phase": "create"}) == []
+    assert generations_using([g1, g2], 2, RolloutState(target="g3", phase="create")) == []
     g3 = Generation("g3", "building", 2, EncoderSpec("embed", 2, 384), "")
     assert generations_using([g1, g2, g3], 2, plan) == ["g3"]  # named once
 
@@ -158,22 +157,19 @@ def test_a_rollout_publishing_its_encoder_uses_every_version() -> None:
     """`index rollout --encoder` takes the lock (phase publish, its plan naming no version
     yet) before it publishes; the publish may return a version published before (the same
     export), so until the version is recorded the rollout keeps every version."""
-    import json
-
-    from services.encoder.serve.versions import generations_using
-    from services.index.generations import EncoderSpec, Generation
+    from services.generations.encoders import generations_using
+    from services.generations.registry import EncoderSpec, Generation
+    from services.generations.state import RecordedPlan, RolloutState
 
     g1 = Generation("g1", "serving", 2, EncoderSpec("embed", 1, 384), "")
     g2 = Generation("g2", "retired", 2, EncoderSpec("embed", 2, 384), "")
-    publishing = {
-        "target": "g3",
-        "phase": "publish",
-        "plan": json.dumps({"encoder": None, "encoder_dir": "/new"}),
-    }
+    publishing = RolloutState(
+        target="g3", phase="publish", plan=RecordedPlan(None, encoder_dir="/new")
+    )
     using = "g3 (a rollout publishing its encoder)"
     assert generations_using([g1, g2], 2, publishing) == [using]
     assert generations_using([g1, g2], 1, publishing) == ["g1", using]
-    assert generations_using([g1, g2], 2, dict(publishing, phase="create")) == []
+    assert generations_using([g1, g2], 2, publishing.with_(phase="create")) == []
 
 
 def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_config(
@@ -186,7 +182,7 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
     from google.protobuf import text_format
 
     from services.encoder.build.repository import ENCODER_OUTPUT, VERSION_FILE, read_config
-    from services.encoder.serve.versions import _convert, describe_versions
+    from services.encoder.serve.versions import convert_older, describe_versions
 
     model = tmp_path / "embed"
     config = _cpu_config()
@@ -203,7 +199,7 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
     before = [(s.version, s.dim, s.digest) for s in describe_versions(tmp_path)]
     assert before == [(1, 384, "aaaa"), (2, 384, "bbbb")]
 
-    converted = _convert(model, read_config(model / "config.pbtxt"))
+    converted = convert_older(model, read_config(model / "config.pbtxt"))
     assert converted is not None
     (model / "config.pbtxt").write_text(converted)
     new = read_config(model / "config.pbtxt")
@@ -219,7 +215,7 @@ def test_an_older_repository_is_converted_by_publish_and_a_publish_leaves_the_co
         "model.onnx",
     )
     assert (model / "2" / "model.py").exists()  # the model code that reads version.json
-    assert _convert(model, new) is None  # converted once: the next publish changes nothing
+    assert convert_older(model, new) is None  # converted once: the next publish changes nothing
 
 
 def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_publish(
@@ -230,7 +226,7 @@ def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_pub
     the others); a folder that policy leaves out is that unpublish, stopped."""
 
     from services.encoder.build.repository import VERSION_FILE, write_version_file
-    from services.encoder.serve.versions import _convert, served_versions
+    from services.encoder.serve.versions import convert_older, served_versions
 
     model = tmp_path / "embed"
     for version in (1, 2):
@@ -238,7 +234,7 @@ def test_an_unpublish_stopped_before_its_folder_went_is_finished_by_the_next_pub
         write_version_file(model / str(version), version_description(MINILM, f"d{version}"))
     config = _cpu_config()
     config.version_policy.specific.versions[:] = [1]
-    converted = _convert(model, config)
+    converted = convert_older(model, config)
     assert converted is not None and "all {" in converted
     assert served_versions(tmp_path) == [1]
     assert (model / "1" / VERSION_FILE).exists()

@@ -20,10 +20,10 @@ from tokenizers import Tokenizer
 from services.encoder.base import Embeddings
 from services.encoder.model import TorchEmbedder
 from services.encoder.runtime.inprocess import InProcessEncoder
+from services.encoder.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder
 from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.domain import Document
 from services.gateway.generations import Bundle, GenerationSource
-from services.gateway.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder
 from services.index.changelog import decode_entry
 from services.index.client.documents import DocumentReader
 from services.index.client.writer import ChangeLogWriter

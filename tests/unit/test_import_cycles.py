@@ -286,7 +286,8 @@ def test_an_acyclic_tree_passes(tmp_path: Path) -> None:
 
 # Bottom → top; a package imports from its own layer or lower ones only. ``measures`` has
 # nothing above ``common`` (ranking measures, contrastive entropy), so the encoder's training
-# and ``eval`` share it; ``generations`` is the package issue #32's other branch creates.
+# and ``eval`` share it; ``generations`` owns index generations and sits below the gateway,
+# which reads its registry.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"common"}),
     frozenset({"corpus", "measures"}),
@@ -307,14 +308,9 @@ class Known:
     why: str
 
 
-_GENERATIONS = "issue #32: the generations package (other branch) moves these files"
-KNOWN: dict[tuple[str, str], Known] = {
-    ("services.index", "services.gateway"): Known(("services/index/rollout/",), _GENERATIONS),
-    ("services.index", "services.encoder"): Known(("services/index/rollout/",), _GENERATIONS),
-    ("services.encoder", "services.index"): Known(
-        ("services/encoder/serve/versions.py",), _GENERATIONS
-    ),
-}
+# Empty since the generations package landed (issue #32); an entry here names an import
+# that runs against the layers on purpose, the files it may come from, and why.
+KNOWN: dict[tuple[str, str], Known] = {}
 
 
 def top_level(name: str, top: str) -> str:

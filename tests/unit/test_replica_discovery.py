@@ -10,7 +10,7 @@ import pytest
 
 from services.common.discovery import DnsTarget, parse_dns_target, resolve
 from services.common.errors import Unavailable
-from services.gateway.settings import parse_shard_addresses
+from services.index.client.addresses import parse_shard_addresses
 from tests.support.dns import run_dns
 
 

@@ -1,5 +1,5 @@
 """Drift that acts (issue #24): the window of `index drift-watch`, and the watcher's
-decisions on a real Redis registry (services/index/rollout/drift.py, standby.py).
+decisions on a real Redis registry (services/generations/drift.py, standby.py).
 
 The window is checked against a model written out here from its definition (act when
 every reading of the serving generation over the last `window` seconds was above the
@@ -17,8 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import FailedPrecondition
-from services.index.generations import EncoderSpec, Registry
-from services.index.rollout.drift import (
+from services.generations.drift import (
     DRIFT_KEY,
     DriftPolicy,
     DriftWatcher,
@@ -26,7 +25,8 @@ from services.index.rollout.drift import (
     Reading,
     WatchConfig,
 )
-from services.index.rollout.standby import await_generation
+from services.generations.registry import EncoderSpec, Registry
+from services.generations.standby import await_generation
 
 POLICY = DriftPolicy(threshold=1.5, window_s=60.0, stale_s=25.0)
 

@@ -1,4 +1,4 @@
-"""The rollout's progress report (services/index/rollout/progress.py): the Prometheus
+"""The rollout's progress report (services/generations/progress.py): the Prometheus
 metrics `index rollout --metrics-port` serves, scraped over HTTP as Prometheus does, and
 the ETA from the rate of the last 10 s."""
 
@@ -8,7 +8,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.index.rollout.progress import ConsoleProgress, Progress
+from services.generations.progress import ConsoleProgress, Progress
 from tests.support.processes import free_port
 
 

@@ -8,7 +8,7 @@ Both flavours expose the same model ``embed``:
   train --arch ade*``) puts both graphs in ``embed/1/`` and ``KIND`` picks the tower of
   each row (parameters ``onnx_file`` and ``document_onnx_file``); clients see no change.
   The model serves every version folder (``version_policy: all``): ``encoder publish``
-  (``services/encoder/serve/versions.py``) adds the next encoder as ``embed/<n>/``,
+  (``services/encoder/serve/publish.py``) adds the next encoder as ``embed/<n>/``,
   each folder with its own graph(s), tokenizer and model code, described by its own
   ``version.json`` (source model, dim, profile, digest, graph files), which the model
   reads at initialize over the shared parameters and answers on the optional output

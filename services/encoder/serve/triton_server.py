@@ -25,7 +25,7 @@ it); ``run_triton`` starts the server, waits until ``embed`` is ready and stops 
 Model control: explicit (``--model-control-mode=explicit --load-model=*``). At start the
 server loads every model of the repository, as the default mode does; afterwards it
 changes what it serves only when asked (``RepositoryModelLoad``): ``encoder publish``
-(``services/encoder/serve/versions.py``) adds an encoder version to the repository and
+(``services/encoder/serve/publish.py``) adds an encoder version to the repository and
 asks the running server to load it beside the serving ones, with no restart and no gap
 (docs/encoder.md "Several encoder versions"). ``TritonServerConfig.model_control =
 "none"`` starts it as before (the repository read once at start, load requests refused).

@@ -26,6 +26,7 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from services.common import positions
+from services.common.encoder_spec import EncoderSpec
 from services.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -38,9 +39,9 @@ from services.index.changelog import LogReader, decode_entry, text
 from services.index.core.changes import Change, Upsert
 from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
 from services.index.core.trained import TrainedIndex
-from services.index.generations import EncoderSpec, Registry
 from services.index.keys import FIRST_GENERATION, GENERATIONS_KEY, GenerationKeys, Layout
 from services.index.layout import check_layout, read_layout
+from services.index.records import ensure_first
 from services.index.server.metrics import ShardMetrics
 from services.index.server.settings import ShardSettings
 
@@ -134,7 +135,8 @@ class ShardReplica:
         if self.config.generation == FIRST_GENERATION and not self._sync.exists(GENERATIONS_KEY):
             # a store written before generations (or a new one) becomes generation g1
             manifest = self.trained.manifest
-            Registry(self._sync).ensure_first(
+            ensure_first(
+                self._sync,
                 self.config.shards,
                 EncoderSpec(model=manifest.model, dim=manifest.dim, source="shard manifest"),
                 str(Path(self.config.index_dir).resolve()),

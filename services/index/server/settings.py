@@ -10,7 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ClientTLSSettings, RedisSettings
 from services.index.core.text import TextConfig, check_language
-from services.index.generations import generation_number
+from services.index.records import generation_number
 
 
 class ShardSettings(RedisSettings, ClientTLSSettings):

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import FailedPrecondition, RetrievalError
-from services.index.generations import Generation, Registry
+from services.generations.documents import nodes
+from services.generations.registry import Generation, Registry
 from services.index.keys import ADDRESSES_KEY, ALIAS_KEY, Layout
 
 if TYPE_CHECKING:
@@ -45,10 +46,10 @@ def retire(client: Any, name: str | None = None) -> Retired:
     gen = registry.get(name)
     if gen.name == alias.serving:
         raise FailedPrecondition(f"{gen.name} is the serving generation: it cannot be retired")
-    running = registry.rollout()
-    if running and gen.name in (running.get("target"), running.get("source")):
+    running = registry.running()
+    if running and gen.name in (running.target, running.source):
         raise FailedPrecondition(
-            f"a rollout from {running.get('source')} to {running.get('target')} is running: "
+            f"a rollout from {running.source} to {running.target} is running: "
             "retire after it (or `index rollout --abort`)"
         )
     base = registry.base_shards()
@@ -82,10 +83,8 @@ def retire(client: Any, name: str | None = None) -> Retired:
 def _delete_layout(client: Any, layout: Layout) -> int:
     """Delete every document, version counter and writer gate of ``layout``; the number
     of documents."""
-    from services.index.rollout.builder import _nodes
-
     documents = 0
-    for node in _nodes(client):
+    for node in nodes(client):
         for shard in range(layout.num_shards):
             for prefix in ("doc:", "ver:"):
                 keys = list(node.scan_iter(match=f"{prefix}{layout.tag(shard)}:*", count=1000))
@@ -132,7 +131,7 @@ def generation_sizes(
     entries = sum(int(client.xlen(keys.log(s))) for s in range(keys.num_shards))
     if not spec or gen.state in ("retired", "failed"):
         return Sizes(None, None, None, entries, 0, 0)
-    from services.index.rollout.replicas import ReplicaStats, all_stats
+    from services.generations.replicas import ReplicaStats, all_stats
 
     try:
         stats = asyncio.run(all_stats(spec, tls, timeout=timeout))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.index.generations import RUNNING, Generation, Registry
+from services.generations.registry import RUNNING, Generation, Registry
 from services.index.keys import FIRST_GENERATION
 
 log = logging.getLogger(__name__)

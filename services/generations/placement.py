@@ -25,7 +25,7 @@ generation's first searches shared the budget's CPU with the builder's end (76 m
 against 27 ms, docs/generations.md "The switch phase, traced").
 
 **The end.** The rollout's CLI marks the budget ending with its pid when the rollout is
-over (:mod:`services.index.rollout.budget`); the budget holds until that process has
+over (:mod:`services.generations.budget`); the budget holds until that process has
 exited, so its end stays on the budget's CPUs.
 
 Without a budget every process may use every CPU again (the stubs widen their ONNX
@@ -42,6 +42,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.common import cpus as cpu_sets
+from services.common.errors import InvalidArgument
+from services.generations.budget import parse as budget_value
+from services.generations.state import RolloutState
+from services.index.keys import CPU_BUDGET_KEY
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,32 @@ def stub_budget_age(pid: int) -> float | None:
     except OSError:
         return None
     return max(0.0, time.time() - written.st_mtime)
+
+
+def active_budget(raw: bytes | str | None, machine: frozenset[int]) -> frozenset[int] | None:
+    """The running rollout's CPU budget on a machine of CPUs ``machine``, from the budget
+    key's value ``raw``: None when there is none, when its rollout ended and its process
+    has exited, or when it would leave serving nothing here."""
+    if not raw:
+        return None
+    value = raw.decode() if isinstance(raw, bytes) else raw
+    try:
+        budget, exiting = budget_value(value)
+    except InvalidArgument:
+        log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
+        return None
+    if exiting is not None and not cpu_sets.running(exiting):
+        return None  # the rollout ended and its process has exited
+    mine = budget & machine
+    return mine if mine and mine != machine else None
+
+
+def budgeted_target(running: RolloutState | None) -> str:
+    """The generation whose processes a CPU budget holds: the rollout's target until its
+    switch phase (:data:`HANDED_OVER`), when they go to serving's CPUs; "" none."""
+    if running is None or running.phase in HANDED_OVER:
+        return ""
+    return running.target
 
 
 def apply(placed: dict[int, frozenset[int]]) -> int:

@@ -1,5 +1,5 @@
 """A rollout's CPU budget, the builder's side (``index rollout --cpus``; the local stack's
-side is :mod:`services.stack.cpu_budget`, the design docs/generations.md "A rollout's CPU
+side is :mod:`services.generations.placement`, the design docs/generations.md "A rollout's CPU
 budget").
 
 :class:`CpuBudget` records the budget (the CLI pinned its own process to it first, before

@@ -122,7 +122,7 @@ async def read_ratios(spec: str, tls: Any = None) -> Reading:
     """Ask every replica of the generation at ``spec`` (the gateway's ``--shards`` syntax:
     ``;`` between shards, ``,`` between replicas, or one ``dns:///`` target per shard) for
     its Stats; replicas that do not answer within 5 s are left out."""
-    from services.gateway.settings import parse_shard_addresses
+    from services.index.client.addresses import parse_shard_addresses
     from services.index.client.router import ShardRouter
 
     router = ShardRouter(
@@ -143,6 +143,20 @@ class WatchConfig:
     fallback_shards: str
     # argv of the rollout to start (``gtr-retrieval index rollout --retrain --yes ...``)
     rollout_argv: Sequence[str]
+
+    @classmethod
+    def of(
+        cls,
+        threshold: float,
+        window_s: float,
+        interval_s: float,
+        fallback_shards: str,
+        rollout_argv: Sequence[str],
+    ) -> WatchConfig:
+        """The watcher's config; a window goes stale after three polls without a
+        reading. ValueError for a threshold or window the policy refuses."""
+        policy = DriftPolicy(threshold, window_s, stale_s=3 * interval_s + 10)
+        return cls(policy, interval_s, fallback_shards, rollout_argv)
 
 
 class DriftMetrics:
@@ -178,7 +192,7 @@ class DriftMetrics:
 class DriftWatcher:
     """The loop of ``index drift-watch``: poll, keep the window, start the rollout.
 
-    ``registry`` is a :class:`~services.index.generations.Registry`; ``read`` reads a
+    ``registry`` is a :class:`~services.generations.registry.Registry`; ``read`` reads a
     generation's ratios from its address spec (:func:`read_ratios`); ``run`` runs the
     rollout's argv to its end and returns its exit status. All three are injected so that
     the loop runs against a real Redis and real shards in tests, and in the pod."""
@@ -208,11 +222,30 @@ class DriftWatcher:
             return self.config.fallback_shards
         return None
 
+    def once(self) -> dict[str, Any]:
+        """One reading of the serving generation, JSON-ready (``drift-watch --once``):
+        its highest ratio (None: no replica answered or none has a ratio yet), whether
+        that is above the threshold, and the ratios by shard."""
+        serving = self.registry.alias().serving
+        spec = self.spec_of(serving)
+        reading = self.read(spec) if spec else None
+        ratio = None if reading is None else reading.ratio
+        threshold = self.config.policy.threshold
+        return {
+            "generation": serving,
+            "ratio": None if ratio is None or math.isnan(ratio) else ratio,
+            "threshold": threshold,
+            "above": ratio is not None and ratio > threshold,
+            "per_shard": []
+            if reading is None
+            else [[None if math.isnan(r) else r for r in s] for s in reading.per_shard],
+        }
+
     def resume_if_ours(self) -> int | None:
         """At start: when the rollout the watcher started is still recorded as running
         and the registry still holds a rollout, run it again (it resumes); its status."""
         mine = _s(self.registry.redis.hget(DRIFT_KEY, "rollout"))
-        if mine == "running" and self.registry.rollout() is not None:
+        if mine == "running" and self.registry.running() is not None:
             log.warning("the rollout this watcher started is unfinished: resuming it")
             return self._start_rollout(resume=True)
         return None
@@ -220,7 +253,7 @@ class DriftWatcher:
     def poll(self) -> bool:
         """One poll; True when it started (and finished) a rollout."""
         now = self.clock()
-        if self.registry.rollout() is not None:
+        if self.registry.running() is not None:
             # Someone's rollout runs: the serving generation is about to change.
             self.window.reset()
             self._show(None, now)
@@ -291,6 +324,21 @@ class DriftWatcher:
             except Exception:  # a Redis hiccup must not end the watcher
                 log.exception("drift poll failed")
             stop.wait(max(0.0, self.config.interval_s - (self.clock() - started)))
+
+
+def watch_until_sigterm(watcher: DriftWatcher, runner: ChildRunner) -> None:
+    """Run ``watcher`` until SIGTERM (the pod is stopping): the loop ends, and a rollout
+    ``runner`` runs is stopped where it is (the next watcher resumes it)."""
+    import signal
+
+    stop = threading.Event()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        stop.set()
+        runner.terminate()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    watcher.run_forever(stop)
 
 
 def read_with_asyncio(tls: Any = None) -> Callable[[str], Reading]:

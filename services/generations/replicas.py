@@ -25,7 +25,7 @@ class ReplicaStats:
 
 def parse_addresses(spec: str) -> list[list[str]]:
     """ "a:1,a:2;b:1" → [["a:1", "a:2"], ["b:1"]] (the gateway's --shards syntax)."""
-    from services.gateway.settings import parse_shard_addresses
+    from services.index.client.addresses import parse_shard_addresses
 
     return parse_shard_addresses(spec)
 

@@ -1,0 +1,26 @@
+"""Which encoder made a generation's vectors (issue #24, docs/generations.md).
+
+It sits in ``common`` because both sides of the generation record need it: the index's
+shards read it from their generation's record (:mod:`services.index.records`) and the
+encoder's repository returns it for a version it publishes
+(:mod:`services.encoder.serve.publish`); neither may import the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Which encoder a generation's vectors come from: Triton's model and version, its
+    width, and the digest of the weights (the query cache and the rollout compare
+    generations by it). Version 0 = recorded without one (before any ``encoder publish``,
+    e.g. by a shard from its manifest): the repository's first version, 1. Never "the
+    newest": after a publish that is another encoder (docs/generations.md)."""
+
+    model: str
+    version: int = 0
+    dim: int = 0
+    digest: str = ""
+    source: str = ""  # the checkpoint folder it was exported from, for the record

@@ -1,0 +1,239 @@
+"""Publish an encoder as the next version of ``embed``: ``encoder publish`` (issue #24).
+
+:func:`publish_version` exports a checkpoint (the parity check gates it, as ``encoder
+export``), refuses one the model cannot serve (FailedPrecondition saying what would be
+needed; nothing in the repository changes), adds it as version N+1 and makes a running
+Triton load it without a restart.
+
+A second publish of the same export (same :func:`~services.encoder.build.repository.export_digest`)
+adds nothing and returns the version already there, so a rollout that resumes after a
+crash can publish again. Concurrent publishes to one repository are serialised by a lock
+file (``embed/.publish.lock``).
+
+The GPU flavour (ensemble ``tokenizer`` → TensorRT ``encoder``) is refused: an ensemble's
+steps name fixed versions of their models, so ``embed`` version N cannot route to
+``encoder`` version N; serving two encoders there needs one ensemble per version (left
+for later; docs/encoder.md says so).
+
+The repository's side (lock, staging, conversion) is :mod:`services.encoder.serve.versions`;
+the loads :mod:`services.encoder.serve.triton_load`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.common.cpus import budget_path
+from services.common.encoder_spec import EncoderSpec
+from services.common.errors import FailedPrecondition, RetrievalError
+from services.encoder.build.export import (
+    PARITY_MIN_COSINE,
+    EncoderMeta,
+    check_parity,
+    export_onnx,
+)
+from services.encoder.build.repository import (
+    EMBED_MODEL,
+    TOWER_ONNX,
+    copy_graph,
+    export_digest,
+    read_config,
+    version_description,
+    write_version_file,
+)
+from services.encoder.profiles import KINDS
+from services.encoder.serve.triton_load import LOAD_TIMEOUT_S, load_everywhere
+from services.encoder.serve.versions import (
+    convert_older,
+    drop_stale_staging,
+    locked,
+    model_code_into,
+    served_versions,
+    spec_of,
+    write_atomically,
+    write_budget,
+)
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from services.common.tls import ClientTLS
+
+
+@dataclass(frozen=True)
+class Export:
+    """An export folder (``model.onnx``, ``tokenizer.json``, ``encoder.json``) and what
+    identifies it."""
+
+    onnx_path: Path
+    meta: EncoderMeta
+    digest: str
+
+
+def servable_problem(config: mc.ModelConfig, export: Export, repo: Path) -> str | None:
+    """Why the ``embed`` model of ``config`` cannot serve ``export`` beside its versions
+    (and what would be needed), or None."""
+    meta = export.meta
+    where = f"{repo / config.name}"
+    if config.platform == "ensemble" or config.backend != "python":
+        return (
+            f"{where} is the gpu flavour (ensemble of tokenizer and a TensorRT encoder): an "
+            "ensemble names one version of each step, so it cannot serve a second encoder "
+            "beside the first. Serving two encoders needs the cpu flavour (`encoder repo "
+            "--flavor cpu`), or a second Triton model of its own for the new encoder"
+        )
+    widths = {o.name: list(o.dims) for o in config.output}.get("EMBEDDING", [])
+    width = widths[-1] if widths else 0
+    if meta.dim != width:
+        return (
+            f"{meta.model_name} embeds into {meta.dim} dimensions, but {where} answers "
+            f"EMBEDDING [{width}] for every version it serves: one model has one output "
+            f"width. A {meta.dim}-d encoder needs a Triton model of its own (a repository "
+            f"generated for it with `gtr-retrieval encoder repo`, served by another Triton) "
+            f"and an index rollout to that Triton"
+        )
+    if set(meta.max_lens) != set(KINDS):
+        return (
+            f"{meta.model_name}'s export has token budgets for {sorted(meta.max_lens)}, but "
+            f"{where} embeds the kinds {list(KINDS)}: re-export it with `encoder export`"
+        )
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str((export.onnx_path.parent / "tokenizer.json").read_text())
+    except Exception as exc:  # a tokenizer the model's tokenizers cannot load
+        return (
+            f"{meta.model_name}'s tokenizer.json cannot be read by the `tokenizers` library "
+            f"that {where}'s model runs ({exc}): it needs a fast tokenizer (tokenizer.json, "
+            "as every sentence-transformers checkpoint ships)"
+        )
+    if not 0 <= meta.pad_id < tokenizer.get_vocab_size(with_added_tokens=True):
+        return (
+            f"{meta.model_name}'s pad id {meta.pad_id} is outside its tokenizer's vocabulary "
+            f"of {tokenizer.get_vocab_size(with_added_tokens=True)}: re-export it"
+        )
+    return None
+
+
+def _read_export(folder: Path, onnx_path: Path) -> Export:
+    meta = EncoderMeta.read(folder)
+    return Export(onnx_path, meta, export_digest(onnx_path, meta))
+
+
+def _export(model_dir: Path, work: Path) -> Export:
+    """``model_dir`` as an export: a checkpoint is exported into ``work`` and must pass the
+    parity check; an export folder (``encoder.json`` + ``model.onnx``) or its
+    ``model.onnx`` is taken as it is, re-checked against its checkpoint when that is here."""
+    model_dir = Path(model_dir)
+    if model_dir.suffix == ".onnx" or (model_dir / "encoder.json").exists():
+        onnx_path = model_dir if model_dir.suffix == ".onnx" else model_dir / "model.onnx"
+        if not onnx_path.exists():
+            raise FailedPrecondition(f"no ONNX graph at {onnx_path}: run `encoder export`")
+        export = _read_export(onnx_path.parent, onnx_path)
+        source = Path(export.meta.source_dir)
+        if (source / "modules.json").exists() or (source / "query" / "modules.json").exists():
+            _parity(source, onnx_path)
+        return export
+    if not model_dir.is_dir():
+        raise FailedPrecondition(f"no checkpoint or export at {model_dir}")
+    onnx_path = work / "model.onnx"
+    export_onnx(model_dir, onnx_path)
+    _parity(model_dir, onnx_path)
+    return _read_export(work, onnx_path)
+
+
+def _parity(model_dir: Path, onnx_path: Path) -> None:
+    report = check_parity(model_dir, onnx_path, threshold=PARITY_MIN_COSINE)
+    if not report.passed:
+        raise FailedPrecondition(f"{model_dir}: the ONNX export is refused, {report.summary()}")
+
+
+def _version_folder(folder: Path, export: Export) -> None:
+    """Fill a version folder: the model code, its helpers, tokenizer, meta, graph(s) and
+    its description (``version.json``)."""
+    folder.mkdir(parents=True)
+    model_code_into(folder)
+    write_version_file(folder, version_description(export.meta, export.digest))
+    source = export.onnx_path.parent
+    for artefact in ("tokenizer.json", "encoder.json"):
+        shutil.copy2(source / artefact, folder / artefact)
+    for kind, path in export.meta.onnx_files(export.onnx_path).items():
+        copy_graph(path, folder / (TOWER_ONNX[kind] if export.meta.towers else TOWER_ONNX["query"]))
+
+
+def publish_version(
+    repo_dir: Path,
+    model_dir: Path,
+    triton_url: str | None = None,
+    *,
+    tls: ClientTLS | None = None,
+    load_timeout_s: float = LOAD_TIMEOUT_S,
+    cpus: frozenset[int] | None = None,
+) -> EncoderSpec:
+    """Add the encoder at ``model_dir`` (a checkpoint, or an ``encoder export`` folder) as
+    the next version of ``embed`` in the repository ``repo_dir`` and, with ``triton_url``
+    (one address, a list or a ``dns:`` target), make those Triton servers load it.
+    ``cpus``: a rollout's CPU budget, written into the version folder (its backend stub
+    runs there; :func:`~services.encoder.serve.versions.clear_cpu_budgets` removes it).
+
+    Returns the published version's :class:`EncoderSpec` (model ``embed``, version, dim,
+    digest, source). FailedPrecondition, with nothing changed, when the export fails its
+    parity check or the model cannot serve it (another width, a tokenizer it cannot run,
+    the gpu flavour); Unavailable when a Triton could not be asked or FailedPrecondition
+    when it could not load the version (the repository is put back as it was).
+    """
+    repo = Path(repo_dir)
+    model_path = repo / EMBED_MODEL
+    config_path = model_path / "config.pbtxt"
+    if not config_path.exists():
+        raise FailedPrecondition(
+            f"{repo} has no {EMBED_MODEL} model: generate the repository first "
+            "(`gtr-retrieval encoder repo --onnx ... --out ...`)"
+        )
+    with tempfile.TemporaryDirectory(prefix="gtr-publish-") as work:
+        export = _export(Path(model_dir), Path(work))
+        with locked(model_path):
+            config = read_config(config_path)
+            problem = servable_problem(config, export, repo)
+            if problem is not None:
+                raise FailedPrecondition(f"cannot publish {model_dir}: {problem}")
+            converted = convert_older(model_path, config)
+            if converted is not None:  # an older generator's repository, once
+                write_atomically(config_path, converted)
+            versions = served_versions(repo)
+            for version in versions:  # the same export published before: nothing to add
+                spec = spec_of(model_path, config, version)
+                if spec.digest == export.digest:
+                    if cpus:
+                        write_budget(model_path / str(version), cpus)
+                    if triton_url:
+                        load_everywhere(triton_url, version, tls, load_timeout_s, if_ready=False)
+                    return EncoderSpec(
+                        spec.model, version, spec.dim, spec.digest, export.meta.source_dir
+                    )
+            version = (versions[-1] if versions else 0) + 1
+            drop_stale_staging(model_path)
+            staging = model_path / f".staging-{version}"  # not a number: Triton skips it
+            _version_folder(staging, export)
+            if cpus:
+                write_budget(model_path / str(version), cpus)
+            # The folder, whole, under its number; config.pbtxt stays as it is.
+            os.rename(staging, model_path / str(version))
+            if triton_url:
+                try:
+                    load_everywhere(triton_url, version, tls, load_timeout_s)
+                except BaseException:
+                    shutil.rmtree(model_path / str(version), ignore_errors=True)
+                    Path(budget_path(str(model_path / str(version)))).unlink(missing_ok=True)
+                    with contextlib.suppress(RetrievalError):  # unload what was loaded
+                        load_everywhere(triton_url, None, tls, load_timeout_s)
+                    raise
+            return EncoderSpec(
+                EMBED_MODEL, version, export.meta.dim, export.digest, export.meta.source_dir
+            )

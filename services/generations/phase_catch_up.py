@@ -1,0 +1,153 @@
+"""The ``catch_up`` phase: replay the source's logs into the target from the saved
+positions (each upsert re-embedded from its entry's text) until the lag is at most
+``switch_lag`` entries. The switch replays the rest with :func:`replay` too, and a
+rollback is this phase from the serving generation's ``switch_in``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from services.common import positions
+from services.common.errors import FailedPrecondition
+from services.generations import documents, logs
+from services.generations.append import DeleteItem, TargetAppender, UpsertItem
+from services.generations.context import RolloutContext
+from services.generations.encoding import Embedder, embedding_text
+from services.index.changelog import text
+from services.index.keys import GenerationKeys
+
+
+async def run_catch_up(ctx: RolloutContext) -> None:
+    ctx.registry.set_state(ctx.state.target, "catching_up")
+    while True:
+        read = await replay(ctx, until=None)
+        lag = lag_of(ctx)
+        lag = read if lag is None else lag
+        ctx.progress.lag(lag)
+        if lag <= ctx.options.switch_lag:
+            break
+    ctx.save(phase="switch")
+
+
+async def replay(ctx: RolloutContext, until: dict[int, str] | None) -> int:
+    """Replay S's logs from the saved positions: to their tails now (``until`` None: one
+    pass), or to ``until`` exactly; the number of entries replayed."""
+    target = ctx.target()
+    src = ctx.keys(ctx.source())
+    done = dict(ctx.state.positions)
+    replayed = dict(ctx.state.replayed)
+    appender = ctx.appender(target)
+    embedder = ctx.embedder(target)
+    count = 0
+    for shard in range(src.num_shards):
+        key = src.log(shard)
+        end = until[shard] if until is not None else logs.last_id(ctx.client, key)
+        position = done.get(shard, positions.ZERO)
+        if logs.trimmed_past(ctx.client, key, position):
+            raise FailedPrecondition(
+                f"{key} was trimmed past {position} (the builder was gone longer than "
+                "the shards' stale-replica time?): writes since cannot be replayed; "
+                "abort the rollout and start again"
+            )
+        while positions.compare(position, end) < 0:
+            entries = await asyncio.to_thread(
+                ctx.client.xrange, key, f"({position}", end, ctx.options.batch
+            )
+            if not entries:
+                break
+            await _replay_entries(ctx, entries, src, embedder, appender)  # type: ignore[arg-type]
+            position = text(entries[-1][0])  # type: ignore[index, arg-type]
+            done[shard] = position
+            replayed[shard] = replayed.get(shard, 0) + len(entries)  # type: ignore[arg-type]
+            count += len(entries)  # type: ignore[arg-type]
+            ctx.save(positions=dict(done), replayed=dict(replayed))
+            ctx.hold(src, {shard: position}, f"rollout:{target.name}")
+            ctx.progress.advance(len(entries))  # type: ignore[arg-type]
+            lag = lag_of(ctx)
+            if lag is not None:
+                ctx.progress.lag(lag)
+    return count
+
+
+def lag_of(ctx: RolloutContext) -> int | None:
+    """Entries of S's logs not yet replayed (from Redis's count of entries added); None
+    when the count at the start is unknown (a rollback to a generation switched away from
+    before that count was recorded)."""
+    src = ctx.keys(ctx.source())
+    added0, replayed = ctx.state.added0, ctx.state.replayed
+    if not added0:
+        return None
+    return sum(
+        max(0, logs.entries_added(ctx.client, src.log(s)) - added0.get(s, 0) - replayed.get(s, 0))
+        for s in range(src.num_shards)
+    )
+
+
+@dataclass
+class _Entry:
+    op: str
+    ids: list[str]
+    versions: list[int]
+    rows: list[tuple[str, str]]
+    metas: list[str]
+    texts: list[str] | None
+
+
+def _parse_entry(fields: dict[bytes, bytes]) -> _Entry:
+    ids = [str(i) for i in json.loads(fields[b"ids"])]
+    if b"vers" in fields:
+        versions = [int(v) for v in json.loads(fields[b"vers"])]
+    else:
+        versions = [int(fields.get(b"ver", b"0"))] * len(ids)
+    if fields[b"op"] == b"d":
+        return _Entry("d", ids, versions, [], [], [])
+    titles = json.loads(fields[b"titles"]) if b"titles" in fields else None
+    texts = json.loads(fields[b"texts"]) if b"texts" in fields else None
+    tags = json.loads(fields.get(b"tags", b"null")) or [{}] * len(ids)
+    rows = list(zip(titles or [""] * len(ids), texts or [""] * len(ids), strict=True))
+    metas = [json.dumps(t, sort_keys=True) for t in tags]
+    return _Entry("u", ids, versions, rows, metas, texts)
+
+
+async def _replay_entries(
+    ctx: RolloutContext,
+    entries: list[Any],
+    src: GenerationKeys,
+    embedder: Embedder,
+    appender: TargetAppender,
+) -> None:
+    """Append a batch of S's entries in order (their upserts re-embedded together)."""
+    parsed = [_parse_entry(fields) for _, fields in entries]
+    need: set[tuple[int, int]] = set()  # (entry, row) of the upserts whose text is missing
+    for e, entry in enumerate(parsed):
+        if entry.op == "u" and entry.texts is None:
+            docs = dict(documents.read_docs(ctx.client, src, entry.ids))
+            for n, doc_id in enumerate(entry.ids):
+                d = docs.get(doc_id)
+                if d is not None and int(d.get(b"ver", b"0")) == entry.versions[n]:
+                    entry.rows[n] = (text(d.get(b"title", b"")), text(d.get(b"text", b"")))
+                else:
+                    need.add((e, n))  # a newer version follows in the log
+    texts = [embedding_text(*row) for entry in parsed if entry.op == "u" for row in entry.rows]
+    vectors = await embedder.embed(texts) if texts else None
+    k = 0
+    for e, entry in enumerate(parsed):
+        if entry.op == "d":
+            await asyncio.to_thread(
+                appender.deletes,
+                [DeleteItem(i, v) for i, v in zip(entry.ids, entry.versions, strict=True)],
+            )
+            continue
+        assert vectors is not None
+        items = []
+        for n, doc_id in enumerate(entry.ids):
+            row = vectors[k]
+            k += 1
+            if (e, n) in need:
+                continue
+            title, body = entry.rows[n]
+            items.append(UpsertItem(doc_id, entry.versions[n], row, title, body, entry.metas[n]))
+        await asyncio.to_thread(appender.upserts, items)

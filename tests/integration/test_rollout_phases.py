@@ -1,0 +1,346 @@
+"""Each phase of a rollout (services/generations/phase_*.py, rollback.py, lifecycle.py) run
+alone on a real Redis: a :class:`RolloutContext` over a store written by the real writer
+(ChangeLogWriter), the state recorded by the real RolloutStore, and a tiny deterministic
+encoder in this process standing in for Triton (the encoder is not the subject here: the
+vector of a text is a hash of it, so a test knows which vector each document must get).
+
+Every test checks what its phase alone must leave behind: the record it moves on, the
+target's logs, the registry (alias, gates, states) and the holds on the logs. The store
+and the encoder stand-in are tests/support/hash_store.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.encoder_spec import EncoderSpec
+from services.common.errors import FailedPrecondition, Unavailable
+from services.generations import logs
+from services.generations.builder import RolloutBuilder
+from services.generations.context import RolloutContext, RolloutOptions, Wiring
+from services.generations.lifecycle import retire
+from services.generations.phase_bulk import run_bulk
+from services.generations.phase_catch_up import run_catch_up
+from services.generations.phase_publish import record_target, run_create, run_p0, run_publish
+from services.generations.phase_switch import run_switch
+from services.generations.phase_train import run_train
+from services.generations.progress import Progress
+from services.generations.registry import Registry
+from services.generations.state import RecordedPlan, RolloutState, RolloutStore
+from services.index.keys import CLOSED
+from tests.support.generation_logs import changes, folded
+from tests.support.hash_store import (
+    DIM,
+    G1,
+    G2,
+    SPEC,
+    doc,
+    expected,
+    g1_store,
+    hash_encoders,
+    write,
+)
+
+NEW = EncoderSpec("embed", 2, DIM, "hash-v2", "hash")
+OWNER = "phase-test"
+
+
+@pytest.fixture
+def store(redis_url: str, tmp_path: Path) -> Iterator[Any]:
+    client = g1_store(redis_url, tmp_path)
+    yield client
+    client.close()
+
+
+def _context(
+    client: Any, tmp_path: Path, phase: str, *, record: bool = True, **options: Any
+) -> RolloutContext:
+    """A rollout g1 -> g2 recorded in ``phase`` and claimed by this test (g2's record
+    written unless ``record`` is False)."""
+    store = RolloutStore(client)
+    plan = RecordedPlan(SPEC, 2, False, "")
+    started = store.start(
+        RolloutState(target="g2", source="g1", phase=phase, plan=plan, owner=OWNER)
+    )
+    assert started is not None
+    if record:
+        record_target(Registry(client), tmp_path, "g2", "g1", 2, SPEC, "encode", 0.0)
+    wiring = Wiring(
+        hash_encoders, options.pop("publisher", None), applied=options.pop("applied", None)
+    )
+    return RolloutContext(
+        client,
+        Registry(client),
+        store,
+        RolloutOptions(**{"index_root": tmp_path, "batch": 8, "wait_for_shards": False, **options}),
+        wiring,
+        Progress(),
+        store.claim(started, OWNER),
+    )
+
+
+def _run(ctx: RolloutContext, phase: Any) -> RolloutState:
+    async def go() -> None:
+        try:
+            await phase(ctx)
+        finally:
+            await ctx.close()
+
+    asyncio.run(go())
+    return ctx.state
+
+
+def _stored(client: Any) -> RolloutState:
+    state = RolloutStore(client).load()
+    assert state is not None
+    return state
+
+
+# --- publish, create, p0 --------------------------------------------------------------
+
+
+def test_publish_records_the_published_version_in_the_plan_and_the_target(
+    store: Any, tmp_path: Path
+) -> None:
+    published: list[str] = []
+
+    def publisher(folder: str) -> EncoderSpec:
+        published.append(folder)
+        return NEW
+
+    ctx = _context(store, tmp_path, "publish", record=False, publisher=publisher)
+    ctx.state = ctx.save(plan=RecordedPlan(None, 2, False, "/checkpoints/new"))
+    _run(ctx, run_publish)
+    assert published == ["/checkpoints/new"]
+    recorded = _stored(store)
+    assert recorded.phase == "create" and recorded.plan is not None
+    assert recorded.plan.encoder == NEW and recorded.plan.encoder_dir == "/checkpoints/new"
+    target = Registry(store).get("g2")
+    assert (target.state, target.encoder) == ("building", NEW)
+    assert target.index_dir == str(tmp_path.resolve() / "g2")
+
+
+def test_a_publish_that_fails_leaves_no_rollout_behind(store: Any, tmp_path: Path) -> None:
+    def publisher(folder: str) -> EncoderSpec:
+        raise FailedPrecondition("embed cannot serve it")
+
+    ctx = _context(store, tmp_path, "publish", record=False, publisher=publisher)
+    ctx.save(plan=RecordedPlan(None, 2, False, "/checkpoints/new"))
+    with pytest.raises(FailedPrecondition, match="cannot serve"):
+        _run(ctx, run_publish)
+    assert RolloutStore(store).load() is None  # the lock was all there was
+    assert [g.name for g in Registry(store).all()] == ["g1"]
+
+
+def test_create_refuses_a_rollout_whose_target_was_never_recorded(
+    store: Any, tmp_path: Path
+) -> None:
+    ctx = _context(store, tmp_path, "create", record=False)
+    with pytest.raises(FailedPrecondition, match="stopped before recording it"):
+        _run(ctx, run_create)
+    assert _stored(store).phase == "create"
+
+
+def test_p0_records_the_source_tails_and_holds_its_logs_there(store: Any, tmp_path: Path) -> None:
+    ctx = _context(store, tmp_path, "p0")
+    tails = logs.tails(store, G1)
+    state = _run(ctx, run_p0)
+    recorded = _stored(store)
+    assert recorded == state
+    assert recorded.phase == "train"
+    assert recorded.p0 == tails and recorded.positions == tails
+    assert recorded.replayed == {0: 0, 1: 0}
+    for shard, position in tails.items():
+        assert store.hget(G1.snapshots(shard), "rollout:g2") == position.encode()
+
+
+# --- train, bulk ----------------------------------------------------------------------
+
+
+def test_train_trains_the_target_on_an_encoded_sample_and_marks_it_trained(
+    store: Any, tmp_path: Path
+) -> None:
+    ctx = _context(store, tmp_path, "train", sample=40)
+    state = _run(ctx, run_train)
+    target = Registry(store).get("g2")
+    assert target.params["trained"] is True and target.params["nlist"] >= 1
+    assert (tmp_path / "g2" / "manifest.json").exists()
+    assert state.phase == "bulk" and _stored(store) == state
+    # the sample's documents are appended already; the bulk pass goes on after them
+    assert not state.cursor.finished and 40 <= state.done < 60 and state.total == 60
+    assert len(folded(store, G2)) == state.done
+
+
+def test_bulk_appends_every_document_with_the_targets_vector(store: Any, tmp_path: Path) -> None:
+    ctx = _context(store, tmp_path, "bulk", parallel=3)
+    state = _run(ctx, run_bulk)
+    assert state.phase == "catch_up" and state.cursor.finished and state.done == 60
+    assert _stored(store) == state
+    assert Registry(store).get("g2").state == "catching_up"
+    appended = folded(store, G2)
+    docs = {d.doc_id: d for d in (doc(i) for i in range(60))}
+    assert set(appended) == set(docs)
+    assert all(appended[i][2] == expected(docs[i]) for i in docs)
+    assert len(changes(store, G2)) == 60  # once each
+
+
+def test_bulk_resumed_from_a_saved_cursor_appends_nothing_twice(store: Any, tmp_path: Path) -> None:
+    ctx = _context(store, tmp_path, "train", sample=24)
+    _run(ctx, run_train)
+    first = changes(store, G2)
+    resumed = RolloutContext(
+        store,
+        Registry(store),
+        RolloutStore(store),
+        RolloutOptions(index_root=tmp_path, batch=8, wait_for_shards=False),
+        Wiring(hash_encoders),
+        Progress(),
+        _stored(store),
+    )
+    _run(resumed, run_bulk)
+    after = changes(store, G2)
+    assert set(first) <= set(after)  # what the first run appended stays
+    assert sorted({c[0] for c in after}) == sorted(f"d{i}" for i in range(60))
+    assert len(after) == 60
+
+
+# --- catch_up, switch -----------------------------------------------------------------
+
+
+def test_catch_up_replays_the_writes_after_p0_into_the_target(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    ctx = _context(store, tmp_path, "p0")
+    _run(ctx, run_p0)
+    before = sum(store.xlen(G1.log(s)) for s in range(2))
+    late = [doc(i, "late") for i in (3, 70, 71)]
+    write(redis_url, G1, late, deletes=["d5"])
+    written = sum(store.xlen(G1.log(s)) for s in range(2)) - before
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch" and _stored(store) == state
+    assert state.positions == logs.tails(store, G1)
+    assert sum(state.replayed.values()) == written  # every entry since P0, once
+    replayed = folded(store, G2)
+    assert set(replayed) == {"d3", "d70", "d71"}  # d5's delete leaves nothing alive
+    assert all(replayed[d.doc_id][2] == expected(d) for d in late)
+    assert [c[1] for c in changes(store, G2) if c[0] == "d5"] == ["d"]  # only its delete
+
+
+def _ready_to_switch(store: Any, tmp_path: Path, **options: Any) -> RolloutContext:
+    """A rollout past its catch-up: P0 recorded, the positions at the source's tails."""
+    ctx = _context(store, tmp_path, "p0", **options)
+    _run(ctx, run_p0)
+    Registry(store).set_state("g2", "catching_up", params={"trained": True})
+    ctx.save(phase="switch")
+    return ctx
+
+
+def test_switch_replays_the_last_writes_then_moves_the_alias_and_the_gates(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    ctx = _ready_to_switch(store, tmp_path)
+    write(redis_url, G1, [doc(80, "last")])  # after the catch-up, before the switch
+    state = _run(ctx, run_switch)
+    registry = Registry(store)
+    alias = registry.alias()
+    assert (alias.serving, alias.previous) == ("g2", "g1")
+    assert registry.get("g2").state == "serving" and registry.get("g1").state == "previous"
+    assert {registry.gate(G2.layout, s) for s in range(2)} == {"g2"}
+    assert "d80" in folded(store, G2)
+    assert state.phase == "done"
+    switch_in = registry.get("g2").switch_in
+    for shard in range(2):
+        assert store.hget(G2.snapshots(shard), "rollback:g1") == switch_in[str(shard)].encode()
+        assert store.hget(G1.snapshots(shard), "rollout:g2") is None  # released
+
+
+def test_switch_gives_the_writes_back_when_the_target_replicas_lag(
+    store: Any, tmp_path: Path
+) -> None:
+    async def never_applied(spec: str) -> list[list[str | None]]:
+        return [[None], [None]]
+
+    ctx = _ready_to_switch(
+        store,
+        tmp_path,
+        applied=never_applied,
+        wait_for_shards=True,
+        shard_wait_s=0.3,
+        switch_attempts=2,
+    )
+    Registry(store).set_addresses("g2", "127.0.0.1:1;127.0.0.1:2")
+    with pytest.raises(Unavailable, match="did not catch up in 2 attempts"):
+        _run(ctx, run_switch)
+    registry = Registry(store)
+    assert registry.alias().serving == "g1"
+    assert {registry.gate(G1.layout, s) for s in range(2)} == {"g1"}
+    assert CLOSED not in {registry.gate(G1.layout, s) for s in range(2)}
+    assert registry.get("g2").state == "catching_up"
+
+
+# --- rollback, abort, retire -----------------------------------------------------------
+
+
+def _switched(store: Any, tmp_path: Path) -> None:
+    """g2 serves (switched by the switch phase), the rollout ended."""
+    _run(_ready_to_switch(store, tmp_path), run_switch)
+    Registry(store).end_rollout()
+
+
+def test_rollback_replays_the_writes_since_the_switch_into_the_previous_generation(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    _switched(store, tmp_path)
+    since = [doc(90, "after the switch")]
+    write(redis_url, G2, since, deletes=["d1"])
+    builder = RolloutBuilder(
+        store, hash_encoders, RolloutOptions(index_root=tmp_path, batch=8, wait_for_shards=False)
+    )
+    serving = asyncio.run(builder.rollback())
+    registry = Registry(store)
+    assert serving.name == "g1"
+    assert (registry.alias().serving, registry.alias().previous) == ("g1", "g2")
+    in_g1 = folded(store, G1)
+    assert in_g1["d90"][2] == expected(since[0])
+    assert "d1" not in in_g1 and "d2" in in_g1
+    assert RolloutStore(store).load() is None
+
+
+def test_abort_gives_the_writes_back_to_the_source_and_fails_the_target(
+    store: Any, tmp_path: Path
+) -> None:
+    ctx = _ready_to_switch(store, tmp_path)
+    registry = Registry(store)
+    registry.set_gates(G1.layout, CLOSED)  # as a switch that stopped mid-way leaves them
+    store.hset("{gtr}:rollout", "pid", "")  # the builder is gone (no pid, no heartbeat)
+    store.hset("{gtr}:rollout", "beat", repr(0.0))
+    del ctx
+    builder = RolloutBuilder(store, hash_encoders, RolloutOptions(index_root=tmp_path))
+    aborted = builder.abort()
+    assert aborted.target == "g2" and aborted.phase == "switch"
+    assert {registry.gate(G1.layout, s) for s in range(2)} == {"g1"}
+    assert registry.get("g2").state == "failed" and registry.alias().serving == "g1"
+    assert all(store.hget(G1.snapshots(s), "rollout:g2") is None for s in range(2))
+    assert RolloutStore(store).load() is None
+
+
+def test_retire_deletes_the_previous_generations_logs_and_its_rollback_hold(
+    store: Any, tmp_path: Path
+) -> None:
+    _switched(store, tmp_path)
+    assert store.exists(G1.log(0)) == 1
+    done = retire(store)
+    registry = Registry(store)
+    assert done.generation.name == "g1" and done.generation.state == "retired"
+    assert done.documents_deleted == 0  # g2 shares g1's two-shard layout
+    assert not any(store.exists(G1.log(s)) for s in range(2))
+    assert not registry.alias().previous
+    assert all(store.hget(G2.snapshots(s), "rollback:g1") is None for s in range(2))
+    with pytest.raises(FailedPrecondition, match="serving generation"):
+        retire(store, "g2")
