@@ -49,8 +49,8 @@ async def _measure(
 ) -> dict[str, Any]:
     import grpc
 
-    from services.common.auth import bearer_metadata
-    from services.common.tls import ClientTLS, aio_channel
+    from services.rpc.auth import bearer_metadata
+    from services.rpc.tls import ClientTLS, aio_channel
 
     metadata = bearer_metadata(TOKEN)
     async with (
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
     from services.stack.certs import make_certs
     from tests.support.processes import free_port
 

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common import cpus as cpu_sets
+from services.process import cpus as cpu_sets
 
 SHARED = Path(
     os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")

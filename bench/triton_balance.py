@@ -52,13 +52,13 @@ def say(message: str) -> None:
 async def _run(
     target: str, queries: list[str], args: argparse.Namespace, mode: str
 ) -> dict[str, Any]:
-    from services.common.balance import Balancing
-    from services.common.discovery import parse_dns_target
     from services.encoder.runtime.triton_client import (
         TritonEncoder,
         TritonEncoderConfig,
         TritonServer,
     )
+    from services.rpc.balance import Balancing
+    from services.rpc.discovery import parse_dns_target
 
     balancing = Balancing("round_robin" if mode == "round_robin" else "least_outstanding")
     cfg = TritonEncoderConfig(target, retries=0, balancing=balancing)

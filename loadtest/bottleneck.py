@@ -48,7 +48,7 @@ from loadtest.target import (
 )
 from loadtest.workload import load_queries
 from retrieval.v1 import search_pb2, search_pb2_grpc
-from services.common.tls import ClientTLS
+from services.rpc.tls import ClientTLS
 
 
 class CpuMeter:

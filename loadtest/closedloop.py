@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from services.common.errors import RetrievalError
-from services.common.status import status_of
+from services.rpc.status import status_of
 
 
 @dataclass

@@ -137,11 +137,11 @@ def tls_flags(args: argparse.Namespace, prefix: str) -> tuple[str | None, str | 
 
 
 def client_tls(ca: str | None, cert: str | None, key: str | None, what: str) -> Any:
-    """The :class:`~services.common.tls.ClientTLS` of these files (None: plaintext), its
+    """The :class:`~services.rpc.tls.ClientTLS` of these files (None: plaintext), its
     files read and its key pair matched now; a file that cannot be is
     :class:`InvalidArgument` saying ``what`` it was for."""
     from services.common.errors import InvalidArgument
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
     try:
         tls = ClientTLS.from_paths(ca, cert, key)
@@ -155,7 +155,7 @@ def client_tls(ca: str | None, cert: str | None, key: str | None, what: str) -> 
 def triton_tls(
     ca: str | None, cert: str | None, key: str | None, stack: Mapping[str, str] | None = None
 ) -> Any:
-    """Triton's :class:`~services.common.tls.ClientTLS` of a command's ``--triton-*``
+    """Triton's :class:`~services.rpc.tls.ClientTLS` of a command's ``--triton-*``
     flags, each missing one taken from the local stack's ``internal_tls`` files (``stack``:
     the CA, or the client key pair): None (plaintext) without any.
     The CLI talks TLS to Triton only with a CA to trust, so a client certificate without

@@ -141,7 +141,7 @@ def _redis_url(args: argparse.Namespace) -> str:
             raise SystemExit(f"gtr-retrieval index: no local stack runs in {args.run_dir}")
         return endpoints.redis_url_with_secrets()
     if args.redis_url_file:
-        from services.common.redis_client import read_redis_url
+        from services.process.redis_client import read_redis_url
 
         try:
             return read_redis_url(args.redis_url_file)
@@ -173,8 +173,6 @@ def rollout_argv(args: argparse.Namespace) -> list[str]:
 def _drift_watch(args: argparse.Namespace) -> int:
     import json
 
-    from services.common.redis_client import sync_client
-    from services.common.tls import ClientTLS
     from services.generations.drift import (
         ChildRunner,
         DriftWatcher,
@@ -183,6 +181,8 @@ def _drift_watch(args: argparse.Namespace) -> int:
         watch_until_sigterm,
     )
     from services.generations.registry import Registry
+    from services.process.redis_client import sync_client
+    from services.rpc.tls import ClientTLS
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader's INFO lines
@@ -228,8 +228,8 @@ def _drift_metrics(args: argparse.Namespace) -> Any:
         return None
     from prometheus_client import CollectorRegistry
 
-    from services.common.metrics import serve_metrics
     from services.generations.drift import DriftMetrics
+    from services.rpc.metrics import serve_metrics
 
     prom = CollectorRegistry()
     metrics = DriftMetrics(prom)
@@ -239,9 +239,9 @@ def _drift_metrics(args: argparse.Namespace) -> Any:
 
 def _await_generation(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
-    from services.common.redis_client import sync_client
     from services.generations.registry import Registry
     from services.generations.standby import await_generation
+    from services.process.redis_client import sync_client
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     registry = Registry(sync_client(_redis_url(args)))

@@ -75,10 +75,10 @@ def _publish(args: argparse.Namespace) -> int:
 
 def _unpublish(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
-    from services.common.redis_client import sync_client
     from services.encoder.serve.unpublish import VersionInUse, unpublish_version
     from services.generations.encoders import in_use
     from services.generations.registry import Registry
+    from services.process.redis_client import sync_client
 
     place = _triton_place(args)
     redis_url = args.redis_url or place.redis_url

@@ -28,9 +28,9 @@ COST = (
 
 
 def rollout(args: argparse.Namespace) -> int:
-    from services.common.cpus import budget_for, pin_process
     from services.generations import operations as ops
     from services.generations.registry import Registry
+    from services.process.cpus import budget_for, pin_process
 
     budget = budget_for(args.cpus) if args.cpus else None
     if budget:  # from here on (the export of --encoder too) this process runs there

@@ -67,7 +67,7 @@ def places(args: argparse.Namespace) -> Places:
 
 def _redis_url(args: argparse.Namespace, stack: Any) -> str:
     from services.common.errors import FailedPrecondition
-    from services.common.redis_client import read_redis_url
+    from services.process.redis_client import read_redis_url
 
     if args.redis_url_file:
         try:
@@ -86,7 +86,7 @@ def _shard_tls(args: argparse.Namespace, stack_paths: dict[str, str]) -> Any:
 
 
 def client(url: str) -> Any:
-    from services.common.redis_client import sync_client
+    from services.process.redis_client import sync_client
 
     return sync_client(url, socket_timeout=30.0)
 

@@ -171,7 +171,7 @@ def _stats(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict, MessageToJson
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
-    from services.common.tls import channel
+    from services.rpc.tls import channel
 
     tls = _shard_tls(args)
     addresses = _addresses(args.address)
@@ -213,7 +213,7 @@ def _snapshot(args: argparse.Namespace) -> int:
     import grpc
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
-    from services.common.tls import channel
+    from services.rpc.tls import channel
 
     with channel(args.address, _shard_tls(args)) as shard:
         try:

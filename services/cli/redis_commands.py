@@ -50,7 +50,7 @@ def add_cli(sub: Any) -> None:
 
 def _add_redis_url(parser: argparse.ArgumentParser, url_help: str) -> None:
     """--redis-url, or --redis-url-file (a URL with a password stays out of ``ps``)."""
-    from services.common.settings import REDIS_URL_FILE_HELP
+    from services.rpc.settings import REDIS_URL_FILE_HELP
 
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--redis-url", help=url_help)
@@ -61,7 +61,7 @@ def _redis_url(args: argparse.Namespace) -> str:
     """The URL given, or read from --redis-url-file (SystemExit naming a bad file)."""
     if args.redis_url_file is None:
         return str(args.redis_url)
-    from services.common.redis_client import read_redis_url
+    from services.process.redis_client import read_redis_url
 
     try:
         return read_redis_url(args.redis_url_file)
@@ -71,8 +71,8 @@ def _redis_url(args: argparse.Namespace) -> str:
 
 def _layout(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
-    from services.common.redis_client import sync_client
     from services.index.layout import check_layout, read_layout
+    from services.process.redis_client import sync_client
 
     client = sync_client(_redis_url(args))
     try:
@@ -90,8 +90,8 @@ def _layout(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
-    from services.common.redis_client import sync_client
     from services.index.migrate import MigrationReport, migrate
+    from services.process.redis_client import sync_client
 
     def progress(report: MigrationReport) -> None:
         print(f"  {report.documents} documents moved", file=sys.stderr, flush=True)

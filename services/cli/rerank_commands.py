@@ -146,7 +146,7 @@ def _add_eval(rsub: Any) -> None:
 
 
 def _guard(fn: Any, args: argparse.Namespace) -> int:
-    from services.common.logs import configure_logging
+    from services.process.logs import configure_logging
 
     configure_logging(service="rerank")
     return run_handler(fn, args)

@@ -126,7 +126,7 @@ def add_cli(sub: Any) -> None:
 def _up(args: argparse.Namespace) -> int:
     import shutil
 
-    from services.common.logs import configure_logging
+    from services.process.logs import configure_logging
     from services.stack.children import RestartPolicy
     from services.stack.config import StackConfig
     from services.stack.launcher import run_stack

@@ -30,19 +30,19 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
-from services.common.auth import bearer_metadata
-from services.common.retry import RetryPolicy, channel_options
-from services.common.settings import ServiceSettings
-from services.common.tls import ClientTLS
-from services.common.tls import channel as tls_channel
+from services.rpc.auth import bearer_metadata
+from services.rpc.retry import RetryPolicy, channel_options
+from services.rpc.settings import ServiceSettings
+from services.rpc.tls import ClientTLS
+from services.rpc.tls import channel as tls_channel
 
 DEFAULT_RUN_DIR = ".run"
 # Every call of the CLI is idempotent (an upsert of the same documents included), so the
 # channel retries them all: UNAVAILABLE (the gateway restarting) and RESOURCE_EXHAUSTED
 # (its in-flight limit: try again later), 5 attempts, 0.2 s backoff doubling to 2 s,
-# all within the call's --timeout (see services/common/retry.py). A refusal over the
+# all within the call's --timeout (see services/rpc/retry.py). A refusal over the
 # limit carries gRPC's pushback (the gateway's retry-after-ms), which gRPC waits instead
-# of the backoff; a full store's says "no retry" (services/common/status.py).
+# of the backoff; a full store's says "no retry" (services/rpc/status.py).
 RETRY = RetryPolicy(
     attempts=5,
     initial_backoff_s=0.2,

@@ -1,0 +1,24 @@
+"""The words every layer shares: domain types and the tables that define the service.
+
+No I/O and no grpc here (RPC plumbing is :mod:`services.rpc`, a process's host plumbing
+:mod:`services.process`); every other package may import these.
+
+``domain``
+    one type per concept the gateway, the router and the reranker share (``Hit``,
+    ``Document``, ``WriteToken``, …).
+``errors``
+    the one error vocabulary (``InvalidArgument``, ``NotFound``, ``Overloaded``, …);
+    :mod:`services.rpc.status` maps it to gRPC codes.
+``limits``
+    every request limit, in one place (also written in the protos).
+``positions``
+    change-log positions (Redis Stream ids) as a typed, ordered value, and write tokens.
+``deadline``
+    a request's deadline as an absolute monotonic time.
+``fusion``
+    hybrid fusion of a dense and a sparse list (reciprocal rank or normalised weights).
+``slo``
+    the latency SLO table per encoder size.
+``encoder_spec``
+    which encoder made a generation's vectors.
+"""

@@ -1,7 +1,7 @@
 """The one error vocabulary of the service.
 
 The core (shard, encoder, scorer, gateway logic) raises these; it never imports grpc.
-`services.common.server` maps them to gRPC status codes in one place (an interceptor),
+`services.rpc.server` maps them to gRPC status codes in one place (an interceptor),
 so a client's retry logic can rely on the code:
 
 =====================  =====================  ==========================

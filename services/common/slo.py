@@ -7,7 +7,7 @@ fails when the checked-in file differs) and the Helm chart's per-size profiles (
 compares ``encoder.profiles`` of ``values.yaml`` with :data:`SLOS`).
 
 Each threshold is a bucket edge of the latency histograms
-(:data:`services.common.metrics.LATENCY_BUCKETS` is built to contain them), so the
+(:data:`services.rpc.metrics.LATENCY_BUCKETS` is built to contain them), so the
 SLI is an exact bucket count, never an interpolated quantile.
 
 The SLIs count what a user feels:

@@ -3,15 +3,6 @@
 from __future__ import annotations
 
 from retrieval.v1 import documents_pb2, search_pb2
-from services.common.convert import (
-    consistency_from_pb,
-    consistency_to_pb,
-    filter_from_pb,
-    filter_to_pb,
-    token_from_pb,
-    token_origin_from_pb,
-    token_to_pb,
-)
 from services.common.errors import InvalidArgument
 from services.common.fusion import DEFAULT_RRF_K, Fusion, Method, Mode
 from services.gateway.domain import (
@@ -19,6 +10,15 @@ from services.gateway.domain import (
     SearchQuery,
     SearchResult,
     WriteResult,
+)
+from services.rpc.convert import (
+    consistency_from_pb,
+    consistency_to_pb,
+    filter_from_pb,
+    filter_to_pb,
+    token_from_pb,
+    token_origin_from_pb,
+    token_to_pb,
 )
 
 __all__ = ["token_from_pb", "token_origin_from_pb", "token_to_pb"]

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.metrics import latency_histogram
 from services.common.slo import SizeSlo
 from services.gateway.domain import SearchResult
+from services.rpc.metrics import latency_histogram
 
 
 @dataclass

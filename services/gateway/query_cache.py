@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from services.common.redis_client import async_client
 from services.encoder.profiles import Kind
 from services.gateway.metrics import QueryCacheMetrics
+from services.process.redis_client import async_client
 
 log = logging.getLogger(__name__)
 

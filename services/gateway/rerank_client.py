@@ -13,11 +13,11 @@ import grpc
 
 from retrieval.v1 import rerank_pb2_grpc
 from services.common.domain import Hit
-from services.common.status import error_from_rpc
-from services.common.tls import ClientTLS, Rotating, aio_channel
 from services.rerank import depths
 from services.rerank.domain import RerankQuery
 from services.rerank.serve import convert
+from services.rpc.status import error_from_rpc
+from services.rpc.tls import ClientTLS, Rotating, aio_channel
 
 
 class RerankClient:

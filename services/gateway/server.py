@@ -21,16 +21,8 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
-from services.common.auth import AuthInterceptor
-from services.common.balance import Balancing
 from services.common.errors import FailedPrecondition, Unavailable
-from services.common.logs import configure_logging
-from services.common.metrics import RpcMetrics
-from services.common.redis_client import async_client, parse_redis_url
-from services.common.server import Admission, Server, create_server, serve_started
-from services.common.settings import load_settings
 from services.common.slo import slo_for
-from services.common.tls import ClientTLS
 from services.encoder.base import Encoder
 from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader, Serving
@@ -48,7 +40,15 @@ from services.gateway.settings import GatewaySettings
 from services.generations.registry import EncoderSpec, Generation
 from services.index.client.addresses import parse_shard_addresses
 from services.index.core import coarse
+from services.process.logs import configure_logging
+from services.process.redis_client import async_client, parse_redis_url
 from services.rerank.depths import depth_table
+from services.rpc.auth import AuthInterceptor
+from services.rpc.balance import Balancing
+from services.rpc.metrics import RpcMetrics
+from services.rpc.server import Admission, Server, create_server, serve_started
+from services.rpc.settings import load_settings
+from services.rpc.tls import ClientTLS
 
 if TYPE_CHECKING:
     from services.index.client.connection import StoreConnection
@@ -215,8 +215,8 @@ def base_shard_count(settings: GatewaySettings, wait_s: float = 60.0) -> int:
     store's key layout's (so a gateway needs no addresses of a retired g1). A store with no
     layout yet needs ``--shards``: FailedPrecondition. While Redis cannot be reached, tried
     again for up to ``wait_s`` (as the layout check does), then Unavailable."""
-    from services.common.redis_client import with_sync_client
     from services.generations.registry import Registry
+    from services.process.redis_client import with_sync_client
 
     if settings.shards:
         return len(parse_shard_addresses(settings.shards))
@@ -237,8 +237,8 @@ def base_shard_count(settings: GatewaySettings, wait_s: float = 60.0) -> int:
 def record_first_generation(url: str, num_shards: int, spec: EncoderSpec) -> None:
     """Generation g1 (the gateway's shards and encoder), serving, unless the store has
     its generations recorded already (whoever starts first records it)."""
-    from services.common.redis_client import sync_client
     from services.generations.registry import Registry
+    from services.process.redis_client import sync_client
 
     client = sync_client(url)
     try:

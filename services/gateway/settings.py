@@ -8,15 +8,15 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.auth import Authenticator
 from services.common.errors import RetrievalError
 from services.common.fusion import Fusion, Method, Mode, RetrievalDefaults
-from services.common.settings import ClientTLSSettings, RedisSettings
 from services.common.slo import SLOS
-from services.common.tls import ClientTLS
 from services.encoder.runtime.triton_client import triton_addresses
 from services.index.client.addresses import parse_shard_addresses
 from services.rerank.depths import load_depth_table
+from services.rpc.auth import Authenticator
+from services.rpc.settings import ClientTLSSettings, RedisSettings
+from services.rpc.tls import ClientTLS
 
 
 class GatewaySettings(RedisSettings, ClientTLSSettings):

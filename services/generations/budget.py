@@ -23,8 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from services.common import cpus as cpu_sets
 from services.index.keys import CPU_BUDGET_KEY
+from services.process import cpus as cpu_sets
 
 log = logging.getLogger(__name__)
 

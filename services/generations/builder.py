@@ -34,9 +34,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from services.common import cpus as cpu_sets
 from services.common.errors import FailedPrecondition
-from services.common.redis_client import SyncRedis
 from services.generations import logs, rollback
 from services.generations.context import (
     AppliedProbe,
@@ -66,9 +64,11 @@ from services.generations.state import (
     RolloutStore,
     Takeover,
 )
+from services.process import cpus as cpu_sets
+from services.process.redis_client import SyncRedis
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 __all__ = [
     "RolloutBuilder",

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.common.encoder_spec import EncoderSpec
-from services.common.redis_client import SyncRedis
 from services.generations import logs
 from services.generations.append import TargetAppender
 from services.generations.encoding import Embedder, EncoderFactory
@@ -26,9 +25,10 @@ from services.generations.progress import Progress
 from services.generations.registry import Generation, Registry
 from services.generations.state import RolloutState, RolloutStore
 from services.index.keys import GenerationKeys
+from services.process.redis_client import SyncRedis
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 # publishes a checkpoint folder as a version of Triton's embed; blocking (the export and
 # Triton's load take seconds), run in a thread
@@ -146,7 +146,7 @@ class RolloutContext:
         closed", and waiting does not help); checked once per replica."""
         if address in self.probed:
             return
-        from services.common.tls import speaks_tls
+        from services.rpc.tls import speaks_tls
 
         tls = await asyncio.to_thread(speaks_tls, address)
         if tls is None:

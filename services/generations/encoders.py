@@ -21,7 +21,7 @@ from services.generations.registry import RUNNING, Generation, Registry
 from services.generations.state import RolloutState
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 
 def generations_using(

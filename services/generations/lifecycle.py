@@ -21,7 +21,7 @@ from services.generations.registry import Generation, Registry
 from services.index.keys import ADDRESSES_KEY, ALIAS_KEY, Layout
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from typing import Any
 import redis
 
 from services.common import positions
-from services.common.redis_client import SyncRedis
 from services.index.changelog import text
 from services.index.keys import GenerationKeys
+from services.process.redis_client import SyncRedis
 
 
 def _info(client: SyncRedis, key: str) -> dict[str, Any] | None:

@@ -25,8 +25,8 @@ from services.generations.registry import Alias, Generation, Registry, describe
 from services.generations.state import RolloutState
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
     from services.generations.builder import RolloutBuilder
+    from services.rpc.tls import ClientTLS
 
 # publishes a checkpoint folder with the CPUs it may use (None: every CPU); blocking
 PublishOn = Callable[[str, "frozenset[int] | None"], EncoderSpec]

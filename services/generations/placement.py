@@ -41,11 +41,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.common import cpus as cpu_sets
 from services.common.errors import InvalidArgument
 from services.generations.budget import parse as budget_value
 from services.generations.state import RolloutState
 from services.index.keys import CPU_BUDGET_KEY
+from services.process import cpus as cpu_sets
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def placement(
 def stub_budget_age(pid: int) -> float | None:
     """The age (s) of the budget file of the model version of ``pid``, a Triton Python
     backend stub (argv ``triton_python_backend_stub <version dir>/model.py ...``; the file
-    is :func:`~services.common.cpus.budget_path`); None when it has none (or ``pid`` is
+    is :func:`~services.process.cpus.budget_path`); None when it has none (or ``pid`` is
     no stub)."""
     argv = cpu_sets.cmdline(pid)
     if len(argv) < 2 or not argv[0].endswith("triton_python_backend_stub"):

@@ -23,7 +23,6 @@ from typing import Any, cast
 
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, NotFound
-from services.common.redis_client import SyncRedis
 from services.generations.state import RolloutState, RolloutStore
 from services.index.keys import (
     ADDRESSES_KEY,
@@ -51,6 +50,7 @@ from services.index.records import (
     read_generation,
     text_of,
 )
+from services.process.redis_client import SyncRedis
 
 __all__ = [
     "RUNNING",

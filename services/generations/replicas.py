@@ -10,7 +10,8 @@ import asyncio
 from dataclasses import dataclass
 
 from services.common.errors import RetrievalError
-from services.common.tls import ClientTLS
+from services.index.client.addresses import parse_shard_addresses
+from services.rpc.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,6 @@ class ReplicaStats:
 
 def parse_addresses(spec: str) -> list[list[str]]:
     """ "a:1,a:2;b:1" → [["a:1", "a:2"], ["b:1"]] (the gateway's --shards syntax)."""
-    from services.index.client.addresses import parse_shard_addresses
-
     return parse_shard_addresses(spec)
 
 
@@ -37,8 +36,8 @@ async def replica_stats(
     import grpc
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
-    from services.common.status import error_from_rpc
-    from services.common.tls import aio_channel
+    from services.rpc.status import error_from_rpc
+    from services.rpc.tls import aio_channel
 
     async with aio_channel(address, tls) as channel:
         try:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.common.redis_client import SyncRedis
 from services.generations import logs
 from services.generations.registry import Registry
 from services.generations.state import RolloutState
+from services.process.redis_client import SyncRedis
 
 
 def begin_rollback(client: SyncRedis, registry: Registry, owner: str) -> RolloutState:

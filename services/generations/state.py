@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition
-from services.common.redis_client import SyncRedis
 from services.index.keys import NEXT_GENERATION_KEY, ROLLOUT_KEY
 from services.index.records import text_of
+from services.process.redis_client import SyncRedis
 
 FORMAT_VERSION = 1
 # The phases in order; "done" ends the machine (the lock is released).

@@ -1,4 +1,4 @@
-"""The index: sharded FAISS IVF-PQ over a Redis change log, in four roles.
+"""The index: sharded FAISS IVF-PQ over a Redis change log, in these roles.
 
 ``core/``
     the shard itself, no grpc: IVF-PQ + SQ8 refine (``shard``; its preassigned scan and
@@ -16,6 +16,12 @@
     (failover, hedging), the search stream, the change-log writer, the readers of the
     stored documents and of the logs' tails, and the Redis connection those three share.
 ``changelog``, ``convert``
-    the contracts both sides share: the Redis keys, entry format and reader of the log;
-    protobuf ↔ core conversions of the internal API.
+    the contracts both sides share: the entry format and reader of the log; protobuf ↔
+    core conversions of the internal API.
+``keys``, ``layout``, ``migrate``
+    where the documents and logs live in Redis (the key layout), the layout version each
+    service checks at start, and the rewrite of a layout-1 store.
+``records``
+    a generation's record as the store keeps it, read by shards and the gateway; the
+    registry that changes it is :mod:`services.generations.registry`.
 """

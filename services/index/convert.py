@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from retrieval.v1 import common_pb2, index_pb2
-from services.common.convert import (
+from services.common.errors import InvalidArgument, Unavailable
+from services.index.core.coarse import CoarseQuantizer
+from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
+from services.rpc.convert import (
     consistency_from_pb,
     consistency_to_pb,
     filter_from_pb,
     filter_to_pb,
 )
-from services.common.errors import InvalidArgument, Unavailable
-from services.index.core.coarse import CoarseQuantizer
-from services.index.core.query import Probes, ShardAnswer, ShardQuery, TopK
 
 if TYPE_CHECKING:
     # The stats and the snapshot transfer are a shard's: they import the shard core and

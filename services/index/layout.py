@@ -129,8 +129,8 @@ def check_layout_at(
 ) -> None:
     """:func:`check_layout` (of ``generation``) on the Redis (or Redis Cluster) of
     ``url``; while it cannot be reached (a pod starting before Redis), tried again for up
-    to ``wait_s``, then Unavailable (:func:`services.common.redis_client.with_sync_client`)."""
-    from services.common.redis_client import with_sync_client
+    to ``wait_s``, then Unavailable (:func:`services.process.redis_client.with_sync_client`)."""
+    from services.process.redis_client import with_sync_client
 
     with_sync_client(
         url,

@@ -33,10 +33,10 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.cpus import pin_process
+from services.process.cpus import pin_process
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def grpc_healthy(address: str, timeout: float = 1.0, tls: ClientTLS | None = Non
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.common.tls import channel as tls_channel
+    from services.rpc.tls import channel as tls_channel
 
     try:
         with tls_channel(address, tls) as channel:

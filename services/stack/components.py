@@ -17,7 +17,7 @@ from services.stack.children import Child, free_port, grpc_healthy
 from services.stack.config import StackConfig
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
     from services.stack.certs import CertFiles
     from services.stack.endpoints import Endpoints
 
@@ -129,7 +129,7 @@ def write_secret(path: Path, text: str, *, exclusive: bool = False) -> None:
 
 
 def _redis(url: str):  # type: ignore[no-untyped-def]
-    from services.common.redis_client import sync_client
+    from services.process.redis_client import sync_client
 
     return sync_client(url, socket_timeout=2.0)
 
@@ -198,7 +198,7 @@ def certificates(cfg: StackConfig) -> CertFiles | None:
 def internal_tls(cfg: StackConfig) -> ClientTLS | None:
     """How our own clients (the gateway, the launcher's checks) reach our servers:
     trusting the run's CA and presenting its client certificate (mTLS)."""
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
     certs = certificates(cfg)
     if certs is None:

@@ -43,18 +43,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common import cpus as cpu_sets
 from services.common.errors import FailedPrecondition
 from services.generations import placement
 from services.generations.registry import Alias, Generation, Registry, shards_run
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
+from services.process import cpus as cpu_sets
 from services.stack import components
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
 from services.stack.config import StackConfig
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from services.common.redis_client import parse_redis_url
-from services.common.tls import ClientTLS
 from services.index.keys import FIRST_GENERATION
+from services.process.redis_client import parse_redis_url
+from services.rpc.tls import ClientTLS
 from services.stack import components, first_run, prometheus_component, triton_component
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
 from services.stack.config import StackConfig, example_queries
@@ -169,7 +169,7 @@ class Stack:
     def gateway(self) -> Gateway:
         """The gateway as the launcher's own client reaches it (token, TLS)."""
         from services.client.gateway import Gateway
-        from services.common.tls import ClientTLS
+        from services.rpc.tls import ClientTLS
 
         e = self.endpoints
         token = None

@@ -12,8 +12,8 @@ from services.stack.components import certificates
 from services.stack.config import StackConfig
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
     from services.encoder.serve.triton_server import TritonServerConfig
+    from services.rpc.tls import ClientTLS
 
 Say = Callable[[str], None]
 

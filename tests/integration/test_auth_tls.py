@@ -30,8 +30,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common import errors
-from services.common.auth import bearer_metadata
-from services.common.tls import ClientTLS, channel
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.settings import GatewaySettings
 from services.index.client.router import ShardRouter
@@ -39,6 +37,8 @@ from services.index.core.query import IndexQuery
 from services.index.server.process import RunningShard, start_shard
 from services.rerank.serve.server import Reranker, start_rerank
 from services.rerank.serve.settings import RerankSettings
+from services.rpc.auth import bearer_metadata
+from services.rpc.tls import ClientTLS, channel
 from services.stack.certs import CertFiles, make_certs
 from services.stack.config import StackConfig
 from services.stack.launcher import Stack
@@ -428,7 +428,7 @@ def test_the_cli_sends_the_token_from_the_flag_or_gtr_token_over_tls(secured: Se
 def test_no_auth_on_the_command_line_turns_auth_off_and_nothing_else_does() -> None:
     """The flag as operators type it (pydantic's implicit --no-<field> of ``auth``): a
     field named ``no_auth`` would have made ``--no-auth`` mean False."""
-    from services.common.settings import SettingsError, load_settings
+    from services.rpc.settings import SettingsError, load_settings
 
     base = ["--shards", "127.0.0.1:1", "--encoder", "inprocess"]
     assert load_settings(GatewaySettings, [*base, "--no-auth"]).authenticator() is None
@@ -643,7 +643,7 @@ def test_every_child_reaches_the_locked_redis_and_no_command_line_shows_its_pass
 
 def test_speaks_tls_tells_a_tls_server_from_a_plaintext_one(secured: Secured) -> None:
     """What lets `index rollout` say "give --tls-ca" instead of gRPC's "Socket closed"."""
-    from services.common.tls import speaks_tls
+    from services.rpc.tls import speaks_tls
 
     assert speaks_tls(secured.shard_address) is True  # mTLS: no client certificate offered
     assert speaks_tls(f"dns:///{secured.shard_address}") is True

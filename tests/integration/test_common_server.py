@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
 from services.common import errors
-from services.common.metrics import RpcMetrics
-from services.common.server import create_server
-from services.common.settings import ServiceSettings
+from services.rpc.metrics import RpcMetrics
+from services.rpc.server import create_server
+from services.rpc.settings import ServiceSettings
 
 RAISES: dict[str, Exception] = {
     "invalid": errors.InvalidArgument("query: must not be empty"),

@@ -22,7 +22,6 @@ import pytest
 import redis
 
 from services.common.errors import InvalidArgument, Unavailable
-from services.common.redis_client import async_client
 from services.gateway.generations import (
     Bundle,
     GenerationSource,
@@ -31,6 +30,7 @@ from services.gateway.generations import (
 )
 from services.generations.registry import Alias, EncoderSpec, Generation, Registry
 from services.index.keys import ADDRESSES_KEY
+from services.process.redis_client import async_client
 from tests.support.processes import await_until
 
 SPEC = EncoderSpec("embed", 1, 8, "d1")

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.common.redis_client import async_client
 from services.generations.registry import EncoderSpec, Registry, read_alias
 from services.index.keys import (
     CLOSED,
@@ -22,6 +21,7 @@ from services.index.keys import (
     snapshot_positions_key,
     version_key,
 )
+from services.process.redis_client import async_client
 from tests.support.generation_logs import two_shard_store
 
 MINILM = EncoderSpec("embed", 1, 384, "digest-1")

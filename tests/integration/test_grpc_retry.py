@@ -1,4 +1,4 @@
-"""The one retry policy (services/common/retry.py) as the two clients that use it see it.
+"""The one retry policy (services/rpc/retry.py) as the two clients that use it see it.
 
 The retries are gRPC core's, so they are driven over real sockets: a small real gRPC
 server that fails a method a given number of times with a given code, then answers,
@@ -22,12 +22,12 @@ import pytest
 from retrieval.v1 import documents_pb2, documents_pb2_grpc
 from services.client.gateway import gateway_channel, upsert
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.common.retry import RetryPolicy, channel_options, service_config
 from services.encoder.runtime.triton_client import (
     KSERVE_SERVICE,
     TritonEncoder,
     TritonEncoderConfig,
 )
+from services.rpc.retry import RetryPolicy, channel_options, service_config
 
 
 @dataclass

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.redis_client import sync_client
 from services.index.changelog import LogReader, decode_entry
 from services.index.client.connection import StoreConnection
 from services.index.client.documents import DocumentReader
@@ -18,6 +17,7 @@ from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Delete, Upsert
 from services.index.core.ids import shard_of
 from services.index.keys import log_key, replicas_seen_key, snapshot_positions_key
+from services.process.redis_client import sync_client
 
 SNAP_0, SEEN_0 = snapshot_positions_key(0), replicas_seen_key(0)
 

@@ -17,12 +17,12 @@ from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.common.positions import WriteToken, merge_tokens
-from services.common.redis_client import sync_client
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, IndexQuery
 from services.index.core.snapshots import list_snapshots
 from services.index.keys import log_key, snapshot_positions_key
+from services.process.redis_client import sync_client
 from tests.support.shards import run_shards, scifact_vectors, shared_test_index
 
 SHARDS = 2

@@ -18,7 +18,6 @@ import pytest
 
 from retrieval.v1 import common_pb2, index_pb2, index_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from services.common.redis_client import sync_client
 from services.generations.registry import EncoderSpec, Registry
 from services.index import convert
 from services.index.client.export import export_vectors
@@ -28,6 +27,7 @@ from services.index.keys import GenerationKeys, Layout, log_key
 from services.index.layout import check_layout
 from services.index.server.replica import ShardReplica
 from services.index.server.settings import ShardSettings
+from services.process.redis_client import sync_client
 from tests.support.processes import free_port
 from tests.support.shards import ShardProcess, start_shard, train_test_index
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from services.common.errors import GenerationMoved
-from services.common.redis_client import sync_client
 from services.generations.registry import Registry
 from services.index.changelog import LogReader, decode_entry
 from services.index.client.connection import StoreConnection
@@ -22,6 +21,7 @@ from services.index.client.tails import LogTailReader
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Delete, Upsert
 from services.index.keys import CLOSED, GenerationKeys, Layout, log_key
+from services.process.redis_client import sync_client
 
 DIM = 8
 BASE = Layout(2, base=2)

@@ -29,10 +29,10 @@ from retrieval.v1 import (
     search_pb2_grpc,
 )
 from services.common.deadline import Deadline
-from services.common.redis_client import sync_client
 from services.encoder.base import Embeddings, Encoder
 from services.encoder.profiles import Kind
 from services.gateway.query_cache import KEY_PREFIX, LRU_KEY, QueryEmbeddingCache, normalise
+from services.process.redis_client import sync_client
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import (
     RestartableRedis,

@@ -13,7 +13,6 @@ import pytest
 
 from services.cli.main import main as cli
 from services.common.errors import FailedPrecondition
-from services.common.redis_client import sync_client
 from services.index.changelog import LogReader
 from services.index.client.documents import DocumentReader
 from services.index.client.writer import _DELETE, _UPSERT, ChangeLogWriter, DocRecord
@@ -21,6 +20,7 @@ from services.index.core.ids import shard_of
 from services.index.keys import DocKeys, log_key, replicas_seen_key, snapshot_positions_key
 from services.index.layout import check_layout, read_layout
 from services.index.migrate import PENDING_IDS, MigrationReport, migrate
+from services.process.redis_client import sync_client
 from services.stack import components
 from tests.support.shards import scifact_vectors, shared_test_index, start_shard
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from services.common.errors import Unavailable
-from services.common.redis_client import sync_client
 from services.index.changelog import LogReader, decode_entry
 from services.index.client.connection import StoreConnection
 from services.index.client.documents import DocumentReader
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.changes import Upsert
 from services.index.keys import log_key
+from services.process.redis_client import sync_client
 from tests.support.processes import RedisServer, await_until, wait_until
 from tests.support.redis_cluster import RedisCluster, run_redis_cluster
 from tests.support.redis_replica import run_redis_replica

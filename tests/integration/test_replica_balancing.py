@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.balance import Balancing
 from services.common.deadline import Deadline
 from services.common.domain import IndexResult
 from services.index import convert
@@ -26,6 +25,7 @@ from services.index.client.replicas import ReplicaSet
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import ShardQuery
+from services.rpc.balance import Balancing
 from tests.support.dns import DnsServer, run_dns
 from tests.support.processes import await_until, free_port, run_redis
 from tests.support.search_load import missed, search_load, searches_answered, shard_stats

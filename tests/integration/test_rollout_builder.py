@@ -30,7 +30,6 @@ import numpy as np
 import pytest
 
 from services.common.errors import GenerationMoved
-from services.common.redis_client import sync_client
 from services.encoder.base import Encoder
 from services.encoder.runtime.inprocess import InProcessEncoder
 from services.generations.builder import (
@@ -47,6 +46,7 @@ from services.generations.state import RolloutStore
 from services.index.client.connection import StoreConnection
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.keys import CLOSED, CPU_PLACED_KEY, LAYOUT_KEY, GenerationKeys, Layout
+from services.process.redis_client import sync_client
 from tests.support.generation_logs import changes, folded
 from tests.support.processes import RedisServer, wait_until
 from tests.support.redis_cluster import RedisCluster

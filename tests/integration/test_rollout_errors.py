@@ -21,11 +21,11 @@ import pytest
 
 from services.cli.main import main
 from services.common.errors import FailedPrecondition, NotFound
-from services.common.redis_client import sync_client
-from services.common.status import status_of
 from services.generations.lifecycle import retire
 from services.generations.registry import EncoderSpec, Generation, Registry
 from services.index.keys import CLOSED, LAYOUT_KEY, Layout
+from services.process.redis_client import sync_client
+from services.rpc.status import status_of
 
 SPEC = EncoderSpec("embed", 1, 384, "minilm")
 BASE = Layout(2, 2)

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common.encoder_spec import EncoderSpec
-from services.common.redis_client import sync_client
 from services.generations.registry import Registry
 from services.generations.state import (
     FORMAT_VERSION,
@@ -25,6 +24,7 @@ from services.generations.state import (
     ScanCursor,
 )
 from services.index.keys import ROLLOUT_KEY
+from services.process.redis_client import sync_client
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ import numpy as np
 import pytest
 import redis
 
-from services.common.cpus import format_cpus
 from services.generations import budget as rollout_budget
 from services.generations.registry import EncoderSpec, Generation, Registry
 from services.index.client.addresses import parse_shard_addresses
@@ -46,6 +45,7 @@ from services.index.keys import (
     GenerationKeys,
     Layout,
 )
+from services.process.cpus import format_cpus
 from services.stack import first_run, triton_component
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig

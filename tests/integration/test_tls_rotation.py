@@ -1,5 +1,5 @@
 """Certificates rotated on disk, no process restarted: a real server built by
-``services/common/server.py`` under mTLS and the index router's replica client, both
+``services/rpc/server.py`` under mTLS and the index router's replica client, both
 reading their PEM files from folders whose files are replaced (as a renewed Kubernetes
 Secret replaces them), with two throwaway CAs (``services/stack/certs.py``).
 
@@ -27,10 +27,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.server import Server, create_server
-from services.common.settings import ServiceSettings
-from services.common.tls import ClientTLS, aio_channel
 from services.index.client.replicas import HedgePolicy, Replica
+from services.rpc.server import Server, create_server
+from services.rpc.settings import ServiceSettings
+from services.rpc.tls import ClientTLS, aio_channel
 from services.stack.certs import CertFiles, make_certs
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

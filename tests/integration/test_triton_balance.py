@@ -22,11 +22,11 @@ from typing import Literal
 
 import pytest
 
-from services.common.balance import Balancing
 from services.encoder.base import Encoder
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
+from services.rpc.balance import Balancing
 from tests.encoder_fixtures import encoder_base, ensure_onnx, ensure_tiny_t5
 from tests.support.dns import run_dns
 from tests.support.processes import free_port, wait_for_port, wait_until

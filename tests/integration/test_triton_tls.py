@@ -23,10 +23,10 @@ import psutil
 import pytest
 
 from services.common.errors import RetrievalError, Unavailable
-from services.common.tls import ClientTLS
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 from services.encoder.serve.triton_server import TritonHandle, run_triton
+from services.rpc.tls import ClientTLS
 from services.stack import components, triton_component
 from services.stack.certs import CertFiles, make_certs
 from services.stack.config import StackConfig

@@ -30,7 +30,6 @@ import numpy as np
 import pytest
 
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
-from services.common.status import status_of
 from services.encoder.build.export import row_cosines
 from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
 from services.encoder.model import default_model_dir
@@ -42,6 +41,7 @@ from services.encoder.serve.triton_server import TritonHandle, TritonServerConfi
 from services.encoder.serve.unpublish import unpublish_version
 from services.encoder.serve.versions import clear_cpu_budgets, describe_versions, served_versions
 from services.generations.state import RolloutState
+from services.rpc.status import status_of
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -194,7 +194,7 @@ def _stubs(handle: TritonHandle, repo: Path, version: int) -> list[int]:
     ``triton_python_backend_stub <repo>/embed/<version>/model.py ...``, read from /proc
     (as services/generations/placement.py ``stub_budget_age`` reads it). A reload of the
     version starts a new stub before the old one stops."""
-    from services.common.cpus import children_of, cmdline
+    from services.process.cpus import children_of, cmdline
 
     script = str(repo.resolve() / "embed" / str(version) / "model.py")
     return sorted(
@@ -957,7 +957,7 @@ def test_a_version_published_with_a_cpu_budget_runs_its_stub_there(served: Serve
     """`index rollout --cpus`: the new version's stub pins every thread of itself to the
     budget before it loads (its ONNX Runtime threads inherit it), answers from there, and
     the budget file goes when the rollout ends (a later load may use every CPU)."""
-    from services.common.cpus import BUDGET_FILE, budget_path
+    from services.process.cpus import BUDGET_FILE, budget_path
 
     cpu = max(os.sched_getaffinity(0))
     fourth = ensure_onnx(ensure_second_encoder(served.base, seed=4), served.base).parent

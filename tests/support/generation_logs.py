@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from services.common.redis_client import sync_client
 from services.index.changelog import decode_entry
 from services.index.core.changes import Upsert
 from services.index.keys import LAYOUT_KEY, GenerationKeys
+from services.process.redis_client import sync_client
 
 
 @contextmanager

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from services.common.encoder_spec import EncoderSpec
-from services.common.redis_client import sync_client
 from services.encoder.base import Embeddings, Encoder
 from services.generations.encoding import embedding_text
 from services.generations.registry import Registry
 from services.index.client.connection import StoreConnection
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.keys import LAYOUT_KEY, GenerationKeys, Layout
+from services.process.redis_client import sync_client
 
 DIM = 16
 SPEC = EncoderSpec("embed", 1, DIM, "hash-v1", "hash")

@@ -13,11 +13,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-from services.common.redis_client import sync_client
 from services.encoder.base import Encoder
 from services.encoder.runtime.inprocess import InProcessEncoder
 from services.generations.builder import RolloutBuilder, RolloutOptions, RolloutPlan
 from services.generations.registry import EncoderSpec
+from services.process.redis_client import sync_client
 
 
 async def _main(args: argparse.Namespace) -> int:

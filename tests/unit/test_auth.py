@@ -1,4 +1,4 @@
-"""services/common/auth.py without a server: token files as operators write them (and
+"""services/rpc/auth.py without a server: token files as operators write them (and
 as the kubelet rotates them), the scope table, the bearer header, and what an error
 message may say. The same checks over gRPC: tests/integration/test_auth_tls.py."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.common import errors
-from services.common.auth import (
+from services.rpc.auth import (
     METHOD_SCOPES,
     Authenticator,
     Scope,

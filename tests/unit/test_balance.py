@@ -1,4 +1,4 @@
-"""The order in which an :class:`EndpointPool` asks its servers (services/common/balance.py),
+"""The order in which an :class:`EndpointPool` asks its servers (services/rpc/balance.py),
 the rule both the index router's replicas and the gateway's Tritons follow: fewest calls
 in flight first (least_outstanding), ties in turn, suspect servers last; round_robin
 strictly in turn. The integration tests drive it over real servers, where the split also
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.balance import Balancing, Endpoint, EndpointPool
+from services.rpc.balance import Balancing, Endpoint, EndpointPool
 
 
 class _Server(Endpoint):

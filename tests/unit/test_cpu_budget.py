@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common import cpus as cpu_sets
 from services.common.errors import InvalidArgument
 from services.generations.placement import Process, placement
+from services.process import cpus as cpu_sets
 from tests.support.processes import wait_until
 
 MACHINE = frozenset({0, 1, 2, 3})

@@ -699,8 +699,8 @@ def test_shard_pods_seed_from_their_peers_over_tls(chart: Any, mutual: bool) -> 
 
 def _gateway_settings(docs: list[Manifest], monkeypatch: pytest.MonkeyPatch) -> Any:
     """The gateway's settings as its process would read them from the ConfigMap."""
-    from services.common.settings import load_settings
     from services.gateway.settings import GatewaySettings
+    from services.rpc.settings import load_settings
 
     for name in list(os.environ):
         if name.startswith("GTR_GATEWAY_"):

@@ -14,9 +14,9 @@ import pytest
 
 from services.cli.drift_commands import rollout_argv
 from services.cli.main import build_parser
-from services.common.settings import load_settings
 from services.index.client.addresses import parse_shard_addresses
 from services.index.server.settings import ShardSettings
+from services.rpc.settings import load_settings
 from tests.support.chart import (
     NAMESPACE,
     PREPARE_SCRIPT,

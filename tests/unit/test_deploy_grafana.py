@@ -23,7 +23,6 @@ import redis
 import yaml
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import RpcMetrics
 from services.common.slo import slo_for
 from services.gateway.metrics import GatewayMetrics, GenerationMetrics, QueryCacheMetrics
 from services.index.changelog import LogReader
@@ -32,6 +31,7 @@ from services.index.core.train import TrainOptions, train_index
 from services.index.core.trained import TrainedIndex
 from services.index.server.metrics import ShardMetrics
 from services.rerank.serve.metrics import RerankMetrics
+from services.rpc.metrics import RpcMetrics
 from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

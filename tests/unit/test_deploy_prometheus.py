@@ -15,7 +15,7 @@ import yaml
 from prometheus_client.utils import floatToGoString
 
 from services.common import slo
-from services.common.metrics import LATENCY_BUCKETS
+from services.rpc.metrics import LATENCY_BUCKETS
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]

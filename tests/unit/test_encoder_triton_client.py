@@ -1,4 +1,4 @@
-"""Triton's errors go through the service's one map (services/common/status.py)."""
+"""Triton's errors go through the service's one map (services/rpc/status.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import grpc
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from services.common import errors, status
+from services.common import errors
 from services.encoder.runtime.triton_client import TRITON_QUEUE_FULL, map_triton_error
+from services.rpc import status
 
 
 @pytest.mark.parametrize("code", list(grpc.StatusCode), ids=lambda c: c.name)

@@ -241,15 +241,15 @@ def test_the_image_healthcheck_runs_the_script_that_is_tested() -> None:
 
 
 def test_the_healthcheck_follows_the_process_under_tls(tmp_path: Path) -> None:
-    """A server of ours (services.common.server) with TLS and client certificates
+    """A server of ours (services.rpc.server) with TLS and client certificates
     required, and a plaintext health-only port: the check probes the health port when
     the process has one (flag or environment), else the TLS port with the process's own
     certificate; a stopped or NOT_SERVING process fails it. The previous script dialled
     the serving port in plaintext, which a TLS server refuses."""
     import asyncio
 
-    from services.common.server import create_server
-    from services.common.settings import ServiceSettings
+    from services.rpc.server import create_server
+    from services.rpc.settings import ServiceSettings
     from services.stack.certs import make_certs
     from tests.support.processes import free_port
 

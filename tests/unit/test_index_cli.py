@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from services.cli.main import main
-from services.common.settings import SettingsError, load_settings
 from services.index.server.settings import ShardSettings
+from services.rpc.settings import SettingsError, load_settings
 
 
 def test_index_train_from_embeddings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.common.redis_client import async_client, is_cluster, parse_redis_url, sync_client
 from services.gateway.settings import GatewaySettings
 from services.index.server.settings import ShardSettings
+from services.process.redis_client import async_client, is_cluster, parse_redis_url, sync_client
 
 
 def test_a_single_redis_url_is_one_server() -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import build_parser
-from services.common.settings import SettingsError, load_settings
 from services.gateway.settings import GatewaySettings
 from services.index.server.settings import ShardSettings
+from services.rpc.settings import SettingsError, load_settings
 
 SECRET_URL = "rediss://:s3cret-pw@127.0.0.1:6380/0?ssl_ca_certs=/ca.pem"
 GATEWAY = ["--shards", "127.0.0.1:1", "--encoder", "inprocess", "--no-auth"]

@@ -1,5 +1,5 @@
 """A shard named by a DNS target: the forms accepted, and what a real DNS server's answers
-become (services/common/discovery.py, the gateway's --shards)."""
+become (services/rpc/discovery.py, the gateway's --shards)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import socket
 
 import pytest
 
-from services.common.discovery import DnsTarget, parse_dns_target, resolve
 from services.common.errors import Unavailable
 from services.index.client.addresses import parse_shard_addresses
+from services.rpc.discovery import DnsTarget, parse_dns_target, resolve
 from tests.support.dns import run_dns
 
 
@@ -102,10 +102,10 @@ def test_the_system_resolver_serves_names_without_authority() -> None:
 
 def test_a_search_waits_for_the_first_resolution_only_within_its_deadline() -> None:
     from retrieval.v1 import index_pb2
-    from services.common.balance import Balancing
     from services.common.deadline import Deadline
     from services.common.errors import DeadlineExceeded
     from services.index.client.replicas import ReplicaSet
+    from services.rpc.balance import Balancing
 
     async def main() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
@@ -128,9 +128,9 @@ def test_a_search_waits_for_the_first_resolution_only_within_its_deadline() -> N
 def test_an_unexpected_resolver_error_does_not_end_the_watch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.common import balance as balance_module
-    from services.common.balance import Balancing
     from services.index.client.replicas import ReplicaSet
+    from services.rpc import balance as balance_module
+    from services.rpc.balance import Balancing
 
     answers: list[object] = [RuntimeError("surprise"), ["127.0.0.1:9"]]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import build_parser
-from services.common.settings import load_settings
 from services.gateway.settings import GatewaySettings
+from services.rpc.settings import load_settings
 from services.stack.components import gateway_child, write_secret
 from services.stack.config import StackConfig
 from services.stack.endpoints import Endpoints

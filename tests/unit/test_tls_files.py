@@ -1,5 +1,5 @@
 """PEM files are read once and again only when they change on disk
-(services/common/tls.py read_pem): many channels built from one ClientTLS cost one read
+(services/rpc/tls.py read_pem): many channels built from one ClientTLS cost one read
 of each file, and a file replaced on disk (a rotated Secret) is read again."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common import tls as tls_module
-from services.common.tls import ClientTLS, file_version, read_pem
+from services.rpc import tls as tls_module
+from services.rpc.tls import ClientTLS, file_version, read_pem
 from services.stack.certs import make_certs
 
 

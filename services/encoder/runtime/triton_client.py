@@ -5,7 +5,7 @@ Triton's servers: one address, a list (``host:port,host:port``) or a DNS name re
 records are the ready Triton pods). Each server gets a gRPC channel of its own and an
 encode goes to the one with the fewest encodes outstanding from this process (ties in
 turn), as the index router picks a shard's replica: the balancing, the DNS watch and
-the suspicion of a failing server are :mod:`services.common.balance`'s, shared with it.
+the suspicion of a failing server are :mod:`services.rpc.balance`'s, shared with it.
 One channel to a Kubernetes Service would send every encode of a gateway to one pod
 (gRPC keeps one HTTP/2 connection per channel): measured with two Triton servers under
 a closed loop, ``python -m bench.triton_balance``.
@@ -19,7 +19,7 @@ for.
 
 Errors: Triton answers with gRPC status codes (tritonclient's ``InferenceServerException``
 carries it as ``status()``), and they go through the service's one map,
-``services/common/status.py`` (INVALID_ARGUMENT → InvalidArgument, NOT_FOUND for an
+``services/rpc/status.py`` (INVALID_ARGUMENT → InvalidArgument, NOT_FOUND for an
 unknown model → NotFound, DEADLINE_EXCEEDED → DeadlineExceeded, …). One refinement, of
 Triton's vocabulary and not ours: Triton reports a full model queue as UNAVAILABLE with
 the message ``Exceeds maximum queue size`` (checked against the real server in
@@ -42,7 +42,7 @@ config, whose change would make Triton reload the serving version too); a model 
 that output (the GPU ensemble, a repository of an older generator) is read from its
 config's parameters (``version.<n>.*`` over the shared ones).
 
-Retries: the channel's, :mod:`services.common.retry` (gRPC's retryPolicy, UNAVAILABLE
+Retries: the channel's, :mod:`services.rpc.retry` (gRPC's retryPolicy, UNAVAILABLE
 only, within the call's deadline; every KServe call is idempotent). gRPC cannot tell a
 full queue from a restart, so a full queue is retried too, with backoff and gRPC's retry
 throttling (which stops retrying once failures pile up); then the next server is asked,
@@ -60,9 +60,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from services.common import status
-from services.common.balance import Balancing, Endpoint, EndpointPool, tls_for
-from services.common.discovery import is_dns_target, parse_addresses, parse_dns_target
 from services.common.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -71,10 +68,13 @@ from services.common.errors import (
     RetrievalError,
     Unavailable,
 )
-from services.common.retry import RetryPolicy, channel_options
-from services.common.tls import ClientTLS, Rotating
 from services.encoder.base import Embeddings, Encoder, validate_request, version_key
 from services.encoder.profiles import Kind
+from services.rpc import status
+from services.rpc.balance import Balancing, Endpoint, EndpointPool, tls_for
+from services.rpc.discovery import is_dns_target, parse_addresses, parse_dns_target
+from services.rpc.retry import RetryPolicy, channel_options
+from services.rpc.tls import ClientTLS, Rotating
 
 KSERVE_SERVICE = "inference.GRPCInferenceService"
 # What Triton says (with UNAVAILABLE) when a model's queue is full (max_queue_size).

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.cpus import budget_path
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, RetrievalError
 from services.encoder.build.export import (
@@ -59,11 +58,12 @@ from services.encoder.serve.versions import (
     write_atomically,
     write_budget,
 )
+from services.process.cpus import budget_path
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from services.encoder.build.repository import EMBED_MODEL
 from services.encoder.runtime.triton_client import triton_addresses
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 LOAD_TIMEOUT_S = 300.0  # one load of every version of embed (each initialises ONNX Runtime)
 # How long a Triton with its own copy of the repository may take to have the new version
@@ -46,7 +46,7 @@ AWAIT_EVERY_S = 0.5
 
 def triton_servers(url: str) -> list[str]:
     """The ``host:port`` of every Triton named by ``url`` (a ``dns:`` target resolved)."""
-    from services.common.discovery import is_dns_target, parse_dns_target, resolve
+    from services.rpc.discovery import is_dns_target, parse_dns_target, resolve
 
     addresses = triton_addresses(url)
     if len(addresses) == 1 and is_dns_target(addresses[0]):
@@ -78,7 +78,7 @@ def _ready(address: str, version: int, tls: ClientTLS | None, timeout_s: float) 
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    from services.common.tls import channel
+    from services.rpc.tls import channel
 
     with channel(address, tls) as ch:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
@@ -109,7 +109,7 @@ def load_model(
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    from services.common.tls import channel
+    from services.rpc.tls import channel
 
     with channel(address, tls) as ch:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Literal
 from services.common.errors import FailedPrecondition, Unavailable
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def model_ready(
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    from services.common.tls import channel
+    from services.rpc.tls import channel
 
     try:
         with channel(grpc_url, tls) as ch:

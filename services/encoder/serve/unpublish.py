@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.cpus import budget_path
 from services.common.errors import FailedPrecondition, NotFound, RetrievalError
 from services.encoder.base import version_key
 from services.encoder.build.repository import EMBED_MODEL, read_config
@@ -33,9 +32,10 @@ from services.encoder.serve.versions import (
     served_versions,
     write_atomically,
 )
+from services.process.cpus import budget_path
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 
 def unpublish_version(

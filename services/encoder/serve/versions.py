@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.cpus import BUDGET_FILE, budget_path
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition
 from services.encoder.build.repository import (
@@ -50,6 +49,7 @@ from services.encoder.build.repository import (
     read_version_description,
     write_version_file,
 )
+from services.process.cpus import BUDGET_FILE, budget_path
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
@@ -141,14 +141,14 @@ def model_code_into(folder: Path) -> None:
 
 def write_budget(version_dir: Path, cpus: frozenset[int]) -> None:
     """The CPU budget of the version at ``version_dir``, beside the model folders
-    (:func:`~services.common.cpus.budget_path`), written before the version loads."""
+    (:func:`~services.process.cpus.budget_path`), written before the version loads."""
     write_atomically(Path(budget_path(str(version_dir))), ",".join(map(str, sorted(cpus))))
 
 
 def clear_cpu_budgets(repo_dir: Path) -> None:
     """Remove every version's CPU budget file (the rollout that wrote it has ended; a
     stub loaded from now on may use every CPU). No version folder is touched (see
-    :func:`~services.common.cpus.budget_path`), except an older release's budget file
+    :func:`~services.process.cpus.budget_path`), except an older release's budget file
     inside one."""
     for path in Path(repo_dir).glob(f".{EMBED_MODEL}.*.{BUDGET_FILE}"):
         path.unlink(missing_ok=True)

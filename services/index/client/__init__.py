@@ -10,5 +10,6 @@ Package map:
 - ``documents``: the reader of the stored documents.
 - ``tails``: the reader of the logs' tails (what a STRONG search waits for).
 - ``connection``: the Redis connection those three share.
+- ``addresses``: shard addresses as the flags and the store give them, parsed.
 - ``export``: the vectors a shard replica holds, read over ``ExportVectors``.
 """

@@ -4,7 +4,7 @@ clients, below all three)."""
 
 from __future__ import annotations
 
-from services.common.discovery import parse_addresses
+from services.rpc.discovery import parse_addresses
 
 
 def parse_shard_addresses(spec: str) -> list[list[str]]:

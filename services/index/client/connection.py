@@ -1,6 +1,6 @@
 """The one connection the gateway's store clients share: one Redis or a Redis Cluster.
 
-:class:`StoreConnection` holds the client (:mod:`services.common.redis_client`), the key
+:class:`StoreConnection` holds the client (:mod:`services.process.redis_client`), the key
 layout of the documents and logs (:class:`~services.index.keys.DocKeys`), the bound on
 concurrent commands and the retry of idempotent reads. The change-log writer
 (:mod:`services.index.client.writer`), the document reader
@@ -20,8 +20,8 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from services.common.errors import Unavailable
-from services.common.redis_client import TRANSIENT, Gate, async_client, is_cluster
 from services.index.keys import FIRST_GENERATION, DocKeys, GenerationKeys, Layout
+from services.process.redis_client import TRANSIENT, Gate, async_client, is_cluster
 
 # Everything a Redis client raises (RedisClusterException is no RedisError).
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
@@ -30,7 +30,7 @@ REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterExcep
 class StoreConnection:
     """The document store's and change logs' Redis, as the gateway reaches it.
 
-    ``redis_url`` names one Redis or a Redis Cluster (:mod:`services.common.redis_client`);
+    ``redis_url`` names one Redis or a Redis Cluster (:mod:`services.process.redis_client`);
     ``num_shards`` is the shard count of the clients' default layout (the shard of a
     document is ``shard_of(id, num_shards)``, and its keys carry it,
     :mod:`services.index.keys`); a client of another generation or layout is given its

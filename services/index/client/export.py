@@ -20,9 +20,9 @@ import grpc
 import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
-from services.common.status import error_from_rpc
-from services.common.tls import ClientTLS, aio_channel
 from services.index import convert
+from services.rpc.status import error_from_rpc
+from services.rpc.tls import ClientTLS, aio_channel
 
 # A message carries at most 8 MiB of vectors (convert.EXPORT_MAX_BYTES), plus its ids.
 MAX_MESSAGE_BYTES = 64 << 20

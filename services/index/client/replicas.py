@@ -20,12 +20,12 @@ background every ``probe_every_s``).
 
 Among the others a search goes to the replica with the fewest searches outstanding
 (its own and every other wave's on that replica's stream; ties in turn), or strictly
-in turn (:class:`~services.common.balance.Balancing`). The replicas are a fixed list,
+in turn (:class:`~services.rpc.balance.Balancing`). The replicas are a fixed list,
 or the addresses a DNS name resolves to (the chart's headless Service of the shard),
 resolved again every ``resolve_every_s``: a replica that appears is asked last until
 its health check answers SERVING, one that disappears gets no new search and is closed
 once its searches are answered. Which replicas there are, their order and suspicion
-are :mod:`services.common.balance`'s, shared with the gateway's Triton client; what a
+are :mod:`services.rpc.balance`'s, shared with the gateway's Triton client; what a
 search is (a tagged message on a stream, hedged) is this module's.
 
 Each replica is reached over one long-lived ``SearchStream``: searches travel as tagged
@@ -61,14 +61,14 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
-from services.common.balance import Balancing, Endpoint, EndpointPool, tls_for
 from services.common.deadline import Deadline
-from services.common.discovery import DnsTarget
 from services.common.errors import DeadlineExceeded, Overloaded, RetrievalError, Unavailable
-from services.common.status import error_from_rpc, error_from_status
-from services.common.tls import ClientTLS, Rotating, aio_channel
 from services.index import convert
 from services.index.core.query import ShardAnswer
+from services.rpc.balance import Balancing, Endpoint, EndpointPool, tls_for
+from services.rpc.discovery import DnsTarget
+from services.rpc.status import error_from_rpc, error_from_status
+from services.rpc.tls import ClientTLS, Rotating, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class ReplicaSet:
 
     ``addresses``: the replicas' ``host:port``, or one DNS target (``dns:///name:port``)
     whose addresses are the replicas, resolved on first use and every
-    ``balancing.resolve_every_s`` after (:class:`~services.common.balance.EndpointPool`).
+    ``balancing.resolve_every_s`` after (:class:`~services.rpc.balance.EndpointPool`).
     """
 
     def __init__(

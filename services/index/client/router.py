@@ -43,18 +43,18 @@ import grpc
 import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
-from services.common.balance import Balancing
 from services.common.deadline import Deadline
 from services.common.domain import IndexResult
 from services.common.errors import FailedPrecondition, InvalidArgument, RetrievalError
 from services.common.limits import MAX_K
-from services.common.tls import ClientTLS
 from services.index import convert
 from services.index.client.coalescer import Coalescer
 from services.index.client.merge import merge_answers, shard_deadline
 from services.index.client.replicas import HedgePolicy, Replica, ReplicaSet
 from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import Consistency, IndexQuery, Probes, ShardAnswer
+from services.rpc.balance import Balancing
+from services.rpc.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 

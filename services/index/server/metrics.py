@@ -12,9 +12,9 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common import positions
-from services.common.metrics import BATCH_BUCKETS, latency_histogram
 from services.index.changelog import LogReader
 from services.index.core.shard import IvfPqShard, ShardStats
+from services.rpc.metrics import BATCH_BUCKETS, latency_histogram
 
 log = logging.getLogger(__name__)
 

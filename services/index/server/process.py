@@ -15,10 +15,6 @@ from prometheus_client import CollectorRegistry
 from threadpoolctl import threadpool_limits
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
-from services.common.logs import configure_logging
-from services.common.metrics import RpcMetrics
-from services.common.server import Admission, Server, create_server, serve_started
-from services.common.settings import load_settings
 from services.index.core.gpu import GpuMetrics, attach_or_fallback
 from services.index.core.trained import MANIFEST
 from services.index.server.batcher import SearchBatcher
@@ -28,6 +24,10 @@ from services.index.server.seeding import seed_from_peers
 from services.index.server.service import ShardService
 from services.index.server.servicer import ShardServicer
 from services.index.server.settings import ShardSettings
+from services.process.logs import configure_logging
+from services.rpc.metrics import RpcMetrics
+from services.rpc.server import Admission, Server, create_server, serve_started
+from services.rpc.settings import load_settings
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.positions import ZERO_POSITION, Position
-from services.common.redis_client import async_client, sync_client
 from services.index.changelog import LogReader, decode_entry, text
 from services.index.core.changes import Change, Upsert
 from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
@@ -44,6 +43,7 @@ from services.index.layout import check_layout, read_layout
 from services.index.records import ensure_first
 from services.index.server.metrics import ShardMetrics
 from services.index.server.settings import ShardSettings
+from services.process.redis_client import async_client, sync_client
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,14 @@ from pathlib import Path
 import grpc
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
-from services.common.discovery import is_dns_target, parse_dns_target, resolve
 from services.common.errors import FailedPrecondition, RetrievalError, Unavailable
-from services.common.status import error_from_rpc
-from services.common.tls import ClientTLS, aio_channel
 from services.index import convert
 from services.index.core.snapshots import Snapshot
 from services.index.core.transfer import Receiver, TransferError
 from services.index.server.settings import ShardSettings
+from services.rpc.discovery import is_dns_target, parse_dns_target, resolve
+from services.rpc.status import error_from_rpc
+from services.rpc.tls import ClientTLS, aio_channel
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.errors import RetrievalError
-from services.common.server import Admission
-from services.common.status import status_number
 from services.index import convert
 from services.index.server.service import ShardService
+from services.rpc.server import Admission
+from services.rpc.status import status_number
 
 log = logging.getLogger(__name__)
 

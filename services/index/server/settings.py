@@ -8,9 +8,9 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ClientTLSSettings, RedisSettings
 from services.index.core.text import TextConfig, check_language
 from services.index.records import generation_number
+from services.rpc.settings import ClientTLSSettings, RedisSettings
 
 
 class ShardSettings(RedisSettings, ClientTLSSettings):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.common.metrics import BATCH_BUCKETS, latency_histogram
+from services.rpc.metrics import BATCH_BUCKETS, latency_histogram
 
 
 @dataclass

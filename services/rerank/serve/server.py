@@ -13,14 +13,14 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from retrieval.v1 import rerank_pb2, rerank_pb2_grpc
-from services.common.logs import configure_logging
-from services.common.metrics import RpcMetrics
-from services.common.server import Server, create_server, serve_started
-from services.common.settings import load_settings
+from services.process.logs import configure_logging
 from services.rerank.serve.metrics import RerankMetrics
 from services.rerank.serve.scorer import CeliScorer
 from services.rerank.serve.servicer import RerankServicer
 from services.rerank.serve.settings import RerankSettings
+from services.rpc.metrics import RpcMetrics
+from services.rpc.server import Server, create_server, serve_started
+from services.rpc.settings import load_settings
 
 log = logging.getLogger(__name__)
 

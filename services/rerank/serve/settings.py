@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from services.rpc.settings import ServiceSettings
 
 
 class RerankSettings(ServiceSettings):

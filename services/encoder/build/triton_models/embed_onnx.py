@@ -54,7 +54,7 @@ from textcodec import TextCodec, TextError, parse_rows
 # rows per ONNX run between two checks for clients that have gone: bounds the work a
 # stopping server waits for to one such run
 PIECE_ROWS = 16
-# the file naming the CPUs a version's stub runs on (services.common.cpus budget_path:
+# the file naming the CPUs a version's stub runs on (services.process.cpus budget_path:
 # <repo>/.<model>.<version>.cpu-budget, beside the model folders, never in the version
 # folder, whose change after the load would make Triton reload this version)
 BUDGET_FILE = "cpu-budget"

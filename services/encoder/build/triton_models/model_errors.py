@@ -6,7 +6,7 @@ by ``services/encoder/build/repository.py``; it imports numpy and Triton's
 
 The rule of every model: a bad request (a missing input, bad text) gets its own error
 response with INVALID_ARG, which a client sees as gRPC INVALID_ARGUMENT and the gateway
-as InvalidArgument (``services/common/status.py``); a failure of the model itself gets
+as InvalidArgument (``services/rpc/status.py``); a failure of the model itself gets
 INTERNAL. Neither fails the other requests of the batch nor kills the instance.
 
 Triton's core already refuses a request that lacks a *required* input, before any model

@@ -25,7 +25,7 @@ ERROR_OF: dict[grpc.StatusCode, type[errors.RetrievalError]] = {
 # The hint of when to retry a RESOURCE_EXHAUSTED, for any client (a person, a script).
 RETRY_AFTER_KEY = "retry-after-ms"
 # gRPC's own server pushback (gRFC A6), read by the retry policy of a client's channel
-# (the CLI's, services/common/retry.py): a count of ms makes gRPC wait exactly that long
+# (the CLI's, services/rpc/retry.py): a count of ms makes gRPC wait exactly that long
 # before its next attempt instead of its own backoff; a negative value means "do not
 # retry this call".
 PUSHBACK_KEY = "grpc-retry-pushback-ms"

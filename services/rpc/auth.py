@@ -9,7 +9,7 @@ ignored), typically a Kubernetes Secret mounted as files:
 
 No token, a malformed header or a token that no set holds → UNAUTHENTICATED; a read
 token on a write method → PERMISSION_DENIED (the errors of :mod:`services.common.errors`,
-mapped to codes in :mod:`services.common.status`, like every other error). The gRPC
+mapped to codes in :mod:`services.rpc.status`, like every other error). The gRPC
 health service and reflection stay open, so probes and ``grpcurl list`` need no token.
 A method in none of :data:`METHOD_SCOPES` needs a write token (closed by default).
 
@@ -41,7 +41,7 @@ from typing import Any
 import grpc
 
 from services.common import errors
-from services.common.interceptors import HandlerInterceptor
+from services.rpc.interceptors import HandlerInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 class AuthInterceptor(HandlerInterceptor):
     """Refuses a call without the token its method needs, before its handler runs.
 
-    Put it after :class:`services.common.server.ErrorAndLatencyInterceptor` (inner): a
+    Put it after :class:`services.rpc.server.ErrorAndLatencyInterceptor` (inner): a
     refused call gets a handler that raises the domain error, which the outer interceptor
     maps to its status code and counts in the RPC metrics like any other outcome.
     """

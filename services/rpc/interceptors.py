@@ -1,5 +1,5 @@
 """The base of this project's gRPC server interceptors (:class:`HandlerInterceptor`),
-apart from :mod:`services.common.server` so that :mod:`services.common.auth`, which the
+apart from :mod:`services.rpc.server` so that :mod:`services.rpc.auth`, which the
 client library imports for ``bearer_metadata``, does not pull in the server's health,
 reflection and metrics modules."""
 

@@ -6,7 +6,7 @@ sends all of a client's calls to one pod. Instead each server is an :class:`Endp
 with a channel of its own, and an :class:`EndpointPool` chooses among them per call:
 
 * **which servers**: a fixed list of addresses, or the addresses a DNS name resolves to
-  (:mod:`services.common.discovery`; the chart's headless Service), resolved again every
+  (:mod:`services.rpc.discovery`; the chart's headless Service), resolved again every
   ``resolve_every_s``. A server that appears is asked last until its health check says
   it serves; one that disappears gets no new call and is closed once its calls ended.
 * **in which order**: the one with the fewest calls outstanding from this process
@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
-from services.common.discovery import DnsTarget, is_dns_target, parse_dns_target, resolve
 from services.common.errors import Unavailable
+from services.rpc.discovery import DnsTarget, is_dns_target, parse_dns_target, resolve
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS
+    from services.rpc.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 

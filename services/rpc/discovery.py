@@ -1,5 +1,5 @@
 """Where the servers behind one name are: a fixed list of addresses, or a DNS name
-re-resolved (:mod:`services.common.balance` balances over them: a shard's replicas in the
+re-resolved (:mod:`services.rpc.balance` balances over them: a shard's replicas in the
 index router, Triton's servers in the gateway's encoder).
 
 A name is either a list of addresses (``host:port,host:port``) or one DNS target in

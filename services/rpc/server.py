@@ -6,7 +6,7 @@ with INVALID_ARGUMENT (not INTERNAL), a graceful stop on SIGTERM/SIGINT, admissi
 control (``max_in_flight``: unary calls over the limit are refused RESOURCE_EXHAUSTED
 with a ``retry-after-ms`` hint in the trailing metadata, and the same value as gRPC's own
 ``grpc-retry-pushback-ms`` so that a client's retry policy waits it, before any work;
-a full store's refusal says "no retry" (``services.common.status.trailing_metadata``);
+a full store's refusal says "no retry" (``services.rpc.status.trailing_metadata``);
 health and reflection are exempt) and, when the service gives it a check, a health watcher that
 keeps the health status true to that check (:meth:`Server.watch`).
 """
@@ -30,11 +30,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from services.common import errors
-from services.common.interceptors import HandlerInterceptor
-from services.common.metrics import RpcMetrics, serve_metrics
-from services.common.settings import ServiceSettings
-from services.common.status import status_of, trailing_metadata
-from services.common.wire import WireTypeError, check_wire_types
+from services.rpc.interceptors import HandlerInterceptor
+from services.rpc.metrics import RpcMetrics, serve_metrics
+from services.rpc.settings import ServiceSettings
+from services.rpc.status import status_of, trailing_metadata
+from services.rpc.wire import WireTypeError, check_wire_types
 
 log = logging.getLogger(__name__)
 
@@ -370,9 +370,9 @@ async def create_server(
     ``settings.port = 0`` binds a free port; the bound port is returned. ``admission``:
     the in-flight limit, when the service reads its pressure (the gateway); by default
     one from ``settings.max_in_flight``. ``interceptors`` run inside the error mapping
-    (the gateway's :class:`services.common.auth.AuthInterceptor`): a domain error they
+    (the gateway's :class:`services.rpc.auth.AuthInterceptor`): a domain error they
     raise gets its status code. The port speaks TLS (mTLS with a client CA) when the
-    settings name a certificate (:mod:`services.common.tls`), plaintext otherwise.
+    settings name a certificate (:mod:`services.rpc.tls`), plaintext otherwise.
     """
     max_bytes = settings.max_message_mb * 1024 * 1024
     if admission is None:

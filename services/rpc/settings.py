@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
-    from services.common.tls import ClientTLS, ServerTLS
+    from services.rpc.tls import ClientTLS, ServerTLS
 
 
 class ServiceSettings(BaseSettings):
@@ -79,7 +79,7 @@ class ServiceSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _tls_files(self) -> ServiceSettings:
-        from services.common.tls import ServerTLS
+        from services.rpc.tls import ServerTLS
 
         tls = ServerTLS.from_paths(self.tls_cert, self.tls_key, self.tls_client_ca)
         if tls is not None:
@@ -88,7 +88,7 @@ class ServiceSettings(BaseSettings):
 
     def server_tls(self) -> ServerTLS | None:
         """This server's TLS configuration (None: plaintext)."""
-        from services.common.tls import ServerTLS
+        from services.rpc.tls import ServerTLS
 
         return ServerTLS.from_paths(self.tls_cert, self.tls_key, self.tls_client_ca)
 
@@ -121,7 +121,7 @@ class ClientTLSSettings(ServiceSettings):
 
     def client_tls(self) -> ClientTLS | None:
         """TLS of this process's own connections (None: plaintext)."""
-        from services.common.tls import ClientTLS
+        from services.rpc.tls import ClientTLS
 
         return ClientTLS.from_paths(self.tls_ca, self.tls_client_cert, self.tls_client_key)
 
@@ -149,14 +149,14 @@ class RedisSettings(ServiceSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:
-        from services.common.redis_client import check_redis_url
+        from services.process.redis_client import check_redis_url
 
         return check_redis_url(value)
 
     @model_validator(mode="after")
     def _redis_url_file(self) -> RedisSettings:
         """The URL read from ``--redis-url-file`` replaces ``--redis-url``."""
-        from services.common.redis_client import read_redis_url
+        from services.process.redis_client import read_redis_url
 
         if self.redis_url_file is None:
             return self

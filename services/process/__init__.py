@@ -1,0 +1,10 @@
+"""What a process of the service sets up on its host, below any RPC.
+
+``logs``
+    logging, configured once by an entry point, never at import.
+``redis_client``
+    Redis clients (one URL names a single Redis or a Redis Cluster), the transient
+    errors retried, the URL file read.
+``cpus``
+    CPU sets: parse a ``taskset``-style list, pin a process thread by thread.
+"""

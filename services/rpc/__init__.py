@@ -1,0 +1,15 @@
+"""The gRPC plumbing of every server and client of ours (the core packages never import it).
+
+Servers
+    ``server`` (``create_server(...) -> (server, port)``: health, reflection, admission,
+    graceful stop), ``interceptors`` (their base), ``status`` (the one map from domain
+    errors to gRPC codes), ``auth`` (bearer tokens), ``wire`` (fields sent with the wrong
+    wire type), ``metrics`` (Prometheus, one injected registry per process),
+    ``settings`` (the settings every service shares, and how they are loaded).
+Clients
+    ``balance`` (over the servers behind one name), ``discovery`` (fixed addresses or a
+    re-resolved DNS name), ``retry`` (gRPC's own retry policy on the channel).
+Both
+    ``tls`` (TLS and mutual TLS from PEM files), ``convert`` (protobuf ↔
+    :mod:`services.common.domain` for ``common.proto``).
+"""
