@@ -74,6 +74,7 @@ def _docs() -> list[documents_pb2.Document]:
     ]
 
 
+@pytest.mark.slow
 def test_upsert_search_delete_search(
     any_redis_url: str, index_dir: Path, triton_url: str, tmp_path: Path
 ) -> None:
@@ -201,6 +202,7 @@ def test_malformed_requests_are_invalid_argument(
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_the_bottleneck_ratio_in_both_placements_puts_every_cpu_back(
     redis_url: str, index_dir: Path, triton: TritonHandle, tmp_path: Path
 ) -> None:

@@ -111,6 +111,7 @@ def _search() -> search_pb2.SearchRequest:
     )
 
 
+@pytest.mark.slow
 def test_the_configured_table_decides_the_depth_and_a_budget_too_small_skips_the_rerank(
     redis_url: str, index_dir: Path, checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -147,6 +148,7 @@ def test_the_configured_table_decides_the_depth_and_a_budget_too_small_skips_the
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_chosen_depth_the_reranker_overruns_answers_in_first_stage_order(
     redis_url: str, index_dir: Path, checkpoint: Path, tmp_path: Path
 ) -> None:

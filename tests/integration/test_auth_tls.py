@@ -184,6 +184,7 @@ def _upsert(ch: grpc.Channel, token: str | None) -> documents_pb2.UpsertResponse
 # --- authentication and authorisation -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_write_token_writes_and_reads_through_tls_to_an_mtls_shard_and_reranker(
     secured: Secured,
 ) -> None:

@@ -156,6 +156,7 @@ def _code(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
 # --- 1. documents of a search in one round trip, through a bounded pool ---------------
 
 
+@pytest.mark.slow
 def test_searches_that_fetch_many_documents_succeed_with_a_small_pool(stack: Stack) -> None:
     """k=101 and k=1000 (one HGETALL per hit used to exhaust redis-py's pool), a batch of
     64 queries, and 300 concurrent searches, against a gateway with 8 Redis connections."""
@@ -309,6 +310,7 @@ def test_a_hung_replica_costs_no_partial_result(stack: Stack) -> None:
     assert all(len(r.hits) == 10 for r in replies)
 
 
+@pytest.mark.slow
 def test_a_shard_whose_replicas_all_hang_costs_a_partial_answer_within_the_deadline(
     stack: Stack,
 ) -> None:

@@ -171,6 +171,7 @@ async def _services(channel: grpc.aio.Channel) -> list[str]:
     return []
 
 
+@pytest.mark.slow
 def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint(
     redis_url: str, index_dir: Path, tmp_path: Path
 ) -> None:

@@ -91,6 +91,7 @@ def wait_applied(address: str, token: WriteToken, vector: np.ndarray) -> None:
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_kill_9_during_upserts_loses_no_acknowledged_write(
     index_dir: Path, any_redis_url: str, vectors: np.ndarray, tmp_path: Path
 ) -> None:
@@ -185,6 +186,7 @@ def test_corrupt_snapshot_restarts_from_the_previous_one(
         assert first.position < second.position
 
 
+@pytest.mark.slow
 def test_log_is_trimmed_only_below_the_slowest_replica(
     index_dir: Path, any_redis_url: str, vectors: np.ndarray, tmp_path: Path
 ) -> None:
@@ -239,6 +241,7 @@ def test_log_is_trimmed_only_below_the_slowest_replica(
             )
 
 
+@pytest.mark.slow
 def test_shard_down_gives_partial_results_within_the_deadline(
     index_dir: Path, redis_url: str, vectors: np.ndarray, tmp_path: Path
 ) -> None:

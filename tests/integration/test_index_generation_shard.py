@@ -110,6 +110,7 @@ def stub(address: str) -> tuple[grpc.Channel, Any]:
     return channel, index_pb2_grpc.IndexShardServiceStub(channel)
 
 
+@pytest.mark.slow
 def test_g2_shards_follow_their_own_logs_and_answer_searches(store: Store) -> None:
     client = sync_client(store.url)
     for s, shard in enumerate(store.shards):

@@ -84,6 +84,7 @@ def search(cluster: ShardCluster, query: IndexQuery, timeout: float | None = Non
     return asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_sharded_index_matches_exact_search(cluster: ShardCluster, vectors: np.ndarray) -> None:
     queries = vectors[N_BASE:]
     flat = faiss.IndexFlatIP(384)

@@ -199,6 +199,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iter
             channel.close()
 
 
+@pytest.mark.slow
 def test_failed_searches_are_misses_and_client_mistakes_do_not_count(scraped: Scraped) -> None:
     """Then partial answers: the partial ratio is per query over per query."""
     prom = scraped.prometheus

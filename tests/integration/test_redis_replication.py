@@ -65,6 +65,7 @@ def test_without_a_replica_a_write_that_waits_for_one_is_unavailable(redis_url: 
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_with_a_replica_a_write_waits_for_it_and_the_replica_has_it(
     redis_server: RedisServer, redis_url: str, tmp_path: Path
 ) -> None:
@@ -178,6 +179,7 @@ def test_a_primary_killed_during_writes_loses_no_acknowledged_write(
     assert set(acked) <= logged
 
 
+@pytest.mark.slow
 def test_a_cluster_with_tls_and_auth_is_reached_through_a_rediss_cluster_url(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

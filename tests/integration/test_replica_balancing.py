@@ -98,6 +98,7 @@ def _queries(vectors: np.ndarray, n: int, seed: int) -> np.ndarray:
     return (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_concurrent_searches_are_split_between_the_replicas_of_a_dns_named_shard(
     replicas: Replicas,
 ) -> None:

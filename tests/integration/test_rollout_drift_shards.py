@@ -82,6 +82,7 @@ def spec(cluster: ShardCluster) -> str:
     return ";".join(",".join(replicas) for replicas in cluster.addresses)
 
 
+@pytest.mark.slow
 def test_the_shards_report_the_drift(drifted: ShardCluster) -> None:
     reading = asyncio.run(read_ratios(spec(drifted)))
     assert reading.answered == SHARDS

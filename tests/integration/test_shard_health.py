@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.index.client.writer import ChangeLogWriter, DocRecord
@@ -44,6 +45,7 @@ def _await_status(shard: ShardProcess, wanted: int, timeout: float = 30.0) -> No
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_shard_whose_log_consumer_died_is_not_serving(
     redis_url: str, scifact_dir: Path, tmp_path: Path
 ) -> None:

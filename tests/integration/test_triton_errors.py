@@ -132,6 +132,7 @@ def test_an_unknown_model_is_not_found(triton: TritonHandle) -> None:
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_a_full_triton_queue_is_overloaded_not_unavailable(triton: TritonHandle) -> None:
     """Triton says UNAVAILABLE "Exceeds maximum queue size"; our word is Overloaded.
 

@@ -42,6 +42,7 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
         yield handle
 
 
+@pytest.mark.slow
 def test_a_query_is_answered_before_queued_document_batches(triton: TritonHandle) -> None:
     long_doc = " ".join(SAMPLE_DOCUMENTS) * 2  # ~truncation length: a batch takes a while
     docs = [f"{n} {long_doc}" for n in range(BATCH)]

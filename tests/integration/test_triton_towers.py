@@ -85,6 +85,7 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
         yield mp
 
 
+@pytest.mark.slow
 def test_export_has_one_graph_per_tower_and_both_pass_parity(served: Served) -> None:
     meta = json.loads((served.onnx.parent / "encoder.json").read_text())
     assert meta["towers"] == {"query": "model.onnx", "document": "document.onnx"}

@@ -376,6 +376,7 @@ def test_the_builders_may_reach_redis_the_shards_and_triton(chart: Any) -> None:
         assert any(sel.items() <= labels.items() for sel in selectors), pod["metadata"]["name"]
 
 
+@pytest.mark.slow
 def test_checkov_passes_on_generations(chart: Any, tmp_path: Path) -> None:
     run_checkov(render(chart, ROLLING), tmp_path)  # no failed check, only the allowed skips
 

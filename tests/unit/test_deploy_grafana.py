@@ -164,6 +164,7 @@ def test_every_panel_expression_parses(tmp_path: Path) -> None:
     assert _promtool_check([*exprs, "sum(rate(x[5m])"], tmp_path).returncode != 0
 
 
+@pytest.mark.slow
 def test_every_panel_names_metrics_that_exist(exported: set[str]) -> None:
     recorded = {r["record"] for r in load_rules() if "record" in r}
     known = exported | recorded | EXTERNAL

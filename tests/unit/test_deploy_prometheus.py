@@ -67,11 +67,13 @@ def test_check_rules() -> None:
     assert "SUCCESS" in done.stdout
 
 
+@pytest.mark.slow
 def test_rule_unit_tests() -> None:
     done = run_promtool("test", "rules", "rules_test.yml")
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_rule_unit_tests_catch_a_wrong_threshold(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -142,6 +142,7 @@ def test_parity_refuses_nan_and_zero_rows_past_the_first(
     assert report.problem is not None and reason in report.problem
 
 
+@pytest.mark.slow
 def test_int8_quantisation_stays_close(base: Path, tmp_path: Path) -> None:
     src = ensure_onnx(default_model_dir(), base)
     q_path = quantize_int8(src, tmp_path / "model.int8.onnx")

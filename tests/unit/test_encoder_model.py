@@ -114,6 +114,7 @@ def test_unsupported_module_is_refused(t5_dir: Path, tmp_path: Path) -> None:
         read_layout(copy)
 
 
+@pytest.mark.slow
 def test_reproduces_the_shared_scifact_embeddings(scifact_dir: Path) -> None:
     """The index is built from corpus.all-MiniLM-L6-v2.npy: our documents must land on it."""
     docs = []

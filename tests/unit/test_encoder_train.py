@@ -89,6 +89,7 @@ def spl_bert(bert_dir: Path) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_train_writes_loadable_towers_and_a_manifest(
     arch: str, beir: Path, bert_dir: Path, tmp_path: Path
 ) -> None:
@@ -129,6 +130,7 @@ def test_train_writes_loadable_towers_and_a_manifest(
         assert not torch.equal(weights[0], torch.eye(32)), "the projection was trained"
 
 
+@pytest.mark.slow
 def test_resume_gives_the_uninterrupted_result(beir: Path, bert_dir: Path, tmp_path: Path) -> None:
     whole = train(config(beir, bert_dir, tmp_path / "whole", "ade-spl", final_eval=False))
     cut = config(beir, bert_dir, tmp_path / "cut", "ade-spl", final_eval=False)
@@ -179,6 +181,7 @@ def test_a_second_positive_of_the_query_is_not_a_negative() -> None:
     assert masked.item() < 1e-6 < unmasked.item()
 
 
+@pytest.mark.slow
 def test_compare_reports_every_variant_against_the_base(
     beir: Path, bert_dir: Path, tmp_path: Path
 ) -> None:

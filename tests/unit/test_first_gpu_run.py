@@ -120,6 +120,7 @@ def test_the_checklist_has_its_rows() -> None:
         assert topic in checks, topic
 
 
+@pytest.mark.slow
 def test_row_1_reaches_the_gpu_imports() -> None:
     done = run(argv(ROWS[1][1][0], {"GTR": Path(), "CORPUS": Path(), "build": Path()}))
     assert done.returncode != 0 and "No module named 'tensorrt'" in done.stderr
@@ -129,6 +130,7 @@ def test_row_1_reaches_the_gpu_imports() -> None:
     assert done.returncode == 0 and done.stdout.split() == ["False", "0"]  # no GPU here
 
 
+@pytest.mark.slow
 def test_row_2_extras_exist_and_the_gpu_tests_skip_naming_why() -> None:
     install = span(2, "pip install")
     extras = re.search(r"\.\[([\w,]+)\]", install)
@@ -157,6 +159,7 @@ def test_row_3_names_our_images() -> None:
     assert image("triton") in ROWS[3][2] and image("appGpu") in ROWS[3][2]
 
 
+@pytest.mark.slow
 def test_rows_4_to_9_run_up_to_tensorrt(env: dict[str, Path]) -> None:
     # 4: the export runs whole on a CPU
     done = run(argv(ROWS[4][1][0], env))

@@ -164,6 +164,7 @@ def test_gpu_status_always_gives_a_reason() -> None:
     assert isinstance(usable, bool) and reason
 
 
+@pytest.mark.slow
 def test_768d_default_pq_m_is_refused_before_any_gpu_call(trained_768: TrainedIndex) -> None:
     trained = trained_768
     assert trained.manifest.pq_m == 192 and trained.manifest.gpu_problem
@@ -197,6 +198,7 @@ def test_shard_falls_back_to_cpu_with_a_reason_and_a_metric(
     assert shard.search(x[:1], 1)[0][0][0] == "a"
 
 
+@pytest.mark.slow
 def test_no_gpu_is_counted_without_a_warning(
     trained_64: TrainedIndex, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

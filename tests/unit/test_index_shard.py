@@ -38,6 +38,7 @@ def recall_at_10(found: list[list[tuple[str, float]]], exact: np.ndarray) -> flo
     )
 
 
+@pytest.mark.slow
 def test_recall_at_10_against_exact_inner_product(loaded: IvfPqShard, vectors: np.ndarray) -> None:
     queries = vectors[N_BASE:]
     flat = faiss.IndexFlatIP(vectors.shape[1])

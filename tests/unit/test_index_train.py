@@ -59,6 +59,7 @@ def test_resolve_rejects_impossible_settings() -> None:
             resolve(TrainOptions(target_recall=bad), 5000, 384)
 
 
+@pytest.mark.slow
 def test_train_writes_a_trained_empty_index_and_manifest(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3000, 32)).astype(np.float32)
@@ -177,6 +178,7 @@ def test_the_default_nprobe_is_the_smallest_that_reaches_the_target_recall(
     assert tuned >= 0.985 and tuned > old  # 500 queries: ± 0.003 of sampling error
 
 
+@pytest.mark.slow
 def test_tuning_is_deterministic(scifact_index: Path, vectors: np.ndarray) -> None:
     m = Manifest.read(scifact_index)
     again = tune_nprobe(TrainedIndex.load(scifact_index), vectors, TrainOptions())
@@ -185,6 +187,7 @@ def test_tuning_is_deterministic(scifact_index: Path, vectors: np.ndarray) -> No
     assert {str(p): r for p, r in sorted(again.tried_wide.items())} == m.wide_recall_by_nprobe
 
 
+@pytest.mark.slow
 def test_an_explicit_nprobe_is_kept_and_its_recall_measured(
     vectors: np.ndarray, tmp_path: Path
 ) -> None:
@@ -215,6 +218,7 @@ def test_too_few_vectors_to_tune_keep_the_rule_of_thumb(
     assert "too few to tune nprobe" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_tiny_corpus_is_told_that_ivf_is_the_wrong_choice(
     vectors: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -128,6 +128,7 @@ def _pins(names: set[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("flavor", ["cpu", "gpu"])
+@pytest.mark.slow
 def test_flavour_resolves_without_a_second_owner(flavor: str, tmp_path: Path) -> None:
     # The flavour's packages with the base pins they share dependencies with. TensorRT
     # 10.7.0 is left out: on PyPI it is an sdist that fetches its wheel from NVIDIA's own
