@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -20,6 +21,26 @@ STDLIB_EXAMPLES = (
     "compute a sha256 hash of bytes",
 )
 EXAMPLES_FROM_QUERIES = 3
+
+# Admission units (``--max-in-flight``) per core of the machine ``up`` runs on.
+IN_FLIGHT_PER_CORE = 16
+
+
+def default_max_in_flight() -> int:
+    """``up``'s admission limit for the gateway and the shards: :data:`IN_FLIGHT_PER_CORE`
+    (16) units per CPU this process may run on (``os.sched_getaffinity``).
+
+    Why 16 per core (docs/performance.md, "Load" and "Overload"): a search costs ~7.6 ms
+    of CPU over every process of the stack (Triton 5.0, gateway 1.5, shards 0.4 each,
+    Redis 0.07) and takes ~15 ms at p50 on an idle stack, so about two searches in flight
+    keep one core busy; closed-loop callers reach the stack's throughput ceiling (203-232
+    searches/s on 2 cores) at 16 in flight, i.e. 8 per core, and more in flight only
+    queue. Twice that, 16 per core, leaves room for the waits that cost no CPU (a session
+    search waiting for the log, Redis round trips) while still refusing a burst early:
+    on 2 cores it gives 32, the limit with which ``bench.overload`` measured 1,000
+    concurrent k=1000 searches refused RESOURCE_EXHAUSTED with ``retry-after-ms`` in time
+    (0 DEADLINE_EXCEEDED), where without a limit such bursts end DEADLINE_EXCEEDED."""
+    return IN_FLIGHT_PER_CORE * max(1, len(os.sched_getaffinity(0)))
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,9 @@ class StackConfig:
     query_cache: bool = False
     query_cache_ttl_s: float | None = None
     query_cache_max_entries: int | None = None
+    # admission limit of the gateway and of every shard replica (0 = none): units of
+    # ``--max-in-flight`` (a search one per 25 hits), by default derived from the cores
+    max_in_flight: int = field(default_factory=default_max_in_flight)
 
     @property
     def auth_dir(self) -> Path:

@@ -40,6 +40,7 @@ from services.gateway.settings import GatewaySettings
 from services.index.server.process import RunningShard, start_shard
 from services.rerank.serve.server import Reranker, start_rerank
 from services.rerank.serve.settings import RerankSettings
+from services.stack.config import default_max_in_flight
 from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import await_until, free_port, start_redis, stop_process
 from tests.support.rerank import WORDS, tiny_checkpoint
@@ -200,6 +201,33 @@ def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint
 
             reply = await front.search.Search(search_pb2.SearchRequest(query="x", k=1), timeout=30)
             assert len(reply.hits) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_over_the_default_limit_of_up_is_refused_with_a_retry_hint(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """Issue #33 point 4: the gateway as ``up`` starts it by default (its limit derived
+    from the CPUs, 16 per core) is full once that many small searches are in flight; a
+    burst beyond it is answered RESOURCE_EXHAUSTED with ``retry-after-ms``, every call,
+    at once (before, ``up`` passed no limit and a burst queued until its deadline)."""
+    limit = default_max_in_flight()
+
+    async def scenario() -> None:
+        async with front_door(redis_url, index_dir, tmp_path, max_in_flight=limit) as front:
+            async with held(front, limit):
+                burst = [
+                    front.search.Search(search_pb2.SearchRequest(query=f"b{i}", k=1), timeout=10)
+                    for i in range(16)
+                ]
+                answers = await asyncio.gather(*burst, return_exceptions=True)
+                for answer in answers:
+                    assert isinstance(answer, grpc.aio.AioRpcError), answer
+                    assert answer.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    trailing = dict(answer.trailing_metadata() or ())
+                    assert trailing.get("retry-after-ms") == "100", trailing
+                assert front.in_flight == limit
 
     asyncio.run(scenario())
 
