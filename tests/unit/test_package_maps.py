@@ -1,6 +1,7 @@
 """Each package's ``__init__.py`` is its map: a docstring naming every module and
-subpackage it holds (as ````name```` or ``:mod:`.name```), each with its one role (issue #32). A module added without a line in
-the map fails here, so the map a newcomer reads first stays true."""
+subpackage it holds (as ````name```` or ``:mod:`.name```), each with its one role
+(issue #32). A module added without a line in the map fails here, so the map a newcomer
+reads first stays true."""
 
 from __future__ import annotations
 
