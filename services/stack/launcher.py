@@ -21,7 +21,9 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -52,6 +54,30 @@ def _public(address: str) -> str:
     return parse_redis_url(address).safe_url if "@" in address else address
 
 
+# The umask of ``up`` and so of every child it starts (Redis has no umask option of its
+# own: its AOF and RDB take the mode of the process that writes them): no group or other
+# bits on anything made in the run directory, which holds every document (the AOF), the
+# shards' snapshots, the trained indexes, the logs and the auth and TLS secrets.
+PRIVATE_UMASK = 0o077
+
+
+def make_private(root: Path) -> None:
+    """``root`` and everything under it for its owner only: directories 0700, files their
+    owner bits alone (0600, or 0700 for an executable). A run directory made by an older
+    ``up`` (0755 directories, 0644 files) is tightened on the next start."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for path in (root, *root.rglob("*")):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue  # removed meanwhile (a pruned snapshot of a previous run)
+        if stat.S_ISLNK(st.st_mode):
+            continue  # a link's own mode means nothing; its target is walked if inside
+        private = 0o700 if stat.S_ISDIR(st.st_mode) else st.st_mode & 0o700
+        if stat.S_IMODE(st.st_mode) != private:
+            path.chmod(private)
+
+
 def corpus_fingerprint(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
@@ -78,7 +104,8 @@ class Stack:
 
     def run(self) -> int:
         cfg = self.config
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        umask = os.umask(PRIVATE_UMASK)  # inherited by every child (Redis's AOF included)
+        make_private(cfg.run_dir)
         previous = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
@@ -119,6 +146,7 @@ class Stack:
                 (cfg.run_dir / "stack.json").unlink(missing_ok=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            os.umask(umask)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._stop.is_set():
