@@ -434,3 +434,40 @@ def test_a_gateway_whose_redis_is_killed_is_not_serving_until_redis_is_back(
         asyncio.run(scenario())
     finally:
         stop_process(process)
+
+
+def _encodes(front: Front) -> float:
+    return sum(
+        sample.value
+        for metric in front.gateway.registry.collect()
+        if metric.name == "gtr_encode_calls"
+        for sample in metric.samples
+        if sample.name == "gtr_encode_calls_total"
+    )
+
+
+def test_a_query_over_the_term_limit_is_refused_before_it_is_encoded(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """Issue #33 point 5: a 2.4 KB hybrid query of 300 distinct words (the limit is 256)
+    is INVALID_ARGUMENT from the gateway itself, the encoder not called; before, the
+    gateway encoded it and a shard refused it ("shard 0 replica <address>: ...")."""
+    words = " ".join(f"term{i:03d}" for i in range(300))
+
+    async def scenario() -> None:
+        async with front_door(redis_url, index_dir, tmp_path) as front:
+            before = _encodes(front)
+            for mode in (search_pb2.RETRIEVAL_MODE_HYBRID, search_pb2.RETRIEVAL_MODE_UNSPECIFIED):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await front.search.Search(
+                        search_pb2.SearchRequest(query=words, k=5, mode=mode), timeout=30
+                    )
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "query: 300 distinct terms" in (refused.value.details() or "")
+                assert "shard" not in (refused.value.details() or "")
+            assert _encodes(front) == before
+            dense = search_pb2.SearchRequest(query=words, k=5, mode=search_pb2.RETRIEVAL_MODE_DENSE)
+            assert len((await front.search.Search(dense, timeout=30)).hits) == 5
+            assert _encodes(front) == before + 1  # the counter does count encodes
+
+    asyncio.run(scenario())
