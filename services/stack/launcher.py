@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import signal
-import stat
 import threading
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from services.common.tls import ClientTLS
 from services.index.keys import FIRST_GENERATION
 from services.stack import components, first_run, prometheus_component, triton_component
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
-from services.stack.config import StackConfig, example_queries
+from services.stack.config import PRIVATE_UMASK, StackConfig, example_queries, make_private
 from services.stack.endpoints import Endpoints
 from services.stack.generations import GenerationShards
 
@@ -52,30 +51,6 @@ def _say(message: str) -> None:
 def _public(address: str) -> str:
     """``address`` without a password (Redis's URL carries one under ``--auth``)."""
     return parse_redis_url(address).safe_url if "@" in address else address
-
-
-# The umask of ``up`` and so of every child it starts (Redis has no umask option of its
-# own: its AOF and RDB take the mode of the process that writes them): no group or other
-# bits on anything made in the run directory, which holds every document (the AOF), the
-# shards' snapshots, the trained indexes, the logs and the auth and TLS secrets.
-PRIVATE_UMASK = 0o077
-
-
-def make_private(root: Path) -> None:
-    """``root`` and everything under it for its owner only: directories 0700, files their
-    owner bits alone (0600, or 0700 for an executable). A run directory made by an older
-    ``up`` (0755 directories, 0644 files) is tightened on the next start."""
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for path in (root, *root.rglob("*")):
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue  # removed meanwhile (a pruned snapshot of a previous run)
-        if stat.S_ISLNK(st.st_mode):
-            continue  # a link's own mode means nothing; its target is walked if inside
-        private = 0o700 if stat.S_ISDIR(st.st_mode) else st.st_mode & 0o700
-        if stat.S_IMODE(st.st_mode) != private:
-            path.chmod(private)
 
 
 def corpus_fingerprint(path: Path) -> str:
