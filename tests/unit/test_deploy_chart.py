@@ -449,6 +449,22 @@ def test_every_pod_is_covered_by_a_network_policy(chart: Any) -> None:
 # --- Redis ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("case", ["default", "full"])
+def test_redis_writes_its_files_for_its_user_only(chart: Any, case: str) -> None:
+    """Issue #33 point 3: Redis has no umask option; its container sets 077 before it
+    execs redis-server, so the AOF and RDB on the PVC are 0600; the password (when there
+    is one) still comes from the Secret's environment variable."""
+    docs = render(chart, CASES[case])
+    pod = the(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]
+    redis = next(c for c in pod["containers"] if c["name"] == "redis")
+    assert redis["command"] == ["sh", "-c"]
+    (script,) = redis["args"]
+    assert script.startswith("umask 077 && exec redis-server /etc/redis/redis.conf"), script
+    if "--requirepass" in script:
+        assert script.endswith('--requirepass "$REDISCLI_AUTH"'), script
+        assert any(e["name"] == "REDISCLI_AUTH" for e in redis["env"])
+
+
 def test_redis_is_durable(chart: Any) -> None:
     docs = render(chart, None)
     conf = configmap_data(docs, "redis")["redis.conf"].splitlines()
