@@ -88,4 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from services.stack.children import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # SIGTERM (a `timeout`) stops the Redis servers too
+        sys.exit(main())

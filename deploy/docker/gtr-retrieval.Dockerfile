@@ -49,7 +49,7 @@ LABEL org.opencontainers.image.title="gtr-retrieval" \
 # The chart's podSecurityContext runs every pod as 10001:10001.
 RUN groupadd --gid 10001 gtr \
     && useradd --no-log-init --uid 10001 --gid gtr --home-dir /var/lib/gtr --shell /usr/sbin/nologin gtr \
-    && install -d -o gtr -g gtr /var/lib/gtr
+    && install -d -m 0700 -o gtr -g gtr /var/lib/gtr
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /usr/local/lib/gtr/healthcheck.py
 ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

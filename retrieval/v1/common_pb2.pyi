@@ -181,7 +181,9 @@ class Filter(_message.Message):
 
     MUST_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def must(self) -> _containers.RepeatedCompositeFieldContainer[Global___FieldCondition]: ...
+    def must(self) -> _containers.RepeatedCompositeFieldContainer[Global___FieldCondition]:
+        """At most 16 conditions (max_filter_conditions)."""
+
     def __init__(
         self,
         *,
@@ -202,10 +204,10 @@ class FieldCondition(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     ANY_OF_FIELD_NUMBER: _builtins.int
     key: _builtins.str
-    """Metadata key; non-empty, at most 128 bytes."""
+    """Metadata key; non-empty, at most 128 bytes (max_key_bytes)."""
     @_builtins.property
     def any_of(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Accepted values; 1..1024 of them."""
+        """Accepted values; 1..1024 of them (max_filter_values)."""
 
     def __init__(
         self,

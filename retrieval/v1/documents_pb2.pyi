@@ -52,19 +52,22 @@ class Document(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """Caller-chosen id: 1..256 bytes of UTF-8, no control characters (C0, DEL, C1 such
+    """Caller-chosen id: 1..256 bytes of UTF-8 (max_id_bytes), no control characters (C0, DEL, C1 such
     as U+0085, U+2028/U+2029), not blank, no leading or trailing whitespace. Unique.
     """
     title: _builtins.str
     """Optional title; encoded together with the text as "title text"."""
     text: _builtins.str
-    """The text to index; non-empty, at most 1 MiB with the title. Longer than the
+    """The text to index; non-empty, at most 1 MiB with the title (max_text_bytes). Longer than the
     model's document max length is truncated for the embedding (only what the model
     reads is sent to the encoder; the full text is still stored).
     """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Optional metadata, usable in search filters. At most 32 keys."""
+        """Optional metadata, usable in search filters. At most 32 keys (max_metadata_keys),
+        each 1..128 bytes (max_key_bytes), each value at most 1024 bytes
+        (max_metadata_value_bytes).
+        """
 
     def __init__(
         self,
@@ -89,7 +92,7 @@ class UpsertRequest(_message.Message):
     DOCUMENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def documents(self) -> _containers.RepeatedCompositeFieldContainer[Global___Document]:
-        """1..256 documents with distinct ids."""
+        """1..256 documents with distinct ids (max_upsert_documents)."""
 
     def __init__(
         self,
@@ -140,7 +143,7 @@ class DeleteRequest(_message.Message):
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """1..1024 distinct ids."""
+        """1..1024 distinct ids (max_delete_ids)."""
 
     def __init__(
         self,
@@ -190,6 +193,7 @@ class GetRequest(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     id: _builtins.str
+    """A document id as in Document.id: 1..256 bytes (max_id_bytes)."""
     def __init__(
         self,
         *,

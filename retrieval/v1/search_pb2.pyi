@@ -82,18 +82,23 @@ class SearchRequest(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     FUSION_FIELD_NUMBER: _builtins.int
     query: _builtins.str
-    """The query text: non-empty after trimming, valid UTF-8, at most 8192 bytes.
+    """The query text: non-empty after trimming, valid UTF-8, at most 8192 bytes
+    (max_query_bytes). A sparse or hybrid search (the default mode included) takes at
+    most 256 distinct words (max_query_terms): runs of letters and digits, lowercased,
+    words of 40 bytes or more not counted; more is INVALID_ARGUMENT before any work.
     Longer than the model's query max length is truncated (said in the response).
     """
     k: _builtins.int
-    """Number of hits wanted: 1..1000."""
+    """Number of hits wanted: 1..1000 (max_k)."""
     consistency: _common_pb2.Consistency.ValueType
     require_complete: _builtins.bool
     """When true, a shard that does not answer in time fails the request with
     UNAVAILABLE / DEADLINE_EXCEEDED instead of giving a partial result.
     """
     nprobe: _builtins.int
-    """IVF lists to probe per shard: 0 = the server default; at most the index's nlist."""
+    """IVF lists to probe per shard: 0 = the server default; at most 65536 (max_nprobe),
+    and no more than the index's nlist are probed.
+    """
     ids_only: _builtins.bool
     """When true, hits carry only id and scores (no title, text or metadata)."""
     mode: Global___RetrievalMode.ValueType
@@ -186,7 +191,7 @@ class RerankOptions(_message.Message):
     enabled: _builtins.bool
     depth: _builtins.int
     """How many first-stage candidates to rerank: 0 = the largest depth that fits the
-    remaining deadline; otherwise k..1000.
+    remaining deadline; otherwise k..1000 (max_rerank_depth).
     """
     def __init__(
         self,
@@ -404,7 +409,8 @@ class BatchSearchRequest(_message.Message):
     REQUESTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___SearchRequest]:
-        """1..64 requests whose k sum to at most 10000 (INVALID_ARGUMENT otherwise).
+        """1..64 requests (max_batch_queries) whose k sum to at most 10000 (max_batch_hits;
+        INVALID_ARGUMENT otherwise).
 
         Answer size: a hit carries its document (title, text up to 1 MiB, metadata) unless
         ids_only is set, so an answer (a Search at k=1000 too) can be larger than the 4 MB

@@ -59,7 +59,7 @@ class SearchServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BatchSearch(self, request, context):
-        """Several searches in one call (1..64); queries are encoded and searched as one
+        """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
         batch. Each response corresponds to the request at the same index.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -37,7 +37,7 @@ class SearchServiceStub:
     `missing_shards` (partial = true) unless `require_complete` is set.
     """
     BatchSearch: _grpc.UnaryUnaryMultiCallable[_search_pb2.BatchSearchRequest, _search_pb2.BatchSearchResponse]
-    """Several searches in one call (1..64); queries are encoded and searched as one
+    """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
     batch. Each response corresponds to the request at the same index.
     """
 
@@ -50,7 +50,7 @@ class SearchServiceAsyncStub(SearchServiceStub):
     `missing_shards` (partial = true) unless `require_complete` is set.
     """
     BatchSearch: _aio.UnaryUnaryMultiCallable[_search_pb2.BatchSearchRequest, _search_pb2.BatchSearchResponse]  # type: ignore[assignment]
-    """Several searches in one call (1..64); queries are encoded and searched as one
+    """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
     batch. Each response corresponds to the request at the same index.
     """
 
@@ -72,7 +72,7 @@ class SearchServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _search_pb2.BatchSearchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_search_pb2.BatchSearchResponse, _abc.Awaitable[_search_pb2.BatchSearchResponse]]:
-        """Several searches in one call (1..64); queries are encoded and searched as one
+        """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
         batch. Each response corresponds to the request at the same index.
         """
 

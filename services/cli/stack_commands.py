@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.cli.common import config_from_args
+
+if TYPE_CHECKING:
+    from services.stack.config import StackConfig
 
 
 def add_cli(sub: Any) -> None:
@@ -118,18 +121,24 @@ def add_cli(sub: Any) -> None:
         help="With --query-cache: most cached query embeddings, least recently used "
         "evicted past it (default: the gateway's, 50000).",
     )
+    up.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="Admission limit of the gateway and of each shard replica: requests in flight "
+        "at most (a search counts one per 25 hits), one more is refused at once with "
+        "RESOURCE_EXHAUSTED and a retry-after-ms hint. Default: 16 per CPU this process "
+        "may use (32 on 2 cores; docs/performance.md 'Sizing --max-in-flight'); 0 = no limit.",
+    )
     up.add_argument("--fresh", action="store_true", help="Delete --run-dir first.")
     up.add_argument("--log-level", default=os.environ.get("GTR_LOG_LEVEL", "WARNING"))
     up.set_defaults(handler=_up)
 
 
-def _up(args: argparse.Namespace) -> int:
-    import shutil
-
-    from services.process.logs import configure_logging
+def stack_config(args: argparse.Namespace) -> StackConfig:
+    """``up``'s flags as the stack's config (refusing combinations that make no sense)."""
     from services.stack.children import RestartPolicy
-    from services.stack.config import StackConfig
-    from services.stack.launcher import run_stack
+    from services.stack.config import StackConfig, default_max_in_flight
 
     if not args.query_cache and (
         args.query_cache_ttl_s is not None or args.query_cache_max_entries is not None
@@ -138,10 +147,9 @@ def _up(args: argparse.Namespace) -> int:
             "error: --query-cache-ttl-s and --query-cache-max-entries shape the query cache; "
             "add --query-cache to turn it on"
         )
-    configure_logging("text", args.log_level.upper(), service="up")
-    if args.fresh and args.run_dir.exists():
-        shutil.rmtree(args.run_dir)
-    config = config_from_args(
+    if args.max_in_flight is not None and args.max_in_flight < 0:
+        raise SystemExit("error: --max-in-flight is a count of requests (0 = no limit)")
+    return config_from_args(
         StackConfig,
         args,
         rerank=not args.no_rerank,
@@ -149,5 +157,20 @@ def _up(args: argparse.Namespace) -> int:
         gateway_port=args.port,
         serve=not args.no_serve,
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
+        max_in_flight=(
+            default_max_in_flight() if args.max_in_flight is None else args.max_in_flight
+        ),
     )
+
+
+def _up(args: argparse.Namespace) -> int:
+    import shutil
+
+    from services.process.logs import configure_logging
+    from services.stack.launcher import run_stack
+
+    config = stack_config(args)
+    configure_logging("text", args.log_level.upper(), service="up")
+    if args.fresh and args.run_dir.exists():
+        shutil.rmtree(args.run_dir)
     return run_stack(config)

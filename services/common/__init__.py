@@ -21,4 +21,7 @@ No I/O and no grpc here (RPC plumbing is :mod:`services.rpc`, a process's host p
     the latency SLO table per encoder size.
 ``encoder_spec``
     which encoder made a generation's vectors.
+``terms``
+    the distinct terms of a sparse query as the shards' text analyser counts them (so
+    the gateway checks ``max_query_terms`` before encoding, without tantivy).
 """

@@ -336,6 +336,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         RpcMetrics.create(registry, "gateway"),
         admission,
         interceptors=[AuthInterceptor(authenticator)] if authenticator else [],
+        public=True,  # clients are told which shard failed, not where it runs
     )
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
     closers: list[object] = [encoder, store, source, reranker, query_cache, redis_health]

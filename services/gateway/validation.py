@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from services.common.errors import InvalidArgument
 from services.common.fusion import Mode, RetrievalDefaults
 from services.common.limits import Limits
+from services.common.terms import check_query_terms
 from services.gateway.domain import Consistency, Document, FieldCondition, SearchQuery
 
 # Unicode categories refused in ids: Cc (C0, DEL, C1), line and paragraph separators.
@@ -85,7 +86,10 @@ def check_query(
         raise InvalidArgument(
             f"{where}fusion.candidates: {query.candidates} must be 0 (auto) or in k..{limits.max_k}"
         )
-    _check_fusion_mode(query, query.mode or default_mode, where)
+    mode = query.mode or default_mode
+    _check_fusion_mode(query, mode, where)
+    if mode is not Mode.DENSE:  # a shard counts the same words again (services.common.terms)
+        check_query_terms(text, limits, where)
 
 
 def _check_fusion_mode(query: SearchQuery, mode: Mode, where: str) -> None:

@@ -33,7 +33,7 @@ from services.common import errors
 from services.rpc.interceptors import HandlerInterceptor
 from services.rpc.metrics import RpcMetrics, serve_metrics
 from services.rpc.settings import ServiceSettings
-from services.rpc.status import status_of, trailing_metadata
+from services.rpc.status import public_message, status_of, trailing_metadata
 from services.rpc.wire import WireTypeError, check_wire_types
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,13 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
     unary calls under the in-flight limit (streams are not counted: a long-lived stream
     is a channel, not a request)."""
 
-    def __init__(self, metrics: RpcMetrics | None, admission: Admission | None = None) -> None:
+    def __init__(
+        self, metrics: RpcMetrics | None, admission: Admission | None = None, public: bool = False
+    ) -> None:
         self._metrics = metrics
         self._admission = admission or Admission()
+        # the public gateway: an error's text loses its internal addresses (logged whole)
+        self._public = public
 
     def wrap(
         self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
@@ -266,7 +270,10 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
             raise
         except errors.RetrievalError as exc:
             code = status_of(exc)
-            await context.abort(code, exc.message, trailing_metadata=trailing_metadata(exc))
+            message = public_message(exc.message) if self._public else exc.message
+            if message != exc.message:
+                log.warning("%s %s: %s", details.method, code.name, exc.message)
+            await context.abort(code, message, trailing_metadata=trailing_metadata(exc))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -364,6 +371,7 @@ async def create_server(
     metrics: RpcMetrics | None = None,
     admission: Admission | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    public: bool = False,
 ) -> tuple[Server, int]:
     """Build, bind and start a server; ``register`` adds servicers and returns their names.
 
@@ -371,14 +379,16 @@ async def create_server(
     the in-flight limit, when the service reads its pressure (the gateway); by default
     one from ``settings.max_in_flight``. ``interceptors`` run inside the error mapping
     (the gateway's :class:`services.rpc.auth.AuthInterceptor`): a domain error they
-    raise gets its status code. The port speaks TLS (mTLS with a client CA) when the
+    raise gets its status code. ``public`` (the gateway): error texts sent to clients
+    name no internal address (:func:`services.rpc.status.public_message`; the whole
+    text is logged). The port speaks TLS (mTLS with a client CA) when the
     settings name a certificate (:mod:`services.rpc.tls`), plaintext otherwise.
     """
     max_bytes = settings.max_message_mb * 1024 * 1024
     if admission is None:
         admission = Admission(settings.max_in_flight, settings.retry_after_ms)
     server = grpc.aio.server(
-        interceptors=[ErrorAndLatencyInterceptor(metrics, admission), *interceptors],
+        interceptors=[ErrorAndLatencyInterceptor(metrics, admission, public), *interceptors],
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from services.common import errors
@@ -44,6 +46,32 @@ def trailing_metadata(exc: errors.RetrievalError) -> tuple[tuple[str, str], ...]
     if hint is None:
         return ()
     return ((RETRY_AFTER_KEY, str(hint)), (PUSHBACK_KEY, str(hint)))
+
+
+# An internal address in an error's text: ``host:port`` (a name with a letter in it,
+# dotted IPv4 or bracketed IPv6), with its scheme (``redis://``, ``dns:///``, gRPC's
+# ``ipv4:``), credentials and path if any. A shard's, Triton's, Redis's or the reranker's.
+_ADDRESS = re.compile(
+    r"(?:\b[a-z][a-z0-9+.-]*:/{2,3}|\bipv[46]:)?"  # scheme
+    r"(?:[^\s/@]+@)?"  # user:password@
+    r"(?:\[[0-9A-Fa-f:.]+\]"  # [IPv6]
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}"  # IPv4
+    r"|\b(?=[A-Za-z0-9.-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"  # a name
+    r":\d{1,5}\b(?:/[^\s,;)]*)?"  # :port and a path
+)
+# ... and the forms Python's socket errors use: ``('127.0.0.1', 6379)``, a bare IPv4
+_SOCKET_ADDRESS = re.compile(
+    r"\(\s*['\"][^'\"]*['\"]\s*,\s*\d{1,5}(?:\s*,\s*\d+)*\s*\)|\b\d{1,3}(?:\.\d{1,3}){3}\b"
+)
+INTERNAL_ADDRESS = "<internal>"
+
+
+def public_message(message: str) -> str:
+    """``message`` as a client of the public gateway may read it: every internal address
+    replaced by ``<internal>`` (an inner hop's error names the replica, server or store it
+    came from; which shard stays, ``shard 1 replica <internal>: ...``). The gateway logs
+    the whole text (:class:`services.rpc.server.ErrorAndLatencyInterceptor`)."""
+    return _SOCKET_ADDRESS.sub(INTERNAL_ADDRESS, _ADDRESS.sub(INTERNAL_ADDRESS, message))
 
 
 def status_of(exc: errors.RetrievalError) -> grpc.StatusCode:

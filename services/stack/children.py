@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -431,3 +431,24 @@ class Supervisor:
                 self._on_change()
             except Exception:  # a report must not end supervision
                 log.exception("on_change failed")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within: SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does, so the
+    ``finally`` that stops the children runs. SIGTERM's default action ends a Python
+    process at once, and children in sessions of their own (ours, :meth:`Child.start`)
+    outlive it: a bench under ``timeout`` left its whole stack running (issue #33).
+    Outside the main thread (where no handler can be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -284,6 +284,8 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         str(metrics_port),
         *redis_args(cfg),
         *(["--shards", shards] if shards else []),
+        "--max-in-flight",
+        str(cfg.max_in_flight),
     ]
     if cfg.encoder == "triton":
         argv += ["--encoder", "triton", "--triton-url", endpoints.triton_grpc]
@@ -389,6 +391,8 @@ def shard_child(
         # every replica of every shard shares this machine's cores: search inline
         "--search-threads",
         "0",
+        "--max-in-flight",
+        str(cfg.max_in_flight),
         *(["--peers", ",".join(peers)] if peers else []),
         *peer_tls_args(cfg),
         *server_tls_args(cfg),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -20,6 +22,50 @@ STDLIB_EXAMPLES = (
     "compute a sha256 hash of bytes",
 )
 EXAMPLES_FROM_QUERIES = 3
+
+# Admission units (``--max-in-flight``) per core of the machine ``up`` runs on.
+IN_FLIGHT_PER_CORE = 16
+
+
+def default_max_in_flight() -> int:
+    """``up``'s admission limit for the gateway and the shards: :data:`IN_FLIGHT_PER_CORE`
+    (16) units per CPU this process may run on (``os.sched_getaffinity``).
+
+    Why 16 per core (docs/performance.md, "Load" and "Overload"): a search costs ~7.6 ms
+    of CPU over every process of the stack (Triton 5.0, gateway 1.5, shards 0.4 each,
+    Redis 0.07) and takes ~15 ms at p50 on an idle stack, so about two searches in flight
+    keep one core busy; closed-loop callers reach the stack's throughput ceiling (203-232
+    searches/s on 2 cores) at 16 in flight, i.e. 8 per core, and more in flight only
+    queue. Twice that, 16 per core, leaves room for the waits that cost no CPU (a session
+    search waiting for the log, Redis round trips) while still refusing a burst early:
+    on 2 cores it gives 32, the limit with which ``bench.overload`` measured 1,000
+    concurrent k=1000 searches refused RESOURCE_EXHAUSTED with ``retry-after-ms`` in time
+    (0 DEADLINE_EXCEEDED), where without a limit such bursts end DEADLINE_EXCEEDED."""
+    return IN_FLIGHT_PER_CORE * max(1, len(os.sched_getaffinity(0)))
+
+
+# The umask of ``up`` and so of every child it starts (Redis has no umask option of its
+# own: its AOF and RDB take the mode of the process that writes them): no group or other
+# bits on anything made in the run directory, which holds every document (the AOF), the
+# shards' snapshots, the trained indexes, the logs and the auth and TLS secrets.
+PRIVATE_UMASK = 0o077
+
+
+def make_private(root: Path) -> None:
+    """``root`` and everything under it for its owner only: directories 0700, files their
+    owner bits alone (0600, or 0700 for an executable). A run directory made by an older
+    ``up`` (0755 directories, 0644 files) is tightened on the next start."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for path in (root, *root.rglob("*")):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue  # removed meanwhile (a pruned snapshot of a previous run)
+        if stat.S_ISLNK(st.st_mode):
+            continue  # a link's own mode means nothing; its target is walked if inside
+        private = 0o700 if stat.S_ISDIR(st.st_mode) else st.st_mode & 0o700
+        if stat.S_IMODE(st.st_mode) != private:
+            path.chmod(private)
 
 
 @dataclass(frozen=True)
@@ -53,6 +99,9 @@ class StackConfig:
     query_cache: bool = False
     query_cache_ttl_s: float | None = None
     query_cache_max_entries: int | None = None
+    # admission limit of the gateway and of every shard replica (0 = none): units of
+    # ``--max-in-flight`` (a search one per 25 hits), by default derived from the cores
+    max_in_flight: int = field(default_factory=default_max_in_flight)
 
     @property
     def auth_dir(self) -> Path:

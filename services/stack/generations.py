@@ -51,7 +51,7 @@ from services.process import cpus as cpu_sets
 from services.stack import components
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
-from services.stack.config import StackConfig
+from services.stack.config import StackConfig, make_private
 
 if TYPE_CHECKING:
     from services.rpc.tls import ClientTLS
@@ -285,6 +285,12 @@ class GenerationShards:
             gen.num_shards,
             Path(gen.index_dir) if gen.name != FIRST_GENERATION else None,
         )
+        if group.index_dir is not None and group.index_dir.resolve().is_relative_to(
+            cfg.run_dir.resolve()
+        ):
+            # trained by `index rollout` under its user's umask: the owner's only, as all
+            # of the run directory (services.stack.config.make_private)
+            make_private(group.index_dir)
         children: list[list[Child]] = []
         budget = self._budget() if gen.name == self._budgeted_target() else None
         known = self._ports.get(gen.name, [])

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -33,7 +34,7 @@ from services.process.redis_client import parse_redis_url
 from services.rpc.tls import ClientTLS
 from services.stack import components, first_run, prometheus_component, triton_component
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
-from services.stack.config import StackConfig, example_queries
+from services.stack.config import PRIVATE_UMASK, StackConfig, example_queries, make_private
 from services.stack.endpoints import Endpoints
 from services.stack.generations import GenerationShards
 
@@ -78,7 +79,8 @@ class Stack:
 
     def run(self) -> int:
         cfg = self.config
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        umask = os.umask(PRIVATE_UMASK)  # inherited by every child (Redis's AOF included)
+        make_private(cfg.run_dir)
         previous = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
@@ -119,6 +121,7 @@ class Stack:
                 (cfg.run_dir / "stack.json").unlink(missing_ok=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            os.umask(umask)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._stop.is_set():

@@ -526,3 +526,61 @@ def test_a_search_sent_while_redis_restarts_waits_for_it(stack: Stack) -> None:
         finally:
             stack.redis.start()
         assert len(future.result().hits) == 5
+
+
+# --- issue #33 point 5: what a client reads of an inner hop's failure ------------------
+
+
+def _details_of(call) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details() or ""
+
+
+def _no_internal_address(details: str, stack: Stack) -> None:
+    internal = [a for r in stack.cluster.addresses for a in r]
+    internal += [stack.redis.url.split("//")[-1].split("/")[0]]
+    for address in internal:
+        assert address not in details, (address, details)
+    assert "127.0.0.1" not in details and "localhost" not in details, details
+
+
+def test_no_error_a_client_reads_names_an_internal_address(stack: Stack) -> None:
+    """A shard killed (both replicas of shard 1) and Redis killed: the search, upsert,
+    get and delete errors say what failed (which shard) but name no host:port of a shard
+    or of Redis; before, "shard 1 replica 127.0.0.1:<port>: ..." and Redis's address
+    reached the client."""
+    seen: list[tuple[grpc.StatusCode, str]] = []
+    down = [stack.cluster.replica(1, 0), stack.cluster.replica(1, 1)]
+    for proc in down:
+        proc.kill()
+    try:
+        complete = search_pb2.SearchRequest(query="cancer cells", k=5, require_complete=True)
+        code, details = _details_of(lambda: _search(stack.gateway, complete, timeout=10))
+        assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert "shard 1" in details, details  # which shard, still said
+        seen.append((code, details))
+    finally:
+        for proc in down:
+            proc.launch()
+    stack.redis.kill()
+    try:
+        with grpc.insecure_channel(stack.gateway) as channel:
+            docs = documents_pb2_grpc.DocumentServiceStub(channel)
+            strong = search_pb2.SearchRequest(
+                query="heart disease", k=3, consistency=common_pb2.CONSISTENCY_STRONG
+            )
+            new = documents_pb2.Document(id="leak-1", text="a document")
+            for call in (
+                lambda: _search(stack.gateway, strong, timeout=10),
+                lambda: docs.Upsert(documents_pb2.UpsertRequest(documents=[new]), timeout=10),
+                lambda: docs.Get(documents_pb2.GetRequest(id="doc-7"), timeout=10),
+                lambda: docs.Delete(documents_pb2.DeleteRequest(ids=["doc-9999"]), timeout=10),
+            ):
+                seen.append(_details_of(call))
+    finally:
+        stack.redis.start()
+    assert len(seen) == 5
+    for code, details in seen:
+        assert code is not grpc.StatusCode.OK
+        _no_internal_address(details, stack)

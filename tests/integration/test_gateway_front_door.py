@@ -40,6 +40,7 @@ from services.gateway.settings import GatewaySettings
 from services.index.server.process import RunningShard, start_shard
 from services.rerank.serve.server import Reranker, start_rerank
 from services.rerank.serve.settings import RerankSettings
+from services.stack.config import default_max_in_flight
 from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import await_until, free_port, start_redis, stop_process
 from tests.support.rerank import WORDS, tiny_checkpoint
@@ -201,6 +202,33 @@ def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint
 
             reply = await front.search.Search(search_pb2.SearchRequest(query="x", k=1), timeout=30)
             assert len(reply.hits) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_over_the_default_limit_of_up_is_refused_with_a_retry_hint(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """Issue #33 point 4: the gateway as ``up`` starts it by default (its limit derived
+    from the CPUs, 16 per core) is full once that many small searches are in flight; a
+    burst beyond it is answered RESOURCE_EXHAUSTED with ``retry-after-ms``, every call,
+    at once (before, ``up`` passed no limit and a burst queued until its deadline)."""
+    limit = default_max_in_flight()
+
+    async def scenario() -> None:
+        async with front_door(redis_url, index_dir, tmp_path, max_in_flight=limit) as front:
+            async with held(front, limit):
+                burst = [
+                    front.search.Search(search_pb2.SearchRequest(query=f"b{i}", k=1), timeout=10)
+                    for i in range(16)
+                ]
+                answers = await asyncio.gather(*burst, return_exceptions=True)
+                for answer in answers:
+                    assert isinstance(answer, grpc.aio.AioRpcError), answer
+                    assert answer.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    trailing = dict(answer.trailing_metadata() or ())
+                    assert trailing.get("retry-after-ms") == "100", trailing
+                assert front.in_flight == limit
 
     asyncio.run(scenario())
 
@@ -407,3 +435,40 @@ def test_a_gateway_whose_redis_is_killed_is_not_serving_until_redis_is_back(
         asyncio.run(scenario())
     finally:
         stop_process(process)
+
+
+def _encodes(front: Front) -> float:
+    return sum(
+        sample.value
+        for metric in front.gateway.registry.collect()
+        if metric.name == "gtr_encode_calls"
+        for sample in metric.samples
+        if sample.name == "gtr_encode_calls_total"
+    )
+
+
+def test_a_query_over_the_term_limit_is_refused_before_it_is_encoded(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """Issue #33 point 5: a 2.4 KB hybrid query of 300 distinct words (the limit is 256)
+    is INVALID_ARGUMENT from the gateway itself, the encoder not called; before, the
+    gateway encoded it and a shard refused it ("shard 0 replica <address>: ...")."""
+    words = " ".join(f"term{i:03d}" for i in range(300))
+
+    async def scenario() -> None:
+        async with front_door(redis_url, index_dir, tmp_path) as front:
+            before = _encodes(front)
+            for mode in (search_pb2.RETRIEVAL_MODE_HYBRID, search_pb2.RETRIEVAL_MODE_UNSPECIFIED):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await front.search.Search(
+                        search_pb2.SearchRequest(query=words, k=5, mode=mode), timeout=30
+                    )
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "query: 300 distinct terms" in (refused.value.details() or "")
+                assert "shard" not in (refused.value.details() or "")
+            assert _encodes(front) == before
+            dense = search_pb2.SearchRequest(query=words, k=5, mode=search_pb2.RETRIEVAL_MODE_DENSE)
+            assert len((await front.search.Search(dense, timeout=30)).hits) == 5
+            assert _encodes(front) == before + 1  # the counter does count encodes
+
+    asyncio.run(scenario())

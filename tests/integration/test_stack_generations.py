@@ -21,6 +21,7 @@ import functools
 import os
 import shutil
 import signal
+import stat
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -206,6 +207,11 @@ def test_a_trained_generation_gets_shards_that_serve_its_log_until_it_is_retired
     shards = parse_shard_addresses(running.addresses()[gen.name])
     assert len(shards) == 3 and all(grpc_healthy(a) for reps in shards for a in reps)
     wait_until(lambda: gen.name in listed(cfg), "stack.json lists it", 30)
+    # trained here under this process's umask (022), made the owner's only by `up` as it
+    # starts the generation's shards (issue #33 point 3)
+    for path in (Path(gen.index_dir), *Path(gen.index_dir).rglob("*")):
+        want = 0o700 if path.is_dir() else 0o600
+        assert stat.S_IMODE(path.stat().st_mode) == want, (path, oct(path.stat().st_mode))
 
     # its shards read its own logs (another layout: 3 shards over the base's 2)
     registry = running.registry()

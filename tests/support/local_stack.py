@@ -3,7 +3,8 @@ whole local stack (Redis, Triton, the shards of every generation, the gateway), 
 CLI commands a user runs against it (``index rollout --run-dir ...``).
 
 The stack is a child process in a session of its own; :func:`local_stack` stops it
-(SIGTERM to its process group, SIGKILL if it does not stop) however the caller ends.
+(SIGTERM to its process group, SIGKILL if it does not stop) however the caller ends,
+a SIGTERM to the caller included (it is turned into KeyboardInterrupt meanwhile).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from services.stack.children import sigterm_as_interrupt
 from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,28 +172,30 @@ def local_stack(
         *extra,
     ]
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [*CLI, *args],
-            cwd=ROOT,
-            env=cli_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    stack = LocalStack(proc, run_dir, log)
-    try:
-        stack.until(
-            lambda: "[up] serving" in log.read_text(errors="replace"), "up serving", timeout
-        )
-        yield stack
-    finally:
-        _stop(proc)
-        if keep_logs is not None:
-            import shutil
+    # SIGTERM to the caller (a bench under `timeout`) stops the stack as Ctrl-C does
+    with sigterm_as_interrupt():
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                [*CLI, *args],
+                cwd=ROOT,
+                env=cli_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        stack = LocalStack(proc, run_dir, log)
+        try:
+            stack.until(
+                lambda: "[up] serving" in log.read_text(errors="replace"), "up serving", timeout
+            )
+            yield stack
+        finally:
+            _stop(proc)
+            if keep_logs is not None:
+                import shutil
 
-            shutil.copytree(run_dir / "logs", keep_logs / "logs", dirs_exist_ok=True)
-            shutil.copy2(log, keep_logs / log.name)
+                shutil.copytree(run_dir / "logs", keep_logs / "logs", dirs_exist_ok=True)
+                shutil.copy2(log, keep_logs / log.name)
 
 
 def small_corpus(source: Path, path: Path, docs: int, text_chars: int = 400) -> list[str]:

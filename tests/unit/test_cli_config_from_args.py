@@ -79,3 +79,34 @@ def test_up_passes_every_flag_into_the_stack_config() -> None:
     assert (cfg.rerank_checkpoint, cfg.gateway_port, cfg.redis_fsync) == (Path("ck"), 0, "everysec")
     assert (cfg.auth, cfg.tls, cfg.query_cache) == (True, True, True)
     assert (cfg.query_cache_ttl_s, cfg.query_cache_max_entries) == (3.0, 4)
+
+
+def test_up_defaults_to_an_admission_limit_derived_from_the_cpus_it_may_use() -> None:
+    """Issue #33 point 4: without --max-in-flight ``up``'s gateway and shards get 16
+    units per CPU of ``os.sched_getaffinity`` (never 0, no limit); ``--max-in-flight 0``
+    turns it off, a number sets it."""
+    import os
+
+    from services.cli.stack_commands import stack_config
+    from services.stack import components
+    from services.stack.config import IN_FLIGHT_PER_CORE
+    from services.stack.endpoints import Endpoints
+
+    parser = build_parser()
+    cpus = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(cpus)})
+        assert stack_config(parser.parse_args(["up"])).max_in_flight == IN_FLIGHT_PER_CORE
+    finally:
+        os.sched_setaffinity(0, cpus)
+    cfg = stack_config(parser.parse_args(["up"]))
+    assert cfg.max_in_flight == IN_FLIGHT_PER_CORE * len(cpus) > 0
+    gateway, _ = components.gateway_child(cfg, Endpoints())
+    shard = components.shard_child(cfg, 0, 0)
+    for child in (gateway, shard):
+        flag = child.argv.index("--max-in-flight")
+        assert child.argv[flag + 1] == str(cfg.max_in_flight), child.argv
+    assert stack_config(parser.parse_args(["up", "--max-in-flight", "0"])).max_in_flight == 0
+    assert stack_config(parser.parse_args(["up", "--max-in-flight", "7"])).max_in_flight == 7
+    with pytest.raises(SystemExit):
+        stack_config(parser.parse_args(["up", "--max-in-flight", "-1"]))

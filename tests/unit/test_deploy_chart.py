@@ -376,6 +376,33 @@ def test_pods_are_locked_down(chart: Any, case: str) -> None:
             assert ":" in image and tag != "latest", image
 
 
+@pytest.mark.parametrize("case", ["default", "cpu", "full"])
+def test_data_volumes_belong_to_the_pods_group_and_secrets_to_no_other_user(
+    chart: Any, case: str
+) -> None:
+    """Issue #33 point 3 in the chart: every pod sets ``fsGroup`` (its PVCs and emptyDirs,
+    where Redis's AOF, the shards' snapshots and the indexes live, are owned by the pod's
+    group, not left to the image's defaults), and every Secret volume (tokens, TLS keys)
+    is mounted without bits for other users. ConfigMap volumes keep Kubernetes' 0644:
+    they hold configuration and scripts, no data and no secret (Redis's password comes
+    from a Secret, never its ConfigMap)."""
+    docs = render(chart, CASES[case])
+    secrets = 0
+    for wl in workloads(docs):
+        name = wl["metadata"]["name"]
+        pod = wl["spec"]["template"]["spec"]
+        context = pod["securityContext"]
+        assert context["fsGroup"] == context["runAsGroup"], name
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                secrets += 1
+                mode = volume["secret"].get("defaultMode", 0o644)
+                assert mode & 0o007 == 0, (name, volume["name"], oct(mode))
+            if "configMap" in volume:
+                assert "password" not in str(volume).lower(), (name, volume)
+    assert secrets > 0  # the token Secret at least (every case renders with tokens)
+
+
 @pytest.mark.parametrize("case", ["default", "full"])
 def test_termination_grace_exceeds_the_drain(chart: Any, case: str) -> None:
     docs = render(chart, CASES[case])
@@ -420,6 +447,22 @@ def test_every_pod_is_covered_by_a_network_policy(chart: Any) -> None:
 
 
 # --- Redis ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["default", "full"])
+def test_redis_writes_its_files_for_its_user_only(chart: Any, case: str) -> None:
+    """Issue #33 point 3: Redis has no umask option; its container sets 077 before it
+    execs redis-server, so the AOF and RDB on the PVC are 0600; the password (when there
+    is one) still comes from the Secret's environment variable."""
+    docs = render(chart, CASES[case])
+    pod = the(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]
+    redis = next(c for c in pod["containers"] if c["name"] == "redis")
+    assert redis["command"] == ["sh", "-c"]
+    (script,) = redis["args"]
+    assert script.startswith("umask 077 && exec redis-server /etc/redis/redis.conf"), script
+    if "--requirepass" in script:
+        assert script.endswith('--requirepass "$REDISCLI_AUTH"'), script
+        assert any(e["name"] == "REDISCLI_AUTH" for e in redis["env"])
 
 
 def test_redis_is_durable(chart: Any) -> None:

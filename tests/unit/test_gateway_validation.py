@@ -187,3 +187,24 @@ def test_fusion_parameters_need_a_hybrid_mode_as_resolved() -> None:
     validation.check_query(rrf, LIMITS, 1, default_mode=Mode.HYBRID)
     validation.check_query(_q(mode=Mode.HYBRID, candidates=20), LIMITS, 1, default_mode=Mode.DENSE)
     validation.check_query(_q(), LIMITS, 1, default_mode=Mode.SPARSE)
+
+
+def test_every_public_limit_is_named_in_the_protos() -> None:
+    """Issue #33 point 5: each limit of services/common/limits.py that applies to a public
+    request is written, by name and value, in the .proto comments a client reads."""
+    import dataclasses
+    from pathlib import Path
+
+    protos = Path(__file__).resolve().parents[2] / "protos" / "retrieval" / "v1"
+    text = " ".join(
+        (protos / name).read_text() for name in ("search.proto", "documents.proto", "common.proto")
+    )
+    internal = {"max_shard_queries": "query vectors per gateway-to-shard call, not a request's"}
+    for field in dataclasses.fields(Limits):
+        if field.name in internal:
+            continue
+        assert (
+            f"({field.name}" in text
+            or f" {field.name})" in text
+            or (f"{field.name};" in text or f"{field.name}," in text)
+        ), field.name

@@ -317,3 +317,15 @@ def test_the_healthcheck_reads_flags_before_the_environment() -> None:
     )
     assert probe == healthcheck.Probe(7001)  # the gateway's health port is not the rerank's
     assert healthcheck.probe_of([], {}) == healthcheck.Probe(50051)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in DOCKERFILES if p.name.startswith("gtr-retrieval")], ids=lambda p: p.name
+)
+def test_the_service_images_home_holds_data_for_its_user_only(path: Path) -> None:
+    """Issue #33 point 3: /var/lib/gtr (the working directory, where a container without
+    volumes writes snapshots, indexes and logs) is made 0700, not install's 0755."""
+    final = stages(path)[-1]
+    runs = " ".join(i["value"] for i in final if i["instruction"] == "RUN")
+    made = [part for part in runs.split("&&") if "install -d" in part and "/var/lib/gtr" in part]
+    assert made and all("-m 0700" in part for part in made), made

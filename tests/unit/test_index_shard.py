@@ -203,3 +203,27 @@ def test_snapshot_round_trip_and_corrupt_snapshot_falls_back(
         write_snapshot(shard, tmp_path / "keep", keep=2)
         shard.apply([Upsert(f"k{i}", vectors[i])], f"{10 + i}-0")
     assert len(list_snapshots(tmp_path / "keep")) == 2
+
+
+def test_a_snapshot_is_readable_by_its_owner_only(
+    trained: TrainedIndex, vectors: np.ndarray, tmp_path: Path
+) -> None:
+    """Issue #33 point 3: a snapshot holds every vector and text of its shard; under a
+    umask of 022 (the usual one) it was written 0644 in a 0755 folder, readable by any
+    local user. Now its folder is 0700 and its files 0600 whatever the umask."""
+    import os
+    import stat
+
+    shard = IvfPqShard(trained)
+    shard.apply([Upsert(str(i), vectors[i]) for i in range(50)], "3-0")
+    old = os.umask(0o022)
+    try:
+        snap = write_snapshot(shard, tmp_path / "snapshots" / "shard-0", keep=2)
+    finally:
+        os.umask(old)
+    folder = snap.path.parent
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = sorted(folder.iterdir())
+    assert {p.suffix for p in files} == {".npz", ".json"}, files
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

@@ -60,8 +60,12 @@ def fsync_dir(directory: Path) -> None:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, mode 0600 (a snapshot holds every vector and text of the
+    shard): a temp file written, fsynced and renamed over ``path``."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover .tmp of a crashed write kept its old mode
+    with os.fdopen(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -69,7 +73,8 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 
 def write_snapshot(shard: IvfPqShard, directory: Path, keep: int = 3) -> Snapshot:
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)  # the owner's only, whoever made it and however
     state = export_state(shard)
     position = json.loads(bytes(state["meta"]))["applied"]
     buffer = io.BytesIO()

@@ -7,8 +7,9 @@ and stemmer: the simple tokenizer, tokens over 40 bytes dropped, lowercase, Snow
 stemmer of the configured language (``english`` = Tantivy's ``en_stem``; ``none``
 stems nothing). Only term frequencies are indexed (no positions: BM25 needs none).
 
-A query is analysed by the same analyzer, its distinct terms (at most
-:data:`MAX_QUERY_TERMS`) become a disjunction of term queries scored by Tantivy's BM25
+A query is analysed by the same analyzer (at most :data:`MAX_QUERY_TERMS` distinct
+words before stemming, as the gateway counts them: :mod:`services.common.terms`), its
+distinct terms become a disjunction of term queries scored by Tantivy's BM25
 (k1 1.2, b 0.75). Not Tantivy's query parser: a user's ``:``, ``(`` or ``-`` would be
 syntax there. Measured on SciFact train (809 queries, 5,183 documents): one ``body``
 field with distinct terms nDCG@10 0.702 / Recall@100 0.926; the same with repeated
@@ -43,13 +44,14 @@ from pathlib import Path
 import numpy as np
 import tantivy
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition
 from services.common.limits import LIMITS
+from services.common.terms import MAX_TOKEN_BYTES, check_query_terms
 
 log = logging.getLogger(__name__)
 
 MAX_QUERY_TERMS = LIMITS.max_query_terms
-MAX_TOKEN_BYTES = 40  # Tantivy's en_stem drops longer tokens (RemoveLongFilter(40))
+# MAX_TOKEN_BYTES (services.common.terms): Tantivy's en_stem drops longer tokens
 WRITER_HEAP_BYTES = 32_000_000  # Tantivy's floor is 15 MB per indexing thread
 META = "meta.json"
 OWN_META = "gtr-text.json"  # ours, beside Tantivy's files: how the text was analysed
@@ -207,14 +209,11 @@ class TextIndex:
 
     def terms(self, query: str) -> list[str]:
         """The distinct indexable terms of ``query``, in order; InvalidArgument past
-        :data:`MAX_QUERY_TERMS` (a query of no indexable term has none: not an error)."""
-        terms = list(dict.fromkeys(self._analyzer.analyze(query)))
-        if len(terms) > MAX_QUERY_TERMS:
-            raise InvalidArgument(
-                f"query text: {len(terms)} distinct terms, a sparse search takes at most "
-                f"{MAX_QUERY_TERMS}"
-            )
-        return terms
+        :data:`MAX_QUERY_TERMS` distinct words (counted before stemming, as the gateway
+        counts them: :func:`services.common.terms.check_query_terms`; a query of no
+        indexable term has none: not an error)."""
+        check_query_terms(query, LIMITS, "")
+        return list(dict.fromkeys(self._analyzer.analyze(query)))
 
     def search(
         self,

@@ -1,0 +1,127 @@
+"""Issue #33 points 3 and 6 on one real ``gtr-retrieval up --auth`` (one shard, the
+in-process encoder, 400 SciFact documents), started the way the benches start it
+(``tests/support/local_stack.py``) in a helper process of its own:
+
+- at rest: every directory of the run directory is 0700 and every file 0600 (Redis's AOF
+  and RDB, the shard's snapshots, the trained index, the logs, the auth files); before,
+  the directories were 0755 and the AOF and snapshots 0644, readable by any local user
+  whatever the bearer tokens;
+- SIGTERM to the helper (a bench under ``timeout``) stops ``up`` and every child it
+  recorded in ``<run-dir>/stack.json``; before, the helper died at once and the whole
+  stack, in sessions of its own, kept running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support.local_stack import ROOT, cli_env, small_corpus
+from tests.support.processes import redis_binary
+
+HELPER = """
+import signal, sys
+from pathlib import Path
+from tests.support.local_stack import local_stack
+
+run_dir, log, corpus = (Path(a) for a in sys.argv[1:4])
+with local_stack(
+    run_dir, log, corpus=corpus, shards=1, encoder="inprocess", extra=["--auth"], timeout=600
+) as stack:
+    print(stack.process.pid, flush=True)
+    while True:
+        signal.pause()
+"""
+
+# Paths under the run directory that may differ from 0700/0600, each with its reason.
+EXCEPTIONS: dict[str, str] = {}
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _not_private(run_dir: Path) -> list[str]:
+    wrong = []
+    for path in (run_dir, *run_dir.rglob("*")):
+        rel = str(path.relative_to(run_dir)) or "."
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue  # a temp file renamed meanwhile
+        if stat.S_ISLNK(st.st_mode) or rel in EXCEPTIONS:
+            continue
+        want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
+        if stat.S_IMODE(st.st_mode) != want:
+            wrong.append(f"{rel}: {oct(stat.S_IMODE(st.st_mode))}")
+    return wrong
+
+
+@pytest.mark.slow
+def test_up_keeps_its_data_private_and_a_sigterm_to_its_starter_stops_every_child(
+    tmp_path: Path, scifact_dir: Path
+) -> None:
+    if redis_binary() is None:
+        pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
+    corpus = tmp_path / "corpus" / "corpus.jsonl"
+    corpus.parent.mkdir()
+    small_corpus(scifact_dir, corpus, 400)
+    run_dir, log = tmp_path / "run", tmp_path / "up.log"
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HELPER, str(run_dir), str(log), str(corpus)],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        assert helper.stdout is not None
+        line = helper.stdout.readline()  # up's pid once it serves; "" if the helper died
+        assert line.strip(), log.read_text(errors="replace")[-4000:] if log.exists() else ""
+        state = json.loads((run_dir / "stack.json").read_text())
+        pids = [int(line), *(int(c["pid"]) for c in state["children"] if c["pid"])]
+        names = {c["name"] for c in state["children"]}
+        assert {"redis", "shard-0-replica-0", "gateway"} <= names, names
+
+        # at rest: the AOF, the snapshots, the index, logs and secrets are the owner's only
+        assert any((run_dir / "redis").rglob("*.aof")), sorted((run_dir / "redis").rglob("*"))
+        assert (run_dir / "auth" / "write.tokens").exists()
+        assert _not_private(run_dir) == []
+
+        os.kill(helper.pid, signal.SIGTERM)  # as `timeout` ends a bench
+        helper.wait(120)
+        _until(lambda: not any(_alive(p) for p in pids), f"{pids} gone after SIGTERM", 60)
+        # the shard's snapshot on its way out (and the AOF's final state) as private
+        assert any((run_dir / "snapshots").rglob("*.npz")), "no snapshot written at stop"
+        assert _not_private(run_dir) == []
+    finally:
+        for pid in [helper.pid, *pids]:
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)  # the test failed: leave nothing running
+        helper.wait(30)
