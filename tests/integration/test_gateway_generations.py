@@ -288,7 +288,6 @@ def world(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
             client.close()
 
 
-@pytest.mark.slow
 def test_a_switch_moves_searches_writes_and_tokens_to_the_next_generation(world: World) -> None:
     a, b = world.a, world.b
     before = a.search(MARKER_QUERY, world.load_token, nprobe=world.nlist)

@@ -52,6 +52,10 @@ from tests.encoder_fixtures import (
 from tests.support.encoders import ensure_second_encoder
 from tests.support.processes import free_port, wait_until
 
+# The whole module is slow (about 6 min on two cores) and its tests build on each other: the
+# versions one publishes are the repository the next ones copy or unpublish.
+pytestmark = pytest.mark.slow
+
 SAMPLES: list[tuple[list[str], Kind]] = [
     (SAMPLE_QUERIES, "query"),
     (SAMPLE_DOCUMENTS, "document"),
@@ -122,7 +126,6 @@ def _snapshot(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-@pytest.mark.slow
 def test_a_second_encoder_is_published_and_served_beside_the_first(served: Served) -> None:
     url = served.handle.grpc_url
     second = ensure_second_encoder(served.base)
@@ -212,7 +215,6 @@ def _load_count(handle: TritonHandle) -> int:
     return handle.log_path.read_text(errors="replace").count("successfully loaded 'embed'")
 
 
-@pytest.mark.slow
 def test_an_encoder_of_another_width_is_refused_and_nothing_changes(served: Served) -> None:
     wide = ensure_second_encoder(served.base, out_dim=768)
     before, ready = _snapshot(served.repo), _ready_versions(served.handle)
@@ -248,7 +250,6 @@ def test_publish_cli_refuses_a_repository_without_embed(tmp_path: Path) -> None:
     assert "has no embed model: generate the repository first" in run.stderr
 
 
-@pytest.mark.slow
 def test_the_gpu_flavour_is_refused_and_nothing_changes(served: Served, tmp_path: Path) -> None:
     """An ensemble names one version of each step: publish says so instead of writing a
     version it cannot route to (an ``encoder export`` folder is taken as the encoder)."""
@@ -263,7 +264,6 @@ def test_the_gpu_flavour_is_refused_and_nothing_changes(served: Served, tmp_path
     assert _snapshot(repo) == before
 
 
-@pytest.mark.slow
 def test_a_publish_triton_cannot_load_is_undone(served: Served) -> None:
     """All or nothing: when the Triton to load it cannot be asked, the new version's
     folder and parameters are taken back out (the serving Triton never saw them)."""
@@ -288,7 +288,6 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.slow
 def test_a_version_is_unpublished_from_the_repository_and_the_running_triton(
     served: Served,
 ) -> None:
@@ -382,7 +381,6 @@ def _as_older_generator_wrote_it(repo: Path) -> None:
     (model / "config.pbtxt").write_text(text_format.MessageToString(config))
 
 
-@pytest.mark.slow
 def test_a_repository_of_the_older_generator_serves_and_a_publish_converts_it(
     served: Served, tmp_path: Path
 ) -> None:
@@ -422,7 +420,6 @@ def test_a_repository_of_the_older_generator_serves_and_a_publish_converts_it(
         assert (second.model_name, second.digest) == ("all-MiniLM-L6-v2-perturbed", spec.digest)
 
 
-@pytest.mark.slow
 def test_a_generation_recorded_without_a_version_gets_version_one_not_the_newest(
     served: Served,
 ) -> None:
@@ -552,7 +549,6 @@ def test_unpublish_refuses_a_version_an_index_generation_uses(
     client.close()
 
 
-@pytest.mark.slow
 def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     served: Served, tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -639,7 +635,6 @@ def test_retire_unpublishes_its_encoder_version_only_once_no_generation_uses_it(
     client.close()
 
 
-@pytest.mark.slow
 def test_a_rollout_refused_at_the_lock_leaves_no_encoder_version_behind(
     served: Served, tmp_path: Path, redis_url: str
 ) -> None:
@@ -822,7 +817,6 @@ def _finish(process: subprocess.Popen[str]) -> tuple[int, str]:
     return process.returncode, out
 
 
-@pytest.mark.slow
 def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
     served: Served, tmp_path: Path, redis_url: str
 ) -> None:
@@ -889,7 +883,6 @@ def test_a_retire_during_a_rollouts_publish_keeps_the_version_it_publishes(
             unpublish_version(repo, version, url)
 
 
-@pytest.mark.slow
 def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
     served: Served, tmp_path: Path, redis_url: str
 ) -> None:
@@ -964,7 +957,6 @@ def _stub_of(handle: TritonHandle, version: int) -> int:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU budget needs two CPUs")
-@pytest.mark.slow
 def test_a_version_published_with_a_cpu_budget_runs_its_stub_there(served: Served) -> None:
     """`index rollout --cpus`: the new version's stub pins every thread of itself to the
     budget before it loads (its ONNX Runtime threads inherit it), answers from there, and
