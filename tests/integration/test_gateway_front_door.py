@@ -206,6 +206,7 @@ def test_over_the_in_flight_limit_a_call_is_resource_exhausted_with_a_retry_hint
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_burst_over_the_default_limit_of_up_is_refused_with_a_retry_hint(
     redis_url: str, index_dir: Path, tmp_path: Path
 ) -> None:

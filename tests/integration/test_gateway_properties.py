@@ -28,7 +28,7 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from retrieval.v1 import (
@@ -275,7 +275,11 @@ def front(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
 # --- the properties ------------------------------------------------------------------------
 
 
+# Each property test also runs one request of each outcome explicitly (@example), so that
+# test_the_gateway_still_serves_after_all_of_it does not hang on what 25 random draws hit.
 @EXAMPLES
+@example(request=search_pb2.SearchRequest(query="sort a list", k=3))
+@example(request=search_pb2.SearchRequest(query="sort a list", k=LIMITS.max_k + 1))
 @given(request=search_requests)
 def test_search_never_answers_internal(front: Front, request: search_pb2.SearchRequest) -> None:
     reply: list[search_pb2.SearchResponse] = []
@@ -290,6 +294,8 @@ def test_search_never_answers_internal(front: Front, request: search_pb2.SearchR
 
 
 @EXAMPLES
+@example(requests=[search_pb2.SearchRequest(query="sort a list", k=3)])
+@example(requests=[])
 @given(requests=st.one_of(st.lists(search_requests, max_size=4), st.just([])))
 def test_batch_search_never_answers_internal(
     front: Front, requests: list[search_pb2.SearchRequest]
@@ -314,6 +320,8 @@ def test_an_oversized_batch_is_refused(front: Front) -> None:
 
 
 @EXAMPLES
+@example(doc_id="seed-1")
+@example(doc_id="example-never-stored")
 @given(doc_id=st.one_of(ids, sane_ids))
 def test_get_never_answers_internal(front: Front, doc_id: str) -> None:
     reply: list[documents_pb2.GetResponse] = []
@@ -326,6 +334,8 @@ def test_get_never_answers_internal(front: Front, doc_id: str) -> None:
 
 
 @EXAMPLES
+@example(docs=[documents_pb2.Document(id="example-ok", text="A document that is fine.")])
+@example(docs=[documents_pb2.Document(id="", text="A document with no id.")])
 @given(
     docs=st.one_of(
         st.lists(documents, max_size=4, unique_by=lambda d: d.id),
@@ -353,6 +363,8 @@ def test_a_rejected_upsert_changes_nothing_and_an_accepted_one_reads_back(
 
 
 @EXAMPLES
+@example(doc_ids=["example-never-stored"])
+@example(doc_ids=[""])
 @given(
     doc_ids=st.one_of(
         st.lists(sane_ids, min_size=1, max_size=4, unique=True),

@@ -31,6 +31,9 @@ from tests.support.log_end import log_end_moved
 from tests.support.processes import wait_until
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
 
+# Slow as a whole: sharded, replicated services built from the SciFact vectors (a 35-s setup).
+pytestmark = pytest.mark.slow
+
 N_BASE = 4683
 SHARDS = 2
 HEARTBEAT_S = 0.5  # short, so that a test sees idle replicas re-register
@@ -84,7 +87,6 @@ def search(cluster: ShardCluster, query: IndexQuery, timeout: float | None = Non
     return asyncio.run(run())
 
 
-@pytest.mark.slow
 def test_sharded_index_matches_exact_search(cluster: ShardCluster, vectors: np.ndarray) -> None:
     queries = vectors[N_BASE:]
     flat = faiss.IndexFlatIP(384)

@@ -38,6 +38,9 @@ from loadtest.workload import Workload
 from retrieval.v1 import search_pb2, search_pb2_grpc
 from tests.support.processes import free_port
 
+# Slow as a whole: open- and closed-loop sweeps of real servers, tens of seconds each.
+pytestmark = pytest.mark.slow
+
 QUERIES = ["alpha", "beta", "gamma", "delta"]
 
 
@@ -306,7 +309,6 @@ def run_sweep(service_s: float, cfg: SweepConfig) -> dict[str, Any]:
 UNREACHABLE_LAG_MS = 3_600_000.0
 
 
-@pytest.mark.slow
 def test_sweep_stops_when_the_slo_breaks_and_draws_a_png(tmp_path: Path) -> None:
     """A server with a capacity of 50/s, a 250 ms budget: the sweep climbs 12.5, 25, ...
     and must stop by 100/s (twice the capacity: the queue grows by 50 requests a second)."""
@@ -430,7 +432,6 @@ def test_the_token_is_sent_as_bearer_metadata(tmp_path: Path) -> None:
     assert set(bad.codes) == {"UNAUTHENTICATED"}
 
 
-@pytest.mark.slow
 def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
     """criterion="throughput" ignores latency: against a 100/s server it climbs past the
     rates that already break a tight budget and stops where the achieved rate falls

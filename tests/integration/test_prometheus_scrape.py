@@ -40,6 +40,9 @@ from tests.support.processes import free_port, run_redis, wait_until
 from tests.support.sample_docs import STDLIB_DOCS
 from tests.support.shards import scifact_vectors, shared_test_index
 
+# Slow as a whole: a real Prometheus scrapes a stack until the series appear.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "prometheus"
 DOCS = [
@@ -199,7 +202,6 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iter
             channel.close()
 
 
-@pytest.mark.slow
 def test_failed_searches_are_misses_and_client_mistakes_do_not_count(scraped: Scraped) -> None:
     """Then partial answers: the partial ratio is per query over per query."""
     prom = scraped.prometheus

@@ -31,6 +31,9 @@ from tests.support.processes import await_until, free_port, run_redis
 from tests.support.search_load import missed, search_load, searches_answered, shard_stats
 from tests.support.shards import ShardCluster, ShardProcess, start_shard, train_test_index
 
+# Slow as a whole: load split over replicas, and a replica killed under load.
+pytestmark = pytest.mark.slow
+
 N_DOCS = 1200
 HOSTS = ("127.0.0.2", "127.0.0.3")
 
@@ -98,7 +101,6 @@ def _queries(vectors: np.ndarray, n: int, seed: int) -> np.ndarray:
     return (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
 
 
-@pytest.mark.slow
 def test_concurrent_searches_are_split_between_the_replicas_of_a_dns_named_shard(
     replicas: Replicas,
 ) -> None:

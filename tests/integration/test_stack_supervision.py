@@ -265,6 +265,9 @@ LOAD = """
 import asyncio, sys
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
+# Slow as a whole: whole stacks killed and restarted.
+pytestmark = pytest.mark.slow
+
 async def main() -> None:
     encoder = await TritonEncoder.connect(TritonEncoderConfig(sys.argv[1], default_timeout_s=120))
     text = "the quick brown fox jumps over the lazy dog " * 20

@@ -177,6 +177,7 @@ def test_every_panel_names_metrics_that_exist(exported: set[str]) -> None:
     assert not unknown, sorted(unknown)
 
 
+@pytest.mark.slow
 def test_every_rule_names_metrics_that_exist(exported: set[str]) -> None:
     rules = load_rules()
     recorded = {r["record"] for r in rules if "record" in r}

@@ -25,6 +25,7 @@ an entry whose imports are gone fails too, so the list can only shrink.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,7 +195,10 @@ def describe(found: list[Cycle]) -> str:
     return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=8)
 def _graph(root: Path, top: str) -> tuple[dict[str, Path], list[Import]]:
+    """Every module of ``top`` and every import between them, read once per tree: the tests
+    of this module all ask for the same graph of services/."""
     modules = module_files(root, top)
     return modules, [edge for name in modules for edge in imports_of(name, modules, root)]
 

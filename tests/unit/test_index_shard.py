@@ -57,6 +57,7 @@ def test_recall_at_10_against_exact_inner_product(loaded: IvfPqShard, vectors: n
         assert np.allclose(scores, exact_scores, atol=0.02)
 
 
+@pytest.mark.slow
 def test_upsert_delete_upsert_same_id(trained: TrainedIndex, vectors: np.ndarray) -> None:
     shard = IvfPqShard(trained)
     a, b = vectors[0], vectors[1]
