@@ -33,6 +33,9 @@ from services.stack.children import (
 from services.stack.config import StackConfig
 from tests.support.processes import await_until, redis_binary, wait_until
 
+# Slow as a whole: whole stacks killed and restarted.
+pytestmark = pytest.mark.slow
+
 DIM = 384
 FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=2, window_s=60, poll_s=0.05)
 
@@ -264,9 +267,6 @@ def _pending_inferences(metrics_address: str) -> float:
 LOAD = """
 import asyncio, sys
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
-
-# Slow as a whole: whole stacks killed and restarted.
-pytestmark = pytest.mark.slow
 
 async def main() -> None:
     encoder = await TritonEncoder.connect(TritonEncoderConfig(sys.argv[1], default_timeout_s=120))
