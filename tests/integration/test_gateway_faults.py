@@ -46,6 +46,9 @@ from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import RestartableRedis, free_port, start_redis, stop_process
 from tests.support.shards import ROOT, ShardCluster, run_shards, train_test_index
 
+# Slow as a whole: hung, killed and overloaded shards, Triton and Redis behind a real gateway.
+pytestmark = pytest.mark.slow
+
 N_DOCS = 1200
 GATEWAY_DEFAULT_TIMEOUT_S = 2.0
 SHARD_SETTINGS = {"default-timeout-s": "2"}
@@ -156,7 +159,6 @@ def _code(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
 # --- 1. documents of a search in one round trip, through a bounded pool ---------------
 
 
-@pytest.mark.slow
 def test_searches_that_fetch_many_documents_succeed_with_a_small_pool(stack: Stack) -> None:
     """k=101 and k=1000 (one HGETALL per hit used to exhaust redis-py's pool), a batch of
     64 queries, and 300 concurrent searches, against a gateway with 8 Redis connections."""
@@ -310,7 +312,6 @@ def test_a_hung_replica_costs_no_partial_result(stack: Stack) -> None:
     assert all(len(r.hits) == 10 for r in replies)
 
 
-@pytest.mark.slow
 def test_a_shard_whose_replicas_all_hang_costs_a_partial_answer_within_the_deadline(
     stack: Stack,
 ) -> None:

@@ -191,6 +191,7 @@ def test_every_rule_names_metrics_that_exist(exported: set[str]) -> None:
     assert not unknown, sorted(unknown)
 
 
+@pytest.mark.slow
 def test_the_slis_metrics_are_exported(exported: set[str]) -> None:
     """The names the SLIs are built on, spelled out: a rename in the code fails here."""
     assert {
