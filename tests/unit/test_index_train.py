@@ -14,6 +14,7 @@ from services.index.core.changes import Upsert
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import (
     FLAT_BELOW,
+    KNEE_RECALL,
     TARGET_RECALL,
     WIDE_K,
     NprobeTuning,
@@ -197,15 +198,24 @@ def test_an_explicit_nprobe_is_kept_and_its_recall_measured(
     assert m.recall_by_nprobe == {"3": m.measured_recall}
 
 
-def test_an_unreachable_target_probes_every_list_and_says_why(
+def test_an_unreachable_target_stops_at_the_knee_and_says_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Codes too coarse for the target: nprobe is the smallest within KNEE_RECALL of the
+    recall with every list probed, not every list (issue #33: a retrain got nprobe = nlist)."""
     x = np.random.default_rng(0).standard_normal((2000, 32)).astype(np.float32)
-    options = TrainOptions(nlist=16, pq_m=4, pq_bits=4, refine_factor=1)
+    options = TrainOptions(nlist=64, pq_m=4, pq_bits=4, refine_factor=1)
     with caplog.at_level("WARNING", logger="services.index.core.train"):
         m = train_index(x, tmp_path, options)
-    assert m.nprobe == 16 and m.measured_recall is not None and m.measured_recall < 0.99
+    every = min(m.recall_by_nprobe["64"], m.wide_recall_by_nprobe["64"])
+    assert every < 0.99 and m.measured_recall is not None
+    assert m.nprobe < 64, m.recall_by_nprobe
+    lowest = {p: min(r, m.wide_recall_by_nprobe[p]) for p, r in m.recall_by_nprobe.items()}
+    assert lowest[str(m.nprobe)] >= every - KNEE_RECALL
+    assert m.nprobe > 1, "these codes need more than one list for the knee"
+    assert lowest[str(m.nprobe - 1)] < every - KNEE_RECALL  # measured, and it misses
     assert "no nprobe reaches 10-recall@10 0.990" in caplog.text
+    assert f"nprobe {m.nprobe} of 64 lists" in caplog.text
 
 
 def test_too_few_vectors_to_tune_keep_the_rule_of_thumb(

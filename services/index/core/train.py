@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,11 @@ TUNE_K = 10
 WIDE_K = 100
 TUNE_QUERIES = 1000  # held-out vectors at most (a tenth of the sample when it is smaller)
 MIN_TUNE_QUERIES = 10  # fewer held-out vectors than this: no tuning, the old rule of thumb
+# When no nprobe reaches the target, the PQ codes cap the recall, not the lists probed:
+# the tuner takes the smallest nprobe within this much of the recall with every list
+# probed (issue #33: a retrained generation got nprobe = nlist = 655, every list scanned on
+# every search, for a recall a fraction of those lists already gave).
+KNEE_RECALL = 0.005
 # "IVF is the wrong choice": fewer vectors than FLAT_BELOW, or an exact flat search of the
 # held-out queries measured at most FLAT_MARGIN times slower than the IVF-PQ path at the
 # tuned nprobe. Measured here (384-d, one thread, batches of 256 queries, target 0.99;
@@ -235,15 +241,25 @@ def _record_tuning(manifest: Manifest, tuning: NprobeTuning | None) -> None:
         manifest.flat_ms_per_query = tuning.flat_ms_per_query
         manifest.ivf_ms_per_query = tuning.ivf_ms_per_query
         if tuning.target is not None and min(tuning.recall, tuning.wide_recall) < tuning.target:
+            nlist = max(tuning.tried)
             log.warning(
                 "no nprobe reaches 10-recall@10 %.3f and %d-recall@%d %.3f: %.4f and "
                 "%.4f with every list probed; the PQ codes cap it (raise --pq-m or "
-                "--refine-factor, or lower --target-recall)",
+                "--refine-factor, or lower --target-recall). nprobe %d of %d lists: the "
+                "smallest within %.3f of that (10-recall@10 %.4f, %d-recall@%d %.4f); "
+                "probing more lists costs more and finds no more",
                 tuning.target,
                 tuning.wide_k,
                 tuning.wide_k,
                 tuning.target,
+                tuning.tried[nlist],
+                tuning.tried_wide[nlist],
+                tuning.nprobe,
+                nlist,
+                KNEE_RECALL,
                 tuning.recall,
+                tuning.wide_k,
+                tuning.wide_k,
                 tuning.wide_recall,
             )
 
@@ -277,7 +293,9 @@ def tune_nprobe(trained: TrainedIndex, x: np.ndarray, opts: TrainOptions) -> Npr
     than 10·WIDE_K vectors remain). Candidates: 1, 2, 4, … until one reaches the target, then a
     binary search between the last two, so the nprobe just below the answer was measured
     and missed (recall is all but monotone in nprobe). When even nlist misses the target,
-    nprobe is nlist. The held-out vectors were part of k-means' sample: a slight optimism.
+    the codes cap the recall: nprobe is the smallest within :data:`KNEE_RECALL` of the
+    recall at nlist, found the same way (never nlist for no gain; the warning says so). The
+    held-out vectors were part of k-means' sample: a slight optimism.
     """
     start = time.perf_counter()
     n, dim = x.shape
@@ -330,10 +348,10 @@ def tune_nprobe(trained: TrainedIndex, x: np.ndarray, opts: TrainOptions) -> Npr
         missed, nprobe = 0, 1  # the largest candidate below the target; the next to try
         while recall(nprobe) < target and nprobe < nlist:
             missed, nprobe = nprobe, min(2 * nprobe, nlist)
-        if recall(nprobe) >= target:
-            while nprobe - missed > 1:
-                mid = (missed + nprobe) // 2
-                missed, nprobe = (missed, mid) if recall(mid) >= target else (mid, nprobe)
+        if recall(nprobe) < target:  # capped by the codes: the knee, not every list
+            nprobe = _smallest_reaching(recall, max(0.0, recall(nlist) - KNEE_RECALL), nlist)
+        else:
+            nprobe = _smallest_reaching(recall, target, nprobe, missed)
     return NprobeTuning(
         nprobe=nprobe,
         recall=tried[nprobe],
@@ -347,6 +365,24 @@ def tune_nprobe(trained: TrainedIndex, x: np.ndarray, opts: TrainOptions) -> Npr
         wide_recall=tried_wide[nprobe],
         tried_wide=tried_wide,
     )
+
+
+def _smallest_reaching(
+    recall: Callable[[int], float], goal: float, reached: int, missed: int = 0
+) -> int:
+    """The smallest nprobe whose recall reaches ``goal``, knowing that ``reached`` does and
+    ``missed`` (0: none) does not: the powers of two up to ``reached`` narrow it (when
+    ``missed`` is not known), then a binary search between the two (recall is all but
+    monotone in nprobe)."""
+    if not missed:
+        candidate = 1
+        while candidate < reached and recall(candidate) < goal:
+            missed, candidate = candidate, 2 * candidate
+        reached = min(candidate, reached)
+    while reached - missed > 1:
+        mid = (missed + reached) // 2
+        missed, reached = (missed, mid) if recall(mid) >= goal else (mid, reached)
+    return reached
 
 
 def ivf_advice(n: int, tuning: NprobeTuning | None) -> str | None:
