@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.domain import TokenOrigin, WriteToken
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from services.common.positions import merge_tokens
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.gateway.ports import (
     DocumentStore,
     DocumentWriter,
@@ -55,9 +54,10 @@ from services.gateway.ports import (
     LogTails,
     VectorIndex,
 )
+from services.generations import tokens
 from services.generations.registry import Alias, Generation, read_alias, read_generation
 from services.index.client.connection import REDIS_ERRORS
-from services.index.keys import FIRST_GENERATION, ROLLOUT_KEY
+from services.index.keys import ROLLOUT_KEY
 
 log = logging.getLogger(__name__)
 
@@ -159,29 +159,15 @@ class Serving:
 
 def resolve_token(token: WriteToken, origin: TokenOrigin, serving: Serving) -> WriteToken:
     """The positions in ``serving``'s logs that a SESSION search with ``token`` (taken in
-    ``origin``) must wait for.
-
-    Same epoch: the token as it is. Older epoch (a token without origin counts as g1's,
-    from before any switch): the serving generation's ``switch_in`` positions, merged
-    with the token's own when it names the serving generation (its positions are in the
-    same logs: g1 serving again after a rollback). A newer epoch than ``serving``'s is
-    InvalidArgument (the caller re-reads the alias before it concludes that).
-    """
-    generation = origin.generation or FIRST_GENERATION
-    if origin.epoch > serving.epoch:
-        raise InvalidArgument(
-            f"write_token: epoch {origin.epoch} is newer than this store's alias (epoch "
-            f"{serving.epoch}, generation {serving.generation}): a token of another store?"
-        )
-    if origin.epoch == serving.epoch:
-        if generation != serving.generation:
-            raise InvalidArgument(
-                f"write_token: epoch {origin.epoch} is generation {serving.generation}'s in "
-                f"this store, not {generation}'s: a token of another store?"
-            )
-        return token
-    own = token if generation == serving.generation else {}
-    return merge_tokens(serving.switch_in, own)
+    ``origin``) must wait for: :func:`services.generations.tokens.resolve_token` (the rule)
+    with this gateway's cached alias."""
+    return tokens.resolve_token(
+        token,
+        origin,
+        generation=serving.generation,
+        epoch=serving.epoch,
+        switch_in=serving.switch_in,
+    )
 
 
 class AliasReader(Protocol):

@@ -38,6 +38,8 @@ Package map (module → role):
 - :mod:`.drift`          the drift watcher (a rollout when the quantizer drifted): its
                          loop, ``--once`` reading and SIGTERM handling
 - :mod:`.standby`        a generation's shard waits until its generation is ready
+- :mod:`.tokens`         what a write token of another epoch means for the serving
+                         generation (the rule the gateway applies to SESSION searches)
 - :mod:`.budget`         a rollout's CPU budget, the builder's side (the Redis key, TTL)
 - :mod:`.placement`      the CPU budget's decisions: which process on which CPUs, the
                          hand-over, the active budget
@@ -47,8 +49,8 @@ Package map (module → role):
 What stays outside: ``services/stack/generations.py`` supervises the generations' shard
 processes (it asks :func:`~.registry.shards_run` and :mod:`.placement` for every decision);
 ``services/gateway/generations.py`` is the gateway's alias cache and per-generation
-client bundles (gRPC machinery); the CLI only registers commands, turns flags into calls
-and words results and errors (``services/cli/generation_commands.py`` the flags,
+client bundles (gRPC machinery; its tokens resolved by :mod:`.tokens`); the CLI only
+registers commands, turns flags into calls and words results and errors (``services/cli/generation_commands.py`` the flags,
 ``generation_handlers.py`` the words, ``generation_places.py`` the connections and the
 flags named in errors; ``drift_commands.py``); ``services/encoder/serve/publish.py`` and
 ``unpublish.py`` publish and unpublish versions in a Triton repository (``versions.py``
