@@ -48,11 +48,12 @@ Package map (module → role):
 
 What stays outside: ``services/stack/generations.py`` supervises the generations' shard
 processes (it asks :func:`~.registry.shards_run` and :mod:`.placement` for every decision);
-``services/gateway/generations.py`` is the gateway's alias cache and per-generation
-client bundles (gRPC machinery; its tokens resolved by :mod:`.tokens`); the CLI only
-registers commands, turns flags into calls and words results and errors (``services/cli/generation_commands.py`` the flags,
-``generation_handlers.py`` the words, ``generation_places.py`` the connections and the
-flags named in errors; ``drift_commands.py``); ``services/encoder/serve/publish.py`` and
-``unpublish.py`` publish and unpublish versions in a Triton repository (``versions.py``
-its lock and staging, ``triton_load.py`` the loads).
+``services/gateway/generations.py`` is the gateway's alias cache and per-generation client
+bundles (gRPC machinery; its tokens resolved by :mod:`.tokens`); the CLI only registers
+commands, turns flags into calls and words results and errors
+(``services/cli/generation_commands.py`` the flags, ``generation_handlers.py`` the words,
+``generation_places.py`` the connections and the flags named in errors;
+``drift_commands.py``); ``services/encoder/serve/publish.py`` and ``unpublish.py`` publish
+and unpublish versions in a Triton repository (``versions.py`` its lock and staging,
+``triton_load.py`` the loads).
 """
