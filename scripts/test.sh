@@ -3,9 +3,10 @@
 # code, run the test suite (unit + integration against real Redis, Triton and gRPC servers).
 #
 #   scripts/test.sh           everything, as CI runs it (.ci/run): the fast tier as below,
-#                             then the tests marked `slow` one at a time (they kill, restart
-#                             and load whole stacks: a second worker beside them adds load
-#                             their timing does not budget for)
+#                             then the tests marked `slow` the same way, then the few also
+#                             marked `serial` one at a time (their assertions are about
+#                             latency or load: a second worker beside them would be load
+#                             they do not budget for)
 #   scripts/test.sh --fast    the inner loop: the same checks, then every test not marked
 #                             `slow`, spread over the CPUs (pytest-xdist, --dist loadfile: a
 #                             module's servers stay shared by its tests)
@@ -48,7 +49,13 @@ run "${parallel[@]}" -m "not slow" "$@" || status=$?
 fast_s=$(( $(date +%s) - start ))
 echo "scripts/test.sh: the fast tier took ${fast_s} s of pytest with ${workers} worker(s)"
 if [ "$tier" = all ]; then
-  run -m slow "$@" || status=$?
-  echo "scripts/test.sh: the slow tier took $(( $(date +%s) - start - fast_s )) s of pytest"
+  # the slow tests mostly wait (restarts, rollouts, timeouts): in parallel too, except the
+  # few marked serial, whose assertions are about latency or load and budget for no
+  # neighbour
+  run "${parallel[@]}" -m "slow and not serial" "$@" || status=$?
+  slow_s=$(( $(date +%s) - start - fast_s ))
+  echo "scripts/test.sh: the slow tier took ${slow_s} s of pytest"
+  run -m serial "$@" || status=$?
+  echo "scripts/test.sh: the serial tier took $(( $(date +%s) - start - fast_s - slow_s )) s"
 fi
 exit "$status"

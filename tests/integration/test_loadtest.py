@@ -39,7 +39,9 @@ from retrieval.v1 import search_pb2, search_pb2_grpc
 from tests.support.processes import free_port
 
 # Slow as a whole: open- and closed-loop sweeps of real servers, tens of seconds each.
-pytestmark = pytest.mark.slow
+# Serial too (its sweeps measure where a server stops keeping up): scripts/test.sh runs it alone,
+# after the other slow tests.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 QUERIES = ["alpha", "beta", "gamma", "delta"]
 

@@ -32,7 +32,9 @@ from tests.support.search_load import missed, search_load, searches_answered, sh
 from tests.support.shards import ShardCluster, ShardProcess, start_shard, train_test_index
 
 # Slow as a whole: load split over replicas, and a replica killed under load.
-pytestmark = pytest.mark.slow
+# Serial too (it asserts how load splits between replicas): scripts/test.sh runs it alone, after
+# the other slow tests.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 N_DOCS = 1200
 HOSTS = ("127.0.0.2", "127.0.0.3")
