@@ -304,7 +304,9 @@ def test_the_stack_keeps_its_promises_under_kills_stops_and_a_burst(up: Up) -> N
     assert record.refused_without_hint == 0, record.outcomes
     assert record.zero_shard_oks == 0
     assert record.burst_oks > 0, record.outcomes  # the burst was served up to the limit
-    assert record.outcomes["OK"] > 300, record.outcomes
+    # the stack kept answering throughout (the burst is mostly refused now: 245 OK of 558
+    # in CI with up's default limit, where it was all answered without one)
+    assert record.outcomes["OK"] > 150, record.outcomes
 
     # no process gone for good
     _until(

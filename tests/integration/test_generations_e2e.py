@@ -92,6 +92,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, data: Data) -> Iterator[Loca
         root / "up.log",
         corpus=data.corpus,
         shards=2,
+        # The admission limit sized for this test's load (up to 64 searches in flight plus
+        # the writes), as docs/performance.md "Sizing --max-in-flight" says to: up's
+        # default on 2 cores (32) refuses the searches a switch's pause queues (147 of 1,963
+        # RESOURCE_EXHAUSTED in CI), which is admission working, not a rollout failing.
+        extra=("--max-in-flight", "128"),
         keep_logs=Path(keep) if keep else None,
     ) as running:
         yield running
