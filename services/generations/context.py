@@ -26,6 +26,7 @@ from services.generations.registry import Generation, Registry
 from services.generations.state import RolloutState, RolloutStore
 from services.index.keys import GenerationKeys
 from services.process.redis_client import SyncRedis
+from services.rpc.tls import speaks_tls
 
 if TYPE_CHECKING:
     from services.rpc.tls import ClientTLS
@@ -146,7 +147,6 @@ class RolloutContext:
         closed", and waiting does not help); checked once per replica."""
         if address in self.probed:
             return
-        from services.rpc.tls import speaks_tls
 
         tls = await asyncio.to_thread(speaks_tls, address)
         if tls is None:

@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.index.client.addresses import parse_shard_addresses
+from services.index.client.router import ShardRouter
 from services.index.keys import FIRST_GENERATION, REGISTRY_TAG
 
 log = logging.getLogger(__name__)
@@ -122,8 +124,6 @@ async def read_ratios(spec: str, tls: Any = None) -> Reading:
     """Ask every replica of the generation at ``spec`` (the gateway's ``--shards`` syntax:
     ``;`` between shards, ``,`` between replicas, or one ``dns:///`` target per shard) for
     its Stats; replicas that do not answer within 5 s are left out."""
-    from services.index.client.addresses import parse_shard_addresses
-    from services.index.client.router import ShardRouter
 
     router = ShardRouter(
         parse_shard_addresses(spec), coalesce=False, share_quantizer=False, tls=tls

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from services.common.errors import NotFound, RetrievalError
+from services.encoder.serve.unpublish import VersionInUse, unpublish_version
 from services.generations.registry import RUNNING, Generation, Registry
 from services.generations.state import RolloutState
 
@@ -83,7 +84,6 @@ def release_encoder(
     """Unpublish ``gen``'s version of ``embed`` when no generation in a running state
     (nor the recorded rollout's target) uses it; asked again under the publish lock, as a
     rollout may have begun publishing meanwhile."""
-    from services.encoder.serve.unpublish import VersionInUse, unpublish_version
 
     version = gen.encoder.version or 1  # a record without a version: version 1
     using = in_use(registry, version)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.errors import FailedPrecondition, RetrievalError
 from services.generations.documents import nodes
 from services.generations.registry import Generation, Registry
+from services.generations.replicas import ReplicaStats, all_stats
 from services.index.keys import ADDRESSES_KEY, ALIAS_KEY, Layout
 
 if TYPE_CHECKING:
@@ -131,7 +132,6 @@ def generation_sizes(
     entries = sum(int(client.xlen(keys.log(s))) for s in range(keys.num_shards))
     if not spec or gen.state in ("retired", "failed"):
         return Sizes(None, None, None, entries, 0, 0)
-    from services.generations.replicas import ReplicaStats, all_stats
 
     try:
         stats = asyncio.run(all_stats(spec, tls, timeout=timeout))

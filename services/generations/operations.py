@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from services.common.encoder_spec import EncoderSpec
 from services.generations.context import RolloutPlan
+from services.generations.lifecycle import generation_sizes
 from services.generations.registry import Alias, Generation, Registry, describe
 from services.generations.state import RolloutState
 
@@ -174,7 +175,6 @@ class Status:
 
 def status(client: Any, tls: ClientTLS | None = None) -> Status:
     """Every generation with its sizes (asked of its replicas over ``tls``)."""
-    from services.generations.lifecycle import generation_sizes
 
     registry = Registry(client)
     alias = registry.alias()

@@ -23,6 +23,7 @@ from services.generations.encoding import append_documents
 from services.generations.registry import Generation
 from services.generations.retrain import export_all
 from services.generations.state import ScanCursor
+from services.index.core.train import TARGET_RECALL, TrainOptions, train_index
 
 
 def next_phase(ctx: RolloutContext) -> str:
@@ -59,7 +60,6 @@ async def run_train(ctx: RolloutContext) -> None:
 
 def train(ctx: RolloutContext, target: Generation, sample: np.ndarray) -> Any:
     """Train T's index on ``sample`` with the source's index options (refine, PQ bits)."""
-    from services.index.core.train import TARGET_RECALL, TrainOptions, train_index
 
     source_manifest = _manifest(ctx.source().index_dir)
     options = TrainOptions(

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from services.common.errors import RetrievalError
 from services.index.client.addresses import parse_shard_addresses
-from services.rpc.tls import ClientTLS
+from services.rpc.status import error_from_rpc
+from services.rpc.tls import ClientTLS, aio_channel
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,6 @@ async def replica_stats(
     import grpc
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
-    from services.rpc.status import error_from_rpc
-    from services.rpc.tls import aio_channel
 
     async with aio_channel(address, tls) as channel:
         try:
