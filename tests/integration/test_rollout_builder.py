@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,11 +43,11 @@ from services.generations.progress import Progress
 from services.generations.registry import EncoderSpec, Registry
 from services.generations.replicas import ReplicaStats, all_stats
 from services.generations.state import RolloutStore
-from services.index.client.connection import StoreConnection
-from services.index.client.writer import ChangeLogWriter, DocRecord
+from services.index.client.writer import DocRecord
 from services.index.keys import CLOSED, CPU_PLACED_KEY, LAYOUT_KEY, GenerationKeys, Layout
 from services.process.redis_client import sync_client
 from tests.support.generation_logs import changes, folded
+from tests.support.hash_store import write_async
 from tests.support.processes import RedisServer, wait_until
 from tests.support.redis_cluster import RedisCluster
 from tests.support.shards import ShardProcess, start_shard, train_test_index
@@ -102,17 +102,10 @@ def _docs(start: int, n: int, tag: str = "") -> list[DocRecord]:
     return out
 
 
-async def _write(
+def _write(
     url: str, keys: GenerationKeys, upserts: list[DocRecord], deletes: Sequence[str] = ()
-) -> None:
-    writer = ChangeLogWriter(StoreConnection(url, keys.layout.base), DIM, keys=keys)
-    try:
-        for i in range(0, len(upserts), 32):
-            await writer.upsert(upserts[i : i + 32])
-        if deletes:
-            await writer.delete(list(deletes))
-    finally:
-        await writer.connection.close()
+) -> Coroutine[Any, Any, None]:
+    return write_async(url, keys, upserts, deletes, dim=DIM, batch=32)
 
 
 def _write_now(

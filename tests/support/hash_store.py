@@ -58,22 +58,32 @@ def doc(i: int, tag: str = "") -> DocRecord:
     )
 
 
+async def write_async(
+    url: str,
+    keys: GenerationKeys,
+    upserts: list[DocRecord],
+    deletes: Sequence[str] = (),
+    *,
+    dim: int = DIM,
+    batch: int = 16,
+) -> None:
+    """Write through the real writer into ``keys``' generation, ``batch`` upserts a call
+    (the rollout tests of another dimension use it too)."""
+    writer = ChangeLogWriter(StoreConnection(url, keys.layout.base), dim, keys=keys)
+    try:
+        for i in range(0, len(upserts), batch):
+            await writer.upsert(upserts[i : i + batch])
+        if deletes:
+            await writer.delete(list(deletes))
+    finally:
+        await writer.connection.close()
+
+
 def write(
     url: str, keys: GenerationKeys, upserts: list[DocRecord], deletes: Sequence[str] = ()
 ) -> None:
     """Write through the real writer into ``keys``' generation."""
-
-    async def run() -> None:
-        writer = ChangeLogWriter(StoreConnection(url, keys.layout.base), DIM, keys=keys)
-        try:
-            for i in range(0, len(upserts), 16):
-                await writer.upsert(upserts[i : i + 16])
-            if deletes:
-                await writer.delete(list(deletes))
-        finally:
-            await writer.connection.close()
-
-    asyncio.run(run())
+    asyncio.run(write_async(url, keys, upserts, deletes))
 
 
 def expected(record: DocRecord) -> tuple[float, ...]:
