@@ -72,7 +72,7 @@ class SearchPipeline:
     metrics: GatewayMetrics | None = None
     default_timeout_s: float = DEFAULT_TIMEOUT_S
     # 0..1, how far in-flight requests are past the high-water mark (1: at the limit);
-    # services.rpc.server.Admission.pressure. Rerank is shed by it.
+    # services.rpc.admission.Admission.pressure. Rerank is shed by it.
     pressure: Callable[[], float] = field(default=lambda: 0.0)
     # Query embeddings kept in Redis (--query-cache); None: every query is encoded.
     query_cache: QueryEmbeddingCache | None = None

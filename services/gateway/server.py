@@ -43,10 +43,11 @@ from services.index.core import coarse
 from services.process.logs import configure_logging
 from services.process.redis_client import async_client, parse_redis_url
 from services.rerank.depths import depth_table
+from services.rpc.admission import Admission
 from services.rpc.auth import AuthInterceptor
 from services.rpc.balance import Balancing
 from services.rpc.metrics import RpcMetrics
-from services.rpc.server import Admission, Server, create_server, serve_started
+from services.rpc.server import Server, create_server, serve_started
 from services.rpc.settings import load_settings
 from services.rpc.tls import ClientTLS
 
@@ -315,6 +316,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         settings.retry_after_ms,
         high_water=settings.shed_high_water,
         cost=admission_cost,
+        client_share=settings.client_share,
     )
     search = SearchPipeline(
         source,

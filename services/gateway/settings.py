@@ -166,6 +166,15 @@ class GatewaySettings(RedisSettings, ClientTLSSettings):
         description="Lowercase texts in the cache key: only for an uncased model whose "
         "tokenizer lowercases anyway (all-MiniLM-L6-v2 yes, GTR no).",
     )
+    client_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of --max-in-flight one client may hold once in-flight units pass "
+        "--shed-high-water: its next call is refused RESOURCE_EXHAUSTED with the hint, so "
+        "one client's burst leaves room for the others. A client is its bearer token, else "
+        "its connection; its first call is never refused by its share. 1 = no share.",
+    )
     shed_high_water: float = Field(
         0.75,
         gt=0,

@@ -2,7 +2,8 @@
 
 Servers
     ``server`` (``create_server(...) -> (server, port)``: health, reflection, admission,
-    graceful stop), ``interceptors`` (their base), ``status`` (the one map from domain
+    graceful stop), ``admission`` (the in-flight limit and a client's share of it),
+    ``interceptors`` (their base), ``status`` (the one map from domain
     errors to gRPC codes), ``auth`` (bearer tokens), ``wire`` (fields sent with the wrong
     wire type), ``metrics`` (Prometheus, one injected registry per process),
     ``settings`` (the settings every service shares, and how they are loaded).

@@ -7,7 +7,11 @@ control (``max_in_flight``: unary calls over the limit are refused RESOURCE_EXHA
 with a ``retry-after-ms`` hint in the trailing metadata, and the same value as gRPC's own
 ``grpc-retry-pushback-ms`` so that a client's retry policy waits it, before any work;
 a full store's refusal says "no retry" (``services.rpc.status.trailing_metadata``);
-health and reflection are exempt) and, when the service gives it a check, a health watcher that
+health and reflection are exempt; a client's share of the limit under load,
+:mod:`services.rpc.admission`), a bound on the streams one connection may have open
+(``max_streams_per_connection``: one client's tiny-deadline flood cannot fill gRPC's
+backlog of calls for everyone, docs/architecture.md "One client's flood") and, when the
+service gives it a check, a health watcher that
 keeps the health status true to that check (:meth:`Server.watch`).
 """
 
@@ -18,7 +22,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from services.common import errors
+from services.rpc.admission import Admission, client_key
 from services.rpc.interceptors import HandlerInterceptor
 from services.rpc.metrics import RpcMetrics, serve_metrics
 from services.rpc.settings import ServiceSettings
@@ -40,88 +45,6 @@ log = logging.getLogger(__name__)
 
 # Never refused by admission control: probes must answer when the server is full.
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-class AdmissionRefused(errors.Overloaded):
-    """Over the in-flight limit: RESOURCE_EXHAUSTED (as every Overloaded), with a hint of
-    when to retry that the interceptor puts in the trailing metadata (``retry-after-ms``
-    and ``grpc-retry-pushback-ms``)."""
-
-    def __init__(self, message: str, retry_after_ms: int) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
-
-
-class Admission:
-    """The in-flight limit of one server, and how close to it the server is.
-
-    ``limit`` 0 admits everything. A call is counted from its admission to its end, so a
-    search waiting in a shard or for a deadline holds its place: that is the point, the
-    count is what the process has promised to answer. Above ``high_water`` (a share of
-    the limit) :meth:`pressure` rises from 0 to 1 at the limit: optional work (the
-    gateway's rerank) shrinks with it, before any call is refused.
-
-    ``cost`` (a request → how many of the limit's units it takes, at least 1; one call,
-    one unit without it) lets a service count what a call costs rather than calls: the
-    gateway counts a search by its hits (:func:`services.gateway.servicer.admission_cost`).
-    Counted by calls, 32 searches at k=1000 (each ~1.5 MB of documents to fetch, convert
-    and send) saturated the gateway's event loop, the calls queued in gRPC before the
-    interceptor could refuse them, and of 1,000 concurrent ones 946 ended
-    DEADLINE_EXCEEDED and 35 were refused; counted by hits 526 and 402
-    (``bench/overload.py``, docs/architecture.md says what is left). A call that costs
-    more than the whole limit is admitted alone. When not one unit is left (:meth:`full`)
-    a call is refused from its headers, before its request is read.
-    """
-
-    def __init__(
-        self,
-        limit: int = 0,
-        retry_after_ms: int = 100,
-        high_water: float = 0.75,
-        cost: Callable[[Any], int] | None = None,
-    ) -> None:
-        self.limit = limit
-        self.retry_after_ms = retry_after_ms
-        self.high_water = int(limit * high_water)
-        self.in_flight = 0
-        self.cost = cost
-
-    def pressure(self) -> float:
-        """0 up to the high-water mark, then the used share of the room above it (1 at the
-        limit); always 0 without a limit."""
-        if not self.limit or self.in_flight <= self.high_water:
-            return 0.0
-        return min(1.0, (self.in_flight - self.high_water) / (self.limit - self.high_water))
-
-    def units(self, request: Any) -> int:
-        """What ``request`` takes of the limit: 1..limit (1 without a ``cost``)."""
-        if self.cost is None or request is None or not self.limit:
-            return 1
-        return max(1, min(self.limit, int(self.cost(request))))
-
-    def full(self) -> bool:
-        """No room for even the cheapest call: what a call is refused on before its
-        request is read (:meth:`ErrorAndLatencyInterceptor.wrap`)."""
-        return bool(self.limit) and self.in_flight >= self.limit
-
-    def refusal(self, units: int = 1) -> AdmissionRefused:
-        takes = f"; this one takes {units}" if units > 1 else ""
-        return AdmissionRefused(
-            f"server busy: {self.in_flight} requests in flight (limit {self.limit}"
-            f"{takes}); retry after {self.retry_after_ms} ms",
-            self.retry_after_ms,
-        )
-
-    @contextlib.contextmanager
-    def admit(self, request: Any = None) -> Iterator[None]:
-        units = self.units(request)
-        if self.limit and self.in_flight + units > self.limit:
-            raise self.refusal(units)
-        self.in_flight += units
-        try:
-            yield
-        finally:
-            self.in_flight -= units
 
 
 @dataclass(frozen=True)
@@ -171,15 +94,16 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
             return self._refused(details)
         behavior = handler.unary_unary
         serialize = handler.response_serializer
-        admit: Callable[[Any], contextlib.AbstractContextManager[None]] = (
-            (lambda _request: contextlib.nullcontext())
+        admit: Callable[[Any, str], contextlib.AbstractContextManager[None]] = (
+            (lambda _request, _client: contextlib.nullcontext())
             if details.method.startswith(EXEMPT_PREFIXES)
             else self._admission.admit
         )
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._outcome(details, context):
-                with admit(None if isinstance(request, _Malformed) else request):
+                client = client_key(context.peer(), details.invocation_metadata)
+                with admit(None if isinstance(request, _Malformed) else request, client):
                     if isinstance(request, _Malformed):
                         raise errors.InvalidArgument(f"malformed request: {request.reason}")
                     reply = await behavior(request, context)
@@ -386,13 +310,16 @@ async def create_server(
     """
     max_bytes = settings.max_message_mb * 1024 * 1024
     if admission is None:
-        admission = Admission(settings.max_in_flight, settings.retry_after_ms)
+        admission = Admission(
+            settings.max_in_flight, settings.retry_after_ms, client_share=settings.client_share
+        )
     server = grpc.aio.server(
         interceptors=[ErrorAndLatencyInterceptor(metrics, admission, public), *interceptors],
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", settings.streams_per_connection()),
         ],
     )
     names = list(register(server))

@@ -48,6 +48,28 @@ class ServiceSettings(BaseSettings):
     retry_after_ms: int = Field(
         100, ge=1, description="The retry-after-ms hint of a request refused over the limit."
     )
+    client_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of --max-in-flight one client may hold once the server is past "
+        "its high-water mark (three quarters of the limit): its next call is refused "
+        "RESOURCE_EXHAUSTED with the hint, so one client's burst leaves room for the others. "
+        "A client is its bearer token, else its connection; its first call is never refused "
+        "by its share. 1 = no share (the default of internal services, whose one client is "
+        "the gateway).",
+    )
+    max_streams_per_connection: int | None = Field(
+        None,
+        ge=1,
+        description="HTTP/2 streams (calls) one client connection may have open at once; "
+        "beyond it gRPC refuses new streams (UNAVAILABLE, 'stream refused') until some end, "
+        "and a client's own gRPC queues calls past the limit it was told. Without it one "
+        "connection sending calls with a 5 ms deadline filled gRPC's server-wide backlog of "
+        "calls not yet handed to Python with expired calls, and gRPC refused other "
+        "clients' calls CANCELLED (docs/architecture.md, 'One client's flood'). Unset: "
+        "max(128, 2 x --max-in-flight).",
+    )
     health_interval_s: float = Field(
         1.0,
         gt=0,
@@ -85,6 +107,12 @@ class ServiceSettings(BaseSettings):
         if tls is not None:
             tls.check()
         return self
+
+    def streams_per_connection(self) -> int:
+        """``max_streams_per_connection``, or its default from ``max_in_flight``."""
+        if self.max_streams_per_connection is not None:
+            return self.max_streams_per_connection
+        return max(128, 2 * self.max_in_flight)
 
     def server_tls(self) -> ServerTLS | None:
         """This server's TLS configuration (None: plaintext)."""

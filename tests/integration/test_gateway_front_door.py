@@ -91,7 +91,8 @@ async def front_door(
     reranker: Reranker | None = None
     gw: Gateway | None = None
     try:
-        extra: dict[str, object] = dict(gateway)
+        # one channel holds every call here: no per-client share unless a test sets one
+        extra: dict[str, object] = {"client_share": 1.0, **gateway}
         if rerank is not None:
             reranker = await start_rerank(RerankSettings(port=0, checkpoint=str(rerank), threads=1))
             table = tmp / "depths.json"
@@ -471,5 +472,42 @@ def test_a_query_over_the_term_limit_is_refused_before_it_is_encoded(
             dense = search_pb2.SearchRequest(query=words, k=5, mode=search_pb2.RETRIEVAL_MODE_DENSE)
             assert len((await front.search.Search(dense, timeout=30)).hits) == 5
             assert _encodes(front) == before + 1  # the counter does count encodes
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_under_load_a_client_over_its_share_is_refused_while_another_is_admitted(
+    redis_url: str, index_dir: Path, tmp_path: Path
+) -> None:
+    """Issue #33 point 1: one client cannot take the whole admission limit. With a limit
+    of 8 (high water 6) and a share of half (4), a client holding 6 is refused its 7th
+    call, RESOURCE_EXHAUSTED naming its share, while another client (another connection)
+    is still admitted and answered. Without the share the 7th was admitted and the other
+    client's second call refused by the limit."""
+
+    async def scenario() -> None:
+        async with front_door(
+            redis_url, index_dir, tmp_path, max_in_flight=LIMIT, client_share=0.5
+        ) as front:
+            async with held(front, 6):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await front.search.Search(search_pb2.SearchRequest(query="x", k=1), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "this client holds 6" in (refused.value.details() or "")
+                trailing = dict(refused.value.trailing_metadata() or ())
+                assert trailing.get("retry-after-ms") == "100", trailing
+                address = f"127.0.0.1:{front.gateway.port}"
+                # a connection of its own (channels of one process share one by default)
+                local = [("grpc.use_local_subchannel_pool", 1)]
+                async with grpc.aio.insecure_channel(address, options=local) as other:
+                    stub = search_pb2_grpc.SearchServiceStub(other)
+                    answers = await asyncio.gather(
+                        *(
+                            stub.Search(search_pb2.SearchRequest(query=q, k=1), timeout=30)
+                            for q in ("topic", "doc")
+                        )
+                    )
+                assert all(len(a.hits) == 1 for a in answers), answers
 
     asyncio.run(scenario())

@@ -25,8 +25,9 @@ from services.index.server.service import ShardService
 from services.index.server.servicer import ShardServicer
 from services.index.server.settings import ShardSettings
 from services.process.logs import configure_logging
+from services.rpc.admission import Admission
 from services.rpc.metrics import RpcMetrics
-from services.rpc.server import Admission, Server, create_server, serve_started
+from services.rpc.server import Server, create_server, serve_started
 from services.rpc.settings import load_settings
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.errors import RetrievalError
 from services.index import convert
 from services.index.server.service import ShardService
-from services.rpc.server import Admission
+from services.rpc.admission import Admission
 from services.rpc.status import status_number
 
 log = logging.getLogger(__name__)
