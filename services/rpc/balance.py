@@ -131,6 +131,22 @@ class Endpoint:
         log.info("%s serves again", self.what)
 
 
+def reconnect_options(probe_every_s: float) -> list[tuple[str, int]]:
+    """The reconnect backoff of a channel to one server of a pool: from 0.1 s up to the
+    pool's ``probe_every_s`` (gRPC's default goes 1 s, x1.6, up to 120 s). A channel in
+    TRANSIENT_FAILURE fails its calls and the health probe at once until its next attempt,
+    so after a ten-second outage the default kept a server that served again out of the
+    calls for seconds more (issue #33: 3-4 s of partial answers after both replicas of a
+    shard were healthy; tests/integration/test_replica_recovery.py). The cost: a dead
+    server gets one connection attempt per ``probe_every_s``."""
+    most = max(100, int(probe_every_s * 1000))
+    return [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", most),
+    ]
+
+
 E = TypeVar("E", bound=Endpoint)
 
 

@@ -71,7 +71,7 @@ from services.common.errors import (
 from services.encoder.base import Embeddings, Encoder, validate_request, version_key
 from services.encoder.profiles import Kind
 from services.rpc import status
-from services.rpc.balance import Balancing, Endpoint, EndpointPool, tls_for
+from services.rpc.balance import Balancing, Endpoint, EndpointPool, reconnect_options, tls_for
 from services.rpc.discovery import is_dns_target, parse_addresses, parse_dns_target
 from services.rpc.retry import RetryPolicy, channel_options
 from services.rpc.tls import ClientTLS, Rotating
@@ -150,7 +150,7 @@ def triton_client(
 
     address = address or cfg.url
     tls = tls or cfg.tls
-    args = triton_channel_args(cfg.retry_policy())
+    args = [*triton_channel_args(cfg.retry_policy()), *reconnect_options(cfg.probe_every_s)]
     if tls is None:
         return InferenceServerClient(address, channel_args=args)
     # Triton started with --grpc-use-ssl (and --grpc-use-ssl-mutual for mTLS)

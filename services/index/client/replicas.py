@@ -65,7 +65,7 @@ from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, Overloaded, RetrievalError, Unavailable
 from services.index import convert
 from services.index.core.query import ShardAnswer
-from services.rpc.balance import Balancing, Endpoint, EndpointPool, tls_for
+from services.rpc.balance import Balancing, Endpoint, EndpointPool, reconnect_options, tls_for
 from services.rpc.discovery import DnsTarget
 from services.rpc.status import error_from_rpc, error_from_status
 from services.rpc.tls import ClientTLS, Rotating, aio_channel
@@ -239,7 +239,7 @@ class Replica(Endpoint):
         self._p95: float | None = None  # the hedge delay, once min_samples answers were seen
 
     def _connect(self) -> _Connection:
-        channel = aio_channel(self.address, self.tls)
+        channel = aio_channel(self.address, self.tls, reconnect_options(self.policy.probe_every_s))
         stub = index_pb2_grpc.IndexShardServiceStub(channel)
         return _Connection(channel, stub, ShardStream(stub, self.what))
 
