@@ -68,7 +68,7 @@ class ServiceSettings(BaseSettings):
         "connection sending calls with a 5 ms deadline filled gRPC's server-wide backlog of "
         "calls not yet handed to Python with expired calls, and gRPC refused other "
         "clients' calls CANCELLED (docs/architecture.md, 'One client's flood'). Unset: "
-        "max(128, 2 x --max-in-flight).",
+        "max(512, 4 x --max-in-flight).",
     )
     health_interval_s: float = Field(
         1.0,
@@ -112,7 +112,7 @@ class ServiceSettings(BaseSettings):
         """``max_streams_per_connection``, or its default from ``max_in_flight``."""
         if self.max_streams_per_connection is not None:
             return self.max_streams_per_connection
-        return max(128, 2 * self.max_in_flight)
+        return max(512, 4 * self.max_in_flight)
 
     def server_tls(self) -> ServerTLS | None:
         """This server's TLS configuration (None: plaintext)."""

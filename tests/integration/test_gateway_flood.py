@@ -88,9 +88,9 @@ def test_a_tiny_deadline_flood_from_one_client_fails_at_most_one_percent_of_the_
             flood, others = await asyncio.to_thread(
                 run_clients, f"127.0.0.1:{gw.port}", 8.0, flood_concurrency=64
             )
-            # the flood was one: thousands of calls a second, nearly all past their deadline
+            # the flood was one: thousands of calls a second, nearly all of them failed
             assert flood.calls_per_s >= 1000, flood
-            assert flood.codes.get("DEADLINE_EXCEEDED", 0) > flood.calls / 2, flood
+            assert flood.failed >= 0.9 * flood.calls, flood
             # the others searched all along and at most 1 % of their searches failed
             assert others.calls >= 100, others
             assert others.failed <= others.calls / 100, (others, flood)
