@@ -160,21 +160,23 @@ def encoder() -> Iterator[Encoder]:
     asyncio.run(enc.close())
 
 
-def _encoders(encoder: Encoder) -> Any:
+def _encoders(encoder: Encoder, calls: list[int] | None = None) -> Any:
     async def make(spec: EncoderSpec) -> Encoder:
-        return _Shared(encoder)
+        return _Shared(encoder, calls)
 
     return make
 
 
 class _Shared(Encoder):
-    """The module's encoder, not closed by the builder."""
+    """The module's encoder, not closed by the builder; ``calls`` counts its encodes."""
 
-    def __init__(self, inner: Encoder) -> None:
+    def __init__(self, inner: Encoder, calls: list[int] | None = None) -> None:
         self.inner, self.model_name, self.dim = inner, inner.model_name, inner.dim
         self.max_batch = inner.max_batch
+        self.calls = calls if calls is not None else []
 
     async def encode(self, texts: Any, kind: Any, timeout: float | None = None) -> Any:
+        self.calls.append(len(texts))
         return await self.inner.encode(texts, kind, timeout)
 
     async def close(self) -> None:
@@ -476,8 +478,12 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
         options = RolloutOptions(
             index_root=tmp_path / "generations", batch=32, sample=300, wait_for_shards=False
         )
-        builder = RolloutBuilder(client, _encoders(encoder), options, _WritesAfterP0(url, encoder))
+        calls: list[int] = []
+        writes = _WritesAfterP0(url, encoder)
+        builder = RolloutBuilder(client, _encoders(encoder, calls), options, writes)
         asyncio.run(builder.rollout(RolloutPlan(retrain=True)))
+        # no encoder call at all: the export's vectors, then the log entries' own
+        assert calls == []
     finally:
         for proc in shards:
             proc.stop()
@@ -492,6 +498,8 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
             assert body == expected[doc_id][1]
             # reused vectors: version 0; written after P0: replayed with their version
             assert version == (expected[doc_id][0] if doc_id in after_p0 else 0), doc_id
+        for d in writes.docs:  # replayed: the very vectors the writer logged
+            assert state[d.doc_id][2] == tuple(round(float(x), 4) for x in d.vector)
         # Every vector is the encoder's of the document's text, within SQ8's round trip.
         ids = sorted(expected)
         stored = [client.hgetall(G1.layout.doc(i)) for i in ids]

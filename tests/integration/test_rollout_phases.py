@@ -12,7 +12,8 @@ and the encoder stand-in are tests/support/hash_store.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,11 @@ import pytest
 
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, Unavailable
+from services.encoder.base import Encoder
 from services.generations import logs
 from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring
+from services.generations.encoding import embedding_text
 from services.generations.lifecycle import retire
 from services.generations.phase_bulk import run_bulk
 from services.generations.phase_catch_up import run_catch_up
@@ -39,10 +42,12 @@ from tests.support.hash_store import (
     G1,
     G2,
     SPEC,
+    HashEncoder,
     doc,
     expected,
     g1_store,
     hash_encoders,
+    vector,
     write,
 )
 
@@ -58,21 +63,29 @@ def store(redis_url: str, tmp_path: Path) -> Iterator[Any]:
 
 
 def _context(
-    client: Any, tmp_path: Path, phase: str, *, record: bool = True, **options: Any
+    client: Any,
+    tmp_path: Path,
+    phase: str,
+    *,
+    record: bool = True,
+    encoder: EncoderSpec = NEW,
+    encoders: Any = hash_encoders,
+    **options: Any,
 ) -> RolloutContext:
     """A rollout g1 -> g2 recorded in ``phase`` and claimed by this test (g2's record
-    written unless ``record`` is False)."""
+    written unless ``record`` is False), g2's encoder ``encoder`` (by default another
+    one than g1's: its vectors are re-embedded; g1's own, SPEC: a retrain)."""
     store = RolloutStore(client)
-    plan = RecordedPlan(SPEC, 2, False, "")
+    retrain = encoder == SPEC
+    plan = RecordedPlan(encoder, 2, retrain, "")
+    mode = "retrain" if retrain else "encode"
     started = store.start(
-        RolloutState(target="g2", source="g1", phase=phase, plan=plan, owner=OWNER)
+        RolloutState(target="g2", source="g1", mode=mode, phase=phase, plan=plan, owner=OWNER)
     )
     assert started is not None
     if record:
-        record_target(Registry(client), tmp_path, "g2", "g1", 2, SPEC, "encode", 0.0)
-    wiring = Wiring(
-        hash_encoders, options.pop("publisher", None), applied=options.pop("applied", None)
-    )
+        record_target(Registry(client), tmp_path, "g2", "g1", 2, encoder, mode, 0.0)
+    wiring = Wiring(encoders, options.pop("publisher", None), applied=options.pop("applied", None))
     return RolloutContext(
         client,
         Registry(client),
@@ -230,6 +243,59 @@ def test_catch_up_replays_the_writes_after_p0_into_the_target(
     assert set(replayed) == {"d3", "d70", "d71"}  # d5's delete leaves nothing alive
     assert all(replayed[d.doc_id][2] == expected(d) for d in late)
     assert [c[1] for c in changes(store, G2) if c[0] == "d5"] == ["d"]  # only its delete
+
+
+class CountingEncoders:
+    """The hash encoder stand-in, counting every text it is asked to encode."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    async def __call__(self, spec: EncoderSpec) -> Encoder:
+        return _Counted(self.texts)
+
+
+class _Counted(HashEncoder):
+    def __init__(self, texts: list[str]) -> None:
+        self.seen = texts
+
+    async def encode(self, texts: Sequence[str], kind: Any, timeout: float | None = None) -> Any:
+        self.seen.extend(texts)
+        return await super().encode(texts, kind, timeout)
+
+
+def test_catch_up_of_a_retrain_appends_the_logged_vectors_and_encodes_nothing(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    encoders = CountingEncoders()
+    ctx = _context(store, tmp_path, "p0", encoder=SPEC, encoders=encoders)
+    _run(ctx, run_p0)
+    # vectors no encoder of this test gives their text: only the log has them
+    late = [replace(doc(i, "late"), vector=vector(f"logged {i}")) for i in (3, 70, 71)]
+    write(redis_url, G1, late, deletes=["d5"])
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch" and state.positions == logs.tails(store, G1)
+    assert encoders.texts == []  # no encoder call at all
+    replayed = folded(store, G2)
+    assert set(replayed) == {"d3", "d70", "d71"}
+    for d in late:
+        assert replayed[d.doc_id][2] == tuple(round(float(x), 4) for x in d.vector)
+        assert replayed[d.doc_id][2] != expected(d)
+
+
+def test_catch_up_to_another_encoder_re_embeds_each_upsert(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    encoders = CountingEncoders()
+    ctx = _context(store, tmp_path, "p0", encoders=encoders)
+    _run(ctx, run_p0)
+    late = [replace(doc(i, "late"), vector=vector(f"logged {i}")) for i in (3, 70)]
+    write(redis_url, G1, late)
+    ctx.save(phase="catch_up")
+    _run(ctx, run_catch_up)
+    assert sorted(encoders.texts) == sorted(embedding_text(d.title, d.text) for d in late)
+    assert all(folded(store, G2)[d.doc_id][2] == expected(d) for d in late)
 
 
 def _ready_to_switch(store: Any, tmp_path: Path, **options: Any) -> RolloutContext:
