@@ -21,7 +21,7 @@ from services.generations.append import DeleteItem, TargetAppender, UpsertItem
 from services.generations.context import RolloutContext
 from services.generations.encoding import Embedder, embedding_text
 from services.generations.registry import Generation
-from services.index.changelog import text
+from services.index.changelog import target_vectors, text
 from services.index.keys import GenerationKeys
 
 
@@ -110,8 +110,9 @@ class _Entry:
     vectors: np.ndarray | None = None  # T's vectors, when the entry carries them
 
 
-def _parse_entry(fields: dict[bytes, bytes], logged: bool) -> _Entry:
-    """One of S's entries; with ``logged`` (T's encoder is S's) its vectors are T's."""
+def _parse_entry(fields: dict[bytes, bytes], logged: bool, identity: str) -> _Entry:
+    """One of S's entries; with ``logged`` (T's encoder is S's) its vectors are T's, else
+    the vectors the gateway's dual write logged by T's encoder (``identity``), if any."""
     ids = [str(i) for i in json.loads(fields[b"ids"])]
     if b"vers" in fields:
         versions = [int(v) for v in json.loads(fields[b"vers"])]
@@ -124,10 +125,12 @@ def _parse_entry(fields: dict[bytes, bytes], logged: bool) -> _Entry:
     tags = json.loads(fields.get(b"tags", b"null")) or [{}] * len(ids)
     rows = list(zip(titles or [""] * len(ids), texts or [""] * len(ids), strict=True))
     metas = [json.dumps(t, sort_keys=True) for t in tags]
-    vectors = None
+    vectors: np.ndarray | None
     if logged:
         dim = int(fields[b"dim"])
         vectors = np.frombuffer(fields[b"vecs"], dtype="<f4").reshape(len(ids), dim)
+    else:
+        vectors = target_vectors(fields, identity)
     return _Entry("u", ids, versions, rows, metas, texts, vectors)
 
 
@@ -139,9 +142,12 @@ async def _replay_entries(
     appender: TargetAppender,
 ) -> None:
     """Append a batch of S's entries in order: each upsert with the vectors the entry
-    carries for T (:func:`reuses_logged_vectors`), the others re-embedded together."""
-    logged = reuses_logged_vectors(ctx.source(), ctx.target())
-    parsed = [_parse_entry(fields, logged) for _, fields in entries]
+    carries for T (its own: :func:`reuses_logged_vectors`; or the dual write's by T's
+    encoder), the others re-embedded together."""
+    target = ctx.target()
+    logged = reuses_logged_vectors(ctx.source(), target)
+    identity = target.encoder.identity()
+    parsed = [_parse_entry(fields, logged, identity) for _, fields in entries]
     need: set[tuple[int, int]] = set()  # (entry, row) of the upserts whose text is missing
     for e, entry in enumerate(parsed):
         if entry.op == "u" and entry.texts is None:

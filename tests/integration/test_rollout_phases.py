@@ -12,16 +12,21 @@ and the encoder stand-in are tests/support/hash_store.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from services.common.domain import Document
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, Unavailable
-from services.encoder.base import Encoder
+from services.encoder.base import Embeddings, Encoder
+from services.gateway.document_pipeline import DocumentPipeline
+from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader
 from services.generations import logs
 from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring
@@ -33,9 +38,12 @@ from services.generations.phase_publish import record_target, run_create, run_p0
 from services.generations.phase_switch import run_switch
 from services.generations.phase_train import run_train
 from services.generations.progress import Progress
-from services.generations.registry import Registry
+from services.generations.registry import Generation, Registry
 from services.generations.state import RecordedPlan, RolloutState, RolloutStore
+from services.index.client.connection import StoreConnection
+from services.index.client.writer import ChangeLogWriter
 from services.index.keys import CLOSED
+from services.process.redis_client import sync_client
 from tests.support.generation_logs import changes, folded
 from tests.support.hash_store import (
     DIM,
@@ -296,6 +304,109 @@ def test_catch_up_to_another_encoder_re_embeds_each_upsert(
     _run(ctx, run_catch_up)
     assert sorted(encoders.texts) == sorted(embedding_text(d.title, d.text) for d in late)
     assert all(folded(store, G2)[d.doc_id][2] == expected(d) for d in late)
+
+
+# --- catch-up under writes: the gateway's dual write ----------------------------------
+
+
+class Salted(HashEncoder):
+    """An encoder stand-in per EncoderSpec: the vector of a text is a hash of the text and
+    the spec's digest (two encoders, two vectors); counts its texts, fails on "fail"
+    when ``failing`` (a Triton version that refuses)."""
+
+    model_name = "hash"
+
+    def __init__(self, spec: EncoderSpec, seen: list[str], failing: bool = False) -> None:
+        self.spec, self.seen, self.failing = spec, seen, failing
+        self.model_version, self.digest = spec.version, spec.digest
+
+    async def encode(self, texts: Sequence[str], kind: Any, timeout: float | None = None) -> Any:
+        if self.failing and any("fail" in t for t in texts):
+            raise Unavailable("the target's Triton version refuses")
+        self.seen.extend(texts)
+        return Embeddings(np.stack([salted(self.spec, t) for t in texts]), [False] * len(texts))
+
+
+# untitled upserts of the scenario: (number, text)
+SECOND_ENCODE = ((3, "x"), (102, "fail the second encode"), (103, "after the abort"))
+
+
+def salted(spec: EncoderSpec, text: str) -> np.ndarray:
+    return vector(f"{spec.digest}:{text}")
+
+
+def _rounded(v: np.ndarray) -> tuple[float, ...]:
+    return tuple(round(float(x), 4) for x in v)
+
+
+async def _gateway_writes(redis_url: str, gateway_seen: list[str]) -> list[str]:
+    """The gateway's GenerationSource and DocumentPipeline over the real registry and
+    writer: an upsert before the source's refresh saw the rollout, then (the refresh
+    done) upserts with the dual write on, one of them failing its second encode, then
+    one after the rollout ended; the dual encodes' outcomes."""
+    connection = StoreConnection(redis_url, 2)
+
+    async def bundle(gen: Generation) -> Bundle:
+        writer = ChangeLogWriter(connection, DIM, keys=gen.keys(2))
+        return Bundle(gen.name, Salted(gen.encoder, []), *[object()] * 3, writer)  # type: ignore[arg-type]
+
+    async def encoders(gen: Generation) -> tuple[Encoder, bool]:
+        return Salted(gen.encoder, gateway_seen, failing=True), True
+
+    outcomes: list[str] = []
+    # no background refresh: the test runs the refresh's steps itself
+    source = GenerationSource(
+        RedisAliasReader(connection.redis), bundle, refresh_s=3600, encoders=encoders
+    )
+    pipeline = DocumentPipeline(source, on_dual=outcomes.append)
+    try:
+        await source.start()
+        await pipeline.upsert([Document("d100", "before", "title 100")], 5.0)
+        await source.prepare_target()  # the refresh that reads the rollout
+        assert source.dual.current("g1") is not None and source.dual.current("g2") is None
+        await pipeline.upsert(
+            [Document("d101", "during", "title 101"), Document("d3", SECOND_ENCODE[0][1])], 5.0
+        )
+        await pipeline.upsert([Document("d102", SECOND_ENCODE[1][1])], 5.0)
+        Registry(sync_client(redis_url)).set_state("g2", "failed")  # as an abort leaves it
+        await source.prepare_target()
+        assert source.dual.current("g1") is None
+        await pipeline.upsert([Document("d103", SECOND_ENCODE[2][1])], 5.0)
+    finally:
+        await source.close()
+        await connection.close()
+    return outcomes
+
+
+def test_catch_up_takes_the_dual_writes_vectors_and_re_embeds_only_the_others(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    builder_seen: list[str] = []
+
+    async def builder_encoders(spec: EncoderSpec) -> Encoder:
+        return Salted(spec, builder_seen)
+
+    ctx = _context(store, tmp_path, "p0", encoders=builder_encoders)
+    _run(ctx, run_p0)
+    gateway_seen: list[str] = []
+    outcomes = asyncio.run(_gateway_writes(redis_url, gateway_seen))
+    assert outcomes == ["encoded", "failed"]
+    entries = [f for s in range(2) for _, f in store.xrange(G1.log(s))]
+    tagged = {i for f in entries if f.get(b"tenc") for i in json.loads(f[b"ids"])}
+    assert tagged == {"d101", "d3"}  # the entries written while the dual write was on
+    Registry(store).set_state("g2", "building")  # the catch-up of the rollout as it ran
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch"
+    text = {i: embedding_text(f"title {i}", t) for i, t in ((100, "before"), (101, "during"))}
+    text |= {i: embedding_text("", t) for i, t in SECOND_ENCODE}
+    # re-embedded: written before the dual write, its second encode failed, or after
+    assert sorted(builder_seen) == sorted(text[i] for i in (100, 102, 103))
+    assert sorted(gateway_seen) == sorted([text[101], text[3]])
+    replayed = folded(store, G2)
+    for i in (100, 101, 3, 102, 103):  # every one with the target encoder's vector
+        assert replayed[f"d{i}"][2] == _rounded(salted(NEW, text[i])), i
+        assert replayed[f"d{i}"][2] != _rounded(salted(SPEC, text[i]))
 
 
 def _ready_to_switch(store: Any, tmp_path: Path, **options: Any) -> RolloutContext:
