@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.rollout_writes import check_writes, dual_counts
+from bench.rollout_writes import check_writes, dual_counts, hold_source
 from services.process import cpus as cpu_sets
 
 SHARED = Path(
@@ -397,6 +397,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runner = asyncio.ensure_future(load.run())
                 try:
                     await asyncio.sleep(args.before_s)  # the measured window before
+                    held = stack.redis()
+                    hold_source(held)  # the write check reads its logs after the switch
+                    held.close()
                     marks["rollout_start"] = time.monotonic()
                     with watch:
                         done = await asyncio.to_thread(

@@ -1,5 +1,7 @@
 """What ``bench.rollout`` checks of the writes made during a rollout (issue #33 point 2):
 that none acknowledged is lost, and how many log entries carried the target's vectors.
+The source's logs are held from before the rollout (:func:`hold_source`): after the
+switch its shards would trim the entries the check reads.
 
 *Lost*: every upsert or delete the source generation acknowledged after P0 (its write
 token names the source; it is in the source's log at the token's position, and the
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common import positions
+from services.generations import logs
 from services.generations.registry import Registry
 
 
@@ -24,6 +27,21 @@ from services.generations.registry import Registry
 class WriteCheck:
     checked: int  # acknowledged writes of the source after P0
     lost: list[str]  # "id@version" of those the target does not hold
+
+
+HOLD = "bench:writes"
+
+
+def hold_source(client: Any) -> str:
+    """Keep the serving generation's shards from trimming its logs (a registration like
+    a replica's, at 0-0, without heartbeat: never stale) so that :func:`check_writes` can
+    read every write's entry after the switch, when the rollout's own hold is gone and
+    the previous generation's shards trim; the generation's name."""
+    registry = Registry(client)
+    serving = registry.serving()
+    keys = registry.keys(serving)
+    logs.hold(client, keys, {s: positions.ZERO for s in range(keys.num_shards)}, HOLD, False)
+    return serving.name
 
 
 def _version_at(client: Any, key: str, position: str, doc_id: str) -> int | None:
@@ -79,4 +97,4 @@ def dual_counts(client: Any, source: str, p0: dict[int, str]) -> dict[str, int]:
     return out
 
 
-__all__ = ["WriteCheck", "check_writes", "dual_counts"]
+__all__ = ["WriteCheck", "check_writes", "dual_counts", "hold_source"]

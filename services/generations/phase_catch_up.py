@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +21,12 @@ from services.generations import documents, logs
 from services.generations.append import DeleteItem, TargetAppender, UpsertItem
 from services.generations.context import RolloutContext
 from services.generations.encoding import Embedder, embedding_text
+from services.generations.held import enforce_bound, lag_and_added, lag_of
 from services.generations.registry import Generation
 from services.index.changelog import target_vectors, text
 from services.index.keys import GenerationKeys
+
+log = logging.getLogger(__name__)
 
 
 async def run_catch_up(ctx: RolloutContext) -> None:
@@ -71,24 +75,24 @@ async def replay(ctx: RolloutContext, until: dict[int, str] | None) -> int:
             ctx.save(positions=dict(done), replayed=dict(replayed))
             ctx.hold(src, {shard: position}, f"rollout:{target.name}")
             ctx.progress.advance(len(entries))  # type: ignore[arg-type]
-            lag = lag_of(ctx)
-            if lag is not None:
-                ctx.progress.lag(lag)
+            _report(ctx, bounded=until is None)
     return count
 
 
-def lag_of(ctx: RolloutContext) -> int | None:
-    """Entries of S's logs not yet replayed (from Redis's count of entries added); None
-    when the count at the start is unknown (a rollback to a generation switched away from
-    before that count was recorded)."""
-    src = ctx.keys(ctx.source())
-    added0, replayed = ctx.state.added0, ctx.state.replayed
-    if not added0:
-        return None
-    return sum(
-        max(0, logs.entries_added(ctx.client, src.log(s)) - added0.get(s, 0) - replayed.get(s, 0))
-        for s in range(src.num_shards)
-    )
+def _report(ctx: RolloutContext, bounded: bool) -> None:
+    """The lag and the write rate to the progress, a warning while the replay does not
+    gain on the writes, and (``bounded``: not the switch's last replay, when the writes
+    are paused) the bound on the entries held."""
+    got = lag_and_added(ctx)
+    if got is None:
+        return
+    ctx.progress.catch_up(*got)
+    warning = ctx.progress.behind()
+    if warning is not None:
+        log.warning("%s", warning)
+        ctx.progress.message(warning)
+    if bounded:
+        enforce_bound(ctx, got[0])
 
 
 def reuses_logged_vectors(source: Generation, target: Generation) -> bool:

@@ -31,6 +31,7 @@ from services.generations import logs
 from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring
 from services.generations.encoding import embedding_text
+from services.generations.errors import HeldEntriesExceeded
 from services.generations.lifecycle import retire
 from services.generations.phase_bulk import run_bulk
 from services.generations.phase_catch_up import run_catch_up
@@ -407,6 +408,35 @@ def test_catch_up_takes_the_dual_writes_vectors_and_re_embeds_only_the_others(
     for i in (100, 101, 3, 102, 103):  # every one with the target encoder's vector
         assert replayed[f"d{i}"][2] == _rounded(salted(NEW, text[i])), i
         assert replayed[f"d{i}"][2] != _rounded(salted(SPEC, text[i]))
+
+
+def test_a_rollout_holding_more_entries_than_its_bound_is_aborted_and_releases_its_hold(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    ctx = _context(store, tmp_path, "p0", max_held_entries=3)
+    _run(ctx, run_p0)
+    for i in range(4):  # 4 writes after P0, each an entry of its shard's log
+        write(redis_url, G1, [doc(i, "written during the bulk")])
+    ctx.save(phase="bulk")
+    with pytest.raises(HeldEntriesExceeded, match="held 4 entries of g1's logs, more than"):
+        _run(ctx, run_bulk)
+    registry = Registry(store)
+    assert RolloutStore(store).load() is None  # the rollout ended
+    assert registry.get("g2").state == "failed" and "max held" in registry.get("g2").note
+    assert all(store.hget(G1.snapshots(s), "rollout:g2") is None for s in range(2))
+    assert {registry.gate(G1.layout, s) for s in range(2)} == {"g1"}
+    assert registry.alias().serving == "g1"
+
+
+def test_within_its_bound_the_same_rollout_goes_on(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    ctx = _context(store, tmp_path, "p0", max_held_entries=4)
+    _run(ctx, run_p0)
+    for i in range(4):
+        write(redis_url, G1, [doc(i, "written during the bulk")])
+    ctx.save(phase="bulk")
+    assert _run(ctx, run_bulk).phase == "catch_up"
 
 
 def _ready_to_switch(store: Any, tmp_path: Path, **options: Any) -> RolloutContext:
