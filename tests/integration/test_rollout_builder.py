@@ -196,9 +196,15 @@ class _WritesDuringTheRollout(Progress):
     """Writes after P0 (at the bulk's start) and right before the switch closes the
     gates; starts the target's shard processes once it is trained."""
 
-    def __init__(self, url: str, client: Any, work: Path, shards: list[ShardProcess]) -> None:
+    def __init__(
+        self, url: str, client: Any, work: Path, shards: list[ShardProcess], encoder: Encoder
+    ) -> None:
         super().__init__()
         self.url, self.client, self.work, self.shards = url, client, work, shards
+        # the writes carry the encoder's vectors, as the gateway's do (encoded here:
+        # phase() runs inside the builder's event loop)
+        self.at_bulk = _encoded(encoder, _docs(300, 20) + _docs(0, 10, " updated"))
+        self.at_switch = _encoded(encoder, _docs(400, 5))
         self.hand_over: threading.Thread | None = None
         self.gates_at_hand_over: set[str] = set()
 
@@ -208,7 +214,7 @@ class _WritesDuringTheRollout(Progress):
             _write_now(
                 self.url,
                 G1,
-                _docs(300, 20) + _docs(0, 10, " updated"),
+                self.at_bulk,
                 deletes=[f"d{i}" for i in range(10, 20)],
             )
             target = Registry(self.client).get("g2")
@@ -227,7 +233,7 @@ class _WritesDuringTheRollout(Progress):
                 )
             Registry(self.client).set_addresses("g2", ";".join(p.address for p in self.shards))
         if name == "switch":
-            _write_now(self.url, G1, _docs(400, 5), deletes=["d20", "d21", "d22"])
+            _write_now(self.url, G1, self.at_switch, deletes=["d20", "d21", "d22"])
             # A local stack with a CPU budget still holds g2's processes on it: the
             # builder must wait for its hand-over before it closes the writes.
             self.client.set(CPU_PLACED_KEY, "g2", ex=120)
@@ -249,7 +255,7 @@ def rolled_out(
     work = tmp_path_factory.mktemp("rollout")
     client = _new_store(module_redis, 300)
     shards: list[ShardProcess] = []
-    progress = _WritesDuringTheRollout(module_redis, client, work, shards)
+    progress = _WritesDuringTheRollout(module_redis, client, work, shards, encoder)
     options = RolloutOptions(
         index_root=work / "generations", batch=32, sample=300, shard_wait_s=120.0, hand_over_s=60.0
     )
@@ -276,7 +282,8 @@ def test_a_rollout_to_3_shards_holds_exactly_the_acknowledged_documents(
     assert {i: (v, body) for i, (v, body, _) in state.items()} == expected
     # The documents were copied into the 3-shard layout with their versions.
     assert _store_state(client, g2.layout) == expected
-    # Each vector is the new encoder's of the document's text.
+    # Each vector is the encoder's of the document's text (the bulk's re-embedded, the
+    # replayed writes' as the writer logged them: a reshard keeps the encoder).
     some = sorted(expected)[:8]
     docs = [client.hgetall(G1.layout.doc(i)) for i in some]
     texts = [embedding_text(d[b"title"].decode(), d[b"text"].decode()) for d in docs]
