@@ -29,12 +29,23 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   for a p99 to say where the time went), with when the load saw the alias move and the
   writes that ended in it.
 
+* the writes (issue #33 point 2): ``writes_per_s`` (acknowledged during the rollout,
+  measured; ``writes_per_s_asked`` the load's rate), ``catch_up_entries_per_s`` (entries
+  the builder replayed in its catch_up phase ÷ its seconds), ``entries_with_target_vectors``
+  of ``upsert_entries_since_p0`` (the gateway's dual write), and ``lost_writes``: the
+  acknowledged writes after P0 whose id and version the new generation does not hold
+  (``bench/rollout_writes.py``; ``writes_checked`` of them).
+
+``--retrain`` rolls out ``index rollout --retrain`` instead (no in-process baseline;
+``bench/results/rollout_retrain_writes.json``).
+
 The phase watcher polls Redis from a process of its own: polling from a thread of this
 process took the GIL from the load generator's event loop during the rollout only.
 
-Usage: ``python -m bench.rollout [--docs 1500] [--before-s 30] [--encoder DIR] [--cpus
-last|LIST|none]``. Server, builder and client share this machine's cores: the figures are
-for a CPU-only machine where the rollout competes with serving. ``--cpus`` (default: the
+Usage: ``python -m bench.rollout [--docs 1500] [--before-s 30] [--encoder DIR | --retrain]
+[--writes-per-s 5] [--cpus last|LIST|none]``. Server, builder and client share this
+machine's cores: the figures are for a CPU-only machine where the rollout competes
+with serving. ``--cpus`` (default: the
 last CPU) is passed to ``index rollout --cpus`` (docs/generations.md "A rollout's CPU
 budget"); this process, the load generator, keeps off those CPUs once the stack runs (it
 stands in for callers on other machines). ``--cpus none``: no budget.
@@ -55,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.rollout_writes import check_writes, dual_counts, hold_source
 from services.process import cpus as cpu_sets
 
 SHARED = Path(
@@ -123,7 +135,10 @@ def p99_by_phase(searches: list[Any], marks: dict[str, float], end: float) -> di
     for n, (begin, phase) in enumerate(starts):
         stop = starts[n + 1][0] if n + 1 < len(starts) else end
         ok = [s for s in searches if begin <= s.start < stop and s.code == "OK"]
-        out[phase] = {"p99_ms": round(1e3 * p99([s.latency for s in ok]), 1), "searches": len(ok)}
+        out[phase] = {
+            "p99_ms": round(1e3 * p99([s.latency for s in ok]), 1) if ok else None,
+            "searches": len(ok),
+        }
         timed = [s for s in ok if s.stages]
         if timed:  # the gateway's stage p99s in this phase
             out[phase]["stages"] = {
@@ -179,11 +194,17 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
     reg = Registry(client)
     seen: dict[str, float] = {}
     bulk_appended, bulk_first = 0, None
+    replayed: dict[str, int] = {}  # entries replayed when each phase was first seen
+    names: dict[str, Any] = {}
     while not stop.is_set():
         state = reg.running()
         phase = state.phase if state is not None else None
         if phase:
             seen.setdefault(phase, time.monotonic())  # CLOCK_MONOTONIC: one for all processes
+        if state is not None and state.p0:
+            names = {"source": state.source, "target": state.target, "p0": state.p0}
+        if state is not None and phase:
+            replayed.setdefault(phase, sum(state.replayed.values()))
         if state is not None and phase == "bulk" and state.target:
             keys = reg.keys(reg.get(state.target))
             appended = sum(int(client.hlen(keys.logged(s))) for s in range(keys.num_shards))
@@ -191,7 +212,15 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
                 bulk_first = appended
             bulk_appended = max(bulk_appended, appended)
         time.sleep(0.02)
-    out.put({"seen": seen, "bulk_appended": bulk_appended, "bulk_first": bulk_first})
+    out.put(
+        {
+            "seen": seen,
+            "bulk_appended": bulk_appended,
+            "bulk_first": bulk_first,
+            "replayed": replayed,
+            "names": names,
+        }
+    )
 
 
 class PhaseWatch:
@@ -208,6 +237,8 @@ class PhaseWatch:
         self.seen: dict[str, float] = {}
         self.bulk_appended = 0  # documents in the target's lv hashes while in bulk
         self.bulk_first: int | None = None  # ...when the bulk phase was first seen
+        self.replayed: dict[str, int] = {}  # entries replayed when each phase was first seen
+        self.names: dict[str, Any] = {}  # source, target, p0
 
     def __enter__(self) -> PhaseWatch:
         self._proc.start()
@@ -220,6 +251,17 @@ class PhaseWatch:
         self.seen = result["seen"]
         self.bulk_appended = result["bulk_appended"]
         self.bulk_first = result["bulk_first"]
+        self.replayed = result["replayed"]
+        self.names = result["names"]
+
+    def catch_up_rate(self) -> tuple[float, int, float]:
+        """(entries/s, entries, seconds) the builder replayed in its catch_up phase: from
+        its first sighting to the switch phase's."""
+        if "catch_up" not in self.seen or "switch" not in self.seen:
+            return float("nan"), 0, float("nan")
+        n = self.replayed["switch"] - self.replayed["catch_up"]
+        seconds = self.seen["switch"] - self.seen["catch_up"]
+        return (n / seconds if seconds > 0 else float("nan")), n, seconds
 
     def bulk_seconds(self) -> float | None:
         """From the first sighting of the bulk phase to the first of a later one."""
@@ -227,6 +269,46 @@ class PhaseWatch:
             return None
         after = [t for phase, t in self.seen.items() if t > self.seen["bulk"]]
         return (min(after) - self.seen["bulk"]) if after else None
+
+
+def _writes_during(
+    stack: Any, writes: list[Any], watch: PhaseWatch, marks: dict[str, float]
+) -> dict[str, Any]:
+    """The writes' figures: the rate acknowledged during the rollout (measured), the
+    catch-up's replay rate, the log entries that carried the target's vectors, and the
+    acknowledged writes the new generation does not hold (``bench/rollout_writes.py``)."""
+    start, end = marks["rollout_start"], marks["rollout_end"]
+    acked = [w for w in writes if w.ok and start <= w.start < end]
+    rate, replayed, seconds = watch.catch_up_rate()
+    client = stack.redis()
+    try:
+        names = watch.names
+        p0_at = watch.seen.get("train", start)  # P0 is recorded before the train phase
+        checked = check_writes(client, writes, names["source"], names["target"], p0_at)
+        dual = dual_counts(client, names["source"], {int(k): v for k, v in names["p0"].items()})
+    finally:
+        client.close()
+    print(
+        f"writes: {len(acked) / (end - start):.1f}/s acknowledged during the rollout "
+        f"({len(acked)}; {sum(not w.ok for w in writes)} failed in all); catch-up replayed "
+        f"{replayed} entries in {seconds:.1f} s = {rate:.1f}/s; upsert entries since P0 "
+        f"{dual['upsert_entries']}, {dual['with_target_vectors']} with the target's "
+        f"vectors; {checked.checked} acknowledged writes after P0 checked, "
+        f"{len(checked.lost)} lost {checked.lost[:10]}"
+    )
+    return {
+        "writes_per_s": len(acked) / (end - start),
+        "writes_acked_during": len(acked),
+        "writes_failed": sum(not w.ok for w in writes),
+        "catch_up_entries_per_s": rate,
+        "catch_up_entries": replayed,
+        "catch_up_seconds": seconds,
+        "upsert_entries_since_p0": dual["upsert_entries"],
+        "entries_with_target_vectors": dual["with_target_vectors"],
+        "writes_checked": checked.checked,
+        "lost_writes": len(checked.lost),
+        "lost_examples": checked.lost[:10],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -246,6 +328,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--encoder", type=Path, help="new encoder (default: perturbed MiniLM)")
     parser.add_argument(
+        "--retrain",
+        action="store_true",
+        help="roll out `--retrain` (the serving encoder, the replicas' vectors) instead of "
+        "a new encoder; no in-process baseline (nothing is re-embedded). Default --out: "
+        "bench/results/rollout_retrain_writes.json",
+    )
+    parser.add_argument(
         "--cpus",
         default="last",
         help="the rollout's CPU budget (`index rollout --cpus`): 'last' (default: the "
@@ -253,8 +342,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "every CPU)",
     )
     parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/rollout.json"))
+    parser.add_argument("--out", type=Path, default=None, help="bench/results/rollout.json")
     args = parser.parse_args(argv)
+    if args.out is None:
+        name = "rollout_retrain_writes.json" if args.retrain else "rollout.json"
+        args.out = Path("bench/results") / name
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from services.encoder.build.export import export_onnx
@@ -268,20 +360,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
     with tempfile.TemporaryDirectory(prefix="gtr-bench-rollout-") as tmp_name:
         tmp = Path(tmp_name)
-        encoder = args.encoder or ensure_second_encoder(tmp)
         corpus = tmp / "corpus.jsonl"
         small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
         texts = _texts(corpus)
         onnx_path = tmp / "onnx" / "model.onnx"
-        export_onnx(encoder, onnx_path)
-        whole = inprocess_docs_per_s(onnx_path, texts, args.batch, len(machine))
-        print(f"in-process ONNX on every CPU ({len(machine)} threads): {whole:.1f} docs/s")
-        inproc = [_inprocess_on(budget, onnx_path, texts, args.batch, threads)]
-        print(
-            f"in-process ONNX on the rollout's CPUs ({threads} threads, batches of "
-            f"{args.batch}): {inproc[0]:.1f} docs/s",
-            flush=True,
-        )
+        whole, inproc = float("nan"), []
+        what = ["--retrain"]
+        if not args.retrain:
+            encoder = args.encoder or ensure_second_encoder(tmp)
+            what = ["--encoder", str(encoder)]
+            export_onnx(encoder, onnx_path)
+            whole = inprocess_docs_per_s(onnx_path, texts, args.batch, len(machine))
+            print(f"in-process ONNX on every CPU ({len(machine)} threads): {whole:.1f} docs/s")
+            inproc = [_inprocess_on(budget, onnx_path, texts, args.batch, threads)]
+            print(
+                f"in-process ONNX on the rollout's CPUs ({threads} threads, batches of "
+                f"{args.batch}): {inproc[0]:.1f} docs/s",
+                flush=True,
+            )
 
         run_dir = args.run_dir or tmp / "run"
         print(f"starting the stack on {args.docs} documents ({run_dir})", flush=True)
@@ -298,19 +394,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             marks: dict[str, float] = {}
             rollout_out = tmp / "rollout.log"
+            watch = PhaseWatch(stack.redis_url)
 
             async def scenario() -> subprocess.CompletedProcess[str]:
                 runner = asyncio.ensure_future(load.run())
                 try:
                     await asyncio.sleep(args.before_s)  # the measured window before
+                    held = stack.redis()
+                    hold_source(held)  # the write check reads its logs after the switch
+                    held.close()
                     marks["rollout_start"] = time.monotonic()
-                    with PhaseWatch(stack.redis_url) as watch:
+                    with watch:
                         done = await asyncio.to_thread(
                             stack.run_cli,
                             "index",
                             "rollout",
-                            "--encoder",
-                            str(encoder),
+                            *what,
                             "--batch",
                             str(args.batch),
                             "--sample",
@@ -326,6 +425,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     marks.update({f"phase_{k}": v for k, v in watch.seen.items()})
                     marks["bulk_seconds"] = watch.bulk_seconds() or float("nan")
                     marks["bulk_appended"] = watch.bulk_appended - (watch.bulk_first or 0)
+                    # a few seconds of writes to the new generation, then stop
+                    await asyncio.sleep(3.0)
                 finally:
                     load.stop()
                     await runner
@@ -336,7 +437,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise SystemExit(
                     f"index rollout failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
                 )
-        inproc.append(_inprocess_on(budget, onnx_path, texts, args.batch, threads))
+            writes = _writes_during(stack, load.record.writes, watch, marks)
+        if not args.retrain:
+            inproc.append(_inprocess_on(budget, onnx_path, texts, args.batch, threads))
 
     record = load.record
     print(f"timeline (rollout from {start_s(marks, load):.0f} s):\n{record.timeline(2.0)}")
@@ -348,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bulk_s = marks["bulk_seconds"]
     bulk_docs = int(marks["bulk_appended"])
     reembed = bulk_docs / bulk_s if bulk_s == bulk_s and bulk_s > 0 else float("nan")
-    inproc_rate = statistics.mean(inproc)
+    inproc_rate = statistics.mean(inproc) if inproc else float("nan")
     result: dict[str, Any] = {
         "docs": args.docs,
         "bulk_docs": bulk_docs,
@@ -369,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p99_before_ms": 1e3 * p99(ok_before),
         "p99_during_ms": 1e3 * p99(ok_during),
         "searches_per_s": args.searches_per_s,
-        "writes_per_s": args.writes_per_s,
+        "writes_per_s_asked": args.writes_per_s,
         "batch": args.batch,
         "threads": threads,
         "phases_s": {
@@ -379,6 +482,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }
     result["p99_during_over_before"] = result["p99_during_ms"] / result["p99_before_ms"]
+    result |= writes
+    result["mode"] = "retrain" if args.retrain else "encoder"
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)
     result["switch_searches"] = switch_searches(record, marks, end)
     # where a search's time goes, before and during: the gateway's own stage timings
@@ -401,7 +506,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"rollout ({len(during)}, {result['failed_during']} failed): "
         f"{result['p99_during_over_before']:.2f}x (goal <= 1.5)"
     )
-    line = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+    line = {
+        k: (None if v != v else round(v, 3)) if isinstance(v, float) else v  # NaN: null
+        for k, v in result.items()
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from services.cli import generation_handlers as handlers
-from services.cli.common import add_command, group_commands, positive_int
+from services.cli.common import add_command, group_commands, non_negative_int, positive_int
 from services.cli.generation_handlers import COST, ENCODER_KEPT
 
 __all__ = ["COST", "ENCODER_KEPT", "add_cli"]
@@ -134,6 +134,15 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             default=256,
             help="Switch once the replay is at most this many source log entries behind (256).",
         )
+    parser.add_argument(
+        "--max-held-entries",
+        type=non_negative_int,
+        default=200_000,
+        help="Abort the rollout (FAILED_PRECONDITION, its hold on the serving generation's "
+        "logs released, the writes staying there) once more than this many of their "
+        "entries wait to be replayed: a catch-up that cannot keep up with the writes must "
+        "not grow Redis without end (200000, about 1 GB at 384 dimensions; 0: no bound).",
+    )
     parser.add_argument(
         "--shard-wait-s",
         type=float,

@@ -180,6 +180,7 @@ def builder(
         sample=getattr(args, "sample", 100_000),
         parallel=getattr(args, "parallel", 2),
         switch_lag=getattr(args, "switch_lag", 256),
+        max_held_entries=getattr(args, "max_held_entries", 200_000),
         wait_for_shards=not getattr(args, "no_shard_wait", False),
         shard_wait_s=getattr(args, "shard_wait_s", 300.0),
     )

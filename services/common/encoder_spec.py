@@ -24,3 +24,13 @@ class EncoderSpec:
     dim: int = 0
     digest: str = ""
     source: str = ""  # the checkpoint folder it was exported from, for the record
+
+    def identity(self) -> str:
+        """What decides a document's vector: the model, the version (0 read as 1, as
+        above), the width, the weights' digest and the checkpoint folder (an in-process
+        encoder has no version nor digest, only its folder). Two generations whose
+        identities are equal give every text the same vector: a rollout between them
+        reuses the change log's vectors instead of encoding again, and a vector the
+        gateway logged for a rollout's target names the target's encoder by it
+        (docs/generations.md, "Catch-up under writes")."""
+        return f"{self.model}@{self.version or 1}/{self.dim}#{self.digest}|{self.source}"

@@ -1,7 +1,8 @@
 """The gateway's core for documents: writes = encode (only what the model reads, see
 :mod:`services.encoder.texts`) → store and log, in the serving index generation (encoded
 again with the new generation's encoder and written there, within the deadline, when a
-switch moves the writes meanwhile); reads by id.
+switch moves the writes meanwhile; during a rollout to another encoder, encoded with that
+one too and logged beside: :mod:`services.gateway.dual_write`); reads by id.
 
 No grpc here (see :mod:`services.gateway.pipeline`).
 """
@@ -9,6 +10,7 @@ No grpc here (see :mod:`services.gateway.pipeline`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,15 +18,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.deadline import Deadline
-from services.common.errors import DeadlineExceeded, GenerationMoved, NotFound, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    GenerationMoved,
+    NotFound,
+    RetrievalError,
+    Unavailable,
+)
 from services.common.limits import Limits
 from services.encoder.texts import cut_for_encoder
 from services.gateway import validation
 from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded
 from services.gateway.domain import Document, WriteResult
+from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S
 from services.gateway.generations import Bundle, GenerationSource, Serving
-from services.gateway.ports import DocRecord
+from services.gateway.ports import DocRecord, Encoder, TargetVectors
 from services.index.keys import CLOSED
+
+log = logging.getLogger(__name__)
 
 # A write refused by its writer gate (a switch of the serving generation) is written again
 # to the new serving generation after this pause, doubled per refusal up to the maximum,
@@ -50,6 +61,8 @@ class DocumentPipeline:
     default_timeout_s: float = DEFAULT_TIMEOUT_S
     # called once per write refused by a moved writer gate (the gateway's counter)
     on_moved: Callable[[], None] = field(default=lambda: None)
+    # called once per dual encode (services/gateway/dual_write.py): "encoded" | "failed"
+    on_dual: Callable[[str], None] = field(default=lambda outcome: None)
 
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline.after(self.default_timeout_s if timeout is None else timeout)
@@ -57,49 +70,86 @@ class DocumentPipeline:
     async def upsert(self, docs: Sequence[Document], timeout: float | None) -> WriteResult:
         """Encode (only what the model reads, see :mod:`services.encoder.texts`), then
         store the whole documents and log them, in the serving generation (encoded again
-        with the next one's encoder when a switch moves the writes meanwhile)."""
+        with the next one's encoder when a switch moves the writes meanwhile). While a
+        rollout to another encoder runs, the rollout target's vectors are logged beside
+        (:mod:`services.gateway.dual_write`)."""
         deadline = self._deadline(timeout)
         validation.check_documents(docs, self.limits)
         cuts = [cut_for_encoder(d.embedding_text) for d in docs]
         texts = [text for text, _ in cuts]
-        encoded: tuple[str, list[DocRecord], int] | None = None  # (encoder, records, cut)
+        # (vectors, truncated) by the encoder of the generation written to
+        # (encoder_identity), and by a rollout target's, by its name (None: failed)
+        own: dict[str, tuple[np.ndarray, int]] = {}
+        dual_done: dict[str, tuple[np.ndarray, int] | None] = {}
 
         async def write(serving: Serving, parts: Bundle) -> WriteResult:
-            nonlocal encoded
-            if encoded is None or encoded[0] != parts.encoder_id:
-                encoded = (
-                    parts.encoder_id,
-                    *await self._encode(parts, docs, texts, cuts, deadline),
-                )
-            _, records, truncated = encoded
-            token = await bounded(parts.writer.upsert(records), deadline, "the write")
+            dual = self.source.dual.current(serving.generation)
+            jobs: dict[str, Awaitable[tuple[np.ndarray, int] | None]] = {}
+            # a write moved by a switch into the target its dual write encoded for
+            # takes those vectors (the same generation's encoder)
+            if dual_done.get(serving.generation) is None and parts.encoder_id not in own:
+                jobs["own"] = self._encode(parts.encoder, texts, cuts, deadline)
+            if dual is not None and dual.target not in dual_done:
+                jobs["dual"] = self._dual_encode(dual.encoder, texts, cuts, deadline)
+            got = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
+            if got.get("own") is not None:
+                own[parts.encoder_id] = got["own"]  # type: ignore[assignment]
+            if dual is not None and "dual" in got:
+                dual_done[dual.target] = got["dual"]
+            mine = dual_done.get(serving.generation) or own[parts.encoder_id]
+            vectors, truncated = mine
+            records = [
+                DocRecord(d.id, vectors[i], d.title, d.text, dict(d.metadata))
+                for i, d in enumerate(docs)
+            ]
+            theirs = dual_done.get(dual.target) if dual is not None else None
+            target = TargetVectors(dual.identity, theirs[0]) if dual and theirs else None
+            token = await bounded(parts.writer.upsert(records, target), deadline, "the write")
             return WriteResult(token, len(docs), truncated=truncated, origin=serving.origin)
 
         return await self._write(write, deadline)
 
     async def _encode(
         self,
-        parts: Bundle,
-        docs: Sequence[Document],
+        encoder: Encoder,
         texts: list[str],
         cuts: list[tuple[str, bool]],
         deadline: Deadline,
-    ) -> tuple[list[DocRecord], int]:
-        step = max(1, parts.encoder.max_batch)
+    ) -> tuple[np.ndarray, int]:
+        """(the vectors of ``texts``, how many were truncated)."""
+        step = max(1, encoder.max_batch)
         chunks = await asyncio.gather(
             *[
-                parts.encoder.encode(texts[i : i + step], "document", timeout=deadline.remaining())
+                encoder.encode(texts[i : i + step], "document", timeout=deadline.remaining())
                 for i in range(0, len(texts), step)
             ]
         )
         vectors = np.concatenate([c.vectors for c in chunks])
         flags = [t for c in chunks for t in c.truncated]
         truncated = sum(f or cut for f, (_, cut) in zip(flags, cuts, strict=True))
-        records = [
-            DocRecord(d.id, vectors[i], d.title, d.text, dict(d.metadata))
-            for i, d in enumerate(docs)
-        ]
-        return records, truncated
+        return vectors, truncated
+
+    async def _dual_encode(
+        self,
+        encoder: Encoder,
+        texts: list[str],
+        cuts: list[tuple[str, bool]],
+        deadline: Deadline,
+    ) -> tuple[np.ndarray, int] | None:
+        """:meth:`_encode` with a rollout target's encoder, bounded by
+        :data:`~services.gateway.dual_write.DUAL_ENCODE_TIMEOUT_S`; None (counted,
+        logged, the write goes on without) when it fails or is late."""
+        left = deadline.remaining()
+        limit = DUAL_ENCODE_TIMEOUT_S if left is None else min(DUAL_ENCODE_TIMEOUT_S, left)
+        try:
+            async with asyncio.timeout(limit):
+                out = await self._encode(encoder, texts, cuts, deadline)
+        except (RetrievalError, TimeoutError) as exc:
+            self.on_dual("failed")
+            log.info("dual write: the rollout target's encode failed (%s); logged without", exc)
+            return None
+        self.on_dual("encoded")
+        return out
 
     async def delete(self, ids: Sequence[str], timeout: float | None = None) -> WriteResult:
         deadline = self._deadline(timeout)

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from services.common.domain import TokenOrigin, WriteToken
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.gateway.dual_write import DualWrites, EncoderFactory
 from services.gateway.ports import (
     DocumentStore,
     DocumentWriter,
@@ -240,11 +241,16 @@ class GenerationSource:
         *,
         refresh_s: float = DEFAULT_REFRESH_S,
         events: SourceEvents | None = None,
+        encoders: EncoderFactory | None = None,
     ) -> None:
         if refresh_s <= 0:
             raise ValueError("refresh_s must be positive")
         self._reader = reader
         self._build = build
+        # the dual write (services/gateway/dual_write.py), decided on each refresh;
+        # ``encoders`` builds a generation's encoder alone (None: no dual write)
+        self.dual = DualWrites(encoders)
+        self._serving_record: Generation | None = None
         self.refresh_s = refresh_s
         self._events: SourceEvents = events if events is not None else NoEvents()
         self._target = ""  # the rollout's target, as last read (its parts are kept)
@@ -339,6 +345,7 @@ class GenerationSource:
             self._refreshing.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._refreshing
+        await self.dual.close()
         for bundle in list(self._bundles.values()):
             await bundle.close()
         self._bundles.clear()
@@ -380,7 +387,7 @@ class GenerationSource:
             {int(s): p for s, p in record.switch_in.items()},
             alias.previous,
         )
-        self._serving = serving
+        self._serving, self._serving_record = serving, record
         if current is None or current.generation != serving.generation:
             log.info(
                 "generation %s serves (alias epoch %d, previous %s)",
@@ -404,13 +411,14 @@ class GenerationSource:
         serving = self._serving
         if dropped and dropped != target and serving is not None:  # aborted, or switched
             self._retire_others({serving.generation, serving.previous or "", target})
-        if not target or target in self._bundles:
-            return
-        try:
-            record = await self._reader.generation(target)
-        except NotFound:  # `index rollout --encoder` publishing: the record comes after
-            return
-        if record.state not in PREPARED_STATES:
+        record: Generation | None = None
+        if target:
+            try:
+                record = await self._reader.generation(target)
+            except NotFound:  # `index rollout --encoder` publishing: the record comes after
+                record = None
+        await self.dual.update(self._serving_record, record)
+        if record is None or target in self._bundles or record.state not in PREPARED_STATES:
             return
         try:
             bundle = await self._build(record)

@@ -234,6 +234,7 @@ class GenerationMetrics:
     serving_generation: Gauge
     moved_writes: Counter
     refresh_errors: Counter
+    dual_encodes: Counter
     _named: str = ""
 
     @classmethod
@@ -263,6 +264,13 @@ class GenerationMetrics:
                 "gateway_generation_alias_refresh_errors_total",
                 "Background reads of the generations alias that failed (the gateway serves on "
                 "with the generation it knows).",
+                registry=registry,
+            ),
+            dual_encodes=Counter(
+                "gateway_generation_dual_encodes_total",
+                "Upserts encoded with a rollout target's encoder too (the dual write): "
+                "outcome encoded, or failed (logged without; the rollout re-embeds it).",
+                ["outcome"],
                 registry=registry,
             ),
         )

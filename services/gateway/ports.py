@@ -18,6 +18,7 @@ from typing import Protocol
 
 from services.common.domain import Document, Hit, IndexResult, WriteToken
 from services.encoder.base import Encoder
+from services.index.changelog import TargetVectors
 from services.index.client.writer import DocRecord
 from services.index.core.query import IndexQuery
 
@@ -29,6 +30,7 @@ __all__ = [
     "IndexQuery",
     "LogTails",
     "Reranker",
+    "TargetVectors",
     "VectorIndex",
 ]
 
@@ -48,7 +50,12 @@ class VectorIndex(Protocol):
 class DocumentWriter(Protocol):
     """Stores documents and logs them to their shards, in one transaction per write."""
 
-    async def upsert(self, records: Sequence[DocRecord]) -> WriteToken: ...
+    async def upsert(
+        self, records: Sequence[DocRecord], target: TargetVectors | None = None
+    ) -> WriteToken:
+        """``target``: the records' vectors by a rollout target's encoder, logged beside
+        theirs (the dual write, :mod:`services.gateway.dual_write`)."""
+        ...
 
     async def delete(self, ids: Sequence[str]) -> tuple[WriteToken, list[str], list[str]]:
         """Returns (write token, deleted ids, ids that did not exist)."""

@@ -293,11 +293,13 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     store, num_shards = await _open_store(settings, encoder)
     generation_metrics = GenerationMetrics.create(registry)
     metrics = _gateway_metrics(settings, registry, encoder)
+    parts = GenerationParts(settings, store, num_shards, encoder)
     source = GenerationSource(
         RedisAliasReader(store.redis),
-        GenerationParts(settings, store, num_shards, encoder),
+        parts,
         refresh_s=settings.alias_refresh_ms / 1000.0,
         events=ServingEvents(generation_metrics, metrics),
+        encoders=parts.encoder,
     )
     try:
         serving = await source.start()
@@ -331,6 +333,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         source,
         default_timeout_s=settings.default_timeout_s,
         on_moved=generation_metrics.moved_writes.inc,
+        on_dual=lambda outcome: generation_metrics.dual_encodes.labels(outcome).inc(),
     )
     server, port = await create_server(
         settings,

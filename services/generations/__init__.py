@@ -20,6 +20,7 @@ Package map (module → role):
 - :mod:`.retrain`        a retrain's sample: the source replicas' vectors
 - :mod:`.phase_bulk`     phase ``bulk``: the SCAN re-embedded and appended
 - :mod:`.phase_catch_up` phase ``catch_up`` and the log replay the switch shares
+- :mod:`.held`           the source log entries a rollout holds (the lag) and their bound
 - :mod:`.phase_switch`   phase ``switch``: gates, last replay, alias, rollback hold
 - :mod:`.rollback`       rollback's start and the abort of a rollout
 - :mod:`.operations`     what ``index rollout | rollback | retire | generations`` decide:

@@ -49,6 +49,10 @@ class RolloutOptions:
     # a search waits behind the builder; smaller = less wait, more per-call overhead
     encode_batch: int = 16
     switch_lag: int = 256  # source log entries behind, at most, before the switch starts
+    # source log entries the rollout may hold (not yet replayed) before it is aborted
+    # (services/generations/held.py); 0: no bound. ~3-5 KB each in Redis at 384
+    # dimensions with a 1,000-character text: 200,000 is about 1 GB
+    max_held_entries: int = 200_000
     wait_for_shards: bool = True  # the switch waits for T's replicas to apply T's logs
     shard_wait_s: float = 300.0  # ...at most this long per attempt
     switch_attempts: int = 3

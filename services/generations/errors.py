@@ -35,3 +35,8 @@ class PlanRefused(InvalidArgument):
     def __init__(self, message: str, *, option: str) -> None:
         super().__init__(message)
         self.option = option
+
+
+class HeldEntriesExceeded(FailedPrecondition):
+    """A rollout held more of its source's log entries than ``--max-held-entries``: it
+    was aborted (services/generations/held.py)."""

@@ -11,6 +11,7 @@ import numpy as np
 from services.generations import documents
 from services.generations.context import RolloutContext
 from services.generations.encoding import append_documents
+from services.generations.held import enforce_bound, lag_of
 from services.generations.state import ScanCursor
 
 
@@ -34,6 +35,7 @@ async def run_bulk(ctx: RolloutContext) -> None:
         done += n
         ctx.progress.advance(n)
         ctx.save(cursor=after, done=done)
+        enforce_bound(ctx, lag_of(ctx))  # S's logs held meanwhile
 
     try:
         if not cursor.finished:

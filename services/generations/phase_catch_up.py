@@ -1,14 +1,19 @@
 """The ``catch_up`` phase: replay the source's logs into the target from the saved
-positions (each upsert re-embedded from its entry's text) until the lag is at most
-``switch_lag`` entries. The switch replays the rest with :func:`replay` too, and a
-rollback is this phase from the serving generation's ``switch_in``."""
+positions until the lag is at most ``switch_lag`` entries: each upsert with the entry's own
+vectors when the target's encoder is the source's (:func:`reuses_logged_vectors`: no
+Triton call), else re-embedded from its entry's text. The switch replays the rest with
+:func:`replay` too, and a rollback is this phase from the serving generation's
+``switch_in``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from services.common import positions
 from services.common.errors import FailedPrecondition
@@ -16,8 +21,12 @@ from services.generations import documents, logs
 from services.generations.append import DeleteItem, TargetAppender, UpsertItem
 from services.generations.context import RolloutContext
 from services.generations.encoding import Embedder, embedding_text
-from services.index.changelog import text
+from services.generations.held import enforce_bound, lag_and_added, lag_of
+from services.generations.registry import Generation
+from services.index.changelog import target_vectors, text
 from services.index.keys import GenerationKeys
+
+log = logging.getLogger(__name__)
 
 
 async def run_catch_up(ctx: RolloutContext) -> None:
@@ -66,24 +75,32 @@ async def replay(ctx: RolloutContext, until: dict[int, str] | None) -> int:
             ctx.save(positions=dict(done), replayed=dict(replayed))
             ctx.hold(src, {shard: position}, f"rollout:{target.name}")
             ctx.progress.advance(len(entries))  # type: ignore[arg-type]
-            lag = lag_of(ctx)
-            if lag is not None:
-                ctx.progress.lag(lag)
+            _report(ctx, bounded=until is None)
     return count
 
 
-def lag_of(ctx: RolloutContext) -> int | None:
-    """Entries of S's logs not yet replayed (from Redis's count of entries added); None
-    when the count at the start is unknown (a rollback to a generation switched away from
-    before that count was recorded)."""
-    src = ctx.keys(ctx.source())
-    added0, replayed = ctx.state.added0, ctx.state.replayed
-    if not added0:
-        return None
-    return sum(
-        max(0, logs.entries_added(ctx.client, src.log(s)) - added0.get(s, 0) - replayed.get(s, 0))
-        for s in range(src.num_shards)
-    )
+def _report(ctx: RolloutContext, bounded: bool) -> None:
+    """The lag and the write rate to the progress, a warning while the replay does not
+    gain on the writes, and (``bounded``: not the switch's last replay, when the writes
+    are paused) the bound on the entries held."""
+    got = lag_and_added(ctx)
+    if got is None:
+        return
+    ctx.progress.catch_up(*got)
+    warning = ctx.progress.behind()
+    if warning is not None:
+        log.warning("%s", warning)
+        ctx.progress.message(warning)
+    if bounded:
+        enforce_bound(ctx, got[0])
+
+
+def reuses_logged_vectors(source: Generation, target: Generation) -> bool:
+    """Whether T's vectors of S's log entries are the entries' own vectors: T's encoder is
+    S's (``--retrain``, a shard-count change, a rollback between two generations of one
+    encoder), by :meth:`EncoderSpec.identity`. Then the replay encodes nothing (no
+    Triton call); otherwise each upsert is re-embedded with T's encoder."""
+    return source.encoder.identity() == target.encoder.identity()
 
 
 @dataclass
@@ -94,9 +111,12 @@ class _Entry:
     rows: list[tuple[str, str]]
     metas: list[str]
     texts: list[str] | None
+    vectors: np.ndarray | None = None  # T's vectors, when the entry carries them
 
 
-def _parse_entry(fields: dict[bytes, bytes]) -> _Entry:
+def _parse_entry(fields: dict[bytes, bytes], logged: bool, identity: str) -> _Entry:
+    """One of S's entries; with ``logged`` (T's encoder is S's) its vectors are T's, else
+    the vectors the gateway's dual write logged by T's encoder (``identity``), if any."""
     ids = [str(i) for i in json.loads(fields[b"ids"])]
     if b"vers" in fields:
         versions = [int(v) for v in json.loads(fields[b"vers"])]
@@ -109,7 +129,13 @@ def _parse_entry(fields: dict[bytes, bytes]) -> _Entry:
     tags = json.loads(fields.get(b"tags", b"null")) or [{}] * len(ids)
     rows = list(zip(titles or [""] * len(ids), texts or [""] * len(ids), strict=True))
     metas = [json.dumps(t, sort_keys=True) for t in tags]
-    return _Entry("u", ids, versions, rows, metas, texts)
+    vectors: np.ndarray | None
+    if logged:
+        dim = int(fields[b"dim"])
+        vectors = np.frombuffer(fields[b"vecs"], dtype="<f4").reshape(len(ids), dim)
+    else:
+        vectors = target_vectors(fields, identity)
+    return _Entry("u", ids, versions, rows, metas, texts, vectors)
 
 
 async def _replay_entries(
@@ -119,8 +145,13 @@ async def _replay_entries(
     embedder: Embedder,
     appender: TargetAppender,
 ) -> None:
-    """Append a batch of S's entries in order (their upserts re-embedded together)."""
-    parsed = [_parse_entry(fields) for _, fields in entries]
+    """Append a batch of S's entries in order: each upsert with the vectors the entry
+    carries for T (its own: :func:`reuses_logged_vectors`; or the dual write's by T's
+    encoder), the others re-embedded together."""
+    target = ctx.target()
+    logged = reuses_logged_vectors(ctx.source(), target)
+    identity = target.encoder.identity()
+    parsed = [_parse_entry(fields, logged, identity) for _, fields in entries]
     need: set[tuple[int, int]] = set()  # (entry, row) of the upserts whose text is missing
     for e, entry in enumerate(parsed):
         if entry.op == "u" and entry.texts is None:
@@ -131,9 +162,7 @@ async def _replay_entries(
                     entry.rows[n] = (text(d.get(b"title", b"")), text(d.get(b"text", b"")))
                 else:
                     need.add((e, n))  # a newer version follows in the log
-    texts = [embedding_text(*row) for entry in parsed if entry.op == "u" for row in entry.rows]
-    vectors = await embedder.embed(texts) if texts else None
-    k = 0
+    await _embed_missing(embedder, parsed)
     for e, entry in enumerate(parsed):
         if entry.op == "d":
             await asyncio.to_thread(
@@ -141,13 +170,23 @@ async def _replay_entries(
                 [DeleteItem(i, v) for i, v in zip(entry.ids, entry.versions, strict=True)],
             )
             continue
-        assert vectors is not None
-        items = []
-        for n, doc_id in enumerate(entry.ids):
-            row = vectors[k]
-            k += 1
-            if (e, n) in need:
-                continue
-            title, body = entry.rows[n]
-            items.append(UpsertItem(doc_id, entry.versions[n], row, title, body, entry.metas[n]))
+        assert entry.vectors is not None
+        items = [
+            UpsertItem(doc_id, entry.versions[n], entry.vectors[n], *entry.rows[n], entry.metas[n])
+            for n, doc_id in enumerate(entry.ids)
+            if (e, n) not in need
+        ]
         await asyncio.to_thread(appender.upserts, items)
+
+
+async def _embed_missing(embedder: Embedder, parsed: list[_Entry]) -> None:
+    """Encode, in one call, the upserts of ``parsed`` that carry no vectors for T."""
+    todo = [entry for entry in parsed if entry.op == "u" and entry.vectors is None]
+    texts = [embedding_text(*row) for entry in todo for row in entry.rows]
+    if not texts:
+        return
+    vectors = await embedder.embed(texts)
+    k = 0
+    for entry in todo:
+        entry.vectors = vectors[k : k + len(entry.rows)]
+        k += len(entry.rows)

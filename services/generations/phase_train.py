@@ -20,6 +20,7 @@ from services.common.errors import FailedPrecondition
 from services.generations import documents
 from services.generations.context import RolloutContext
 from services.generations.encoding import append_documents
+from services.generations.held import enforce_bound, lag_of
 from services.generations.registry import Generation
 from services.generations.retrain import export_all
 from services.generations.state import ScanCursor
@@ -89,6 +90,7 @@ async def encode_sample(ctx: RolloutContext, target: Generation) -> np.ndarray:
         rows.append(vectors)
         have += vectors.shape[0]
         ctx.progress.advance(len(batch))
+        enforce_bound(ctx, lag_of(ctx))  # S's logs held meanwhile
         if have >= ctx.options.sample:
             cursor = after
             break

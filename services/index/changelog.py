@@ -16,6 +16,11 @@ stream entry carries a whole batch for one shard::
           do; entries of older writers have none and index an empty text)
     vers  JSON list of per-document versions (INCR of ``ver:{s}:<id>``, monotonic per doc)
     ver   (older writers) one ns timestamp for the whole batch
+    tenc, tdim, tvecs  (upserts written while a rollout to another encoder runs: the
+          gateway's dual write) the rollout target's encoder (``EncoderSpec.identity()``),
+          its dimension and the documents' vectors by it, packed as ``vecs``; the shards
+          ignore them, the rollout's catch-up appends them instead of encoding again
+          (:class:`TargetVectors`, docs/generations.md "Catch-up under writes")
 
 The entry ID (``<ms>-<seq>``) is the log position: monotonic per shard, so the order of
 a shard's log is the order in which every replica applies it (:class:`LogReader`, here:
@@ -69,6 +74,34 @@ def encode_upserts(
         entry["titles"] = json.dumps([title for title, _ in texts])
         entry["texts"] = json.dumps([text for _, text in texts])
     return entry
+
+
+@dataclass(frozen=True)
+class TargetVectors:
+    """An upsert's vectors by a rollout target's encoder (``identity``:
+    ``EncoderSpec.identity()``), one row per document, logged beside its own."""
+
+    identity: str
+    vectors: np.ndarray
+
+    def packed(self, n: int) -> tuple[int, list[bytes]]:
+        """(dimension, each row as ``tvecs`` packs it); ValueError unless there are ``n``
+        finite rows."""
+        rows = np.ascontiguousarray(self.vectors, dtype="<f4")
+        if rows.ndim != 2 or rows.shape[0] != n or not rows.shape[1]:
+            raise ValueError(f"target vectors of shape {rows.shape} for {n} documents")
+        if not np.isfinite(rows).all():
+            raise ValueError("target vectors: NaN or Inf values")
+        return rows.shape[1], [row.tobytes() for row in rows]
+
+
+def target_vectors(fields: Mapping[bytes, bytes], identity: str) -> np.ndarray | None:
+    """The entry's vectors by the encoder ``identity`` names (None: it carries none, or
+    another encoder's)."""
+    if fields.get(b"tenc") != identity.encode() or b"tvecs" not in fields:
+        return None
+    n = len(json.loads(fields[b"ids"]))
+    return np.frombuffer(fields[b"tvecs"], dtype="<f4").reshape(n, int(fields[b"tdim"]))
 
 
 def encode_deletes(ids: Sequence[str]) -> dict[str, bytes | str]:

@@ -160,21 +160,23 @@ def encoder() -> Iterator[Encoder]:
     asyncio.run(enc.close())
 
 
-def _encoders(encoder: Encoder) -> Any:
+def _encoders(encoder: Encoder, calls: list[int] | None = None) -> Any:
     async def make(spec: EncoderSpec) -> Encoder:
-        return _Shared(encoder)
+        return _Shared(encoder, calls)
 
     return make
 
 
 class _Shared(Encoder):
-    """The module's encoder, not closed by the builder."""
+    """The module's encoder, not closed by the builder; ``calls`` counts its encodes."""
 
-    def __init__(self, inner: Encoder) -> None:
+    def __init__(self, inner: Encoder, calls: list[int] | None = None) -> None:
         self.inner, self.model_name, self.dim = inner, inner.model_name, inner.dim
         self.max_batch = inner.max_batch
+        self.calls = calls if calls is not None else []
 
     async def encode(self, texts: Any, kind: Any, timeout: float | None = None) -> Any:
+        self.calls.append(len(texts))
         return await self.inner.encode(texts, kind, timeout)
 
     async def close(self) -> None:
@@ -194,9 +196,15 @@ class _WritesDuringTheRollout(Progress):
     """Writes after P0 (at the bulk's start) and right before the switch closes the
     gates; starts the target's shard processes once it is trained."""
 
-    def __init__(self, url: str, client: Any, work: Path, shards: list[ShardProcess]) -> None:
+    def __init__(
+        self, url: str, client: Any, work: Path, shards: list[ShardProcess], encoder: Encoder
+    ) -> None:
         super().__init__()
         self.url, self.client, self.work, self.shards = url, client, work, shards
+        # the writes carry the encoder's vectors, as the gateway's do (encoded here:
+        # phase() runs inside the builder's event loop)
+        self.at_bulk = _encoded(encoder, _docs(300, 20) + _docs(0, 10, " updated"))
+        self.at_switch = _encoded(encoder, _docs(400, 5))
         self.hand_over: threading.Thread | None = None
         self.gates_at_hand_over: set[str] = set()
 
@@ -206,7 +214,7 @@ class _WritesDuringTheRollout(Progress):
             _write_now(
                 self.url,
                 G1,
-                _docs(300, 20) + _docs(0, 10, " updated"),
+                self.at_bulk,
                 deletes=[f"d{i}" for i in range(10, 20)],
             )
             target = Registry(self.client).get("g2")
@@ -225,7 +233,7 @@ class _WritesDuringTheRollout(Progress):
                 )
             Registry(self.client).set_addresses("g2", ";".join(p.address for p in self.shards))
         if name == "switch":
-            _write_now(self.url, G1, _docs(400, 5), deletes=["d20", "d21", "d22"])
+            _write_now(self.url, G1, self.at_switch, deletes=["d20", "d21", "d22"])
             # A local stack with a CPU budget still holds g2's processes on it: the
             # builder must wait for its hand-over before it closes the writes.
             self.client.set(CPU_PLACED_KEY, "g2", ex=120)
@@ -247,7 +255,7 @@ def rolled_out(
     work = tmp_path_factory.mktemp("rollout")
     client = _new_store(module_redis, 300)
     shards: list[ShardProcess] = []
-    progress = _WritesDuringTheRollout(module_redis, client, work, shards)
+    progress = _WritesDuringTheRollout(module_redis, client, work, shards, encoder)
     options = RolloutOptions(
         index_root=work / "generations", batch=32, sample=300, shard_wait_s=120.0, hand_over_s=60.0
     )
@@ -274,7 +282,8 @@ def test_a_rollout_to_3_shards_holds_exactly_the_acknowledged_documents(
     assert {i: (v, body) for i, (v, body, _) in state.items()} == expected
     # The documents were copied into the 3-shard layout with their versions.
     assert _store_state(client, g2.layout) == expected
-    # Each vector is the new encoder's of the document's text.
+    # Each vector is the encoder's of the document's text (the bulk's re-embedded, the
+    # replayed writes' as the writer logged them: a reshard keeps the encoder).
     some = sorted(expected)[:8]
     docs = [client.hgetall(G1.layout.doc(i)) for i in some]
     texts = [embedding_text(d[b"title"].decode(), d[b"text"].decode()) for d in docs]
@@ -476,8 +485,12 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
         options = RolloutOptions(
             index_root=tmp_path / "generations", batch=32, sample=300, wait_for_shards=False
         )
-        builder = RolloutBuilder(client, _encoders(encoder), options, _WritesAfterP0(url, encoder))
+        calls: list[int] = []
+        writes = _WritesAfterP0(url, encoder)
+        builder = RolloutBuilder(client, _encoders(encoder, calls), options, writes)
         asyncio.run(builder.rollout(RolloutPlan(retrain=True)))
+        # no encoder call at all: the export's vectors, then the log entries' own
+        assert calls == []
     finally:
         for proc in shards:
             proc.stop()
@@ -492,6 +505,8 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
             assert body == expected[doc_id][1]
             # reused vectors: version 0; written after P0: replayed with their version
             assert version == (expected[doc_id][0] if doc_id in after_p0 else 0), doc_id
+        for d in writes.docs:  # replayed: the very vectors the writer logged
+            assert state[d.doc_id][2] == tuple(round(float(x), 4) for x in d.vector)
         # Every vector is the encoder's of the document's text, within SQ8's round trip.
         ids = sorted(expected)
         stored = [client.hgetall(G1.layout.doc(i)) for i in ids]

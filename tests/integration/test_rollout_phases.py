@@ -12,17 +12,26 @@ and the encoder stand-in are tests/support/hash_store.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from services.common.domain import Document
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, Unavailable
+from services.encoder.base import Embeddings, Encoder
+from services.gateway.document_pipeline import DocumentPipeline
+from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader
 from services.generations import logs
 from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring
+from services.generations.encoding import embedding_text
+from services.generations.errors import HeldEntriesExceeded
 from services.generations.lifecycle import retire
 from services.generations.phase_bulk import run_bulk
 from services.generations.phase_catch_up import run_catch_up
@@ -30,19 +39,24 @@ from services.generations.phase_publish import record_target, run_create, run_p0
 from services.generations.phase_switch import run_switch
 from services.generations.phase_train import run_train
 from services.generations.progress import Progress
-from services.generations.registry import Registry
+from services.generations.registry import Generation, Registry
 from services.generations.state import RecordedPlan, RolloutState, RolloutStore
+from services.index.client.connection import StoreConnection
+from services.index.client.writer import ChangeLogWriter
 from services.index.keys import CLOSED
+from services.process.redis_client import sync_client
 from tests.support.generation_logs import changes, folded
 from tests.support.hash_store import (
     DIM,
     G1,
     G2,
     SPEC,
+    HashEncoder,
     doc,
     expected,
     g1_store,
     hash_encoders,
+    vector,
     write,
 )
 
@@ -58,21 +72,29 @@ def store(redis_url: str, tmp_path: Path) -> Iterator[Any]:
 
 
 def _context(
-    client: Any, tmp_path: Path, phase: str, *, record: bool = True, **options: Any
+    client: Any,
+    tmp_path: Path,
+    phase: str,
+    *,
+    record: bool = True,
+    encoder: EncoderSpec = NEW,
+    encoders: Any = hash_encoders,
+    **options: Any,
 ) -> RolloutContext:
     """A rollout g1 -> g2 recorded in ``phase`` and claimed by this test (g2's record
-    written unless ``record`` is False)."""
+    written unless ``record`` is False), g2's encoder ``encoder`` (by default another
+    one than g1's: its vectors are re-embedded; g1's own, SPEC: a retrain)."""
     store = RolloutStore(client)
-    plan = RecordedPlan(SPEC, 2, False, "")
+    retrain = encoder == SPEC
+    plan = RecordedPlan(encoder, 2, retrain, "")
+    mode = "retrain" if retrain else "encode"
     started = store.start(
-        RolloutState(target="g2", source="g1", phase=phase, plan=plan, owner=OWNER)
+        RolloutState(target="g2", source="g1", mode=mode, phase=phase, plan=plan, owner=OWNER)
     )
     assert started is not None
     if record:
-        record_target(Registry(client), tmp_path, "g2", "g1", 2, SPEC, "encode", 0.0)
-    wiring = Wiring(
-        hash_encoders, options.pop("publisher", None), applied=options.pop("applied", None)
-    )
+        record_target(Registry(client), tmp_path, "g2", "g1", 2, encoder, mode, 0.0)
+    wiring = Wiring(encoders, options.pop("publisher", None), applied=options.pop("applied", None))
     return RolloutContext(
         client,
         Registry(client),
@@ -230,6 +252,191 @@ def test_catch_up_replays_the_writes_after_p0_into_the_target(
     assert set(replayed) == {"d3", "d70", "d71"}  # d5's delete leaves nothing alive
     assert all(replayed[d.doc_id][2] == expected(d) for d in late)
     assert [c[1] for c in changes(store, G2) if c[0] == "d5"] == ["d"]  # only its delete
+
+
+class CountingEncoders:
+    """The hash encoder stand-in, counting every text it is asked to encode."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    async def __call__(self, spec: EncoderSpec) -> Encoder:
+        return _Counted(self.texts)
+
+
+class _Counted(HashEncoder):
+    def __init__(self, texts: list[str]) -> None:
+        self.seen = texts
+
+    async def encode(self, texts: Sequence[str], kind: Any, timeout: float | None = None) -> Any:
+        self.seen.extend(texts)
+        return await super().encode(texts, kind, timeout)
+
+
+def test_catch_up_of_a_retrain_appends_the_logged_vectors_and_encodes_nothing(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    encoders = CountingEncoders()
+    ctx = _context(store, tmp_path, "p0", encoder=SPEC, encoders=encoders)
+    _run(ctx, run_p0)
+    # vectors no encoder of this test gives their text: only the log has them
+    late = [replace(doc(i, "late"), vector=vector(f"logged {i}")) for i in (3, 70, 71)]
+    write(redis_url, G1, late, deletes=["d5"])
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch" and state.positions == logs.tails(store, G1)
+    assert encoders.texts == []  # no encoder call at all
+    replayed = folded(store, G2)
+    assert set(replayed) == {"d3", "d70", "d71"}
+    for d in late:
+        assert replayed[d.doc_id][2] == tuple(round(float(x), 4) for x in d.vector)
+        assert replayed[d.doc_id][2] != expected(d)
+
+
+def test_catch_up_to_another_encoder_re_embeds_each_upsert(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    encoders = CountingEncoders()
+    ctx = _context(store, tmp_path, "p0", encoders=encoders)
+    _run(ctx, run_p0)
+    late = [replace(doc(i, "late"), vector=vector(f"logged {i}")) for i in (3, 70)]
+    write(redis_url, G1, late)
+    ctx.save(phase="catch_up")
+    _run(ctx, run_catch_up)
+    assert sorted(encoders.texts) == sorted(embedding_text(d.title, d.text) for d in late)
+    assert all(folded(store, G2)[d.doc_id][2] == expected(d) for d in late)
+
+
+# --- catch-up under writes: the gateway's dual write ----------------------------------
+
+
+class Salted(HashEncoder):
+    """An encoder stand-in per EncoderSpec: the vector of a text is a hash of the text and
+    the spec's digest (two encoders, two vectors); counts its texts, fails on "fail"
+    when ``failing`` (a Triton version that refuses)."""
+
+    model_name = "hash"
+
+    def __init__(self, spec: EncoderSpec, seen: list[str], failing: bool = False) -> None:
+        self.spec, self.seen, self.failing = spec, seen, failing
+        self.model_version, self.digest = spec.version, spec.digest
+
+    async def encode(self, texts: Sequence[str], kind: Any, timeout: float | None = None) -> Any:
+        if self.failing and any("fail" in t for t in texts):
+            raise Unavailable("the target's Triton version refuses")
+        self.seen.extend(texts)
+        return Embeddings(np.stack([salted(self.spec, t) for t in texts]), [False] * len(texts))
+
+
+# untitled upserts of the scenario: (number, text)
+SECOND_ENCODE = ((3, "x"), (102, "fail the second encode"), (103, "after the abort"))
+
+
+def salted(spec: EncoderSpec, text: str) -> np.ndarray:
+    return vector(f"{spec.digest}:{text}")
+
+
+def _rounded(v: np.ndarray) -> tuple[float, ...]:
+    return tuple(round(float(x), 4) for x in v)
+
+
+async def _gateway_writes(redis_url: str, gateway_seen: list[str]) -> list[str]:
+    """The gateway's GenerationSource and DocumentPipeline over the real registry and
+    writer: an upsert before the source's refresh saw the rollout, then (the refresh
+    done) upserts with the dual write on, one of them failing its second encode, then
+    one after the rollout ended; the dual encodes' outcomes."""
+    connection = StoreConnection(redis_url, 2)
+
+    async def bundle(gen: Generation) -> Bundle:
+        writer = ChangeLogWriter(connection, DIM, keys=gen.keys(2))
+        return Bundle(gen.name, Salted(gen.encoder, []), *[object()] * 3, writer)  # type: ignore[arg-type]
+
+    async def encoders(gen: Generation) -> tuple[Encoder, bool]:
+        return Salted(gen.encoder, gateway_seen, failing=True), True
+
+    outcomes: list[str] = []
+    # no background refresh: the test runs the refresh's steps itself
+    source = GenerationSource(
+        RedisAliasReader(connection.redis), bundle, refresh_s=3600, encoders=encoders
+    )
+    pipeline = DocumentPipeline(source, on_dual=outcomes.append)
+    try:
+        await source.start()
+        await pipeline.upsert([Document("d100", "before", "title 100")], 5.0)
+        await source.prepare_target()  # the refresh that reads the rollout
+        assert source.dual.current("g1") is not None and source.dual.current("g2") is None
+        await pipeline.upsert(
+            [Document("d101", "during", "title 101"), Document("d3", SECOND_ENCODE[0][1])], 5.0
+        )
+        await pipeline.upsert([Document("d102", SECOND_ENCODE[1][1])], 5.0)
+        Registry(sync_client(redis_url)).set_state("g2", "failed")  # as an abort leaves it
+        await source.prepare_target()
+        assert source.dual.current("g1") is None
+        await pipeline.upsert([Document("d103", SECOND_ENCODE[2][1])], 5.0)
+    finally:
+        await source.close()
+        await connection.close()
+    return outcomes
+
+
+def test_catch_up_takes_the_dual_writes_vectors_and_re_embeds_only_the_others(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    builder_seen: list[str] = []
+
+    async def builder_encoders(spec: EncoderSpec) -> Encoder:
+        return Salted(spec, builder_seen)
+
+    ctx = _context(store, tmp_path, "p0", encoders=builder_encoders)
+    _run(ctx, run_p0)
+    gateway_seen: list[str] = []
+    outcomes = asyncio.run(_gateway_writes(redis_url, gateway_seen))
+    assert outcomes == ["encoded", "failed"]
+    entries = [f for s in range(2) for _, f in store.xrange(G1.log(s))]
+    tagged = {i for f in entries if f.get(b"tenc") for i in json.loads(f[b"ids"])}
+    assert tagged == {"d101", "d3"}  # the entries written while the dual write was on
+    Registry(store).set_state("g2", "building")  # the catch-up of the rollout as it ran
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch"
+    text = {i: embedding_text(f"title {i}", t) for i, t in ((100, "before"), (101, "during"))}
+    text |= {i: embedding_text("", t) for i, t in SECOND_ENCODE}
+    # re-embedded: written before the dual write, its second encode failed, or after
+    assert sorted(builder_seen) == sorted(text[i] for i in (100, 102, 103))
+    assert sorted(gateway_seen) == sorted([text[101], text[3]])
+    replayed = folded(store, G2)
+    for i in (100, 101, 3, 102, 103):  # every one with the target encoder's vector
+        assert replayed[f"d{i}"][2] == _rounded(salted(NEW, text[i])), i
+        assert replayed[f"d{i}"][2] != _rounded(salted(SPEC, text[i]))
+
+
+def test_a_rollout_holding_more_entries_than_its_bound_is_aborted_and_releases_its_hold(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    ctx = _context(store, tmp_path, "p0", max_held_entries=3)
+    _run(ctx, run_p0)
+    for i in range(4):  # 4 writes after P0, each an entry of its shard's log
+        write(redis_url, G1, [doc(i, "written during the bulk")])
+    ctx.save(phase="bulk")
+    with pytest.raises(HeldEntriesExceeded, match="held 4 entries of g1's logs, more than"):
+        _run(ctx, run_bulk)
+    registry = Registry(store)
+    assert RolloutStore(store).load() is None  # the rollout ended
+    assert registry.get("g2").state == "failed" and "max held" in registry.get("g2").note
+    assert all(store.hget(G1.snapshots(s), "rollout:g2") is None for s in range(2))
+    assert {registry.gate(G1.layout, s) for s in range(2)} == {"g1"}
+    assert registry.alias().serving == "g1"
+
+
+def test_within_its_bound_the_same_rollout_goes_on(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    ctx = _context(store, tmp_path, "p0", max_held_entries=4)
+    _run(ctx, run_p0)
+    for i in range(4):
+        write(redis_url, G1, [doc(i, "written during the bulk")])
+    ctx.save(phase="bulk")
+    assert _run(ctx, run_bulk).phase == "catch_up"
 
 
 def _ready_to_switch(store: Any, tmp_path: Path, **options: Any) -> RolloutContext:

@@ -254,3 +254,17 @@ def test_a_version_json_that_is_not_a_publishs_is_a_failed_precondition_naming_i
     path.write_text(content)
     with pytest.raises(FailedPrecondition, match=str(path)):
         read_version_description(tmp_path / "embed", _cpu_config(), 1)
+
+
+def test_an_encoders_identity_reads_version_0_as_1_and_tells_other_weights_apart() -> None:
+    from services.common.encoder_spec import EncoderSpec
+
+    first = EncoderSpec("embed", 1, 384, "abc")
+    assert EncoderSpec("embed", 0, 384, "abc").identity() == first.identity()
+    for other in (
+        EncoderSpec("embed", 2, 384, "abc"),
+        EncoderSpec("embed", 1, 384, "def"),
+        EncoderSpec("embed", 1, 768, "abc"),
+        EncoderSpec("embed", 1, 384, "abc", "/checkpoints/other"),
+    ):
+        assert other.identity() != first.identity()

@@ -19,7 +19,7 @@ from redis.exceptions import NoScriptError, OutOfMemoryError
 from services.common.domain import WriteToken
 from services.common.errors import GenerationMoved, InvalidArgument, StoreFull, Unavailable
 from services.common.limits import LIMITS
-from services.index.changelog import text
+from services.index.changelog import TargetVectors, text
 from services.index.client.connection import REDIS_ERRORS, StoreConnection
 from services.index.keys import CLOSED, FIRST_GENERATION, GenerationKeys, Layout
 
@@ -57,19 +57,21 @@ end
 
 # KEYS: n doc keys, n version keys, then one log key per shard touched, then the writer
 #       gate of each shard touched (same order).
-# ARGV: n, dim, generation, absent gate, then per doc: shard slot (1-based into the log
-#       keys), id, title, text, metadata JSON, vector bytes (6 values per doc, from ARGV[5]).
+# ARGV: n, dim, generation, absent gate, target encoder ('' none), target dim, then per
+#       doc: shard slot (1-based into the log keys), id, title, text, metadata JSON, vector
+#       bytes, target vector bytes (7 values per doc, from ARGV[7]).
 _UPSERT = (
     """
 local n = tonumber(ARGV[1])
 local dim = ARGV[2]
+local tenc, tdim = ARGV[5], ARGV[6]
 """
     + _GATE.replace("@G", "3")
     + """
 local shards = {}
 local order = {}
 for i = 1, n do
-  local a = 5 + (i - 1) * 6
+  local a = 7 + (i - 1) * 7
   local slot = tonumber(ARGV[a])
   local doc_id, title, text = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local meta, vec = ARGV[a + 4], ARGV[a + 5]
@@ -77,7 +79,8 @@ for i = 1, n do
   redis.call('DEL', KEYS[i])
   redis.call('HSET', KEYS[i], 'title', title, 'text', text, 'meta', meta, 'ver', ver)
   if shards[slot] == nil then
-    shards[slot] = {ids = {}, vecs = {}, tags = {}, vers = {}, titles = {}, texts = {}}
+    shards[slot] = {ids = {}, vecs = {}, tags = {}, vers = {}, titles = {}, texts = {},
+      tvecs = {}}
     table.insert(order, slot)
   end
   local s = shards[slot]
@@ -87,14 +90,20 @@ for i = 1, n do
   table.insert(s.vers, ver)
   table.insert(s.titles, title)
   table.insert(s.texts, text)
+  table.insert(s.tvecs, ARGV[a + 6])
 end
 local out = {}
 for _, slot in ipairs(order) do
   local s = shards[slot]
-  local id = redis.call('XADD', KEYS[2 * n + slot], '*',
-    'op', 'u', 'ids', cjson.encode(s.ids), 'vecs', table.concat(s.vecs), 'dim', dim,
-    'tags', '[' .. table.concat(s.tags, ',') .. ']', 'vers', cjson.encode(s.vers),
-    'titles', cjson.encode(s.titles), 'texts', cjson.encode(s.texts))
+  local fields = {'op', 'u', 'ids', cjson.encode(s.ids), 'vecs', table.concat(s.vecs),
+    'dim', dim, 'tags', '[' .. table.concat(s.tags, ',') .. ']', 'vers', cjson.encode(s.vers),
+    'titles', cjson.encode(s.titles), 'texts', cjson.encode(s.texts)}
+  if tenc ~= '' then
+    for _, v in ipairs({'tenc', tenc, 'tdim', tdim, 'tvecs', table.concat(s.tvecs)}) do
+      table.insert(fields, v)
+    end
+  end
+  local id = redis.call('XADD', KEYS[2 * n + slot], '*', unpack(fields))
   table.insert(out, slot)
   table.insert(out, id)
 end
@@ -293,10 +302,15 @@ class ChangeLogWriter:
     def _token(shards: list[int], reply: Sequence[Any]) -> WriteToken:
         return {shards[int(reply[i]) - 1]: text(reply[i + 1]) for i in range(0, len(reply), 2)}
 
-    async def upsert(self, records: Sequence[DocRecord]) -> WriteToken:
-        """Store and log ``records``; the write token once Redis has acknowledged them."""
+    async def upsert(
+        self, records: Sequence[DocRecord], target: TargetVectors | None = None
+    ) -> WriteToken:
+        """Store and log ``records``; the write token once Redis has acknowledged them.
+        ``target``: their vectors by a rollout target's encoder, logged beside (the
+        gateway's dual write; :mod:`services.index.changelog`)."""
         vectors = check_records(records, self.dim)
         ids = [r.doc_id for r in records]
+        tdim, trows = target.packed(len(records)) if target is not None else (0, [])
 
         async def part(members: list[int]) -> WriteToken:
             part_ids = [ids[n] for n in members]
@@ -306,6 +320,8 @@ class ChangeLogWriter:
                 str(vectors.shape[1]),
                 self.keys.name,
                 self._absent_gate,
+                target.identity if target is not None else "",
+                str(tdim),
             ]
             for n, slot in zip(members, slots, strict=True):
                 record = records[n]
@@ -316,6 +332,7 @@ class ChangeLogWriter:
                     record.text,
                     json.dumps(record.metadata, sort_keys=True),
                     vectors[n].astype("<f4").tobytes(),
+                    trows[n] if trows else b"",
                 ]
             reply = await self._run(self._upsert, _UPSERT, self._keys(part_ids, shards), args)
             return self._token(shards, reply)

@@ -1,0 +1,125 @@
+"""The dual write: while a rollout builds a generation with another encoder, every upsert
+is encoded with that encoder too and its log entry carries those vectors beside its own
+(``tenc``, ``tdim``, ``tvecs``: :class:`services.index.changelog.TargetVectors`), so the
+rollout's catch-up appends them instead of encoding every write again (docs/generations.md,
+"Catch-up under writes"). Without it a rollout to a new encoder could only finish when the
+builder out-encoded the writers.
+
+How the gateway learns of it: :class:`~services.gateway.generations.GenerationSource`
+already reads the running rollout's target and its record on each background refresh
+(every ``--alias-refresh-ms``, to prepare the target for its switch) and hands both
+records to :meth:`DualWrites.update`: no Redis read per write. It is on while the target
+is ``building``, ``catching_up`` or ``switching`` and its encoder's identity
+(``EncoderSpec.identity()``) is not the serving generation's; it is off once the rollout
+ends (switch, abort) or the alias names the target, and a write asks for the dual
+encoder of the generation it writes to only (:meth:`DualWrites.current`), so a write
+retried into the new generation after a switch takes none.
+
+What a failure costs: the second encode is bounded (:data:`DUAL_ENCODE_TIMEOUT_S`, and
+the write's deadline); when it fails or is late the write is logged without the target's
+vectors and acknowledged as always, never failed for the rollout's sake: the catch-up
+re-embeds such an entry. No acknowledged write depends on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from services.common.errors import RetrievalError
+from services.gateway.ports import Encoder
+from services.generations.registry import Generation
+
+log = logging.getLogger(__name__)
+
+# The second encode of an upsert waits this long at most (and never past the write's
+# deadline); a later one leaves the entry to the catch-up's re-embedding.
+DUAL_ENCODE_TIMEOUT_S = 1.0
+# A rollout target in one of these states takes the dual write.
+DUAL_STATES = ("building", "catching_up", "switching")
+
+# (the generation's encoder, whether the caller owns it): the gateway's GenerationParts.encoder
+EncoderFactory = Callable[[Generation], Awaitable[tuple[Encoder, bool]]]
+
+
+@dataclass(frozen=True)
+class DualTarget:
+    """Upserts to ``source`` are encoded for ``target`` too, with ``encoder``."""
+
+    source: str
+    target: str
+    identity: str  # the target's EncoderSpec.identity(), logged as the entry's ``tenc``
+    encoder: Encoder
+    owned: bool
+
+
+def wanted(serving: Generation | None, target: Generation | None) -> bool:
+    """Whether upserts to ``serving`` need ``target``'s vectors too: a rollout's target in
+    a building state whose encoder is another one."""
+    return (
+        serving is not None
+        and target is not None
+        and target.name != serving.name
+        and target.state in DUAL_STATES
+        and target.encoder.identity() != serving.encoder.identity()
+    )
+
+
+class DualWrites:
+    """The dual write's one target (or none), as the source's last refresh decided."""
+
+    def __init__(self, encoders: EncoderFactory | None) -> None:
+        self._encoders = encoders
+        self._current: DualTarget | None = None
+
+    def current(self, serving: str) -> DualTarget | None:
+        """The dual target of upserts written to ``serving`` now (None: no dual write)."""
+        dual = self._current
+        return dual if dual is not None and dual.source == serving else None
+
+    async def update(self, serving: Generation | None, target: Generation | None) -> None:
+        """On when :func:`wanted`, with ``target``'s encoder (built once; one that cannot
+        be built yet, e.g. its Triton version still loading, is tried at the next
+        refresh); off otherwise."""
+        if self._encoders is None:
+            return
+        if not wanted(serving, target):
+            await self._stop()
+            return
+        assert serving is not None and target is not None
+        identity = target.encoder.identity()
+        dual = self._current
+        if dual is not None and (dual.source, dual.target, dual.identity) == (
+            serving.name,
+            target.name,
+            identity,
+        ):
+            return
+        await self._stop()
+        try:
+            encoder, owned = await self._encoders(target)
+        except RetrievalError as exc:
+            log.info("dual write for %s not on yet (its encoder: %s)", target.name, exc)
+            return
+        self._current = DualTarget(serving.name, target.name, identity, encoder, owned)
+        log.info(
+            "dual write on: upserts to %s are encoded for %s too (%s)",
+            serving.name,
+            target.name,
+            identity,
+        )
+
+    async def _stop(self) -> None:
+        dual, self._current = self._current, None
+        if dual is None:
+            return
+        log.info("dual write off (%s's rollout to %s)", dual.source, dual.target)
+        if dual.owned:
+            try:
+                await dual.encoder.close()
+            except Exception:  # closing must not stop the refresh
+                log.exception("closing the dual write's encoder of %s", dual.target)
+
+    async def close(self) -> None:
+        await self._stop()
