@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bare:
         for name, options in (
             ("bare_uncontained", []),
-            ("bare_contained", [("grpc.max_concurrent_streams", 128)]),
+            ("bare_contained", [("grpc.max_concurrent_streams", 512)]),
         ):
             with bare(options) as address:
                 result[name] = _summary([_round(address, args) for _ in range(args.rounds)])
