@@ -29,15 +29,21 @@ DIM = 8
 
 
 def v1_write(
-    client: Any, script: str, ids: list[str], per_doc: list[list[Any]], head: list[Any]
+    client: Any,
+    script: str,
+    ids: list[str],
+    per_doc: list[list[Any]],
+    head: list[Any],
+    after: tuple[Any, ...] = (),
 ) -> None:
-    """Run the writer's own Lua script on layout-1 keys: what the old writer stored."""
+    """Run the writer's own Lua script on layout-1 keys: what the old writer stored.
+    ``after``: the script's arguments after the generation and the absent gate."""
     of = [shard_of(i, SHARDS) for i in ids]
     shards = sorted(set(of))
     slot = {s: n + 1 for n, s in enumerate(shards)}
     keys = [f"doc:{i}" for i in ids] + [f"ver:{i}" for i in ids] + [f"log:{s}" for s in shards]
     keys += [f"wgen:{s}" for s in shards]  # writer gates (absent: open to g1), never written
-    args: list[Any] = [*head, "g1", "g1"]  # the writer's generation, what an absent gate is
+    args: list[Any] = [*head, "g1", "g1", *after]  # the writer's generation, an absent gate
     for i, extra in enumerate(per_doc):
         args += [str(slot[of[i]]), ids[i], *extra]
     client.eval(script, len(keys), *keys, *args)
@@ -51,10 +57,12 @@ def v1_upsert(client: Any, ids: list[str], seed: int) -> None:
             f"text {i} {seed}",
             '{"lang": "en"}',
             rng.standard_normal(DIM).astype("<f4").tobytes(),
+            b"",  # no rollout target's vector (the dual write)
         ]
         for i in ids
     ]
-    v1_write(client, _UPSERT, ids, per_doc, [str(len(ids)), str(DIM)])
+    # no rollout target's encoder nor dimension
+    v1_write(client, _UPSERT, ids, per_doc, [str(len(ids)), str(DIM)], ("", "0"))
 
 
 def v1_delete(client: Any, ids: list[str]) -> None:

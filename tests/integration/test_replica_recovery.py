@@ -25,7 +25,7 @@ from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import IndexQuery
 from tests.support.processes import run_redis
-from tests.support.search_load import missed
+from tests.support.search_load import SearchOutcome, missed
 from tests.support.shards import ShardProcess, start_shard, train_test_index
 
 # a replica killed and restarted, and a bound on the recovery: alone, after the others
@@ -100,7 +100,7 @@ def test_a_replica_back_after_a_long_outage_is_searched_within_a_probe_interval_
     )
 
 
-async def _search(router: ShardRouter, query: IndexQuery) -> object:
+async def _search(router: ShardRouter, query: IndexQuery) -> SearchOutcome:
     try:
         return await router.search(query, timeout=1.0)
     except Exception as exc:  # a search with no shard answering is an error

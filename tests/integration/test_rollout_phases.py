@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -87,7 +87,7 @@ def _context(
     store = RolloutStore(client)
     retrain = encoder == SPEC
     plan = RecordedPlan(encoder, 2, retrain, "")
-    mode = "retrain" if retrain else "encode"
+    mode: Literal["retrain", "encode"] = "retrain" if retrain else "encode"
     started = store.start(
         RolloutState(target="g2", source="g1", mode=mode, phase=phase, plan=plan, owner=OWNER)
     )
@@ -349,7 +349,7 @@ async def _gateway_writes(redis_url: str, gateway_seen: list[str]) -> list[str]:
 
     async def bundle(gen: Generation) -> Bundle:
         writer = ChangeLogWriter(connection, DIM, keys=gen.keys(2))
-        return Bundle(gen.name, Salted(gen.encoder, []), *[object()] * 3, writer)  # type: ignore[arg-type]
+        return Bundle(gen.name, Salted(gen.encoder, []), *[object()] * 3, writer)  # type: ignore[arg-type, call-arg]
 
     async def encoders(gen: Generation) -> tuple[Encoder, bool]:
         return Salted(gen.encoder, gateway_seen, failing=True), True
