@@ -203,6 +203,7 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         stats={"mean_norm": float(np.linalg.norm(x, axis=1).mean())},
         gpu_problem=gpu_pq_problem(dim, opts.pq_m, opts.pq_bits),
+        gpu=opts.gpu,
     )
     tuning = tune_nprobe(TrainedIndex(manifest, index, refine), x, opts)
     _record_tuning(manifest, tuning)

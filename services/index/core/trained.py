@@ -42,6 +42,9 @@ class Manifest:
     created_at: str
     stats: dict[str, float] = field(default_factory=dict)
     gpu_problem: str | None = None  # why faiss-gpu cannot hold this index (None: it can)
+    # trained for GPU shards (`index train --gpu`, or a rollout of such an index): a new
+    # generation keeps GPU settings (services/generations/gpu_serving.py)
+    gpu: bool = False
     # nprobe tuning (None in manifests written before it, or when the sample was too small)
     target_recall: float | None = None  # None: nprobe was set by hand (--nprobe)
     measured_recall: float | None = None  # 10-recall@10 at `nprobe`, held-out sample
