@@ -274,7 +274,7 @@ def test_updates_reach_the_copy_incrementally(trained_64: TrainedIndex) -> None:
             shard.apply(batch, f"{n + 1}-0")
         cpu.apply(batch, f"{n + 1}-0")
     assert len(fakes) == 1  # never copied again
-    assert shard.gpu is not None and shard.gpu.dead == 500 and len(shard.gpu.stale) == 500
+    assert shard.gpu is not None and shard.gpu.dead == 500 and len(shard.gpu.sets.stale) == 500
     q = np.concatenate([y[:20], x[300:320], x[1000:1020]])
     got, want = _hits(shard, q, 10), _hits(cpu, q, 10)
     assert fakes[-1].calls and all(k > 40 for k, _ in fakes[-1].calls)  # over-fetched
@@ -353,7 +353,7 @@ def test_a_rebuild_frees_the_old_copy_first_and_never_blocks_searches(
     assert shard.applied == "3-0"
     assert old_alive == [False]  # freed before the new copy was made
     assert len(copies) == 2 and mirror.index is copies[-1]()
-    assert mirror.dead == 0 and len(mirror.stale) == 0 and mirror.entries == 801
+    assert mirror.dead == 0 and len(mirror.sets.stale) == 0 and mirror.entries == 801
     assert (
         registry.get_sample_value("index_gpu_rebuilds_total", {"shard": "0", "replica": "r0"}) == 1
     )
