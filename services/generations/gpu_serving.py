@@ -70,7 +70,10 @@ def gpu_keep(manifest: dict[str, Any], gpu_replicas: list[str], dim: int) -> Gpu
         if pq_m is not None:
             problem = gpu_pq_problem(dim, pq_m, bits)
         elif default_gpu_pq_m(dim) is None:
-            problem = f"no pq_m divides {dim} dims into sub-quantizers GPU IVF-PQ accepts"
+            problem = (
+                f"no pq_m GPU IVF-PQ accepts divides {dim} into a quarter of the default "
+                "sub-quantizers or more (MIN_GPU_PQ_SHARE)"
+            )
         elif bits != 8:
             problem = gpu_pq_problem(dim, default_gpu_pq_m(dim) or 0, bits)
     return GpuKeep(bool(why), why, pq_m, problem)

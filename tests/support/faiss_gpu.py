@@ -6,8 +6,9 @@ counts two threads inside it at once, and fails if anyone sets ``nprobe`` on it.
 :class:`StrictFaissGpu` is the faiss-gpu module as far as the copy uses it: the wheel's
 own names and class attributes (``faiss_gpu_api.json``, extracted by
 ``scripts/faiss_gpu_api.py`` from its ``swigfaiss.py``); it refuses any other, so a test
-never passes on a name the real wheel lacks. Used by ``tests/unit/test_index_gpu.py`` and
-the rollout tests (``tests/unit/test_rollout_gpu.py``).
+never passes on a name the real wheel lacks. (The real wheel refuses nothing: its SWIG
+proxies take an unknown attribute silently and faiss never reads it.) Used by
+``tests/unit/test_index_gpu.py``, ``test_index_gpu_stale.py`` and ``test_rollout_gpu.py``.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class StrictSwig:
         object.__setattr__(self, "values", {})
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in FAISS_GPU_API["classes"][self._cls]:  # swigfaiss.py's message
+        if name not in FAISS_GPU_API["classes"][self._cls]:  # stricter than the wheel
             raise AttributeError(f"You cannot add instance attributes to {self._cls}")
         self.values[name] = value
 

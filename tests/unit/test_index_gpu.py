@@ -6,7 +6,8 @@ nprobe is larger), has no ``remove_ids``, fails when two threads are inside it a
 and fails if anyone sets ``nprobe`` on it. The copy itself goes through
 :class:`StrictFaissGpu`: the faiss-gpu wheel's own names and class attributes
 (``tests/support/faiss_gpu_api.json``, extracted by ``scripts/faiss_gpu_api.py`` from its
-``swigfaiss.py``), refusing anything else as the SWIG classes do.
+``swigfaiss.py``), refusing anything else. The real wheel would not refuse it: its SWIG
+proxies accept an unknown attribute silently, so these name checks are the only guard.
 """
 
 from __future__ import annotations

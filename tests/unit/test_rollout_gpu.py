@@ -60,7 +60,7 @@ def test_the_keep_rule() -> None:
     # a new encoder's width: a GPU pq_m of its own, or the reason there is none
     assert gpu_keep(gpu_768, [], 1024).pq_m is None
     assert gpu_keep(gpu_768, [], 1024).problem is None
-    assert "no pq_m" in (gpu_keep(gpu_768, [], 1001).problem or "")
+    assert "no pq_m" in (gpu_keep(gpu_768, [], 1001).problem or "")  # only pq_m 1 divides
     # a CPU source keeps its pq_m (same width) and no GPU constraint
     cpu = gpu_keep({"dim": 768, "pq_m": 192, "pq_bits": 8}, [], 768)
     assert not cpu.bound and cpu.pq_m == 192 and cpu.problem is None

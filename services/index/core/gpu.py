@@ -16,7 +16,10 @@ it); searches are never blocked by a copy.
 
 What faiss-gpu does not do, and how this module copes (none of it needs a GPU to test;
 ``tests/support/faiss_gpu_api.json`` holds the faiss-gpu wheel's own API, and the tests
-refuse any name or option not in it, as the SWIG classes do):
+refuse any name or option not in it). The wheel itself refuses nothing: its SWIG proxies
+take an unknown attribute as a plain Python attribute that faiss never reads (faiss
+1.15.1: ``SearchParametersIVF().useFloat16LookupTables = True`` passes), so a misspelt
+option is silently ignored on a GPU node; the name-list test is the only guard:
 
 * it refuses IVF-PQ settings outside its kernels (pq_m 192 of a 768-d default, for one):
   :meth:`GpuMirror.sync` checks them first and raises :class:`GpuUnavailable`, as it does
