@@ -81,7 +81,7 @@ def _embed(args: argparse.Namespace) -> int:
     from services.encoder.embeddings import encode_all
     from services.encoder.model import TorchEmbedder
 
-    embedder = TorchEmbedder(_model_dir(args), threads=args.threads)
+    embedder = TorchEmbedder(_model_dir(args), threads=args.threads, device=args.device)
     docs = list(read_corpus(Path(args.corpus), limit=args.limit))
     texts = [f"{d.title} {d.text}".strip() for d in docs]
     vectors = encode_all(texts, "document", lambda t, k: embedder.embed(t, k)[0])
@@ -403,14 +403,21 @@ def add_cli(subparsers: Any) -> None:
         _embed,
         help="embed a JSONL corpus with a checkpoint into a .npy (for `index train`)",
         description="Encode the documents (title + text) of a JSONL corpus with the "
-        "in-process PyTorch model and write float32 (n, dim), L2-normalised, in corpus "
-        "order: what `index train --embeddings` reads (e.g. a 768-d GTR sample).",
+        "in-process PyTorch model (on --device: the CPU by default) and write float32 "
+        "(n, dim), L2-normalised, in corpus order: what `index train --embeddings` reads "
+        "(e.g. a 768-d GTR sample).",
     )
     _add_model_dir(p)
     p.add_argument("--corpus", required=True, help="JSONL corpus (id, text, title?)")
     p.add_argument("--out", required=True, help=".npy file to write")
     p.add_argument("--limit", type=int, default=None, help="first N documents only")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="PyTorch device: cpu (default) or cuda / cuda:N (a CUDA build of torch and a "
+        "GPU; refused with a clear error without one)",
+    )
 
     p = add_command(
         commands,
