@@ -5,10 +5,10 @@ copy serves unfiltered searches with float16 lookup tables. Every change reaches
 incrementally: adds are added to it; removes (faiss-gpu's IVF indexes have no
 ``remove_ids``: ``Index::remove_ids`` throws) leave the old entries in the copy and mark
 their ids *stale*. A search on the copy fetches a few more candidates than asked (as many
-as the stale share of the copy would displace), drops the entries of removed ids, scores
-the ids re-added since (whose copy holds an old entry beside the new one) from the CPU
-index's own codes, and keeps one hit per id, in one vectorised pass outside the copy's
-lock (:mod:`.gpu_stale`). Once the stale entries pass
+as the stale share of the copy would displace) and drops the stale entries; an id added
+again goes into the copy under an alias, so its old entry is dropped and its new one
+answers with the copy's own score; one vectorised pass, outside the copy's lock
+(:mod:`.gpu_stale`). Once the stale entries pass
 :data:`REBUILD_FRACTION` of the copy, a background thread rebuilds it: the old copy is
 freed first (GPU memory never holds two), searches go to the CPU index meanwhile, and
 writes wait for the copy (the log is consumed again once it is made; the lag metric shows
@@ -62,7 +62,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.errors import FailedPrecondition
-from services.index.core.gpu_stale import StaleIds, drop_stale
+from services.index.core.gpu_stale import AliasCollision, StaleIds, drop_stale
 from services.index.core.trained import gpu_pq_problem
 
 log = logging.getLogger(__name__)
@@ -311,9 +311,15 @@ class GpuMirror:
             if self.index is None:  # off, or being rebuilt (the rebuild copies it)
                 return
             try:
-                self.index.add_with_ids(vectors, ids)
+                sets, as_copy = self.sets.added(ids)  # ids added again: under aliases
+            except AliasCollision:  # a 63-bit collision with an alias: copy afresh
+                log.warning("an added id equals an alias of the GPU copy: rebuilding it")
+                sets, as_copy = self.sets, ids
+                self.dead = max(self.dead, self.entries + len(ids))  # needs_rebuild
+            try:
+                self.index.add_with_ids(vectors, as_copy)
                 self.entries += len(ids)
-                self.sets = self.sets.added(ids)
+                self.sets = sets
                 return
             except Exception as exc:
                 error = exc
@@ -390,7 +396,7 @@ class GpuMirror:
                     except Exception as exc:
                         error = exc
             if grid is not None:  # outside the lock: the next search may use the GPU
-                return drop_stale(queries, grid[0], grid[1], k, sets, cpu)
+                return drop_stale(grid[0], grid[1], k, sets, cpu.metric_type == faiss.METRIC_L2)
             if error is not None:
                 self._fail("search_failed", repr(error))
         self.cpu_served += 1
