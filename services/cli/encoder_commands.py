@@ -52,6 +52,14 @@ def _add_plan_gate(p: argparse.ArgumentParser) -> None:
     """The TensorRT build's workspace and parity gate (build-plan, ensure-plan)."""
     p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
     p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
+    p.add_argument(
+        "--max-plan-bytes",
+        type=int,
+        default=None,
+        help="disk the plan may take (the chart passes encoder.profiles.<size>.planStorage): "
+        "an FP32 plan larger than this is not built, and the FP32 fallback of --precision "
+        "auto is refused with the reason (default: no limit)",
+    )
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -191,6 +199,7 @@ def _build_plan(args: argparse.Namespace) -> int:
         min_cosine=args.min_cosine,
         extra_fp32_nodes=extra,
         precision=args.precision,
+        max_plan_bytes=args.max_plan_bytes,
     )
     report = build_plan_from_model(model_dir, Path(args.onnx), Path(args.out), cfg)
     for reason in report.rejected:
@@ -223,6 +232,7 @@ def _ensure_plan(args: argparse.Namespace) -> int:
             max_shape=base.max_shape,
             workspace_gb=args.workspace_gb,
             min_cosine=args.min_cosine,
+            max_plan_bytes=args.max_plan_bytes,
         )
         ensured = ensure_plan(
             onnx,

@@ -167,3 +167,18 @@ def test_affinity_is_a_value_merged_with_the_charts_spreading(chart: Any) -> Non
 def test_the_schema_checks_the_new_values(chart: Any, values: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmValuesError):
         render(chart, values)
+
+
+# --- item 5: the plan must fit the disk the pod has ------------------------------------
+
+
+@pytest.mark.parametrize(("size", "storage"), [("base", 2**30), ("xl", 4 * 2**30)])
+def test_the_plan_build_is_told_its_disk(chart: Any, size: str, storage: int) -> None:
+    """ensure-plan gets planStorage as --max-plan-bytes, so an FP32 fallback that cannot
+    fit /models (xl ~4.9 GB in 4Gi) is refused with the setting's name, not evicted."""
+    from services.cli.main import build_parser
+
+    docs = render(chart, {"encoder": {"flavor": "gpu", "size": size}})
+    (build,) = _pods(docs)["gtr-gtr-retrieval-triton"]["initContainers"]
+    args = build_parser().parse_args(build["args"])
+    assert args.max_plan_bytes == storage
