@@ -61,6 +61,33 @@ NO_TRT_REASON = "no GPU/TensorRT on this machine"
 TRITON_IMAGE_TAG = "24.12-py3"
 TRITON_TENSORRT: dict[str, str] = {"24.12-py3": "10.7.0"}
 TENSORRT_VERSION = TRITON_TENSORRT[TRITON_IMAGE_TAG]
+# The CUDA release of each Triton image (NVIDIA's Triton release notes: 24.12 is based on
+# CUDA 12.6.3, which needs driver R560+, or R470/R525/R535/R545 on data center GPUs). The
+# GPU image's torch, faiss-gpu, TensorRT and onnxruntime-gpu use its major, so one driver
+# serves both (deploy/docker/check_cuda.py at build time, :func:`check_cuda` here).
+TRITON_CUDA: dict[str, str] = {"24.12-py3": "12.6"}
+TRITON_DRIVER = "R560 or later, or R535/R545 on data center GPUs"
+
+
+def check_cuda(torch_cuda: str | None, available: bool, image_tag: str = TRITON_IMAGE_TAG) -> None:
+    """FailedPrecondition unless this torch is a CUDA build of the Triton image's CUDA
+    major and sees a GPU (issue #37 item 1: a CUDA 13 torch on an R535-R570 node sees none)."""
+    want = TRITON_CUDA[image_tag]
+    fix = "install torch==2.13.0+cu126 (the PyTorch cu126 index; PyPI's 2.13.0 is CUDA 13)"
+    if torch_cuda is None:
+        raise FailedPrecondition(f"{NO_TRT_REASON} (this torch is a CPU build): {fix}")
+    if torch_cuda.split(".")[0] != want.split(".")[0]:
+        raise FailedPrecondition(
+            f"this torch is built for CUDA {torch_cuda}, and Triton {image_tag} runs CUDA "
+            f"{want} (its driver: {TRITON_DRIVER}; CUDA 13 needs R580+): {fix}"
+        )
+    if not available:
+        raise FailedPrecondition(
+            f"{NO_TRT_REASON} (torch.cuda.is_available() is False: torch {torch_cuda} needs an "
+            f"NVIDIA driver {TRITON_DRIVER}, and the pod a GPU: nvidia.com/gpu, "
+            "gpu.runtimeClassName)"
+        )
+
 
 # What to do when the gate refuses; names flags of `gtr-retrieval encoder build-plan`.
 MORE_FP32_HINT = (
@@ -164,8 +191,7 @@ def _require_tensorrt() -> Any:
         )
     import torch
 
-    if not torch.cuda.is_available():
-        raise FailedPrecondition(NO_TRT_REASON + " (torch.cuda.is_available() is False)")
+    check_cuda(torch.version.cuda, torch.cuda.is_available())
     return trt
 
 
