@@ -182,7 +182,7 @@ main() {
   build() {  # DOCKERFILE REF WHEELHOUSE [--build-arg ...]
     local file=$1 tag=$2 wheels=$3 key
     shift 3
-    key=$( { cat "$file" deploy/docker/healthcheck.py; echo "$base_ref $*"
+    key=$( { cat "$file" deploy/docker/healthcheck.py deploy/docker/check_cuda.py; echo "$base_ref $*"
              ls "$wheels" 2>/dev/null | grep -v '^gtr_retrieval-'
              if grep -q 'gtr-retrieval\[' "$file"; then echo "$source_hash"; fi; } \
            | sha256sum | cut -c1-16)

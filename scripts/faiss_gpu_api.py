@@ -1,11 +1,13 @@
 """Extract the GPU part of faiss-gpu's Python API (names, and attributes per class) to JSON.
 
 No GPU and no install needed: the faiss-gpu wheel is downloaded (not installed) and its
-SWIG-generated ``faiss/swigfaiss.py`` is read as text. SWIG classes refuse attributes they
-do not declare (``_swig_setattr_nondynamic_instance_variable``), so setting a misspelt or
-misplaced option (``GpuClonerOptions.useFloat16LookupTables``, a field of
-``GpuIndexIVFPQConfig``) raises ``AttributeError`` on a GPU node; the CPU tests
-(``tests/unit/test_index_gpu.py``) check the GPU path against this extract instead.
+SWIG-generated ``faiss/swigfaiss.py`` is read as text. The wheel's SWIG proxies do not
+refuse attributes they do not declare: a misspelt or misplaced option
+(``GpuClonerOptions.useFloat16LookupTables``, a field of ``GpuIndexIVFPQConfig``) becomes
+a plain Python attribute faiss never reads, silently ignored on a GPU node (faiss 1.15.1:
+``faiss.SearchParametersIVF().useFloat16LookupTables = True`` passes). So the CPU tests
+(``tests/unit/test_index_gpu.py``) check every name the GPU path sets against this
+extract; they are the guard.
 
     pip download faiss-gpu==1.15.1 --no-deps -d /tmp/fg
     python scripts/faiss_gpu_api.py /tmp/fg/faiss_gpu-1.15.1-*.whl \

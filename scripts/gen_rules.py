@@ -294,6 +294,21 @@ def _other_alerts() -> list[dict[str, Any]]:
             "index on a fresh sample and roll it out (docs/deploy.md, docs/generations.md).",
         ),
         _alert(
+            "GtrIndexGpuFallback",
+            # wanted: GPU serving asked for on a node where faiss sees a GPU (a CPU node's
+            # shards, GTR_SHARD_GPU on by default, never fire)
+            "(index_gpu_serving == 0) and on (namespace, shard, replica) (index_gpu_wanted == 1)",
+            "10m",
+            "warning",
+            "Shard {{ $labels.shard }} replica {{ $labels.replica }} searches on its CPU "
+            "index, not its GPU",
+            "The GPU copy is off: the index is one faiss-gpu refuses (index_gpu_fallback_total "
+            "reason unsupported_index: retrain with --gpu) or an error turned it off (add_failed, "
+            "search_failed, rebuild_failed, copy_failed) and the re-attach keeps failing (the "
+            "replica's log says why; index_gpu_reattaches_total counts the successes). "
+            "Searches are served, slower and on CPU.",
+        ),
+        _alert(
             "GtrSearchPartialResults",
             "gtr:search_partial_ratio:rate5m > 0.01",
             "10m",

@@ -3,8 +3,12 @@
 # shards' GPU copy of the index), onnxruntime-gpu and TensorRT 10.7.0 (the release inside
 # the chart's Triton image, for `gtr-retrieval encoder build-plan`): pyproject.toml's `gpu`
 # extra. CUDA's user-space libraries come as NVIDIA's wheels with torch; the node provides
-# the driver. Built by `scripts/build_images.sh --gpu` (needs PyPI: the wheelhouse holds only
-# the project's own wheel); linted and parsed by tests/unit/test_images.py.
+# the driver. Every package uses the CUDA major of the chart's Triton image (24.12-py3:
+# CUDA 12.6; CUDA_MAJOR below), so one driver serves both: R560+, or R535/R545 on data
+# center GPUs (docs/deploy.md, checklist row 1); check_cuda.py fails the build otherwise.
+# Built by `scripts/build_images.sh --gpu` (needs PyPI and the PyTorch cu126 index: the
+# wheelhouse holds only the project's own wheel); linted and parsed by
+# tests/unit/test_images.py, the pins' CUDA checked by tests/unit/test_images_cuda.py.
 
 ARG BASE_IMAGE=docker.io/library/debian:bookworm-20250520-slim
 
@@ -16,13 +20,19 @@ RUN dpkg-query -W python3.11 libpython3.11 ca-certificates >/dev/null 2>&1 \
          && rm -rf /var/lib/apt/lists/*; }
 
 FROM base AS build
-# torch 2.13.0 from PyPI is the CUDA 12 build; the project's wheel comes from the wheelhouse.
+# The CUDA major of the Triton image (tensorrt_build.py TRITON_CUDA). PyPI's torch 2.13.0
+# is the CUDA 13 build (cuda-toolkit 13.0.3, nvidia-cudnn-cu13): the CUDA 12.6 one,
+# 2.13.0+cu126, comes from PyTorch's cu126 index; the project's wheel from the wheelhouse.
+ARG CUDA_MAJOR=12
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu126
+COPY deploy/docker/check_cuda.py /usr/local/lib/gtr/check_cuda.py
 RUN --mount=type=bind,source=build/wheels/gpu,target=/wheels \
     python3.11 -m venv --without-pip /opt/venv \
     && PIP_WHEEL="$(ls /wheels/pip-*.whl)" \
     && /opt/venv/bin/python "$PIP_WHEEL/pip" install --find-links=/wheels --no-cache-dir \
-         --disable-pip-version-check --no-warn-script-location "torch==2.13.0" "gtr-retrieval[gpu]" \
-    && /opt/venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is None)"
+         --extra-index-url "${TORCH_INDEX}" \
+         --disable-pip-version-check --no-warn-script-location "torch==2.13.0+cu126" "gtr-retrieval[gpu]" \
+    && /opt/venv/bin/python /usr/local/lib/gtr/check_cuda.py --major "${CUDA_MAJOR}" --torch
 
 FROM base
 ARG VERSION=0.1.0

@@ -18,10 +18,15 @@ FROM ${TRITON_IMAGE} AS build
 # .pth file in the image Python's site-packages puts it first on sys.path: the Python
 # backend stub runs that Python and reads its .pth files, but ignores PYTHONPATH
 # (docs/encoder.md). /staging mirrors / for the final stage.
+# onnxruntime-gpu 1.26.0: the last CUDA 12 build on PyPI (1.27.0 on are CUDA 13); the
+# base's CUDA is 12.6, checked by check_cuda.py (CUDA_MAJOR, as in the application image).
+ARG CUDA_MAJOR=12
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY deploy/docker/check_cuda.py /opt/gtr/check_cuda.py
 RUN python3 -m pip install --no-cache-dir --disable-pip-version-check --no-compile \
         --target /opt/gtr/site-packages \
-        numpy==1.26.4 onnxruntime-gpu==1.31.1 tokenizers==0.23.3 \
+        numpy==1.26.4 onnxruntime-gpu==1.26.0 tokenizers==0.23.3 \
+    && python3 /opt/gtr/check_cuda.py --major "${CUDA_MAJOR}" --path /opt/gtr/site-packages \
     && site_dir="$(python3 -c 'import site; print(site.getsitepackages()[0])')" \
     && mkdir -p "/staging${site_dir}" \
     && echo "import sys; sys.path.insert(0, '/opt/gtr/site-packages')" \

@@ -52,6 +52,14 @@ def _add_plan_gate(p: argparse.ArgumentParser) -> None:
     """The TensorRT build's workspace and parity gate (build-plan, ensure-plan)."""
     p.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace (GB)")
     p.add_argument("--min-cosine", type=float, default=0.999, help="threshold (default 0.999)")
+    p.add_argument(
+        "--max-plan-bytes",
+        type=int,
+        default=None,
+        help="disk the plan may take (the chart passes encoder.profiles.<size>.planStorage): "
+        "an FP32 plan larger than this is not built, and the FP32 fallback of --precision "
+        "auto is refused with the reason (default: no limit)",
+    )
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -81,7 +89,7 @@ def _embed(args: argparse.Namespace) -> int:
     from services.encoder.embeddings import encode_all
     from services.encoder.model import TorchEmbedder
 
-    embedder = TorchEmbedder(_model_dir(args), threads=args.threads)
+    embedder = TorchEmbedder(_model_dir(args), threads=args.threads, device=args.device)
     docs = list(read_corpus(Path(args.corpus), limit=args.limit))
     texts = [f"{d.title} {d.text}".strip() for d in docs]
     vectors = encode_all(texts, "document", lambda t, k: embedder.embed(t, k)[0])
@@ -191,6 +199,7 @@ def _build_plan(args: argparse.Namespace) -> int:
         min_cosine=args.min_cosine,
         extra_fp32_nodes=extra,
         precision=args.precision,
+        max_plan_bytes=args.max_plan_bytes,
     )
     report = build_plan_from_model(model_dir, Path(args.onnx), Path(args.out), cfg)
     for reason in report.rejected:
@@ -223,6 +232,7 @@ def _ensure_plan(args: argparse.Namespace) -> int:
             max_shape=base.max_shape,
             workspace_gb=args.workspace_gb,
             min_cosine=args.min_cosine,
+            max_plan_bytes=args.max_plan_bytes,
         )
         ensured = ensure_plan(
             onnx,
@@ -403,14 +413,21 @@ def add_cli(subparsers: Any) -> None:
         _embed,
         help="embed a JSONL corpus with a checkpoint into a .npy (for `index train`)",
         description="Encode the documents (title + text) of a JSONL corpus with the "
-        "in-process PyTorch model and write float32 (n, dim), L2-normalised, in corpus "
-        "order: what `index train --embeddings` reads (e.g. a 768-d GTR sample).",
+        "in-process PyTorch model (on --device: the CPU by default) and write float32 "
+        "(n, dim), L2-normalised, in corpus order: what `index train --embeddings` reads "
+        "(e.g. a 768-d GTR sample).",
     )
     _add_model_dir(p)
     p.add_argument("--corpus", required=True, help="JSONL corpus (id, text, title?)")
     p.add_argument("--out", required=True, help=".npy file to write")
     p.add_argument("--limit", type=int, default=None, help="first N documents only")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="PyTorch device: cpu (default) or cuda / cuda:N (a CUDA build of torch and a "
+        "GPU; refused with a clear error without one)",
+    )
 
     p = add_command(
         commands,

@@ -66,6 +66,12 @@ def add_cli(sub: Any) -> None:
         help="Annotated training queries D for the scaling-law columns.",
     )
     p.add_argument(
+        "--gpu-shards",
+        action="store_true",
+        help="Shards search on GPUs (index.gpu.enabled): count a GPU per shard replica, "
+        "twice that during a rollout.",
+    )
+    p.add_argument(
         "--encoder-arch",
         default="sde",
         choices=["sde", "ade", "ade-ste", "ade-fte", "ade-spl"],

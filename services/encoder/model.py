@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.encoder.profiles import KINDS, Kind, ModelProfile, profile_for_model_dir
 from services.encoder.textcodec import TextCodec, TokenBatch
 
@@ -230,9 +230,17 @@ class TorchEmbedder:
 
     backend = "torch"
 
-    def __init__(self, model_dir: Path | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self, model_dir: Path | None = None, threads: int | None = None, device: str = "cpu"
+    ) -> None:
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
-        self.module = load_dual_encoder(self.model_dir)
+        if device != "cpu" and not torch.cuda.is_available():
+            raise FailedPrecondition(
+                f"device {device!r}: this torch sees no CUDA GPU (torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}); use --device cpu"
+            )
+        self.device = torch.device(device)
+        self.module = load_dual_encoder(self.model_dir).to(self.device)
         self.tokenizer_spec = load_tokenizer_spec(self.model_dir)
         self.profile = profile_for_model_dir(self.model_dir, dim=self._out_dim())
         self.codec = build_codec(self.model_dir, self.profile, self.tokenizer_spec)
@@ -242,7 +250,7 @@ class TorchEmbedder:
             torch.set_num_threads(threads)
 
     def _out_dim(self) -> int:
-        probe = torch.ones(1, 2, dtype=torch.long)
+        probe = torch.ones(1, 2, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             return int(self.module(probe, probe).shape[-1])
 
@@ -251,8 +259,9 @@ class TorchEmbedder:
 
     @torch.inference_mode()
     def run(self, batch: TokenBatch) -> np.ndarray:
-        out = self.module(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.attention_mask))
-        return out.float().numpy()
+        ids = torch.from_numpy(batch.input_ids).to(self.device)
+        mask = torch.from_numpy(batch.attention_mask).to(self.device)
+        return self.module(ids, mask).float().cpu().numpy()
 
     def embed(self, texts: list[str], kind: Kind) -> tuple[np.ndarray, list[bool]]:
         batch = self.tokenize(texts, kind)

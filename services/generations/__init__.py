@@ -18,6 +18,8 @@ Package map (module → role):
 - :mod:`.phase_publish`  phases ``publish`` (a new encoder), ``create`` and ``p0``
 - :mod:`.phase_train`    phase ``train`` (sample, train the target's quantizer)
 - :mod:`.retrain`        a retrain's sample: the source replicas' vectors
+- :mod:`.gpu_serving`    what a new generation keeps of the source's GPU search (its
+                         pq_m, GPU settings) and why a rollout losing it is refused
 - :mod:`.phase_bulk`     phase ``bulk``: the SCAN re-embedded and appended
 - :mod:`.phase_catch_up` phase ``catch_up`` and the log replay the switch shares
 - :mod:`.held`           the source log entries a rollout holds (the lag) and their bound

@@ -47,6 +47,7 @@ from services.generations.context import (
 )
 from services.generations.encoding import EncoderFactory, embedding_text
 from services.generations.errors import NoModelRepository, PlanRefused, SourceAddressesUnknown
+from services.generations.gpu_serving import refusal, source_keep
 from services.generations.phase_bulk import run_bulk
 from services.generations.phase_catch_up import run_catch_up
 from services.generations.phase_publish import record_target, run_create, run_p0, run_publish
@@ -183,6 +184,14 @@ class RolloutBuilder:
             ctx = self._context(RolloutState(target=""))
             for address in (a for replicas in parse_addresses(spec or "") for a in replicas):
                 await ctx.check_transport(address)
+        # GPU shards that would serve from CPUs (a checkpoint to publish: at train, once
+        # its dimension is known)
+        dim = 0 if plan.encoder is None and plan.encoder_dir else encoder.dim
+        if dim:
+            keep = await source_keep(serving, spec, self.wiring.shard_tls, dim)
+            if keep.problem:
+                option = "retrain" if plan.retrain else "encoder"
+                raise PlanRefused(refusal(keep, serving.name, dim), option=option)
 
     async def rollback(self) -> Generation:
         """Make the previous generation serve again (:mod:`services.generations.rollback`)."""

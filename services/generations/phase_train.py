@@ -3,13 +3,14 @@
 
 With a new encoder the sample is the first ``sample`` documents of the SCAN, encoded and
 appended (the bulk phase goes on after them); with a retrain it is a reservoir sample of
-every vector the source's replicas hold (:mod:`services.generations.retrain`).
+every vector the source's replicas hold (:mod:`services.generations.retrain`). The
+target keeps the source's PQ shape and, when the source searches on GPUs, settings
+faiss-gpu accepts (:mod:`services.generations.gpu_serving`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from services.common.errors import FailedPrecondition
 from services.generations import documents
 from services.generations.context import RolloutContext
 from services.generations.encoding import append_documents
+from services.generations.gpu_serving import GpuKeep, refusal, source_keep, source_manifest
 from services.generations.held import enforce_bound, lag_of
 from services.generations.registry import Generation
 from services.generations.retrain import export_all
@@ -42,7 +44,12 @@ async def run_train(ctx: RolloutContext) -> None:
         sample = await encode_sample(ctx, target)
     if sample.shape[0] == 0:
         raise FailedPrecondition(f"{ctx.state.source}'s documents are none: nothing to train on")
-    manifest = await asyncio.to_thread(train, ctx, target, sample)
+    source, dim = ctx.source(), int(sample.shape[1])
+    spec = ctx.registry.addresses(source.name) or ctx.wiring.source_addresses
+    keep = await source_keep(source, spec, ctx.wiring.shard_tls, dim)
+    if keep.problem:  # a new encoder's dimension, known only once it was published
+        raise FailedPrecondition(f"{target.name}: {refusal(keep, source.name, dim)}")
+    manifest = await asyncio.to_thread(train, ctx, target, sample, keep)
     params = dict(
         target.params,
         trained=True,
@@ -59,16 +66,18 @@ async def run_train(ctx: RolloutContext) -> None:
     ctx.save(phase=next_phase(ctx))
 
 
-def train(ctx: RolloutContext, target: Generation, sample: np.ndarray) -> Any:
-    """Train T's index on ``sample`` with the source's index options (refine, PQ bits)."""
-
-    source_manifest = _manifest(ctx.source().index_dir)
+def train(ctx: RolloutContext, target: Generation, sample: np.ndarray, keep: GpuKeep) -> Any:
+    """Train T's index on ``sample`` with the source's index options (refine, PQ bits,
+    pq_m for the same dimension) and, for a GPU-bound source, GPU settings."""
+    src = source_manifest(ctx.source().index_dir)
     options = TrainOptions(
         max_train_points=ctx.options.sample,
         model=target.encoder.source or target.encoder.model,
-        refine=source_manifest.get("refine", True),
-        refine_factor=int(source_manifest.get("refine_factor", 4)),
-        pq_bits=int(source_manifest.get("pq_bits", 8)),
+        refine=src.get("refine", True),
+        refine_factor=int(src.get("refine_factor", 4)),
+        pq_bits=int(src.get("pq_bits", 8)),
+        pq_m=keep.pq_m,
+        gpu=keep.bound,
         target_recall=ctx.options.target_recall or TARGET_RECALL,
     )
     return train_index(sample, Path(target.index_dir), options)
@@ -99,10 +108,3 @@ async def encode_sample(ctx: RolloutContext, target: Generation) -> np.ndarray:
     ctx.save(cursor=cursor, done=have)
     dim = target.encoder.dim or (rows[0].shape[1] if rows else 0)
     return np.concatenate(rows) if rows else np.zeros((0, dim), np.float32)
-
-
-def _manifest(index_dir: str) -> dict[str, Any]:
-    try:
-        return dict(json.loads((Path(index_dir) / "manifest.json").read_text()))
-    except (OSError, ValueError):
-        return {}

@@ -23,6 +23,7 @@ class ReplicaStats:
     vectors: int
     memory_bytes: int
     pq_error_ratio: float
+    gpu: bool = False  # it searches from a GPU copy of its index
 
 
 def parse_addresses(spec: str) -> list[list[str]]:
@@ -52,6 +53,7 @@ async def replica_stats(
         reply.vectors,
         reply.memory_bytes,
         reply.pq_error_ratio,
+        reply.gpu,
     )
 
 

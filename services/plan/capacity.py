@@ -48,6 +48,7 @@ class PlanInput:
     overhead_ms: float = 10.0  # gateway, Redis fetch of the hits, network
     doc_bytes: int = 2000  # stored title + text + metadata per document (Redis)
     encoder_arch: str = "sde"  # `encoder train --arch`: asymmetric ones hold two towers
+    gpu_shards: bool = False  # shards search on GPUs (the chart's index.gpu.enabled)
 
     def check(self) -> None:
         if self.docs < 1 or self.qps <= 0:
@@ -273,6 +274,25 @@ def _replicas(out: Plan, case: _Case) -> None:
         )
     )
     out.add("index cores", shards * replicas, "cores", f"{shards} × {replicas}")
+    if inp.gpu_shards:
+        gpus = out.add(
+            "index GPUs (GPU shards)",
+            shards * replicas,
+            "GPUs",
+            f"{shards} × {replicas}: a whole GPU per shard replica (each pod requests one "
+            "nvidia.com/gpu, which the device plugin does not share; the copy holds the "
+            "replica's PQ codes and float16 tables)",
+            "deploy/k8s/gtr-retrieval/templates/index.yaml",
+        )
+        out.add(
+            "index GPUs during a rollout",
+            2 * gpus,
+            "GPUs",
+            f"2 × {gpus:g}: the new generation's shards (as many, at the same shard count) "
+            "run beside the serving ones from the train phase until the previous "
+            "generation is retired",
+            "docs/generations.md",
+        )
     out.add(
         "index memory per replica",
         index_gib / shards,

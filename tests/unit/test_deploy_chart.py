@@ -296,7 +296,8 @@ def test_encoder_size_profile_lands_in_triton(chart: Any, size: str) -> None:
     assert server["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert server["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert server["image"] == "ghcr.io/gtr-retrieval/gtr-retrieval-triton:0.1.0"
-    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    # no label only GPU Feature Discovery sets (issue #37 item 4): the GPU request places it
+    assert "nodeSelector" not in pod
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]
@@ -820,7 +821,7 @@ def test_gpu_shards_get_the_faiss_gpu_image_a_gpu_and_the_gpu_nodes(chart: Any) 
         assert resources["requests"]["nvidia.com/gpu"] == 1
         assert resources["limits"]["nvidia.com/gpu"] == 1
         assert resources["limits"]["memory"] == "16Gi"  # index.gpu.resources
-        assert pod["nodeSelector"] == {"pool": "search", "nvidia.com/gpu.present": "true"}
+        assert pod["nodeSelector"] == {"pool": "search"}  # no GFD-only label by default
         keys = {t["key"] for t in pod["tolerations"]}
         assert keys == {"search", "nvidia.com/gpu"}
         assert sts["spec"]["template"]["metadata"]["annotations"]["gtr-retrieval.io/gpu"] == "true"
@@ -868,9 +869,11 @@ def test_the_plan_build_gets_the_memory_of_its_size(chart: Any, size: str) -> No
 @pytest.mark.parametrize("size", list(PROFILES))
 def test_a_cold_rollout_has_the_time_and_disk_of_its_size(chart: Any, size: str) -> None:
     """Item 8: progressDeadlineSeconds from the size profile (above the model's startup
-    budget), the plan cache on a PVC of the chart's by default (kept on uninstall), and
-    ephemeral storage requested for the emptyDirs the pod fills."""
-    docs = render(chart, {"encoder": {"size": size}})
+    budget), the plan cache on a PVC of the chart's when enabled (kept on uninstall; by
+    default an emptyDir: issue #37 item 4), and ephemeral storage requested for the
+    emptyDirs the pod fills."""
+    cache = {"cachePersistence": {"enabled": True}}
+    docs = render(chart, {"encoder": {"size": size, "plan": cache}})
     triton, pod = _triton(docs)
     deadline = triton["spec"]["progressDeadlineSeconds"]
     assert deadline > 900  # encoder.startupTimeoutSeconds: the load alone

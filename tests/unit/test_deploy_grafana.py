@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from services.common.slo import slo_for
 from services.gateway.metrics import GatewayMetrics, GenerationMetrics, QueryCacheMetrics
 from services.index.changelog import LogReader
+from services.index.core.gpu import GpuMetrics
 from services.index.core.shard import IvfPqShard
 from services.index.core.train import TrainOptions, train_index
 from services.index.core.trained import TrainedIndex
@@ -107,6 +108,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     client = redis.Redis(port=free_port(), socket_connect_timeout=1)
     metrics.watch_log(LogReader(client, 0), lambda: "0-0")
     RpcMetrics.create(shard, "index")
+    GpuMetrics.create(shard, 0, "r0")  # services/index/server/process.py, same registry
 
     rerank = CollectorRegistry()
     RerankMetrics.create(rerank)

@@ -146,6 +146,15 @@ def test_gpu_repository_takes_its_shapes_from_the_plan(minilm_onnx: Path, tmp_pa
     assert tok_meta["max_lens"] == {"query": 64, "document": 200}  # truncation fits the plan
     recorded = tmp_path / "repo" / "encoder" / "1" / "model.plan.json"
     assert json.loads(recorded.read_text())["max_shape"] == [16, 200]
+    # issue #37 item 7: the TensorRT model warms up every bucket before it is READY, in
+    # shapes the plan covers, naming the model's own inputs
+    warmup = configs["encoder"].model_warmup
+    shapes = [(w.batch_size, *{tuple(i.dims) for i in w.inputs.values()}) for w in warmup]
+    assert shapes == [(1, (b,)) for b in (16, 32, 64, 128, 200)] + [(16, (200,))]
+    inputs = {i.name for i in configs["encoder"].input}
+    assert all(set(w.inputs) == inputs and w.count == 1 for w in warmup)
+    data = [i for w in warmup for i in w.inputs.values()]
+    assert all(i.zero_data and i.data_type == mc.TYPE_INT64 for i in data)
 
 
 def test_the_tokenizer_carries_the_plans_precision(minilm_onnx: Path, tmp_path: Path) -> None:

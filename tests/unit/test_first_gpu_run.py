@@ -127,7 +127,7 @@ def test_row_1_reaches_the_gpu_imports() -> None:
     code = ROWS[1][1][0].split('"')[1].replace("import tensorrt, ", "import ")
     code = code.replace("tensorrt.__version__, ", "")
     done = run([sys.executable, "-c", code])
-    assert done.returncode == 0 and done.stdout.split() == ["False", "0"]  # no GPU here
+    assert done.returncode == 0 and done.stdout.split() == ["None", "False", "0"]  # CPU torch
 
 
 @pytest.mark.slow
@@ -285,7 +285,11 @@ def test_rows_13_and_14_embed_and_train_for_the_gpu(env: dict[str, Path]) -> Non
         argv(span(13, start), env)
         for start in ("gtr-retrieval encoder embed", "gtr-retrieval index train")
     )
+    # issue #37 item 7: the row embeds on the GPU; here the CUDA device is refused clearly
+    assert embed[embed.index("--device") + 1] == "cuda"
     done = run(embed)
+    assert done.returncode == 2 and "sees no CUDA GPU" in done.stderr, done.stderr
+    done = run([*embed[: embed.index("--device")], "--device", "cpu"])
     assert done.returncode == 0, done.stderr
     vectors = np.load(env["build"] / "emb768.npy")
     assert vectors.shape[0] == 400 and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-3)

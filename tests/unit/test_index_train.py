@@ -92,12 +92,18 @@ def test_gpu_pq_rules() -> None:
     assert gpu_pq_problem(768, 96, 8) is None
     assert "not 192" in (gpu_pq_problem(768, 192, 8) or "")  # the 768-d default
     assert "8 bits" in (gpu_pq_problem(768, 96, 4) or "")
-    assert "dims per sub-quantizer" in (gpu_pq_problem(768, 8, 8) or "")  # 96 dims per code
+    # any dims per sub-quantizer since faiss 1.6.4 (issue #37 item 7): 96 and 48 here
+    assert gpu_pq_problem(768, 8, 8) is None and gpu_pq_problem(768, 16, 8) is None
+    assert "divide" in (gpu_pq_problem(1000, 48, 8) or "")
 
 
 def test_gpu_training_replaces_an_incompatible_default_pq_m() -> None:
     assert default_pq_m(768) == 192
     assert default_gpu_pq_m(768) == 96 and default_gpu_pq_m(1024) == 64
+    # only pq_m 1 divides 1001 (7 x 11 x 13): refused, not picked
+    assert default_gpu_pq_m(1001) is None
+    with pytest.raises(InvalidArgument, match="--gpu: no pq_m"):
+        resolve(TrainOptions(gpu=True), 5000, 1001)
     opts = resolve(TrainOptions(gpu=True), 5000, 768)
     assert opts.pq_m == 96 and gpu_pq_problem(768, opts.pq_m, opts.pq_bits) is None
     assert resolve(TrainOptions(), 5000, 768).pq_m == 192  # CPU deployments keep dim/4

@@ -6,6 +6,7 @@ import io
 import json
 import math
 from contextlib import redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,14 @@ def test_the_text_index_is_sized_from_its_measured_bytes_per_document() -> None:
     assert p["shard volume per replica"] == pytest.approx((3 * (vectors + text) + text) * 1.5)
     # without the figure (an older results folder) the plan has no text lines
     assert "text index bytes per document" not in {line.name for line in plan(inp, M).lines}
+
+
+def test_gpu_shards_take_a_gpu_per_replica_and_twice_that_in_a_rollout() -> None:
+    """Issue #37 item 7: the plan says what GPU shards cost (a whole GPU per replica:
+    the chart's default 2 shards x 2 replicas is 4, 8 during a rollout)."""
+    inp = PlanInput(docs=1_000_000, qps=1000, model="minilm", slo_ms=100, min_replicas=2)
+    assert "index GPUs (GPU shards)" not in {line.name for line in plan(inp, M).lines}
+    p = plan(replace(inp, gpu_shards=True), M)
+    shards, replicas = p["shards"], p["replicas per shard"]
+    assert p["index GPUs (GPU shards)"] == shards * replicas
+    assert p["index GPUs during a rollout"] == 2 * shards * replicas

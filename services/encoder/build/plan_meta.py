@@ -51,7 +51,16 @@ def _write_temp(beside: Path, data: bytes) -> Path:
 
 
 def write_plan(plan_path: Path, engine: bytes, meta: PlanMeta) -> PlanMeta:
-    """Write ``engine`` at ``plan_path`` with its ``<plan>.json`` (recording its sha256).
+    """Write ``engine`` at ``plan_path`` with its ``<plan>.json`` (:func:`place_plan`)."""
+    plan_path = Path(plan_path)
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    return place_plan(_write_temp(plan_path, engine), plan_path, meta)
+
+
+def place_plan(engine_file: Path, plan_path: Path, meta: PlanMeta) -> PlanMeta:
+    """Move ``engine_file`` (written beside ``plan_path``, same file system) to
+    ``plan_path`` with its ``<plan>.json`` (recording its sha256, read from the file in
+    chunks: an FP32 xxl plan is ~19 GB, never held in memory twice).
 
     Several builders may share a cache (the chart's init containers, one per pod): each
     writes under temp names of its own, the json first and the plan renamed last, so a
@@ -60,16 +69,14 @@ def write_plan(plan_path: Path, engine: bytes, meta: PlanMeta) -> PlanMeta:
     (:func:`services.encoder.build.plan_cache.check_plan`).
     """
     plan_path = Path(plan_path)
-    plan_path.parent.mkdir(parents=True, exist_ok=True)
-    meta = replace(meta, plan_sha256=hashlib.sha256(engine).hexdigest())
-    tmp_plan = _write_temp(plan_path, engine)
+    meta = replace(meta, plan_sha256=file_sha256(engine_file))
     meta_path = plan_meta_path(plan_path)
     tmp_meta = _write_temp(meta_path, (json.dumps(asdict(meta), indent=2) + "\n").encode())
     try:
         os.replace(tmp_meta, meta_path)
-        os.replace(tmp_plan, plan_path)
+        os.replace(engine_file, plan_path)
     finally:
-        for tmp in (tmp_plan, tmp_meta):
+        for tmp in (Path(engine_file), tmp_meta):
             tmp.unlink(missing_ok=True)
     return meta
 

@@ -246,6 +246,20 @@ def cpu_embed_config(
     return config
 
 
+def _warmup(config: mc.ModelConfig, max_batch: int, buckets: tuple[int, ...]) -> None:
+    """Triton runs these requests on every instance before the model is READY: one per
+    token bucket the tokenizer pads to (batch 1), and the largest batch at the longest
+    bucket, so the first real requests do not pay CUDA's lazy module loading and
+    TensorRT's first-run setup of each shape (zeros: the pad id, a fully masked row)."""
+    shapes = [(1, b) for b in buckets] + [(max_batch, max(buckets))]
+    for batch, seq in shapes:
+        warm = config.model_warmup.add(name=f"b{batch}_s{seq}", batch_size=batch, count=1)
+        for name in ("input_ids", "attention_mask"):
+            warm.inputs[name].data_type = mc.TYPE_INT64
+            warm.inputs[name].dims.append(seq)
+            warm.inputs[name].zero_data = True
+
+
 def gpu_configs(
     meta: EncoderMeta, profile: ModelProfile, cfg: RepositoryConfig
 ) -> dict[str, mc.ModelConfig]:
@@ -273,6 +287,7 @@ def gpu_configs(
         count=cfg.instances or profile.triton_instances, kind=mc.ModelInstanceGroup.KIND_GPU
     )
     _params(enc, _common_params(meta))
+    _warmup(enc, max_batch, cfg.seq_buckets)
 
     embed = mc.ModelConfig(name=EMBED_MODEL, platform="ensemble", max_batch_size=max_batch)
     _add_io(embed, text_in, text_out)

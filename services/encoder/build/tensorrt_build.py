@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ import numpy as np
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build.export import check_embeddings
 from services.encoder.build.onnx_fp16 import fp16_graph, select_fp32_nodes
-from services.encoder.build.plan_meta import PlanMeta, Precision, tensorrt_release, write_plan
+from services.encoder.build.plan_meta import PlanMeta, Precision, place_plan, tensorrt_release
 from services.encoder.profiles import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,33 @@ NO_TRT_REASON = "no GPU/TensorRT on this machine"
 TRITON_IMAGE_TAG = "24.12-py3"
 TRITON_TENSORRT: dict[str, str] = {"24.12-py3": "10.7.0"}
 TENSORRT_VERSION = TRITON_TENSORRT[TRITON_IMAGE_TAG]
+# The CUDA release of each Triton image (NVIDIA's Triton release notes: 24.12 is based on
+# CUDA 12.6.3, which needs driver R560+, or R470/R525/R535/R545 on data center GPUs). The
+# GPU image's torch, faiss-gpu, TensorRT and onnxruntime-gpu use its major, so one driver
+# serves both (deploy/docker/check_cuda.py at build time, :func:`check_cuda` here).
+TRITON_CUDA: dict[str, str] = {"24.12-py3": "12.6"}
+TRITON_DRIVER = "R560 or later, or R535/R545 on data center GPUs"
+
+
+def check_cuda(torch_cuda: str | None, available: bool, image_tag: str = TRITON_IMAGE_TAG) -> None:
+    """FailedPrecondition unless this torch is a CUDA build of the Triton image's CUDA
+    major and sees a GPU (issue #37 item 1: a CUDA 13 torch on an R535-R570 node sees none)."""
+    want = TRITON_CUDA[image_tag]
+    fix = "install torch==2.13.0+cu126 (the PyTorch cu126 index; PyPI's 2.13.0 is CUDA 13)"
+    if torch_cuda is None:
+        raise FailedPrecondition(f"{NO_TRT_REASON} (this torch is a CPU build): {fix}")
+    if torch_cuda.split(".")[0] != want.split(".")[0]:
+        raise FailedPrecondition(
+            f"this torch is built for CUDA {torch_cuda}, and Triton {image_tag} runs CUDA "
+            f"{want} (its driver: {TRITON_DRIVER}; CUDA 13 needs R580+): {fix}"
+        )
+    if not available:
+        raise FailedPrecondition(
+            f"{NO_TRT_REASON} (torch.cuda.is_available() is False: torch {torch_cuda} needs an "
+            f"NVIDIA driver {TRITON_DRIVER}, and the pod a GPU: nvidia.com/gpu, "
+            "gpu.runtimeClassName)"
+        )
+
 
 # What to do when the gate refuses; names flags of `gtr-retrieval encoder build-plan`.
 MORE_FP32_HINT = (
@@ -80,6 +108,9 @@ class PlanConfig:
     min_cosine: float = PLAN_MIN_COSINE
     extra_fp32_nodes: frozenset[str] = field(default_factory=frozenset)
     precision: Literal["auto", "fp16", "fp32"] = "auto"  # auto: FP16, else an FP32 plan
+    # the disk the plan may take (the chart's encoder.profiles.<size>.planStorage, the
+    # /models emptyDir's limit); an FP32 plan that would not fit is not built. None: any
+    max_plan_bytes: int | None = None
 
     @classmethod
     def for_profile(cls, profile: ModelProfile) -> PlanConfig:
@@ -110,6 +141,42 @@ class PlanParityError(FailedPrecondition):
     """The engine disagrees with PyTorch; no plan was written."""
 
 
+def fp32_plan_bytes(onnx_path: Path) -> int:
+    """About the size of an FP32 plan of the export at ``onnx_path``: its FP32 weights, the
+    .onnx file and the external data files it names (an engine stores the weights once;
+    docs/deploy.md gives ~4.9 GB for xl and ~19 GB for xxl)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    files = {
+        entry.value
+        for tensor in model.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    del model
+    folder = Path(onnx_path).parent
+    return Path(onnx_path).stat().st_size + sum((folder / f).stat().st_size for f in files)
+
+
+def plan_attempts(cfg: PlanConfig, fp32_bytes: int) -> tuple[tuple[Precision, ...], str]:
+    """The precisions to try, and why the FP32 fallback is left out ("" when it is not):
+    an FP32 plan larger than ``cfg.max_plan_bytes`` would fill the pod's disk midway
+    (issue #37 item 5: xl's ~4.9 GB against 4Gi, xxl's ~19 GB against 16Gi)."""
+    limit = cfg.max_plan_bytes
+    if limit is None or fp32_bytes <= limit or "fp32" not in cfg.attempts:
+        return cfg.attempts, ""
+    why = (
+        f"an FP32 plan of this export takes ~{fp32_bytes / 1e9:.1f} GB, more than the "
+        f"{limit / 1e9:.1f} GB of --max-plan-bytes (the chart's "
+        "encoder.profiles.<size>.planStorage; raise it, and planMemory, to allow FP32)"
+    )
+    if cfg.precision == "fp32":
+        raise InvalidArgument(f"--precision fp32 refused: {why}")
+    return ("fp16",), f"the FP32 fallback refused: {why}"
+
+
 def _require_tensorrt() -> Any:
     try:
         import tensorrt as trt
@@ -124,8 +191,7 @@ def _require_tensorrt() -> Any:
         )
     import torch
 
-    if not torch.cuda.is_available():
-        raise FailedPrecondition(NO_TRT_REASON + " (torch.cuda.is_available() is False)")
+    check_cuda(torch.version.cuda, torch.cuda.is_available())
     return trt
 
 
@@ -162,9 +228,11 @@ def layers_with_onnx_names(engine_info: dict[str, Any]) -> int:
 
 
 def _build_engine(
-    trt: Any, onnx_file: Path, cfg: PlanConfig, precision: Precision
-) -> tuple[bytes, dict[str, Any], int]:
-    """(serialized engine, inspector JSON, number of layers)."""
+    trt: Any, onnx_file: Path, cfg: PlanConfig, precision: Precision, engine_file: Path
+) -> tuple[Any, dict[str, Any], int]:
+    """(the engine, its inspector JSON, number of layers), the serialized engine written to
+    ``engine_file`` straight from TensorRT's buffer (no ``bytes`` copy: an FP32 xxl engine
+    is ~19 GB) and the parser and network freed before it is deserialized."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if precision == "fp16" else 0
@@ -185,19 +253,24 @@ def _build_engine(
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise FailedPrecondition(f"TensorRT {precision} build failed (see the log above)")
-    engine_bytes = bytes(serialized)
-    runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(engine_bytes)
+    layers = int(network.num_layers)
+    del parser, network, config, builder  # the parser's copy of the weights
+    gc.collect()
+    with open(engine_file, "wb") as fh:
+        fh.write(serialized)  # the buffer itself (IHostMemory has the buffer protocol)
+        fh.flush()
+        os.fsync(fh.fileno())
+    engine = trt.Runtime(logger).deserialize_cuda_engine(serialized)
+    del serialized
+    gc.collect()
     inspector = engine.create_engine_inspector()
     info = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
-    return engine_bytes, info, int(network.num_layers)
+    return engine, info, layers
 
 
-def _run_engine(trt: Any, engine_bytes: bytes, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def _run_engine(trt: Any, engine: Any, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     import torch
 
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    engine = runtime.deserialize_cuda_engine(engine_bytes)
     context = engine.create_execution_context()
     torch_types = {
         trt.int64: torch.int64,
@@ -253,67 +326,110 @@ def build_plan(
     import onnx
 
     trt = _require_tensorrt()
+    attempts, refused_fp32 = plan_attempts(cfg, fp32_plan_bytes(onnx_path))
     model = onnx.load(str(onnx_path))
     selection = select_fp32_nodes(model, keep_ffn_out=cfg.keep_ffn_out_fp32)
-    names = {n.name for n in model.graph.node}
-    unknown = sorted(cfg.extra_fp32_nodes - names)
+    unknown = sorted(cfg.extra_fp32_nodes - {n.name for n in model.graph.node})
+    del model  # each attempt loads its own, and drops it before TensorRT parses
     if unknown:
         raise InvalidArgument(f"--extra-fp32-nodes: no such ONNX node(s) {unknown}")
-    keep = selection.all | cfg.extra_fp32_nodes
+    keep = frozenset(selection.all | cfg.extra_fp32_nodes)
     rejected: list[str] = []
-    for attempt, precision in enumerate(cfg.attempts):
-        with tempfile.TemporaryDirectory(prefix="gtr-plan-") as tmp:
-            graph_file = Path(tmp) / "model.onnx"
-            if attempt:  # the FP16 cast converted the graph in place: load it again
-                model = onnx.load(str(onnx_path))
-            graph = fp16_graph(model, keep, inplace=True) if precision == "fp16" else model
-            onnx.save_model(
-                graph,
-                str(graph_file),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location="model.onnx.data",
+    plan_path = Path(plan_path)
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    for precision in attempts:
+        fd, name = tempfile.mkstemp(prefix=f".{plan_path.name}.", dir=plan_path.parent)
+        os.close(fd)
+        engine_file = Path(name)  # beside the plan: placed by a rename, never copied
+        try:
+            built = _attempt(trt, onnx_path, keep, cfg, precision, engine_file)
+            probe = (probe_ids, probe_mask)
+            cosine, failure = _gate(trt, built, keep, precision, probe, reference, cfg)
+            layers, inspected = built.layers, layers_with_onnx_names(built.info)
+            del built  # the engine freed before the next attempt builds its own
+            gc.collect()
+            if failure is not None:
+                log.warning("%s plan refused: %s", precision, failure)
+                rejected.append(f"{precision}: {failure}")
+                continue
+            if rejected:
+                log.warning(
+                    "%s plan written after %s: expect about twice the latency and memory "
+                    "of FP16 (Triton exports gtr_encoder_plan_info{precision=%r})",
+                    precision,
+                    "; ".join(rejected),
+                    precision,
+                )
+            gpu, capability = _device()
+            shapes = (cfg.min_shape, cfg.opt_shape, cfg.max_shape)
+            meta = PlanMeta(trt.__version__, precision, *shapes, cosine, len(keep), gpu, capability)
+            place_plan(engine_file, plan_path, meta)
+            return PlanReport(
+                plan_path, cosine, len(keep), layers, precision, tuple(rejected), inspected
             )
-            engine_bytes, info, layers = _build_engine(trt, graph_file, cfg, precision)
-        got = _run_engine(trt, engine_bytes, probe_ids, probe_mask)
-        cosine, failure = check_embeddings(reference, got, cfg.min_cosine)
-        if failure is None and precision == "fp16":
-            demoted = fp16_layers_of_kept_nodes(info, frozenset(keep))
-            if demoted:
-                failure = f"{len(demoted)} FP32-selected layers run in FP16: {demoted[:5]}"
-        if failure is not None:
-            log.warning("%s plan refused: %s", precision, failure)
-            rejected.append(f"{precision}: {failure}")
-            continue
-        if rejected:
-            log.warning(
-                "%s plan written after %s: expect about twice the latency and memory "
-                "of FP16 (Triton exports gtr_encoder_plan_info{precision=%r})",
-                precision,
-                "; ".join(rejected),
-                precision,
-            )
-        gpu, capability = _device()
-        meta = PlanMeta(
-            trt.__version__,
-            precision,
-            cfg.min_shape,
-            cfg.opt_shape,
-            cfg.max_shape,
-            cosine,
-            len(keep),
-            gpu,
-            capability,
-        )
-        write_plan(Path(plan_path), engine_bytes, meta)
-        inspected = layers_with_onnx_names(info)
-        return PlanReport(
-            plan_path, cosine, len(keep), layers, precision, tuple(rejected), inspected
-        )
+        finally:
+            engine_file.unlink(missing_ok=True)
+    rejected.extend([refused_fp32] if refused_fp32 else [])
     raise PlanParityError(
         f"no plan written ({'; '.join(rejected)}; {len(keep)} ONNX nodes kept in FP32): "
         + MORE_FP32_HINT
     )
+
+
+@dataclass
+class _Built:
+    engine: Any
+    info: dict[str, Any]
+    layers: int
+
+
+def _attempt(
+    trt: Any,
+    onnx_path: Path,
+    keep: frozenset[str],
+    cfg: PlanConfig,
+    precision: Precision,
+    engine_file: Path,
+) -> _Built:
+    """One precision's engine: the graph loaded, cast (FP16), saved and dropped before
+    TensorRT parses it (host memory holds one copy of the weights at a time: xxl ~19 GB)."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="gtr-plan-") as tmp:
+        graph_file = Path(tmp) / "model.onnx"
+        graph = onnx.load(str(onnx_path))
+        if precision == "fp16":
+            graph = fp16_graph(graph, set(keep), inplace=True)
+        onnx.save_model(
+            graph,
+            str(graph_file),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location="model.onnx.data",
+        )
+        del graph
+        gc.collect()
+        return _Built(*_build_engine(trt, graph_file, cfg, precision, engine_file))
+
+
+def _gate(
+    trt: Any,
+    built: _Built,
+    keep: frozenset[str],
+    precision: Precision,
+    probe: tuple[np.ndarray, np.ndarray],
+    reference: np.ndarray,
+    cfg: PlanConfig,
+) -> tuple[float, str | None]:
+    """(min cosine, why the engine is refused or None): the parity gate on the probe
+    batch, and for FP16 the inspector's check that the FP32-kept nodes stayed FP32."""
+    got = _run_engine(trt, built.engine, *probe)
+    cosine, failure = check_embeddings(reference, got, cfg.min_cosine)
+    if failure is None and precision == "fp16":
+        demoted = fp16_layers_of_kept_nodes(built.info, keep)
+        if demoted:
+            failure = f"{len(demoted)} FP32-selected layers run in FP16: {demoted[:5]}"
+    return cosine, failure
 
 
 def probe_tokens(

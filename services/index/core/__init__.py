@@ -10,7 +10,8 @@ Package map:
 - ``snapshots``: durable snapshot files, and the shard's state codec they hold.
 - ``transfer``: a snapshot (and trained index) sent to a peer in checksummed chunks.
 - ``text``: the BM25 text index (Tantivy) beside the vectors.
-- ``gpu``: the optional GPU copy of a shard's IVF-PQ.
+- ``gpu``: the optional GPU copy of a shard's IVF-PQ (re-attached after an error).
+- ``gpu_stale``: the copy's stale entries dropped or re-scored in one vectorised pass.
 - ``coarse``: the coarse quantizer every shard shares (assign once, probe everywhere).
 - ``query``: a search as one shard sees it, and its answer grid.
 - ``changes``: the changes a shard applies, as they come out of its log.

@@ -5,9 +5,10 @@ copy serves unfiltered searches with float16 lookup tables. Every change reaches
 incrementally: adds are added to it; removes (faiss-gpu's IVF indexes have no
 ``remove_ids``: ``Index::remove_ids`` throws) leave the old entries in the copy and mark
 their ids *stale*. A search on the copy fetches a few more candidates than asked (as many
-as the stale share of the copy would displace), drops the entries of removed ids, scores
-the ids re-added since (whose copy holds an old entry beside the new one) from the CPU
-index's own codes, and keeps one hit per id. Once the stale entries pass
+as the stale share of the copy would displace) and drops the stale entries; an id added
+again goes into the copy under an alias, so its old entry is dropped and its new one
+answers with the copy's own score; one vectorised pass, outside the copy's lock
+(:mod:`.gpu_stale`). Once the stale entries pass
 :data:`REBUILD_FRACTION` of the copy, a background thread rebuilds it: the old copy is
 freed first (GPU memory never holds two), searches go to the CPU index meanwhile, and
 writes wait for the copy (the log is consumed again once it is made; the lag metric shows
@@ -15,7 +16,10 @@ it); searches are never blocked by a copy.
 
 What faiss-gpu does not do, and how this module copes (none of it needs a GPU to test;
 ``tests/support/faiss_gpu_api.json`` holds the faiss-gpu wheel's own API, and the tests
-refuse any name or option not in it, as the SWIG classes do):
+refuse any name or option not in it). The wheel itself refuses nothing: its SWIG proxies
+take an unknown attribute as a plain Python attribute that faiss never reads (faiss
+1.15.1: ``SearchParametersIVF().useFloat16LookupTables = True`` passes), so a misspelt
+option is silently ignored on a GPU node; the name-list test is the only guard:
 
 * it refuses IVF-PQ settings outside its kernels (pq_m 192 of a 768-d default, for one):
   :meth:`GpuMirror.sync` checks them first and raises :class:`GpuUnavailable`, as it does
@@ -35,7 +39,12 @@ refuse any name or option not in it, as the SWIG classes do):
 * ``nprobe`` is passed per call (``SearchParametersIVF``), never set on the shared index;
 * any error of the copy, an add or a search turns the copy off: the shard serves from its
   CPU index, ``index_gpu_serving`` goes to 0 and ``index_gpu_fallback_total`` counts the
-  reason (``copy_failed``, ``add_failed``, ``search_failed``, ``rebuild_failed``).
+  reason (``copy_failed``, ``add_failed``, ``search_failed``, ``rebuild_failed``). A copy
+  that was serving is then made again in the background, with the writers kept out
+  during the copy, after :data:`REATTACH_FIRST_S`, doubling up to :data:`REATTACH_MAX_S`
+  between attempts (``index_gpu_reattaches_total``); ``index_gpu_wanted`` is 1 where GPU
+  serving was asked for and faiss sees a GPU, so ``GtrIndexGpuFallback`` fires on a
+  replica that wants its GPU and serves from its CPU index.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.errors import FailedPrecondition
+from services.index.core.gpu_stale import AliasCollision, StaleIds, drop_stale
 from services.index.core.trained import gpu_pq_problem
 
 log = logging.getLogger(__name__)
@@ -61,6 +71,9 @@ GPU_MAX_K = 2048  # faiss/gpu GPU_MAX_SELECTION_K: largest k (and nprobe) of a G
 # Stale entries (removed or replaced ids) in the copy, as a share of it, that start a
 # rebuild. Each costs the searches on the copy an extra candidate per 1/share fetched.
 REBUILD_FRACTION = 0.1
+# A copy turned off by an error is made again after this long, doubling per failure.
+REATTACH_FIRST_S = 1.0
+REATTACH_MAX_S = 300.0
 
 
 class GpuUnavailable(FailedPrecondition):
@@ -107,6 +120,8 @@ class GpuMetrics:
     fallbacks: Counter
     rebuilds: Counter
     labels: tuple[str, str]
+    wanted: Gauge | None = None
+    reattaches: Counter | None = None
 
     @classmethod
     def create(cls, registry: CollectorRegistry, shard: int, replica: str) -> GpuMetrics:
@@ -131,7 +146,23 @@ class GpuMetrics:
                 registry=registry,
             ),
             labels=(str(shard), replica),
+            wanted=Gauge(
+                "index_gpu_wanted",
+                "1 when GPU serving is asked for and faiss sees a GPU (so index_gpu_serving "
+                "0 is a fallback).",
+                ["shard", "replica"],
+                registry=registry,
+            ),
+            reattaches=Counter(
+                "index_gpu_reattaches",
+                "GPU copies made again after an error had turned the copy off.",
+                ["shard", "replica"],
+                registry=registry,
+            ),
         )
+
+    def set_serving(self, on: bool) -> None:
+        self.serving.labels(*self.labels).set(1 if on else 0)
 
 
 class GpuMirror:
@@ -149,6 +180,7 @@ class GpuMirror:
         lib: Any = faiss,
         metrics: GpuMetrics | None = None,
         rebuild_fraction: float = REBUILD_FRACTION,
+        reattach_first_s: float = REATTACH_FIRST_S,
     ) -> None:
         self.device = device
         self._lib = lib
@@ -161,12 +193,17 @@ class GpuMirror:
         self.rebuild_fraction = rebuild_fraction
         self.cpu_served = 0  # searches sent to the CPU index (over GPU_MAX_K, copy off)
         self.entries = 0  # entries in the copy, stale ones included
-        # ids with a removed or outdated entry in the copy, sorted
-        self.stale = np.empty(0, dtype=np.int64)
+        # ids with a removed or outdated entry in the copy, and those added back since
+        self.sets = StaleIds.none()
         self.dead = 0  # entries of the copy no search may return
-        self.failure: str | None = None  # why the copy is off for good
+        self.failure: str | None = None  # why the copy is off (until it is made again)
         self.rebuilds = 0
+        self.reattaches = 0
+        self.reattach_first_s = reattach_first_s
         self._rebuild: threading.Thread | None = None
+        self._reattach: threading.Thread | None = None
+        self._writes: AbstractContextManager[Any] | None = None  # the shard's writers
+        self._closed = threading.Event()
 
     # --- the copy ----------------------------------------------------------------------
 
@@ -197,23 +234,75 @@ class GpuMirror:
         finally:
             ivf.nprobe = stored
 
-    def sync(self, cpu_index: faiss.Index) -> None:
-        """Replace the GPU copy with a fresh copy of ``cpu_index``; GpuUnavailable if it can't."""
+    def sync(
+        self, cpu_index: faiss.Index, writes: AbstractContextManager[Any] | None = None
+    ) -> None:
+        """Replace the GPU copy with a fresh copy of ``cpu_index``; GpuUnavailable if it
+        can't. ``writes`` keeps the shard's writers out (held by the caller now; a
+        re-attach after an error takes it)."""
         copy = self._copy(cpu_index)
+        self._writes = writes if writes is not None else self._writes
+        self._install(copy, cpu_index)
+
+    def _install(self, copy: Any, cpu_index: faiss.Index) -> None:
         with self._lock:
             self.index, self._cpu = copy, cpu_index
             self.entries, self.dead = int(cpu_index.ntotal), 0
-            self.stale = np.empty(0, dtype=np.int64)
+            self.sets = StaleIds.none()
             self.failure = None
 
     def _fail(self, reason: str, detail: str) -> None:
-        """Turn the copy off: the shard serves from its CPU index from now on."""
+        """Turn the copy off: the shard serves from its CPU index until a re-attach."""
         with self._lock:
             self.index, self.failure = None, f"{reason}: {detail}"
         log.warning("GPU copy off, searches go to the CPU index (%s): %s", reason, detail)
         if self.metrics is not None:
-            self.metrics.serving.labels(*self.metrics.labels).set(0)
+            self.metrics.set_serving(False)
             self.metrics.fallbacks.labels(*self.metrics.labels, reason).inc()
+        self._start_reattach()
+
+    def _start_reattach(self) -> None:
+        if self._writes is None or self._cpu is None or self._closed.is_set():
+            return  # never attached: nothing to come back to
+        if self._reattach is not None and self._reattach.is_alive():
+            return
+        self._reattach = threading.Thread(target=self._reattach_loop, name="gpu-reattach")
+        self._reattach.daemon = True
+        self._reattach.start()
+
+    def _reattach_loop(self) -> None:
+        """Copy the CPU index again after a backoff (doubling up to REATTACH_MAX_S) until
+        it works or :meth:`close`; writers wait during each copy, searches do not."""
+        delay = self.reattach_first_s
+        cpu, writes = self._cpu, self._writes
+        assert cpu is not None and writes is not None
+        while not self._closed.wait(delay):
+            try:
+                with writes:
+                    copy = self._copy(cpu)
+                    self._install(copy, cpu)
+            except GpuUnavailable as exc:
+                log.warning("GPU copy still off, next try in %.0f s: %s", 2 * delay, exc.message)
+                delay = min(2 * delay, REATTACH_MAX_S)
+                continue
+            self.reattaches += 1
+            log.info("GPU copy made again: searches served from GPU %d", self.device)
+            if self.metrics is not None:
+                self.metrics.set_serving(True)
+                if self.metrics.reattaches is not None:
+                    self.metrics.reattaches.labels(*self.metrics.labels).inc()
+            return
+
+    def wait_reattached(self, timeout: float | None = None) -> bool:
+        """True once no re-attach is pending (for tests and shutdown)."""
+        thread = self._reattach
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def close(self) -> None:
+        """Stop re-attaching (the shard is closing)."""
+        self._closed.set()
 
     # --- changes (under the shard's write lock) ----------------------------------------
 
@@ -222,8 +311,15 @@ class GpuMirror:
             if self.index is None:  # off, or being rebuilt (the rebuild copies it)
                 return
             try:
-                self.index.add_with_ids(vectors, ids)
+                sets, as_copy = self.sets.added(ids)  # ids added again: under aliases
+            except AliasCollision:  # a 63-bit collision with an alias: copy afresh
+                log.warning("an added id equals an alias of the GPU copy: rebuilding it")
+                sets, as_copy = self.sets, ids
+                self.dead = max(self.dead, self.entries + len(ids))  # needs_rebuild
+            try:
+                self.index.add_with_ids(vectors, as_copy)
                 self.entries += len(ids)
+                self.sets = sets
                 return
             except Exception as exc:
                 error = exc
@@ -234,7 +330,7 @@ class GpuMirror:
         with self._lock:
             if self.index is None:
                 return
-            self.stale = np.union1d(self.stale, ids.astype(np.int64))
+            self.sets = self.sets.removed(ids)
             self.dead += len(ids)
 
     def needs_rebuild(self) -> bool:
@@ -265,7 +361,7 @@ class GpuMirror:
             return
         with self._lock:
             self.index, self.entries, self.dead = copy, entries, 0
-            self.stale = np.empty(0, dtype=np.int64)
+            self.sets = StaleIds.none()
         self.rebuilds += 1
         if self.metrics is not None:
             self.metrics.rebuilds.labels(*self.metrics.labels).inc()
@@ -285,22 +381,26 @@ class GpuMirror:
 
         Called under the shard's read lock, so the CPU index does not change meanwhile.
         """
-        assert self._cpu is not None
+        cpu = self._cpu
+        assert cpu is not None
         params = faiss.SearchParametersIVF(nprobe=nprobe)  # type: ignore[call-arg]
         if k <= GPU_MAX_K and nprobe <= GPU_MAX_K:
             error: Exception | None = None
+            grid: tuple[np.ndarray, np.ndarray] | None = None
+            sets = StaleIds.none()
             with self._lock:
                 if self.index is not None:
+                    sets = self.sets  # replaced, never changed in place: safe to read later
                     try:
-                        scores, ids = self.index.search(queries, self._fetch(k), params=params)
+                        grid = self.index.search(queries, self._fetch(k), params=params)
                     except Exception as exc:
                         error = exc
-                    else:
-                        return self._drop_stale(queries, scores, ids, k)
+            if grid is not None:  # outside the lock: the next search may use the GPU
+                return drop_stale(grid[0], grid[1], k, sets, cpu.metric_type == faiss.METRIC_L2)
             if error is not None:
                 self._fail("search_failed", repr(error))
         self.cpu_served += 1
-        scores, ids = self._cpu.search(queries, k, params=params)
+        scores, ids = cpu.search(queries, k, params=params)
         return scores, ids
 
     def _fetch(self, k: int) -> int:
@@ -309,49 +409,6 @@ class GpuMirror:
             return k
         share = self.dead / max(self.entries, 1)
         return min(GPU_MAX_K, k + max(8, math.ceil(2 * k * share)))
-
-    def _drop_stale(
-        self,
-        queries: np.ndarray,
-        scores: np.ndarray,
-        ids: np.ndarray,
-        k: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The top-``k`` of an over-fetched grid without the copy's stale entries.
-
-        An entry of a removed id is dropped (the CPU index no longer has it); a stale id
-        that was added again has an old and a new entry in the copy, both scored here from
-        the CPU index's code, as the CPU index would score it; one hit per id.
-        """
-        at = np.minimum(np.searchsorted(self.stale, ids), max(len(self.stale) - 1, 0))
-        is_stale = (self.stale[at] == ids) if len(self.stale) else np.zeros(ids.shape, bool)
-        if not is_stale.any():
-            return scores[:, :k], ids[:, :k]
-        cpu = self._cpu
-        assert cpu is not None
-        ascending = cpu.metric_type == faiss.METRIC_L2
-        out_scores, out_ids = scores[:, :k].copy(), ids[:, :k].copy()
-        pad = np.float32(np.inf if ascending else -np.inf)
-        for row in np.flatnonzero(is_stale.any(axis=1)).tolist():
-            out_scores[row], out_ids[row] = pad, -1
-            hits: dict[int, float] = {}
-            entries = zip(ids[row].tolist(), scores[row].tolist(), is_stale[row], strict=True)
-            for fid, score, outdated in entries:
-                if fid < 0 or fid in hits:
-                    continue
-                if outdated:
-                    try:
-                        vector = cpu.reconstruct(fid)  # direct map: the id's current code
-                    except RuntimeError:  # removed from the CPU index
-                        continue
-                    q = queries[row]
-                    diff = q - vector
-                    score = float(diff @ diff) if ascending else float(q @ vector)
-                hits[fid] = score
-            best = sorted(hits.items(), key=lambda h: h[1], reverse=not ascending)[:k]
-            out_ids[row, : len(best)] = [f for f, _ in best]
-            out_scores[row, : len(best)] = [s for _, s in best]
-        return out_scores, out_ids
 
 
 class GpuServable(Protocol):
@@ -393,7 +450,9 @@ def attach_or_fallback(
                 reason, detail = "copy_failed", exc.message
     served = wanted and not reason
     if metrics is not None:
-        metrics.serving.labels(*metrics.labels).set(1 if served else 0)
+        metrics.set_serving(served)
+        if metrics.wanted is not None:
+            metrics.wanted.labels(*metrics.labels).set(1 if wanted and reason != "no_gpu" else 0)
         if reason:
             metrics.fallbacks.labels(*metrics.labels, reason).inc()
     if served:

@@ -151,7 +151,7 @@ class IvfPqShard:
         Writers wait for the copy; searches go on (from the CPU index) meanwhile.
         """
         with self._writes:
-            mirror.sync(self.index)
+            mirror.sync(self.index, self._writes)
             self.gpu = mirror
 
     # --- writes ----------------------------------------------------------------------

@@ -105,16 +105,32 @@ def default_pq_m(dim: int) -> int:
     return 1
 
 
+# A GPU pq_m with under a quarter of the default's sub-quantizers is refused rather than
+# picked: a 1001-d index (7 x 11 x 13) has only pq_m 1 in GPU_PQ_M, one byte per vector.
+# dim/8 already capped recall@10 near 0.95 with the refine (default_pq_m); 768-d keeps
+# 96 (half of 192), 1024-d 64 (a quarter of 256).
+MIN_GPU_PQ_SHARE = 4
+
+
 def default_gpu_pq_m(dim: int) -> int | None:
-    """The GPU-compatible pq_m closest to :func:`default_pq_m` (the larger on a tie)."""
+    """The GPU-compatible pq_m closest to :func:`default_pq_m` (the larger on a tie), None
+    when every one has under 1/:data:`MIN_GPU_PQ_SHARE` of its sub-quantizers."""
     target = default_pq_m(dim)
-    fits = [m for m in GPU_PQ_M if gpu_pq_problem(dim, m, 8) is None]
+    fits = [
+        m for m in GPU_PQ_M if gpu_pq_problem(dim, m, 8) is None and m * MIN_GPU_PQ_SHARE >= target
+    ]
     return min(fits, key=lambda m: (abs(m - target), -m)) if fits else None
 
 
 def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
     nlist = options.nlist or default_nlist(n)
-    pq_m = options.pq_m or (default_gpu_pq_m(dim) if options.gpu else None) or default_pq_m(dim)
+    gpu_m = default_gpu_pq_m(dim) if options.gpu and not options.pq_m else None
+    if options.gpu and not options.pq_m and gpu_m is None:
+        raise InvalidArgument(
+            f"--gpu: no pq_m GPU IVF-PQ accepts ({list(GPU_PQ_M)}, dividing {dim}) keeps a "
+            f"quarter of the default {default_pq_m(dim)} sub-quantizers; give --pq-m"
+        )
+    pq_m = options.pq_m or gpu_m or default_pq_m(dim)
     if dim % pq_m:
         raise InvalidArgument(f"pq_m={pq_m} must divide the dimension {dim}")
     if nlist > n:
@@ -203,6 +219,7 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         stats={"mean_norm": float(np.linalg.norm(x, axis=1).mean())},
         gpu_problem=gpu_pq_problem(dim, opts.pq_m, opts.pq_bits),
+        gpu=opts.gpu,
     )
     tuning = tune_nprobe(TrainedIndex(manifest, index, refine), x, opts)
     _record_tuning(manifest, tuning)

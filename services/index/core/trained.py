@@ -42,6 +42,9 @@ class Manifest:
     created_at: str
     stats: dict[str, float] = field(default_factory=dict)
     gpu_problem: str | None = None  # why faiss-gpu cannot hold this index (None: it can)
+    # trained for GPU shards (`index train --gpu`, or a rollout of such an index): a new
+    # generation keeps GPU settings (services/generations/gpu_serving.py)
+    gpu: bool = False
     # nprobe tuning (None in manifests written before it, or when the sample was too small)
     target_recall: float | None = None  # None: nprobe was set by hand (--nprobe)
     measured_recall: float | None = None  # 10-recall@10 at `nprobe`, held-out sample
@@ -66,13 +69,16 @@ class Manifest:
         return cls(**json.loads(path.read_text()))
 
 
-# What GPU IVF-PQ accepts (faiss/gpu: GpuIndexIVFPQ::verifyPQSettings_): bytes per code
-# (IVFPQ::isSupportedPQCodeLength; 56, 64 and 96 only with float16 lookup tables, which
-# GpuMirror uses), 8 bits per code, and, without precomputed tables (the cloner's
-# default), dims per sub-quantizer in isSupportedNoPrecomputedSubDimSize.
+# What GPU IVF-PQ accepts (faiss/gpu/GpuIndexIVFPQ.cu, verifyPQSettings_, without cuVS and
+# with the cloner's default non-interleaved layout): 8 bits per code; a code length in
+# IVFPQ::isSupportedPQCodeLength (56, 64 and 96 only with float16 lookup tables, which
+# GpuMirror uses: 2 bytes x pq_m x 256 codes must fit the 48 KiB of shared memory per
+# block); pq_m dividing the dimension. Any number of dims per sub-quantizer: faiss 1.6.4
+# (2020-10-12, CHANGELOG "Arbitrary dimensions per sub-quantizer now allowed for
+# GpuIndexIVFPQ") dropped the fixed list this module used to check (which refused e.g.
+# pq_m 16 at 768-d, 48 dims per sub-quantizer).
 GPU_PQ_M = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
 GPU_PQ_M_FLOAT16_ONLY = (56, 64, 96)
-GPU_PQ_SUBDIMS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32)
 
 
 def gpu_pq_problem(dim: int, pq_m: int, pq_bits: int) -> str | None:
@@ -81,10 +87,8 @@ def gpu_pq_problem(dim: int, pq_m: int, pq_bits: int) -> str | None:
         return f"GPU IVF-PQ needs 8 bits per code (pq_bits={pq_bits})"
     if pq_m not in GPU_PQ_M:
         return f"GPU IVF-PQ supports pq_m in {list(GPU_PQ_M)}, not {pq_m}"
-    if dim % pq_m or dim // pq_m not in GPU_PQ_SUBDIMS:
-        return (
-            f"GPU IVF-PQ supports {list(GPU_PQ_SUBDIMS)} dims per sub-quantizer, not {dim}/{pq_m}"
-        )
+    if dim % pq_m:
+        return f"GPU IVF-PQ needs pq_m to divide the dimension ({pq_m} does not divide {dim})"
     return None
 
 

@@ -426,3 +426,23 @@ its token files when they change (rotation without a restart). */}}
 {{ .port }}
 {{- end -}}
 {{- end }}
+
+{{/* The Triton ConfigMap: everything the Triton pods read (their env and the init
+script), and all their checksum/config hashes (templates/triton.yaml). */}}
+{{- define "gtr.tritonConfigMap" -}}
+{{- $profile := include "gtr.encoderProfile" . | fromYaml -}}
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {{ include "gtr.fullname" . }}-triton
+  namespace: {{ .Release.Namespace }}
+  labels:
+    {{- include "gtr.componentLabels" (dict "root" . "component" "triton") | nindent 4 }}
+data:
+  encoder-size: {{ .Values.encoder.size | quote }}
+  encoder-flavor: {{ .Values.encoder.flavor | quote }}
+  slo-ms: {{ $profile.sloMs | quote }}
+  instance-count: {{ $profile.instanceCount | quote }}
+  prepare_model_repository.py: |
+    {{- .Files.Get "files/prepare_model_repository.py" | nindent 4 }}
+{{- end }}
