@@ -151,7 +151,9 @@ def test_affinity_is_a_value_merged_with_the_charts_spreading(chart: Any) -> Non
         affinity = pods[f"gtr-gtr-retrieval-{name}"]["affinity"]
         assert affinity["nodeAffinity"] == zone["nodeAffinity"], name
         assert "preferredDuringSchedulingIgnoredDuringExecution" in affinity["podAntiAffinity"]
-    mine = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}
+    mine: dict[str, Any] = {
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}
+    }
     triton = _pods(render(chart, {"encoder": {"affinity": mine}}))["gtr-gtr-retrieval-triton"]
     assert triton["affinity"] == mine
 

@@ -140,7 +140,7 @@ def fake_build(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             LOADED.append(model)
         return model
 
-    def build_engine(trt: Any, onnx_file: Path, cfg: Any, precision: str, out: Path) -> Any:
+    def build_engine(trt: Any, onnx_file: Path, cfg: Any, precision: Any, out: Path) -> Any:
         precisions.append(precision)
         return real_build(trt, onnx_file, cfg, precision, out)
 

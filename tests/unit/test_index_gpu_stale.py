@@ -34,9 +34,9 @@ def test_the_copy_with_stale_entries_answers_as_the_cpu_index(metric: int) -> No
     per id, none removed, each with the score the CPU index gives it, in order."""
     x = unit(3000, 32, seed=1)
     cpu = faiss.index_factory(32, "IVF8,PQ8x8", metric)
-    faiss.downcast_index(faiss.extract_index_ivf(cpu)).do_polysemous_training = False
+    faiss.downcast_index(faiss.extract_index_ivf(cpu)).do_polysemous_training = False  # type: ignore[attr-defined]
     cpu.train(x)
-    faiss.extract_index_ivf(cpu).set_direct_map_type(faiss.DirectMap.Hashtable)
+    faiss.extract_index_ivf(cpu).set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
     cpu.add_with_ids(x, np.arange(3000, dtype=np.int64) * 7919)  # ids far apart, as hashes
     mirror = GpuMirror(copier=faiss.clone_index, rebuild_fraction=1.0)
     mirror.sync(cpu)
@@ -52,7 +52,7 @@ def test_the_copy_with_stale_entries_answers_as_the_cpu_index(metric: int) -> No
     assert mirror.sets.alias.size == 75 and set(mirror.sets.alias_of.tolist()) == set(back)
     queries = np.concatenate([y[:8], unit(8, 32, seed=4)])
     scores, ids = mirror.search(queries, 20, 8)
-    want_scores, want_ids = cpu.search(queries, 20, params=faiss.SearchParametersIVF(nprobe=8))
+    want_scores, want_ids = cpu.search(queries, 20, params=faiss.SearchParametersIVF(nprobe=8))  # type: ignore[call-arg]
     for row in range(len(queries)):
         got = ids[row][ids[row] >= 0]
         assert len(set(got.tolist())) == len(got)  # one hit per id
