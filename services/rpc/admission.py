@@ -86,6 +86,12 @@ class Admission:
         self.by_client: dict[str, int] = {}
         self.refused_share = 0  # calls refused by a client's share (the rest: the limit)
 
+    @property
+    def shares(self) -> bool:
+        """Whether a client's share can refuse anything (a limit, and a share below it):
+        without, callers need not name the client (no key built, nothing counted)."""
+        return bool(self.limit) and self.client_limit < self.limit
+
     def pressure(self) -> float:
         """0 up to the high-water mark, then the used share of the room above it (1 at the
         limit); always 0 without a limit."""

@@ -94,7 +94,7 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
             return self._refused(details)
         behavior = handler.unary_unary
         serialize = handler.response_serializer
-        admit: Callable[[Any, str], contextlib.AbstractContextManager[None]] = (
+        admit: Callable[[Any, str | None], contextlib.AbstractContextManager[None]] = (
             (lambda _request, _client: contextlib.nullcontext())
             if details.method.startswith(EXEMPT_PREFIXES)
             else self._admission.admit
@@ -102,7 +102,11 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._outcome(details, context):
-                client = client_key(context.peer(), details.invocation_metadata)
+                client = (
+                    client_key(context.peer(), details.invocation_metadata)
+                    if self._admission.shares
+                    else None
+                )
                 with admit(None if isinstance(request, _Malformed) else request, client):
                     if isinstance(request, _Malformed):
                         raise errors.InvalidArgument(f"malformed request: {request.reason}")

@@ -81,3 +81,9 @@ def test_the_counts_stay_true_whatever_is_admitted_refused_or_released(
     for _, _, stack in open_calls:
         stack.close()
     assert admission.in_flight == 0 and admission.by_client == {}
+
+
+def test_only_a_share_below_the_limit_needs_the_client_named() -> None:
+    assert Admission(limit=8, client_share=0.5).shares
+    assert not Admission(limit=8, client_share=1.0).shares  # internal servers
+    assert not Admission(limit=0, client_share=0.5).shares  # no limit
