@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from retrieval.v1 import common_pb2 as retrieval_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cretrieval/v1/documents.proto\x12\x0cretrieval.v1\x1a\x19retrieval/v1/common.proto\"\x9c\x01\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x36\n\x08metadata\x18\x04 \x03(\x0b\x32$.retrieval.v1.Document.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\rUpsertRequest\x12)\n\tdocuments\x18\x01 \x03(\x0b\x32\x16.retrieval.v1.Document\"d\n\x0eUpsertResponse\x12-\n\x0bwrite_token\x18\x01 \x01(\x0b\x32\x18.retrieval.v1.WriteToken\x12\x10\n\x08upserted\x18\x02 \x01(\r\x12\x11\n\ttruncated\x18\x03 \x01(\r\"\x1c\n\rDeleteRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"c\n\x0e\x44\x65leteResponse\x12-\n\x0bwrite_token\x18\x01 \x01(\x0b\x32\x18.retrieval.v1.WriteToken\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\r\x12\x11\n\tnot_found\x18\x03 \x03(\t\"\x18\n\nGetRequest\x12\n\n\x02id\x18\x01 \x01(\t\"7\n\x0bGetResponse\x12(\n\x08\x64ocument\x18\x01 \x01(\x0b\x32\x16.retrieval.v1.Document2\xd7\x01\n\x0f\x44ocumentService\x12\x43\n\x06Upsert\x12\x1b.retrieval.v1.UpsertRequest\x1a\x1c.retrieval.v1.UpsertResponse\x12\x43\n\x06\x44\x65lete\x12\x1b.retrieval.v1.DeleteRequest\x1a\x1c.retrieval.v1.DeleteResponse\x12:\n\x03Get\x12\x18.retrieval.v1.GetRequest\x1a\x19.retrieval.v1.GetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cretrieval/v1/documents.proto\x12\x0cretrieval.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19retrieval/v1/common.proto\"\x9c\x01\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x36\n\x08metadata\x18\x04 \x03(\x0b\x32$.retrieval.v1.Document.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\rUpsertRequest\x12)\n\tdocuments\x18\x01 \x03(\x0b\x32\x16.retrieval.v1.Document\"d\n\x0eUpsertResponse\x12-\n\x0bwrite_token\x18\x01 \x01(\x0b\x32\x18.retrieval.v1.WriteToken\x12\x10\n\x08upserted\x18\x02 \x01(\r\x12\x11\n\ttruncated\x18\x03 \x01(\r\"\x1c\n\rDeleteRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"c\n\x0e\x44\x65leteResponse\x12-\n\x0bwrite_token\x18\x01 \x01(\x0b\x32\x18.retrieval.v1.WriteToken\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\r\x12\x11\n\tnot_found\x18\x03 \x03(\t\"\x18\n\nGetRequest\x12\n\n\x02id\x18\x01 \x01(\t\"7\n\x0bGetResponse\x12(\n\x08\x64ocument\x18\x01 \x01(\x0b\x32\x16.retrieval.v1.Document2\xb5\x02\n\x0f\x44ocumentService\x12\x64\n\x06Upsert\x12\x1b.retrieval.v1.UpsertRequest\x1a\x1c.retrieval.v1.UpsertResponse\"\x1f\x82\xd3\xe4\x93\x02\x19\"\x14/v1/documents:upsert:\x01*\x12\x64\n\x06\x44\x65lete\x12\x1b.retrieval.v1.DeleteRequest\x1a\x1c.retrieval.v1.DeleteResponse\"\x1f\x82\xd3\xe4\x93\x02\x19\"\x14/v1/documents:delete:\x01*\x12V\n\x03Get\x12\x18.retrieval.v1.GetRequest\x1a\x19.retrieval.v1.GetResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\x12\x12/v1/documents/{id}b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +35,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DOCUMENT_METADATAENTRY']._loaded_options = None
   _globals['_DOCUMENT_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_DOCUMENT']._serialized_start=74
-  _globals['_DOCUMENT']._serialized_end=230
-  _globals['_DOCUMENT_METADATAENTRY']._serialized_start=183
-  _globals['_DOCUMENT_METADATAENTRY']._serialized_end=230
-  _globals['_UPSERTREQUEST']._serialized_start=232
-  _globals['_UPSERTREQUEST']._serialized_end=290
-  _globals['_UPSERTRESPONSE']._serialized_start=292
-  _globals['_UPSERTRESPONSE']._serialized_end=392
-  _globals['_DELETEREQUEST']._serialized_start=394
-  _globals['_DELETEREQUEST']._serialized_end=422
-  _globals['_DELETERESPONSE']._serialized_start=424
-  _globals['_DELETERESPONSE']._serialized_end=523
-  _globals['_GETREQUEST']._serialized_start=525
-  _globals['_GETREQUEST']._serialized_end=549
-  _globals['_GETRESPONSE']._serialized_start=551
-  _globals['_GETRESPONSE']._serialized_end=606
-  _globals['_DOCUMENTSERVICE']._serialized_start=609
-  _globals['_DOCUMENTSERVICE']._serialized_end=824
+  _globals['_DOCUMENTSERVICE'].methods_by_name['Upsert']._loaded_options = None
+  _globals['_DOCUMENTSERVICE'].methods_by_name['Upsert']._serialized_options = b'\202\323\344\223\002\031\"\024/v1/documents:upsert:\001*'
+  _globals['_DOCUMENTSERVICE'].methods_by_name['Delete']._loaded_options = None
+  _globals['_DOCUMENTSERVICE'].methods_by_name['Delete']._serialized_options = b'\202\323\344\223\002\031\"\024/v1/documents:delete:\001*'
+  _globals['_DOCUMENTSERVICE'].methods_by_name['Get']._loaded_options = None
+  _globals['_DOCUMENTSERVICE'].methods_by_name['Get']._serialized_options = b'\202\323\344\223\002\024\022\022/v1/documents/{id}'
+  _globals['_DOCUMENT']._serialized_start=104
+  _globals['_DOCUMENT']._serialized_end=260
+  _globals['_DOCUMENT_METADATAENTRY']._serialized_start=213
+  _globals['_DOCUMENT_METADATAENTRY']._serialized_end=260
+  _globals['_UPSERTREQUEST']._serialized_start=262
+  _globals['_UPSERTREQUEST']._serialized_end=320
+  _globals['_UPSERTRESPONSE']._serialized_start=322
+  _globals['_UPSERTRESPONSE']._serialized_end=422
+  _globals['_DELETEREQUEST']._serialized_start=424
+  _globals['_DELETEREQUEST']._serialized_end=452
+  _globals['_DELETERESPONSE']._serialized_start=454
+  _globals['_DELETERESPONSE']._serialized_end=553
+  _globals['_GETREQUEST']._serialized_start=555
+  _globals['_GETREQUEST']._serialized_end=579
+  _globals['_GETRESPONSE']._serialized_start=581
+  _globals['_GETRESPONSE']._serialized_end=636
+  _globals['_DOCUMENTSERVICE']._serialized_start=639
+  _globals['_DOCUMENTSERVICE']._serialized_end=948
 # @@protoc_insertion_point(module_scope)

@@ -57,6 +57,7 @@ class DocumentServiceServicer:
     def Upsert(self, request, context):
         """Insert or replace documents (by id). All or nothing: a request with one invalid
         document changes nothing. Slow (encodes every document): set a deadline.
+        HTTP/JSON (docs/http.md): POST /v1/documents:upsert.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -64,6 +65,7 @@ class DocumentServiceServicer:
 
     def Delete(self, request, context):
         """Remove documents by id. Ids that do not exist are reported, not an error.
+        HTTP/JSON: POST /v1/documents:delete.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,6 +73,8 @@ class DocumentServiceServicer:
 
     def Get(self, request, context):
         """Read one document. NOT_FOUND when the id does not exist.
+        HTTP/JSON: GET /v1/documents/{id} (an id with '/' or other reserved characters
+        percent-encoded, as a one-segment variable of gRPC transcoding is).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

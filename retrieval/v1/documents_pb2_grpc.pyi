@@ -38,11 +38,17 @@ class DocumentServiceStub:
     Upsert: _grpc.UnaryUnaryMultiCallable[_documents_pb2.UpsertRequest, _documents_pb2.UpsertResponse]
     """Insert or replace documents (by id). All or nothing: a request with one invalid
     document changes nothing. Slow (encodes every document): set a deadline.
+    HTTP/JSON (docs/http.md): POST /v1/documents:upsert.
     """
     Delete: _grpc.UnaryUnaryMultiCallable[_documents_pb2.DeleteRequest, _documents_pb2.DeleteResponse]
-    """Remove documents by id. Ids that do not exist are reported, not an error."""
+    """Remove documents by id. Ids that do not exist are reported, not an error.
+    HTTP/JSON: POST /v1/documents:delete.
+    """
     Get: _grpc.UnaryUnaryMultiCallable[_documents_pb2.GetRequest, _documents_pb2.GetResponse]
-    """Read one document. NOT_FOUND when the id does not exist."""
+    """Read one document. NOT_FOUND when the id does not exist.
+    HTTP/JSON: GET /v1/documents/{id} (an id with '/' or other reserved characters
+    percent-encoded, as a one-segment variable of gRPC transcoding is).
+    """
 
 @_typing.type_check_only
 class DocumentServiceAsyncStub(DocumentServiceStub):
@@ -50,11 +56,17 @@ class DocumentServiceAsyncStub(DocumentServiceStub):
     Upsert: _aio.UnaryUnaryMultiCallable[_documents_pb2.UpsertRequest, _documents_pb2.UpsertResponse]  # type: ignore[assignment]
     """Insert or replace documents (by id). All or nothing: a request with one invalid
     document changes nothing. Slow (encodes every document): set a deadline.
+    HTTP/JSON (docs/http.md): POST /v1/documents:upsert.
     """
     Delete: _aio.UnaryUnaryMultiCallable[_documents_pb2.DeleteRequest, _documents_pb2.DeleteResponse]  # type: ignore[assignment]
-    """Remove documents by id. Ids that do not exist are reported, not an error."""
+    """Remove documents by id. Ids that do not exist are reported, not an error.
+    HTTP/JSON: POST /v1/documents:delete.
+    """
     Get: _aio.UnaryUnaryMultiCallable[_documents_pb2.GetRequest, _documents_pb2.GetResponse]  # type: ignore[assignment]
-    """Read one document. NOT_FOUND when the id does not exist."""
+    """Read one document. NOT_FOUND when the id does not exist.
+    HTTP/JSON: GET /v1/documents/{id} (an id with '/' or other reserved characters
+    percent-encoded, as a one-segment variable of gRPC transcoding is).
+    """
 
 class DocumentServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -65,6 +77,7 @@ class DocumentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_documents_pb2.UpsertResponse, _abc.Awaitable[_documents_pb2.UpsertResponse]]:
         """Insert or replace documents (by id). All or nothing: a request with one invalid
         document changes nothing. Slow (encodes every document): set a deadline.
+        HTTP/JSON (docs/http.md): POST /v1/documents:upsert.
         """
 
     @_abc_1.abstractmethod
@@ -73,7 +86,9 @@ class DocumentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _documents_pb2.DeleteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_documents_pb2.DeleteResponse, _abc.Awaitable[_documents_pb2.DeleteResponse]]:
-        """Remove documents by id. Ids that do not exist are reported, not an error."""
+        """Remove documents by id. Ids that do not exist are reported, not an error.
+        HTTP/JSON: POST /v1/documents:delete.
+        """
 
     @_abc_1.abstractmethod
     def Get(
@@ -81,6 +96,9 @@ class DocumentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _documents_pb2.GetRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_documents_pb2.GetResponse, _abc.Awaitable[_documents_pb2.GetResponse]]:
-        """Read one document. NOT_FOUND when the id does not exist."""
+        """Read one document. NOT_FOUND when the id does not exist.
+        HTTP/JSON: GET /v1/documents/{id} (an id with '/' or other reserved characters
+        percent-encoded, as a one-segment variable of gRPC transcoding is).
+        """
 
 def add_DocumentServiceServicer_to_server(servicer: DocumentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

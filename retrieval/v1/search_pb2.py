@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from retrieval.v1 import common_pb2 as retrieval_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19retrieval/v1/search.proto\x12\x0cretrieval.v1\x1a\x19retrieval/v1/common.proto\"\xe8\x02\n\rSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\x12$\n\x06\x66ilter\x18\x03 \x01(\x0b\x32\x14.retrieval.v1.Filter\x12.\n\x0b\x63onsistency\x18\x04 \x01(\x0e\x32\x19.retrieval.v1.Consistency\x12-\n\x0bwrite_token\x18\x05 \x01(\x0b\x32\x18.retrieval.v1.WriteToken\x12\x18\n\x10require_complete\x18\x06 \x01(\x08\x12+\n\x06rerank\x18\x07 \x01(\x0b\x32\x1b.retrieval.v1.RerankOptions\x12\x0e\n\x06nprobe\x18\x08 \x01(\r\x12\x10\n\x08ids_only\x18\t \x01(\x08\x12)\n\x04mode\x18\n \x01(\x0e\x32\x1b.retrieval.v1.RetrievalMode\x12$\n\x06\x66usion\x18\x0b \x01(\x0b\x32\x14.retrieval.v1.Fusion\"\x83\x01\n\x06\x46usion\x12*\n\x06method\x18\x01 \x01(\x0e\x32\x1a.retrieval.v1.FusionMethod\x12\r\n\x05rrf_k\x18\x02 \x01(\r\x12\x19\n\x0c\x64\x65nse_weight\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\ncandidates\x18\x04 \x01(\rB\x0f\n\r_dense_weight\"/\n\rRerankOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\"\xf4\x01\n\x03Hit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x19\n\x11\x66irst_stage_score\x18\x03 \x01(\x02\x12\r\n\x05title\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x31\n\x08metadata\x18\x06 \x03(\x0b\x32\x1f.retrieval.v1.Hit.MetadataEntry\x12\r\n\x05shard\x18\x07 \x01(\r\x12\x12\n\ndense_rank\x18\x08 \x01(\r\x12\x13\n\x0bsparse_rank\x18\t \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"k\n\x0cStageTimings\x12\x11\n\tencode_ms\x18\x01 \x01(\x02\x12\x11\n\tsearch_ms\x18\x02 \x01(\x02\x12\x10\n\x08\x66\x65tch_ms\x18\x03 \x01(\x02\x12\x11\n\trerank_ms\x18\x04 \x01(\x02\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\"\xac\x03\n\x0eSearchResponse\x12\x1f\n\x04hits\x18\x01 \x03(\x0b\x32\x11.retrieval.v1.Hit\x12\x0f\n\x07partial\x18\x02 \x01(\x08\x12\x16\n\x0emissing_shards\x18\x03 \x03(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12+\n\x07timings\x18\x05 \x01(\x0b\x32\x1a.retrieval.v1.StageTimings\x12\x17\n\x0fquery_truncated\x18\x06 \x01(\x08\x12\x10\n\x08reranked\x18\x07 \x01(\x08\x12\x14\n\x0crerank_depth\x18\x08 \x01(\r\x12\x16\n\x0ererank_skipped\x18\t \x01(\x08\x12\x1d\n\x15rerank_skipped_reason\x18\n \x01(\t\x12\x18\n\x10\x65mbedding_cached\x18\x0b \x01(\x08\x12)\n\x04mode\x18\x0c \x01(\x0e\x32\x1b.retrieval.v1.RetrievalMode\x12$\n\x06\x66usion\x18\r \x01(\x0b\x32\x14.retrieval.v1.Fusion\x12\x1d\n\x15sparse_missing_shards\x18\x0e \x03(\r\x12\x12\n\ngeneration\x18\x0f \x01(\t\"C\n\x12\x42\x61tchSearchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.retrieval.v1.SearchRequest\"F\n\x13\x42\x61tchSearchResponse\x12/\n\tresponses\x18\x01 \x03(\x0b\x32\x1c.retrieval.v1.SearchResponse*\x7f\n\rRetrievalMode\x12\x1e\n\x1aRETRIEVAL_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14RETRIEVAL_MODE_DENSE\x10\x01\x12\x19\n\x15RETRIEVAL_MODE_SPARSE\x10\x02\x12\x19\n\x15RETRIEVAL_MODE_HYBRID\x10\x03*`\n\x0c\x46usionMethod\x12\x1d\n\x19\x46USION_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46USION_METHOD_RRF\x10\x01\x12\x1a\n\x16\x46USION_METHOD_WEIGHTED\x10\x02\x32\xa8\x01\n\rSearchService\x12\x43\n\x06Search\x12\x1b.retrieval.v1.SearchRequest\x1a\x1c.retrieval.v1.SearchResponse\x12R\n\x0b\x42\x61tchSearch\x12 .retrieval.v1.BatchSearchRequest\x1a!.retrieval.v1.BatchSearchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19retrieval/v1/search.proto\x12\x0cretrieval.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19retrieval/v1/common.proto\"\xe8\x02\n\rSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\x12$\n\x06\x66ilter\x18\x03 \x01(\x0b\x32\x14.retrieval.v1.Filter\x12.\n\x0b\x63onsistency\x18\x04 \x01(\x0e\x32\x19.retrieval.v1.Consistency\x12-\n\x0bwrite_token\x18\x05 \x01(\x0b\x32\x18.retrieval.v1.WriteToken\x12\x18\n\x10require_complete\x18\x06 \x01(\x08\x12+\n\x06rerank\x18\x07 \x01(\x0b\x32\x1b.retrieval.v1.RerankOptions\x12\x0e\n\x06nprobe\x18\x08 \x01(\r\x12\x10\n\x08ids_only\x18\t \x01(\x08\x12)\n\x04mode\x18\n \x01(\x0e\x32\x1b.retrieval.v1.RetrievalMode\x12$\n\x06\x66usion\x18\x0b \x01(\x0b\x32\x14.retrieval.v1.Fusion\"\x83\x01\n\x06\x46usion\x12*\n\x06method\x18\x01 \x01(\x0e\x32\x1a.retrieval.v1.FusionMethod\x12\r\n\x05rrf_k\x18\x02 \x01(\r\x12\x19\n\x0c\x64\x65nse_weight\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\ncandidates\x18\x04 \x01(\rB\x0f\n\r_dense_weight\"/\n\rRerankOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\"\xf4\x01\n\x03Hit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x19\n\x11\x66irst_stage_score\x18\x03 \x01(\x02\x12\r\n\x05title\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x31\n\x08metadata\x18\x06 \x03(\x0b\x32\x1f.retrieval.v1.Hit.MetadataEntry\x12\r\n\x05shard\x18\x07 \x01(\r\x12\x12\n\ndense_rank\x18\x08 \x01(\r\x12\x13\n\x0bsparse_rank\x18\t \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"k\n\x0cStageTimings\x12\x11\n\tencode_ms\x18\x01 \x01(\x02\x12\x11\n\tsearch_ms\x18\x02 \x01(\x02\x12\x10\n\x08\x66\x65tch_ms\x18\x03 \x01(\x02\x12\x11\n\trerank_ms\x18\x04 \x01(\x02\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\"\xac\x03\n\x0eSearchResponse\x12\x1f\n\x04hits\x18\x01 \x03(\x0b\x32\x11.retrieval.v1.Hit\x12\x0f\n\x07partial\x18\x02 \x01(\x08\x12\x16\n\x0emissing_shards\x18\x03 \x03(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12+\n\x07timings\x18\x05 \x01(\x0b\x32\x1a.retrieval.v1.StageTimings\x12\x17\n\x0fquery_truncated\x18\x06 \x01(\x08\x12\x10\n\x08reranked\x18\x07 \x01(\x08\x12\x14\n\x0crerank_depth\x18\x08 \x01(\r\x12\x16\n\x0ererank_skipped\x18\t \x01(\x08\x12\x1d\n\x15rerank_skipped_reason\x18\n \x01(\t\x12\x18\n\x10\x65mbedding_cached\x18\x0b \x01(\x08\x12)\n\x04mode\x18\x0c \x01(\x0e\x32\x1b.retrieval.v1.RetrievalMode\x12$\n\x06\x66usion\x18\r \x01(\x0b\x32\x14.retrieval.v1.Fusion\x12\x1d\n\x15sparse_missing_shards\x18\x0e \x03(\r\x12\x12\n\ngeneration\x18\x0f \x01(\t\"C\n\x12\x42\x61tchSearchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.retrieval.v1.SearchRequest\"F\n\x13\x42\x61tchSearchResponse\x12/\n\tresponses\x18\x01 \x03(\x0b\x32\x1c.retrieval.v1.SearchResponse*\x7f\n\rRetrievalMode\x12\x1e\n\x1aRETRIEVAL_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14RETRIEVAL_MODE_DENSE\x10\x01\x12\x19\n\x15RETRIEVAL_MODE_SPARSE\x10\x02\x12\x19\n\x15RETRIEVAL_MODE_HYBRID\x10\x03*`\n\x0c\x46usionMethod\x12\x1d\n\x19\x46USION_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46USION_METHOD_RRF\x10\x01\x12\x1a\n\x16\x46USION_METHOD_WEIGHTED\x10\x02\x32\xea\x01\n\rSearchService\x12h\n\x06Search\x12\x1b.retrieval.v1.SearchRequest\x1a\x1c.retrieval.v1.SearchResponse\"#\x82\xd3\xe4\x93\x02\x1d\"\n/v1/search:\x01*Z\x0c\x12\n/v1/search\x12o\n\x0b\x42\x61tchSearch\x12 .retrieval.v1.BatchSearchRequest\x1a!.retrieval.v1.BatchSearchResponse\"\x1b\x82\xd3\xe4\x93\x02\x15\"\x10/v1/search:batch:\x01*b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +35,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HIT_METADATAENTRY']._loaded_options = None
   _globals['_HIT_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_RETRIEVALMODE']._serialized_start=1544
-  _globals['_RETRIEVALMODE']._serialized_end=1671
-  _globals['_FUSIONMETHOD']._serialized_start=1673
-  _globals['_FUSIONMETHOD']._serialized_end=1769
-  _globals['_SEARCHREQUEST']._serialized_start=71
-  _globals['_SEARCHREQUEST']._serialized_end=431
-  _globals['_FUSION']._serialized_start=434
-  _globals['_FUSION']._serialized_end=565
-  _globals['_RERANKOPTIONS']._serialized_start=567
-  _globals['_RERANKOPTIONS']._serialized_end=614
-  _globals['_HIT']._serialized_start=617
-  _globals['_HIT']._serialized_end=861
-  _globals['_HIT_METADATAENTRY']._serialized_start=814
-  _globals['_HIT_METADATAENTRY']._serialized_end=861
-  _globals['_STAGETIMINGS']._serialized_start=863
-  _globals['_STAGETIMINGS']._serialized_end=970
-  _globals['_SEARCHRESPONSE']._serialized_start=973
-  _globals['_SEARCHRESPONSE']._serialized_end=1401
-  _globals['_BATCHSEARCHREQUEST']._serialized_start=1403
-  _globals['_BATCHSEARCHREQUEST']._serialized_end=1470
-  _globals['_BATCHSEARCHRESPONSE']._serialized_start=1472
-  _globals['_BATCHSEARCHRESPONSE']._serialized_end=1542
-  _globals['_SEARCHSERVICE']._serialized_start=1772
-  _globals['_SEARCHSERVICE']._serialized_end=1940
+  _globals['_SEARCHSERVICE'].methods_by_name['Search']._loaded_options = None
+  _globals['_SEARCHSERVICE'].methods_by_name['Search']._serialized_options = b'\202\323\344\223\002\035\"\n/v1/search:\001*Z\014\022\n/v1/search'
+  _globals['_SEARCHSERVICE'].methods_by_name['BatchSearch']._loaded_options = None
+  _globals['_SEARCHSERVICE'].methods_by_name['BatchSearch']._serialized_options = b'\202\323\344\223\002\025\"\020/v1/search:batch:\001*'
+  _globals['_RETRIEVALMODE']._serialized_start=1574
+  _globals['_RETRIEVALMODE']._serialized_end=1701
+  _globals['_FUSIONMETHOD']._serialized_start=1703
+  _globals['_FUSIONMETHOD']._serialized_end=1799
+  _globals['_SEARCHREQUEST']._serialized_start=101
+  _globals['_SEARCHREQUEST']._serialized_end=461
+  _globals['_FUSION']._serialized_start=464
+  _globals['_FUSION']._serialized_end=595
+  _globals['_RERANKOPTIONS']._serialized_start=597
+  _globals['_RERANKOPTIONS']._serialized_end=644
+  _globals['_HIT']._serialized_start=647
+  _globals['_HIT']._serialized_end=891
+  _globals['_HIT_METADATAENTRY']._serialized_start=844
+  _globals['_HIT_METADATAENTRY']._serialized_end=891
+  _globals['_STAGETIMINGS']._serialized_start=893
+  _globals['_STAGETIMINGS']._serialized_end=1000
+  _globals['_SEARCHRESPONSE']._serialized_start=1003
+  _globals['_SEARCHRESPONSE']._serialized_end=1431
+  _globals['_BATCHSEARCHREQUEST']._serialized_start=1433
+  _globals['_BATCHSEARCHREQUEST']._serialized_end=1500
+  _globals['_BATCHSEARCHRESPONSE']._serialized_start=1502
+  _globals['_BATCHSEARCHRESPONSE']._serialized_end=1572
+  _globals['_SEARCHSERVICE']._serialized_start=1802
+  _globals['_SEARCHSERVICE']._serialized_end=2036
 # @@protoc_insertion_point(module_scope)

@@ -53,6 +53,9 @@ class SearchServiceServicer:
         """Encode the query, search every index shard, fetch the documents, optionally
         rerank. Set a deadline: shards that do not answer in time are reported in
         `missing_shards` (partial = true) unless `require_complete` is set.
+
+        HTTP/JSON (docs/http.md): POST /v1/search with the request as its JSON body, or
+        GET /v1/search?query=...&k=... with its scalar fields as query parameters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -61,6 +64,7 @@ class SearchServiceServicer:
     def BatchSearch(self, request, context):
         """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
         batch. Each response corresponds to the request at the same index.
+        HTTP/JSON: POST /v1/search:batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,10 +35,14 @@ class SearchServiceStub:
     """Encode the query, search every index shard, fetch the documents, optionally
     rerank. Set a deadline: shards that do not answer in time are reported in
     `missing_shards` (partial = true) unless `require_complete` is set.
+
+    HTTP/JSON (docs/http.md): POST /v1/search with the request as its JSON body, or
+    GET /v1/search?query=...&k=... with its scalar fields as query parameters.
     """
     BatchSearch: _grpc.UnaryUnaryMultiCallable[_search_pb2.BatchSearchRequest, _search_pb2.BatchSearchResponse]
     """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
     batch. Each response corresponds to the request at the same index.
+    HTTP/JSON: POST /v1/search:batch.
     """
 
 @_typing.type_check_only
@@ -48,10 +52,14 @@ class SearchServiceAsyncStub(SearchServiceStub):
     """Encode the query, search every index shard, fetch the documents, optionally
     rerank. Set a deadline: shards that do not answer in time are reported in
     `missing_shards` (partial = true) unless `require_complete` is set.
+
+    HTTP/JSON (docs/http.md): POST /v1/search with the request as its JSON body, or
+    GET /v1/search?query=...&k=... with its scalar fields as query parameters.
     """
     BatchSearch: _aio.UnaryUnaryMultiCallable[_search_pb2.BatchSearchRequest, _search_pb2.BatchSearchResponse]  # type: ignore[assignment]
     """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
     batch. Each response corresponds to the request at the same index.
+    HTTP/JSON: POST /v1/search:batch.
     """
 
 class SearchServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -64,6 +72,9 @@ class SearchServiceServicer(metaclass=_abc_1.ABCMeta):
         """Encode the query, search every index shard, fetch the documents, optionally
         rerank. Set a deadline: shards that do not answer in time are reported in
         `missing_shards` (partial = true) unless `require_complete` is set.
+
+        HTTP/JSON (docs/http.md): POST /v1/search with the request as its JSON body, or
+        GET /v1/search?query=...&k=... with its scalar fields as query parameters.
         """
 
     @_abc_1.abstractmethod
@@ -74,6 +85,7 @@ class SearchServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_search_pb2.BatchSearchResponse, _abc.Awaitable[_search_pb2.BatchSearchResponse]]:
         """Several searches in one call (1..64, max_batch_queries); queries are encoded and searched as one
         batch. Each response corresponds to the request at the same index.
+        HTTP/JSON: POST /v1/search:batch.
         """
 
 def add_SearchServiceServicer_to_server(servicer: SearchServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -58,6 +58,14 @@ def add_cli(sub: Any) -> None:
     up.add_argument("--rerank-checkpoint", type=Path, default=None, help="CELI checkpoint dir.")
     up.add_argument("--port", type=int, default=50051, help="Gateway port (0 = free port).")
     up.add_argument(
+        "--http-port",
+        type=int,
+        default=8080,
+        help="The gateway's HTTP/JSON port (the same API as JSON over HTTP, curl examples in "
+        "README.md, docs/http.md; TLS and tokens as the gRPC port under --tls / --auth); "
+        "0 = a free port, -1 = none (default 8080).",
+    )
+    up.add_argument(
         "--no-serve", action="store_true", help="Exit after the example searches (for scripts)."
     )
     up.add_argument(
@@ -155,6 +163,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         rerank=not args.no_rerank,
         prometheus=not args.no_prometheus,
         gateway_port=args.port,
+        http_port=None if args.http_port < 0 else args.http_port,
         serve=not args.no_serve,
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
         max_in_flight=(

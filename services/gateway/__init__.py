@@ -5,6 +5,7 @@ Package map:
 - ``server``: the process; wires encoder, shard router, document store and reranker.
 - ``settings``: its configuration (env vars ``GTR_GATEWAY_<FIELD>`` or flags).
 - ``servicer``: the public gRPC servicers (proto → domain → pipeline → proto).
+- ``http_port``: the HTTP/JSON port (``--http-port``): the same servicers transcoded.
 - ``convert``: protobuf ↔ domain conversions.
 - ``domain``: the requests and results the pipelines work with, free of protobuf.
 - ``validation``: public request checks, with messages that name the field and rule.

@@ -26,6 +26,7 @@ from services.common.slo import slo_for
 from services.encoder.base import Encoder
 from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader, Serving
+from services.gateway.http_port import start_http_port
 from services.gateway.metrics import (
     GatewayMetrics,
     GenerationMetrics,
@@ -274,6 +275,7 @@ class Gateway:
     port: int
     registry: CollectorRegistry
     closers: list[object] = field(default_factory=list)
+    http_port: int | None = None  # the HTTP/JSON port (--http-port), None without one
 
     async def close(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
@@ -335,14 +337,24 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         on_moved=generation_metrics.moved_writes.inc,
         on_dual=lambda outcome: generation_metrics.dual_encodes.labels(outcome).inc(),
     )
+    servicers = {
+        SEARCH_SERVICE: SearchServicer(search),
+        DOCUMENT_SERVICE: DocumentServicer(documents),
+    }
+    rpc_metrics = RpcMetrics.create(registry, "gateway")
     server, port = await create_server(
         settings,
-        _registrar(search, documents),
-        RpcMetrics.create(registry, "gateway"),
+        _registrar(servicers),
+        rpc_metrics,
         admission,
         interceptors=[AuthInterceptor(authenticator)] if authenticator else [],
         public=True,  # clients are told which shard failed, not where it runs
     )
+    try:
+        http = await start_http_port(settings, server, servicers, authenticator, rpc_metrics)
+    except BaseException:
+        await server.stop(0)
+        raise
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
     closers: list[object] = [encoder, store, source, reranker, query_cache, redis_health]
     server.watch(
@@ -351,7 +363,9 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})",
     )
     _log_serving(settings, port, serving, tls, authenticated=authenticator is not None)
-    return Gateway(server, port, registry, closers)
+    if http is not None:
+        log.info("gateway HTTP/JSON on %s:%d (docs/http.md)", settings.host, http.port)
+    return Gateway(server, port, registry, closers, http.port if http is not None else None)
 
 
 async def _open_store(settings: GatewaySettings, encoder: Encoder) -> tuple[StoreConnection, int]:
@@ -409,20 +423,21 @@ def _query_cache(
     )
 
 
-def _registrar(
-    search: SearchPipeline, documents: DocumentPipeline
-) -> Callable[[grpc.aio.Server], Sequence[str]]:
-    """What adds the public services to the server (their names for reflection/health)."""
+SEARCH_SERVICE = search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name
+DOCUMENT_SERVICE = documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name
+
+
+def _registrar(servicers: dict[str, Any]) -> Callable[[grpc.aio.Server], Sequence[str]]:
+    """What adds the public services' servicers (``servicers``, by service name, the
+    objects the HTTP/JSON port calls too) to the server; their names for reflection and
+    health."""
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
-        search_pb2_grpc.add_SearchServiceServicer_to_server(SearchServicer(search), server)
+        search_pb2_grpc.add_SearchServiceServicer_to_server(servicers[SEARCH_SERVICE], server)
         documents_pb2_grpc.add_DocumentServiceServicer_to_server(
-            DocumentServicer(documents), server
+            servicers[DOCUMENT_SERVICE], server
         )
-        return [
-            search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name,
-            documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name,
-        ]
+        return [SEARCH_SERVICE, DOCUMENT_SERVICE]
 
     return register
 

@@ -23,6 +23,15 @@ class GatewaySettings(RedisSettings, ClientTLSSettings):
     model_config = SettingsConfigDict(env_prefix="GTR_GATEWAY_", extra="forbid")
 
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="HTTP/JSON port: the same API transcoded by the protos' google.api.http "
+        "rules (POST /v1/search, GET /v1/documents/{id}, ...; docs/http.md), with the same "
+        "tokens, TLS, admission limit and metrics as the gRPC port; 0 picks a free one; "
+        "unset = no HTTP port.",
+    )
     shards: str = Field(
         "",
         description="Index shard replicas: 'host:port,host:port;host:port' "
@@ -223,6 +232,12 @@ class GatewaySettings(RedisSettings, ClientTLSSettings):
         description="Use the --tls-ca/--tls-client-* settings for Triton too (Triton started "
         "with --grpc-use-ssl); false: plaintext to a Triton without TLS.",
     )
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> GatewaySettings:
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"--http-port and --port are both {self.port}: give two ports")
+        return self
 
     @model_validator(mode="after")
     def _auth_configured(self) -> GatewaySettings:

@@ -13,4 +13,8 @@ Clients
 Both
     ``tls`` (TLS and mutual TLS from PEM files), ``convert`` (protobuf ↔
     :mod:`services.common.domain` for ``common.proto``).
+HTTP/JSON
+    :mod:`.http/` (the gateway's RPCs over HTTP/JSON by the protos' ``google.api.http``
+    rules, under the same admission, tokens, TLS, error map and metrics; the OpenAPI
+    document).
 """

@@ -51,7 +51,10 @@ def latency_histogram(
 
 @dataclass
 class RpcMetrics:
-    """What the server interceptor records for every RPC of one service."""
+    """What the server interceptor records for every RPC of one service. ``transport``
+    says how the call came: ``grpc``, or ``http`` for the gateway's HTTP/JSON port, whose
+    calls are the same RPCs (method and code as gRPC names them) transcoded; a query
+    that sums over it (the SLO rules do) counts both."""
 
     service: str
     latency: Histogram
@@ -59,26 +62,26 @@ class RpcMetrics:
 
     @classmethod
     def create(cls, registry: CollectorRegistry, service: str) -> RpcMetrics:
-        labels = ["service", "method", "code"]
+        labels = ["service", "method", "code", "transport"]
         return cls(
             service=service,
             latency=latency_histogram(
                 "grpc_server_handling_seconds",
-                "Wall time of an RPC, by method and status code.",
+                "Wall time of an RPC, by method, status code and transport (grpc, http).",
                 labels,
                 registry=registry,
             ),
             handled=Counter(
                 "grpc_server_handled_total",
-                "RPCs completed, by method and status code.",
+                "RPCs completed, by method, status code and transport (grpc, http).",
                 labels,
                 registry=registry,
             ),
         )
 
-    def observe(self, method: str, code: str, seconds: float) -> None:
-        self.latency.labels(self.service, method, code).observe(seconds)
-        self.handled.labels(self.service, method, code).inc()
+    def observe(self, method: str, code: str, seconds: float, transport: str = "grpc") -> None:
+        self.latency.labels(self.service, method, code, transport).observe(seconds)
+        self.handled.labels(self.service, method, code, transport).inc()
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> int:

@@ -244,6 +244,9 @@ class Server:
     admission: Admission = field(default_factory=Admission)
     # plaintext, health service only (``health_port``): for probes that cannot speak TLS
     health_server: grpc.aio.Server | None = None
+    # servers beside this one that stop with it, with the same grace (the gateway's
+    # HTTP/JSON port): each is called with the grace seconds
+    also_stop: list[Callable[[float], Awaitable[None]]] = field(default_factory=list)
     _watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def watch(self, check: HealthCheck, interval_s: float, what: str) -> None:
@@ -285,7 +288,7 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         await self.set_serving(False)
-        await self.grpc_server.stop(grace)
+        await asyncio.gather(self.grpc_server.stop(grace), *(f(grace) for f in self.also_stop))
         if self.health_server is not None:
             await self.health_server.stop(0)
 

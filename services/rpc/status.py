@@ -1,4 +1,5 @@
-"""The one place where domain errors become gRPC status codes."""
+"""The one place where domain errors become gRPC status codes (and, for the gateway's
+HTTP/JSON port, those codes HTTP statuses)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,53 @@ def trailing_metadata(exc: errors.RetrievalError) -> tuple[tuple[str, str], ...]
     if hint is None:
         return ()
     return ((RETRY_AFTER_KEY, str(hint)), (PUSHBACK_KEY, str(hint)))
+
+
+# gRPC code -> HTTP status, as google/rpc/code.proto documents each code's mapping (the
+# one gRPC's HTTP/JSON transcoding uses).
+HTTP_STATUS_OF: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status of a gRPC code (500 for one the table lacks)."""
+    return HTTP_STATUS_OF.get(code, 500)
+
+
+def retry_after_ms(exc: errors.RetrievalError) -> int | None:
+    """The retry hint of an error (the in-flight limit's refusal), None without one (a
+    full store's refusal has none: retrying sooner would not help)."""
+    if isinstance(exc, errors.StoreFull):
+        return None
+    hint = getattr(exc, "retry_after_ms", None)
+    return int(hint) if hint is not None else None
+
+
+def http_headers(exc: errors.RetrievalError) -> dict[str, str]:
+    """What an HTTP refusal tells a retrying client: ``Retry-After`` in whole seconds (what
+    HTTP allows; rounded up, at least 1) and the exact hint as ``retry-after-ms``, the
+    key gRPC's trailing metadata uses."""
+    hint = retry_after_ms(exc)
+    if hint is None:
+        return {}
+    return {"Retry-After": str(max(1, -(-hint // 1000))), RETRY_AFTER_KEY: str(hint)}
 
 
 # An internal address in an error's text: ``host:port`` (a name with a letter in it,

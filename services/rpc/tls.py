@@ -20,7 +20,8 @@ Rotation without a restart (a renewed Secret, cert-manager's renewal before expi
   credentials (:meth:`ServerTLS.credentials`): every new connection's handshake asks
   whether the files changed and, if so, uses the new ones; connections already open
   (and the calls on them, streams included) go on with the certificate they were made
-  with;
+  with; the gateway's HTTP/JSON port takes the same files the same way through an
+  :class:`ssl.SSLContext` (:meth:`ServerTLS.ssl_context`, :class:`ServerSSL`);
 * a client's channel is rebuilt when one of its files changed (:class:`Rotating`,
   checked at most once a second on use): new calls go over a new channel (a new
   handshake, the new client certificate, the new CA); the old channel is closed once
@@ -136,6 +137,11 @@ class ServerTLS:
             ),
         )
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The files as a server's :class:`ssl.SSLContext`, rotated as the gRPC port's are
+        (:class:`ServerSSL`)."""
+        return ServerSSL(self).context
+
     def credentials(self) -> grpc.ServerCredentials:
         """Dynamic credentials: each new connection takes the files as they are then."""
         return grpc.dynamic_ssl_server_credentials(
@@ -173,6 +179,54 @@ class ServerCertificates:
         self.reloads += 1
         log.info("TLS certificate %s changed on disk: new connections use it", self.tls.cert)
         return configuration
+
+
+class ServerSSL:
+    """The same files as an :class:`ssl.SSLContext`, for a server that is not gRPC's (the
+    gateway's HTTP/JSON port): TLS 1.2 or later, a client certificate signed by the client
+    CA required when there is one. Every handshake (the context's SNI callback, which
+    OpenSSL calls with or without a name) checks whether the files changed and, if so,
+    hands the connection a context built from the new ones; a pair that does not match
+    yet is logged once and the old one kept, as :class:`ServerCertificates` does."""
+
+    def __init__(self, tls: ServerTLS) -> None:
+        self.tls = tls
+        self.version = tls.version()
+        self.current = self._build()
+        self.context = self._build()  # the listening socket's; hands over to `current`
+        self.context.sni_callback = self._pick
+        self._refused: tuple[FileVersion, ...] | None = None
+        self.reloads = 0
+
+    def _build(self) -> ssl.SSLContext:
+        self.tls.check()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.tls.cert, self.tls.key)
+        if self.tls.client_ca:
+            context.load_verify_locations(cafile=str(self.tls.client_ca))
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def _pick(self, connection: Any, _server_name: str | None, _context: Any) -> None:
+        version = self.tls.version()
+        if version != self.version and version != self._refused:
+            try:
+                current = self._build()
+            except Exception as exc:  # in the handshake: never raise there
+                self._refused = version
+                log.warning(
+                    "TLS files changed but cannot be used yet (%s); keeping the certificate in use",
+                    exc,
+                )
+            else:
+                self.current, self.version = current, version
+                self.reloads += 1
+                log.info(
+                    "TLS certificate %s changed on disk: new connections use it",
+                    self.tls.cert,
+                )
+        connection.context = self.current
 
 
 @dataclass(frozen=True)

@@ -270,6 +270,7 @@ def query_cache_args(cfg: StackConfig) -> list[str]:
 def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     port = cfg.gateway_port or free_port(cfg.host)
     metrics_port = free_port(cfg.host)
+    http_port = None if cfg.http_port is None else cfg.http_port or free_port(cfg.host)
     # g1's shards; none once g1 is retired (the gateway reads the store's key layout)
     shards = ";".join(",".join(r) for r in endpoints.shards)
     argv = [
@@ -286,6 +287,7 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         *(["--shards", shards] if shards else []),
         "--max-in-flight",
         str(cfg.max_in_flight),
+        *(["--http-port", str(http_port)] if http_port is not None else []),
     ]
     if cfg.encoder == "triton":
         argv += ["--encoder", "triton", "--triton-url", endpoints.triton_grpc]
@@ -310,6 +312,9 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     child = Child("gateway", argv, cfg.logs / "gateway.log", job="gateway")
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"
+    if http_port is not None:
+        scheme = "https" if certs is not None else "http"
+        endpoints.gateway_http = f"{scheme}://{cfg.host}:{http_port}"
     return child, f"{cfg.host}:{metrics_port}"
 
 

@@ -78,6 +78,8 @@ class StackConfig:
     rerank: bool = True
     rerank_checkpoint: Path | None = None
     gateway_port: int = 50051  # 0 = a free port
+    # the gateway's HTTP/JSON port (docs/http.md); 0 = a free port, None = none
+    http_port: int | None = 8080
     host: str = "127.0.0.1"
     # None: fit the corpus (the stdlib queries below for the default corpus; the first
     # queries of a queries.jsonl beside a custom corpus, as in BEIR folders; else none)

@@ -43,6 +43,8 @@ class Endpoints:
     rerank: str = ""
     gateway: str = ""
     gateway_metrics: str = ""
+    # the gateway's HTTP/JSON port as a URL (https:// under `up --tls`); empty without one
+    gateway_http: str = ""
     prometheus: str = ""
     # how a client reaches the gateway: token files (`up --auth`), the CA to trust
     # (`up --tls`); the CLI reads them from stack.json

@@ -356,6 +356,7 @@ class Stack:
         e = self.endpoints
         rows = [
             ("gateway (gRPC)", e.gateway),
+            ("gateway (HTTP/JSON)", e.gateway_http),
             ("gateway metrics", f"http://{e.gateway_metrics}/metrics" if e.gateway_metrics else ""),
             ("triton (KServe v2 gRPC)", e.triton_grpc),
             ("triton metrics", f"http://{e.triton_metrics}/metrics" if e.triton_metrics else ""),

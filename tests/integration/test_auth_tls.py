@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from services.rpc.tls import ClientTLS, channel
 from services.stack.certs import CertFiles, make_certs
 from services.stack.config import StackConfig
 from services.stack.launcher import Stack
+from tests.support.http_json import HttpJson
 from tests.support.processes import RedisServer, free_port, redis_binary, wait_until
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.shards import ROOT, train_test_index
@@ -544,6 +546,7 @@ def locked_stack(
         encoder="inprocess",
         rerank=False,
         gateway_port=0,
+        http_port=0,
         prometheus=False,
         progress=False,
         startup_timeout_s=240,
@@ -640,6 +643,28 @@ def test_every_child_reaches_the_locked_redis_and_no_command_line_shows_its_pass
     assert password not in published and "redis_url_file" in published
     for path in (cfg.redis_url_file, cfg.redis_password_file, cfg.redis_config_file):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+@pytest.mark.slow  # the module's locked stack
+def test_the_local_stacks_http_port_speaks_tls_and_wants_the_tokens(
+    locked_stack: LockedStack,
+) -> None:
+    """``up --auth --tls``'s HTTP/JSON port (docs/http.md): https with the run's CA, the
+    same read and write tokens as the gRPC port."""
+    stack, cfg = locked_stack.stack, locked_stack.cfg
+    url = urllib.parse.urlsplit(stack.endpoints.gateway_http)
+    assert url.scheme == "https" and url.hostname and url.port
+    read = (cfg.auth_dir / "read.tokens").read_text(encoding="utf-8").strip()
+    client = HttpJson(url.hostname, url.port, ca=cfg.tls_dir / "ca.pem")
+    try:
+        search = {"query": "cells", "k": 2, "consistency": "CONSISTENCY_STRONG"}
+        assert client.post("/v1/search", search).status == 401
+        found = client.post("/v1/search", search, token=read)
+        assert found.status == 200 and len(found.json["hits"]) == 2, found.body
+        doc = {"documents": [{"id": "x", "text": "a read token may not write"}]}
+        assert client.post("/v1/documents:upsert", doc, token=read).status == 403
+    finally:
+        client.close()
 
 
 def test_speaks_tls_tells_a_tls_server_from_a_plaintext_one(secured: Secured) -> None:

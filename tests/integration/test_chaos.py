@@ -134,6 +134,8 @@ def up(tmp_path: Path, scifact_dir: Path) -> Iterator[Up]:
                 "--no-prometheus",
                 "--port",
                 str(port),
+                "--http-port",
+                "0",
             ],
             cwd=ROOT,
             env=env,

@@ -116,4 +116,5 @@ def test_health_reflection_and_metrics() -> None:
 
     registry = asyncio.run(_with_server(body))
     text = generate_latest(registry).decode()
-    assert 'grpc_server_handled_total{code="OK",method="Rerank",service="test"} 1.0' in text
+    handled = 'code="OK",method="Rerank",service="test",transport="grpc"'
+    assert f"grpc_server_handled_total{{{handled}}} 1.0" in text

@@ -355,7 +355,7 @@ def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
 
 
 def _handled(front: Front, method: str, code: str) -> float:
-    labels = {"service": "gateway", "method": method, "code": code}
+    labels = {"service": "gateway", "method": method, "code": code, "transport": "grpc"}
     sample = front.gateway.registry.get_sample_value("grpc_server_handled_total", labels)
     return float(sample or 0.0)
 

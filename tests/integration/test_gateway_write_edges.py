@@ -48,7 +48,7 @@ class Front:
 
     def handled(self, method: str, code: str) -> float:
         """How many calls of ``method`` the gateway answered with ``code``."""
-        labels = {"service": "gateway", "method": method, "code": code}
+        labels = {"service": "gateway", "method": method, "code": code, "transport": "grpc"}
         sample = self.bg.stack.gateway.registry.get_sample_value(
             "grpc_server_handled_total", labels
         )

@@ -127,6 +127,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         rerank=False,
         prometheus=False,
         gateway_port=0,
+        http_port=0,
         progress=False,
         startup_timeout_s=240,
         restart=FAST,

@@ -168,6 +168,8 @@ def local_stack(
         "--no-prometheus",
         "--port",
         str(free_port()),
+        "--http-port",
+        "0",
         *(["--corpus", str(corpus)] if corpus is not None else []),
         *extra,
     ]

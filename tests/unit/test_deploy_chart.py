@@ -447,6 +447,31 @@ def test_every_pod_is_covered_by_a_network_policy(chart: Any) -> None:
         assert peers[1]["podSelector"]["matchLabels"].items() <= labels.items()
 
 
+@pytest.mark.parametrize("http_port", [8080, 0])
+def test_the_gateways_http_port_is_served_exposed_and_let_in(chart: Any, http_port: int) -> None:
+    """gateway.httpPort (docs/http.md): the gateway's env, a container port and a Service
+    port named http, and the network policy's ingress beside the gRPC port; 0: none."""
+    values = {**FULL_VALUES, "gateway": {"httpPort": http_port}}
+    docs = render(chart, values)
+    env = configmap_data(docs, "gateway")
+    (container,) = the(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"]
+    service = next(
+        s for s in of_kind(docs, "Service") if s["metadata"]["name"].endswith("-gateway")
+    )
+    policy = the(docs, "NetworkPolicy", "gateway")
+    allowed = [p["port"] for p in policy["spec"]["ingress"][0]["ports"]]
+    if http_port:
+        assert env["GTR_GATEWAY_HTTP_PORT"] == str(http_port)
+        assert {"name": "http", "containerPort": http_port, "protocol": "TCP"} in container["ports"]
+        assert any(p["name"] == "http" and p["port"] == http_port for p in service["spec"]["ports"])
+        assert allowed == [50051, http_port]
+    else:
+        assert "GTR_GATEWAY_HTTP_PORT" not in env
+        assert "http" not in {p["name"] for p in container["ports"]}
+        assert "http" not in {p["name"] for p in service["spec"]["ports"]}
+        assert allowed == [50051]
+
+
 # --- Redis ------------------------------------------------------------------------------
 
 

@@ -25,3 +25,11 @@ def test_staleness_is_detected(tmp_path: Path) -> None:
     target = tmp_path / "retrieval" / "v1" / "search_pb2.py"
     target.write_text(target.read_text() + "\n# hand edit\n")
     assert "retrieval/v1/search_pb2.py" in gen.stale_files(tmp_path)
+
+
+def test_a_stale_openapi_document_is_detected(tmp_path: Path) -> None:
+    gen = _gen_module()
+    gen.generate(tmp_path)
+    doc = tmp_path / "docs" / "openapi.json"
+    doc.write_text(doc.read_text().replace('"/v1/search"', '"/v1/find"'))
+    assert gen.stale_files(tmp_path) == ["docs/openapi.json"]
