@@ -10,11 +10,14 @@ Secret replaces them), with two throwaway CAs (``services/stack/certs.py``).
 * the client builds a new channel with its new files (a new handshake, the new client
   certificate) and closes the old one once the call on it ended;
 * a certificate whose key is not there yet is not taken: the old pair stays in use.
+* the gateway's HTTP/JSON port (an aiohttp server on the same files) takes the new
+  certificate and client CA on its next handshake as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import shutil
 import socket
@@ -192,3 +195,53 @@ def test_a_server_refuses_to_start_with_a_key_of_another_certificate(pki: Pki) -
     shutil.copyfile(pki.two.server_key, pki.server_dir / "server.key")
     with pytest.raises(ValueError, match="do not match"):
         pki.settings()
+
+
+def test_the_http_port_takes_rotated_files_on_its_next_handshake(pki: Pki) -> None:
+    """The gateway's HTTP/JSON port (the same files, through ``ServerTLS.ssl_context``):
+    a new connection gets the new certificate, and the new client CA decides who may
+    connect (mTLS)."""
+    from grpc_health.v1._async import HealthServicer
+
+    from services.rpc.admission import Admission
+    from services.rpc.http.rules import public_routes
+    from services.rpc.http.server import Transcoder, start_http_server
+
+    def health(port: int, certs: CertFiles) -> int | str:
+        ctx = ssl.create_default_context(cafile=str(certs.ca))
+        ctx.load_cert_chain(certs.client_cert, certs.client_key)
+        connection = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=5)
+        try:
+            connection.request("GET", "/v1/health")
+            return connection.getresponse().status
+        except (ssl.SSLError, ConnectionError) as exc:
+            return type(exc).__name__
+        finally:
+            connection.close()
+
+    async def main() -> None:
+        routes = [r for r in public_routes() if r.method == "Check"]
+        transcoder = Transcoder.build(
+            routes, {"grpc.health.v1.Health": HealthServicer()}, admission=Admission()
+        )
+        tls = pki.settings().server_tls()
+        assert tls is not None
+        server = await start_http_server(
+            transcoder, "127.0.0.1", 0, max_body_bytes=1024, ssl_context=tls.ssl_context()
+        )
+        try:
+            port = server.port
+            assert await asyncio.to_thread(served_certificate, port, pki.one) == der(
+                pki.one.server_cert
+            )
+            assert await asyncio.to_thread(health, port, pki.one) == 200
+            pki.install(pki.two)
+            assert await asyncio.to_thread(served_certificate, port, pki.two) == der(
+                pki.two.server_cert
+            )
+            assert await asyncio.to_thread(health, port, pki.two) == 200
+            assert await asyncio.to_thread(health, port, pki.one) != 200  # the old CA's
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())

@@ -156,7 +156,9 @@ class Transcoder:
             return self._error(code, exc, route, request)
         except web.HTTPRequestEntityTooLarge as exc:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            return self._error(code, errors.Overloaded(f"request body too large: {exc.text}"))
+            return self._error(
+                code, errors.Overloaded(f"request body too large ({exc.text}; --max-message-mb)")
+            )
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -261,9 +263,14 @@ class HttpServer:
     runner: web.AppRunner
     transcoder: Transcoder
     port: int
+    stopped: bool = False
 
     async def stop(self, grace: float) -> None:
-        """Stop listening, give the calls in flight up to ``grace`` seconds, then close."""
+        """Stop listening, give the calls in flight up to ``grace`` seconds, then close
+        (once: a gateway's close after its graceful stop does nothing more)."""
+        if self.stopped:
+            return
+        self.stopped = True
         for site in list(self.runner.sites):
             await site.stop()
         await self.transcoder.drained(grace)
