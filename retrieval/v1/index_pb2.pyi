@@ -244,12 +244,20 @@ class ShardStreamRequest(_message.Message):
     TAG_FIELD_NUMBER: _builtins.int
     SEARCH_FIELD_NUMBER: _builtins.int
     TIMEOUT_US_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
     tag: _builtins.int
     """Chosen by the caller, echoed in the response."""
     timeout_us: _builtins.int
     """This search's remaining budget in microseconds; 0 = none (a stream message has no
     deadline of its own). Past it the search answers DEADLINE_EXCEEDED.
     """
+    traceparent: _builtins.str
+    """The W3C trace context of the caller's span of this search (a stream message has no
+    metadata of its own; docs/tracing.md): its `traceparent` and `tracestate` header
+    values, empty when the caller does not trace.
+    """
+    tracestate: _builtins.str
     @_builtins.property
     def search(self) -> Global___ShardSearchRequest: ...
     def __init__(
@@ -258,10 +266,12 @@ class ShardStreamRequest(_message.Message):
         tag: _builtins.int = ...,
         search: Global___ShardSearchRequest | None = ...,
         timeout_us: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["search", b"search"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["search", b"search", "tag", b"tag", "timeout_us", b"timeout_us"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["search", b"search", "tag", b"tag", "timeout_us", b"timeout_us", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -138,6 +138,28 @@ def add_cli(sub: Any) -> None:
         "RESOURCE_EXHAUSTED and a retry-after-ms hint. Default: 16 per CPU this process "
         "may use (32 on 2 cores; docs/performance.md 'Sizing --max-in-flight'); 0 = no limit.",
     )
+    up.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="OpenTelemetry: every child of ours (gateway, shards, reranker) sends its trace "
+        "spans over OTLP/gRPC to this collector (http://host:4317); a search is one trace "
+        "across them (docs/tracing.md). Default: tracing off.",
+    )
+    up.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=1.0,
+        help="With --otlp-endpoint: share of the searches and writes traced (0..1, default "
+        "1); a request whose traceparent says sampled is traced whatever this says.",
+    )
+    up.add_argument(
+        "--triton-otlp-endpoint",
+        default=None,
+        help="OpenTelemetry: Triton's spans go over OTLP/HTTP to this URL "
+        "(http://host:4318/v1/traces; Triton's build exports over HTTP only), and join the "
+        "gateway's trace. Triton samples 1 in round(1/--trace-sample-ratio) inferences by "
+        "its own count (docs/tracing.md). Default: Triton not traced.",
+    )
     up.add_argument("--fresh", action="store_true", help="Delete --run-dir first.")
     up.add_argument("--log-level", default=os.environ.get("GTR_LOG_LEVEL", "WARNING"))
     up.set_defaults(handler=_up)
@@ -157,6 +179,8 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         )
     if args.max_in_flight is not None and args.max_in_flight < 0:
         raise SystemExit("error: --max-in-flight is a count of requests (0 = no limit)")
+    if not 0.0 <= args.trace_sample_ratio <= 1.0:
+        raise SystemExit("error: --trace-sample-ratio is a share of requests, 0..1")
     return config_from_args(
         StackConfig,
         args,

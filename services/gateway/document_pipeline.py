@@ -34,6 +34,7 @@ from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S
 from services.gateway.generations import Bundle, GenerationSource, Serving
 from services.gateway.ports import DocRecord, Encoder, TargetVectors
 from services.index.keys import CLOSED
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,10 @@ class DocumentPipeline:
                 jobs["own"] = self._encode(parts.encoder, texts, cuts, deadline)
             if dual is not None and dual.target not in dual_done:
                 jobs["dual"] = self._dual_encode(dual.encoder, texts, cuts, deadline)
-            got = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
+            with tracing.span("encode") as span:
+                if span:
+                    span.set_attribute("gtr.documents", len(texts))
+                got = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
             if got.get("own") is not None:
                 own[parts.encoder_id] = got["own"]  # type: ignore[assignment]
             if dual is not None and "dual" in got:

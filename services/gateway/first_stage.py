@@ -20,6 +20,7 @@ from services.common.fusion import Fusion, Mode, RetrievalDefaults, fuse_hits
 from services.gateway.domain import Hit, SearchQuery
 from services.gateway.generations import Bundle
 from services.gateway.ports import IndexQuery
+from services.telemetry import tracing
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,16 @@ async def search_index(
             sparse_k=stage.sparse_k,
         )
         result = await parts.index.search(query, deadline.remaining())
-        for j, row in enumerate(rows):
-            out[row] = Found(
-                first_stage(stages[row], result, j, fetch_ks[row]),
-                list(result.missing_shards),
-                list(result.sparse_missing_shards) if stage.sparse_k else [],
-            )
+        fusion = stage.fusion
+        with tracing.span("fusion") if fusion is not None else tracing.NOOP as span:
+            if span and fusion is not None:
+                span.set_attributes({"gtr.fusion": fusion.method.value, "gtr.queries": len(rows)})
+            for j, row in enumerate(rows):
+                out[row] = Found(
+                    first_stage(stages[row], result, j, fetch_ks[row]),
+                    list(result.missing_shards),
+                    list(result.sparse_missing_shards) if stage.sparse_k else [],
+                )
 
     await asyncio.gather(*[run(rows) for rows in groups.values()])
     return out

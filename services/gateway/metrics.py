@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.slo import SizeSlo
 from services.gateway.domain import SearchResult
 from services.rpc.metrics import latency_histogram
+from services.telemetry import tracing
 
 
 @dataclass
@@ -145,7 +146,7 @@ class GatewayMetrics:
         self.prime(model)
         self.encode_calls.labels(model, self.size).inc()
         if seconds is not None:
-            self.encode_seconds.labels(model, self.size).observe(seconds)
+            self.encode_seconds.labels(model, self.size).observe(seconds, tracing.exemplar())
 
     def observe_request(
         self, results: Sequence[SearchResult], slo_rerank: bool | None, model: str
@@ -159,6 +160,7 @@ class GatewayMetrics:
         if not results:
             return
         self.prime(model)
+        exemplar = tracing.exemplar()  # the request's trace id, when it is traced
         t = results[0].timings
         # the batch's one encode (0 for a sparse query: read it off a query that was encoded)
         encode_ms = max(r.timings.encode_ms for r in results)
@@ -169,18 +171,18 @@ class GatewayMetrics:
             ("total", t.total_ms),
         ):
             if ms or stage == "total":
-                self.stage_seconds.labels(stage, model, self.size).observe(ms / 1000.0)
+                self.stage_seconds.labels(stage, model, self.size).observe(ms / 1000.0, exemplar)
         for result in results:
             if result.timings.rerank_ms:
                 self.stage_seconds.labels("rerank", model, self.size).observe(
-                    result.timings.rerank_ms / 1000.0
+                    result.timings.rerank_ms / 1000.0, exemplar
                 )
             if result.partial:
                 self.partial_results.inc()
             self.searches.labels(str(result.reranked).lower()).inc()
         if slo_rerank is not None:
             self.search_seconds.labels(model, self.size, str(slo_rerank).lower()).observe(
-                t.total_ms / 1000.0
+                t.total_ms / 1000.0, exemplar
             )
 
 

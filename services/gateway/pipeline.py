@@ -44,6 +44,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.ports import Reranker
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.reranking import finish, rerank_depth
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +151,24 @@ class SearchPipeline:
         ]
 
         t = time.perf_counter()
-        vectors, truncated, cached = await self.embedder.embed_dense(
-            parts, queries, stages, deadline
-        )
+        with tracing.span("encode") as span:
+            vectors, truncated, cached = await self.embedder.embed_dense(
+                parts, queries, stages, deadline
+            )
+            if span:
+                span.set_attribute("gtr.cached", sum(cached))
         encode_ms = ms_since(t) if any(s.dense_k for s in stages) else 0.0  # sparse: no encode
 
         t = time.perf_counter()
-        routed = await self._strong_as_session(parts, queries, deadline)
-        found = await search_index(
-            parts, routed, fetch_ks, stages, vectors, search_deadline(deadline, budget)
-        )
+        with tracing.span("index search") as span:
+            if span:
+                span.set_attributes(
+                    {"gtr.generation": serving.generation, "gtr.queries": len(queries)}
+                )
+            routed = await self._strong_as_session(parts, queries, deadline)
+            found = await search_index(
+                parts, routed, fetch_ks, stages, vectors, search_deadline(deadline, budget)
+            )
         search_ms = ms_since(t)
 
         index_results = [(f.hits, f.missing) for f in found]
@@ -223,7 +232,10 @@ class SearchPipeline:
         if not ids:
             return 0.0
         t = time.perf_counter()
-        docs = await bounded(parts.documents.get_many(ids), deadline, "the document fetch")
+        with tracing.span("document fetch", tracing.CLIENT) as span:
+            if span:
+                span.set_attributes({"db.system": "redis", "gtr.documents": len(ids)})
+            docs = await bounded(parts.documents.get_many(ids), deadline, "the document fetch")
         fetch_ms = ms_since(t)
         by_id = dict(zip(ids, docs, strict=True))
         for i in wanted:

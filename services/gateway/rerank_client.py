@@ -18,6 +18,7 @@ from services.rerank.domain import RerankQuery
 from services.rerank.serve import convert
 from services.rpc.status import error_from_rpc
 from services.rpc.tls import ClientTLS, Rotating, aio_channel
+from services.telemetry import tracing
 
 
 class RerankClient:
@@ -42,12 +43,17 @@ class RerankClient:
         self, query: str, candidates: Sequence[Hit], timeout: float | None
     ) -> list[Hit]:
         request = convert.query_to_pb(RerankQuery(query, tuple(candidates), len(candidates)))
-        try:
-            with self._channels.use() as channel:
-                stub = rerank_pb2_grpc.RerankServiceStub(channel)
-                response = await stub.Rerank(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, f"rerank at {self.address}") from None
+        with tracing.span("rerank", tracing.CLIENT) as span:
+            if span:
+                span.set_attribute("gtr.candidates", len(candidates))
+            try:
+                with self._channels.use() as channel:
+                    stub = rerank_pb2_grpc.RerankServiceStub(channel)
+                    response = await stub.Rerank(
+                        request, timeout=timeout, metadata=tracing.outgoing()
+                    )
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc, f"rerank at {self.address}") from None
         return list(convert.result_from_pb(response, candidates).hits)
 
     async def close(self) -> None:

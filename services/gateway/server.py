@@ -51,6 +51,7 @@ from services.rpc.metrics import RpcMetrics
 from services.rpc.server import Server, create_server, serve_started
 from services.rpc.settings import load_settings
 from services.rpc.tls import ClientTLS
+from services.telemetry import tracing
 
 if TYPE_CHECKING:
     from services.index.client.connection import StoreConnection
@@ -470,13 +471,15 @@ def _tls_said(on: bool, mutual: bool) -> str:
 
 
 async def serve(settings: GatewaySettings) -> None:
-    gateway = await start_gateway(settings)
-    # What start-up built (models, clients, modules) lives as long as the process: out of
-    # the collector's sight, so a full collection under load walks only what requests
-    # made. Under a k=1000 burst the collector took ~10 % of the event loop, up to 0.2 s
-    # at a time, while gRPC accepted no call (py-spy on bench/overload.py, issue #22).
-    gc.freeze()
-    await serve_started(gateway, settings)
+    with tracing.traced(settings.tracing(), "gtr-gateway"):
+        gateway = await start_gateway(settings)
+        # What start-up built (models, clients, modules) lives as long as the process: out
+        # of the collector's sight, so a full collection under load walks only what
+        # requests made. Under a k=1000 burst the collector took ~10 % of the event loop,
+        # up to 0.2 s at a time, while gRPC accepted no call (py-spy on
+        # bench/overload.py, issue #22).
+        gc.freeze()
+        await serve_started(gateway, settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

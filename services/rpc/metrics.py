@@ -79,12 +79,23 @@ class RpcMetrics:
             ),
         )
 
-    def observe(self, method: str, code: str, seconds: float, transport: str = "grpc") -> None:
-        self.latency.labels(self.service, method, code, transport).observe(seconds)
+    def observe(
+        self,
+        method: str,
+        code: str,
+        seconds: float,
+        transport: str = "grpc",
+        exemplar: dict[str, str] | None = None,
+    ) -> None:
+        """``exemplar``: the call's trace id when it was traced (kept with the bucket it
+        fell in; exposed in the OpenMetrics format, docs/tracing.md)."""
+        self.latency.labels(self.service, method, code, transport).observe(seconds, exemplar)
         self.handled.labels(self.service, method, code, transport).inc()
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> int:
-    """Expose ``registry`` on http://host:port/metrics (port 0 = free port); return the port."""
+    """Expose ``registry`` on http://host:port/metrics (port 0 = free port); return the port.
+    A scraper that asks for ``application/openmetrics-text`` (Prometheus does) gets the
+    OpenMetrics format, with the histograms' exemplars (trace ids, docs/tracing.md)."""
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return int(server.server_port)

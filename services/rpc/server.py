@@ -40,6 +40,7 @@ from services.rpc.metrics import RpcMetrics, serve_metrics
 from services.rpc.settings import ServiceSettings
 from services.rpc.status import public_message, status_of, trailing_metadata
 from services.rpc.wire import WireTypeError, check_wire_types
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
         async def wrapped(
             requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
-            async with self._outcome(details, context):
+            async with self._outcome(details, context, traced=False):
                 async for reply in behavior(checked(requests), context):
                     yield reply
 
@@ -185,35 +186,82 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
 
     @contextlib.asynccontextmanager
     async def _outcome(
-        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+        self,
+        details: grpc.HandlerCallDetails,
+        context: grpc.aio.ServicerContext,
+        traced: bool = True,
     ) -> AsyncIterator[None]:
         """Around one call (unary or stream): domain errors abort with their status code,
-        anything else with INTERNAL; the call's code and latency go to the metrics."""
+        anything else with INTERNAL; the call's code and latency go to the metrics. With
+        tracing on (``traced``: not a long-lived stream, whose messages have spans of
+        their own), the call is a SERVER span, the child of the caller's ``traceparent``,
+        and its latency observation keeps the trace id as an exemplar."""
         start = time.perf_counter()
         code = grpc.StatusCode.OK
-        try:
-            yield
-        except grpc.aio.AbortError:
-            code = context.code() or grpc.StatusCode.UNKNOWN
-            raise
-        except errors.RetrievalError as exc:
-            code = status_of(exc)
-            message = public_message(exc.message) if self._public else exc.message
-            if message != exc.message:
-                log.warning("%s %s: %s", details.method, code.name, exc.message)
-            await context.abort(code, message, trailing_metadata=trailing_metadata(exc))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("unhandled error in %s", details.method)
-            await context.abort(code, f"internal error: {type(exc).__name__}")
-        finally:
-            if self._metrics is not None:
-                method = details.method.rsplit("/", 1)[-1]
-                self._metrics.observe(method, code.name, time.perf_counter() - start)
+        scope = (
+            tracing.server_span(details.method, tracing.from_pairs(details.invocation_metadata))
+            if traced
+            else _UNTRACED
+        )
+        with scope as span:
+            try:
+                yield
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except errors.RetrievalError as exc:
+                code = status_of(exc)
+                message = public_message(exc.message) if self._public else exc.message
+                if message != exc.message:
+                    log.warning("%s %s: %s", details.method, code.name, exc.message)
+                await context.abort(code, message, trailing_metadata=trailing_metadata(exc))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                code = grpc.StatusCode.INTERNAL
+                log.exception("unhandled error in %s", details.method)
+                await context.abort(code, f"internal error: {type(exc).__name__}")
+            finally:
+                if span:
+                    span.set_attributes(rpc_attributes(details.method, code))
+                    if code in SERVER_ERRORS:
+                        span.set_error(code.name)
+                    else:
+                        span.set_ok()
+                if self._metrics is not None:
+                    method = details.method.rsplit("/", 1)[-1]
+                    self._metrics.observe(
+                        method, code.name, time.perf_counter() - start, exemplar=tracing.exemplar()
+                    )
 
+
+# The codes that mark a server span as failed (OpenTelemetry's RPC conventions): the
+# server's fault, not the caller's (INVALID_ARGUMENT, NOT_FOUND, ... are answers).
+SERVER_ERRORS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def rpc_attributes(method: str, code: grpc.StatusCode) -> dict[str, str | int]:
+    """OpenTelemetry's RPC attributes of a call to ``method`` (``/pkg.Service/Method``)."""
+    service, _, name = method.lstrip("/").partition("/")
+    return {
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": name,
+        "rpc.grpc.status_code": code.value[0],
+    }
+
+
+_UNTRACED = contextlib.nullcontext(tracing.NO_SPAN)
 
 # An answer at least this large is serialised off the event loop (a k=1000 search with
 # its documents is ~1.5 MB); below it the thread hop costs more than it frees.

@@ -9,11 +9,14 @@ and turns a validation error into one clear message.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.telemetry.config import ENDPOINT_HELP, RATIO_HELP, TracingConfig
 
 if TYPE_CHECKING:
     from services.rpc.tls import ClientTLS, ServerTLS
@@ -98,6 +101,19 @@ class ServiceSettings(BaseSettings):
         description="PEM CA that must have signed a client's certificate: given, every "
         "client must present one (mTLS); needs --tls-cert.",
     )
+
+    otlp_endpoint: str | None = Field(None, description=ENDPOINT_HELP)
+    trace_sample_ratio: float | None = Field(None, ge=0, le=1, description=RATIO_HELP)
+
+    @model_validator(mode="after")
+    def _tracing(self) -> ServiceSettings:
+        self.tracing()  # a bad OTEL_TRACES_SAMPLER_ARG stops the process at start
+        return self
+
+    def tracing(self) -> TracingConfig:
+        """Where this process sends its trace spans, and how many (the flags, else the
+        OpenTelemetry environment variables; services/telemetry/config.py)."""
+        return TracingConfig.resolve(self.otlp_endpoint, self.trace_sample_ratio, os.environ)
 
     @model_validator(mode="after")
     def _tls_files(self) -> ServiceSettings:

@@ -267,6 +267,18 @@ def query_cache_args(cfg: StackConfig) -> list[str]:
     return argv
 
 
+def tracing_args(cfg: StackConfig) -> list[str]:
+    """``up --otlp-endpoint``: the tracing flags of every child of ours (docs/tracing.md)."""
+    if not cfg.otlp_endpoint:
+        return []
+    return [
+        "--otlp-endpoint",
+        cfg.otlp_endpoint,
+        "--trace-sample-ratio",
+        str(cfg.trace_sample_ratio),
+    ]
+
+
 def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     port = cfg.gateway_port or free_port(cfg.host)
     metrics_port = free_port(cfg.host)
@@ -296,6 +308,7 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     if endpoints.rerank:
         argv += ["--rerank-url", endpoints.rerank]
     argv += query_cache_args(cfg)
+    argv += tracing_args(cfg)
     token_files = tokens(cfg)
     if token_files is None:
         argv += ["--no-auth"]  # loopback only; `up` says so
@@ -401,6 +414,7 @@ def shard_child(
         *(["--peers", ",".join(peers)] if peers else []),
         *peer_tls_args(cfg),
         *server_tls_args(cfg),
+        *tracing_args(cfg),
     ]
     child = Child(name, argv, cfg.logs / f"{name}.log", job="index")
     child.address = f"{cfg.host}:{port}"
@@ -421,6 +435,7 @@ def rerank_child(cfg: StackConfig) -> Child:
         "--metrics-port",
         str(metrics_port),
         *server_tls_args(cfg),
+        *tracing_args(cfg),
     ]
     if cfg.rerank_checkpoint is not None:
         argv += ["--checkpoint", str(cfg.rerank_checkpoint)]

@@ -104,6 +104,12 @@ class StackConfig:
     # admission limit of the gateway and of every shard replica (0 = none): units of
     # ``--max-in-flight`` (a search one per 25 hits), by default derived from the cores
     max_in_flight: int = field(default_factory=default_max_in_flight)
+    # OpenTelemetry (docs/tracing.md): the OTLP/gRPC collector every child of ours sends
+    # its spans to (None: tracing off), the share of new traces recorded, and Triton's
+    # OTLP/HTTP endpoint (its build exports over HTTP only; None: Triton not traced)
+    otlp_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
+    triton_otlp_endpoint: str | None = None
 
     @property
     def auth_dir(self) -> Path:

@@ -211,6 +211,12 @@ class Stack:
         cfg = self.config
         timeout = cfg.startup_timeout_s
         tls = self._security()
+        if cfg.otlp_endpoint:
+            traced = cfg.triton_otlp_endpoint or "not traced (--triton-otlp-endpoint)"
+            _say(
+                f"tracing    spans to {cfg.otlp_endpoint}, ratio {cfg.trace_sample_ratio:g}; "
+                f"Triton {traced}"
+            )
         redis = components.redis_child(cfg)
         self.supervisor.start(redis, lambda: components.redis_ready(redis), timeout)
         self._redis_url = redis.address

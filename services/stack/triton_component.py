@@ -38,10 +38,19 @@ def triton_server(cfg: StackConfig) -> TritonServerConfig:
     control: every version of the repository loaded at start (a restarted Triton serves
     the published ones too), and ``encoder publish`` (an index rollout to a new encoder)
     loads a new version while it serves (``services/encoder/serve/publish.py``)."""
-    from services.encoder.serve.triton_server import TritonServerConfig, grpc_tls_args
+    from services.encoder.serve.triton_server import (
+        TritonServerConfig,
+        grpc_tls_args,
+        trace_args,
+    )
 
     ports = [free_port(cfg.host) for _ in range(3)]
     certs = certificates(cfg)
+    tracing = (
+        trace_args(cfg.triton_otlp_endpoint, cfg.trace_sample_ratio)
+        if cfg.triton_otlp_endpoint
+        else ()
+    )
     return TritonServerConfig(
         model_repository=cfg.model_repository,
         grpc_port=ports[0],
@@ -51,7 +60,10 @@ def triton_server(cfg: StackConfig) -> TritonServerConfig:
         backend_dir=cfg.run_dir / "triton-backends",
         http=False,
         model_control="explicit",
-        extra_args=(grpc_tls_args(certs.server_cert, certs.server_key, certs.ca) if certs else ()),
+        extra_args=(
+            *(grpc_tls_args(certs.server_cert, certs.server_key, certs.ca) if certs else ()),
+            *tracing,
+        ),
     )
 
 

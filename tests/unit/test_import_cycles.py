@@ -290,13 +290,14 @@ def test_an_acyclic_tree_passes(tmp_path: Path) -> None:
 
 # Bottom → top; a package imports from its own layer or lower ones only. ``common`` holds
 # the shared words (no I/O), ``process`` a process's host plumbing (logging, Redis, CPU
-# sets), ``rpc`` the gRPC plumbing every server and client uses. ``measures`` has
+# sets) and ``telemetry`` its tracer (no grpc), ``rpc`` the gRPC plumbing every server and
+# client uses. ``measures`` has
 # nothing above ``common`` (ranking measures, contrastive entropy), so the encoder's training
 # and ``eval`` share it; ``generations`` owns index generations and sits below the gateway,
 # which reads its registry.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"common"}),
-    frozenset({"process"}),
+    frozenset({"process", "telemetry"}),
     frozenset({"rpc"}),
     frozenset({"corpus", "measures"}),
     frozenset({"index", "encoder", "rerank"}),

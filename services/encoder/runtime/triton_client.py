@@ -75,6 +75,8 @@ from services.rpc.balance import Balancing, Endpoint, EndpointPool, reconnect_op
 from services.rpc.discovery import is_dns_target, parse_addresses, parse_dns_target
 from services.rpc.retry import RetryPolicy, channel_options
 from services.rpc.tls import ClientTLS, Rotating
+from services.telemetry import tracing
+from services.telemetry.tracing import CLIENT
 
 KSERVE_SERVICE = "inference.GRPCInferenceService"
 # What Triton says (with UNAVAILABLE) when a model's queue is full (max_queue_size).
@@ -425,7 +427,9 @@ class TritonEncoder(Encoder):
             started = time.monotonic()
             server.sent()
             try:
-                with server.clients.use() as client:
+                with server.clients.use() as client, tracing.span("triton infer", CLIENT) as span:
+                    if span:
+                        span.set_attributes({"gtr.model": self.cfg.model, "gtr.texts": len(items)})
                     result = await client.infer(
                         self.cfg.model,
                         inputs,
@@ -433,6 +437,7 @@ class TritonEncoder(Encoder):
                         outputs=outputs,
                         client_timeout=left,
                         priority=self.cfg.priority,
+                        headers=tracing.outgoing_headers(),  # Triton joins the trace
                     )
             except Exception as exc:
                 error = map_triton_error(exc, f"embedding {len(items)} texts at {server.address}")

@@ -208,6 +208,28 @@ def grpc_tls_args(cert: Path, key: Path, client_ca: Path | None = None) -> tuple
     return tuple(args)
 
 
+def trace_args(endpoint: str, ratio: float = 1.0, service: str = "triton") -> tuple[str, ...]:
+    """tritonserver flags (``extra_args``) for OpenTelemetry traces of its inferences, sent
+    over OTLP/HTTP to ``endpoint`` (``http://host:4318/v1/traces``; this build's exporter
+    speaks HTTP with JSON bodies, not gRPC). Measured on the wheel's server: a request
+    whose gRPC metadata carries a W3C ``traceparent`` is traced as that trace's child
+    (``InferRequest`` → the model's span → ``compute``), so a gateway's search and its
+    encode are one trace. It does not honour the ``traceparent``'s sampled flag (a
+    request marked 00 was traced all the same): it samples 1 request in ``rate`` by its
+    own count, here round(1 / ``ratio``); ``ratio`` 0 gives no flags (not traced).
+    docs/tracing.md."""
+    if ratio <= 0:
+        return ()
+    return (
+        "--trace-config=mode=opentelemetry",
+        f"--trace-config=opentelemetry,url={endpoint}",
+        f"--trace-config=opentelemetry,resource=service.name={service}",
+        f"--trace-config=rate={max(1, round(1.0 / ratio))}",
+        "--trace-config=count=-1",
+        "--trace-config=level=TIMESTAMPS",
+    )
+
+
 @dataclass
 class TritonHandle:
     config: TritonServerConfig

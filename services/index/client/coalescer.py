@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded
 from services.index.client.merge import merge_answers, shard_deadline, split_result
 from services.index.core.query import Consistency, IndexQuery, ShardAnswer
+from services.telemetry import tracing
 
 
 class Launcher(Protocol):
@@ -49,6 +50,9 @@ class Waiting:
     # its deadline less the router's reserve, taken when it is queued: computed later, the
     # reserve (a share of what is left) would shrink to the 5 ms minimum
     answer_by: Deadline = dataclasses.field(default_factory=lambda: Deadline.after(None))
+    # the trace context of the request it belongs to (None: tracing off); the wave's span
+    # is the child of its first recorded member's and links the others
+    trace: Any = None
 
 
 # A queued search waits for a wave slot at most this share of its time (see Coalescer).
@@ -130,6 +134,7 @@ class Coalescer:
                 query.sparse_k,
                 launch_by,
                 shard_deadline(deadline),
+                tracing.capture(),
             )
         )
         if launch_by < self._slot_wait_until:
@@ -219,6 +224,12 @@ class Coalescer:
         self._waves.release()
 
     async def _run(self, key: _WaveKey, wave: list[Waiting]) -> None:
+        """One wave, in a span of its own (tracing on): the shards' searches are made
+        under it, so each is its child, whichever request's task began the drain."""
+        with tracing.batch_span("index wave", [w.trace for w in wave]):
+            await self._wave(key, wave)
+
+    async def _wave(self, key: _WaveKey, wave: list[Waiting]) -> None:
         nprobe, consistency, require_complete, (dense, sparse), _ = key
         # the shards get the latest answer_by of the wave; each member is answered by its own
         known = [w.answer_by.at for w in wave]

@@ -69,6 +69,7 @@ from services.rpc.balance import Balancing, Endpoint, EndpointPool, reconnect_op
 from services.rpc.discovery import DnsTarget
 from services.rpc.status import error_from_rpc, error_from_status
 from services.rpc.tls import ClientTLS, Rotating, aio_channel
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +166,14 @@ class ShardStream:
         )
         remaining = deadline.remaining()
         stream.waiting[tag] = future
-        stream.outbox.put_nowait(
-            index_pb2.ShardStreamRequest(
-                tag=tag,
-                search=request,
-                timeout_us=0 if remaining is None else max(1, int(remaining * 1e6)),
-            )
+        message = index_pb2.ShardStreamRequest(
+            tag=tag,
+            search=request,
+            timeout_us=0 if remaining is None else max(1, int(remaining * 1e6)),
         )
+        if tracing.enabled():  # the search's own context: a stream has no per-search metadata
+            message.traceparent, message.tracestate = tracing.traceparent()
+        stream.outbox.put_nowait(message)
         try:
             async with asyncio.timeout(remaining):
                 reply = await future

@@ -55,6 +55,7 @@ from services.index.core.coarse import CoarseQuantizer
 from services.index.core.query import Consistency, IndexQuery, Probes, ShardAnswer
 from services.rpc.balance import Balancing
 from services.rpc.tls import ClientTLS
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,19 @@ class ShardRouter:
             return convert.query_to_pb(query.shard_query(shard, probes))
 
         async def one(shard: _Shard) -> ShardAnswer:
+            with tracing.span("shard search", tracing.CLIENT) as span:
+                if span:
+                    span.set_attributes(
+                        {
+                            "gtr.shard": shard.index,
+                            "gtr.queries": query.rows,
+                            "gtr.dense_k": query.k if query.vectors is not None else 0,
+                            "gtr.sparse_k": query.sparse_k,
+                        }
+                    )
+                return await ask(shard)
+
+        async def ask(shard: _Shard) -> ShardAnswer:
             if probes is not None:
                 try:
                     return await shard.search(request(shard.index, probes), deadline)

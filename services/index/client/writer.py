@@ -22,6 +22,7 @@ from services.common.limits import LIMITS
 from services.index.changelog import TargetVectors, text
 from services.index.client.connection import REDIS_ERRORS, StoreConnection
 from services.index.keys import CLOSED, FIRST_GENERATION, GenerationKeys, Layout
+from services.telemetry import tracing
 
 MAX_ID_BYTES = LIMITS.max_id_bytes
 MAX_BATCH = LIMITS.max_delete_ids
@@ -143,6 +144,17 @@ end
 return {deleted, out}
 """
 )
+
+
+def _script_attributes(documents: int, token: WriteToken) -> dict[str, str | int]:
+    """A write script's span attributes: the log entries it added (``<shard>:<entry id>``,
+    what a shard's ``log apply`` span names: how a write is followed into the shards,
+    docs/tracing.md)."""
+    return {
+        "db.system": "redis",
+        "gtr.documents": documents,
+        "gtr.log.entries": ",".join(f"{s}:{p}" for s, p in sorted(token.items())),
+    }
 
 
 def moved_to(exc: Exception) -> str | None:
@@ -334,8 +346,12 @@ class ChangeLogWriter:
                     vectors[n].astype("<f4").tobytes(),
                     trows[n] if trows else b"",
                 ]
-            reply = await self._run(self._upsert, _UPSERT, self._keys(part_ids, shards), args)
-            return self._token(shards, reply)
+            with tracing.span("redis upsert script", tracing.CLIENT) as span:
+                reply = await self._run(self._upsert, _UPSERT, self._keys(part_ids, shards), args)
+                token = self._token(shards, reply)
+                if span:
+                    span.set_attributes(_script_attributes(len(members), token))
+            return token
 
         token: WriteToken = {}
         for t in await asyncio.gather(*(part(g) for g in self._groups(ids))):
@@ -352,10 +368,14 @@ class ChangeLogWriter:
             args: list[str | bytes] = [str(len(part_ids)), self.keys.name, self._absent_gate]
             for doc_id, slot in zip(part_ids, slots, strict=True):
                 args += [str(slot), doc_id]
-            deleted_raw, reply = await self._run(
-                self._delete, _DELETE, self._keys(part_ids, shards), args
-            )
-            return self._token(shards, reply), [text(d) for d in deleted_raw]
+            with tracing.span("redis delete script", tracing.CLIENT) as span:
+                deleted_raw, reply = await self._run(
+                    self._delete, _DELETE, self._keys(part_ids, shards), args
+                )
+                token = self._token(shards, reply)
+                if span:
+                    span.set_attributes(_script_attributes(len(part_ids), token))
+            return token, [text(d) for d in deleted_raw]
 
         token: WriteToken = {}
         gone: set[str] = set()

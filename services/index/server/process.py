@@ -29,6 +29,7 @@ from services.rpc.admission import Admission
 from services.rpc.metrics import RpcMetrics
 from services.rpc.server import Server, create_server, serve_started
 from services.rpc.settings import load_settings
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,13 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
 
 
 async def serve(settings: ShardSettings) -> None:
-    await serve_started(await start_shard(settings), settings)
+    resource = {
+        "gtr.shard": str(settings.shard),
+        "gtr.generation": settings.generation,
+        "service.instance.id": settings.replica,
+    }
+    with tracing.traced(settings.tracing(), "gtr-index-shard", resource):
+        await serve_started(await start_shard(settings), settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,11 +44,15 @@ from services.index.records import ensure_first
 from services.index.server.metrics import ShardMetrics
 from services.index.server.settings import ShardSettings
 from services.process.redis_client import async_client, sync_client
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
 # The newest position ever written to the log (its stream's last-generated-id), "0-0"
 # when there is no stream yet: one round trip, no error text to interpret.
+# A log apply span names at most this many of its entries (a replay reads hundreds at once).
+MAX_TRACED_ENTRIES = 64
+
 _LOG_END = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return '0-0' end
 local info = redis.call('XINFO', 'STREAM', KEYS[1])
@@ -244,6 +248,28 @@ class ShardReplica:
             return []
 
     def _apply(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
+        # A trace of its own (tracing on): the apply runs after, and apart from, the write
+        # that logged the entries; the write's "redis upsert script" span names the same
+        # entries (gtr.log.entries), which is how one is found from the other (a log
+        # entry carries no trace context: docs/tracing.md).
+        with tracing.span("log apply") as span:
+            if span:
+                span.set_attributes(self._apply_attributes(entries))
+            self._apply_entries(entries)
+
+    def _apply_attributes(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> dict[str, Any]:
+        shard = self.config.shard
+        named = entries[:MAX_TRACED_ENTRIES]
+        return {
+            "gtr.shard": shard,
+            "gtr.replica": self.config.replica,
+            "gtr.log.count": len(entries),
+            "gtr.log.first": entries[0][0],
+            "gtr.log.last": entries[-1][0],
+            "gtr.log.entries": ",".join(f"{shard}:{position}" for position, _ in named),
+        }
+
+    def _apply_entries(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
         oldest_ms = positions.ms_of(entries[0][0])
         changes: list[Change] = []
         for position, fields in entries:

@@ -15,8 +15,22 @@ from services.index import convert
 from services.index.server.service import ShardService
 from services.rpc.admission import Admission
 from services.rpc.status import status_number
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
+
+
+# The span of one search that came as a message of a SearchStream (the stream itself, a
+# long-lived call, has none).
+STREAM_SEARCH = "retrieval.v1.IndexShardService/SearchStream search"
+
+
+def _incoming(msg: index_pb2.ShardStreamRequest) -> tracing.Incoming | None:
+    """The caller's trace context, carried in the message (a stream has no metadata per
+    search)."""
+    if not msg.traceparent or not tracing.enabled():
+        return None
+    return tracing.Incoming(msg.traceparent, msg.tracestate)
 
 
 class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
@@ -50,7 +64,10 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
         async def one(msg: index_pb2.ShardStreamRequest) -> None:
             try:
                 timeout = msg.timeout_us / 1e6 if msg.timeout_us else None
-                with self._admission.admit():
+                with (
+                    tracing.server_span(STREAM_SEARCH, _incoming(msg)),
+                    self._admission.admit(),
+                ):
                     answer = await self._service.search(convert.query_from_pb(msg.search), timeout)
                 reply = index_pb2.ShardStreamResponse(tag=msg.tag)
                 convert.answer_to_pb(answer, reply.result)  # filled in place, not copied in

@@ -21,6 +21,7 @@ from services.rerank.serve.settings import RerankSettings
 from services.rpc.metrics import RpcMetrics
 from services.rpc.server import Server, create_server, serve_started
 from services.rpc.settings import load_settings
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ async def start_rerank(settings: RerankSettings) -> Reranker:
 
 
 async def serve(settings: RerankSettings) -> None:
-    await serve_started(await start_rerank(settings), settings)
+    with tracing.traced(settings.tracing(), "gtr-rerank"):
+        await serve_started(await start_rerank(settings), settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

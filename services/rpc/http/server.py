@@ -54,6 +54,7 @@ from services.rpc.status import (
     retry_after_ms,
     status_of,
 )
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,16 @@ class Transcoder:
         self._idle.clear()
         route: Route | None = None
         code = grpc.StatusCode.OK
+        exemplar: dict[str, str] | None = None
         try:
             route, handler, values = self.match(request)
-            return await self._answer(route, handler, values, request, start)
+            # a SERVER span, the child of the caller's W3C traceparent header (docs/tracing.md)
+            incoming = tracing.from_http_headers(request.headers.items())
+            with tracing.server_span(route.grpc_method, incoming, {"transport": "http"}):
+                try:
+                    return await self._answer(route, handler, values, request, start)
+                finally:
+                    exemplar = tracing.exemplar()
         except errors.RetrievalError as exc:
             code = status_of(exc)
             return self._error(code, exc, route, request)
@@ -172,7 +180,8 @@ class Transcoder:
             if not self.active:
                 self._idle.set()
             if route is not None and self.metrics is not None:
-                self.metrics.observe(route.method, code.name, time.perf_counter() - start, "http")
+                seconds = time.perf_counter() - start
+                self.metrics.observe(route.method, code.name, seconds, "http", exemplar)
 
     async def _answer(
         self,

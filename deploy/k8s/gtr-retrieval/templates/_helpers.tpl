@@ -446,3 +446,35 @@ data:
   prepare_model_repository.py: |
     {{- .Files.Get "files/prepare_model_repository.py" | nindent 4 }}
 {{- end }}
+
+{{/*
+OpenTelemetry (docs/tracing.md): where the gateway, a shard replica or the reranker sends
+its spans and how many it records, as the OpenTelemetry environment variables the
+services read (--otlp-endpoint / --trace-sample-ratio when unset). Nothing when
+tracing.otlpEndpoint is empty: tracing off.
+*/}}
+{{- define "gtr.tracingEnv" -}}
+{{- $t := .Values.tracing -}}
+{{- if $t.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $t.otlpEndpoint | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $t.sampleRatio | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Triton's OpenTelemetry flags (services/encoder/serve/triton_server.py trace_args): OTLP
+over HTTP to tracing.tritonOtlpEndpoint, 1 inference in round(1/sampleRatio) traced.
+*/}}
+{{- define "gtr.tritonTraceArgs" -}}
+{{- $t := .Values.tracing -}}
+{{- if and $t.tritonOtlpEndpoint (gt (float64 $t.sampleRatio) 0.0) }}
+- --trace-config=mode=opentelemetry
+- --trace-config=opentelemetry,url={{ $t.tritonOtlpEndpoint }}
+- --trace-config=opentelemetry,resource=service.name=triton
+- --trace-config=rate={{ max 1 (round (divf 1.0 (float64 $t.sampleRatio)) 0) | int }}
+- --trace-config=count=-1
+- --trace-config=level=TIMESTAMPS
+{{- end }}
+{{- end }}

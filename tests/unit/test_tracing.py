@@ -1,0 +1,104 @@
+"""services/telemetry: the tracer off (shared no-ops, nothing propagated) and on (spans,
+W3C context in and out, parent-based sampling, the coalesced wave's links, exemplars),
+with the SDK's in-memory exporter; the OTLP path is tests/integration/test_tracing.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.telemetry import tracing
+from services.telemetry.config import TracingConfig
+
+PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+UNSAMPLED = "00-1af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    assert tracing.configure(TracingConfig(None, 1.0), "test", exporter=exporter)
+    try:
+        yield exporter
+    finally:
+        tracing.shutdown()
+
+
+def test_the_config_reads_the_opentelemetry_variables() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_SAMPLER_ARG": "0.5"}
+    assert TracingConfig.resolve(None, None, env) == TracingConfig("http://c:4317", 0.5)
+    assert TracingConfig.resolve("http://d:4317", 1.0, env) == TracingConfig("http://d:4317", 1.0)
+    assert not TracingConfig.resolve(None, None, {}).enabled
+    assert not TracingConfig.resolve("http://d:4317", None, {"OTEL_SDK_DISABLED": "true"}).enabled
+    with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER_ARG"):
+        TracingConfig.resolve(None, None, {"OTEL_TRACES_SAMPLER_ARG": "half"})
+
+
+def test_off_every_call_is_the_shared_no_op() -> None:
+    assert not tracing.enabled()
+    assert not tracing.configure(TracingConfig(None), "test")
+    assert tracing.span("x") is tracing.NOOP
+    assert tracing.server_span("/a.B/C", tracing.Incoming(PARENT)) is tracing.NOOP
+    with tracing.span("x") as span:
+        assert not span
+        span.set_attribute("k", 1)
+    assert tracing.traceparent() == ("", "")
+    assert tracing.outgoing() is None and tracing.exemplar() is None
+    assert tracing.from_pairs([("traceparent", PARENT)]) is None
+    assert tracing.from_http_headers({"Traceparent": PARENT}) is None
+
+
+def test_a_request_is_the_child_of_its_callers_span(spans: InMemorySpanExporter) -> None:
+    incoming = tracing.from_http_headers({"Traceparent": PARENT, "TraceState": "k=v"})
+    assert incoming == tracing.Incoming(PARENT, "k=v")
+    with tracing.server_span("/pkg.Service/Method", incoming):
+        with tracing.span("stage", tracing.CLIENT):
+            parent, state = tracing.traceparent()
+            exemplar = tracing.exemplar()
+    (server,) = [s for s in spans.get_finished_spans() if s.name == "pkg.Service/Method"]
+    (stage,) = [s for s in spans.get_finished_spans() if s.name == "stage"]
+    assert server.context.trace_id == int("0af7651916cd43dd8448eb211c80319c", 16)
+    assert server.parent is not None and server.parent.span_id == int("b7ad6b7169203331", 16)
+    assert stage.parent is not None and stage.parent.span_id == server.context.span_id
+    assert parent == f"00-{server.context.trace_id:032x}-{stage.context.span_id:016x}-01"
+    assert state == "k=v"
+    assert exemplar == {"trace_id": "0af7651916cd43dd8448eb211c80319c"}
+
+
+def test_an_unsampled_caller_is_not_recorded_but_propagated(spans: InMemorySpanExporter) -> None:
+    with tracing.server_span("/a.B/C", tracing.from_pairs([("traceparent", UNSAMPLED)])):
+        assert tracing.traceparent()[0].startswith("00-1af7651916cd43dd8448eb211c80319c-")
+        assert tracing.traceparent()[0].endswith("-00")
+        assert tracing.exemplar() is None
+    assert spans.get_finished_spans() == ()
+
+
+def test_an_exception_marks_the_span_failed(spans: InMemorySpanExporter) -> None:
+    with pytest.raises(KeyError), tracing.span("broken"):
+        raise KeyError("x")
+    (span,) = spans.get_finished_spans()
+    assert not span.status.is_ok and span.events[0].name == "exception"
+
+
+def test_a_wave_is_the_child_of_its_first_recorded_member_and_links_the_rest(
+    spans: InMemorySpanExporter,
+) -> None:
+    members = []
+    for name in ("a", "b", "c"):
+        with tracing.span(name):
+            members.append(tracing.capture())
+    with tracing.server_span("/x.Y/Z", tracing.Incoming(UNSAMPLED)):
+        members.insert(0, tracing.capture())  # an unsampled member first: not the parent
+    with tracing.span("an earlier request"), tracing.batch_span("wave", members):
+        with tracing.span("shard search"):
+            pass
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    wave, shard = finished["wave"], finished["shard search"]
+    assert wave.parent is not None and wave.parent.span_id == finished["a"].context.span_id
+    assert [link.context.span_id for link in wave.links] == [
+        finished["b"].context.span_id,
+        finished["c"].context.span_id,
+    ]
+    assert shard.parent is not None and shard.parent.span_id == wave.context.span_id
