@@ -11,7 +11,9 @@ seconds, i.e. cores; a process that ended within a window loses its last second.
 Roles, from each process's command line: ``client`` (the bench's own processes),
 ``builder`` (``index rollout``), ``gateway``, ``shards <generation>``, ``triton``,
 ``stub <model>/<version>`` (a Triton Python backend stub: the serving version and a
-rollout's new one apart), ``redis``, ``up``, else the program's name.
+rollout's new one apart), ``redis``, ``up``, else the program's name; ``machine`` is the
+whole machine's busy cores and ``other`` what the rest of it used meanwhile (another job's
+load: a figure read beside one is not a quiet machine's).
 """
 
 from __future__ import annotations
@@ -100,16 +102,19 @@ def _sample_loop(root: int, stop: Any, out: Any) -> None:
     out.put(samples)
 
 
-def cores(samples: list[tuple[float, dict[str, float]]], start: float, end: float) -> dict:
+def cores(
+    samples: list[tuple[float, dict[str, float]]], start: float, end: float
+) -> dict[str, float]:
     """Cores used by role from ``start`` to ``end`` (monotonic seconds): the samples
     nearest inside the window; a role's CPU that went down (a process ended) counts 0."""
     inside = [s for s in samples if start <= s[0] <= end]
     if len(inside) < 2:
         return {}
     (t0, first), (t1, last) = inside[0], inside[-1]
-    return {
-        key: round(max(0.0, last[key] - first.get(key, 0.0)) / (t1 - t0), 3) for key in sorted(last)
-    }
+    used = {key: max(0.0, last[key] - first.get(key, 0.0)) / (t1 - t0) for key in sorted(last)}
+    # what the rest of the machine used meanwhile: another job's load, read beside ours
+    used["other"] = max(0.0, used["machine"] - sum(v for k, v in used.items() if k != "machine"))
+    return {key: round(value, 3) for key, value in used.items()}
 
 
 class RoleCpu:

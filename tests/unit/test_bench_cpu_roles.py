@@ -20,7 +20,13 @@ def test_a_windows_cores_are_cpu_seconds_over_wall_seconds_between_its_samples()
         (9.0, {"gateway": 9.0, "machine": 30.0, "builder": 5.0}),
     ]
     # inside [0.5, 3.0]: the samples at 1 and 3; a role first seen late counts from 0
-    assert cpu_roles.cores(samples, 0.5, 3.0) == {"builder": 2.0, "gateway": 0.5, "machine": 1.5}
+    assert cpu_roles.cores(samples, 0.5, 3.0) == {
+        "builder": 2.0,
+        "gateway": 0.5,
+        "machine": 1.5,
+        "other": 0.0,  # the machine's busy time is less than the roles' (rounding): none
+    }
+    assert cpu_roles.cores(samples, 3.0, 9.0)["other"] == pytest.approx(8.5 / 6, abs=1e-3)
     assert cpu_roles.cores(samples, 2.0, 4.0) == {}  # one sample: no window
 
 
