@@ -36,6 +36,11 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   acknowledged writes after P0 whose id and version the new generation does not hold
   (``bench/rollout_writes.py``; ``writes_checked`` of them).
 
+* ``cpu_cores``: the cores each process role used before the rollout and during it
+  (``bench/cpu_roles.py``: the client, the gateway, each generation's shards, each encoder
+  version's Triton stub, Redis, the builder), the whole machine's busy cores and ``other``
+  (what the rest of the machine used: a run beside another job says so here).
+
 ``--retrain`` rolls out ``index rollout --retrain`` instead (no in-process baseline;
 ``bench/results/rollout_retrain_writes.json``).
 
