@@ -21,7 +21,9 @@ The machine's load average is recorded before and after: a figure taken beside o
 work says so (``loaded``).
 
 Usage: ``python -m bench.floor [--docs 1500] [--queries 300] [--seconds 20]
-[--concurrency 4] [--no-stack] [--out bench/results/floor.json]``
+[--concurrency 4] [--encoders triton,inprocess] [--no-stack]
+[--out bench/results/floor.json]``; ``--encoders inprocess`` measures ``up --encoder
+inprocess`` too (``stack_inprocess``).
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def _merge(rows: list[list[tuple[str, float]]], k: int) -> list[tuple[str, float
 
 def build_floor(corpus: Path, workdir: Path, num_shards: int) -> Floor:
     """Export the default model, embed the corpus, train and fill one shard per part."""
+    from threadpoolctl import threadpool_limits
+
     from services.common.fusion import RetrievalDefaults
     from services.corpus.readers import read_corpus
     from services.encoder.build.export import export_onnx
@@ -143,10 +147,29 @@ def build_floor(corpus: Path, workdir: Path, num_shards: int) -> Floor:
         d.id: [d.title.encode(), d.text.encode(), json.dumps(d.metadata).encode(), b"1"]
         for d in docs
     }
+    # single-threaded from here, as a shard runs (services/index/server/process.py): the
+    # BLAS and OpenMP pools (a thread per CPU by default) spin after each call, and that
+    # CPU doubled the process's time per search, on a thread doing nothing useful
+    threadpool_limits(1)
     defaults = RetrievalDefaults()
     return Floor(
         OnnxEmbedder(onnx_path, threads=1), shards, store, defaults.candidates, defaults.fusion
     )
+
+
+def _threads_cpu() -> dict[str, float]:
+    """CPU seconds of each thread of this process, by ``name/tid``."""
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            continue
+        name = raw[raw.index(b"(") + 1 : raw.rfind(b")")].decode(errors="replace")
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) * cpu_roles.TICK_S
+    return out
 
 
 def measure_floor(floor: Floor, queries: list[str], mode: str, k: int) -> dict[str, Any]:
@@ -156,15 +179,22 @@ def measure_floor(floor: Floor, queries: list[str], mode: str, k: int) -> dict[s
         floor.search(q, mode, k, cpu)
     cpu = dict.fromkeys(STAGES, 0.0)
     start_cpu, start_wall = time.process_time(), time.perf_counter()
+    start_thread, threads = time.thread_time(), _threads_cpu()
     for q in queries:
         floor.search(q, mode, k, cpu)
+    after = _threads_cpu()
+    busy = {t: round(v - threads.get(t, 0.0), 3) for t, v in after.items()}
     total = time.process_time() - start_cpu
+    thread = time.thread_time() - start_thread
     wall = time.perf_counter() - start_wall
     n = len(queries)
     return {
         "cpu_ms_per_search": 1e3 * total / n,
+        # the calling thread's alone: equal to the above when nothing runs beside it
+        "thread_cpu_ms_per_search": 1e3 * thread / n,
         "wall_ms_per_search": 1e3 * wall / n,
         "stages_cpu_ms": {s: round(1e3 * v / n, 3) for s, v in cpu.items()},
+        "threads_cpu_s": {t: v for t, v in busy.items() if v > 0},
     }
 
 
@@ -245,6 +275,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=20.0, help="per mode through the stack")
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop callers (4)")
     parser.add_argument("--no-stack", action="store_true", help="the floor only")
+    parser.add_argument(
+        "--encoders",
+        default="triton",
+        help="the stack's query encoders measured, comma-separated: triton (the default "
+        "stack's), inprocess (ONNX Runtime in the gateway: `up --encoder inprocess`)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/floor.json"))
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -263,17 +299,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f = result["floor"][m]
             print(f"floor {m}: {f['cpu_ms_per_search']:.2f} ms CPU per search {f['stages_cpu_ms']}")
         del floor
-        if not args.no_stack:
-            with local_stack(tmp / "run", tmp / "up.log", corpus=corpus, shards=args.shards) as st:
-                result["stack"] = {
+        for encoder in [] if args.no_stack else args.encoders.split(","):
+            key = "stack" if encoder == "triton" else f"stack_{encoder}"
+            with local_stack(
+                tmp / f"run-{encoder}",
+                tmp / f"up-{encoder}.log",
+                corpus=corpus,
+                shards=args.shards,
+                encoder=encoder,
+            ) as st:
+                result[key] = {
                     m: measure_stack(st.gateway, texts, m, args.k, args.seconds, args.concurrency)
                     for m in MODES
                 }
             for m in MODES:
-                s, f = result["stack"][m], result["floor"][m]
+                s, f = result[key][m], result["floor"][m]
                 s["stack_over_floor"] = s["cpu_ms_per_search"] / f["cpu_ms_per_search"]
                 print(
-                    f"stack {m}: {s['cpu_ms_per_search']:.2f} ms CPU per search "
+                    f"{key} {m}: {s['cpu_ms_per_search']:.2f} ms CPU per search "
                     f"({s['searches_per_s']:.0f}/s, {s['failed']} failed) = "
                     f"{s['stack_over_floor']:.2f}x the floor; by process "
                     f"{s['roles_cpu_ms_per_search']}"
