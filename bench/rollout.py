@@ -36,6 +36,11 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   acknowledged writes after P0 whose id and version the new generation does not hold
   (``bench/rollout_writes.py``; ``writes_checked`` of them).
 
+* ``cpu_cores``: the cores each process role used before the rollout and during it
+  (``bench/cpu_roles.py``: the client, the gateway, each generation's shards, each encoder
+  version's Triton stub, Redis, the builder), the whole machine's busy cores and ``other``
+  (what the rest of the machine used: a run beside another job says so here).
+
 ``--retrain`` rolls out ``index rollout --retrain`` instead (no in-process baseline;
 ``bench/results/rollout_retrain_writes.json``).
 
@@ -66,6 +71,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.cpu_roles import RoleCpu
 from bench.rollout_writes import check_writes, dual_counts, hold_source
 from services.process import cpus as cpu_sets
 
@@ -381,7 +387,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         run_dir = args.run_dir or tmp / "run"
         print(f"starting the stack on {args.docs} documents ({run_dir})", flush=True)
-        with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2) as stack:
+        with (
+            local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2) as stack,
+            RoleCpu(os.getpid()) as cpu,
+        ):
             if budget:  # the client stands in for callers on other machines: off the budget
                 cpu_sets.pin_process(os.getpid(), machine - budget)
             load = SteadyLoad(
@@ -404,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     hold_source(held)  # the write check reads its logs after the switch
                     held.close()
                     marks["rollout_start"] = time.monotonic()
+                    marks["before_start"] = marks["rollout_start"] - args.before_s
                     with watch:
                         done = await asyncio.to_thread(
                             stack.run_cli,
@@ -482,6 +492,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }
     result["p99_during_over_before"] = result["p99_during_ms"] / result["p99_before_ms"]
+    result["cpu_cores"] = {
+        "before": cpu.cores(marks["before_start"], start),
+        "during": cpu.cores(start, end),
+    }
     result |= writes
     result["mode"] = "retrain" if args.retrain else "encoder"
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)
@@ -500,6 +514,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"in-process {inproc_rate:.1f} docs/s (rounds {', '.join(f'{r:.1f}' for r in inproc)}); "
         f"ratio {result['reembed_ratio']:.2f} (goal >= 0.8)"
     )
+    for window, used in result["cpu_cores"].items():
+        print(f"cores used {window}: " + ", ".join(f"{k} {v:.2f}" for k, v in used.items()))
     print(
         f"search p99: {result['p99_before_ms']:.1f} ms before ({len(before)} searches, "
         f"{result['failed_before']} failed), {result['p99_during_ms']:.1f} ms during the "

@@ -16,6 +16,17 @@ those CPUs and serving the others, for as long as the budget is recorded
 - **serving**: every other child of the stack (Redis, Triton, the gateway, the serving
   and previous generations' shards, Prometheus) and the other stubs: every CPU but C.
 
+**Serving's load decides.** Keeping serving off the budget's CPUs helps only while what
+is left holds serving's load: on 2 cores with writes at 20/s (each one encoded, twice
+during a dual write), serving needed ~1.4 cores, and confined to one it queued for
+seconds (search p99 118 ms → 2.7 s, 22.9x, against 6.9x with no budget at all;
+docs/generations.md "Serving's load decides the split"). So the stack measures serving's
+CPU use over the last :data:`LOAD_WINDOW_S` (:class:`ServingLoad`, from ``/proc``, on
+every pass, with or without a budget) and splits the CPUs only while serving used at
+most :data:`SPLIT_UP_TO` of the CPUs a budget leaves it; past that serving gets every CPU
+back (the rollout keeps to its budget), and a split resumes once serving's use fell to
+:data:`SPLIT_AGAIN_BELOW` of them (:func:`split`: the gap keeps it from flapping).
+
 **The hand-over.** Once the rollout reaches its switch phase (:data:`HANDED_OVER`) its
 target is about to serve: its shards and its stub go to serving's CPUs, and each pass
 records in :data:`~services.index.keys.CPU_PLACED_KEY` which generation the budget still
@@ -38,7 +49,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
@@ -62,6 +74,63 @@ HANDED_OVER = frozenset({"switch", "done"})
 PLACED_TTL_S = 3
 
 
+# Serving's measured use (cores), as a share of the CPUs a budget leaves it, up to which
+# it is kept off the budget's CPUs, and below which a split that was lifted resumes.
+SPLIT_UP_TO = 0.5
+SPLIT_AGAIN_BELOW = 0.35
+# the window serving's use is measured over (the poller samples every pass, 0.5 s)
+LOAD_WINDOW_S = 5.0
+
+
+class ServingLoad:
+    """Serving's CPU use in cores over the last ``window_s``: :meth:`add` a sample of its
+    processes on each pass, :meth:`cores` reads it (None until a window's worth of second
+    is there). A process's first sample is its baseline; one that ended stops counting."""
+
+    def __init__(
+        self,
+        window_s: float = LOAD_WINDOW_S,
+        read: Callable[[int], float | None] = cpu_sets.cpu_seconds,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window_s = window_s
+        self._read = read
+        self._clock = clock
+        self._last: dict[int, float] = {}
+        self._steps: deque[tuple[float, float]] = deque()  # (when, CPU s since the last)
+        self._since = clock()
+
+    def add(self, pids: Iterable[int]) -> None:
+        now, used, seen = self._clock(), 0.0, {}
+        for pid in pids:
+            cpu = self._read(pid)
+            if cpu is None:
+                continue
+            used += max(0.0, cpu - self._last.get(pid, cpu))
+            seen[pid] = cpu
+        self._last = seen
+        self._steps.append((now, used))
+        while self._steps and self._steps[0][0] <= now - self.window_s:
+            self._since = self._steps.popleft()[0]
+
+    def cores(self) -> float | None:
+        if not self._steps:
+            return None
+        span = self._steps[-1][0] - self._since
+        if span < min(1.0, self.window_s):
+            return None
+        return sum(used for _, used in self._steps) / span
+
+
+def split(previous: bool, cores: float | None, kept: int) -> bool:
+    """Whether serving keeps to the ``kept`` CPUs a budget leaves it, given its measured
+    use (``cores``; None: not measured yet, keep ``previous``) and whether it did on the
+    pass before (``previous``)."""
+    if cores is None:
+        return previous
+    return cores <= (SPLIT_UP_TO if previous else SPLIT_AGAIN_BELOW) * kept
+
+
 @dataclass(frozen=True)
 class Process:
     pid: int
@@ -69,15 +138,20 @@ class Process:
 
 
 def placement(
-    processes: Iterable[Process], machine: frozenset[int], budget: frozenset[int] | None
+    processes: Iterable[Process],
+    machine: frozenset[int],
+    budget: frozenset[int] | None,
+    split_cpus: bool = True,
 ) -> dict[int, frozenset[int]]:
     """pid → the CPUs it may use: without a budget every process gets ``machine``; with one,
     the rollout's processes get the budget and the others the rest (all of ``machine``
-    when the budget would leave serving nothing)."""
+    when the budget would leave serving nothing, or when ``split_cpus`` is False: serving's
+    load needs more than the rest, :func:`split`)."""
     mine = (budget or frozenset()) & machine
     if not mine or mine == machine:
         return {p.pid: machine for p in processes}
-    return {p.pid: mine if p.rollout else machine - mine for p in processes}
+    serving = machine - mine if split_cpus else machine
+    return {p.pid: mine if p.rollout else serving for p in processes}
 
 
 def stub_budget_age(pid: int) -> float | None:

@@ -149,6 +149,17 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, every thread) process ``pid`` has used; None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # utime, stime: fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` still runs on this machine: a zombie (ended, not yet
     reaped by its parent) counts as ended."""

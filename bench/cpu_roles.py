@@ -1,0 +1,142 @@
+"""Where a benchmark's CPU goes: the cores each process role of a local stack used in a
+window (``bench.rollout``'s ``cpu_cores``: before the rollout and during it).
+
+A process of its own (spawned, like the rollout bench's phase watcher: reading ``/proc``
+from a thread of the load generator would take the GIL from its event loop) lists every
+descendant of the bench's process once a second and reads each one's CPU time
+(``utime + stime`` of ``/proc/<pid>/stat``, every thread included) and the machine's busy
+time (``/proc/stat``: all but idle and iowait). A window's figure is CPU seconds ÷ wall
+seconds, i.e. cores; a process that ended within a window loses its last second.
+
+Roles, from each process's command line: ``client`` (the bench's own processes),
+``builder`` (``index rollout``), ``gateway``, ``shards <generation>``, ``triton``,
+``stub <model>/<version>`` (a Triton Python backend stub: the serving version and a
+rollout's new one apart), ``redis``, ``up``, else the program's name; ``machine`` is the
+whole machine's busy cores and ``other`` what the rest of it used meanwhile (another job's
+load: a figure read beside one is not a quiet machine's).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+EVERY_S = 1.0
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of ``pid``; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()  # comm may hold spaces and parentheses
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the machine's CPUs have been busy (all but idle and iowait) since boot."""
+    with open("/proc/stat") as fh:
+        cpu = [int(x) for x in fh.readline().split()[1:]]
+    return (sum(cpu[:8]) - cpu[3] - cpu[4]) * TICK_S  # user..steal, minus idle and iowait
+
+
+def role(pid: int, root: int) -> str:
+    """The role of ``pid``, a descendant of the bench's process ``root``."""
+    if pid == root:
+        return "client"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return "gone"
+    if not argv:
+        return "gone"
+    line = " ".join(argv)
+    if argv[0].endswith("triton_python_backend_stub") and len(argv) > 1:
+        version = os.path.dirname(argv[1])
+        return f"stub {os.path.basename(os.path.dirname(version))}/{os.path.basename(version)}"
+    for marker, name in (
+        (" index rollout", "builder"),
+        (" gateway serve", "gateway"),
+        (" up ", "up"),
+        ("multiprocessing", "client"),
+    ):
+        if marker in line:
+            return name
+    if " index serve" in line:
+        generation = argv[argv.index("--generation") + 1] if "--generation" in argv else "g1"
+        return f"shards {generation}"
+    return os.path.basename(argv[0]).split(" ")[0]  # redis-server rewrites its argv
+
+
+def sample(root: int) -> dict[str, float]:
+    """CPU seconds so far by role over ``root``'s descendants (``root`` included), and the
+    machine's busy seconds as ``machine``."""
+    parents: dict[int, tuple[int, float]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (stat := _stat(int(name))) is not None:
+            parents[int(name)] = stat
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[str, float] = {"machine": machine_busy_s()}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in parents:
+            key = role(pid, root)
+            out[key] = out.get(key, 0.0) + parents[pid][1]
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _sample_loop(root: int, stop: Any, out: Any) -> None:
+    samples: list[tuple[float, dict[str, float]]] = []
+    while not stop.is_set():
+        samples.append((time.monotonic(), sample(root)))  # CLOCK_MONOTONIC: every process's
+        stop.wait(EVERY_S)
+    out.put(samples)
+
+
+def cores(
+    samples: list[tuple[float, dict[str, float]]], start: float, end: float
+) -> dict[str, float]:
+    """Cores used by role from ``start`` to ``end`` (monotonic seconds): the samples
+    nearest inside the window; a role's CPU that went down (a process ended) counts 0."""
+    inside = [s for s in samples if start <= s[0] <= end]
+    if len(inside) < 2:
+        return {}
+    (t0, first), (t1, last) = inside[0], inside[-1]
+    used = {key: max(0.0, last[key] - first.get(key, 0.0)) / (t1 - t0) for key in sorted(last)}
+    # what the rest of the machine used meanwhile: another job's load, read beside ours
+    used["other"] = max(0.0, used["machine"] - sum(v for k, v in used.items() if k != "machine"))
+    return {key: round(value, 3) for key, value in used.items()}
+
+
+class RoleCpu:
+    """``with RoleCpu(os.getpid()) as cpu: ...`` then ``cpu.cores(start, end)``."""
+
+    def __init__(self, root: int) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._out: Any = ctx.Queue()
+        self._proc = ctx.Process(target=_sample_loop, args=(root, self._stop, self._out))
+        self.samples: list[tuple[float, dict[str, float]]] = []
+
+    def __enter__(self) -> RoleCpu:
+        self._proc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.samples = self._out.get(timeout=30)
+        self._proc.join(10)
+
+    def cores(self, start: float, end: float) -> dict[str, float]:
+        return cores(self.samples, start, end)

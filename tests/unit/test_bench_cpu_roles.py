@@ -1,0 +1,49 @@
+"""bench/cpu_roles.py: the cores each role of a stack used in a window, from /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import cpu_roles
+from tests.support.processes import wait_until
+
+
+def test_a_windows_cores_are_cpu_seconds_over_wall_seconds_between_its_samples() -> None:
+    samples = [
+        (0.0, {"gateway": 1.0, "machine": 10.0}),
+        (1.0, {"gateway": 1.5, "machine": 11.0}),
+        (3.0, {"gateway": 2.5, "machine": 14.0, "builder": 4.0}),
+        (9.0, {"gateway": 9.0, "machine": 30.0, "builder": 5.0}),
+    ]
+    # inside [0.5, 3.0]: the samples at 1 and 3; a role first seen late counts from 0
+    assert cpu_roles.cores(samples, 0.5, 3.0) == {
+        "builder": 2.0,
+        "gateway": 0.5,
+        "machine": 1.5,
+        "other": 0.0,  # the machine's busy time is less than the roles' (rounding): none
+    }
+    assert cpu_roles.cores(samples, 3.0, 9.0)["other"] == pytest.approx(8.5 / 6, abs=1e-3)
+    assert cpu_roles.cores(samples, 2.0, 4.0) == {}  # one sample: no window
+
+
+def test_the_roles_of_real_processes_come_from_their_command_lines() -> None:
+    cmd = [sys.executable, "-c", "import time; time.sleep(30)", "index", "serve"]
+    proc = subprocess.Popen([*cmd, "--generation", "g2"])
+    try:
+        # its command line shows once the child has exec'd
+        wait_until(lambda: cpu_roles.role(proc.pid, os.getpid()) == "shards g2", "its role")
+        assert cpu_roles.role(os.getpid(), os.getpid()) == "client"
+        used = cpu_roles.sample(os.getpid())
+        assert "shards g2" in used and used["machine"] > 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("gone", [2**22 + 7])
+def test_a_process_that_is_gone_has_no_role_worth_counting(gone: int) -> None:
+    assert cpu_roles.role(gone, os.getpid()) == "gone"
