@@ -5,6 +5,9 @@ ones only: ``tests/unit/test_import_cycles.py``; docs/architecture.md "Packages"
     the words every layer shares: domain types, errors, limits, positions, SLOs.
 ``process``
     host plumbing of a process: logging, Redis clients, CPU sets.
+``telemetry``
+    OpenTelemetry tracing: configuration, spans, W3C context in and out, exemplars
+    (docs/tracing.md).
 ``rpc``
     gRPC plumbing: server bootstrap, interceptors, status map, auth, TLS, balancing.
 ``corpus``
