@@ -174,7 +174,11 @@ def gateway_argv(redis_url: str, shard_address: str, address: str) -> list[str]:
 def process(argv: list[str], log: Path, root: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
     """A process run from the source tree ``root`` (its output in ``log``), terminated at
     the end."""
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients" / "python")]),
+        "OMP_NUM_THREADS": "1",
+    }
     with log.open("ab") as out:
         proc = subprocess.Popen(argv, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

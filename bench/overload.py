@@ -212,7 +212,11 @@ def main(argv: list[str] | None = None) -> None:
 
             def start_gateway(root: Path) -> tuple[subprocess.Popen[bytes], int, int]:
                 port, metrics = free_port(), free_port()
-                env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+                env = {
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients" / "python")]),
+                    "OMP_NUM_THREADS": "1",
+                }
                 return (
                     subprocess.Popen(
                         [

@@ -4,7 +4,9 @@
 #     buildah + mmdebstrap (scripts/build_images.sh builds the container images without a
 #     Docker daemon; tests/e2e/test_images.py runs them)
 #   - .venv/ in the project root: torch 2.13.0 CPU first (so nothing pulls a CUDA build),
-#     then the project with its dev tools, pinned in pyproject.toml.
+#     then the SDK (clients/python: the generated wire contract `retrieval` and `gtr_client`,
+#     which the project depends on; not on PyPI), then the project with its dev tools,
+#     pinned in pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,12 +31,13 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 
-# Reinstall only when the dependency pins changed.
+# Reinstall only when the dependency pins (the project's or the SDK's) changed.
 stamp=.venv/.gtr-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: installing Python packages into .venv (torch 2.13.0 CPU first)"
   .venv/bin/pip install -q "torch==2.13.0"
+  .venv/bin/pip install -q -e clients/python
   .venv/bin/pip install -q -e ".[cpu,dev]"
   if .venv/bin/pip list 2>/dev/null | grep -qiE '^nvidia-(cublas|cudnn|cuda-runtime)'; then
     echo "bootstrap: a CUDA build of a dependency was pulled in; refusing" >&2

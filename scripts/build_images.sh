@@ -117,8 +117,8 @@ main() {
   # every run. Exactly one version of each package, never a CUDA build for the CPU images.
   fill_wheelhouse() {  # DIR EXTRA
     local dir=$1 extra=$2 key deps
-    # The pins only (other edits of pyproject.toml keep the cache).
-    key=$( { "$PYTHON" -c 'import json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"][sys.argv[1]]]))' "$extra"
+    # The pins only, the SDK's included (other edits of the pyproject.toml files keep the cache).
+    key=$( { "$PYTHON" -c 'import json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; c = tomllib.load(open("clients/python/pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"][sys.argv[1]], c["dependencies"]]))' "$extra"
              echo "$EXTRA_WHEELS"; "$PYTHON" -m pip --version | cut -d" " -f2; } | sha256sum | cut -c1-16)
     deps=$CACHE/wheels-$extra-$key
     if [ ! -f "$deps/.complete" ]; then
@@ -126,7 +126,7 @@ main() {
       rm -rf "$deps"
       if [ "$extra" = cpu ]; then
         # shellcheck disable=SC2086
-        "$PYTHON" -m pip wheel -q --wheel-dir "$deps" pip "torch==2.13.0" ".[cpu]" $EXTRA_WHEELS \
+        "$PYTHON" -m pip wheel -q --wheel-dir "$deps" pip "torch==2.13.0" ./clients/python ".[cpu]" $EXTRA_WHEELS \
           2> >(grep -v '^WARNING: Location' >&2)
         # CUDA runtime wheels (nvidia_cublas_cu12, ...; not nvidia_pytriton) or a torch
         # that is not the +cpu build
@@ -139,7 +139,7 @@ main() {
       else
         "$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$deps" pip
       fi
-      rm -f "$deps"/gtr_retrieval-*.whl
+      rm -f "$deps"/gtr_retrieval-*.whl "$deps"/gtr_retrieval_client-*.whl
       touch "$deps/.complete"
     fi
     rm -rf "$dir"
@@ -150,9 +150,12 @@ main() {
       src=$(mktemp -d)
       git archive HEAD | tar -x -C "$src"
     fi
-    "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation --wheel-dir "$dir" "$src" \
-      2> >(grep -v '^WARNING: Location' >&2) \
-      || "$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$dir" "$src"
+    # The project's wheel and the SDK's (the wire contract, `retrieval`, which it depends on).
+    for pkg in "$src/clients/python" "$src"; do
+      "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation --wheel-dir "$dir" "$pkg" \
+        2> >(grep -v '^WARNING: Location' >&2) \
+        || "$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$dir" "$pkg"
+    done
     [ "$src" = . ] || rm -rf "$src"
     step "wheelhouse $dir: $(ls "$dir" | wc -l) wheels"
   }
@@ -165,10 +168,10 @@ main() {
   # An image is rebuilt only when what it is made from changed: its Dockerfile, the files
   # it copies, the base, the wheelhouse and (for the application images) the project's
   # source. The key is the image's label io.gtr-retrieval.build-key.
-  source_hash=$( { git ls-tree -r HEAD -- services retrieval pyproject.toml 2>/dev/null
+  source_hash=$( { git ls-tree -r HEAD -- services clients/python pyproject.toml 2>/dev/null
                    if [ "${GTR_IMAGE_SOURCE:-worktree}" != HEAD ]; then
-                     git diff HEAD -- services retrieval pyproject.toml 2>/dev/null
-                     git ls-files -o --exclude-standard -- services retrieval 2>/dev/null \
+                     git diff HEAD -- services clients/python pyproject.toml 2>/dev/null
+                     git ls-files -o --exclude-standard -- services clients/python 2>/dev/null \
                        | xargs -r sha256sum
                    fi; } | sha256sum | cut -c1-16)
   existing_key() {
@@ -183,7 +186,7 @@ main() {
     local file=$1 tag=$2 wheels=$3 key
     shift 3
     key=$( { cat "$file" deploy/docker/healthcheck.py deploy/docker/check_cuda.py; echo "$base_ref $*"
-             ls "$wheels" 2>/dev/null | grep -v '^gtr_retrieval-'
+             ls "$wheels" 2>/dev/null | grep -v '^gtr_retrieval\(_client\)\?-'
              if grep -q 'gtr-retrieval\[' "$file"; then echo "$source_hash"; fi; } \
            | sha256sum | cut -c1-16)
     if [ "$(existing_key "$tag")" = "$key" ]; then

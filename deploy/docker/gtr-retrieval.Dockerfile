@@ -3,9 +3,10 @@
 # image; the command picks the role:
 #   gtr-retrieval gateway serve | index serve | rerank serve | encoder export | index train ...
 # Built by scripts/build_images.sh (docker, or buildah where there is no Docker daemon) from
-# a wheelhouse it fills on the host (build/wheels/cpu: the project's wheel, torch 2.13.0+cpu,
-# faiss-cpu, onnxruntime and the other pins of pyproject.toml), so the build itself needs no
-# network. Image names and tags: deploy/images.env.
+# a wheelhouse it fills on the host (build/wheels/cpu: the project's wheel, the SDK's, which
+# holds the generated wire contract `retrieval`, torch 2.13.0+cpu, faiss-cpu, onnxruntime and
+# the other pins of pyproject.toml), so the build itself needs no network. Image names and
+# tags: deploy/images.env.
 
 # Debian bookworm with Python 3.11. The default is the registry image of the Debian snapshot
 # the build script's own base uses (20250520); without a registry the build script makes the
@@ -30,7 +31,8 @@ RUN --mount=type=bind,source=build/wheels/cpu,target=/wheels \
          --no-cache-dir --no-compile --disable-pip-version-check --no-warn-script-location \
          "gtr-retrieval[cpu]" \
     && /opt/venv/bin/python -m compileall -q -j 0 /opt/venv/lib/python3.11/site-packages/services \
-       /opt/venv/lib/python3.11/site-packages/retrieval >/dev/null \
+       /opt/venv/lib/python3.11/site-packages/retrieval \
+       /opt/venv/lib/python3.11/site-packages/gtr_client >/dev/null \
     && if /opt/venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is None)"; then \
          echo "a CUDA torch reached the CPU image" >&2; exit 1; fi
 

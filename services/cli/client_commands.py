@@ -1,7 +1,8 @@
 """``gtr-retrieval ingest | search | get | delete``: a client of a running gateway.
 
-The client itself (channel, token, TLS, the calls) is :mod:`services.client.gateway`;
-this module is the commands' flags and output."""
+The client itself is the SDK (``gtr_client``: channel, token, TLS, retries, the calls),
+reached through :mod:`services.client.gateway`; this module is the commands' flags and
+output."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
-from retrieval.v1 import documents_pb2, documents_pb2_grpc
+from gtr_client import ApiError
 from services.cli.common import uint32
 from services.client.gateway import format_hits, ingest_file, resolve_gateway, search_once
 
@@ -126,7 +125,12 @@ def add_cli(sub: Any) -> None:
         help="Hits taken from each list of a hybrid search before fusing: k..1000 "
         "(default: the gateway's, at least k and the rerank depth).",
     )
-    search.add_argument("--json", action="store_true", help="Print the response as JSON.")
+    search.add_argument(
+        "--json",
+        action="store_true",
+        help="Print the answer as JSON (the SDK's SearchResult: hits with id, score, "
+        "title, text, metadata, ranks; partial, timings, mode, fusion, generation, ...).",
+    )
     _add_gateway_flag(search)
     search.set_defaults(handler=_rpc_errors(_search))
 
@@ -151,21 +155,14 @@ def _rpc_errors(
     def run(args: argparse.Namespace) -> int:
         try:
             return handler(args)
-        except grpc.RpcError as exc:
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        except ApiError as exc:
+            print(f"error: {exc.code}: {exc.details}", file=sys.stderr)
             return 1
         except OSError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
     return run
-
-
-def _documents(args: argparse.Namespace, rpc: str, request: Any) -> Any:
-    """``DocumentService.<rpc>(request)`` through the gateway of ``args`` within --timeout."""
-    with resolve_gateway(args).channel() as channel:
-        call = getattr(documents_pb2_grpc.DocumentServiceStub(channel), rpc)
-        return call(request, timeout=args.timeout)
 
 
 def _ingest(args: argparse.Namespace) -> int:
@@ -202,16 +199,15 @@ def _search(args: argparse.Namespace) -> int:
         **fusion,
     )
     if args.json:
-        from google.protobuf.json_format import MessageToJson
-
-        print(MessageToJson(response))
+        print(json.dumps(response.to_dict(), indent=2, ensure_ascii=False))
     else:
         print(format_hits(args.query, response))
     return 0
 
 
 def _get(args: argparse.Namespace) -> int:
-    d = _documents(args, "Get", documents_pb2.GetRequest(id=args.id)).document
+    with resolve_gateway(args).client(args.timeout) as client:
+        d = client.get(args.id)
     print(
         json.dumps(
             {"id": d.id, "title": d.title, "text": d.text, "metadata": dict(d.metadata)},
@@ -223,6 +219,7 @@ def _get(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    resp = _documents(args, "Delete", documents_pb2.DeleteRequest(ids=args.ids))
+    with resolve_gateway(args).client(args.timeout) as client:
+        resp = client.delete(args.ids)
     print(f"deleted {resp.deleted}; not found: {list(resp.not_found)}")
     return 0

@@ -116,8 +116,7 @@ def add_cli(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.encoder:
         return run_encoder_eval(args)
-    import grpc
-
+    from gtr_client import ApiError
     from services.common.errors import RetrievalError
     from services.eval.config import EvalConfig
     from services.eval.report import json_line, table
@@ -145,14 +144,14 @@ def run(args: argparse.Namespace) -> int:
                 def ingest() -> int:
                     return ingest_file(gateway, corpus, progress=cfg.progress)
 
-            report = evaluate(cfg, gateway.channel, ingest)
+            report = evaluate(cfg, gateway.client, ingest)
         else:
             report = evaluate(cfg)
     except RetrievalError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+    except ApiError as exc:
+        print(f"error: {exc.code}: {exc.details}", file=sys.stderr)
         return 1
     print(table(report))
     print(json_line(report), flush=True)

@@ -1,10 +1,11 @@
-"""The Python client of a running gateway: how to reach it and the calls the tools make.
+"""The tools' use of the SDK (``gtr_client``): where the gateway is and the calls they make.
 
-:class:`Gateway` (address, bearer token, TLS) and :func:`gateway_channel` (retry policy,
-TLS, token), :func:`resolve_gateway` (the client flags, the environment, the local
-stack's ``stack.json``), and the calls: :func:`ingest_file`, :func:`upsert`,
-:func:`search_once`, with :func:`format_hits` for a table. The ``gtr-retrieval``
-client commands (:mod:`services.cli.client_commands`), ``up``
+:class:`Gateway` (address, bearer token, TLS) and its :meth:`Gateway.client` (the SDK's
+:class:`gtr_client.Client`: its retries, exceptions, typed results), :func:`resolve_gateway`
+(the client flags, the environment variables the SDK reads, the local stack's
+``stack.json``), and what the tools do with a client: :func:`ingest_file` (a corpus file
+in parallel upserts), :func:`search_once`, with :func:`format_hits` for a table. The
+``gtr-retrieval`` client commands (:mod:`services.cli.client_commands`), ``up``
 (:mod:`services.stack.launcher`) and ``eval --gateway`` use it; it imports none of them.
 """
 
@@ -21,67 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from retrieval.v1 import (
-    common_pb2,
-    documents_pb2,
-    documents_pb2_grpc,
-    search_pb2,
-    search_pb2_grpc,
+import gtr_client
+from gtr_client.connection import (
+    ENV_ADDRESS,
+    ENV_TLS_CA,
+    ENV_TLS_CLIENT_CERT,
+    ENV_TLS_CLIENT_KEY,
+    ENV_TOKEN,
 )
-from services.rpc.auth import bearer_metadata
-from services.rpc.retry import RetryPolicy, channel_options
-from services.rpc.settings import ServiceSettings
 from services.rpc.tls import ClientTLS
-from services.rpc.tls import channel as tls_channel
 
 DEFAULT_RUN_DIR = ".run"
-# Every call of the CLI is idempotent (an upsert of the same documents included), so the
-# channel retries them all: UNAVAILABLE (the gateway restarting) and RESOURCE_EXHAUSTED
-# (its in-flight limit: try again later), 5 attempts, 0.2 s backoff doubling to 2 s,
-# all within the call's --timeout (see services/rpc/retry.py). A refusal over the
-# limit carries gRPC's pushback (the gateway's retry-after-ms), which gRPC waits instead
-# of the backoff; a full store's says "no retry" (services/rpc/status.py).
-RETRY = RetryPolicy(
-    attempts=5,
-    initial_backoff_s=0.2,
-    max_backoff_s=2.0,
-    codes=("UNAVAILABLE", "RESOURCE_EXHAUSTED"),
-)
-GATEWAY_SERVICES = ("retrieval.v1.SearchService", "retrieval.v1.DocumentService")
-# What the channel receives: as much as the gateway sends by default (--max-message-mb),
-# not gRPC's 4 MB default, which a search with many hits and their documents passes
-# (10 queries x k=1000 of SciFact abstracts: ~15 MB). See search.proto's BatchSearchRequest.
-MAX_ANSWER_BYTES = ServiceSettings.model_fields["max_message_mb"].default * 1024 * 1024
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
-
-    def __init__(self, token: str) -> None:
-        self._metadata = bearer_metadata(token)
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        metadata = [*(details.metadata or ()), *self._metadata]
-        return continuation(details._replace(metadata=metadata), request)
-
-
-def gateway_channel(
-    address: str,
-    policy: RetryPolicy = RETRY,
-    *,
-    token: str | None = None,
-    tls: ClientTLS | None = None,
-) -> grpc.Channel:
-    """A channel to the gateway that retries by ``policy``, speaks TLS by ``tls`` and
-    sends ``token`` as a bearer token on every call."""
-    options = [
-        *channel_options(GATEWAY_SERVICES, policy),
-        ("grpc.max_receive_message_length", MAX_ANSWER_BYTES),
-    ]
-    channel = tls_channel(address, tls, options=options)
-    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 
 @dataclass(frozen=True)
@@ -93,8 +44,22 @@ class Gateway:
     token: str | None = None
     tls: ClientTLS | None = None
 
-    def channel(self, policy: RetryPolicy = RETRY) -> grpc.Channel:
-        return gateway_channel(self.address, policy, token=self.token, tls=self.tls)
+    def client(self, timeout: float = 10.0) -> gtr_client.Client:
+        """An SDK client of this gateway (exactly this address, token and TLS: no
+        environment variable read), ``timeout`` the deadline of each call."""
+        tls = (
+            gtr_client.TLS(self.tls.ca, self.tls.cert, self.tls.key, self.tls.server_name)
+            if self.tls is not None
+            else False
+        )
+        return gtr_client.Client(
+            self.address,
+            token=self.token or "",
+            tls=tls,
+            timeout=timeout,
+            write_timeout=timeout,
+            env=False,
+        )
 
 
 def _stack_state(run_dir: str) -> dict[str, Any]:
@@ -112,8 +77,8 @@ def gateway_address(explicit: str | None, run_dir: str = DEFAULT_RUN_DIR) -> str
     """--gateway, else $GTR_GATEWAY_ADDRESS, else the running local stack, else :50051."""
     if explicit:
         return explicit
-    if os.environ.get("GTR_GATEWAY_ADDRESS"):
-        return os.environ["GTR_GATEWAY_ADDRESS"]
+    if os.environ.get(ENV_ADDRESS):
+        return os.environ[ENV_ADDRESS]
     state = _stack_state(run_dir)
     if state:
         return str(state["gateway"])
@@ -131,15 +96,15 @@ def resolve_gateway(args: argparse.Namespace, run_dir: str | None = None) -> Gat
     address = gateway_address(args.gateway, run_dir)
     stack = _stack_state(run_dir)
     local = bool(stack) and stack.get("gateway") == address
-    token = args.token or os.environ.get("GTR_TOKEN") or None
+    token = args.token or os.environ.get(ENV_TOKEN) or None
     if token is None and local and stack.get("write_tokens_file"):
         token = Path(stack["write_tokens_file"]).read_text(encoding="utf-8").split()[0]
     local_tls = stack.get("client_tls") or {} if local else {}
     try:
         tls = ClientTLS.from_paths(
-            args.tls_ca or os.environ.get("GTR_TLS_CA") or local_tls.get("ca"),
-            args.tls_client_cert or os.environ.get("GTR_TLS_CLIENT_CERT") or local_tls.get("cert"),
-            args.tls_client_key or os.environ.get("GTR_TLS_CLIENT_KEY") or local_tls.get("key"),
+            args.tls_ca or os.environ.get(ENV_TLS_CA) or local_tls.get("ca"),
+            args.tls_client_cert or os.environ.get(ENV_TLS_CLIENT_CERT) or local_tls.get("cert"),
+            args.tls_client_key or os.environ.get(ENV_TLS_CLIENT_KEY) or local_tls.get("key"),
         )
         if tls is not None:
             tls.check()
@@ -152,7 +117,7 @@ def _target(address: str | Gateway) -> Gateway:
     return address if isinstance(address, Gateway) else Gateway(address)
 
 
-def _batches(docs: Iterator[documents_pb2.Document], size: int) -> Iterator[list[Any]]:
+def _batches(docs: Iterator[Any], size: int) -> Iterator[list[Any]]:
     batch: list[Any] = []
     for doc in docs:
         batch.append(doc)
@@ -175,15 +140,6 @@ def length_sorted(docs: Iterator[Any], window: int = 4096) -> Iterator[Any]:
     yield from sorted(buffer, key=lambda d: len(d.title) + len(d.text))
 
 
-def upsert(
-    stub: documents_pb2_grpc.DocumentServiceStub,
-    docs: Sequence[documents_pb2.Document],
-    timeout: float,
-) -> documents_pb2.UpsertResponse:
-    """One Upsert; the channel (:func:`gateway_channel`) retries it."""
-    return stub.Upsert(documents_pb2.UpsertRequest(documents=docs), timeout=timeout)
-
-
 def ingest_file(
     address: str | Gateway,
     path: str,
@@ -193,27 +149,27 @@ def ingest_file(
     timeout: float = 120.0,
     progress: bool = True,
 ) -> int:
-    """Upsert the corpus at ``path``; returns the number of documents upserted."""
+    """Upsert the corpus at ``path`` (``parallel`` upserts of ``batch`` documents in
+    flight, each retried by the SDK's policy); returns the number of documents upserted."""
     from tqdm import tqdm
 
     from services.corpus.readers import count_lines, read_corpus
 
     total = count_lines(path) if limit is None else limit
     docs = (
-        documents_pb2.Document(id=d.id, title=d.title, text=d.text, metadata=d.metadata)
+        gtr_client.Document(id=d.id, title=d.title, text=d.text, metadata=d.metadata)
         for d in length_sorted(read_corpus(path, limit=limit))
     )
     done = 0
     with (
-        _target(address).channel() as channel,
+        _target(address).client(timeout) as client,
         ThreadPoolExecutor(max_workers=max(1, parallel)) as pool,
         tqdm(total=total, unit="doc", desc="ingest", disable=not progress) as bar,
     ):
-        stub = documents_pb2_grpc.DocumentServiceStub(channel)
-        pending: list[Future[documents_pb2.UpsertResponse]] = []
+        pending: list[Future[gtr_client.UpsertResult]] = []
         sizes: list[int] = []
         for chunk in _batches(docs, max(1, min(batch, 256))):
-            pending.append(pool.submit(upsert, stub, chunk, timeout))
+            pending.append(pool.submit(client.upsert, chunk))
             sizes.append(len(chunk))
             while len(pending) >= parallel * 2:
                 pending.pop(0).result()
@@ -227,89 +183,82 @@ def ingest_file(
     return done
 
 
-def parse_filter(items: Sequence[str]) -> common_pb2.Filter:
-    must = []
+def parse_filter(items: Sequence[str]) -> dict[str, list[str]]:
+    """``--filter KEY=V1,V2`` flags as the SDK's filter (every key must match)."""
+    must: dict[str, list[str]] = {}
     for item in items:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
             raise SystemExit(f"--filter {item!r}: expected KEY=VALUE[,VALUE...]")
-        must.append(common_pb2.FieldCondition(key=key, any_of=values.split(",")))
-    return common_pb2.Filter(must=must)
+        must.setdefault(key, []).extend(values.split(","))
+    return must
 
 
 def search_once(
     address: str | Gateway, query: str, k: int = 5, timeout: float = 10.0, **options: Any
-) -> search_pb2.SearchResponse:
-    request = search_request(query, k, **options)
-    with _target(address).channel() as channel:
-        return search_pb2_grpc.SearchServiceStub(channel).Search(request, timeout=timeout)
+) -> gtr_client.SearchResult:
+    with _target(address).client(timeout) as client:
+        return client.search_query(search_query(query, k, **options))
 
 
-def search_request(query: str, k: int = 5, **options: Any) -> search_pb2.SearchRequest:
-    """The SearchRequest of the ``search`` command's options (consistency, filters,
-    rerank, depth, mode, fusion, rrf_k, dense_weight, candidates; None or absent: the
-    gateway's default)."""
-    consistency = {
-        "eventual": common_pb2.CONSISTENCY_EVENTUAL,
-        "strong": common_pb2.CONSISTENCY_STRONG,
-    }[options.get("consistency", "eventual")]
-    request = search_pb2.SearchRequest(
-        query=query,
+def search_query(query: str, k: int = 5, **options: Any) -> gtr_client.Query:
+    """The SDK query of the ``search`` command's options (consistency, filters, rerank,
+    depth, mode, fusion, rrf_k, dense_weight, candidates; None or absent: the gateway's
+    default)."""
+    fusion = None
+    fused = ("fusion", "rrf_k", "dense_weight", "candidates")
+    if any(options.get(name) is not None for name in fused):
+        fusion = gtr_client.Fusion(
+            method=gtr_client.FusionMethod(options["fusion"]) if options.get("fusion") else None,
+            rrf_k=options.get("rrf_k") or 0,
+            dense_weight=options.get("dense_weight"),
+            candidates=options.get("candidates") or 0,
+        )
+    return gtr_client.Query(
+        query,
         k=k,
-        consistency=consistency,
-        filter=parse_filter(options.get("filters", [])),
-        rerank=search_pb2.RerankOptions(
-            enabled=bool(options.get("rerank")), depth=int(options.get("depth", 0))
-        ),
+        consistency=gtr_client.Consistency(options.get("consistency", "eventual")),
+        filter=parse_filter(options.get("filters", [])) or None,
+        rerank=bool(options.get("rerank")),
+        rerank_depth=int(options.get("depth", 0)),
+        mode=gtr_client.Mode(options["mode"]) if options.get("mode") else None,
+        fusion=fusion,
     )
-    if options.get("mode"):
-        request.mode = search_pb2.RetrievalMode.Value(f"RETRIEVAL_MODE_{options['mode'].upper()}")
-    if options.get("fusion"):
-        request.fusion.method = search_pb2.FusionMethod.Value(
-            f"FUSION_METHOD_{options['fusion'].upper()}"
-        )
-    if options.get("rrf_k") is not None:
-        request.fusion.rrf_k = options["rrf_k"]
-    if options.get("dense_weight") is not None:
-        request.fusion.dense_weight = options["dense_weight"]
-    if options.get("candidates") is not None:
-        request.fusion.candidates = options["candidates"]
-    return request
 
 
-def format_hits(query: str, response: search_pb2.SearchResponse, width: int | None = None) -> str:
+def format_hits(query: str, result: gtr_client.SearchResult, width: int | None = None) -> str:
+    """A search's answer as the CLI prints it: a header (hits, time per stage, the first
+    stage and fusion that answered, the model, the generation; a partial answer or a
+    skipped rerank said), then one line per hit."""
     width = width or max(80, min(140, shutil.get_terminal_size((100, 20)).columns))
-    t = response.timings
+    t = result.timings
+    fusion = result.fusion
     head = (
-        f'"{query}"  ({len(response.hits)} hits, {t.total_ms:.0f} ms: encode '
+        f'"{query}"  ({len(result.hits)} hits, {t.total_ms:.0f} ms: encode '
         f"{t.encode_ms:.0f}, search {t.search_ms:.0f}, fetch {t.fetch_ms:.0f}"
-        + (f", rerank {t.rerank_ms:.0f}" if response.reranked else "")
+        + (f", rerank {t.rerank_ms:.0f}" if result.reranked else "")
+        + (f"; {result.mode.value}" if result.mode else "")
         + (
-            f"; {search_pb2.RetrievalMode.Name(response.mode)[15:].lower()}"
-            if response.mode
+            f" ({fusion.method.value if fusion.method else 'unspecified'})"
+            if fusion is not None
             else ""
         )
-        + (
-            f" ({search_pb2.FusionMethod.Name(response.fusion.method)[14:].lower()})"
-            if response.HasField("fusion")
-            else ""
-        )
-        + (f"; model {response.model}" if response.model else "; query not encoded")
-        + (f", generation {response.generation}" if response.generation else "")
-        + ("; query embedding from the cache" if response.embedding_cached else "")
+        + (f"; model {result.model}" if result.model else "; query not encoded")
+        + (f", generation {result.generation}" if result.generation else "")
+        + ("; query embedding from the cache" if result.embedding_cached else "")
         + ")"
     )
-    if response.partial and response.missing_shards:
-        head += f"  PARTIAL: shards {list(response.missing_shards)} missing"
-    if response.sparse_missing_shards:
-        head += f"  PARTIAL: shards {list(response.sparse_missing_shards)} answered dense only"
-    if response.rerank_skipped:
-        head += f"  NOT RERANKED: {response.rerank_skipped_reason}"
+    if result.partial and result.missing_shards:
+        head += f"  PARTIAL: shards {list(result.missing_shards)} missing"
+    if result.sparse_missing_shards:
+        head += f"  PARTIAL: shards {list(result.sparse_missing_shards)} answered dense only"
+    if result.rerank_skipped_reason is not None:
+        head += f"  NOT RERANKED: {result.rerank_skipped_reason}"
     lines = [head]
-    title_w = min(40, max((len(h.title or h.id) for h in response.hits), default=10))
+    title_w = min(40, max((len(h.title or h.id) for h in result.hits), default=10))
     snippet_w = max(20, width - title_w - 16)
     lines.append(f"{'#':>2}  {'score':>6}  {'title':<{title_w}}  text")
-    for rank, hit in enumerate(response.hits, 1):
+    for rank, hit in enumerate(result.hits, 1):
         title = (hit.title or hit.id)[:title_w]
         snippet = " ".join(hit.text.split())
         snippet = textwrap.shorten(snippet, snippet_w, placeholder=" …") if snippet else ""

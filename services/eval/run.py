@@ -5,32 +5,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from services.eval import data as eval_data
 from services.eval import report as eval_report
 from services.eval.config import EvalConfig
 from services.eval.inprocess import evaluate_in_process, exact_run
-from services.eval.service import evaluate_through_gateway
+from services.eval.service import Connect, evaluate_through_gateway
 
 
 def evaluate(
     cfg: EvalConfig,
-    channel: Callable[[], grpc.Channel] | None = None,
+    connect: Connect | None = None,
     ingest: Callable[[], int] | None = None,
 ) -> dict[str, Any]:
     """The report of :mod:`services.eval.report` for ``cfg``.
 
-    In-process by default; with ``cfg.gateway``, ``channel`` opens a channel to it and
+    In-process by default; with ``cfg.gateway``, ``connect`` opens a client of it and
     ``ingest`` (None: skip) upserts the corpus first. The contrastive entropy needs the
     embeddings, so the gateway path reports it from the in-process encoder, the model the
     service runs (the report says which).
     """
     data = eval_data.load(cfg)
     if cfg.gateway:
-        if channel is None:
-            raise ValueError("a gateway evaluation needs a channel factory")
-        systems = evaluate_through_gateway(data, cfg, channel, ingest)
+        if connect is None:
+            raise ValueError("a gateway evaluation needs a client factory")
+        systems = evaluate_through_gateway(data, cfg, connect, ingest)
         systems.runs = {"exact": exact_run(data), **systems.runs}
     else:
         systems = evaluate_in_process(data, cfg)

@@ -1,7 +1,7 @@
 """The one retry policy of our gRPC clients: gRPC's own, set on the channel.
 
-A client that retries builds its channel with :func:`channel_options` (the Triton
-encoder client, the CLI's client of the gateway). The policy is gRPC's service-config
+A client of ours inside the system that retries builds its channel with
+:func:`channel_options` (the Triton encoder client). The policy is gRPC's service-config
 ``retryPolicy`` (gRFC A6), carried out by gRPC core for every call of the channel,
 instead of a loop of ours in each client (there were two, with their own backoff and
 deadline arithmetic). Why this and not a shared helper:
@@ -18,11 +18,14 @@ deadline arithmetic). Why this and not a shared helper:
   has started is never replayed).
 
 Only for idempotent calls: every method of a channel built this way is retried. Triton's
-inference and metadata calls are (the same input gives the same embedding); so are the
-gateway's Search, Get and Delete, and Upsert (writing the same documents twice leaves
-the same documents). The codes a client retries are its own choice: UNAVAILABLE (a
-server restarting or out of reach) and, where the server means "busy, try later" by it,
-RESOURCE_EXHAUSTED.
+inference and metadata calls are (the same input gives the same embedding). The codes a
+client retries are its own choice: UNAVAILABLE (a server restarting or out of reach)
+and, where the server means "busy, try later" by it, RESOURCE_EXHAUSTED.
+
+The gateway's clients (the SDK, ``gtr_client``, which the CLI uses) retry by a policy of
+their own (``gtr_client/retry.py``): per method (a Delete is not sent again after
+UNAVAILABLE), and a refusal whose ``retry-after-ms`` outlasts the deadline is raised at
+once with its hint instead of being waited out into DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from services.stack.certs import CertFiles, make_certs
 from services.stack.config import StackConfig
 from services.stack.launcher import Stack
 from tests.support.http_json import HttpJson
-from tests.support.processes import RedisServer, free_port, redis_binary, wait_until
+from tests.support.processes import RedisServer, free_port, pythonpath, redis_binary, wait_until
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.shards import ROOT, train_test_index
 from tests.support.stack import shard_settings
@@ -696,7 +696,7 @@ def test_index_generations_sizes_the_mtls_shards_of_a_tls_stack(
     ]
     run = {
         "cwd": tmp_path,
-        "env": {**clean, "PYTHONPATH": str(ROOT)},
+        "env": {**clean, "PYTHONPATH": pythonpath(ROOT)},
         "capture_output": True,
         "text": True,
         "timeout": 120,
@@ -741,7 +741,7 @@ def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
         return subprocess.run(
             argv,
             cwd=tmp_path,
-            env={**clean, "PYTHONPATH": str(ROOT)},
+            env={**clean, "PYTHONPATH": pythonpath(ROOT)},
             capture_output=True,
             text=True,
             timeout=600,

@@ -39,7 +39,7 @@ import pytest
 
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common import positions
-from tests.support.processes import free_port
+from tests.support.processes import free_port, pythonpath
 from tests.support.shards import ROOT
 
 # Serial too (what the searches get under kills and a burst is what it asserts): scripts/test.sh
@@ -112,7 +112,7 @@ def up(tmp_path: Path, scifact_dir: Path) -> Iterator[Up]:
     port = free_port()
     run_dir = tmp_path / "run"
     log = tmp_path / "up.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT), "OMP_NUM_THREADS": "1"}
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [

@@ -25,6 +25,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import gtr_client
 from retrieval.v1 import (
     common_pb2,
     documents_pb2,
@@ -34,7 +35,6 @@ from retrieval.v1 import (
     search_pb2,
     search_pb2_grpc,
 )
-from services.client.gateway import gateway_channel
 from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, Unavailable
 from services.index import convert
@@ -43,7 +43,13 @@ from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import IndexQuery
 from services.index.keys import DocKeys
 from tests.support.log_end import FUTURE, log_end_moved
-from tests.support.processes import RestartableRedis, free_port, start_redis, stop_process
+from tests.support.processes import (
+    RestartableRedis,
+    free_port,
+    pythonpath,
+    start_redis,
+    stop_process,
+)
 from tests.support.shards import ROOT, ShardCluster, run_shards, train_test_index
 
 # Slow as a whole: hung, killed and overloaded shards, Triton and Redis behind a real gateway.
@@ -107,7 +113,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
             gw_port = free_port()
             spec = ";".join(",".join(r) for r in cluster.addresses)
             log = tmp / "gateway.log"
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, "PYTHONPATH": pythonpath(ROOT), "OMP_NUM_THREADS": "1"}
             with log.open("ab") as out:
                 gateway = subprocess.Popen(
                     [
@@ -201,8 +207,8 @@ def test_ids_only_searches_fetch_no_document(stack: Stack) -> None:
 def test_a_batch_answer_is_bounded_and_our_client_receives_the_largest(stack: Stack) -> None:
     """64 queries at k=1000 built a 6.8 MB answer (stdlib documents), over the 4 MB that
     a default gRPC client receives. A batch's k summed is at most 10,000 (INVALID_ARGUMENT
-    before any work), and the CLI's channel receives what the gateway may send (up to its
-    --max-message-mb, 64): the largest batch allowed, here over 4 MB, arrives whole."""
+    before any work), and the SDK (the CLI's client) receives what the gateway may send (up
+    to its --max-message-mb, 64): the largest batch allowed, here over 4 MB, arrives whole."""
     too_big = search_pb2.BatchSearchRequest(
         requests=[search_pb2.SearchRequest(query=f"protein {i}", k=1000) for i in range(64)]
     )
@@ -211,15 +217,12 @@ def test_a_batch_answer_is_bounded_and_our_client_receives_the_largest(stack: St
         assert _code(lambda: stub.BatchSearch(too_big, timeout=60)) is (
             grpc.StatusCode.INVALID_ARGUMENT
         )
-    largest = search_pb2.BatchSearchRequest(
-        requests=[
-            search_pb2.SearchRequest(query=f"protein {i}", k=1000, nprobe=32) for i in range(10)
-        ]
-    )
-    with gateway_channel(stack.gateway) as cli:
-        reply = search_pb2_grpc.SearchServiceStub(cli).BatchSearch(largest, timeout=60)
-    assert [len(r.hits) for r in reply.responses] == [1000] * 10
-    assert reply.ByteSize() > 4 * 1024 * 1024, "not larger than a default client receives"
+    largest = [gtr_client.Query(f"protein {i}", k=1000, nprobe=32) for i in range(10)]
+    with gtr_client.Client(stack.gateway, env=False) as cli:
+        results = cli.batch_search(largest, timeout=60)
+    assert [len(r.hits) for r in results] == [1000] * 10
+    text_bytes = sum(len(h.text.encode()) + len(h.title.encode()) for r in results for h in r)
+    assert text_bytes > 4 * 1024 * 1024, "not larger than a default client receives"
 
 
 # --- 2. deadlines of coalesced searches, and no OK from zero shards --------------------

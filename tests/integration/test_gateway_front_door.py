@@ -32,8 +32,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+import gtr_client
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
-from services.client.gateway import gateway_channel
 from services.gateway.server import Gateway, start_gateway
 from services.gateway.servicer import HITS_PER_UNIT
 from services.gateway.settings import GatewaySettings
@@ -322,12 +322,12 @@ def test_at_the_limit_a_call_is_refused_before_its_request_is_read(
 def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
     redis_url: str, index_dir: Path, tmp_path: Path
 ) -> None:
-    """The CLI's channel retries RESOURCE_EXHAUSTED; the refusal carries gRPC's own
-    pushback (``grpc-retry-pushback-ms``, the same value as ``retry-after-ms``), so gRPC
-    waits the gateway's hint before each new attempt instead of its own backoff (0.2 s,
-    then 0.4 s: three attempts within 0.6 s). With a 2 s hint and a 3 s deadline
-    exactly two attempts reach the gateway (the first has 1 s to be refused, room for a
-    slow machine's new channel)."""
+    """The SDK (the CLI's client) retries RESOURCE_EXHAUSTED after the gateway's
+    ``retry-after-ms`` hint, never sooner (its own backoff, 0.1 s doubling, would make
+    five attempts within a second), and does not begin a pause that would end past the
+    call's deadline: with a 2 s hint and a 3 s deadline exactly two attempts reach the
+    gateway (the first has 0.8 s to be refused, room for a slow machine's new channel),
+    then the refusal is raised at once with its hint rather than a DEADLINE_EXCEEDED."""
 
     async def scenario() -> None:
         async with front_door(
@@ -336,18 +336,22 @@ def test_a_retrying_client_waits_the_retry_after_hint_between_attempts(
             async with held(front, 2):
                 before = _handled(front, "Search", "RESOURCE_EXHAUSTED")
 
-                def search_from_the_cli() -> grpc.RpcError:
-                    with gateway_channel(f"127.0.0.1:{front.gateway.port}") as cli:
-                        stub = search_pb2_grpc.SearchServiceStub(cli)
-                        with pytest.raises(grpc.RpcError) as refused:
-                            stub.Search(search_pb2.SearchRequest(query="x", k=1), timeout=3.0)
+                def search_from_the_cli() -> gtr_client.ResourceExhausted:
+                    address = f"127.0.0.1:{front.gateway.port}"
+                    with gtr_client.Client(address, env=False) as cli:
+                        with pytest.raises(gtr_client.ResourceExhausted) as refused:
+                            cli.search("x", k=1, timeout=3.0)
                         return refused.value
 
                 refused = await asyncio.to_thread(search_from_the_cli)
-                assert refused.code() in (
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,  # the deadline ended the pushback
-                ), refused
+                assert refused.retry_after_s == 2.0 and refused.attempts == 2, refused
+                # the server counts a call once its answer is sent: await the second
+                await await_until(
+                    lambda: _handled(front, "Search", "RESOURCE_EXHAUSTED") - before >= 2,
+                    "the gateway counted both refusals",
+                    10,
+                    0.02,
+                )
                 attempts = _handled(front, "Search", "RESOURCE_EXHAUSTED") - before
                 assert attempts == 2, f"{attempts:.0f} attempts in 3 s with a 2 s hint"
 

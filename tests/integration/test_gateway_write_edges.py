@@ -17,8 +17,8 @@ import grpc
 import pytest
 import redis
 
+import gtr_client
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
-from services.client.gateway import gateway_channel
 from services.index.keys import DocKeys, log_key
 from tests.support.background import BackgroundStack, stack_in_background
 from tests.support.processes import RedisServer, run_redis, wait_until
@@ -110,9 +110,9 @@ def test_a_full_store_refuses_an_upsert_with_resource_exhausted_and_changes_noth
         assert "full" in refused.value.details() and "maxmemory" in refused.value.details()
         assert stored_state(client, ids) == before, "a refused upsert stored nothing"
 
-        # The CLI's channel retries RESOURCE_EXHAUSTED (a busy gateway), but the answer
-        # of a full store tells gRPC not to (grpc-retry-pushback-ms -1): it is sent once,
-        # not five times with up to 64 MiB each.
+        # The SDK (the CLI's client) retries RESOURCE_EXHAUSTED with a retry hint (a busy
+        # gateway), but the answer of a full store says not to (grpc-retry-pushback-ms
+        # -1): it is sent once, not five times with up to 64 MiB each.
         # The server counts a call after its answer is sent: the refusal above may not be
         # counted yet, and counted late it would look like a retry of the one below.
         wait_until(
@@ -120,13 +120,10 @@ def test_a_full_store_refuses_an_upsert_with_resource_exhausted_and_changes_noth
             "the gateway counted the first refused Upsert",
         )
         refusals = front.handled("Upsert", "RESOURCE_EXHAUSTED")
-        request = documents_pb2.UpsertRequest(
-            documents=[documents_pb2.Document(id="py-new", title="new", text="a new doc")]
-        )
-        with gateway_channel(front.bg.address) as cli:
-            with pytest.raises(grpc.RpcError) as once:
-                documents_pb2_grpc.DocumentServiceStub(cli).Upsert(request, timeout=30)
-        assert once.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, once.value
+        with gtr_client.Client(front.bg.address, env=False) as cli:
+            with pytest.raises(gtr_client.ResourceExhausted) as once:
+                cli.upsert([gtr_client.Document("py-new", "a new doc", "new")], timeout=30)
+        assert once.value.attempts == 1 and once.value.retry_after_s is None, once.value
         # The server counts a call after its answer is sent: await the count, then check
         # that it is one (every attempt of the client ended before the client's error).
         wait_until(
@@ -134,7 +131,6 @@ def test_a_full_store_refuses_an_upsert_with_resource_exhausted_and_changes_noth
             "the gateway counted the refused Upsert",
         )
         assert front.handled("Upsert", "RESOURCE_EXHAUSTED") - refusals == 1, "retried"
-        assert dict(once.value.trailing_metadata() or ()).get("grpc-retry-pushback-ms") == "-1"
         assert stored_state(client, ids) == before
 
         # a delete needs no room (DEL comes first in its script): it still works

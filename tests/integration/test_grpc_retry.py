@@ -1,26 +1,22 @@
-"""The one retry policy (services/rpc/retry.py) as the two clients that use it see it.
+"""The retry policy of the server's internal clients (services/rpc/retry.py) as the
+Triton encoder client sees it. (The SDK, the gateway's client, has a policy of its own:
+tests/integration/test_sdk_retry.py.)
 
 The retries are gRPC core's, so they are driven over real sockets: a small real gRPC
 server that fails a method a given number of times with a given code, then answers,
-and counts the attempts. It stands for a Triton or a gateway that is restarting or busy
-(neither can be made to fail on cue; their own error answers are tested against the
-real servers in test_triton_errors.py and the gateway tests).
+and counts the attempts. It stands for a Triton that is restarting or busy (it cannot
+be made to fail on cue; its own error answers are tested against the real server in
+test_triton_errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
 
-from retrieval.v1 import documents_pb2, documents_pb2_grpc
-from services.client.gateway import gateway_channel, upsert
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.encoder.runtime.triton_client import (
     KSERVE_SERVICE,
@@ -28,42 +24,7 @@ from services.encoder.runtime.triton_client import (
     TritonEncoderConfig,
 )
 from services.rpc.retry import RetryPolicy, channel_options, service_config
-
-
-@dataclass
-class Script:
-    """Fail the first ``failures`` calls with ``code``, then answer ``reply``."""
-
-    code: grpc.StatusCode
-    failures: int
-    reply: bytes = b""
-    attempts: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def handle(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        with self.lock:
-            self.attempts += 1
-            attempt = self.attempts
-        if attempt <= self.failures:
-            context.abort(self.code, f"scripted failure {attempt}")
-        return self.reply
-
-
-@contextmanager
-def scripted_server(service: str, method: str, script: Script) -> Iterator[str]:
-    from concurrent.futures import ThreadPoolExecutor
-
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    handler = grpc.unary_unary_rpc_method_handler(script.handle)  # raw bytes in and out
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service, {method: handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+from tests.support.scripted import Script, scripted_server
 
 
 def _triton_encode(address: str, retries: int, timeout: float = 10.0) -> None:
@@ -92,40 +53,6 @@ def test_the_triton_client_does_not_retry_a_bad_request() -> None:
         with pytest.raises(InvalidArgument, match="scripted failure 1"):
             _triton_encode(address, retries=3)
     assert script.attempts == 1
-
-
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
-def test_a_cli_upsert_is_retried_until_the_gateway_takes_it(code: grpc.StatusCode) -> None:
-    reply = documents_pb2.UpsertResponse(upserted=1).SerializeToString()
-    script = Script(code, failures=2, reply=reply)
-    docs = [documents_pb2.Document(id="a", text="x" * 1_000_000)]  # > gRPC's default 256 KiB buffer
-    with scripted_server("retrieval.v1.DocumentService", "Upsert", script) as address:
-        with gateway_channel(address) as channel:
-            response = upsert(documents_pb2_grpc.DocumentServiceStub(channel), docs, timeout=20)
-    assert response.upserted == 1 and script.attempts == 3
-
-
-def test_a_cli_upsert_is_not_retried_when_the_request_is_wrong() -> None:
-    script = Script(grpc.StatusCode.INVALID_ARGUMENT, failures=100)
-    docs = [documents_pb2.Document(id="a", text="x")]
-    with scripted_server("retrieval.v1.DocumentService", "Upsert", script) as address:
-        with gateway_channel(address) as channel, pytest.raises(grpc.RpcError) as info:
-            upsert(documents_pb2_grpc.DocumentServiceStub(channel), docs, timeout=20)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert script.attempts == 1
-
-
-def test_retries_end_at_the_call_s_deadline() -> None:
-    """Backoffs of 3 s against a 0.5 s deadline: the call ends at its deadline."""
-    slow = RetryPolicy(attempts=5, initial_backoff_s=3.0, max_backoff_s=3.0)
-    script = Script(grpc.StatusCode.UNAVAILABLE, failures=100)
-    with scripted_server("retrieval.v1.DocumentService", "Upsert", script) as address:
-        with gateway_channel(address, slow) as channel:
-            start = time.monotonic()
-            with pytest.raises(grpc.RpcError):
-                upsert(documents_pb2_grpc.DocumentServiceStub(channel), [], timeout=0.5)
-            elapsed = time.monotonic() - start
-    assert elapsed < 2.0 and script.attempts <= 2
 
 
 def test_the_triton_deadline_covers_every_attempt() -> None:

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval.v1 import search_pb2, search_pb2_grpc
-from services.client.gateway import gateway_channel
+import gtr_client
 from services.common.domain import Document
 from services.encoder.runtime.inprocess import InProcessEncoder
 from services.index.core.trained import Manifest
@@ -76,11 +75,8 @@ def test_the_first_run_encodes_once_trains_and_stores_the_same_vectors(
     with run_redis(tmp_path / "redis") as store:
         assert first_run.store_documents(store.url, cfg.shards, emb, progress=False) == N_DOCS
         with stack_in_background(store.url, cfg.index_dir, tmp_path, shards=2) as bg:
-            with gateway_channel(bg.address) as channel:
-                stub = search_pb2_grpc.SearchServiceStub(channel)
+            with gtr_client.Client(bg.address, env=False) as client:
                 for r in rows[:: N_DOCS // 6]:
-                    hits = stub.Search(
-                        search_pb2.SearchRequest(query=r["title"], k=3), timeout=60
-                    ).hits
+                    hits = client.search(r["title"], k=3, timeout=60).hits
                     assert hits and hits[0].id == r["_id"], r["title"]
                     assert hits[0].title == r["title"] and hits[0].text == r["text"]

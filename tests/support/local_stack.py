@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from services.stack.children import sigterm_as_interrupt
-from tests.support.processes import free_port
+from tests.support.processes import free_port, pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "services.cli.main"]
@@ -31,7 +31,7 @@ CLI = [sys.executable, "-m", "services.cli.main"]
 def cli_env() -> dict[str, str]:
     return {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": pythonpath(ROOT),
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

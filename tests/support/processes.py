@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import shutil
 import signal
 import socket
@@ -13,6 +14,15 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def pythonpath(root: Path = CHECKOUT) -> str:
+    """The PYTHONPATH that runs a checkout's own code in a child process: its root (the
+    ``services`` package) and the SDK's folder (``gtr_client`` and the generated
+    ``retrieval``), before whatever the venv has installed."""
+    return os.pathsep.join([str(root), str(root / "clients" / "python")])
 
 
 def free_port() -> int:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from gtr_client.convert import search_request, search_result
 from retrieval.v1 import search_pb2
-from services.client.gateway import format_hits
+from services.client import gateway
 
 
 def _response(cached: bool) -> search_pb2.SearchResponse:
@@ -15,6 +16,11 @@ def _response(cached: bool) -> search_pb2.SearchResponse:
         model="all-MiniLM-L6-v2",
         embedding_cached=cached,
     )
+
+
+def format_hits(query: str, response: search_pb2.SearchResponse, width: int) -> str:
+    """The CLI's table of an answer as the SDK reads it off the wire."""
+    return gateway.format_hits(query, search_result(response), width=width)
 
 
 def test_a_cached_query_embedding_is_said_in_the_header() -> None:
@@ -64,7 +70,7 @@ def test_a_skipped_rerank_is_said_with_its_reason() -> None:
 
 def test_the_fusion_flags_reach_the_request() -> None:
     from services.cli.main import build_parser
-    from services.client.gateway import search_request
+    from services.client.gateway import search_query
 
     args = build_parser().parse_args(
         [
@@ -85,19 +91,21 @@ def test_the_fusion_flags_reach_the_request() -> None:
         ]
     )
     request = search_request(
-        args.query,
-        args.k,
-        mode=args.mode,
-        fusion=args.fusion,
-        rrf_k=args.rrf_k,
-        dense_weight=args.dense_weight,
-        candidates=args.candidates,
+        search_query(
+            args.query,
+            args.k,
+            mode=args.mode,
+            fusion=args.fusion,
+            rrf_k=args.rrf_k,
+            dense_weight=args.dense_weight,
+            candidates=args.candidates,
+        )
     )
     assert (request.k, request.mode) == (7, search_pb2.RETRIEVAL_MODE_HYBRID)
     assert request.fusion.method == search_pb2.FUSION_METHOD_WEIGHTED
     assert (request.fusion.dense_weight, request.fusion.rrf_k) == (0.25, 10)
     assert request.fusion.candidates == 50
-    plain = search_request("q", 5)
+    plain = search_request(search_query("q", 5))
     assert not plain.HasField("fusion") and plain.mode == search_pb2.RETRIEVAL_MODE_UNSPECIFIED
 
 

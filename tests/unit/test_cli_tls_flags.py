@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.stack.certs import CertFiles, make_certs
+from tests.support.processes import pythonpath
 from tests.support.shards import ROOT
 
 NOWHERE = "redis://127.0.0.1:1/0"  # nothing listens: a command that got this far fails
@@ -35,7 +36,7 @@ def refusal(argv: list[str], cwd: Path) -> str:
     run = subprocess.run(
         [sys.executable, "-m", "services.cli.main", *argv],
         cwd=cwd,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
