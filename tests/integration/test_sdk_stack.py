@@ -79,7 +79,7 @@ class Stack:
         return self.bg.stack.gateway.server.admission.in_flight
 
     def handled(self, method: str, code: str) -> float:
-        labels = {"service": "gateway", "method": method, "code": code}
+        labels = {"service": "gateway", "method": method, "code": code, "transport": "grpc"}
         registry = self.bg.stack.gateway.registry
         return float(registry.get_sample_value("grpc_server_handled_total", labels) or 0.0)
 
