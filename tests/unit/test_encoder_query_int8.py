@@ -69,6 +69,7 @@ def _ops(path: Path) -> set[str]:
     return {node.op_type for node in onnx.load(str(path)).graph.node}
 
 
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
 def test_query_graph_is_int8_and_document_graph_is_the_fp32_export(
     int8_export: Path, fp32_export: Path
 ) -> None:
@@ -97,6 +98,7 @@ def _negated(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
 def test_parity_gate_refuses_a_broken_int8_graph(fp32_export: Path, tmp_path: Path) -> None:
     broken = _negated(fp32_export, tmp_path / "broken.onnx")
     cosines, problem = check_int8_parity(fp32_export, broken)
@@ -104,6 +106,7 @@ def test_parity_gate_refuses_a_broken_int8_graph(fp32_export: Path, tmp_path: Pa
     assert float(cosines.max()) < 0
 
 
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
 def test_refused_tower_leaves_the_export_as_it_was(
     fp32_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,6 +123,7 @@ def test_refused_tower_leaves_the_export_as_it_was(
     ]
 
 
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
 def test_embedder_runs_queries_int8_row_by_row_and_documents_fp32(int8_export: Path) -> None:
     embedder = OnnxEmbedder(int8_export, threads=1)
     fp32 = onnx_session(int8_export, threads=1)
@@ -168,6 +172,7 @@ def _triton_model(version_dir: Path, config_path: Path, monkeypatch: pytest.Monk
     return model
 
 
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
 def test_triton_model_runs_each_kind_through_its_graph(
     int8_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,3 +196,27 @@ def test_triton_model_runs_each_kind_through_its_graph(
         atol=1e-6,
     )
     model.finalize()
+
+
+def test_up_takes_the_query_precision_and_refuses_it_in_process(tmp_path: Path) -> None:
+    from services.cli.main import build_parser, main
+    from services.cli.stack_commands import stack_config
+
+    up = ["up", "--run-dir", str(tmp_path)]
+    args = build_parser().parse_args([*up, "--query-precision", "int8"])
+    assert stack_config(args).query_precision == "int8"
+    default = build_parser().parse_args(["up", "--run-dir", str(tmp_path)])
+    assert stack_config(default).query_precision == "fp32"
+    with pytest.raises(SystemExit, match="--encoder inprocess runs the PyTorch model"):
+        main(
+            [
+                "up",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--encoder",
+                "inprocess",
+                "--query-precision",
+                "int8",
+            ]
+        )
+    assert not (tmp_path / "run").exists()
