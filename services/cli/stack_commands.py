@@ -51,6 +51,17 @@ def add_cli(sub: Any) -> None:
         default="triton",
         help="Embed through Triton (default) or inside the gateway process.",
     )
+    up.add_argument(
+        "--query-precision",
+        choices=["fp32", "int8"],
+        default="fp32",
+        help="Triton's query tower: fp32 (default) or int8 (the default model's export "
+        "with query.int8.onnx, `encoder export --query-precision int8`: about 2x faster "
+        "query encodes on CPU, documents stay FP32; gated at export, the gates' figures in "
+        "<run-dir>/export-int8/query_int8.json). Pick it at a run dir's first `up`: it "
+        "decides the encoder's digest that generation g1 records. Not with --encoder "
+        "inprocess (PyTorch).",
+    )
     up.add_argument("--no-rerank", action="store_true", help="Do not start the reranker.")
     up.add_argument(
         "--no-prometheus", action="store_true", help="Do not start Prometheus (if installed)."
@@ -181,6 +192,11 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         raise SystemExit("error: --max-in-flight is a count of requests (0 = no limit)")
     if not 0.0 <= args.trace_sample_ratio <= 1.0:
         raise SystemExit("error: --trace-sample-ratio is a share of requests, 0..1")
+    if args.query_precision == "int8" and args.encoder != "triton":
+        raise SystemExit(
+            "error: --query-precision int8 is the Triton encoder's ONNX query tower; "
+            "--encoder inprocess runs the PyTorch model (fp32 only)"
+        )
     return config_from_args(
         StackConfig,
         args,

@@ -75,6 +75,8 @@ class StackConfig:
     shards: int = 2
     replicas: int = 1
     encoder: Literal["triton", "inprocess"] = "triton"
+    # Triton's query tower: "int8" = the export's int8 query graph (query_int8.py)
+    query_precision: Literal["fp32", "int8"] = "fp32"
     rerank: bool = True
     rerank_checkpoint: Path | None = None
     gateway_port: int = 50051  # 0 = a free port

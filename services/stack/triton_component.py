@@ -19,14 +19,27 @@ Say = Callable[[str], None]
 
 
 def onnx_export(cfg: StackConfig, say: Say) -> Path:
-    """The ONNX export of the default model, made once and cached under the run dir."""
+    """The ONNX export of the default model, made once and cached under the run dir
+    (``export/``; ``export-int8/`` with the int8 query tower, ``--query-precision int8``,
+    whose gates refuse it with FailedPrecondition)."""
     from services.encoder.build.export import export_onnx
+    from services.encoder.build.query_int8 import default_quality_data
     from services.encoder.model import default_model_dir
 
-    onnx_path = cfg.run_dir / "export" / "model.onnx"
+    int8 = cfg.query_precision == "int8"
+    onnx_path = cfg.run_dir / ("export-int8" if int8 else "export") / "model.onnx"
     if not (onnx_path.exists() and (onnx_path.parent / "encoder.json").exists()):
-        say("encoder    exporting the default model to ONNX (first run only)")
-        export_onnx(default_model_dir(), onnx_path)
+        say(
+            "encoder    exporting the default model to ONNX"
+            + (" with an int8 query tower (gated)" if int8 else "")
+            + " (first run only)"
+        )
+        export_onnx(
+            default_model_dir(),
+            onnx_path,
+            query_precision=cfg.query_precision,
+            quality_data=default_quality_data() if int8 else None,
+        )
     return onnx_path
 
 

@@ -3,7 +3,8 @@
 It reads an export folder (``model.onnx``, ``tokenizer.json``, ``encoder.json``) and
 nothing else, exactly as the Triton CPU model does, so the in-process embedded mode
 and Triton serve the same numbers. A two-tower export (``encoder.json`` ``towers``) embeds
-each kind with its own graph, as the Triton model does.
+each kind with its own graph, as the Triton model does; an int8 query tower
+(``query_precision``) runs one query per graph run, unpadded.
 """
 
 from __future__ import annotations
@@ -43,8 +44,24 @@ class OnnxEmbedder:
 
     def run(self, batch: TokenBatch, kind: Kind = "query") -> np.ndarray:
         """The graph of ``kind`` (one graph serves both kinds unless the export has two)."""
+        session = self.sessions[kind]
+        if kind == "query" and self.meta.query_precision == "int8":
+            # one row per run: an int8 graph's activation scales span the whole batch, so
+            # a query's vector would depend on its companions (query_int8.py)
+            rows = [
+                session.run(  # type: ignore[attr-defined]
+                    [OUTPUT_NAME], {"input_ids": ids[None, :n], "attention_mask": mask[None, :n]}
+                )[0]
+                for ids, mask, n in zip(
+                    batch.input_ids,
+                    batch.attention_mask,
+                    batch.attention_mask.sum(axis=1),
+                    strict=True,
+                )
+            ]
+            return np.concatenate(rows).astype(np.float32)
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-        (out,) = self.sessions[kind].run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
+        (out,) = session.run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
         return np.asarray(out, dtype=np.float32)
 
     def embed(self, texts: list[str], kind: Kind) -> tuple[np.ndarray, list[bool]]:

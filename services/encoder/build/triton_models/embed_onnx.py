@@ -10,7 +10,9 @@ Contract (see config.pbtxt): ``TEXT`` BYTES [1], ``KIND`` BYTES [1] ("query" or
 All rows of all requests that the dynamic batcher hands over are run together. A
 two-tower model (parameter ``document_onnx_file``, ``encoder train --arch ade*``) runs
 each row through the graph of its kind: queries through ``onnx_file``, documents
-through ``document_onnx_file``.
+through ``document_onnx_file``. An int8 query tower (``encoder.json``
+``query_precision``, ``encoder export --query-precision int8``) runs one query per graph
+run, so that a query's vector never depends on the rows it was batched with.
 A bad request (empty text, invalid UTF-8, unknown kind) gets its own error response;
 the other requests of the batch are answered, and the instance never dies.
 
@@ -104,6 +106,9 @@ class TritonPythonModel:
             os.path.join(here, "tokenizer.json"), meta["max_lens"], int(meta["pad_id"])
         )
         self.kinds = set(meta["max_lens"])
+        # an int8 query tower runs one query per graph run (its activation scales span the
+        # batch: a query's vector would depend on its companions; query_int8.py)
+        self.row_by_row = {"query"} if meta.get("query_precision") == "int8" else set()
         self.piece_rows = min(PIECE_ROWS, max(1, int(config.get("max_batch_size", 0)) or 64))
         self._ort, self._config, self._params, self._here = ort, config, params, here
         described = ("source_model", "dim", "profile", "digest")
@@ -177,15 +182,17 @@ class TritonPythonModel:
     ) -> tuple[np.ndarray, np.ndarray]:
         groups: dict[int, list[int]] = {}  # rows per graph, in request order
         graphs = {id(s): s for s in self.sessions.values()}
+        single = {id(self.sessions[kind]) for kind in self.row_by_row}
         for row, kind in enumerate(kinds):
             groups.setdefault(id(self.sessions[kind]), []).append(row)
         vectors: np.ndarray | None = None
         truncated = np.zeros(len(texts), dtype=bool)
         for graph, rows in groups.items():
-            for start in range(0, len(rows), self.piece_rows):
+            piece = 1 if graph in single else self.piece_rows
+            for start in range(0, len(rows), piece):
                 if gone():
                     raise Cancelled
-                chunk = rows[start : start + self.piece_rows]
+                chunk = rows[start : start + piece]
                 batch = self.codec.encode_mixed(
                     [texts[i] for i in chunk], [kinds[i] for i in chunk]
                 )

@@ -1,0 +1,133 @@
+"""The int8 query tower against the FP32 one (issue #34; docs/performance.md "The int8
+query tower").
+
+One run, one process: the default model (all-MiniLM-L6-v2) exported to ONNX, its query
+tower quantized and gated as ``encoder export --query-precision int8`` does
+(:func:`~services.encoder.build.export.add_int8_query_tower`, the gates' record kept as
+``gates``), then on SciFact's dev queries (the eval's split):
+
+* encode CPU ms per query, one query per run as served, ONNX Runtime on 1 thread,
+  FP32 and int8 alternating query by query over ``--rounds`` passes (so that other work
+  on the machine weighs on both alike); ``speedup`` = FP32 ms ÷ int8 ms;
+* cosine of each int8 query vector with its FP32 vector (min, mean);
+* dev nDCG@10 of both (exact search over the shared FP32 document vectors) with the
+  paired bootstrap interval, row by row (``batch_1``, as served) and in batches of
+  ``--batch`` (``batched``: what serving int8 queries batched would cost; dynamic
+  quantisation scales each activation tensor over the whole batch).
+
+The machine's load average is recorded before and after (``loaded``).
+
+Usage: ``python -m bench.query_int8 [--rounds 3] [--batch 32]
+[--out bench/results/query_int8.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHARED = Path(os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared/data"))
+SCIFACT = SHARED / "scifact"
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def encode_ms(fp32: Any, int8: Any, codec: Any, texts: list[str], rounds: int) -> dict[str, Any]:
+    """CPU ms per query of each session, one query per run, alternating query by query."""
+    spent = {"fp32": 0.0, "int8": 0.0}
+    sessions = {"fp32": fp32, "int8": int8}
+    batches = [codec.encode([t], "query") for t in texts]
+    for session in sessions.values():  # warm-up
+        for b in batches[:10]:
+            feeds = {"input_ids": b.input_ids, "attention_mask": b.attention_mask}
+            session.run(["embedding"], feeds)
+    for _ in range(rounds):
+        for b in batches:
+            feeds = {"input_ids": b.input_ids, "attention_mask": b.attention_mask}
+            for name, session in sessions.items():
+                start = time.thread_time()
+                session.run(["embedding"], feeds)
+                spent[name] += time.thread_time() - start
+    runs = rounds * len(texts)
+    ms = {name: round(1e3 * s / runs, 3) for name, s in spent.items()}
+    return {**ms, "speedup": round(ms["fp32"] / ms["int8"], 2), "queries_timed": runs}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes over the queries")
+    parser.add_argument("--batch", type=int, default=32, help="the batched nDCG's batch size")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/query_int8.json"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from services.corpus.beir import load_beir, split_queries
+    from services.encoder.build.export import add_int8_query_tower, export_onnx, onnx_session
+    from services.encoder.build.query_int8 import (
+        DEV_FRACTION,
+        DEV_SEED,
+        INT8_QUERY_ONNX,
+        _codec,
+        _embed,
+        dev_ndcg,
+        quality_dict,
+    )
+    from services.encoder.model import default_model_dir
+
+    load_before = _loadavg()
+    result: dict[str, Any] = {"model": "all-MiniLM-L6-v2", "data": str(SCIFACT)}
+    with tempfile.TemporaryDirectory(prefix="gtr-bench-int8-") as tmp:
+        fp32_path = Path(tmp) / "export" / "model.onnx"
+        export_onnx(default_model_dir(), fp32_path)
+        add_int8_query_tower(fp32_path, SCIFACT)
+        int8_path = fp32_path.parent / INT8_QUERY_ONNX
+        result["gates"] = json.loads((fp32_path.parent / "query_int8.json").read_text())
+        result["bytes"] = {"fp32": fp32_path.stat().st_size, "int8": int8_path.stat().st_size}
+        data = load_beir(SCIFACT)
+        _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
+        texts = [data.queries[q] for q in dev if q in data.qrels]
+        codec = _codec(fp32_path.parent)
+        fp32, int8 = onnx_session(fp32_path, 1), onnx_session(int8_path, 1)
+        result["encode_cpu_ms_per_query"] = encode_ms(fp32, int8, codec, texts, args.rounds)
+        a = _embed(fp32, codec, texts, "query", batch=1)
+        b = _embed(int8, codec, texts, "query", batch=1)
+        cos = (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        result["cosine_int8_vs_fp32"] = {
+            "min": round(float(cos.min()), 4),
+            "mean": round(float(cos.mean()), 4),
+        }
+        result["ndcg_at_10"] = {
+            "batch_1": quality_dict(dev_ndcg(fp32_path, int8_path, SCIFACT, batch=1)),
+            "batched": quality_dict(dev_ndcg(fp32_path, int8_path, SCIFACT, batch=args.batch)),
+        }
+    result["loadavg_before"], result["loadavg_after"] = load_before, _loadavg()
+    busy = max(result["loadavg_before"][0], result["loadavg_after"][0])
+    result["loaded"] = busy > 0.5 * len(os.sched_getaffinity(0))
+    e = result["encode_cpu_ms_per_query"]
+    print(
+        f"encode {e['fp32']:.2f} -> {e['int8']:.2f} ms/query ({e['speedup']}x); cosine "
+        f"{result['cosine_int8_vs_fp32']}; nDCG@10 "
+        + "; ".join(
+            f"{k}: {v['fp32_ndcg_at_10']} -> {v['int8_ndcg_at_10']} {v['paired']['ci95']}"
+            for k, v in result["ndcg_at_10"].items()
+        )
+    )
+    if result["loaded"]:
+        print(f"the machine was loaded (load average {busy}): figures are not a quiet run's")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    body = {"source": {"bench": "query_int8", "run": now}, **result}
+    args.out.write_text(json.dumps(body, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The int8 query tower (issue #34): a dynamically quantized query graph beside the FP32
+document graph, and the two gates that decide whether an export may carry it.
+
+``encoder export --query-precision int8`` quantizes the **query tower only** (ONNX
+Runtime ``quantize_dynamic``, int8 weights, per-channel scales): the FP32 graph stays
+``model.onnx`` and embeds documents, the int8 graph is ``query.int8.onnx`` and embeds
+queries. Stored vectors and indexes are therefore unchanged; only query vectors move.
+``encoder.json`` records it with the two-tower ``towers`` mapping (so the in-process
+embedder, the Triton repository and ``encoder publish`` serve each kind with its own
+graph, as for a trained two-tower checkpoint) and ``query_precision: "int8"``; the
+graphs' digest (``export_digest``) therefore differs from the FP32 export's, and so does
+every ``EncoderSpec.identity()`` built from it.
+
+Gates, run at export before anything is written beside ``model.onnx``:
+
+* parity: the int8 graph against the FP32 graph on :data:`PARITY_TEXTS`, min row
+  cosine ≥ :data:`INT8_PARITY_MIN_COSINE` (the FP32 export's own gate, 0.9999 against
+  PyTorch, is one no int8 graph can meet; all-MiniLM-L6-v2: 0.9843 on these texts,
+  min 0.9855 over SciFact's 162 dev queries);
+* quality: dev nDCG@10 (SciFact, ``split_queries(sorted(query ids), 13, 0.2)``, exact
+  search over the FP32 document vectors) of the int8 query graph within
+  :data:`QUALITY_MAX_DROP` of the FP32 graph's, when the data is there; otherwise the
+  gate is recorded as not measured.
+
+Served one query per graph run: dynamic quantisation scales each activation tensor by
+its own range, and that tensor is the whole batch, so a query's int8 vector would depend
+on the other rows (and their padding) it was batched with. Row by row it depends on the
+query alone, as an FP32 vector does (measured on SciFact dev: batches of 32 lost 0.0062
+nDCG@10, rows one at a time 0.0011). The in-process embedder and the Triton CPU model
+both run an int8 query tower that way (:data:`ROW_BY_ROW`).
+
+Both results are written to ``query_int8.json`` beside the export. A failed gate raises
+FailedPrecondition and the export folder is left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.errors import FailedPrecondition
+
+INT8_QUERY_ONNX = "query.int8.onnx"
+GATE_FILE = "query_int8.json"
+# min cosine of the int8 query graph vs the FP32 graph on PARITY_TEXTS (all-MiniLM-L6-v2:
+# 0.9843); on SciFact's 162 dev queries, one per run, min 0.9855 / mean 0.9934
+# (bench/results/query_int8.json)
+INT8_PARITY_MIN_COSINE = 0.98
+# dev nDCG@10 of int8 queries may be at most this much below FP32's (measured: −0.0011)
+QUALITY_MAX_DROP = 0.003
+# an export's query_precision whose query graph runs one row at a time (see above)
+ROW_BY_ROW = "int8"
+DEV_SEED = 13  # the eval's dev split of the queries
+DEV_FRACTION = 0.2
+
+# Query-like texts, short and long, in one padded batch.
+PARITY_TEXTS = [
+    "what is a dual encoder",
+    "x",
+    "how many layers does t5 base have?",
+    "does vitamin d supplementation reduce the risk of fractures in older adults",
+    "0-dimensional biomaterials show inductive properties.",
+    "Large dual encoders are generalizable retrievers: scaling the encoder while keeping "
+    "the bottleneck embedding fixed improves out-of-domain retrieval.",
+    "temporary directory cleanup",
+    "Is the risk of cancer higher in smokers who also drink alcohol?",
+]
+
+
+def default_quality_data() -> Path | None:
+    """SciFact under ``$GTR_DATA_DIR`` (the shared data), or None when it is not there."""
+    root = os.environ.get("GTR_DATA_DIR")
+    path = Path(root) / "scifact" if root else None
+    return path if path is not None and (path / "queries.jsonl").exists() else None
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    """Dev nDCG@10 of the FP32 and int8 query graphs on the same queries and documents."""
+
+    data: str
+    queries: int
+    fp32_ndcg_at_10: float
+    int8_ndcg_at_10: float
+    paired: dict[str, Any]  # services.measures.ranking.paired_comparison (int8 vs FP32)
+    batch: int = 1  # queries per graph run (1: how they are served, see ROW_BY_ROW)
+    max_drop: float = QUALITY_MAX_DROP
+
+    @property
+    def drop(self) -> float:
+        return self.fp32_ndcg_at_10 - self.int8_ndcg_at_10
+
+    @property
+    def passed(self) -> bool:
+        return self.drop <= self.max_drop
+
+
+@dataclass(frozen=True)
+class GateRecord:
+    """``query_int8.json``: what the gates measured when the export was made."""
+
+    parity_min_cosine: float
+    parity_mean_cosine: float
+    parity_threshold: float
+    parity_rows: int
+    quality: dict[str, Any] | None  # QualityResult as a dict plus drop/passed; None: not run
+    quality_note: str = ""
+    made_at: float = field(default_factory=time.time)
+
+    def write(self, folder: Path) -> None:
+        (Path(folder) / GATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+class _NoPreprocessingHint(logging.Filter):
+    """ONNX Runtime's quantizer logs a pre-processing hint on the root logger at every
+    call; the graph is gated by measurement instead (parity and quality)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pre-processing before quantization" not in record.getMessage()
+
+
+def quantize_query_graph(fp32_onnx: Path, out: Path) -> Path:
+    """Dynamic int8 quantisation (int8 weights, per-channel scales) of ``fp32_onnx``."""
+    from services.encoder.build.export import quantize_int8
+
+    hint = _NoPreprocessingHint()
+    logging.getLogger().addFilter(hint)
+    try:
+        return quantize_int8(Path(fp32_onnx), Path(out))
+    finally:
+        logging.getLogger().removeFilter(hint)
+
+
+def _embed(session: Any, codec: Any, texts: list[str], kind: str, batch: int = 32) -> np.ndarray:
+    from services.encoder.build.export import OUTPUT_NAME
+
+    rows = []
+    for i in range(0, len(texts), batch):
+        tokens = codec.encode(texts[i : i + batch], kind)
+        feeds = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
+        rows.append(np.asarray(session.run([OUTPUT_NAME], feeds)[0], dtype=np.float32))
+    return np.concatenate(rows) if rows else np.zeros((0, 0), dtype=np.float32)
+
+
+def _codec(export_dir: Path) -> Any:
+    from services.encoder.build.export import EncoderMeta
+    from services.encoder.textcodec import TextCodec
+
+    meta = EncoderMeta.read(export_dir)
+    return TextCodec.from_file(str(export_dir / "tokenizer.json"), meta.max_lens, meta.pad_id)
+
+
+def parity_cosines(fp32_onnx: Path, int8_onnx: Path, texts: list[str] | None = None) -> np.ndarray:
+    """Per-text cosine of the int8 query graph's vectors with the FP32 graph's (one query
+    per run, as served); the export folder of ``fp32_onnx`` gives the tokenizer.
+    NaN, Inf or zero rows come out as NaN, which fails every threshold."""
+    from services.encoder.build.export import onnx_session, row_cosines
+
+    codec = _codec(Path(fp32_onnx).parent)
+    texts = list(texts or PARITY_TEXTS)
+    reference = _embed(onnx_session(fp32_onnx), codec, texts, "query", batch=1)
+    got = _embed(onnx_session(int8_onnx), codec, texts, "query", batch=1)
+    if got.shape != reference.shape:
+        return np.full(len(texts), np.nan)
+    with np.errstate(invalid="ignore"):
+        cosines = np.asarray(row_cosines(reference, got), dtype=np.float64)
+    return np.where(np.isfinite(got).all(axis=1), cosines, np.nan)
+
+
+def check_int8_parity(
+    fp32_onnx: Path, int8_onnx: Path, threshold: float = INT8_PARITY_MIN_COSINE
+) -> tuple[np.ndarray, str | None]:
+    """(cosines, why the int8 graph is refused or None)."""
+    cosines = parity_cosines(fp32_onnx, int8_onnx)
+    worst = float(np.min(cosines))  # NaN propagates
+    if not worst >= threshold:
+        return cosines, (
+            f"int8 query graph: min cosine vs the FP32 graph {worst:.5f} < {threshold} "
+            f"over {len(cosines)} query texts"
+        )
+    return cosines, None
+
+
+def dev_ndcg(
+    fp32_onnx: Path,
+    int8_onnx: Path,
+    data_dir: Path,
+    doc_vectors: np.ndarray | None = None,
+    threads: int | None = 1,
+    batch: int = 1,
+) -> QualityResult:
+    """Dev nDCG@10 (exact search) of the FP32 and the int8 query graph over the same
+    document vectors: ``corpus.<model>.npy`` in ``data_dir`` when it is there (the
+    shared data's), else the corpus encoded with the FP32 graph."""
+    from services.corpus.beir import load_beir, split_queries
+    from services.encoder.build.export import EncoderMeta, onnx_session
+    from services.measures.ranking import paired_comparison, score
+
+    export_dir = Path(fp32_onnx).parent
+    meta = EncoderMeta.read(export_dir)
+    codec = _codec(export_dir)
+    data = load_beir(Path(data_dir))
+    _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
+    dev = [q for q in dev if q in data.qrels]
+    if doc_vectors is None:
+        cached = Path(data_dir) / f"corpus.{meta.model_name}.npy"
+        if cached.exists():
+            doc_vectors = np.load(cached)
+        else:
+            session = onnx_session(fp32_onnx, threads)
+            doc_vectors = _embed(session, codec, [data.docs[d] for d in data.doc_ids], "document")
+    if doc_vectors.shape != (len(data.doc_ids), meta.dim):
+        raise FailedPrecondition(
+            f"document vectors {doc_vectors.shape} do not fit {data_dir} "
+            f"({len(data.doc_ids)} documents) and {meta.model_name} ({meta.dim}-d)"
+        )
+    texts = [data.queries[q] for q in dev]
+    per: dict[str, list[float]] = {}
+    for name, path in (("fp32", fp32_onnx), ("int8", int8_onnx)):
+        vectors = _embed(onnx_session(path, threads), codec, texts, "query", batch=batch)
+        top = np.argsort(-(vectors @ doc_vectors.T), axis=1)[:, :100]
+        run = {q: [data.doc_ids[j] for j in top[i]] for i, q in enumerate(dev)}
+        per[name] = score(run, data.qrels, dev).values("ndcg_at_10")
+    return QualityResult(
+        data=str(data_dir),
+        queries=len(dev),
+        fp32_ndcg_at_10=round(float(np.mean(per["fp32"])), 4),
+        int8_ndcg_at_10=round(float(np.mean(per["int8"])), 4),
+        paired=paired_comparison(per["fp32"], per["int8"]),
+        batch=batch,
+    )
+
+
+def quality_dict(result: QualityResult) -> dict[str, Any]:
+    return {**asdict(result), "drop": round(result.drop, 4), "passed": result.passed}
+
+
+def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None) -> GateRecord:
+    """Both gates on an export folder holding both graphs; FailedPrecondition when one
+    refuses (the caller writes nothing then). ``quality_data`` None: not measured."""
+    cosines, problem = check_int8_parity(fp32_onnx, int8_onnx)
+    if problem:
+        raise FailedPrecondition(f"the int8 query tower is refused: {problem}")
+    quality, note = None, "not measured: no BEIR data (set GTR_DATA_DIR or --quality-data)"
+    if quality_data is not None:
+        result = dev_ndcg(fp32_onnx, int8_onnx, quality_data)
+        if not result.passed:
+            raise FailedPrecondition(
+                f"the int8 query tower is refused: dev nDCG@10 {result.int8_ndcg_at_10:.4f} "
+                f"vs FP32 {result.fp32_ndcg_at_10:.4f} (drop {result.drop:.4f} > "
+                f"{result.max_drop}) on {result.queries} queries of {quality_data}"
+            )
+        quality, note = quality_dict(result), ""
+    return GateRecord(
+        parity_min_cosine=round(float(cosines.min()), 5),
+        parity_mean_cosine=round(float(cosines.mean()), 5),
+        parity_threshold=INT8_PARITY_MIN_COSINE,
+        parity_rows=len(cosines),
+        quality=quality,
+        quality_note=note,
+    )
