@@ -3,7 +3,7 @@ query tower").
 
 One run, one process: the default model (all-MiniLM-L6-v2) exported to ONNX, its query
 tower quantized and gated as ``encoder export --query-precision int8`` does
-(:func:`~services.encoder.build.export.add_int8_query_tower`, the gates' record kept as
+(:func:`~services.encoder.build.query_int8.add_int8_query_tower`, the gates' record kept as
 ``gates``), then on SciFact's dev queries (the eval's split):
 
 * encode CPU ms per query, one query per run as served, ONNX Runtime on 1 thread,
@@ -70,13 +70,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from services.corpus.beir import load_beir, split_queries
-    from services.encoder.build.export import add_int8_query_tower, export_onnx, onnx_session
+    from services.encoder.build.export import export_onnx, onnx_session
     from services.encoder.build.query_int8 import (
         DEV_FRACTION,
         DEV_SEED,
         INT8_QUERY_ONNX,
         _codec,
         _embed,
+        add_int8_query_tower,
         dev_ndcg,
         quality_dict,
     )

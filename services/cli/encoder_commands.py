@@ -64,16 +64,17 @@ def _add_plan_gate(p: argparse.ArgumentParser) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from services.encoder.build.export import check_parity, export_onnx
-    from services.encoder.build.query_int8 import GATE_FILE, default_quality_data
-
-    quality = Path(args.quality_data) if args.quality_data else default_quality_data()
-    meta = export_onnx(
-        _model_dir(args),
-        Path(args.out),
-        opset=args.opset,
-        query_precision=args.query_precision,
-        quality_data=quality if args.query_precision == "int8" else None,
+    from services.encoder.build.query_int8 import (
+        GATE_FILE,
+        default_quality_data,
+        export_with_int8_query,
     )
+
+    if args.query_precision == "int8":
+        quality = Path(args.quality_data) if args.quality_data else default_quality_data()
+        meta = export_with_int8_query(_model_dir(args), Path(args.out), quality, args.opset)
+    else:
+        meta = export_onnx(_model_dir(args), Path(args.out), opset=args.opset)
     print(f"exported {meta.model_name} (dim {meta.dim}, profile {meta.profile}) to {args.out}")
     if meta.query_precision == "int8":
         gates = (Path(args.out).parent / GATE_FILE).read_text()

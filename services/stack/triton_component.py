@@ -23,7 +23,7 @@ def onnx_export(cfg: StackConfig, say: Say) -> Path:
     (``export/``; ``export-int8/`` with the int8 query tower, ``--query-precision int8``,
     whose gates refuse it with FailedPrecondition)."""
     from services.encoder.build.export import export_onnx
-    from services.encoder.build.query_int8 import default_quality_data
+    from services.encoder.build.query_int8 import default_quality_data, export_with_int8_query
     from services.encoder.model import default_model_dir
 
     int8 = cfg.query_precision == "int8"
@@ -34,12 +34,10 @@ def onnx_export(cfg: StackConfig, say: Say) -> Path:
             + (" with an int8 query tower (gated)" if int8 else "")
             + " (first run only)"
         )
-        export_onnx(
-            default_model_dir(),
-            onnx_path,
-            query_precision=cfg.query_precision,
-            quality_data=default_quality_data() if int8 else None,
-        )
+        if int8:
+            export_with_int8_query(default_model_dir(), onnx_path, default_quality_data())
+        else:
+            export_onnx(default_model_dir(), onnx_path)
     return onnx_path
 
 

@@ -19,15 +19,11 @@ from onnx import helper
 
 from services.common.errors import FailedPrecondition
 from services.encoder.build import query_int8
-from services.encoder.build.export import (
-    EncoderMeta,
-    add_int8_query_tower,
-    onnx_session,
-    row_cosines,
-)
+from services.encoder.build.export import EncoderMeta, onnx_session, row_cosines
 from services.encoder.build.query_int8 import (
     GATE_FILE,
     INT8_QUERY_ONNX,
+    add_int8_query_tower,
     check_int8_parity,
 )
 from services.encoder.build.repository import generate_repository, read_config

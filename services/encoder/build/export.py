@@ -14,26 +14,23 @@ exported as two graphs with the same inputs and output: the query tower to
 ``towers`` names the graph of each kind, and every artefact built from the export
 (parity, Triton repository) serves each kind with its own tower.
 
-``query_precision="int8"`` (``encoder export --query-precision int8``) adds an int8 query
-graph beside the FP32 one through the same ``towers`` mapping, behind its own gates
-(:mod:`services.encoder.build.query_int8`).
+An int8 query tower (``encoder export --query-precision int8``) is an int8 query graph
+beside the FP32 one through the same ``towers`` mapping, behind its own gates: made by
+:mod:`services.encoder.build.query_int8`, which builds on this module (not the reverse).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition
 from services.encoder.profiles import Kind, ModelProfile, get_profile
 
 if TYPE_CHECKING:
@@ -161,6 +158,10 @@ def row_cosines(a: np.ndarray, b: np.ndarray) -> list[float]:
 
 DOCUMENT_ONNX = "document.onnx"
 QUERY_PRECISIONS = ("fp32", "int8")
+# an int8 query tower's graph and gate record beside the FP32 export
+# (services/encoder/build/query_int8.py)
+INT8_QUERY_ONNX = "query.int8.onnx"
+GATE_FILE = "query_int8.json"
 
 
 def export_onnx(
@@ -168,23 +169,14 @@ def export_onnx(
     onnx_path: Path,
     *,
     opset: int = ONNX_OPSET,
-    query_precision: str = "fp32",
-    quality_data: Path | None = None,
 ) -> EncoderMeta:
     """Export ``model_dir`` to ``onnx_path`` (plus tokenizer.json, encoder.json beside it).
 
     A two-tower checkpoint: the query tower to ``onnx_path``, the document tower to
     ``document.onnx`` beside it (both towers must share the tokenizer and the width).
 
-    ``query_precision="int8"``: also the int8 query graph, behind its parity and quality
-    gates (``quality_data``: a BEIR folder for the quality gate, None: not measured);
-    FailedPrecondition when a gate refuses it, and then nothing is written.
+    With an int8 query tower: :func:`services.encoder.build.query_int8.export_with_int8_query`.
     """
-    if query_precision not in QUERY_PRECISIONS:
-        raise InvalidArgument(f"query precision {query_precision!r}: use fp32 or int8")
-    if query_precision == "int8":
-        return _export_int8_query(model_dir, Path(onnx_path), opset, quality_data)
-    from services.encoder.build.query_int8 import GATE_FILE, INT8_QUERY_ONNX
     from services.encoder.model import TorchEmbedder, model_name_of, tower_dirs
 
     for stale in (INT8_QUERY_ONNX, GATE_FILE):  # an earlier int8 export's, now unused
@@ -217,67 +209,6 @@ def export_onnx(
         towers=towers,
     )
     meta.write(onnx_path.parent)
-    return meta
-
-
-def _export_int8_query(
-    model_dir: Path, onnx_path: Path, opset: int, quality_data: Path | None
-) -> EncoderMeta:
-    """The FP32 export plus the int8 query graph, made and gated in a scratch folder
-    beside ``onnx_path`` and moved into place only when both gates pass."""
-    from services.encoder.build.query_int8 import GATE_FILE, INT8_QUERY_ONNX
-    from services.encoder.model import tower_dirs
-
-    dirs = tower_dirs(model_dir)
-    if dirs["query"] != dirs["document"]:
-        raise InvalidArgument(
-            f"{model_dir} is a two-tower checkpoint: an int8 query tower is only made for "
-            "one-tower checkpoints so far; export it with --query-precision fp32"
-        )
-    onnx_path.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".int8-export-", dir=onnx_path.parent))
-    try:
-        fp32 = work / onnx_path.name
-        export_onnx(model_dir, fp32, opset=opset)
-        meta = add_int8_query_tower(fp32, quality_data)
-        for name in (onnx_path.name, INT8_QUERY_ONNX, "tokenizer.json", GATE_FILE):
-            os.replace(work / name, onnx_path.parent / name)
-        os.replace(work / "encoder.json", onnx_path.parent / "encoder.json")  # last: the switch
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return meta
-
-
-def add_int8_query_tower(fp32_onnx: Path, quality_data: Path | None) -> EncoderMeta:
-    """Quantize the FP32 one-tower export at ``fp32_onnx`` into ``query.int8.onnx`` beside
-    it, run both gates, and only when they pass write ``query_int8.json`` and the
-    ``encoder.json`` that serves queries with it (FailedPrecondition otherwise, with the
-    int8 graph removed and ``encoder.json`` as it was)."""
-    from services.encoder.build.query_int8 import (
-        INT8_QUERY_ONNX,
-        gate_int8_query,
-        quantize_query_graph,
-    )
-
-    fp32_onnx = Path(fp32_onnx)
-    meta = EncoderMeta.read(fp32_onnx.parent)
-    if meta.towers:
-        raise InvalidArgument(
-            f"{fp32_onnx.parent} already has towers {meta.towers}: an int8 query tower is "
-            "added to a one-tower FP32 export only"
-        )
-    int8 = fp32_onnx.parent / INT8_QUERY_ONNX
-    try:
-        quantize_query_graph(fp32_onnx, int8)
-        record = gate_int8_query(fp32_onnx, int8, quality_data)
-    except BaseException:
-        int8.unlink(missing_ok=True)
-        raise
-    meta = replace(
-        meta, towers={"query": INT8_QUERY_ONNX, "document": fp32_onnx.name}, query_precision="int8"
-    )
-    record.write(fp32_onnx.parent)
-    meta.write(fp32_onnx.parent)
     return meta
 
 

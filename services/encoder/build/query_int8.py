@@ -38,17 +38,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.encoder.build.export import GATE_FILE, INT8_QUERY_ONNX, EncoderMeta
 
-INT8_QUERY_ONNX = "query.int8.onnx"
-GATE_FILE = "query_int8.json"
 # min cosine of the int8 query graph vs the FP32 graph on PARITY_TEXTS (all-MiniLM-L6-v2:
 # 0.9843); on SciFact's 162 dev queries, one per run, min 0.9855 / mean 0.9934
 # (bench/results/query_int8.json)
@@ -150,7 +151,6 @@ def _embed(session: Any, codec: Any, texts: list[str], kind: str, batch: int = 3
 
 
 def _codec(export_dir: Path) -> Any:
-    from services.encoder.build.export import EncoderMeta
     from services.encoder.textcodec import TextCodec
 
     meta = EncoderMeta.read(export_dir)
@@ -200,7 +200,7 @@ def dev_ndcg(
     document vectors: ``corpus.<model>.npy`` in ``data_dir`` when it is there (the
     shared data's), else the corpus encoded with the FP32 graph."""
     from services.corpus.beir import load_beir, split_queries
-    from services.encoder.build.export import EncoderMeta, onnx_session
+    from services.encoder.build.export import onnx_session
     from services.measures.ranking import paired_comparison, score
 
     export_dir = Path(fp32_onnx).parent
@@ -266,3 +266,58 @@ def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None)
         quality=quality,
         quality_note=note,
     )
+
+
+def export_with_int8_query(
+    model_dir: Path, onnx_path: Path, quality_data: Path | None, opset: int | None = None
+) -> EncoderMeta:
+    """The FP32 export plus the int8 query graph, made and gated in a scratch folder
+    beside ``onnx_path`` and moved into place only when both gates pass."""
+    from services.encoder.build.export import ONNX_OPSET, export_onnx
+    from services.encoder.model import tower_dirs
+
+    dirs = tower_dirs(model_dir)
+    if dirs["query"] != dirs["document"]:
+        raise InvalidArgument(
+            f"{model_dir} is a two-tower checkpoint: an int8 query tower is only made for "
+            "one-tower checkpoints so far; export it with --query-precision fp32"
+        )
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".int8-export-", dir=onnx_path.parent))
+    try:
+        fp32 = work / onnx_path.name
+        export_onnx(model_dir, fp32, opset=opset if opset is not None else ONNX_OPSET)
+        meta = add_int8_query_tower(fp32, quality_data)
+        for name in (onnx_path.name, INT8_QUERY_ONNX, "tokenizer.json", GATE_FILE):
+            os.replace(work / name, onnx_path.parent / name)
+        os.replace(work / "encoder.json", onnx_path.parent / "encoder.json")  # last: the switch
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return meta
+
+
+def add_int8_query_tower(fp32_onnx: Path, quality_data: Path | None) -> EncoderMeta:
+    """Quantize the FP32 one-tower export at ``fp32_onnx`` into ``query.int8.onnx`` beside
+    it, run both gates, and only when they pass write ``query_int8.json`` and the
+    ``encoder.json`` that serves queries with it (FailedPrecondition otherwise, with the
+    int8 graph removed and ``encoder.json`` as it was)."""
+    fp32_onnx = Path(fp32_onnx)
+    meta = EncoderMeta.read(fp32_onnx.parent)
+    if meta.towers:
+        raise InvalidArgument(
+            f"{fp32_onnx.parent} already has towers {meta.towers}: an int8 query tower is "
+            "added to a one-tower FP32 export only"
+        )
+    int8 = fp32_onnx.parent / INT8_QUERY_ONNX
+    try:
+        quantize_query_graph(fp32_onnx, int8)
+        record = gate_int8_query(fp32_onnx, int8, quality_data)
+    except BaseException:
+        int8.unlink(missing_ok=True)
+        raise
+    meta = replace(
+        meta, towers={"query": INT8_QUERY_ONNX, "document": fp32_onnx.name}, query_precision="int8"
+    )
+    record.write(fp32_onnx.parent)
+    meta.write(fp32_onnx.parent)
+    return meta
