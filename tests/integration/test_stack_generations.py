@@ -388,10 +388,15 @@ def test_a_rollout_target_comes_back_when_up_restarts(running: Running) -> None:
     )
     after = running.addresses()
     assert set(after) == {"g1", target.name}
-    endpoints = read_endpoints(running.cfg.run_dir)
-    assert endpoints is not None and endpoints.generations[target.name] == (
-        parse_shard_addresses(after[target.name])
+    # stack.json is rewritten after the addresses are published in Redis (a pass later)
+    wait_until(
+        lambda: (e := read_endpoints(running.cfg.run_dir)) is not None
+        and e.generations.get(target.name) == parse_shard_addresses(after[target.name]),
+        "stack.json names the target's new ports",
+        30,
     )
+    endpoints = read_endpoints(running.cfg.run_dir)
+    assert endpoints is not None
     assert all(grpc_healthy(a) for reps in endpoints.generations[target.name] for a in reps)
 
     # failed (an aborted rollout): its shards stop, its files are kept for inspection
