@@ -390,8 +390,10 @@ def test_a_rollout_target_comes_back_when_up_restarts(running: Running) -> None:
     assert set(after) == {"g1", target.name}
     # stack.json is rewritten after the addresses are published in Redis (a pass later)
     wait_until(
-        lambda: (e := read_endpoints(running.cfg.run_dir)) is not None
-        and e.generations.get(target.name) == parse_shard_addresses(after[target.name]),
+        lambda: (
+            (e := read_endpoints(running.cfg.run_dir)) is not None
+            and e.generations.get(target.name) == parse_shard_addresses(after[target.name])
+        ),
         "stack.json names the target's new ports",
         30,
     )
