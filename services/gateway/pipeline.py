@@ -159,16 +159,14 @@ class SearchPipeline:
                 span.set_attribute("gtr.cached", sum(cached))
         encode_ms = ms_since(t) if any(s.dense_k for s in stages) else 0.0  # sparse: no encode
 
+        # No span of its own: the router's wave span (or its shard searches) already is
+        # the index search, and a span costs ~15 us of CPU (docs/tracing.md "Cost").
+        tracing.annotate({"gtr.generation": serving.generation, "gtr.queries": len(queries)})
         t = time.perf_counter()
-        with tracing.span("index search") as span:
-            if span:
-                span.set_attributes(
-                    {"gtr.generation": serving.generation, "gtr.queries": len(queries)}
-                )
-            routed = await self._strong_as_session(parts, queries, deadline)
-            found = await search_index(
-                parts, routed, fetch_ks, stages, vectors, search_deadline(deadline, budget)
-            )
+        routed = await self._strong_as_session(parts, queries, deadline)
+        found = await search_index(
+            parts, routed, fetch_ks, stages, vectors, search_deadline(deadline, budget)
+        )
         search_ms = ms_since(t)
 
         index_results = [(f.hits, f.missing) for f in found]

@@ -6,11 +6,13 @@ do-nothing context manager and the propagation helpers return ``None`` or ``""``
 call costs a module-global read and a function call, no allocation (measured in
 bench/tracing_overhead.py, docs/tracing.md).
 
-On, spans are recorded with the OpenTelemetry SDK and sent in batches, from a thread of
-the SDK, to an OTLP/gRPC collector. Sampling is parent-based: a request that brings a
-``traceparent`` keeps its caller's decision, a trace that starts here is recorded at
-``ratio``. A process that is not sampled still propagates the context (W3C: the
-downstream hop sees the same trace id, flag 00).
+On, spans are recorded by :mod:`services.telemetry.spans` (the OpenTelemetry SDK's
+sampler, ids, limits and batch span processor, without the SDK's ``Tracer``, which cost
+more than the rest of a span together) and sent in batches, from the SDK's thread, to an
+OTLP/gRPC collector, encoded by :mod:`services.telemetry.otlp`. Sampling is
+parent-based: a request that brings a ``traceparent`` keeps its caller's decision, a
+trace that starts here is recorded at ``ratio``. A process that is not sampled still
+propagates the context (W3C: the downstream hop sees the same trace id, unsampled).
 
 Why our own hooks and not ``opentelemetry-instrumentation-grpc``: a search reaches a
 shard as one tagged message on a long-lived ``SearchStream`` (services/index/client/
@@ -28,14 +30,17 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, NonRecordingSpan, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.telemetry.config import TracingConfig
+
+if TYPE_CHECKING:
+    from services.telemetry.spans import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +49,7 @@ TRACESTATE = "tracestate"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 # Set by configure(), cleared by shutdown(): None = tracing off.
-_tracer: trace.Tracer | None = None
-_provider: Any = None
+_recorder: Recorder | None = None
 
 SERVER = SpanKind.SERVER
 CLIENT = SpanKind.CLIENT
@@ -95,14 +99,16 @@ NO_SPAN = _NoSpan()
 NOOP = _NoOp()
 
 
-class Span:
-    """A recorded span as the code sees it (``with span(...) as s``): attributes, an
-    error status. Wraps the SDK's span so that callers never import OpenTelemetry."""
+class _Active:
+    """A started span, current for the ``with`` block and what ``as s`` gets (attributes,
+    an error status); an exception that leaves the block is recorded and sets the status
+    to ERROR. Callers never import OpenTelemetry."""
 
-    __slots__ = ("_span",)
+    __slots__ = ("_span", "_token")
 
     def __init__(self, span: trace.Span) -> None:
         self._span = span
+        self._token: object = None
 
     def set_attribute(self, key: str, value: Any) -> None:
         self._span.set_attribute(key, value)
@@ -115,26 +121,14 @@ class Span:
 
     def set_ok(self) -> None:
         """Not failed, whatever leaves the block (a gRPC abort with a caller's code)."""
-        self._span.set_status(Status(StatusCode.OK))
+        self._span.set_status(_OK)
 
     def __bool__(self) -> bool:
         return self._span.is_recording()
 
-
-class _Active:
-    """A started span made current for the ``with`` block (the SDK's
-    ``start_as_current_span`` does the same through a generator, at about twice the cost);
-    an exception that leaves the block is recorded and sets the status to ERROR."""
-
-    __slots__ = ("_span", "_token")
-
-    def __init__(self, span: trace.Span) -> None:
-        self._span = span
-        self._token: object = None
-
-    def __enter__(self) -> Span:
+    def __enter__(self) -> _Active:
         self._token = otel_context.attach(trace.set_span_in_context(self._span))
-        return Span(self._span)
+        return self
 
     def __exit__(
         self,
@@ -143,12 +137,16 @@ class _Active:
         tb: TracebackType | None,
     ) -> None:
         try:
-            if exc is not None and self._span.is_recording() and _unset(self._span):
-                self._span.record_exception(exc)
-                self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            span = self._span
+            if exc is not None and span.is_recording() and _unset(span):
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         finally:
             otel_context.detach(self._token)  # type: ignore[arg-type]
             self._span.end()
+
+
+_OK = Status(StatusCode.OK)
 
 
 def _unset(span: trace.Span) -> bool:
@@ -161,7 +159,7 @@ def _unset(span: trace.Span) -> bool:
 
 
 def enabled() -> bool:
-    return _tracer is not None
+    return _recorder is not None
 
 
 def configure(
@@ -175,41 +173,38 @@ def configure(
     it did. ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` still apply (the SDK
     reads them). ``exporter``: an SDK span exporter to use instead of OTLP, each span
     exported as it ends (the unit tests' in-memory one)."""
-    global _tracer, _provider
+    global _recorder
     if not config.enabled and exporter is None:
         return False
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    from services.telemetry.otlp import SpanExporter
+    from services.telemetry.spans import Recorder
 
     resource = Resource.create({"service.name": service, **(attributes or {})})
-    provider = TracerProvider(
-        resource=resource, sampler=ParentBased(TraceIdRatioBased(config.ratio))
-    )
     endpoint = config.endpoint or ""
+    processor: SpanProcessor
     if exporter is not None:
-        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        processor = SimpleSpanProcessor(exporter)
     else:
-        otlp = OTLPSpanExporter(
+        otlp = SpanExporter(
             endpoint=endpoint, insecure=not endpoint.startswith("https://"), timeout=5
         )
-        provider.add_span_processor(BatchSpanProcessor(otlp))
-    _provider = provider
-    _tracer = provider.get_tracer("gtr-retrieval")
+        processor = BatchSpanProcessor(otlp)
+    _recorder = Recorder(resource, TraceIdRatioBased(config.ratio), processor, "gtr-retrieval")
     log.info("tracing on: %s, spans to %s, sample ratio %g", service, endpoint, config.ratio)
     return True
 
 
 def shutdown() -> None:
     """Send the spans still buffered and stop tracing (the process is stopping)."""
-    global _tracer, _provider
-    provider, _provider, _tracer = _provider, None, None
-    if provider is not None:
-        provider.shutdown()
+    global _recorder
+    recorder, _recorder = _recorder, None
+    if recorder is not None:
+        recorder.shutdown()
 
 
 @contextlib.contextmanager
@@ -232,10 +227,20 @@ def traced(
 def span(name: str, kind: SpanKind = INTERNAL) -> contextlib.AbstractContextManager[Any]:
     """A child of the current span for the ``with`` block (``as s``: ``s.set_attribute``);
     the shared no-op while tracing is off."""
-    tracer = _tracer
-    if tracer is None:
+    recorder = _recorder
+    if recorder is None:
         return NOOP
-    return _Active(tracer.start_span(name, kind=kind))
+    return _Active(recorder.start(name, kind))
+
+
+def annotate(attributes: Mapping[str, Any]) -> None:
+    """Set ``attributes`` on the current span when it is recorded (a request's server
+    span, from code that opens no span of its own); nothing while tracing is off."""
+    if _recorder is None:
+        return
+    current = trace.get_current_span()
+    if current.is_recording():
+        current.set_attributes(attributes)
 
 
 @dataclass(frozen=True)
@@ -249,7 +254,7 @@ class Incoming:
 def from_pairs(pairs: Iterable[tuple[str, str]] | None) -> Incoming | None:
     """The trace context in gRPC metadata (key/value pairs, keys lower-case); None when
     tracing is off or there is none."""
-    if _tracer is None or not pairs:
+    if _recorder is None or not pairs:
         return None
     parent = state = ""
     for key, value in pairs:
@@ -264,7 +269,7 @@ def from_http_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) ->
     """The trace context of an HTTP request's headers (any case: ``Traceparent`` is
     ``traceparent``), for the HTTP/JSON front door to pass to :func:`server_span`; None
     when tracing is off or there is none."""
-    if _tracer is None:
+    if _recorder is None:
         return None
     items = headers.items() if isinstance(headers, Mapping) else headers
     return from_pairs([(str(k).lower(), str(v)) for k, v in items])
@@ -277,8 +282,8 @@ def server_span(
     is named without its first slash), the child of the caller's span when ``incoming``
     carries a valid context (else a new trace, sampled at the ratio); the no-op while
     tracing is off."""
-    tracer = _tracer
-    if tracer is None:
+    recorder = _recorder
+    if recorder is None:
         return NOOP
     name = name.lstrip("/")
     parent = None
@@ -287,7 +292,7 @@ def server_span(
         if incoming.tracestate:
             carrier[TRACESTATE] = incoming.tracestate
         parent = _PROPAGATOR.extract(carrier)
-    return _Active(tracer.start_span(name, context=parent, kind=SERVER, attributes=attributes))
+    return _Active(recorder.start(name, SERVER, parent, attributes))
 
 
 # --- the context of the current span, going out -------------------------------------------
@@ -296,7 +301,7 @@ def server_span(
 def traceparent() -> tuple[str, str]:
     """``(traceparent, tracestate)`` of the current span ("" when tracing is off or no
     span is current): what a call made now carries (sampled or not, as W3C says)."""
-    if _tracer is None:
+    if _recorder is None:
         return "", ""
     ctx = trace.get_current_span().get_span_context()
     if not ctx.is_valid:
@@ -322,7 +327,7 @@ def outgoing_headers() -> dict[str, str] | None:
 def exemplar() -> dict[str, str] | None:
     """``{"trace_id": ...}`` of the current span when it is recorded (the exemplar a
     Prometheus histogram keeps beside an observation); None otherwise."""
-    if _tracer is None:
+    if _recorder is None:
         return None
     ctx = trace.get_current_span().get_span_context()
     if not ctx.is_valid or not ctx.trace_flags.sampled:
@@ -333,36 +338,40 @@ def exemplar() -> dict[str, str] | None:
 # --- work done for several requests at once (the router's coalesced waves) ------------------
 
 
-def capture() -> SpanContext | None:
-    """The current span's context, kept by work that will run later in another task on
-    behalf of this request (None: tracing off, or no span)."""
-    if _tracer is None:
+def capture() -> trace.Span | None:
+    """The current span, kept by work that will run later in another task on behalf of
+    this request (None: tracing off, or no span)."""
+    if _recorder is None:
         return None
-    ctx = trace.get_current_span().get_span_context()
-    return ctx if ctx.is_valid else None
+    current = trace.get_current_span()
+    return current if current.get_span_context().is_valid else None
 
 
 def batch_span(
-    name: str, members: Sequence[SpanContext | None]
+    name: str, members: Sequence[trace.Span | None]
 ) -> contextlib.AbstractContextManager[Any]:
-    """A span for work done for several requests at once: the child of the first
-    recorded member's span (else of the first member's, unrecorded as it is), with a
-    link to every other recorded one (OpenTelemetry's way for a batch): each trace
-    shows the batch, and the batch names all its requests. Its parent is always set
-    here, never taken from the running task (which may belong to an earlier request).
-    The no-op while tracing is off."""
-    tracer = _tracer
-    if tracer is None:
+    """A span for work done for several requests at once (``members``: what
+    :func:`capture` kept for each): the child of the first recorded member's span (else
+    of the first member's, unrecorded as it is), with a link to every other recorded one
+    (OpenTelemetry's way for a batch), and each of those gets a link back to it while it
+    is still open: the batch names all its requests, and each request's trace names the
+    batch that served it. Its parent is always set here, never taken from the running
+    task (which may belong to an earlier request). The no-op while tracing is off."""
+    recorder = _recorder
+    if recorder is None:
         return NOOP
     known = [m for m in members if m is not None]
-    recorded = [m for m in known if m.trace_flags.sampled]
+    recorded = [m for m in known if m.get_span_context().trace_flags.sampled]
     if recorded:
-        parent = trace.set_span_in_context(NonRecordingSpan(recorded[0]))
+        parent = trace.set_span_in_context(NonRecordingSpan(recorded[0].get_span_context()))
     elif known:
-        parent = trace.set_span_in_context(NonRecordingSpan(known[0]))
+        parent = trace.set_span_in_context(NonRecordingSpan(known[0].get_span_context()))
     else:
         parent = otel_context.Context()  # no request's: a trace of its own
-    links = [Link(m) for m in recorded[1:]]
-    span_ = tracer.start_span(name, context=parent, links=links)
-    span_.set_attribute("gtr.batch.requests", len(members))
-    return _Active(span_)
+    links = [Link(m.get_span_context()) for m in recorded[1:]]
+    attributes = {"gtr.batch.requests": len(members)}
+    batch = recorder.start(name, INTERNAL, parent, attributes, links)
+    if batch.is_recording():
+        for member in recorded[1:]:
+            member.add_link(batch.get_span_context())
+    return _Active(batch)

@@ -10,6 +10,9 @@ ports, and drives the gateway as a client would, sending its own ``traceparent``
   client's span; Triton's, both shards' and the reranker's spans are children of the
   gateway's client spans of those calls; the Redis document fetch and the fusion have
   spans; the gateway's latency histogram keeps the trace id as an exemplar;
+- a search on the gateway's HTTP/JSON port (``--http-port``) with a ``traceparent``
+  header is one trace the same way: its SERVER span is the child of the header's span,
+  and the shards' spans hang under it;
 - an upsert is one trace with the Redis script's span, which names the log entries it
   added; the shards' ``log apply`` spans name the same entries;
 - a gateway started without tracing exports nothing and passes no context on.
@@ -19,6 +22,7 @@ Each fails on the code before tracing (no span is exported at all).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -126,6 +130,7 @@ def _start(name: str, module: str, args: list[str], work: Path) -> Process:
 class Stack:
     receiver: Receiver
     gateway: Process
+    http_port: int  # the gateway's HTTP/JSON port (--http-port)
     metrics_port: int
     shards: ShardCluster
     triton: TritonHandle
@@ -181,7 +186,7 @@ def stack(
                 ["--checkpoint", str(checkpoint), "--threads", "1", *traced],
                 work,
             )
-            metrics_port = free_port()
+            metrics_port, http_port = free_port(), free_port()
             try:
                 gateway = _start(
                     "gateway",
@@ -200,6 +205,8 @@ def stack(
                         "--no-auth",
                         "--metrics-port",
                         str(metrics_port),
+                        "--http-port",
+                        str(http_port),
                         *traced,
                     ],
                     work,
@@ -208,6 +215,7 @@ def stack(
                     yield Stack(
                         receiver,
                         gateway,
+                        http_port,
                         metrics_port,
                         shards,
                         triton,
@@ -349,6 +357,40 @@ def test_a_search_is_one_trace_through_every_process_it_crossed(
     with urllib.request.urlopen(ask, timeout=10) as response:
         text = response.read().decode()
     assert f'trace_id="{trace_id}"' in text
+
+
+def test_an_http_search_is_one_trace_under_the_callers_traceparent_header(
+    stack: Stack, written: tuple[str, str, dict[int, str]]
+) -> None:
+    trace_id, client_span, ((_, traceparent),) = _client_span()
+    ask = urllib.request.Request(
+        f"http://127.0.0.1:{stack.http_port}/v1/search",
+        data=json.dumps({"query": "read json file", "k": 3}).encode(),
+        headers={"Content-Type": "application/json", "Traceparent": traceparent},
+        method="POST",
+    )
+    with urllib.request.urlopen(ask, timeout=60) as response:
+        assert json.loads(response.read())["hits"]
+
+    def complete(r: Receiver) -> bool:
+        spans = r.trace(trace_id)
+        root = [s for s in spans if s.name == "retrieval.v1.SearchService/Search"]
+        shards = {s.instance for s in spans if s.name.endswith("SearchStream search")}
+        return bool(root) and len(shards) == 2
+
+    stack.receiver.wait(complete, "the HTTP search's spans from the gateway and both shards")
+    spans = stack.receiver.trace(trace_id)
+    by_id = {s.span_id: s for s in spans}
+    root = _one(spans, "gtr-gateway", "retrieval.v1.SearchService/Search")
+    assert root.parent == client_span
+    assert root.kind == 2  # OTLP's SPAN_KIND_SERVER
+    assert root.attributes["transport"] == "http"
+    served = [s for s in spans if s.name.endswith("SearchStream search")]
+    assert {s.service for s in served} == {"gtr-index-shard"}
+    for span in served:  # each shard's search reaches the HTTP request's span
+        while span.parent in by_id:
+            span = by_id[span.parent]
+        assert span is root
 
 
 def test_a_gateway_without_tracing_exports_nothing_and_passes_no_context_on(

@@ -4,6 +4,7 @@ with the SDK's in-memory exporter; the OTLP path is tests/integration/test_traci
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -86,14 +87,15 @@ def test_a_wave_is_the_child_of_its_first_recorded_member_and_links_the_rest(
     spans: InMemorySpanExporter,
 ) -> None:
     members = []
-    for name in ("a", "b", "c"):
-        with tracing.span(name):
+    with contextlib.ExitStack() as requests:  # three requests still open when the wave runs
+        for name in ("a", "b", "c"):
+            requests.enter_context(tracing.span(name))
             members.append(tracing.capture())
-    with tracing.server_span("/x.Y/Z", tracing.Incoming(UNSAMPLED)):
-        members.insert(0, tracing.capture())  # an unsampled member first: not the parent
-    with tracing.span("an earlier request"), tracing.batch_span("wave", members):
-        with tracing.span("shard search"):
-            pass
+        with tracing.server_span("/x.Y/Z", tracing.Incoming(UNSAMPLED)):
+            members.insert(0, tracing.capture())  # an unsampled member first: not the parent
+        with tracing.span("an earlier request"), tracing.batch_span("wave", members):
+            with tracing.span("shard search"):
+                pass
     finished = {s.name: s for s in spans.get_finished_spans()}
     wave, shard = finished["wave"], finished["shard search"]
     assert wave.parent is not None and wave.parent.span_id == finished["a"].context.span_id
@@ -102,3 +104,54 @@ def test_a_wave_is_the_child_of_its_first_recorded_member_and_links_the_rest(
         finished["c"].context.span_id,
     ]
     assert shard.parent is not None and shard.parent.span_id == wave.context.span_id
+    # the linked requests name the wave that served them (the parent has it as a child)
+    for name in ("b", "c"):
+        assert [link.context.span_id for link in finished[name].links] == [wave.context.span_id]
+    assert finished["a"].links == ()
+
+
+def test_a_trace_that_starts_here_is_recorded_at_the_ratio() -> None:
+    exporter = InMemorySpanExporter()
+    assert tracing.configure(TracingConfig(None, 0.0), "test", exporter=exporter)
+    try:
+        with tracing.server_span("/a.B/C", None) as root, tracing.span("child") as child:
+            assert not root and not child
+            parent, _ = tracing.traceparent()
+            assert parent.endswith("-02")  # unsampled, carried on (random trace id: W3C 2)
+        with tracing.server_span("/a.B/C", tracing.Incoming(PARENT)) as traced:
+            assert traced  # the caller's sampled flag wins over the ratio
+    finally:
+        tracing.shutdown()
+    assert [s.name for s in exporter.get_finished_spans()] == ["a.B/C"]
+
+
+def test_the_sdks_span_limits_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "3")
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "1")
+    exporter = InMemorySpanExporter()
+    assert tracing.configure(TracingConfig(None, 1.0), "test", exporter=exporter)
+    try:
+        with tracing.span("a") as a:
+            first = tracing.capture()
+            a.set_attributes({"x": "long value", "y": 2, "z": 3})
+        with tracing.span("b"):
+            second = tracing.capture()
+        with tracing.batch_span("wave", [first, second, first]):
+            pass
+    finally:
+        tracing.shutdown()
+    finished = {s.name: s for s in exporter.get_finished_spans()}
+    attributes = dict(finished["a"].attributes or {})
+    assert finished["a"].dropped_attributes == 1 and len(attributes) == 2
+    assert all(len(str(v)) <= 3 for v in attributes.values())
+    assert len(finished["wave"].links) == 1 and finished["wave"].dropped_links == 1
+
+
+def test_a_status_set_ok_stays_ok(spans: InMemorySpanExporter) -> None:
+    with pytest.raises(RuntimeError), tracing.span("answered") as span:
+        span.set_ok()  # a gRPC abort with the caller's code: not the server's failure
+        span.set_error("later")
+        raise RuntimeError("abort")
+    (answered,) = spans.get_finished_spans()
+    assert answered.status.is_ok and answered.events == ()

@@ -50,8 +50,9 @@ class Waiting:
     # its deadline less the router's reserve, taken when it is queued: computed later, the
     # reserve (a share of what is left) would shrink to the 5 ms minimum
     answer_by: Deadline = dataclasses.field(default_factory=lambda: Deadline.after(None))
-    # the trace context of the request it belongs to (None: tracing off); the wave's span
-    # is the child of its first recorded member's and links the others
+    # the span of the request it belongs to (tracing.capture(); None: tracing off): the
+    # wave's span is the child of its first recorded member's, links the others, and each
+    # of those links back to it
     trace: Any = None
 
 
