@@ -118,24 +118,12 @@ class Recorder:
         self.processor.shutdown()
 
 
-class RecordingSpan(trace.Span):
-    """A span being recorded (OpenTelemetry's API ``Span``, so that it can be the current
-    span of a context); at :meth:`end` it goes to the span processor as a
-    ``ReadableSpan``. One task uses it, as our hooks do: no lock."""
-
-    __slots__ = (
-        "_attributes",
-        "_context",
-        "_end",
-        "_events",
-        "_kind",
-        "_links",
-        "_name",
-        "_parent",
-        "_recorder",
-        "_start",
-        "_status",
-    )
+class RecordingSpan(trace.Span, ReadableSpan):
+    """A span being recorded: OpenTelemetry's API ``Span`` (so that it can be the current
+    span of a context) and, as the SDK's own span is, the SDK's ``ReadableSpan`` that the
+    span processor takes at :meth:`end` (no copy is made; nothing changes it after its
+    end, when the exporting thread may read it). One task uses it, as our hooks do: no
+    lock."""
 
     def __init__(
         self,
@@ -147,45 +135,49 @@ class RecordingSpan(trace.Span):
         attributes: Mapping[str, Any] | None,
         links: Sequence[Link],
     ) -> None:
+        # ReadableSpan's own fields (its properties read them), set here without its
+        # __init__, as the SDK's span does
         self._recorder = recorder
         self._name = name
         self._kind = kind
         self._context = context
         self._parent = parent
-        self._attributes: dict[str, Any] = dict(attributes) if attributes else {}
-        self._links = links
-        self._events: list[Event] = []
+        self._attributes: Any = dict(attributes) if attributes else {}
+        self._links: Any = links
+        self._events: Any = ()
         self._status = _UNSET
-        self._end: int | None = None
-        self._start = time_ns()
+        self._resource = recorder.resource
+        self._instrumentation_scope = recorder.scope
+        self._instrumentation_info = None
+        self._end_time: int | None = None
+        self._start_time = time_ns()
 
     def get_span_context(self) -> SpanContext:
-        return self._context
+        return self._context  # type: ignore[return-value]  # set in __init__, never None
 
     def is_recording(self) -> bool:
-        return self._end is None
+        return self._end_time is None
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self._attributes[key] = value
+        if self._end_time is None:
+            self._attributes[key] = value
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        self._attributes.update(attributes)
+        if self._end_time is None:
+            self._attributes.update(attributes)
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
         """A link added after the start (ignored once the span has ended)."""
-        if self._end is None:
+        if self._end_time is None:
             self._links = (*self._links, Link(context, attributes))
 
     def update_name(self, name: str) -> None:
-        self._name = name
-
-    @property
-    def status(self) -> Status:
-        return self._status
+        if self._end_time is None:
+            self._name = name
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
         """As the SDK: an OK status stays, UNSET is no change."""
-        if self._status.status_code is StatusCode.OK:
+        if self._end_time is not None or self._status.status_code is StatusCode.OK:
             return
         if isinstance(status, StatusCode):
             status = Status(status, description)
@@ -195,7 +187,8 @@ class RecordingSpan(trace.Span):
     def add_event(
         self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
     ) -> None:
-        self._events.append(Event(name, dict(attributes or {}), timestamp))
+        if self._end_time is None:
+            self._events = [*self._events, Event(name, dict(attributes or {}), timestamp)]
 
     def record_exception(
         self,
@@ -215,35 +208,20 @@ class RecordingSpan(trace.Span):
         self.add_event("exception", {**recorded, **(attributes or {})}, timestamp)
 
     def end(self, end_time: int | None = None) -> None:
-        if self._end is not None:
+        if self._end_time is not None:
             return
-        self._end = end_time if end_time is not None else time_ns()
-        recorder = self._recorder
-        limits = recorder.limits
-        attributes: Mapping[str, Any] = self._attributes
+        limits = self._recorder.limits
         most = limits.max_span_attributes
-        if (most is not None and len(attributes) > most) or (
+        if (most is not None and len(self._attributes) > most) or (
             limits.max_span_attribute_length is not None
         ):
-            attributes = BoundedAttributes(
-                most, attributes, immutable=True, max_value_len=limits.max_span_attribute_length
+            self._attributes = BoundedAttributes(
+                most,
+                self._attributes,
+                immutable=True,
+                max_value_len=limits.max_span_attribute_length,
             )
-        links: Sequence[Link] = self._links
-        if limits.max_links is not None and len(links) > limits.max_links:
-            links = BoundedList.from_seq(limits.max_links, links)
-        recorder.processor.on_end(
-            ReadableSpan(
-                name=self._name,
-                context=self._context,
-                parent=self._parent,
-                resource=recorder.resource,
-                attributes=attributes,
-                events=self._events,
-                links=links,
-                kind=self._kind,
-                status=self._status,
-                start_time=self._start,
-                end_time=self._end,
-                instrumentation_scope=recorder.scope,
-            )
-        )
+        if limits.max_links is not None and len(self._links) > limits.max_links:
+            self._links = BoundedList.from_seq(limits.max_links, self._links)
+        self._end_time = end_time if end_time is not None else time_ns()
+        self._recorder.processor.on_end(self)

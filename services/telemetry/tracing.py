@@ -149,6 +149,29 @@ class _Active:
 _OK = Status(StatusCode.OK)
 
 
+class _Within:
+    """Another task's span (a request's, kept by :func:`capture`) made current for a
+    ``with`` block, without a span of its own; ``as s`` gets the no-op."""
+
+    __slots__ = ("_span", "_token")
+
+    def __init__(self, span: trace.Span) -> None:
+        self._span = span
+        self._token: object = None
+
+    def __enter__(self) -> _NoSpan:
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        return NO_SPAN
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        otel_context.detach(self._token)  # type: ignore[arg-type]
+
+
 def _unset(span: trace.Span) -> bool:
     """No status was set on ``span`` by the code (one that was stays)."""
     status = getattr(span, "status", None)
@@ -356,10 +379,14 @@ def batch_span(
     (OpenTelemetry's way for a batch), and each of those gets a link back to it while it
     is still open: the batch names all its requests, and each request's trace names the
     batch that served it. Its parent is always set here, never taken from the running
-    task (which may belong to an earlier request). The no-op while tracing is off."""
+    task (which may belong to an earlier request). A batch of one request makes no span
+    (it would repeat the request's): that request's span is made current for the block.
+    The no-op while tracing is off."""
     recorder = _recorder
     if recorder is None:
         return NOOP
+    if len(members) == 1 and members[0] is not None:
+        return _Within(members[0])  # a batch of one is that request's own work: no span
     known = [m for m in members if m is not None]
     recorded = [m for m in known if m.get_span_context().trace_flags.sampled]
     if recorded:

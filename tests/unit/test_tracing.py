@@ -110,6 +110,18 @@ def test_a_wave_is_the_child_of_its_first_recorded_member_and_links_the_rest(
     assert finished["a"].links == ()
 
 
+def test_a_wave_of_one_request_has_no_span_of_its_own(spans: InMemorySpanExporter) -> None:
+    with tracing.server_span("/a.B/C", None):
+        member = tracing.capture()
+    with tracing.span("an earlier request"), tracing.batch_span("wave", [member]):
+        with tracing.span("shard search"):
+            pass
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    assert "wave" not in finished
+    shard = finished["shard search"]
+    assert shard.parent is not None and shard.parent.span_id == finished["a.B/C"].context.span_id
+
+
 def test_a_trace_that_starts_here_is_recorded_at_the_ratio() -> None:
     exporter = InMemorySpanExporter()
     assert tracing.configure(TracingConfig(None, 0.0), "test", exporter=exporter)
