@@ -31,7 +31,7 @@ median over the rounds (``*_cpu_ms``), their ratios (``off_over_base``, ``on_ove
 (``*_rounds``: the spread);
 ``*_gateway_ms``: the gateway's part of a set's CPU (the rest is its shards');
 ``spans_per_search``: the spans the ``on`` set exported for the measured searches (fewer
-than a lone search's 14 when concurrent searches share a wave). ``off_hook_ns`` is the
+than a lone search's 13 when concurrent searches share a wave). ``off_hook_ns`` is the
 cost of one disabled hook timed here, for scale.
 """
 

@@ -3,14 +3,15 @@
 The SDK's exporter (``opentelemetry-exporter-otlp-proto-grpc``) turns every span into
 protobuf messages built from keyword arguments, one nested message per attribute, value
 and status, and groups the spans by resource with ``Resource.__hash__``, which dumps the
-resource's attributes to JSON for every span. That ran in the exporting thread of the
-traced process itself: 51 us of CPU per span, measured here (bench/tracing_overhead.py's
-profile, docs/tracing.md "Cost"), about half of what a span cost.
+resource's attributes to JSON for every span. That runs in the exporting thread of the
+traced process itself: 38 us of CPU per span, 42 % of what a span cost in all
+(bench/tracing_spans.py; docs/tracing.md "Cost").
 
 :func:`encode` writes the same ``ExportTraceServiceRequest`` (equal message, equal
 bytes: tests/unit/test_tracing_otlp.py compares it with the SDK's ``encode_spans``)
 by setting the fields of one span message added in place, the resource and scope encoded
-once per batch, for about 14 us per span. Everything else (the gRPC channel, TLS,
+once per batch: 17 us per span of the SDK's spans, 11 us of services/telemetry/spans.py's
+(the same bench). Everything else (the gRPC channel, TLS,
 retries, timeouts, headers, compression, the ``OTEL_EXPORTER_OTLP_*`` variables) is the
 SDK's exporter as it is: :class:`SpanExporter` only replaces its ``_translate_data``.
 """

@@ -1,15 +1,15 @@
 """How a span is recorded while tracing is on: the SDK's sampler, ids, resource, span
 processor and OTLP exporter, without the SDK's ``Tracer`` and ``Span`` on the hot path.
 
-Measured here (bench/tracing_overhead.py, docs/tracing.md "Cost"): the SDK's
-``Tracer.start_span`` and ``Span.end`` took 25 us of CPU per span on these machines
-(a ``Span`` builds a lock, a ``BoundedAttributes`` with its own lock, two ``BoundedList``,
-cleans every attribute value, then copies itself into a ``ReadableSpan`` at its end), the
-largest part of what tracing cost a search once the export was made cheaper
-(services/telemetry/otlp.py). :class:`RecordingSpan` keeps what our spans need (a name,
-a kind, the ids, the parent, two timestamps, a dict of attributes, a status, the
-exception event, links) and hands the span processor the SDK's own ``ReadableSpan`` at
-its end, which is what processors and exporters take.
+Measured (bench/tracing_spans.py, docs/tracing.md "Cost"): a span made by the SDK's
+``Tracer`` cost 53 us of the traced thread's CPU (a ``Span`` takes a lock, builds a
+``BoundedAttributes`` with a lock of its own and two ``BoundedList``, cleans every
+attribute value, asks the sampler also for a child, and is copied into a
+``ReadableSpan`` at its end), 15 us made here: after the export (services/telemetry/
+otlp.py), the largest part of what tracing cost. :class:`RecordingSpan` keeps what our
+spans need (a name, a kind, the ids, the parent, two timestamps, a dict of attributes, a
+status, the exception event, links) and is itself the SDK's ``ReadableSpan``, which is
+what span processors and exporters take.
 
 Kept from the SDK as it is: the sampler of a trace that starts here
 (``TraceIdRatioBased``; a span with a parent is recorded when its parent is, what the
