@@ -26,15 +26,23 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 EVERY_S = 1.0
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of ``pid``; None when it is gone."""
+def read_stat(path: str) -> tuple[str, int, float] | None:
+    """(name, parent pid, CPU seconds) of a ``/proc/<pid>/stat`` or
+    ``/proc/<pid>/task/<tid>/stat`` file; None when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
+        with open(path, "rb") as fh:
             raw = fh.read()
     except OSError:
         return None
+    name = raw[raw.index(b"(") + 1 : raw.rfind(b")")].decode(errors="replace")
     fields = raw[raw.rfind(b")") + 2 :].split()  # comm may hold spaces and parentheses
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) * TICK_S
+    return name, int(fields[1]), (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of ``pid``; None when it is gone."""
+    stat = read_stat(f"/proc/{pid}/stat")
+    return None if stat is None else (stat[1], stat[2])
 
 
 def machine_busy_s() -> float:

@@ -161,14 +161,9 @@ def _threads_cpu() -> dict[str, float]:
     """CPU seconds of each thread of this process, by ``name/tid``."""
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat", "rb") as fh:
-                raw = fh.read()
-        except OSError:
-            continue
-        name = raw[raw.index(b"(") + 1 : raw.rfind(b")")].decode(errors="replace")
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) * cpu_roles.TICK_S
+        stat = cpu_roles.read_stat(f"/proc/self/task/{tid}/stat")
+        if stat is not None:
+            out[f"{stat[0]}/{tid}"] = stat[2]
     return out
 
 

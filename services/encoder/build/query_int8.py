@@ -48,7 +48,17 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.encoder.build.export import GATE_FILE, INT8_QUERY_ONNX, EncoderMeta
+from services.encoder.build.export import (
+    GATE_FILE,
+    INT8_QUERY_ONNX,
+    ONNX_OPSET,
+    OUTPUT_NAME,
+    EncoderMeta,
+    export_onnx,
+    onnx_session,
+    quantize_int8,
+    row_cosines,
+)
 
 # min cosine of the int8 query graph vs the FP32 graph on PARITY_TEXTS (all-MiniLM-L6-v2:
 # 0.9843); on SciFact's 162 dev queries, one per run, min 0.9855 / mean 0.9934
@@ -129,7 +139,6 @@ class _NoPreprocessingHint(logging.Filter):
 
 def quantize_query_graph(fp32_onnx: Path, out: Path) -> Path:
     """Dynamic int8 quantisation (int8 weights, per-channel scales) of ``fp32_onnx``."""
-    from services.encoder.build.export import quantize_int8
 
     hint = _NoPreprocessingHint()
     logging.getLogger().addFilter(hint)
@@ -140,7 +149,6 @@ def quantize_query_graph(fp32_onnx: Path, out: Path) -> Path:
 
 
 def _embed(session: Any, codec: Any, texts: list[str], kind: str, batch: int = 32) -> np.ndarray:
-    from services.encoder.build.export import OUTPUT_NAME
 
     rows = []
     for i in range(0, len(texts), batch):
@@ -161,7 +169,6 @@ def parity_cosines(fp32_onnx: Path, int8_onnx: Path, texts: list[str] | None = N
     """Per-text cosine of the int8 query graph's vectors with the FP32 graph's (one query
     per run, as served); the export folder of ``fp32_onnx`` gives the tokenizer.
     NaN, Inf or zero rows come out as NaN, which fails every threshold."""
-    from services.encoder.build.export import onnx_session, row_cosines
 
     codec = _codec(Path(fp32_onnx).parent)
     texts = list(texts or PARITY_TEXTS)
@@ -200,7 +207,6 @@ def dev_ndcg(
     document vectors: ``corpus.<model>.npy`` in ``data_dir`` when it is there (the
     shared data's), else the corpus encoded with the FP32 graph."""
     from services.corpus.beir import load_beir, split_queries
-    from services.encoder.build.export import onnx_session
     from services.measures.ranking import paired_comparison, score
 
     export_dir = Path(fp32_onnx).parent
@@ -273,7 +279,6 @@ def export_with_int8_query(
 ) -> EncoderMeta:
     """The FP32 export plus the int8 query graph, made and gated in a scratch folder
     beside ``onnx_path`` and moved into place only when both gates pass."""
-    from services.encoder.build.export import ONNX_OPSET, export_onnx
     from services.encoder.model import tower_dirs
 
     dirs = tower_dirs(model_dir)
