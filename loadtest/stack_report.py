@@ -1,25 +1,35 @@
 """The load-test report of the local stack, in one command (docs/performance.md quotes it).
 
-    .venv/bin/python -m loadtest.stack_report --run-dir /tmp/c-run --img-dir docs/img
+    .venv/bin/python -m loadtest.stack_report --img-dir docs/img
 
-Starts ``gtr-retrieval up --run-dir DIR --port 0 --shards 2`` (the default model, the
-reranker started), waits until it serves, and measures in one run:
+Starts ``gtr-retrieval up --run-dir DIR --port 0 --shards 2 --corpus C`` (the default
+model, the reranker started; ``C``: the first ``--docs`` SciFact documents, so that the
+floor below searches the same ones), waits until it serves, and measures in one run:
 
 1. the generator's overhead against a trivial gRPC server (:mod:`loadtest.overhead`);
-2. an open-loop sweep of Search, rerank off, against the end-to-end budget of the
-   default model (50 ms, services/common/slo.py), plotted to ``IMG_DIR/load-sweep-rerank-off.png``;
-3. the same with rerank on at depth 10, the smallest depth the gateway's table knows,
-   against the budget of a Search with rerank (250 ms), plotted to
-   ``IMG_DIR/load-sweep-rerank-on.png``;
-4. gateway Search throughput ÷ Triton encode-only throughput, same queries, same
-   concurrency (:mod:`loadtest.bottleneck`);
+2. for **hybrid** (the default mode) and **dense**, rerank off:
+   a. the closed-loop ceiling: searches/s ``--concurrency`` callers get through, and the
+      CPU every process of the stack used per search (``/proc``, :mod:`bench.cpu_roles`;
+      the generator excluded);
+   b. an open-loop sweep (Poisson) against the end-to-end budget of the default model
+      (50 ms, services/common/slo.py: p99 within it and ≥ 99 % of the searches),
+      plotted to ``IMG_DIR/load-sweep-<mode>.png``; its best rate ÷ the ceiling is
+      ``slo_rate_over_ceiling``;
+3. the floor (:mod:`bench.floor`): the same searches of the same documents in one thread
+   with no RPC; the stack's CPU per search ÷ the floor's is ``cpu_per_search_over_floor``;
+4. unless ``--no-rerank``: the sweep with rerank on at depth 10, the smallest depth the
+   gateway's table knows, against the budget of a Search with rerank (250 ms);
+5. unless ``--no-bottleneck``: gateway Search throughput ÷ Triton encode-only throughput,
+   same queries, same concurrency (:mod:`loadtest.bottleneck`).
 
 Each sweep climbs from its first rate by ``--factor`` until the SLO breaks, or steps down
 (at most four times) when already the first rate breaks it. Then it stops the stack and
-prints the figures the report quotes, the load average of the
-machine before and after, and one JSON line. ``--stack-json`` measures a stack that is
-already running instead. On a machine shared with other work the absolute figures are
-low and noisy: re-run it on a quiet machine to replace them.
+prints the figures the report quotes, the load average of the machine before and after,
+the cores the rest of the machine used meanwhile (``other_cores``: another job's load;
+``loaded`` when it passed a quarter of a core) and one JSON line, whose top level carries
+the default mode's ``hybrid_slo_rate``, ``slo_rate_over_ceiling`` and
+``cpu_per_search_over_floor`` (issue #34). ``--stack-json`` measures a stack that is
+already running instead (no CPU figures then: its processes are not this one's children).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,18 +50,24 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
+from bench import cpu_roles
+from bench import floor as floor_bench
 from loadtest import bottleneck, overhead
 from loadtest.budget import default_slo_ms
 from loadtest.runner import RunConfig
 from loadtest.sweep import SweepConfig, plot, sweep
 from loadtest.target import Target, target_from_stack
-from loadtest.workload import Workload, load_queries
+from loadtest.workload import DATA_DIR, Mode, Workload, load_queries
 
 RERANK_DEPTH = 10
+SHARDS = 2
+MODES: tuple[Mode, ...] = ("hybrid", "dense")
+# Cores the rest of the machine may use during a run that still counts as quiet.
+LOADED_OTHER_CORES = 0.25
 
 
 @contextmanager
-def local_stack(run_dir: Path, timeout_s: float) -> Iterator[Path]:
+def local_stack(run_dir: Path, timeout_s: float, corpus: Path | None) -> Iterator[Path]:
     """``gtr-retrieval up`` in a child process until it serves; yields its stack.json."""
     cmd = [
         sys.executable,
@@ -62,8 +79,10 @@ def local_stack(run_dir: Path, timeout_s: float) -> Iterator[Path]:
         "--port",
         "0",
         "--shards",
-        "2",
+        str(SHARDS),
     ]
+    if corpus is not None:
+        cmd += ["--corpus", str(corpus)]
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -89,6 +108,16 @@ def local_stack(run_dir: Path, timeout_s: float) -> Iterator[Path]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def write_corpus(source: Path, path: Path, docs: int) -> Path:
+    """The first ``docs`` documents of the BEIR ``corpus.jsonl`` in ``source``, as ``path``."""
+    with (source / "corpus.jsonl").open(encoding="utf-8") as fh, path.open("w") as out:
+        for n, line in enumerate(fh):
+            if n == docs:
+                break
+            out.write(line)
+    return path
 
 
 def _discard(stream: IO[str]) -> None:
@@ -157,10 +186,76 @@ def _sweep_config(
     )
 
 
-def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _cpu_window(root: int, before: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores by role since ``before`` (:func:`bench.cpu_roles.sample`) over ``seconds``,
+    with ``other``: what the rest of the machine used meanwhile."""
+    after = cpu_roles.sample(root)
+    used = {key: max(0.0, after[key] - before.get(key, 0.0)) / seconds for key in after}
+    used["other"] = max(0.0, used["machine"] - sum(v for k, v in used.items() if k != "machine"))
+    return {key: round(v, 3) for key, v in sorted(used.items())}
+
+
+def measure_mode(
+    target: Target,
+    stack: dict[str, Any],
+    queries: list[str],
+    mode: Mode,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The closed-loop ceiling with the stack's CPU per search, then the open-loop sweep."""
+    print(f"\n== {mode}: closed-loop ceiling, {args.concurrency} callers", flush=True)
+    ceiling = floor_bench.measure_stack(
+        stack["gateway"], queries, mode, 10, args.ceiling_seconds, args.concurrency
+    )
+    if not any(v > 0 for v in ceiling["roles_cpu_ms_per_search"].values()):
+        ceiling["cpu_ms_per_search"] = None  # not our children (--stack-json): not measured
+    print(
+        f"  {ceiling['searches_per_s']:.1f} searches/s ({ceiling['failed']} failed), "
+        f"stack CPU {ceiling['cpu_ms_per_search']} ms per search "
+        f"{ceiling['roles_cpu_ms_per_search']}",
+        flush=True,
+    )
+    print(f"\n== {mode}: open-loop sweep, rerank off", flush=True)
+    slo = default_slo_ms("minilm")
+    cfg = _sweep_config(args, args.start_rate, args.step_seconds, slo)
+    sweep_result = asyncio.run(
+        run_sweep(
+            target,
+            Workload(queries=queries, mode=mode),
+            cfg,
+            args.img_dir / f"load-sweep-{mode}.png",
+            f"Search ({mode}), rerank off, {SHARDS} shards, MiniLM (SLO {slo:g} ms)",
+            knee=True,
+        )
+    )
+    best = sweep_result["best_rate"]
+    return {
+        "ceiling": ceiling,
+        "sweep": sweep_result,
+        "slo_rate": best,
+        "slo_rate_over_ceiling": (best or 0.0) / ceiling["searches_per_s"]
+        if ceiling["searches_per_s"]
+        else None,
+    }
+
+
+def measure_floor(corpus: Path, queries: list[str]) -> dict[str, Any]:
+    """bench.floor's CPU per search of each mode on ``corpus`` (setup not measured)."""
+    print("\n== the floor (one thread, no RPC)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gtr-report-floor-") as tmp:
+        floor = floor_bench.build_floor(corpus, Path(tmp), SHARDS)
+        out: dict[str, Any] = {m: floor_bench.measure_floor(floor, queries, m, 10) for m in MODES}
+    for m in MODES:
+        print(f"  {m}: {out[m]['cpu_ms_per_search']:.2f} ms CPU per search", flush=True)
+    return out
+
+
+def measure(stack_json: Path, args: argparse.Namespace, corpus: Path | None) -> dict[str, Any]:
     stack = json.loads(stack_json.read_text(encoding="utf-8"))
     target = target_from_stack(stack, token=os.environ.get("GTR_TOKEN") or None)
     queries = load_queries(args.queries)
+    root, start = os.getpid(), time.monotonic()
+    cpu_before = cpu_roles.sample(root)
     out: dict[str, Any] = {"loadavg_before": loadavg(), "gateway": stack["gateway"]}
 
     print("\n== generator overhead (trivial gRPC server)", flush=True)
@@ -168,64 +263,88 @@ def measure(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
         ov_args = overhead.build_parser().parse_args([])
         out["overhead"] = asyncio.run(overhead.measure(address, ov_args))
 
-    print("\n== sweep, rerank off", flush=True)
-    slo_off = default_slo_ms("minilm")
-    off = _sweep_config(args, args.start_rate, args.step_seconds, slo_off)
-    out["rerank_off"] = asyncio.run(
-        run_sweep(
-            target,
-            Workload(queries=queries),
-            off,
-            args.img_dir / "load-sweep-rerank-off.png",
-            f"Search, rerank off, 2 shards, MiniLM (SLO {slo_off:g} ms)",
-            knee=True,
-        )
-    )
+    out["modes"] = {m: measure_mode(target, stack, queries, m, args) for m in MODES}
 
-    print(f"\n== sweep, rerank on (depth {RERANK_DEPTH})", flush=True)
-    slo_on = default_slo_ms("minilm", rerank=True)
-    on = _sweep_config(args, args.rerank_start_rate, args.rerank_step_seconds, slo_on)
-    rerank = Workload(queries=queries, rerank=True, rerank_depth=RERANK_DEPTH)
-    out["rerank_on"] = asyncio.run(
-        run_sweep(
-            target,
-            rerank,
-            on,
-            args.img_dir / "load-sweep-rerank-on.png",
-            f"Search + CELI rerank depth {RERANK_DEPTH}, 2 shards (SLO {slo_on:g} ms)",
+    if not args.no_rerank:
+        print(f"\n== sweep, rerank on (depth {RERANK_DEPTH})", flush=True)
+        slo_on = default_slo_ms("minilm", rerank=True)
+        on = _sweep_config(args, args.rerank_start_rate, args.rerank_step_seconds, slo_on)
+        rerank = Workload(queries=queries, rerank=True, rerank_depth=RERANK_DEPTH)
+        out["rerank_on"] = asyncio.run(
+            run_sweep(
+                target,
+                rerank,
+                on,
+                args.img_dir / "load-sweep-rerank-on.png",
+                f"Search + CELI rerank depth {RERANK_DEPTH}, {SHARDS} shards (SLO {slo_on:g} ms)",
+            )
         )
-    )
 
-    print(f"\n== gateway ÷ Triton encode-only, concurrency {args.concurrency}", flush=True)
-    b_args = bottleneck.build_parser().parse_args(
-        ["--concurrency", str(args.concurrency), "--rounds", str(args.rounds)]
-    )
-    out["bottleneck"] = bottleneck.measure_placements(
-        target, stack["triton_grpc"], queries, b_args, stack
-    )
+    if not args.no_bottleneck:
+        print(f"\n== gateway ÷ Triton encode-only, concurrency {args.concurrency}", flush=True)
+        b_args = bottleneck.build_parser().parse_args(
+            ["--concurrency", str(args.concurrency), "--rounds", str(args.rounds)]
+        )
+        out["bottleneck"] = bottleneck.measure_placements(
+            target, stack["triton_grpc"], queries, b_args, stack
+        )
+    out["cores"] = _cpu_window(root, cpu_before, time.monotonic() - start)
     out["loadavg_after"] = loadavg()
     return out
 
 
+def add_ratios(out: dict[str, Any]) -> None:
+    """The floor ratios per mode, and the default mode's figures at the top level."""
+    for m, one in out["modes"].items():
+        stack_ms = one["ceiling"]["cpu_ms_per_search"]
+        floor_ms = out.get("floor", {}).get(m, {}).get("cpu_ms_per_search")
+        one["floor_cpu_ms_per_search"] = floor_ms
+        one["cpu_per_search_over_floor"] = (
+            stack_ms / floor_ms if stack_ms is not None and floor_ms else None
+        )
+    hybrid = out["modes"]["hybrid"]
+    out["hybrid_slo_rate"] = hybrid["slo_rate"]
+    out["slo_rate_over_ceiling"] = hybrid["slo_rate_over_ceiling"]
+    out["cpu_per_search_over_floor"] = hybrid["cpu_per_search_over_floor"]
+    out["other_cores"] = out["cores"].get("other", 0.0)
+    out["loaded"] = out["other_cores"] > LOADED_OTHER_CORES
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def summary_lines(out: dict[str, Any]) -> list[str]:
-    ov, off, on, bn = out["overhead"], out["rerank_off"], out["rerank_on"], out["bottleneck"]
-    best_off = off["best_rate"] or 0.0
-    knee_off = off["max_kept_up_rate"] or 0.0
+    ov = out["overhead"]
     lines = [
-        f"load average before {out['loadavg_before']}, after {out['loadavg_after']}",
-        f"generator: max sustained {ov['max_sustained_rate']:.0f}/s against the trivial server; "
-        f"adds {ov['added_p50_ms']:.2f} ms at p50 (open loop {ov['openloop_p50_ms']:.2f} ms vs "
-        f"round trip {ov['roundtrip_p50_ms']:.2f} ms); "
-        f"{ov['max_sustained_rate'] / max(best_off, knee_off, 1e-9):.1f}x the gateway's "
-        f"best rate (or the highest it kept up with, {knee_off:g}/s)",
-        f"rerank off: best rate {off['best_rate']}/s within {off['slo_ms']:g} ms "
-        f"(p99 {off['best_p99_ms']}, attainment {off['best_attainment']}); first failing "
-        f"{off['first_failing_rate']}; highest rate it kept up with (achieved >= 90 % of "
-        f"scheduled, <= 1 % errors) {off['max_kept_up_rate']}/s",
-        f"rerank on:  best rate {on['best_rate']}/s within {on['slo_ms']:g} ms "
-        f"(p99 {on['best_p99_ms']}, attainment {on['best_attainment']}); first failing "
-        f"{on['first_failing_rate']}; highest rate it kept up with {on['max_kept_up_rate']}/s",
+        f"load average before {out['loadavg_before']}, after {out['loadavg_after']}; "
+        f"the rest of the machine used {out['other_cores']:.2f} cores meanwhile"
+        + (" (LOADED: not a quiet machine's figures)" if out["loaded"] else ""),
+        f"generator: max sustained {ov['max_sustained_rate']:.0f}/s against the trivial "
+        f"server; adds {ov['added_p50_ms']:.2f} ms at p50",
+        "mode   | ceiling/s | SLO rate/s | SLO ÷ ceiling | stack CPU ms | floor CPU ms | ÷ floor",
     ]
+    for m, one in out["modes"].items():
+        c = one["ceiling"]
+        lines.append(
+            f"{m:6} | {c['searches_per_s']:9.1f} | {_fmt(one['slo_rate'], '10.1f')} | "
+            f"{_fmt(one['slo_rate_over_ceiling'], '13.3f')} | "
+            f"{_fmt(c['cpu_ms_per_search'], '12.2f')} | "
+            f"{_fmt(one['floor_cpu_ms_per_search'], '12.2f')} | "
+            f"{_fmt(one['cpu_per_search_over_floor'], '.2f')}"
+        )
+    lines.append(
+        f"hybrid (the default): hybrid_slo_rate {out['hybrid_slo_rate']}/s (goal >= 150), "
+        f"slo_rate_over_ceiling {_fmt(out['slo_rate_over_ceiling'], '.3f')} (goal >= 0.7), "
+        f"cpu_per_search_over_floor {_fmt(out['cpu_per_search_over_floor'])} (goal <= 1.6)"
+    )
+    on = out.get("rerank_on")
+    if on is not None:
+        lines.append(
+            f"rerank on: best rate {on['best_rate']}/s within {on['slo_ms']:g} ms "
+            f"(p99 {on['best_p99_ms']}); first failing {on['first_failing_rate']}"
+        )
+    bn = out.get("bottleneck", {})
     for name in ("shared", "split"):
         if name not in bn:
             continue
@@ -235,12 +354,7 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
             f"{name}{cpus}: gateway {one['gateway_searches_per_s']:.1f} searches/s ÷ Triton "
             f"{one['triton_encodes_per_s']:.1f} encodes/s at concurrency {bn['concurrency']}"
             f" = {one['ratio']:.3f} (rounds {one['rounds_ratio_min']:.3f}–"
-            f"{one['rounds_ratio_max']:.3f}; goal ≥ 0.8)"
-        )
-    if "shared" in bn:
-        lines.append(
-            "open loop: highest rate kept up with ÷ encode-only (shared) = "
-            f"{knee_off / bn['shared']['triton_encodes_per_s']:.3f}"
+            f"{one['rounds_ratio_max']:.3f})"
         )
     return lines
 
@@ -252,43 +366,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--run-dir",
         type=Path,
-        default=Path("/tmp/gtr-load-report"),
-        help="run dir of the stack it starts (default /tmp/gtr-load-report)",
+        default=None,
+        help="run dir of the stack it starts (default: a new temporary one, removed after)",
     )
     p.add_argument(
         "--stack-json",
         type=Path,
         default=None,
-        help="measure this running stack instead of starting one",
+        help="measure this running stack instead of starting one (no CPU or floor figures)",
     )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=DATA_DIR / "scifact",
+        help="BEIR folder: the stack's corpus (its first --docs documents) and the queries",
+    )
+    p.add_argument("--docs", type=int, default=1500, help="documents ingested (1500)")
     p.add_argument("--img-dir", type=Path, default=Path("docs/img"), help="where PNGs go")
     p.add_argument("--queries", type=Path, default=None, help="BEIR queries.jsonl")
-    p.add_argument("--start-rate", type=float, default=5.0, help="rerank off: first rate (5)")
+    p.add_argument("--start-rate", type=float, default=20.0, help="rerank off: first rate (20)")
     p.add_argument(
         "--rerank-start-rate", type=float, default=0.5, help="rerank on: first rate (0.5)"
     )
     p.add_argument("--factor", type=float, default=1.5, help="rate step (1.5)")
-    p.add_argument("--step-seconds", type=float, default=12.0, help="rerank off (12)")
+    p.add_argument("--step-seconds", type=float, default=40.0, help="rerank off (40)")
     p.add_argument("--rerank-step-seconds", type=float, default=30.0, help="rerank on (30)")
     p.add_argument("--refine", type=int, default=2, help="bisection steps at the edge (2)")
-    p.add_argument("--concurrency", type=int, default=16, help="bottleneck ratio (16)")
+    p.add_argument(
+        "--concurrency", type=int, default=16, help="closed-loop callers: ceiling, bottleneck"
+    )
+    p.add_argument("--ceiling-seconds", type=float, default=20.0, help="closed loop per mode (20)")
     p.add_argument("--rounds", type=int, default=3, help="bottleneck alternations (3)")
+    p.add_argument("--no-rerank", action="store_true", help="skip the rerank-on sweep")
+    p.add_argument("--no-bottleneck", action="store_true", help="skip the bottleneck ratio")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="for `up` (s)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    if args.stack_json is not None:
-        out = measure(args.stack_json, args)
-    else:
-        with local_stack(args.run_dir, args.startup_timeout) as stack_json:
-            out = measure(stack_json, args)
+    queries_path = args.queries or args.data / "queries.jsonl"
+    args.queries = queries_path
+    with tempfile.TemporaryDirectory(prefix="gtr-load-report-") as tmp_name:
+        tmp = Path(tmp_name)
+        if args.stack_json is not None:
+            out = measure(args.stack_json, args, None)
+        else:
+            corpus = write_corpus(args.data, tmp / "corpus.jsonl", args.docs)
+            with local_stack(args.run_dir or tmp / "run", args.startup_timeout, corpus) as st:
+                out = measure(st, args, corpus)
+            # after the stack stopped: the floor runs alone, on the same documents
+            out["floor"] = measure_floor(corpus, load_queries(queries_path)[:300])
+    add_ratios(out)
     out["command"] = "python -m loadtest.stack_report " + " ".join(argv or sys.argv[1:])
     print("\n== report")
     for line in summary_lines(out):
         print(line)
-    print(json.dumps(out, default=lambda v: None if v != v else v))
+    line = json.dumps(out, default=lambda v: None if v != v else v)
+    if args.out is not None:
+        args.out.write_text(line + "\n", encoding="utf-8")
+    print(line)
     return out
 
 

@@ -25,6 +25,13 @@ from retrieval.v1 import documents_pb2, documents_pb2_grpc, search_pb2, search_p
 
 Op = Literal["search", "batch", "upsert"]
 OPS: tuple[Op, ...] = ("search", "batch", "upsert")
+Mode = Literal["", "hybrid", "dense", "sparse"]
+MODES: dict[str, search_pb2.RetrievalMode.ValueType] = {
+    "": search_pb2.RETRIEVAL_MODE_UNSPECIFIED,
+    "hybrid": search_pb2.RETRIEVAL_MODE_HYBRID,
+    "dense": search_pb2.RETRIEVAL_MODE_DENSE,
+    "sparse": search_pb2.RETRIEVAL_MODE_SPARSE,
+}
 DATA_DIR = Path(
     os.environ.get("GTR_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
 )
@@ -97,18 +104,22 @@ class Workload:
     documents: Sequence[tuple[str, str]] = ()  # (title, text) for Upsert
     upsert_docs: int = 1  # documents per Upsert
     id_prefix: str = "loadtest:"
+    mode: Mode = ""  # a Search's retrieval mode; "": the gateway's default (hybrid)
 
     def __post_init__(self) -> None:
         if "upsert" in self.mix and not self.documents:
             raise ValueError("upserts need documents (--corpus)")
         if not self.queries and set(self.mix) & {"search", "batch"}:
             raise ValueError("searches need queries (--queries)")
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: one of {', '.join(m for m in MODES if m)}")
 
     def _search(self, rng: np.random.Generator) -> search_pb2.SearchRequest:
         return search_pb2.SearchRequest(
             query=self.queries[int(rng.integers(len(self.queries)))],
             k=self.k,
             rerank=search_pb2.RerankOptions(enabled=self.rerank, depth=self.rerank_depth),
+            mode=MODES[self.mode],
         )
 
     def requests(self, n: int, seed: int, run_tag: str = "") -> tuple[list[Op], list[Message]]:
