@@ -1,11 +1,13 @@
-"""Triton's dynamic batcher with and without a queue policy, on the CPU repository.
+"""Triton's dynamic batcher with and without a queue policy or priority levels, on the
+CPU repository.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.triton_batcher [--rate 15] [--seconds 20]
 
-Two repositories of the default model, each served by its own tritonserver in turn:
+Three repositories of the default model, each served by its own tritonserver in turn:
 ``default`` (``encoder repo``'s CPU layout: preferred sizes 16…64, a 1 ms delay, no
-queue policy) and ``queue-policy`` (the layout before: the same sizes, a 4 ms delay and
-``max_queue_size`` 1024). For each:
+queue policy, one queue), ``queue-policy`` (the layout before: the same sizes, a 4 ms
+delay and ``max_queue_size`` 1024) and ``priority-levels`` (the default with
+``--priority-levels 2``, the layout of 2026-11-24 to 11-29). For each:
 
 * a late arrival: a request sent 2–13 ms after another (so it comes in while the first
   runs) and nothing after it; its latency, worst and p99 over ``--trials``;
@@ -13,9 +15,10 @@ queue policy) and ``queue-policy`` (the layout before: the same sizes, a 4 ms de
   scheduled time), p50/p99/max;
 * closed loop: texts/s of 16 callers sending one query each.
 
-With a queue policy Triton 24.10 leaves the late arrival in its queue until the next
-request comes in, so its latency is the gap to the next arrival (~0.5 s when there is
-none); the ratios printed last are ``queue-policy`` ÷ ``default``. One JSON line last.
+With a queue policy, and with priority levels, Triton 24.10 leaves the late arrival in
+its queue until the next request comes in, so its latency is the gap to the next arrival
+(~0.5 s when there is none); the ratios printed last are each layout ÷ ``default``. One
+JSON line last.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "preferred_batch_sizes": (16, 32, 64),
         "max_queue_delay_us": 4000,
     },
+    "priority-levels": {"priority_levels": 2},
 }
 
 
@@ -147,15 +151,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{f['open_max_ms']:.0f} ms; closed loop {f['closed_texts_per_s']:.0f} texts/s",
                 flush=True,
             )
-    old, new = out["queue-policy"], out["default"]
-    out["late_worst_ratio"] = old["late_worst_ms"] / new["late_worst_ms"]
-    out["open_p99_ratio"] = old["open_p99_ms"] / new["open_p99_ms"]
-    out["throughput_ratio"] = new["closed_texts_per_s"] / old["closed_texts_per_s"]
-    print(
-        f"queue-policy ÷ default: late-arrival worst {out['late_worst_ratio']:.1f}x, open-loop "
-        f"p99 {out['open_p99_ratio']:.1f}x; default ÷ queue-policy throughput "
-        f"{out['throughput_ratio']:.2f}"
-    )
+    new = out["default"]
+    for name in ("queue-policy", "priority-levels"):
+        old = out[name]
+        prefix = "" if name == "queue-policy" else "priority_"
+        out[f"{prefix}late_worst_ratio"] = old["late_worst_ms"] / new["late_worst_ms"]
+        out[f"{prefix}open_p99_ratio"] = old["open_p99_ms"] / new["open_p99_ms"]
+        out[f"{prefix}throughput_ratio"] = new["closed_texts_per_s"] / old["closed_texts_per_s"]
+        print(
+            f"{name} ÷ default: late-arrival worst "
+            f"{out[f'{prefix}late_worst_ratio']:.1f}x, open-loop p99 "
+            f"{out[f'{prefix}open_p99_ratio']:.1f}x; default ÷ {name} throughput "
+            f"{out[f'{prefix}throughput_ratio']:.2f}"
+        )
     print(json_line(out))
     return out
 

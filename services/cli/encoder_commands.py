@@ -26,6 +26,7 @@ from services.cli.common import (
 from services.cli.encoder_train_commands import add_train
 from services.cli.encoder_version_commands import add_versions
 from services.common.errors import InvalidArgument
+from services.encoder.base import PRIORITY_LEVELS
 
 _MODEL_DIR_HELP = (
     "sentence-transformers checkpoint folder (modules.json, config.json, weights, "
@@ -374,6 +375,16 @@ def add_cli(subparsers: Any) -> None:
         "answers RESOURCE_EXHAUSTED); default 0: no bound, because Triton "
         "24.10's queue policy holds requests up to ~0.5 s "
         "(docs/encoder.md)",
+    )
+    p.add_argument(
+        "--priority-levels",
+        type=int,
+        choices=[0, PRIORITY_LEVELS],
+        default=0,
+        help=f"{PRIORITY_LEVELS}: Triton's dynamic batcher queues queries before the index "
+        "builder's document batches; default 0: one queue in arrival order, because Triton "
+        "24.10's priority queue holds a request that arrives while the instance runs until "
+        "the next arrival, up to ~0.5 s (docs/encoder.md)",
     )
     p.add_argument(
         "--allow-spinning",

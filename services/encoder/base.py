@@ -91,12 +91,15 @@ def version_key(version: int, key: str) -> str:
     return f"version.{version}.{key}"
 
 
-# Triton's dynamic batcher priority levels (1 = served first), written into every
-# generated model config (services/encoder/build/repository.py) and sent by
-# services/encoder/runtime/triton_client.py. Queries, and every caller
-# that names no priority, are level 1; the index builder's bulk document encodes send
-# level 2, so a query waits at most for the batch already running, never behind the
-# builder's queued batches (issue #24: search p99 during a rollout).
+# Triton's dynamic batcher priority levels (1 = served first), written into a generated
+# model config when asked (RepositoryConfig.priority_levels, `encoder repo
+# --priority-levels 2`; off by default: Triton 24.10's priority queue held a request that
+# arrived while the instance ran until the next arrival, ~0.5 s) and sent by
+# services/encoder/runtime/triton_client.py. Queries, and every caller that names no
+# priority, are level 1; the index builder's bulk document encodes send level 2, so with
+# the levels a query waits at most for the batch already running, never behind the
+# builder's queued batches (issue #24: search p99 during a rollout). Without them Triton
+# ignores the priority a request names.
 QUERY_PRIORITY = 1
 DOCUMENT_PRIORITY = 2
 PRIORITY_LEVELS = 2

@@ -1,8 +1,10 @@
-"""Triton's priority queue on a real tritonserver serving the generated CPU repository:
-under a flood of the index builder's document encodes (DOCUMENT_PRIORITY), a query
-encode (the default, QUERY_PRIORITY) waits for the batch already running, not behind
-the queued documents (issue #24: search latency during a rollout). Order of completions
-only, no timing."""
+"""Triton's priority queue on a real tritonserver serving the generated CPU repository
+with priority levels (``encoder repo --priority-levels 2``; off by default, see
+RepositoryConfig.priority_levels): under a flood of the index builder's document encodes
+(DOCUMENT_PRIORITY), a query encode (the default, QUERY_PRIORITY) waits for the batch
+already running, not behind the queued documents (issue #24: search latency during a
+rollout). Order of completions only, no timing. And without the levels (the default
+repository) Triton ignores the priority the builder names."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.encoder.base import DOCUMENT_PRIORITY
+from services.encoder.base import DOCUMENT_PRIORITY, PRIORITY_LEVELS
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.model import default_model_dir
 from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
@@ -29,7 +31,9 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
     base = encoder_base(tmp_path_factory)
     onnx_path = ensure_onnx(default_model_dir(), base)
     repo = base / "repo-priority"
-    config = RepositoryConfig(instances=1, intra_op_threads=1, max_batch=BATCH)
+    config = RepositoryConfig(
+        instances=1, intra_op_threads=1, max_batch=BATCH, priority_levels=PRIORITY_LEVELS
+    )
     generate_repository(onnx_path, repo, config)
     cfg = TritonServerConfig(
         repo,
@@ -82,3 +86,31 @@ def test_a_query_is_answered_before_queued_document_batches(triton: TritonHandle
     assert queued >= 5, order
     assert sent_after <= 2, order
     assert len(order) - 1 - order.index("query") >= queued - 2, order
+
+
+@pytest.mark.slow
+def test_without_priority_levels_the_builders_priority_is_ignored(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The default repository has one queue; the builder still names DOCUMENT_PRIORITY
+    (it cannot know the model's config), and Triton must serve it, not refuse it."""
+    base = encoder_base(tmp_path_factory)
+    repo = base / "repo-no-priority"
+    generate_repository(ensure_onnx(default_model_dir(), base), repo, RepositoryConfig(instances=1))
+    cfg = TritonServerConfig(
+        repo, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port()
+    )
+
+    async def run() -> tuple[int, ...]:
+        builder = await TritonEncoder.connect(
+            TritonEncoderConfig(handle.grpc_url, priority=DOCUMENT_PRIORITY, default_timeout_s=60)
+        )
+        try:
+            out = await builder.encode(["a document", "another one"], "document")
+            return tuple(out.vectors.shape)
+        finally:
+            await builder.close()
+
+    with run_triton(cfg, Path(base) / "triton-no-priority.log") as handle:
+        assert "priority_levels" not in (repo / "embed" / "config.pbtxt").read_text()
+        assert asyncio.run(run()) == (2, 384)

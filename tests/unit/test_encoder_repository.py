@@ -9,7 +9,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.encoder.base import DOCUMENT_PRIORITY, QUERY_PRIORITY
+from services.encoder.base import DOCUMENT_PRIORITY, PRIORITY_LEVELS, QUERY_PRIORITY
 from services.encoder.build.plan_meta import PlanMeta, PlanVersionMismatch
 from services.encoder.build.repository import RepositoryConfig, generate_repository, read_config
 from services.encoder.build.tensorrt_build import TENSORRT_VERSION
@@ -45,9 +45,9 @@ def test_cpu_repository(minilm_onnx: Path, tmp_path: Path) -> None:
     # No queue policy: with one, Triton 24.10 held a request that arrived during a batch
     # until the next one arrived (bench/triton_batcher.py).
     assert not batching.HasField("default_queue_policy")
-    # queries (and callers naming no priority) before the builder's document batches
-    assert (batching.priority_levels, batching.default_priority_level) == (2, QUERY_PRIORITY)
-    assert QUERY_PRIORITY < DOCUMENT_PRIORITY <= batching.priority_levels  # 1 = first
+    # No priority levels by default: with them, as with a queue policy, Triton 24.10 held
+    # a request that arrived during a batch until the next one arrived (~0.5 s).
+    assert (batching.priority_levels, batching.default_priority_level) == (0, 0)
     (group,) = config.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_CPU and group.count == 1
     params = {k: v.string_value for k, v in config.parameters.items()}
@@ -106,9 +106,8 @@ def test_gpu_repository_is_an_ensemble(minilm_onnx: Path, tmp_path: Path) -> Non
     (group,) = enc.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == 1  # minilm profile
     assert list(enc.dynamic_batching.preferred_batch_size) == [4, 8, 16, 32, 64]
-    # the TensorRT step queues queries before documents (the ensemble passes on the priority)
-    assert enc.dynamic_batching.priority_levels == 2
-    assert enc.dynamic_batching.default_priority_level == QUERY_PRIORITY
+    # one queue by default, as on CPU (priority levels stall late arrivals)
+    assert enc.dynamic_batching.priority_levels == 0
     steps = list(embed.ensemble_scheduling.step)
     assert [s.model_name for s in steps] == ["tokenizer", "encoder"]
     assert dict(steps[0].output_map) == {
@@ -242,3 +241,12 @@ def test_a_queue_bound_is_opt_in(minilm_onnx: Path, tmp_path: Path) -> None:
     config = read_config(generate_repository(minilm_onnx, tmp_path, cfg).config_path("embed"))
     assert config.dynamic_batching.default_queue_policy.max_queue_size == 32
     assert list(config.dynamic_batching.preferred_batch_size) == [8]  # within max_batch
+
+
+def test_request_priority_is_opt_in(minilm_onnx: Path, tmp_path: Path) -> None:
+    cfg = RepositoryConfig(priority_levels=PRIORITY_LEVELS)
+    config = read_config(generate_repository(minilm_onnx, tmp_path, cfg).config_path("embed"))
+    batching = config.dynamic_batching
+    # queries (and callers naming no priority) before the builder's document batches
+    assert (batching.priority_levels, batching.default_priority_level) == (2, QUERY_PRIORITY)
+    assert QUERY_PRIORITY < DOCUMENT_PRIORITY <= batching.priority_levels  # 1 = first

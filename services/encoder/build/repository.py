@@ -45,7 +45,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.encoder.base import PRIORITY_LEVELS, QUERY_PRIORITY, version_key
+from services.encoder.base import QUERY_PRIORITY, version_key
 from services.encoder.build.export import EncoderMeta
 from services.encoder.build.plan_meta import PlanMeta
 from services.encoder.build.plan_meta import plan_meta_path as plan_meta_file
@@ -92,6 +92,13 @@ class RepositoryConfig:
     # > 0: Triton rejects beyond this many queued requests (the client says Overloaded);
     # 0: no queue policy (see above: the bound costs a stall in Triton 24.10)
     max_queue_size: int = 0
+    # PRIORITY_LEVELS: queries (QUERY_PRIORITY) before the index builder's document
+    # batches (DOCUMENT_PRIORITY); 0: one queue, in arrival order (the default). Priority
+    # levels cost the queue policy's stall: a request that arrived while the instance ran
+    # waited for the next arrival, ~0.5 s on a quiet model (bench/triton_batcher.py: worst
+    # late arrival 512 ms with levels, 14-30 ms without; it broke the local stack's 50 ms
+    # p99 at 5 searches/s). docs/encoder.md "Triton's queue policy".
+    priority_levels: int = 0
     seq_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # gpu: pad-to lengths
     plan_path: Path | None = None  # gpu: copy this TensorRT plan into encoder/1/
     triton_image_tag: str = TRITON_IMAGE_TAG  # gpu: the Triton image that will load the plan
@@ -145,8 +152,9 @@ def _batching(config: mc.ModelConfig, max_batch: int, cfg: RepositoryConfig) -> 
     delay = QUEUE_DELAY_US if cfg.max_queue_delay_us is None else cfg.max_queue_delay_us
     config.dynamic_batching.preferred_batch_size.extend(sizes)
     config.dynamic_batching.max_queue_delay_microseconds = delay
-    config.dynamic_batching.priority_levels = PRIORITY_LEVELS
-    config.dynamic_batching.default_priority_level = QUERY_PRIORITY
+    if cfg.priority_levels:
+        config.dynamic_batching.priority_levels = cfg.priority_levels
+        config.dynamic_batching.default_priority_level = QUERY_PRIORITY
     if cfg.max_queue_size > 0:
         config.dynamic_batching.default_queue_policy.max_queue_size = cfg.max_queue_size
 

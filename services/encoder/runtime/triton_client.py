@@ -96,9 +96,10 @@ class TritonEncoderConfig:
     model: str = "embed"
     # Triton's version of ``model`` to ask ("2"); "": the newest ready at connect, pinned
     model_version: str = ""
-    # Triton request priority sent on every infer (1 = first; the model's config has
-    # priority_levels 2, default 1): 0 = the model's default. The index builder sends 2
-    # (DOCUMENT_PRIORITY) so queries go before its batches.
+    # Triton request priority sent on every infer (1 = first; a model config generated
+    # with priority_levels 2 has default 1; without levels Triton ignores it): 0 = the
+    # model's default. The index builder sends 2 (DOCUMENT_PRIORITY) so that, with the
+    # levels, queries go before its batches.
     priority: int = 0
     default_timeout_s: float = 10.0  # used when a call passes no timeout
     retries: int = 3  # extra attempts on UNAVAILABLE (at most 4: gRPC allows 5 attempts)
