@@ -34,7 +34,12 @@ def add_cli(sub: Any) -> None:
     train.add_argument("--out", type=Path, required=True, help="Output directory.")
     train.add_argument("--nlist", type=int, default=None, help="Coarse centroids.")
     train.add_argument("--pq-m", type=int, default=None, help="PQ sub-quantizers (divides dim).")
-    train.add_argument("--pq-bits", type=int, default=8, help="Bits per PQ code.")
+    train.add_argument(
+        "--pq-bits",
+        type=int,
+        default=None,
+        help="Bits per PQ code (default 8; fewer when the sample has under 256 vectors).",
+    )
     train.add_argument("--no-refine", action="store_true", help="No SQ8 re-ranking stage.")
     train.add_argument("--refine-factor", type=int, default=4, help="k·factor candidates.")
     train.add_argument(

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.cli.common import config_from_args
+from services.cli.common import config_from_args, run_handler
 
 if TYPE_CHECKING:
     from services.stack.config import StackConfig
@@ -19,7 +19,8 @@ def add_cli(sub: Any) -> None:
         help="Start the whole system locally, ingest a corpus, print example searches, serve.",
         description="Starts redis-server, Triton (CPU model repository of the default "
         "model), the index shards, the rerank service and the gateway as child "
-        "processes; trains the IVF-PQ index on the corpus on the first run; ingests the "
+        "processes; trains the IVF-PQ index on the corpus on the first run (fewer PQ "
+        "bits under 256 documents; at least 2 documents, docs/index.md); ingests the "
         "corpus (default: the Python standard library documentation); prints a few "
         "example searches that fit the corpus (for --corpus, the first queries of a "
         "queries.jsonl beside it, as in a BEIR folder; none without one); then serves "
@@ -213,6 +214,8 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
 
 
 def _up(args: argparse.Namespace) -> int:
+    """``up``; a user's mistake found on the way (a domain error, e.g. a corpus too small
+    to train on) is one ``error:`` line and exit 2, once every child has stopped."""
     import shutil
 
     from services.process.logs import configure_logging
@@ -222,4 +225,4 @@ def _up(args: argparse.Namespace) -> int:
     configure_logging("text", args.log_level.upper(), service="up")
     if args.fresh and args.run_dir.exists():
         shutil.rmtree(args.run_dir)
-    return run_stack(config)
+    return run_handler(lambda _: run_stack(config), args)

@@ -26,7 +26,12 @@ from services.generations.held import enforce_bound, lag_of
 from services.generations.registry import Generation
 from services.generations.retrain import export_all
 from services.generations.state import ScanCursor
-from services.index.core.train import TARGET_RECALL, TrainOptions, train_index
+from services.index.core.train import (
+    TARGET_RECALL,
+    TrainOptions,
+    inherited_pq_bits,
+    train_index,
+)
 
 
 def next_phase(ctx: RolloutContext) -> str:
@@ -67,15 +72,16 @@ async def run_train(ctx: RolloutContext) -> None:
 
 
 def train(ctx: RolloutContext, target: Generation, sample: np.ndarray, keep: GpuKeep) -> Any:
-    """Train T's index on ``sample`` with the source's index options (refine, PQ bits,
-    pq_m for the same dimension) and, for a GPU-bound source, GPU settings."""
+    """Train T's index on ``sample`` with the source's index options (refine, PQ bits
+    unless a small sample chose them: :func:`inherited_pq_bits`, pq_m for the same
+    dimension) and, for a GPU-bound source, GPU settings."""
     src = source_manifest(ctx.source().index_dir)
     options = TrainOptions(
         max_train_points=ctx.options.sample,
         model=target.encoder.source or target.encoder.model,
         refine=src.get("refine", True),
         refine_factor=int(src.get("refine_factor", 4)),
-        pq_bits=int(src.get("pq_bits", 8)),
+        pq_bits=inherited_pq_bits(int(src.get("pq_bits", 8)), int(src.get("train_points", 0))),
         pq_m=keep.pq_m,
         gpu=keep.bound,
         target_recall=ctx.options.target_recall or TARGET_RECALL,

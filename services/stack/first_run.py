@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from services.common.domain import Document
+from services.common.errors import InvalidArgument
 from services.corpus.readers import read_corpus
 from services.encoder.texts import cut_for_encoder
 from services.generations.registry import EncoderSpec
-from services.index.core.train import TrainOptions, train_index
+from services.index.core.train import MIN_TRAIN_VECTORS, TrainOptions, train_index
 from services.index.core.trained import Manifest
 from services.stack.config import StackConfig
 
@@ -43,6 +44,22 @@ class CorpusEmbeddings:
     docs: list[Document]
     vectors: np.ndarray  # (len(docs), dim) float32, document side, in ``docs`` order
     model: str
+
+
+def check_trainable(cfg: StackConfig) -> None:
+    """Before anything starts: a first run's ``--corpus`` has enough documents to train
+    the index on (:data:`MIN_TRAIN_VECTORS`; a small one gets fewer PQ bits, docs/index.md,
+    Training), else InvalidArgument naming the file. Reads at most that many documents."""
+    from services.index.core.trained import MANIFEST
+
+    if cfg.corpus is None or not cfg.corpus.exists() or (cfg.index_dir / MANIFEST).exists():
+        return  # the default corpus has thousands; a missing file is said where it is read
+    n = sum(1 for _ in read_corpus(cfg.corpus, limit=MIN_TRAIN_VECTORS))
+    if n < MIN_TRAIN_VECTORS:
+        raise InvalidArgument(
+            f"--corpus {cfg.corpus} has {n} document(s): training the index on the first run "
+            f"needs at least {MIN_TRAIN_VECTORS}"
+        )
 
 
 def encoder_text(doc: Document) -> str:

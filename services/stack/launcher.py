@@ -79,6 +79,7 @@ class Stack:
 
     def run(self) -> int:
         cfg = self.config
+        first_run.check_trainable(cfg)  # a corpus too small to train on: before anything
         umask = os.umask(PRIVATE_UMASK)  # inherited by every child (Redis's AOF included)
         make_private(cfg.run_dir)
         previous = {

@@ -27,6 +27,7 @@ import os
 import secrets
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -391,6 +392,68 @@ def test_an_http_search_is_one_trace_under_the_callers_traceparent_header(
         while span.parent in by_id:
             span = by_id[span.parent]
         assert span is root
+
+
+def test_a_callers_mistake_over_http_is_not_an_error_on_the_server_span(
+    stack: Stack, written: tuple[str, str, dict[int, str]]
+) -> None:
+    # HTTP's conventions for a SERVER span: a 4xx is the caller's mistake, left out of the
+    # error status (the gRPC port's span marks only the server's faults the same way)
+    asks = {
+        "retrieval.v1.SearchService/Search": (
+            "/v1/search",
+            json.dumps({"query": "read json file", "k": 100_000}).encode(),
+            400,
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "retrieval.v1.DocumentService/Get": (
+            "/v1/documents/no-such-document",
+            None,
+            404,
+            grpc.StatusCode.NOT_FOUND,
+        ),
+    }
+    traces = {}
+    for name, (path, body, status, _) in asks.items():
+        trace_id, _, ((_, traceparent),) = _client_span()
+        traces[name] = trace_id
+        ask = urllib.request.Request(
+            f"http://127.0.0.1:{stack.http_port}{path}",
+            data=body,
+            headers={"Content-Type": "application/json", "Traceparent": traceparent},
+            method="POST" if body else "GET",
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(ask, timeout=60)
+        assert refused.value.code == status, refused.value.read()
+    # the same mistake over gRPC, for the two ports' spans to compare
+    grpc_trace, _, metadata = _client_span()
+    with grpc.insecure_channel(stack.gateway.address) as channel:
+        with pytest.raises(grpc.RpcError) as failed:
+            search_pb2_grpc.SearchServiceStub(channel).Search(
+                search_pb2.SearchRequest(query="read json file", k=100_000),
+                timeout=60,
+                metadata=metadata,
+            )
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    every = [*traces.values(), grpc_trace]
+    stack.receiver.wait(lambda r: all(r.trace(t) for t in every), "the refused calls' SERVER spans")
+    for name, (_, _, status, code) in asks.items():
+        span = _one(stack.receiver.trace(traces[name]), "gtr-gateway", name)
+        assert span.status != 2, f"{name}: a {status} marked the span ERROR"
+        assert span.attributes["transport"] == "http"
+        assert span.attributes["http.response.status_code"] == status
+        assert span.attributes["rpc.grpc.status_code"] == code.value[0]
+    over_grpc = _one(
+        stack.receiver.trace(grpc_trace), "gtr-gateway", "retrieval.v1.SearchService/Search"
+    )
+    over_http = _one(
+        stack.receiver.trace(traces["retrieval.v1.SearchService/Search"]),
+        "gtr-gateway",
+        "retrieval.v1.SearchService/Search",
+    )
+    assert over_http.status == over_grpc.status == 1  # OK on both ports
 
 
 def test_a_gateway_without_tracing_exports_nothing_and_passes_no_context_on(

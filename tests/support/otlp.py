@@ -35,6 +35,7 @@ class Received:
     attributes: dict[str, Any]
     instance: str = ""  # the resource's service.instance.id (a shard replica)
     links: tuple[str, ...] = ()  # the span ids it links to
+    status: int = 0  # OTLP's status code: 0 UNSET, 1 OK, 2 ERROR
 
 
 def _value(v: Any) -> Any:
@@ -68,6 +69,7 @@ def spans_of(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Recei
                         attributes={a.key: _value(a.value) for a in s.attributes},
                         instance=str(resource.get("service.instance.id", "")),
                         links=tuple(link.span_id.hex() for link in s.links),
+                        status=s.status.code,
                     )
                 )
     return out
@@ -100,9 +102,16 @@ def spans_of_json(body: dict[str, Any]) -> list[Received]:
                             a["key"]: _json_value(a["value"]) for a in s.get("attributes", [])
                         },
                         instance=str(resource.get("service.instance.id", "")),
+                        status=_status_code(s.get("status", {}).get("code", 0)),
                     )
                 )
     return out
+
+
+def _status_code(code: int | str) -> int:
+    """OTLP/JSON's status code: a number, or the enum's name (protobuf's JSON)."""
+    names = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}
+    return names[code] if isinstance(code, str) else int(code)
 
 
 @dataclass

@@ -21,7 +21,9 @@ from services.index.core.train import (
     TrainOptions,
     default_gpu_pq_m,
     default_nlist,
+    default_pq_bits,
     default_pq_m,
+    inherited_pq_bits,
     ivf_advice,
     resolve,
     rule_of_thumb_nprobe,
@@ -58,6 +60,23 @@ def test_resolve_rejects_impossible_settings() -> None:
     for bad in (0.0, 1.01):
         with pytest.raises(InvalidArgument, match="target recall"):
             resolve(TrainOptions(target_recall=bad), 5000, 384)
+
+
+def test_pq_bits_follow_a_small_sample() -> None:
+    # 8-bit codes need 256 vectors (a centroid each); a smaller sample gets fewer bits
+    assert default_pq_bits(100_000) == default_pq_bits(256) == 8
+    assert (default_pq_bits(255), default_pq_bits(200), default_pq_bits(2)) == (7, 7, 1)
+    assert resolve(TrainOptions(), 200, 384).pq_bits == 7
+    assert resolve(TrainOptions(), 5000, 384).pq_bits == 8
+    with pytest.raises(InvalidArgument, match="pq_bits=8 needs at least 256 training vectors"):
+        resolve(TrainOptions(pq_bits=8), 200, 384)
+    with pytest.raises(InvalidArgument, match="GPU IVF-PQ takes only 8"):
+        resolve(TrainOptions(gpu=True), 200, 768)
+    with pytest.raises(InvalidArgument, match="needs at least 2"):
+        resolve(TrainOptions(), 1, 384)
+    # a rollout after it trains 8-bit codes again on its larger sample; chosen bits stay
+    assert inherited_pq_bits(7, 200) is None and inherited_pq_bits(4, 5000) == 4
+    assert inherited_pq_bits(8, 5000) == 8 and inherited_pq_bits(4, 20) is None
 
 
 @pytest.mark.slow
@@ -105,7 +124,8 @@ def test_gpu_training_replaces_an_incompatible_default_pq_m() -> None:
     with pytest.raises(InvalidArgument, match="--gpu: no pq_m"):
         resolve(TrainOptions(gpu=True), 5000, 1001)
     opts = resolve(TrainOptions(gpu=True), 5000, 768)
-    assert opts.pq_m == 96 and gpu_pq_problem(768, opts.pq_m, opts.pq_bits) is None
+    assert opts.pq_m == 96 and opts.pq_bits == 8
+    assert gpu_pq_problem(768, opts.pq_m, opts.pq_bits) is None
     assert resolve(TrainOptions(), 5000, 768).pq_m == 192  # CPU deployments keep dim/4
 
 

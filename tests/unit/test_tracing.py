@@ -8,8 +8,11 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
+from grpc import StatusCode
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.rpc.server import SERVER_ERRORS
+from services.rpc.status import http_status
 from services.telemetry import tracing
 from services.telemetry.config import TracingConfig
 
@@ -167,3 +170,13 @@ def test_a_status_set_ok_stays_ok(spans: InMemorySpanExporter) -> None:
         raise RuntimeError("abort")
     (answered,) = spans.get_finished_spans()
     assert answered.status.is_ok and answered.events == ()
+
+
+def test_the_http_and_grpc_ports_mark_the_same_calls_failed() -> None:
+    # the gRPC port marks a SERVER span ERROR for the codes of OpenTelemetry's RPC
+    # conventions; the HTTP port for a 5xx (its HTTP conventions): the same codes
+    assert {c for c in StatusCode if http_status(c) >= 500} == SERVER_ERRORS
+    assert (
+        http_status(StatusCode.INVALID_ARGUMENT) == 400
+        and StatusCode.NOT_FOUND not in SERVER_ERRORS
+    )

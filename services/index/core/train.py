@@ -74,7 +74,7 @@ class TrainOptions:
 
     nlist: int | None = None  # coarse centroids; default ≈ 4·√N, clamped
     pq_m: int | None = None  # PQ sub-quantizers; default: dim/4 rounded to a divisor
-    pq_bits: int = 8
+    pq_bits: int | None = None  # bits per PQ code; default 8, fewer for a small sample
     refine: bool = True  # SQ8 re-ranking of the IVF-PQ candidates (recall ≥ 0.95)
     refine_factor: int = 4  # candidates re-ranked = k · refine_factor
     nprobe: int | None = None  # default search nprobe; None: tuned to reach target_recall
@@ -89,6 +89,27 @@ class TrainOptions:
 def default_nlist(n: int) -> int:
     """≈ 4·√N, at least 1, and at most N/39 so every centroid gets ~39 training points."""
     return max(1, min(int(4 * math.sqrt(n)), n // 39 or 1, 65536))
+
+
+PQ_BITS = 8  # bits per PQ code: 256 centroids per sub-quantizer
+MIN_TRAIN_VECTORS = 2  # the fewest a product quantizer trains on (1 bit: 2 centroids)
+
+
+def default_pq_bits(n: int) -> int:
+    """8 bits per code, or as many as ``n`` training vectors can train: each sub-quantizer
+    has 2**bits centroids and k-means needs a vector per centroid (200 vectors: 7 bits,
+    128 centroids; 0 below 2 vectors, which nothing can train). docs/index.md, Training."""
+    return min(PQ_BITS, max(0, n.bit_length() - 1))
+
+
+def inherited_pq_bits(bits: int, train_points: int) -> int | None:
+    """A trained index's ``pq_bits`` for the next index trained in its place (a rollout):
+    kept, or None (derived from the new sample) when they are fewer than 8 only because its
+    sample was too small for 8 (``up`` on a 200-document corpus), so a grown corpus gets
+    8-bit codes again."""
+    if bits < PQ_BITS and bits == default_pq_bits(train_points):
+        return None
+    return bits
 
 
 def default_pq_m(dim: int) -> int:
@@ -135,7 +156,18 @@ def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
         raise InvalidArgument(f"pq_m={pq_m} must divide the dimension {dim}")
     if nlist > n:
         raise InvalidArgument(f"nlist={nlist} needs at least as many training vectors ({n})")
-    problem = gpu_pq_problem(dim, pq_m, options.pq_bits)
+    pq_bits = options.pq_bits or (PQ_BITS if options.gpu else default_pq_bits(n))
+    if n < MIN_TRAIN_VECTORS:
+        raise InvalidArgument(
+            f"{n} training vector(s): product quantization needs at least {MIN_TRAIN_VECTORS}"
+        )
+    if 2**pq_bits > n:
+        raise InvalidArgument(
+            f"pq_bits={pq_bits} needs at least {2**pq_bits} training vectors (2**pq_bits "
+            f"centroids per sub-quantizer), got {n}; lower pq_bits"
+            + (" (GPU IVF-PQ takes only 8)" if options.gpu else "")
+        )
+    problem = gpu_pq_problem(dim, pq_m, pq_bits)
     if options.gpu and problem:
         raise InvalidArgument(f"--gpu: {problem}")
     if not 0.0 < options.target_recall <= 1.0:
@@ -148,7 +180,7 @@ def resolve(options: TrainOptions, n: int, dim: int) -> TrainOptions:
             "train with --gpu for GPU-compatible settings",
             problem,
         )
-    return replace(options, nlist=nlist, pq_m=pq_m)
+    return replace(options, nlist=nlist, pq_m=pq_m, pq_bits=pq_bits)
 
 
 def rule_of_thumb_nprobe(nlist: int) -> int:
@@ -184,7 +216,7 @@ def train_index(vectors: np.ndarray, out_dir: Path, options: TrainOptions) -> Ma
         x = x[rng.choice(n, options.max_train_points, replace=False)]
         n = len(x)
     opts = resolve(options, n, dim)
-    assert opts.nlist and opts.pq_m
+    assert opts.nlist and opts.pq_m and opts.pq_bits
     factory = f"IVF{opts.nlist},PQ{opts.pq_m}x{opts.pq_bits}"
     start = time.perf_counter()
     faiss.omp_set_num_threads(max(1, faiss.omp_get_max_threads()))

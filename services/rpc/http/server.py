@@ -17,7 +17,10 @@ Around each call, what the gRPC interceptors do for a gRPC call, with the same o
 - errors mapped once (:mod:`services.rpc.status`: domain error → gRPC code → HTTP
   status) into a ``google.rpc.Status`` body, internal addresses removed from public
   messages; anything unexpected is a logged INTERNAL;
-- the RPC metrics (:class:`~services.rpc.metrics.RpcMetrics`, ``transport="http"``).
+- the RPC metrics (:class:`~services.rpc.metrics.RpcMetrics`, ``transport="http"``);
+- with tracing on, a SERVER span (the caller's ``traceparent`` its parent) with the RPC
+  and HTTP attributes, ERROR for a 5xx only, as the gRPC port's for the same calls
+  (docs/tracing.md).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from services.rpc.auth import Authenticator
 from services.rpc.http.rules import Route
 from services.rpc.http.transcode import JSON_TYPE, reply_json, request_message
 from services.rpc.metrics import RpcMetrics
-from services.rpc.server import EXEMPT_PREFIXES, SERIALIZE_OFF_LOOP_BYTES
+from services.rpc.server import EXEMPT_PREFIXES, SERIALIZE_OFF_LOOP_BYTES, rpc_attributes
 from services.rpc.status import (
     error_from_code,
     http_headers,
@@ -151,30 +154,31 @@ class Transcoder:
         code = grpc.StatusCode.OK
         exemplar: dict[str, str] | None = None
         try:
-            route, handler, values = self.match(request)
+            try:
+                route, handler, values = self.match(request)
+            except errors.RetrievalError as exc:  # no route (404), no RPC: no span
+                return self._error(status_of(exc), exc, request=request)
             # a SERVER span, the child of the caller's W3C traceparent header (docs/tracing.md)
             incoming = tracing.from_http_headers(request.headers.items())
-            with tracing.server_span(route.grpc_method, incoming, {"transport": "http"}):
+            with tracing.server_span(route.grpc_method, incoming, {"transport": "http"}) as span:
+                response: web.Response | None = None
                 try:
-                    return await self._answer(route, handler, values, request, start)
+                    code, response = await self._outcome(route, handler, values, request, start)
+                    return response
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
                 finally:
                     exemplar = tracing.exemplar()
-        except errors.RetrievalError as exc:
-            code = status_of(exc)
-            return self._error(code, exc, route, request)
-        except web.HTTPRequestEntityTooLarge as exc:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            return self._error(
-                code, errors.Overloaded(f"request body too large ({exc.text}; --max-message-mb)")
-            )
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:
-            code = grpc.StatusCode.INTERNAL
-            where = route.grpc_method if route else request.path
-            log.exception("unhandled error in %s (HTTP)", where)
-            return self._error(code, errors.RetrievalError(f"internal error: {type(exc).__name__}"))
+                    if span:
+                        status = response.status if response is not None else http_status(code)
+                        span.set_attributes(http_attributes(route, request, code, status))
+                        # HTTP's conventions for a SERVER span: a 5xx is the server's
+                        # failure, a 4xx the caller's (not an error); the gRPC port agrees
+                        if status >= 500:  # code OK: a health check's NOT_SERVING (503)
+                            span.set_error(code.name if code.value[0] else f"HTTP {status}")
+                        else:
+                            span.set_ok()
         finally:
             self.active -= 1
             if not self.active:
@@ -182,6 +186,31 @@ class Transcoder:
             if route is not None and self.metrics is not None:
                 seconds = time.perf_counter() - start
                 self.metrics.observe(route.method, code.name, seconds, "http", exemplar)
+
+    async def _outcome(
+        self,
+        route: Route,
+        handler: Handler,
+        values: dict[tuple[str, ...], str],
+        request: web.Request,
+        start: float,
+    ) -> tuple[grpc.StatusCode, web.Response]:
+        """The call's gRPC code and its response: the reply, or its error mapped once
+        (:mod:`services.rpc.status`); anything unexpected is a logged INTERNAL."""
+        try:
+            return grpc.StatusCode.OK, await self._answer(route, handler, values, request, start)
+        except errors.RetrievalError as exc:
+            code = status_of(exc)
+            return code, self._error(code, exc, route, request)
+        except web.HTTPRequestEntityTooLarge as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            too_large = errors.Overloaded(f"request body too large ({exc.text}; --max-message-mb)")
+            return code, self._error(code, too_large)
+        except Exception as exc:
+            log.exception("unhandled error in %s (HTTP)", route.grpc_method)
+            code = grpc.StatusCode.INTERNAL
+            internal = errors.RetrievalError(f"internal error: {type(exc).__name__}")
+            return code, self._error(code, internal)
 
     async def _answer(
         self,
@@ -255,6 +284,19 @@ class Transcoder:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._idle.wait()
+
+
+def http_attributes(
+    route: Route, request: web.Request, code: grpc.StatusCode, status: int
+) -> dict[str, str | int]:
+    """A call's span attributes: the RPC ones the gRPC port's span has (the gRPC code the
+    call mapped to) and OpenTelemetry's HTTP server ones (method, route, status)."""
+    return {
+        **rpc_attributes(route.grpc_method, code),
+        "http.request.method": request.method,
+        "http.route": route.binding.template.text,
+        "http.response.status_code": status,
+    }
 
 
 def _peer(request: web.Request) -> str:
