@@ -319,6 +319,7 @@ def export_with_int8_query(
             f"{model_dir} is a two-tower checkpoint: an int8 query tower is only made for "
             "one-tower checkpoints so far; export it with --query-precision fp32"
         )
+    made_folder = not onnx_path.parent.exists()
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".int8-export-", dir=onnx_path.parent))
     try:
@@ -328,8 +329,12 @@ def export_with_int8_query(
         for name in (onnx_path.name, INT8_QUERY_ONNX, "tokenizer.json", GATE_FILE):
             os.replace(work / name, onnx_path.parent / name)
         os.replace(work / "encoder.json", onnx_path.parent / "encoder.json")  # last: the switch
-    finally:
+    except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        if made_folder:  # a refused export leaves no folder behind (up's "auto" reads it)
+            shutil.rmtree(onnx_path.parent, ignore_errors=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     return meta
 
 
