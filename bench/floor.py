@@ -20,8 +20,12 @@ load generator excluded) ÷ the searches answered. ``stack_over_floor`` per mode
 The machine's load average is recorded before and after: a figure taken beside other
 work says so (``loaded``).
 
+``--query-precision`` (fp32 by default, as the published figures): the floor's query
+graph and the Triton stack's (``up --query-precision``); int8 measures both with the
+int8 query tower, ``up``'s default since issue #34 (not run yet).
+
 Usage: ``python -m bench.floor [--docs 1500] [--queries 300] [--seconds 20]
-[--concurrency 4] [--encoders triton,inprocess] [--no-stack]
+[--concurrency 4] [--encoders triton,inprocess] [--query-precision fp32|int8] [--no-stack]
 [--out bench/results/floor.json]``; ``--encoders inprocess`` measures ``up --encoder
 inprocess`` too (``stack_inprocess``).
 """
@@ -104,8 +108,9 @@ def _merge(rows: list[list[tuple[str, float]]], k: int) -> list[tuple[str, float
     return merged[:k]
 
 
-def build_floor(corpus: Path, workdir: Path, num_shards: int) -> Floor:
-    """Export the default model, embed the corpus, train and fill one shard per part."""
+def build_floor(corpus: Path, workdir: Path, num_shards: int, precision: str = "fp32") -> Floor:
+    """Export the default model (``precision`` "int8": with its int8 query tower, as
+    ``up`` does), embed the corpus, train and fill one shard per part."""
     from threadpoolctl import threadpool_limits
 
     from services.common.fusion import RetrievalDefaults
@@ -121,7 +126,12 @@ def build_floor(corpus: Path, workdir: Path, num_shards: int) -> Floor:
     from services.index.core.trained import TrainedIndex
 
     onnx_path = workdir / "onnx" / "model.onnx"
-    export_onnx(default_model_dir(), onnx_path)
+    if precision == "int8":
+        from services.encoder.build.query_int8 import export_with_int8_query
+
+        export_with_int8_query(default_model_dir(), onnx_path, None)
+    else:
+        export_onnx(default_model_dir(), onnx_path)
     docs = list(read_corpus(corpus))
     bodies = [d.embedding_text for d in docs]
     print(f"floor: embedding {len(docs)} documents (setup, not measured)", flush=True)
@@ -276,6 +286,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the stack's query encoders measured, comma-separated: triton (the default "
         "stack's), inprocess (ONNX Runtime in the gateway: `up --encoder inprocess`)",
     )
+    parser.add_argument(
+        "--query-precision",
+        choices=["fp32", "int8"],
+        default="fp32",
+        help="the query graph of the floor and of the Triton stack (default fp32)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/floor.json"))
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -283,12 +299,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     load_before = _loadavg()
     texts = queries(SCIFACT, args.queries)
-    result: dict[str, Any] = {"docs": args.docs, "queries": len(texts), "k": args.k}
+    result: dict[str, Any] = {
+        "docs": args.docs,
+        "queries": len(texts),
+        "k": args.k,
+        "query_precision": args.query_precision,
+    }
     with tempfile.TemporaryDirectory(prefix="gtr-bench-floor-") as tmp_name:
         tmp = Path(tmp_name)
         corpus = tmp / "corpus.jsonl"
         small_corpus(SCIFACT, corpus, args.docs, text_chars=100_000)
-        floor = build_floor(corpus, tmp / "floor", args.shards)
+        floor = build_floor(corpus, tmp / "floor", args.shards, args.query_precision)
         result["floor"] = {m: measure_floor(floor, texts, m, args.k) for m in MODES}
         for m in MODES:
             f = result["floor"][m]
@@ -302,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 corpus=corpus,
                 shards=args.shards,
                 encoder=encoder,
+                extra=["--query-precision", args.query_precision] if encoder == "triton" else [],
             ) as st:
                 result[key] = {
                     m: measure_stack(st.gateway, texts, m, args.k, args.seconds, args.concurrency)

@@ -17,7 +17,12 @@ tower quantized and gated as ``encoder export --query-precision int8`` does
 
 The machine's load average is recorded before and after (``loaded``).
 
-Usage: ``python -m bench.query_int8 [--rounds 3] [--batch 32]
+``--record`` also writes the gates' result for these graphs (their SHA-256, the parity
+cosines, the quality gate's figures) to ``services/encoder/build/query_int8_record.json``,
+the record an export without the data takes its quality result from
+(:mod:`services.encoder.build.int8_record`).
+
+Usage: ``python -m bench.query_int8 [--rounds 3] [--batch 32] [--record]
 [--out bench/results/query_int8.json]``
 """
 
@@ -67,6 +72,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=3, help="timed passes over the queries")
     parser.add_argument("--batch", type=int, default=32, help="the batched nDCG's batch size")
     parser.add_argument("--out", type=Path, default=Path("bench/results/query_int8.json"))
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="write the gates' result for these graphs to the committed record",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from services.corpus.beir import load_beir, split_queries
@@ -92,6 +102,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         int8_path = fp32_path.parent / INT8_QUERY_ONNX
         result["gates"] = json.loads((fp32_path.parent / "query_int8.json").read_text())
         result["bytes"] = {"fp32": fp32_path.stat().st_size, "int8": int8_path.stat().st_size}
+        if args.record:
+            from services.encoder.build.int8_record import write_record
+
+            recorded = write_record(
+                result["model"],
+                fp32_path,
+                int8_path,
+                result["gates"],
+                "python -m bench.query_int8 --record",
+            )
+            result["record"] = {
+                "fp32_sha256": recorded.fp32_sha256,
+                "int8_sha256": recorded.int8_sha256,
+            }
         data = load_beir(SCIFACT)
         _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
         texts = [data.queries[q] for q in dev if q in data.qrels]

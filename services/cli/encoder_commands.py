@@ -65,14 +65,10 @@ def _add_plan_gate(p: argparse.ArgumentParser) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from services.encoder.build.export import check_parity, export_onnx
-    from services.encoder.build.query_int8 import (
-        GATE_FILE,
-        default_quality_data,
-        export_with_int8_query,
-    )
+    from services.encoder.build.query_int8 import GATE_FILE, export_with_int8_query
 
     if args.query_precision == "int8":
-        quality = Path(args.quality_data) if args.quality_data else default_quality_data()
+        quality = Path(args.quality_data) if args.quality_data else None
         meta = export_with_int8_query(_model_dir(args), Path(args.out), quality, args.opset)
     else:
         meta = export_onnx(_model_dir(args), Path(args.out), opset=args.opset)
@@ -307,13 +303,15 @@ def add_cli(subparsers: Any) -> None:
         "per-channel; documents keep the FP32 model.onnx, so stored vectors and indexes "
         "are unchanged), served one query per run; about 2x faster query encodes on CPU. "
         "Gated at export: min cosine >= 0.98 vs the FP32 graph on probe queries, and dev "
-        "nDCG@10 within 0.003 of FP32 on --quality-data; a refused export writes nothing. "
+        "nDCG@10 within 0.003 of FP32 (see --quality-data); a refused export writes nothing. "
         "One-tower checkpoints only (default: fp32)",
     )
     p.add_argument(
         "--quality-data",
-        help="int8: BEIR folder for the quality gate (default: $GTR_DATA_DIR/scifact when "
-        "it exists; without data the gate is recorded as not measured)",
+        help="int8: BEIR folder for the quality gate, measured there. Without it: the "
+        "result committed for these very graphs (the default model's, checked by SHA-256 "
+        "and by the parity cosines), else $GTR_DATA_DIR/scifact when it exists, else the "
+        "int8 tower is refused (a model whose quality nobody measured gets no int8 queries)",
     )
 
     p = add_command(

@@ -54,14 +54,17 @@ def add_cli(sub: Any) -> None:
     )
     up.add_argument(
         "--query-precision",
-        choices=["fp32", "int8"],
-        default="fp32",
-        help="Triton's query tower: fp32 (default) or int8 (the default model's export "
-        "with query.int8.onnx, `encoder export --query-precision int8`: about 2x faster "
-        "query encodes on CPU, documents stay FP32; gated at export, the gates' figures in "
-        "<run-dir>/export-int8/query_int8.json). Pick it at a run dir's first `up`: it "
-        "decides the encoder's digest that generation g1 records. Not with --encoder "
-        "inprocess (PyTorch).",
+        choices=["auto", "int8", "fp32"],
+        default="auto",
+        help="Triton's query tower. auto (default): int8 when its gates pass, else fp32 "
+        "(saying why); a run dir whose first `up` exported fp32 stays fp32. int8: the "
+        "default model's export with query.int8.onnx (`encoder export --query-precision "
+        "int8`): about 2x faster query encodes on CPU, documents stay FP32; gated at "
+        "export (parity vs the FP32 graph here; dev nDCG@10 on SciFact, the result "
+        "committed for the default model's graphs when no data is here), refused if a gate "
+        "fails; figures in <run-dir>/export-int8/query_int8.json. fp32: the FP32 graph for "
+        "both kinds. Pick it at a run dir's first `up`: it decides the encoder's digest that "
+        "generation g1 records. --encoder inprocess (PyTorch) is fp32 only.",
     )
     up.add_argument("--no-rerank", action="store_true", help="Do not start the reranker.")
     up.add_argument(

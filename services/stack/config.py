@@ -75,8 +75,11 @@ class StackConfig:
     shards: int = 2
     replicas: int = 1
     encoder: Literal["triton", "inprocess"] = "triton"
-    # Triton's query tower: "int8" = the export's int8 query graph (query_int8.py)
-    query_precision: Literal["fp32", "int8"] = "fp32"
+    # Triton's query tower: "int8" = the export's int8 query graph (query_int8.py), refused
+    # with its gates; "auto" = int8 when its gates pass, else FP32, and for a run dir
+    # whose first `up` exported FP32, FP32 (triton_component.onnx_export); the in-process
+    # encoder (PyTorch) is FP32 whatever this says
+    query_precision: Literal["auto", "fp32", "int8"] = "auto"
     rerank: bool = True
     rerank_checkpoint: Path | None = None
     gateway_port: int = 50051  # 0 = a free port

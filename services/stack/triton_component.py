@@ -18,26 +18,57 @@ if TYPE_CHECKING:
 Say = Callable[[str], None]
 
 
+EXPORT_DIRS = {"fp32": "export", "int8": "export-int8"}
+
+
 def onnx_export(cfg: StackConfig, say: Say) -> Path:
-    """The ONNX export of the default model, made once and cached under the run dir
-    (``export/``; ``export-int8/`` with the int8 query tower, ``--query-precision int8``,
-    whose gates refuse it with FailedPrecondition)."""
+    """The ONNX export of the default model, made once and cached under the run dir:
+    ``export/`` (FP32) or ``export-int8/`` (with the int8 query tower, whose gates refuse
+    it with FailedPrecondition; the gates' figures in its ``query_int8.json``).
+
+    ``query_precision`` "auto" (``up``'s default): the export a run dir already has (the
+    one its first ``up`` made, whose digest generation g1 records), else the int8 one
+    when its gates pass (with no BEIR data: the quality result committed for the default
+    model's graphs, services/encoder/build/int8_record.py), else FP32, saying why."""
+    from services.common.errors import FailedPrecondition
+
+    export = {p: cfg.run_dir / d / "model.onnx" for p, d in EXPORT_DIRS.items()}
+    made = {p: (path.parent / "encoder.json").exists() for p, path in export.items()}
+    precision = cfg.query_precision
+    if precision == "auto":
+        if made["int8"] or not made["fp32"]:
+            try:
+                return _export(cfg, "int8", say)
+            except FailedPrecondition as exc:
+                say(f"encoder    FP32 queries: {exc}")
+        else:
+            say(
+                f"encoder    FP32 queries: {export['fp32'].parent} is this run dir's export "
+                "(--query-precision int8 switches it to the int8 query tower)"
+            )
+        precision = "fp32"
+    return _export(cfg, precision, say)
+
+
+def _export(cfg: StackConfig, precision: str, say: Say) -> Path:
     from services.encoder.build.export import export_onnx
-    from services.encoder.build.query_int8 import default_quality_data, export_with_int8_query
+    from services.encoder.build.query_int8 import export_with_int8_query
     from services.encoder.model import default_model_dir
 
-    int8 = cfg.query_precision == "int8"
-    onnx_path = cfg.run_dir / ("export-int8" if int8 else "export") / "model.onnx"
+    onnx_path = cfg.run_dir / EXPORT_DIRS[precision] / "model.onnx"
     if not (onnx_path.exists() and (onnx_path.parent / "encoder.json").exists()):
+        int8 = precision == "int8"
         say(
             "encoder    exporting the default model to ONNX"
             + (" with an int8 query tower (gated)" if int8 else "")
             + " (first run only)"
         )
         if int8:
-            export_with_int8_query(default_model_dir(), onnx_path, default_quality_data())
+            export_with_int8_query(default_model_dir(), onnx_path, None)
         else:
             export_onnx(default_model_dir(), onnx_path)
+    if precision == "int8":
+        say(f"encoder    int8 query tower (gates: {onnx_path.parent / 'query_int8.json'})")
     return onnx_path
 
 

@@ -1,8 +1,16 @@
 """A real tritonserver (from the nvidia-pytriton wheel) serving the generated CPU repository.
 
-One server per model per module: all-MiniLM-L6-v2 (the default model) and the tiny
-GTR-layout T5. Driven over gRPC by TritonEncoder and by the raw Triton client, as a
-caller would; embeddings are compared with the in-process PyTorch model.
+One server per model per module: all-MiniLM-L6-v2 (the default model) as ``up`` serves
+it by default, with the int8 query tower (its export made as ``up`` makes it, on a
+machine without BEIR data: the quality gate answered by the committed record), and the
+tiny GTR-layout T5, FP32 (a model with no recorded quality result gets no int8 queries).
+Driven over gRPC by TritonEncoder and by the raw Triton client, as a caller would.
+
+What is served is checked against what should be served: query vectors against the
+export's query graph run in process (the int8 graph one query per run, as the model runs
+it) at cosine >= 0.9999, and against PyTorch at the threshold of that graph's own gate
+(0.98 for int8, 0.9999 for FP32); document vectors (FP32 in both) against PyTorch at
+0.9999.
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ import numpy as np
 import pytest
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.encoder.build.export import row_cosines
+from services.encoder.build.export import PARITY_MIN_COSINE, EncoderMeta, row_cosines
+from services.encoder.build.query_int8 import INT8_PARITY_MIN_COSINE
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.model import default_model_dir
+from services.encoder.runtime.onnx_embedder import OnnxEmbedder
 from services.encoder.runtime.triton_client import (
     ENCODER_OUTPUT,
     KSERVE_SERVICE,
@@ -32,6 +42,8 @@ from services.encoder.runtime.triton_client import (
     TritonEncoderConfig,
 )
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
+from services.stack import triton_component
+from services.stack.config import StackConfig
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -43,8 +55,7 @@ from tests.encoder_fixtures import (
 from tests.support.processes import await_until, free_port
 
 
-def _serve(model_dir: Path, base: Path, name: str) -> Iterator[TritonHandle]:
-    onnx_path = ensure_onnx(model_dir, base)
+def _serve(onnx_path: Path, base: Path, name: str) -> Iterator[TritonHandle]:
     repo = base / f"repo-{name}"
     generate_repository(onnx_path, repo, RepositoryConfig(instances=1, intra_op_threads=1))
     cfg = TritonServerConfig(
@@ -59,14 +70,45 @@ def _serve(model_dir: Path, base: Path, name: str) -> Iterator[TritonHandle]:
 
 
 @pytest.fixture(scope="module")
-def minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
-    yield from _serve(default_model_dir(), encoder_base(tmp_path_factory), "minilm")
+def minilm_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's export as ``up`` makes it by default, where no BEIR data is."""
+    run_dir = tmp_path_factory.mktemp("stack-export")
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("GTR_DATA_DIR", raising=False)
+        return triton_component.onnx_export(StackConfig(run_dir=run_dir), lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
+    yield from _serve(minilm_export, encoder_base(tmp_path_factory), "minilm")
 
 
 @pytest.fixture(scope="module")
 def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
     base = encoder_base(tmp_path_factory)
-    yield from _serve(ensure_tiny_t5(base), base, "tiny-t5")
+    yield from _serve(ensure_onnx(ensure_tiny_t5(base), base), base, "tiny-t5")
+
+
+_SERVED: dict[Path, OnnxEmbedder] = {}
+
+
+def assert_served_queries(got: np.ndarray, texts: list[str], export: Path, model: Path) -> None:
+    """``got`` are the query vectors of ``export``'s query graph (run in process as the
+    model runs it) and within that graph's gate of PyTorch's."""
+    if export not in _SERVED:
+        _SERVED[export] = OnnxEmbedder(export, threads=1)
+    served, _ = _SERVED[export].embed(texts, "query")
+    assert min(row_cosines(got, served)) >= 0.9999
+    int8 = EncoderMeta.read(export.parent).query_precision == "int8"
+    gate = INT8_PARITY_MIN_COSINE if int8 else PARITY_MIN_COSINE
+    want, _ = torch_embedder(model).embed(texts, "query")
+    assert min(row_cosines(got, want)) >= gate
+
+
+def test_the_default_model_is_served_with_its_int8_query_tower(minilm_export: Path) -> None:
+    meta = EncoderMeta.read(minilm_export.parent)
+    assert meta.query_precision == "int8" and meta.towers["document"] == minilm_export.name
+    assert minilm_export.parent.name == triton_component.EXPORT_DIRS["int8"]
 
 
 def _raw_infer(handle: TritonHandle, texts: list[bytes], kinds: list[bytes]) -> np.ndarray:
@@ -96,9 +138,12 @@ def test_embeddings_match_in_process(
     which: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     handle: TritonHandle = request.getfixturevalue(which)
-    model_dir = (
-        default_model_dir() if which == "minilm" else ensure_tiny_t5(encoder_base(tmp_path_factory))
-    )
+    base = encoder_base(tmp_path_factory)
+    if which == "minilm":
+        model_dir, export = default_model_dir(), request.getfixturevalue("minilm_export")
+    else:
+        model_dir = ensure_tiny_t5(base)
+        export = ensure_onnx(model_dir, base)
     reference = torch_embedder(model_dir)
 
     async def go(enc: TritonEncoder) -> None:
@@ -108,7 +153,10 @@ def test_embeddings_match_in_process(
             want, _ = reference.embed(texts, kind)  # type: ignore[arg-type]
             assert got.vectors.dtype == np.float32 and got.vectors.shape == want.shape
             assert np.allclose(np.linalg.norm(got.vectors, axis=1), 1.0, atol=1e-5)
-            assert min(row_cosines(got.vectors, want)) >= 0.9999
+            if kind == "query":
+                assert_served_queries(got.vectors, texts, export, model_dir)
+            else:
+                assert min(row_cosines(got.vectors, want)) >= 0.9999
             assert got.truncated == [False] * len(texts)
 
     asyncio.run(_with_encoder(handle, go))
@@ -139,17 +187,18 @@ def _embed_counts(handle: TritonHandle) -> tuple[int, int]:
     return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
 
 
-def test_concurrent_single_requests_are_batched_correctly(minilm: TritonHandle) -> None:
+def test_concurrent_single_requests_are_batched_correctly(
+    minilm: TritonHandle, minilm_export: Path
+) -> None:
     """16 concurrent one-text calls: each gets its own text's embedding, and Triton's
     statistics show its dynamic batcher ran them in fewer model executions than calls."""
     texts = [f"{q} number {i}" for i in range(4) for q in SAMPLE_QUERIES]  # 16 texts
-    reference, _ = torch_embedder(default_model_dir()).embed(texts, "query")
     answered, executions = _embed_counts(minilm)
 
     async def go(enc: TritonEncoder) -> None:
         results = await asyncio.gather(*(enc.encode([t], "query", timeout=20) for t in texts))
         got = np.concatenate([r.vectors for r in results])
-        assert min(row_cosines(got, reference)) >= 0.9999
+        assert_served_queries(got, texts, minilm_export, default_model_dir())
 
     asyncio.run(_with_encoder(minilm, go))
     answered_now, executions_now = _embed_counts(minilm)
@@ -299,14 +348,15 @@ def test_the_deadline_is_sent_to_triton(minilm: TritonHandle) -> None:
         assert 5.0 < proxy.deadlines[2] <= 7.05, "no timeout: the encoder's default is sent"
 
 
-def test_unavailable_is_retried_and_triton_sees_every_attempt(minilm: TritonHandle) -> None:
+def test_unavailable_is_retried_and_triton_sees_every_attempt(
+    minilm: TritonHandle, minilm_export: Path
+) -> None:
     """Two UNAVAILABLE answers, then the real Triton: three attempts arrive, the third
     one's embedding is the model's."""
-    reference, _ = torch_embedder(default_model_dir()).embed(["retry me"], "query")
     with proxied(minilm, fail_first=2) as (address, proxy):
         got = asyncio.run(_proxied_encode(address, ["retry me"], 10.0, retries=3, backoff_s=0.01))
     assert proxy.attempts == 3
-    assert min(row_cosines(got.vectors, reference)) >= 0.9999
+    assert_served_queries(got.vectors, ["retry me"], minilm_export, default_model_dir())
 
 
 def test_retries_stop_after_their_attempts_with_unavailable(minilm: TritonHandle) -> None:

@@ -18,13 +18,15 @@ from google.protobuf import json_format
 from onnx import helper
 
 from services.common.errors import FailedPrecondition
-from services.encoder.build import query_int8
+from services.encoder.build import int8_record, query_int8
 from services.encoder.build.export import EncoderMeta, onnx_session, row_cosines
 from services.encoder.build.query_int8 import (
     GATE_FILE,
     INT8_QUERY_ONNX,
+    QUALITY_MAX_DROP,
     add_int8_query_tower,
     check_int8_parity,
+    gate_int8_query,
 )
 from services.encoder.build.repository import generate_repository, read_config
 from services.encoder.model import default_model_dir
@@ -55,9 +57,12 @@ def _copy_export(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def int8_export(fp32_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's int8 export as made where no BEIR data is (a user's machine,
+    CI): its quality gate answered by the committed record of these graphs."""
     onnx_path = _copy_export(fp32_export, tmp_path_factory.mktemp("int8") / "export")
-    beir = write_beir(tmp_path_factory.mktemp("beir"), queries=12, docs=40)
-    add_int8_query_tower(onnx_path, beir)
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("GTR_DATA_DIR", raising=False)
+        add_int8_query_tower(onnx_path, None)
     return onnx_path
 
 
@@ -79,6 +84,48 @@ def test_query_graph_is_int8_and_document_graph_is_the_fp32_export(
     record = json.loads((int8_export.parent / GATE_FILE).read_text())
     assert record["parity_min_cosine"] >= record["parity_threshold"]
     assert record["quality"]["passed"] and record["quality"]["queries"] > 0
+
+
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
+def test_without_data_the_default_model_takes_the_recorded_quality_result(
+    int8_export: Path,
+) -> None:
+    """The pinned torch/onnx/onnxruntime make the graphs the record was measured on (if
+    this fails after an upgrade: `python -m bench.query_int8 --record` with the data)."""
+    (recorded,) = [r for r in int8_record.read_records() if r.model_name == "all-MiniLM-L6-v2"]
+    gates = json.loads((int8_export.parent / GATE_FILE).read_text())
+    assert gates["quality"]["recorded"] == int8_record.RECORD_FILE.name
+    assert gates["quality"]["int8_ndcg_at_10"] == recorded.quality["int8_ndcg_at_10"]
+    assert recorded.quality["passed"] and recorded.quality["drop"] <= QUALITY_MAX_DROP
+    assert recorded.int8_sha256 == int8_record.graph_sha256(int8_export.parent / INT8_QUERY_ONNX)
+    here = np.asarray(gates["parity_cosines"])
+    assert np.abs(here - np.asarray(recorded.parity_cosines)).max() < 1e-5
+
+
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
+def test_given_data_the_quality_gate_is_measured_not_recorded(
+    int8_export: Path, tmp_path: Path
+) -> None:
+    beir = write_beir(tmp_path / "beir", queries=12, docs=40)
+    gates = gate_int8_query(int8_export, int8_export.parent / INT8_QUERY_ONNX, beir)
+    assert "recorded" not in gates.quality and gates.quality["data"] == str(beir)
+    assert gates.quality["passed"] and gates.quality["queries"] > 0
+
+
+@pytest.mark.slow  # the MiniLM export and its quantisation: ~20 s for the module
+def test_a_record_does_not_hold_for_other_graphs_or_other_kernels(int8_export: Path) -> None:
+    int8 = int8_export.parent / INT8_QUERY_ONNX
+    name = "all-MiniLM-L6-v2"
+    (recorded,) = [r for r in int8_record.read_records() if r.model_name == name]
+    cosines = list(recorded.parity_cosines)
+    assert int8_record.find_record(name, int8_export, int8, cosines)[0] == recorded
+    shifted = [cosines[0] - 2 * int8_record.COSINE_TOLERANCE, *cosines[1:]]
+    record, why = int8_record.find_record(name, int8_export, int8, shifted)
+    assert record is None and "computes otherwise here" in why
+    record, why = int8_record.find_record(name, int8, int8, cosines)  # another FP32 graph
+    assert record is None and "not the recorded ones" in why
+    record, why = int8_record.find_record("my-model", int8_export, int8, cosines)
+    assert record is None and "no quality result is recorded for my-model" in why
 
 
 def _negated(src: Path, dst: Path) -> Path:
@@ -202,7 +249,11 @@ def test_up_takes_the_query_precision_and_refuses_it_in_process(tmp_path: Path) 
     args = build_parser().parse_args([*up, "--query-precision", "int8"])
     assert stack_config(args).query_precision == "int8"
     default = build_parser().parse_args(["up", "--run-dir", str(tmp_path)])
-    assert stack_config(default).query_precision == "fp32"
+    assert stack_config(default).query_precision == "auto"
+    args = build_parser().parse_args([*up, "--query-precision", "fp32"])
+    assert stack_config(args).query_precision == "fp32"
+    args = build_parser().parse_args([*up, "--encoder", "inprocess"])  # auto: FP32 there
+    assert stack_config(args).encoder == "inprocess"
     with pytest.raises(SystemExit, match="--encoder inprocess runs the PyTorch model"):
         main(
             [

@@ -4,7 +4,9 @@ Package map:
 
 - ``export``: the ONNX export of the dual encoder and the parity check gating every artefact.
 - ``query_int8``: the int8 query tower beside an FP32 export, and its parity and quality
-  gates (opt-in: ``--query-precision int8``).
+  gates (``up``'s default on CPU when they pass; ``--query-precision``).
+- ``int8_record``: the quality gate's result recorded for fixed graphs (the default
+  model's, ``query_int8_record.json``), for exports made where the data is not.
 - ``tensorrt_build``: the TensorRT plan (FP16 with FP32 islands, FP32 fallback, the gate).
 - ``onnx_fp16``: which ONNX nodes stay FP32 in an FP16 engine, and the FP16 cast.
 - ``plan_meta``: a plan's ``<plan>.json`` and the atomic write of both.

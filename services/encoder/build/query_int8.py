@@ -19,8 +19,11 @@ Gates, run at export before anything is written beside ``model.onnx``:
   min 0.9855 over SciFact's 162 dev queries);
 * quality: dev nDCG@10 (SciFact, ``split_queries(sorted(query ids), 13, 0.2)``, exact
   search over the FP32 document vectors) of the int8 query graph within
-  :data:`QUALITY_MAX_DROP` of the FP32 graph's, when the data is there; otherwise the
-  gate is recorded as not measured.
+  :data:`QUALITY_MAX_DROP` of the FP32 graph's. Measured with the data given
+  (``--quality-data``); else taken from the committed record when it holds for these
+  very graphs (:mod:`services.encoder.build.int8_record`: the default model's); else
+  measured on ``$GTR_DATA_DIR/scifact`` when it is there; else the int8 tower is refused
+  (FailedPrecondition): a model whose quality nobody measured gets no int8 queries.
 
 Served one query per graph run: dynamic quantisation scales each activation tensor by
 its own range, and that tensor is the whole batch, so a query's int8 vector would depend
@@ -29,7 +32,8 @@ query alone, as an FP32 vector does (measured on SciFact dev: batches of 32 lost
 nDCG@10, rows one at a time 0.0011). The in-process embedder and the Triton CPU model
 both run an int8 query tower that way (:data:`ROW_BY_ROW`).
 
-Both results are written to ``query_int8.json`` beside the export. A failed gate raises
+Both results are written to ``query_int8.json`` beside the export (with the quality
+result's source: measured on which data, or ``recorded``). A failed gate raises
 FailedPrecondition and the export folder is left as it was.
 """
 
@@ -48,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.encoder.build import int8_record
 from services.encoder.build.export import (
     GATE_FILE,
     INT8_QUERY_ONNX,
@@ -121,8 +126,11 @@ class GateRecord:
     parity_mean_cosine: float
     parity_threshold: float
     parity_rows: int
-    quality: dict[str, Any] | None  # QualityResult as a dict plus drop/passed; None: not run
+    # QualityResult as a dict plus drop/passed (and "recorded": the record's file when
+    # taken from it instead of measured here)
+    quality: dict[str, Any]
     quality_note: str = ""
+    parity_cosines: list[float] = field(default_factory=list)  # per probe query
     made_at: float = field(default_factory=time.time)
 
     def write(self, folder: Path) -> None:
@@ -250,11 +258,34 @@ def quality_dict(result: QualityResult) -> dict[str, Any]:
 
 def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None) -> GateRecord:
     """Both gates on an export folder holding both graphs; FailedPrecondition when one
-    refuses (the caller writes nothing then). ``quality_data`` None: not measured."""
+    refuses (the caller writes nothing then). The quality gate measures on
+    ``quality_data`` when given; else the committed record of these graphs answers;
+    else ``$GTR_DATA_DIR/scifact``; with none of them the int8 tower is refused."""
     cosines, problem = check_int8_parity(fp32_onnx, int8_onnx)
     if problem:
         raise FailedPrecondition(f"the int8 query tower is refused: {problem}")
-    quality, note = None, "not measured: no BEIR data (set GTR_DATA_DIR or --quality-data)"
+    note = ""
+    if quality_data is None:
+        model_name = EncoderMeta.read(Path(fp32_onnx).parent).model_name
+        record, why = int8_record.find_record(model_name, fp32_onnx, int8_onnx, cosines.tolist())
+        if record is not None:
+            quality = {
+                **record.quality,
+                "recorded": int8_record.RECORD_FILE.name,
+                "recorded_at": record.made_at,
+            }
+            note = (
+                f"quality: the result recorded for these graphs ({int8_record.RECORD_FILE.name},"
+                f" {record.made_at}), not measured here"
+            )
+        else:
+            quality_data = default_quality_data()
+            if quality_data is None:
+                raise FailedPrecondition(
+                    f"the int8 query tower is refused: its quality is not measured ({why}) and "
+                    "there is no BEIR data to measure it on: pass --quality-data DIR or set "
+                    "GTR_DATA_DIR (SciFact), or keep FP32 queries (--query-precision fp32)"
+                )
     if quality_data is not None:
         result = dev_ndcg(fp32_onnx, int8_onnx, quality_data)
         if not result.passed:
@@ -263,7 +294,7 @@ def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None)
                 f"vs FP32 {result.fp32_ndcg_at_10:.4f} (drop {result.drop:.4f} > "
                 f"{result.max_drop}) on {result.queries} queries of {quality_data}"
             )
-        quality, note = quality_dict(result), ""
+        quality = quality_dict(result)
     return GateRecord(
         parity_min_cosine=round(float(cosines.min()), 5),
         parity_mean_cosine=round(float(cosines.mean()), 5),
@@ -271,6 +302,7 @@ def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None)
         parity_rows=len(cosines),
         quality=quality,
         quality_note=note,
+        parity_cosines=[float(c) for c in cosines],
     )
 
 
@@ -287,6 +319,7 @@ def export_with_int8_query(
             f"{model_dir} is a two-tower checkpoint: an int8 query tower is only made for "
             "one-tower checkpoints so far; export it with --query-precision fp32"
         )
+    made_folder = not onnx_path.parent.exists()
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".int8-export-", dir=onnx_path.parent))
     try:
@@ -296,8 +329,12 @@ def export_with_int8_query(
         for name in (onnx_path.name, INT8_QUERY_ONNX, "tokenizer.json", GATE_FILE):
             os.replace(work / name, onnx_path.parent / name)
         os.replace(work / "encoder.json", onnx_path.parent / "encoder.json")  # last: the switch
-    finally:
+    except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        if made_folder:  # a refused export leaves no folder behind (up's "auto" reads it)
+            shutil.rmtree(onnx_path.parent, ignore_errors=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     return meta
 
 
