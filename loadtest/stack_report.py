@@ -2,9 +2,11 @@
 
     .venv/bin/python -m loadtest.stack_report --img-dir docs/img
 
-Starts ``gtr-retrieval up --run-dir DIR --port 0 --shards 2 --corpus C`` (the default
-model, the reranker started; ``C``: the first ``--docs`` SciFact documents, so that the
-floor below searches the same ones), waits until it serves, and measures in one run:
+Starts ``gtr-retrieval up --run-dir DIR --port 0 --shards 2 --corpus C --query-precision
+P`` (the default model, the reranker started; ``C``: the first ``--docs`` SciFact
+documents, so that the floor below searches the same ones; ``P``: ``--query-precision``,
+int8 as ``up``'s default, the floor's query graph too), waits until it serves, and
+measures in one run:
 
 1. the generator's overhead against a trivial gRPC server (:mod:`loadtest.overhead`);
 2. for **hybrid** (the default mode) and **dense**, rerank off:
@@ -67,7 +69,9 @@ LOADED_OTHER_CORES = 0.25
 
 
 @contextmanager
-def local_stack(run_dir: Path, timeout_s: float, corpus: Path | None) -> Iterator[Path]:
+def local_stack(
+    run_dir: Path, timeout_s: float, corpus: Path | None, extra: tuple[str, ...] = ()
+) -> Iterator[Path]:
     """``gtr-retrieval up`` in a child process until it serves; yields its stack.json."""
     cmd = [
         sys.executable,
@@ -83,6 +87,7 @@ def local_stack(run_dir: Path, timeout_s: float, corpus: Path | None) -> Iterato
     ]
     if corpus is not None:
         cmd += ["--corpus", str(corpus)]
+    cmd += extra
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -239,11 +244,12 @@ def measure_mode(
     }
 
 
-def measure_floor(corpus: Path, queries: list[str]) -> dict[str, Any]:
-    """bench.floor's CPU per search of each mode on ``corpus`` (setup not measured)."""
-    print("\n== the floor (one thread, no RPC)", flush=True)
+def measure_floor(corpus: Path, queries: list[str], precision: str) -> dict[str, Any]:
+    """bench.floor's CPU per search of each mode on ``corpus`` (setup not measured), with
+    the query graph of ``precision`` (the stack's)."""
+    print(f"\n== the floor (one thread, no RPC; {precision} query graph)", flush=True)
     with tempfile.TemporaryDirectory(prefix="gtr-report-floor-") as tmp:
-        floor = floor_bench.build_floor(corpus, Path(tmp), SHARDS)
+        floor = floor_bench.build_floor(corpus, Path(tmp), SHARDS, precision)
         out: dict[str, Any] = {m: floor_bench.measure_floor(floor, queries, m, 10) for m in MODES}
     for m in MODES:
         print(f"  {m}: {out[m]['cpu_ms_per_search']:.2f} ms CPU per search", flush=True)
@@ -400,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rerank", action="store_true", help="skip the rerank-on sweep")
     p.add_argument("--no-bottleneck", action="store_true", help="skip the bottleneck ratio")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="for `up` (s)")
+    p.add_argument(
+        "--query-precision",
+        choices=["int8", "fp32"],
+        default="int8",
+        help="the stack's query tower (`up --query-precision`) and the floor's: int8 (up's "
+        "default for the default model) or fp32",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     return p
 
@@ -414,10 +427,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out = measure(args.stack_json, args, None)
         else:
             corpus = write_corpus(args.data, tmp / "corpus.jsonl", args.docs)
-            with local_stack(args.run_dir or tmp / "run", args.startup_timeout, corpus) as st:
+            precision = ("--query-precision", args.query_precision)
+            run_dir = args.run_dir or tmp / "run"
+            with local_stack(run_dir, args.startup_timeout, corpus, precision) as st:
                 out = measure(st, args, corpus)
             # after the stack stopped: the floor runs alone, on the same documents
-            out["floor"] = measure_floor(corpus, load_queries(queries_path)[:300])
+            queries = load_queries(queries_path)[:300]
+            out["floor"] = measure_floor(corpus, queries, args.query_precision)
+            out["query_precision"] = args.query_precision
     add_ratios(out)
     out["command"] = "python -m loadtest.stack_report " + " ".join(argv or sys.argv[1:])
     print("\n== report")
