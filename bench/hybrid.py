@@ -1,6 +1,7 @@
 """Hybrid retrieval through the service against its baselines, measured in one run.
 
     .venv/bin/python -m bench.hybrid [--seconds 8] [--rate 150] [--rounds 3]
+        [--loads quiet,one_core_busy]
 
 Real processes: a Redis (AOF ``appendfsync always``) and 2 shard servers (``index
 serve``, inline search), fed through the change log with the 5,183 SciFact documents
@@ -19,6 +20,11 @@ bench). Figures (the last line is JSON; ``bench/results/hybrid.json`` keeps it f
   run in alternating windows (``--windows`` of ``--window-s`` each, the order swapped
   every round) and each p99 is over all its windows' latencies: the machine's drift
   (other jobs on the shared cores move a p99 by 5x within minutes) falls on both alike.
+- **Loads** (``--loads``, default both): ``quiet`` measures the figures above with nothing
+  else of the bench running; ``one_core_busy`` measures them again beside a process that
+  keeps one core busy (a spin loop at the default priority: another job on the machine).
+  The JSON keeps both under ``loads`` (the quiet run's figures also at the top level), with
+  the machine's busy cores and what the rest of it used (``other_cores``) during each.
 - ``text_bytes_per_document``: the shards' text index on disk (``Stats``) per document,
   beside ``bytes_per_vector`` of the IVF-PQ index; ``text_doc_bytes``: mean title + text
   bytes of the corpus (the plan scales by it).
@@ -29,17 +35,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
+from bench import cpu_roles
 from bench.index_service import SCIFACT, query_embeddings, say
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.fusion import Fusion, Method, fuse
@@ -145,6 +156,36 @@ async def open_loop(
     return latencies
 
 
+LOADS = ("quiet", "one_core_busy")
+
+
+def _spin(stop: Any) -> None:
+    """Keep one core busy until ``stop`` is set (another job on the machine)."""
+    n = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            n += 1
+
+
+@contextmanager
+def load(name: str) -> Iterator[None]:
+    """Nothing beside the bench (``quiet``), or one spinning process (``one_core_busy``)."""
+    if name == "quiet":
+        yield
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    spinner = ctx.Process(target=_spin, args=(stop,), daemon=True)
+    spinner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        spinner.join(10)
+        if spinner.is_alive():
+            spinner.kill()
+
+
 def shard_stats(addresses: list[list[str]]) -> list[index_pb2.ShardStats]:
     out = []
     for replicas in addresses:
@@ -219,7 +260,16 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=20, help="Alternating p99 windows.")
     parser.add_argument("--window-s", type=float, default=3.0, help="Seconds per window.")
     parser.add_argument("--no-save", action="store_true", help=f"Do not write {RESULT}.")
+    parser.add_argument(
+        "--loads",
+        default=",".join(LOADS),
+        help="comma-separated: quiet (nothing beside the bench), one_core_busy (a process "
+        "spinning on one core beside it)",
+    )
     args = parser.parse_args()
+    args.loads = [x for x in args.loads.split(",") if x]
+    if not args.loads or set(args.loads) - set(LOADS):
+        parser.error(f"--loads: one or more of {', '.join(LOADS)}")
 
     beir = load_beir(SCIFACT)
     ids = beir.doc_ids
@@ -253,14 +303,30 @@ def main() -> int:
                 timeout=600,
             ) as cluster:
                 stats = shard_stats(cluster.addresses)
-                figures = asyncio.run(measure(cluster.addresses, text, queries, qvecs, args))
+                loads: dict[str, dict[str, Any]] = {}
+                for name in args.loads:
+                    say(f"== {name}")
+                    with load(name):
+                        before, start = cpu_roles.sample(os.getpid()), time.monotonic()
+                        figures = asyncio.run(
+                            measure(cluster.addresses, text, queries, qvecs, args)
+                        )
+                        after, seconds = cpu_roles.sample(os.getpid()), time.monotonic() - start
+                    busy = (after["machine"] - before["machine"]) / seconds
+                    # every process of the bench: itself, the spinner, Redis, the shards
+                    ours = sum(after[k] - before.get(k, 0.0) for k in after if k != "machine")
+                    figures["machine_cores"] = round(busy, 3)
+                    figures["other_cores"] = round(max(0.0, busy - ours / seconds), 3)
+                    loads[name] = figures
+                    say(json.dumps(figures))
     documents = sum(s.text_documents for s in stats)
     text_bytes = sum(s.text_disk_bytes for s in stats)
     result = {
         "documents": len(ids),
         "queries": len(queries),
         "shards": SHARDS,
-        **figures,
+        **loads.get("quiet", next(iter(loads.values()))),
+        "loads": loads,
         "text_documents": documents,
         "text_bytes_per_document": round(text_bytes / max(1, documents), 1),
         "text_doc_bytes": round(doc_bytes, 1),
@@ -269,7 +335,9 @@ def main() -> int:
         "source": {
             "bench": "bench.hybrid",
             "run": time.strftime("%Y-%m-%d", time.gmtime()),
-            "note": "2 cores shared by the client, the shards and Redis",
+            "note": "2 cores shared by the client, the shards and Redis; loads.*.other_cores: "
+            "what the rest of the machine used meanwhile (not the bench's processes, its "
+            "spinner included)",
         },
     }
     line = json.dumps(result)
