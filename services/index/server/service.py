@@ -71,7 +71,8 @@ class ShardService:
                 top = await self.batcher.search(checked, checked=True)
         else:
             top = TopK.empty(len(query.texts), 0)
-        # BM25 inline on the event loop: ~0.2 ms per query on 5,000 documents (bench.hybrid)
+        # BM25 inline on the event loop: 0.10-0.33 ms per query on half of 5,183 documents,
+        # by k (10, 100) and Tantivy segments (1-7; docs/performance.md, bench.hybrid)
         sparse = None
         if terms:
             with tracing.span("BM25 search (Tantivy)") as span:
