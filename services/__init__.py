@@ -30,6 +30,8 @@ ones only: ``tests/unit/test_import_cycles.py``; docs/architecture.md "Packages"
     which encoder versions stay published.
 ``gateway``
     the public gRPC API: validation, the search pipeline, the document writes.
+``tune``
+    ``gtr-retrieval tune``: encoder, fusion and reranker trained and chosen together.
 ``plan``
     ``gtr-retrieval plan``: capacity from measured figures.
 ``stack``

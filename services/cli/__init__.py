@@ -16,4 +16,5 @@ Package map:
 - ``gateway_commands``, ``rerank_commands``, ``redis_commands``, ``corpus_commands``,
   ``eval_commands``, ``plan_commands``, ``stack_commands``, ``client_commands``: the
   other groups, one module each.
+- ``tune_commands``: ``tune``, the whole quality recipe on a BEIR folder (docs/tune.md).
 """

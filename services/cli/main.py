@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         redis_commands,
         rerank_commands,
         stack_commands,
+        tune_commands,
     )
 
     parser = argparse.ArgumentParser(
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     rerank_commands.add_cli(sub)
     eval_commands.add_cli(sub)
     plan_commands.add_cli(sub)
+    tune_commands.add_cli(sub)
     return parser
 
 

@@ -302,6 +302,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"corpus", "measures"}),
     frozenset({"index", "encoder", "rerank"}),
     frozenset({"eval", "client"}),
+    frozenset({"tune"}),
     frozenset({"generations"}),
     frozenset({"gateway"}),
     frozenset({"plan", "stack", "cli"}),

@@ -28,6 +28,12 @@ class TrainConfig:
     negatives: int = 1  # hard negatives per pair (0: in-batch negatives only)
     negative_skip: int = 3  # mined from the base model's ranks skip+1 … negative_depth
     negative_depth: int = 20
+    # The ranked lists negatives are mined from: a JSON file {query id: [doc id, ...]} of
+    # any first stage (``gtr-retrieval tune`` writes its hybrid run); None: the base
+    # checkpoint's exact dense ranks. Ranks skip+1 … negative_depth either way.
+    negatives_file: Path | None = None
+    # Judged queries kept out of training besides dev (``tune``'s validation split).
+    holdout: tuple[str, ...] = ()
     max_query_len: int = 64
     max_doc_len: int = 192
     seed: int = 13
@@ -58,9 +64,14 @@ class TrainConfig:
             "negatives",
             "negative_skip",
             "negative_depth",
+            "negatives_file",
             "max_query_len",
             "max_doc_len",
             "seed",
             "dev_fraction",
         )
-        return {k: v for k, v in asdict(self).items() if k in keep}
+        recipe = {k: v for k, v in asdict(self).items() if k in keep}
+        recipe["negatives_file"] = None if self.negatives_file is None else str(self.negatives_file)
+        if self.holdout:
+            recipe["holdout_queries"] = len(self.holdout)
+        return recipe

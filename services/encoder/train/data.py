@@ -26,6 +26,7 @@ import numpy as np
 
 from services.common.errors import InvalidArgument
 from services.corpus.beir import BeirData, load_beir, split_queries
+from services.corpus.runs import read_run
 from services.encoder.embeddings import beside_corpus, cache_dir, embed_cached
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,34 @@ def load_training_data(root: Path, seed: int, dev_fraction: float) -> TrainingDa
         raise InvalidArgument(f"dev fraction {dev_fraction} leaves no training query")
     pairs = sorted((q, d) for q in train for d in data.qrels[q])
     return TrainingData(data, data_digest(root), train, dev, pairs)
+
+
+def hold_out(td: TrainingData, holdout: tuple[str, ...]) -> TrainingData:
+    """``td`` without the ``holdout`` queries in training (a validation split chosen by the
+    caller: ``gtr-retrieval tune`` picks its fusion and rerank settings on them)."""
+    if not holdout:
+        return td
+    unknown = set(holdout) - set(td.train_qids) - set(td.dev_qids)
+    if unknown:
+        raise InvalidArgument(f"{len(unknown)} held-out query ids are not judged queries")
+    if set(holdout) & set(td.dev_qids):
+        raise InvalidArgument("a held-out query is a dev query: hold out train queries only")
+    kept = set(holdout)
+    train = [q for q in td.train_qids if q not in kept]
+    if not train:
+        raise InvalidArgument("holding out those queries leaves no training query")
+    pairs = sorted((q, d) for q in train for d in td.data.qrels[q])
+    return replace(td, train_qids=train, pairs=pairs)
+
+
+def negatives_from_run(td: TrainingData, path: Path, skip: int, depth: int) -> dict[str, list[str]]:
+    """Per train query: ranks ``skip+1 … depth`` of a ranked-list file
+    (:func:`services.corpus.runs.read_run`: ``tune`` writes its hybrid run), documents
+    outside the corpus and judged positives removed. Every train query needs a list."""
+    if not 0 <= skip < depth:
+        raise InvalidArgument(f"negative ranks {skip + 1}-{depth}: need 0 <= skip < depth")
+    run = read_run(path, td.train_qids, set(td.data.doc_ids))
+    return {q: [d for d in run[q][skip:depth] if d not in td.data.qrels[q]] for q in run}
 
 
 def eval_corpus(td: TrainingData, size: int | None, seed: int) -> TrainingData:

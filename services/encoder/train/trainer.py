@@ -40,9 +40,11 @@ from services.encoder.train.data import (
     TrainingData,
     base_ranks,
     eval_corpus,
+    hold_out,
     load_training_data,
     mine_negatives,
     model_key,
+    negatives_from_run,
 )
 from services.encoder.train.manifest import MANIFEST, read_manifest, write_manifest
 from services.encoder.train.progress import (
@@ -175,7 +177,7 @@ def _setup(cfg: TrainConfig) -> _Run:
         torch.set_num_threads(cfg.threads)
     wall0, cpu0 = time.perf_counter(), usage()["cpu_seconds"]
     torch.manual_seed(cfg.seed)
-    td = load_training_data(cfg.data_dir, cfg.seed, cfg.dev_fraction)
+    td = hold_out(load_training_data(cfg.data_dir, cfg.seed, cfg.dev_fraction), cfg.holdout)
     towers = build_towers(base, arch)
     dim = _dim(towers.query)
     if cfg.index_dir is not None:
@@ -184,11 +186,16 @@ def _setup(cfg: TrainConfig) -> _Run:
     key = model_key(base)
     encode = LazyEncoder(base)
     mine0 = time.perf_counter()
-    negatives = (
-        mine_negatives(td, encode, key, cfg.negative_skip, cfg.negative_depth, cfg.progress)
-        if cfg.negatives
-        else {}
-    )
+    if not cfg.negatives:
+        negatives: dict[str, list[str]] = {}
+    elif cfg.negatives_file is not None:
+        negatives = negatives_from_run(
+            td, cfg.negatives_file, cfg.negative_skip, cfg.negative_depth
+        )
+    else:
+        negatives = mine_negatives(
+            td, encode, key, cfg.negative_skip, cfg.negative_depth, cfg.progress
+        )
     pool = (
         DevPool(td, base_ranks(td, td.dev_qids, encode, key, cfg.dev_pool_depth, cfg.progress))
         if cfg.eval_every

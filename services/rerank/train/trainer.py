@@ -21,6 +21,7 @@ import torch
 
 from services.common.errors import InvalidArgument, NotFound
 from services.corpus.beir import BeirData, load_beir, split_queries
+from services.corpus.runs import read_run
 from services.rerank.checkpoint import (
     TRAINER_STATE,
     CeliConfig,
@@ -51,6 +52,12 @@ class TrainConfig:
     queries_per_step: int = 1
     negatives: int = 7
     negative_depth: int = 50
+    # The first stage negatives are sampled from: a JSON file {query id: [doc id, ...]}
+    # (``gtr-retrieval tune`` writes the fused hybrid run the reranker will serve behind);
+    # None: the dense first stage (all-MiniLM-L6-v2, exact inner product).
+    negatives_file: Path | None = None
+    # Judged queries kept out of training besides dev (``tune``'s validation split).
+    holdout: tuple[str, ...] = ()
     lr: float = 5e-5
     head_lr: float = 1e-3
     warmup_fraction: float = 0.1
@@ -86,9 +93,20 @@ def prepare(cfg: TrainConfig) -> TrainingSet:
     data = load_beir(cfg.data_dir)
     qids = sorted(q for q in data.qrels if data.qrels[q])
     train, dev = split_queries(qids, cfg.seed, cfg.dev_fraction)
+    if cfg.holdout:
+        if set(cfg.holdout) & set(dev):
+            raise InvalidArgument("a held-out query is a dev query: hold out train queries only")
+        kept = set(cfg.holdout)
+        train = [q for q in train if q not in kept]
     if cfg.max_train_queries is not None:
         train = train[: cfg.max_train_queries]
-    run = dense_run(data, train, k=cfg.negative_depth + 10)
+    if not train:
+        raise InvalidArgument("no training query is left (dev fraction, holdout)")
+    run = (
+        read_run(cfg.negatives_file, train, set(data.doc_ids))
+        if cfg.negatives_file is not None
+        else dense_run(data, train, k=cfg.negative_depth + 10)
+    )
     negatives = {
         q: [d for d in run[q] if d not in data.qrels[q]][: cfg.negative_depth] for q in train
     }
