@@ -70,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not getattr(args, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.settings = extra
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for records
     handler = getattr(args, "handler", None) or getattr(args, "func", None)
     if handler is None:
         parser.print_help()

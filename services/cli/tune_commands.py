@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         threads=args.threads,
         progress=not args.quiet,
     )
-    report = run(cfg)
+    report = run(cfg, command=shlex.join(["gtr-retrieval", *args.argv]))
     print(table(report))
     print(json.dumps(report["best"] | {"report": str(Path(args.out) / "report.json")}))
     return 0

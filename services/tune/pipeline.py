@@ -111,8 +111,9 @@ def _fusion_setting(choice: FusionChoice) -> dict[str, Any]:
     return choice.describe()
 
 
-def run(cfg: TuneConfig) -> dict[str, Any]:
-    """Every stage; the report (also written to ``<out>/report.json``)."""
+def run(cfg: TuneConfig, command: str = "gtr-retrieval tune") -> dict[str, Any]:
+    """Every stage; the report (also written to ``<out>/report.json``). ``command``: the
+    command line, recorded in the report."""
     validate(cfg)
     if cfg.threads:
         import torch
@@ -170,7 +171,7 @@ def run(cfg: TuneConfig) -> dict[str, Any]:
     report = build_report(systems, beir.qrels, val, dev, "serving/hybrid-default")
     report.update(
         {
-            "command": "gtr-retrieval tune",
+            "command": command,
             "config": cfg.to_dict(),
             "split": _split_record(split),
             "encoders": trained,

@@ -61,6 +61,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
     assert rc == 0, stderr
     report = json.loads((out / "report.json").read_text())
     assert json.loads(stdout.strip().splitlines()[-1])["system"] == report["best"]["system"]
+    assert report["command"].startswith(f"gtr-retrieval tune --data {data} --out {out}")
     return data, out, report
 
 
