@@ -1,7 +1,8 @@
-"""`gtr-retrieval tune` end to end on a small BEIR folder: the real MiniLM encoder trained
-(ADE-SPL, one short epoch), the shard's own IVF-PQ and Tantivy indexes, a CELI reranker
-trained for a few steps and scored, the report, the setting, a resumed rerun, a rerun with
-another budget, and bad input refused with nothing written."""
+"""`gtr-retrieval tune` end to end on a small BEIR folder: a tiny BERT in MiniLM's layout as
+the serving encoder, trained as ADE-SPL for one short epoch, the shard's own IVF-PQ and
+Tantivy indexes, a CELI reranker on the same tiny BERT trained for a few steps and scored,
+the report, the setting, a resumed rerun, a rerun with another budget, and bad input
+refused with nothing written."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ from typing import Any
 import pytest
 
 from services.cli.main import main
-from tests.encoder_fixtures import write_beir
+from tests.encoder_fixtures import encoder_base, ensure_tiny_bert, write_beir
 
-pytestmark = pytest.mark.slow  # ~40 s: two encoder trainings' worth of MiniLM on 2 cores
+pytestmark = pytest.mark.slow  # the whole path twice, a few seconds per stage
 
 
-def _tune(data: Path, out: Path, *extra: str) -> tuple[int, str, str]:
+def _tune(data: Path, out: Path, *extra: str, model: Path | None = None) -> tuple[int, str, str]:
+    models = (
+        [] if model is None else ["--serving-encoder", str(model), "--rerank-backbone", str(model)]
+    )
     argv = [
         "tune",
+        *models,
         "--data",
         str(data),
         "--out",
@@ -53,15 +58,16 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
     root = tmp_path_factory.mktemp("tune")
     os.environ["GTR_CACHE_DIR"] = str(root / "cache")  # restored below
     data = write_beir(root / "beir", queries=40, docs=80)
+    model = ensure_tiny_bert(encoder_base(tmp_path_factory))
     out = root / "out"
     try:
-        rc, stdout, stderr = _tune(data, out, "--rerank-budget-ms", "100000")
+        rc, stdout, stderr = _tune(data, out, "--rerank-budget-ms", "100000", model=model)
     finally:
         os.environ.pop("GTR_CACHE_DIR", None)
     assert rc == 0, stderr
     report = json.loads((out / "report.json").read_text())
     assert json.loads(stdout.strip().splitlines()[-1])["system"] == report["best"]["system"]
-    assert report["command"].startswith(f"gtr-retrieval tune --data {data} --out {out}")
+    assert report["command"].startswith(f"gtr-retrieval tune --serving-encoder {model}")
     return data, out, report
 
 
@@ -113,15 +119,16 @@ def test_the_trainers_held_out_validation_and_dev_and_mined_the_hybrid_run(
 
 
 def test_a_rerun_trains_nothing_again_and_another_budget_re_chooses(
-    tuned: tuple[Path, Path, dict[str, Any]],
+    tuned: tuple[Path, Path, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     data, out, report = tuned
+    model = ensure_tiny_bert(encoder_base(tmp_path_factory))
     weights = out / "rerankers" / "celi-hybrid" / "celi_head.safetensors"
     stamp = weights.stat().st_mtime_ns
     os.environ["GTR_CACHE_DIR"] = str(out.parent / "cache")
     try:
         # the CPU table's depth 10 costs 510 ms: a 200 ms budget fits no rerank
-        rc, _, stderr = _tune(data, out, "--rerank-budget-ms", "200")
+        rc, _, stderr = _tune(data, out, "--rerank-budget-ms", "200", model=model)
     finally:
         os.environ.pop("GTR_CACHE_DIR", None)
     assert rc == 0, stderr
