@@ -290,6 +290,18 @@ def _add_rollout(isub: Any) -> None:
         help="The new generation's shard count (default: the serving one's). Another "
         "count copies the documents into its own keys as the rollout goes.",
     )
+    rollout.add_argument(
+        "--retrieval-setting",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="A JSON retrieval setting for the new generation (docs/generations.md "
+        "'Retrieval setting': fusion method, rrf_k, dense_weight, candidates, and the "
+        "rerank checkpoint, weight and depth), recorded in its record: a search it serves "
+        "that names no fusion gets it instead of the gateway's --fusion/--rrf-k/"
+        "--dense-weight/--hybrid-candidates. Checked before anything is written (a bad file "
+        "exits 2). Default: none, the gateway's flags, as before.",
+    )
     _add_run_flags(rollout, rollout=True)
 
 

@@ -35,11 +35,12 @@ def rollout(args: argparse.Namespace) -> int:
     budget = budget_for(args.cpus) if args.cpus else None
     if budget:  # from here on (the export of --encoder too) this process runs there
         pin_process(os.getpid(), budget)
+    # the plan first: a bad --retrieval-setting is refused before anything is reached
+    plan = None if args.abort else _plan(args)
     where = at.places(args)
     store = at.client(where.redis_url)
-    if args.abort:
+    if plan is None:
         return _say_aborted(ops.abort_rollout(at.builder(args, where, store)))
-    plan = ops.plan_of(args.encoder, args.shards, args.retrain)
     # a live builder or other options: refused (naming it) before asking anything
     intent = ops.intend_rollout(at.builder(args, where, store), plan)
     if not at.confirm(args, _question(args, intent)):
@@ -69,6 +70,18 @@ def rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> Any:
+    """``index rollout``'s plan of its flags (a bad --retrieval-setting file: the error
+    names the flag)."""
+    from services.common.errors import InvalidArgument, NotFound
+    from services.generations.operations import plan_of
+
+    try:
+        return plan_of(args.encoder, args.shards, args.retrain, args.retrieval_setting)
+    except (InvalidArgument, NotFound) as exc:
+        raise type(exc)(f"--retrieval-setting {exc.message}") from None
+
+
 def _question(args: argparse.Namespace, intent: Any) -> str:
     resumes = intent.resumes
     if resumes is not None:
@@ -81,9 +94,12 @@ def _question(args: argparse.Namespace, intent: Any) -> str:
         "retrain": "the quantizer retrained on the stored vectors",
         "reembed": f"{serving.encoder.model} v{serving.encoder.version} re-embedded",
     }[intent.change]
+    setting = intent.plan.retrieval
     return (
         f"roll out a new generation from {serving.name} ({serving.num_shards} shards): "
-        f"{change}, {intent.num_shards} shards.\n{COST}\nGo ahead?"
+        f"{change}, {intent.num_shards} shards"
+        + (f", retrieval setting: {setting.describe()}" if setting is not None else "")
+        + f".\n{COST}\nGo ahead?"
     )
 
 
@@ -241,6 +257,9 @@ def generations(args: argparse.Namespace) -> int:
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    for r in listed.rows:  # only the generations that carry one (issue #35)
+        if r.get("retrieval"):
+            print(f"{r['name']} retrieval setting: {_setting(r['retrieval'])}")
     print(f"alias epoch {listed.alias.epoch}")
     running = listed.rollout
     if running is not None:
@@ -267,6 +286,12 @@ def _row(r: dict[str, Any]) -> tuple[str, ...]:
         "-" if r["drift"] is None else f"{r['drift']:.2f}",
         f"{r['replicas_up']}/{r['replicas']}" if r["replicas"] else "-",
     )
+
+
+def _setting(raw: dict[str, Any]) -> str:
+    from services.common.retrieval_setting import RetrievalSetting
+
+    return RetrievalSetting.from_dict(raw).describe()
 
 
 def _n(value: int | None) -> str:

@@ -17,6 +17,9 @@ No I/O and no grpc here (RPC plumbing is :mod:`services.rpc`, a process's host p
     a request's deadline as an absolute monotonic time.
 ``fusion``
     hybrid fusion of a dense and a sparse list (reciprocal rank or normalised weights).
+``retrieval_setting``
+    a generation's retrieval setting (fusion, candidates, reranker checkpoint, depth and
+    weight), recorded with it; its JSON file and checks.
 ``slo``
     the latency SLO table per encoder size.
 ``encoder_spec``

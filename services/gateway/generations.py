@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from services.common.domain import TokenOrigin, WriteToken
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.retrieval_setting import RetrievalSetting
 from services.gateway.dual_write import DualWrites, EncoderFactory
 from services.gateway.ports import (
     DocumentStore,
@@ -151,6 +152,8 @@ class Serving:
     # the serving generation's log positions at its switch-in, by shard (docs/generations.md)
     switch_in: WriteToken = field(default_factory=dict)
     previous: str | None = None
+    # the serving generation's retrieval setting (its record's; None: the gateway's flags)
+    setting: RetrievalSetting | None = None
 
     @property
     def origin(self) -> TokenOrigin:
@@ -386,6 +389,7 @@ class GenerationSource:
             bundle,
             {int(s): p for s, p in record.switch_in.items()},
             alias.previous,
+            record.retrieval,
         )
         self._serving, self._serving_record = serving, record
         if current is None or current.generation != serving.generation:

@@ -43,7 +43,7 @@ from services.gateway.generations import Bundle, GenerationSource, Serving, reso
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.ports import Reranker
 from services.gateway.query_cache import QueryEmbeddingCache
-from services.gateway.reranking import finish, rerank_depth
+from services.gateway.reranking import finish, rerank_plan
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,16 @@ class SearchPipeline:
     pressure: Callable[[], float] = field(default=lambda: 0.0)
     # Query embeddings kept in Redis (--query-cache); None: every query is encoded.
     query_cache: QueryEmbeddingCache | None = None
-    # What a query that names no mode or fusion gets (--default-mode, --fusion, ...).
+    # What a query that names no mode or fusion gets (--default-mode, --fusion, ...) on a
+    # generation whose record has no retrieval setting; one that has one gets its fusion
+    # and candidates (the mode stays this one's): :meth:`retrieval_on`.
     retrieval: RetrievalDefaults = field(default_factory=RetrievalDefaults)
+
+    def retrieval_on(self, serving: Serving) -> RetrievalDefaults:
+        """What a query that names no fusion gets on ``serving``'s generation: its
+        retrieval setting's fusion and candidates, else the gateway's flags."""
+        setting = serving.setting
+        return self.retrieval if setting is None else setting.defaults(self.retrieval.mode)
 
     @property
     def embedder(self) -> QueryEmbedder:
@@ -143,12 +151,13 @@ class SearchPipeline:
         if any(q.rerank for q in queries) and self.reranker is None:
             raise FailedPrecondition("rerank: no rerank service is configured on this gateway")
 
-        plans = [rerank_depth(q, deadline, self.reranker, self.pressure) for q in queries]
-        depths = [depth for depth, _ in plans]
-        fetch_ks = [max(q.k, d) for q, d in zip(queries, depths, strict=True)]
-        stages = [
-            plan_stage(q, fk, self.retrieval) for q, fk in zip(queries, fetch_ks, strict=True)
+        plans = [
+            rerank_plan(q, deadline, self.reranker, self.pressure, serving.setting) for q in queries
         ]
+        depths = [plan.depth for plan in plans]
+        fetch_ks = [max(q.k, d) for q, d in zip(queries, depths, strict=True)]
+        retrieval = self.retrieval_on(serving)
+        stages = [plan_stage(q, fk, retrieval) for q, fk in zip(queries, fetch_ks, strict=True)]
 
         t = time.perf_counter()
         with tracing.span("encode") as span:

@@ -76,10 +76,15 @@ class LogTails(Protocol):
 
 class Reranker(Protocol):
     async def rerank(
-        self, query: str, candidates: Sequence[Hit], timeout: float | None
+        self,
+        query: str,
+        candidates: Sequence[Hit],
+        timeout: float | None,
+        checkpoint: str = "",
     ) -> list[Hit]:
         """The candidates (hits with their documents) best first, each with ``score`` the
-        reranker's and ``first_stage_score`` as it came."""
+        reranker's and ``first_stage_score`` as it came; scored by the rerank service's
+        ``checkpoint`` ("" = its default model; NotFound when it has no such one)."""
         ...
 
     def depth_for_budget(self, budget_ms: float) -> int: ...

@@ -40,9 +40,15 @@ class RerankClient:
         return depths.depth_for_budget(budget_ms, self._table)
 
     async def rerank(
-        self, query: str, candidates: Sequence[Hit], timeout: float | None
+        self,
+        query: str,
+        candidates: Sequence[Hit],
+        timeout: float | None,
+        checkpoint: str = "",
     ) -> list[Hit]:
-        request = convert.query_to_pb(RerankQuery(query, tuple(candidates), len(candidates)))
+        request = convert.query_to_pb(
+            RerankQuery(query, tuple(candidates), len(candidates), checkpoint)
+        )
         with tracing.span("rerank", tracing.CLIENT) as span:
             if span:
                 span.set_attribute("gtr.candidates", len(candidates))

@@ -1,16 +1,23 @@
-"""A search's rerank: its depth (named by the request, else chosen from the reranker's
-measured depth table for the time left, shed under load) and the answer it reorders.
+"""A search's rerank: its depth (named by the request, else by the serving generation's
+retrieval setting, else chosen from the reranker's measured depth table for the time
+left, shed under load), the checkpoint that scores it (the generation's, else the rerank
+service's default model), and the answer it reorders, its score interpolated with the
+first stage's when the generation's ``rerank_weight`` is below 1 (:func:`interpolate`).
 
 No grpc here (see :mod:`services.gateway.pipeline`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from services.common.deadline import Deadline
-from services.common.errors import DeadlineExceeded
+from services.common.errors import DeadlineExceeded, NotFound
+from services.common.retrieval_setting import RetrievalSetting
 from services.gateway.budget import bounded, ms_since, rerank_deadline
 from services.gateway.domain import Hit, SearchQuery, SearchResult, Timings
 from services.gateway.ports import Reranker
@@ -19,12 +26,76 @@ from services.gateway.ports import Reranker
 RERANK_BUDGET_SHARE = 0.6
 
 
+@dataclass(frozen=True)
+class RerankPlan:
+    """How one query's rerank runs: its depth (0: none), why it is skipped, whether the
+    depth was the gateway's estimate (then running out of time skips the rerank instead
+    of failing the search), the checkpoint ("" = the service's default) and the weight
+    of the reranker's score (1: its order alone)."""
+
+    depth: int = 0
+    skipped: str = ""
+    # whose depth: the request's, the serving generation's setting's, the depth table's
+    source: Literal["request", "setting", "table"] = "table"
+    checkpoint: str = ""
+    weight: float = 1.0
+
+    @property
+    def estimated(self) -> bool:
+        """The request named no depth: a rerank out of time is skipped, not an error."""
+        return self.source != "request"
+
+
+def interpolate(hits: Sequence[Hit], weight: float) -> list[Hit]:
+    """The reranked ``hits`` (``score`` the reranker's, ``first_stage_score`` the first
+    stage's) ordered by ``weight``·minmax(score) + (1 − ``weight``)·minmax(first-stage
+    score), each min-max over these hits (a list whose scores are all equal maps to 1);
+    ``score`` becomes the mixed one. ``weight`` 1 returns them as they are (the
+    reranker's order); ties keep the reranker's order."""
+    if weight >= 1.0 or not hits:
+        return list(hits)
+
+    def unit(values: list[float]) -> list[float]:
+        low, high = min(values), max(values)
+        return [1.0] * len(values) if high <= low else [(v - low) / (high - low) for v in values]
+
+    rerank = unit([h.score for h in hits])
+    first = unit([h.first_stage_score for h in hits])
+    mixed = [weight * r + (1.0 - weight) * f for r, f in zip(rerank, first, strict=True)]
+    order = sorted(range(len(hits)), key=lambda i: -mixed[i])
+    return [dataclasses.replace(hits[i], score=mixed[i]) for i in order]
+
+
+def rerank_plan(
+    q: SearchQuery,
+    deadline: Deadline,
+    reranker: Reranker | None,
+    pressure: Callable[[], float],
+    setting: RetrievalSetting | None = None,
+) -> RerankPlan:
+    """The rerank of ``q`` (:func:`rerank_depth`), with the checkpoint and weight of the
+    serving generation's ``setting`` (None: the service's default model, its order)."""
+    default = setting.rerank_depth if setting is not None else 0
+    depth, skipped = rerank_depth(q, deadline, reranker, pressure, default)
+    source: Literal["request", "setting", "table"] = (
+        "request" if q.rerank_depth else "setting" if default else "table"
+    )
+    if setting is None:
+        return RerankPlan(depth, skipped, source)
+    return RerankPlan(depth, skipped, source, setting.rerank_checkpoint, setting.rerank_weight)
+
+
 def rerank_depth(
-    q: SearchQuery, deadline: Deadline, reranker: Reranker | None, pressure: Callable[[], float]
+    q: SearchQuery,
+    deadline: Deadline,
+    reranker: Reranker | None,
+    pressure: Callable[[], float],
+    default_depth: int = 0,
 ) -> tuple[int, str]:
-    """(depth, why the rerank is skipped). The depth the request names, else the
-    largest one the reranker's table fits into its share of the time left (at least
-    k); none fits: (0, the reason), the hits keep their first-stage order.
+    """(depth, why the rerank is skipped). The depth the request names, else
+    ``default_depth`` (the serving generation's, 0: none), else the largest one the
+    reranker's table fits into its share of the time left (at least k); none fits:
+    (0, the reason), the hits keep their first-stage order.
 
     Under load the rerank is the optional work shed first: past the gateway's
     high-water mark of in-flight requests the named depth, or the budget the depth
@@ -36,8 +107,10 @@ def rerank_depth(
     keep = 1.0 - pressure()
     if keep <= 0.0:
         return 0, "shed under load: the gateway is at its limit of in-flight requests"
-    if q.rerank_depth:
-        return max(min(q.k, q.rerank_depth), int(q.rerank_depth * keep)), ""
+    # the generation's depth, like the table's, is at least k (a request's is checked so)
+    named = q.rerank_depth or (max(q.k, default_depth) if default_depth else 0)
+    if named:
+        return max(min(q.k, named), int(named * keep)), ""
     budget = deadline.remaining_ms(default=1000.0) * RERANK_BUDGET_SHARE * keep
     depth = reranker.depth_for_budget(budget)
     if depth == 0:
@@ -51,16 +124,18 @@ def rerank_depth(
 
 async def finish(
     q: SearchQuery,
-    plan: tuple[int, str],
+    plan: RerankPlan,
     hits: list[Hit],
     missing: list[int],
     deadline: Deadline,
     reranker: Reranker | None,
 ) -> SearchResult:
-    """One query's answer: its hits reranked to ``plan``'s depth (kept in first-stage order
-    when an automatic-depth rerank runs out of time), cut to k."""
+    """One query's answer: its hits reranked to ``plan``'s depth by its checkpoint and
+    mixed with the first stage by its weight (kept in first-stage order when a rerank
+    whose depth the request did not name runs out of time, or its checkpoint is not
+    found), cut to k."""
     timings = Timings()
-    depth, skipped = plan
+    depth, skipped = plan.depth, plan.skipped
     result = SearchResult(
         hits=hits,
         model="",
@@ -73,11 +148,13 @@ async def finish(
     if depth > 0 and reranker is not None and hits:
         t = time.perf_counter()
         candidates = hits[:depth]
-        chosen = not q.rerank_depth  # the depth is the gateway's estimate
+        chosen = plan.estimated  # the depth is not the request's
         bound = rerank_deadline(deadline) if chosen else deadline
         try:
-            hits = await bounded(
-                reranker.rerank(q.text, candidates, timeout=bound.remaining()),
+            reranked = await bounded(
+                reranker.rerank(
+                    q.text, candidates, timeout=bound.remaining(), checkpoint=plan.checkpoint
+                ),
                 bound,
                 "the rerank",
             )
@@ -87,10 +164,25 @@ async def finish(
             result.rerank_skipped = True
             result.rerank_skipped_reason = (
                 f"the rerank of {len(candidates)} candidates did not finish in the "
-                f"{ms_since(t):.0f} ms left (its depth was chosen from the measured depth "
-                "table, which this reranker is slower than now)"
+                f"{ms_since(t):.0f} ms left (its depth was "
+                + (
+                    "the serving generation's retrieval setting"
+                    if plan.source == "setting"
+                    else "chosen from the measured depth table"
+                )
+                + ", which this reranker is slower than now)"
+            )
+        except NotFound as exc:
+            if not plan.checkpoint:
+                raise
+            # the generation names a checkpoint the rerank service does not have
+            result.rerank_skipped = True
+            result.rerank_skipped_reason = (
+                f"the serving generation's rerank checkpoint {plan.checkpoint!r} is not "
+                f"served: {exc.message}"
             )
         else:
+            hits = interpolate(reranked, plan.weight)
             result.reranked = True
             result.rerank_depth = len(candidates)
         timings.rerank_ms = ms_since(t)

@@ -143,7 +143,11 @@ class RolloutBuilder:
             mode=mode,
             phase="publish" if publish else "create",
             plan=RecordedPlan(
-                None if publish else encoder, num_shards, plan.retrain, plan.encoder_dir
+                None if publish else encoder,
+                num_shards,
+                plan.retrain,
+                plan.encoder_dir,
+                plan.retrieval,
             ),
             started_at=now,
             owner=self.owner,
@@ -155,7 +159,15 @@ class RolloutBuilder:
         if not publish:
             root = self.options.index_root
             record_target(
-                self.registry, root, started.target, serving.name, num_shards, encoder, mode, now
+                self.registry,
+                root,
+                started.target,
+                serving.name,
+                num_shards,
+                encoder,
+                mode,
+                now,
+                plan.retrieval,
             )
         return await self._resume(started)
 
@@ -230,6 +242,7 @@ class RolloutBuilder:
             or plan.num_shards is not None
             or plan.retrain
             or bool(plan.encoder_dir)
+            or plan.retrieval is not None
         )
         if asked and running.kind == "rollout":
             recorded = running.plan or RecordedPlan()
@@ -238,6 +251,7 @@ class RolloutBuilder:
                 and plan.retrain == recorded.retrain
                 and (plan.encoder is None or plan.encoder == recorded.encoder)
                 and (not plan.encoder_dir or plan.encoder_dir == recorded.encoder_dir)
+                and (plan.retrieval is None or plan.retrieval == recorded.retrieval)
             )
             if not same:
                 raise FailedPrecondition(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.common.encoder_spec import EncoderSpec
+from services.common.retrieval_setting import RetrievalSetting
 from services.generations import logs
 from services.generations.append import TargetAppender
 from services.generations.encoding import Embedder, EncoderFactory
@@ -74,6 +75,8 @@ class RolloutPlan:
     num_shards: int | None = None  # None: the serving generation's shard count
     retrain: bool = False  # reuse the vectors S's replicas hold (same encoder)
     encoder_dir: str = ""  # the checkpoint folder to publish (a resume names it again)
+    # the target's retrieval setting (issue #35; None: none, the gateway's flags serve it)
+    retrieval: RetrievalSetting | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from services.common.encoder_spec import EncoderSpec
+from services.common.retrieval_setting import RetrievalSetting
 from services.generations.context import RolloutPlan
 from services.generations.lifecycle import generation_sizes
 from services.generations.registry import Alias, Generation, Registry, describe
@@ -34,12 +35,19 @@ PublishOn = Callable[[str, "frozenset[int] | None"], EncoderSpec]
 Change = Literal["encoder", "retrain", "reembed"]
 
 
-def plan_of(encoder: Path | None, shards: int | None, retrain: bool) -> RolloutPlan:
+def plan_of(
+    encoder: Path | None,
+    shards: int | None,
+    retrain: bool,
+    retrieval_setting: Path | None = None,
+) -> RolloutPlan:
     """The plan of ``index rollout``'s options: a checkpoint folder to publish (resolved:
     a resume must name the same folder), a shard count (None: the serving one's), a
-    retrain."""
+    retrain, a retrieval setting file for the new generation's record (read and checked
+    here, before anything is asked or written: NotFound / InvalidArgument naming it)."""
     folder = str(encoder.resolve()) if encoder is not None else ""
-    return RolloutPlan(num_shards=shards, retrain=retrain, encoder_dir=folder)
+    setting = None if retrieval_setting is None else RetrievalSetting.load(retrieval_setting)
+    return RolloutPlan(num_shards=shards, retrain=retrain, encoder_dir=folder, retrieval=setting)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 from services.common import positions
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, NotFound
+from services.common.retrieval_setting import RetrievalSetting
 from services.generations import logs
 from services.generations.context import RolloutContext
 from services.generations.errors import NoModelRepository
@@ -27,8 +28,10 @@ def record_target(
     encoder: EncoderSpec,
     mode: str,
     now: float,
+    retrieval: RetrievalSetting | None = None,
 ) -> None:
-    """T's record, ``building``, its index under ``index_root``."""
+    """T's record, ``building``, its index under ``index_root``, with the retrieval
+    setting the rollout was given (None: none)."""
     index_dir = str(Path(index_root).resolve() / name)
     registry.put(
         Generation(
@@ -39,6 +42,7 @@ def record_target(
             index_dir,
             {"trained": False, "source": source, "mode": mode},
             created_at=now,
+            retrieval=retrieval,
         )
     )
 
@@ -77,8 +81,12 @@ async def run_publish(ctx: RolloutContext) -> None:
         spec,
         state.mode,
         state.started_at or time.time(),
+        plan.retrieval,
     )
-    ctx.save(plan=RecordedPlan(spec, plan.shards, plan.retrain, plan.encoder_dir), phase="create")
+    ctx.save(
+        plan=RecordedPlan(spec, plan.shards, plan.retrain, plan.encoder_dir, plan.retrieval),
+        phase="create",
+    )
 
 
 async def run_create(ctx: RolloutContext) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition
+from services.common.retrieval_setting import RetrievalSetting
 from services.index.keys import NEXT_GENERATION_KEY, ROLLOUT_KEY
 from services.index.records import text_of
 from services.process.redis_client import SyncRedis
@@ -95,22 +96,28 @@ class ScanCursor:
 class RecordedPlan:
     """What the rollout was asked for, as recorded under the lock: the encoder (None while
     ``--encoder``'s checkpoint is being published), the shard count, whether the source's
-    vectors are reused, the checkpoint folder (a resume must name the same)."""
+    vectors are reused, the checkpoint folder (a resume must name the same), the retrieval
+    setting the target's record gets (None: none, the gateway's flags serve it)."""
 
     encoder: EncoderSpec | None = None
     shards: int = 0
     retrain: bool = False
     encoder_dir: str = ""
+    retrieval: RetrievalSetting | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "encoder": None if self.encoder is None else asdict(self.encoder),
+            "shards": self.shards,
+            "retrain": self.retrain,
+            "encoder_dir": self.encoder_dir,
+        }
+        if self.retrieval is not None:  # absent: the plan as older builders wrote it
+            out["retrieval"] = self.retrieval.to_dict()
+        return out
 
     def dump(self) -> str:
-        return _j(
-            {
-                "encoder": None if self.encoder is None else asdict(self.encoder),
-                "shards": self.shards,
-                "retrain": self.retrain,
-                "encoder_dir": self.encoder_dir,
-            }
-        )
+        return _j(self.to_dict())
 
     @classmethod
     def load(cls, raw: str) -> RecordedPlan | None:
@@ -118,11 +125,13 @@ class RecordedPlan:
             return None
         d = json.loads(raw)
         enc = d.get("encoder")
+        setting = d.get("retrieval")
         return cls(
             EncoderSpec(**enc) if enc else None,
             int(d.get("shards") or 0),
             bool(d.get("retrain")),
             str(d.get("encoder_dir") or ""),
+            None if setting is None else RetrievalSetting.from_dict(setting),
         )
 
 
@@ -170,7 +179,9 @@ class RolloutState:
     def to_json(self) -> dict[str, Any]:
         """The record as JSON-ready values (``index generations --json``, bench): the
         maps keyed by shard number, the plan and the cursor as objects."""
-        return asdict(self)
+        out = asdict(replace(self, plan=None))
+        out["plan"] = None if self.plan is None else self.plan.to_dict()
+        return out
 
     def to_fields(self) -> dict[str, str]:
         """The hash's fields (the encodings older builders wrote)."""

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import NotFound
+from services.common.retrieval_setting import RetrievalSetting
 from services.index.keys import (
     ADDRESSES_KEY,
     ALIAS_KEY,
@@ -64,6 +65,9 @@ class Generation:
     # epoch is covered once these are applied (every write before the switch is in them).
     switch_in: dict[str, str] = field(default_factory=dict)
     note: str = ""
+    # The fusion, candidate depth and reranker chosen for this generation (issue #35;
+    # services/common/retrieval_setting.py); None: the gateway's flags, as before it.
+    retrieval: RetrievalSetting | None = None
 
     @property
     def number(self) -> int:
@@ -73,13 +77,25 @@ class Generation:
         return GenerationKeys(self.name, Layout(self.num_shards, base))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """The record's JSON; without a retrieval setting it has no ``retrieval`` key,
+        byte for byte what releases before the setting wrote."""
+        data = asdict(self)
+        data.pop("retrieval")
+        if self.retrieval is not None:
+            data["retrieval"] = self.retrieval.to_dict()
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Generation:
+        """The record of its JSON: one without ``retrieval`` (every record written before
+        the setting) reads as None."""
         data = json.loads(raw)
         data["encoder"] = EncoderSpec(**data["encoder"])
-        return cls(**data)
+        setting = data.pop("retrieval", None)
+        return cls(
+            **data,
+            retrieval=None if setting is None else RetrievalSetting.from_dict(setting),
+        )
 
 
 @dataclass(frozen=True)

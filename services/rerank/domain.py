@@ -24,11 +24,13 @@ def candidate_text(hit: Hit) -> str:
 
 @dataclass(frozen=True)
 class RerankQuery:
-    """``top_n = 0`` means all candidates."""
+    """``top_n = 0`` means all candidates; ``checkpoint`` "" the service's default model,
+    else a checkpoint under its ``--checkpoint-dir`` by name."""
 
     query: str
     candidates: tuple[Hit, ...]
     top_n: int = 0
+    checkpoint: str = ""
 
 
 @dataclass(frozen=True)

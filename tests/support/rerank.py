@@ -37,29 +37,39 @@ def tiny_scorer(base: Path, metrics: RerankMetrics | None = None) -> CeliScorer:
     return CeliScorer(model, tok, cfg, "tiny", batch_size=3, metrics=metrics)
 
 
-def tiny_checkpoint(base: Path, words: Sequence[str] = WORDS) -> Path:
+def tiny_checkpoint(
+    base: Path, words: Sequence[str] = WORDS, seed: int = 9, name: str = "ckpt"
+) -> Path:
+    """``base/name``: a CELI head (initialised with ``seed``: another seed, other scores)
+    on a tiny backbone of ``words``, saved as the trainer saves."""
     from services.rerank.checkpoint import CeliConfig, build_model, save_checkpoint
     from services.rerank.tiny import write_tiny_backbone
 
     cfg = CeliConfig(max_len=48, max_query_len=8, d_tok=4)
-    model, tok = build_model(write_tiny_backbone(base / "bert", list(words), seed=4), cfg, seed=9)
-    return save_checkpoint(model, tok, cfg, base / "ckpt")
+    backbone = write_tiny_backbone(base / f"bert-{name}", list(words), seed=4)
+    model, tok = build_model(backbone, cfg, seed=seed)
+    return save_checkpoint(model, tok, cfg, base / name)
 
 
 @contextmanager
-def rerank_in_background(base: Path) -> Iterator[Reranker]:
+def rerank_in_background(base: Path, **settings: object) -> Iterator[Reranker]:
     """A real rerank server (port 0: a free one) on a tiny checkpoint built under ``base``,
     on its own event loop in a daemon thread, so synchronous tests and a gateway running
-    in another thread can call it; closed (and the loop stopped) on exit."""
+    in another thread can call it; closed (and the loop stopped) on exit. ``settings``:
+    more of its RerankSettings (``checkpoint_dir``, ``max_loaded``)."""
     from services.rerank.serve.server import start_rerank
     from services.rerank.serve.settings import RerankSettings
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="rerank", daemon=True)
     thread.start()
-    settings = RerankSettings(port=0, checkpoint=str(tiny_checkpoint(base / "celi")))
+    config = RerankSettings(
+        port=0,
+        checkpoint=str(tiny_checkpoint(base / "celi")),
+        **settings,  # type: ignore[arg-type]
+    )
     try:
-        reranker = asyncio.run_coroutine_threadsafe(start_rerank(settings), loop).result(300)
+        reranker = asyncio.run_coroutine_threadsafe(start_rerank(config), loop).result(300)
         try:
             yield reranker
         finally:

@@ -25,6 +25,7 @@ def query_from_pb(request: rerank_pb2.RerankRequest) -> RerankQuery:
             for c in request.candidates
         ),
         top_n=int(request.top_n),
+        checkpoint=request.checkpoint,
     )
 
 
@@ -41,6 +42,7 @@ def query_to_pb(query: RerankQuery) -> rerank_pb2.RerankRequest:
             for h in query.candidates
         ],
         top_n=query.top_n,
+        checkpoint=query.checkpoint,
     )
 
 

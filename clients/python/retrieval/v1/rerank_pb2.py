@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19retrieval/v1/rerank.proto\x12\x0cretrieval.v1\"U\n\x0fRerankCandidate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x11\x66irst_stage_score\x18\x03 \x01(\x02\x12\r\n\x05shard\x18\x04 \x01(\r\"`\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x31\n\ncandidates\x18\x02 \x03(\x0b\x32\x1d.retrieval.v1.RerankCandidate\x12\r\n\x05top_n\x18\x03 \x01(\r\"7\n\x0bRerankedHit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\r\n\x05index\x18\x03 \x01(\r\"H\n\x0eRerankResponse\x12\'\n\x04hits\x18\x01 \x03(\x0b\x32\x19.retrieval.v1.RerankedHit\x12\r\n\x05model\x18\x02 \x01(\t2T\n\rRerankService\x12\x43\n\x06Rerank\x12\x1b.retrieval.v1.RerankRequest\x1a\x1c.retrieval.v1.RerankResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19retrieval/v1/rerank.proto\x12\x0cretrieval.v1\"U\n\x0fRerankCandidate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x11\x66irst_stage_score\x18\x03 \x01(\x02\x12\r\n\x05shard\x18\x04 \x01(\r\"t\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x31\n\ncandidates\x18\x02 \x03(\x0b\x32\x1d.retrieval.v1.RerankCandidate\x12\r\n\x05top_n\x18\x03 \x01(\r\x12\x12\n\ncheckpoint\x18\x04 \x01(\t\"7\n\x0bRerankedHit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\r\n\x05index\x18\x03 \x01(\r\"H\n\x0eRerankResponse\x12\'\n\x04hits\x18\x01 \x03(\x0b\x32\x19.retrieval.v1.RerankedHit\x12\r\n\x05model\x18\x02 \x01(\t2T\n\rRerankService\x12\x43\n\x06Rerank\x12\x1b.retrieval.v1.RerankRequest\x1a\x1c.retrieval.v1.RerankResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RERANKCANDIDATE']._serialized_start=43
   _globals['_RERANKCANDIDATE']._serialized_end=128
   _globals['_RERANKREQUEST']._serialized_start=130
-  _globals['_RERANKREQUEST']._serialized_end=226
-  _globals['_RERANKEDHIT']._serialized_start=228
-  _globals['_RERANKEDHIT']._serialized_end=283
-  _globals['_RERANKRESPONSE']._serialized_start=285
-  _globals['_RERANKRESPONSE']._serialized_end=357
-  _globals['_RERANKSERVICE']._serialized_start=359
-  _globals['_RERANKSERVICE']._serialized_end=443
+  _globals['_RERANKREQUEST']._serialized_end=246
+  _globals['_RERANKEDHIT']._serialized_start=248
+  _globals['_RERANKEDHIT']._serialized_end=303
+  _globals['_RERANKRESPONSE']._serialized_start=305
+  _globals['_RERANKRESPONSE']._serialized_end=377
+  _globals['_RERANKSERVICE']._serialized_start=379
+  _globals['_RERANKSERVICE']._serialized_end=463
 # @@protoc_insertion_point(module_scope)

@@ -59,10 +59,16 @@ class RerankRequest(_message.Message):
     QUERY_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
     TOP_N_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """Non-empty; truncated to 64 tokens."""
     top_n: _builtins.int
     """1..len(candidates); 0 = all."""
+    checkpoint: _builtins.str
+    """The checkpoint that scores them: a directory name under the service's
+    --checkpoint-dir (loaded on first use); empty = the service's default model
+    (--checkpoint). An unknown name is NOT_FOUND, an invalid one INVALID_ARGUMENT.
+    """
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___RerankCandidate]:
         """1..1000 candidates."""
@@ -73,10 +79,11 @@ class RerankRequest(_message.Message):
         query: _builtins.str = ...,
         candidates: _abc.Iterable[Global___RerankCandidate] | None = ...,
         top_n: _builtins.int = ...,
+        checkpoint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "query", b"query", "top_n", b"top_n"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "checkpoint", b"checkpoint", "query", b"query", "top_n", b"top_n"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
