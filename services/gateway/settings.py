@@ -95,7 +95,10 @@ class GatewaySettings(RedisSettings, ClientTLSSettings):
     fusion: Literal["weighted", "rrf"] = Field(
         "weighted",
         description="Fusion of a hybrid search that names none: weighted (min-max "
-        "normalised scores) or rrf (reciprocal-rank fusion).",
+        "normalised scores) or rrf (reciprocal-rank fusion). A generation whose record "
+        "carries a retrieval setting (`index rollout --retrieval-setting`) is served with "
+        "its fusion and candidates instead of this, --rrf-k, --dense-weight and "
+        "--hybrid-candidates.",
     )
     rrf_k: int = Field(60, ge=1, le=10_000, description="k of reciprocal-rank fusion.")
     dense_weight: float = Field(

@@ -1,7 +1,9 @@
 """A rollout carries its retrieval setting (issue #35, docs/generations.md "Retrieval
 setting"), end to end on real parts: a real redis-server, generation g1's two shard
 processes and a real gateway (in-process encoder, the alias re-read every 100 ms; the
-stack of tests/support/background.py), 300 documents written by the real writer; then the
+stack of tests/support/background.py) reranking on a real rerank server whose
+``--checkpoint-dir`` holds a tiny checkpoint "celi-a", 300 documents written by the real
+writer; then the
 real rollout builder (the documents re-embedded by all-MiniLM-L6-v2 in this process) runs
 the plan ``index rollout --retrieval-setting FILE`` makes, and g2's shard processes start
 on the index it trained.
@@ -11,6 +13,9 @@ on the index it trained.
 * After the switch, the same search is answered by g2 with g2's fusion (RRF, k = 20: the
   answer's ``fusion`` and its scores, each at most 2 / (20 + 1)); a search naming its own
   fusion still gets its own.
+* A search on g2 asking for a rerank (no depth) is reranked by g2's checkpoint (the rerank
+  server loaded "celi-a", which nothing else names) at g2's depth, its scores the
+  interpolation (weight 0.5) of min-max normalised scores: in [0, 1], best first.
 """
 
 from __future__ import annotations
@@ -26,20 +31,27 @@ import grpc
 import numpy as np
 import pytest
 
-from retrieval.v1 import search_pb2, search_pb2_grpc
+from retrieval.v1 import rerank_pb2_grpc, search_pb2, search_pb2_grpc
+from services.common.domain import Document, Hit
 from services.common.fusion import Fusion, Method
 from services.common.retrieval_setting import RetrievalSetting
 from services.encoder.base import Encoder
 from services.encoder.runtime.inprocess import InProcessEncoder
+from services.gateway.reranking import interpolate
 from services.generations.builder import RolloutBuilder, RolloutOptions
 from services.generations.operations import plan_of, status
 from services.generations.registry import EncoderSpec, Generation, Registry
 from services.index.client.writer import DocRecord
 from services.index.keys import GenerationKeys, Layout
 from services.process.redis_client import sync_client
+from services.rerank.domain import RerankQuery
+from services.rerank.serve import convert
+from services.rerank.serve.server import Reranker
 from tests.support.background import stack_in_background
 from tests.support.hash_store import write_async
 from tests.support.processes import run_redis, wait_until
+from tests.support.rerank import WORDS as RERANK_WORDS
+from tests.support.rerank import rerank_in_background, tiny_checkpoint
 from tests.support.shards import ShardProcess, scifact_vectors, shared_test_index, start_shard
 
 # re-embeds 300 documents and starts four shard processes and a gateway
@@ -51,7 +63,12 @@ G1 = GenerationKeys("g1", Layout(2, 2))
 WORDS = ["protein", "cell", "gene", "tumour", "virus", "vaccine", "brain", "insulin"]
 QUERY = "protein cell gene"
 SETTING = RetrievalSetting(
-    fusion=Fusion(Method.RRF, rrf_k=20), candidates=50, note="a test's choice"
+    fusion=Fusion(Method.RRF, rrf_k=20),
+    candidates=50,
+    rerank_checkpoint="celi-a",
+    rerank_weight=0.5,
+    rerank_depth=10,
+    note="a test's choice",
 )
 
 
@@ -62,6 +79,7 @@ class World:
     stub: search_pb2_grpc.SearchServiceStub
     g2: Generation
     work: Path
+    reranker: Reranker
 
 
 def _docs() -> list[DocRecord]:
@@ -115,10 +133,20 @@ def world(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
     tmp = tmp_path_factory.mktemp("retrieval-setting")
     index_dir = shared_test_index(tmp_path_factory.getbasetemp(), scifact_vectors(scifact_dir))
     g2_shards: list[ShardProcess] = []
+    shelf = tmp / "rerank-checkpoints"  # the checkpoint alone (its backbone source beside)
+    shelf.mkdir()
+    tiny_checkpoint(tmp, RERANK_WORDS, seed=3, name="celi-a").rename(shelf / "celi-a")
     with (
+        rerank_in_background(tmp / "rerank", checkpoint_dir=str(shelf)) as reranker,
         run_redis(tmp / "redis") as store,
         stack_in_background(
-            store.url, index_dir, tmp, gateway_settings={"alias_refresh_ms": 100}
+            store.url,
+            index_dir,
+            tmp,
+            gateway_settings={
+                "alias_refresh_ms": 100,
+                "rerank_url": f"127.0.0.1:{reranker.port}",
+            },
         ) as bg,
     ):
         client = sync_client(store.url)
@@ -127,7 +155,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, scifact_dir: Path) -> Iterat
             with grpc.insecure_channel(bg.address) as channel:
                 stub = search_pb2_grpc.SearchServiceStub(channel)
                 before = _search(stub)
-                yield from _after_rollout(store.url, client, stub, tmp, before, g2_shards)
+                yield from _after_rollout(store.url, client, stub, tmp, before, g2_shards, reranker)
         finally:
             for proc in g2_shards:
                 proc.stop()
@@ -141,6 +169,7 @@ def _after_rollout(
     tmp: Path,
     before: Any,
     g2_shards: list[ShardProcess],
+    reranker: Reranker,
 ) -> Iterator[World]:
     # the gateway's flags (weighted, 0.5) answer g1's searches
     assert before.generation == "g1"
@@ -177,7 +206,8 @@ def _after_rollout(
         wait_until(g2_answers, "the gateway answers with g2", 60, interval=0.2)
     except AssertionError as exc:
         raise AssertionError(f"{exc} (last: {last})") from None
-    yield World(url, client, stub, serving, tmp)
+    assert reranker.pool.loaded() == []  # nothing named celi-a yet
+    yield World(url, client, stub, serving, tmp, reranker)
 
 
 def test_the_rollout_records_the_files_setting_in_the_new_generations_record(
@@ -199,7 +229,9 @@ def test_index_generations_shows_the_setting(
 
     assert main(["index", "generations", "--redis-url", world.url]) == 0
     out = capsys.readouterr().out
-    assert "g2 retrieval setting: rrf k=20, 50 candidates" in out
+    assert (
+        "g2 retrieval setting: rrf k=20, 50 candidates; rerank celi-a depth 10 weight 0.5"
+    ) in out
     assert "g1 retrieval setting" not in out
 
 
@@ -217,3 +249,25 @@ def test_a_search_naming_its_fusion_still_gets_its_own(world: World) -> None:
     assert reply.generation == "g2"
     assert reply.fusion.method == search_pb2.FUSION_METHOD_WEIGHTED
     assert reply.fusion.dense_weight == pytest.approx(0.8)
+
+
+def test_a_rerank_on_g2_uses_g2s_checkpoint_depth_and_weight(world: World) -> None:
+    first = _search(world.stub)  # the same first stage, not reranked
+    reply = _search(world.stub, rerank=search_pb2.RerankOptions(enabled=True))
+    assert reply.generation == "g2"
+    assert reply.reranked and not reply.rerank_skipped, reply.rerank_skipped_reason
+    assert reply.rerank_depth == 10  # the setting's, not the depth table's
+    assert world.reranker.pool.loaded() == ["celi-a"]  # the gateway named it
+
+    # What celi-a scores those candidates, mixed half and half with the first stage
+    candidates = [
+        Hit(h.id, h.score, h.shard, h.score, Document(h.id, h.text, h.title)) for h in first.hits
+    ]
+    with grpc.insecure_channel(f"127.0.0.1:{world.reranker.port}") as channel:
+        scored = rerank_pb2_grpc.RerankServiceStub(channel).Rerank(
+            convert.query_to_pb(RerankQuery(QUERY, tuple(candidates), 0, "celi-a")), timeout=60
+        )
+    reranked = convert.result_from_pb(scored, candidates).hits
+    want = interpolate(reranked, 0.5)
+    assert [h.id for h in reply.hits] == [h.id for h in want]
+    assert [h.score for h in reply.hits] == pytest.approx([h.score for h in want], abs=1e-5)

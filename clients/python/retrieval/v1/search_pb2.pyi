@@ -242,7 +242,11 @@ class Hit(_message.Message):
     SPARSE_RANK_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     score: _builtins.float
-    """Final score: the reranker's when reranked, else the first stage's."""
+    """Final score: the reranker's when reranked (mixed with the first stage's when the
+    serving generation's retrieval setting has a rerank_weight below 1: w x the
+    reranker's + (1 - w) x the first stage's, each min-max normalised over the reranked
+    candidates), else the first stage's.
+    """
     first_stage_score: _builtins.float
     """Inner product of the query and document embeddings (IVF-PQ estimate)."""
     title: _builtins.str
