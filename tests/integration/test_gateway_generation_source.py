@@ -426,3 +426,31 @@ def test_a_rollout_target_not_recorded_yet_is_left_for_a_later_refresh(
                 registry.end_rollout()
 
     run(scenario())
+
+
+def test_the_serving_generations_retrieval_setting_comes_and_goes_with_it(
+    redis_url: str, registry: Registry
+) -> None:
+    """Issue #35: a switch to a generation whose record carries a retrieval setting
+    serves it; the rollback serves the old record again, with none (the gateway's flags)."""
+    import dataclasses
+
+    from services.common.fusion import Fusion, Method
+    from services.common.retrieval_setting import RetrievalSetting
+
+    setting = RetrievalSetting(fusion=Fusion(Method.RRF, rrf_k=7), candidates=30)
+
+    async def scenario() -> None:
+        async with opened(redis_url, RedisAliasReader, Factory) as scene:
+            source = scene.source
+            assert (await source.start()).setting is None  # g1: a record without one
+            g2 = new_generation(registry)
+            registry.put(dataclasses.replace(g2, retrieval=setting))
+            registry.switch(g2.name, {})
+            served = await source.refresh()
+            assert (served.generation, served.setting) == ("g2", setting)
+            registry.switch("g1", {})  # a rollback
+            back = await source.refresh()
+            assert (back.generation, back.setting) == ("g1", None)
+
+    run(scenario())
