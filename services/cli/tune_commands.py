@@ -26,7 +26,10 @@ interpolation weight chosen on the validation queries. The report (<out>/report.
 the last line printed) gives nDCG@10, Recall@100 and MRR@10 on dev with paired 95 %
 intervals against what serves now (the serving encoder, hybrid with the gateway's
 default fusion), the ceilings (exact search, every candidate reranked), the recipe,
-seeds and time spent; <out>/retrieval_setting.json is the best system's setting.
+seeds and time spent; <out>/retrieval_setting.json is the best system's setting, and
+<out>/rollout_setting.json the part a generation records (`index rollout --encoder
+<its encoder> --retrieval-setting <out>/rollout_setting.json`; its reranker by the
+checkpoint's folder name, served by `rerank serve --checkpoint-dir <out>/rerankers`).
 Rerunning the same command continues an interrupted run.
 """
 

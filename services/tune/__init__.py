@@ -8,5 +8,7 @@ against what serves now. The pieces: :mod:`.config` (the request), :mod:`.splits
 (train / validation / dev), :mod:`.lists` (each encoder's first-stage lists, in process
 with the shard's own index code), :mod:`.choice` (fusion and rerank settings),
 :mod:`.rerankers` (training and scoring), :mod:`.report` and :mod:`.pipeline` (the
-resumable stages), ``table`` (the report as text). The design and the measured result: docs/tune.md.
+resumable stages), ``table`` (the report as text), :mod:`.rollout` (the best system's
+retrieval setting as ``index rollout --retrieval-setting`` takes it). The design and the
+measured result: docs/tune.md.
 """

@@ -38,11 +38,14 @@ from services.tune.config import CONFIG_FILE, TuneConfig, validate
 from services.tune.lists import Lists, ScoredRun, lists_for
 from services.tune.report import System, build_report
 from services.tune.rerankers import score_candidates, train_reranker
+from services.tune.rollout import rollout_setting
 from services.tune.splits import Split, make_split
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
 SETTING_FILE = "retrieval_setting.json"
+# the part of it a generation records: `index rollout --retrieval-setting` (.rollout)
+ROLLOUT_SETTING_FILE = "rollout_setting.json"
 T = TypeVar("T")
 
 
@@ -190,6 +193,8 @@ def run(cfg: TuneConfig, command: str = "gtr-retrieval tune") -> dict[str, Any]:
     )
     _write_json(out / REPORT_FILE, report)
     _write_json(out / SETTING_FILE, report["best"]["setting"])
+    best = report["best"]
+    rollout_setting(best["system"], best["setting"]).write(out / ROLLOUT_SETTING_FILE)
     return report
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from services.cli.main import main
+from services.common.retrieval_setting import RetrievalSetting
+from services.tune.rollout import rollout_setting
 from tests.encoder_fixtures import encoder_base, ensure_tiny_bert, write_beir
 
 pytestmark = pytest.mark.slow  # the whole path twice, a few seconds per stage
@@ -96,6 +98,9 @@ def test_the_report_has_every_system_side_by_side(tuned: tuple[Path, Path, dict[
     best = report["best"]
     assert best["system"] in systems and systems[best["system"]]["eligible"]
     assert json.loads((out / "retrieval_setting.json").read_text()) == best["setting"]
+    # what a rollout of it records (index rollout --retrieval-setting)
+    rollout = RetrievalSetting.load(out / "rollout_setting.json")
+    assert rollout == rollout_setting(best["system"], best["setting"])
     assert report["fusion"]["ade-spl-hybrid"]["method"] in ("weighted", "rrf")
     assert report["rerank"]["celi-hybrid"]["depths_within_budget"] == [10, 20]
 

@@ -241,3 +241,37 @@ def test_rollout_refuses_a_bad_setting_file_in_one_line_before_reaching_anything
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
     assert err[0].startswith(f"error: --retrieval-setting {path}") and says in err[0]
+
+
+# --- what tune's best system gives a rollout ------------------------------------------------
+
+
+def test_tunes_best_reranked_hybrid_becomes_the_generations_setting(tmp_path: Path) -> None:
+    from services.tune.rollout import rollout_setting
+
+    best = {
+        "encoder": "/runs/tune/encoders/ade-spl-hybrid",
+        "mode": "hybrid",
+        "fusion": {"method": "rrf", "candidates": 50, "rrf_k": 20, "val_ndcg_at_10": 0.8},
+        "rerank_checkpoint": "/runs/tune/rerankers/celi-hybrid",
+        "rerank_depth": 20,
+        "rerank_weight": 0.6,
+    }
+    setting = rollout_setting("ade-spl-hybrid/hybrid+celi-hybrid", best)
+    assert setting == RetrievalSetting(
+        fusion=Fusion(Method.RRF, rrf_k=20),
+        candidates=50,
+        rerank_checkpoint="celi-hybrid",
+        rerank_weight=0.6,
+        rerank_depth=20,
+        note="gtr-retrieval tune: best system ade-spl-hybrid/hybrid+celi-hybrid",
+    )
+    assert RetrievalSetting.load(setting.write(tmp_path / "rollout_setting.json")) == setting
+
+
+def test_a_dense_best_system_keeps_the_default_fusion_and_says_the_mode() -> None:
+    from services.tune.rollout import rollout_setting
+
+    setting = rollout_setting("serving/dense", {"encoder": None, "mode": "dense"})
+    assert setting.fusion == Fusion(Method.WEIGHTED) and setting.candidates == 100
+    assert "mode dense" in setting.note and setting.rerank_checkpoint == ""
