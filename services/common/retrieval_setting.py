@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,29 @@ class RetrievalSetting:
                 f" depth {self.rerank_depth or 'auto'} weight {self.rerank_weight:g}"
             )
         return out
+
+
+def interpolated_order(
+    rerank: Sequence[float], first: Sequence[float], weight: float
+) -> list[tuple[int, float]]:
+    """The rerank interpolation, the one rule the gateway and ``tune`` apply: candidates
+    given in first-stage order with their reranker scores ``rerank`` and first-stage
+    scores ``first``, each min-max normalised over these candidates (all equal: 1), mixed
+    as ``weight``·rerank + (1 − ``weight``)·first; (position, mixed score) best first,
+    ties in first-stage order."""
+    if len(rerank) != len(first):
+        raise ValueError("one rerank score and one first-stage score per candidate")
+    if not rerank:
+        return []
+
+    def unit(values: Sequence[float]) -> list[float]:
+        low, high = min(values), max(values)
+        return [1.0] * len(values) if high <= low else [(v - low) / (high - low) for v in values]
+
+    mixed = [
+        weight * r + (1.0 - weight) * f for r, f in zip(unit(rerank), unit(first), strict=True)
+    ]
+    return sorted(enumerate(mixed), key=lambda pair: -pair[1])
 
 
 def _number(data: dict[str, Any], name: str, default: Any, kind: type, where: str = "") -> Any:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from services.common.deadline import Deadline
 from services.common.errors import DeadlineExceeded, NotFound
-from services.common.retrieval_setting import RetrievalSetting
+from services.common.retrieval_setting import RetrievalSetting, interpolated_order
 from services.gateway.budget import bounded, ms_since, rerank_deadline
 from services.gateway.domain import Hit, SearchQuery, SearchResult, Timings
 from services.gateway.ports import Reranker
@@ -46,24 +46,20 @@ class RerankPlan:
         return self.source != "request"
 
 
-def interpolate(hits: Sequence[Hit], weight: float) -> list[Hit]:
-    """The reranked ``hits`` (``score`` the reranker's, ``first_stage_score`` the first
-    stage's) ordered by ``weight``·minmax(score) + (1 − ``weight``)·minmax(first-stage
-    score), each min-max over these hits (a list whose scores are all equal maps to 1);
-    ``score`` becomes the mixed one. ``weight`` 1 returns them as they are (the
-    reranker's order); ties keep the reranker's order."""
-    if weight >= 1.0 or not hits:
-        return list(hits)
-
-    def unit(values: list[float]) -> list[float]:
-        low, high = min(values), max(values)
-        return [1.0] * len(values) if high <= low else [(v - low) / (high - low) for v in values]
-
-    rerank = unit([h.score for h in hits])
-    first = unit([h.first_stage_score for h in hits])
-    mixed = [weight * r + (1.0 - weight) * f for r, f in zip(rerank, first, strict=True)]
-    order = sorted(range(len(hits)), key=lambda i: -mixed[i])
-    return [dataclasses.replace(hits[i], score=mixed[i]) for i in order]
+def interpolate(candidates: Sequence[Hit], reranked: Sequence[Hit], weight: float) -> list[Hit]:
+    """The ``reranked`` hits (the reranker's answer: ``score`` its own) ordered by
+    :func:`~services.common.retrieval_setting.interpolated_order` of their reranker and
+    first-stage scores over ``candidates`` (the same hits in first-stage order), ``score``
+    the mixed one; ``weight`` 1 returns ``reranked`` as it is (the reranker's order and
+    scores)."""
+    if weight >= 1.0 or not reranked:
+        return list(reranked)
+    by_id = {h.id: h for h in reranked}
+    order = [h for h in candidates if h.id in by_id]
+    mixed = interpolated_order(
+        [by_id[h.id].score for h in order], [h.first_stage_score for h in order], weight
+    )
+    return [dataclasses.replace(by_id[order[i].id], score=score) for i, score in mixed]
 
 
 def rerank_plan(
@@ -182,7 +178,7 @@ async def finish(
                 f"served: {exc.message}"
             )
         else:
-            hits = interpolate(reranked, plan.weight)
+            hits = interpolate(candidates, reranked, plan.weight)
             result.reranked = True
             result.rerank_depth = len(candidates)
         timings.rerank_ms = ms_since(t)

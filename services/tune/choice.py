@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.fusion import Fusion, Method, fuse
+from services.common.retrieval_setting import interpolated_order
 from services.measures.ranking import score
 from services.tune.lists import Lists, Run, ScoredRun
 
@@ -97,27 +98,16 @@ def choose_fusion(
     return best, table
 
 
-def _minmax(values: Sequence[float]) -> list[float]:
-    low, high = min(values), max(values)
-    if high <= low:
-        return [1.0 for _ in values]
-    return [(v - low) / (high - low) for v in values]
-
-
 def interpolate(
     first: Sequence[tuple[str, float]], rerank: Mapping[str, float], depth: int, weight: float
 ) -> list[str]:
     """The first ``depth`` of ``first`` ordered by ``weight·minmax(rerank) + (1 −
-    weight)·minmax(first-stage score)``; the rest keep their first-stage order after them.
-    Ties keep first-stage order."""
+    weight)·minmax(first-stage score)`` (the gateway's rule:
+    :func:`services.common.retrieval_setting.interpolated_order`); the rest keep their
+    first-stage order after them. Ties keep first-stage order."""
     head, tail = list(first[:depth]), [d for d, _ in first[depth:]]
-    if not head:
-        return tail
-    r = _minmax([rerank[d] for d, _ in head])
-    f = _minmax([s for _, s in head])
-    combined = [weight * a + (1.0 - weight) * b for a, b in zip(r, f, strict=True)]
-    order = sorted(range(len(head)), key=lambda i: -combined[i])
-    return [head[i][0] for i in order] + tail
+    mixed = interpolated_order([rerank[d] for d, _ in head], [s for _, s in head], weight)
+    return [head[i][0] for i, _ in mixed] + tail
 
 
 def reranked(

@@ -268,6 +268,6 @@ def test_a_rerank_on_g2_uses_g2s_checkpoint_depth_and_weight(world: World) -> No
             convert.query_to_pb(RerankQuery(QUERY, tuple(candidates), 0, "celi-a")), timeout=60
         )
     reranked = convert.result_from_pb(scored, candidates).hits
-    want = interpolate(reranked, 0.5)
+    want = interpolate(candidates, reranked, 0.5)
     assert [h.id for h in reply.hits] == [h.id for h in want]
     assert [h.score for h in reply.hits] == pytest.approx([h.score for h in want], abs=1e-5)

@@ -123,7 +123,7 @@ def test_the_gateway_reranks_with_the_generations_checkpoint_and_weight(served: 
             plan = RerankPlan(5, "", "setting", "beta", 0.5)
             mixed = await finish(q, plan, _hits(), [], Deadline.after(60), client)
             assert mixed.reranked and not mixed.rerank_skipped
-            assert [h.id for h in mixed.hits] == [h.id for h in interpolate(named, 0.5)]
+            assert [h.id for h in mixed.hits] == [h.id for h in interpolate(_hits(), named, 0.5)]
 
             alone = await finish(
                 q, RerankPlan(5, "", "setting", "beta"), _hits(), [], Deadline.after(60), client

@@ -13,11 +13,16 @@ from services.common.deadline import Deadline
 from services.common.domain import Hit
 from services.common.errors import InvalidArgument, NotFound
 from services.common.fusion import Fusion, Method, Mode, RetrievalDefaults
-from services.common.retrieval_setting import RetrievalSetting, check_checkpoint_name
+from services.common.retrieval_setting import (
+    RetrievalSetting,
+    check_checkpoint_name,
+    interpolated_order,
+)
 from services.gateway.domain import SearchQuery
 from services.gateway.reranking import interpolate, rerank_plan
 from services.generations.state import RecordedPlan
 from services.index.records import EncoderSpec, Generation
+from services.tune import choice
 
 SETTING = RetrievalSetting(
     fusion=Fusion(Method.RRF, rrf_k=20),
@@ -143,36 +148,56 @@ def test_the_setting_gives_the_gateway_its_fusion_and_candidates_not_its_mode() 
 # --- the rerank the gateway derives from it ----------------------------------------------
 
 
-def _hits(*pairs: tuple[float, float]) -> list[Hit]:
-    """Reranked hits "a", "b", ... in the reranker's order: (rerank score, first stage)."""
-    return [Hit(chr(97 + i), r, 0, f) for i, (r, f) in enumerate(pairs)]
+def _answer(*pairs: tuple[float, float]) -> tuple[list[Hit], list[Hit]]:
+    """(candidates in first-stage order, the reranker's answer): the candidates "a", "b",
+    ... each (rerank score, first-stage score); the answer is them best rerank score
+    first, ``score`` the reranker's."""
+    candidates = [Hit(chr(97 + i), f, 0, f) for i, (_, f) in enumerate(pairs)]
+    scored = [
+        Hit(h.id, r, 0, h.first_stage_score) for h, (r, _) in zip(candidates, pairs, strict=True)
+    ]
+    return candidates, sorted(scored, key=lambda h: -h.score)
 
 
 def test_weight_one_keeps_the_rerankers_order_and_scores() -> None:
-    hits = _hits((3.0, 0.1), (2.0, 0.9), (1.0, 0.5))
-    assert interpolate(hits, 1.0) == hits
+    candidates, answer = _answer((1.0, 0.9), (3.0, 0.5), (2.0, 0.1))
+    assert interpolate(candidates, answer, 1.0) == answer
+    assert [h.id for h in answer] == ["b", "c", "a"]
 
 
 def test_weight_zero_is_the_first_stage_order() -> None:
-    hits = _hits((3.0, 0.1), (2.0, 0.9), (1.0, 0.5))
-    assert [h.id for h in interpolate(hits, 0.0)] == ["b", "c", "a"]
+    candidates, answer = _answer((1.0, 0.9), (3.0, 0.5), (2.0, 0.1))
+    assert [h.id for h in interpolate(candidates, answer, 0.0)] == ["a", "b", "c"]
 
 
 def test_the_mix_is_over_min_max_normalised_scores() -> None:
     # rerank 10, 6, 0 -> 1, 0.6, 0; first stage 0.2, 0.6, 1.0 -> 0, 0.5, 1
-    hits = _hits((10.0, 0.2), (6.0, 0.6), (0.0, 1.0))
-    mixed = interpolate(hits, 0.5)
+    candidates, answer = _answer((10.0, 0.2), (6.0, 0.6), (0.0, 1.0))
+    mixed = interpolate(candidates, answer, 0.5)
     assert [h.id for h in mixed] == ["b", "a", "c"]
     assert [h.score for h in mixed] == pytest.approx([0.55, 0.5, 0.5])
     assert [h.first_stage_score for h in mixed] == [0.6, 0.2, 1.0]  # kept as they came
-    # a tie (a and c at 0.5) keeps the reranker's order
-    assert interpolate(hits, 0.5)[1].id == "a"
+
+
+def test_ties_keep_the_first_stage_order_as_tune_does() -> None:
+    # a and c tie at 0.5 (see above); c is before a in first-stage order here
+    candidates, answer = _answer((0.0, 1.0), (6.0, 0.6), (10.0, 0.2))
+    assert [h.id for h in interpolate(candidates, answer, 0.5)] == ["b", "a", "c"]
+    assert choice.interpolate(
+        [(h.id, h.first_stage_score) for h in candidates],
+        {h.id: h.score for h in answer},
+        3,
+        0.5,
+    ) == ["b", "a", "c"]
 
 
 def test_equal_scores_in_one_list_leave_the_order_to_the_other() -> None:
-    hits = _hits((1.0, 0.2), (1.0, 0.9))
-    assert [h.id for h in interpolate(hits, 0.8)] == ["b", "a"]
-    assert interpolate([], 0.5) == []
+    candidates, answer = _answer((1.0, 0.2), (1.0, 0.9))
+    assert [h.id for h in interpolate(candidates, answer, 0.8)] == ["b", "a"]
+    assert interpolate([], [], 0.5) == []
+    assert interpolated_order([], [], 0.5) == []
+    with pytest.raises(ValueError):
+        interpolated_order([1.0], [], 0.5)
 
 
 class TableReranker:
