@@ -20,7 +20,7 @@ from services.common.retrieval_setting import (
 )
 from services.gateway.domain import SearchQuery
 from services.gateway.reranking import interpolate, rerank_plan
-from services.generations.state import RecordedPlan
+from services.generations.state import RecordedPlan, RolloutState
 from services.index.records import EncoderSpec, Generation
 from services.tune import choice
 
@@ -82,6 +82,11 @@ def test_the_rollout_plan_records_the_setting_and_an_old_plan_reads_without_one(
     assert RecordedPlan.load(plan.dump()) == plan
     old = json.dumps({"encoder": None, "shards": 2, "retrain": True, "encoder_dir": ""})
     assert RecordedPlan.load(old) == RecordedPlan(None, 2, True, "")
+    # the running rollout as `index generations --json` prints it: the plan's setting too
+    state = RolloutState(target="g2", source="g1", plan=plan)
+    shown = json.loads(json.dumps(state.to_json()))
+    assert shown["plan"]["retrieval"]["rerank_checkpoint"] == "celi-hybrid"
+    assert RolloutState.from_fields(state.to_fields()).plan == plan
 
 
 # --- the setting and its file -------------------------------------------------------------
