@@ -158,15 +158,12 @@ async def finish(
             if not chosen:
                 raise
             result.rerank_skipped = True
+            why = "set by the serving generation's retrieval setting"
+            if plan.source != "setting":
+                why = "chosen from the measured depth table, which this reranker is slower than now"
             result.rerank_skipped_reason = (
                 f"the rerank of {len(candidates)} candidates did not finish in the "
-                f"{ms_since(t):.0f} ms left (its depth was "
-                + (
-                    "the serving generation's retrieval setting"
-                    if plan.source == "setting"
-                    else "chosen from the measured depth table"
-                )
-                + ", which this reranker is slower than now)"
+                f"{ms_since(t):.0f} ms left (its depth was {why})"
             )
         except NotFound as exc:
             if not plan.checkpoint:

@@ -345,11 +345,13 @@ class SearchResponse(_message.Message):
     """True when the hits were reranked; rerank_depth is how many candidates were."""
     rerank_depth: _builtins.int
     rerank_skipped: _builtins.bool
-    """True when the request asked for a rerank (depth 0: chosen by the deadline) and the
-    gateway did not rerank because even the smallest measured rerank depth would not
-    fit the time left, or because the rerank at the depth it chose did not finish in
-    the time left: the hits are then in first-stage order (reranked = false) and
-    rerank_skipped_reason says why. A request that names its depth is never skipped.
+    """True when the request asked for a rerank (depth 0: chosen by the deadline, or the
+    serving generation's retrieval setting) and the gateway did not rerank because even
+    the smallest measured rerank depth would not fit the time left, or because the
+    rerank at the depth it chose did not finish in the time left, or because the rerank
+    service does not serve the checkpoint the serving generation names: the hits are
+    then in first-stage order (reranked = false) and rerank_skipped_reason says why. A
+    request that names its depth is never skipped for time.
     """
     rerank_skipped_reason: _builtins.str
     embedding_cached: _builtins.bool
