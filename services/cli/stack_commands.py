@@ -71,6 +71,13 @@ def add_cli(sub: Any) -> None:
         "--no-prometheus", action="store_true", help="Do not start Prometheus (if installed)."
     )
     up.add_argument("--rerank-checkpoint", type=Path, default=None, help="CELI checkpoint dir.")
+    up.add_argument(
+        "--rerank-checkpoint-dir",
+        type=Path,
+        default=None,
+        help="A folder of CELI checkpoints the reranker also serves by name (a generation's "
+        "retrieval setting names one: `gtr-retrieval tune` leaves them in RUN/rerankers).",
+    )
     up.add_argument("--port", type=int, default=50051, help="Gateway port (0 = free port).")
     up.add_argument(
         "--http-port",

@@ -6,10 +6,13 @@ import argparse
 import json
 import logging
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 from services.cli.common import add_command, positive_int
+
+NOT_ROLLED_OUT = 3  # --rollout asked, the best system's interval is not above zero
 
 DESCRIPTION = """\
 Tune the whole system on a BEIR folder (corpus.jsonl, queries.jsonl, qrels/train.tsv)
@@ -122,6 +125,20 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--val-fraction", type=float, default=0.15, help="(0.15)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads.")
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
+    p.add_argument(
+        "--rollout",
+        action="store_true",
+        help="Then roll the best system out as a new generation (`index rollout` with its "
+        "encoder, or --retrain, and --retrieval-setting RUN/rollout_setting.json), only when "
+        "its paired 95 %% interval against the serving system is above zero; otherwise exit "
+        f"{NOT_ROLLED_OUT} with the reason. Without it the report names the command.",
+    )
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="--rollout: the local stack's run directory (as `index rollout --run-dir`).",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -154,5 +171,19 @@ def _run(args: argparse.Namespace) -> int:
     )
     report = run(cfg, command=shlex.join(["gtr-retrieval", *args.argv]))
     print(table(report))
-    print(json.dumps(report["best"] | {"report": str(Path(args.out) / "report.json")}))
-    return 0
+    plan = report["rollout"]
+    location = [] if args.run_dir is None else ["--run-dir", args.run_dir]
+    best = json.dumps(report["best"] | {"report": str(Path(args.out) / "report.json")})
+    if not args.rollout:
+        print(f"rollout ({plan['reason']}): gtr-retrieval {shlex.join(plan['argv'] + location)}")
+        print(best)  # the last line: JSON
+        return 0
+    print(best)
+    if not plan["warranted"]:
+        print(f"not rolled out: {plan['reason']}", file=sys.stderr)
+        return NOT_ROLLED_OUT
+    if plan["reranker"]:
+        print(f"note: {plan['reranker']}", file=sys.stderr)
+    from services.cli.main import main
+
+    return main([*plan["argv"], *location, *(["--quiet"] if args.quiet else [])])

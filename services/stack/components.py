@@ -439,6 +439,8 @@ def rerank_child(cfg: StackConfig) -> Child:
     ]
     if cfg.rerank_checkpoint is not None:
         argv += ["--checkpoint", str(cfg.rerank_checkpoint)]
+    if cfg.rerank_checkpoint_dir is not None:
+        argv += ["--checkpoint-dir", str(cfg.rerank_checkpoint_dir)]
     child = Child("rerank", argv, cfg.logs / "rerank.log", job="rerank")
     child.address = f"{cfg.host}:{port}"
     child.metrics = f"{cfg.host}:{metrics_port}"

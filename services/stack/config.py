@@ -82,6 +82,9 @@ class StackConfig:
     query_precision: Literal["auto", "fp32", "int8"] = "auto"
     rerank: bool = True
     rerank_checkpoint: Path | None = None
+    rerank_checkpoint_dir: Path | None = (
+        None  # checkpoints served by name (rerank --checkpoint-dir)
+    )
     gateway_port: int = 50051  # 0 = a free port
     # the gateway's HTTP/JSON port (docs/http.md); 0 = a free port, None = none
     http_port: int | None = 8080

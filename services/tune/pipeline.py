@@ -38,7 +38,7 @@ from services.tune.config import CONFIG_FILE, TuneConfig, validate
 from services.tune.lists import Lists, ScoredRun, lists_for
 from services.tune.report import System, build_report
 from services.tune.rerankers import score_candidates, train_reranker
-from services.tune.rollout import rollout_setting
+from services.tune.rollout import rollout_plan, rollout_setting
 from services.tune.splits import Split, make_split
 
 log = logging.getLogger(__name__)
@@ -191,10 +191,11 @@ def run(cfg: TuneConfig, command: str = "gtr-retrieval tune") -> dict[str, Any]:
             "seconds": timer.seconds,
         }
     )
-    _write_json(out / REPORT_FILE, report)
-    _write_json(out / SETTING_FILE, report["best"]["setting"])
     best = report["best"]
     rollout_setting(best["system"], best["setting"]).write(out / ROLLOUT_SETTING_FILE)
+    report["rollout"] = rollout_plan(report, out, out / ROLLOUT_SETTING_FILE)
+    _write_json(out / REPORT_FILE, report)
+    _write_json(out / SETTING_FILE, report["best"]["setting"])
     return report
 
 

@@ -45,3 +45,37 @@ def rollout_setting(system: str, setting: Mapping[str, Any]) -> RetrievalSetting
         rerank_depth=int(setting.get("rerank_depth", 0)),
         note=note,
     )
+
+
+def rollout_plan(report: Mapping[str, Any], out: Path, setting_file: Path) -> dict[str, Any]:
+    """Whether ``tune``'s best system should be rolled out, why, and the ``index rollout``
+    arguments that do it (before the flags that say where the stack is).
+
+    Warranted only when the best system is not what serves now and the low end of its
+    paired 95 % interval against it is above zero. The encoder is the best system's
+    checkpoint (``--encoder``), or, when it is the serving one, ``--retrain`` (a new
+    generation with the same encoder, to carry the setting).
+    """
+    best = report["best"]
+    low = best.get("paired_low_vs_serving")
+    if best["system"] == report["serving"]:
+        warranted, reason = False, "the best system is the one serving now"
+    elif low is None or low <= 0:
+        warranted = False
+        reason = (
+            f"the best system's paired 95 % interval against the serving one starts at "
+            f"{low}: not above zero"
+        )
+    else:
+        warranted, reason = True, f"paired 95 % interval against the serving one starts at {low}"
+    encoder = best["setting"].get("encoder")
+    what = ["--encoder", str(encoder)] if encoder else ["--retrain"]
+    argv = ["index", "rollout", *what, "--retrieval-setting", str(setting_file), "--yes"]
+    checkpoint = best["setting"].get("rerank_checkpoint")
+    serve = (
+        f"the rerank service must serve {Path(str(checkpoint)).name!r}: start it with "
+        f"--checkpoint-dir {Path(str(checkpoint)).parent} (`up --rerank-checkpoint-dir`)"
+        if checkpoint
+        else ""
+    )
+    return {"warranted": warranted, "reason": reason, "argv": argv, "reranker": serve}

@@ -144,6 +144,30 @@ def test_a_rerun_trains_nothing_again_and_another_budget_re_chooses(
     assert again["systems"]["bm25"] == report["systems"]["bm25"]
 
 
+def test_rollout_only_when_warranted(
+    tuned: tuple[Path, Path, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--rollout runs `index rollout` only when the report says the best system is better
+    than the serving one; here it is asked against a run directory with no stack, so a
+    warranted rollout fails to find the store (exit 2) and an unwarranted one exits 3."""
+    data, out, _ = tuned
+    model = ensure_tiny_bert(encoder_base(tmp_path_factory))
+    setting = json.loads((out / "rollout_setting.json").read_text())
+    assert setting["version"] == 1 and setting["fusion"]["method"] in ("weighted", "rrf")
+    os.environ["GTR_CACHE_DIR"] = str(out.parent / "cache")
+    try:
+        rc, _, stderr = _tune(
+            data, out, "--rollout", "--run-dir", str(out.parent / "no-stack"), model=model
+        )
+    finally:
+        os.environ.pop("GTR_CACHE_DIR", None)
+    plan = json.loads((out / "report.json").read_text())["rollout"]
+    if plan["warranted"]:
+        assert rc == 2 and "no-stack" in stderr
+    else:
+        assert rc == 3 and f"not rolled out: {plan['reason']}" in stderr
+
+
 def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     data = tmp_path / "beir"
     data.mkdir()

@@ -66,6 +66,8 @@ def test_up_passes_every_flag_into_the_stack_config() -> None:
         "3",
         "--query-cache-max-entries",
         "4",
+        "--rerank-checkpoint-dir",
+        "ckpts",
     ]
     args = build_parser().parse_args(argv)
     cfg = config_from_args(StackConfig, args, gateway_port=args.port)
@@ -79,6 +81,11 @@ def test_up_passes_every_flag_into_the_stack_config() -> None:
     assert (cfg.rerank_checkpoint, cfg.gateway_port, cfg.redis_fsync) == (Path("ck"), 0, "everysec")
     assert (cfg.auth, cfg.tls, cfg.query_cache) == (True, True, True)
     assert (cfg.query_cache_ttl_s, cfg.query_cache_max_entries) == (3.0, 4)
+    assert cfg.rerank_checkpoint_dir == Path("ckpts")
+    from services.stack.components import rerank_child
+
+    argv_of_rerank = rerank_child(cfg).argv
+    assert argv_of_rerank[argv_of_rerank.index("--checkpoint-dir") + 1] == "ckpts"
 
 
 def test_up_defaults_to_an_admission_limit_derived_from_the_cpus_it_may_use() -> None:

@@ -135,3 +135,45 @@ def test_a_run_folder_resumes_only_with_the_same_settings(tmp_path: Path) -> Non
     (out / "other").write_text("x")
     with pytest.raises(InvalidArgument, match="not a tune run"):
         validate(cfg)
+
+
+def _report(best: str, low: float | None, setting: dict[str, object]) -> dict[str, object]:
+    return {
+        "serving": "serving/hybrid-default",
+        "best": {"system": best, "paired_low_vs_serving": low, "setting": setting},
+    }
+
+
+def test_a_rollout_is_warranted_only_above_zero_and_carries_encoder_and_setting(
+    tmp_path: Path,
+) -> None:
+    from services.tune.rollout import rollout_plan
+
+    setting_file = tmp_path / "rollout_setting.json"
+    tuned = {
+        "encoder": str(tmp_path / "encoders" / "ade-spl-hybrid"),
+        "rerank_checkpoint": str(tmp_path / "rerankers" / "celi-hybrid"),
+    }
+    plan = rollout_plan(_report("x/hybrid+celi-hybrid", 0.012, tuned), tmp_path, setting_file)
+    assert plan["warranted"]
+    assert plan["argv"] == [
+        "index",
+        "rollout",
+        "--encoder",
+        tuned["encoder"],
+        "--retrieval-setting",
+        str(setting_file),
+        "--yes",
+    ]
+    assert f"--checkpoint-dir {tmp_path / 'rerankers'}" in plan["reranker"]
+    for low in (0.0, -0.01, None):
+        assert not rollout_plan(_report("x/hybrid", low, tuned), tmp_path, setting_file)[
+            "warranted"
+        ]
+    same = rollout_plan(_report("serving/hybrid-default", 0.5, {}), tmp_path, setting_file)
+    assert not same["warranted"] and "serving now" in same["reason"]
+    # the serving encoder with a better setting: a new generation by --retrain
+    retrain = rollout_plan(
+        _report("serving/hybrid", 0.01, {"encoder": None}), tmp_path, setting_file
+    )
+    assert retrain["warranted"] and retrain["argv"][2] == "--retrain"
