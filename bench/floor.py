@@ -204,9 +204,17 @@ def measure_floor(floor: Floor, queries: list[str], mode: str, k: int) -> dict[s
 
 
 async def _closed_loop(
-    address: str, queries: list[str], mode: str, k: int, seconds: float, concurrency: int
+    address: str,
+    queries: list[str],
+    mode: str,
+    k: int,
+    seconds: float,
+    concurrency: int,
+    credentials: Any = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> tuple[int, int]:
-    """(searches answered, failed) by ``concurrency`` callers for ``seconds``."""
+    """(searches answered, failed) by ``concurrency`` callers for ``seconds``; TLS with
+    ``credentials`` (``grpc.ChannelCredentials``), ``metadata`` on every call (a token)."""
     import grpc
 
     from retrieval.v1 import search_pb2, search_pb2_grpc
@@ -217,7 +225,12 @@ async def _closed_loop(
     }
     ok = failed = 0
     end = time.monotonic() + seconds
-    async with grpc.aio.insecure_channel(address) as channel:
+    channel_of = (
+        grpc.aio.insecure_channel(address)
+        if credentials is None
+        else grpc.aio.secure_channel(address, credentials)
+    )
+    async with channel_of as channel:
         stub = search_pb2_grpc.SearchServiceStub(channel)
 
         async def caller(offset: int) -> None:
@@ -228,7 +241,7 @@ async def _closed_loop(
                     query=queries[i % len(queries)], k=k, mode=modes[mode]
                 )
                 try:
-                    await stub.Search(request, timeout=5.0)
+                    await stub.Search(request, timeout=5.0, metadata=metadata)
                     ok += 1
                 except grpc.aio.AioRpcError:
                     failed += 1
@@ -239,13 +252,24 @@ async def _closed_loop(
 
 
 def measure_stack(
-    stack_address: str, queries: list[str], mode: str, k: int, seconds: float, concurrency: int
+    stack_address: str,
+    queries: list[str],
+    mode: str,
+    k: int,
+    seconds: float,
+    concurrency: int,
+    credentials: Any = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
-    """The stack's CPU per search of ``mode`` (every process but this one's)."""
-    asyncio.run(_closed_loop(stack_address, queries, mode, k, 3.0, concurrency))  # warm-up
+    """The stack's CPU per search of ``mode`` (every process but this one's); a stack
+    with ``--tls``/``--auth`` takes ``credentials`` and the token's ``metadata``."""
+    access = (credentials, metadata)
+    asyncio.run(_closed_loop(stack_address, queries, mode, k, 3.0, concurrency, *access))
     root = os.getpid()
     before, t0 = cpu_roles.sample(root), time.monotonic()
-    ok, failed = asyncio.run(_closed_loop(stack_address, queries, mode, k, seconds, concurrency))
+    ok, failed = asyncio.run(
+        _closed_loop(stack_address, queries, mode, k, seconds, concurrency, *access)
+    )
     after, t1 = cpu_roles.sample(root), time.monotonic()
     roles = {
         key: max(0.0, after[key] - before.get(key, 0.0))

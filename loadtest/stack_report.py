@@ -210,7 +210,14 @@ def measure_mode(
     """The closed-loop ceiling with the stack's CPU per search, then the open-loop sweep."""
     print(f"\n== {mode}: closed-loop ceiling, {args.concurrency} callers", flush=True)
     ceiling = floor_bench.measure_stack(
-        stack["gateway"], queries, mode, 10, args.ceiling_seconds, args.concurrency
+        target.address,
+        queries,
+        mode,
+        10,
+        args.ceiling_seconds,
+        args.concurrency,
+        target.credentials(),
+        target.metadata,
     )
     if not any(v > 0 for v in ceiling["roles_cpu_ms_per_search"].values()):
         ceiling["cpu_ms_per_search"] = None  # not our children (--stack-json): not measured

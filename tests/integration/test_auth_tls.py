@@ -770,3 +770,21 @@ def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
         assert registry.alias().serving == "g1"
     finally:
         client.close()
+
+
+def test_the_floor_benchs_stack_ceiling_reaches_a_tls_gateway_with_a_token(
+    secured: Secured,
+) -> None:
+    """``bench.floor.measure_stack`` (the ceiling of ``loadtest.stack_report``) searches a
+    stack started with --tls and --auth when given its CA and token; without the token
+    every search is refused."""
+    from bench.floor import measure_stack
+
+    with secured.channel() as ch:
+        _upsert(ch, WRITE)
+    creds = grpc.ssl_channel_credentials(Path(secured.certs.ca).read_bytes())
+    args = (secured.address, ["a query"], "dense", 3, 0.5, 1, creds)
+    with_token = measure_stack(*args, bearer_metadata(READ))
+    assert with_token["searches"] > 0 and with_token["failed"] == 0
+    without = measure_stack(*args)
+    assert without["searches"] == 0 and without["failed"] > 0
