@@ -36,7 +36,7 @@ from services.tune.choice import (
 )
 from services.tune.config import CONFIG_FILE, TuneConfig, validate
 from services.tune.lists import Lists, ScoredRun, lists_for
-from services.tune.report import System, build_report
+from services.tune.report import System, build_report, head_to_head
 from services.tune.rerankers import score_candidates, train_reranker
 from services.tune.rollout import rollout_plan, rollout_setting
 from services.tune.splits import Split, make_split
@@ -172,6 +172,9 @@ def run(cfg: TuneConfig, command: str = "gtr-retrieval tune") -> dict[str, Any]:
     rerank_info = _rerankers(cfg, beir, split, first, first_file, best_fs, systems, timer)
 
     report = build_report(systems, beir.qrels, val, dev, "serving/hybrid-default")
+    report["head_to_head"] = head_to_head(
+        systems, beir.qrels, dev, _recipe_pairs(cfg, best_fs, depth)
+    )
     report.update(
         {
             "command": command,
@@ -229,6 +232,19 @@ def _add_reranked(
             {**setting, "rerank_depth": choice.depth, "rerank_weight": choice.weight},
         )
     return top, choice, grid
+
+
+def _recipe_pairs(cfg: TuneConfig, best_fs: str, depth: int) -> list[tuple[str, str]]:
+    """(today's recipe, the new one) pairs the report compares head to head."""
+    pairs = [
+        (f"{arch}-dense/{mode}", f"{arch}-hybrid/{mode}")
+        for arch in cfg.encoders
+        for mode in ("dense", "hybrid")
+    ]
+    pairs += [
+        (f"{best_fs}+celi-dense{at}", f"{best_fs}+celi-hybrid{at}") for at in ("", f"@{depth}")
+    ]
+    return pairs
 
 
 def _split_record(split: Split) -> dict[str, Any]:

@@ -88,3 +88,18 @@ def build_report(
             else rows[best]["vs_serving"]["ci95"][0],
         },
     }
+
+
+def head_to_head(
+    systems: Mapping[str, System], qrels: Any, dev: Sequence[str], pairs: Sequence[tuple[str, str]]
+) -> list[dict[str, Any]]:
+    """The paired comparison on dev of each (baseline, system) pair both of which exist:
+    the recipes compared (encoder negatives from the hybrid run against the dense ranks,
+    the reranker trained on its first stage against today's recipe)."""
+    out = []
+    for base, system in pairs:
+        if base in systems and system in systems:
+            a = score(systems[base].run, qrels, list(dev)).values(NDCG)
+            b = score(systems[system].run, qrels, list(dev)).values(NDCG)
+            out.append({"baseline": base, "system": system, **paired_comparison(a, b)})
+    return out

@@ -46,6 +46,10 @@ def _tune(data: Path, out: Path, *extra: str, model: Path | None = None) -> tupl
         "96",
         "--val-fraction",
         "0.25",
+        "--encoder-negatives",
+        "hybrid",
+        "--encoder-negatives",
+        "dense",
         "--quiet",
         *extra,
     ]
@@ -103,6 +107,8 @@ def test_the_report_has_every_system_side_by_side(tuned: tuple[Path, Path, dict[
     assert rollout == rollout_setting(best["system"], best["setting"])
     assert report["fusion"]["ade-spl-hybrid"]["method"] in ("weighted", "rrf")
     assert report["rerank"]["celi-hybrid"]["depths_within_budget"] == [10, 20]
+    (pair,) = [p for p in report["head_to_head"] if p["system"] == "ade-spl-hybrid/hybrid"]
+    assert pair["baseline"] == "ade-spl-dense/hybrid" and "ci95" in pair
 
 
 def test_the_trainers_held_out_validation_and_dev_and_mined_the_hybrid_run(
