@@ -50,8 +50,12 @@ T = TypeVar("T")
 
 
 class Timer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+    """Wall seconds per stage, summed over every run of the same ``RUN`` (``seconds.json``):
+    a resumed run adds what it spent, a stage found done adds next to nothing."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
 
     def run(self, name: str, fn: Callable[[], T]) -> T:
         log.info("tune: %s", name)
@@ -59,7 +63,9 @@ class Timer:
         try:
             return fn()
         finally:
-            self.seconds[name] = round(time.perf_counter() - start, 1)
+            spent = time.perf_counter() - start
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + spent, 1)
+            _write_json(self.path, self.seconds)
 
 
 def _write_json(path: Path, payload: Any) -> Path:
@@ -74,20 +80,31 @@ def train_encoder(
     cfg: TuneConfig, arch: str, source: str, split: Split, negatives: Path | None, out: Path
 ) -> dict[str, Any]:
     """``encoder train`` with the recipe of docs/encoder.md (resumed or found done)."""
-    from services.encoder.train.config import TrainConfig
     from services.encoder.train.manifest import MANIFEST
     from services.encoder.train.progress import TRAINER_STATE
-    from services.encoder.train.trainer import train
 
-    record = {
+    record: dict[str, Any] = {
         "arch": arch,
         "negatives": source,
         "checkpoint": str(out),
         "epochs": cfg.encoder_epochs,
         "batch_size": cfg.encoder_batch_size,
     }
-    if (out / MANIFEST).exists() and not (out / TRAINER_STATE).exists():
-        return record
+    if not ((out / MANIFEST).exists() and not (out / TRAINER_STATE).exists()):
+        _train_encoder(cfg, arch, split, negatives, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    record["steps"] = manifest.get("steps")
+    record["timing"] = manifest.get("timing", {})  # the trainer's own (the last run's)
+    return record
+
+
+def _train_encoder(
+    cfg: TuneConfig, arch: str, split: Split, negatives: Path | None, out: Path
+) -> None:
+    from services.encoder.train.config import TrainConfig
+    from services.encoder.train.progress import TRAINER_STATE
+    from services.encoder.train.trainer import train
+
     train(
         TrainConfig(
             data_dir=Path(cfg.data_dir),
@@ -107,7 +124,6 @@ def train_encoder(
             progress=cfg.progress,
         )
     )
-    return record
 
 
 def _fusion_setting(choice: FusionChoice) -> dict[str, Any]:
@@ -125,7 +141,7 @@ def run(cfg: TuneConfig, command: str = "gtr-retrieval tune") -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / CONFIG_FILE, cfg.recorded())
-    timer = Timer()
+    timer = Timer(out / "seconds.json")
     beir = load_beir(Path(cfg.data_dir))
     split = make_split(beir.qrels, cfg.seed, cfg.dev_fraction, cfg.val_fraction)
     split.write(out / "split.json")

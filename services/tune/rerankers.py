@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,8 +42,6 @@ def train_reranker(
     cfg: TuneConfig, source: str, holdout: Sequence[str], negatives_file: Path | None, out: Path
 ) -> dict[str, Any]:
     """Train (or resume, or find done) one reranker into ``out``; its record."""
-    from services.rerank.train.trainer import TrainConfig, train
-
     done = trained_steps(out)
     record: dict[str, Any] = {
         "checkpoint": str(out),
@@ -55,9 +52,25 @@ def train_reranker(
         "max_len": cfg.rerank_max_len,
         "seed": cfg.seed,
     }
-    if done >= cfg.rerank_steps:
-        return record
-    start = time.perf_counter()
+    if done < cfg.rerank_steps:
+        _train(cfg, record, holdout, negatives_file, out, done)
+    training = json.loads((out / "celi_config.json").read_text()).get("training", {})
+    record["loss_first_50"] = training.get("loss_first_50")
+    record["loss_last_50"] = training.get("loss_last_50")
+    record["train_seconds_last_run"] = training.get("seconds_this_run")  # the trainer's own
+    return record
+
+
+def _train(
+    cfg: TuneConfig,
+    record: dict[str, Any],
+    holdout: Sequence[str],
+    negatives_file: Path | None,
+    out: Path,
+    done: int,
+) -> None:
+    from services.rerank.train.trainer import TrainConfig, train
+
     train(
         TrainConfig(
             data_dir=Path(cfg.data_dir),
@@ -74,8 +87,6 @@ def train_reranker(
             progress=cfg.progress,
         )
     )
-    record["train_seconds_this_run"] = round(time.perf_counter() - start, 1)
-    return record
 
 
 def score_candidates(
