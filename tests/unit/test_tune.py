@@ -4,6 +4,7 @@ run files the trainers mine negatives from (the whole path: tests/integration/te
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -137,7 +138,7 @@ def test_a_run_folder_resumes_only_with_the_same_settings(tmp_path: Path) -> Non
         validate(cfg)
 
 
-def _report(best: str, low: float | None, setting: dict[str, object]) -> dict[str, object]:
+def _report(best: str, low: float | None, setting: Mapping[str, object]) -> dict[str, object]:
     return {
         "serving": "serving/hybrid-default",
         "best": {"system": best, "paired_low_vs_serving": low, "setting": setting},
