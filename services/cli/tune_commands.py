@@ -184,6 +184,18 @@ def _run(args: argparse.Namespace) -> int:
         return NOT_ROLLED_OUT
     if plan["reranker"]:
         print(f"note: {plan['reranker']}", file=sys.stderr)
-    from services.cli.main import main
+    return _index_rollout([*plan["argv"], *location, *(["--quiet"] if args.quiet else [])])
 
-    return main([*plan["argv"], *location, *(["--quiet"] if args.quiet else [])])
+
+def _index_rollout(argv: list[str]) -> int:
+    """``gtr-retrieval index rollout ...`` in this process (the index group's own parser;
+    not :mod:`services.cli.main`, which imports this module)."""
+    from services.cli import generation_commands, index_commands
+
+    parser = argparse.ArgumentParser(prog="gtr-retrieval")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    index_commands.add_cli(sub)
+    generation_commands.add_cli(sub)
+    args = parser.parse_args(argv)
+    args.settings, args.argv = [], argv
+    return int(args.func(args))

@@ -191,25 +191,14 @@ def run(cfg: TuneConfig, command: str = "gtr-retrieval tune") -> dict[str, Any]:
     report["head_to_head"] = head_to_head(
         systems, beir.qrels, dev, _recipe_pairs(cfg, best_fs, depth)
     )
-    report.update(
-        {
-            "command": command,
-            "config": cfg.to_dict(),
-            "split": _split_record(split),
-            "encoders": trained,
-            "index": {name: ls.info for name, ls in lists.items()},
-            "fusion": {name: _fusion_setting(c) for name, c in fusion.items()},
-            "fusion_grid": grids,
-            "best_first_stage": best_fs,
-            "rerank": rerank_info,
-            "ceiling": {
-                name: {"ndcg_at_10": report["systems"][name]["ndcg_at_10"]}
-                for name, s in systems.items()
-                if s.kind == "ceiling"
-            },
-            "seconds": timer.seconds,
-        }
-    )
+    report.update(_record(cfg, command, split, trained, lists, fusion, grids, best_fs))
+    report["rerank"] = rerank_info
+    report["ceiling"] = {
+        name: {"ndcg_at_10": report["systems"][name]["ndcg_at_10"]}
+        for name, s in systems.items()
+        if s.kind == "ceiling"
+    }
+    report["seconds"] = timer.seconds
     best = report["best"]
     rollout_setting(best["system"], best["setting"]).write(out / ROLLOUT_SETTING_FILE)
     report["rollout"] = rollout_plan(report, out, out / ROLLOUT_SETTING_FILE)
@@ -261,6 +250,29 @@ def _recipe_pairs(cfg: TuneConfig, best_fs: str, depth: int) -> list[tuple[str, 
         (f"{best_fs}+celi-dense{at}", f"{best_fs}+celi-hybrid{at}") for at in ("", f"@{depth}")
     ]
     return pairs
+
+
+def _record(
+    cfg: TuneConfig,
+    command: str,
+    split: Split,
+    trained: dict[str, Any],
+    lists: dict[str, Lists],
+    fusion: dict[str, FusionChoice],
+    grids: dict[str, Any],
+    best_fs: str,
+) -> dict[str, Any]:
+    """What the report records besides the systems: the command, the recipe, the choices."""
+    return {
+        "command": command,
+        "config": cfg.to_dict(),
+        "split": _split_record(split),
+        "encoders": trained,
+        "index": {name: ls.info for name, ls in lists.items()},
+        "fusion": {name: _fusion_setting(c) for name, c in fusion.items()},
+        "fusion_grid": grids,
+        "best_first_stage": best_fs,
+    }
 
 
 def _split_record(split: Split) -> dict[str, Any]:
