@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from services.corpus.beir import BeirData
+from services.encoder.serve.versions import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,5 @@ def lists_for(
     log.info("tune: first-stage lists of %s", name)
     lists = build_lists(beir, encoder_dir, qids, depth, out / "work" / name, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(lists.to_json())
-    tmp.replace(path)
+    write_atomically(path, lists.to_json())
     return lists

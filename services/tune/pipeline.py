@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from services.common.fusion import RetrievalDefaults
 from services.corpus.beir import BeirData, load_beir
+from services.encoder.serve.versions import write_atomically
 from services.tune.choice import (
     FusionChoice,
     RerankChoice,
@@ -70,9 +71,7 @@ class Timer:
 
 def _write_json(path: Path, payload: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)
+    write_atomically(path, json.dumps(payload, indent=1))
     return path
 
 
@@ -124,10 +123,6 @@ def _train_encoder(
             progress=cfg.progress,
         )
     )
-
-
-def _fusion_setting(choice: FusionChoice) -> dict[str, Any]:
-    return choice.describe()
 
 
 def run(cfg: TuneConfig, command: str = "gtr-retrieval tune") -> dict[str, Any]:
@@ -269,7 +264,7 @@ def _record(
         "split": _split_record(split),
         "encoders": trained,
         "index": {name: ls.info for name, ls in lists.items()},
-        "fusion": {name: _fusion_setting(c) for name, c in fusion.items()},
+        "fusion": {name: c.describe() for name, c in fusion.items()},
         "fusion_grid": grids,
         "best_first_stage": best_fs,
     }

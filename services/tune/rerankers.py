@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.corpus.beir import BeirData
+from services.encoder.serve.versions import write_atomically
 from services.tune.config import TuneConfig
 from services.tune.lists import Run
 
@@ -119,7 +120,5 @@ def score_candidates(
             {} if values is None else {d: float(v) for d, v in zip(head, values, strict=True)}
         )
         if n % SAVE_EVERY == 0 or n == len(todo):
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(scores))
-            tmp.replace(path)
+            write_atomically(path, json.dumps(scores))
     return scores
