@@ -154,7 +154,7 @@ def result_to_pb(r: SearchResult) -> search_pb2.SearchResponse:
         rerank_skipped_reason=r.rerank_skipped_reason,
         embedding_cached=r.embedding_cached,
         mode=_MODES_PB[r.mode],  # type: ignore[arg-type]
-        fusion=fusion_to_pb(r.fusion) if r.fusion is not None else None,
+        fusion=fusion_to_pb(r.fusion, r.fusion_candidates) if r.fusion is not None else None,
         sparse_missing_shards=r.sparse_missing_shards,
         generation=r.generation,
     )

@@ -65,6 +65,7 @@ class SearchResult:
     embedding_cached: bool = False  # the query embedding came from the query cache
     mode: Mode = Mode.DENSE  # the first stage that answered
     fusion: Fusion | None = None  # the fusion of a hybrid answer
+    fusion_candidates: int = 0  # hits taken from each list before fusing (hybrid)
     sparse_missing_shards: list[int] = field(default_factory=list)  # no sparse list
     generation: str = ""  # the index generation that answered (docs/generations.md)
 

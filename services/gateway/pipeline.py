@@ -189,6 +189,7 @@ class SearchPipeline:
         for result, stage, f in zip(results, stages, found, strict=True):
             result.mode = stage.mode
             result.fusion = stage.fusion
+            result.fusion_candidates = stage.dense_k if stage.fusion is not None else 0
             result.sparse_missing_shards = f.sparse_missing
             result.partial = result.partial or bool(f.sparse_missing)
         for result, stage, cut, from_cache in zip(results, stages, truncated, cached, strict=True):

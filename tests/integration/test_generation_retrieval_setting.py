@@ -239,6 +239,7 @@ def test_a_search_naming_no_fusion_gets_the_serving_generations_fusion(world: Wo
     reply = _search(world.stub)
     assert reply.generation == "g2"
     assert (reply.fusion.method, reply.fusion.rrf_k) == (search_pb2.FUSION_METHOD_RRF, 20)
+    assert reply.fusion.candidates == 50  # the setting's, reported back
     # RRF scores: at most 1/(20 + 1) from each of the two lists
     assert reply.hits and all(0 < h.score <= 2 / 21 + 1e-6 for h in reply.hits)
 

@@ -360,7 +360,9 @@ class SearchResponse(_message.Message):
     then the cache lookup (in a BatchSearch, the wait for the batch's other queries too).
     """
     mode: Global___RetrievalMode.ValueType
-    """The first stage that answered (never UNSPECIFIED) and, for hybrid, the fusion used."""
+    """The first stage that answered (never UNSPECIFIED) and, for hybrid, the fusion used
+    (its candidates: the hits taken from each list).
+    """
     generation: _builtins.str
     """The index generation that answered ("g1", "g2", ...; docs/generations.md): every
     search is answered wholly by one generation, its encoder (the query embedding), its
