@@ -22,7 +22,10 @@ measures in one run:
 4. unless ``--no-rerank``: the sweep with rerank on at depth 10, the smallest depth the
    gateway's table knows, against the budget of a Search with rerank (250 ms);
 5. unless ``--no-bottleneck``: gateway Search throughput ÷ Triton encode-only throughput,
-   same queries, same concurrency (:mod:`loadtest.bottleneck`).
+   same queries, same concurrency (:mod:`loadtest.bottleneck`);
+6. unless ``--no-baseline``: hybrid's ceiling and sweep again on the same run dir with
+   Triton embedding the queries (``up --query-encoder triton``, the path before the
+   gateway ran the query graph itself): ``hybrid_slo_rate_over_baseline``.
 
 Each sweep climbs from its first rate by ``--factor`` until the SLO breaks, or steps down
 (at most four times) when already the first rate breaks it. Then it stops the stack and
@@ -206,9 +209,11 @@ def measure_mode(
     queries: list[str],
     mode: Mode,
     args: argparse.Namespace,
+    tag: str = "",
 ) -> dict[str, Any]:
-    """The closed-loop ceiling with the stack's CPU per search, then the open-loop sweep."""
-    print(f"\n== {mode}: closed-loop ceiling, {args.concurrency} callers", flush=True)
+    """The closed-loop ceiling with the stack's CPU per search, then the open-loop sweep
+    (``tag``: the baseline's, in the plot's name and title)."""
+    print(f"\n== {mode}{tag}: closed-loop ceiling, {args.concurrency} callers", flush=True)
     ceiling = floor_bench.measure_stack(
         target.address,
         queries,
@@ -227,7 +232,7 @@ def measure_mode(
         f"{ceiling['roles_cpu_ms_per_search']}",
         flush=True,
     )
-    print(f"\n== {mode}: open-loop sweep, rerank off", flush=True)
+    print(f"\n== {mode}{tag}: open-loop sweep, rerank off", flush=True)
     slo = default_slo_ms("minilm")
     cfg = _sweep_config(args, args.start_rate, args.step_seconds, slo)
     sweep_result = asyncio.run(
@@ -235,8 +240,8 @@ def measure_mode(
             target,
             Workload(queries=queries, mode=mode),
             cfg,
-            args.img_dir / f"load-sweep-{mode}.png",
-            f"Search ({mode}), rerank off, {SHARDS} shards, MiniLM (SLO {slo:g} ms)",
+            args.img_dir / f"load-sweep-{mode}{tag.replace(' ', '-')}.png",
+            f"Search ({mode}{tag}), rerank off, {SHARDS} shards, MiniLM (SLO {slo:g} ms)",
             knee=True,
         )
     )
@@ -249,6 +254,15 @@ def measure_mode(
         if ceiling["searches_per_s"]
         else None,
     }
+
+
+def measure_baseline(stack_json: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The default mode again with Triton embedding the queries (``up --query-encoder
+    triton``, as before the gateway ran them): the before of the same run."""
+    stack = json.loads(stack_json.read_text(encoding="utf-8"))
+    target = target_from_stack(stack, token=os.environ.get("GTR_TOKEN") or None)
+    queries = load_queries(args.queries)
+    return measure_mode(target, stack, queries, "hybrid", args, tag=" triton-queries")
 
 
 def measure_floor(corpus: Path, queries: list[str], precision: str) -> dict[str, Any]:
@@ -319,6 +333,12 @@ def add_ratios(out: dict[str, Any]) -> None:
     out["hybrid_slo_rate"] = hybrid["slo_rate"]
     out["slo_rate_over_ceiling"] = hybrid["slo_rate_over_ceiling"]
     out["cpu_per_search_over_floor"] = hybrid["cpu_per_search_over_floor"]
+    base = out.get("baseline_triton_queries")
+    if base is not None:
+        out["baseline_hybrid_slo_rate"] = base["slo_rate"]
+        out["hybrid_slo_rate_over_baseline"] = (
+            (hybrid["slo_rate"] or 0.0) / base["slo_rate"] if base["slo_rate"] else None
+        )
     out["other_cores"] = out["cores"].get("other", 0.0)
     out["loaded"] = out["other_cores"] > LOADED_OTHER_CORES
 
@@ -351,6 +371,15 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
         f"slo_rate_over_ceiling {_fmt(out['slo_rate_over_ceiling'], '.3f')} (goal >= 0.7), "
         f"cpu_per_search_over_floor {_fmt(out['cpu_per_search_over_floor'])} (goal <= 1.6)"
     )
+    base = out.get("baseline_triton_queries")
+    if base is not None:
+        c = base["ceiling"]
+        lines.append(
+            f"baseline, Triton embedding the queries (hybrid): ceiling "
+            f"{c['searches_per_s']:.1f}/s, SLO rate {_fmt(base['slo_rate'], '.1f')}/s, stack "
+            f"CPU {_fmt(c['cpu_ms_per_search'])} ms per search; SLO rate now ÷ baseline "
+            f"{_fmt(out.get('hybrid_slo_rate_over_baseline'))}"
+        )
     on = out.get("rerank_on")
     if on is not None:
         lines.append(
@@ -412,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="bottleneck alternations (3)")
     p.add_argument("--no-rerank", action="store_true", help="skip the rerank-on sweep")
     p.add_argument("--no-bottleneck", action="store_true", help="skip the bottleneck ratio")
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the baseline: hybrid again with Triton embedding the queries (`up "
+        "--query-encoder triton` on the same run dir)",
+    )
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="for `up` (s)")
     p.add_argument(
         "--query-precision",
@@ -438,6 +473,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run_dir = args.run_dir or tmp / "run"
             with local_stack(run_dir, args.startup_timeout, corpus, precision) as st:
                 out = measure(st, args, corpus)
+            if not args.no_baseline:  # the same run dir: a restart, no first run
+                before = (*precision, "--query-encoder", "triton")
+                with local_stack(run_dir, args.startup_timeout, corpus, before) as st:
+                    out["baseline_triton_queries"] = measure_baseline(st, args)
             # after the stack stopped: the floor runs alone, on the same documents
             queries = load_queries(queries_path)[:300]
             out["floor"] = measure_floor(corpus, queries, args.query_precision)

@@ -66,6 +66,16 @@ def add_cli(sub: Any) -> None:
         "both kinds. Pick it at a run dir's first `up`: it decides the encoder's digest that "
         "generation g1 records. --encoder inprocess (PyTorch) is fp32 only.",
     )
+    up.add_argument(
+        "--query-encoder",
+        choices=["gateway", "triton"],
+        default="gateway",
+        help="Who runs a query's graph with --encoder triton. gateway (default): the "
+        "gateway, from the model repository's folder of the version Triton serves (the "
+        "same graph and tokenizer, checked against Triton's vectors at start; one hop "
+        "fewer per search, docs/performance.md); documents still go to Triton. triton: "
+        "Triton embeds queries too.",
+    )
     up.add_argument("--no-rerank", action="store_true", help="Do not start the reranker.")
     up.add_argument(
         "--no-prometheus", action="store_true", help="Do not start Prometheus (if installed)."

@@ -4,6 +4,7 @@ Package map:
 
 - ``server``: the process; wires encoder, shard router, document store and reranker.
 - ``settings``: its configuration (env vars ``GTR_GATEWAY_<FIELD>`` or flags).
+- ``encoders``: the encoder of a generation (Triton, queries here when it can; in process).
 - ``servicer``: the public gRPC servicers (proto → domain → pipeline → proto).
 - ``http_port``: the HTTP/JSON port (``--http-port``): the same servicers transcoded.
 - ``convert``: protobuf ↔ domain conversions.

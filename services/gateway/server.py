@@ -25,6 +25,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.common.slo import slo_for
 from services.encoder.base import Encoder
 from services.gateway.document_pipeline import DocumentPipeline
+from services.gateway.encoders import build_encoder, encoder_spec
 from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader, Serving
 from services.gateway.http_port import start_http_port
 from services.gateway.metrics import (
@@ -57,49 +58,6 @@ if TYPE_CHECKING:
     from services.index.client.connection import StoreConnection
 
 log = logging.getLogger(__name__)
-
-
-async def build_encoder(
-    settings: GatewaySettings, model: str = "", version: int = 0, model_dir: str | None = None
-) -> Encoder:
-    """The configured encoder: Triton (production) or the model in this process. Triton:
-    ``model`` (default ``--triton-model``) at ``version`` (0: the newest ready now,
-    pinned); in-process: ``model_dir`` (default ``--model-dir``)."""
-    if settings.encoder == "triton":
-        from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
-
-        return await TritonEncoder.connect(
-            TritonEncoderConfig(
-                url=settings.triton_url,
-                model=model or settings.triton_model,
-                model_version=str(version) if version else "",
-                default_timeout_s=settings.default_timeout_s,
-                tls=settings.triton_client_tls(),
-                balancing=Balancing(settings.balance, settings.resolve_every_s),
-            )
-        )
-    from services.encoder.runtime.inprocess import InProcessEncoder
-
-    folder = model_dir or settings.model_dir
-    return await asyncio.to_thread(InProcessEncoder.torch, Path(folder) if folder else None)
-
-
-def encoder_spec(settings: GatewaySettings, encoder: Encoder) -> EncoderSpec:
-    """What the gateway's own encoder is, for generation g1's record when the gateway is
-    the first to record it: Triton's model at the version it pinned, or the in-process
-    model's folder."""
-    if settings.encoder == "triton":
-        return EncoderSpec(
-            model=settings.triton_model,
-            version=int(getattr(encoder, "model_version", 0) or 0),
-            dim=encoder.dim,
-            digest=str(getattr(encoder, "digest", "") or ""),
-            source=encoder.model_name,
-        )
-    from services.encoder.model import default_model_dir
-
-    folder = settings.model_dir or str(default_model_dir())
-    return EncoderSpec(model=encoder.model_name, dim=encoder.dim, source=folder)
 
 
 class GenerationParts:

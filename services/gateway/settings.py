@@ -65,6 +65,15 @@ class GatewaySettings(RedisSettings, ClientTLSSettings):
         "are balanced over the servers (--balance) and fail over from one that is down.",
     )
     triton_model: str = Field("embed", description="Name of the embedding model in Triton.")
+    query_repository: str | None = Field(
+        None,
+        description="Triton's CPU model repository, when this gateway can read it (the local "
+        "stack's): queries are embedded in this process by the query graph of the version "
+        "Triton serves, from the same folder (one thread; checked against Triton's vectors "
+        "at start), documents still go to Triton. Saves a search the Triton hop (~6 ms on "
+        "CPU, docs/performance.md). A version it cannot read or that differs (a GPU "
+        "repository, a digest mismatch) keeps Triton, logged. Unset: Triton embeds both.",
+    )
     model_dir: str | None = Field(
         None, description="In-process encoder: sentence-transformers dir (default model if unset)."
     )

@@ -303,6 +303,8 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
     ]
     if cfg.encoder == "triton":
         argv += ["--encoder", "triton", "--triton-url", endpoints.triton_grpc]
+        if cfg.query_encoder == "gateway":
+            argv += ["--query-repository", str(cfg.model_repository)]
     else:
         argv += ["--encoder", "inprocess"]
     if endpoints.rerank:

@@ -414,6 +414,11 @@ def test_rollout_rollback_and_reshard_under_searches_and_writes(
     assert [(old, new) for old, new, _ in steps] == [("g1", "g2"), ("g2", "g1"), ("g1", "g3")]
     gens = {g.name: g for g in reg.all()}
     assert gens["g2"].encoder.version != gens["g1"].encoder.version, gens
+    # the gateway ran the queries of both versions itself, from the repository's folders
+    gateway_log = (stack.run_dir / "logs" / "gateway.log").read_text(errors="replace")
+    for gen in ("g1", "g2"):
+        version = gens[gen].encoder.version or 1
+        assert f"queries of embed@{version} are embedded in this process" in gateway_log, gen
     assert gens["g3"].num_shards == 3 and gens["g1"].num_shards == 2
 
     # no search failed; each answered by one generation the alias named meanwhile

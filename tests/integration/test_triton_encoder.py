@@ -390,3 +390,45 @@ def test_connect_pins_the_newest_version_and_refuses_one_not_ready(minilm: Trito
     asyncio.run(_with_encoder(minilm, pinned))
     with pytest.raises(Unavailable, match=r"version 2 of model 'embed' is not ready .*\[1\]"):
         asyncio.run(_with_encoder(minilm, pinned, model_version="2"))
+
+
+def test_queries_run_in_this_process_from_the_version_triton_serves(minilm: TritonHandle) -> None:
+    """``--query-repository``: a query's vector comes from this process (Triton answers
+    no request for it) and equals Triton's; documents still go to Triton; the encoder is
+    named as Triton's pinned version is (the query cache and generations key on it)."""
+    from services.encoder.runtime.local_queries import LocalQueries, with_local_queries
+
+    texts = [f"{q} ({i})" for i in range(2) for q in SAMPLE_QUERIES]
+
+    async def go(enc: TritonEncoder) -> None:
+        both = await with_local_queries(enc, minilm.config.model_repository, "embed")
+        assert isinstance(both, LocalQueries)
+        assert (both.model_version, both.digest) == (enc.model_version, enc.digest)
+        assert enc.digest, "Triton reports the version's digest"
+        answered, _ = _embed_counts(minilm)
+        here = await both.encode(texts, "query", timeout=20)
+        assert _embed_counts(minilm)[0] == answered, "a query reached Triton"
+        there = await enc.encode(texts, "query", timeout=20)
+        assert min(row_cosines(here.vectors, there.vectors)) >= 0.999
+        answered, _ = _embed_counts(minilm)
+        docs = await both.encode(list(SAMPLE_DOCUMENTS[:2]), "document", timeout=20)
+        assert _embed_counts(minilm)[0] == answered + 2, "documents go to Triton"
+        assert docs.vectors.shape == (2, enc.dim)
+        await both.local.close()  # the remote is the test's own, closed by _with_encoder
+
+    asyncio.run(_with_encoder(minilm, go))
+
+
+def test_a_version_this_process_cannot_vouch_for_keeps_triton(
+    minilm: TritonHandle, tmp_path: Path
+) -> None:
+    """No readable repository, or one whose version's digest is not the one Triton
+    reports: queries stay with Triton (the encoder comes back unwrapped)."""
+    from services.encoder.runtime.local_queries import with_local_queries
+
+    async def go(enc: TritonEncoder) -> None:
+        assert await with_local_queries(enc, tmp_path / "nowhere", "embed") is enc
+        enc.digest = "0" * 16  # as if Triton served another export from that folder
+        assert await with_local_queries(enc, minilm.config.model_repository, "embed") is enc
+
+    asyncio.run(_with_encoder(minilm, go))

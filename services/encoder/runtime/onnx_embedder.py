@@ -9,6 +9,7 @@ each kind with its own graph, as the Triton model does; an int8 query tower
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,12 @@ class OnnxEmbedder:
 
     backend = "onnx"
 
-    def __init__(self, onnx_path: Path, threads: int | None = None) -> None:
+    def __init__(
+        self, onnx_path: Path, threads: int | None = None, graphs: Mapping[Kind, Path] | None = None
+    ) -> None:
+        """``graphs``: the graph of each kind served, when they are not the export's own
+        files (a Triton version folder names its towers otherwise: ``repository.TOWER_ONNX``);
+        ``onnx_path`` then only locates ``encoder.json`` and ``tokenizer.json``."""
         onnx_path = Path(onnx_path)
         self.meta = EncoderMeta.read(onnx_path.parent)
         self.model_name = self.meta.model_name
@@ -32,12 +38,12 @@ class OnnxEmbedder:
         self.codec = TextCodec.from_file(
             str(onnx_path.parent / "tokenizer.json"), self.meta.max_lens, self.meta.pad_id
         )
-        self.session = onnx_session(onnx_path, threads)
-        files = self.meta.onnx_files(onnx_path)
-        self.sessions = {
-            kind: self.session if files[kind] == onnx_path else onnx_session(files[kind], threads)
-            for kind in files
-        }
+        files = dict(graphs) if graphs is not None else self.meta.onnx_files(onnx_path)
+        opened: dict[Path, object] = {}
+        for path in files.values():
+            if path not in opened:
+                opened[path] = onnx_session(path, threads)
+        self.sessions = {kind: opened[path] for kind, path in files.items()}
 
     def tokenize(self, texts: list[str], kind: Kind) -> TokenBatch:
         return self.codec.encode(texts, kind)

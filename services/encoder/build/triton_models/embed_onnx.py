@@ -133,25 +133,29 @@ class TritonPythonModel:
         """(the main session, kind → session): one graph for every kind, or a tower per
         kind; ONNX Runtime threads as :func:`_threads` says for the CPUs allowed now."""
         ort, params = self._ort, self._params
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = _threads(
-            self._config, int(params.get("intra_op_threads", "0"))
-        )
-        options.inter_op_num_threads = 1
-        # Busy-waiting worker threads take the cores that Triton's threads and this stub
-        # need between batches: on a 2-core box that stalled requests for ~500 ms.
-        spin = params.get("allow_spinning", "0")
-        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        threads = _threads(self._config, int(params.get("intra_op_threads", "0")))
 
-        def session(name: str) -> Any:
+        def session(name: str, threads: int) -> Any:
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            # Busy-waiting worker threads take the cores that Triton's threads and this
+            # stub need between batches: on a 2-core box that stalled requests for ~500 ms.
+            spin = params.get("allow_spinning", "0")
+            options.add_session_config_entry("session.intra_op.allow_spinning", spin)
             path = os.path.join(self._here, name)
             return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
-        main = session(params.get("onnx_file", "model.onnx"))
+        towers = bool(params.get("document_onnx_file"))
+        # A query tower of its own that runs one query per graph run (int8) gains nothing
+        # from a second thread (2.1 ms either way) and wakes it for every op: 1.5-2x the
+        # CPU per query (docs/performance.md, "One hop fewer").
+        alone = towers and "query" in self.row_by_row
+        main = session(params.get("onnx_file", "model.onnx"), 1 if alone else threads)
         sessions = {kind: main for kind in self.kinds}
-        if params.get("document_onnx_file"):
-            sessions["document"] = session(params["document_onnx_file"])
+        if towers:
+            sessions["document"] = session(params["document_onnx_file"], threads)
         return main, sessions
 
     def _follow_cpus(self) -> None:
