@@ -52,6 +52,14 @@ def machine_busy_s() -> float:
     return (sum(cpu[:8]) - cpu[3] - cpu[4]) * TICK_S  # user..steal, minus idle and iowait
 
 
+def machine_steal_s() -> float:
+    """CPU seconds the hypervisor gave this VM's CPUs to others while they had work
+    (``steal`` in /proc/stat) since boot: counted in :func:`machine_busy_s` too."""
+    with open("/proc/stat") as fh:
+        cpu = [int(x) for x in fh.readline().split()[1:]]
+    return cpu[7] * TICK_S if len(cpu) > 7 else 0.0
+
+
 def role(pid: int, root: int) -> str:
     """The role of ``pid``, a descendant of the bench's process ``root``."""
     if pid == root:
@@ -82,8 +90,8 @@ def role(pid: int, root: int) -> str:
 
 
 def sample(root: int) -> dict[str, float]:
-    """CPU seconds so far by role over ``root``'s descendants (``root`` included), and the
-    machine's busy seconds as ``machine``."""
+    """CPU seconds so far by role over ``root``'s descendants (``root`` included), the
+    machine's busy seconds as ``machine`` and the hypervisor's steal as ``steal``."""
     parents: dict[int, tuple[int, float]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and (stat := _stat(int(name))) is not None:
@@ -91,7 +99,7 @@ def sample(root: int) -> dict[str, float]:
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in parents.items():
         children.setdefault(ppid, []).append(pid)
-    out: dict[str, float] = {"machine": machine_busy_s()}
+    out: dict[str, float] = {"machine": machine_busy_s(), "steal": machine_steal_s()}
     todo = [root]
     while todo:
         pid = todo.pop()
@@ -120,9 +128,18 @@ def cores(
         return {}
     (t0, first), (t1, last) = inside[0], inside[-1]
     used = {key: max(0.0, last[key] - first.get(key, 0.0)) / (t1 - t0) for key in sorted(last)}
-    # what the rest of the machine used meanwhile: another job's load, read beside ours
-    used["other"] = max(0.0, used["machine"] - sum(v for k, v in used.items() if k != "machine"))
-    return {key: round(value, 3) for key, value in used.items()}
+    return {key: round(value, 3) for key, value in with_other(used).items()}
+
+
+MACHINE_KEYS = ("machine", "steal")  # not processes: the whole machine's figures
+
+
+def with_other(used: dict[str, float]) -> dict[str, float]:
+    """``used`` (cores or seconds by role) with ``other``: what the rest of the machine
+    used meanwhile (another job's load, read beside ours), the hypervisor's steal apart."""
+    ours = sum(v for k, v in used.items() if k not in MACHINE_KEYS)
+    other = used.get("machine", 0.0) - used.get("steal", 0.0) - ours
+    return {**used, "other": max(0.0, other)}
 
 
 class RoleCpu:

@@ -274,7 +274,7 @@ def measure_stack(
     roles = {
         key: max(0.0, after[key] - before.get(key, 0.0))
         for key in after
-        if key not in ("client", "machine")
+        if key != "client" and key not in cpu_roles.MACHINE_KEYS
     }
     stack_s = sum(roles.values())
     return {

@@ -314,9 +314,10 @@ def main() -> int:
                         after, seconds = cpu_roles.sample(os.getpid()), time.monotonic() - start
                     busy = (after["machine"] - before["machine"]) / seconds
                     # every process of the bench: itself, the spinner, Redis, the shards
-                    ours = sum(after[k] - before.get(k, 0.0) for k in after if k != "machine")
+                    used = {k: (after[k] - before.get(k, 0.0)) / seconds for k in after}
                     figures["machine_cores"] = round(busy, 3)
-                    figures["other_cores"] = round(max(0.0, busy - ours / seconds), 3)
+                    figures["steal_cores"] = round(used["steal"], 3)
+                    figures["other_cores"] = round(cpu_roles.with_other(used)["other"], 3)
                     loads[name] = figures
                     say(json.dumps(figures))
     documents = sum(s.text_documents for s in stats)

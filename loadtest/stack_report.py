@@ -30,9 +30,10 @@ measures in one run:
 Each sweep climbs from its first rate by ``--factor`` until the SLO breaks, or steps down
 (at most four times) when already the first rate breaks it. Then it stops the stack and
 prints the figures the report quotes, the load average of the machine before and after,
-the cores the rest of the machine used meanwhile (``other_cores``: another job's load;
-``loaded`` when it passed a quarter of a core) and one JSON line, whose top level carries
-the default mode's ``hybrid_slo_rate``, ``slo_rate_over_ceiling`` and
+the cores the rest of the machine used meanwhile (``other_cores``: another job's load)
+and the hypervisor took (``steal_cores``, during the stack's or the floor's part, the
+larger), ``loaded`` above a quarter core or a tenth of steal, and one JSON line, whose
+top level carries the default mode's ``hybrid_slo_rate``, ``slo_rate_over_ceiling`` and
 ``cpu_per_search_over_floor`` (issue #34). ``--stack-json`` measures a stack that is
 already running instead (no CPU figures then: its processes are not this one's children).
 """
@@ -43,94 +44,29 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from bench import cpu_roles
 from bench import floor as floor_bench
 from loadtest import bottleneck, overhead
 from loadtest.budget import default_slo_ms
+from loadtest.local_up import SHARDS, local_stack, write_corpus
 from loadtest.runner import RunConfig
 from loadtest.sweep import SweepConfig, plot, sweep
 from loadtest.target import Target, target_from_stack
 from loadtest.workload import DATA_DIR, Mode, Workload, load_queries
 
 RERANK_DEPTH = 10
-SHARDS = 2
 MODES: tuple[Mode, ...] = ("hybrid", "dense")
 # Cores the rest of the machine may use during a run that still counts as quiet.
 LOADED_OTHER_CORES = 0.25
-
-
-@contextmanager
-def local_stack(
-    run_dir: Path, timeout_s: float, corpus: Path | None, extra: tuple[str, ...] = ()
-) -> Iterator[Path]:
-    """``gtr-retrieval up`` in a child process until it serves; yields its stack.json."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli.main",
-        "up",
-        "--run-dir",
-        str(run_dir),
-        "--port",
-        "0",
-        "--shards",
-        str(SHARDS),
-    ]
-    if corpus is not None:
-        cmd += ["--corpus", str(corpus)]
-    cmd += extra
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        for line in proc.stdout:
-            if line.startswith("[up]"):
-                print("  " + line.rstrip(), flush=True)
-            if "[up] serving" in line:
-                break
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"the stack did not come up (last line: {line.strip()!r})")
-        else:
-            raise RuntimeError(f"the stack exited with {proc.wait()} before serving")
-        # Keep reading its output: a full pipe would block the stack mid-measurement.
-        threading.Thread(target=_discard, args=(proc.stdout,), daemon=True).start()
-        yield run_dir / "stack.json"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def write_corpus(source: Path, path: Path, docs: int) -> Path:
-    """The first ``docs`` documents of the BEIR ``corpus.jsonl`` in ``source``, as ``path``."""
-    with (source / "corpus.jsonl").open(encoding="utf-8") as fh, path.open("w") as out:
-        for n, line in enumerate(fh):
-            if n == docs:
-                break
-            out.write(line)
-    return path
-
-
-def _discard(stream: IO[str]) -> None:
-    for _ in stream:
-        pass
+# ... and the hypervisor's steal (/proc/stat) above which the cores ran slow for us
+STEAL_CORES = 0.1
 
 
 def loadavg() -> tuple[float, float, float]:
@@ -199,8 +135,7 @@ def _cpu_window(root: int, before: dict[str, float], seconds: float) -> dict[str
     with ``other``: what the rest of the machine used meanwhile."""
     after = cpu_roles.sample(root)
     used = {key: max(0.0, after[key] - before.get(key, 0.0)) / seconds for key in after}
-    used["other"] = max(0.0, used["machine"] - sum(v for k, v in used.items() if k != "machine"))
-    return {key: round(v, 3) for key, v in sorted(used.items())}
+    return {key: round(v, 3) for key, v in sorted(cpu_roles.with_other(used).items())}
 
 
 def measure_mode(
@@ -340,7 +275,8 @@ def add_ratios(out: dict[str, Any]) -> None:
             (hybrid["slo_rate"] or 0.0) / base["slo_rate"] if base["slo_rate"] else None
         )
     out["other_cores"] = out["cores"].get("other", 0.0)
-    out["loaded"] = out["other_cores"] > LOADED_OTHER_CORES
+    out["steal_cores"] = max(out["cores"].get("steal", 0.0), out.get("floor_steal_cores", 0.0))
+    out["loaded"] = out["other_cores"] > LOADED_OTHER_CORES or out["steal_cores"] > STEAL_CORES
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -351,7 +287,8 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
     ov = out["overhead"]
     lines = [
         f"load average before {out['loadavg_before']}, after {out['loadavg_after']}; "
-        f"the rest of the machine used {out['other_cores']:.2f} cores meanwhile"
+        f"the rest of the machine used {out['other_cores']:.2f} cores meanwhile, the "
+        f"hypervisor stole {out['steal_cores']:.2f} (stack or floor, the larger)"
         + (" (LOADED: not a quiet machine's figures)" if out["loaded"] else ""),
         f"generator: max sustained {ov['max_sustained_rate']:.0f}/s against the trivial "
         f"server; adds {ov['added_p50_ms']:.2f} ms at p50",
@@ -479,7 +416,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     out["baseline_triton_queries"] = measure_baseline(st, args)
             # after the stack stopped: the floor runs alone, on the same documents
             queries = load_queries(queries_path)[:300]
+            steal, t0 = cpu_roles.machine_steal_s(), time.monotonic()
             out["floor"] = measure_floor(corpus, queries, args.query_precision)
+            out["floor_steal_cores"] = (cpu_roles.machine_steal_s() - steal) / (
+                time.monotonic() - t0
+            )
             out["query_precision"] = args.query_precision
     add_ratios(out)
     out["command"] = "python -m loadtest.stack_report " + " ".join(argv or sys.argv[1:])

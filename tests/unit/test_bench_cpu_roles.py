@@ -30,6 +30,14 @@ def test_a_windows_cores_are_cpu_seconds_over_wall_seconds_between_its_samples()
     assert cpu_roles.cores(samples, 2.0, 4.0) == {}  # one sample: no window
 
 
+def test_the_hypervisors_steal_is_not_another_jobs_load() -> None:
+    """/proc/stat counts steal as busy: it is reported apart, not as ``other``."""
+    used = {"gateway": 0.5, "machine": 1.0, "steal": 0.4}
+    assert cpu_roles.with_other(used)["other"] == pytest.approx(0.1)
+    assert cpu_roles.machine_steal_s() >= 0.0
+    assert "steal" in cpu_roles.sample(os.getpid())
+
+
 def test_the_roles_of_real_processes_come_from_their_command_lines() -> None:
     cmd = [sys.executable, "-c", "import time; time.sleep(30)", "index", "serve"]
     proc = subprocess.Popen([*cmd, "--generation", "g2"])

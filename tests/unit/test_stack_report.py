@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from loadtest.stack_report import LOADED_OTHER_CORES, add_ratios, summary_lines, write_corpus
+from loadtest.local_up import write_corpus
+from loadtest.stack_report import LOADED_OTHER_CORES, STEAL_CORES, add_ratios, summary_lines
 from loadtest.workload import Workload
 from retrieval.v1 import search_pb2
 
@@ -48,6 +49,20 @@ def test_a_run_beside_other_work_says_so() -> None:
     out = _report(other=LOADED_OTHER_CORES + 0.1)
     add_ratios(out)
     assert out["loaded"] is True
+    assert "LOADED" in summary_lines(out)[0]
+
+
+@pytest.mark.parametrize("where", ["stack", "floor"])
+def test_a_run_on_stolen_cores_says_so_wherever_the_steal_fell(where: str) -> None:
+    """The hypervisor's steal slows every figure without any process of ours or another
+    job's showing it: past STEAL_CORES, during the stack's part or the floor's, LOADED."""
+    out = _report(other=0.0)
+    if where == "stack":
+        out["cores"]["steal"] = STEAL_CORES + 0.05
+    else:
+        out["floor_steal_cores"] = STEAL_CORES + 0.05
+    add_ratios(out)
+    assert out["loaded"] is True and out["steal_cores"] == pytest.approx(STEAL_CORES + 0.05)
     assert "LOADED" in summary_lines(out)[0]
 
 
