@@ -18,7 +18,10 @@ measures in one run:
       plotted to ``IMG_DIR/load-sweep-<mode>.png``; its best rate ÷ the ceiling is
       ``slo_rate_over_ceiling``;
 3. the floor (:mod:`bench.floor`): the same searches of the same documents in one thread
-   with no RPC; the stack's CPU per search ÷ the floor's is ``cpu_per_search_over_floor``;
+   with no RPC, built first and measured before the stack starts and after it stops (the
+   mean of both is the floor, ``floor_drift`` their ratio: this VM's cores change speed
+   within a run); the stack's CPU per search ÷ the floor's is
+   ``cpu_per_search_over_floor``;
 4. unless ``--no-rerank``: the sweep with rerank on at depth 10, the smallest depth the
    gateway's table knows, against the budget of a Search with rerank (250 ms);
 5. unless ``--no-bottleneck``: gateway Search throughput ÷ Triton encode-only throughput,
@@ -32,7 +35,8 @@ Each sweep climbs from its first rate by ``--factor`` until the SLO breaks, or s
 prints the figures the report quotes, the load average of the machine before and after,
 the cores the rest of the machine used meanwhile (``other_cores``: another job's load)
 and the hypervisor took (``steal_cores``, during the stack's or the floor's part, the
-larger), ``loaded`` above a quarter core or a tenth of steal, and one JSON line, whose
+larger), ``loaded`` above a quarter core, a tenth of steal or a floor drift beyond
+1.25×, and one JSON line, whose
 top level carries the default mode's ``hybrid_slo_rate``, ``slo_rate_over_ceiling`` and
 ``cpu_per_search_over_floor`` (issue #34). ``--stack-json`` measures a stack that is
 already running instead (no CPU figures then: its processes are not this one's children).
@@ -67,6 +71,9 @@ MODES: tuple[Mode, ...] = ("hybrid", "dense")
 LOADED_OTHER_CORES = 0.25
 # ... and the hypervisor's steal (/proc/stat) above which the cores ran slow for us
 STEAL_CORES = 0.1
+# ... and the floor's drift (after the stack ÷ before it) beyond which the cores changed
+# speed under the run (seen: 4.1 → 8.7 ms with no steal and nothing else running)
+FLOOR_DRIFT = 1.25
 
 
 def loadavg() -> tuple[float, float, float]:
@@ -200,15 +207,23 @@ def measure_baseline(stack_json: Path, args: argparse.Namespace) -> dict[str, An
     return measure_mode(target, stack, queries, "hybrid", args, tag=" triton-queries")
 
 
-def measure_floor(corpus: Path, queries: list[str], precision: str) -> dict[str, Any]:
-    """bench.floor's CPU per search of each mode on ``corpus`` (setup not measured), with
-    the query graph of ``precision`` (the stack's)."""
-    print(f"\n== the floor (one thread, no RPC; {precision} query graph)", flush=True)
-    with tempfile.TemporaryDirectory(prefix="gtr-report-floor-") as tmp:
-        floor = floor_bench.build_floor(corpus, Path(tmp), SHARDS, precision)
-        out: dict[str, Any] = {m: floor_bench.measure_floor(floor, queries, m, 10) for m in MODES}
+def floor_modes(floor: floor_bench.Floor, queries: list[str], when: str) -> dict[str, Any]:
+    """bench.floor's CPU per search of each mode (setup not measured)."""
+    out: dict[str, Any] = {m: floor_bench.measure_floor(floor, queries, m, 10) for m in MODES}
     for m in MODES:
-        print(f"  {m}: {out[m]['cpu_ms_per_search']:.2f} ms CPU per search", flush=True)
+        print(f"  {m} ({when}): {out[m]['cpu_ms_per_search']:.2f} ms CPU per search", flush=True)
+    return out
+
+
+def floor_summary(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """The floor of each mode: the mean of its runs before and after the stack (each
+    with its figures), so that a machine whose speed drifts over the run is charged
+    evenly to both sides of the ratio; the drift (after ÷ before) says how much it did."""
+    out: dict[str, Any] = {}
+    for m in MODES:
+        before, after = first[m]["cpu_ms_per_search"], last[m]["cpu_ms_per_search"]
+        out[m] = {**last[m], "cpu_ms_per_search": (before + after) / 2}
+        out[m].update(before_ms=before, after_ms=after)
     return out
 
 
@@ -276,7 +291,12 @@ def add_ratios(out: dict[str, Any]) -> None:
         )
     out["other_cores"] = out["cores"].get("other", 0.0)
     out["steal_cores"] = max(out["cores"].get("steal", 0.0), out.get("floor_steal_cores", 0.0))
-    out["loaded"] = out["other_cores"] > LOADED_OTHER_CORES or out["steal_cores"] > STEAL_CORES
+    drift = out.get("floor_drift", 1.0)
+    out["loaded"] = (
+        out["other_cores"] > LOADED_OTHER_CORES
+        or out["steal_cores"] > STEAL_CORES
+        or not 1 / FLOOR_DRIFT <= drift <= FLOOR_DRIFT
+    )
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -288,7 +308,8 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
     lines = [
         f"load average before {out['loadavg_before']}, after {out['loadavg_after']}; "
         f"the rest of the machine used {out['other_cores']:.2f} cores meanwhile, the "
-        f"hypervisor stole {out['steal_cores']:.2f} (stack or floor, the larger)"
+        f"hypervisor stole {out['steal_cores']:.2f} (stack or floor, the larger); the "
+        f"floor after the stack ÷ before it {out.get('floor_drift', 1.0):.2f}"
         + (" (LOADED: not a quiet machine's figures)" if out["loaded"] else ""),
         f"generator: max sustained {ov['max_sustained_rate']:.0f}/s against the trivial "
         f"server; adds {ov['added_p50_ms']:.2f} ms at p50",
@@ -396,6 +417,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def measure_local(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """A stack of its own; the floor built first and measured before and after it."""
+    corpus = write_corpus(args.data, tmp / "corpus.jsonl", args.docs)
+    precision = ("--query-precision", args.query_precision)
+    run_dir = args.run_dir or tmp / "run"
+    queries = load_queries(args.queries)[:300]
+    print(f"\n== the floor (one thread, no RPC; {args.query_precision} queries)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gtr-report-floor-") as floor_dir:
+        floor = floor_bench.build_floor(corpus, Path(floor_dir), SHARDS, args.query_precision)
+        first = floor_modes(floor, queries, "before the stack")
+        with local_stack(run_dir, args.startup_timeout, corpus, precision) as st:
+            out = measure(st, args, corpus)
+        if not args.no_baseline:  # the same run dir: a restart, no first run
+            before = (*precision, "--query-encoder", "triton")
+            with local_stack(run_dir, args.startup_timeout, corpus, before) as st:
+                out["baseline_triton_queries"] = measure_baseline(st, args)
+        # after the stack stopped: the floor runs alone again, on the same documents
+        print("\n== the floor again", flush=True)
+        steal, t0 = cpu_roles.machine_steal_s(), time.monotonic()
+        last = floor_modes(floor, queries, "after the stack")
+        out["floor_steal_cores"] = (cpu_roles.machine_steal_s() - steal) / (time.monotonic() - t0)
+    out["floor"] = floor_summary(first, last)
+    out["floor_drift"] = last["hybrid"]["cpu_ms_per_search"] / first["hybrid"]["cpu_ms_per_search"]
+    out["query_precision"] = args.query_precision
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     queries_path = args.queries or args.data / "queries.jsonl"
@@ -405,23 +453,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.stack_json is not None:
             out = measure(args.stack_json, args, None)
         else:
-            corpus = write_corpus(args.data, tmp / "corpus.jsonl", args.docs)
-            precision = ("--query-precision", args.query_precision)
-            run_dir = args.run_dir or tmp / "run"
-            with local_stack(run_dir, args.startup_timeout, corpus, precision) as st:
-                out = measure(st, args, corpus)
-            if not args.no_baseline:  # the same run dir: a restart, no first run
-                before = (*precision, "--query-encoder", "triton")
-                with local_stack(run_dir, args.startup_timeout, corpus, before) as st:
-                    out["baseline_triton_queries"] = measure_baseline(st, args)
-            # after the stack stopped: the floor runs alone, on the same documents
-            queries = load_queries(queries_path)[:300]
-            steal, t0 = cpu_roles.machine_steal_s(), time.monotonic()
-            out["floor"] = measure_floor(corpus, queries, args.query_precision)
-            out["floor_steal_cores"] = (cpu_roles.machine_steal_s() - steal) / (
-                time.monotonic() - t0
-            )
-            out["query_precision"] = args.query_precision
+            out = measure_local(args, tmp)
     add_ratios(out)
     out["command"] = "python -m loadtest.stack_report " + " ".join(argv or sys.argv[1:])
     print("\n== report")

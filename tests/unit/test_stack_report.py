@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from loadtest.local_up import write_corpus
-from loadtest.stack_report import LOADED_OTHER_CORES, STEAL_CORES, add_ratios, summary_lines
+from loadtest.stack_report import (
+    LOADED_OTHER_CORES,
+    MODES,
+    STEAL_CORES,
+    add_ratios,
+    floor_summary,
+    summary_lines,
+)
 from loadtest.workload import Workload
 from retrieval.v1 import search_pb2
 
@@ -64,6 +71,25 @@ def test_a_run_on_stolen_cores_says_so_wherever_the_steal_fell(where: str) -> No
     add_ratios(out)
     assert out["loaded"] is True and out["steal_cores"] == pytest.approx(STEAL_CORES + 0.05)
     assert "LOADED" in summary_lines(out)[0]
+
+
+@pytest.mark.parametrize(("drift", "loaded"), [(1.2, False), (1.3, True), (0.7, True)])
+def test_a_floor_that_drifted_over_the_run_says_the_machine_changed_speed(
+    drift: float, loaded: bool
+) -> None:
+    out = _report(other=0.0)
+    out["floor_drift"] = drift
+    add_ratios(out)
+    assert out["loaded"] is loaded
+    assert ("LOADED" in summary_lines(out)[0]) is loaded
+
+
+def test_the_floor_is_the_mean_of_its_runs_before_and_after_the_stack() -> None:
+    first: dict[str, Any] = {m: {"cpu_ms_per_search": 4.0} for m in MODES}
+    last: dict[str, Any] = {m: {"cpu_ms_per_search": 6.0} for m in MODES}
+    floor = floor_summary(first, last)
+    assert floor["hybrid"]["cpu_ms_per_search"] == pytest.approx(5.0)
+    assert (floor["dense"]["before_ms"], floor["dense"]["after_ms"]) == (4.0, 6.0)
 
 
 def test_without_cpu_figures_the_floor_ratio_is_absent_not_zero() -> None:
