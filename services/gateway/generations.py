@@ -261,6 +261,7 @@ class GenerationSource:
         self._bundles: dict[str, Bundle] = {}
         self._refreshing: asyncio.Task[Serving] | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._preparing: asyncio.Task[None] | None = None  # a rollout target's parts
         self._closing: set[asyncio.Task[None]] = set()
         self._last_error = ""
 
@@ -344,10 +345,11 @@ class GenerationSource:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
-        if self._refreshing is not None and not self._refreshing.done():
-            self._refreshing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._refreshing
+        for task in (self._refreshing, self._preparing):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         await self.dual.close()
         for bundle in list(self._bundles.values()):
             await bundle.close()
@@ -403,12 +405,14 @@ class GenerationSource:
         self._retire_others({alias.serving, alias.previous or "", self._target})
         return serving
 
-    async def prepare_target(self) -> None:
+    async def prepare_target(self, wait: bool = True) -> None:
         """Build and warm the parts of the generation a rollout is about to switch to
         (state ``switching``, or ``catching_up`` with its shards' addresses recorded),
         off the request path: at the switch the gateway only swaps a reference. A target
         that cannot be built yet is tried again on the next refresh; one the rollout no
-        longer names is closed like any generation the alias does not name."""
+        longer names is closed like any generation the alias does not name.
+        ``wait=False`` (the background refresh): build and warm-up (up to WARM_S) run in
+        a task of their own, so a switch during a slow warm-up is seen at the next tick."""
         assert self._reader is not None and self._build is not None
         target = await self._reader.rollout_target() or ""
         dropped, self._target = self._target, target
@@ -424,17 +428,39 @@ class GenerationSource:
         await self.dual.update(self._serving_record, record)
         if record is None or target in self._bundles or record.state not in PREPARED_STATES:
             return
+        if self._preparing is None or self._preparing.done():
+            self._preparing = asyncio.get_running_loop().create_task(self._prepare(record))
+            if not wait:
+                self._preparing.add_done_callback(self._prepared)
+        if wait:
+            await asyncio.shield(self._preparing)
+
+    async def _prepare(self, record: Generation) -> None:
+        """Build and warm ``record``'s parts (up to WARM_S); keep them unless the rollout
+        named another target meanwhile or a switch built them first."""
+        assert self._build is not None
+        target = record.name
         try:
             bundle = await self._build(record)
         except (Unavailable, FailedPrecondition) as exc:  # its shards are not up yet
             log.debug("generation %s cannot be prepared yet: %s", target, exc)
             return
-        await warm(bundle, WARM_S)
+        try:
+            await warm(bundle, WARM_S)
+        except BaseException:  # cancelled (the source closes): nothing may keep it open
+            await asyncio.shield(bundle.close())
+            raise
         if target in self._bundles or self._target != target:  # built meanwhile / gone
             await bundle.close()
             return
         self._bundles[target] = bundle
         log.info("generation %s (%s) prepared for its switch", target, record.state)
+
+    def _prepared(self, task: asyncio.Task[None]) -> None:
+        """A background preparation's failure, reported as a failed refresh is."""
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self._report(error)
 
     def _retire_others(self, keep: set[str]) -> None:
         for name in [n for n in self._bundles if n not in keep]:
@@ -454,18 +480,21 @@ class GenerationSource:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
-                await self.prepare_target()
+                await self.prepare_target(wait=False)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self._events.refresh_failed()
-                message = f"{type(exc).__name__}: {exc}"
-                if message != self._last_error:  # once per distinct error, not per tick
-                    log.warning(
-                        "reading the generations alias failed (serving %s as before): %s",
-                        self._serving.generation if self._serving else "nothing",
-                        message,
-                    )
-                self._last_error = message
+                self._report(exc)
             else:
                 self._last_error = ""
+
+    def _report(self, exc: BaseException) -> None:
+        self._events.refresh_failed()
+        message = f"{type(exc).__name__}: {exc}"
+        if message != self._last_error:  # once per distinct error, not per tick
+            log.warning(
+                "reading the generations alias failed (serving %s as before): %s",
+                self._serving.generation if self._serving else "nothing",
+                message,
+            )
+        self._last_error = message

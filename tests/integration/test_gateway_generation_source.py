@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from services.common.errors import InvalidArgument, Unavailable
+from services.gateway import generations
 from services.gateway.generations import (
     Bundle,
     GenerationSource,
@@ -396,6 +397,65 @@ def test_a_rollout_target_is_prepared_before_its_switch_and_swapped_in_as_built(
             assert aborted.name not in source.bundles()
             await await_until(lambda: parts[aborted.name].closed, "the aborted target closed")
             assert not parts[target.name].closed
+
+    run(scenario())
+
+
+class SlowWarmFactory(WarmFactory):
+    """As WarmFactory; the parts of the generations in ``slow`` answer their warm-up
+    encode only once ``release`` is set (a new encoder's graph being opened and probed,
+    or shards slow to answer their first search). Every part built is kept in ``all``."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.slow: set[str] = set()
+        self.release = asyncio.Event()
+        self.all: list[WarmPart] = []
+
+    async def __call__(self, gen: Generation) -> Bundle:
+        bundle = await super().__call__(gen)
+        part = self.parts[gen.name]
+        self.all.append(part)
+        if gen.name in self.slow:
+            answer = part.encode
+
+            async def held(texts: Any, kind: str, timeout: float | None = None) -> Any:
+                await self.release.wait()
+                return await answer(texts, kind, timeout)
+
+            part.encode = held  # type: ignore[method-assign]
+        return bundle
+
+
+def test_a_switch_is_followed_while_the_rollout_targets_warm_up_is_still_running(
+    redis_url: str, registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The background refresh prepares a rollout's target in a task of its own: while
+    the target's warm-up hangs (here for as long as WARM_S, made a minute), the alias is
+    still read every tick, so a switch is served within a tick and the inline warm-up's
+    0.25 s, not after the minute (it was: searches kept the old generation seconds past
+    a switch under load, tests/integration/test_generations_e2e.py in CI)."""
+    monkeypatch.setattr(generations, "WARM_S", 60.0)
+
+    async def scenario() -> None:
+        async with opened(redis_url, RedisAliasReader, SlowWarmFactory, 0.05) as scene:
+            source, factory = scene.source, scene.factory
+            await source.start()
+            target = new_generation(registry)
+            factory.slow.add(target.name)
+            registry.begin_rollout({"target": target.name, "source": "g1"})
+            registry.set_state(target.name, "catching_up")
+            await await_until(lambda: target.name in factory.built, "its preparation began")
+            registry.switch(target.name, {})
+            registry.end_rollout()
+            await await_until(
+                lambda: source.current().generation == target.name, "the switch served", 10
+            )
+            factory.release.set()  # the preparation ends; its parts are not kept twice
+            await await_until(
+                lambda: sum(not p.closed for p in factory.all if p.name == target.name) == 1,
+                "the prepared duplicate closed",
+            )
 
     run(scenario())
 
