@@ -214,4 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from services.stack.children import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # SIGTERM (a `timeout`) stops the stack it started too
+        main()

@@ -17,11 +17,17 @@ from services.rpc.balance import Balancing
 
 
 async def build_encoder(
-    settings: GatewaySettings, model: str = "", version: int = 0, model_dir: str | None = None
+    settings: GatewaySettings,
+    model: str = "",
+    version: int = 0,
+    model_dir: str | None = None,
+    queries: bool = True,
 ) -> Encoder:
     """The configured encoder: Triton (production) or the model in this process. Triton:
     ``model`` (default ``--triton-model``) at ``version`` (0: the newest ready now,
-    pinned); in-process: ``model_dir`` (default ``--model-dir``)."""
+    pinned), its queries run here when ``--query-repository`` allows and ``queries``
+    (False: documents only, e.g. a dual write, which needs no query graph opened and
+    probed); in-process: ``model_dir`` (default ``--model-dir``)."""
     if settings.encoder == "triton":
         from services.encoder.runtime.triton_client import TritonEncoder, TritonEncoderConfig
 
@@ -36,7 +42,7 @@ async def build_encoder(
                 balancing=Balancing(settings.balance, settings.resolve_every_s),
             )
         )
-        if not settings.query_repository:
+        if not (queries and settings.query_repository):
             return triton
         from services.encoder.runtime.local_queries import with_local_queries
 

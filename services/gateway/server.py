@@ -96,14 +96,17 @@ class GenerationParts:
             or (Path(spec.source).resolve() == Path(self.own_spec.source).resolve())
         )
 
-    async def encoder(self, gen: Generation) -> tuple[Encoder, bool]:
-        """(the generation's encoder, whether the bundle owns it)."""
+    async def encoder(self, gen: Generation, queries: bool = True) -> tuple[Encoder, bool]:
+        """(the generation's encoder, whether the bundle owns it); ``queries=False``: one
+        that only embeds documents (the dual write's)."""
         spec = gen.encoder
         if self._is_own(spec):
             encoder, owned = self.own, False
         elif self.settings.encoder == "triton":
             model = spec.model if spec.version else ""  # version 0: --triton-model's 1
-            encoder, owned = await build_encoder(self.settings, model, spec.version or 1), True
+            version = spec.version or 1
+            built = await build_encoder(self.settings, model, version, queries=queries)
+            encoder, owned = built, True
         else:
             encoder, owned = await build_encoder(self.settings, model_dir=spec.source), True
         if spec.dim and encoder.dim != spec.dim:
@@ -114,6 +117,10 @@ class GenerationParts:
                 f"({encoder.model_name}) gives {encoder.dim}-d ones"
             )
         return encoder, owned
+
+    async def document_encoder(self, gen: Generation) -> tuple[Encoder, bool]:
+        """The encoder a dual write embeds ``gen``'s documents with."""
+        return await self.encoder(gen, queries=False)
 
     async def __call__(self, gen: Generation) -> Bundle:
         from services.generations.registry import read_addresses
@@ -260,7 +267,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         parts,
         refresh_s=settings.alias_refresh_ms / 1000.0,
         events=ServingEvents(generation_metrics, metrics),
-        encoders=parts.encoder,
+        encoders=parts.document_encoder,
     )
     try:
         serving = await source.start()

@@ -432,3 +432,31 @@ def test_a_version_this_process_cannot_vouch_for_keeps_triton(
         assert await with_local_queries(enc, minilm.config.model_repository, "embed") is enc
 
     asyncio.run(_with_encoder(minilm, go))
+
+
+def test_the_gateway_opens_the_query_graph_only_for_an_encoder_that_embeds_queries(
+    minilm: TritonHandle,
+) -> None:
+    """``--query-repository``: a generation's encoder runs its queries here; the dual
+    write's (documents only) is Triton's alone, with no graph opened or probed."""
+    from services.encoder.runtime.local_queries import LocalQueries
+    from services.gateway.encoders import build_encoder
+    from services.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(
+        triton_url=minilm.grpc_url,
+        query_repository=str(minilm.config.model_repository),
+        auth=False,
+    )
+
+    async def go() -> None:
+        generation = await build_encoder(settings, "embed", 1)
+        documents = await build_encoder(settings, "embed", 1, queries=False)
+        try:
+            assert isinstance(generation, LocalQueries)
+            assert isinstance(documents, TritonEncoder)
+        finally:
+            await generation.close()
+            await documents.close()
+
+    asyncio.run(go())

@@ -25,7 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.encoder.base import Embeddings, Encoder
+from services.encoder.build.export import row_cosines
+from services.encoder.build.repository import read_config, read_version_description
 from services.encoder.profiles import Kind
+from services.encoder.runtime.inprocess import InProcessEncoder
+from services.encoder.runtime.onnx_embedder import OnnxEmbedder
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,6 @@ class LocalQueries(Encoder):
 def query_graph(repository: Path, model: str, version: int, digest: str) -> tuple[Path, Path]:
     """(the version folder, its query graph) of ``model`` at ``version`` in a CPU
     repository; ValueError says why this repository's version cannot be run here."""
-    from services.encoder.build.repository import read_config, read_version_description
 
     model_dir = Path(repository) / model
     folder = model_dir / str(version)
@@ -102,17 +105,14 @@ def query_graph(repository: Path, model: str, version: int, digest: str) -> tupl
 async def with_local_queries(remote: Encoder, repository: Path, model: str) -> Encoder:
     """``remote`` with its queries embedded here (:class:`LocalQueries`), or ``remote``
     itself when its version cannot be run here or embeds differently (logged)."""
-    from services.encoder.build.export import row_cosines
-    from services.encoder.runtime.inprocess import InProcessEncoder
-    from services.encoder.runtime.onnx_embedder import OnnxEmbedder
 
     version = int(getattr(remote, "model_version", 0) or 0)
     digest = str(getattr(remote, "digest", "") or "")
     try:
         folder, graph = query_graph(repository, model, version, digest)
         embedder = await asyncio.to_thread(OnnxEmbedder, folder / "model.onnx", 1, {"query": graph})
-    except (ValueError, OSError) as exc:
-        log.info("queries of %s@%s go to Triton: %s", model, version, exc)
+    except (ValueError, OSError) as exc:  # --query-repository names what cannot serve
+        log.warning("queries of %s@%s go to Triton: %s", model, version, exc)
         return remote
     except Exception as exc:  # an unloadable graph: Triton keeps serving it
         log.warning(

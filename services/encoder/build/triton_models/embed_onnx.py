@@ -149,8 +149,8 @@ class TritonPythonModel:
 
         towers = bool(params.get("document_onnx_file"))
         # A query tower of its own that runs one query per graph run (int8) gains nothing
-        # from a second thread (2.1 ms either way) and wakes it for every op: 1.5-2x the
-        # CPU per query (docs/performance.md, "One hop fewer").
+        # from a second thread (2.1 ms with one, 2.3-3.2 with two) and wakes it for every
+        # op: 1.5-2x the CPU per query (docs/performance.md, "One hop fewer").
         alone = towers and "query" in self.row_by_row
         main = session(params.get("onnx_file", "model.onnx"), 1 if alone else threads)
         sessions = {kind: main for kind in self.kinds}
