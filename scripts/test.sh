@@ -40,8 +40,9 @@ if [ "$workers" -gt 1 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
-# pytest's exit status 5 is "no test collected" (a -k that selects none in one tier)
-run() { .venv/bin/python -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
+# pytest's exit status 5 is "no test collected" (a -k that selects none in one tier);
+# --durations: each tier's slowest tests end its log (what to look at when CI grows)
+run() { .venv/bin/python -m pytest --durations=15 "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
 
 start=$(date +%s)
 status=0
