@@ -49,6 +49,11 @@ class RolloutOptions:
     # encode (higher priority) after the batch already running, so this bounds how long
     # a search waits behind the builder; smaller = less wait, more per-call overhead
     encode_batch: int = 16
+    # seconds one encode call should take at most: the texts per call follow the encoder's
+    # measured pace (services/generations/encoding.py ChunkSize), so the gateways' dual
+    # encodes of new writes, queued on the same Triton version, wait about `parallel` ×
+    # this, well inside their 1-s bound
+    encode_call_s: float = 0.25
     switch_lag: int = 256  # source log entries behind, at most, before the switch starts
     # source log entries the rollout may hold (not yet replayed) before it is aborted
     # (services/generations/held.py); 0: no bound. ~3-5 KB each in Redis at 384
@@ -137,6 +142,7 @@ class RolloutContext:
                 parallel=o.parallel,
                 timeout_s=o.encode_timeout_s,
                 retry_s=o.encode_retry_s,
+                call_s=o.encode_call_s,
             )
         return self._embedder
 

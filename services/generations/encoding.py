@@ -3,8 +3,13 @@
 A re-embedded document must get the vector the gateway would give it, so the text is the
 encoder's own cut (:func:`services.encoder.texts.cut_for_encoder`, which the gateway uses
 too). The builder is one process with nothing else to serve; its encodes go to a Triton
-that also answers searches, so they are cut in batches of ``encode_batch`` (a search waits
-behind one batch at most) with ``parallel`` in flight.
+version that also takes the gateways' dual encodes of new writes (docs/generations.md
+"the dual write"), in Triton's arrival order. So each call is cut by *time*, not only by
+count: at most ``encode_batch`` texts, and as many as the encoder got through in
+``call_s`` seconds lately (:class:`ChunkSize`), with ``parallel`` calls in flight. A dual
+encode then waits behind about ``parallel`` × ``call_s``, well within its 1-s bound
+(``DUAL_ENCODE_TIMEOUT_S``); with chunks of 16 long documents (~1.4 s each on one CPU)
+most of them used to time out, and the catch-up encoded those writes a second time.
 """
 
 from __future__ import annotations
@@ -34,6 +39,33 @@ def embedding_text(title: str, body: str) -> str:
     return cut_for_encoder(f"{title} {body}" if title else body)[0]
 
 
+class ChunkSize:
+    """How many texts the next encode call carries: as many as took ``call_s`` seconds
+    lately (a moving average of the seconds per text of the calls so far, their wait in
+    Triton's queue included), between 1 and ``most``. The first call carries
+    ``first`` texts: a probe, before anything is known of this encoder's pace."""
+
+    SMOOTHING = 0.3  # weight of the newest call in the average
+
+    def __init__(self, most: int, call_s: float, first: int = 2) -> None:
+        self.most = max(1, most)
+        self.call_s = call_s
+        self.first = max(1, min(first, self.most))
+        self.per_text_s: float | None = None
+
+    def next(self) -> int:
+        if self.per_text_s is None:
+            return self.first
+        return max(1, min(self.most, int(self.call_s / self.per_text_s)))
+
+    def observe(self, texts: int, seconds: float) -> None:
+        if texts <= 0:
+            return
+        per_text = seconds / texts
+        old = self.per_text_s
+        self.per_text_s = per_text if old is None else old + self.SMOOTHING * (per_text - old)
+
+
 class Embedder:
     """The target generation's encoder, opened on first use, with batching and retries."""
 
@@ -47,6 +79,8 @@ class Embedder:
         parallel: int,
         timeout_s: float,
         retry_s: float,
+        call_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.encoders = encoders
         self.spec = spec
@@ -55,7 +89,10 @@ class Embedder:
         self.parallel = parallel
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.call_s = call_s
+        self.clock = clock
         self._encoder: Encoder | None = None
+        self._chunks: ChunkSize | None = None  # kept across batches: the pace learnt
 
     async def _open(self) -> Encoder:
         if self._encoder is None:
@@ -68,19 +105,40 @@ class Embedder:
             self._encoder = None
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """The vectors of ``texts`` (float32 rows, in order)."""
+        """The vectors of ``texts`` (float32 rows, in order): calls of :class:`ChunkSize`
+        texts, ``parallel`` in flight, each sized when it is sent (so the pace the calls
+        before it measured applies)."""
         encoder = await self._open()
-        step = max(1, min(encoder.max_batch, self.encode_batch))
-        sem = asyncio.Semaphore(max(1, self.parallel))
+        if self._chunks is None:
+            self._chunks = ChunkSize(min(encoder.max_batch, self.encode_batch), self.call_s)
+        chunks = self._chunks
+        slots = asyncio.Semaphore(max(1, self.parallel))
 
-        async def one(chunk: Sequence[str]) -> np.ndarray:
-            async with sem:
-                out = await self._encode_retrying(encoder, list(chunk))
+        async def one(chunk: list[str]) -> np.ndarray:
+            try:
+                start = self.clock()
+                out = await self._encode_retrying(encoder, chunk)
+                chunks.observe(len(chunk), self.clock() - start)
                 return np.asarray(out.vectors, dtype=np.float32)
+            finally:
+                slots.release()
 
-        parts = await asyncio.gather(
-            *(one(texts[i : i + step]) for i in range(0, len(texts), step))
-        )
+        calls: list[asyncio.Task[np.ndarray]] = []
+        try:
+            at = 0
+            while at < len(texts):
+                await slots.acquire()
+                if any(c.done() and not c.cancelled() and c.exception() for c in calls):
+                    slots.release()
+                    break  # gather below raises it
+                step = chunks.next()
+                calls.append(asyncio.ensure_future(one(list(texts[at : at + step]))))
+                at += step
+            parts = await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
         return np.concatenate(parts) if parts else np.zeros((0, encoder.dim), np.float32)
 
     async def _encode_retrying(self, encoder: Encoder, texts: list[str]) -> Any:

@@ -1,0 +1,135 @@
+"""The builder's encode calls are cut by time (services/generations/encoding.py ChunkSize):
+a dual encode of a new write, queued on the same Triton version behind the builder's
+calls, waits well inside its 1-s bound (``DUAL_ENCODE_TIMEOUT_S``).
+
+The encoder here is one FIFO instance on a virtual clock (a call advances it by its
+texts × the seconds per text), as a Triton version with one instance runs its requests:
+the policy is what is under test, not a model's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from services.common.encoder_spec import EncoderSpec
+from services.common.errors import InvalidArgument
+from services.encoder.base import Embeddings, Encoder
+from services.encoder.profiles import Kind
+from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S
+from services.generations.encoding import ChunkSize, Embedder
+from services.generations.progress import Progress
+
+PER_TEXT_S = 0.086  # a 1,000-character document on one CPU (bench.rollout's in-process pace)
+
+
+class OneInstance(Encoder):
+    """FIFO, one call at a time, on a virtual clock."""
+
+    model_name = "virtual"
+    dim = 4
+    max_batch = 64
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: list[int] = []
+        self._queue = asyncio.Lock()
+
+    async def encode(
+        self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+    ) -> Embeddings:
+        async with self._queue:
+            await asyncio.sleep(0)  # the others queue meanwhile
+            self.now += PER_TEXT_S * len(texts)
+            self.calls.append(len(texts))
+        rows = np.array([[float(t.split()[-1]), 0, 0, 1] for t in texts], np.float32)
+        return Embeddings(rows, [False] * len(texts))
+
+    async def close(self) -> None:
+        pass
+
+
+def embedder(encoder: OneInstance, call_s: float, encode_batch: int = 16) -> Embedder:
+    async def factory(spec: EncoderSpec) -> Encoder:
+        return encoder
+
+    return Embedder(
+        factory,
+        EncoderSpec("virtual", 1, 4),
+        Progress(),
+        encode_batch=encode_batch,
+        parallel=2,
+        timeout_s=60.0,
+        retry_s=1.0,
+        call_s=call_s,
+        clock=lambda: encoder.now,
+    )
+
+
+async def dual_encode_wait(call_s: float) -> tuple[float, list[int], np.ndarray]:
+    """The builder embeds 200 documents; once it is under way a write's dual encode joins
+    the queue: how long it waited (virtual seconds), the builder's call sizes, its rows."""
+    encoder = OneInstance()
+    builder = embedder(encoder, call_s)
+    texts = [f"doc {i}" for i in range(200)]
+    bulk = asyncio.ensure_future(builder.embed(texts))
+    while len(encoder.calls) < 6:  # past the probe: the builder's calls are full size
+        await asyncio.sleep(0)
+    sent = encoder.now
+    await encoder.encode(["write 0"], "document")
+    waited = encoder.now - sent
+    return waited, encoder.calls, await bulk
+
+
+def test_a_dual_encode_waits_within_its_bound_behind_time_cut_calls() -> None:
+    waited, calls, rows = asyncio.run(dual_encode_wait(call_s=0.25))
+    assert waited < DUAL_ENCODE_TIMEOUT_S / 2, (waited, calls)
+    assert max(calls[1:]) <= 3, calls  # 0.25 s at 0.086 s a text: 2 texts a call
+    assert rows[:, 0].tolist() == list(range(200))  # every row, in order
+
+
+def test_calls_cut_by_count_alone_made_it_wait_past_its_bound() -> None:
+    """The same with no time bound (16 texts a call, as before): the dual encode waits
+    behind two calls of ~1.4 s and its gateway gives up on it."""
+    waited, calls, _ = asyncio.run(dual_encode_wait(call_s=1e9))
+    assert max(calls) == 16
+    assert waited > DUAL_ENCODE_TIMEOUT_S, (waited, calls)
+
+
+def test_the_call_size_follows_the_pace_and_stays_within_its_bounds() -> None:
+    chunks = ChunkSize(most=16, call_s=0.25)
+    assert chunks.next() == 2  # the probe
+    chunks.observe(2, 0.2)  # 0.1 s a text
+    assert chunks.next() == 2
+    for _ in range(30):
+        chunks.observe(10, 0.05)  # fast: 5 ms a text
+    assert chunks.next() == 16  # capped by encode_batch
+    for _ in range(30):
+        chunks.observe(1, 2.0)  # slow: never below one text
+    assert chunks.next() == 1
+    chunks.observe(0, 5.0)  # an empty call teaches nothing
+    assert chunks.next() == 1
+
+
+@pytest.mark.parametrize("call_s", [0.25, 1e9])
+def test_a_failed_call_fails_the_batch_and_sends_no_more(call_s: float) -> None:
+    class Failing(OneInstance):
+        attempts = 0
+
+        async def encode(
+            self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+        ) -> Embeddings:
+            self.attempts += 1
+            if self.attempts >= 3:
+                raise InvalidArgument("a bad text")
+            return await super().encode(texts, kind, timeout)
+
+    encoder = Failing()
+    with pytest.raises(InvalidArgument, match="a bad text"):
+        asyncio.run(embedder(encoder, call_s).embed([f"doc {i}" for i in range(200)]))
+    # the failure stops the sending: at most the call already in flight beside it
+    # (parallel = 2) follows, of the 100 calls of 2 (or 13 of 16) the batch would take
+    assert encoder.attempts <= 4, encoder.attempts
