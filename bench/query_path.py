@@ -15,6 +15,11 @@ alternates by round), Poisson, the same seeded queries (hybrid, the default mode
 within the 50 ms SLO and the stack's CPU per search (``/proc``; both gateways are
 children here). The figure to keep is the ratio within a round (gateway ÷ Triton),
 reported per rate as the median and range over rounds. One JSON line at the end.
+
+``--compare event-loop`` pairs the same way the stack's gateway on uvloop (every server's
+default, services/rpc/event_loop.py) against a second gateway started with its command
+line plus ``--event-loop asyncio`` (the shards, Redis and Triton shared, on their
+defaults); the ratios are then uvloop ÷ asyncio.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +70,29 @@ def _with(argv: list[str], flag: str, value: str) -> list[str]:
     return [*_without(argv, flag), flag, value]
 
 
-def triton_queries_gateway(stack: dict[str, Any], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """The stack's gateway command line, queries left to Triton, on free ports."""
+def _triton_queries(argv: list[str]) -> list[str]:
+    return _without(argv, "--query-repository")
+
+
+def _asyncio_loop(argv: list[str]) -> list[str]:
+    return _with(argv, "--event-loop", "asyncio")
+
+
+# --compare: the names of the stack's gateway and of the second one, and how the second's
+# command line differs from the first's
+COMPARISONS: dict[str, tuple[tuple[str, str], Callable[[list[str]], list[str]]]] = {
+    "query-path": (PATHS, _triton_queries),
+    "event-loop": (("uvloop", "asyncio"), _asyncio_loop),
+}
+
+
+def second_gateway(
+    stack: dict[str, Any], log: Path, change: Callable[[list[str]], list[str]] = _triton_queries
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The stack's gateway command line changed by ``change``, on free ports."""
     (child,) = [c for c in stack["children"] if c["name"] == "gateway"]
     raw = Path(f"/proc/{child['pid']}/cmdline").read_bytes()
-    argv = [a.decode() for a in raw.split(b"\0") if a]
-    argv = _without(argv, "--query-repository")
+    argv = change([a.decode() for a in raw.split(b"\0") if a])
     argv = _without(argv, "--http-port")
     port = free_port()
     argv = _with(argv, "--port", str(port))
@@ -111,8 +134,10 @@ def one_run(
     }
 
 
-def _ratios(rounds: list[dict[str, dict[str, Any]]], key: str) -> dict[str, float]:
-    values = np.array([r["gateway"][key] / r["triton"][key] for r in rounds])
+def _ratios(
+    rounds: list[dict[str, dict[str, Any]]], key: str, names: tuple[str, str] = PATHS
+) -> dict[str, float]:
+    values = np.array([r[names[0]][key] / r[names[1]][key] for r in rounds])
     return {
         "median": float(np.median(values)),
         "min": float(values.min()),
@@ -123,9 +148,10 @@ def _ratios(rounds: list[dict[str, dict[str, Any]]], key: str) -> dict[str, floa
 def measure(stack_json: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     stack = json.loads(stack_json.read_text(encoding="utf-8"))
     queries = load_queries(args.data / "queries.jsonl")
-    proc, address = triton_queries_gateway(stack, log_dir / "gateway-triton-queries.log")
+    names, change = COMPARISONS[args.compare]
+    proc, address = second_gateway(stack, log_dir / f"gateway-{names[1]}.log", change)
     try:
-        targets = {"gateway": Target(stack["gateway"]), "triton": Target(address)}
+        targets = {names[0]: Target(stack["gateway"]), names[1]: Target(address)}
         for target in targets.values():
             wait_until(functools.partial(_answers, target, queries), "serves", 120)
         slo = default_slo_ms("minilm")
@@ -133,7 +159,7 @@ def measure(stack_json: Path, args: argparse.Namespace, log_dir: Path) -> dict[s
         for rate in args.rates:
             rounds: list[dict[str, dict[str, Any]]] = []
             for n in range(args.rounds):
-                order = PATHS if n % 2 == 0 else PATHS[::-1]
+                order = names if n % 2 == 0 else names[::-1]
                 pair = {
                     path: one_run(targets[path], queries, rate, args.seconds, 100 + n, slo)
                     for path in order
@@ -145,15 +171,16 @@ def measure(stack_json: Path, args: argparse.Namespace, log_dir: Path) -> dict[s
                         f"{p}: p50 {pair[p]['p50_ms']:5.1f} p99 {pair[p]['p99_ms']:5.1f} ms, "
                         f"within {pair[p]['slo_attainment']:.2%}, "
                         f"CPU {pair[p]['cpu_ms_per_search']:.2f} ms"
-                        for p in PATHS
+                        for p in names
                     ),
                     flush=True,
                 )
+            over = f"{names[0]}_over_{names[1]}"
             per_rate[f"{rate:g}"] = {
                 "rounds": rounds,
-                "p50_gateway_over_triton": _ratios(rounds, "p50_ms"),
-                "p99_gateway_over_triton": _ratios(rounds, "p99_ms"),
-                "cpu_gateway_over_triton": _ratios(rounds, "cpu_ms_per_search"),
+                f"p50_{over}": _ratios(rounds, "p50_ms", names),
+                f"p99_{over}": _ratios(rounds, "p99_ms", names),
+                f"cpu_{over}": _ratios(rounds, "cpu_ms_per_search", names),
             }
         return per_rate
     finally:
@@ -179,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="rounds per rate (3)")
     p.add_argument("--seconds", type=float, default=20.0, help="seconds per run (20)")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="for `up` (s)")
+    p.add_argument(
+        "--compare",
+        choices=sorted(COMPARISONS),
+        default="query-path",
+        help="query-path (default): the gateway's own query graph against Triton's; "
+        "event-loop: the gateway on uvloop (the default) against --event-loop asyncio",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     return p
 
@@ -194,12 +228,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = {
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
+            "compare": args.compare,
             "rates": per_rate,
             "command": "python -m bench.query_path " + " ".join(argv or sys.argv[1:]),
         }
     for rate, one in per_rate.items():
         print(
-            f"rate {rate}/s, gateway ÷ Triton over {args.rounds} rounds (median [min, max]): "
+            f"rate {rate}/s, {' ÷ '.join(COMPARISONS[args.compare][0])} over {args.rounds} "
+            "rounds (median [min, max]): "
             + "; ".join(
                 f"{k.split('_')[0]} {v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]"
                 for k, v in one.items()

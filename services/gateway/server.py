@@ -45,6 +45,7 @@ from services.index.core import coarse
 from services.process.logs import configure_logging
 from services.process.redis_client import async_client, parse_redis_url
 from services.rerank.depths import depth_table
+from services.rpc import event_loop
 from services.rpc.admission import Admission
 from services.rpc.auth import AuthInterceptor
 from services.rpc.balance import Balancing
@@ -453,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The router assigns each wave on this (the event loop's) thread; OpenMP's count is
     # per thread, and its default (every core) leaves idle workers spinning per wave.
     coarse.set_threads(settings.quantizer_threads)
-    asyncio.run(serve(settings))
+    event_loop.run(serve(settings), settings.event_loop)
     return 0
 
 

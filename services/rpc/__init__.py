@@ -6,7 +6,8 @@ Servers
     ``interceptors`` (their base), ``status`` (the one map from domain
     errors to gRPC codes), ``auth`` (bearer tokens), ``wire`` (fields sent with the wrong
     wire type), ``metrics`` (Prometheus, one injected registry per process),
-    ``settings`` (the settings every service shares, and how they are loaded).
+    ``settings`` (the settings every service shares, and how they are loaded),
+    ``event_loop`` (uvloop or the standard library's, the loop a server runs on).
 Clients
     ``balance`` (over the servers behind one name), ``discovery`` (fixed addresses or a
     re-resolved DNS name), ``retry`` (gRPC's own retry policy on the channel).

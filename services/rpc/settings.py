@@ -35,6 +35,11 @@ class ServiceSettings(BaseSettings):
         None, ge=0, le=65535, description="Prometheus /metrics port; unset = no endpoint."
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop",
+        description="The process's event loop: uvloop (a gRPC round trip costs about two "
+        "thirds of the CPU, docs/performance.md) or the standard library's asyncio.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     grace_seconds: float = Field(
         5.0, ge=0, description="On SIGTERM, in-flight RPCs get this long to finish."

@@ -25,6 +25,7 @@ from services.index.server.service import ShardService
 from services.index.server.servicer import ShardServicer
 from services.index.server.settings import ShardSettings
 from services.process.logs import configure_logging
+from services.rpc import event_loop
 from services.rpc.admission import Admission
 from services.rpc.metrics import RpcMetrics
 from services.rpc.server import Server, create_server, serve_started
@@ -134,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # left at one thread per core, its worker spins between calls: measured, a whole core
     # kept busy beside a shard's search loop.
     threadpool_limits(settings.omp_threads, user_api="blas")
-    asyncio.run(serve(settings))
+    event_loop.run(serve(settings), settings.event_loop)
     return 0
 
 

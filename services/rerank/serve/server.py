@@ -20,6 +20,7 @@ from services.rerank.serve.pool import ScorerPool
 from services.rerank.serve.scorer import CeliScorer
 from services.rerank.serve.servicer import RerankServicer
 from services.rerank.serve.settings import RerankSettings
+from services.rpc import event_loop
 from services.rpc.metrics import RpcMetrics
 from services.rpc.server import Server, create_server, serve_started
 from services.rpc.settings import load_settings
@@ -111,7 +112,7 @@ async def serve(settings: RerankSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings(RerankSettings, list(argv or []), prog="gtr-retrieval rerank serve")
     configure_logging(settings.log_format, settings.log_level, service="rerank")
-    asyncio.run(serve(settings))
+    event_loop.run(serve(settings), settings.event_loop)
     return 0
 
 
