@@ -32,7 +32,8 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
 * the writes (issue #33 point 2): ``writes_per_s`` (acknowledged during the rollout,
   measured; ``writes_per_s_asked`` the load's rate), ``catch_up_entries_per_s`` (entries
   the builder replayed in its catch_up phase ÷ its seconds), ``entries_with_target_vectors``
-  of ``upsert_entries_since_p0`` (the gateway's dual write), and ``lost_writes``: the
+  of ``upsert_entries_since_p0`` (the gateway's dual write; ``dual_encodes``: its
+  counter of them by outcome, encoded or failed), and ``lost_writes``: the
   acknowledged writes after P0 whose id and version the new generation does not hold
   (``bench/rollout_writes.py``; ``writes_checked`` of them).
 
@@ -72,7 +73,7 @@ from typing import Any
 import numpy as np
 
 from bench.cpu_roles import RoleCpu
-from bench.rollout_writes import check_writes, dual_counts, hold_source
+from bench.rollout_writes import check_writes, dual_counts, dual_encode_outcomes, hold_source
 from services.process import cpus as cpu_sets
 
 SHARED = Path(
@@ -294,7 +295,9 @@ def _writes_during(
         dual = dual_counts(client, names["source"], {int(k): v for k, v in names["p0"].items()})
     finally:
         client.close()
+    outcomes = dual_encode_outcomes(stack.state()["gateway_metrics"])
     print(
+        f"dual encodes, by outcome (the gateway's counter): {outcomes}; "
         f"writes: {len(acked) / (end - start):.1f}/s acknowledged during the rollout "
         f"({len(acked)}; {sum(not w.ok for w in writes)} failed in all); catch-up replayed "
         f"{replayed} entries in {seconds:.1f} s = {rate:.1f}/s; upsert entries since P0 "
@@ -311,6 +314,7 @@ def _writes_during(
         "catch_up_seconds": seconds,
         "upsert_entries_since_p0": dual["upsert_entries"],
         "entries_with_target_vectors": dual["with_target_vectors"],
+        "dual_encodes": outcomes,
         "writes_checked": checked.checked,
         "lost_writes": len(checked.lost),
         "lost_examples": checked.lost[:10],

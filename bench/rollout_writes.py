@@ -97,4 +97,22 @@ def dual_counts(client: Any, source: str, p0: dict[int, str]) -> dict[str, int]:
     return out
 
 
-__all__ = ["WriteCheck", "check_writes", "dual_counts", "hold_source"]
+def dual_encode_outcomes(metrics_address: str) -> dict[str, float]:
+    """The gateway's ``gateway_generation_dual_encodes_total`` by outcome (encoded,
+    failed), read from its /metrics at ``host:port``; {} when it has none yet."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as reply:
+        text = reply.read().decode("utf-8")
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "gateway_generation_dual_encodes"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+__all__ = ["WriteCheck", "check_writes", "dual_counts", "dual_encode_outcomes", "hold_source"]
