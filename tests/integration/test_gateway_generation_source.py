@@ -116,8 +116,50 @@ async def switch_during_a_read(
     return stale
 
 
+SCENARIO_S = 60.0  # each scenario takes about a second; past this it hung
+
+
+def _awaiting(coro: Any) -> list[str]:
+    """Where a coroutine waits: its frame, then what it awaits, and so on down."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            lines.append(f"  {code.co_filename}:{frame.f_lineno} {code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
+
+
 def run(scenario: Any) -> None:
-    asyncio.run(scenario)
+    """``asyncio.run(scenario)``, bounded: a scenario still running after SCENARIO_S
+    prints every task's stack (captured output: where it hung) and is cancelled, and the
+    test fails saying so (one hung under CI load once, 2026-11-29; not reproduced)."""
+
+    async def watched() -> None:
+        main = asyncio.current_task()
+        assert main is not None
+        stacks: list[str] = []
+
+        def hung() -> None:
+            for task in asyncio.all_tasks():
+                stacks.append(f"{task.get_name()}:\n" + "\n".join(_awaiting(task.get_coro())))
+            print("scenario hung; its tasks:\n" + "\n".join(stacks), flush=True)
+            main.cancel()
+
+        watchdog = asyncio.get_running_loop().call_later(SCENARIO_S, hung)
+        try:
+            await scenario
+        except asyncio.CancelledError:
+            if stacks:
+                raise AssertionError(
+                    f"the scenario hung past {SCENARIO_S:.0f} s:\n" + "\n".join(stacks)
+                ) from None
+            raise
+        finally:
+            watchdog.cancel()
+
+    asyncio.run(watched())
 
 
 class Builds(Protocol):
