@@ -93,6 +93,11 @@ class Embedder:
         self.clock = clock
         self._encoder: Encoder | None = None
         self._chunks: ChunkSize | None = None  # kept across batches: the pace learnt
+        # the calls in flight, over every batch being embedded at once (the bulk phase
+        # keeps `parallel` batches in flight): each batch with slots of its own put up to
+        # parallel² calls ahead of a dual encode
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
 
     async def _open(self) -> Encoder:
         if self._encoder is None:
@@ -106,13 +111,16 @@ class Embedder:
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
         """The vectors of ``texts`` (float32 rows, in order): calls of :class:`ChunkSize`
-        texts, ``parallel`` in flight, each sized when it is sent (so the pace the calls
-        before it measured applies)."""
+        texts, ``parallel`` in flight over every batch this embedder is embedding at once,
+        each sized when it is sent (so the pace the calls before it measured applies)."""
         encoder = await self._open()
         if self._chunks is None:
             self._chunks = ChunkSize(min(encoder.max_batch, self.encode_batch), self.call_s)
         chunks = self._chunks
-        slots = asyncio.Semaphore(max(1, self.parallel))
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:  # a semaphore keeps its loop
+            self._slots, self._slots_loop = asyncio.Semaphore(max(1, self.parallel)), loop
+        slots = self._slots
 
         async def one(chunk: list[str]) -> np.ndarray:
             try:

@@ -133,3 +133,34 @@ def test_a_failed_call_fails_the_batch_and_sends_no_more(call_s: float) -> None:
     # the failure stops the sending: at most the call already in flight beside it
     # (parallel = 2) follows, of the 100 calls of 2 (or 13 of 16) the batch would take
     assert encoder.attempts <= 4, encoder.attempts
+
+
+def test_concurrent_batches_share_the_calls_in_flight() -> None:
+    """The bulk phase embeds two batches at once: between them, at most ``parallel`` (2)
+    calls are in the encoder's queue, not 2 per batch."""
+
+    class Counting(OneInstance):
+        inside = 0
+        most = 0
+
+        async def encode(
+            self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+        ) -> Embeddings:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            try:
+                return await super().encode(texts, kind, timeout)
+            finally:
+                self.inside -= 1
+
+    async def two_batches() -> tuple[np.ndarray, np.ndarray]:
+        builder = embedder(encoder, call_s=0.25)
+        first = [f"doc {i}" for i in range(40)]
+        second = [f"doc {i}" for i in range(40, 80)]
+        a, b = await asyncio.gather(builder.embed(first), builder.embed(second))
+        return a, b
+
+    encoder = Counting()
+    a, b = asyncio.run(two_batches())
+    assert encoder.most == 2, encoder.most
+    assert a[:, 0].tolist() == list(range(40)) and b[:, 0].tolist() == list(range(40, 80))
