@@ -263,7 +263,7 @@ class GenerationSource:
         self._loop_task: asyncio.Task[None] | None = None
         self._preparing: asyncio.Task[None] | None = None  # a rollout target's parts
         self._closing: set[asyncio.Task[None]] = set()
-        self._last_error = ""
+        self._last_error = self._prepare_error = ""  # each logged once while it repeats
 
     @classmethod
     def fixed(cls, bundle: Bundle, epoch: int = 1) -> GenerationSource:
@@ -457,10 +457,9 @@ class GenerationSource:
         log.info("generation %s (%s) prepared for its switch", target, record.state)
 
     def _prepared(self, task: asyncio.Task[None]) -> None:
-        """A background preparation's failure, reported as a failed refresh is."""
+        """A background preparation's failure, reported with a last error of its own."""
         error = None if task.cancelled() else task.exception()
-        if error is not None:
-            self._report(error)
+        self._prepare_error = "" if error is None else self._report(error, self._prepare_error)
 
     def _retire_others(self, keep: set[str]) -> None:
         for name in [n for n in self._bundles if n not in keep]:
@@ -484,17 +483,18 @@ class GenerationSource:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self._report(exc)
+                self._last_error = self._report(exc, self._last_error)
             else:
                 self._last_error = ""
 
-    def _report(self, exc: BaseException) -> None:
+    def _report(self, exc: BaseException, last: str) -> str:
+        """Count a failed refresh; log it unless it repeats ``last``; its message."""
         self._events.refresh_failed()
         message = f"{type(exc).__name__}: {exc}"
-        if message != self._last_error:  # once per distinct error, not per tick
+        if message != last:
             log.warning(
                 "reading the generations alias failed (serving %s as before): %s",
                 self._serving.generation if self._serving else "nothing",
                 message,
             )
-        self._last_error = message
+        return message

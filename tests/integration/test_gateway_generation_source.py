@@ -12,6 +12,7 @@ shards: test_gateway_generations.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -556,3 +557,37 @@ def test_the_serving_generations_retrieval_setting_comes_and_goes_with_it(
             assert (back.generation, back.setting) == ("g1", None)
 
     run(scenario())
+
+
+class FailingTarget(Factory):
+    """Builds g1; every other generation's build fails with the same error."""
+
+    attempts = 0
+
+    async def __call__(self, gen: Generation) -> Bundle:
+        if gen.name == "g1":
+            return await super().__call__(gen)
+        self.attempts += 1
+        raise RuntimeError(f"generation {gen.name}: no encoder")
+
+
+def test_a_preparation_that_keeps_failing_is_logged_once(
+    redis_url: str, registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The background refresh prepares a rollout's target in a task of its own, and the
+    refreshes between succeed: the same failure, tick after tick, is one warning (it was
+    one per tick), and each is still counted as a failed refresh."""
+
+    async def scenario() -> None:
+        async with opened(redis_url, RedisAliasReader, FailingTarget, 0.02) as scene:
+            source, factory = scene.source, scene.factory
+            await source.start()
+            target = new_generation(registry)
+            registry.begin_rollout({"target": target.name, "source": "g1"})
+            registry.set_state(target.name, "catching_up")
+            await await_until(lambda: factory.attempts >= 5, "five failed preparations")
+
+    with caplog.at_level(logging.WARNING, logger=generations.__name__):
+        run(scenario())
+    warned = [r for r in caplog.records if "no encoder" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
