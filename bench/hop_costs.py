@@ -40,6 +40,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from services.rpc.event_loop import LOOPS, EventLoop, loop_factory
+
 REQUEST = b"q" * 1500
 ANSWER = b"a" * 3200
 METHOD = "/bench.Hop/Trip"
@@ -126,15 +128,11 @@ async def _socket_server(path: str, ready: Any, stop: Any) -> None:
     server.close()
 
 
-def _runner(loop: str) -> asyncio.Runner:
-    if loop == "uvloop":
-        import uvloop
-
-        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    return asyncio.Runner()
+def _runner(loop: EventLoop) -> asyncio.Runner:
+    return asyncio.Runner(loop_factory=loop_factory(loop))
 
 
-def _serve(kind: str, loop: str, where: Any, ready: Any, stop: Any) -> None:
+def _serve(kind: str, loop: EventLoop, where: Any, ready: Any, stop: Any) -> None:
     serve = _grpc_server if kind == "grpc" else _socket_server
     with _runner(loop) as runner:
         runner.run(serve(where, ready, stop))
@@ -176,7 +174,7 @@ async def _socket_trips(path: str, trips: int, server_pid: int) -> tuple[float, 
     return wall, cpu, server
 
 
-def measure_hop(kind: str, loop: str, trips: int, tmp: Path) -> dict[str, float]:
+def measure_hop(kind: str, loop: EventLoop, trips: int, tmp: Path) -> dict[str, float]:
     """One server process, this process the client, both on ``loop``; µs per round
     trip."""
     from tests.support.processes import free_port
@@ -237,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hop: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="gtr-hop-") as tmp:
         for r in range(args.rounds):  # rounds alternate the order
-            variants = [(k, lp) for k in ("grpc", "socket") for lp in ("asyncio", "uvloop")]
+            variants = [(k, lp) for k in ("grpc", "socket") for lp in reversed(LOOPS)]
             for kind, loop in variants if r % 2 == 0 else list(reversed(variants)):
                 row = measure_hop(kind, loop, args.trips, Path(tmp))
                 name = f"{kind}/{loop}"

@@ -50,9 +50,9 @@ class RolloutOptions:
     # a search waits behind the builder; smaller = less wait, more per-call overhead
     encode_batch: int = 16
     # seconds one encode call should take at most: the texts per call follow the encoder's
-    # measured pace (services/generations/encoding.py ChunkSize), so the gateways' dual
-    # encodes of new writes, queued on the same Triton version, wait about `parallel` ×
-    # this, well inside their 1-s bound
+    # measured pace (services/generations/encoding.py ChunkSize), so that the gateways'
+    # dual encodes of new writes, queued on the same Triton version, wait about
+    # `parallel` × this, inside their 1-s bound (measured: a quarter still wait longer)
     encode_call_s: float = 0.25
     switch_lag: int = 256  # source log entries behind, at most, before the switch starts
     # source log entries the rollout may hold (not yet replayed) before it is aborted

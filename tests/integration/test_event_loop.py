@@ -4,8 +4,6 @@ gRPC server, its health service and a Redis client work on it."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -17,9 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.rpc import event_loop
 from services.rpc.server import create_server
 from services.rpc.settings import ServiceSettings, load_settings
-from tests.support.local_stack import cli_env
-from tests.support.processes import RedisServer, free_port, stop_process, wait_until
-from tests.support.shards import train_test_index
+from tests.support.processes import RedisServer
+from tests.support.shards import start_shard, train_test_index
 
 
 async def _loop_module() -> str:
@@ -64,36 +61,27 @@ def test_a_server_of_ours_answers_on_uvloop(redis_server: RedisServer) -> None:
     assert stored == b"uvloop"
 
 
-@pytest.mark.parametrize("flags", [[], ["--event-loop", "asyncio"]], ids=["default", "asyncio"])
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_a_shard_process_serves_on_the_loop_it_is_given(
-    flags: list[str], tmp_path: Path, redis_server: RedisServer
+    loop: str, tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """``index serve`` as a process: once it answers its health check, uvloop's extension
     is mapped into it by default, and not with ``--event-loop asyncio``."""
     vectors = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
     index_dir = train_test_index(vectors, tmp_path / "index", nlist=4)
-    port = free_port()
-    argv = [sys.executable, "-m", "services.cli.main", "index", "serve", "--port", str(port)]
-    argv += ["--redis-url", redis_server.url, "--index-dir", str(index_dir)]
-    argv += ["--snapshot-dir", str(tmp_path / "snap"), "--shard", "0", "--shards", "1"]
-    proc = subprocess.Popen(
-        [*argv, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env()
+    settings = {} if loop == "uvloop" else {"event-loop": "asyncio"}
+    shard = start_shard(
+        index_dir=index_dir,
+        redis_url=redis_server.url,
+        shard=0,
+        shards=1,
+        work_dir=tmp_path,
+        settings=settings,
+        timeout=120,
     )
     try:
-        wait_until(lambda: _serving(port) or proc.poll() is not None, "the shard serving", 120)
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        mapped = "uvloop" in Path(f"/proc/{proc.pid}/maps").read_text()
-        assert mapped is (not flags)
+        assert shard.process is not None
+        mapped = "uvloop" in Path(f"/proc/{shard.process.pid}/maps").read_text()
+        assert mapped is (loop == "uvloop"), shard.log_tail()
     finally:
-        stop_process(proc)
-
-
-def _serving(port: int) -> bool:
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=1
-            )
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
+        shard.stop()
