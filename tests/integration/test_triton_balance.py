@@ -5,8 +5,9 @@ every encode goes to the other without one failing.
 
 Who answered is counted by each Triton itself (its ``/metrics``,
 ``nv_inference_request_success`` of the ``embed`` model), not by the client. The two
-servers serve the tiny GTR-layout T5 repository and are shared by the module's tests;
-the kill test runs last.
+servers serve the tiny GTR-layout T5 repository and are shared by the module's tests,
+in file order: the tests that count exact shares come before the SIGSTOP test (a CI run
+once counted one encode more on a server after it), and the kill test runs last.
 """
 
 from __future__ import annotations
@@ -134,6 +135,31 @@ def test_encodes_are_balanced_over_both_tritons(
         assert sum(counts) == 200 and min(counts) >= 1, counts
 
 
+def test_the_gateways_flags_give_its_encoder_both_tritons(tritons: list[TritonHandle]) -> None:
+    from services.gateway.server import build_encoder
+    from services.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(
+        shards="127.0.0.1:1",
+        auth=False,
+        triton_url=",".join(h.grpc_url for h in tritons),
+        balance="round_robin",
+    )
+
+    async def main() -> tuple[list[BaseException], list[int]]:
+        encoder = await build_encoder(settings)
+        try:
+            before = [served(h) for h in tritons]
+            errors = await _settled(_load(encoder, 20, concurrency=1), tritons, 20)
+            return errors, [served(h) - b for h, b in zip(tritons, before, strict=True)]
+        finally:
+            await encoder.close()
+
+    errors, counts = asyncio.run(main())
+    assert errors == []
+    assert counts == [10, 10]
+
+
 def test_least_outstanding_sends_a_stalled_triton_no_more_than_it_holds(
     tritons: list[TritonHandle],
 ) -> None:
@@ -173,31 +199,6 @@ def test_least_outstanding_sends_a_stalled_triton_no_more_than_it_holds(
     assert errors == []
     assert to_fast + to_stalled == n
     assert 1 <= to_stalled <= callers // 2, (to_fast, to_stalled)
-
-
-def test_the_gateways_flags_give_its_encoder_both_tritons(tritons: list[TritonHandle]) -> None:
-    from services.gateway.server import build_encoder
-    from services.gateway.settings import GatewaySettings
-
-    settings = GatewaySettings(
-        shards="127.0.0.1:1",
-        auth=False,
-        triton_url=",".join(h.grpc_url for h in tritons),
-        balance="round_robin",
-    )
-
-    async def main() -> tuple[list[BaseException], list[int]]:
-        encoder = await build_encoder(settings)
-        try:
-            before = [served(h) for h in tritons]
-            errors = await _settled(_load(encoder, 20, concurrency=1), tritons, 20)
-            return errors, [served(h) - b for h, b in zip(tritons, before, strict=True)]
-        finally:
-            await encoder.close()
-
-    errors, counts = asyncio.run(main())
-    assert errors == []
-    assert counts == [10, 10]
 
 
 def test_a_triton_that_appears_in_dns_gets_encodes(tritons: list[TritonHandle]) -> None:
