@@ -39,9 +39,11 @@ def test_the_consumer_thread_applies_with_the_configured_omp_threads(
         seen: list[int] = []
         original = replica.shard.apply
 
-        def recording(changes: Sequence[Change], position: str) -> ApplyResult:
+        def recording(
+            changes: Sequence[Change], position: str, refresh: bool = True
+        ) -> ApplyResult:
             seen.append(faiss.omp_get_max_threads())
-            return original(changes, position)
+            return original(changes, position, refresh)
 
         replica.shard.apply = recording  # type: ignore[method-assign]
 

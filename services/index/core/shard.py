@@ -9,9 +9,14 @@ inverted lists, an SQ8 code (``dim`` bytes) for the refine stage, the direct map
 Removes go through the direct map (hash table id → list/offset), never a scan.
 
 Beside the vectors, optionally, the shard's BM25 text index (:mod:`.text`): every batch
-of changes reaches both under the same write lock, and ``applied`` moves only once both
-hold the batch, so a position the shard reports applied is searchable densely and
-sparsely; snapshots carry both (:meth:`IvfPqShard.export_state`).
+of changes reaches both under the same write lock, the vectors searchable at once and
+the text staged in Tantivy's writer (``staged`` moves). The text becomes searchable at a
+refresh (:meth:`IvfPqShard.refresh`: a Tantivy commit, ~10 ms of CPU whatever the batch),
+which runs outside the write lock, so searches never wait for it; ``applied`` moves
+only then, so a position the shard reports applied is searchable densely and sparsely.
+``apply(..., refresh=True)`` (the default) refreshes at once; the log consumer batches
+refreshes instead (:mod:`services.index.server.replica`, docs/index.md "The text
+index's refresh"). Snapshots carry both, refreshed first (``export_state``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import math
 import threading
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +139,8 @@ class IvfPqShard:
         self._free: list[int] = []
         self._tags = TagPostings()
         self._drift = PqDrift()
-        self.applied = positions.ZERO
+        self.applied = positions.ZERO  # searchable densely and sparsely
+        self.staged = positions.ZERO  # in the vectors; in the text once refreshed
         self.deleted_total = 0
         self.lock = RWLock()
         # Held by a batch of changes around the write lock, and by a GPU copy instead of
@@ -156,8 +163,11 @@ class IvfPqShard:
 
     # --- writes ----------------------------------------------------------------------
 
-    def apply(self, changes: Sequence[Change], position: str) -> ApplyResult:
-        """Apply a batch in log order: per id the last change wins; upsert = remove + add."""
+    def apply(self, changes: Sequence[Change], position: str, refresh: bool = True) -> ApplyResult:
+        """Apply a batch in log order: per id the last change wins; upsert = remove + add.
+
+        ``refresh``: make the text searchable before returning (else it waits for the next
+        :meth:`refresh`, and ``applied`` with it)."""
         last: dict[str, Change] = {}
         for change in changes:
             last.pop(change.doc_id, None)  # keep insertion order = order of last change
@@ -176,34 +186,76 @@ class IvfPqShard:
             raise InvalidArgument(
                 f"log entry at {position}: vectors must be finite, dim {self.dim}"
             )
-        with self._writes, self.lock.write():
-            present = self._present(fids)
-            removed = self._remove(sorted(present))
-            self.deleted_total += sum(
-                1 for d, c in last.items() if isinstance(c, Delete) and fids[d] in present
-            )
-            if upserts:
-                self._add(upserts, vectors, [fids[u.doc_id] for u in upserts])
-            if self.text is not None and last:
-                # Every id of the batch is deleted by term first (an upsert replaces, a
-                # delete of an absent id deletes nothing), then the upserts are added.
-                self.text.apply(
-                    fids.values(),
-                    [TextDoc(fids[u.doc_id], u.body, u.tags) for u in upserts],
-                )
-            if self.gpu is not None:  # in step incrementally; never raises (CPU fallback)
-                if present:
-                    self.gpu.remove(np.asarray(sorted(present), dtype=np.int64))
-                if upserts:
-                    ids = np.asarray([fids[u.doc_id] for u in upserts], dtype=np.int64)
-                    self.gpu.add(vectors, ids)
-                if self.gpu.needs_rebuild():
-                    self.gpu.start_rebuild(self.index, self._writes)
-            if positions.parse(position) > positions.parse(self.applied):
-                self.applied = position
+        with self._writes:
+            with self.lock.write():
+                removed = self._apply_locked(last, fids, upserts, vectors, position)
+            if refresh:  # outside the write lock: searches go on meanwhile
+                self.refresh_held()
         if upserts:
             self._drift.track(self.index, vectors)
         return ApplyResult(added=len(upserts), removed=removed, position=self.applied)
+
+    def _apply_locked(
+        self,
+        last: dict[str, Change],
+        fids: dict[str, int],
+        upserts: list[Upsert],
+        vectors: np.ndarray,
+        position: str,
+    ) -> int:
+        """The batch into the vectors, the tags and (staged) the text; the ids removed."""
+        present = self._present(fids)
+        removed = self._remove(sorted(present))
+        self.deleted_total += sum(
+            1 for d, c in last.items() if isinstance(c, Delete) and fids[d] in present
+        )
+        if upserts:
+            self._add(upserts, vectors, [fids[u.doc_id] for u in upserts])
+        if self.text is not None and last:
+            # Every id of the batch is deleted by term first (an upsert replaces, a
+            # delete of an absent id deletes nothing), then the upserts are added.
+            # Searchable at the refresh; until then search_text drops the hits of ids
+            # no longer held (a delete never comes back), and an upserted id is found
+            # by its old text, as in any near-real-time index.
+            self.text.stage(
+                fids.values(),
+                [TextDoc(fids[u.doc_id], u.body, u.tags) for u in upserts],
+            )
+        if self.gpu is not None:  # in step incrementally; never raises (CPU fallback)
+            if present:
+                self.gpu.remove(np.asarray(sorted(present), dtype=np.int64))
+            if upserts:
+                ids = np.asarray([fids[u.doc_id] for u in upserts], dtype=np.int64)
+                self.gpu.add(vectors, ids)
+            if self.gpu.needs_rebuild():
+                self.gpu.start_rebuild(self.index, self._writes)
+        if positions.parse(position) > positions.parse(self.staged):
+            self.staged = position
+        if self.text is None:
+            self.applied = self.staged
+        return removed
+
+    @property
+    def pending(self) -> bool:
+        """Changes applied to the vectors whose text is not searchable yet."""
+        return self.staged != self.applied
+
+    def refresh(self) -> None:
+        """Make the staged text searchable and move ``applied`` to ``staged``. Holds the
+        writers out (no batch is half in a commit), not the searches."""
+        with self._writes:
+            self.refresh_held()
+
+    def writers(self) -> AbstractContextManager[Any]:
+        """Held: no batch is applied meanwhile (searches go on); with it held, call
+        :meth:`refresh_held`, not :meth:`refresh`."""
+        return self._writes
+
+    def refresh_held(self) -> None:
+        """:meth:`refresh` for a caller that holds :meth:`writers`."""
+        if self.text is not None:
+            self.text.refresh()
+        self.applied = self.staged
 
     def _present(self, fids: dict[str, int]) -> set[int]:
         """The ids of ``fids`` (doc id → FAISS id) held here; a collision is logged."""

@@ -148,7 +148,15 @@ def load_newest(
 
 
 def export_state(shard: IvfPqShard) -> dict[str, np.ndarray]:
-    """A consistent copy of everything needed to rebuild this shard (for snapshots)."""
+    """A consistent copy of everything needed to rebuild this shard (for snapshots):
+    refreshed first, writers held out meanwhile (searches go on), so ``applied`` names
+    everything the copy holds."""
+    with shard.writers():
+        return _export_state(shard)
+
+
+def _export_state(shard: IvfPqShard) -> dict[str, np.ndarray]:
+    shard.refresh_held()
     with shard.lock.read():
         fids, slots = shard._slots.items()
         meta = {
@@ -198,7 +206,7 @@ def shard_from_state(
     shard._slots.add(fids, np.arange(len(fids), dtype=np.int64))
     for fid, tags in zip(fids.tolist(), meta["tags"], strict=True):
         shard._tags.add(fid, tags)
-    shard.applied = meta["applied"]
+    shard.applied = shard.staged = meta["applied"]
     shard.deleted_total = meta["deleted_total"]
     shard._drift = PqDrift(meta["recent_count"], meta["recent_sum"])
     if text is not None and "text" in state:

@@ -2,6 +2,10 @@
 
 ``replica``
     the in-memory shard kept in step with its Redis Stream (the log consumer).
+``refresh``
+    when the consumer makes what it applied searchable in the text index.
+``folders``
+    a snapshot folder belongs to one index generation.
 ``seeding``
     a replica that cannot replay its log seeds itself from a ready peer's snapshot.
 ``batcher``

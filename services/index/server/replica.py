@@ -36,12 +36,19 @@ from services.common.errors import (
 from services.common.positions import ZERO_POSITION, Position
 from services.index.changelog import LogReader, decode_entry, text
 from services.index.core.changes import Change, Upsert
-from services.index.core.snapshots import Snapshot, list_snapshots, load_newest, write_snapshot
+from services.index.core.snapshots import (
+    Snapshot,
+    list_snapshots,
+    load_newest,
+    write_snapshot,
+)
 from services.index.core.trained import TrainedIndex
 from services.index.keys import FIRST_GENERATION, GENERATIONS_KEY, GenerationKeys, Layout
 from services.index.layout import check_layout, read_layout
 from services.index.records import ensure_first
+from services.index.server.folders import claim_snapshot_folder
 from services.index.server.metrics import ShardMetrics
+from services.index.server.refresh import Refresher
 from services.index.server.settings import ShardSettings
 from services.process.redis_client import async_client, sync_client
 from services.telemetry import tracing
@@ -75,11 +82,13 @@ class ShardReplica:
         )
         self.snapshot_position = snapshot.position if snapshot else positions.ZERO
         self.log_lag_s = 0.0
+        self.refresher = Refresher(config.text_refresh_s)  # the text index's commits
         self.ready = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: list[tuple[Position, asyncio.Future[None]]] = []
+        self._refreshing: asyncio.Future[None] | None = None  # a SESSION search's refresh
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._last_heartbeat = time.monotonic()
@@ -209,9 +218,9 @@ class ShardReplica:
             if positions.at_least(self.shard.applied, tail):
                 self.ready.set()
             while not self._stop.is_set():
-                try:
+                try:  # from what the vectors hold: the text may wait for its refresh
                     entries = self.log.read(
-                        self.shard.applied, self.config.read_count, self.config.block_ms
+                        self.shard.staged, self.config.read_count, self.config.block_ms
                     )
                 except redis.RedisError as exc:
                     log.warning("reading %s failed (%s); retrying", self.key, exc)
@@ -219,8 +228,14 @@ class ShardReplica:
                     continue
                 if entries:
                     self._apply(entries)
-                else:
+                elif not self.shard.pending:
                     self._set_lag(0.0)
+                if self.shard.pending and (
+                    self.refresher.due(self.shard)
+                    or self._waiters  # a SESSION search waits (read on the loop's side too)
+                    or not (entries or self.ready.is_set())  # the replay has caught up
+                ):
+                    self.refresh()
                 if not self.ready.is_set() and positions.at_least(self.shard.applied, tail):
                     log.info("shard %d replayed to %s", self.config.shard, self.shard.applied)
                     self.ready.set()
@@ -275,12 +290,19 @@ class ShardReplica:
         for position, fields in entries:
             changes.extend(self._decode(position, fields))
         last = entries[-1][0]
-        self.shard.apply(changes, last)
+        # the vectors at once, the text at the next refresh (services/index/server/refresh.py)
+        self.shard.apply(changes, last, refresh=False)
+        self.refresher.applied(oldest_ms)
         self._since_snapshot += len(changes)
-        # Age of the oldest entry of this batch when it became visible (0 when idle).
-        self._set_lag(max(0.0, time.time() - oldest_ms / 1000.0))
         if self.metrics is not None:
             self.metrics.applied_vectors.labels(*self.metrics.labels).inc(len(changes))
+
+    def refresh(self) -> None:
+        """Make what was applied searchable in the text index too (``shard.applied``
+        moves) and wake the searches waiting for it. Thread-safe."""
+        lag = self.refresher.refresh(self.shard)
+        if lag is not None:  # the oldest entry's age when it became searchable
+            self._set_lag(lag)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake_waiters)
 
@@ -302,6 +324,7 @@ class ShardReplica:
         """Write a snapshot now, record its position in Redis, trim the log below the
         oldest snapshot position of all replicas of this shard."""
         with self._snapshot_lock:
+            self.refresh()  # (the export would refresh anyway: this keeps the lag true)
             snap = write_snapshot(
                 self.shard, Path(self.config.snapshot_dir), self.config.keep_snapshots
             )
@@ -371,12 +394,22 @@ class ShardReplica:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((wanted, future))
         self._wake_waiters()  # it may have been applied between the check and the append
+        if not future.done() and Position.parse(self.shard.staged) >= wanted:
+            self._refresh_soon()  # in the vectors, its text waiting for the refresh: now
         try:
             await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"shard {self.config.shard} has applied {self.shard.applied}, not yet {wanted}"
             ) from None
+
+    def _refresh_soon(self) -> None:
+        """A refresh in a worker thread, unless one is running (the consumer also
+        refreshes on its next pass while a search waits)."""
+        if self._refreshing is not None and not self._refreshing.done():
+            return
+        self._refreshing = asyncio.get_running_loop().run_in_executor(None, self.refresh)
+        self._refreshing.add_done_callback(_log_failure)
 
     async def check_written(self, wanted: Position | str, timeout: float | None) -> None:
         """InvalidArgument when ``wanted`` (a SESSION token's position for this shard) is
@@ -445,30 +478,14 @@ class ShardReplica:
         return reply[0][0].decode() if reply else positions.ZERO
 
 
-GENERATION_FILE = "GENERATION"  # in a snapshot folder: the generation its snapshots follow
-
-
-def claim_snapshot_folder(directory: Path, generation: str) -> None:
-    """Record in ``directory`` the index generation its snapshots follow; FailedPrecondition
-    when it holds another generation's: their positions are another log's, so a replay
-    from them would skip or misapply changes. A folder with snapshots and no
-    :data:`GENERATION_FILE` was written before generations existed: g1's."""
-    marker = directory / GENERATION_FILE
-    if marker.is_file():
-        found: str | None = marker.read_text().strip()
-    else:
-        found = FIRST_GENERATION if list_snapshots(directory) else None
-    if found is not None and found != generation:
-        raise FailedPrecondition(
-            f"{directory} holds snapshots of generation {found}, this replica serves "
-            f"generation {generation}: give it a snapshot folder of its own"
-        )
-    if not marker.is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        marker.write_text(generation + "\n")
-
-
 def _retrieve(task: asyncio.Task[Position]) -> None:
     """Mark a shared read's failure as seen: every caller may have stopped waiting."""
     if not task.cancelled():
         task.exception()
+
+
+def _log_failure(future: asyncio.Future[None]) -> None:
+    """A refresh a search asked for failed: logged (the consumer's next refresh fails the
+    same way, and stops the consumer: :attr:`ShardReplica.consuming`)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("text index refresh failed: %s", future.exception())

@@ -78,6 +78,13 @@ class ShardSettings(RedisSettings, ClientTLSSettings):
         description="Keep a BM25 (Tantivy) text index beside the vectors, fed by the same "
         "log and snapshots, for sparse and hybrid searches; off: dense only.",
     )
+    text_refresh_s: float = Field(
+        0.25,
+        ge=0,
+        description="How often applied log entries become searchable in the text index "
+        "(a Tantivy commit, ~10 ms of CPU however few the changes); the vectors are at "
+        "once, a SESSION search's write at once too. 0: a commit per applied batch.",
+    )
     text_language: str = Field(
         "english",
         description="Stemmer of the text index (Tantivy's Snowball languages, or 'none'); "
