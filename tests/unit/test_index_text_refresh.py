@@ -146,6 +146,7 @@ def test_the_schedule_counts_from_the_first_change_left_unrefreshed(
     assert (shard.applied, refresher.refreshes, sparse(shard, "emu")) == ("3-0", 1, ["c"])
     assert not refresher.due(shard)
     assert refresher.refresh(shard) is None  # nothing new: no lag to report
+    assert refresher.refreshes == 1  # and no commit counted
 
 
 def test_every_batch_is_due_at_zero(shard: IvfPqShard, trained: TrainedIndex) -> None:

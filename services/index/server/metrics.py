@@ -24,6 +24,7 @@ class ShardMetrics:
     search_seconds: Histogram
     batch_size: Histogram
     applied_vectors: Counter
+    text_refreshes: Counter
     labels: tuple[str, str]
     registry: CollectorRegistry
 
@@ -57,6 +58,13 @@ class ShardMetrics:
             applied_vectors=Counter(
                 "index_apply_vectors",
                 "Changes (upserts and deletes) applied from the log.",
+                labels,
+                registry=registry,
+            ),
+            text_refreshes=Counter(
+                "index_text_refreshes",
+                "Text index refreshes (Tantivy commits) that made applied changes "
+                "searchable (services/index/server/refresh.py).",
                 labels,
                 registry=registry,
             ),

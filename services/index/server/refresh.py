@@ -56,9 +56,12 @@ class Refresher:
 
     def refresh(self, shard: IvfPqShard) -> float | None:
         """Refresh ``shard``; the age in seconds of the oldest change it made searchable
-        (None: there was none)."""
+        (None: there was none, and nothing was committed)."""
         with self._lock:
+            pending = shard.pending
             shard.refresh()
             oldest, self._since, self._oldest_ms = self._oldest_ms, None, None
-            self.refreshes += 1
-        return None if oldest is None else max(0.0, time.time() - oldest / 1000.0)
+            self.refreshes += pending
+        if not pending or oldest is None:
+            return None
+        return max(0.0, time.time() - oldest / 1000.0)

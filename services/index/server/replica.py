@@ -303,6 +303,8 @@ class ShardReplica:
         lag = self.refresher.refresh(self.shard)
         if lag is not None:  # the oldest entry's age when it became searchable
             self._set_lag(lag)
+            if self.metrics is not None:
+                self.metrics.text_refreshes.labels(*self.metrics.labels).inc()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake_waiters)
 
