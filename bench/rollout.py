@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--before-s", type=float, default=30.0, help="window before (30 s)")
     parser.add_argument("--batch", type=int, default=32, help="builder and in-process batch")
     parser.add_argument(
+        "--parallel", type=int, default=0, help="`index rollout --parallel` (0: its default)"
+    )
+    parser.add_argument(
         "--sample",
         type=int,
         default=300,
@@ -428,6 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             str(args.batch),
                             "--sample",
                             str(args.sample),
+                            *(["--parallel", str(args.parallel)] if args.parallel else []),
                             "--run-dir",
                             str(run_dir),
                             "--yes",
@@ -488,6 +492,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "searches_per_s": args.searches_per_s,
         "writes_per_s_asked": args.writes_per_s,
         "batch": args.batch,
+        "parallel": args.parallel or None,  # None: index rollout's default
         "threads": threads,
         "phases_s": {
             k.removeprefix("phase_"): round(v - start, 2)
