@@ -125,7 +125,11 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             help="Training vectors at most (100000).",
         )
     parser.add_argument(
-        "--parallel", type=positive_int, default=2, help="Encoder batches in flight (2)."
+        "--parallel",
+        type=positive_int,
+        default=2,
+        help="Batches in flight, and at most this many encode calls in flight: fewer while "
+        "the calls are long, so a write's dual encode waits about 0.25 s behind them (2).",
     )
     if rollout:
         parser.add_argument(

@@ -44,15 +44,18 @@ class RolloutOptions:
     index_root: Path  # T's trained index goes to index_root / T's name
     batch: int = 64  # documents (or log entries) per batch; the progress is saved after each
     sample: int = 100_000  # training vectors at most (the first documents of the SCAN)
-    parallel: int = 2  # encoder batches in flight (keeps a Triton busy while Redis answers)
+    # batches in flight (the next one's reads overlap this one's encode), and encode
+    # calls in flight at most (ChunkSize.in_flight: as many as fit in encode_call_s)
+    parallel: int = 2
     # texts per encode call at most (and the encoder's max_batch): Triton runs a query's
     # encode (higher priority) after the batch already running, so this bounds how long
     # a search waits behind the builder; smaller = less wait, more per-call overhead
     encode_batch: int = 16
     # seconds one encode call should take at most: the texts per call follow the encoder's
-    # measured pace (services/generations/encoding.py ChunkSize), so that the gateways'
-    # dual encodes of new writes, queued on the same Triton version, wait about
-    # `parallel` × this, inside their 1-s bound (measured: a quarter still wait longer)
+    # measured pace (services/generations/encoding.py ChunkSize), and the calls in flight
+    # fit in it together, so that the gateways' dual encodes of new writes, queued on the
+    # same Triton version, wait about this, inside their 1-s bound (measured: a tenth
+    # still wait longer on 2 shared CPUs)
     encode_call_s: float = 0.25
     switch_lag: int = 256  # source log entries behind, at most, before the switch starts
     # source log entries the rollout may hold (not yet replayed) before it is aborted

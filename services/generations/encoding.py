@@ -6,12 +6,14 @@ too). The builder is one process with nothing else to serve; its encodes go to a
 version that also takes the gateways' dual encodes of new writes (docs/generations.md
 "the dual write"), in Triton's arrival order. So each call is cut by *time*, not only by
 count: at most ``encode_batch`` texts, and as many as the encoder got through in
-``call_s`` seconds lately (:class:`ChunkSize`), with ``parallel`` calls in flight over
-all its batches. That is meant to keep a dual encode's wait near ``parallel`` ×
-``call_s``, inside its 1-s bound (``DUAL_ENCODE_TIMEOUT_S``). Measured
-(docs/generations.md): with chunks of 16 long documents (~1.4 s each on one CPU) two
-thirds of them timed out and the catch-up encoded those writes a second time; with this
-cut a quarter still do, during the train and bulk phases (not explained yet).
+``call_s`` seconds lately (:class:`ChunkSize`); and the calls in flight, over all its
+batches, are as many as fit in ``call_s`` together (at least 1, at most ``parallel``):
+one when the calls are cut by time (a CPU encoder), two when they are cut by count and
+short (a GPU). That is meant to keep a dual encode's wait near ``call_s``, inside its
+1-s bound (``DUAL_ENCODE_TIMEOUT_S``). Measured (docs/generations.md, bench.rollout at
+20 writes/s on 2 CPUs): with chunks of 16 long documents (~1.4 s each on one CPU) two
+thirds of the dual encodes timed out and the catch-up encoded those writes a second
+time; cut by time with 2 calls in flight a quarter still did; with 1 in flight, a tenth.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ class ChunkSize:
         self.call_s = call_s
         self.first = max(1, min(first, self.most))
         self.per_text_s: float | None = None
+        self.per_call_s: float | None = None  # the same average, of a whole call
+
+    def in_flight(self, most: int) -> int:
+        """How many calls may be in flight together: as many as take ``call_s`` (a dual
+        encode queued behind them waits about that), at least 1, at most ``most``; 1
+        until a call has been timed."""
+        if self.per_call_s is None:
+            return 1
+        return max(1, min(most, int(self.call_s / max(self.per_call_s, 1e-9))))
 
     def next(self) -> int:
         if self.per_text_s is None:
@@ -63,9 +74,11 @@ class ChunkSize:
     def observe(self, texts: int, seconds: float) -> None:
         if texts <= 0:
             return
-        per_text = seconds / texts
-        old = self.per_text_s
-        self.per_text_s = per_text if old is None else old + self.SMOOTHING * (per_text - old)
+        self.per_text_s = self._averaged(self.per_text_s, seconds / texts)
+        self.per_call_s = self._averaged(self.per_call_s, seconds)
+
+    def _averaged(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
 
 
 class Embedder:
@@ -96,9 +109,9 @@ class Embedder:
         self._encoder: Encoder | None = None
         self._chunks: ChunkSize | None = None  # kept across batches: the pace learnt
         # the calls in flight, over every batch being embedded at once (the bulk phase
-        # keeps `parallel` batches in flight): each batch with slots of its own put up to
+        # keeps `parallel` batches in flight): each batch with calls of its own put up to
         # parallel² calls ahead of a dual encode
-        self._slots = asyncio.Semaphore(max(1, parallel))
+        self._running: set[asyncio.Future[np.ndarray]] = set()
 
     async def _open(self) -> Encoder:
         if self._encoder is None:
@@ -112,33 +125,33 @@ class Embedder:
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
         """The vectors of ``texts`` (float32 rows, in order): calls of :class:`ChunkSize`
-        texts, ``parallel`` in flight over every batch this embedder is embedding at once,
-        each sized when it is sent (so the pace the calls before it measured applies)."""
+        texts, as many in flight over every batch this embedder is embedding at once as
+        :meth:`ChunkSize.in_flight` allows (at most ``parallel``), each sized when it is
+        sent (so the pace the calls before it measured applies)."""
         encoder = await self._open()
         if self._chunks is None:
             self._chunks = ChunkSize(min(encoder.max_batch, self.encode_batch), self.call_s)
         chunks = self._chunks
-        slots = self._slots
 
         async def one(chunk: list[str]) -> np.ndarray:
-            try:
-                start = self.clock()
-                out = await self._encode_retrying(encoder, chunk)
-                chunks.observe(len(chunk), self.clock() - start)
-                return np.asarray(out.vectors, dtype=np.float32)
-            finally:
-                slots.release()
+            start = self.clock()
+            out = await self._encode_retrying(encoder, chunk)
+            chunks.observe(len(chunk), self.clock() - start)
+            return np.asarray(out.vectors, dtype=np.float32)
 
         calls: list[asyncio.Task[np.ndarray]] = []
         try:
             at = 0
             while at < len(texts):
-                await slots.acquire()
+                while len(self._running) >= chunks.in_flight(self.parallel):
+                    await asyncio.wait(self._running, return_when=asyncio.FIRST_COMPLETED)
                 if any(c.done() and not c.cancelled() and c.exception() for c in calls):
-                    slots.release()
                     break  # gather below raises it
                 step = chunks.next()
-                calls.append(asyncio.ensure_future(one(list(texts[at : at + step]))))
+                call = asyncio.ensure_future(one(list(texts[at : at + step])))
+                self._running.add(call)
+                call.add_done_callback(self._running.discard)
+                calls.append(call)
                 at += step
             parts = await asyncio.gather(*calls)
         except BaseException:

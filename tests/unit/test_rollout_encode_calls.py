@@ -33,18 +33,22 @@ class OneInstance(Encoder):
     dim = 4
     max_batch = 64
 
-    def __init__(self) -> None:
+    def __init__(self, per_text_s: float = PER_TEXT_S) -> None:
+        self.per_text_s = per_text_s
         self.now = 0.0
         self.calls: list[int] = []
+        self.queued = 0  # calls sent and not answered yet
         self._queue = asyncio.Lock()
 
     async def encode(
         self, texts: Sequence[str], kind: Kind, timeout: float | None = None
     ) -> Embeddings:
+        self.queued += 1
         async with self._queue:
             await asyncio.sleep(0)  # the others queue meanwhile
-            self.now += PER_TEXT_S * len(texts)
+            self.now += self.per_text_s * len(texts)
             self.calls.append(len(texts))
+        self.queued -= 1
         rows = np.array([[float(t.split()[-1]), 0, 0, 1] for t in texts], np.float32)
         return Embeddings(rows, [False] * len(texts))
 
@@ -76,7 +80,8 @@ async def dual_encode_wait(call_s: float) -> tuple[float, list[int], np.ndarray]
     builder = embedder(encoder, call_s)
     texts = [f"doc {i}" for i in range(200)]
     bulk = asyncio.ensure_future(builder.embed(texts))
-    while len(encoder.calls) < 6:  # past the probe: the builder's calls are full size
+    # past the probe (the builder's calls are full size), and behind the builder's calls
+    while len(encoder.calls) < 6 or not encoder.queued:
         await asyncio.sleep(0)
     sent = encoder.now
     await encoder.encode(["write 0"], "document")
@@ -130,37 +135,65 @@ def test_a_failed_call_fails_the_batch_and_sends_no_more(call_s: float) -> None:
     encoder = Failing()
     with pytest.raises(InvalidArgument, match="a bad text"):
         asyncio.run(embedder(encoder, call_s).embed([f"doc {i}" for i in range(200)]))
-    # the failure stops the sending: at most the call already in flight beside it
-    # (parallel = 2) follows, of the 100 calls of 2 (or 13 of 16) the batch would take
+    # the failure stops the sending: at most a call already in flight beside it
+    # follows, of the 100 calls of 2 (or 13 of 16) the batch would take
     assert encoder.attempts <= 4, encoder.attempts
 
 
-def test_concurrent_batches_share_the_calls_in_flight() -> None:
-    """The bulk phase embeds two batches at once: between them, at most ``parallel`` (2)
-    calls are in the encoder's queue, not 2 per batch."""
+class Counting(OneInstance):
+    inside = 0
+    most = 0
 
-    class Counting(OneInstance):
-        inside = 0
-        most = 0
+    async def encode(
+        self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+    ) -> Embeddings:
+        self.inside += 1
+        self.most = max(self.most, self.inside)
+        try:
+            return await super().encode(texts, kind, timeout)
+        finally:
+            self.inside -= 1
 
-        async def encode(
-            self, texts: Sequence[str], kind: Kind, timeout: float | None = None
-        ) -> Embeddings:
-            self.inside += 1
-            self.most = max(self.most, self.inside)
-            try:
-                return await super().encode(texts, kind, timeout)
-            finally:
-                self.inside -= 1
 
-    async def two_batches() -> tuple[np.ndarray, np.ndarray]:
+def two_batches(encoder: Counting) -> tuple[np.ndarray, np.ndarray]:
+    """The bulk phase's two batches in flight, embedded at once by one embedder."""
+
+    async def both() -> tuple[np.ndarray, np.ndarray]:
         builder = embedder(encoder, call_s=0.25)
         first = [f"doc {i}" for i in range(40)]
         second = [f"doc {i}" for i in range(40, 80)]
         a, b = await asyncio.gather(builder.embed(first), builder.embed(second))
         return a, b
 
-    encoder = Counting()
-    a, b = asyncio.run(two_batches())
-    assert encoder.most == 2, encoder.most
+    a, b = asyncio.run(both())
     assert a[:, 0].tolist() == list(range(40)) and b[:, 0].tolist() == list(range(40, 80))
+    return a, b
+
+
+def test_calls_cut_by_time_go_one_at_a_time_over_concurrent_batches() -> None:
+    """Calls of ~0.25 s (a CPU encoder): one in the encoder's queue at a time, over both
+    batches (two each, as before, put up to four ahead of a dual encode; two, as
+    after that, still failed a quarter of the dual encodes in bench.rollout)."""
+    encoder = Counting()
+    two_batches(encoder)
+    assert encoder.most == 1, encoder.most
+
+
+def test_short_calls_cut_by_count_keep_two_in_flight() -> None:
+    """Calls capped at 16 texts that take 16 ms (a GPU): two in flight, so the encoder
+    never waits for the next request between them, and a dual encode still waits
+    ~32 ms."""
+    encoder = Counting(per_text_s=0.001)
+    two_batches(encoder)
+    assert encoder.most == 2, encoder.most
+
+
+def test_the_calls_in_flight_follow_the_call_time() -> None:
+    chunks = ChunkSize(most=16, call_s=0.25)
+    assert chunks.in_flight(2) == 1  # nothing timed yet
+    chunks.observe(16, 0.02)
+    assert chunks.in_flight(2) == 2  # short calls: up to the cap
+    assert chunks.in_flight(8) == 8
+    for _ in range(30):
+        chunks.observe(3, 0.25)
+    assert chunks.in_flight(2) == 1
