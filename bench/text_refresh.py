@@ -94,7 +94,7 @@ def writer(
             if mode == "locked":
                 commit_under_lock(shard)
                 commits += 1
-            refresher.applied(seq)
+            refresher.applied(int(time.time() * 1000))  # the entry's log time
         if mode == "interval" and refresher.due(shard):
             refresher.refresh(shard)
             commits += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,12 +66,20 @@ def staged(r: ShardReplica, position: str) -> Callable[[], bool]:
     return lambda: positions.at_least(r.shard.staged, position)
 
 
-def run(r: ShardReplica, body: object) -> None:
+def run(
+    r: ShardReplica, url: str, dim: int, body: Callable[[ChangeLogWriter], Awaitable[None]]
+) -> None:
+    """Start ``r``, wait until it has replayed its log, run ``body`` with a writer of
+    that log, then stop both."""
+
     async def main() -> None:
         r.start(asyncio.get_running_loop())
+        writer = ChangeLogWriter.connect(url, 1, dim=dim)
         try:
-            await body  # type: ignore[misc]
+            assert await asyncio.to_thread(r.ready.wait, 30), "the replica never got ready"
+            await body(writer)
         finally:
+            await writer.close()
             await asyncio.get_running_loop().run_in_executor(None, r.stop, False)
             await r.close()
 
@@ -85,27 +93,22 @@ def test_a_trickle_of_writes_is_refreshed_per_interval_not_per_batch(
     gets them in at most elapsed ÷ 0.5 s + 1 refreshes (a refresh per batch: 10)."""
     r = replica(redis_server.url, index_dir, tmp_path / "s", refresh_s=0.5)
 
-    async def body() -> None:
-        writer = ChangeLogWriter.connect(redis_server.url, 1, dim=vectors.shape[1])
-        try:
-            assert r.ready.wait(30)
-            start, batches = time.monotonic(), 0
-            for i, word in enumerate(WORDS):
-                token = await writer.upsert([DocRecord(word, vectors[i], text=word)])
-                await asyncio.to_thread(wait_until, staged(r, token[0]), "the vectors", 10)
-                batches += 1
-                await asyncio.sleep(0.06)  # a trickle: the next write comes later
-            await asyncio.to_thread(wait_until, lambda: not r.shard.pending, "the last refresh", 10)
-            elapsed = time.monotonic() - start
-            assert [found(r, w) for w in WORDS] == [[w] for w in WORDS]
-            assert r.refresher.refreshes <= elapsed / 0.5 + 1 < batches, (
-                r.refresher.refreshes,
-                elapsed,
-            )
-        finally:
-            await writer.close()
+    async def body(writer: ChangeLogWriter) -> None:
+        start, batches = time.monotonic(), 0
+        for i, word in enumerate(WORDS):
+            token = await writer.upsert([DocRecord(word, vectors[i], text=word)])
+            await asyncio.to_thread(wait_until, staged(r, token[0]), "the vectors", 10)
+            batches += 1
+            await asyncio.sleep(0.06)  # a trickle: the next write comes later
+        await asyncio.to_thread(wait_until, lambda: not r.shard.pending, "the last refresh", 10)
+        elapsed = time.monotonic() - start
+        assert [found(r, w) for w in WORDS] == [[w] for w in WORDS]
+        assert r.refresher.refreshes <= elapsed / 0.5 + 1 < batches, (
+            r.refresher.refreshes,
+            elapsed,
+        )
 
-    run(r, body())
+    run(r, redis_server.url, vectors.shape[1], body)
 
 
 def test_a_session_wait_refreshes_at_once(
@@ -115,18 +118,13 @@ def test_a_session_wait_refreshes_at_once(
     it searchable in the text within seconds: the wait asks for the refresh."""
     r = replica(redis_server.url, index_dir, tmp_path / "s", refresh_s=600)
 
-    async def body() -> None:
-        writer = ChangeLogWriter.connect(redis_server.url, 1, dim=vectors.shape[1])
-        try:
-            assert r.ready.wait(30)
-            for i, word in enumerate(WORDS[:3]):
-                token = await writer.upsert([DocRecord(word, vectors[i], text=word)])
-                await r.wait_for(token[0], timeout=10)
-                assert found(r, word) == [word]
-        finally:
-            await writer.close()
+    async def body(writer: ChangeLogWriter) -> None:
+        for i, word in enumerate(WORDS[:3]):
+            token = await writer.upsert([DocRecord(word, vectors[i], text=word)])
+            await r.wait_for(token[0], timeout=10)
+            assert found(r, word) == [word]
 
-    run(r, body())
+    run(r, redis_server.url, vectors.shape[1], body)
 
 
 def test_without_a_wait_the_text_follows_on_schedule(
@@ -134,16 +132,11 @@ def test_without_a_wait_the_text_follows_on_schedule(
 ) -> None:
     r = replica(redis_server.url, index_dir, tmp_path / "s", refresh_s=0.25)
 
-    async def body() -> None:
-        writer = ChangeLogWriter.connect(redis_server.url, 1, dim=vectors.shape[1])
-        try:
-            assert r.ready.wait(30)
-            token = await writer.upsert([DocRecord("emu", vectors[0], text="emu")])
-            await asyncio.to_thread(
-                wait_until, lambda: found(r, "emu") == ["emu"], "the text searchable", 10
-            )
-            assert positions.at_least(r.shard.applied, token[0])
-        finally:
-            await writer.close()
+    async def body(writer: ChangeLogWriter) -> None:
+        token = await writer.upsert([DocRecord("emu", vectors[0], text="emu")])
+        await asyncio.to_thread(
+            wait_until, lambda: found(r, "emu") == ["emu"], "the text searchable", 10
+        )
+        assert positions.at_least(r.shard.applied, token[0])
 
-    run(r, body())
+    run(r, redis_server.url, vectors.shape[1], body)

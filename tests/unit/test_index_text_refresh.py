@@ -19,6 +19,7 @@ from services.index.core.snapshots import load_newest, write_snapshot
 from services.index.core.text import TextConfig, TextIndex
 from services.index.core.trained import TrainedIndex
 from services.index.server.refresh import Refresher
+from tests.support.clock import Clock
 from tests.support.shards import trained, vectors
 
 __all__ = ["trained", "vectors"]  # the module-scoped fixtures, shared
@@ -117,14 +118,6 @@ def test_a_snapshot_refreshes_first(
     assert snap is not None and snap.position == "2-0"
     assert (restored.applied, restored.staged) == ("2-0", "2-0")
     assert sparse(restored, "okapi") == ["b"]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_schedule_counts_from_the_first_change_left_unrefreshed(

@@ -27,6 +27,7 @@ from services.generations.drift import (
 )
 from services.generations.registry import EncoderSpec, Registry
 from services.generations.standby import await_generation
+from tests.support.clock import Clock
 
 POLICY = DriftPolicy(threshold=1.5, window_s=60.0, stale_s=25.0)
 
@@ -150,14 +151,6 @@ def registry(redis_url: str) -> Iterator[Registry]:
     yield reg
     client.flushdb()
     client.close()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def watcher(
