@@ -66,7 +66,8 @@ def _bookkeeping_us(repeat: int = 7, number: int = 20_000) -> dict[str, float]:
     from types import SimpleNamespace
 
     from services.gateway.domain import Consistency, SearchQuery, TokenOrigin
-    from services.gateway.generations import Bundle, GenerationSource
+    from services.gateway.generation_parts import Bundle
+    from services.gateway.generations import GenerationSource
     from services.gateway.pipeline import with_resolved_token
 
     part: Any = SimpleNamespace(model_name="m", dim=384, num_shards=1)

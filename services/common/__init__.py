@@ -15,6 +15,8 @@ No I/O and no grpc here (RPC plumbing is :mod:`services.rpc`, a process's host p
     change-log positions (Redis Stream ids) as a typed, ordered value, and write tokens.
 ``deadline``
     a request's deadline as an absolute monotonic time.
+``timeouts``
+    ``wait_for`` that never loses a cancellation (Python 3.11's can).
 ``fusion``
     hybrid fusion of a dense and a sparse list (reciprocal rank or normalised weights).
 ``retrieval_setting``

@@ -19,6 +19,8 @@ Package map:
 - ``texts``: what of a document the encoder gets.
 - ``query_cache``: query embeddings kept in Redis.
 - ``generations``: which index generation answers a request.
+- ``generation_parts``: a generation's parts (encoder, shards, documents, logs) and
+  the alias as the gateway holds them.
 - ``dual_write``: during a rollout to another encoder, upserts encoded for its target too.
 - ``ports``: the protocols the pipelines reach the other stages through.
 - ``rerank_client``: the client of the internal RerankService.

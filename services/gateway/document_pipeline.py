@@ -31,7 +31,8 @@ from services.gateway import validation
 from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded
 from services.gateway.domain import Document, WriteResult
 from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S
-from services.gateway.generations import Bundle, GenerationSource, Serving
+from services.gateway.generation_parts import Bundle, Serving
+from services.gateway.generations import GenerationSource
 from services.gateway.ports import DocRecord, Encoder, TargetVectors
 from services.index.keys import CLOSED
 from services.telemetry import tracing

@@ -16,7 +16,7 @@ from services.common.deadline import Deadline
 from services.encoder.base import Embeddings
 from services.gateway.domain import SearchQuery
 from services.gateway.first_stage import Stage
-from services.gateway.generations import Bundle
+from services.gateway.generation_parts import Bundle
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.query_cache import QueryEmbeddingCache
 

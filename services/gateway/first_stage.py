@@ -18,7 +18,7 @@ from services.common.deadline import Deadline
 from services.common.domain import IndexResult
 from services.common.fusion import Fusion, Mode, RetrievalDefaults, fuse_hits
 from services.gateway.domain import Hit, SearchQuery
-from services.gateway.generations import Bundle
+from services.gateway.generation_parts import Bundle
 from services.gateway.ports import IndexQuery
 from services.telemetry import tracing
 

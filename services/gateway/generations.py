@@ -7,7 +7,9 @@ shards, its layout's documents, its logs. :class:`GenerationSource` holds the al
 from memory: a search costs no Redis round trip for it, only an attribute read. The alias
 is read again
 
-* every ``refresh_s`` (``--alias-refresh-ms``, 500 ms) in the background, and
+* every ``refresh_s`` (``--alias-refresh-ms``, 500 ms) in the background, every
+  ``SWITCH_REFRESH_S`` (50 ms) while the rollout's target is ``switching`` (the alias is
+  about to move), and
 * at once (:meth:`~GenerationSource.refresh`, concurrent callers share one read) when a
   write finds its writer gate moved (``GenerationMoved``) or a write token names a newer
   epoch than the cached one, and by a read begun after it arrived
@@ -17,18 +19,21 @@ A generation's parts (:class:`Bundle`: encoder, shard router, document reader, l
 writer) are built by an injected factory and warmed (:func:`warm`: one query through its
 encoder and shards) before requests use them: a rollout's target as soon as it catches
 up (:meth:`~GenerationSource.prepare_target`, on each background refresh), so the switch
-only swaps a reference; otherwise the first time the alias names it, before the alias is
-swapped (requests keep the old generation until the new one can serve). They are kept
+only swaps a reference (a switch during that build waits for it rather than building a
+second one, and for the warm-up at most ``WARM_INLINE_S``); otherwise the first time the
+alias names it, before the alias is swapped (requests keep the old generation until the
+new one can serve). They are kept
 while the alias names it as serving or previous (a rollback finds them ready) or the
 rollout names it as its target. A
 generation the alias no longer names (retired, or two switches away) is closed once the
 requests that hold it (:meth:`~GenerationSource.lease`) have finished.
 
-Write tokens keep their meaning across a switch (:func:`resolve_token`): a token of the
-serving epoch is read as it is; one of an older epoch is covered by the serving
-generation's ``switch_in`` positions (every write acknowledged before its switch is in
-them), plus its own positions when it names the serving generation (a rollback serves
-the same logs again); a token of a newer epoch than the store has reached is refused.
+Write tokens keep their meaning across a switch
+(:func:`~services.gateway.generation_parts.resolve_token`): a token of the serving epoch
+is read as it is; one of an older epoch is covered by the serving generation's
+``switch_in`` positions (every write acknowledged before its switch is in them), plus its
+own positions when it names the serving generation (a rollback serves the same logs
+again); a token of a newer epoch than the store has reached is refused.
 
 No grpc here: the factory that builds bundles from the real clients is the server's
 (:mod:`services.gateway.server`), and the registry is read through
@@ -40,198 +45,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Iterator
 
-from services.common.domain import TokenOrigin, WriteToken
+from services.common import timeouts
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
-from services.common.retrieval_setting import RetrievalSetting
 from services.gateway.dual_write import DualWrites, EncoderFactory
-from services.gateway.ports import (
-    DocumentStore,
-    DocumentWriter,
-    Encoder,
-    IndexQuery,
-    LogTails,
-    VectorIndex,
+from services.gateway.generation_parts import (
+    AliasReader,
+    Bundle,
+    BundleFactory,
+    NoEvents,
+    Serving,
+    SourceEvents,
+    warm,
 )
-from services.generations import tokens
-from services.generations.registry import Alias, Generation, read_alias, read_generation
-from services.index.client.connection import REDIS_ERRORS
-from services.index.keys import ROLLOUT_KEY
+from services.generations.registry import Generation
 
 log = logging.getLogger(__name__)
 
 # How often the alias is read in the background (GatewaySettings.alias_refresh_ms).
 DEFAULT_REFRESH_S = 0.5
+# ... and every SWITCH_REFRESH_S while the rollout's target is switching: the alias is
+# about to move, and every search until the gateway sees it is served by the old generation.
+SWITCH_REFRESH_S = 0.05
 # A rollout target is warmed (:func:`warm`) in the background for at most this long; a
 # generation met first at a switch (not prepared: a gateway started mid-rollout) for at
 # most WARM_INLINE_S, since requests that re-read the alias wait on that read.
 WARM_S = 2.0
 WARM_INLINE_S = 0.25
-WARM_QUERY = "warm up"
 # A rollout target in one of these states is built and warmed before its switch.
 PREPARED_STATES = ("catching_up", "switching")
-
-
-async def warm(bundle: Bundle, timeout_s: float) -> bool:
-    """One query through a generation's encoder and shards before it serves: connects the
-    gateway's channels to its shards and Triton version and runs their first calls, which
-    cost tens of milliseconds more than later ones (``bench.rollout`` saw the searches at a
-    switch go from ~45 to ~175 ms p99 without it). Bounded by ``timeout_s``; a failure is
-    logged, never raised: the generation serves anyway, as it would have unwarmed."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            embedded = await bundle.encoder.encode([WARM_QUERY], "query", timeout=timeout_s)
-            await bundle.index.search(IndexQuery(embedded.vectors, 1), timeout_s)
-        return True
-    except Exception as exc:
-        log.info("warming generation %s failed (it serves unwarmed): %s", bundle.name, exc)
-        return False
-
-
-def encoder_identity(encoder: Encoder) -> str:
-    """What decides a query's embedding besides its text: the model, and the Triton
-    version and digest when the encoder has them (the query cache keys on this, so two
-    generations of one encoder share their cached embeddings and two encoders never do)."""
-    version = int(getattr(encoder, "model_version", 0) or 0)
-    digest = str(getattr(encoder, "digest", "") or "")
-    ident = encoder.model_name
-    if version:
-        ident += f"@{version}"
-    if digest:
-        ident += f"#{digest}"
-    return ident
-
-
-@dataclass(eq=False)
-class Bundle:
-    """One generation's parts, as a request uses them. ``owned``: what closing the
-    bundle closes (an encoder shared with other generations is not in it)."""
-
-    name: str
-    encoder: Encoder
-    index: VectorIndex
-    documents: DocumentStore
-    tails: LogTails
-    writer: DocumentWriter
-    owned: Sequence[Any] = ()
-    users: int = 0
-    retired: bool = False
-    closed: bool = False
-    encoder_id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.encoder_id:
-            self.encoder_id = encoder_identity(self.encoder)
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for part in reversed(list(self.owned)):
-            close = getattr(part, "close", None)
-            if close is None:
-                continue
-            try:
-                result = close()
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:  # one part failing to close must not keep the others open
-                log.exception("closing %r of generation %s", part, self.name)
-
-
-@dataclass(frozen=True)
-class Serving:
-    """The alias as this gateway knows it, with the serving generation's parts."""
-
-    generation: str
-    epoch: int
-    bundle: Bundle
-    # the serving generation's log positions at its switch-in, by shard (docs/generations.md)
-    switch_in: WriteToken = field(default_factory=dict)
-    previous: str | None = None
-    # the serving generation's retrieval setting (its record's; None: the gateway's flags)
-    setting: RetrievalSetting | None = None
-
-    @property
-    def origin(self) -> TokenOrigin:
-        """What a write acknowledged now carries in its token."""
-        return TokenOrigin(self.generation, self.epoch)
-
-
-def resolve_token(token: WriteToken, origin: TokenOrigin, serving: Serving) -> WriteToken:
-    """The positions in ``serving``'s logs that a SESSION search with ``token`` (taken in
-    ``origin``) must wait for: :func:`services.generations.tokens.resolve_token` (the rule)
-    with this gateway's cached alias."""
-    return tokens.resolve_token(
-        token,
-        origin,
-        generation=serving.generation,
-        epoch=serving.epoch,
-        switch_in=serving.switch_in,
-    )
-
-
-class AliasReader(Protocol):
-    """The registry as the gateway reads it (async; :class:`RedisAliasReader`)."""
-
-    async def alias(self) -> Alias | None: ...
-
-    async def generation(self, name: str) -> Generation: ...
-
-    async def rollout_target(self) -> str | None:
-        """The generation a running rollout builds (None: no rollout)."""
-        ...
-
-
-class RedisAliasReader:
-    """:class:`AliasReader` over the gateway's async Redis (or Redis Cluster) client; a
-    Redis that cannot be reached is Unavailable (a write re-reading the alias then fails
-    as its write would, safe to retry)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    async def alias(self) -> Alias | None:
-        try:
-            return await read_alias(self.client)
-        except REDIS_ERRORS as exc:
-            raise Unavailable(f"redis: reading the generations alias: {exc}") from exc
-
-    async def generation(self, name: str) -> Generation:
-        try:
-            return await read_generation(self.client, name)
-        except REDIS_ERRORS as exc:
-            raise Unavailable(f"redis: reading generation {name}: {exc}") from exc
-
-    async def rollout_target(self) -> str | None:
-        try:
-            raw = await self.client.hget(ROLLOUT_KEY, "target")
-        except REDIS_ERRORS as exc:
-            raise Unavailable(f"redis: reading the rollout: {exc}") from exc
-        return (raw.decode() if isinstance(raw, bytes) else raw) or None
-
-
-BundleFactory = Callable[[Generation], Awaitable[Bundle]]
-
-
-class SourceEvents(Protocol):
-    """What the source reports (the gateway's metrics; :class:`NoEvents` by default)."""
-
-    def serving(self, generation: str, epoch: int, model: str) -> None:
-        """``generation`` serves at ``epoch``; ``model``: its encoder's model name."""
-
-    def refresh_failed(self) -> None: ...
-
-
-class NoEvents:
-    def serving(self, generation: str, epoch: int, model: str) -> None:
-        pass
-
-    def refresh_failed(self) -> None:
-        pass
 
 
 class GenerationSource:
@@ -262,6 +105,10 @@ class GenerationSource:
         self._refreshing: asyncio.Task[Serving] | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._preparing: asyncio.Task[None] | None = None  # a rollout target's parts
+        self._building: tuple[str, asyncio.Future[Bundle]] | None = None  # ... being built
+        self._switch_near = False  # the rollout's target is switching: read the alias often
+        self._wake = asyncio.Event()  # ends the background loop's sleep early
+        self._stopping = False  # closed: the background loop ends at its next turn
         self._closing: set[asyncio.Task[None]] = set()
         self._last_error = self._prepare_error = ""  # each logged once while it repeats
 
@@ -340,16 +187,16 @@ class GenerationSource:
         return serving
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
-        for task in (self._refreshing, self._preparing):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        """Stop the background refresh, then close every generation's parts. A cancel the
+        loop lost (Redis's client can lose one on Python 3.11) only costs it one tick: it
+        stops at its next turn. A cancellation of the caller is never swallowed here."""
+        self._stopping = True
+        self._wake.set()
+        tasks = [t for t in (self._loop_task, self._refreshing, self._preparing) if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop_task = None
         await self.dual.close()
         for bundle in list(self._bundles.values()):
             await bundle.close()
@@ -379,12 +226,7 @@ class GenerationSource:
         ):
             return current
         record = await self._reader.generation(alias.serving)
-        bundle = self._bundles.get(record.name)
-        if bundle is None:
-            bundle = await self._build(record)
-            if current is not None:  # a switch: the first searches must not be the cold ones
-                await warm(bundle, WARM_INLINE_S)
-            self._bundles[record.name] = bundle
+        bundle = await self._parts(record, warm_s=WARM_INLINE_S if current else 0.0)
         serving = Serving(
             record.name,
             alias.epoch,
@@ -426,6 +268,10 @@ class GenerationSource:
             except NotFound:  # `index rollout --encoder` publishing: the record comes after
                 record = None
         await self.dual.update(self._serving_record, record)
+        near = record is not None and record.state == "switching"
+        if near and not self._switch_near:
+            self._wake.set()  # the loop's next read comes now, not at the end of its sleep
+        self._switch_near = near
         if record is None or target in self._bundles or record.state not in PREPARED_STATES:
             return
         if self._preparing is None or self._preparing.done():
@@ -435,25 +281,67 @@ class GenerationSource:
         if wait:
             await asyncio.shield(self._preparing)
 
+    async def _parts(self, record: Generation, warm_s: float) -> Bundle:
+        """``record``'s parts for a switch to it: the ones open (a prepared target waited
+        for while its warm-up runs, at most ``warm_s``), the background build of them if
+        one is in flight (never a second build), else built here and warmed for at most
+        ``warm_s`` (0: the gateway's start, nothing is served yet)."""
+        assert self._build is not None
+        bundle = self._bundles.get(record.name)
+        if bundle is None:
+            bundle = await self._build_in_flight(record.name)
+        if bundle is None:
+            built = await self._build(record)
+            bundle = self._bundles.setdefault(record.name, built)
+            if bundle is not built:  # a preparation stored its own meanwhile
+                await built.close()
+            else:
+                if warm_s > 0:
+                    await warm(bundle, warm_s)
+                bundle.warmed.set()
+        if warm_s > 0 and not bundle.warmed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await timeouts.wait_for(bundle.warmed.wait(), warm_s)
+        return bundle
+
+    async def _build_in_flight(self, name: str) -> Bundle | None:
+        """The parts a background preparation of ``name`` is building, once built (kept
+        as that generation's); None without one, or if it fails."""
+        building = self._building
+        if building is None or building[0] != name:
+            return None
+        try:
+            bundle = await asyncio.shield(building[1])
+        except Exception:  # the preparation reports it; the caller builds its own
+            return None
+        if bundle.closed:  # the preparation dropped it (the rollout moved on): build anew
+            return None
+        return self._bundles.setdefault(name, bundle)
+
     async def _prepare(self, record: Generation) -> None:
         """Build and warm ``record``'s parts (up to WARM_S); keep them unless the rollout
-        named another target meanwhile or a switch built them first."""
+        named another target meanwhile or a switch built them first. They are kept as
+        soon as they are built, so a switch during the warm-up waits for no second build."""
         assert self._build is not None
         target = record.name
+        task = asyncio.ensure_future(self._build(record))
+        self._building = (target, task)
         try:
-            bundle = await self._build(record)
+            bundle = await task
         except (Unavailable, FailedPrecondition) as exc:  # its shards are not up yet
             log.debug("generation %s cannot be prepared yet: %s", target, exc)
             return
-        try:
-            await warm(bundle, WARM_S)
-        except BaseException:  # cancelled (the source closes): nothing may keep it open
-            await asyncio.shield(bundle.close())
-            raise
-        if target in self._bundles or self._target != target:  # built meanwhile / gone
+        finally:
+            self._building = None
+        if target not in self._bundles and self._target == target:
+            self._bundles[target] = bundle
+        if self._bundles.get(target) is not bundle:  # built by a switch, or not the target
             await bundle.close()
             return
-        self._bundles[target] = bundle
+        try:
+            await warm(bundle, WARM_S)
+        finally:
+            bundle.warmed.set()
         log.info("generation %s (%s) prepared for its switch", target, record.state)
 
     def _prepared(self, task: asyncio.Task[None]) -> None:
@@ -475,8 +363,15 @@ class GenerationSource:
         task.add_done_callback(self._closing.discard)
 
     async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
+        while not self._stopping:
+            interval = (
+                min(self.refresh_s, SWITCH_REFRESH_S) if self._switch_near else self.refresh_s
+            )
+            with contextlib.suppress(TimeoutError):
+                await timeouts.wait_for(self._wake.wait(), interval)
+            self._wake.clear()
+            if self._stopping:
+                return
             try:
                 await self.refresh()
                 await self.prepare_target(wait=False)

@@ -39,7 +39,8 @@ from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded, ms_since, search
 from services.gateway.domain import Consistency, Hit, SearchQuery, SearchResult
 from services.gateway.embedding import QueryEmbedder
 from services.gateway.first_stage import plan_stage, search_index
-from services.gateway.generations import Bundle, GenerationSource, Serving, resolve_token
+from services.gateway.generation_parts import Bundle, Serving, resolve_token
+from services.gateway.generations import GenerationSource
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.ports import Reranker
 from services.gateway.query_cache import QueryEmbeddingCache

@@ -189,7 +189,7 @@ class QueryEmbeddingCache:
 
     def key(self, text: str, kind: Kind, encoder: str | None = None, dim: int | None = None) -> str:
         """The entry of ``text`` embedded as ``kind`` by ``encoder`` (its identity,
-        :func:`services.gateway.generations.encoder_identity`; default this cache's
+        :func:`services.gateway.generation_parts.encoder_identity`; default this cache's
         model) of width ``dim`` (default this cache's), in this cache's size."""
         ident = "\x00".join((encoder or self.model, self.size, str(dim or self.dim), kind))
         digest = hashlib.sha256(

@@ -26,7 +26,8 @@ from services.common.slo import slo_for
 from services.encoder.base import Encoder
 from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.encoders import build_encoder, encoder_spec
-from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader, Serving
+from services.gateway.generation_parts import Bundle, RedisAliasReader, Serving
+from services.gateway.generations import GenerationSource
 from services.gateway.http_port import start_http_port
 from services.gateway.metrics import (
     GatewayMetrics,
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 
 
 class GenerationParts:
-    """Builds a generation's :class:`~services.gateway.generations.Bundle` from the real
+    """Builds a generation's :class:`~services.gateway.generation_parts.Bundle` from the real
     clients (the :class:`~services.gateway.generations.GenerationSource`'s factory).
 
     * **Encoder**: the gateway's own (``--triton-model`` at the version pinned at start,

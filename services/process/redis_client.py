@@ -37,6 +37,8 @@ from redis.connection import parse_url
 from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
+from services.common import timeouts
+
 log = logging.getLogger(__name__)
 
 # What a Redis restart or a cluster failover raises while it lasts (worth a retry of a read).
@@ -272,7 +274,7 @@ class Gate:
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            await timeouts.wait_for(self._slots.acquire(), self.timeout_s)
         except TimeoutError:
             raise redis.ConnectionError(
                 f"no free Redis connection within {self.timeout_s:g} s"

@@ -24,12 +24,8 @@ import redis
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.gateway import generations
-from services.gateway.generations import (
-    Bundle,
-    GenerationSource,
-    RedisAliasReader,
-    resolve_token,
-)
+from services.gateway.generation_parts import Bundle, RedisAliasReader, resolve_token
+from services.gateway.generations import GenerationSource
 from services.generations.registry import Alias, EncoderSpec, Generation, Registry
 from services.index.keys import ADDRESSES_KEY
 from services.process.redis_client import async_client
@@ -273,7 +269,7 @@ def test_a_generation_that_cannot_be_built_yet_leaves_the_old_one_serving(
 
 def test_a_write_token_keeps_its_meaning_across_switches() -> None:
     from services.common.domain import TokenOrigin
-    from services.gateway.generations import Serving
+    from services.gateway.generation_parts import Serving
 
     g2 = Serving("g2", 3, bundle_of("g2", Part("g2")), {0: "100-0", 1: "100-1", 2: "90-0"})
     own = {0: "120-0"}
@@ -499,6 +495,116 @@ def test_a_switch_is_followed_while_the_rollout_targets_warm_up_is_still_running
                 lambda: sum(not p.closed for p in factory.all if p.name == target.name) == 1,
                 "the prepared duplicate closed",
             )
+
+    run(scenario())
+
+
+class SlowBuildFactory(Factory):
+    """As Factory; building a generation in ``slow`` (a new encoder's graph loaded, its
+    shards' channels opened) waits for ``release``; ``started`` lists every build begun."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.slow: set[str] = set()
+        self.release = asyncio.Event()
+        self.started: list[str] = []
+
+    async def __call__(self, gen: Generation) -> Bundle:
+        self.started.append(gen.name)
+        if gen.name in self.slow:
+            await self.release.wait()
+        return await super().__call__(gen)
+
+
+def test_a_switch_during_the_targets_background_build_waits_for_it_and_builds_no_second(
+    redis_url: str, registry: Registry
+) -> None:
+    """The alias moves while the background preparation is still building the target's
+    parts: the switch takes those parts once built instead of building a second set (it
+    did: two encoders loaded at once on a busy CPU, the old generation served meanwhile,
+    and the first set was never closed, test_generations_e2e's gateway log)."""
+
+    async def scenario() -> None:
+        async with opened(redis_url, RedisAliasReader, SlowBuildFactory, 0.05) as scene:
+            source, factory = scene.source, scene.factory
+            await source.start()
+            target = new_generation(registry)
+            factory.slow.add(target.name)
+            registry.begin_rollout({"target": target.name, "source": "g1"})
+            registry.set_state(target.name, "catching_up")
+            await await_until(lambda: target.name in factory.started, "its preparation began")
+            registry.switch(target.name, {})
+            registry.end_rollout()
+            refreshed = asyncio.ensure_future(source.refresh())
+            assert source.current().generation == "g1", "served before its parts exist"
+            factory.release.set()
+            assert (await refreshed).generation == target.name
+            assert factory.started == ["g1", target.name], "one build of the target"
+            assert source.bundles()[target.name].index is factory.parts[target.name]
+            assert not factory.parts[target.name].closed
+
+    run(scenario())
+
+
+def test_the_alias_is_read_every_tick_of_a_switch_not_every_refresh_interval(
+    redis_url: str, registry: Registry
+) -> None:
+    """While the rollout's target is ``switching`` the alias is about to move: the
+    background loop reads it every SWITCH_REFRESH_S, so a gateway whose interval is long
+    (here a minute) serves the switch long before its next ordinary read."""
+
+    async def scenario() -> None:
+        async with opened(redis_url, RedisAliasReader, Factory, 60.0) as scene:
+            source = scene.source
+            await source.start()
+            target = new_generation(registry)
+            registry.begin_rollout({"target": target.name, "source": "g1"})
+            registry.set_state(target.name, "switching")
+            await source.prepare_target()  # as the loop's next read would find it
+            registry.switch(target.name, {})
+            registry.end_rollout()
+            await await_until(
+                lambda: source.current().generation == target.name,
+                "the switch served within the switch's ticks",
+                10,
+            )
+
+    run(scenario())
+
+
+class LosesACancel(RedisAliasReader):
+    """The real reader, except that a cancel arriving while it reads the rollout is lost
+    once (redis-py's sends on Python 3.11 lose one when it lands as the send completes)."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.reading = asyncio.Event()
+        self.lost = False
+
+    async def rollout_target(self) -> str | None:
+        if not self.lost:
+            self.reading.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.lost = True  # swallowed, as the library does
+        return await super().rollout_target()
+
+
+def test_close_ends_the_background_refresh_even_when_its_cancel_is_lost(
+    redis_url: str, registry: Registry
+) -> None:
+    """The loop is stopped by a flag as well as by its cancel, and close() does not
+    swallow a cancellation of its own caller (it did: a lost cancel hung the gateway's
+    shutdown, and the test's own bound on it was swallowed with it)."""
+
+    async def scenario() -> None:
+        async with opened(redis_url, LosesACancel, Factory, 0.05) as scene:
+            await scene.source.start()
+            await scene.reader.reading.wait()  # the loop is inside its rollout read
+            async with asyncio.timeout(10):
+                await scene.source.close()
+            assert scene.reader.lost, "the scenario lost no cancel"
 
     run(scenario())
 

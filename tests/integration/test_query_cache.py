@@ -390,7 +390,8 @@ def test_the_pipeline_encodes_each_distinct_miss_once(
     the misses and the store alike."""
     from services.encoder.runtime.inprocess import InProcessEncoder
     from services.gateway import query_cache
-    from services.gateway.generations import Bundle, GenerationSource
+    from services.gateway.generation_parts import Bundle
+    from services.gateway.generations import GenerationSource
     from services.gateway.pipeline import SearchPipeline
 
     normalised: list[str] = []
@@ -433,10 +434,10 @@ def test_generations_of_one_encoder_share_entries_and_two_encoders_never_do(
     redis_url: str,
 ) -> None:
     """Index generations (issue #24): the pipeline keys each lookup on the serving
-    generation's encoder (services/gateway/generations.py encoder_identity: model, Triton
+    generation's encoder (services/gateway/generation_parts.py encoder_identity: model, Triton
     version, digest). A query cached for one encoder is a miss for another, even of the
     same width; a second generation of the same encoder (a retrained quantizer) hits."""
-    from services.gateway.generations import encoder_identity
+    from services.gateway.generation_parts import encoder_identity
 
     class Triton:  # what identifies a Triton encoder: name, pinned version, digest
         def __init__(self, version: int, digest: str) -> None:

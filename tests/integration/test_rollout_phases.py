@@ -26,7 +26,8 @@ from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, Unavailable
 from services.encoder.base import Embeddings, Encoder
 from services.gateway.document_pipeline import DocumentPipeline
-from services.gateway.generations import Bundle, GenerationSource, RedisAliasReader
+from services.gateway.generation_parts import Bundle, RedisAliasReader
+from services.gateway.generations import GenerationSource
 from services.generations import logs
 from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring

@@ -23,7 +23,8 @@ from services.encoder.runtime.inprocess import InProcessEncoder
 from services.encoder.texts import MAX_CHARS_PER_TOKEN, MAX_DOCUMENT_TOKENS, cut_for_encoder
 from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.domain import Document
-from services.gateway.generations import Bundle, GenerationSource
+from services.gateway.generation_parts import Bundle
+from services.gateway.generations import GenerationSource
 from services.index.changelog import decode_entry
 from services.index.client.documents import DocumentReader
 from services.index.client.writer import ChangeLogWriter

@@ -160,7 +160,8 @@ def test_an_empty_batch_is_refused_before_the_generation_is_consulted() -> None:
     import asyncio
     from typing import Any
 
-    from services.gateway.generations import Bundle, GenerationSource
+    from services.gateway.generation_parts import Bundle
+    from services.gateway.generations import GenerationSource
     from services.gateway.pipeline import SearchPipeline
 
     class Shards:

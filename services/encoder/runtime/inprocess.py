@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from services.common import timeouts
 from services.common.errors import DeadlineExceeded
 from services.encoder.base import Embedder, Embeddings, Encoder, validate_request
 from services.encoder.profiles import Kind
@@ -49,7 +50,7 @@ class InProcessEncoder(Encoder):
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, self.embedder.embed, items, kind)
         try:
-            vectors, truncated = await asyncio.wait_for(future, timeout)
+            vectors, truncated = await timeouts.wait_for(future, timeout)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"encoding {len(items)} texts took longer than {timeout:.3f} s"

@@ -25,7 +25,7 @@ import faiss
 import redis
 from redis.exceptions import RedisClusterException
 
-from services.common import positions
+from services.common import positions, timeouts
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import (
     DeadlineExceeded,
@@ -399,7 +399,7 @@ class ShardReplica:
         if not future.done() and Position.parse(self.shard.staged) >= wanted:
             self._refresh_soon()  # in the vectors, its text waiting for the refresh: now
         try:
-            await asyncio.wait_for(future, timeout)
+            await timeouts.wait_for(future, timeout)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"shard {self.config.shard} has applied {self.shard.applied}, not yet {wanted}"
@@ -432,7 +432,7 @@ class ShardReplica:
         if self.applied_position() >= wanted or self.known_written >= wanted:
             return
         try:
-            last = await asyncio.wait_for(self.log_end(enough=wanted), timeout)
+            last = await timeouts.wait_for(self.log_end(enough=wanted), timeout)
         except (TimeoutError, Unavailable):
             return
         if wanted > last:
