@@ -339,6 +339,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the builder's training sample (300): the train phase encodes these, the "
         "measured bulk phase the rest",
     )
+    parser.add_argument(
+        "--pace",
+        default="",
+        help="`index rollout --pace` (RATIO or 'off'; default: its default)",
+    )
     parser.add_argument("--encoder", type=Path, help="new encoder (default: perturbed MiniLM)")
     parser.add_argument(
         "--retrain",
@@ -432,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "--sample",
                             str(args.sample),
                             *(["--parallel", str(args.parallel)] if args.parallel else []),
+                            *(["--pace", args.pace] if args.pace else []),
                             "--run-dir",
                             str(run_dir),
                             "--yes",
@@ -507,6 +513,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     result |= writes
     result["mode"] = "retrain" if args.retrain else "encoder"
+    result["pace"] = args.pace or "default"
+    result["pacing"] = pacing_summary(f"{done.stdout}\n{done.stderr}")
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)
     result["switch_searches"] = switch_searches(record, marks, end)
     # where a search's time goes, before and during: the gateway's own stage timings
@@ -551,6 +559,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(json.dumps(line))
     return result
+
+
+def pacing_summary(text: str) -> dict[str, Any] | None:
+    """The builder's ``pacing summary {json}`` line in ``index rollout``'s output (None:
+    it paced no encode call)."""
+    found = [line for line in text.splitlines() if "pacing summary " in line]
+    if not found:
+        return None
+    summary: dict[str, Any] = json.loads(found[-1].split("pacing summary ", 1)[1])
+    return summary
 
 
 if __name__ == "__main__":

@@ -98,6 +98,18 @@ def _add_triton_flags(parser: argparse.ArgumentParser, builder: bool) -> None:
         parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
 
 
+def _pace_ratio(value: str) -> float | None:
+    if value.strip().lower() == "off":
+        return None
+    try:
+        ratio = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a ratio nor 'off'") from None
+    if not ratio > 1.0:
+        raise argparse.ArgumentTypeError(f"a pace ratio is over 1 (got {value})")
+    return ratio
+
+
 def _either(rollout: bool, rollout_help: str, rollback_help: str) -> str:
     return rollout_help if rollout else rollback_help
 
@@ -132,6 +144,16 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
         "the calls are long, so a write's dual encode waits about 0.25 s behind them (2).",
     )
     if rollout:
+        parser.add_argument(
+            "--pace",
+            type=_pace_ratio,
+            default=1.3,
+            metavar="RATIO|off",
+            help="Pace the re-embedding on the searches the gateways answer: pause between "
+            "encode calls whenever their p99 passes RATIO times the p99 before the rollout "
+            "(and 5 ms more at least); the writes' dual encodes keep the catch-up bounded "
+            "meanwhile. 'off': full speed (1.3; docs/generations.md, \"Pacing\").",
+        )
         parser.add_argument(
             "--switch-lag",
             type=positive_int,

@@ -183,6 +183,7 @@ def builder(
         max_held_entries=getattr(args, "max_held_entries", 200_000),
         wait_for_shards=not getattr(args, "no_shard_wait", False),
         shard_wait_s=getattr(args, "shard_wait_s", 300.0),
+        pace_ratio=getattr(args, "pace", None),
     )
     return RolloutBuilder(
         store,

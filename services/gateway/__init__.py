@@ -21,6 +21,8 @@ Package map:
 - ``generations``: which index generation answers a request.
 - ``generation_parts``: a generation's parts (encoder, shards, documents, logs) and
   the alias as the gateway holds them.
+- ``latency_report``: the searches' latency, written to Redis every second (a rollout
+  paces itself on it).
 - ``dual_write``: during a rollout to another encoder, upserts encoded for its target too.
 - ``ports``: the protocols the pipelines reach the other stages through.
 - ``rerank_client``: the client of the internal RerankService.

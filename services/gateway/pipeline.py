@@ -45,6 +45,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.ports import Reranker
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.reranking import finish, rerank_plan
+from services.generations.serving_latency import LatencyWindow
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class SearchPipeline:
     # generation whose record has no retrieval setting; one that has one gets its fusion
     # and candidates (the mode stays this one's): :meth:`retrieval_on`.
     retrieval: RetrievalDefaults = field(default_factory=RetrievalDefaults)
+    # each answered request's total time (the gateway reports it for a rollout's pacing:
+    # services/gateway/latency_report.py); None: not kept
+    latency: LatencyWindow | None = None
 
     def retrieval_on(self, serving: Serving) -> RetrievalDefaults:
         """What a query that names no fusion gets on ``serving``'s generation: its
@@ -125,6 +129,8 @@ class SearchPipeline:
         total_ms = ms_since(start)
         for result in results:
             result.timings.total_ms = total_ms
+        if self.latency is not None:
+            self.latency.record(total_ms)
         if self.metrics is not None:  # labelled with the answering generation's encoder
             self.metrics.observe_request(
                 results, None if batch else queries[0].rerank, serving.bundle.encoder.model_name

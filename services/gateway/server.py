@@ -29,6 +29,7 @@ from services.gateway.encoders import build_encoder, encoder_spec
 from services.gateway.generation_parts import Bundle, RedisAliasReader, Serving
 from services.gateway.generations import GenerationSource
 from services.gateway.http_port import start_http_port
+from services.gateway.latency_report import LatencyReporter, reporter_id
 from services.gateway.metrics import (
     GatewayMetrics,
     GenerationMetrics,
@@ -41,6 +42,7 @@ from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer, admission_cost
 from services.gateway.settings import GatewaySettings
 from services.generations.registry import EncoderSpec, Generation
+from services.generations.serving_latency import LatencyWindow
 from services.index.client.addresses import parse_shard_addresses
 from services.index.core import coarse
 from services.process.logs import configure_logging
@@ -298,6 +300,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         pressure=admission.pressure,
         query_cache=query_cache,
         retrieval=settings.retrieval_defaults(),
+        latency=LatencyWindow(),
     )
     documents = DocumentPipeline(
         source,
@@ -324,12 +327,12 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         await server.stop(0)
         raise
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
-    closers: list[object] = [encoder, store, source, reranker, query_cache, redis_health]
-    server.watch(
-        redis_health.check,
-        settings.health_interval_s,
-        f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})",
-    )
+    closers: list[object] = [
+        LatencyReporter.started(store.redis, search.latency, reporter_id(port)),
+        *(encoder, store, source, reranker, query_cache, redis_health),
+    ]
+    redis_name = f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})"
+    server.watch(redis_health.check, settings.health_interval_s, redis_name)
     _log_serving(settings, port, serving, tls, authenticated=authenticator is not None)
     if http is not None:
         log.info("gateway HTTP/JSON on %s:%d (docs/http.md)", settings.host, http.port)

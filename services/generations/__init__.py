@@ -34,6 +34,8 @@ Package map (module → role):
                          ``encoder unpublish``'s question)
 - :mod:`.append`         the idempotent append into a target generation's logs
 - :mod:`.encoding`       re-embedding: the encoder's text cut, batching, retries
+- :mod:`.pacing`         the re-embedding paced on the searches' p99 (pauses between calls)
+- :mod:`.serving_latency` the searches' latency the gateways report, and its reading
 - :mod:`.documents`      the SCAN of a layout's documents
 - :mod:`.logs`           log tails, counts, trims and holds
 - :mod:`.replicas`       the shard replicas' Stats (applied positions, sizes, drift)

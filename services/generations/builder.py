@@ -29,13 +29,14 @@ builder is one process with nothing else to serve, and its Redis calls are short
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from services.common.errors import FailedPrecondition
-from services.generations import logs, rollback
+from services.generations import logs, pacing, rollback
 from services.generations.context import (
     AppliedProbe,
     Exporter,
@@ -48,6 +49,7 @@ from services.generations.context import (
 from services.generations.encoding import EncoderFactory, embedding_text
 from services.generations.errors import NoModelRepository, PlanRefused, SourceAddressesUnknown
 from services.generations.gpu_serving import refusal, source_keep
+from services.generations.pacing import Pacer
 from services.generations.phase_bulk import run_bulk
 from services.generations.phase_catch_up import run_catch_up
 from services.generations.phase_publish import record_target, run_create, run_p0, run_publish
@@ -283,6 +285,7 @@ class RolloutBuilder:
                 raise alive
 
     def _context(self, state: RolloutState) -> RolloutContext:
+        ratio = self.options.pace_ratio
         return RolloutContext(
             self.redis,
             self.registry,
@@ -292,16 +295,25 @@ class RolloutBuilder:
             self.progress,
             state,
             probed=self._probed,
+            pacer=None if ratio is None else Pacer(self._searches_p99, self.progress, ratio=ratio),
         )
+
+    def _searches_p99(self) -> float | None:
+        return pacing.slowest_p99(self.redis)
 
     async def _resume(self, running: RolloutState) -> Generation:
         ctx = self._context(self.store.claim(running, self.owner))
+        if ctx.pacer is not None:  # the baseline, before this builder loads the machine
+            await asyncio.to_thread(ctx.pacer.start)
         beat = asyncio.create_task(self._heartbeat(ctx))
         try:
             return await self._run(ctx)
         finally:
             beat.cancel()
             await ctx.close()
+            if ctx.pacer is not None and ctx.pacer.figures.busy_s > 0:
+                figures = ctx.pacer.figures.as_dict()
+                self.progress.message(f"pacing summary {json.dumps(figures)}")
 
     async def _heartbeat(self, ctx: RolloutContext) -> None:
         while True:

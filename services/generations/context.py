@@ -22,6 +22,7 @@ from services.generations import logs
 from services.generations.append import TargetAppender
 from services.generations.encoding import Embedder, EncoderFactory
 from services.generations.errors import TransportMismatch
+from services.generations.pacing import DEFAULT_RATIO, Pacer
 from services.generations.progress import Progress
 from services.generations.registry import Generation, Registry
 from services.generations.state import RolloutState, RolloutStore
@@ -72,6 +73,9 @@ class RolloutOptions:
     heartbeat_s: float = 1.0
     target_recall: float | None = None  # None: the trainer's default
     encode_timeout_s: float = 60.0
+    # the searches' p99 a rollout may cause, over the one before it (services/generations/
+    # pacing.py: the re-embedding pauses to hold it); None: not paced
+    pace_ratio: float | None = DEFAULT_RATIO
     encode_retry_s: float = 300.0  # how long a failing encoder is retried before giving up
 
 
@@ -113,6 +117,7 @@ class RolloutContext:
     progress: Progress
     state: RolloutState
     probed: set[str] = field(default_factory=set)  # replicas whose transport was checked
+    pacer: Pacer | None = None  # paces the re-embedding on the searches' p99 (None: not)
     _embedder: Embedder | None = None
 
     def save(self, **changes: Any) -> RolloutState:
@@ -146,6 +151,7 @@ class RolloutContext:
                 timeout_s=o.encode_timeout_s,
                 retry_s=o.encode_retry_s,
                 call_s=o.encode_call_s,
+                pacer=self.pacer,
             )
         return self._embedder
 

@@ -31,6 +31,7 @@ from services.encoder.base import Encoder
 from services.encoder.texts import cut_for_encoder
 from services.generations.append import TargetAppender, UpsertItem
 from services.generations.documents import Doc
+from services.generations.pacing import Pacer
 from services.generations.progress import Progress
 from services.index.changelog import text
 
@@ -96,6 +97,7 @@ class Embedder:
         retry_s: float,
         call_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        pacer: Pacer | None = None,
     ) -> None:
         self.encoders = encoders
         self.spec = spec
@@ -106,6 +108,7 @@ class Embedder:
         self.retry_s = retry_s
         self.call_s = call_s
         self.clock = clock
+        self.pacer = pacer  # pauses after each call (services/generations/pacing.py)
         self._encoder: Encoder | None = None
         self._chunks: ChunkSize | None = None  # kept across batches: the pace learnt
         # the calls in flight, over every batch being embedded at once (the bulk phase
@@ -136,7 +139,10 @@ class Embedder:
         async def one(chunk: list[str]) -> np.ndarray:
             start = self.clock()
             out = await self._encode_retrying(encoder, chunk)
-            chunks.observe(len(chunk), self.clock() - start)
+            took = self.clock() - start
+            chunks.observe(len(chunk), took)
+            if self.pacer is not None:  # its pause keeps this call's place in flight
+                await self.pacer.after_call(took)
             return np.asarray(out.vectors, dtype=np.float32)
 
         calls: list[asyncio.Task[np.ndarray]] = []

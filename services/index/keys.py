@@ -105,6 +105,10 @@ CPU_BUDGET_KEY = f"{REGISTRY_TAG}:cpu-budget"
 # written on each of its passes while a budget holds (short TTL): the builder's switch
 # waits until it no longer names the target (services/generations/placement.py)
 CPU_PLACED_KEY = f"{REGISTRY_TAG}:cpu-placed"
+# hash: a gateway's id -> the latency of the searches it answered lately (JSON; the key
+# expires unless a gateway writes it again): a rollout's builder paces itself on it
+# (services/generations/serving_latency.py)
+SEARCH_LATENCY_KEY = f"{REGISTRY_TAG}:search-latency"
 CLOSED = "-"  # a layout shard's writer gate while no generation takes its writes
 
 

@@ -246,3 +246,39 @@ def test_fusion_parameters_meet_the_gateways_default_mode(front: Front) -> None:
     finally:
         front.bg.run(dense_gateway.close(0))
     assert front.ask("deflate", k=2, fusion=search_pb2.Fusion(rrf_k=10)).fusion.rrf_k == 10
+
+
+def test_the_gateway_reports_its_searches_latency_for_a_rollouts_pacing(front: Front) -> None:
+    """Every second the gateway writes the p50/p99 of the searches it answered in the
+    last 5 s under a field of its own in {gtr}:search-latency; a rollout's builder reads
+    the slowest of them (services/generations/pacing.py) and sees these searches."""
+    import time
+
+    import redis
+
+    from services.generations import pacing, serving_latency
+    from tests.support.processes import wait_until
+
+    slowest = 0.0
+    for n in range(pacing.MIN_SEARCHES + 5):
+        start = time.perf_counter()
+        front.search.Search(search_pb2.SearchRequest(query=f"csv rows {n}", k=3), timeout=60)
+        slowest = max(slowest, (time.perf_counter() - start) * 1e3)
+    client = redis.Redis.from_url(front.redis_url)
+    try:
+        wait_until(
+            lambda: pacing.slowest_p99(client) is not None,
+            "a report of those searches",
+            timeout=10,
+        )
+        reports = serving_latency.read(client)
+        p99 = pacing.slowest_p99(client)
+    finally:
+        client.close()
+    assert len(reports) == 1, reports  # this one gateway
+    (report,) = reports.values()
+    assert report.searches >= pacing.MIN_SEARCHES + 5
+    assert p99 == report.p99_ms and 0 < report.p50_ms <= report.p99_ms
+    # the gateway's own time is inside what the client waited: half of these searches
+    # (the window's median) took no longer than the slowest of them here
+    assert report.p50_ms <= slowest

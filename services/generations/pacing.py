@@ -1,0 +1,151 @@
+"""Pacing a rollout's re-embedding on the serving searches' p99 (issue #33; the design:
+docs/generations.md "Pacing on the searches' p99").
+
+On a machine whose cores serve searches, a rollout at full speed makes the searches wait:
+not for CPU time, but for a core to be *free* when one of their dozen wake-ups comes (the
+measurements behind this are in docs/generations.md). A CPU budget separates the
+processes; pacing leaves part of the budget idle. Between two encode calls the builder
+pauses so that its encoder is busy ``duty`` of the time: after a call of ``t`` seconds,
+``t * (1 / duty - 1)`` seconds.
+
+``duty`` follows the searches' p99 that the gateways report
+(:mod:`.serving_latency`), against a target taken before the rollout began (its
+``baseline``, times ``ratio``, at least ``margin_ms`` more): halved when the p99 is over
+the target, raised by a tenth when it is well under (``RELAX``), never below
+``min_duty`` (the rollout always progresses, and the writes' dual encodes bound its
+catch-up whatever its pace). A cut is followed by ``settle_s`` without another (the
+reports cover the last seconds, which still hold searches from before the cut). Without a
+baseline (no gateway reported enough searches at the start) nothing is paced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.generations import serving_latency
+from services.generations.progress import Progress
+
+DEFAULT_RATIO = 1.3  # the p99 a rollout may bring the searches to, over the baseline
+MARGIN_MS = 5.0  # ...and at least this much over it (a fast stack's p99 is noise-sized)
+MIN_DUTY = 0.1
+MIN_SEARCHES = 20  # a report over fewer searches says nothing of a p99
+CHECK_S = 1.0  # the reports are read this often at most
+RELAX = 0.8  # the duty rises only while the p99 is under this share of the target
+STEP = 0.1  # ...by this much per check
+CUT = 0.5  # and is multiplied by this when the p99 is over the target
+
+
+def slowest_p99(client: Any) -> float | None:
+    """The highest p99 of the gateways that reported at least MIN_SEARCHES searches
+    lately (None: none did); ``client``: a sync Redis client."""
+    reports = serving_latency.read(client)
+    p99s = [r.p99_ms for r in reports.values() if r.searches >= MIN_SEARCHES]
+    return max(p99s) if p99s else None
+
+
+@dataclass
+class PaceFigures:
+    """What the pacing did, for the closing report and the bench."""
+
+    baseline_ms: float | None = None
+    target_ms: float | None = None
+    busy_s: float = 0.0  # the encode calls' time
+    paused_s: float = 0.0  # the pauses after them
+    cuts: int = 0
+    lowest_duty: float = 1.0
+
+    @property
+    def duty(self) -> float:
+        """The share of the paced time the encoder was busy."""
+        total = self.busy_s + self.paused_s
+        return self.busy_s / total if total > 0 else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "baseline_p99_ms": self.baseline_ms,
+            "target_p99_ms": self.target_ms,
+            "busy_s": round(self.busy_s, 2),
+            "paused_s": round(self.paused_s, 2),
+            "duty": round(self.duty, 3),
+            "cuts": self.cuts,
+            "lowest_duty": round(self.lowest_duty, 3),
+        }
+
+
+class Pacer:
+    """Pauses the builder after each encode call (:meth:`after_call`); see the module."""
+
+    def __init__(
+        self,
+        read: Callable[[], float | None],
+        progress: Progress,
+        *,
+        ratio: float = DEFAULT_RATIO,
+        margin_ms: float = MARGIN_MS,
+        min_duty: float = MIN_DUTY,
+        settle_s: float = serving_latency.WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ) -> None:
+        self.read = read
+        self.progress = progress
+        self.ratio = ratio
+        self.margin_ms = margin_ms
+        self.min_duty = min_duty
+        self.settle_s = settle_s
+        self.clock = clock
+        self.sleep = sleep
+        self.duty = 1.0
+        self.figures = PaceFigures()
+        self._checked = float("-inf")
+        self._moved = float("-inf")  # the last cut
+
+    def start(self) -> None:
+        """Take the baseline: the searches' p99 before this rollout loads the machine."""
+        baseline = self.read()
+        self.figures.baseline_ms = baseline
+        if baseline is None:
+            self.progress.message(
+                "pacing: no gateway reported searches, so the re-embedding is not paced"
+            )
+            return
+        target = max(baseline * self.ratio, baseline + self.margin_ms)
+        self.figures.target_ms = round(target, 2)
+        self.progress.message(
+            f"pacing: the searches' p99 is {baseline:.1f} ms; the re-embedding slows down "
+            f"whenever it passes {target:.1f} ms"
+        )
+
+    async def after_call(self, seconds: float) -> None:
+        """An encode call of ``seconds`` ended: adjust the duty, then pause for it."""
+        self.figures.busy_s += seconds
+        self._adjust()
+        if self.duty < 1.0 and seconds > 0:
+            pause = seconds * (1.0 / self.duty - 1.0)
+            self.figures.paused_s += pause
+            await self.sleep(pause)
+
+    def _adjust(self) -> None:
+        target = self.figures.target_ms
+        now = self.clock()
+        if target is None or now - self._checked < CHECK_S:
+            return
+        self._checked = now
+        p99 = self.read()
+        if p99 is None or now - self._moved < self.settle_s:
+            return
+        if p99 > target and self.duty > self.min_duty:
+            self.duty = max(self.min_duty, self.duty * CUT)
+            self._moved = now
+            self.figures.cuts += 1
+            self.figures.lowest_duty = min(self.figures.lowest_duty, self.duty)
+            self.progress.message(
+                f"pacing: the searches' p99 is {p99:.1f} ms, over {target:.1f} ms: the "
+                f"encoder now runs {self.duty:.0%} of the time"
+            )
+        elif p99 < target * RELAX and self.duty < 1.0:
+            self.duty = min(1.0, self.duty + STEP)

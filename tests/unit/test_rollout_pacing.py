@@ -1,0 +1,131 @@
+"""services/generations/pacing.py and serving_latency.py: the re-embedding paced on the
+searches' p99 the gateways report (a hand-moved clock; no sleeping: the pauses are
+recorded, not slept)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.generations import pacing
+from services.generations.pacing import Pacer
+from services.generations.progress import Progress
+from services.generations.serving_latency import LatencySummary, LatencyWindow
+from tests.support.clock import Clock
+
+
+class Noted(Progress):
+    """Keeps the operator's lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+
+class Scene:
+    """A pacer over a p99 the test sets (None: no gateway reports)."""
+
+    def __init__(self, p99: float | None, **options: float) -> None:
+        self.p99 = p99
+        self.clock = Clock()
+        self.pauses: list[float] = []
+        self.progress = Noted()
+
+        async def sleep(seconds: float) -> None:
+            self.pauses.append(seconds)
+
+        self.pacer = Pacer(
+            lambda: self.p99, self.progress, clock=self.clock, sleep=sleep, **options
+        )
+
+    def call(self, seconds: float = 0.2, then: float = 1.0) -> float:
+        """One encode call of ``seconds``; the clock then moves ``then``; its pause."""
+        before = len(self.pauses)
+        asyncio.run(self.pacer.after_call(seconds))
+        self.clock.now += then
+        return self.pauses[before] if len(self.pauses) > before else 0.0
+
+
+def test_without_a_baseline_nothing_is_paced() -> None:
+    scene = Scene(None)
+    scene.pacer.start()
+    scene.p99 = 500.0  # searches appear later, slow: still no target to hold
+    assert [scene.call() for _ in range(5)] == [0.0] * 5
+    assert scene.pacer.figures.target_ms is None
+
+
+def test_the_target_is_the_ratio_or_the_margin_whichever_is_more() -> None:
+    fast, slow = Scene(10.0, ratio=1.3), Scene(100.0, ratio=1.3)
+    fast.pacer.start()
+    slow.pacer.start()
+    assert fast.pacer.figures.target_ms == 15.0  # 10 + 5 ms, not 13
+    assert slow.pacer.figures.target_ms == 130.0
+
+
+def test_a_p99_over_the_target_halves_the_duty_once_per_settling_time() -> None:
+    scene = Scene(30.0, ratio=1.3, settle_s=5.0)  # target 39 ms
+    scene.pacer.start()
+    assert scene.call() == 0.0  # under the target: full speed
+    scene.p99 = 60.0
+    assert scene.call(0.2) == pytest.approx(0.2)  # duty 0.5: as long a pause as the call
+    # the reports still hold searches from before the cut: no second cut for 5 s
+    assert [scene.call(0.2) for _ in range(4)] == [pytest.approx(0.2)] * 4
+    assert scene.call(0.2) == pytest.approx(0.6)  # 5 s on and still over: duty 0.25
+    assert scene.pacer.figures.cuts == 2
+    messages = [m for m in scene.progress.messages if "over 39.0 ms" in m]
+    assert len(messages) == 2, scene.progress.messages
+
+
+def test_the_duty_never_falls_below_its_floor_and_recovers_under_the_target() -> None:
+    scene = Scene(30.0, ratio=1.3, settle_s=0.0, min_duty=0.1)
+    scene.pacer.start()
+    scene.p99 = 500.0
+    for _ in range(10):
+        scene.call(0.1)
+    assert scene.pacer.duty == 0.1
+    assert scene.call(0.1) == pytest.approx(0.9)  # 10 % busy
+    scene.p99 = 39.0 * pacing.RELAX + 1  # under the target, not well under: held
+    scene.call(0.1)
+    assert scene.pacer.duty == 0.1
+    scene.p99 = 20.0
+    for _ in range(3):
+        scene.call(0.1)
+    assert scene.pacer.duty == pytest.approx(0.4)
+    figures = scene.pacer.figures.as_dict()
+    assert figures["lowest_duty"] == 0.1 and figures["cuts"] >= 4
+    assert 0 < figures["duty"] < 1
+
+
+def test_the_reports_are_read_at_most_once_a_second() -> None:
+    reads = 0
+
+    def read() -> float:
+        nonlocal reads
+        reads += 1
+        return 30.0
+
+    pacer = Pacer(read, Progress(), clock=Clock(), sleep=lambda s: asyncio.sleep(0))
+    pacer.start()
+    for _ in range(50):
+        asyncio.run(pacer.after_call(0.01))  # the clock does not move
+    assert reads == 2  # the baseline, and one check
+
+
+def test_the_window_keeps_only_its_last_seconds_and_gives_their_percentiles() -> None:
+    clock = Clock()
+    window = LatencyWindow(window_s=5.0, clock=clock)
+    assert window.summary() == LatencySummary(0, 0.0, 0.0)
+    for ms in range(1, 101):
+        window.record(float(ms))
+    clock.now += 4.0
+    window.record(1000.0)
+    summary = window.summary()
+    assert summary.searches == 101 and summary.p99_ms > 99 and summary.p50_ms == 51.0
+    clock.now += 2.0  # the first hundred are now 6 s old
+    assert window.summary() == LatencySummary(1, 1000.0, 1000.0)
+    again = LatencySummary.from_json(LatencySummary(3, 1.5, 9.25, at=12.0).to_json())
+    assert again == LatencySummary(3, 1.5, 9.25, at=12.0)
