@@ -336,6 +336,8 @@ class RolloutBuilder:
             if step is None:
                 raise FailedPrecondition(f"{{gtr}}:rollout has an unknown phase {phase!r}")
             self.progress.phase(phase)
+            if ctx.pacer is not None:
+                ctx.pacer.active = phase in pacing.PACED_PHASES
             await step(ctx)
         self.registry.end_rollout()
         return self.registry.serving()

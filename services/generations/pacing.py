@@ -13,8 +13,14 @@ pauses so that its encoder is busy ``duty`` of the time: after a call of ``t`` s
 ``baseline``, times ``ratio``, at least ``margin_ms`` more): halved when the p99 is over
 the target, raised by a tenth when it is well under (``RELAX``), never below
 ``min_duty`` (the rollout always progresses, and the writes' dual encodes bound its
-catch-up whatever its pace). A cut is followed by ``settle_s`` without another (the
-reports cover the last seconds, which still hold searches from before the cut). Without a
+catch-up whatever its pace). Only the ``train`` and ``bulk`` phases are paced
+(:data:`PACED_PHASES`). A cut is followed by ``settle_s`` without another (the
+reports cover the last seconds, which still hold searches from before the cut). A p99
+still over the target a settling time after the duty reached its floor is not the
+re-embedding's doing: the target is then taken again from that p99 (a *rebase*, as a
+latency-based congestion controller re-measures its base delay), so that work the builder
+cannot shed does not hold it at a tenth of its pace for the whole rollout; once the p99
+is back under the first target's relaxed share, the first target applies again. Without a
 baseline (no gateway reported enough searches at the start) nothing is paced.
 """
 
@@ -37,6 +43,9 @@ CHECK_S = 1.0  # the reports are read this often at most
 RELAX = 0.8  # the duty rises only while the p99 is under this share of the target
 STEP = 0.1  # ...by this much per check
 CUT = 0.5  # and is multiplied by this when the p99 is over the target
+# The phases whose encodes are paced: not the catch-up, which must outrun the writes
+# whose dual encode failed, nor the switch, whose replay runs with the writes refused.
+PACED_PHASES = frozenset({"train", "bulk"})
 
 
 def slowest_p99(client: Any) -> float | None:
@@ -56,6 +65,7 @@ class PaceFigures:
     busy_s: float = 0.0  # the encode calls' time
     paused_s: float = 0.0  # the pauses after them
     cuts: int = 0
+    rebases: int = 0  # targets raised: the searches stayed slow with the encoder at its floor
     lowest_duty: float = 1.0
 
     @property
@@ -72,6 +82,7 @@ class PaceFigures:
             "paused_s": round(self.paused_s, 2),
             "duty": round(self.duty, 3),
             "cuts": self.cuts,
+            "rebases": self.rebases,
             "lowest_duty": round(self.lowest_duty, 3),
         }
 
@@ -100,9 +111,11 @@ class Pacer:
         self.clock = clock
         self.sleep = sleep
         self.duty = 1.0
+        self.active = True  # False: calls pass unpaced (a phase not in PACED_PHASES)
         self.figures = PaceFigures()
         self._checked = float("-inf")
-        self._moved = float("-inf")  # the last cut
+        self._moved = float("-inf")  # the last cut or rebase
+        self._first_target = float("inf")  # the target the baseline gave
 
     def start(self) -> None:
         """Take the baseline: the searches' p99 before this rollout loads the machine."""
@@ -114,7 +127,7 @@ class Pacer:
             )
             return
         target = max(baseline * self.ratio, baseline + self.margin_ms)
-        self.figures.target_ms = round(target, 2)
+        self.figures.target_ms = self._first_target = round(target, 2)
         self.progress.message(
             f"pacing: the searches' p99 is {baseline:.1f} ms; the re-embedding slows down "
             f"whenever it passes {target:.1f} ms"
@@ -122,6 +135,8 @@ class Pacer:
 
     async def after_call(self, seconds: float) -> None:
         """An encode call of ``seconds`` ended: adjust the duty, then pause for it."""
+        if not self.active:
+            return
         self.figures.busy_s += seconds
         self._adjust()
         if self.duty < 1.0 and seconds > 0:
@@ -138,6 +153,8 @@ class Pacer:
         p99 = self.read()
         if p99 is None or now - self._moved < self.settle_s:
             return
+        if target > self._first_target and p99 < self._first_target * RELAX:
+            self.figures.target_ms = target = self._first_target  # what raised it has gone
         if p99 > target and self.duty > self.min_duty:
             self.duty = max(self.min_duty, self.duty * CUT)
             self._moved = now
@@ -147,5 +164,22 @@ class Pacer:
                 f"pacing: the searches' p99 is {p99:.1f} ms, over {target:.1f} ms: the "
                 f"encoder now runs {self.duty:.0%} of the time"
             )
+        elif p99 > target:  # at the floor, a settling time on, and still over
+            self._rebase(p99, now)
         elif p99 < target * RELAX and self.duty < 1.0:
             self.duty = min(1.0, self.duty + STEP)
+
+    def _rebase(self, p99: float, now: float) -> None:
+        """The encoder runs at its floor and the searches stay slow: what slows them is
+        not the re-embedding (other work on the machine, the writes' dual encodes, a
+        neighbour's steal), and pausing more would only stretch the rollout. The p99 at
+        the floor is the new baseline (the duty may rise again), until the p99 falls
+        back under the first target's relaxed share."""
+        target = round(max(p99 * self.ratio, p99 + self.margin_ms), 2)
+        self.figures.target_ms = target
+        self.figures.rebases += 1
+        self._moved = now
+        self.progress.message(
+            f"pacing: at {self.duty:.0%} the searches' p99 is still {p99:.1f} ms, so the "
+            f"re-embedding is not what slows them: the target is now {target:.1f} ms"
+        )
