@@ -147,12 +147,13 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
         parser.add_argument(
             "--pace",
             type=_pace_ratio,
-            default=1.3,
+            default=None,
             metavar="RATIO|off",
             help="Pace the re-embedding on the searches the gateways answer: pause between "
             "encode calls whenever their p99 passes RATIO times the p99 before the rollout "
-            "(and 5 ms more at least); the writes' dual encodes keep the catch-up bounded "
-            "meanwhile. 'off': full speed (1.3; docs/generations.md, \"Pacing\").",
+            "(and 5 ms more at least; 1.3 is a start). Off by default: on 2 shared cores it "
+            "made the rollout 2.7x longer and its tail no better (docs/generations.md, "
+            '"Pacing").',
         )
         parser.add_argument(
             "--switch-lag",

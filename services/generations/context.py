@@ -22,7 +22,7 @@ from services.generations import logs
 from services.generations.append import TargetAppender
 from services.generations.encoding import Embedder, EncoderFactory
 from services.generations.errors import TransportMismatch
-from services.generations.pacing import DEFAULT_RATIO, Pacer
+from services.generations.pacing import Pacer
 from services.generations.progress import Progress
 from services.generations.registry import Generation, Registry
 from services.generations.state import RolloutState, RolloutStore
@@ -74,8 +74,9 @@ class RolloutOptions:
     target_recall: float | None = None  # None: the trainer's default
     encode_timeout_s: float = 60.0
     # the searches' p99 a rollout may cause, over the one before it (services/generations/
-    # pacing.py: the re-embedding pauses to hold it); None: not paced
-    pace_ratio: float | None = DEFAULT_RATIO
+    # pacing.py: the re-embedding pauses to hold it); None: not paced (the default: on
+    # this 2-core bench pacing made the tail and the rollout longer, docs/generations.md)
+    pace_ratio: float | None = None
     encode_retry_s: float = 300.0  # how long a failing encoder is retried before giving up
 
 
