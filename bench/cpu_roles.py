@@ -111,8 +111,17 @@ def sample(root: int) -> dict[str, float]:
 
 
 def _sample_loop(root: int, stop: Any, out: Any) -> None:
+    """Sample until ``stop`` is set or the parent is gone. SIGINT and SIGTERM are the
+    parent's to handle: `timeout` signals the whole process group, and a sampler killed
+    while it waits on ``stop`` left the parent's ``stop.set()`` waiting for it forever
+    (a bench under `timeout` then never ended)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
     samples: list[tuple[float, dict[str, float]]] = []
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == parent:
         samples.append((time.monotonic(), sample(root)))  # CLOCK_MONOTONIC: every process's
         stop.wait(EVERY_S)
     out.put(samples)
@@ -159,6 +168,8 @@ class RoleCpu:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self._proc.is_alive():  # killed: setting the event would wait for it
+            return
         self._stop.set()
         self.samples = self._out.get(timeout=30)
         self._proc.join(10)

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,6 +43,9 @@ class LocalStack:
     process: subprocess.Popen[bytes]
     run_dir: Path
     log: Path
+    # the commands run_cli runs now (from any thread): stopped with the stack, so a
+    # SIGTERM to a bench does not leave an `index rollout` retrying a Redis that is gone
+    clis: set[subprocess.Popen[str]] = field(default_factory=set)
 
     def state(self) -> dict[str, Any]:
         return json.loads((self.run_dir / "stack.json").read_text())  # type: ignore[no-any-return]
@@ -98,16 +101,26 @@ class LocalStack:
     def run_cli(
         self, *args: str, timeout: float = 600.0, log: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """``gtr-retrieval <args>`` to its end (its output kept, also appended to ``log``)."""
-        done = subprocess.run(
+        """``gtr-retrieval <args>`` to its end (its output kept, also appended to ``log``);
+        a session of its own, ended with the stack if the stack stops first."""
+        proc = subprocess.Popen(
             self.command(*args),
             cwd=ROOT,
             env=cli_env(),
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
-            check=False,
+            start_new_session=True,
         )
+        self.clis.add(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:  # its timeout, or the caller interrupted
+            _stop(proc)
+            raise
+        finally:
+            self.clis.discard(proc)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         if log is not None:
             with log.open("a", encoding="utf-8") as fh:
                 fh.write(f"$ gtr-retrieval {' '.join(args)}  (exit {done.returncode})\n")
@@ -127,7 +140,7 @@ class LocalStack:
         )
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is not None:
         return
     os.killpg(proc.pid, signal.SIGTERM)
@@ -192,6 +205,8 @@ def local_stack(
             )
             yield stack
         finally:
+            for cli in list(stack.clis):
+                _stop(cli)
             _stop(proc)
             if keep_logs is not None:
                 import shutil
