@@ -152,7 +152,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             help="Pace the re-embedding on the searches the gateways answer: pause between "
             "encode calls whenever their p99 passes RATIO times the p99 before the rollout "
             "(and 5 ms more at least; 1.3 is a start). Off by default: on 2 shared cores it "
-            "made the rollout 2.7x longer and its tail no better (docs/generations.md, "
+            "made the rollout twice as long and its p99 no better (docs/generations.md, "
             '"Pacing").',
         )
         parser.add_argument(
