@@ -47,11 +47,11 @@ class LatencyReporter:
         self._failing = ""
 
     @classmethod
-    def started(cls, client: Any, window: LatencyWindow | None, reporter: str) -> LatencyReporter:
-        """A reporter of ``window`` (None: a fresh one nothing records into), running."""
-        reporter_ = cls(client, window if window is not None else LatencyWindow(), reporter)
-        reporter_.start()
-        return reporter_
+    def started(cls, client: Any, window: LatencyWindow, reporter: str) -> LatencyReporter:
+        """A reporter of ``window``, running."""
+        running = cls(client, window, reporter)
+        running.start()
+        return running
 
     def start(self) -> None:
         if self._task is None:

@@ -84,8 +84,8 @@ class SearchPipeline:
     # and candidates (the mode stays this one's): :meth:`retrieval_on`.
     retrieval: RetrievalDefaults = field(default_factory=RetrievalDefaults)
     # each answered request's total time (the gateway reports it for a rollout's pacing:
-    # services/gateway/latency_report.py); None: not kept
-    latency: LatencyWindow | None = None
+    # services/gateway/latency_report.py)
+    latency: LatencyWindow = field(default_factory=LatencyWindow)
 
     def retrieval_on(self, serving: Serving) -> RetrievalDefaults:
         """What a query that names no fusion gets on ``serving``'s generation: its
@@ -129,8 +129,7 @@ class SearchPipeline:
         total_ms = ms_since(start)
         for result in results:
             result.timings.total_ms = total_ms
-        if self.latency is not None:
-            self.latency.record(total_ms)
+        self.latency.record(total_ms)
         if self.metrics is not None:  # labelled with the answering generation's encoder
             self.metrics.observe_request(
                 results, None if batch else queries[0].rerank, serving.bundle.encoder.model_name

@@ -42,7 +42,6 @@ from services.gateway.rerank_client import RerankClient
 from services.gateway.servicer import DocumentServicer, SearchServicer, admission_cost
 from services.gateway.settings import GatewaySettings
 from services.generations.registry import EncoderSpec, Generation
-from services.generations.serving_latency import LatencyWindow
 from services.index.client.addresses import parse_shard_addresses
 from services.index.core import coarse
 from services.process.logs import configure_logging
@@ -300,7 +299,6 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         pressure=admission.pressure,
         query_cache=query_cache,
         retrieval=settings.retrieval_defaults(),
-        latency=LatencyWindow(),
     )
     documents = DocumentPipeline(
         source,

@@ -295,11 +295,10 @@ class RolloutBuilder:
             self.progress,
             state,
             probed=self._probed,
-            pacer=None if ratio is None else Pacer(self._searches_p99, self.progress, ratio=ratio),
+            pacer=None
+            if ratio is None
+            else Pacer(lambda: pacing.slowest_p99(self.redis), self.progress, ratio=ratio),
         )
-
-    def _searches_p99(self) -> float | None:
-        return pacing.slowest_p99(self.redis)
 
     async def _resume(self, running: RolloutState) -> Generation:
         ctx = self._context(self.store.claim(running, self.owner))

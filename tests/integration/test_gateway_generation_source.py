@@ -440,6 +440,23 @@ def test_a_rollout_target_is_prepared_before_its_switch_and_swapped_in_as_built(
     run(scenario())
 
 
+async def switch_during_preparation(
+    source: GenerationSource, factory: Any, registry: Registry, began: Callable[[str], bool]
+) -> Generation:
+    """Start ``source``; begin a rollout whose target ``factory`` holds up (its ``slow``
+    set), wait until ``began(target)`` says its background preparation started, then
+    switch the alias to it and end the rollout; → the target."""
+    await source.start()
+    target = new_generation(registry)
+    factory.slow.add(target.name)
+    registry.begin_rollout({"target": target.name, "source": "g1"})
+    registry.set_state(target.name, "catching_up")
+    await await_until(lambda: began(target.name), "its preparation began")
+    registry.switch(target.name, {})
+    registry.end_rollout()
+    return target
+
+
 class SlowWarmFactory(WarmFactory):
     """As WarmFactory; the parts of the generations in ``slow`` answer their warm-up
     encode only once ``release`` is set (a new encoder's graph being opened and probed,
@@ -479,22 +496,18 @@ def test_a_switch_is_followed_while_the_rollout_targets_warm_up_is_still_running
     async def scenario() -> None:
         async with opened(redis_url, RedisAliasReader, SlowWarmFactory, 0.05) as scene:
             source, factory = scene.source, scene.factory
-            await source.start()
-            target = new_generation(registry)
-            factory.slow.add(target.name)
-            registry.begin_rollout({"target": target.name, "source": "g1"})
-            registry.set_state(target.name, "catching_up")
-            await await_until(lambda: target.name in factory.built, "its preparation began")
-            registry.switch(target.name, {})
-            registry.end_rollout()
+            target = await switch_during_preparation(
+                source, factory, registry, lambda name: name in factory.built
+            )
             await await_until(
                 lambda: source.current().generation == target.name, "the switch served", 10
             )
-            factory.release.set()  # the preparation ends; its parts are not kept twice
-            await await_until(
-                lambda: sum(not p.closed for p in factory.all if p.name == target.name) == 1,
-                "the prepared duplicate closed",
-            )
+            factory.release.set()  # the preparation's warm-up ends
+            part = factory.parts[target.name]
+            await await_until(lambda: part.calls[-1:] == [("search", target.name)], "warmed")
+            # the switch took the prepared parts (built once), and they stay open
+            built = [p for p in factory.all if p.name == target.name]
+            assert len(built) == 1 and not built[0].closed, built
 
     run(scenario())
 
@@ -527,14 +540,9 @@ def test_a_switch_during_the_targets_background_build_waits_for_it_and_builds_no
     async def scenario() -> None:
         async with opened(redis_url, RedisAliasReader, SlowBuildFactory, 0.05) as scene:
             source, factory = scene.source, scene.factory
-            await source.start()
-            target = new_generation(registry)
-            factory.slow.add(target.name)
-            registry.begin_rollout({"target": target.name, "source": "g1"})
-            registry.set_state(target.name, "catching_up")
-            await await_until(lambda: target.name in factory.started, "its preparation began")
-            registry.switch(target.name, {})
-            registry.end_rollout()
+            target = await switch_during_preparation(
+                source, factory, registry, lambda name: name in factory.started
+            )
             refreshed = asyncio.ensure_future(source.refresh())
             assert source.current().generation == "g1", "served before its parts exist"
             factory.release.set()
