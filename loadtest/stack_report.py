@@ -87,6 +87,7 @@ async def run_sweep(
     png: Path,
     title: str,
     knee: bool = False,
+    channels: int = 1,
 ) -> dict[str, Any]:
     def show(s: dict[str, Any]) -> None:
         print(
@@ -100,7 +101,7 @@ async def run_sweep(
             flush=True,
         )
 
-    run = RunConfig(rate=1.0, duration_s=1.0, seed=11)
+    run = RunConfig(rate=1.0, duration_s=1.0, seed=11, channels=channels)
     result = await sweep(target, workload, run, cfg, show)
     if result["best_rate"] is None and knee:
         # No rate met the SLO: climb from the first rate while the gateway keeps up, so
