@@ -268,7 +268,7 @@ def test_with_one_triton_killed_every_encode_goes_to_the_other(
             stop.set()
             during = await load
             after = served(survivor)
-            errors = await _load(encoder, 100, concurrency=4)
+            errors = await _settled(_load(encoder, 100, concurrency=4), [survivor], 100)
             return during, served(survivor) - after, errors
         finally:
             stop.set()
@@ -278,4 +278,7 @@ def test_with_one_triton_killed_every_encode_goes_to_the_other(
     assert victim.process.wait(10) == -signal.SIGKILL
     assert during == [], during[:3]  # the encodes in flight on the victim failed over
     assert after == []
-    assert to_survivor == 100
+    # every one of the 100 on the survivor; Triton counts a request just after it answered,
+    # so up to the 4 callers' last encodes of the load before may be counted after `after`
+    # was read (a CI run saw 102)
+    assert 100 <= to_survivor <= 100 + 4
