@@ -80,31 +80,34 @@ def serve(corpus: Path, workdir: Path, port: int, ready: Path, precision: str) -
 def hop_free_servers(
     corpus: Path, workdir: Path, workers: int, precision: str, timeout_s: float = 600.0
 ) -> Iterator[str]:
-    """``workers`` serving processes on one free port; yields its address."""
-    from tests.support.processes import free_port, wait_until
+    """``workers`` serving processes on one free port; yields its address. Each runs in a
+    session of its own and is stopped on the way out, a SIGTERM to the bench included
+    (:func:`~services.stack.children.sigterm_as_interrupt`, as ``local_stack`` does)."""
+    from services.stack.children import sigterm_as_interrupt
+    from tests.support.processes import free_port, stop_process, wait_until
 
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for n in range(workers):  # one at a time: each embeds the corpus on every CPU
-            ready = workdir / f"ready-{n}"
-            command = [sys.executable, "-m", "bench.hop_free", "serve", "--corpus", str(corpus)]
-            command += ["--workdir", str(workdir / f"worker-{n}"), "--port", str(port)]
-            command += ["--ready", str(ready), "--query-precision", precision]
-            procs.append(subprocess.Popen(command, start_new_session=True))
-            wait_until(
-                lambda r=ready, p=procs[-1]: r.exists() or p.poll() is not None,  # type: ignore[misc]
-                f"hop-free worker {n}",
-                timeout=timeout_s,
-            )
-            if procs[-1].poll() is not None:
-                raise RuntimeError(f"hop-free worker {n} exited {procs[-1].returncode}")
-        yield f"127.0.0.1:{port}"
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+    with sigterm_as_interrupt():
+        try:
+            for n in range(workers):  # one at a time: each embeds the corpus on every CPU
+                ready = workdir / f"ready-{n}"
+                command = [sys.executable, "-m", "bench.hop_free", "serve"]
+                command += ["--corpus", str(corpus), "--workdir", str(workdir / f"worker-{n}")]
+                command += ["--port", str(port), "--ready", str(ready)]
+                command += ["--query-precision", precision]
+                procs.append(subprocess.Popen(command, start_new_session=True))
+                wait_until(
+                    lambda r=ready, p=procs[-1]: r.exists() or p.poll() is not None,  # type: ignore[misc]
+                    f"hop-free worker {n}",
+                    timeout=timeout_s,
+                )
+                if procs[-1].poll() is not None:
+                    raise RuntimeError(f"hop-free worker {n} exited {procs[-1].returncode}")
+            yield f"127.0.0.1:{port}"
+        finally:
+            for proc in procs:
+                stop_process(proc, timeout=30)
 
 
 def warm(address: str, seconds: float = 15.0) -> None:

@@ -72,9 +72,10 @@ def best_rate(
     def p99(rate: float) -> float:
         return float(np.percentile(response_times(rate, servers, service, gaps), 99))
 
-    if p99(ceiling * 1e-3) > slo_s:  # the service alone breaks the SLO
-        return ModelRate(0.0, 1e3 * p99(ceiling * 1e-3), ceiling)
     low, high = ceiling * 1e-3, ceiling
+    alone = p99(low)
+    if alone > slo_s:  # the service alone breaks the SLO
+        return ModelRate(0.0, 1e3 * alone, ceiling)
     while high - low > tolerance * ceiling:
         mid = (low + high) / 2
         low, high = (mid, high) if p99(mid) <= slo_s else (low, mid)
