@@ -396,22 +396,30 @@ def test_queries_run_in_this_process_from_the_version_triton_serves(minilm: Trit
     """``--query-repository``: a query's vector comes from this process (Triton answers
     no request for it) and equals Triton's; documents still go to Triton; the encoder is
     named as Triton's pinned version is (the query cache and generations key on it)."""
-    from services.encoder.runtime.local_queries import LocalQueries, with_local_queries
+    from services.encoder.runtime.local_queries import PROBES, LocalQueries, with_local_queries
 
     texts = [f"{q} ({i})" for i in range(2) for q in SAMPLE_QUERIES]
 
+    async def counted(n: int) -> None:
+        """Until Triton's count of answered queries reaches ``n`` (it counts a request
+        just after it answered; a CI run read the parity probe's 2 late)."""
+        await await_until(lambda: _embed_counts(minilm)[0] >= n, f"Triton counts {n}", 10)
+
     async def go(enc: TritonEncoder) -> None:
+        before, _ = _embed_counts(minilm)
         both = await with_local_queries(enc, minilm.config.model_repository, "embed")
         assert isinstance(both, LocalQueries)
         assert (both.model_version, both.digest) == (enc.model_version, enc.digest)
         assert enc.digest, "Triton reports the version's digest"
-        answered, _ = _embed_counts(minilm)
+        answered = before + len(PROBES)  # the parity probe asked Triton these
+        await counted(answered)
         here = await both.encode(texts, "query", timeout=20)
         assert _embed_counts(minilm)[0] == answered, "a query reached Triton"
         there = await enc.encode(texts, "query", timeout=20)
         assert min(row_cosines(here.vectors, there.vectors)) >= 0.999
         answered, _ = _embed_counts(minilm)
         docs = await both.encode(list(SAMPLE_DOCUMENTS[:2]), "document", timeout=20)
+        await counted(answered + 2)
         assert _embed_counts(minilm)[0] == answered + 2, "documents go to Triton"
         assert docs.vectors.shape == (2, enc.dim)
         await both.local.close()  # the remote is the test's own, closed by _with_encoder
