@@ -52,7 +52,7 @@ from tests.encoder_fixtures import (
     ensure_tiny_t5,
     torch_embedder,
 )
-from tests.support.processes import await_until, free_port
+from tests.support.processes import await_until, free_port, wait_until
 
 
 def _serve(onnx_path: Path, base: Path, name: str) -> Iterator[TritonHandle]:
@@ -201,10 +201,13 @@ def test_concurrent_single_requests_are_batched_correctly(
         assert_served_queries(got, texts, minilm_export, default_model_dir())
 
     asyncio.run(_with_encoder(minilm, go))
-    answered_now, executions_now = _embed_counts(minilm)
     # and one request of the client's own when it connects: the version's description,
     # asked of a model that has the ENCODER output (read_version_info; it runs no graph)
     described = int(ENCODER_OUTPUT in _output_names(minilm))
+    # Triton counts a request just after it answered: wait for the count to arrive
+    expected = answered + len(texts) + described
+    wait_until(lambda: _embed_counts(minilm)[0] >= expected, f"Triton counts {expected}")
+    answered_now, executions_now = _embed_counts(minilm)
     assert answered_now - answered == len(texts) + described
     assert executions_now - executions < len(texts) + described, "the batcher joined no calls"
 
@@ -417,7 +420,8 @@ def test_queries_run_in_this_process_from_the_version_triton_serves(minilm: Trit
         assert _embed_counts(minilm)[0] == answered, "a query reached Triton"
         there = await enc.encode(texts, "query", timeout=20)
         assert min(row_cosines(here.vectors, there.vectors)) >= 0.999
-        answered, _ = _embed_counts(minilm)
+        answered += len(texts)  # Triton's own answer to them, just above
+        await counted(answered)
         docs = await both.encode(list(SAMPLE_DOCUMENTS[:2]), "document", timeout=20)
         await counted(answered + 2)
         assert _embed_counts(minilm)[0] == answered + 2, "documents go to Triton"
