@@ -25,10 +25,20 @@ def pythonpath(root: Path = CHECKOUT) -> str:
     return os.pathsep.join([str(root), str(root / "clients" / "python")])
 
 
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now, and never one this process was given before: the kernel may hand
+    back a port just released, so two calls for one server's ports could name the same
+    (a CI run's Triton got its HTTP and metrics ports equal and refused to start)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def wait_until(
