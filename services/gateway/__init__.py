@@ -16,6 +16,7 @@ Package map:
 - ``first_stage``: dense, sparse or hybrid (fused) first stage; the index calls.
 - ``reranking``: the rerank depth for the time left, and the reranked answer.
 - ``document_pipeline``: the writes (encode → log) and reads of documents.
+- ``write_trail``: where a slow or unanswered write's time went, logged as one warning.
 - ``texts``: what of a document the encoder gets.
 - ``query_cache``: query embeddings kept in Redis.
 - ``generations``: which index generation answers a request.

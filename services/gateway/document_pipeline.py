@@ -34,6 +34,7 @@ from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S
 from services.gateway.generation_parts import Bundle, Serving
 from services.gateway.generations import GenerationSource
 from services.gateway.ports import DocRecord, Encoder, TargetVectors
+from services.gateway.write_trail import step, trail
 from services.index.keys import CLOSED
 from services.telemetry import tracing
 
@@ -93,7 +94,7 @@ class DocumentPipeline:
                 jobs["own"] = self._encode(parts.encoder, texts, cuts, deadline)
             if dual is not None and dual.target not in dual_done:
                 jobs["dual"] = self._dual_encode(dual.encoder, texts, cuts, deadline)
-            with tracing.span("encode") as span:
+            with tracing.span("encode") as span, step(f"encode {'+'.join(jobs) or 'none'}"):
                 if span:
                     span.set_attribute("gtr.documents", len(texts))
                 got = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
@@ -109,10 +110,12 @@ class DocumentPipeline:
             ]
             theirs = dual_done.get(dual.target) if dual is not None else None
             target = TargetVectors(dual.identity, theirs[0]) if dual and theirs else None
-            token = await bounded(parts.writer.upsert(records, target), deadline, "the write")
+            with step("store"):
+                token = await bounded(parts.writer.upsert(records, target), deadline, "the write")
             return WriteResult(token, len(docs), truncated=truncated, origin=serving.origin)
 
-        return await self._write(write, deadline)
+        with trail(f"upsert of {len(docs)}"):
+            return await self._write(write, deadline)
 
     async def _encode(
         self,
@@ -166,7 +169,8 @@ class DocumentPipeline:
             )
             return WriteResult(token, len(deleted), not_found=tuple(missing), origin=serving.origin)
 
-        return await self._write(write, deadline)
+        with trail(f"delete of {len(ids)}"):
+            return await self._write(write, deadline)
 
     async def _write(
         self, write: Callable[[Serving, Bundle], Awaitable[WriteResult]], deadline: Deadline
@@ -182,7 +186,7 @@ class DocumentPipeline:
         pause = MOVED_BACKOFF_S
         while True:
             started = time.monotonic()
-            with self.source.lease(serving) as parts:
+            with self.source.lease(serving) as parts, step(f"attempt on {serving.generation}"):
                 try:
                     return await write(serving, parts)
                 except GenerationMoved as exc:
@@ -196,13 +200,15 @@ class DocumentPipeline:
                 left = deadline.remaining()
                 if left is not None and left <= pause + max(MOVED_MARGIN_S, 2 * attempt_s):
                     raise _not_taken(moved)
-                await asyncio.sleep(pause)
+                with step("pause"):
+                    await asyncio.sleep(pause)
                 pause = min(2 * pause, MOVED_BACKOFF_MAX_S)
                 serving = await self._reread(moved, deadline)
 
     async def _reread(self, moved: GenerationMoved, deadline: Deadline) -> Serving:
         try:
-            return await bounded(self.source.refresh(), deadline, "reading the alias")
+            with step("alias re-read"):
+                return await bounded(self.source.refresh(), deadline, "reading the alias")
         except DeadlineExceeded:
             raise _not_taken(moved) from None
 

@@ -81,6 +81,7 @@ class Bundle:
     encoder_id: str = ""
     # set once its warm-up ended (or it needed none): a switch to it waits for no more
     warmed: asyncio.Event = field(default_factory=asyncio.Event)
+    warming: bool = False  # its warm-up has begun
 
     def __post_init__(self) -> None:
         if not self.encoder_id:

@@ -105,11 +105,14 @@ class GenerationSource:
         self._refreshing: asyncio.Task[Serving] | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._preparing: asyncio.Task[None] | None = None  # a rollout target's parts
-        self._building: tuple[str, asyncio.Future[Bundle]] | None = None  # ... being built
+        # the one build in flight per generation, shared by a switch and a preparation
+        self._building: dict[str, asyncio.Task[Bundle]] = {}
+        self._switching_to = ""  # the generation a refresh is getting ready to serve
         self._switch_near = False  # the rollout's target is switching: read the alias often
         self._wake = asyncio.Event()  # ends the background loop's sleep early
         self._stopping = False  # closed: the background loop ends at its next turn
         self._closing: set[asyncio.Task[None]] = set()
+        self._warms: set[asyncio.Task[None]] = set()  # warm-ups running
         self._last_error = self._prepare_error = ""  # each logged once while it repeats
 
     @classmethod
@@ -192,7 +195,11 @@ class GenerationSource:
         stops at its next turn. A cancellation of the caller is never swallowed here."""
         self._stopping = True
         self._wake.set()
-        tasks = [t for t in (self._loop_task, self._refreshing, self._preparing) if t]
+        tasks: list[asyncio.Task[object]] = [
+            *(t for t in (self._loop_task, self._refreshing, self._preparing) if t),
+            *self._building.values(),
+            *self._warms,
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -226,7 +233,11 @@ class GenerationSource:
         ):
             return current
         record = await self._reader.generation(alias.serving)
-        bundle = await self._parts(record, warm_s=WARM_INLINE_S if current else 0.0)
+        self._switching_to = record.name  # kept open by any retirement meanwhile
+        try:
+            bundle = await self._parts(record, warm_s=WARM_INLINE_S if current else 0.0)
+        finally:
+            self._switching_to = ""
         serving = Serving(
             record.name,
             alias.epoch,
@@ -258,9 +269,8 @@ class GenerationSource:
         assert self._reader is not None and self._build is not None
         target = await self._reader.rollout_target() or ""
         dropped, self._target = self._target, target
-        serving = self._serving
-        if dropped and dropped != target and serving is not None:  # aborted, or switched
-            self._retire_others({serving.generation, serving.previous or "", target})
+        if dropped and dropped != target:  # aborted, or switched
+            self._retire_current()
         record: Generation | None = None
         if target:
             try:
@@ -283,65 +293,77 @@ class GenerationSource:
 
     async def _parts(self, record: Generation, warm_s: float) -> Bundle:
         """``record``'s parts for a switch to it: the ones open (a prepared target waited
-        for while its warm-up runs, at most ``warm_s``), the background build of them if
-        one is in flight (never a second build), else built here and warmed for at most
+        for while its warm-up runs, at most ``warm_s``), else the one build of them (a
+        background preparation's in flight, or begun here) and warmed for at most
         ``warm_s`` (0: the gateway's start, nothing is served yet)."""
-        assert self._build is not None
         bundle = self._bundles.get(record.name)
         if bundle is None:
-            bundle = await self._build_in_flight(record.name)
-        if bundle is None:
-            built = await self._build(record)
-            bundle = self._bundles.setdefault(record.name, built)
-            if bundle is not built:  # a preparation stored its own meanwhile
-                await built.close()
-            else:
-                if warm_s > 0:
-                    await warm(bundle, warm_s)
+            bundle = await self._built(record)
+            if warm_s <= 0:
                 bundle.warmed.set()
         if warm_s > 0 and not bundle.warmed.is_set():
+            if not bundle.warming:
+                self._warm_later(bundle, warm_s)
             with contextlib.suppress(TimeoutError):
                 await timeouts.wait_for(bundle.warmed.wait(), warm_s)
         return bundle
 
-    async def _build_in_flight(self, name: str) -> Bundle | None:
-        """The parts a background preparation of ``name`` is building, once built (kept
-        as that generation's); None without one, or if it fails."""
-        building = self._building
-        if building is None or building[0] != name:
-            return None
-        try:
-            bundle = await asyncio.shield(building[1])
-        except Exception:  # the preparation reports it; the caller builds its own
-            return None
-        if bundle.closed:  # the preparation dropped it (the rollout moved on): build anew
-            return None
-        return self._bundles.setdefault(name, bundle)
+    async def _built(self, record: Generation) -> Bundle:
+        """``record``'s parts, built once and kept as that generation's: a switch and a
+        background preparation that both want them share the build in flight (whichever
+        began it), and neither's cancellation stops it for the other."""
+        name = record.name
+        task = self._building.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._build_and_keep(record))
+            self._building[name] = task
+
+            def done(finished: asyncio.Task[Bundle]) -> None:
+                if self._building.get(name) is finished:
+                    del self._building[name]
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _build_and_keep(self, record: Generation) -> Bundle:
+        assert self._build is not None
+        built = await self._build(record)
+        bundle = self._bundles.setdefault(record.name, built)
+        if bundle is not built:  # parts of it opened meanwhile by other means
+            await built.close()
+        return bundle
+
+    def _warm_later(self, bundle: Bundle, timeout_s: float) -> asyncio.Task[None]:
+        """Warm ``bundle`` (:func:`warm`, up to ``timeout_s``) in a task of its own, once;
+        its ``warmed`` event is set when that ends."""
+
+        async def warming() -> None:
+            try:
+                await warm(bundle, timeout_s)
+            finally:
+                bundle.warmed.set()
+
+        bundle.warming = True
+        task = asyncio.get_running_loop().create_task(warming())
+        self._warms.add(task)
+        task.add_done_callback(self._warms.discard)
+        return task
 
     async def _prepare(self, record: Generation) -> None:
-        """Build and warm ``record``'s parts (up to WARM_S); keep them unless the rollout
-        named another target meanwhile or a switch built them first. They are kept as
-        soon as they are built, so a switch during the warm-up waits for no second build."""
-        assert self._build is not None
+        """Build (or join the build in flight of) ``record``'s parts and warm them (up to
+        WARM_S), so a switch only swaps a reference; they are kept as soon as they are
+        built. Parts the rollout no longer names once built are retired."""
         target = record.name
-        task = asyncio.ensure_future(self._build(record))
-        self._building = (target, task)
         try:
-            bundle = await task
+            bundle = await self._built(record)
         except (Unavailable, FailedPrecondition) as exc:  # its shards are not up yet
             log.debug("generation %s cannot be prepared yet: %s", target, exc)
             return
-        finally:
-            self._building = None
-        if target not in self._bundles and self._target == target:
-            self._bundles[target] = bundle
-        if self._bundles.get(target) is not bundle:  # built by a switch, or not the target
-            await bundle.close()
+        if self._target != target:  # the rollout moved on while it was built
+            self._retire_current()
             return
-        try:
-            await warm(bundle, WARM_S)
-        finally:
-            bundle.warmed.set()
+        if not bundle.warming and not bundle.warmed.is_set():
+            await self._warm_later(bundle, WARM_S)
         log.info("generation %s (%s) prepared for its switch", target, record.state)
 
     def _prepared(self, task: asyncio.Task[None]) -> None:
@@ -349,7 +371,14 @@ class GenerationSource:
         error = None if task.cancelled() else task.exception()
         self._prepare_error = "" if error is None else self._report(error, self._prepare_error)
 
+    def _retire_current(self) -> None:
+        """Retire every generation neither the alias nor the rollout names."""
+        serving = self._serving
+        if serving is not None:
+            self._retire_others({serving.generation, serving.previous or "", self._target})
+
     def _retire_others(self, keep: set[str]) -> None:
+        keep = keep | {self._switching_to}
         for name in [n for n in self._bundles if n not in keep]:
             bundle = self._bundles.pop(name)
             bundle.retired = True
