@@ -19,8 +19,8 @@ A generation's parts (:class:`Bundle`: encoder, shard router, document reader, l
 writer) are built by an injected factory and warmed (:func:`warm`: one query through its
 encoder and shards) before requests use them: a rollout's target as soon as it catches
 up (:meth:`~GenerationSource.prepare_target`, on each background refresh), so the switch
-only swaps a reference (a switch during that build waits for it rather than building a
-second one, and for the warm-up at most ``WARM_INLINE_S``); otherwise the first time the
+only swaps a reference (a switch and a preparation share one build of a generation's
+parts, whichever begins it, and a switch waits for the warm-up at most ``WARM_INLINE_S``); otherwise the first time the
 alias names it, before the alias is swapped (requests keep the old generation until the
 new one can serve). They are kept
 while the alias names it as serving or previous (a rollback finds them ready) or the
