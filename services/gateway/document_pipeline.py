@@ -94,7 +94,7 @@ class DocumentPipeline:
                 jobs["own"] = self._encode(parts.encoder, texts, cuts, deadline)
             if dual is not None and dual.target not in dual_done:
                 jobs["dual"] = self._dual_encode(dual.encoder, texts, cuts, deadline)
-            with tracing.span("encode") as span, step(f"encode {'+'.join(jobs) or 'none'}"):
+            with tracing.span("encode") as span, step(f"encode {'+'.join(jobs)}", bool(jobs)):
                 if span:
                     span.set_attribute("gtr.documents", len(texts))
                 got = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))

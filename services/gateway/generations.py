@@ -20,9 +20,9 @@ writer) are built by an injected factory and warmed (:func:`warm`: one query thr
 encoder and shards) before requests use them: a rollout's target as soon as it catches
 up (:meth:`~GenerationSource.prepare_target`, on each background refresh), so the switch
 only swaps a reference (a switch and a preparation share one build of a generation's
-parts, whichever begins it, and a switch waits for the warm-up at most ``WARM_INLINE_S``); otherwise the first time the
-alias names it, before the alias is swapped (requests keep the old generation until the
-new one can serve). They are kept
+parts, whichever begins it, and a switch waits for the warm-up at most
+``WARM_INLINE_S``); otherwise the first time the alias names it, before the alias is
+swapped (requests keep the old generation until the new one can serve). They are kept
 while the alias names it as serving or previous (a rollback finds them ready) or the
 rollout names it as its target. A
 generation the alias no longer names (retired, or two switches away) is closed once the

@@ -10,6 +10,7 @@ no-op outside one), so the pipeline's steps need no extra argument. No grpc here
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import logging
@@ -22,7 +23,9 @@ log = logging.getLogger(__name__)
 SLOW_WRITE_S = 2.0
 # how a write ends without an answer of its own: its trail is logged however fast
 UNANSWERED = ("cancelled", "timed out", "DeadlineExceeded")
-_MAX_STEPS = 40  # a trail keeps its first steps; a write that loops says how many more
+# a trail keeps its first and its last steps; a write that loops says how many between
+_HEAD_STEPS = 8
+_TAIL_STEPS = 24
 
 _CURRENT: contextvars.ContextVar[WriteTrail | None] = contextvars.ContextVar(
     "gtr_write_trail", default=None
@@ -35,14 +38,17 @@ class WriteTrail:
     def __init__(self, what: str) -> None:
         self.what = what
         self.started = time.monotonic()
-        self.steps: list[str] = []
+        self.head: list[str] = []
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_STEPS)
         self.dropped = 0
 
     def add(self, text: str) -> None:
-        if len(self.steps) < _MAX_STEPS:
-            self.steps.append(text)
-        else:
+        if len(self.head) < _HEAD_STEPS:
+            self.head.append(text)
+            return
+        if len(self.tail) == self.tail.maxlen:
             self.dropped += 1
+        self.tail.append(text)
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
@@ -52,14 +58,14 @@ class WriteTrail:
         took = self.elapsed_s()
         if took < SLOW_WRITE_S and outcome not in UNANSWERED:
             return
-        more = f" (+{self.dropped} more)" if self.dropped else ""
+        steps = [*self.head, *([f"... {self.dropped} steps ..."] if self.dropped else [])]
+        steps += self.tail
         log.warning(
-            "slow write: %s ended %s after %.0f ms: %s%s",
+            "slow write: %s ended %s after %.0f ms: %s",
             self.what,
             outcome,
             took * 1000,
-            "; ".join(self.steps) or "no step ended",
-            more,
+            "; ".join(steps) or "no step ended",
         )
 
 
@@ -80,10 +86,11 @@ def trail(what: str) -> Iterator[WriteTrail]:
 
 
 @contextlib.contextmanager
-def step(what: str) -> Iterator[None]:
-    """Time ``what`` in the current write's trail (nothing outside a write)."""
+def step(what: str, timed: bool = True) -> Iterator[None]:
+    """Time ``what`` in the current write's trail (nothing outside a write, or when not
+    ``timed``: a step with nothing to do)."""
     current = _CURRENT.get()
-    if current is None:
+    if current is None or not timed:
         yield
         return
     began = time.monotonic()

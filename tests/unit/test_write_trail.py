@@ -70,3 +70,19 @@ def test_steps_outside_a_write_are_ignored(caplog: pytest.LogCaptureFixture) -> 
     with step("encode own"):
         pass
     assert caplog.records == []
+
+
+def test_a_write_that_loops_keeps_its_first_and_last_steps(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(write_trail, "SLOW_WRITE_S", 0.0)
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    total = write_trail._HEAD_STEPS + write_trail._TAIL_STEPS + 5
+    with trail("upsert of 1"):
+        for n in range(total):
+            with step(f"pause {n}"):
+                pass
+    message = caplog.records[0].getMessage()
+    assert "pause 0 at" in message and f"pause {total - 1} at" in message, message
+    assert "... 5 steps ..." in message, message
+    assert f"pause {write_trail._HEAD_STEPS} at" not in message, message
