@@ -1,7 +1,9 @@
-"""The ``switch`` phase: close the source's writer gates, replay to its final tails, wait
-until the target's replicas applied the target's tails, move the alias (the target's tails
-as its ``switch_in``), open the target's gates, and hold every write since the switch for a
-rollback (``rollback:<S>`` on the target's logs) until the source is retired."""
+"""The ``switch`` phase: wait (writes open, the replay going on) until the target's
+replicas serve and applied the target's logs, close the source's writer gates, replay to
+its final tails, wait until the target's replicas applied the target's tails, move the
+alias (the target's tails as its ``switch_in``), open the target's gates, and hold every
+write since the switch for a rollback (``rollback:<S>`` on the target's logs) until the
+source is retired."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ async def run_switch(ctx: RolloutContext) -> None:
     target, source = ctx.target(), ctx.source()
     tgt, src = ctx.keys(target), ctx.keys(source)
     if ctx.registry.alias().serving != target.name:
+        await replicas_ready(ctx, target)
         await handed_over(ctx, target)
         await _switch_alias(ctx, target, source)
     ctx.registry.set_gates(tgt.layout, target.name)
@@ -90,6 +93,24 @@ async def handed_over(ctx: RolloutContext, target: Generation) -> None:
         await asyncio.sleep(0.05)
 
 
+async def replicas_ready(ctx: RolloutContext, target: Generation) -> None:
+    """Before the source's writes are closed: replay S's logs while T's replicas come up
+    and apply what T's logs hold, for at most ``shard_wait_s``. A new generation's shard
+    processes start once it is trained and take seconds to serve; a reshard reaches its
+    switch sooner than that, and waited for with the writes closed, every write paused
+    as long (2 s, test_generations_e2e's reshard). Not ready in time: the switch waits
+    again with the writes closed, as before."""
+    if not ctx.options.wait_for_shards:
+        return
+    tgt = ctx.keys(target)
+    deadline = time.monotonic() + ctx.options.shard_wait_s
+    while time.monotonic() < deadline:
+        if await _all_applied(ctx, target, logs.tails(ctx.client, tgt)):
+            return
+        await asyncio.sleep(0.2)
+        await replay(ctx, until=None)  # the writes meanwhile: the closed replay stays short
+
+
 async def target_applied(ctx: RolloutContext, target: Generation, tails: dict[int, str]) -> bool:
     """True once every replica of T's shards applied ``tails`` (or, without waiting for
     shards, at once)."""
@@ -97,17 +118,22 @@ async def target_applied(ctx: RolloutContext, target: Generation, tails: dict[in
         return True
     deadline = time.monotonic() + ctx.options.shard_wait_s
     while time.monotonic() < deadline:
-        spec = ctx.registry.addresses(target.name)
-        if spec:
-            applied = await _applied(ctx, spec)
-            if len(applied) == len(tails) and all(
-                replicas
-                and all(p is not None and positions.at_least(p, tails[s]) for p in replicas)
-                for s, replicas in enumerate(applied)
-            ):
-                return True
+        if await _all_applied(ctx, target, tails):
+            return True
         await asyncio.sleep(0.2)
     return False
+
+
+async def _all_applied(ctx: RolloutContext, target: Generation, tails: dict[int, str]) -> bool:
+    """Whether every replica of T's shards (by their recorded addresses) applied ``tails``."""
+    spec = ctx.registry.addresses(target.name)
+    if not spec:
+        return False
+    applied = await _applied(ctx, spec)
+    return len(applied) == len(tails) and all(
+        replicas and all(p is not None and positions.at_least(p, tails[s]) for p in replicas)
+        for s, replicas in enumerate(applied)
+    )
 
 
 async def _applied(ctx: RolloutContext, spec: str) -> list[list[str | None]]:

@@ -492,6 +492,30 @@ def test_switch_gives_the_writes_back_when_the_target_replicas_lag(
     assert registry.get("g2").state == "catching_up"
 
 
+def test_switch_closes_the_writes_only_once_the_target_replicas_serve(
+    store: Any, tmp_path: Path
+) -> None:
+    """T's shard processes start once it is trained and take seconds to serve: the switch
+    waits for them with the source's writes open (they were closed all that while: every
+    write paused 2 s at test_generations_e2e's reshard)."""
+    gates_seen: list[set[str]] = []
+
+    async def replicas_starting(spec: str) -> list[list[str | None]]:
+        gates_seen.append({Registry(store).gate(G1.layout, s) for s in range(2)})
+        if len(gates_seen) <= 3:  # not serving yet
+            return [[None], [None]]
+        tails = logs.tails(store, G2)
+        return [[tails[0]], [tails[1]]]
+
+    ctx = _ready_to_switch(
+        store, tmp_path, applied=replicas_starting, wait_for_shards=True, shard_wait_s=30
+    )
+    Registry(store).set_addresses("g2", "127.0.0.1:1;127.0.0.1:2")
+    _run(ctx, run_switch)
+    assert Registry(store).alias().serving == "g2"
+    assert gates_seen[:3] == [{"g1"}] * 3, f"the writes were closed while T started: {gates_seen}"
+
+
 # --- rollback, abort, retire -----------------------------------------------------------
 
 
