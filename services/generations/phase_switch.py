@@ -102,10 +102,12 @@ async def replicas_ready(ctx: RolloutContext, target: Generation) -> None:
     again with the writes closed, as before."""
     if not ctx.options.wait_for_shards:
         return
-    tgt = ctx.keys(target)
+    # what T's logs hold now: a mark that stays put while the replay appends the writes
+    # that go on (replicas always a step behind the newest tails would never be ready)
+    mark = logs.tails(ctx.client, ctx.keys(target))
     deadline = time.monotonic() + ctx.options.shard_wait_s
     while time.monotonic() < deadline:
-        if await _all_applied(ctx, target, logs.tails(ctx.client, tgt)):
+        if await _all_applied(ctx, target, mark):
             return
         await asyncio.sleep(0.2)
         await replay(ctx, until=None)  # the writes meanwhile: the closed replay stays short

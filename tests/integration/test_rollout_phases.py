@@ -59,6 +59,7 @@ from tests.support.hash_store import (
     hash_encoders,
     vector,
     write,
+    write_async,
 )
 
 NEW = EncoderSpec("embed", 2, DIM, "hash-v2", "hash")
@@ -493,27 +494,36 @@ def test_switch_gives_the_writes_back_when_the_target_replicas_lag(
 
 
 def test_switch_closes_the_writes_only_once_the_target_replicas_serve(
-    store: Any, tmp_path: Path
+    store: Any, tmp_path: Path, redis_url: str
 ) -> None:
     """T's shard processes start once it is trained and take seconds to serve: the switch
     waits for them with the source's writes open (they were closed all that while: every
     write paused 2 s at test_generations_e2e's reshard)."""
     gates_seen: list[set[str]] = []
+    applied: dict[int, str] = {}
 
     async def replicas_starting(spec: str) -> list[list[str | None]]:
+        """Not serving for 3 polls; then each poll applies what T's logs held at the
+        poll before, while a write arrives on S between polls (the replicas are always a
+        step behind the newest tails, as running replicas are)."""
         gates_seen.append({Registry(store).gate(G1.layout, s) for s in range(2)})
-        if len(gates_seen) <= 3:  # not serving yet
-            return [[None], [None]]
-        tails = logs.tails(store, G2)
-        return [[tails[0]], [tails[1]]]
+        if gates_seen[-1] == {"g1"}:
+            await write_async(redis_url, G1, [doc(200 + len(gates_seen), "meanwhile")])
+        answer: list[list[str | None]] = [[None], [None]]  # not serving yet
+        if len(gates_seen) > 3:
+            answer = [[applied.get(s)] for s in range(2)]
+        applied.update(logs.tails(store, G2))
+        return answer
 
     ctx = _ready_to_switch(
-        store, tmp_path, applied=replicas_starting, wait_for_shards=True, shard_wait_s=30
+        store, tmp_path, applied=replicas_starting, wait_for_shards=True, shard_wait_s=10
     )
     Registry(store).set_addresses("g2", "127.0.0.1:1;127.0.0.1:2")
     _run(ctx, run_switch)
     assert Registry(store).alias().serving == "g2"
     assert gates_seen[:3] == [{"g1"}] * 3, f"the writes were closed while T started: {gates_seen}"
+    # and closed as soon as the replicas serve, though the writes go on meanwhile
+    assert gates_seen.index({CLOSED}) <= 5, gates_seen
 
 
 # --- rollback, abort, retire -----------------------------------------------------------
