@@ -30,7 +30,7 @@ from services.encoder.texts import cut_for_encoder
 from services.gateway import validation
 from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded
 from services.gateway.domain import Document, WriteResult
-from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S
+from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S, DualTarget
 from services.gateway.generation_parts import Bundle, Serving
 from services.gateway.generations import GenerationSource
 from services.gateway.ports import DocRecord, Encoder, TargetVectors
@@ -93,7 +93,7 @@ class DocumentPipeline:
             if dual_done.get(serving.generation) is None and parts.encoder_id not in own:
                 jobs["own"] = self._encode(parts.encoder, texts, cuts, deadline)
             if dual is not None and dual.target not in dual_done:
-                jobs["dual"] = self._dual_encode(dual.encoder, texts, cuts, deadline)
+                jobs["dual"] = self._dual_encode(dual, texts, cuts, deadline)
             with tracing.span("encode") as span, step(f"encode {'+'.join(jobs)}", bool(jobs)):
                 if span:
                     span.set_attribute("gtr.documents", len(texts))
@@ -139,22 +139,36 @@ class DocumentPipeline:
 
     async def _dual_encode(
         self,
-        encoder: Encoder,
+        dual: DualTarget,
         texts: list[str],
         cuts: list[tuple[str, bool]],
         deadline: Deadline,
     ) -> tuple[np.ndarray, int] | None:
-        """:meth:`_encode` with a rollout target's encoder, bounded by
+        """:meth:`_encode` with a rollout target's encoder (held while it runs: switched
+        off meanwhile, it is closed after), bounded by
         :data:`~services.gateway.dual_write.DUAL_ENCODE_TIMEOUT_S`; None (counted,
         logged, the write goes on without) when it fails or is late."""
         left = deadline.remaining()
         limit = DUAL_ENCODE_TIMEOUT_S if left is None else min(DUAL_ENCODE_TIMEOUT_S, left)
         try:
-            async with asyncio.timeout(limit):
-                out = await self._encode(encoder, texts, cuts, deadline)
+            with self.source.dual.lease(dual) as encoder:
+                async with asyncio.timeout(limit):
+                    out = await self._encode(encoder, texts, cuts, deadline)
         except (RetrievalError, TimeoutError) as exc:
             self.on_dual("failed")
-            log.info("dual write: the rollout target's encode failed (%s); logged without", exc)
+            log.info(
+                "dual write: the rollout target's encode failed (%s: %s); logged without",
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():  # this write itself is cancelled
+                raise
+            # the call was cancelled under it (its client closed): a failed dual encode
+            self.on_dual("failed")
+            log.warning("dual write: the rollout target's encode was cancelled; logged without")
             return None
         self.on_dual("encoded")
         return out

@@ -15,6 +15,12 @@ ends (switch, abort) or the alias names the target, and a write asks for the dua
 encoder of the generation it writes to only (:meth:`DualWrites.current`), so a write
 retried into the new generation after a switch takes none.
 
+Switching it off never cuts a dual encode in flight: each one holds its target
+(:meth:`DualWrites.lease`), and the target's encoder is closed after the last of them
+ends. (It was closed at once, and closing a Triton client cancels its calls in flight: the
+write's handler ended cancelled, gRPC sent its caller nothing, and the caller's upsert
+ran into its own deadline, test_generations_e2e at a switch.)
+
 What a failure costs: the second encode is bounded (:data:`DUAL_ENCODE_TIMEOUT_S`, and
 the write's deadline); when it fails or is late the write is logged without the target's
 vectors and acknowledged as always, never failed for the rollout's sake: the catch-up
@@ -23,9 +29,11 @@ re-embeds such an entry. No acknowledged write depends on it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 
 from services.common.errors import RetrievalError
 from services.gateway.ports import Encoder
@@ -43,7 +51,7 @@ DUAL_STATES = ("building", "catching_up", "switching")
 EncoderFactory = Callable[[Generation], Awaitable[tuple[Encoder, bool]]]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class DualTarget:
     """Upserts to ``source`` are encoded for ``target`` too, with ``encoder``."""
 
@@ -52,6 +60,8 @@ class DualTarget:
     identity: str  # the target's EncoderSpec.identity(), logged as the entry's ``tenc``
     encoder: Encoder
     owned: bool
+    users: int = field(default=0, compare=False)  # dual encodes in flight
+    stopped: bool = field(default=False, compare=False)  # off: closed after its last user
 
 
 def wanted(serving: Generation | None, target: Generation | None) -> bool:
@@ -72,6 +82,19 @@ class DualWrites:
     def __init__(self, encoders: EncoderFactory | None) -> None:
         self._encoders = encoders
         self._current: DualTarget | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @contextlib.contextmanager
+    def lease(self, dual: DualTarget) -> Iterator[Encoder]:
+        """``dual``'s encoder for one dual encode: switched off meanwhile, it is closed
+        only after the last encode holding it ends."""
+        dual.users += 1
+        try:
+            yield dual.encoder
+        finally:
+            dual.users -= 1
+            if dual.stopped and dual.users == 0:
+                self._close_later(dual)
 
     def current(self, serving: str) -> DualTarget | None:
         """The dual target of upserts written to ``serving`` now (None: no dual write)."""
@@ -115,11 +138,25 @@ class DualWrites:
         if dual is None:
             return
         log.info("dual write off (%s's rollout to %s)", dual.source, dual.target)
-        if dual.owned:
-            try:
-                await dual.encoder.close()
-            except Exception:  # closing must not stop the refresh
-                log.exception("closing the dual write's encoder of %s", dual.target)
+        dual.stopped = True
+        if dual.users == 0:
+            await self._close(dual)
+
+    def _close_later(self, dual: DualTarget) -> None:
+        task = asyncio.get_running_loop().create_task(self._close(dual))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close(dual: DualTarget) -> None:
+        if not dual.owned:
+            return
+        try:
+            await dual.encoder.close()
+        except Exception:  # closing must not stop the refresh
+            log.exception("closing the dual write's encoder of %s", dual.target)
 
     async def close(self) -> None:
         await self._stop()
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)

@@ -192,7 +192,8 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
         traced: bool = True,
     ) -> AsyncIterator[None]:
         """Around one call (unary or stream): domain errors abort with their status code,
-        anything else with INTERNAL; the call's code and latency go to the metrics. With
+        a cancellation that is not the call's own with UNAVAILABLE, anything else with
+        INTERNAL; the call's code and latency go to the metrics. With
         tracing on (``traced``: not a long-lived stream, whose messages have spans of
         their own), the call is a SERVER span, the child of the caller's ``traceparent``,
         and its latency observation keeps the trace id as an exemplar."""
@@ -216,8 +217,16 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
                     log.warning("%s %s: %s", details.method, code.name, exc.message)
                 await context.abort(code, message, trailing_metadata=trailing_metadata(exc))
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
+                if _cancelled_by_caller(context):
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                # a call inside ended cancelled (its channel closed under it), not this
+                # one: answered, or the caller would wait for its own deadline
+                code = grpc.StatusCode.UNAVAILABLE
+                log.warning("%s: an inner call was cancelled", details.method, exc_info=True)
+                await context.abort(
+                    code, "interrupted inside the server (an inner call was cancelled); try again"
+                )
             except Exception as exc:
                 code = grpc.StatusCode.INTERNAL
                 log.exception("unhandled error in %s", details.method)
@@ -234,6 +243,19 @@ class ErrorAndLatencyInterceptor(HandlerInterceptor):
                     self._metrics.observe(
                         method, code.name, time.perf_counter() - start, exemplar=tracing.exemplar()
                     )
+
+
+def _cancelled_by_caller(context: grpc.aio.ServicerContext) -> bool:
+    """Whether a CancelledError in a handler is the call's own cancellation (the caller
+    cancelled, its deadline passed, the server stops: gRPC cancels the handler's task)
+    rather than one raised by an inner call cancelled under it."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        return True
+    try:
+        return bool(context.cancelled())
+    except Exception:  # a context without the call's state: take it as the call's own
+        return True
 
 
 # The codes that mark a server span as failed (OpenTelemetry's RPC conventions): the

@@ -27,17 +27,25 @@ RAISES: dict[str, Exception] = {
 
 
 class _Echo(rerank_pb2_grpc.RerankServiceServicer):
+    def __init__(self) -> None:
+        self.inner: grpc.aio.Channel | None = None  # a channel to a server that never answers
+        self.calling = asyncio.Event()  # an inner call is in flight
+
     async def Rerank(self, request: Any, context: Any) -> rerank_pb2.RerankResponse:
         if request.query in RAISES:
             raise RAISES[request.query]
+        if request.query == "inner" and self.inner is not None:
+            call = self.inner.unary_unary("/never.Answers/Call")(b"", timeout=60)
+            self.calling.set()
+            await call  # its channel closed under it: grpc.aio raises CancelledError here
         return rerank_pb2.RerankResponse(model=request.query)
 
 
-async def _with_server(body: Any) -> CollectorRegistry:
+async def _with_server(body: Any, echo: _Echo | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
 
     def register(server: grpc.aio.Server) -> list[str]:
-        rerank_pb2_grpc.add_RerankServiceServicer_to_server(_Echo(), server)
+        rerank_pb2_grpc.add_RerankServiceServicer_to_server(echo or _Echo(), server)
         return ["retrieval.v1.RerankService"]
 
     server, port = await create_server(
@@ -73,6 +81,38 @@ def test_domain_errors_map_to_status_codes(query: str, code: grpc.StatusCode) ->
             assert err.value.details() == str(RAISES[query])
 
     asyncio.run(_with_server(body))
+
+
+def test_an_inner_call_cancelled_under_a_handler_answers_unavailable_at_once() -> None:
+    """A handler's own call to another server is cancelled under it (that client's
+    channel closed, as a generation's encoder is at a switch): grpc.aio raises
+    CancelledError in the handler, which is not the caller's cancellation. The caller
+    gets UNAVAILABLE now; it got nothing, and waited for its own deadline (an upsert in
+    test_generations_e2e)."""
+    echo = _Echo()
+
+    async def body(channel: grpc.aio.Channel) -> None:
+        silent = grpc.aio.server()  # accepts the call and never answers it
+        port = silent.add_insecure_port("127.0.0.1:0")
+        await silent.start()
+        echo.inner = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            call = rerank_pb2_grpc.RerankServiceStub(channel).Rerank(
+                rerank_pb2.RerankRequest(query="inner"), timeout=10
+            )
+            await echo.calling.wait()
+            await echo.inner.close()  # cancels the inner call in flight
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            waited = asyncio.get_running_loop().time() - started
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert "inner call was cancelled" in (err.value.details() or "")
+            assert waited < 8, f"answered only at the caller's deadline ({waited:.1f} s)"
+        finally:
+            await silent.stop(0)
+
+    asyncio.run(_with_server(body, echo))
 
 
 def test_malformed_bytes_and_wrong_wire_types_are_invalid_argument() -> None:
