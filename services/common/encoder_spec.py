@@ -27,10 +27,15 @@ class EncoderSpec:
 
     def identity(self) -> str:
         """What decides a document's vector: the model, the version (0 read as 1, as
-        above), the width, the weights' digest and the checkpoint folder (an in-process
-        encoder has no version nor digest, only its folder). Two generations whose
-        identities are equal give every text the same vector: a rollout between them
-        reuses the change log's vectors instead of encoding again, and a vector the
-        gateway logged for a rollout's target names the target's encoder by it
-        (docs/generations.md, "Catch-up under writes")."""
-        return f"{self.model}@{self.version or 1}/{self.dim}#{self.digest}|{self.source}"
+        above), the width and the weights' digest; the checkpoint folder only when there
+        is no digest (an in-process encoder has no version nor digest, only its folder).
+        With a digest the folder is only the record of where it was exported from: the
+        same weights published from another folder are served by the same Triton
+        version, and counting the folder made a rollout to them encode every document
+        and every write again on the serving version (``bench.rollout`` on a reused run
+        dir). Two generations whose identities are equal give every text the same
+        vector: a rollout between them reuses the change log's vectors instead of
+        encoding again, and a vector the gateway logged for a rollout's target names the
+        target's encoder by it (docs/generations.md, "Catch-up under writes")."""
+        where = self.digest if self.digest else f"|{self.source}"
+        return f"{self.model}@{self.version or 1}/{self.dim}#{where}"

@@ -265,6 +265,16 @@ def test_an_encoders_identity_reads_version_0_as_1_and_tells_other_weights_apart
         EncoderSpec("embed", 2, 384, "abc"),
         EncoderSpec("embed", 1, 384, "def"),
         EncoderSpec("embed", 1, 768, "abc"),
-        EncoderSpec("embed", 1, 384, "abc", "/checkpoints/other"),
     ):
         assert other.identity() != first.identity()
+    # the same weights, exported from another folder: the same version serves them
+    assert EncoderSpec("embed", 1, 384, "abc", "/checkpoints/other").identity() == (
+        EncoderSpec("embed", 1, 384, "abc", "/checkpoints/first").identity()
+    )
+    # without a digest (an in-process encoder) the folder is all that tells them apart
+    assert EncoderSpec("m", 0, 384, "", "/a").identity() != (
+        EncoderSpec("m", 0, 384, "", "/b").identity()
+    )
+    assert EncoderSpec("m", 0, 384, "", "/a").identity() != (
+        EncoderSpec("m", 0, 384, "/a").identity()  # a digest that reads like a folder
+    )
