@@ -18,15 +18,17 @@ import pytest
 import redis
 
 from retrieval.v1 import common_pb2, index_pb2, index_pb2_grpc
+from services.common import positions
 from services.common.domain import IndexResult
 from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.common.positions import WriteToken, merge_tokens
 from services.index import convert
+from services.index.changelog import text
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, IndexQuery
 from services.index.core.trained import Manifest
-from services.index.keys import replicas_seen_key, snapshot_positions_key
+from services.index.keys import log_key, replicas_seen_key, snapshot_positions_key
 from tests.support.log_end import log_end_moved
 from tests.support.processes import wait_until
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
@@ -248,11 +250,28 @@ def _session_at(position: str) -> Callable[[index_pb2.ShardSearchRequest], None]
         (_session_at("soon"), "position"),
     ],
 )
+def settled(redis_url: str, address: str, shard: int = 0) -> index_pb2.ShardStats:
+    """A replica's stats once it has applied its shard log's last entry: the earlier
+    tests' writes reach each replica on its own schedule (a CI run saw replica 0 apply
+    one in the middle of a test that compares its position before and after)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        last = client.xrevrange(log_key(shard), count=1)
+    finally:
+        client.close()
+    end = text(last[0][0]) if last else "0-0"  # type: ignore[index, arg-type]
+    wait_until(
+        lambda: positions.at_least(stats(address).applied_position or "0-0", end),
+        f"the replica at {address} applied its log to {end}",
+    )
+    return stats(address)
+
+
 def test_invalid_requests_are_invalid_argument_and_change_nothing(
-    cluster: ShardCluster, vectors: np.ndarray, mutate: object, message: str
+    cluster: ShardCluster, vectors: np.ndarray, mutate: object, message: str, module_redis: str
 ) -> None:
     replica = cluster.replica(0)
-    before = stats(replica.address)
+    before = settled(module_redis, replica.address)
     request = index_pb2.ShardSearchRequest(
         shard=0, queries=convert.vectors_to_pb(vectors[:1]), k=10
     )
