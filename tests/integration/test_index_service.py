@@ -236,20 +236,6 @@ def _session_at(position: str) -> Callable[[index_pb2.ShardSearchRequest], None]
     return mutate
 
 
-@pytest.mark.parametrize(
-    ("mutate", "message"),
-    [
-        (_queries(np.ones((1, 100), np.float32)), "dimension"),
-        (_queries(np.full((1, 384), np.nan, np.float32)), "NaN"),
-        (_queries(np.full((1, 384), np.inf, np.float32)), "NaN"),
-        (lambda r: setattr(r, "k", 0), "k"),
-        (lambda r: setattr(r, "k", 1001), "k"),
-        (lambda r: setattr(r, "nprobe", 100_000), "nprobe"),
-        (lambda r: setattr(r, "shard", 7), "shard"),
-        (lambda r: setattr(r.queries, "count", 2), "bytes"),
-        (_session_at("soon"), "position"),
-    ],
-)
 def settled(redis_url: str, address: str, shard: int = 0) -> index_pb2.ShardStats:
     """A replica's stats once it has applied its shard log's last entry: the earlier
     tests' writes reach each replica on its own schedule (a CI run saw replica 0 apply
@@ -267,6 +253,20 @@ def settled(redis_url: str, address: str, shard: int = 0) -> index_pb2.ShardStat
     return stats(address)
 
 
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_queries(np.ones((1, 100), np.float32)), "dimension"),
+        (_queries(np.full((1, 384), np.nan, np.float32)), "NaN"),
+        (_queries(np.full((1, 384), np.inf, np.float32)), "NaN"),
+        (lambda r: setattr(r, "k", 0), "k"),
+        (lambda r: setattr(r, "k", 1001), "k"),
+        (lambda r: setattr(r, "nprobe", 100_000), "nprobe"),
+        (lambda r: setattr(r, "shard", 7), "shard"),
+        (lambda r: setattr(r.queries, "count", 2), "bytes"),
+        (_session_at("soon"), "position"),
+    ],
+)
 def test_invalid_requests_are_invalid_argument_and_change_nothing(
     cluster: ShardCluster, vectors: np.ndarray, mutate: object, message: str, module_redis: str
 ) -> None:
