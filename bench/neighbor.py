@@ -57,7 +57,12 @@ OTHER_CPU = 1
 def _neighbour(
     kind: str, cpu: int, idle: bool, onnx_path: str, docs: list[str], ready: Any
 ) -> None:
-    """Encode ``docs`` round and round (``kind`` "encode") or spin, on ``cpu``, until killed."""
+    """Encode ``docs`` round and round (``kind`` "encode") or spin, on ``cpu``, until killed
+    (or the bench dies: a bench killed by ``timeout`` must not leave it spinning)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     os.sched_setaffinity(0, {cpu})
     if idle:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
