@@ -13,7 +13,8 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   20 ms), re-embedded through Triton with the new model version while the searches go on
   (``--sample`` documents are encoded in the train phase before it, not counted);
 * ``inprocess_docs_per_s``: the same documents' texts encoded in this process by the same
-  model (its ONNX export, ONNX Runtime, batches of ``--batch``) on the CPUs the rollout is
+  model (its ONNX export, ONNX Runtime, batches of ``--batch``, run one document per
+  graph run when its documents are int8) on the CPUs the rollout is
   given (``--cpus``), with as many threads: the same compute, so the ratio measures the
   re-embedding pipeline (Redis, Triton, the appends), not the budget; measured before and
   after the rollout in the same run (the mean). ``inprocess_every_cpu_docs_per_s``: the
@@ -41,6 +42,11 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   (``bench/cpu_roles.py``: the client, the gateway, each generation's shards, each encoder
   version's Triton stub, Redis, the builder), the whole machine's busy cores and ``other``
   (what the rest of the machine used: a run beside another job says so here).
+
+``--document-precision`` (default int8, as ``up`` serves): the stack's documents and the
+new encoder's (exported with int8 queries and documents, its gates measured on SciFact,
+and rolled out as that export folder); ``fp32`` for both FP32. Kept as
+``document_precision``.
 
 ``--retrain`` rolls out ``index rollout --retrain`` instead (no in-process baseline;
 ``bench/results/rollout_retrain_writes.json``).
@@ -359,6 +365,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "last CPU of this machine), a CPU list, or 'none' (no budget: every process on "
         "every CPU)",
     )
+    parser.add_argument(
+        "--document-precision",
+        choices=["int8", "fp32"],
+        default="int8",
+        help="documents of both encoders: int8 (default, as `up` serves them: the stack's "
+        "export and the new encoder's, one document per run) or fp32",
+    )
     parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
     parser.add_argument("--out", type=Path, default=None, help="bench/results/rollout.json")
     args = parser.parse_args(argv)
@@ -368,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from services.encoder.build.export import export_onnx
+    from services.encoder.build.query_int8 import export_with_int8_query
     from tests.support.encoders import ensure_second_encoder
     from tests.support.local_stack import local_stack, queries, small_corpus
     from tests.support.steady_load import SteadyLoad
@@ -387,7 +401,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.retrain:
             encoder = args.encoder or ensure_second_encoder(tmp)
             what = ["--encoder", str(encoder)]
-            export_onnx(encoder, onnx_path)
+            if args.document_precision == "int8":
+                # exported as `up`'s default: int8 queries and documents, its quality gate
+                # measured on SciFact (minutes: the corpus through the int8 graph); the
+                # export folder is what the rollout publishes
+                print("exporting the new encoder with int8 queries and documents (gated)")
+                export_with_int8_query(encoder, onnx_path, SCIFACT, documents=True)
+                what = ["--encoder", str(onnx_path.parent)]
+            else:
+                export_onnx(encoder, onnx_path)
             whole = inprocess_docs_per_s(onnx_path, texts, args.batch, len(machine))
             print(f"in-process ONNX on every CPU ({len(machine)} threads): {whole:.1f} docs/s")
             inproc = [_inprocess_on(budget, onnx_path, texts, args.batch, threads)]
@@ -400,7 +422,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_dir = args.run_dir or tmp / "run"
         print(f"starting the stack on {args.docs} documents ({run_dir})", flush=True)
         with (
-            local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2) as stack,
+            local_stack(
+                run_dir,
+                tmp / "up.log",
+                corpus=corpus,
+                shards=2,
+                extra=["--document-precision", args.document_precision],
+            ) as stack,
             RoleCpu(os.getpid()) as cpu,
         ):
             if budget:  # the client stands in for callers on other machines: off the budget
@@ -513,6 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     result |= writes
     result["mode"] = "retrain" if args.retrain else "encoder"
+    result["document_precision"] = args.document_precision
     result["pace"] = args.pace or "default"
     result["pacing"] = pacing_summary(f"{done.stdout}\n{done.stderr}")
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)

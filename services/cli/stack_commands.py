@@ -67,6 +67,19 @@ def add_cli(sub: Any) -> None:
         "generation g1 records. --encoder inprocess (PyTorch) is fp32 only.",
     )
     up.add_argument(
+        "--document-precision",
+        choices=["auto", "int8", "fp32"],
+        default="auto",
+        help="Triton's document tower. auto (default): int8 when its gates pass and the "
+        "queries are int8, else fp32 (saying why); a run dir whose first `up` exported fp32 "
+        "documents stays fp32 (its stored vectors are FP32's). int8: documents through the "
+        "int8 query graph too (`encoder export --document-precision int8`), one document "
+        "per run: about a third of the CPU per document encode (every upsert, and a "
+        "rollout's re-embedding); gated like the query tower (dev nDCG@10 of int8 queries "
+        "over int8 documents within 0.003 of FP32), refused if a gate fails; figures in "
+        "<run-dir>/export-int8-docs/query_int8.json. Needs int8 queries.",
+    )
+    up.add_argument(
         "--query-encoder",
         choices=["gateway", "triton"],
         default="gateway",
@@ -213,10 +226,16 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         raise SystemExit("error: --max-in-flight is a count of requests (0 = no limit)")
     if not 0.0 <= args.trace_sample_ratio <= 1.0:
         raise SystemExit("error: --trace-sample-ratio is a share of requests, 0..1")
-    if args.query_precision == "int8" and args.encoder != "triton":
+    for flag in ("query_precision", "document_precision"):
+        if getattr(args, flag) == "int8" and args.encoder != "triton":
+            raise SystemExit(
+                f"error: --{flag.replace('_', '-')} int8 is the Triton encoder's ONNX int8 "
+                "graph; --encoder inprocess runs the PyTorch model (fp32 only)"
+            )
+    if args.document_precision == "int8" and args.query_precision == "fp32":
         raise SystemExit(
-            "error: --query-precision int8 is the Triton encoder's ONNX query tower; "
-            "--encoder inprocess runs the PyTorch model (fp32 only)"
+            "error: --document-precision int8 comes with int8 queries (their quality is "
+            "measured as a pair); drop --query-precision fp32"
         )
     return config_from_args(
         StackConfig,

@@ -80,6 +80,10 @@ class StackConfig:
     # whose first `up` exported FP32, FP32 (triton_component.onnx_export); the in-process
     # encoder (PyTorch) is FP32 whatever this says
     query_precision: Literal["auto", "fp32", "int8"] = "auto"
+    # documents through the same int8 graph (document_int8.py; needs int8 queries):
+    # "auto" = when its gates pass, and for a run dir whose first `up` exported FP32
+    # documents, FP32 (its stored vectors are FP32's)
+    document_precision: Literal["auto", "fp32", "int8"] = "auto"
     # who runs a query's graph with the Triton encoder: the gateway, from the model
     # repository's version Triton serves (services/encoder/runtime/local_queries.py), or
     # Triton; documents always go to Triton

@@ -18,57 +18,85 @@ if TYPE_CHECKING:
 Say = Callable[[str], None]
 
 
-EXPORT_DIRS = {"fp32": "export", "int8": "export-int8"}
+# (query precision, document precision) → the run dir's export folder, in the order
+# "auto" prefers them
+EXPORT_DIRS = {
+    ("int8", "int8"): "export-int8-docs",
+    ("int8", "fp32"): "export-int8",
+    ("fp32", "fp32"): "export",
+}
 
 
 def onnx_export(cfg: StackConfig, say: Say) -> Path:
     """The ONNX export of the default model, made once and cached under the run dir:
-    ``export/`` (FP32) or ``export-int8/`` (with the int8 query tower, whose gates refuse
-    it with FailedPrecondition; the gates' figures in its ``query_int8.json``).
+    ``export/`` (FP32), ``export-int8/`` (the int8 query tower) or ``export-int8-docs/``
+    (the int8 graph serving documents too); an int8 export's gates refuse it with
+    FailedPrecondition, their figures in its ``query_int8.json``.
 
-    ``query_precision`` "auto" (``up``'s default): the export a run dir already has (the
-    one its first ``up`` made, whose digest generation g1 records), else the int8 one
-    when its gates pass (with no BEIR data: the quality result committed for the default
-    model's graphs, services/encoder/build/int8_record.py), else FP32, saying why."""
-    from services.common.errors import FailedPrecondition
+    "auto" (``up``'s default for both precisions): the export a run dir already has (the
+    one its first ``up`` made, whose digest generation g1 records, and whose document
+    vectors the stored indexes hold), else the most int8 one whose gates pass (with no
+    BEIR data: the quality result committed for the default model's graphs,
+    services/encoder/build/int8_record.py), saying why each refused one was."""
+    from services.common.errors import FailedPrecondition, InvalidArgument
+    from services.encoder.build.document_int8 import DocumentsRefused
 
-    export = {p: cfg.run_dir / d / "model.onnx" for p, d in EXPORT_DIRS.items()}
-    made = {p: (path.parent / "encoder.json").exists() for p, path in export.items()}
-    precision = cfg.query_precision
-    if precision == "auto":
-        if made["int8"] or not made["fp32"]:
-            try:
-                return _export(cfg, "int8", say)
-            except FailedPrecondition as exc:
-                say(f"encoder    FP32 queries: {exc}")
-        else:
+    candidates = [
+        pair
+        for pair in EXPORT_DIRS
+        if cfg.query_precision in ("auto", pair[0]) and cfg.document_precision in ("auto", pair[1])
+    ]
+    if not candidates:
+        raise InvalidArgument(
+            "int8 documents come with int8 queries (their quality is measured as a pair): "
+            "--document-precision int8 with --query-precision auto or int8"
+        )
+    made = [p for p in candidates if (cfg.run_dir / EXPORT_DIRS[p] / "encoder.json").exists()]
+    if made:
+        if made[0] != candidates[0]:
             say(
-                f"encoder    FP32 queries: {export['fp32'].parent} is this run dir's export "
-                "(--query-precision int8 switches it to the int8 query tower)"
+                f"encoder    {_describe(made[0])}: {cfg.run_dir / EXPORT_DIRS[made[0]]} is this "
+                "run dir's export (--query-precision/--document-precision int8 switch it)"
             )
-        precision = "fp32"
-    return _export(cfg, precision, say)
+        return _export(cfg, made[0], say)
+    while True:
+        pair = candidates.pop(0)
+        try:
+            return _export(cfg, pair, say)
+        except FailedPrecondition as exc:
+            refused = 1 if isinstance(exc, DocumentsRefused) else 0  # else the query tower
+            candidates = [p for p in candidates if p[refused] != "int8"]
+            if not candidates:  # the precision asked for is refused: not downgraded
+                raise
+            say(f"encoder    FP32 {('queries', 'documents')[refused]}: {exc}")
 
 
-def _export(cfg: StackConfig, precision: str, say: Say) -> Path:
+def _describe(pair: tuple[str, str]) -> str:
+    return {
+        ("int8", "int8"): "int8 queries and documents",
+        ("int8", "fp32"): "int8 queries, FP32 documents",
+    }.get(pair, "FP32 queries and documents")
+
+
+def _export(cfg: StackConfig, pair: tuple[str, str], say: Say) -> Path:
     from services.encoder.build.export import export_onnx
     from services.encoder.build.query_int8 import export_with_int8_query
     from services.encoder.model import default_model_dir
 
-    onnx_path = cfg.run_dir / EXPORT_DIRS[precision] / "model.onnx"
+    onnx_path = cfg.run_dir / EXPORT_DIRS[pair] / "model.onnx"
+    documents = pair[1] == "int8"
     if not (onnx_path.exists() and (onnx_path.parent / "encoder.json").exists()):
-        int8 = precision == "int8"
-        say(
-            "encoder    exporting the default model to ONNX"
-            + (" with an int8 query tower (gated)" if int8 else "")
-            + " (first run only)"
-        )
-        if int8:
-            export_with_int8_query(default_model_dir(), onnx_path, None)
+        what = {
+            ("int8", "int8"): " with int8 queries and documents (gated)",
+            ("int8", "fp32"): " with an int8 query tower (gated)",
+        }.get(pair, "")
+        say(f"encoder    exporting the default model to ONNX{what} (first run only)")
+        if pair[0] == "int8":
+            export_with_int8_query(default_model_dir(), onnx_path, None, documents=documents)
         else:
             export_onnx(default_model_dir(), onnx_path)
-    if precision == "int8":
-        say(f"encoder    int8 query tower (gates: {onnx_path.parent / 'query_int8.json'})")
+    if pair[0] == "int8":
+        say(f"encoder    {_describe(pair)} (gates: {onnx_path.parent / 'query_int8.json'})")
     return onnx_path
 
 

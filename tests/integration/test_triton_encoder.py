@@ -1,16 +1,16 @@
 """A real tritonserver (from the nvidia-pytriton wheel) serving the generated CPU repository.
 
 One server per model per module: all-MiniLM-L6-v2 (the default model) as ``up`` serves
-it by default, with the int8 query tower (its export made as ``up`` makes it, on a
-machine without BEIR data: the quality gate answered by the committed record), and the
-tiny GTR-layout T5, FP32 (a model with no recorded quality result gets no int8 queries).
+it by default, with its int8 graph for queries and documents (its export made as ``up``
+makes it, on a machine without BEIR data: the quality gates answered by the committed
+record), and the tiny GTR-layout T5, FP32 (a model with no recorded quality result gets
+no int8 graph).
 Driven over gRPC by TritonEncoder and by the raw Triton client, as a caller would.
 
-What is served is checked against what should be served: query vectors against the
-export's query graph run in process (the int8 graph one query per run, as the model runs
-it) at cosine >= 0.9999, and against PyTorch at the threshold of that graph's own gate
-(0.98 for int8, 0.9999 for FP32); document vectors (FP32 in both) against PyTorch at
-0.9999.
+What is served is checked against what should be served: query and document vectors
+against the export's graph of their kind run in process (an int8 graph one row per run,
+as the model runs it) at cosine >= 0.9999, and against PyTorch at the threshold of that
+graph's own gate (0.98 for int8, 0.9999 for FP32).
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ import numpy as np
 import pytest
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.encoder.build.export import PARITY_MIN_COSINE, EncoderMeta, row_cosines
+from services.encoder.build.export import (
+    INT8_ONNX,
+    PARITY_MIN_COSINE,
+    EncoderMeta,
+    row_cosines,
+)
 from services.encoder.build.query_int8 import INT8_PARITY_MIN_COSINE
 from services.encoder.build.repository import RepositoryConfig, generate_repository
 from services.encoder.model import default_model_dir
@@ -92,23 +97,28 @@ def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonHandle]:
 _SERVED: dict[Path, OnnxEmbedder] = {}
 
 
-def assert_served_queries(got: np.ndarray, texts: list[str], export: Path, model: Path) -> None:
-    """``got`` are the query vectors of ``export``'s query graph (run in process as the
-    model runs it) and within that graph's gate of PyTorch's."""
+def assert_served(
+    got: np.ndarray, texts: list[str], export: Path, model: Path, kind: str = "query"
+) -> None:
+    """``got`` are the ``kind`` vectors of ``export``'s graph of that kind (run in process
+    as the model runs it) and within that graph's gate of PyTorch's."""
     if export not in _SERVED:
         _SERVED[export] = OnnxEmbedder(export, threads=1)
-    served, _ = _SERVED[export].embed(texts, "query")
+    served, _ = _SERVED[export].embed(texts, kind)  # type: ignore[arg-type]
     assert min(row_cosines(got, served)) >= 0.9999
-    int8 = EncoderMeta.read(export.parent).query_precision == "int8"
+    int8 = kind in EncoderMeta.read(export.parent).row_by_row()
     gate = INT8_PARITY_MIN_COSINE if int8 else PARITY_MIN_COSINE
-    want, _ = torch_embedder(model).embed(texts, "query")
+    want, _ = torch_embedder(model).embed(texts, kind)  # type: ignore[arg-type]
     assert min(row_cosines(got, want)) >= gate
 
 
-def test_the_default_model_is_served_with_its_int8_query_tower(minilm_export: Path) -> None:
+def test_the_default_model_is_served_with_its_int8_graph_for_both_kinds(
+    minilm_export: Path,
+) -> None:
     meta = EncoderMeta.read(minilm_export.parent)
-    assert meta.query_precision == "int8" and meta.towers["document"] == minilm_export.name
-    assert minilm_export.parent.name == triton_component.EXPORT_DIRS["int8"]
+    assert (meta.query_precision, meta.document_precision) == ("int8", "int8")
+    assert meta.towers == {"query": INT8_ONNX, "document": INT8_ONNX}
+    assert minilm_export.parent.name == triton_component.EXPORT_DIRS[("int8", "int8")]
 
 
 def _raw_infer(handle: TritonHandle, texts: list[bytes], kinds: list[bytes]) -> np.ndarray:
@@ -153,24 +163,24 @@ def test_embeddings_match_in_process(
             want, _ = reference.embed(texts, kind)  # type: ignore[arg-type]
             assert got.vectors.dtype == np.float32 and got.vectors.shape == want.shape
             assert np.allclose(np.linalg.norm(got.vectors, axis=1), 1.0, atol=1e-5)
-            if kind == "query":
-                assert_served_queries(got.vectors, texts, export, model_dir)
-            else:
-                assert min(row_cosines(got.vectors, want)) >= 0.9999
+            assert_served(got.vectors, texts, export, model_dir, kind)
             assert got.truncated == [False] * len(texts)
 
     asyncio.run(_with_encoder(handle, go))
 
 
-def test_long_text_is_truncated_and_flagged(minilm: TritonHandle) -> None:
+def test_long_text_is_truncated_and_flagged(minilm: TritonHandle, minilm_export: Path) -> None:
     long = " ".join(f"word{i}" for i in range(2000))
     reference = torch_embedder(default_model_dir())
 
     async def go(enc: TritonEncoder) -> None:
         got = await enc.encode([long, "short one"], "document", timeout=10)
         assert got.truncated == [True, False]
-        want, flags = reference.embed([long, "short one"], "document")
-        assert flags == [True, False] and min(row_cosines(got.vectors, want)) >= 0.9999
+        _, flags = reference.embed([long, "short one"], "document")
+        assert flags == [True, False]
+        assert_served(
+            got.vectors, [long, "short one"], minilm_export, default_model_dir(), "document"
+        )
 
     asyncio.run(_with_encoder(minilm, go))
 
@@ -198,7 +208,7 @@ def test_concurrent_single_requests_are_batched_correctly(
     async def go(enc: TritonEncoder) -> None:
         results = await asyncio.gather(*(enc.encode([t], "query", timeout=20) for t in texts))
         got = np.concatenate([r.vectors for r in results])
-        assert_served_queries(got, texts, minilm_export, default_model_dir())
+        assert_served(got, texts, minilm_export, default_model_dir())
 
     asyncio.run(_with_encoder(minilm, go))
     # and one request of the client's own when it connects: the version's description,
@@ -359,7 +369,7 @@ def test_unavailable_is_retried_and_triton_sees_every_attempt(
     with proxied(minilm, fail_first=2) as (address, proxy):
         got = asyncio.run(_proxied_encode(address, ["retry me"], 10.0, retries=3, backoff_s=0.01))
     assert proxy.attempts == 3
-    assert_served_queries(got.vectors, ["retry me"], minilm_export, default_model_dir())
+    assert_served(got.vectors, ["retry me"], minilm_export, default_model_dir())
 
 
 def test_retries_stop_after_their_attempts_with_unavailable(minilm: TritonHandle) -> None:

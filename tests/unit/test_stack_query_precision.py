@@ -1,6 +1,7 @@
 """``up``'s query precision (issue #34): "auto" serves the int8 query tower when its gates
 pass and FP32 otherwise, saying why; a model whose quality nobody measured gets no int8
-queries; a run dir keeps the export its first ``up`` made.
+queries; a run dir keeps the export its first ``up`` made. (int8 documents:
+test_encoder_document_int8.py.)
 
 Run on the tiny GTR-layout T5 standing in for the default model (a model with no
 recorded quality result, and no BEIR data here); the default model itself, which has
@@ -59,7 +60,8 @@ def test_auto_falls_back_to_fp32_and_says_why(tiny_default: Path, tmp_path: Path
     onnx_path = triton_component.onnx_export(cfg, said.append)
     assert onnx_path == cfg.run_dir / "export" / "model.onnx"
     assert EncoderMeta.read(onnx_path.parent).query_precision == "fp32"
-    assert not (cfg.run_dir / "export-int8").exists()  # the refused export left nothing
+    for refused_dir in ("export-int8-docs", "export-int8"):  # the refused export left nothing
+        assert not (cfg.run_dir / refused_dir).exists()
     refused = [s for s in said if s.startswith("encoder    FP32 queries:")]
     assert len(refused) == 1 and "its quality is not measured" in refused[0], said
 
@@ -84,14 +86,17 @@ def test_auto_keeps_a_run_dirs_int8_export(
     beir = write_beir(tmp_path / "beir", queries=12, docs=40)
     monkeypatch.setenv("GTR_DATA_DIR", str(beir.parent))
     (beir.parent / "scifact").symlink_to(beir)
-    cfg = StackConfig(run_dir=tmp_path / "run")
+    first = StackConfig(run_dir=tmp_path / "run", document_precision="fp32")
     said: list[str] = []
-    onnx_path = triton_component.onnx_export(cfg, said.append)
-    assert onnx_path == cfg.run_dir / "export-int8" / "model.onnx"
+    onnx_path = triton_component.onnx_export(first, said.append)
+    assert onnx_path == first.run_dir / "export-int8" / "model.onnx"
     meta = EncoderMeta.read(onnx_path.parent)
     assert meta.query_precision == "int8" and meta.towers["query"] == INT8_QUERY_ONNX
-    assert any("int8 query tower (gates:" in s for s in said), said
+    assert meta.document_precision == "fp32"
+    assert any("int8 queries, FP32 documents (gates:" in s for s in said), said
     monkeypatch.delenv("GTR_DATA_DIR")
     said.clear()
+    cfg = StackConfig(run_dir=first.run_dir)  # auto for both: keeps it
     assert triton_component.onnx_export(cfg, said.append) == onnx_path
-    assert not any("exporting" in s or "FP32" in s for s in said), said
+    assert not any("exporting" in s for s in said), said
+    assert not (cfg.run_dir / "export-int8-docs").exists()

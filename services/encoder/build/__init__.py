@@ -5,6 +5,9 @@ Package map:
 - ``export``: the ONNX export of the dual encoder and the parity check gating every artefact.
 - ``query_int8``: the int8 query tower beside an FP32 export, and its parity and quality
   gates (``up``'s default on CPU when they pass; ``--query-precision``).
+- ``document_int8``: the same int8 graph serving documents, and its gates
+  (``--document-precision``).
+- ``int8_quality``: what both int8 gates share: the dev split, the quality result, the data.
 - ``int8_record``: the quality gate's result recorded for fixed graphs (the default
   model's, ``query_int8_record.json``), for exports made where the data is not.
 - ``tensorrt_build``: the TensorRT plan (FP16 with FP32 islands, FP32 fallback, the gate).

@@ -65,6 +65,14 @@ class EncoderMeta:
     towers: dict[str, str] = field(default_factory=dict)
     # "int8": the query tower is the dynamically quantized graph (query_int8.py)
     query_precision: str = "fp32"
+    # "int8": documents too run through the quantized graph (document_int8.py)
+    document_precision: str = "fp32"
+
+    def row_by_row(self) -> set[str]:
+        """The kinds whose graph runs one unpadded row per run: an int8 graph's activation
+        scales span the whole batch, so a row's vector would depend on its companions."""
+        precisions = {"query": self.query_precision, "document": self.document_precision}
+        return {kind for kind, precision in precisions.items() if precision == "int8"}
 
     def onnx_files(self, onnx_path: Path) -> dict[str, Path]:
         """The graph of each kind (the same file for both unless two towers)."""
@@ -161,6 +169,8 @@ QUERY_PRECISIONS = ("fp32", "int8")
 # an int8 query tower's graph and gate record beside the FP32 export
 # (services/encoder/build/query_int8.py)
 INT8_QUERY_ONNX = "query.int8.onnx"
+# the same quantized graph, serving documents too (services/encoder/build/document_int8.py)
+INT8_ONNX = "model.int8.onnx"
 GATE_FILE = "query_int8.json"
 
 
@@ -179,7 +189,7 @@ def export_onnx(
     """
     from services.encoder.model import TorchEmbedder, model_name_of, tower_dirs
 
-    for stale in (INT8_QUERY_ONNX, GATE_FILE):  # an earlier int8 export's, now unused
+    for stale in (INT8_QUERY_ONNX, INT8_ONNX, GATE_FILE):  # an earlier int8 export's, now unused
         (Path(onnx_path).parent / stale).unlink(missing_ok=True)
 
     dirs = tower_dirs(model_dir)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +54,16 @@ class RecordedGate:
     versions: dict[str, str]  # torch, onnx, onnxruntime that made the graphs
     made_at: str
     command: str
+    # the same graph serving documents too (document_int8.py): per probe document, and
+    # the quality gate of int8 queries over int8 documents; empty: not measured
+    document_parity_cosines: list[float] = field(default_factory=list)
+    document_quality: dict[str, Any] = field(default_factory=dict)
 
 
-def read_records(path: Path = RECORD_FILE) -> list[RecordedGate]:
-    if not Path(path).exists():
+def read_records(path: Path | None = None) -> list[RecordedGate]:
+    """The records in ``path`` (default: :data:`RECORD_FILE`, looked up at call time)."""
+    path = Path(path or RECORD_FILE)
+    if not path.exists():
         return []
     return [RecordedGate(**row) for row in json.loads(Path(path).read_text())["records"]]
 
@@ -67,12 +73,15 @@ def find_record(
     fp32_onnx: Path,
     int8_onnx: Path,
     cosines: Sequence[float],
-    path: Path = RECORD_FILE,
+    path: Path | None = None,
 ) -> tuple[RecordedGate | None, str]:
     """(the record that applies to these graphs, or None and why none does)."""
     records = [r for r in read_records(path) if r.model_name == model_name]
     if not records:
-        return None, f"no quality result is recorded for {model_name} ({Path(path).name})"
+        return (
+            None,
+            f"no quality result is recorded for {model_name} ({Path(path or RECORD_FILE).name})",
+        )
     fp32, int8 = graph_sha256(fp32_onnx), graph_sha256(int8_onnx)
     for record in records:
         if (record.fp32_sha256, record.int8_sha256) != (fp32, int8):
@@ -92,10 +101,48 @@ def find_record(
     )
 
 
+def find_document_record(
+    model_name: str,
+    fp32_onnx: Path,
+    int8_onnx: Path,
+    cosines: Sequence[float],
+    path: Path | None = None,
+) -> tuple[RecordedGate | None, str]:
+    """(the record of these graphs that carries a document result whose probe cosines
+    this machine reproduces, or None and why none does)."""
+    records = [r for r in read_records(path) if r.model_name == model_name]
+    if not records:
+        return None, f"no quality result is recorded for {model_name}"
+    fp32, int8 = graph_sha256(fp32_onnx), graph_sha256(int8_onnx)
+    record = next((r for r in records if (r.fp32_sha256, r.int8_sha256) == (fp32, int8)), None)
+    if record is None:
+        return None, f"the graphs of {model_name} are not the recorded ones"
+    if not record.document_quality or len(record.document_parity_cosines) != len(cosines):
+        return None, f"the record of {model_name} has no result for int8 documents"
+    worst = max(abs(a - b) for a, b in zip(record.document_parity_cosines, cosines, strict=True))
+    if not worst <= COSINE_TOLERANCE:
+        return None, (
+            f"the int8 graph of {model_name} is the recorded one, but computes documents "
+            f"otherwise here (probe cosines off by {worst:.4f} > {COSINE_TOLERANCE})"
+        )
+    return record, ""
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import version
 
     return {name: version(name) for name in ("torch", "onnx", "onnxruntime")}
+
+
+def _documents(figures: dict[str, Any]) -> dict[str, Any]:
+    """The record's document fields from ``GateRecord.documents`` (measured only)."""
+    quality = figures.get("quality") or {}
+    if not quality.get("passed") or quality.get("recorded"):
+        return {}
+    return {
+        "document_parity_cosines": [float(c) for c in figures["parity_cosines"]],
+        "document_quality": quality,
+    }
 
 
 def write_record(
@@ -104,10 +151,10 @@ def write_record(
     int8_onnx: Path,
     gates: dict[str, Any],
     command: str,
-    path: Path = RECORD_FILE,
+    path: Path | None = None,
 ) -> RecordedGate:
-    """Record a passed live gate (``query_int8.json``'s content as ``gates``), replacing
-    the model's earlier record."""
+    """Record a passed live gate (``query_int8.json``'s content as ``gates``, with its
+    ``documents`` gate when that was measured too), replacing the model's earlier record."""
     import time
 
     quality = gates.get("quality")
@@ -122,8 +169,9 @@ def write_record(
         versions=versions(),
         made_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         command=command,
+        **_documents(gates.get("documents") or {}),
     )
     kept = [r for r in read_records(path) if r.model_name != model_name]
     rows = [asdict(r) for r in [*kept, record]]
-    Path(path).write_text(json.dumps({"records": rows}, indent=2) + "\n")
+    Path(path or RECORD_FILE).write_text(json.dumps({"records": rows}, indent=2) + "\n")
     return record

@@ -55,26 +55,34 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build import int8_record
 from services.encoder.build.export import (
     GATE_FILE,
+    INT8_ONNX,
     INT8_QUERY_ONNX,
     ONNX_OPSET,
-    OUTPUT_NAME,
     EncoderMeta,
     export_onnx,
     onnx_session,
     quantize_int8,
     row_cosines,
 )
+from services.encoder.build.int8_quality import (
+    DEV_FRACTION,
+    DEV_SEED,
+    QualityResult,
+    default_quality_data,
+    embed_texts,
+    export_codec,
+    quality_dict,
+)
+from services.encoder.build.int8_quality import (
+    QUALITY_MAX_DROP as QUALITY_MAX_DROP,  # re-exported: the limit both gates share
+)
 
 # min cosine of the int8 query graph vs the FP32 graph on PARITY_TEXTS (all-MiniLM-L6-v2:
 # 0.9843); on SciFact's 162 dev queries, one per run, min 0.9855 / mean 0.9934
 # (bench/results/query_int8.json)
 INT8_PARITY_MIN_COSINE = 0.98
-# dev nDCG@10 of int8 queries may be at most this much below FP32's (measured: −0.0011)
-QUALITY_MAX_DROP = 0.003
 # an export's query_precision whose query graph runs one row at a time (see above)
 ROW_BY_ROW = "int8"
-DEV_SEED = 13  # the eval's dev split of the queries
-DEV_FRACTION = 0.2
 
 # Query-like texts, short and long, in one padded batch.
 PARITY_TEXTS = [
@@ -88,34 +96,6 @@ PARITY_TEXTS = [
     "temporary directory cleanup",
     "Is the risk of cancer higher in smokers who also drink alcohol?",
 ]
-
-
-def default_quality_data() -> Path | None:
-    """SciFact under ``$GTR_DATA_DIR`` (the shared data), or None when it is not there."""
-    root = os.environ.get("GTR_DATA_DIR")
-    path = Path(root) / "scifact" if root else None
-    return path if path is not None and (path / "queries.jsonl").exists() else None
-
-
-@dataclass(frozen=True)
-class QualityResult:
-    """Dev nDCG@10 of the FP32 and int8 query graphs on the same queries and documents."""
-
-    data: str
-    queries: int
-    fp32_ndcg_at_10: float
-    int8_ndcg_at_10: float
-    paired: dict[str, Any]  # services.measures.ranking.paired_comparison (int8 vs FP32)
-    batch: int = 1  # queries per graph run (1: how they are served, see ROW_BY_ROW)
-    max_drop: float = QUALITY_MAX_DROP
-
-    @property
-    def drop(self) -> float:
-        return self.fp32_ndcg_at_10 - self.int8_ndcg_at_10
-
-    @property
-    def passed(self) -> bool:
-        return self.drop <= self.max_drop
 
 
 @dataclass(frozen=True)
@@ -132,6 +112,8 @@ class GateRecord:
     quality_note: str = ""
     parity_cosines: list[float] = field(default_factory=list)  # per probe query
     made_at: float = field(default_factory=time.time)
+    # int8 documents' gates (document_int8.gate_int8_documents); empty: FP32 documents
+    documents: dict[str, Any] = field(default_factory=dict)
 
     def write(self, folder: Path) -> None:
         (Path(folder) / GATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -156,32 +138,15 @@ def quantize_query_graph(fp32_onnx: Path, out: Path) -> Path:
         logging.getLogger().removeFilter(hint)
 
 
-def _embed(session: Any, codec: Any, texts: list[str], kind: str, batch: int = 32) -> np.ndarray:
-
-    rows = []
-    for i in range(0, len(texts), batch):
-        tokens = codec.encode(texts[i : i + batch], kind)
-        feeds = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
-        rows.append(np.asarray(session.run([OUTPUT_NAME], feeds)[0], dtype=np.float32))
-    return np.concatenate(rows) if rows else np.zeros((0, 0), dtype=np.float32)
-
-
-def _codec(export_dir: Path) -> Any:
-    from services.encoder.textcodec import TextCodec
-
-    meta = EncoderMeta.read(export_dir)
-    return TextCodec.from_file(str(export_dir / "tokenizer.json"), meta.max_lens, meta.pad_id)
-
-
 def parity_cosines(fp32_onnx: Path, int8_onnx: Path, texts: list[str] | None = None) -> np.ndarray:
     """Per-text cosine of the int8 query graph's vectors with the FP32 graph's (one query
     per run, as served); the export folder of ``fp32_onnx`` gives the tokenizer.
     NaN, Inf or zero rows come out as NaN, which fails every threshold."""
 
-    codec = _codec(Path(fp32_onnx).parent)
+    codec = export_codec(Path(fp32_onnx).parent)
     texts = list(texts or PARITY_TEXTS)
-    reference = _embed(onnx_session(fp32_onnx), codec, texts, "query", batch=1)
-    got = _embed(onnx_session(int8_onnx), codec, texts, "query", batch=1)
+    reference = embed_texts(onnx_session(fp32_onnx), codec, texts, "query", batch=1)
+    got = embed_texts(onnx_session(int8_onnx), codec, texts, "query", batch=1)
     if got.shape != reference.shape:
         return np.full(len(texts), np.nan)
     with np.errstate(invalid="ignore"):
@@ -219,7 +184,7 @@ def dev_ndcg(
 
     export_dir = Path(fp32_onnx).parent
     meta = EncoderMeta.read(export_dir)
-    codec = _codec(export_dir)
+    codec = export_codec(export_dir)
     data = load_beir(Path(data_dir))
     _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
     dev = [q for q in dev if q in data.qrels]
@@ -229,7 +194,9 @@ def dev_ndcg(
             doc_vectors = np.load(cached)
         else:
             session = onnx_session(fp32_onnx, threads)
-            doc_vectors = _embed(session, codec, [data.docs[d] for d in data.doc_ids], "document")
+            doc_vectors = embed_texts(
+                session, codec, [data.docs[d] for d in data.doc_ids], "document"
+            )
     if doc_vectors.shape != (len(data.doc_ids), meta.dim):
         raise FailedPrecondition(
             f"document vectors {doc_vectors.shape} do not fit {data_dir} "
@@ -238,7 +205,7 @@ def dev_ndcg(
     texts = [data.queries[q] for q in dev]
     per: dict[str, list[float]] = {}
     for name, path in (("fp32", fp32_onnx), ("int8", int8_onnx)):
-        vectors = _embed(onnx_session(path, threads), codec, texts, "query", batch=batch)
+        vectors = embed_texts(onnx_session(path, threads), codec, texts, "query", batch=batch)
         top = np.argsort(-(vectors @ doc_vectors.T), axis=1)[:, :100]
         run = {q: [data.doc_ids[j] for j in top[i]] for i, q in enumerate(dev)}
         per[name] = score(run, data.qrels, dev).values("ndcg_at_10")
@@ -250,10 +217,6 @@ def dev_ndcg(
         paired=paired_comparison(per["fp32"], per["int8"]),
         batch=batch,
     )
-
-
-def quality_dict(result: QualityResult) -> dict[str, Any]:
-    return {**asdict(result), "drop": round(result.drop, 4), "passed": result.passed}
 
 
 def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None) -> GateRecord:
@@ -307,10 +270,16 @@ def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None)
 
 
 def export_with_int8_query(
-    model_dir: Path, onnx_path: Path, quality_data: Path | None, opset: int | None = None
+    model_dir: Path,
+    onnx_path: Path,
+    quality_data: Path | None,
+    opset: int | None = None,
+    *,
+    documents: bool = False,
 ) -> EncoderMeta:
-    """The FP32 export plus the int8 query graph, made and gated in a scratch folder
-    beside ``onnx_path`` and moved into place only when both gates pass."""
+    """The FP32 export plus the int8 query graph (``documents``: serving documents too),
+    made and gated in a scratch folder beside ``onnx_path`` and moved into place only
+    when every gate passes."""
     from services.encoder.model import tower_dirs
 
     dirs = tower_dirs(model_dir)
@@ -325,8 +294,8 @@ def export_with_int8_query(
     try:
         fp32 = work / onnx_path.name
         export_onnx(model_dir, fp32, opset=opset if opset is not None else ONNX_OPSET)
-        meta = add_int8_query_tower(fp32, quality_data)
-        for name in (onnx_path.name, INT8_QUERY_ONNX, "tokenizer.json", GATE_FILE):
+        meta = add_int8_query_tower(fp32, quality_data, documents=documents)
+        for name in (onnx_path.name, _int8_name(documents), "tokenizer.json", GATE_FILE):
             os.replace(work / name, onnx_path.parent / name)
         os.replace(work / "encoder.json", onnx_path.parent / "encoder.json")  # last: the switch
     except BaseException:
@@ -338,11 +307,19 @@ def export_with_int8_query(
     return meta
 
 
-def add_int8_query_tower(fp32_onnx: Path, quality_data: Path | None) -> EncoderMeta:
+def _int8_name(documents: bool) -> str:
+    return INT8_ONNX if documents else INT8_QUERY_ONNX
+
+
+def add_int8_query_tower(
+    fp32_onnx: Path, quality_data: Path | None, *, documents: bool = False
+) -> EncoderMeta:
     """Quantize the FP32 one-tower export at ``fp32_onnx`` into ``query.int8.onnx`` beside
-    it, run both gates, and only when they pass write ``query_int8.json`` and the
-    ``encoder.json`` that serves queries with it (FailedPrecondition otherwise, with the
-    int8 graph removed and ``encoder.json`` as it was)."""
+    it (``documents``: ``model.int8.onnx``, serving documents too), run the gates
+    (``documents``: :mod:`~services.encoder.build.document_int8`'s as well), and only when
+    they pass write ``query_int8.json`` and the ``encoder.json`` that serves with it
+    (FailedPrecondition otherwise, with the int8 graph removed and ``encoder.json`` as it
+    was)."""
     fp32_onnx = Path(fp32_onnx)
     meta = EncoderMeta.read(fp32_onnx.parent)
     if meta.towers:
@@ -350,15 +327,22 @@ def add_int8_query_tower(fp32_onnx: Path, quality_data: Path | None) -> EncoderM
             f"{fp32_onnx.parent} already has towers {meta.towers}: an int8 query tower is "
             "added to a one-tower FP32 export only"
         )
-    int8 = fp32_onnx.parent / INT8_QUERY_ONNX
+    int8 = fp32_onnx.parent / _int8_name(documents)
     try:
         quantize_query_graph(fp32_onnx, int8)
         record = gate_int8_query(fp32_onnx, int8, quality_data)
+        if documents:
+            from services.encoder.build.document_int8 import gate_int8_documents
+
+            record = replace(record, documents=gate_int8_documents(fp32_onnx, int8, quality_data))
     except BaseException:
         int8.unlink(missing_ok=True)
         raise
     meta = replace(
-        meta, towers={"query": INT8_QUERY_ONNX, "document": fp32_onnx.name}, query_precision="int8"
+        meta,
+        towers={"query": int8.name, "document": int8.name if documents else fp32_onnx.name},
+        query_precision="int8",
+        document_precision="int8" if documents else "fp32",
     )
     record.write(fp32_onnx.parent)
     meta.write(fp32_onnx.parent)

@@ -3,8 +3,8 @@
 It reads an export folder (``model.onnx``, ``tokenizer.json``, ``encoder.json``) and
 nothing else, exactly as the Triton CPU model does, so the in-process embedded mode
 and Triton serve the same numbers. A two-tower export (``encoder.json`` ``towers``) embeds
-each kind with its own graph, as the Triton model does; an int8 query tower
-(``query_precision``) runs one query per graph run, unpadded.
+each kind with its own graph, as the Triton model does; an int8 tower
+(``query_precision``, ``document_precision``) runs one row per graph run, unpadded.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class OnnxEmbedder:
     def run(self, batch: TokenBatch, kind: Kind = "query") -> np.ndarray:
         """The graph of ``kind`` (one graph serves both kinds unless the export has two)."""
         session = self.sessions[kind]
-        if kind == "query" and self.meta.query_precision == "int8":
+        if kind in self.meta.row_by_row():
             # one row per run: an int8 graph's activation scales span the whole batch, so
-            # a query's vector would depend on its companions (query_int8.py)
+            # a row's vector would depend on its companions (query_int8.py)
             rows = [
                 session.run(  # type: ignore[attr-defined]
                     [OUTPUT_NAME], {"input_ids": ids[None, :n], "attention_mask": mask[None, :n]}

@@ -10,9 +10,10 @@ Contract (see config.pbtxt): ``TEXT`` BYTES [1], ``KIND`` BYTES [1] ("query" or
 All rows of all requests that the dynamic batcher hands over are run together. A
 two-tower model (parameter ``document_onnx_file``, ``encoder train --arch ade*``) runs
 each row through the graph of its kind: queries through ``onnx_file``, documents
-through ``document_onnx_file``. An int8 query tower (``encoder.json``
-``query_precision``, ``encoder export --query-precision int8``) runs one query per graph
-run, so that a query's vector never depends on the rows it was batched with.
+through ``document_onnx_file``. An int8 tower (``encoder.json`` ``query_precision``
+or ``document_precision``, ``encoder export --query-precision int8 [--document-precision
+int8]``) runs one row per graph run, so that a row's vector never depends on the rows it
+was batched with.
 A bad request (empty text, invalid UTF-8, unknown kind) gets its own error response;
 the other requests of the batch are answered, and the instance never dies.
 
@@ -106,9 +107,13 @@ class TritonPythonModel:
             os.path.join(here, "tokenizer.json"), meta["max_lens"], int(meta["pad_id"])
         )
         self.kinds = set(meta["max_lens"])
-        # an int8 query tower runs one query per graph run (its activation scales span the
-        # batch: a query's vector would depend on its companions; query_int8.py)
-        self.row_by_row = {"query"} if meta.get("query_precision") == "int8" else set()
+        # an int8 tower runs one row per graph run (its activation scales span the batch:
+        # a row's vector would depend on its companions; query_int8.py, document_int8.py)
+        self.row_by_row = {
+            kind
+            for kind in ("query", "document")
+            if meta.get(f"{kind}_precision", "fp32") == "int8"
+        }
         self.piece_rows = min(PIECE_ROWS, max(1, int(config.get("max_batch_size", 0)) or 64))
         self._ort, self._config, self._params, self._here = ort, config, params, here
         described = ("source_model", "dim", "profile", "digest")

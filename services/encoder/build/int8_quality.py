@@ -1,0 +1,70 @@
+"""What the int8 gates share (query_int8.py, document_int8.py): the dev split, the
+quality limit and result, the BEIR data they measure on, embedding rows with a graph."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.encoder.build.export import OUTPUT_NAME, EncoderMeta
+
+# dev nDCG@10 of int8 queries may be at most this much below FP32's (measured: −0.0011)
+QUALITY_MAX_DROP = 0.003
+DEV_SEED = 13  # the eval's dev split of the queries
+DEV_FRACTION = 0.2
+
+
+def default_quality_data() -> Path | None:
+    """SciFact under ``$GTR_DATA_DIR`` (the shared data), or None when it is not there."""
+    root = os.environ.get("GTR_DATA_DIR")
+    path = Path(root) / "scifact" if root else None
+    return path if path is not None and (path / "queries.jsonl").exists() else None
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    """Dev nDCG@10 of the FP32 and int8 query graphs on the same queries and documents."""
+
+    data: str
+    queries: int
+    fp32_ndcg_at_10: float
+    int8_ndcg_at_10: float
+    paired: dict[str, Any]  # services.measures.ranking.paired_comparison (int8 vs FP32)
+    batch: int = 1  # queries per graph run (1: how they are served, see ROW_BY_ROW)
+    max_drop: float = QUALITY_MAX_DROP
+
+    @property
+    def drop(self) -> float:
+        return self.fp32_ndcg_at_10 - self.int8_ndcg_at_10
+
+    @property
+    def passed(self) -> bool:
+        return self.drop <= self.max_drop
+
+
+def embed_texts(
+    session: Any, codec: Any, texts: list[str], kind: str, batch: int = 32
+) -> np.ndarray:
+    """``texts`` as ``kind`` through ``session``, ``batch`` rows per graph run."""
+    rows = []
+    for i in range(0, len(texts), batch):
+        tokens = codec.encode(texts[i : i + batch], kind)
+        feeds = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
+        rows.append(np.asarray(session.run([OUTPUT_NAME], feeds)[0], dtype=np.float32))
+    return np.concatenate(rows) if rows else np.zeros((0, 0), dtype=np.float32)
+
+
+def export_codec(export_dir: Path) -> Any:
+    """The tokenizer of the export folder ``export_dir``."""
+    from services.encoder.textcodec import TextCodec
+
+    meta = EncoderMeta.read(export_dir)
+    return TextCodec.from_file(str(export_dir / "tokenizer.json"), meta.max_lens, meta.pad_id)
+
+
+def quality_dict(result: QualityResult) -> dict[str, Any]:
+    return {**asdict(result), "drop": round(result.drop, 4), "passed": result.passed}
