@@ -27,7 +27,7 @@ and before anything is written:
   when it carries a document result (:mod:`~services.encoder.build.int8_record`); else
   on ``$GTR_DATA_DIR/scifact``; else refused (FailedPrecondition). The live gate encodes
   the whole corpus with the int8 graph (and with the FP32 one unless the data has
-  ``corpus.<model>.npy``): minutes on a CPU, at export only.
+  this model's ``corpus.<model>.npy``): minutes on a CPU, at export only.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from services.encoder.build.int8_quality import (
     default_quality_data,
     embed_texts,
     export_codec,
+    fp32_document_vectors,
     quality_dict,
 )
 
@@ -109,11 +110,7 @@ def dev_ndcg_documents(
     dev = [q for q in dev if q in data.qrels]
     texts = [data.docs[d] for d in data.doc_ids]
     if fp32_docs is None:
-        cached = Path(data_dir) / f"corpus.{meta.model_name}.npy"
-        if cached.exists():
-            fp32_docs = np.load(cached)
-        else:
-            fp32_docs = _embed_rows(fp32_onnx, texts, "document")
+        fp32_docs = fp32_document_vectors(fp32_onnx, data_dir, data.doc_ids, texts)
     if fp32_docs.shape != (len(data.doc_ids), meta.dim):
         raise FailedPrecondition(
             f"document vectors {fp32_docs.shape} do not fit {data_dir} "

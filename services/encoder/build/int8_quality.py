@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from services.encoder.build.export import OUTPUT_NAME, EncoderMeta
+from services.encoder.build.export import OUTPUT_NAME, EncoderMeta, onnx_session, row_cosines
 
 # dev nDCG@10 of int8 queries may be at most this much below FP32's (measured: −0.0011)
 QUALITY_MAX_DROP = 0.003
@@ -68,3 +68,28 @@ def export_codec(export_dir: Path) -> Any:
 
 def quality_dict(result: QualityResult) -> dict[str, Any]:
     return {**asdict(result), "drop": round(result.drop, 4), "passed": result.passed}
+
+
+# a cached corpus vector may differ from the FP32 graph's by this much (batching, padding)
+CACHE_MIN_COSINE = 0.999
+CACHE_PROBES = 8  # documents re-encoded to check a cache against the graph
+
+
+def fp32_document_vectors(
+    fp32_onnx: Path, data_dir: Path, doc_ids: list[str], texts: list[str], threads: int | None = 1
+) -> np.ndarray:
+    """The FP32 graph's vectors of the corpus: ``corpus.<model>.npy`` in ``data_dir`` (the
+    shared data's) when it holds this very model's vectors (its first
+    :data:`CACHE_PROBES` rows within :data:`CACHE_MIN_COSINE` of the graph's: a checkpoint
+    fine-tuned in a folder of the same name has other vectors), else encoded here."""
+    export_dir = Path(fp32_onnx).parent
+    meta = EncoderMeta.read(export_dir)
+    session, codec = onnx_session(fp32_onnx, threads), export_codec(export_dir)
+    cached = Path(data_dir) / f"corpus.{meta.model_name}.npy"
+    if cached.exists():
+        vectors = np.load(cached)
+        if vectors.shape == (len(doc_ids), meta.dim):
+            probe = embed_texts(session, codec, texts[:CACHE_PROBES], "document")
+            if min(row_cosines(vectors[:CACHE_PROBES], probe)) >= CACHE_MIN_COSINE:
+                return np.asarray(vectors, dtype=np.float32)
+    return embed_texts(session, codec, texts, "document")

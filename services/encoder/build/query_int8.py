@@ -71,6 +71,7 @@ from services.encoder.build.int8_quality import (
     default_quality_data,
     embed_texts,
     export_codec,
+    fp32_document_vectors,
     quality_dict,
 )
 from services.encoder.build.int8_quality import (
@@ -177,8 +178,7 @@ def dev_ndcg(
     batch: int = 1,
 ) -> QualityResult:
     """Dev nDCG@10 (exact search) of the FP32 and the int8 query graph over the same
-    document vectors: ``corpus.<model>.npy`` in ``data_dir`` when it is there (the
-    shared data's), else the corpus encoded with the FP32 graph."""
+    document vectors (:func:`~services.encoder.build.int8_quality.fp32_document_vectors`)."""
     from services.corpus.beir import load_beir, split_queries
     from services.measures.ranking import paired_comparison, score
 
@@ -189,14 +189,8 @@ def dev_ndcg(
     _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
     dev = [q for q in dev if q in data.qrels]
     if doc_vectors is None:
-        cached = Path(data_dir) / f"corpus.{meta.model_name}.npy"
-        if cached.exists():
-            doc_vectors = np.load(cached)
-        else:
-            session = onnx_session(fp32_onnx, threads)
-            doc_vectors = embed_texts(
-                session, codec, [data.docs[d] for d in data.doc_ids], "document"
-            )
+        texts = [data.docs[d] for d in data.doc_ids]
+        doc_vectors = fp32_document_vectors(fp32_onnx, data_dir, data.doc_ids, texts, threads)
     if doc_vectors.shape != (len(data.doc_ids), meta.dim):
         raise FailedPrecondition(
             f"document vectors {doc_vectors.shape} do not fit {data_dir} "
