@@ -204,3 +204,18 @@ def test_int8_documents_need_int8_queries(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="comes with --query-precision int8"):
         main(["encoder", "export", "--document-precision", "int8", "--out", str(out)])
     assert not out.parent.exists()
+
+
+def test_parity_with_pytorch_and_publish_check_the_fp32_graph(
+    int8_docs: Path, tmp_path: Path
+) -> None:
+    """``encoder export``'s parity check and ``encoder publish`` of the export folder (the
+    rollout's ``--encoder DIR``) compare PyTorch with the FP32 graph at 0.9999; the int8
+    graph serving both kinds has its own gates against that graph."""
+    from services.encoder.build.export import check_parity
+    from services.encoder.serve import publish
+
+    report = check_parity(default_model_dir(), int8_docs)
+    assert report.passed, report.summary()
+    export = publish._export(int8_docs.parent, tmp_path)  # re-checks against the checkpoint
+    assert export.meta.document_precision == "int8"

@@ -277,14 +277,17 @@ def check_parity(
     """ONNX Runtime vs PyTorch (fp32) on one padded batch; cosine per row.
 
     A two-tower export is checked tower by tower (each kind through its own graph and
-    checkpoint); the report holds the rows of both.
+    checkpoint); the report holds the rows of both. A one-tower export is checked on its
+    FP32 graph (``onnx_path``) even when int8 graphs serve its kinds: those are gated
+    against that graph (query_int8.py, document_int8.py), not against PyTorch at this
+    threshold.
     """
     from services.encoder.model import TorchEmbedder, tower_dirs
 
     dirs = tower_dirs(model_dir)
     files = (
         EncoderMeta.read(Path(onnx_path).parent).onnx_files(Path(onnx_path))
-        if (Path(onnx_path).parent / "encoder.json").exists()
+        if (Path(onnx_path).parent / "encoder.json").exists() and dirs["query"] != dirs["document"]
         else {}
     )
     kinds: list[Kind] = ["query", "document"] if dirs["query"] != dirs["document"] else [kind]
