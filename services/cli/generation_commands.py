@@ -110,6 +110,18 @@ def _pace_ratio(value: str) -> float | None:
     return ratio
 
 
+def _catch_up_factor(value: str) -> float | None:
+    if value.strip().lower() == "off":
+        return None
+    try:
+        factor = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a factor nor 'off'") from None
+    if not factor > 1.0:  # at 1 or less the replay may never gain on the writes
+        raise argparse.ArgumentTypeError(f"a catch-up factor is over 1 (got {value})")
+    return factor
+
+
 def _either(rollout: bool, rollout_help: str, rollback_help: str) -> str:
     return rollout_help if rollout else rollback_help
 
@@ -161,6 +173,16 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             default=256,
             help="Switch once the replay is at most this many source log entries behind (256).",
         )
+    parser.add_argument(
+        "--catch-up-factor",
+        type=_catch_up_factor,
+        default=4.0,
+        metavar="FACTOR|off",
+        help="Replay the catch-up at most FACTOR times the rate the serving generation's "
+        "logs are written (and 50 entries/s at least), so that it gains on the writes "
+        "without taking the cores the searches need; off: flat out (4; docs/generations.md, "
+        '"The catch-up\'s pace").',
+    )
     parser.add_argument(
         "--max-held-entries",
         type=non_negative_int,

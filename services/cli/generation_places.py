@@ -184,6 +184,7 @@ def builder(
         wait_for_shards=not getattr(args, "no_shard_wait", False),
         shard_wait_s=getattr(args, "shard_wait_s", 300.0),
         pace_ratio=getattr(args, "pace", None),
+        catch_up_factor=getattr(args, "catch_up_factor", 4.0),
     )
     return RolloutBuilder(
         store,

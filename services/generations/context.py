@@ -77,6 +77,11 @@ class RolloutOptions:
     # pacing.py: the re-embedding pauses to hold it); None: not paced (the default: on
     # this 2-core bench pacing made the tail and the rollout longer, docs/generations.md)
     pace_ratio: float | None = None
+    # the catch-up replays at most this many times the source's write rate (and at least
+    # catch_up_floor entries/s): replayed flat out it was a rollout's worst window for the
+    # searches (services/generations/phase_catch_up.py); None: flat out
+    catch_up_factor: float | None = 4.0
+    catch_up_floor: float = 50.0
     encode_retry_s: float = 300.0  # how long a failing encoder is retried before giving up
 
 

@@ -256,6 +256,34 @@ def test_catch_up_replays_the_writes_after_p0_into_the_target(
     assert [c[1] for c in changes(store, G2) if c[0] == "d5"] == ["d"]  # only its delete
 
 
+@pytest.mark.parametrize("factor", [4.0, None])
+def test_catch_up_replays_within_its_bound_unless_off(
+    store: Any, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch, factor: Any
+) -> None:
+    """Each batch of the catch-up's replay passes through its rate bound (the batch's
+    entries, the write rate then); ``--catch-up-factor off`` replays flat out."""
+    from services.generations.phase_catch_up import ReplayBound
+
+    paced: list[tuple[int, float, float]] = []
+
+    async def after(self: ReplayBound, entries: int, write_rate: float) -> None:
+        paced.append((entries, self.factor, self.floor))
+
+    monkeypatch.setattr(ReplayBound, "after", after)
+    ctx = _context(store, tmp_path, "p0", batch=1, catch_up_factor=factor, catch_up_floor=30.0)
+    _run(ctx, run_p0)
+    write(redis_url, G1, [doc(i, "late") for i in range(80, 100)])
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch"
+    if factor is None:
+        assert paced == []
+    else:
+        assert [n for n, _, _ in paced] == [1] * sum(state.replayed.values())  # each batch
+        assert len(paced) > 1
+        assert {(f, floor) for _, f, floor in paced} == {(4.0, 30.0)}
+
+
 class CountingEncoders:
     """The hash encoder stand-in, counting every text it is asked to encode."""
 
