@@ -82,8 +82,10 @@ class StackConfig:
     query_precision: Literal["auto", "fp32", "int8"] = "auto"
     # documents through the same int8 graph (document_int8.py; needs int8 queries):
     # "auto" = when its gates pass, and for a run dir whose first `up` exported FP32
-    # documents, FP32 (its stored vectors are FP32's)
-    document_precision: Literal["auto", "fp32", "int8"] = "auto"
+    # documents, FP32 (its stored vectors are FP32's). None (the default): the run dir's
+    # export, else FP32: through the stack int8 documents cost hybrid RRF 0.012 dev
+    # nDCG@10 (docs/performance.md)
+    document_precision: Literal["auto", "fp32", "int8"] | None = None
     # who runs a query's graph with the Triton encoder: the gateway, from the model
     # repository's version Triton serves (services/encoder/runtime/local_queries.py), or
     # Triton; documents always go to Triton

@@ -33,7 +33,8 @@ def onnx_export(cfg: StackConfig, say: Say) -> Path:
     (the int8 graph serving documents too); an int8 export's gates refuse it with
     FailedPrecondition, their figures in its ``query_int8.json``.
 
-    "auto" (``up``'s default for both precisions): the export a run dir already has (the
+    "auto" (``up``'s default for queries; for documents when unasked and the run dir has
+    an export, else FP32 documents): the export a run dir already has (the
     one its first ``up`` made, whose digest generation g1 records, and whose document
     vectors the stored indexes hold), else the most int8 one whose gates pass (with no
     BEIR data: the quality result committed for the default model's graphs,
@@ -41,10 +42,14 @@ def onnx_export(cfg: StackConfig, say: Say) -> Path:
     from services.common.errors import FailedPrecondition, InvalidArgument
     from services.encoder.build.document_int8 import DocumentsRefused
 
+    documents = cfg.document_precision
+    if documents is None:  # unasked: the run dir's documents, else FP32 ones
+        kept = [p for p in EXPORT_DIRS if (cfg.run_dir / EXPORT_DIRS[p] / "encoder.json").exists()]
+        documents = "auto" if any(cfg.query_precision in ("auto", p[0]) for p in kept) else "fp32"
     candidates = [
         pair
         for pair in EXPORT_DIRS
-        if cfg.query_precision in ("auto", pair[0]) and cfg.document_precision in ("auto", pair[1])
+        if cfg.query_precision in ("auto", pair[0]) and documents in ("auto", pair[1])
     ]
     if not candidates:
         raise InvalidArgument(

@@ -140,13 +140,21 @@ def stack_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("stack_model")
-def test_up_serves_int8_documents_by_default(tmp_path: Path) -> None:
-    cfg = StackConfig(run_dir=tmp_path / "run")
-    said: list[str] = []
-    onnx_path = triton_component.onnx_export(cfg, said.append)
-    assert onnx_path.parent == cfg.run_dir / "export-int8-docs"
-    assert EncoderMeta.read(onnx_path.parent).document_precision == "int8"
-    assert any("int8 queries and documents (gates:" in s for s in said), said
+def test_up_serves_int8_documents_when_asked_and_fp32_ones_by_default(tmp_path: Path) -> None:
+    for asked in ("auto", "int8"):
+        cfg = StackConfig(run_dir=tmp_path / asked, document_precision=asked)
+        said: list[str] = []
+        onnx_path = triton_component.onnx_export(cfg, said.append)
+        assert onnx_path.parent == cfg.run_dir / "export-int8-docs"
+        assert EncoderMeta.read(onnx_path.parent).document_precision == "int8"
+        assert any("int8 queries and documents (gates:" in s for s in said), said
+    default = StackConfig(run_dir=tmp_path / "default")
+    assert triton_component.onnx_export(default, lambda _: None).parent.name == "export-int8"
+    # a run dir whose first `up` stored int8 documents keeps them when the flag is left out
+    said = []
+    again = triton_component.onnx_export(StackConfig(run_dir=tmp_path / "int8"), said.append)
+    assert again.parent.name == "export-int8-docs"
+    assert not any("exporting" in s for s in said), said
 
 
 @pytest.mark.usefixtures("stack_model")
@@ -154,7 +162,7 @@ def test_auto_falls_back_to_fp32_documents_when_their_gate_refuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(document_int8, "DOCUMENT_PARITY_MIN_COSINE", 1.01)
-    cfg = StackConfig(run_dir=tmp_path / "run")
+    cfg = StackConfig(run_dir=tmp_path / "run", document_precision="auto")
     said: list[str] = []
     onnx_path = triton_component.onnx_export(cfg, said.append)
     assert onnx_path.parent == cfg.run_dir / "export-int8"  # int8 queries still
@@ -171,7 +179,7 @@ def test_auto_falls_back_to_fp32_documents_when_their_gate_refuses(
 @pytest.mark.usefixtures("stack_model")
 def test_a_run_dir_with_fp32_documents_keeps_them(tmp_path: Path, fp32_export: Path) -> None:
     """Its stored vectors are FP32's: ``auto`` does not move it to int8 documents."""
-    cfg = StackConfig(run_dir=tmp_path / "run")
+    cfg = StackConfig(run_dir=tmp_path / "run", document_precision="auto")
     shutil.copytree(fp32_export.parent, cfg.run_dir / "export-int8")
     add_int8_query_tower(cfg.run_dir / "export-int8" / "model.onnx", None)  # queries only
     said: list[str] = []
@@ -192,7 +200,7 @@ def test_int8_documents_need_int8_queries(tmp_path: Path) -> None:
             lambda _: None,
         )
     up = ["up", "--run-dir", str(tmp_path / "run")]
-    assert stack_config(build_parser().parse_args(up)).document_precision == "auto"
+    assert stack_config(build_parser().parse_args(up)).document_precision is None
     args = build_parser().parse_args([*up, "--document-precision", "int8"])
     assert stack_config(args).document_precision == "int8"
     with pytest.raises(SystemExit, match="comes with int8 queries"):
