@@ -117,12 +117,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from services.corpus.beir import load_beir, split_queries
+    from services.corpus.beir import load_beir
     from services.encoder.build.export import INT8_ONNX, export_onnx, onnx_session
-    from services.encoder.build.int8_quality import embed_texts, export_codec
+    from services.encoder.build.int8_quality import dev_split, embed_texts, export_codec
     from services.encoder.build.query_int8 import (
-        DEV_FRACTION,
-        DEV_SEED,
         add_int8_query_tower,
         dev_ndcg,
         quality_dict,
@@ -153,8 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "int8_sha256": recorded.int8_sha256,
             }
         data = load_beir(SCIFACT)
-        _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
-        texts = [data.queries[q] for q in dev if q in data.qrels]
+        texts = [data.queries[q] for q in dev_split(data)]
         codec = export_codec(fp32_path.parent)
         fp32, int8 = onnx_session(fp32_path, 1), onnx_session(int8_path, 1)
         result["encode_cpu_ms_per_query"] = encode_ms(fp32, int8, codec, texts, args.rounds)

@@ -7,6 +7,7 @@ of errors :mod:`services.cli.generation_places`, and every decision
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,28 +99,21 @@ def _add_triton_flags(parser: argparse.ArgumentParser, builder: bool) -> None:
         parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
 
 
-def _pace_ratio(value: str) -> float | None:
-    if value.strip().lower() == "off":
-        return None
-    try:
-        ratio = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a ratio nor 'off'") from None
-    if not ratio > 1.0:
-        raise argparse.ArgumentTypeError(f"a pace ratio is over 1 (got {value})")
-    return ratio
+def _over_one_or_off(what: str) -> Callable[[str], float | None]:
+    """An argparse type: a number over 1 (a ``what``), or "off" (None)."""
 
+    def parse(value: str) -> float | None:
+        if value.strip().lower() == "off":
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is neither a {what} nor 'off'") from None
+        if not number > 1.0:  # a catch-up factor at 1 or less may never gain on the writes
+            raise argparse.ArgumentTypeError(f"a {what} is over 1 (got {value})")
+        return number
 
-def _catch_up_factor(value: str) -> float | None:
-    if value.strip().lower() == "off":
-        return None
-    try:
-        factor = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a factor nor 'off'") from None
-    if not factor > 1.0:  # at 1 or less the replay may never gain on the writes
-        raise argparse.ArgumentTypeError(f"a catch-up factor is over 1 (got {value})")
-    return factor
+    return parse
 
 
 def _either(rollout: bool, rollout_help: str, rollback_help: str) -> str:
@@ -158,7 +152,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
     if rollout:
         parser.add_argument(
             "--pace",
-            type=_pace_ratio,
+            type=_over_one_or_off("pace ratio"),
             default=None,
             metavar="RATIO|off",
             help="Pace the re-embedding on the searches the gateways answer: pause between "
@@ -175,7 +169,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
         )
     parser.add_argument(
         "--catch-up-factor",
-        type=_catch_up_factor,
+        type=_over_one_or_off("catch-up factor"),
         default=4.0,
         metavar="FACTOR|off",
         help="Replay the catch-up at most FACTOR times the rate the serving generation's "

@@ -41,13 +41,14 @@ from services.common.errors import FailedPrecondition
 from services.encoder.build import int8_record
 from services.encoder.build.export import EncoderMeta, onnx_session, row_cosines
 from services.encoder.build.int8_quality import (
-    DEV_FRACTION,
-    DEV_SEED,
     QualityResult,
+    check_document_vectors,
     default_quality_data,
+    dev_split,
     embed_texts,
     export_codec,
     fp32_document_vectors,
+    paired_dev_ndcg,
     quality_dict,
 )
 
@@ -98,39 +99,23 @@ def document_parity_cosines(fp32_onnx: Path, int8_onnx: Path) -> np.ndarray:
 
 def dev_ndcg_documents(
     fp32_onnx: Path, int8_onnx: Path, data_dir: Path, fp32_docs: np.ndarray | None = None
-) -> Any:
+) -> QualityResult:
     """Dev nDCG@10 of FP32 queries over FP32 documents against int8 queries over int8
-    documents, both one row per run (a ``QualityResult``: ``fp32``/``int8`` are the pairs)."""
-    from services.corpus.beir import load_beir, split_queries
-    from services.measures.ranking import paired_comparison, score
+    documents, both one row per run."""
+    from services.corpus.beir import load_beir
 
     meta = EncoderMeta.read(Path(fp32_onnx).parent)
     data = load_beir(Path(data_dir))
-    _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
-    dev = [q for q in dev if q in data.qrels]
+    dev = dev_split(data)
     texts = [data.docs[d] for d in data.doc_ids]
     if fp32_docs is None:
         fp32_docs = fp32_document_vectors(fp32_onnx, data_dir, data.doc_ids, texts)
-    if fp32_docs.shape != (len(data.doc_ids), meta.dim):
-        raise FailedPrecondition(
-            f"document vectors {fp32_docs.shape} do not fit {data_dir} "
-            f"({len(data.doc_ids)} documents) and {meta.model_name} ({meta.dim}-d)"
-        )
+    check_document_vectors(fp32_docs, data, meta, data_dir)
     int8_docs = _embed_rows(int8_onnx, texts, "document")
     queries = [data.queries[q] for q in dev]
-    per: dict[str, list[float]] = {}
-    for name, graph, docs in (("fp32", fp32_onnx, fp32_docs), ("int8", int8_onnx, int8_docs)):
-        vectors = _embed_rows(graph, queries, "query")
-        top = np.argsort(-(vectors @ docs.T), axis=1)[:, :100]
-        run = {q: [data.doc_ids[j] for j in top[i]] for i, q in enumerate(dev)}
-        per[name] = score(run, data.qrels, dev).values("ndcg_at_10")
-    return QualityResult(
-        data=str(data_dir),
-        queries=len(dev),
-        fp32_ndcg_at_10=round(float(np.mean(per["fp32"])), 4),
-        int8_ndcg_at_10=round(float(np.mean(per["int8"])), 4),
-        paired=paired_comparison(per["fp32"], per["int8"]),
-    )
+    fp32 = (_embed_rows(fp32_onnx, queries, "query"), fp32_docs)
+    int8 = (_embed_rows(int8_onnx, queries, "query"), int8_docs)
+    return paired_dev_ndcg(data, dev, data_dir, fp32, int8)
 
 
 def gate_int8_documents(

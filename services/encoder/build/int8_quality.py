@@ -93,3 +93,49 @@ def fp32_document_vectors(
             if min(row_cosines(vectors[:CACHE_PROBES], probe)) >= CACHE_MIN_COSINE:
                 return np.asarray(vectors, dtype=np.float32)
     return embed_texts(session, codec, texts, "document")
+
+
+def dev_split(data: Any) -> list[str]:
+    """The eval's dev queries of a loaded BEIR folder (those with qrels)."""
+    from services.corpus.beir import split_queries
+
+    _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
+    return [q for q in dev if q in data.qrels]
+
+
+def check_document_vectors(vectors: np.ndarray, data: Any, meta: EncoderMeta, where: Path) -> None:
+    """FailedPrecondition unless ``vectors`` hold one ``meta.dim`` row per corpus document."""
+    from services.common.errors import FailedPrecondition
+
+    if vectors.shape != (len(data.doc_ids), meta.dim):
+        raise FailedPrecondition(
+            f"document vectors {vectors.shape} do not fit {where} "
+            f"({len(data.doc_ids)} documents) and {meta.model_name} ({meta.dim}-d)"
+        )
+
+
+def paired_dev_ndcg(
+    data: Any,
+    dev: list[str],
+    where: Path,
+    fp32: tuple[np.ndarray, np.ndarray],
+    int8: tuple[np.ndarray, np.ndarray],
+    batch: int = 1,
+) -> QualityResult:
+    """Dev nDCG@10 of exact search with FP32 against int8 (query vectors, document
+    vectors), per query and paired."""
+    from services.measures.ranking import paired_comparison, score
+
+    per: dict[str, list[float]] = {}
+    for name, (queries, docs) in (("fp32", fp32), ("int8", int8)):
+        top = np.argsort(-(queries @ docs.T), axis=1)[:, :100]
+        run = {q: [data.doc_ids[j] for j in top[i]] for i, q in enumerate(dev)}
+        per[name] = score(run, data.qrels, dev).values("ndcg_at_10")
+    return QualityResult(
+        data=str(where),
+        queries=len(dev),
+        fp32_ndcg_at_10=round(float(np.mean(per["fp32"])), 4),
+        int8_ndcg_at_10=round(float(np.mean(per["int8"])), 4),
+        paired=paired_comparison(per["fp32"], per["int8"]),
+        batch=batch,
+    )

@@ -68,14 +68,10 @@ def read_records(path: Path | None = None) -> list[RecordedGate]:
     return [RecordedGate(**row) for row in json.loads(Path(path).read_text())["records"]]
 
 
-def find_record(
-    model_name: str,
-    fp32_onnx: Path,
-    int8_onnx: Path,
-    cosines: Sequence[float],
-    path: Path | None = None,
+def _recorded(
+    model_name: str, fp32_onnx: Path, int8_onnx: Path, path: Path | None
 ) -> tuple[RecordedGate | None, str]:
-    """(the record that applies to these graphs, or None and why none does)."""
+    """(the record of exactly these graphs, by SHA-256, or None and why none is)."""
     records = [r for r in read_records(path) if r.model_name == model_name]
     if not records:
         return (
@@ -84,21 +80,42 @@ def find_record(
         )
     fp32, int8 = graph_sha256(fp32_onnx), graph_sha256(int8_onnx)
     for record in records:
-        if (record.fp32_sha256, record.int8_sha256) != (fp32, int8):
-            continue
-        if len(record.parity_cosines) != len(cosines):
-            return None, f"the record of {model_name} has other probe queries"
-        worst = max(abs(a - b) for a, b in zip(record.parity_cosines, cosines, strict=True))
-        if not worst <= COSINE_TOLERANCE:  # NaN: no
-            return None, (
-                f"the int8 graph of {model_name} is the recorded one, but computes otherwise "
-                f"here (probe cosines off by {worst:.4f} > {COSINE_TOLERANCE})"
-            )
-        return record, ""
+        if (record.fp32_sha256, record.int8_sha256) == (fp32, int8):
+            return record, ""
     return None, (
         f"the graphs of {model_name} (sha256 {fp32[:12]}…/{int8[:12]}…) are not the recorded "
         "ones (another checkpoint, or another torch/onnx/onnxruntime)"
     )
+
+
+def _off_by(recorded: Sequence[float], here: Sequence[float]) -> float:
+    """The largest gap between the recorded probe cosines and this machine's (NaN, or Inf
+    for another number of probes: never within the tolerance)."""
+    if len(recorded) != len(here):
+        return float("inf")
+    return max(abs(a - b) for a, b in zip(recorded, here, strict=True))
+
+
+def find_record(
+    model_name: str,
+    fp32_onnx: Path,
+    int8_onnx: Path,
+    cosines: Sequence[float],
+    path: Path | None = None,
+) -> tuple[RecordedGate | None, str]:
+    """(the record that applies to these graphs, or None and why none does)."""
+    record, why = _recorded(model_name, fp32_onnx, int8_onnx, path)
+    if record is None:
+        return None, why
+    if len(record.parity_cosines) != len(cosines):
+        return None, f"the record of {model_name} has other probe queries"
+    worst = _off_by(record.parity_cosines, cosines)
+    if not worst <= COSINE_TOLERANCE:  # NaN: no
+        return None, (
+            f"the int8 graph of {model_name} is the recorded one, but computes otherwise "
+            f"here (probe cosines off by {worst:.4f} > {COSINE_TOLERANCE})"
+        )
+    return record, ""
 
 
 def find_document_record(
@@ -110,16 +127,12 @@ def find_document_record(
 ) -> tuple[RecordedGate | None, str]:
     """(the record of these graphs that carries a document result whose probe cosines
     this machine reproduces, or None and why none does)."""
-    records = [r for r in read_records(path) if r.model_name == model_name]
-    if not records:
-        return None, f"no quality result is recorded for {model_name}"
-    fp32, int8 = graph_sha256(fp32_onnx), graph_sha256(int8_onnx)
-    record = next((r for r in records if (r.fp32_sha256, r.int8_sha256) == (fp32, int8)), None)
+    record, why = _recorded(model_name, fp32_onnx, int8_onnx, path)
     if record is None:
-        return None, f"the graphs of {model_name} are not the recorded ones"
+        return None, why
     if not record.document_quality or len(record.document_parity_cosines) != len(cosines):
         return None, f"the record of {model_name} has no result for int8 documents"
-    worst = max(abs(a - b) for a, b in zip(record.document_parity_cosines, cosines, strict=True))
+    worst = _off_by(record.document_parity_cosines, cosines)
     if not worst <= COSINE_TOLERANCE:
         return None, (
             f"the int8 graph of {model_name} is the recorded one, but computes documents "

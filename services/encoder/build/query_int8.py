@@ -53,6 +53,7 @@ import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build import int8_record
+from services.encoder.build.document_int8 import gate_int8_documents
 from services.encoder.build.export import (
     GATE_FILE,
     INT8_ONNX,
@@ -65,17 +66,18 @@ from services.encoder.build.export import (
     row_cosines,
 )
 from services.encoder.build.int8_quality import (
-    DEV_FRACTION,
-    DEV_SEED,
+    QUALITY_MAX_DROP as QUALITY_MAX_DROP,  # re-exported: the limit both gates share
+)
+from services.encoder.build.int8_quality import (
     QualityResult,
+    check_document_vectors,
     default_quality_data,
+    dev_split,
     embed_texts,
     export_codec,
     fp32_document_vectors,
+    paired_dev_ndcg,
     quality_dict,
-)
-from services.encoder.build.int8_quality import (
-    QUALITY_MAX_DROP as QUALITY_MAX_DROP,  # re-exported: the limit both gates share
 )
 
 # min cosine of the int8 query graph vs the FP32 graph on PARITY_TEXTS (all-MiniLM-L6-v2:
@@ -179,38 +181,23 @@ def dev_ndcg(
 ) -> QualityResult:
     """Dev nDCG@10 (exact search) of the FP32 and the int8 query graph over the same
     document vectors (:func:`~services.encoder.build.int8_quality.fp32_document_vectors`)."""
-    from services.corpus.beir import load_beir, split_queries
-    from services.measures.ranking import paired_comparison, score
+    from services.corpus.beir import load_beir
 
     export_dir = Path(fp32_onnx).parent
     meta = EncoderMeta.read(export_dir)
     codec = export_codec(export_dir)
     data = load_beir(Path(data_dir))
-    _, dev = split_queries(sorted(data.queries), DEV_SEED, DEV_FRACTION)
-    dev = [q for q in dev if q in data.qrels]
+    dev = dev_split(data)
     if doc_vectors is None:
         texts = [data.docs[d] for d in data.doc_ids]
         doc_vectors = fp32_document_vectors(fp32_onnx, data_dir, data.doc_ids, texts, threads)
-    if doc_vectors.shape != (len(data.doc_ids), meta.dim):
-        raise FailedPrecondition(
-            f"document vectors {doc_vectors.shape} do not fit {data_dir} "
-            f"({len(data.doc_ids)} documents) and {meta.model_name} ({meta.dim}-d)"
-        )
+    check_document_vectors(doc_vectors, data, meta, data_dir)
     texts = [data.queries[q] for q in dev]
-    per: dict[str, list[float]] = {}
-    for name, path in (("fp32", fp32_onnx), ("int8", int8_onnx)):
-        vectors = embed_texts(onnx_session(path, threads), codec, texts, "query", batch=batch)
-        top = np.argsort(-(vectors @ doc_vectors.T), axis=1)[:, :100]
-        run = {q: [data.doc_ids[j] for j in top[i]] for i, q in enumerate(dev)}
-        per[name] = score(run, data.qrels, dev).values("ndcg_at_10")
-    return QualityResult(
-        data=str(data_dir),
-        queries=len(dev),
-        fp32_ndcg_at_10=round(float(np.mean(per["fp32"])), 4),
-        int8_ndcg_at_10=round(float(np.mean(per["int8"])), 4),
-        paired=paired_comparison(per["fp32"], per["int8"]),
-        batch=batch,
+    fp32, int8 = (
+        embed_texts(onnx_session(path, threads), codec, texts, "query", batch=batch)
+        for path in (fp32_onnx, int8_onnx)
     )
+    return paired_dev_ndcg(data, dev, data_dir, (fp32, doc_vectors), (int8, doc_vectors), batch)
 
 
 def gate_int8_query(fp32_onnx: Path, int8_onnx: Path, quality_data: Path | None) -> GateRecord:
@@ -326,8 +313,6 @@ def add_int8_query_tower(
         quantize_query_graph(fp32_onnx, int8)
         record = gate_int8_query(fp32_onnx, int8, quality_data)
         if documents:
-            from services.encoder.build.document_int8 import gate_int8_documents
-
             record = replace(record, documents=gate_int8_documents(fp32_onnx, int8, quality_data))
     except BaseException:
         int8.unlink(missing_ok=True)
