@@ -7,9 +7,10 @@ with two shard counts holds both layouts' hashes, and the rollout reads the sour
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from services.common import positions
 from services.generations.state import ScanCursor
 from services.index.changelog import text
 from services.index.keys import GenerationKeys
@@ -45,6 +46,21 @@ def read_docs(client: Any, keys: GenerationKeys, ids: Sequence[str]) -> list[Doc
     for i in ids:
         pipe.hgetall(keys.layout.doc(i))
     return [(i, d) for i, d in zip(ids, pipe.execute(), strict=True) if d]
+
+
+def written_since(docs: list[Doc], keys: GenerationKeys, p0: Mapping[int, str]) -> list[Doc]:
+    """The documents of ``docs`` whose last write is logged after ``p0`` (their hash's
+    ``lid``, the writer's log entry, past their shard's P0 position): the catch-up replays
+    that entry (with the dual write's vectors), so the bulk pass would encode them for
+    nothing, and under steady writes at a paced bulk's rate its SCAN would keep meeting
+    new ones. A hash without ``lid`` (an older writer) or a shard without a P0 position
+    is not skipped."""
+    late = []
+    for doc_id, fields in docs:
+        lid, mark = fields.get(b"lid"), p0.get(keys.layout.shard(doc_id))
+        if lid is not None and mark is not None and positions.compare(text(lid), mark) > 0:
+            late.append((doc_id, fields))
+    return late
 
 
 def count(client: Any, keys: GenerationKeys) -> int:

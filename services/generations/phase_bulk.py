@@ -1,5 +1,7 @@
 """The ``bulk`` phase (new encoder): the rest of the SCAN of the source's documents,
-re-embedded and appended, the cursor saved after every batch."""
+re-embedded and appended, the cursor saved after every batch. A document written after
+P0 is left to the catch-up, which replays its log entry (:func:`documents.written_since`):
+the bulk is bounded by what was stored at P0, whatever the write rate or its own pace."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ async def run_bulk(ctx: RolloutContext) -> None:
     ctx.progress.total(total, done)
     embedder, appender = ctx.embedder(target), ctx.appender(target)
     pending: deque[tuple[ScanCursor, int, asyncio.Task[np.ndarray]]] = deque()
+    left = 0  # documents written since P0, left to the catch-up
 
     async def finish_oldest() -> None:
         nonlocal done
@@ -40,10 +43,14 @@ async def run_bulk(ctx: RolloutContext) -> None:
     try:
         if not cursor.finished:
             async for batch, after in documents.scan(ctx.client, src, cursor, ctx.options.batch):
+                late = {i for i, _ in documents.written_since(batch, src, ctx.state.p0)}
+                if late:
+                    left += len(late)
+                    batch = [d for d in batch if d[0] not in late]
                 task = asyncio.create_task(
                     append_documents(embedder, appender, batch, target.encoder.dim)
                 )
-                pending.append((after, len(batch), task))
+                pending.append((after, len(batch) + len(late), task))
                 while len(pending) >= max(1, ctx.options.parallel) or (
                     pending and pending[0][2].done()
                 ):
@@ -53,5 +60,9 @@ async def run_bulk(ctx: RolloutContext) -> None:
     finally:
         for _, _, task in pending:
             task.cancel()
+    if left:
+        ctx.progress.message(
+            f"bulk: {left} documents written since P0 left to the catch-up (their log entries)"
+        )
     ctx.registry.set_state(target.name, "catching_up")
     ctx.save(phase="catch_up")

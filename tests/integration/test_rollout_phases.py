@@ -233,6 +233,26 @@ def test_bulk_resumed_from_a_saved_cursor_appends_nothing_twice(store: Any, tmp_
     assert len(after) == 60
 
 
+def test_bulk_leaves_the_documents_written_after_p0_to_the_catch_up(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    ctx = _context(store, tmp_path, "p0")
+    _run(ctx, run_p0)
+    late = [doc(3, "late"), doc(70, "late")]  # one stored before P0, one new
+    write(redis_url, G1, late)
+    ctx.save(phase="bulk")
+    state = _run(ctx, run_bulk)
+    assert state.phase == "catch_up" and state.cursor.finished and state.done == 61
+    # the bulk encoded what was stored at P0 only: d3's old text would be overtaken anyway
+    assert {c[0] for c in changes(store, G2)} == {f"d{i}" for i in range(60)} - {"d3"}
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch"
+    replayed = folded(store, G2)
+    assert set(replayed) == {f"d{i}" for i in range(60)} | {"d70"}
+    assert all(replayed[d.doc_id][2] == expected(d) for d in late)
+    assert all(replayed[d.doc_id][2] == expected(d) for d in map(doc, range(4, 60)))
+
+
 # --- catch_up, switch -----------------------------------------------------------------
 
 

@@ -61,6 +61,9 @@ end
 # ARGV: n, dim, generation, absent gate, target encoder ('' none), target dim, then per
 #       doc: shard slot (1-based into the log keys), id, title, text, metadata JSON, vector
 #       bytes, target vector bytes (7 values per doc, from ARGV[7]).
+# Each document hash also keeps ``lid``, its last write's log entry: a rollout's bulk pass
+# leaves a document written after its P0 to the replay of that entry
+# (services/generations/documents.py ``written_since``).
 _UPSERT = (
     """
 local n = tonumber(ARGV[1])
@@ -81,7 +84,7 @@ for i = 1, n do
   redis.call('HSET', KEYS[i], 'title', title, 'text', text, 'meta', meta, 'ver', ver)
   if shards[slot] == nil then
     shards[slot] = {ids = {}, vecs = {}, tags = {}, vers = {}, titles = {}, texts = {},
-      tvecs = {}}
+      tvecs = {}, keys = {}}
     table.insert(order, slot)
   end
   local s = shards[slot]
@@ -92,6 +95,7 @@ for i = 1, n do
   table.insert(s.titles, title)
   table.insert(s.texts, text)
   table.insert(s.tvecs, ARGV[a + 6])
+  table.insert(s.keys, KEYS[i])
 end
 local out = {}
 for _, slot in ipairs(order) do
@@ -105,6 +109,7 @@ for _, slot in ipairs(order) do
     end
   end
   local id = redis.call('XADD', KEYS[2 * n + slot], '*', unpack(fields))
+  for _, key in ipairs(s.keys) do redis.call('HSET', key, 'lid', id) end
   table.insert(out, slot)
   table.insert(out, id)
 end
