@@ -10,7 +10,7 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
 
 * ``reembed_docs_per_s``: documents the builder appended in its bulk phase (the target's
   ``lv`` hashes) ÷ the seconds it spent there (both polled from ``{gtr}:rollout`` every
-  20 ms), re-embedded through Triton with the new model version while the searches go on
+  100 ms), re-embedded through Triton with the new model version while the searches go on
   (``--sample`` documents are encoded in the train phase before it, not counted);
 * ``inprocess_docs_per_s``: the same documents' texts encoded in this process by the same
   model (its ONNX export, ONNX Runtime, batches of ``--batch``, run one document per
@@ -247,10 +247,16 @@ def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[st
     }
 
 
+POLL_S = 0.1  # the phase watcher's poll
+
+
 def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
     """PhaseWatch's poller, in a process of its own: polling Redis every 20 ms from a
     thread of the load generator's process took the GIL from its event loop and showed as
-    search latency during the rollout only."""
+    search latency during the rollout only. Every 100 ms since 2026-11-30: at 20 ms the
+    bench's own processes read 0.10 cores before the rollout and 0.13 during it (this
+    poller parses the rollout's state 50 times a second once there is one, each a Redis
+    round trip and two wake-ups on the machine under test); phases last seconds."""
     import redis
 
     from services.generations.registry import Registry
@@ -276,7 +282,7 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
             if bulk_first is None:
                 bulk_first = appended
             bulk_appended = max(bulk_appended, appended)
-        time.sleep(0.02)
+        time.sleep(POLL_S)
     out.put(
         {
             "seen": seen,
@@ -289,7 +295,7 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
 
 
 class PhaseWatch:
-    """The builder's phase as ``{gtr}:rollout`` says it, polled every 20 ms by a process of
+    """The builder's phase as ``{gtr}:rollout`` says it, polled every 100 ms by a process of
     its own: when each phase was first seen, and the documents appended in the bulk phase."""
 
     def __init__(self, redis_url: str) -> None:
@@ -421,8 +427,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--document-precision",
         choices=["int8", "fp32"],
         default="int8",
-        help="documents of both encoders: int8 (default, as `up` serves them: the stack's "
-        "export and the new encoder's, one document per run) or fp32",
+        help="documents of both encoders: int8 (default, as `up --document-precision int8` "
+        "serves them: the stack's export and the new encoder's, one document per run) or fp32",
     )
     parser.add_argument(
         "--catch-up-factor",
