@@ -297,7 +297,12 @@ class RolloutBuilder:
             probed=self._probed,
             pacer=None
             if ratio is None
-            else Pacer(lambda: pacing.slowest_p99(self.redis), self.progress, ratio=ratio),
+            else Pacer(
+                lambda: pacing.slowest_p99(self.redis),
+                self.progress,
+                ratio=ratio,
+                read_baseline=lambda: pacing.slowest_baseline_p99(self.redis),
+            ),
         )
 
     async def _resume(self, running: RolloutState) -> Generation:

@@ -9,8 +9,9 @@ pauses so that its encoder is busy ``duty`` of the time: after a call of ``t`` s
 ``t * (1 / duty - 1)`` seconds.
 
 ``duty`` follows the searches' p99 that the gateways report
-(:mod:`.serving_latency`), against a target taken before the rollout began (its
-``baseline``, times ``ratio``, at least ``margin_ms`` more): halved when the p99 is over
+(:mod:`.serving_latency`: their last 5 s), against a target taken before the rollout
+began (its ``baseline``, the p99 of the gateways' last 30 s, times ``ratio``, at least
+``margin_ms`` more): halved when the p99 is over
 the target, raised by a tenth when it is well under (``RELAX``), never below
 ``min_duty`` (the rollout always progresses, and the writes' dual encodes bound its
 catch-up whatever its pace). Only the ``train`` and ``bulk`` phases are paced
@@ -39,6 +40,7 @@ DEFAULT_RATIO = 1.3  # the p99 a rollout may bring the searches to, over the bas
 MARGIN_MS = 5.0  # ...and at least this much over it (a fast stack's p99 is noise-sized)
 MIN_DUTY = 0.1
 MIN_SEARCHES = 20  # a report over fewer searches says nothing of a p99
+MIN_BASELINE_SEARCHES = 100  # a baseline over fewer falls back to the last window's
 CHECK_S = 1.0  # the reports are read this often at most
 RELAX = 0.8  # the duty rises only while the p99 is under this share of the target
 STEP = 0.1  # ...by this much per check
@@ -54,6 +56,17 @@ def slowest_p99(client: Any) -> float | None:
     reports = serving_latency.read(client)
     p99s = [r.p99_ms for r in reports.values() if r.searches >= MIN_SEARCHES]
     return max(p99s) if p99s else None
+
+
+def slowest_baseline_p99(client: Any) -> float | None:
+    """The highest p99 over the gateways' baseline windows (their last 30 s) of those that
+    answered at least MIN_BASELINE_SEARCHES there; :func:`slowest_p99` when none did (a
+    quiet stack, or gateways that report no baseline)."""
+    reports = serving_latency.read(client)
+    p99s = [
+        r.baseline_p99_ms for r in reports.values() if r.baseline_searches >= MIN_BASELINE_SEARCHES
+    ]
+    return max(p99s) if p99s else slowest_p99(client)
 
 
 @dataclass
@@ -95,6 +108,7 @@ class Pacer:
         read: Callable[[], float | None],
         progress: Progress,
         *,
+        read_baseline: Callable[[], float | None] | None = None,
         ratio: float = DEFAULT_RATIO,
         margin_ms: float = MARGIN_MS,
         min_duty: float = MIN_DUTY,
@@ -103,6 +117,7 @@ class Pacer:
         sleep: Callable[[float], Any] = asyncio.sleep,
     ) -> None:
         self.read = read
+        self.read_baseline = read_baseline or read
         self.progress = progress
         self.ratio = ratio
         self.margin_ms = margin_ms
@@ -119,7 +134,7 @@ class Pacer:
 
     def start(self) -> None:
         """Take the baseline: the searches' p99 before this rollout loads the machine."""
-        baseline = self.read()
+        baseline = self.read_baseline()
         self.figures.baseline_ms = baseline
         if baseline is None:
             self.progress.message(

@@ -5,6 +5,7 @@ recorded, not slept)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ class Noted(Progress):
 class Scene:
     """A pacer over a p99 the test sets (None: no gateway reports)."""
 
-    def __init__(self, p99: float | None, **options: float) -> None:
+    def __init__(self, p99: float | None, **options: Any) -> None:
         self.p99 = p99
         self.clock = Clock()
         self.pauses: list[float] = []
@@ -138,7 +139,7 @@ def test_the_reports_are_read_at_most_once_a_second() -> None:
 
 def test_the_window_keeps_only_its_last_seconds_and_gives_their_percentiles() -> None:
     clock = Clock()
-    window = LatencyWindow(window_s=5.0, clock=clock)
+    window = LatencyWindow(window_s=5.0, clock=clock, baseline_s=5.0)
     assert window.summary() == LatencySummary(0, 0.0, 0.0)
     for ms in range(1, 101):
         window.record(float(ms))
@@ -147,7 +148,7 @@ def test_the_window_keeps_only_its_last_seconds_and_gives_their_percentiles() ->
     summary = window.summary()
     assert summary.searches == 101 and summary.p99_ms > 99 and summary.p50_ms == 51.0
     clock.now += 2.0  # the first hundred are now 6 s old
-    assert window.summary() == LatencySummary(1, 1000.0, 1000.0)
+    assert window.summary() == LatencySummary(1, 1000.0, 1000.0, 0.0, 1, 1000.0)
     again = LatencySummary.from_json(LatencySummary(3, 1.5, 9.25, at=12.0).to_json())
     assert again == LatencySummary(3, 1.5, 9.25, at=12.0)
 
@@ -161,3 +162,45 @@ def test_an_inactive_pacer_lets_calls_pass_and_counts_nothing() -> None:
     scene.pacer.active = False
     assert scene.call() == 0.0 and scene.pacer.figures.busy_s == pytest.approx(0.2)
     assert {"train", "bulk"} == pacing.PACED_PHASES
+
+
+def test_the_window_also_gives_the_p99_of_its_longer_baseline() -> None:
+    clock = Clock()
+    window = LatencyWindow(window_s=5.0, clock=clock, baseline_s=30.0)
+    for ms in range(1, 201):  # 200 searches, 20 s before the last five seconds
+        window.record(float(ms))
+    clock.now += 20.0
+    for _ in range(100):
+        window.record(10.0)
+    summary = window.summary()
+    assert (summary.searches, summary.p99_ms) == (100, 10.0)  # the last 5 s alone
+    assert summary.baseline_searches == 300 and summary.baseline_p99_ms > 190
+    clock.now += 11.0  # the first 200 are now 31 s old: out of both windows
+    assert window.summary().baseline_searches == 100
+    clock.now += 20.0
+    assert window.summary() == LatencySummary(0, 0.0, 0.0)
+    old = '{"n": 3, "p50": 1.5, "p99": 9.25, "at": 12.0}'  # a gateway with no baseline
+    assert LatencySummary.from_json(old) == LatencySummary(3, 1.5, 9.25, at=12.0)
+
+
+def test_the_baseline_is_read_from_the_longer_window_the_control_from_the_last() -> None:
+    reads: list[str] = []
+
+    def read() -> float:
+        reads.append("window")
+        return 60.0
+
+    def baseline() -> float:
+        reads.append("baseline")
+        return 30.0
+
+    clock = Clock()
+    pacer = Pacer(read, Progress(), read_baseline=baseline, clock=clock, sleep=_no_sleep)
+    pacer.start()
+    assert pacer.figures.baseline_ms == 30.0 and pacer.figures.target_ms == 39.0
+    asyncio.run(pacer.after_call(0.1))
+    assert reads == ["baseline", "window"] and pacer.duty == 0.5  # 60 ms > 39: a cut
+
+
+async def _no_sleep(seconds: float) -> None:
+    return None
