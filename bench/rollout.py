@@ -80,6 +80,7 @@ import numpy as np
 
 from bench.cpu_roles import RoleCpu
 from bench.rollout_writes import check_writes, dual_counts, dual_encode_outcomes, hold_source
+from services.cli.generation_commands import PACE
 from services.process import cpus as cpu_sets
 
 SHARED = Path(
@@ -613,7 +614,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["mode"] = "retrain" if args.retrain else "encoder"
     result["document_precision"] = args.document_precision
     result["new_encoder_int8"] = int8_gates
-    result["pace"] = args.pace or "default"
+    result["pace"] = args.pace or f"default ({PACE})"
     result["catch_up_factor"] = args.catch_up_factor or "default (4)"
     result["pacing"] = pacing_summary(f"{done.stdout}\n{done.stderr}")
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)

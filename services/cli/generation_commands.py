@@ -99,6 +99,11 @@ def _add_triton_flags(parser: argparse.ArgumentParser, builder: bool) -> None:
         parser.add_argument(flag, default=None, help=f"{what} (default: the local stack's).")
 
 
+# index rollout --pace's default: services.generations.pacing.DEFAULT_RATIO, which this
+# module does not import (it pulls numpy into every command's start); a test holds them equal
+PACE = 1.2
+
+
 def _over_one_or_off(what: str) -> Callable[[str], float | None]:
     """An argparse type: a number over 1 (a ``what``), or "off" (None)."""
 
@@ -153,13 +158,14 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
         parser.add_argument(
             "--pace",
             type=_over_one_or_off("pace ratio"),
-            default=None,
+            default=PACE,
             metavar="RATIO|off",
             help="Pace the re-embedding on the searches the gateways answer: pause between "
-            "encode calls whenever their p99 passes RATIO times the p99 before the rollout "
-            "(and 5 ms more at least; 1.3 is a start). Off by default: on 2 shared cores it "
-            "made the rollout twice as long and its p99 no better (docs/generations.md, "
-            '"Pacing").',
+            "encode calls whenever their p99 passes RATIO times their p99 over the 30 s "
+            f"before the rollout (and 5 ms more at least; {PACE}). 'off': full "
+            "speed, for a rollout whose encoder shares no CPU with serving. On 2 shared "
+            "cores with writes at 21/s pacing held the searches' p99 at 1.4-1.7x and made "
+            'the rollout 3-4x longer; unpaced, 2.3-2.6x (docs/generations.md, "Pacing").',
         )
         parser.add_argument(
             "--switch-lag",

@@ -36,7 +36,7 @@ from typing import Any
 from services.generations import serving_latency
 from services.generations.progress import Progress
 
-DEFAULT_RATIO = 1.3  # the p99 a rollout may bring the searches to, over the baseline
+DEFAULT_RATIO = 1.2  # the p99 a rollout may bring the searches to, over the baseline
 MARGIN_MS = 5.0  # ...and at least this much over it (a fast stack's p99 is noise-sized)
 MIN_DUTY = 0.1
 MIN_SEARCHES = 20  # a report over fewer searches says nothing of a p99

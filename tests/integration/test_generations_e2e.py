@@ -395,12 +395,17 @@ def test_rollout_rollback_and_reshard_under_searches_and_writes(
             while sum(w.ok for w in load.record.writes) < 20:  # the load is going
                 assert not runner.done(), runner
                 await asyncio.sleep(0.05)
-            encoder = ["index", "rollout", "--encoder", str(second_encoder)]
+            # unpaced: this test is about what every search and write sees across the
+            # switches; pacing (the default) would stretch the re-embedding under its load
+            # for minutes (measured by bench.rollout; tests/unit/test_rollout_pacing.py)
+            encoder = ["index", "rollout", "--encoder", str(second_encoder), "--pace", "off"]
             steps = [
                 await switch(encoder, "rollout --encoder", "encoder"),
                 await switch(["index", "rollback"], "rollback", "rollback"),
                 await switch(
-                    ["index", "rollout", "--shards", "3"], "rollout --shards 3", "reshard"
+                    ["index", "rollout", "--shards", "3", "--pace", "off"],
+                    "rollout --shards 3",
+                    "reshard",
                 ),
             ]
         finally:

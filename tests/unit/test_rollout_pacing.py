@@ -5,6 +5,7 @@ recorded, not slept)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,7 +196,7 @@ def test_the_baseline_is_read_from_the_longer_window_the_control_from_the_last()
         return 30.0
 
     clock = Clock()
-    pacer = Pacer(read, Progress(), read_baseline=baseline, clock=clock, sleep=_no_sleep)
+    pacer = Pacer(read, Progress(), ratio=1.3, read_baseline=baseline, clock=clock, sleep=_no_sleep)
     pacer.start()
     assert pacer.figures.baseline_ms == 30.0 and pacer.figures.target_ms == 39.0
     asyncio.run(pacer.after_call(0.1))
@@ -204,3 +205,18 @@ def test_the_baseline_is_read_from_the_longer_window_the_control_from_the_last()
 
 async def _no_sleep(seconds: float) -> None:
     return None
+
+
+def test_a_rollout_is_paced_unless_told_off_and_a_rollback_never() -> None:
+    from services.cli.generation_commands import PACE
+    from services.cli.main import build_parser
+    from services.generations.context import RolloutOptions
+
+    parser = build_parser()
+    assert PACE == pacing.DEFAULT_RATIO == RolloutOptions(index_root=Path(".")).pace_ratio
+    assert parser.parse_args(["index", "rollout", "--retrain"]).pace == pacing.DEFAULT_RATIO
+    assert parser.parse_args(["index", "rollout", "--retrain", "--pace", "off"]).pace is None
+    assert parser.parse_args(["index", "rollout", "--retrain", "--pace", "1.5"]).pace == 1.5
+    assert getattr(parser.parse_args(["index", "rollback"]), "pace", None) is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["index", "rollout", "--retrain", "--pace", "1"])
