@@ -20,8 +20,9 @@ reports cover the last seconds, which still hold searches from before the cut). 
 still over the target a settling time after the duty reached its floor is not the
 re-embedding's doing: the target is then taken again from that p99 (a *rebase*, as a
 latency-based congestion controller re-measures its base delay), so that work the builder
-cannot shed does not hold it at a tenth of its pace for the whole rollout; once the p99
-is back under the first target's relaxed share, the first target applies again. Without a
+cannot shed does not hold it at a tenth of its pace for the whole rollout, but only by its
+margin over that p99; once the p99 is back under the first target's relaxed share, the
+first target applies again. Without a
 baseline (no gateway reported enough searches at the start) nothing is paced.
 """
 
@@ -187,10 +188,14 @@ class Pacer:
     def _rebase(self, p99: float, now: float) -> None:
         """The encoder runs at its floor and the searches stay slow: what slows them is
         not the re-embedding (other work on the machine, the writes' dual encodes, a
-        neighbour's steal), and pausing more would only stretch the rollout. The p99 at
-        the floor is the new baseline (the duty may rise again), until the p99 falls
-        back under the first target's relaxed share."""
-        target = round(max(p99 * self.ratio, p99 + self.margin_ms), 2)
+        neighbour's steal), and pausing more would only stretch the rollout. The target
+        becomes the p99 at the floor and ``margin_ms`` more: the re-embedding may speed up
+        again only while the searches are faster than that, until the p99 falls back
+        under the first target's relaxed share. (Until 2026-11-30 it was ``ratio`` times
+        the p99 at the floor: the duty then climbed back until the re-embedding added
+        the whole ratio again on top of what the rollout could not shed; bench rollouts'
+        targets ended at 48-68 ms over first targets of 25-33.)"""
+        target = round(max(self._first_target, p99 + self.margin_ms), 2)
         self.figures.target_ms = target
         self.figures.rebases += 1
         self._moved = now
