@@ -164,8 +164,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             "encode calls whenever their p99 passes RATIO times their p99 over the 30 s "
             f"before the rollout (and 5 ms more at least; {PACE}). 'off': full "
             "speed, for a rollout whose encoder shares no CPU with serving. On 2 shared "
-            "cores with writes at 21/s pacing held the searches' p99 at 1.4-1.7x and made "
-            'the rollout 3-4x longer; unpaced, 2.3-2.6x (docs/generations.md, "Pacing").',
+            "cores with writes at 21/s paced rollouts read 1.4-2.5x the p99 before them "
+            "(median 1.7) and took 3-4x as long; unpaced, 2.3-2.6x (docs/generations.md, "
+            '"Pacing").',
         )
         parser.add_argument(
             "--switch-lag",

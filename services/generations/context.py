@@ -76,7 +76,7 @@ class RolloutOptions:
     # the searches' p99 a rollout may cause, over the one before it (services/generations/
     # pacing.py: the re-embedding pauses to hold it); None: not paced. On by default since
     # the catch-up is bounded and the bulk stops at P0: with writes at 21/s on 2 shared
-    # cores, paced rollouts read 1.40-1.74x the p99 before them, unpaced 2.33-2.59x
+    # cores, paced rollouts read 1.40-2.50x the p99 before them (median 1.7), unpaced 2.33-2.59x
     # (docs/generations.md "Pacing on the searches' p99"), at 3-4x the rollout's time
     pace_ratio: float | None = DEFAULT_RATIO
     # the catch-up replays at most this many times the source's write rate (and at least
