@@ -96,6 +96,20 @@ def _off_by(recorded: Sequence[float], here: Sequence[float]) -> float:
     return max(abs(a - b) for a, b in zip(recorded, here, strict=True))
 
 
+def _unreproduced(
+    model_name: str, what: str, recorded: Sequence[float], here: Sequence[float]
+) -> str:
+    """Why this machine does not reproduce the recorded probe cosines of ``what`` ("" when
+    it does, within COSINE_TOLERANCE)."""
+    worst = _off_by(recorded, here)
+    if worst <= COSINE_TOLERANCE:  # NaN: no
+        return ""
+    return (
+        f"the int8 graph of {model_name} is the recorded one, but computes {what}otherwise "
+        f"here (probe cosines off by {worst:.4f} > {COSINE_TOLERANCE})"
+    )
+
+
 def find_record(
     model_name: str,
     fp32_onnx: Path,
@@ -109,13 +123,8 @@ def find_record(
         return None, why
     if len(record.parity_cosines) != len(cosines):
         return None, f"the record of {model_name} has other probe queries"
-    worst = _off_by(record.parity_cosines, cosines)
-    if not worst <= COSINE_TOLERANCE:  # NaN: no
-        return None, (
-            f"the int8 graph of {model_name} is the recorded one, but computes otherwise "
-            f"here (probe cosines off by {worst:.4f} > {COSINE_TOLERANCE})"
-        )
-    return record, ""
+    why = _unreproduced(model_name, "", record.parity_cosines, cosines)
+    return (None, why) if why else (record, "")
 
 
 def find_document_record(
@@ -132,13 +141,8 @@ def find_document_record(
         return None, why
     if not record.document_quality or len(record.document_parity_cosines) != len(cosines):
         return None, f"the record of {model_name} has no result for int8 documents"
-    worst = _off_by(record.document_parity_cosines, cosines)
-    if not worst <= COSINE_TOLERANCE:
-        return None, (
-            f"the int8 graph of {model_name} is the recorded one, but computes documents "
-            f"otherwise here (probe cosines off by {worst:.4f} > {COSINE_TOLERANCE})"
-        )
-    return record, ""
+    why = _unreproduced(model_name, "documents ", record.document_parity_cosines, cosines)
+    return (None, why) if why else (record, "")
 
 
 def versions() -> dict[str, str]:
