@@ -151,6 +151,34 @@ def with_other(used: dict[str, float]) -> dict[str, float]:
     return {**used, "other": max(0.0, other)}
 
 
+def timeline(
+    samples: list[tuple[float, dict[str, float]]],
+    origin: float,
+    bucket_s: float = 2.0,
+    least: float = 0.1,
+) -> str:
+    """Cores by role in each ``bucket_s`` from ``origin`` (monotonic seconds, the load's
+    start, so the rows line up with the searches' timeline): the machine's busy cores,
+    the steal, then every role that used at least ``least`` of a core, most first. Where
+    a phase change's slow searches come from (which process woke up)."""
+    rows = []
+    t = origin
+    end = samples[-1][0] if samples else origin
+    while t < end:
+        used = cores(samples, t, t + bucket_s)
+        if used:
+            roles = sorted(
+                ((k, v) for k, v in used.items() if k not in MACHINE_KEYS and v >= least),
+                key=lambda kv: -kv[1],
+            )
+            rows.append(
+                f"{t - origin:6.0f}s machine {used.get('machine', 0.0):4.2f} steal "
+                f"{used.get('steal', 0.0):4.2f}: " + ", ".join(f"{k} {v:.2f}" for k, v in roles)
+            )
+        t += bucket_s
+    return "\n".join(rows)
+
+
 class RoleCpu:
     """``with RoleCpu(os.getpid()) as cpu: ...`` then ``cpu.cores(start, end)``."""
 
@@ -176,3 +204,6 @@ class RoleCpu:
 
     def cores(self, start: float, end: float) -> dict[str, float]:
         return cores(self.samples, start, end)
+
+    def timeline(self, origin: float, bucket_s: float = 2.0) -> str:
+        return timeline(self.samples, origin, bucket_s)

@@ -25,7 +25,9 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   ≤ 1.5); failed searches in each window;
 * where the time goes: ``p99_by_phase_ms`` (search p99 of the searches started in each
   builder phase), ``stage_p99_ms`` (the gateway's own stage timings, ``encode``,
-  ``search``, ``fetch``, ``total``, before and during), a 2-s timeline printed above, and
+  ``search``, ``fetch``, ``total``, before and during), a 2-s timeline printed above
+  (the searches, then the cores each process role used: which process woke up when a
+  window turned slow), and
   ``switch_searches``: the switch phase search by search (its ~25 searches are too few
   for a p99 to say where the time went), with when the load saw the alias move and the
   writes that ended in it.
@@ -566,6 +568,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     record = load.record
     print(f"timeline (rollout from {start_s(marks, load):.0f} s):\n{record.timeline(2.0)}")
+    print(f"cores by role (every 2 s, the same origin):\n{cpu.timeline(record.started)}")
     start, end = marks["rollout_start"], marks["rollout_end"]
     before = [s for s in record.searches if s.start < start]
     during = [s for s in record.searches if start <= s.start < end]

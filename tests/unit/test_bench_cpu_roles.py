@@ -30,6 +30,22 @@ def test_a_windows_cores_are_cpu_seconds_over_wall_seconds_between_its_samples()
     assert cpu_roles.cores(samples, 2.0, 4.0) == {}  # one sample: no window
 
 
+def test_the_timeline_names_the_roles_that_used_a_tenth_of_a_core_in_each_bucket() -> None:
+    samples = [
+        (10.0, {"gateway": 0.0, "builder": 0.0, "redis": 0.0, "machine": 0.0, "steal": 0.0}),
+        (11.0, {"gateway": 0.2, "builder": 0.0, "redis": 0.05, "machine": 0.3, "steal": 0.0}),
+        (12.0, {"gateway": 0.4, "builder": 0.9, "redis": 0.1, "machine": 1.5, "steal": 0.1}),
+        (13.0, {"gateway": 0.6, "builder": 1.8, "redis": 0.15, "machine": 2.6, "steal": 0.1}),
+    ]
+    rows = cpu_roles.timeline(samples, origin=10.0, bucket_s=2.0).splitlines()
+    # a bucket holds the samples at both its ends: [10, 12] reads 10, 11 and 12 s
+    words = [" ".join(row.split()) for row in rows]
+    # redis (0.05 of a core) is left out
+    assert words[0] == "0s machine 0.75 steal 0.05: builder 0.45, gateway 0.20"
+    assert words[1] == "2s machine 1.10 steal 0.00: builder 0.90, gateway 0.20"
+    assert len(rows) == 2
+
+
 def test_the_hypervisors_steal_is_not_another_jobs_load() -> None:
     """/proc/stat counts steal as busy: it is reported apart, not as ``other``."""
     used = {"gateway": 0.5, "machine": 1.0, "steal": 0.4}
