@@ -48,6 +48,12 @@ MOVED_BACKOFF_MAX_S = 0.2
 # time left, beyond the pause, below which a refused write is not tried again (nor less
 # than twice its last attempt): the next attempt could not end before the deadline
 MOVED_MARGIN_S = 0.05
+# ... nor less than this share of the write's whole budget (at most MOVED_RESERVE_MAX_S):
+# the UNAVAILABLE must reach the client before its own deadline, on a loaded machine too,
+# where a pause or an alias re-read can run tens of milliseconds long (a 2-s write's
+# answer arrived after the client's deadline once, in a test beside another worker)
+MOVED_RESERVE_SHARE = 0.1
+MOVED_RESERVE_MAX_S = 0.5
 
 
 def _not_taken(moved: GenerationMoved) -> Unavailable:
@@ -194,10 +200,17 @@ class DocumentPipeline:
         the generation it names: at once when the gate names the new generation, after a
         pause while the gate is closed (a switch drains) or the alias has not moved yet
         (10 ms doubling to 200 ms). Unavailable when the deadline runs out first, or would
-        before another attempt could end: an attempt cut by the deadline would be
+        before another attempt could end with a reserve for the answer (a tenth of the
+        write's budget, 50 ms to 0.5 s): an attempt cut by the deadline would be
         DEADLINE_EXCEEDED, which does not say that nothing was written."""
         serving = self.source.current()
         pause = MOVED_BACKOFF_S
+        budget = deadline.remaining()
+        reserve = (
+            MOVED_MARGIN_S
+            if budget is None
+            else max(MOVED_MARGIN_S, min(MOVED_RESERVE_SHARE * budget, MOVED_RESERVE_MAX_S))
+        )
         while True:
             started = time.monotonic()
             with self.source.lease(serving) as parts, step(f"attempt on {serving.generation}"):
@@ -212,7 +225,7 @@ class DocumentPipeline:
                 serving = await self._reread(moved, deadline)
             if moved.gate == CLOSED or serving.generation == tried:
                 left = deadline.remaining()
-                if left is not None and left <= pause + max(MOVED_MARGIN_S, 2 * attempt_s):
+                if left is not None and left <= pause + max(reserve, 2 * attempt_s):
                     raise _not_taken(moved)
                 with step("pause"):
                     await asyncio.sleep(pause)
