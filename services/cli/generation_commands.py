@@ -308,6 +308,9 @@ def _add_rollout(isub: Any) -> None:
             "the saved phase and position; `index rollout --abort` gives up instead. " + COST
         ),
     )
+    # its interpreter's teardown (torch, ONNX Runtime, faiss) would cost a core for ~1.6 s
+    # as the new generation begins to serve: skipped (services.cli.main.exit_at_once)
+    rollout.set_defaults(exit_at_once=True)
     what = rollout.add_mutually_exclusive_group()
     what.add_argument(
         "--encoder",
@@ -368,6 +371,7 @@ def _add_rollback(isub: Any) -> None:
             "(FAILED_PRECONDITION) when there is no previous generation."
         ),
     )
+    rollback.set_defaults(exit_at_once=True)
     _add_run_flags(rollback, rollout=False)
 
 
