@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 from tokenizers import Tokenizer
 
@@ -73,3 +76,26 @@ def test_check_texts_limits_the_batch() -> None:
     check_texts(["a", "b"], max_batch=2)
     with pytest.raises(TextError, match="over the limit of 2"):
         check_texts(["a", "b", "c"], max_batch=2)
+
+
+def test_embedders_that_read_the_same_tokenizer_bytes_share_one_codec(tmp_path: Path) -> None:
+    """Building a codec holds the GIL for tens of ms (a gateway's event loop with it): a
+    second version with the same tokenizer file reuses the first's; other bytes or other
+    budgets build their own."""
+    from services.encoder.runtime import onnx_embedder
+
+    source = default_model_dir() / "tokenizer.json"
+    copy = tmp_path / "v2" / "tokenizer.json"
+    copy.parent.mkdir()
+    shutil.copyfile(source, copy)
+    budgets = {"query": 64, "document": 256}
+    first = onnx_embedder.shared_codec(source, budgets, 0)
+    assert onnx_embedder.shared_codec(copy, dict(budgets), 0) is first
+    assert onnx_embedder.shared_codec(copy, {"query": 32, "document": 256}, 0) is not first
+    changed = tmp_path / "v3" / "tokenizer.json"
+    changed.parent.mkdir()
+    changed.write_text(source.read_text().replace('"[PAD]"', '"[PAD2]"', 1))
+    assert onnx_embedder.shared_codec(changed, budgets, 0) is not first
+    for n in range(onnx_embedder.CODECS_KEPT):  # the least recently used is dropped
+        onnx_embedder.shared_codec(source, {"query": 8 + n}, 0)
+    assert onnx_embedder.shared_codec(source, budgets, 0) is not first

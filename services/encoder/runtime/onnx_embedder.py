@@ -9,6 +9,9 @@ each kind with its own graph, as the Triton model does; an int8 tower
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +20,39 @@ import numpy as np
 from services.encoder.build.export import OUTPUT_NAME, EncoderMeta, onnx_session
 from services.encoder.profiles import Kind
 from services.encoder.textcodec import TextCodec, TokenBatch
+
+# Codecs kept by what they are built from (the tokenizer file's bytes, each kind's token
+# budget, the pad id): at most this many, the least recently used dropped first.
+CODECS_KEPT = 4
+_codecs: OrderedDict[tuple[str, tuple[tuple[str, int], ...], int], TextCodec] = OrderedDict()
+_codecs_lock = threading.Lock()
+
+
+def shared_codec(tokenizer_json: Path, max_lens: Mapping[str, int], pad_id: int) -> TextCodec:
+    """The codec of ``tokenizer_json`` with these budgets, shared by every embedder of this
+    process that reads the same bytes (a codec is immutable once built, and thread-safe).
+
+    Building one holds the GIL throughout: ``tokenizers`` parses the file, then copies it
+    once per kind, in Rust without releasing it (26 ms on a quiet core, ~75 ms on a busy
+    one). A gateway that opens a rollout target's query graph while it serves searches
+    stalled its event loop that long (a 2-s window of search p99 115 ms in a bench
+    rollout, the rest ~40; docs/generations.md "A target's preparation, profiled"). A new
+    encoder version of the same base model keeps its tokenizer, so it is parsed once per
+    process instead. Hashing the file releases the GIL."""
+    data = tokenizer_json.read_bytes()
+    key = (hashlib.sha256(data).hexdigest(), tuple(sorted(max_lens.items())), pad_id)
+    with _codecs_lock:
+        codec = _codecs.get(key)
+        if codec is not None:
+            _codecs.move_to_end(key)
+            return codec
+    codec = TextCodec.from_file(str(tokenizer_json), dict(max_lens), pad_id)
+    with _codecs_lock:
+        codec = _codecs.setdefault(key, codec)  # a build that raced ours: keep the first
+        _codecs.move_to_end(key)
+        while len(_codecs) > CODECS_KEPT:
+            _codecs.popitem(last=False)
+    return codec
 
 
 class OnnxEmbedder:
@@ -35,8 +71,8 @@ class OnnxEmbedder:
         self.model_name = self.meta.model_name
         self.dim = self.meta.dim
         self.profile = self.meta.profile_obj
-        self.codec = TextCodec.from_file(
-            str(onnx_path.parent / "tokenizer.json"), self.meta.max_lens, self.meta.pad_id
+        self.codec = shared_codec(
+            onnx_path.parent / "tokenizer.json", self.meta.max_lens, self.meta.pad_id
         )
         files = dict(graphs) if graphs is not None else self.meta.onnx_files(onnx_path)
         opened: dict[Path, object] = {}
