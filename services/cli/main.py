@@ -91,8 +91,9 @@ def exit_at_once(code: int) -> None:
     rollout`'s teardown of torch, ONNX Runtime and faiss took 1.6 s of wall time and most
     of a core (a bench rollout, profiled with py-spy: native code under the main thread,
     after the last Python frame), while the new generation had just begun to serve on
-    the same CPUs (docs/generations.md "The builder's end"). Everything the command owns
-    is closed or in the store by then; nothing registered at exit is needed."""
+    the same CPUs (docs/generations.md "The phase changes, profiled"). Everything the
+    command owns is closed or in the store by then; nothing registered at exit is
+    needed."""
     import contextlib
     import logging
     import os

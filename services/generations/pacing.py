@@ -17,12 +17,13 @@ the target, raised by a tenth when it is well under (``RELAX``), never below
 catch-up whatever its pace). Only the ``train`` and ``bulk`` phases are paced
 (:data:`PACED_PHASES`). A cut is followed by ``settle_s`` without another (the
 reports cover the last seconds, which still hold searches from before the cut). A p99
-still over the target a settling time after the duty reached its floor is not the
-re-embedding's doing: the target is then taken again from that p99 (a *rebase*, as a
-latency-based congestion controller re-measures its base delay), so that work the builder
-cannot shed does not hold it at a tenth of its pace for the whole rollout, but only by its
-margin over that p99; once the p99 is back under the first target's relaxed share, the
-first target applies again. Without a
+that stays over the target for ``rebase_after_s`` with the duty at its floor is not the
+re-embedding's doing: the target is then taken again from the *lowest* p99 of that time
+(a *rebase*, as a latency-based congestion controller re-measures its base delay), so that
+work the builder cannot shed does not hold it at a tenth of its pace for the whole
+rollout, but only by its margin over that p99; once the p99 is back under the first
+target's relaxed share, the first target applies again. A burst shorter than that (a
+target's shard processes starting: ~4 s of two busy cores) only cuts the duty. Without a
 baseline (no gateway reported enough searches at the start) nothing is paced.
 """
 
@@ -46,6 +47,12 @@ CHECK_S = 1.0  # the reports are read this often at most
 RELAX = 0.8  # the duty rises only while the p99 is under this share of the target
 STEP = 0.1  # ...by this much per check
 CUT = 0.5  # and is multiplied by this when the p99 is over the target
+# How long the p99 stays over the target, the duty at its floor, before a rebase: three
+# report windows. A rebase after one (5 s, until 2026-11-30) took a start-up burst for a
+# new base: in a bench rollout the target's shard processes starting (~4 s of two busy
+# cores, 2-s windows of p99 94-134 ms) raised the target to 90 ms over a first target of
+# 30, and the duty then climbed until the bulk phase read p99 91 ms.
+REBASE_AFTER_S = 15.0
 # The phases whose encodes are paced: not the catch-up, which must outrun the writes
 # whose dual encode failed, nor the switch, whose replay runs with the writes refused.
 PACED_PHASES = frozenset({"train", "bulk"})
@@ -114,6 +121,7 @@ class Pacer:
         margin_ms: float = MARGIN_MS,
         min_duty: float = MIN_DUTY,
         settle_s: float = serving_latency.WINDOW_S,
+        rebase_after_s: float = REBASE_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = asyncio.sleep,
     ) -> None:
@@ -124,6 +132,7 @@ class Pacer:
         self.margin_ms = margin_ms
         self.min_duty = min_duty
         self.settle_s = settle_s
+        self.rebase_after_s = rebase_after_s
         self.clock = clock
         self.sleep = sleep
         self.duty = 1.0
@@ -132,6 +141,10 @@ class Pacer:
         self._checked = float("-inf")
         self._moved = float("-inf")  # the last cut or rebase
         self._first_target = float("inf")  # the target the baseline gave
+        # since when the p99 has stayed over the target with the duty at its floor (None:
+        # it has not), and the lowest p99 read since
+        self._over_since: float | None = None
+        self._over_lowest = float("inf")
 
     def start(self) -> None:
         """Take the baseline: the searches' p99 before this rollout loads the machine."""
@@ -180,16 +193,25 @@ class Pacer:
                 f"pacing: the searches' p99 is {p99:.1f} ms, over {target:.1f} ms: the "
                 f"encoder now runs {self.duty:.0%} of the time"
             )
+            self._over_since = None
         elif p99 > target:  # at the floor, a settling time on, and still over
-            self._rebase(p99, now)
-        elif p99 < target * RELAX and self.duty < 1.0:
-            self.duty = min(1.0, self.duty + STEP)
+            if self._over_since is None:
+                self._over_since, self._over_lowest = now, p99
+            self._over_lowest = min(self._over_lowest, p99)
+            if now - self._over_since >= self.rebase_after_s:
+                self._rebase(self._over_lowest, now)
+                self._over_since = None
+        else:
+            self._over_since = None
+            if p99 < target * RELAX and self.duty < 1.0:
+                self.duty = min(1.0, self.duty + STEP)
 
     def _rebase(self, p99: float, now: float) -> None:
         """The encoder runs at its floor and the searches stay slow: what slows them is
         not the re-embedding (other work on the machine, the writes' dual encodes, a
         neighbour's steal), and pausing more would only stretch the rollout. The target
-        becomes the p99 at the floor and ``margin_ms`` more: the re-embedding may speed up
+        becomes ``p99``, the lowest read at the floor over ``rebase_after_s``, and
+        ``margin_ms`` more: the re-embedding may speed up
         again only while the searches are faster than that, until the p99 falls back
         under the first target's relaxed share. (Until 2026-11-30 it was ``ratio`` times
         the p99 at the floor: the duty then climbed back until the re-embedding added

@@ -110,9 +110,14 @@ def test_searches_still_slow_at_the_floor_rebase_the_target_until_they_recover()
     scene = Scene(30.0, ratio=1.3, settle_s=5.0, min_duty=0.1)  # target 39 ms
     scene.pacer.start()
     scene.p99 = 80.0
-    for _ in range(25):  # four cuts 5 s apart, then 5 s at the floor
+    for _ in range(25):  # four cuts 5 s apart (0-15 s), read again from 20 s at the floor
         scene.call(0.1)
     assert scene.pacer.duty == 0.1 and scene.pacer.figures.cuts == 4
+    assert scene.pacer.figures.rebases == 0  # over the target for 4 s at the floor only
+    for _ in range(10):  # until 34 s: 14 s at the floor, still over
+        scene.call(0.1)
+    assert scene.pacer.figures.rebases == 0
+    scene.call(0.1)
     assert scene.pacer.figures.rebases == 1
     assert scene.pacer.figures.target_ms == 85.0  # 80 + the 5-ms margin
     assert any("not what slows them" in m for m in scene.progress.messages)
@@ -126,6 +131,29 @@ def test_searches_still_slow_at_the_floor_rebase_the_target_until_they_recover()
     scene.p99 = 25.0  # the other load has gone: the first target again
     scene.call(0.1)
     assert scene.pacer.figures.target_ms == 39.0
+
+
+def test_a_burst_shorter_than_the_rebase_time_only_cuts_and_a_rebase_takes_the_lowest_p99() -> None:
+    """A target's shard processes starting make the searches slow for a few seconds: the
+    duty is cut, the target stays (a rebase then raised it to the burst's p99, and the
+    duty climbed until the bulk read that p99). A p99 that stays over for the whole
+    rebase time raises it, to the lowest p99 of that time and the margin more."""
+    scene = Scene(30.0, ratio=1.3, settle_s=0.0, min_duty=0.1, rebase_after_s=15.0)
+    scene.pacer.start()  # target 39 ms
+    scene.p99 = 130.0
+    for _ in range(12):  # four cuts, then 8 s at the floor
+        scene.call(0.1)
+    assert scene.pacer.duty == 0.1 and scene.pacer.figures.rebases == 0
+    scene.p99 = 30.0  # the burst is over: under 0.8 x 39, the duty rises again
+    scene.call(0.1)
+    assert scene.pacer.duty == pytest.approx(0.2)
+    assert scene.pacer.figures.target_ms == 39.0 and scene.pacer.figures.rebases == 0
+
+    for p99 in [130.0] * 4 + [60.0, 52.0, 70.0] + [65.0] * 10:  # floor, then 16 s over
+        scene.p99 = p99
+        scene.call(0.1)
+    assert scene.pacer.figures.rebases == 1
+    assert scene.pacer.figures.target_ms == 57.0  # the lowest, 52 ms, and the margin
 
 
 def test_the_reports_are_read_at_most_once_a_second() -> None:

@@ -36,7 +36,7 @@ def shared_codec(tokenizer_json: Path, max_lens: Mapping[str, int], pad_id: int)
     once per kind, in Rust without releasing it (26 ms on a quiet core, ~75 ms on a busy
     one). A gateway that opens a rollout target's query graph while it serves searches
     stalled its event loop that long (a 2-s window of search p99 115 ms in a bench
-    rollout, the rest ~40; docs/generations.md "A target's preparation, profiled"). A new
+    rollout, the rest ~40; docs/generations.md "The phase changes, profiled"). A new
     encoder version of the same base model keeps its tokenizer, so it is parsed once per
     process instead. Hashing the file releases the GIL."""
     data = tokenizer_json.read_bytes()
