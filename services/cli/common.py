@@ -75,6 +75,30 @@ def run_handler(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
         return 2
 
 
+def reachable_store(url: str, flag: str = "--redis-url", socket_timeout: float = 30.0) -> Any:
+    """A client of the store at ``url`` once it answered a PING; Unavailable naming ``flag``
+    and the URL when it cannot be reached or refuses the connection. A one-shot command
+    otherwise ended in a redis-py traceback at its first read."""
+    from redis.exceptions import RedisError
+
+    from services.common.errors import Unavailable
+    from services.process.redis_client import TRANSIENT, sync_client
+
+    store = sync_client(url, socket_timeout=socket_timeout)
+    try:
+        store.ping()
+    except TRANSIENT as exc:
+        store.close()
+        raise Unavailable(
+            f"{flag} {url}: the store cannot be reached ({exc}); start it (or the local "
+            "stack, `gtr-retrieval up`) or give the URL of a running one"
+        ) from None
+    except RedisError as exc:  # reached but refused: a password, a TLS handshake
+        store.close()
+        raise Unavailable(f"{flag} {url}: the store refused the connection ({exc})") from None
+    return store
+
+
 def add_command(
     commands: Any, name: str, handler: Callable[[argparse.Namespace], int], **parser: Any
 ) -> argparse.ArgumentParser:

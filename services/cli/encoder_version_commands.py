@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, tls_flags, triton_tls
+from services.cli.common import add_command, reachable_store, tls_flags, triton_tls
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,6 @@ def _unpublish(args: argparse.Namespace) -> int:
     from services.encoder.serve.unpublish import VersionInUse, unpublish_version
     from services.generations.encoders import in_use
     from services.generations.registry import Registry
-    from services.process.redis_client import sync_client
 
     place = _triton_place(args)
     redis_url = args.redis_url or place.redis_url
@@ -88,7 +87,9 @@ def _unpublish(args: argparse.Namespace) -> int:
             "generation uses this version",
             file=sys.stderr,
         )
-    client = sync_client(redis_url) if redis_url else None
+    # the store answers first: an unpublish that cannot ask it whether a generation uses
+    # the version stops here, before anything is removed
+    client = reachable_store(redis_url, socket_timeout=5.0) if redis_url else None
 
     try:  # a version a generation, or a rollout publishing its encoder, still uses stays
         unpublish_version(

@@ -86,27 +86,11 @@ def _shard_tls(args: argparse.Namespace, stack_paths: dict[str, str]) -> Any:
 
 
 def client(url: str) -> Any:
-    """A client of the store at ``url``, once it answered a PING: a store that cannot be
-    reached is said here, naming the URL and the flag (it ended in a redis-py traceback
-    at the first read)."""
-    from redis.exceptions import RedisError
+    """A client of the store at ``url``, once it answered a PING (a store that cannot be
+    reached is said naming --redis-url, not in a traceback at the first read)."""
+    from services.cli.common import reachable_store
 
-    from services.common.errors import Unavailable
-    from services.process.redis_client import TRANSIENT, sync_client
-
-    store = sync_client(url, socket_timeout=30.0)
-    try:
-        store.ping()
-    except TRANSIENT as exc:
-        store.close()
-        raise Unavailable(
-            f"--redis-url {url}: the store cannot be reached ({exc}); start it (or the "
-            "local stack, `gtr-retrieval up`) or give the URL of a running one"
-        ) from None
-    except RedisError as exc:  # reached but refused: a password, a TLS handshake
-        store.close()
-        raise Unavailable(f"--redis-url {url}: the store refused the connection ({exc})") from None
-    return store
+    return reachable_store(url)
 
 
 def confirm(args: argparse.Namespace, question: str) -> bool:

@@ -69,12 +69,25 @@ def _redis_url(args: argparse.Namespace) -> str:
         raise SystemExit(f"gtr-retrieval redis: {exc}") from None
 
 
+def _store(url: str, socket_timeout: float) -> Any:
+    """The store's client once it answered, or None with the reason said on stderr."""
+    from services.cli.common import reachable_store
+    from services.common.errors import Unavailable
+
+    try:
+        return reachable_store(url, socket_timeout=socket_timeout)
+    except Unavailable as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return None
+
+
 def _layout(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.index.layout import check_layout, read_layout
-    from services.process.redis_client import sync_client
 
-    client = sync_client(_redis_url(args))
+    client = _store(_redis_url(args), 5.0)
+    if client is None:
+        return 2
     try:
         try:
             check_layout(client, args.shards)
@@ -91,12 +104,13 @@ def _layout(args: argparse.Namespace) -> int:
 def _migrate(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.index.migrate import MigrationReport, migrate
-    from services.process.redis_client import sync_client
 
     def progress(report: MigrationReport) -> None:
         print(f"  {report.documents} documents moved", file=sys.stderr, flush=True)
 
-    client = sync_client(_redis_url(args), socket_timeout=30.0)
+    client = _store(_redis_url(args), 30.0)
+    if client is None:
+        return 2
     try:
         report = migrate(client, args.shards, batch=args.batch, progress=progress)
     except FailedPrecondition as exc:
