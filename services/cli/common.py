@@ -82,20 +82,21 @@ def reachable_store(url: str, flag: str = "--redis-url", socket_timeout: float =
     from redis.exceptions import RedisError
 
     from services.common.errors import Unavailable
-    from services.process.redis_client import TRANSIENT, sync_client
+    from services.process.redis_client import TRANSIENT, parse_redis_url, sync_client
 
     store = sync_client(url, socket_timeout=socket_timeout)
+    shown = parse_redis_url(url).safe_url  # never the password (stderr, logs)
     try:
         store.ping()
     except TRANSIENT as exc:
         store.close()
         raise Unavailable(
-            f"{flag} {url}: the store cannot be reached ({exc}); start it (or the local "
+            f"{flag} {shown}: the store cannot be reached ({exc}); start it (or the local "
             "stack, `gtr-retrieval up`) or give the URL of a running one"
         ) from None
     except RedisError as exc:  # reached but refused: a password, a TLS handshake
         store.close()
-        raise Unavailable(f"{flag} {url}: the store refused the connection ({exc})") from None
+        raise Unavailable(f"{flag} {shown}: the store refused the connection ({exc})") from None
     return store
 
 

@@ -43,3 +43,12 @@ def test_an_unpublish_that_cannot_ask_the_store_removes_nothing(
     assert main([*argv, "--redis-url", UNREACHABLE]) == 2
     assert "the store cannot be reached" in capsys.readouterr().err
     assert (version / "model.onnx").is_file()
+
+
+def test_the_message_never_shows_the_urls_password(capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "redis://:hunter2-not-shown@127.0.0.1:1/0"
+    assert main(["index", "generations", "--redis-url", secret]) == 2
+    err = capsys.readouterr().err
+    assert "the store cannot be reached" in err
+    assert "hunter2" not in err
+    assert "--redis-url redis://:***@127.0.0.1:1/0" in err
