@@ -76,28 +76,22 @@ def run_handler(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
 
 
 def reachable_store(url: str, flag: str = "--redis-url", socket_timeout: float = 30.0) -> Any:
-    """A client of the store at ``url`` once it answered a PING; Unavailable naming ``flag``
-    and the URL when it cannot be reached or refuses the connection. A one-shot command
-    otherwise ended in a redis-py traceback at its first read."""
-    from redis.exceptions import RedisError
-
+    """A client of the store at ``url`` once it answered a PING
+    (:func:`~services.process.redis_client.answering_client`); its refusal (Unavailable,
+    Unauthenticated) names ``flag``. A one-shot command otherwise ended in a redis-py
+    traceback at its first read."""
     from services.common.errors import Unavailable
-    from services.process.redis_client import TRANSIENT, parse_redis_url, sync_client
+    from services.process.redis_client import answering_client
 
-    store = sync_client(url, socket_timeout=socket_timeout)
-    shown = parse_redis_url(url).safe_url  # never the password (stderr, logs)
     try:
-        store.ping()
-    except TRANSIENT as exc:
-        store.close()
+        return answering_client(url, to="run this command", socket_timeout=socket_timeout)
+    except Unavailable as exc:
         raise Unavailable(
-            f"{flag} {shown}: the store cannot be reached ({exc}); start it (or the local "
-            "stack, `gtr-retrieval up`) or give the URL of a running one"
+            f"{flag}: {exc.message}; start it (or the local stack, `gtr-retrieval up`) or "
+            "give the URL of a running one"
         ) from None
-    except RedisError as exc:  # reached but refused: a password, a TLS handshake
-        store.close()
-        raise Unavailable(f"{flag} {shown}: the store refused the connection ({exc})") from None
-    return store
+    except RetrievalError as exc:  # the credentials refused
+        raise type(exc)(f"{flag}: {exc.message}") from None
 
 
 def add_command(

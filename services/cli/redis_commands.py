@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
-from services.cli.common import add_group
+from services.cli.common import add_group, reachable_store, run_handler
 
 
 def add_cli(sub: Any) -> None:
@@ -27,7 +28,7 @@ def add_cli(sub: Any) -> None:
     )
     _add_redis_url(layout, url_help)
     layout.add_argument("--shards", type=int, required=True, help="The index's shard count.")
-    layout.set_defaults(handler=_layout)
+    layout.set_defaults(handler=functools.partial(run_handler, _layout))
 
     migrate = rsub.add_parser(
         "migrate",
@@ -45,7 +46,7 @@ def add_cli(sub: Any) -> None:
     migrate.add_argument(
         "--batch", type=int, default=500, help="Documents moved per round trip (500)."
     )
-    migrate.set_defaults(handler=_migrate)
+    migrate.set_defaults(handler=functools.partial(run_handler, _migrate))
 
 
 def _add_redis_url(parser: argparse.ArgumentParser, url_help: str) -> None:
@@ -69,25 +70,16 @@ def _redis_url(args: argparse.Namespace) -> str:
         raise SystemExit(f"gtr-retrieval redis: {exc}") from None
 
 
-def _store(url: str, socket_timeout: float) -> Any:
-    """The store's client once it answered, or None with the reason said on stderr."""
-    from services.cli.common import reachable_store
-    from services.common.errors import Unavailable
-
-    try:
-        return reachable_store(url, socket_timeout=socket_timeout)
-    except Unavailable as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return None
+def _url_flag(args: argparse.Namespace) -> str:
+    """The flag the store's URL came from, for a message about it."""
+    return "--redis-url" if args.redis_url_file is None else "--redis-url-file"
 
 
 def _layout(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition
     from services.index.layout import check_layout, read_layout
 
-    client = _store(_redis_url(args), 5.0)
-    if client is None:
-        return 2
+    client = reachable_store(_redis_url(args), _url_flag(args), socket_timeout=5.0)
     try:
         try:
             check_layout(client, args.shards)
@@ -108,9 +100,7 @@ def _migrate(args: argparse.Namespace) -> int:
     def progress(report: MigrationReport) -> None:
         print(f"  {report.documents} documents moved", file=sys.stderr, flush=True)
 
-    client = _store(_redis_url(args), 30.0)
-    if client is None:
-        return 2
+    client = reachable_store(_redis_url(args), _url_flag(args), socket_timeout=30.0)
     try:
         report = migrate(client, args.shards, batch=args.batch, progress=progress)
     except FailedPrecondition as exc:

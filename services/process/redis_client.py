@@ -34,10 +34,17 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode
 from redis.connection import parse_url
-from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from services.common import timeouts
+from services.common.errors import Unauthenticated, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +175,40 @@ def sync_client(url: str, *, socket_timeout: float = 5.0) -> Any:
     )
 
 
+def unreachable(url: str, to: str, exc: BaseException) -> Unavailable:
+    """The one wording of a store that cannot be reached: "Redis at <url without its
+    password> cannot be reached to <to> (<error>)"."""
+    return Unavailable(
+        f"Redis at {parse_redis_url(url).safe_url} cannot be reached to {to} ({exc})"
+    )
+
+
+def answering_client(url: str, *, to: str, socket_timeout: float = 5.0) -> Any:
+    """A blocking client of ``url`` that answered a PING, for a command that asks the
+    store once and should say at once why it cannot (:func:`with_sync_client` waits for
+    a store that is starting). Unavailable (:func:`unreachable`) when it cannot be
+    reached, a cluster's seed nodes included (that client connects when it is made);
+    Unauthenticated when it refuses the credentials; Unavailable naming any other refusal
+    (a TLS handshake, a server that is not Redis)."""
+    shown = parse_redis_url(url).safe_url
+    client = None
+    try:
+        client = sync_client(url, socket_timeout=socket_timeout)
+        client.ping()
+        return client
+    except AuthenticationError as exc:
+        failure: Exception = Unauthenticated(
+            f"Redis at {shown} refused the credentials of its URL ({exc})"
+        )
+    except TRANSIENT as exc:
+        failure = unreachable(url, to, exc)
+    except RedisError as exc:
+        failure = Unavailable(f"Redis at {shown} refused the connection to {to} ({exc})")
+    if client is not None:
+        client.close()
+    raise failure
+
+
 def with_sync_client(url: str, use: Callable[[Any], T], *, to: str, wait_s: float) -> T:
     """``use(client)`` on a blocking client of ``url``, closed after, for a process that
     starts: while Redis cannot be reached (a pod starting before Redis), tried again every
@@ -175,8 +216,6 @@ def with_sync_client(url: str, use: Callable[[Any], T], *, to: str, wait_s: floa
     cannot be reached to <to> (<error>)". A cluster client connects when it is made, so it
     is made on every try. Any other error of ``use`` is raised at once."""
     import time
-
-    from services.common.errors import Unavailable
 
     give_up = time.monotonic() + wait_s
     while True:
@@ -188,9 +227,7 @@ def with_sync_client(url: str, use: Callable[[Any], T], *, to: str, wait_s: floa
                 client.close()
         except TRANSIENT as exc:
             if time.monotonic() > give_up:
-                raise Unavailable(
-                    f"Redis at {parse_redis_url(url).safe_url} cannot be reached to {to} ({exc})"
-                ) from exc
+                raise unreachable(url, to, exc) from exc
             log.warning("Redis cannot be reached yet (%s); trying again", exc)
             time.sleep(1.0)
 

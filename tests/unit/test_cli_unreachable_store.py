@@ -28,7 +28,7 @@ def test_a_store_that_cannot_be_reached_is_said_naming_the_flag(
 ) -> None:
     assert main([*argv, "--redis-url", UNREACHABLE]) == 2
     err = capsys.readouterr().err
-    assert f"--redis-url {UNREACHABLE}: the store cannot be reached" in err
+    assert f"--redis-url: Redis at {UNREACHABLE} cannot be reached to run this command" in err
 
 
 def test_an_unpublish_that_cannot_ask_the_store_removes_nothing(
@@ -41,7 +41,7 @@ def test_an_unpublish_that_cannot_ask_the_store_removes_nothing(
     (version / "model.onnx").write_bytes(b"not a model: only its presence is checked")
     argv = ["encoder", "unpublish", "--version", "3", "--repo", str(tmp_path)]
     assert main([*argv, "--redis-url", UNREACHABLE]) == 2
-    assert "the store cannot be reached" in capsys.readouterr().err
+    assert "cannot be reached to run this command" in capsys.readouterr().err
     assert (version / "model.onnx").is_file()
 
 
@@ -49,6 +49,26 @@ def test_the_message_never_shows_the_urls_password(capsys: pytest.CaptureFixture
     secret = "redis://:hunter2-not-shown@127.0.0.1:1/0"
     assert main(["index", "generations", "--redis-url", secret]) == 2
     err = capsys.readouterr().err
-    assert "the store cannot be reached" in err
+    assert "cannot be reached to run this command" in err
     assert "hunter2" not in err
-    assert "--redis-url redis://:***@127.0.0.1:1/0" in err
+    assert "--redis-url: Redis at redis://:***@127.0.0.1:1/0 cannot be reached" in err
+
+
+def test_a_cluster_whose_seed_nodes_cannot_be_reached_is_said_too(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A cluster client connects when it is made: that, too, is said in flags."""
+    cluster = "redis+cluster://127.0.0.1:1"
+    assert main(["index", "generations", "--redis-url", cluster]) == 2
+    err = capsys.readouterr().err
+    assert f"--redis-url: Redis at {cluster} cannot be reached to run this command" in err
+
+
+def test_a_url_read_from_a_file_names_that_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url_file = tmp_path / "redis.url"
+    url_file.write_text(UNREACHABLE + "\n")
+    assert main(["redis", "layout", "--shards", "2", "--redis-url-file", str(url_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"--redis-url-file: Redis at {UNREACHABLE} cannot be reached" in err
