@@ -48,7 +48,8 @@ MOVED_BACKOFF_MAX_S = 0.2
 # time left, beyond the pause, below which a refused write is not tried again (nor less
 # than twice its last attempt): the next attempt could not end before the deadline
 MOVED_MARGIN_S = 0.05
-# ... nor less than this share of the write's whole budget (at most MOVED_RESERVE_MAX_S):
+# ... nor less than this share of the time the write had left when it reached the store
+# (the encode done; at most MOVED_RESERVE_MAX_S):
 # the UNAVAILABLE must reach the client before its own deadline, on a loaded machine too,
 # where a pause or an alias re-read can run tens of milliseconds long (a 2-s write's
 # answer arrived after the client's deadline once, in a test beside another worker)
@@ -201,8 +202,9 @@ class DocumentPipeline:
         pause while the gate is closed (a switch drains) or the alias has not moved yet
         (10 ms doubling to 200 ms). Unavailable when the deadline runs out first, or would
         before another attempt could end with a reserve for the answer (a tenth of the
-        write's budget, 50 ms to 0.5 s): an attempt cut by the deadline would be
-        DEADLINE_EXCEEDED, which does not say that nothing was written."""
+        time left when the write reached the store, 50 ms to 0.5 s): an attempt cut by
+        the deadline would be DEADLINE_EXCEEDED, which does not say that nothing was
+        written."""
         serving = self.source.current()
         pause = MOVED_BACKOFF_S
         budget = deadline.remaining()
