@@ -218,7 +218,7 @@ def p99_by_phase(searches: list[Any], marks: dict[str, float], end: float) -> di
 
 def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[str, Any]:
     """The switch phase search by search (too few for a p99 to say where): each OK one's
-    start (s from the phase's start), latency and the gateway's stages (ms), and the
+    start (s from the phase's start), latency and the gateway's stages and total (ms), and the
     generation that answered; with when the load saw the alias change."""
     begin = marks.get("phase_switch")
     if begin is None:
@@ -228,7 +228,10 @@ def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[st
             round(s.start - begin, 3),
             round(1e3 * s.latency, 1),
             s.generation,
-            *(round(s.stages.get(k, float("nan")), 1) for k in ("encode", "search", "fetch")),
+            *(
+                round(s.stages.get(k, float("nan")), 1)
+                for k in ("encode", "search", "fetch", "total")
+            ),
         ]
         for s in record.searches
         if begin <= s.start < end and s.code == "OK"
@@ -242,7 +245,10 @@ def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[st
         if w.end and begin <= w.end < end
     ]
     return {
-        "columns": ["start_s", "ms", "generation", "encode", "search", "fetch"],
+        # total: the gateway's own time for the search (its stages and what is between
+        # them); the rest of "ms" is outside the gateway's handler (the transport, the
+        # load generator, a gateway loop busy before the handler began)
+        "columns": ["start_s", "ms", "generation", "encode", "search", "fetch", "total"],
         "rows": rows,
         "alias_changed_s": moved,
         "write_columns": ["start_s", "ms", "kind", "code", "generation"],

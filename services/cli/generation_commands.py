@@ -162,7 +162,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             metavar="RATIO|off",
             help="Pace the re-embedding on the searches the gateways answer: pause between "
             "encode calls whenever their p99 passes RATIO times their p99 over the 30 s "
-            f"before the rollout (and 5 ms more at least; {PACE}). 'off': full "
+            f"before the rollout (and 5 ms more at least; {PACE}). When searches stay "
+            "slower with the re-embedding at its floor, the target is raised to their p99, "
+            "never past 1.5 times the baseline (or RATIO, if higher). 'off': full "
             "speed, for a rollout whose encoder shares no CPU with serving. On 2 shared "
             "cores with writes at 21/s paced rollouts read 1.4-2.5x the p99 before them "
             "(median 1.7) and took 3-4x as long; unpaced, 2.3-2.6x (docs/generations.md, "

@@ -22,7 +22,11 @@ re-embedding's doing: the target is then taken again from the *lowest* p99 of th
 (a *rebase*, as a latency-based congestion controller re-measures its base delay), so that
 work the builder cannot shed does not hold it at a tenth of its pace for the whole
 rollout, but only by its margin over that p99; once the p99 is back under the first
-target's relaxed share, the first target applies again. A burst shorter than that (a
+target's relaxed share, the first target applies again. A rebase never raises the target
+past ``ceiling`` times the baseline (1.5, the most a rollout may slow the searches:
+docs/generations.md), nor past the first target when that is higher: when what the
+rollout cannot shed already takes the p99 there, the re-embedding stays at its floor
+rather than add its margin on top. A burst shorter than that (a
 target's shard processes starting: ~4 s of two busy cores) only cuts the duty. Without a
 baseline (no gateway reported enough searches at the start) nothing is paced.
 """
@@ -39,6 +43,12 @@ from services.generations import serving_latency
 from services.generations.progress import Progress
 
 DEFAULT_RATIO = 1.2  # the p99 a rollout may bring the searches to, over the baseline
+# ... and the most a rebase may raise that to: the SLO a rollout keeps (issue #33: the
+# searches' p99 during a rollout within 1.5x of before). Without it the rebased target
+# sat the margin over the p99 the unpaced work made: a bench rollout's baseline 17.5 ms,
+# its p99 at the floor 26.4 ms (1.51x), its target rebased to 31.4 ms, and the bulk
+# phase, the duty free to climb under it, read 34.5 ms against 30.2 ms in the train phase.
+DEFAULT_CEILING = 1.5
 MARGIN_MS = 5.0  # ...and at least this much over it (a fast stack's p99 is noise-sized)
 MIN_DUTY = 0.1
 MIN_SEARCHES = 20  # a report over fewer searches says nothing of a p99
@@ -118,6 +128,7 @@ class Pacer:
         *,
         read_baseline: Callable[[], float | None] | None = None,
         ratio: float = DEFAULT_RATIO,
+        ceiling: float = DEFAULT_CEILING,
         margin_ms: float = MARGIN_MS,
         min_duty: float = MIN_DUTY,
         settle_s: float = serving_latency.WINDOW_S,
@@ -129,6 +140,7 @@ class Pacer:
         self.read_baseline = read_baseline or read
         self.progress = progress
         self.ratio = ratio
+        self.ceiling = ceiling
         self.margin_ms = margin_ms
         self.min_duty = min_duty
         self.settle_s = settle_s
@@ -141,6 +153,7 @@ class Pacer:
         self._checked = float("-inf")
         self._moved = float("-inf")  # the last cut or rebase
         self._first_target = float("inf")  # the target the baseline gave
+        self._highest_target = float("inf")  # the most a rebase may raise it to
         # since when the p99 has stayed over the target with the duty at its floor (None:
         # it has not), and the lowest p99 read since
         self._over_since: float | None = None
@@ -157,6 +170,7 @@ class Pacer:
             return
         target = max(baseline * self.ratio, baseline + self.margin_ms)
         self.figures.target_ms = self._first_target = round(target, 2)
+        self._highest_target = round(max(target, baseline * self.ceiling), 2)
         self.progress.message(
             f"pacing: the searches' p99 is {baseline:.1f} ms; the re-embedding slows down "
             f"whenever it passes {target:.1f} ms"
@@ -211,16 +225,28 @@ class Pacer:
         not the re-embedding (other work on the machine, the writes' dual encodes, a
         neighbour's steal), and pausing more would only stretch the rollout. The target
         becomes ``p99``, the lowest read at the floor over ``rebase_after_s``, and
-        ``margin_ms`` more: the re-embedding may speed up
-        again only while the searches are faster than that, until the p99 falls back
-        under the first target's relaxed share. (Until 2026-11-30 it was ``ratio`` times
-        the p99 at the floor: the duty then climbed back until the re-embedding added
-        the whole ratio again on top of what the rollout could not shed; bench rollouts'
-        targets ended at 48-68 ms over first targets of 25-33.)"""
-        target = round(max(self._first_target, p99 + self.margin_ms), 2)
+        ``margin_ms`` more, at most the ceiling (``ceiling`` times the baseline): the
+        re-embedding may speed up again only while the searches are faster than that,
+        until the p99 falls back under the first target's relaxed share. At the ceiling
+        it stays at its floor while the p99 does not fall. (Until 2026-11-30 it was
+        ``ratio`` times the p99 at the floor: the duty then climbed back until the
+        re-embedding added the whole ratio again on top of what the rollout could not
+        shed; bench rollouts' targets ended at 48-68 ms over first targets of 25-33.)"""
+        wanted = max(self._first_target, p99 + self.margin_ms)
+        target = round(min(wanted, self._highest_target), 2)
+        self._moved = now
+        if self.figures.target_ms is not None and target <= self.figures.target_ms:
+            return  # at the ceiling already: nothing to raise, nothing new to say
         self.figures.target_ms = target
         self.figures.rebases += 1
-        self._moved = now
+        if target < wanted:
+            self.progress.message(
+                f"pacing: at {self.duty:.0%} the searches' p99 is still {p99:.1f} ms, so the "
+                f"re-embedding is not what slows them; the target is now {target:.1f} ms, "
+                f"the rollout's ceiling ({self.ceiling:g} x the baseline), and the "
+                "re-embedding stays at its floor while the searches are slower than that"
+            )
+            return
         self.progress.message(
             f"pacing: at {self.duty:.0%} the searches' p99 is still {p99:.1f} ms, so the "
             f"re-embedding is not what slows them: the target is now {target:.1f} ms"

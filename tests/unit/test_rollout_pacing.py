@@ -107,7 +107,8 @@ def test_searches_still_slow_at_the_floor_rebase_the_target_until_they_recover()
     the target is taken again from that p99 (and the margin more, not the ratio: the
     re-embedding must not add the whole ratio on top), and the first one comes back with
     the searches' speed."""
-    scene = Scene(30.0, ratio=1.3, settle_s=5.0, min_duty=0.1)  # target 39 ms
+    # target 39 ms; a ceiling over the p99s below (the next test has the default one)
+    scene = Scene(30.0, ratio=1.3, ceiling=3.0, settle_s=5.0, min_duty=0.1)
     scene.pacer.start()
     scene.p99 = 80.0
     for _ in range(25):  # four cuts 5 s apart (0-15 s), read again from 20 s at the floor
@@ -138,7 +139,7 @@ def test_a_burst_shorter_than_the_rebase_time_only_cuts_and_a_rebase_takes_the_l
     duty is cut, the target stays (a rebase then raised it to the burst's p99, and the
     duty climbed until the bulk read that p99). A p99 that stays over for the whole
     rebase time raises it, to the lowest p99 of that time and the margin more."""
-    scene = Scene(30.0, ratio=1.3, settle_s=0.0, min_duty=0.1, rebase_after_s=15.0)
+    scene = Scene(30.0, ratio=1.3, ceiling=3.0, settle_s=0.0, min_duty=0.1, rebase_after_s=15.0)
     scene.pacer.start()  # target 39 ms
     scene.p99 = 130.0
     for _ in range(12):  # four cuts, then 8 s at the floor
@@ -154,6 +155,42 @@ def test_a_burst_shorter_than_the_rebase_time_only_cuts_and_a_rebase_takes_the_l
         scene.call(0.1)
     assert scene.pacer.figures.rebases == 1
     assert scene.pacer.figures.target_ms == 57.0  # the lowest, 52 ms, and the margin
+
+
+def test_a_rebase_stops_at_the_ceiling_and_the_encoder_stays_at_its_floor() -> None:
+    """What the rollout cannot shed takes the p99 to 1.6x: the target is raised to the
+    ceiling (1.5x the baseline), not to that p99 and the margin, so the duty stays at the
+    floor instead of climbing while the searches are over the rollout's SLO; another
+    15 s over the ceiling raise nothing (nor say it again)."""
+    scene = Scene(20.0, ratio=1.2, settle_s=5.0, min_duty=0.1)  # target 25 ms (+5 ms)
+    scene.pacer.start()
+    scene.p99 = 32.0
+    for _ in range(36):  # four cuts (0-15 s), then 15 s over at the floor: a rebase
+        scene.call(0.1)
+    assert scene.pacer.figures.rebases == 1
+    assert scene.pacer.figures.target_ms == 30.0  # 1.5 x 20, not 32 + 5
+    assert any("ceiling" in m for m in scene.progress.messages)
+    said = len(scene.progress.messages)
+    scene.p99 = 28.0  # under the ceiling, over its relaxed share (24 ms): the floor holds
+    for _ in range(40):
+        scene.call(0.1)
+    assert scene.pacer.duty == 0.1
+    scene.p99 = 31.0  # over the ceiling again, for longer than a rebase takes
+    for _ in range(40):
+        scene.call(0.1)
+    assert scene.pacer.figures.rebases == 1 and scene.pacer.figures.target_ms == 30.0
+    assert len(scene.progress.messages) == said  # nothing raised, nothing said
+
+
+def test_a_ratio_over_the_ceiling_is_its_own_ceiling() -> None:
+    """``--pace 2``: the operator's ratio is the bound; a rebase cannot raise it."""
+    scene = Scene(20.0, ratio=2.0, settle_s=5.0, min_duty=0.1)  # target 40 ms
+    scene.pacer.start()
+    scene.p99 = 60.0
+    for _ in range(60):
+        scene.call(0.1)
+    assert scene.pacer.duty == 0.1
+    assert scene.pacer.figures.rebases == 0 and scene.pacer.figures.target_ms == 40.0
 
 
 def test_the_reports_are_read_at_most_once_a_second() -> None:
