@@ -192,6 +192,14 @@ class EndpointPool(Generic[E]):
         self._watcher: asyncio.Task[None] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
 
+    def known(self) -> list[E] | None:
+        """The servers now, when that needs no wait (a fixed list, or a DNS target
+        resolved once already); None otherwise: :meth:`current` waits for the first
+        resolution. A call's fast path: no timer for what is already known."""
+        if self.target is None or (self._resolved is not None and self._resolved.is_set()):
+            return self.endpoints
+        return None
+
     async def current(self) -> list[E]:
         """The servers now (a DNS target is resolved on first use, then watched)."""
         if self.target is not None:

@@ -341,12 +341,14 @@ class ReplicaSet:
         remaining = deadline.remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded(f"shard {self.shard}: no time left")
-        try:  # the first resolution of a DNS target waits within the search's deadline
-            async with asyncio.timeout(remaining):
-                replicas = await self.current()
-        except TimeoutError:
-            msg = f"shard {self.shard}: {self.target} not resolved in time"
-            raise DeadlineExceeded(msg) from None
+        replicas = self.pool.known()
+        if replicas is None:  # a DNS target's first resolution, within the deadline
+            try:
+                async with asyncio.timeout(remaining):
+                    replicas = await self.current()
+            except TimeoutError:
+                msg = f"shard {self.shard}: {self.target} not resolved in time"
+                raise DeadlineExceeded(msg) from None
         if not replicas:
             raise Unavailable(f"shard {self.shard}: {self.target} names no replica")
         order = self.pool.order(replicas)
