@@ -7,4 +7,7 @@
     errors retried, the URL file read.
 ``cpus``
     CPU sets: parse a ``taskset``-style list, pin a process thread by thread.
+``private``
+    files for their owner only (the local stack's umask; what other commands add to its
+    run directory is tightened to match).
 """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -42,30 +41,6 @@ def default_max_in_flight() -> int:
     concurrent k=1000 searches refused RESOURCE_EXHAUSTED with ``retry-after-ms`` in time
     (0 DEADLINE_EXCEEDED), where without a limit such bursts end DEADLINE_EXCEEDED."""
     return IN_FLIGHT_PER_CORE * max(1, len(os.sched_getaffinity(0)))
-
-
-# The umask of ``up`` and so of every child it starts (Redis has no umask option of its
-# own: its AOF and RDB take the mode of the process that writes them): no group or other
-# bits on anything made in the run directory, which holds every document (the AOF), the
-# shards' snapshots, the trained indexes, the logs and the auth and TLS secrets.
-PRIVATE_UMASK = 0o077
-
-
-def make_private(root: Path) -> None:
-    """``root`` and everything under it for its owner only: directories 0700, files their
-    owner bits alone (0600, or 0700 for an executable). A run directory made by an older
-    ``up`` (0755 directories, 0644 files) is tightened on the next start."""
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for path in (root, *root.rglob("*")):
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue  # removed meanwhile (a pruned snapshot of a previous run)
-        if stat.S_ISLNK(st.st_mode):
-            continue  # a link's own mode means nothing; its target is walked if inside
-        private = 0o700 if stat.S_ISDIR(st.st_mode) else st.st_mode & 0o700
-        if stat.S_IMODE(st.st_mode) != private:
-            path.chmod(private)
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,11 @@ from services.generations import placement
 from services.generations.registry import Alias, Generation, Registry, shards_run
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
 from services.process import cpus as cpu_sets
+from services.process.private import make_private
 from services.stack import components
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
-from services.stack.config import StackConfig, make_private
+from services.stack.config import StackConfig
 
 if TYPE_CHECKING:
     from services.rpc.tls import ClientTLS
@@ -321,7 +322,7 @@ class GenerationShards:
             cfg.run_dir.resolve()
         ):
             # trained by `index rollout` under its user's umask: the owner's only, as all
-            # of the run directory (services.stack.config.make_private)
+            # of the run directory (services.process.private.make_private)
             make_private(group.index_dir)
         children: list[list[Child]] = []
         budget = self._budget() if gen.name == self._budgeted_target() else None

@@ -30,11 +30,12 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from services.index.keys import FIRST_GENERATION
+from services.process.private import PRIVATE_UMASK, make_private
 from services.process.redis_client import parse_redis_url
 from services.rpc.tls import ClientTLS
 from services.stack import components, first_run, prometheus_component, triton_component
 from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
-from services.stack.config import PRIVATE_UMASK, StackConfig, example_queries, make_private
+from services.stack.config import StackConfig, example_queries
 from services.stack.endpoints import Endpoints
 from services.stack.generations import GenerationShards
 

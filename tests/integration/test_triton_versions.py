@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from services.encoder.serve.triton_server import TritonHandle, TritonServerConfi
 from services.encoder.serve.unpublish import unpublish_version
 from services.encoder.serve.versions import clear_cpu_budgets, describe_versions, served_versions
 from services.generations.state import RolloutState
+from services.process.private import make_private
 from services.rpc.status import status_of
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
@@ -213,6 +215,40 @@ def _stubs(handle: TritonHandle, repo: Path, version: int) -> list[int]:
 def _load_count(handle: TritonHandle) -> int:
     """How many times Triton's log says it loaded ``embed``."""
     return handle.log_path.read_text(errors="replace").count("successfully loaded 'embed'")
+
+
+def test_a_version_published_into_a_private_repository_is_private(
+    served: Served, tmp_path: Path
+) -> None:
+    """The local stack keeps its run directory, the model repository included, for its
+    owner (issue #33 point 3); `index rollout --encoder` publishes into it under its own
+    user's umask, which made the new version's graphs and tokenizer 0644 in 0755 folders.
+    A repository kept private gets a private version; another keeps the umask's modes."""
+    repos = {}
+    for name, private in (("private", True), ("shared", False)):
+        repo = tmp_path / name / "repo"
+        generate_repository(
+            ensure_onnx(default_model_dir(), served.base), repo, RepositoryConfig(instances=1)
+        )
+        if private:
+            make_private(repo)
+        repos[name] = repo
+    second = ensure_second_encoder(served.base)
+    umask = os.umask(0o022)  # an operator's shell
+    try:
+        for repo in repos.values():
+            assert publish_version(repo, second).version == 2
+    finally:
+        os.umask(umask)
+    version = repos["private"] / "embed" / "2"
+    paths = [version, *version.rglob("*")]
+    assert len(paths) > 5  # the graphs, the tokenizer, the model code...
+    for path in paths:
+        want = 0o700 if path.is_dir() else 0o600
+        assert stat.S_IMODE(path.stat().st_mode) == want, (path, oct(path.stat().st_mode))
+    shared = repos["shared"] / "embed" / "2"
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    assert stat.S_IMODE((shared / "tokenizer.json").stat().st_mode) & 0o044 == 0o044
 
 
 def test_an_encoder_of_another_width_is_refused_and_nothing_changes(served: Served) -> None:

@@ -59,6 +59,7 @@ from services.encoder.serve.versions import (
     write_budget,
 )
 from services.process.cpus import budget_path
+from services.process.private import is_private, make_private
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
@@ -221,6 +222,10 @@ def publish_version(
             drop_stale_staging(model_path)
             staging = model_path / f".staging-{version}"  # not a number: Triton skips it
             _version_folder(staging, export)
+            if is_private(model_path):
+                # a repository kept for its owner (the local stack's run directory):
+                # so is the version, whatever the publishing command's umask
+                make_private(staging)
             if cpus:
                 write_budget(model_path / str(version), cpus)
             # The folder, whole, under its number; config.pbtxt stays as it is.
