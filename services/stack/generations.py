@@ -48,7 +48,7 @@ from services.generations import placement
 from services.generations.registry import Alias, Generation, Registry, shards_run
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
 from services.process import cpus as cpu_sets
-from services.process.private import make_private
+from services.process.private import is_private, make_private
 from services.stack import components
 from services.stack.children import Child, ChildFailed, State, Supervisor
 from services.stack.components import ShardGroup
@@ -322,8 +322,14 @@ class GenerationShards:
             cfg.run_dir.resolve()
         ):
             # trained by `index rollout` under its user's umask: the owner's only, as all
-            # of the run directory (services.process.private.make_private)
+            # of the run directory (services.process.private.make_private), and so is the
+            # folder it made for it (<run-dir>/generations: its listing names them)
             make_private(group.index_dir)
+            for parent in group.index_dir.resolve().parents:
+                if parent == cfg.run_dir.resolve():
+                    break
+                if not is_private(parent):
+                    parent.chmod(0o700)
         children: list[list[Child]] = []
         budget = self._budget() if gen.name == self._budgeted_target() else None
         known = self._ports.get(gen.name, [])

@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.process.private import make_private
 from services.stack.children import Child, free_port
 from services.stack.config import StackConfig
 
@@ -22,6 +23,7 @@ def prometheus_child(cfg: StackConfig, children: list[Child]) -> Child | None:
     home.mkdir(parents=True, exist_ok=True)
     for name in ("prometheus.yml", "rules.yml"):
         shutil.copy2(PROMETHEUS_CONFIG / name, home / name)
+    make_private(home)  # the copies kept the sources' 0644
     write_prometheus_targets(cfg, children)
     port = free_port(cfg.host)
     argv = [

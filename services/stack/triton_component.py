@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.process.private import make_private
 from services.stack.children import Child, free_port
 from services.stack.components import certificates
 from services.stack.config import StackConfig
@@ -161,6 +162,11 @@ def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str]:
         generate_repository(onnx_export(cfg, say), repo)
     server = triton_server(cfg)
     argv, env = triton_command(server)
+    # copied in with their sources' modes (the model code, the backend's stub and
+    # library: 0644 and 0755 whatever the umask): the run directory's owner's only
+    make_private(repo)
+    if server.backend_dir is not None:
+        make_private(server.backend_dir)
     child = Child("triton", argv, cfg.logs / "triton.log", env=env, job="triton")
     child.address = server.grpc_url
     child.metrics = f"{cfg.host}:{server.metrics_port}"

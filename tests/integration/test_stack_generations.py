@@ -47,6 +47,7 @@ from services.index.keys import (
     Layout,
 )
 from services.process.cpus import format_cpus
+from services.process.private import PRIVATE_UMASK
 from services.stack import first_run, triton_component
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
 from services.stack.config import StackConfig
@@ -210,7 +211,8 @@ def test_a_trained_generation_gets_shards_that_serve_its_log_until_it_is_retired
     wait_until(lambda: gen.name in listed(cfg), "stack.json lists it", 30)
     # trained here under this process's umask (022), made the owner's only by `up` as it
     # starts the generation's shards (issue #33 point 3)
-    for path in (Path(gen.index_dir), *Path(gen.index_dir).rglob("*")):
+    index_dir = Path(gen.index_dir)
+    for path in (index_dir.parent, index_dir, *index_dir.rglob("*")):  # <run-dir>/generations
         want = 0o700 if path.is_dir() else 0o600
         assert stat.S_IMODE(path.stat().st_mode) == want, (path, oct(path.stat().st_mode))
 
@@ -448,6 +450,17 @@ def _ready_versions(url: str) -> list[str]:
         client.close()
 
 
+def _not_private(root: Path) -> list[str]:
+    """What under ``root`` is not 0700 (a directory, or an executable) or 0600."""
+    wrong = []
+    for path in (root, *root.rglob("*")):
+        mode = stat.S_IMODE(path.lstat().st_mode)
+        if path.is_symlink() or mode in (0o700, 0o600):
+            continue
+        wrong.append(f"{path.relative_to(root)}: {oct(mode)}")
+    return wrong
+
+
 @pytest.mark.slow  # two Triton starts and a publish (export + parity check): ~1-2 min
 def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -461,8 +474,12 @@ def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
     said: list[str] = []
 
     def start_triton(sup: Supervisor) -> str:
-        triton, url, _ = triton_component.triton_child(cfg, said.append)
-        sup.start(triton, functools.partial(triton_component.triton_ready, url, "embed"), 240)
+        umask = os.umask(PRIVATE_UMASK)  # as `up` starts its children
+        try:
+            triton, url, _ = triton_component.triton_child(cfg, said.append)
+            sup.start(triton, functools.partial(triton_component.triton_ready, url, "embed"), 240)
+        finally:
+            os.umask(umask)
         return url
 
     sup = Supervisor(cfg.restart)
@@ -473,6 +490,11 @@ def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
         published = publish_version(cfg.model_repository, ensure_second_encoder(base), url)
         assert published.version == 2 and published.digest != g1.digest
         assert _ready_versions(url) == ["1", "2"]  # loaded while it served
+        # at rest (issue #33 point 3): the model code and Triton's backend, copied with
+        # their sources' modes whatever `up`'s umask, and the version published under
+        # this process's (022), are the owner's only
+        for root in (cfg.model_repository, cfg.run_dir / "triton-backends"):
+            assert _not_private(root) == [], root
     finally:
         sup.stop_all()
 
