@@ -6,6 +6,7 @@ depends on how the cores run them; here the counts are set, so the order is exac
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Literal
 
@@ -13,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.rpc import balance
 from services.rpc.balance import Balancing, Endpoint, EndpointPool
 
 
@@ -90,3 +92,27 @@ def test_every_order_asks_each_server_once_fewest_in_flight_first(
     assert order[: len(healthy)] == healthy  # suspect ones last
     counts = [e.outstanding for e in healthy]
     assert counts == sorted(counts)
+
+
+def test_a_fixed_list_is_known_at_once_a_dns_target_once_resolved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call's fast path (no timer around the wait) holds only when nothing is to be
+    waited for: a fixed list always, a ``dns:`` target after its first resolution."""
+    fixed = _pool(2)
+    assert fixed.known() == fixed.endpoints and len(fixed.endpoints) == 2
+
+    async def resolve(target: object, timeout: float) -> list[str]:
+        return ["10.0.0.1:7", "10.0.0.2:7"]
+
+    monkeypatch.setattr(balance, "resolve", resolve)
+    named = EndpointPool("test", ["dns:///shard-0.test:7"], _Server)
+    assert named.known() is None  # not resolved yet: a call waits within its deadline
+
+    async def first_call() -> list[str]:
+        servers = await named.current()
+        known = named.known()
+        assert known is not None and known == servers
+        return [s.address for s in known]
+
+    assert asyncio.run(first_call()) == ["10.0.0.1:7", "10.0.0.2:7"]

@@ -413,11 +413,13 @@ class TritonEncoder(Encoder):
         if budget <= 0:
             raise DeadlineExceeded(f"no time left to embed {len(items)} texts ({budget:.3f} s)")
         until = time.monotonic() + budget
-        try:  # the first resolution of a dns: target waits within the call's deadline
-            async with asyncio.timeout(budget):
-                servers = await self.pool.current()
-        except TimeoutError:
-            raise DeadlineExceeded(f"triton: {self.cfg.url} not resolved in time") from None
+        servers = self.pool.known()  # no timer for what is known (as the shard router)
+        if servers is None:  # a dns: target's first resolution, within the call's deadline
+            try:
+                async with asyncio.timeout(budget):
+                    servers = await self.pool.current()
+            except TimeoutError:
+                raise DeadlineExceeded(f"triton: {self.cfg.url} not resolved in time") from None
         if not servers:
             raise Unavailable(f"triton: {self.cfg.url} names no server")
         error: RetrievalError = Unavailable(f"triton: no server at {self.cfg.url}")
