@@ -10,4 +10,7 @@
 ``private``
     files for their owner only (the local stack's umask; what other commands add to its
     run directory is tightened to match).
+``ports``
+    ports for a local server to listen on, free and below the kernel's ephemeral range
+    (never an outgoing connection's local port).
 """

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.process.cpus import pin_process
+from services.process.ports import listen_port
 
 if TYPE_CHECKING:
     from services.rpc.tls import ClientTLS
@@ -44,9 +44,9 @@ STOP_GRACE_S = 10.0  # SIGTERM → SIGKILL; Triton's --exit-timeout-secs stays b
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port a child can listen on: free now, never an outgoing connection's
+    (:func:`services.process.ports.listen_port`)."""
+    return listen_port(host)
 
 
 def grpc_healthy(address: str, timeout: float = 1.0, tls: ClientTLS | None = None) -> bool:

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.process.ports import listen_port
+
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
@@ -33,9 +35,7 @@ def free_port() -> int:
     back a port just released, so two calls for one server's ports could name the same
     (a CI run's Triton got its HTTP and metrics ports equal and refused to start)."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = listen_port()  # below the ephemeral range: no connection's local port
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
