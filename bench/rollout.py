@@ -21,14 +21,18 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   same on every CPU, for the record;
 * ``reembed_ratio`` = the first ÷ the second (goal ≥ 0.8);
 * ``p99_before_ms``, ``p99_during_ms``: search latency p99 (client side) in the window
-  before the rollout and from its start to its switch; ``p99_during_over_before`` (goal
-  ≤ 1.5); failed searches in each window;
+  before the rollout (``--before-s``, 90 s: at 20 searches/s a 30-s window's p99 was its
+  6th slowest search, and read 18.8-24.3 ms in four runs of one code) and from its start
+  to its switch; ``p99_during_over_before`` (goal ≤ 1.5) and its 95 % interval,
+  ``p99_during_over_before_ci95`` (a block bootstrap over 2-s blocks of searches,
+  ``bench/p99_interval.py``); failed searches in each window;
 * where the time goes: ``p99_by_phase_ms`` (search p99 of the searches started in each
   builder phase), ``stage_p99_ms`` (the gateway's own stage timings, ``encode``,
   ``search``, ``fetch``, ``total``, before and during), a 2-s timeline printed above
   (the searches, then the cores each process role used: which process woke up when a
-  window turned slow), and
-  ``switch_searches``: the switch phase search by search (its ~25 searches are too few
+  window turned slow), ``cpu_budget_log``: what ``up`` said of the budget's split
+  (serving moved onto every CPU when its measured load outgrew the CPUs left to it, and
+  back), and ``switch_searches``: the switch phase search by search (its ~25 searches are too few
   for a p99 to say where the time went), with when the load saw the alias move and the
   writes that ended in it.
 
@@ -56,7 +60,7 @@ and rolled out as that export folder); ``fp32`` for both FP32. Kept as
 The phase watcher polls Redis from a process of its own: polling from a thread of this
 process took the GIL from the load generator's event loop during the rollout only.
 
-Usage: ``python -m bench.rollout [--docs 1500] [--before-s 30] [--encoder DIR | --retrain]
+Usage: ``python -m bench.rollout [--docs 1500] [--before-s 90] [--encoder DIR | --retrain]
 [--writes-per-s 5] [--cpus last|LIST|none]``. Server, builder and client share this
 machine's cores: the figures are for a CPU-only machine where the rollout competes
 with serving. ``--cpus`` (default: the
@@ -81,6 +85,7 @@ from typing import Any
 import numpy as np
 
 from bench.cpu_roles import RoleCpu
+from bench.p99_interval import p99_ratio_interval
 from bench.rollout_writes import check_writes, dual_counts, dual_encode_outcomes, hold_source
 from services.cli.generation_commands import PACE
 from services.process import cpus as cpu_sets
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--text-chars", type=int, default=1000, help="text cut to (1000)")
     parser.add_argument("--searches-per-s", type=float, default=20.0)
     parser.add_argument("--writes-per-s", type=float, default=5.0)
-    parser.add_argument("--before-s", type=float, default=30.0, help="window before (30 s)")
+    parser.add_argument("--before-s", type=float, default=90.0, help="window before (90 s)")
     parser.add_argument("--batch", type=int, default=32, help="builder and in-process batch")
     parser.add_argument(
         "--parallel", type=int, default=0, help="`index rollout --parallel` (0: its default)"
@@ -569,6 +574,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"index rollout failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
                 )
             writes = _writes_during(stack, load.record.writes, watch, marks)
+            budget_log = budget_lines(tmp / "up.log")
         if not args.retrain:
             inproc.append(_inprocess_on(budget, onnx_path, texts, args.batch, threads))
 
@@ -615,6 +621,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }
     result["p99_during_over_before"] = result["p99_during_ms"] / result["p99_before_ms"]
+    interval = p99_ratio_interval(
+        ([s.start for s in before if s.code == "OK"], ok_before),
+        ([s.start for s in during if s.code == "OK"], ok_during),
+    )
+    result["p99_during_over_before_ci95"] = (
+        [round(v, 3) for v in interval] if interval is not None else None
+    )
     result["cpu_cores"] = {
         "before": cpu.cores(marks["before_start"], start),
         "during": cpu.cores(start, end),
@@ -626,6 +639,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["pace"] = args.pace or f"default ({PACE})"
     result["catch_up_factor"] = args.catch_up_factor or "default (4)"
     result["pacing"] = pacing_summary(f"{done.stdout}\n{done.stderr}")
+    result["cpu_budget_log"] = budget_log
+    for said in budget_log:
+        print(f"up: {said}")
     result["p99_by_phase_ms"] = p99_by_phase(record.searches, marks, end)
     result["switch_searches"] = switch_searches(record, marks, end)
     # where a search's time goes, before and during: the gateway's own stage timings
@@ -648,7 +664,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"search p99: {result['p99_before_ms']:.1f} ms before ({len(before)} searches, "
         f"{result['failed_before']} failed), {result['p99_during_ms']:.1f} ms during the "
         f"rollout ({len(during)}, {result['failed_during']} failed): "
-        f"{result['p99_during_over_before']:.2f}x (goal <= 1.5)"
+        f"{result['p99_during_over_before']:.2f}x (goal <= 1.5; 95 % block-bootstrap "
+        f"interval {result['p99_during_over_before_ci95']})"
     )
     line = {
         k: (None if v != v else round(v, 3)) if isinstance(v, float) else v  # NaN: null
@@ -670,6 +687,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(json.dumps(line))
     return result
+
+
+def budget_lines(up_log: Path) -> list[str]:
+    """What ``up`` said of the CPU budget (``CPU budget ...``: serving's measured load
+    moving it onto every CPU or off the budget's again), its log prefix dropped."""
+    try:
+        text = up_log.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    return [line[line.index("CPU budget") :] for line in text.splitlines() if "CPU budget" in line]
 
 
 def pacing_summary(text: str) -> dict[str, Any] | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.local_stack import ROOT, cli_env, small_corpus
+from tests.support.private_files import not_private
 from tests.support.processes import redis_binary
 
 HELPER = """
@@ -41,9 +41,6 @@ with local_stack(
     while True:
         signal.pause()
 """
-
-# Paths under the run directory that may differ from 0700/0600, each with its reason.
-EXCEPTIONS: dict[str, str] = {}
 
 
 def _until(condition: Callable[[], bool], what: str, timeout: float) -> None:
@@ -63,22 +60,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def _not_private(run_dir: Path) -> list[str]:
-    wrong = []
-    for path in (run_dir, *run_dir.rglob("*")):
-        rel = str(path.relative_to(run_dir)) or "."
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue  # a temp file renamed meanwhile
-        if stat.S_ISLNK(st.st_mode) or rel in EXCEPTIONS:
-            continue
-        want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
-        if stat.S_IMODE(st.st_mode) != want:
-            wrong.append(f"{rel}: {oct(stat.S_IMODE(st.st_mode))}")
-    return wrong
 
 
 @pytest.mark.slow
@@ -112,14 +93,14 @@ def test_up_keeps_its_data_private_and_a_sigterm_to_its_starter_stops_every_chil
         # at rest: the AOF, the snapshots, the index, logs and secrets are the owner's only
         assert any((run_dir / "redis").rglob("*.aof")), sorted((run_dir / "redis").rglob("*"))
         assert (run_dir / "auth" / "write.tokens").exists()
-        assert _not_private(run_dir) == []
+        assert not_private(run_dir) == []
 
         os.kill(helper.pid, signal.SIGTERM)  # as `timeout` ends a bench
         helper.wait(120)
         _until(lambda: not any(_alive(p) for p in pids), f"{pids} gone after SIGTERM", 60)
         # the shard's snapshot on its way out (and the AOF's final state) as private
         assert any((run_dir / "snapshots").rglob("*.npz")), "no snapshot written at stop"
-        assert _not_private(run_dir) == []
+        assert not_private(run_dir) == []
     finally:
         for pid in [helper.pid, *pids]:
             if _alive(pid):

@@ -56,6 +56,7 @@ from services.stack.generations import spec
 from services.stack.launcher import Stack
 from tests.encoder_fixtures import encoder_base, ensure_onnx
 from tests.support.encoders import ensure_second_encoder
+from tests.support.private_files import not_private
 from tests.support.processes import redis_binary, wait_until
 
 DIM = 384
@@ -450,17 +451,6 @@ def _ready_versions(url: str) -> list[str]:
         client.close()
 
 
-def _not_private(root: Path) -> list[str]:
-    """What under ``root`` is not 0700 (a directory, or an executable) or 0600."""
-    wrong = []
-    for path in (root, *root.rglob("*")):
-        mode = stat.S_IMODE(path.lstat().st_mode)
-        if path.is_symlink() or mode in (0o700, 0o600):
-            continue
-        wrong.append(f"{path.relative_to(root)}: {oct(mode)}")
-    return wrong
-
-
 @pytest.mark.slow  # two Triton starts and a publish (export + parity check): ~1-2 min
 def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -494,7 +484,7 @@ def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
         # their sources' modes whatever `up`'s umask, and the version published under
         # this process's (022), are the owner's only
         for root in (cfg.model_repository, cfg.run_dir / "triton-backends"):
-            assert _not_private(root) == [], root
+            assert not_private(root) == [], root
     finally:
         sup.stop_all()
 
