@@ -137,9 +137,7 @@ class Embedder:
         chunks = self._chunks
 
         async def one(chunk: list[str]) -> np.ndarray:
-            start = self.clock()
-            out = await self._encode_retrying(encoder, chunk)
-            took = self.clock() - start
+            out, took = await self._encode_retrying(encoder, chunk)
             chunks.observe(len(chunk), took)
             if self.pacer is not None:  # its pause keeps this call's place in flight
                 await self.pacer.after_call(took)
@@ -166,16 +164,21 @@ class Embedder:
             raise
         return np.concatenate(parts) if parts else np.zeros((0, encoder.dim), np.float32)
 
-    async def _encode_retrying(self, encoder: Encoder, texts: list[str]) -> Any:
+    async def _encode_retrying(self, encoder: Encoder, texts: list[str]) -> tuple[Any, float]:
         """``encoder.encode``, retried while the encoder is unavailable, overloaded, slow or
         failing inside (a Triton restarting, a model stub replaced) for up to ``retry_s``
         with backoff 0.5 s doubling to 10 s: a rollout of hours does not die of a minute's
-        outage. Bad input is not retried."""
+        outage. Bad input is not retried. With the answer, the seconds of the attempt that
+        gave it: what the call size and the pacer learn from. The outage before it is not
+        the encoder's pace (counted, a minute's outage paused the bulk for nine at the
+        pacer's lowest duty, and cut its calls to one text)."""
         deadline = time.monotonic() + self.retry_s
         backoff = 0.5
         while True:
+            start = self.clock()
             try:
-                return await encoder.encode(texts, "document", timeout=self.timeout_s)
+                out = await encoder.encode(texts, "document", timeout=self.timeout_s)
+                return out, self.clock() - start
             except (InvalidArgument, NotFound, FailedPrecondition):
                 raise
             except RetrievalError as exc:

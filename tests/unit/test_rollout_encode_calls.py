@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from services.common.encoder_spec import EncoderSpec
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.encoder.base import Embeddings, Encoder
 from services.encoder.profiles import Kind
 from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S
 from services.generations.encoding import ChunkSize, Embedder
+from services.generations.pacing import Pacer
 from services.generations.progress import Progress
 
 PER_TEXT_S = 0.086  # a 1,000-character document on one CPU (bench.rollout's in-process pace)
@@ -197,3 +198,39 @@ def test_the_calls_in_flight_follow_the_call_time() -> None:
     for _ in range(30):
         chunks.observe(3, 0.25)
     assert chunks.in_flight(2) == 1
+
+
+def test_an_outage_before_a_call_answers_is_not_its_pace() -> None:
+    """A call that failed for 30 s (Triton restarting) and then answered: the call size
+    and the pacer learn the answering attempt's seconds, not the outage's. Counted, the
+    outage made the pace 30 s a call: calls of one text, and at the pacer's lowest duty
+    (0.1) a pause of nine times the outage."""
+
+    class Restarting(OneInstance):
+        attempts = 0
+
+        async def encode(
+            self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+        ) -> Embeddings:
+            self.attempts += 1
+            if self.attempts == 1:
+                self.now += 30.0  # the attempt waits out its timeout, then fails
+                raise Unavailable("triton: connection refused")
+            return await super().encode(texts, kind, timeout)
+
+    encoder = Restarting()
+    builder = embedder(encoder, call_s=0.25)
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    builder.pacer = Pacer(lambda: None, Progress(), clock=lambda: encoder.now, sleep=pause)
+    builder.pacer.duty = 0.1  # the lowest duty, as in bench.rollout's bulk
+
+    rows = asyncio.run(builder.embed([f"doc {i}" for i in range(2)]))
+    assert rows[:, 0].tolist() == [0.0, 1.0]
+    assert encoder.attempts == 2
+    assert builder._chunks is not None and builder._chunks.per_text_s == pytest.approx(PER_TEXT_S)
+    assert builder.pacer.figures.busy_s == pytest.approx(2 * PER_TEXT_S)
+    assert pauses == [pytest.approx(2 * PER_TEXT_S * 9)]
