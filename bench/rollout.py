@@ -61,7 +61,8 @@ The phase watcher polls Redis from a process of its own: polling from a thread o
 process took the GIL from the load generator's event loop during the rollout only.
 
 Usage: ``python -m bench.rollout [--docs 1500] [--before-s 90] [--encoder DIR | --retrain]
-[--writes-per-s 5] [--cpus last|LIST|none]``. Server, builder and client share this
+[--writes-per-s 5] [--cpus last|LIST|none] [--redis-fsync always|everysec]``
+(``--redis-fsync``: ``up``'s, kept as ``redis_fsync``). Server, builder and client share this
 machine's cores: the figures are for a CPU-only machine where the rollout competes
 with serving. ``--cpus`` (default: the
 last CPU) is passed to ``index rollout --cpus`` (docs/generations.md "A rollout's CPU
@@ -455,6 +456,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="run the new encoder's int8 quality gates on SciFact first (minutes)",
     )
+    parser.add_argument(
+        "--redis-fsync",
+        choices=("always", "everysec"),
+        help="`up --redis-fsync` (default: up's, always)",
+    )
     parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
     parser.add_argument("--out", type=Path, default=None, help="bench/results/rollout.json")
     args = parser.parse_args(argv)
@@ -506,7 +512,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 tmp / "up.log",
                 corpus=corpus,
                 shards=2,
-                extra=["--document-precision", args.document_precision],
+                extra=[
+                    "--document-precision",
+                    args.document_precision,
+                    *(["--redis-fsync", args.redis_fsync] if args.redis_fsync else []),
+                ],
             ) as stack,
             RoleCpu(os.getpid()) as cpu,
         ):
@@ -635,6 +645,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result |= writes
     result["mode"] = "retrain" if args.retrain else "encoder"
     result["document_precision"] = args.document_precision
+    result["redis_fsync"] = args.redis_fsync or "always"
     result["new_encoder_int8"] = int8_gates
     result["pace"] = args.pace or f"default ({PACE})"
     result["catch_up_factor"] = args.catch_up_factor or "default (4)"
