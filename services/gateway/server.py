@@ -456,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The router assigns each wave on this (the event loop's) thread; OpenMP's count is
     # per thread, and its default (every core) leaves idle workers spinning per wave.
     coarse.set_threads(settings.quantizer_threads)
-    event_loop.run(serve(settings), settings.event_loop)
+    event_loop.run(serve(settings), settings.event_loop, settings.loop_watch_ms)
     return 0
 
 

@@ -13,4 +13,7 @@
 ``ports``
     ports for a local server to listen on, free and below the kernel's ephemeral range
     (never an outgoing connection's local port).
+``loop_watch``
+    a late event loop seen and named: a heartbeat, and a thread that logs the loop
+    thread's stack when it is late (``--loop-watch-ms``).
 """

@@ -28,7 +28,20 @@ def loop_factory(name: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | N
     return uvloop.new_event_loop
 
 
-def run(main: Coroutine[Any, Any, T], name: EventLoop = "uvloop") -> T:
-    """``asyncio.run(main)`` on a loop of ``name``."""
+def run(main: Coroutine[Any, Any, T], name: EventLoop = "uvloop", watch_ms: float = 0) -> T:
+    """``asyncio.run(main)`` on a loop of ``name``; ``watch_ms`` > 0: with a
+    :class:`~services.process.loop_watch.LoopWatch` that logs the loop's stack whenever
+    the loop is that late (``--loop-watch-ms``)."""
     with asyncio.Runner(loop_factory=loop_factory(name)) as runner:
-        return runner.run(main)
+        return runner.run(_watched(main, watch_ms) if watch_ms > 0 else main)
+
+
+async def _watched(main: Coroutine[Any, Any, T], watch_ms: float) -> T:
+    from services.process.loop_watch import LoopWatch
+
+    watch = LoopWatch(watch_ms / 1e3)
+    watch.start(asyncio.get_running_loop())
+    try:
+        return await main
+    finally:
+        watch.stop()

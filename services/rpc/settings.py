@@ -40,6 +40,15 @@ class ServiceSettings(BaseSettings):
         description="The process's event loop: uvloop (a gRPC round trip costs about two "
         "thirds of the CPU, docs/performance.md) or the standard library's asyncio.",
     )
+    loop_watch_ms: float = Field(
+        0,
+        ge=0,
+        description="Log a WARNING, with the event loop thread's Python stack and the CPU "
+        "it used meanwhile, whenever the process's event loop is this many ms late (code "
+        "holding it, or its thread waiting for a CPU): what delays every request in "
+        "flight and no request's timings show (services/process/loop_watch.py). 0 = off "
+        "(the watch adds two wake-ups every half of it).",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     grace_seconds: float = Field(
         5.0, ge=0, description="On SIGTERM, in-flight RPCs get this long to finish."

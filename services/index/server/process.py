@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # left at one thread per core, its worker spins between calls: measured, a whole core
     # kept busy beside a shard's search loop.
     threadpool_limits(settings.omp_threads, user_api="blas")
-    event_loop.run(serve(settings), settings.event_loop)
+    event_loop.run(serve(settings), settings.event_loop, settings.loop_watch_ms)
     return 0
 
 

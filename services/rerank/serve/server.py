@@ -112,7 +112,7 @@ async def serve(settings: RerankSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings(RerankSettings, list(argv or []), prog="gtr-retrieval rerank serve")
     configure_logging(settings.log_format, settings.log_level, service="rerank")
-    event_loop.run(serve(settings), settings.event_loop)
+    event_loop.run(serve(settings), settings.event_loop, settings.loop_watch_ms)
     return 0
 
 
