@@ -20,6 +20,9 @@ bench). Figures (the last line is JSON; ``bench/results/hybrid.json`` keeps it f
   run in alternating windows (``--windows`` of ``--window-s`` each, the order swapped
   every round) and each p99 is over all its windows' latencies: the machine's drift
   (other jobs on the shared cores move a p99 by 5x within minutes) falls on both alike.
+  ``hybrid_p99_over_dense_ci95``: its 95 % interval, a bootstrap that resamples each
+  mode's windows (``bench/p99_interval.py``); quiet runs on different days read
+  1.45-2.37.
 - **Loads** (``--loads``, default both): ``quiet`` measures the figures above with nothing
   else of the bench running; ``one_core_busy`` measures them again beside a process that
   keeps one core busy (a spin loop at the default priority: another job on the machine).
@@ -52,6 +55,7 @@ import numpy as np
 
 from bench import cpu_roles
 from bench.index_service import SCIFACT, query_embeddings, say
+from bench.p99_interval import p99_ratio_interval
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.fusion import Fusion, Method, fuse
 from services.corpus.beir import load_beir
@@ -217,6 +221,7 @@ async def measure(
     router = ShardRouter(addresses)
     raw, service = [], []
     latencies: dict[bool, list[float]] = {False: [], True: []}
+    blocks: dict[bool, list[float]] = {False: [], True: []}  # each latency's window
     try:
         for r in range(args.rounds):
             raw.append(raw_sparse_qps(text, queries, args.seconds))
@@ -224,9 +229,9 @@ async def measure(
             say(f"round {r + 1}: sparse raw {raw[-1]:.0f} q/s, service {service[-1]:.0f} q/s")
         for w in range(args.windows):
             for hybrid in (False, True) if w % 2 == 0 else (True, False):
-                latencies[hybrid] += await open_loop(
-                    router, qvecs, queries, hybrid, args.rate, args.window_s, w
-                )
+                got = await open_loop(router, qvecs, queries, hybrid, args.rate, args.window_s, w)
+                latencies[hybrid] += got
+                blocks[hybrid] += [float(w)] * len(got)
             if (w + 1) % 5 == 0:
                 d, h = (float(np.percentile(latencies[x], 99) * 1000) for x in (False, True))
                 say(f"{w + 1} windows: p99 dense {d:.1f} ms, hybrid {h:.1f} ms")
@@ -235,6 +240,10 @@ async def measure(
     p50 = {x: float(np.percentile(latencies[x], 50) * 1000) for x in (False, True)}
     raw_m, service_m = statistics.median(raw), statistics.median(service)
     dense_m, hybrid_m = (float(np.percentile(latencies[x], 99) * 1000) for x in (False, True))
+    # each window one block: a window's searches share its spell of the machine
+    interval = p99_ratio_interval(
+        (blocks[False], latencies[False]), (blocks[True], latencies[True]), block_s=1.0
+    )
     return {
         "raw_sparse_qps": round(raw_m, 1),
         "sparse_qps": round(service_m, 1),
@@ -249,6 +258,7 @@ async def measure(
         "dense_p99_ms": round(dense_m, 2),
         "hybrid_p99_ms": round(hybrid_m, 2),
         "hybrid_p99_over_dense": round(hybrid_m / dense_m, 3),
+        "hybrid_p99_over_dense_ci95": [round(v, 3) for v in interval] if interval else None,
     }
 
 
