@@ -9,9 +9,10 @@ switch's slow search, placed"): the rest passed before the handler began.
 :class:`LoopWatch` puts a heartbeat on the loop (a timer every ``beat_s``) and a thread
 beside it that wakes as often. When the next beat is more than ``threshold_s`` late, the
 thread logs a WARNING once for that beat with the loop thread's Python stack at that
-moment and how much CPU the loop thread used meanwhile (``/proc``, Linux): about the
-whole wait when code held the loop (the stack names it), little when the thread waited
-for a CPU or in a system call. The heartbeat records how late each beat came
+moment and how much CPU the loop thread used since the watch's previous wake (the
+thread's own CPU clock, ``pthread_getcpuclockid``): about all of that time when code
+held the loop (the stack names it), little when the thread waited for a CPU or in a
+system call. The heartbeat records how late each beat came
 (:attr:`LoopWatch.latest_s`, :attr:`LoopWatch.longest_s`, :attr:`LoopWatch.blocks`).
 
 Off by default: the heartbeat and the thread add two wake-ups per ``beat_s``
@@ -28,25 +29,17 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-TICKS_PER_S = 100  # /proc's clock ticks (USER_HZ), the same on every Linux we run on
 
-
-def thread_cpu_s(native_id: int) -> float | None:
-    """CPU seconds thread ``native_id`` of this process has used; None off Linux."""
-    try:
-        fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime + stime
-
-
-def _report(late_s: float, cpu_s: float | None, stack: str) -> None:
-    used = f"; it ran {cpu_s * 1e3:.0f} ms of CPU meanwhile" if cpu_s is not None else ""
-    log.warning("event loop late by %.0f ms%s; its thread is at:\n%s", late_s * 1e3, used, stack)
+def _report(late_s: float, cpu_s: float | None, over_s: float, stack: str) -> None:
+    used = (
+        f"; its thread ran {cpu_s * 1e3:.0f} ms of CPU in the last {over_s * 1e3:.0f} ms"
+        if cpu_s is not None
+        else ""
+    )
+    log.warning("event loop late by %.0f ms%s; it is at:\n%s", late_s * 1e3, used, stack)
 
 
 class LoopWatch:
@@ -57,7 +50,7 @@ class LoopWatch:
         threshold_s: float,
         *,
         beat_s: float | None = None,
-        report: Callable[[float, float | None, str], None] = _report,
+        report: Callable[[float, float | None, float, str], None] = _report,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if threshold_s <= 0:
@@ -72,7 +65,7 @@ class LoopWatch:
         self._handle: asyncio.TimerHandle | None = None
         self._thread: threading.Thread | None = None
         self._loop_thread = 0  # threading ident of the loop's thread
-        self._loop_native = 0  # its kernel thread id
+        self._cpu_clock: int | None = None  # its CPU-time clock (None: not offered here)
         self.latest_s = 0.0  # how late the last beat came
         self.longest_s = 0.0
         self.blocks = 0  # beats reported late
@@ -80,7 +73,10 @@ class LoopWatch:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._loop_thread = threading.get_ident()
-        self._loop_native = threading.get_native_id()
+        try:
+            self._cpu_clock = time.pthread_getcpuclockid(self._loop_thread)
+        except (AttributeError, OSError):  # not on this platform
+            self._cpu_clock = None
         self._due = self._clock() + self.beat_s
         self._handle = loop.call_later(self.beat_s, self._beat)
         self._thread = threading.Thread(target=self._watch, name="loop-watch", daemon=True)
@@ -101,24 +97,29 @@ class LoopWatch:
         assert self._loop is not None
         self._handle = self._loop.call_later(self.beat_s, self._beat)
 
+    def _loop_cpu_s(self) -> float | None:
+        """CPU seconds the loop's thread has used (None where its clock is not offered)."""
+        if self._cpu_clock is None:
+            return None
+        try:
+            return time.clock_gettime(self._cpu_clock)
+        except OSError:  # the thread is gone
+            return None
+
     def _watch(self) -> None:
         reported = None  # the beat reported late already (one report per beat)
-        since: tuple[float, float | None] | None = None  # (due, loop's CPU) when it was due
+        # (when, the loop thread's CPU) at the watch's previous wake: a report's CPU is
+        # counted from there, so it covers the last ``beat_s`` or so of the wait
+        last = (self._clock(), self._loop_cpu_s())
         while not self._stop.wait(self.beat_s):
-            due = self._due
-            now = self._clock()
-            if now <= due:
-                since = None
+            now, cpu = self._clock(), self._loop_cpu_s()
+            since, last = last, (now, cpu)
+            late = now - self._due
+            if late <= self.threshold_s or reported == self._due:
                 continue
-            if since is None or since[0] != due:
-                since = (due, thread_cpu_s(self._loop_native))
-            late = now - due
-            if late <= self.threshold_s or reported == due:
-                continue
-            reported = due
+            reported = self._due
             frame = sys._current_frames().get(self._loop_thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
-            cpu = thread_cpu_s(self._loop_native)
             used = cpu - since[1] if cpu is not None and since[1] is not None else None
             self.blocks += 1
-            self._report(late, used, stack)
+            self._report(late, used, now - since[0], stack)

@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
+from services.process.loop_watch import LoopWatch
+
 T = TypeVar("T")
 
 EventLoop = Literal["uvloop", "asyncio"]
@@ -37,8 +39,6 @@ def run(main: Coroutine[Any, Any, T], name: EventLoop = "uvloop", watch_ms: floa
 
 
 async def _watched(main: Coroutine[Any, Any, T], watch_ms: float) -> T:
-    from services.process.loop_watch import LoopWatch
-
     watch = LoopWatch(watch_ms / 1e3)
     watch.start(asyncio.get_running_loop())
     try:

@@ -44,10 +44,10 @@ class ServiceSettings(BaseSettings):
         0,
         ge=0,
         description="Log a WARNING, with the event loop thread's Python stack and the CPU "
-        "it used meanwhile, whenever the process's event loop is this many ms late (code "
-        "holding it, or its thread waiting for a CPU): what delays every request in "
-        "flight and no request's timings show (services/process/loop_watch.py). 0 = off "
-        "(the watch adds two wake-ups every half of it).",
+        "it used over the last half of it, whenever the process's event loop is this many "
+        "ms late (code holding it, or its thread waiting for a CPU): what delays every "
+        "request in flight and no request's timings show (services/process/loop_watch.py). "
+        "0 = off (the watch adds two wake-ups every half of it).",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     grace_seconds: float = Field(

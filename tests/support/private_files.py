@@ -22,5 +22,5 @@ def not_private(root: Path) -> list[str]:
         mode = stat.S_IMODE(st.st_mode)
         allowed = (0o700,) if stat.S_ISDIR(st.st_mode) else (0o600, 0o700)
         if mode not in allowed:
-            wrong.append(f"{path.relative_to(root) or '.'}: {oct(mode)}")
+            wrong.append(f"{path.relative_to(root)}: {oct(mode)}")  # root itself: "."
     return wrong

@@ -10,7 +10,7 @@ the policy is what is under test, not a model's speed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -55,6 +55,26 @@ class OneInstance(Encoder):
 
     async def close(self) -> None:
         pass
+
+
+class Faulty(OneInstance):
+    """Attempt ``n`` (from 1) raises ``fault(n)`` when that is not None, after
+    ``lost_s`` virtual seconds (a timeout waited out); the others answer."""
+
+    def __init__(self, fault: Callable[[int], Exception | None], lost_s: float = 0.0) -> None:
+        super().__init__()
+        self.fault, self.lost_s = fault, lost_s
+        self.attempts = 0
+
+    async def encode(
+        self, texts: Sequence[str], kind: Kind, timeout: float | None = None
+    ) -> Embeddings:
+        self.attempts += 1
+        error = self.fault(self.attempts)
+        if error is not None:
+            self.now += self.lost_s
+            raise error
+        return await super().encode(texts, kind, timeout)
 
 
 def embedder(encoder: OneInstance, call_s: float, encode_batch: int = 16) -> Embedder:
@@ -122,18 +142,7 @@ def test_the_call_size_follows_the_pace_and_stays_within_its_bounds() -> None:
 
 @pytest.mark.parametrize("call_s", [0.25, 1e9])
 def test_a_failed_call_fails_the_batch_and_sends_no_more(call_s: float) -> None:
-    class Failing(OneInstance):
-        attempts = 0
-
-        async def encode(
-            self, texts: Sequence[str], kind: Kind, timeout: float | None = None
-        ) -> Embeddings:
-            self.attempts += 1
-            if self.attempts >= 3:
-                raise InvalidArgument("a bad text")
-            return await super().encode(texts, kind, timeout)
-
-    encoder = Failing()
+    encoder = Faulty(lambda attempt: InvalidArgument("a bad text") if attempt >= 3 else None)
     with pytest.raises(InvalidArgument, match="a bad text"):
         asyncio.run(embedder(encoder, call_s).embed([f"doc {i}" for i in range(200)]))
     # the failure stops the sending: at most a call already in flight beside it
@@ -206,19 +215,11 @@ def test_an_outage_before_a_call_answers_is_not_its_pace() -> None:
     outage made the pace 30 s a call: calls of one text, and at the pacer's lowest duty
     (0.1) a pause of nine times the outage."""
 
-    class Restarting(OneInstance):
-        attempts = 0
-
-        async def encode(
-            self, texts: Sequence[str], kind: Kind, timeout: float | None = None
-        ) -> Embeddings:
-            self.attempts += 1
-            if self.attempts == 1:
-                self.now += 30.0  # the attempt waits out its timeout, then fails
-                raise Unavailable("triton: connection refused")
-            return await super().encode(texts, kind, timeout)
-
-    encoder = Restarting()
+    # the first attempt waits out its timeout, then fails
+    encoder = Faulty(
+        lambda attempt: Unavailable("triton: connection refused") if attempt == 1 else None,
+        lost_s=30.0,
+    )
     builder = embedder(encoder, call_s=0.25)
     pauses: list[float] = []
 
