@@ -47,6 +47,7 @@ from services.encoder.runtime.triton_client import (
     TritonEncoderConfig,
 )
 from services.encoder.serve.triton_server import TritonHandle, TritonServerConfig, run_triton
+from services.encoder.textcodec import PIECE_ROWS, length_pieces
 from services.stack import triton_component
 from services.stack.config import StackConfig
 from tests.encoder_fixtures import (
@@ -186,6 +187,28 @@ def test_long_text_is_truncated_and_flagged(minilm: TritonHandle, minilm_export:
         )
 
     asyncio.run(_with_encoder(minilm, go))
+
+
+def test_documents_of_mixed_lengths_come_back_in_their_places(
+    tiny_t5: TritonHandle, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One request of interleaved short and long documents (an FP32 graph, so the model
+    runs its rows in pieces by length): every row gets the vector it gets alone."""
+    base = encoder_base(tmp_path_factory)
+    export = ensure_onnx(ensure_tiny_t5(base), base)
+    alone = OnnxEmbedder(export, threads=1)
+    words = " ".join(f"word{i}" for i in range(400)).split()
+    texts = [" ".join(words[:size]) for size in [1, 60, 3, 400, 8, 25] * 4]
+    batch = alone.tokenize(texts, "document")
+    assert len(length_pieces(batch.lengths.tolist(), PIECE_ROWS, max_tokens=512)) > 2
+
+    async def go(enc: TritonEncoder) -> None:
+        got = await enc.encode(texts, "document", timeout=20)
+        want = np.concatenate([alone.embed([t], "document")[0] for t in texts])
+        assert min(row_cosines(got.vectors, want)) >= 0.99999
+        assert got.truncated == [alone.embed([t], "document")[1][0] for t in texts]
+
+    asyncio.run(_with_encoder(tiny_t5, go))
 
 
 def _embed_counts(handle: TritonHandle) -> tuple[int, int]:

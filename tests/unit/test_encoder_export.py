@@ -19,6 +19,7 @@ from services.encoder.build.export import (
 )
 from services.encoder.model import default_model_dir
 from services.encoder.runtime.onnx_embedder import OnnxEmbedder
+from services.encoder.textcodec import PIECE_ROWS, length_pieces
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -72,6 +73,31 @@ def test_onnx_embedder_equals_torch_on_queries_and_documents(exported: tuple[Pat
         want, want_trunc = reference.embed(texts, kind)  # type: ignore[arg-type]
         assert got_trunc == want_trunc
         assert min(row_cosines(got, want)) >= 0.9999
+
+
+def mixed_lengths(n: int = 24) -> list[str]:
+    """Documents of very different lengths, interleaved (the longest truncated)."""
+    words = " ".join(f"word{i}" for i in range(400))
+    sizes = [1, 60, 3, 400, 8, 25] * (n // 6)
+    return [" ".join(words.split()[:size]) for size in sizes[:n]]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_onnx_embedder_runs_rows_by_length_and_answers_in_order(
+    exported: tuple[Path, Path], threads: int
+) -> None:
+    """A batch of interleaved short and long documents runs in several pieces of rows of
+    about one length; every row's vector is the one it gets embedded alone, in its place."""
+    _, onnx_path = exported
+    ours = OnnxEmbedder(onnx_path, threads=threads)
+    texts = mixed_lengths()
+    batch = ours.tokenize(texts, "document")
+    pieces = length_pieces(batch.lengths.tolist(), PIECE_ROWS, max_tokens=ours.piece_tokens)
+    assert len(pieces) > 2 and any(len(p) > 1 for p in pieces)
+    got, truncated = ours.embed(texts, "document")
+    alone = np.concatenate([ours.embed([t], "document")[0] for t in texts])
+    assert min(row_cosines(got, alone)) >= 0.99999
+    assert truncated == [ours.embed([t], "document")[1][0] for t in texts]
 
 
 def test_sidecar_files_describe_the_export(exported: tuple[Path, Path]) -> None:

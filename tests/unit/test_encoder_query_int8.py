@@ -174,7 +174,9 @@ def test_embedder_runs_queries_int8_row_by_row_and_documents_fp32(int8_export: P
     docs, _ = embedder.embed(SAMPLE_DOCUMENTS, "document")
     batch = embedder.tokenize(SAMPLE_DOCUMENTS, "document")
     feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    np.testing.assert_array_equal(docs, fp32.run(["embedding"], feeds)[0])  # type: ignore[attr-defined]
+    # the FP32 graph (run in pieces of rows by length: float noise against the whole batch)
+    whole = fp32.run(["embedding"], feeds)[0]  # type: ignore[attr-defined]
+    np.testing.assert_allclose(docs, whole, atol=1e-6)
     queries, _ = embedder.embed(SAMPLE_QUERIES, "query")
     for text, vector in zip(SAMPLE_QUERIES, queries, strict=True):
         one = embedder.tokenize([text], "query")

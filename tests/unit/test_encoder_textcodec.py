@@ -6,10 +6,18 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from services.encoder.model import default_model_dir
-from services.encoder.textcodec import TextCodec, TextError, check_texts, parse_rows
+from services.encoder.textcodec import (
+    TextCodec,
+    TextError,
+    check_texts,
+    length_pieces,
+    parse_rows,
+)
 
 KINDS = {"query", "document"}
 
@@ -99,3 +107,44 @@ def test_embedders_that_read_the_same_tokenizer_bytes_share_one_codec(tmp_path: 
     for n in range(onnx_embedder.CODECS_KEPT):  # the least recently used is dropped
         onnx_embedder.shared_codec(source, {"query": 8 + n}, 0)
     assert onnx_embedder.shared_codec(source, budgets, 0) is not first
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 512), min_size=1, max_size=80),
+    max_rows=st.integers(1, 20),
+    slack=st.sampled_from([0.0, 0.1, 0.5]),
+    max_tokens=st.sampled_from([0, 64, 512]),
+)
+def test_length_pieces_cover_every_row_once_within_their_bounds(
+    lengths: list[int], max_rows: int, slack: float, max_tokens: int
+) -> None:
+    pieces = length_pieces(lengths, max_rows, slack, max_tokens)
+    assert sorted(i for piece in pieces for i in piece) == list(range(len(lengths)))
+    for piece in pieces:
+        assert 1 <= len(piece) <= max_rows
+        sizes = [lengths[i] for i in piece]
+        padded = max(sizes) * len(piece)
+        if len(piece) > 1:
+            assert padded <= (1 + slack) * sum(sizes) + 1e-9
+            assert not max_tokens or padded <= max_tokens
+
+
+def test_length_pieces_group_rows_of_one_length_in_arrival_order_apart() -> None:
+    """Short and long rows interleaved: each piece holds one kind, in full pieces."""
+    lengths = [10, 200] * 12
+    pieces = length_pieces(lengths, 8)
+    assert [len(p) for p in pieces] == [8, 4, 8, 4]
+    assert {lengths[i] for i in pieces[0] + pieces[1]} == {10}
+    assert {lengths[i] for i in pieces[2] + pieces[3]} == {200}
+    budget = length_pieces(lengths, 8, max_tokens=800)  # 4 rows of 200 tokens per piece
+    assert [len(p) for p in budget] == [8, 4, 4, 4, 4]
+
+
+def test_take_pads_the_rows_to_their_own_longest(codec: TextCodec) -> None:
+    batch = codec.encode(["a b c d e f g h i j", "a", "a b"], "document")
+    part = batch.take([2, 1])
+    assert part.input_ids.shape == (2, int(batch.lengths[2]))
+    assert part.lengths.tolist() == [batch.lengths[2], batch.lengths[1]]
+    assert (part.input_ids[0] == batch.input_ids[2, : part.input_ids.shape[1]]).all()
+    assert batch.take([1], seq_buckets=(8, 16)).input_ids.shape == (1, 8)

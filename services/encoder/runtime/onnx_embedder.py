@@ -19,7 +19,13 @@ import numpy as np
 
 from services.encoder.build.export import OUTPUT_NAME, EncoderMeta, onnx_session
 from services.encoder.profiles import Kind
-from services.encoder.textcodec import TextCodec, TokenBatch
+from services.encoder.textcodec import (
+    PIECE_ROWS,
+    TextCodec,
+    TokenBatch,
+    length_pieces,
+    piece_tokens,
+)
 
 # Codecs kept by what they are built from (the tokenizer file's bytes, each kind's token
 # budget, the pad id): at most this many, the least recently used dropped first.
@@ -80,31 +86,36 @@ class OnnxEmbedder:
             if path not in opened:
                 opened[path] = onnx_session(path, threads)
         self.sessions = {kind: opened[path] for kind, path in files.items()}
+        self.piece_tokens = piece_tokens(threads)
 
     def tokenize(self, texts: list[str], kind: Kind) -> TokenBatch:
         return self.codec.encode(texts, kind)
 
     def run(self, batch: TokenBatch, kind: Kind = "query") -> np.ndarray:
-        """The graph of ``kind`` (one graph serves both kinds unless the export has two)."""
+        """The graph of ``kind`` (one graph serves both kinds unless the export has two),
+        in pieces of rows of about one length (``textcodec.length_pieces``), as the Triton
+        model runs them."""
         session = self.sessions[kind]
+        n = len(batch.truncated)
         if kind in self.meta.row_by_row():
             # one row per run: an int8 graph's activation scales span the whole batch, so
             # a row's vector would depend on its companions (query_int8.py)
-            rows = [
-                session.run(  # type: ignore[attr-defined]
-                    [OUTPUT_NAME], {"input_ids": ids[None, :n], "attention_mask": mask[None, :n]}
-                )[0]
-                for ids, mask, n in zip(
-                    batch.input_ids,
-                    batch.attention_mask,
-                    batch.attention_mask.sum(axis=1),
-                    strict=True,
-                )
-            ]
-            return np.concatenate(rows).astype(np.float32)
-        feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-        (out,) = session.run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
-        return np.asarray(out, dtype=np.float32)
+            pieces = [[i] for i in range(n)]
+        else:
+            pieces = length_pieces(batch.lengths.tolist(), PIECE_ROWS, max_tokens=self.piece_tokens)
+        if len(pieces) == 1:
+            parts = [(list(range(n)), batch)]  # one piece: the batch as it is
+        else:
+            parts = [(piece, batch.take(piece)) for piece in pieces]
+        out: np.ndarray | None = None
+        for rows, part in parts:
+            feeds = {"input_ids": part.input_ids, "attention_mask": part.attention_mask}
+            (vectors,) = session.run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
+            if out is None:
+                out = np.empty((n, vectors.shape[1]), dtype=np.float32)
+            out[rows] = vectors
+        assert out is not None
+        return out
 
     def embed(self, texts: list[str], kind: Kind) -> tuple[np.ndarray, list[bool]]:
         batch = self.tokenize(texts, kind)

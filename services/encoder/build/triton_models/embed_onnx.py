@@ -22,12 +22,18 @@ source model, dim, profile, digest; from ``version.json``), one per row. A reque
 asks for it alone is answered without running the graph: ``TritonEncoder.connect``
 learns its pinned version's name and digest so, since they are no longer in the config.
 
+The rows of a graph are tokenized together and run in pieces of about one length
+(``textcodec.length_pieces``: at most ``PIECE_ROWS`` rows, padded by at most a tenth of
+their tokens, on one ONNX thread at most ``ONE_THREAD_PIECE_TOKENS`` tokens), not in
+arrival order: one long document padded a piece of short ones, and on a CPU a padded
+token costs as much as a real one.
+
 A request whose client has gone (``is_cancelled()``) is answered CANCELLED without being
-run, and the rows are run in pieces of at most ``PIECE_ROWS`` with the check repeated
-before each piece: when every request of the batch has gone, the rest is not run. A
-batch of 64 long documents is seconds of work on a shared 2-core machine, and a stopping
-tritonserver waits for it before it can unload the model; running it whole for nobody
-made a SIGTERMed server overrun ``--exit-timeout-secs`` and exit 1.
+run, and the check is repeated before each piece: when every request of the batch has
+gone, the rest is not run. A batch of 64 long documents is seconds of work on a shared
+2-core machine, and a stopping tritonserver waits for it before it can unload the model;
+running it whole for nobody made a SIGTERMed server overrun ``--exit-timeout-secs`` and
+exit 1.
 """
 
 from __future__ import annotations
@@ -52,11 +58,15 @@ from model_errors import (
     input_column,
     model_files,
 )
-from textcodec import TextCodec, TextError, parse_rows
+from textcodec import (
+    PIECE_ROWS,
+    TextCodec,
+    TextError,
+    length_pieces,
+    parse_rows,
+    piece_tokens,
+)
 
-# rows per ONNX run between two checks for clients that have gone: bounds the work a
-# stopping server waits for to one such run
-PIECE_ROWS = 16
 # the file naming the CPUs a version's stub runs on (services.process.cpus budget_path:
 # <repo>/.<model>.<version>.cpu-budget, beside the model folders, never in the version
 # folder, whose change after the load would make Triton reload this version)
@@ -132,10 +142,11 @@ class TritonPythonModel:
         self._cpus = len(os.sched_getaffinity(0))
         self._checked = time.monotonic()
         self._reopening: threading.Thread | None = None
-        self.session, self.sessions = self._open()
+        self.session, self.sessions, self.piece_tokens = self._open()
 
-    def _open(self) -> tuple[Any, dict[str, Any]]:
-        """(the main session, kind → session): one graph for every kind, or a tower per
+    def _open(self) -> tuple[Any, dict[str, Any], dict[int, int]]:
+        """(the main session, kind → session, session id → the padded tokens a piece of
+        its may hold: ``textcodec.piece_tokens``): one graph for every kind, or a tower per
         kind; ONNX Runtime threads as :func:`_threads` says for the CPUs allowed now."""
         ort, params = self._ort, self._params
         threads = _threads(self._config, int(params.get("intra_op_threads", "0")))
@@ -157,11 +168,14 @@ class TritonPythonModel:
         # from a second thread (2.1 ms with one, 2.3-3.2 with two) and wakes it for every
         # op: 1.5-2x the CPU per query (docs/performance.md, "One hop fewer").
         alone = towers and "query" in self.row_by_row
-        main = session(params.get("onnx_file", "model.onnx"), 1 if alone else threads)
+        main_threads = 1 if alone else threads
+        main = session(params.get("onnx_file", "model.onnx"), main_threads)
         sessions = {kind: main for kind in self.kinds}
+        budgets = {id(main): piece_tokens(main_threads)}
         if towers:
             sessions["document"] = session(params["document_onnx_file"], threads)
-        return main, sessions
+            budgets[id(sessions["document"])] = piece_tokens(threads)
+        return main, sessions, budgets
 
     def _follow_cpus(self) -> None:
         """When this stub may use more CPUs than its sessions were opened for (a rollout's
@@ -181,7 +195,7 @@ class TritonPythonModel:
         def reopen() -> None:
             # keep serving with the sessions there are
             with contextlib.suppress(Exception):
-                self.session, self.sessions = self._open()
+                self.session, self.sessions, self.piece_tokens = self._open()
 
         self._reopening = threading.Thread(target=reopen, name="reopen-sessions", daemon=True)
         self._reopening.start()
@@ -192,25 +206,30 @@ class TritonPythonModel:
         groups: dict[int, list[int]] = {}  # rows per graph, in request order
         graphs = {id(s): s for s in self.sessions.values()}
         single = {id(self.sessions[kind]) for kind in self.row_by_row}
+        budgets = self.piece_tokens
         for row, kind in enumerate(kinds):
             groups.setdefault(id(self.sessions[kind]), []).append(row)
         vectors: np.ndarray | None = None
         truncated = np.zeros(len(texts), dtype=bool)
         for graph, rows in groups.items():
-            piece = 1 if graph in single else self.piece_rows
-            for start in range(0, len(rows), piece):
+            batch = self.codec.encode_mixed([texts[i] for i in rows], [kinds[i] for i in rows])
+            truncated[rows] = batch.truncated
+            pieces = (
+                [[j] for j in range(len(rows))]
+                if graph in single
+                else length_pieces(
+                    batch.lengths.tolist(), self.piece_rows, max_tokens=budgets.get(graph, 0)
+                )
+            )
+            for piece in pieces:
                 if gone():
                     raise Cancelled
-                chunk = rows[start : start + piece]
-                batch = self.codec.encode_mixed(
-                    [texts[i] for i in chunk], [kinds[i] for i in chunk]
-                )
-                feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+                part = batch.take(piece)
+                feeds = {"input_ids": part.input_ids, "attention_mask": part.attention_mask}
                 out = graphs[graph].run(["embedding"], feeds)[0].astype(np.float32)
                 if vectors is None:
                     vectors = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
-                vectors[chunk] = out
-                truncated[chunk] = batch.truncated
+                vectors[[rows[j] for j in piece]] = out
         assert vectors is not None
         return vectors, truncated
 
