@@ -313,3 +313,12 @@ def torch_embedder(model_dir: Path) -> TorchEmbedder:
     if key not in _EMBEDDERS:
         _EMBEDDERS[key] = TorchEmbedder(model_dir)
     return _EMBEDDERS[key]
+
+
+def mixed_lengths(n: int = 24) -> list[str]:
+    """Distinct documents of very different lengths, interleaved, each length a little
+    shorter every time it comes round (the longest truncated): sorted by length, the rows
+    of a piece are not in the request's order."""
+    words = [f"word{i}" for i in range(600)]
+    sizes = [1, 60, 3, 400, 8, 25]
+    return [" ".join(words[row : row + max(1, sizes[row % 6] - row // 6)]) for row in range(n)]

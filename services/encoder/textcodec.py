@@ -18,7 +18,7 @@ same rows by length, docs/performance.md "Rows of one length").
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +41,11 @@ class TokenBatch:
     def lengths(self) -> np.ndarray:
         """Each row's real tokens."""
         return self.attention_mask.sum(axis=1)
+
+    def pieces(self, threads: int | None) -> list[list[int]]:
+        """The rows in the pieces a graph on ``threads`` ONNX Runtime (or PyTorch) threads
+        runs them in: :func:`length_pieces` with :data:`PIECE_ROWS` and :func:`piece_tokens`."""
+        return length_pieces(self.lengths.tolist(), PIECE_ROWS, max_tokens=piece_tokens(threads))
 
     def take(self, rows: Sequence[int], seq_buckets: tuple[int, ...] = ()) -> TokenBatch:
         """These rows, padded to the longest of them only (or its bucket)."""
@@ -102,6 +107,24 @@ def length_pieces(
     if piece:
         pieces.append(piece)
     return pieces
+
+
+def run_in_pieces(
+    batch: TokenBatch, pieces: list[list[int]], run: Callable[[TokenBatch], np.ndarray]
+) -> np.ndarray:
+    """``run`` (a graph: a batch in, one vector per row out) over each piece of ``batch``'s
+    rows (:func:`length_pieces`), the vectors put back in the batch's order."""
+    n = len(batch.truncated)
+    if len(pieces) == 1:
+        return np.asarray(run(batch), dtype=np.float32)  # one piece: the batch as it is
+    out: np.ndarray | None = None
+    for piece in pieces:
+        vectors = run(batch.take(piece))
+        if out is None:
+            out = np.empty((n, vectors.shape[1]), dtype=np.float32)
+        out[piece] = vectors
+    assert out is not None
+    return out
 
 
 def check_texts(texts: list[str], max_batch: int | None = None) -> None:

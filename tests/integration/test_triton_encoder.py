@@ -56,6 +56,7 @@ from tests.encoder_fixtures import (
     encoder_base,
     ensure_onnx,
     ensure_tiny_t5,
+    mixed_lengths,
     torch_embedder,
 )
 from tests.support.processes import await_until, free_port, wait_until
@@ -197,8 +198,7 @@ def test_documents_of_mixed_lengths_come_back_in_their_places(
     base = encoder_base(tmp_path_factory)
     export = ensure_onnx(ensure_tiny_t5(base), base)
     alone = OnnxEmbedder(export, threads=1)
-    words = " ".join(f"word{i}" for i in range(400)).split()
-    texts = [" ".join(words[:size]) for size in [1, 60, 3, 400, 8, 25] * 4]
+    texts = mixed_lengths()
     batch = alone.tokenize(texts, "document")
     assert len(length_pieces(batch.lengths.tolist(), PIECE_ROWS, max_tokens=512)) > 2
 

@@ -26,6 +26,7 @@ from tests.encoder_fixtures import (
     encoder_base,
     ensure_onnx,
     ensure_tiny_t5,
+    mixed_lengths,
     torch_embedder,
 )
 
@@ -75,13 +76,6 @@ def test_onnx_embedder_equals_torch_on_queries_and_documents(exported: tuple[Pat
         assert min(row_cosines(got, want)) >= 0.9999
 
 
-def mixed_lengths(n: int = 24) -> list[str]:
-    """Documents of very different lengths, interleaved (the longest truncated)."""
-    words = " ".join(f"word{i}" for i in range(400))
-    sizes = [1, 60, 3, 400, 8, 25] * (n // 6)
-    return [" ".join(words.split()[:size]) for size in sizes[:n]]
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_onnx_embedder_runs_rows_by_length_and_answers_in_order(
     exported: tuple[Path, Path], threads: int
@@ -98,6 +92,19 @@ def test_onnx_embedder_runs_rows_by_length_and_answers_in_order(
     alone = np.concatenate([ours.embed([t], "document")[0] for t in texts])
     assert min(row_cosines(got, alone)) >= 0.99999
     assert truncated == [ours.embed([t], "document")[1][0] for t in texts]
+
+
+def test_torch_embedder_runs_rows_by_length_and_answers_in_order(
+    exported: tuple[Path, Path],
+) -> None:
+    """The PyTorch encoder (``--encoder inprocess``, the parity reference) runs a CPU batch
+    in the same pieces: every row's vector is the one it gets alone, in its place."""
+    model_dir, _ = exported
+    torch_model = torch_embedder(model_dir)
+    texts = mixed_lengths(12)
+    got, _ = torch_model.embed(texts, "document")
+    alone = np.concatenate([torch_model.embed([t], "document")[0] for t in texts])
+    assert min(row_cosines(got, alone)) >= 0.99999
 
 
 def test_sidecar_files_describe_the_export(exported: tuple[Path, Path]) -> None:

@@ -19,13 +19,7 @@ import numpy as np
 
 from services.encoder.build.export import OUTPUT_NAME, EncoderMeta, onnx_session
 from services.encoder.profiles import Kind
-from services.encoder.textcodec import (
-    PIECE_ROWS,
-    TextCodec,
-    TokenBatch,
-    length_pieces,
-    piece_tokens,
-)
+from services.encoder.textcodec import TextCodec, TokenBatch, piece_tokens, run_in_pieces
 
 # Codecs kept by what they are built from (the tokenizer file's bytes, each kind's token
 # budget, the pad id): at most this many, the least recently used dropped first.
@@ -86,6 +80,7 @@ class OnnxEmbedder:
             if path not in opened:
                 opened[path] = onnx_session(path, threads)
         self.sessions = {kind: opened[path] for kind, path in files.items()}
+        self.threads = threads
         self.piece_tokens = piece_tokens(threads)
 
     def tokenize(self, texts: list[str], kind: Kind) -> TokenBatch:
@@ -96,26 +91,18 @@ class OnnxEmbedder:
         in pieces of rows of about one length (``textcodec.length_pieces``), as the Triton
         model runs them."""
         session = self.sessions[kind]
-        n = len(batch.truncated)
         if kind in self.meta.row_by_row():
             # one row per run: an int8 graph's activation scales span the whole batch, so
             # a row's vector would depend on its companions (query_int8.py)
-            pieces = [[i] for i in range(n)]
+            pieces = [[i] for i in range(len(batch.truncated))]
         else:
-            pieces = length_pieces(batch.lengths.tolist(), PIECE_ROWS, max_tokens=self.piece_tokens)
-        if len(pieces) == 1:
-            parts = [(list(range(n)), batch)]  # one piece: the batch as it is
-        else:
-            parts = [(piece, batch.take(piece)) for piece in pieces]
-        out: np.ndarray | None = None
-        for rows, part in parts:
+            pieces = batch.pieces(self.threads)
+
+        def graph(part: TokenBatch) -> np.ndarray:
             feeds = {"input_ids": part.input_ids, "attention_mask": part.attention_mask}
-            (vectors,) = session.run([OUTPUT_NAME], feeds)  # type: ignore[attr-defined]
-            if out is None:
-                out = np.empty((n, vectors.shape[1]), dtype=np.float32)
-            out[rows] = vectors
-        assert out is not None
-        return out
+            return session.run([OUTPUT_NAME], feeds)[0]  # type: ignore[attr-defined,no-any-return]
+
+        return run_in_pieces(batch, pieces, graph)
 
     def embed(self, texts: list[str], kind: Kind) -> tuple[np.ndarray, list[bool]]:
         batch = self.tokenize(texts, kind)
