@@ -21,7 +21,7 @@ from torch import nn
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.encoder.profiles import KINDS, Kind, ModelProfile, profile_for_model_dir
-from services.encoder.textcodec import TextCodec, TokenBatch, run_in_pieces
+from services.encoder.textcodec import TextCodec, TokenBatch
 
 _ST = "sentence_transformers.models."
 _ACTIVATIONS: dict[str, type[nn.Module]] = {
@@ -259,17 +259,9 @@ class TorchEmbedder:
 
     @torch.inference_mode()
     def run(self, batch: TokenBatch) -> np.ndarray:
-        """The model over ``batch``, on a CPU in pieces of rows of about one length (as the
-        ONNX encoders run them: ``textcodec.length_pieces``); on a GPU whole."""
-
-        def graph(part: TokenBatch) -> np.ndarray:
-            ids = torch.from_numpy(part.input_ids).to(self.device)
-            mask = torch.from_numpy(part.attention_mask).to(self.device)
-            return self.module(ids, mask).float().cpu().numpy()  # type: ignore[no-any-return]
-
-        if self.device.type != "cpu":
-            return graph(batch)
-        return run_in_pieces(batch, batch.pieces(torch.get_num_threads()), graph)
+        ids = torch.from_numpy(batch.input_ids).to(self.device)
+        mask = torch.from_numpy(batch.attention_mask).to(self.device)
+        return self.module(ids, mask).float().cpu().numpy()
 
     def embed(self, texts: list[str], kind: Kind) -> tuple[np.ndarray, list[bool]]:
         batch = self.tokenize(texts, kind)

@@ -94,19 +94,6 @@ def test_onnx_embedder_runs_rows_by_length_and_answers_in_order(
     assert truncated == [ours.embed([t], "document")[1][0] for t in texts]
 
 
-def test_torch_embedder_runs_rows_by_length_and_answers_in_order(
-    exported: tuple[Path, Path],
-) -> None:
-    """The PyTorch encoder (``--encoder inprocess``, the parity reference) runs a CPU batch
-    in the same pieces: every row's vector is the one it gets alone, in its place."""
-    model_dir, _ = exported
-    torch_model = torch_embedder(model_dir)
-    texts = mixed_lengths(12)
-    got, _ = torch_model.embed(texts, "document")
-    alone = np.concatenate([torch_model.embed([t], "document")[0] for t in texts])
-    assert min(row_cosines(got, alone)) >= 0.99999
-
-
 def test_sidecar_files_describe_the_export(exported: tuple[Path, Path]) -> None:
     model_dir, onnx_path = exported
     meta = EncoderMeta.read(onnx_path.parent)
