@@ -11,7 +11,7 @@ end of a long document was not embedded.
 
 A batch runs in pieces of rows of about one length (:func:`length_pieces`): on a CPU a
 padded token costs as much as a real one, and one long row padded a whole batch of short
-ones (the standard library's documents in arrival order ran 2.1-3.2x slower than the
+ones (the standard library's documents in arrival order ran 2.8-3.4x slower than the
 same rows by length, docs/performance.md "Rows of one length").
 """
 
@@ -43,8 +43,8 @@ class TokenBatch:
         return self.attention_mask.sum(axis=1)
 
     def pieces(self, threads: int | None) -> list[list[int]]:
-        """The rows in the pieces a graph on ``threads`` ONNX Runtime (or PyTorch) threads
-        runs them in: :func:`length_pieces` with :data:`PIECE_ROWS` and :func:`piece_tokens`."""
+        """The rows in the pieces a graph on ``threads`` ONNX Runtime threads runs them in:
+        :func:`length_pieces` with :data:`PIECE_ROWS` and :func:`piece_tokens`."""
         return length_pieces(self.lengths.tolist(), PIECE_ROWS, max_tokens=piece_tokens(threads))
 
     def take(self, rows: Sequence[int], seq_buckets: tuple[int, ...] = ()) -> TokenBatch:
@@ -83,9 +83,9 @@ def length_pieces(
     ``slack`` of its real tokens, and (``max_tokens``, 0: no limit) at most that many
     padded tokens unless it is one row. A piece of one row is never padded. Measured with
     the FP32 MiniLM document graph on 2 CPUs (docs/performance.md "Rows of one length"):
-    the standard library's documents ran about 3x faster by length than in arrival order
-    in pieces of 16, on one ONNX thread and on two; SciFact's, longer and more alike,
-    1.05-1.15x."""
+    the standard library's documents ran 2.8-3.4x faster by length than in arrival order
+    in pieces of 16, on two ONNX threads and on one; SciFact's, longer and more alike,
+    1.04-1.20x."""
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -115,8 +115,8 @@ def run_in_pieces(
     """``run`` (a graph: a batch in, one vector per row out) over each piece of ``batch``'s
     rows (:func:`length_pieces`), the vectors put back in the batch's order."""
     n = len(batch.truncated)
-    if len(pieces) == 1:
-        return np.asarray(run(batch), dtype=np.float32)  # one piece: the batch as it is
+    if len(pieces) <= 1:  # one piece (or no row): the batch as it is
+        return np.asarray(run(batch), dtype=np.float32)
     out: np.ndarray | None = None
     for piece in pieces:
         vectors = run(batch.take(piece))
