@@ -9,10 +9,12 @@ sample of ``--docs``) sent as requests of ``--batch`` rows, as a Triton model in
 ``OnnxEmbedder.run`` gets them:
 
 - ``arrival``: each request run in pieces of 16 rows in arrival order, each piece padded
-  to its longest row (the Triton model and the in-process encoder before this bench);
-- ``by_length``: each request run as :func:`services.encoder.textcodec.length_pieces`
-  groups it (rows of about one length, at most 16, padding at most a tenth of the real
-  tokens, on one thread at most 512 tokens a piece), what they do now.
+  to its longest row (the Triton model before this bench; the in-process encoder ran a
+  request whole, padded to its longest row);
+- ``by_length``: each request through ``OnnxEmbedder.run`` as served now, in the pieces
+  :meth:`~services.encoder.textcodec.TokenBatch.pieces` makes (rows of about one length,
+  at most 16, padding at most a tenth of the real tokens, on one thread at most 512
+  tokens a piece), as the Triton model runs them too.
 
 Per corpus and ONNX thread count: documents/s of each (median of ``--rounds``, the two
 alternated, order swapped every round) and ``by_length_over_arrival``. Tokenizing is
@@ -39,7 +41,7 @@ from services.corpus.stdlib import collect_in_subprocess
 from services.encoder.build.export import export_onnx
 from services.encoder.model import default_model_dir
 from services.encoder.runtime.onnx_embedder import OnnxEmbedder
-from services.encoder.textcodec import PIECE_ROWS, length_pieces
+from services.encoder.textcodec import PIECE_ROWS, TokenBatch
 from services.generations.encoding import embedding_text
 
 RESULT = Path(__file__).resolve().parent / "results" / "document_pieces.json"
@@ -58,22 +60,25 @@ def corpus_texts(name: str, n: int, seed: int = 0) -> list[str]:
     return [embedding_text(title, text) for title, text in picked]
 
 
-def pieces_of(policy: str, lengths: list[int], budget: int) -> list[list[int]]:
+def pieces_of(policy: str, tokens: TokenBatch, threads: int) -> list[list[int]]:
+    """The rows of a request in the policy's pieces."""
     if policy == "arrival":
-        return [
-            list(range(i, min(i + PIECE_ROWS, len(lengths))))
-            for i in range(0, len(lengths), PIECE_ROWS)
-        ]
-    return length_pieces(lengths, PIECE_ROWS, max_tokens=budget)
+        n = len(tokens.truncated)
+        return [list(range(i, min(i + PIECE_ROWS, n))) for i in range(0, n, PIECE_ROWS)]
+    return tokens.pieces(threads)
 
 
 def docs_per_s(embedder: OnnxEmbedder, texts: list[str], batch: int, policy: str) -> float:
-    """Every request of ``batch`` texts tokenized and run in the policy's pieces."""
+    """Every request of ``batch`` texts tokenized and run: ``by_length`` through
+    ``OnnxEmbedder.run`` as served, ``arrival`` in pieces of 16 in request order."""
     session = embedder.sessions["document"]
     start = time.perf_counter()
     for at in range(0, len(texts), batch):
         tokens = embedder.tokenize(texts[at : at + batch], "document")
-        for piece in pieces_of(policy, tokens.lengths.tolist(), embedder.piece_tokens):
+        if policy == "by_length":
+            embedder.run(tokens, "document")
+            continue
+        for piece in pieces_of(policy, tokens, 0):
             part = tokens.take(piece)
             session.run(  # type: ignore[attr-defined]
                 ["embedding"], {"input_ids": part.input_ids, "attention_mask": part.attention_mask}
@@ -85,9 +90,11 @@ def padding(texts: list[str], embedder: OnnxEmbedder, batch: int, policy: str) -
     """Padded tokens ÷ real tokens under the policy."""
     real = padded = 0
     for at in range(0, len(texts), batch):
-        lengths = embedder.tokenize(texts[at : at + batch], "document").lengths.tolist()
+        tokens = embedder.tokenize(texts[at : at + batch], "document")
+        lengths = tokens.lengths.tolist()
         real += sum(lengths)
-        for piece in pieces_of(policy, lengths, embedder.piece_tokens):
+        assert embedder.threads is not None
+        for piece in pieces_of(policy, tokens, embedder.threads):
             padded += max(lengths[i] for i in piece) * len(piece)
     return padded / real
 

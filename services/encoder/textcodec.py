@@ -42,16 +42,22 @@ class TokenBatch:
         """Each row's real tokens."""
         return self.attention_mask.sum(axis=1)
 
-    def pieces(self, threads: int | None) -> list[list[int]]:
+    def pieces(
+        self, threads: int | None, *, max_rows: int = 0, one_row: bool = False
+    ) -> list[list[int]]:
         """The rows in the pieces a graph on ``threads`` ONNX Runtime threads runs them in:
-        :func:`length_pieces` with :data:`PIECE_ROWS` and :func:`piece_tokens`."""
-        return length_pieces(self.lengths.tolist(), PIECE_ROWS, max_tokens=piece_tokens(threads))
+        :func:`length_pieces` with at most ``max_rows`` (0: :data:`PIECE_ROWS`) rows and
+        :func:`piece_tokens`; with ``one_row`` (an int8 graph, whose activation scales span
+        its batch) one row per piece."""
+        if one_row:
+            return [[i] for i in range(len(self.truncated))]
+        rows = max_rows or PIECE_ROWS
+        return length_pieces(self.lengths.tolist(), rows, max_tokens=piece_tokens(threads))
 
-    def take(self, rows: Sequence[int], seq_buckets: tuple[int, ...] = ()) -> TokenBatch:
-        """These rows, padded to the longest of them only (or its bucket)."""
+    def take(self, rows: Sequence[int]) -> TokenBatch:
+        """These rows, padded to the longest of them only."""
         index = np.asarray(rows, dtype=np.int64)
-        longest = max(int(self.lengths[index].max()), 1)
-        seq = next((b for b in seq_buckets if b >= longest), longest)
+        seq = max(int(self.lengths[index].max()), 1)
         return TokenBatch(
             self.input_ids[index, :seq], self.attention_mask[index, :seq], self.truncated[index]
         )
@@ -85,7 +91,7 @@ def length_pieces(
     the FP32 MiniLM document graph on 2 CPUs (docs/performance.md "Rows of one length"):
     the standard library's documents ran 2.8-3.4x faster by length than in arrival order
     in pieces of 16, on two ONNX threads and on one; SciFact's, longer and more alike,
-    1.04-1.20x."""
+    1.02-1.23x."""
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -112,8 +118,9 @@ def length_pieces(
 def run_in_pieces(
     batch: TokenBatch, pieces: list[list[int]], run: Callable[[TokenBatch], np.ndarray]
 ) -> np.ndarray:
-    """``run`` (a graph: a batch in, one vector per row out) over each piece of ``batch``'s
-    rows (:func:`length_pieces`), the vectors put back in the batch's order."""
+    """``run`` (a graph: a batch in, one vector per row out; it may raise to stop) over
+    each piece of ``batch``'s rows (:meth:`TokenBatch.pieces`), the vectors put back in the
+    batch's order as float32."""
     n = len(batch.truncated)
     if len(pieces) <= 1:  # one piece (or no row): the batch as it is
         return np.asarray(run(batch), dtype=np.float32)

@@ -19,7 +19,6 @@ from services.encoder.build.export import (
 )
 from services.encoder.model import default_model_dir
 from services.encoder.runtime.onnx_embedder import OnnxEmbedder
-from services.encoder.textcodec import PIECE_ROWS, length_pieces
 from tests.encoder_fixtures import (
     SAMPLE_DOCUMENTS,
     SAMPLE_QUERIES,
@@ -86,7 +85,7 @@ def test_onnx_embedder_runs_rows_by_length_and_answers_in_order(
     ours = OnnxEmbedder(onnx_path, threads=threads)
     texts = mixed_lengths()
     batch = ours.tokenize(texts, "document")
-    pieces = length_pieces(batch.lengths.tolist(), PIECE_ROWS, max_tokens=ours.piece_tokens)
+    pieces = batch.pieces(threads)
     assert len(pieces) > 2 and any(len(p) > 1 for p in pieces)
     got, truncated = ours.embed(texts, "document")
     alone = np.concatenate([ours.embed([t], "document")[0] for t in texts])

@@ -147,4 +147,3 @@ def test_take_pads_the_rows_to_their_own_longest(codec: TextCodec) -> None:
     assert part.input_ids.shape == (2, int(batch.lengths[2]))
     assert part.lengths.tolist() == [batch.lengths[2], batch.lengths[1]]
     assert (part.input_ids[0] == batch.input_ids[2, : part.input_ids.shape[1]]).all()
-    assert batch.take([1], seq_buckets=(8, 16)).input_ids.shape == (1, 8)

@@ -19,7 +19,7 @@ import numpy as np
 
 from services.encoder.build.export import OUTPUT_NAME, EncoderMeta, onnx_session
 from services.encoder.profiles import Kind
-from services.encoder.textcodec import TextCodec, TokenBatch, piece_tokens, run_in_pieces
+from services.encoder.textcodec import TextCodec, TokenBatch, run_in_pieces
 
 # Codecs kept by what they are built from (the tokenizer file's bytes, each kind's token
 # budget, the pad id): at most this many, the least recently used dropped first.
@@ -80,8 +80,7 @@ class OnnxEmbedder:
             if path not in opened:
                 opened[path] = onnx_session(path, threads)
         self.sessions = {kind: opened[path] for kind, path in files.items()}
-        self.threads = threads
-        self.piece_tokens = piece_tokens(threads)
+        self.threads = threads  # they size the pieces a batch runs in (TokenBatch.pieces)
 
     def tokenize(self, texts: list[str], kind: Kind) -> TokenBatch:
         return self.codec.encode(texts, kind)
@@ -91,12 +90,9 @@ class OnnxEmbedder:
         in pieces of rows of about one length (``textcodec.length_pieces``), as the Triton
         model runs them."""
         session = self.sessions[kind]
-        if kind in self.meta.row_by_row():
-            # one row per run: an int8 graph's activation scales span the whole batch, so
-            # a row's vector would depend on its companions (query_int8.py)
-            pieces = [[i] for i in range(len(batch.truncated))]
-        else:
-            pieces = batch.pieces(self.threads)
+        # an int8 graph runs one row per run: its activation scales span the whole batch,
+        # so a row's vector would depend on its companions (query_int8.py)
+        pieces = batch.pieces(self.threads, one_row=kind in self.meta.row_by_row())
 
         def graph(part: TokenBatch) -> np.ndarray:
             feeds = {"input_ids": part.input_ids, "attention_mask": part.attention_mask}

@@ -58,14 +58,7 @@ from model_errors import (
     input_column,
     model_files,
 )
-from textcodec import (
-    PIECE_ROWS,
-    TextCodec,
-    TextError,
-    length_pieces,
-    parse_rows,
-    piece_tokens,
-)
+from textcodec import PIECE_ROWS, TextCodec, TextError, TokenBatch, parse_rows, run_in_pieces
 
 # the file naming the CPUs a version's stub runs on (services.process.cpus budget_path:
 # <repo>/.<model>.<version>.cpu-budget, beside the model folders, never in the version
@@ -142,12 +135,12 @@ class TritonPythonModel:
         self._cpus = len(os.sched_getaffinity(0))
         self._checked = time.monotonic()
         self._reopening: threading.Thread | None = None
-        self.session, self.sessions, self.piece_tokens = self._open()
+        self.session, self.sessions, self.threads = self._open()
 
     def _open(self) -> tuple[Any, dict[str, Any], dict[int, int]]:
-        """(the main session, kind → session, session id → the padded tokens a piece of
-        its may hold: ``textcodec.piece_tokens``): one graph for every kind, or a tower per
-        kind; ONNX Runtime threads as :func:`_threads` says for the CPUs allowed now."""
+        """(the main session, kind → session, session id → its ONNX Runtime threads, which
+        size its pieces: ``TokenBatch.pieces``): one graph for every kind, or a tower per
+        kind; threads as :func:`_threads` says for the CPUs allowed now."""
         ort, params = self._ort, self._params
         threads = _threads(self._config, int(params.get("intra_op_threads", "0")))
 
@@ -171,11 +164,11 @@ class TritonPythonModel:
         main_threads = 1 if alone else threads
         main = session(params.get("onnx_file", "model.onnx"), main_threads)
         sessions = {kind: main for kind in self.kinds}
-        budgets = {id(main): piece_tokens(main_threads)}
+        threads_of = {id(main): main_threads}
         if towers:
             sessions["document"] = session(params["document_onnx_file"], threads)
-            budgets[id(sessions["document"])] = piece_tokens(threads)
-        return main, sessions, budgets
+            threads_of[id(sessions["document"])] = threads
+        return main, sessions, threads_of
 
     def _follow_cpus(self) -> None:
         """When this stub may use more CPUs than its sessions were opened for (a rollout's
@@ -195,7 +188,7 @@ class TritonPythonModel:
         def reopen() -> None:
             # keep serving with the sessions there are
             with contextlib.suppress(Exception):
-                self.session, self.sessions, self.piece_tokens = self._open()
+                self.session, self.sessions, self.threads = self._open()
 
         self._reopening = threading.Thread(target=reopen, name="reopen-sessions", daemon=True)
         self._reopening.start()
@@ -206,30 +199,29 @@ class TritonPythonModel:
         groups: dict[int, list[int]] = {}  # rows per graph, in request order
         graphs = {id(s): s for s in self.sessions.values()}
         single = {id(self.sessions[kind]) for kind in self.row_by_row}
-        budgets = self.piece_tokens
+        threads = self.threads
         for row, kind in enumerate(kinds):
             groups.setdefault(id(self.sessions[kind]), []).append(row)
         vectors: np.ndarray | None = None
         truncated = np.zeros(len(texts), dtype=bool)
         for graph, rows in groups.items():
-            batch = self.codec.encode_mixed([texts[i] for i in rows], [kinds[i] for i in rows])
-            truncated[rows] = batch.truncated
-            pieces = (
-                [[j] for j in range(len(rows))]
-                if graph in single
-                else length_pieces(
-                    batch.lengths.tolist(), self.piece_rows, max_tokens=budgets.get(graph, 0)
-                )
-            )
-            for piece in pieces:
-                if gone():
+            session = graphs[graph]
+
+            def run(part: TokenBatch) -> np.ndarray:
+                if gone():  # looked at before every piece
                     raise Cancelled
-                part = batch.take(piece)
                 feeds = {"input_ids": part.input_ids, "attention_mask": part.attention_mask}
-                out = graphs[graph].run(["embedding"], feeds)[0].astype(np.float32)
-                if vectors is None:
-                    vectors = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
-                vectors[[rows[j] for j in piece]] = out
+                return session.run(["embedding"], feeds)[0]  # noqa: B023 (run at once)
+
+            batch = self.codec.encode_mixed([texts[i] for i in rows], [kinds[i] for i in rows])
+            pieces = batch.pieces(
+                threads.get(graph), max_rows=self.piece_rows, one_row=graph in single
+            )
+            out = run_in_pieces(batch, pieces, run)
+            if vectors is None:
+                vectors = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
+            vectors[rows] = out
+            truncated[rows] = batch.truncated
         assert vectors is not None
         return vectors, truncated
 
