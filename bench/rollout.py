@@ -493,6 +493,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.document_precision == "int8":
                 int8_gates = int8_export(encoder, onnx_path, args.int8_gate)
                 what = ["--encoder", str(onnx_path.parent)]  # the export folder is published
+                if not int8_gates.get("gated"):  # its quality gate refused it, or did not run
+                    what.append("--int8-unmeasured")
             else:
                 export_onnx(encoder, onnx_path)
             whole = inprocess_docs_per_s(onnx_path, texts, args.batch, len(machine))

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 UINT32_MAX = 2**32 - 1
+# `encoder publish` and `index rollout --encoder`: services.encoder.build.int8_recheck
+INT8_UNMEASURED_HELP = (
+    "serve an export's int8 graphs that no quality gate result holds for (their parity "
+    "against the export's FP32 graph is checked either way); without it they are refused"
+)
 
 C = TypeVar("C", bound="DataclassInstance")
 

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import add_command, reachable_store, tls_flags, triton_tls
+from services.cli.common import (
+    INT8_UNMEASURED_HELP,
+    add_command,
+    reachable_store,
+    tls_flags,
+    triton_tls,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,13 @@ def _publish(args: argparse.Namespace) -> int:
     from services.encoder.serve.publish import publish_version
 
     place = _triton_place(args)
-    spec = publish_version(place.repo, Path(args.model_dir), place.url, tls=place.tls)
+    spec = publish_version(
+        place.repo,
+        Path(args.model_dir),
+        place.url,
+        tls=place.tls,
+        int8_unmeasured=args.int8_unmeasured,
+    )
     if args.json:
         print(json.dumps(asdict(spec)))
         return 0
@@ -174,8 +186,10 @@ def add_versions(commands: Any) -> None:
         "its own graph and tokenizer) and ask the running Triton to load it (explicit model "
         "control; no restart). Refused, with nothing changed: an encoder whose width or "
         "tokenizer `embed` cannot serve, and the gpu flavour. Publishing an export already "
-        "there adds nothing and prints its version. An index rollout to the new encoder "
-        "uses that version (docs/generations.md).",
+        "there adds nothing and prints its version. An export's int8 graphs are checked "
+        "again: parity against its FP32 graph, and a quality result of these very graphs "
+        "(its gate record or the committed one), else refused. An index rollout to the new "
+        "encoder uses that version (docs/generations.md).",
     )
     _add_triton_place(p)
     p.add_argument(
@@ -184,6 +198,7 @@ def add_versions(commands: Any) -> None:
         help="sentence-transformers checkpoint (or an `encoder export` folder)",
     )
     p.add_argument("--json", action="store_true", help="print the version as JSON")
+    p.add_argument("--int8-unmeasured", action="store_true", help=INT8_UNMEASURED_HELP)
 
     p = add_command(
         commands,

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from services.cli import generation_handlers as handlers
-from services.cli.common import add_command, group_commands, non_negative_int, positive_int
+from services.cli.common import (
+    INT8_UNMEASURED_HELP,
+    add_command,
+    group_commands,
+    non_negative_int,
+    positive_int,
+)
 from services.cli.generation_handlers import COST, ENCODER_KEPT
 
 __all__ = ["COST", "ENCODER_KEPT", "add_cli"]
@@ -322,7 +328,8 @@ def _add_rollout(isub: Any) -> None:
         help="A new encoder: a sentence-transformers checkpoint or an `encoder export` "
         "folder, published (once the rollout lock is taken) into the Triton repository as "
         "the next version of embed (refused, with nothing changed, when embed cannot serve "
-        "its width or tokenizer).",
+        "its width or tokenizer, or when the folder's int8 graphs fail their parity here or "
+        "have no quality result: `encoder publish`).",
     )
     what.add_argument(
         "--retrain",
@@ -356,6 +363,9 @@ def _add_rollout(isub: Any) -> None:
         "that names no fusion gets it instead of the gateway's --fusion/--rrf-k/"
         "--dense-weight/--hybrid-candidates. Checked before anything is written (a bad file "
         "exits 2). Default: none, the gateway's flags, as before.",
+    )
+    rollout.add_argument(
+        "--int8-unmeasured", action="store_true", help=f"With --encoder: {INT8_UNMEASURED_HELP}."
     )
     _add_run_flags(rollout, rollout=True)
 

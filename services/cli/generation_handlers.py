@@ -55,7 +55,7 @@ def rollout(args: argparse.Namespace) -> int:
                 budget=budget,
                 client=store,
                 triton_repo=where.triton_repo,
-                publish=at.publish_on(where),
+                publish=at.publish_on(where, args.int8_unmeasured),
             )
     finally:
         progress.close()

@@ -205,10 +205,13 @@ def progress(args: argparse.Namespace) -> Any:
     return ConsoleProgress(args.metrics_port, enabled=not args.quiet)
 
 
-def publish_on(where: Places) -> Callable[[str, frozenset[int] | None], Any] | None:
+def publish_on(
+    where: Places, int8_unmeasured: bool = False
+) -> Callable[[str, frozenset[int] | None], Any] | None:
     """The publish phase's work (``--encoder``, under the rollout lock): the folder
     published into the repository and loaded by the Tritons named, said on stderr; None
-    without a repository (a rollout that needs one is refused before the lock)."""
+    without a repository (a rollout that needs one is refused before the lock).
+    ``int8_unmeasured``: ``--int8-unmeasured`` (``publish_version``)."""
     repo = where.triton_repo
     if repo is None:
         return None
@@ -218,7 +221,12 @@ def publish_on(where: Places) -> Callable[[str, frozenset[int] | None], Any] | N
 
         print(f"publishing {folder} into {repo} ...", file=sys.stderr)
         spec = publish_version(
-            repo, Path(folder), where.triton_url, tls=where.triton_tls, cpus=cpus
+            repo,
+            Path(folder),
+            where.triton_url,
+            tls=where.triton_tls,
+            cpus=cpus,
+            int8_unmeasured=int8_unmeasured,
         )
         print(f"published as {spec.model} version {spec.version} ({spec.dim}-d)", file=sys.stderr)
         return spec

@@ -9,23 +9,30 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build import document_int8, int8_record
 from services.encoder.build.document_int8 import DocumentsRefused
 from services.encoder.build.export import INT8_ONNX, EncoderMeta, onnx_session, row_cosines
-from services.encoder.build.query_int8 import GATE_FILE, INT8_QUERY_ONNX, add_int8_query_tower
+from services.encoder.build.int8_recheck import recheck_int8
+from services.encoder.build.query_int8 import (
+    GATE_FILE,
+    INT8_QUERY_ONNX,
+    add_int8_query_tower,
+    quantize_query_graph,
+)
 from services.encoder.build.repository import generate_repository
 from services.encoder.model import default_model_dir
 from services.encoder.runtime.onnx_embedder import OnnxEmbedder
 from services.stack import triton_component
 from services.stack.config import StackConfig
 from tests.encoder_fixtures import SAMPLE_DOCUMENTS, encoder_base, ensure_onnx
-from tests.unit.test_encoder_query_int8 import _copy_export, _triton_model
+from tests.unit.test_encoder_query_int8 import _copy_export, _negated, _triton_model
 
 pytestmark = pytest.mark.slow  # the MiniLM export and its quantisation: ~30 s for the module
 
@@ -227,3 +234,81 @@ def test_parity_with_pytorch_and_publish_check_the_fp32_graph(
     assert report.passed, report.summary()
     export = publish._export(int8_docs.parent, tmp_path)  # re-checks against the checkpoint
     assert export.meta.document_precision == "int8"
+
+
+# --- the int8 graphs checked again at publish (int8_recheck) ----------------------------
+
+
+def _copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst / "model.onnx"
+
+
+def _ungated(fp32_export: Path, dst: Path) -> Path:
+    """An export naming int8 towers with no gate record: a hand edit, or what the rollout
+    bench makes when the perturbed encoder's quality gate refuses it."""
+    onnx_path = _copy_export(fp32_export, dst)
+    quantize_query_graph(onnx_path, onnx_path.parent / INT8_ONNX)
+    meta = EncoderMeta.read(onnx_path.parent)
+    towers = {"query": INT8_ONNX, "document": INT8_ONNX}
+    replace(meta, towers=towers, query_precision="int8", document_precision="int8").write(
+        onnx_path.parent
+    )
+    return onnx_path
+
+
+@pytest.fixture
+def no_committed_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for any model but the default one: no committed quality result to fall back on."""
+    monkeypatch.setattr(int8_record, "RECORD_FILE", tmp_path / "no-record.json")
+
+
+def test_publish_takes_int8_graphs_on_their_own_gate_record(
+    int8_docs: Path, no_committed_record: None
+) -> None:
+    gates = json.loads((int8_docs.parent / GATE_FILE).read_text())
+    assert gates["graphs"] == int8_record.gate_graphs(int8_docs, int8_docs.parent / INT8_ONNX)
+    note = recheck_int8(int8_docs)
+    assert f"quality from the export's {GATE_FILE}" in note
+    assert "query (model.int8.onnx) and document (model.int8.onnx)" in note
+
+
+def test_publish_refuses_an_int8_graph_changed_after_its_gates(
+    int8_docs: Path, fp32_export: Path, tmp_path: Path
+) -> None:
+    onnx_path = _copy_folder(int8_docs.parent, tmp_path / "export")
+    _negated(fp32_export, onnx_path.parent / INT8_ONNX)  # passes for the gated graph no more
+    with pytest.raises(FailedPrecondition, match="refused, int8 query graph: min cosine"):
+        recheck_int8(onnx_path, unmeasured=True)  # parity is checked, asked or not
+
+
+def test_a_gate_record_of_other_graphs_does_not_vouch_for_these(
+    int8_docs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    onnx_path = _copy_folder(int8_docs.parent, tmp_path / "export")
+    gates = json.loads((onnx_path.parent / GATE_FILE).read_text())
+    gates["graphs"]["int8_sha256"] = "0" * 64
+    (onnx_path.parent / GATE_FILE).write_text(json.dumps(gates))
+    # the default model's graphs: the committed record holds for them
+    assert "quality from the committed record" in recheck_int8(onnx_path)
+    monkeypatch.setattr(int8_record, "RECORD_FILE", tmp_path / "no-record.json")
+    with pytest.raises(FailedPrecondition, match="is of other graphs") as info:
+        recheck_int8(onnx_path)
+    assert "--int8-unmeasured" in str(info.value)
+
+
+def test_int8_graphs_nobody_gated_are_published_only_when_asked(
+    fp32_export: Path, tmp_path: Path, no_committed_record: None
+) -> None:
+    from services.encoder.serve.publish import publish_version
+
+    repo = generate_repository(fp32_export, tmp_path / "repo").root
+    ungated = _ungated(fp32_export, tmp_path / "ungated")
+    files = sorted(p.relative_to(repo) for p in repo.rglob("*"))
+    with pytest.raises(FailedPrecondition, match="no quality result holds for them") as info:
+        publish_version(repo, ungated.parent)
+    assert f"has no gate record ({GATE_FILE})" in str(info.value)
+    assert sorted(p.relative_to(repo) for p in repo.rglob("*")) == files  # nothing published
+    assert "NOT measured" in recheck_int8(ungated, unmeasured=True)
+    assert publish_version(repo, ungated.parent, int8_unmeasured=True).version == 2
+    assert recheck_int8(fp32_export) == ""  # an FP32 export has nothing to check

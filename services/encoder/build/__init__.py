@@ -10,6 +10,8 @@ Package map:
 - ``int8_quality``: what both int8 gates share: the dev split, the quality result, the data.
 - ``int8_record``: the quality gate's result recorded for fixed graphs (the default
   model's, ``query_int8_record.json``), for exports made where the data is not.
+- ``int8_recheck``: an export's int8 graphs checked again where they are published
+  (parity here, a quality result of these very graphs).
 - ``tensorrt_build``: the TensorRT plan (FP16 with FP32 islands, FP32 fallback, the gate).
 - ``onnx_fp16``: which ONNX nodes stay FP32 in an FP16 engine, and the FP16 cast.
 - ``plan_meta``: a plan's ``<plan>.json`` and the atomic write of both.

@@ -42,6 +42,12 @@ def graph_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def gate_graphs(fp32_onnx: Path, int8_onnx: Path) -> dict[str, str]:
+    """What an export's gate record (``query_int8.json`` ``graphs``) is of: the SHA-256 of
+    its FP32 graph and of its int8 graph."""
+    return {"fp32_sha256": graph_sha256(fp32_onnx), "int8_sha256": graph_sha256(int8_onnx)}
+
+
 @dataclass(frozen=True)
 class RecordedGate:
     """One model's int8 query tower as measured with the quality data."""
@@ -88,7 +94,7 @@ def _recorded(
     )
 
 
-def _off_by(recorded: Sequence[float], here: Sequence[float]) -> float:
+def off_by(recorded: Sequence[float], here: Sequence[float]) -> float:
     """The largest gap between the recorded probe cosines and this machine's (NaN, or Inf
     for another number of probes: never within the tolerance)."""
     if len(recorded) != len(here):
@@ -101,7 +107,7 @@ def _unreproduced(
 ) -> str:
     """Why this machine does not reproduce the recorded probe cosines of ``what`` ("" when
     it does, within COSINE_TOLERANCE)."""
-    worst = _off_by(recorded, here)
+    worst = off_by(recorded, here)
     if worst <= COSINE_TOLERANCE:  # NaN: no
         return ""
     return (

@@ -117,6 +117,8 @@ class GateRecord:
     made_at: float = field(default_factory=time.time)
     # int8 documents' gates (document_int8.gate_int8_documents); empty: FP32 documents
     documents: dict[str, Any] = field(default_factory=dict)
+    # the graphs gated (int8_record.gate_graphs): a publish takes the record for these only
+    graphs: dict[str, str] = field(default_factory=dict)
 
     def write(self, folder: Path) -> None:
         (Path(folder) / GATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -323,6 +325,6 @@ def add_int8_query_tower(
         query_precision="int8",
         document_precision="int8" if documents else "fp32",
     )
-    record.write(fp32_onnx.parent)
+    replace(record, graphs=int8_record.gate_graphs(fp32_onnx, int8)).write(fp32_onnx.parent)
     meta.write(fp32_onnx.parent)
     return meta

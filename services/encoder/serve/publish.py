@@ -22,6 +22,7 @@ the loads :mod:`services.encoder.serve.triton_load`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ from services.encoder.build.export import (
     check_parity,
     export_onnx,
 )
+from services.encoder.build.int8_recheck import recheck_int8
 from services.encoder.build.repository import (
     EMBED_MODEL,
     TOWER_ONNX,
@@ -65,6 +67,8 @@ if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
 
     from services.rpc.tls import ClientTLS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,10 +131,12 @@ def _read_export(folder: Path, onnx_path: Path) -> Export:
     return Export(onnx_path, meta, export_digest(onnx_path, meta))
 
 
-def _export(model_dir: Path, work: Path) -> Export:
+def _export(model_dir: Path, work: Path, *, int8_unmeasured: bool = False) -> Export:
     """``model_dir`` as an export: a checkpoint is exported into ``work`` and must pass the
     parity check; an export folder (``encoder.json`` + ``model.onnx``) or its
-    ``model.onnx`` is taken as it is, re-checked against its checkpoint when that is here."""
+    ``model.onnx`` is taken as it is, re-checked against its checkpoint when that is here,
+    and its int8 graphs checked again (:func:`~services.encoder.build.int8_recheck.recheck_int8`:
+    parity here, a quality result of these graphs, or ``int8_unmeasured``)."""
     model_dir = Path(model_dir)
     if model_dir.suffix == ".onnx" or (model_dir / "encoder.json").exists():
         onnx_path = model_dir if model_dir.suffix == ".onnx" else model_dir / "model.onnx"
@@ -140,6 +146,9 @@ def _export(model_dir: Path, work: Path) -> Export:
         source = Path(export.meta.source_dir)
         if (source / "modules.json").exists() or (source / "query" / "modules.json").exists():
             _parity(source, onnx_path)
+        note = recheck_int8(onnx_path, unmeasured=int8_unmeasured)
+        if note:
+            (log.warning if "NOT measured" in note else log.info)("%s", note)
         return export
     if not model_dir.is_dir():
         raise FailedPrecondition(f"no checkpoint or export at {model_dir}")
@@ -176,18 +185,22 @@ def publish_version(
     tls: ClientTLS | None = None,
     load_timeout_s: float = LOAD_TIMEOUT_S,
     cpus: frozenset[int] | None = None,
+    int8_unmeasured: bool = False,
 ) -> EncoderSpec:
     """Add the encoder at ``model_dir`` (a checkpoint, or an ``encoder export`` folder) as
     the next version of ``embed`` in the repository ``repo_dir`` and, with ``triton_url``
     (one address, a list or a ``dns:`` target), make those Triton servers load it.
     ``cpus``: a rollout's CPU budget, written into the version folder (its backend stub
     runs there; :func:`~services.encoder.serve.versions.clear_cpu_budgets` removes it).
+    ``int8_unmeasured``: serve an export's int8 graphs whose quality no gate result holds
+    for (their parity is checked either way; refused without it).
 
     Returns the published version's :class:`EncoderSpec` (model ``embed``, version, dim,
     digest, source). FailedPrecondition, with nothing changed, when the export fails its
-    parity check or the model cannot serve it (another width, a tokenizer it cannot run,
-    the gpu flavour); Unavailable when a Triton could not be asked or FailedPrecondition
-    when it could not load the version (the repository is put back as it was).
+    parity check, its int8 graphs fail theirs or have no quality result (above), or the
+    model cannot serve it (another width, a tokenizer it cannot run, the gpu flavour);
+    Unavailable when a Triton could not be asked or FailedPrecondition when it could not
+    load the version (the repository is put back as it was).
     """
     repo = Path(repo_dir)
     model_path = repo / EMBED_MODEL
@@ -198,7 +211,7 @@ def publish_version(
             "(`gtr-retrieval encoder repo --onnx ... --out ...`)"
         )
     with tempfile.TemporaryDirectory(prefix="gtr-publish-") as work:
-        export = _export(Path(model_dir), Path(work))
+        export = _export(Path(model_dir), Path(work), int8_unmeasured=int8_unmeasured)
         with locked(model_path):
             config = read_config(config_path)
             problem = servable_problem(config, export, repo)
