@@ -18,8 +18,9 @@ bench). Figures (the last line is JSON; ``bench/results/hybrid.json`` keeps it f
   ``--clients`` (16, 32 and 64 concurrent clients; ``sparse_clients`` says which). With 16
   the loop is bound by each wave's round trip, not by the CPU (2026-11-30: 4,209 q/s at
   1.39 busy cores, 64 clients 6,153 q/s at 1.56), so ``sparse_by_clients`` keeps every
-  level: its searches/s, ratio to the same rounds' in-process figure, and the machine's
-  CPU per search (``cpu_ms_per_query``; in process one thread: ``1000 / raw_sparse_qps``).
+  level: its searches/s, ratio to the same rounds' in-process figure, and the CPU per
+  search of the bench's processes (``cpu_ms_per_query``: this one, the shards, Redis; not
+  the ``one_core_busy`` spinner; in process one thread: ``1000 / raw_sparse_qps``).
 - ``hybrid_p99_over_dense``: p99 of a hybrid search (dense and BM25 top 100 each in one
   fan-out, fused as the gateway fuses, top 10) over the p99 of a dense search (top 10)
   at the same offered load (``--rate`` Poisson arrivals per second, open loop). The two
@@ -96,6 +97,20 @@ def raw_sparse_qps(text: TextIndex, queries: list[str], seconds: float) -> float
     return n / (time.perf_counter() - start)
 
 
+async def warm_sparse(router: ShardRouter, queries: list[str]) -> None:
+    for q in queries[:50]:  # warm the channels
+        await router.search(IndexQuery(None, 0, texts=(q,), sparse_k=10), timeout=5)
+
+
+def service_cpu_s(spinner: int | None) -> float:
+    """CPU seconds so far of the bench's processes (this one, Redis, the shards) but the
+    ``one_core_busy`` spinner's."""
+    used = cpu_roles.sample(os.getpid())
+    total = sum(v for k, v in used.items() if k not in ("machine", "steal"))
+    stat = cpu_roles.read_stat(f"/proc/{spinner}/stat") if spinner else None
+    return total - (stat[2] if stat else 0.0)
+
+
 async def service_sparse_qps(
     router: ShardRouter, queries: list[str], seconds: float, clients: int = 16
 ) -> float:
@@ -110,8 +125,6 @@ async def service_sparse_qps(
             done += 1
             i += clients
 
-    for q in queries[:50]:  # warm the channels
-        await router.search(IndexQuery(None, 0, texts=(q,), sparse_k=10), timeout=5)
     start = time.perf_counter()
     stop = start + seconds
     await asyncio.gather(*[client(c) for c in range(clients)])
@@ -178,17 +191,18 @@ def _spin(stop: Any) -> None:
 
 
 @contextmanager
-def load(name: str) -> Iterator[None]:
-    """Nothing beside the bench (``quiet``), or one spinning process (``one_core_busy``)."""
+def load(name: str) -> Iterator[int | None]:
+    """Nothing beside the bench (``quiet``), or one spinning process (``one_core_busy``):
+    its pid."""
     if name == "quiet":
-        yield
+        yield None
         return
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     spinner = ctx.Process(target=_spin, args=(stop,), daemon=True)
     spinner.start()
     try:
-        yield
+        yield spinner.pid
     finally:
         stop.set()
         spinner.join(10)
@@ -228,11 +242,12 @@ async def sparse_figures(
     for r in range(args.rounds):
         raw.append(raw_sparse_qps(text, queries, args.seconds))
         for clients in args.clients:
-            before, start = cpu_roles.sample(os.getpid()), time.monotonic()
+            await warm_sparse(router, queries)
+            before, start = service_cpu_s(args.spinner), time.monotonic()
             qps = await service_sparse_qps(router, queries, args.seconds, clients)
-            busy = cpu_roles.sample(os.getpid())["machine"] - before["machine"]
+            used = service_cpu_s(args.spinner) - before
             service[clients].append(qps)
-            cpu_ms[clients].append(1000 * busy / (qps * (time.monotonic() - start)))
+            cpu_ms[clients].append(1000 * used / (qps * (time.monotonic() - start)))
         levels = ", ".join(f"{c} clients {service[c][-1]:.0f}" for c in args.clients)
         say(f"round {r + 1}: sparse raw {raw[-1]:.0f} q/s, service {levels} q/s")
     raw_m = statistics.median(raw)
@@ -364,8 +379,9 @@ def main() -> int:
                 loads: dict[str, dict[str, Any]] = {}
                 for name in args.loads:
                     say(f"== {name}")
-                    with load(name):
+                    with load(name) as spinner:
                         before, start = cpu_roles.sample(os.getpid()), time.monotonic()
+                        args.spinner = spinner
                         figures = asyncio.run(
                             measure(cluster.addresses, text, queries, qvecs, args)
                         )
