@@ -64,7 +64,7 @@ from bench import cpu_roles
 from bench.index_service import SCIFACT, query_embeddings, say
 from bench.p99_interval import p99_ratio_interval
 from retrieval.v1 import index_pb2, index_pb2_grpc
-from services.common.fusion import Fusion, Method, fuse
+from services.common.fusion import Fusion, Method, fuse_hits
 from services.corpus.beir import load_beir
 from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
@@ -154,12 +154,7 @@ async def open_loop(
             )
             r = await router.search(query, timeout=5)
             assert r.sparse is not None
-            fuse(
-                [(h.id, h.score) for h in r.hits[0]],
-                [(h.id, h.score) for h in r.sparse[0]],
-                fusion,
-                10,
-            )
+            fuse_hits(r.hits[0], r.sparse[0], fusion, 10)  # as the gateway fuses its hits
         else:
             await router.search(IndexQuery(vectors[i : i + 1], 10), timeout=5)
         latencies.append(time.perf_counter() - t)
