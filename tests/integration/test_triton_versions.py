@@ -20,6 +20,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -926,7 +927,9 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
     the repository: `--abort` ends it with nothing recorded and nothing published; killed
     so again, `index rollout` with no options resumes it: it publishes the folder its plan
     names, records the version and its target, and goes on (here to the train phase, which
-    an empty store refuses); `--abort` then leaves the target `failed`."""
+    an empty store refuses); `--abort` then leaves the target `failed`. The scratch folders
+    the killed publishes could not remove are removed by the publish that resumes."""
+    from services.encoder.serve.publish import SCRATCH_PREFIX
     from services.generations.registry import Registry
 
     url, repo = served.handle.grpc_url, served.repo
@@ -935,6 +938,10 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
     registry = Registry(client)
     where = ("--run-dir", str(run_dir))
     versions = served_versions(repo)
+    killed: list[int] = []
+
+    def scratch(pid: int) -> list[Path]:
+        return list(Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}{pid}-*"))
 
     def killed_while_publishing() -> str:
         with _publish_lock(repo):
@@ -951,6 +958,8 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
             finally:
                 process.kill()
                 process.communicate()
+        killed.append(process.pid)
+        assert scratch(process.pid), "a publish killed -9 leaves its scratch folder"
         assert served_versions(repo) == versions
         with pytest.raises(NotFound):
             registry.get(running.target)
@@ -972,6 +981,7 @@ def test_a_rollout_killed_while_publishing_is_aborted_or_resumed_cleanly(
     assert running.plan.encoder is not None, running
     version = running.plan.encoder.version
     assert f"published as embed version {version}" in out, out
+    assert not [path for pid in killed for path in scratch(pid)]  # the resumed publish's work
     assert registry.get(target).encoder.version == version
     assert version in served_versions(repo) and str(version) in _ready_versions(served.handle)
     try:

@@ -278,3 +278,28 @@ def test_an_encoders_identity_reads_version_0_as_1_and_tells_other_weights_apart
     assert EncoderSpec("m", 0, 384, "", "/a").identity() != (
         EncoderSpec("m", 0, 384, "/a").identity()  # a digest that reads like a folder
     )
+
+
+def test_the_scratch_of_a_killed_publish_is_removed_by_the_next(tmp_path: Path) -> None:
+    """A publish killed (-9) cannot remove its scratch folder; the next one removes those
+    whose process is gone, and leaves a live publish's and folders not named for a pid."""
+    import os
+    import subprocess
+    import sys
+
+    from services.encoder.serve.publish import SCRATCH_PREFIX, drop_dead_scratch
+
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = tmp_path / f"{SCRATCH_PREFIX}{int(ended.stdout)}-k3x"
+    live = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-a1b"
+    older = tmp_path / f"{SCRATCH_PREFIX}vwxvo108"  # named before the pid was in the name
+    for folder in (dead, live, older):
+        folder.mkdir()
+    (dead / "model.onnx").write_bytes(b"half an export")
+    assert drop_dead_scratch(tmp_path) == [dead]
+    assert not dead.exists() and live.is_dir() and older.is_dir()

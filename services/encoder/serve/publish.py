@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A publish's scratch folder (a checkpoint's export) in the temporary directory, named for
+# its process: one killed (-9) cannot remove its own, the next publish removes it.
+SCRATCH_PREFIX = "gtr-publish-"
+
 
 @dataclass(frozen=True)
 class Export:
@@ -210,7 +214,8 @@ def publish_version(
             f"{repo} has no {EMBED_MODEL} model: generate the repository first "
             "(`gtr-retrieval encoder repo --onnx ... --out ...`)"
         )
-    with tempfile.TemporaryDirectory(prefix="gtr-publish-") as work:
+    drop_dead_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as work:
         export = _export(Path(model_dir), Path(work), int8_unmeasured=int8_unmeasured)
         with locked(model_path):
             config = read_config(config_path)
@@ -255,3 +260,28 @@ def publish_version(
             return EncoderSpec(
                 EMBED_MODEL, version, export.meta.dim, export.digest, export.meta.source_dir
             )
+
+
+def drop_dead_scratch(folder: Path | None = None) -> list[Path]:
+    """Remove the scratch folders that publishes killed before their cleanup left in
+    ``folder`` (the temporary directory): those whose process is gone. A live one's, and
+    another user's (not ours to remove), stay. Returns what was removed."""
+    removed = []
+    for path in Path(folder or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)) or not path.is_dir():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
