@@ -19,7 +19,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.encoder.build import document_int8, int8_record
 from services.encoder.build.document_int8 import DocumentsRefused
 from services.encoder.build.export import INT8_ONNX, EncoderMeta, onnx_session, row_cosines
-from services.encoder.build.int8_recheck import recheck_int8
+from services.encoder.build.int8_recheck import Int8Check, recheck_int8
 from services.encoder.build.query_int8 import (
     GATE_FILE,
     INT8_QUERY_ONNX,
@@ -257,6 +257,10 @@ def _ungated(fp32_export: Path, dst: Path) -> Path:
     return onnx_path
 
 
+def _recheck(onnx_path: Path, unmeasured: bool = False) -> Int8Check | None:
+    return recheck_int8(onnx_path, EncoderMeta.read(onnx_path.parent), unmeasured=unmeasured)
+
+
 @pytest.fixture
 def no_committed_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """As for any model but the default one: no committed quality result to fall back on."""
@@ -268,9 +272,10 @@ def test_publish_takes_int8_graphs_on_their_own_gate_record(
 ) -> None:
     gates = json.loads((int8_docs.parent / GATE_FILE).read_text())
     assert gates["graphs"] == int8_record.gate_graphs(int8_docs, int8_docs.parent / INT8_ONNX)
-    note = recheck_int8(int8_docs)
-    assert f"quality from the export's {GATE_FILE}" in note
-    assert "query (model.int8.onnx) and document (model.int8.onnx)" in note
+    checked = _recheck(int8_docs)
+    assert checked is not None and checked.measured
+    assert f"quality from the export's {GATE_FILE}" in checked.note
+    assert "query (model.int8.onnx) and document (model.int8.onnx)" in checked.note
 
 
 def test_publish_refuses_an_int8_graph_changed_after_its_gates(
@@ -279,7 +284,7 @@ def test_publish_refuses_an_int8_graph_changed_after_its_gates(
     onnx_path = _copy_folder(int8_docs.parent, tmp_path / "export")
     _negated(fp32_export, onnx_path.parent / INT8_ONNX)  # passes for the gated graph no more
     with pytest.raises(FailedPrecondition, match="refused, int8 query graph: min cosine"):
-        recheck_int8(onnx_path, unmeasured=True)  # parity is checked, asked or not
+        _recheck(onnx_path, unmeasured=True)  # parity is checked, asked or not
 
 
 def test_a_gate_record_of_other_graphs_does_not_vouch_for_these(
@@ -290,10 +295,12 @@ def test_a_gate_record_of_other_graphs_does_not_vouch_for_these(
     gates["graphs"]["int8_sha256"] = "0" * 64
     (onnx_path.parent / GATE_FILE).write_text(json.dumps(gates))
     # the default model's graphs: the committed record holds for them
-    assert "quality from the committed record" in recheck_int8(onnx_path)
+    checked = _recheck(onnx_path)
+    assert checked is not None and checked.measured
+    assert "quality from the committed record" in checked.note
     monkeypatch.setattr(int8_record, "RECORD_FILE", tmp_path / "no-record.json")
     with pytest.raises(FailedPrecondition, match="is of other graphs") as info:
-        recheck_int8(onnx_path)
+        _recheck(onnx_path)
     assert "--int8-unmeasured" in str(info.value)
 
 
@@ -309,6 +316,7 @@ def test_int8_graphs_nobody_gated_are_published_only_when_asked(
         publish_version(repo, ungated.parent)
     assert f"has no gate record ({GATE_FILE})" in str(info.value)
     assert sorted(p.relative_to(repo) for p in repo.rglob("*")) == files  # nothing published
-    assert "NOT measured" in recheck_int8(ungated, unmeasured=True)
+    checked = _recheck(ungated, unmeasured=True)
+    assert checked is not None and not checked.measured and "NOT measured" in checked.note
     assert publish_version(repo, ungated.parent, int8_unmeasured=True).version == 2
-    assert recheck_int8(fp32_export) == ""  # an FP32 export has nothing to check
+    assert _recheck(fp32_export) is None  # an FP32 export has nothing to check

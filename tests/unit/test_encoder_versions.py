@@ -5,7 +5,10 @@ the versions on a real one. The configs are the generator's own (``cpu_embed_con
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,12 @@ from services.encoder.build.repository import (
 from services.encoder.model import default_model_dir
 from services.encoder.profiles import get_profile
 from services.encoder.runtime.triton_client import describe_version, version_params
-from services.encoder.serve.publish import Export, servable_problem
+from services.encoder.serve.publish import (
+    SCRATCH_PREFIX,
+    Export,
+    drop_dead_scratch,
+    servable_problem,
+)
 
 MINILM = EncoderMeta(
     model_name="all-MiniLM-L6-v2",
@@ -283,12 +291,6 @@ def test_an_encoders_identity_reads_version_0_as_1_and_tells_other_weights_apart
 def test_the_scratch_of_a_killed_publish_is_removed_by_the_next(tmp_path: Path) -> None:
     """A publish killed (-9) cannot remove its scratch folder; the next one removes those
     whose process is gone, and leaves a live publish's and folders not named for a pid."""
-    import os
-    import subprocess
-    import sys
-
-    from services.encoder.serve.publish import SCRATCH_PREFIX, drop_dead_scratch
-
     ended = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         check=True,

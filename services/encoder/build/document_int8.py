@@ -97,6 +97,18 @@ def document_parity_cosines(fp32_onnx: Path, int8_onnx: Path) -> np.ndarray:
     return np.where(np.isfinite(got).all(axis=1), cosines, np.nan)
 
 
+def check_document_parity(fp32_onnx: Path, int8_onnx: Path) -> tuple[np.ndarray, str | None]:
+    """(the probe cosines, why the int8 graph's documents are refused or None)."""
+    cosines = document_parity_cosines(fp32_onnx, int8_onnx)
+    worst = float(np.min(cosines))  # NaN propagates
+    if not worst >= DOCUMENT_PARITY_MIN_COSINE:
+        return cosines, (
+            f"min cosine vs the FP32 graph {worst:.5f} < {DOCUMENT_PARITY_MIN_COSINE} over "
+            f"{len(cosines)} document texts"
+        )
+    return cosines, None
+
+
 def dev_ndcg_documents(
     fp32_onnx: Path, int8_onnx: Path, data_dir: Path, fp32_docs: np.ndarray | None = None
 ) -> QualityResult:
@@ -124,15 +136,11 @@ def gate_int8_documents(
     """Both document gates; their figures (``GateRecord.documents``), or FailedPrecondition
     saying which refused. Quality as the query tower's: the data given, else the record,
     else ``$GTR_DATA_DIR/scifact``, else refused."""
-    cosines = document_parity_cosines(fp32_onnx, int8_onnx)
-    worst = float(np.min(cosines))  # NaN propagates
-    if not worst >= DOCUMENT_PARITY_MIN_COSINE:
-        raise DocumentsRefused(
-            f"int8 documents are refused: min cosine vs the FP32 graph {worst:.5f} < "
-            f"{DOCUMENT_PARITY_MIN_COSINE} over {len(cosines)} document texts"
-        )
+    cosines, problem = check_document_parity(fp32_onnx, int8_onnx)
+    if problem:
+        raise DocumentsRefused(f"int8 documents are refused: {problem}")
     figures: dict[str, Any] = {
-        "parity_min_cosine": round(worst, 5),
+        "parity_min_cosine": round(float(np.min(cosines)), 5),
         "parity_cosines": [float(c) for c in cosines],
     }
     if quality_data is None:

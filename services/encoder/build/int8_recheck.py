@@ -24,6 +24,7 @@ serving machine may not have). int8 graphs whose quality nobody measured are ref
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,33 +32,40 @@ import numpy as np
 
 from services.common.errors import FailedPrecondition
 from services.encoder.build import int8_record
-from services.encoder.build.document_int8 import (
-    DOCUMENT_PARITY_MIN_COSINE,
-    document_parity_cosines,
-)
+from services.encoder.build.document_int8 import check_document_parity
 from services.encoder.build.export import GATE_FILE, EncoderMeta
 from services.encoder.build.query_int8 import check_int8_parity
 
 UNMEASURED_FLAG = "--int8-unmeasured"
 
 
-def int8_graphs(fp32_onnx: Path) -> dict[str, Path]:
-    """The int8 graph of each kind the export at ``fp32_onnx`` serves that way (none for
-    an FP32 export)."""
-    meta = EncoderMeta.read(Path(fp32_onnx).parent)
+@dataclass(frozen=True)
+class Int8Check:
+    """What :func:`recheck_int8` found for graphs it lets through."""
+
+    note: str  # one line: the graphs, and where their quality result came from
+    measured: bool  # False: served unmeasured, as asked
+
+
+def int8_graphs(fp32_onnx: Path, meta: EncoderMeta) -> dict[str, Path]:
+    """The int8 graph of each kind the export at ``fp32_onnx`` (its ``meta``) serves that
+    way (none for an FP32 export)."""
     files = meta.onnx_files(Path(fp32_onnx))
     return {kind: files[kind] for kind in ("query", "document") if kind in meta.row_by_row()}
 
 
-def recheck_int8(fp32_onnx: Path, *, unmeasured: bool = False) -> str:
-    """Parity again and a quality result of these graphs (above); what was found, one
-    line ("" for an FP32 export). FailedPrecondition saying why the graphs are refused."""
+def recheck_int8(
+    fp32_onnx: Path, meta: EncoderMeta, *, unmeasured: bool = False
+) -> Int8Check | None:
+    """Parity again and a quality result of these graphs (above) for the export at
+    ``fp32_onnx`` (its ``meta``); None for an FP32 export. FailedPrecondition saying why
+    the graphs are refused."""
     fp32_onnx = Path(fp32_onnx)
-    graphs = int8_graphs(fp32_onnx)
+    graphs = int8_graphs(fp32_onnx, meta)
     if not graphs:
-        return ""
+        return None
     folder = fp32_onnx.parent
-    model_name = EncoderMeta.read(folder).model_name
+    model_name = meta.model_name
     if not fp32_onnx.is_file() or fp32_onnx in graphs.values():
         raise FailedPrecondition(
             f"{folder}: int8 graphs without the FP32 graph they are gated against "
@@ -70,11 +78,12 @@ def recheck_int8(fp32_onnx: Path, *, unmeasured: bool = False) -> str:
         why = f"{why}; {committed_why}" if committed_why else why
     kinds = " and ".join(f"{kind} ({path.name})" for kind, path in graphs.items())
     if found:
-        return f"int8 {kinds}: parity checked again here, quality from {found}"
+        return Int8Check(f"int8 {kinds}: parity checked again here, quality from {found}", True)
     if unmeasured:
-        return (
+        return Int8Check(
             f"int8 {kinds}: parity checked again here; quality NOT measured ({why}), "
-            f"served as asked ({UNMEASURED_FLAG})"
+            f"served as asked ({UNMEASURED_FLAG})",
+            False,
         )
     raise FailedPrecondition(
         f"{folder}: the int8 {kinds} of {model_name} pass parity here, but no quality result "
@@ -93,14 +102,9 @@ def _parity(fp32_onnx: Path, graphs: dict[str, Path]) -> dict[str, np.ndarray]:
         if problem:
             raise FailedPrecondition(f"{fp32_onnx.parent}: refused, {problem}")
     if "document" in graphs:
-        cosines["document"] = document_parity_cosines(fp32_onnx, graphs["document"])
-        worst = float(np.min(cosines["document"]))  # NaN propagates
-        if not worst >= DOCUMENT_PARITY_MIN_COSINE:
-            raise FailedPrecondition(
-                f"{fp32_onnx.parent}: refused, int8 document graph: min cosine vs the FP32 "
-                f"graph {worst:.5f} < {DOCUMENT_PARITY_MIN_COSINE} over "
-                f"{len(cosines['document'])} document texts"
-            )
+        cosines["document"], problem = check_document_parity(fp32_onnx, graphs["document"])
+        if problem:
+            raise FailedPrecondition(f"{fp32_onnx.parent}: refused, int8 document graph: {problem}")
     return cosines
 
 

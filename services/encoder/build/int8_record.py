@@ -35,11 +35,22 @@ COSINE_TOLERANCE = 1e-3
 
 
 def graph_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """The SHA-256 of a graph file, read once per version of the file: a publish asks for
+    the same graphs' digests several times (the export's record, the committed one), and
+    a GTR-xxl graph is 19 GB. A file rewritten since (another inode, size or mtime) is read
+    again."""
+    stat = Path(path).stat()
+    key = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with Path(path).open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 
 
 def gate_graphs(fp32_onnx: Path, int8_onnx: Path) -> dict[str, str]:

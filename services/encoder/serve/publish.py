@@ -150,9 +150,9 @@ def _export(model_dir: Path, work: Path, *, int8_unmeasured: bool = False) -> Ex
         source = Path(export.meta.source_dir)
         if (source / "modules.json").exists() or (source / "query" / "modules.json").exists():
             _parity(source, onnx_path)
-        note = recheck_int8(onnx_path, unmeasured=int8_unmeasured)
-        if note:
-            (log.warning if "NOT measured" in note else log.info)("%s", note)
+        checked = recheck_int8(onnx_path, export.meta, unmeasured=int8_unmeasured)
+        if checked is not None:
+            (log.info if checked.measured else log.warning)("%s", checked.note)
         return export
     if not model_dir.is_dir():
         raise FailedPrecondition(f"no checkpoint or export at {model_dir}")
