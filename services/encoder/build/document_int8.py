@@ -49,6 +49,7 @@ from services.encoder.build.int8_quality import (
     export_codec,
     fp32_document_vectors,
     paired_dev_ndcg,
+    parity_problem,
     quality_dict,
 )
 
@@ -100,13 +101,7 @@ def document_parity_cosines(fp32_onnx: Path, int8_onnx: Path) -> np.ndarray:
 def check_document_parity(fp32_onnx: Path, int8_onnx: Path) -> tuple[np.ndarray, str | None]:
     """(the probe cosines, why the int8 graph's documents are refused or None)."""
     cosines = document_parity_cosines(fp32_onnx, int8_onnx)
-    worst = float(np.min(cosines))  # NaN propagates
-    if not worst >= DOCUMENT_PARITY_MIN_COSINE:
-        return cosines, (
-            f"min cosine vs the FP32 graph {worst:.5f} < {DOCUMENT_PARITY_MIN_COSINE} over "
-            f"{len(cosines)} document texts"
-        )
-    return cosines, None
+    return cosines, parity_problem(cosines, DOCUMENT_PARITY_MIN_COSINE, "document texts")
 
 
 def dev_ndcg_documents(

@@ -46,6 +46,15 @@ class QualityResult:
         return self.drop <= self.max_drop
 
 
+def parity_problem(cosines: np.ndarray, threshold: float, texts: str) -> str | None:
+    """Why an int8 graph whose probe ``texts`` ("query texts", "document texts") came out
+    at ``cosines`` against the FP32 graph is refused, or None (NaN fails every threshold)."""
+    worst = float(np.min(cosines))  # NaN propagates
+    if worst >= threshold:
+        return None
+    return f"min cosine vs the FP32 graph {worst:.5f} < {threshold} over {len(cosines)} {texts}"
+
+
 def embed_texts(
     session: Any, codec: Any, texts: list[str], kind: str, batch: int = 32
 ) -> np.ndarray:

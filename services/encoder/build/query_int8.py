@@ -77,6 +77,7 @@ from services.encoder.build.int8_quality import (
     export_codec,
     fp32_document_vectors,
     paired_dev_ndcg,
+    parity_problem,
     quality_dict,
 )
 
@@ -164,13 +165,8 @@ def check_int8_parity(
 ) -> tuple[np.ndarray, str | None]:
     """(cosines, why the int8 graph is refused or None)."""
     cosines = parity_cosines(fp32_onnx, int8_onnx)
-    worst = float(np.min(cosines))  # NaN propagates
-    if not worst >= threshold:
-        return cosines, (
-            f"int8 query graph: min cosine vs the FP32 graph {worst:.5f} < {threshold} "
-            f"over {len(cosines)} query texts"
-        )
-    return cosines, None
+    problem = parity_problem(cosines, threshold, "query texts")
+    return cosines, None if problem is None else f"int8 query graph: {problem}"
 
 
 def dev_ndcg(
