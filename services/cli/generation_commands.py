@@ -365,7 +365,10 @@ def _add_rollout(isub: Any) -> None:
         "exits 2). Default: none, the gateway's flags, as before.",
     )
     rollout.add_argument(
-        "--int8-unmeasured", action="store_true", help=f"With --encoder: {INT8_UNMEASURED_HELP}."
+        "--int8-unmeasured",
+        action="store_true",
+        help=f"With --encoder: {INT8_UNMEASURED_HELP}. Recorded with the rollout: a resume "
+        "publishes the same way without it.",
     )
     _add_run_flags(rollout, rollout=True)
 

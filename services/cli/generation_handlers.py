@@ -55,7 +55,7 @@ def rollout(args: argparse.Namespace) -> int:
                 budget=budget,
                 client=store,
                 triton_repo=where.triton_repo,
-                publish=at.publish_on(where, args.int8_unmeasured),
+                publish=at.publish_on(where),
             )
     finally:
         progress.close()
@@ -77,7 +77,13 @@ def _plan(args: argparse.Namespace) -> Any:
     from services.generations.operations import plan_of
 
     try:
-        return plan_of(args.encoder, args.shards, args.retrain, args.retrieval_setting)
+        return plan_of(
+            args.encoder,
+            args.shards,
+            args.retrain,
+            args.retrieval_setting,
+            args.int8_unmeasured,
+        )
     except (InvalidArgument, NotFound) as exc:
         raise type(exc)(f"--retrieval-setting {exc.message}") from None
 

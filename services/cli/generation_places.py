@@ -171,7 +171,7 @@ def builder(
     where: Places,
     store: Any,
     progress: Any = None,
-    publisher: Callable[[str], Any] | None = None,
+    publisher: Callable[[str, bool], Any] | None = None,
 ) -> Any:
     """A builder with the run flags of ``index rollout`` / ``index rollback``."""
     from services.generations.builder import RolloutBuilder, RolloutOptions
@@ -205,18 +205,16 @@ def progress(args: argparse.Namespace) -> Any:
     return ConsoleProgress(args.metrics_port, enabled=not args.quiet)
 
 
-def publish_on(
-    where: Places, int8_unmeasured: bool = False
-) -> Callable[[str, frozenset[int] | None], Any] | None:
+def publish_on(where: Places) -> Callable[[str, frozenset[int] | None, bool], Any] | None:
     """The publish phase's work (``--encoder``, under the rollout lock): the folder
     published into the repository and loaded by the Tritons named, said on stderr; None
-    without a repository (a rollout that needs one is refused before the lock).
-    ``int8_unmeasured``: ``--int8-unmeasured`` (``publish_version``)."""
+    without a repository (a rollout that needs one is refused before the lock). Its
+    ``int8_unmeasured`` is the plan's (``--int8-unmeasured``, ``publish_version``)."""
     repo = where.triton_repo
     if repo is None:
         return None
 
-    def publish(folder: str, cpus: frozenset[int] | None) -> Any:
+    def publish(folder: str, cpus: frozenset[int] | None, int8_unmeasured: bool) -> Any:
         from services.encoder.serve.publish import publish_version
 
         print(f"publishing {folder} into {repo} ...", file=sys.stderr)

@@ -33,6 +33,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.common.errors import FailedPrecondition
@@ -128,7 +129,7 @@ class RolloutBuilder:
         running = self.store.load()
         if running is not None:
             self.check_resumable(running, plan)
-            return await self._resume(running)
+            return await self._resume(running, int8_unmeasured=plan.int8_unmeasured)
         serving = self.registry.serving()
         await self._check_plan(plan, serving)
         publish = plan.encoder is None and bool(plan.encoder_dir)
@@ -150,6 +151,7 @@ class RolloutBuilder:
                 plan.retrain,
                 plan.encoder_dir,
                 plan.retrieval,
+                plan.int8_unmeasured,
             ),
             started_at=now,
             owner=self.owner,
@@ -305,8 +307,13 @@ class RolloutBuilder:
             ),
         )
 
-    async def _resume(self, running: RolloutState) -> Generation:
+    async def _resume(self, running: RolloutState, *, int8_unmeasured: bool = False) -> Generation:
+        """Run ``running`` on from its phase; ``int8_unmeasured`` (the resume's
+        ``--int8-unmeasured``) is added to its recorded plan (a plan that has it keeps it)."""
         ctx = self._context(self.store.claim(running, self.owner))
+        recorded = ctx.state.plan
+        if int8_unmeasured and recorded is not None and not recorded.int8_unmeasured:
+            ctx.state = ctx.save(plan=replace(recorded, int8_unmeasured=True))
         if ctx.pacer is not None:  # the baseline, before this builder loads the machine
             await asyncio.to_thread(ctx.pacer.start)
         beat = asyncio.create_task(self._heartbeat(ctx))

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # publishes a checkpoint folder as a version of Triton's embed; blocking (the export and
 # Triton's load take seconds), run in a thread
-Publisher = Callable[[str], EncoderSpec]
+Publisher = Callable[[str, bool], EncoderSpec]  # (folder, int8_unmeasured)
 Exporter = Callable[[str], AsyncIterator[tuple[list[str], np.ndarray, str]]]
 AppliedProbe = Callable[[str], Awaitable[list[list[str | None]]]]
 
@@ -97,6 +97,9 @@ class RolloutPlan:
     encoder_dir: str = ""  # the checkpoint folder to publish (a resume names it again)
     # the target's retrieval setting (issue #35; None: none, the gateway's flags serve it)
     retrieval: RetrievalSetting | None = None
+    # serve the new encoder's int8 graphs though no quality result holds for them
+    # (``--int8-unmeasured``; recorded: a resume publishes the same way)
+    int8_unmeasured: bool = False
 
 
 @dataclass(frozen=True)

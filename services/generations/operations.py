@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from services.generations.builder import RolloutBuilder
     from services.rpc.tls import ClientTLS
 
-# publishes a checkpoint folder with the CPUs it may use (None: every CPU); blocking
-PublishOn = Callable[[str, "frozenset[int] | None"], EncoderSpec]
+# publishes a checkpoint folder with the CPUs it may use (None: every CPU), serving its
+# int8 graphs unmeasured or not (``--int8-unmeasured``, as the plan records it); blocking
+PublishOn = Callable[[str, "frozenset[int] | None", bool], EncoderSpec]
 Change = Literal["encoder", "retrain", "reembed"]
 
 
@@ -40,14 +41,22 @@ def plan_of(
     shards: int | None,
     retrain: bool,
     retrieval_setting: Path | None = None,
+    int8_unmeasured: bool = False,
 ) -> RolloutPlan:
     """The plan of ``index rollout``'s options: a checkpoint folder to publish (resolved:
     a resume must name the same folder), a shard count (None: the serving one's), a
     retrain, a retrieval setting file for the new generation's record (read and checked
-    here, before anything is asked or written: NotFound / InvalidArgument naming it)."""
+    here, before anything is asked or written: NotFound / InvalidArgument naming it),
+    ``--int8-unmeasured`` (recorded with the plan: a resume publishes the same way)."""
     folder = str(encoder.resolve()) if encoder is not None else ""
     setting = None if retrieval_setting is None else RetrievalSetting.load(retrieval_setting)
-    return RolloutPlan(num_shards=shards, retrain=retrain, encoder_dir=folder, retrieval=setting)
+    return RolloutPlan(
+        num_shards=shards,
+        retrain=retrain,
+        encoder_dir=folder,
+        retrieval=setting,
+        int8_unmeasured=int8_unmeasured,
+    )
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ def intend_rollout(builder: RolloutBuilder, plan: RolloutPlan) -> RolloutIntent:
 
 
 def run_rollout(
-    make_builder: Callable[[Callable[[str], EncoderSpec] | None], RolloutBuilder],
+    make_builder: Callable[[Callable[[str, bool], EncoderSpec] | None], RolloutBuilder],
     intent: RolloutIntent,
     *,
     budget: frozenset[int] | None = None,
@@ -121,8 +130,8 @@ def run_rollout(
         publisher = None
         if publish is not None:
 
-            def publisher(folder: str) -> EncoderSpec:
-                spec = publish(folder, budget)
+            def publisher(folder: str, int8_unmeasured: bool) -> EncoderSpec:
+                spec = publish(folder, budget, int8_unmeasured)
                 budgeted()
                 return spec
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from services.common import positions
@@ -49,10 +50,10 @@ def record_target(
 
 async def run_publish(ctx: RolloutContext) -> None:
     """Publish the checkpoint under the lock taken (a resume publishes the same folder
-    again: the version already there comes back), then record it in the plan and write
-    T's record. A publish that fails (refused, Triton unreachable: the repository is put
-    back as it was) ends the rollout: nothing else was recorded, so nothing is left to
-    resume or abort."""
+    again, as the plan recorded: the version already there comes back), then record it
+    in the plan and write T's record. A publish that fails (refused, Triton unreachable:
+    the repository is put back as it was) ends the rollout: nothing else was recorded,
+    so nothing is left to resume or abort."""
     state = ctx.state
     plan = state.plan or RecordedPlan()
     folder = plan.encoder_dir
@@ -65,7 +66,7 @@ async def run_publish(ctx: RolloutContext) -> None:
             "needs Triton's model repository, or an abort"
         )
     try:
-        spec = await asyncio.to_thread(publisher, folder)
+        spec = await asyncio.to_thread(publisher, folder, plan.int8_unmeasured)
     except Exception:  # refused, or failed in the export (torch, a full disk, ...)
         if ctx.store.owner() == state.owner:
             ctx.store.end()  # the lock was all there was
@@ -84,7 +85,7 @@ async def run_publish(ctx: RolloutContext) -> None:
         plan.retrieval,
     )
     ctx.save(
-        plan=RecordedPlan(spec, plan.shards, plan.retrain, plan.encoder_dir, plan.retrieval),
+        plan=replace(plan, encoder=spec),
         phase="create",
     )
 

@@ -104,6 +104,7 @@ class RecordedPlan:
     retrain: bool = False
     encoder_dir: str = ""
     retrieval: RetrievalSetting | None = None
+    int8_unmeasured: bool = False  # ``--int8-unmeasured``: the publish (again, on a resume)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -114,6 +115,8 @@ class RecordedPlan:
         }
         if self.retrieval is not None:  # absent: the plan as older builders wrote it
             out["retrieval"] = self.retrieval.to_dict()
+        if self.int8_unmeasured:  # absent: not asked (and the plan as older builders wrote it)
+            out["int8_unmeasured"] = True
         return out
 
     def dump(self) -> str:
@@ -132,6 +135,7 @@ class RecordedPlan:
             bool(d.get("retrain")),
             str(d.get("encoder_dir") or ""),
             None if setting is None else RetrievalSetting.from_dict(setting),
+            bool(d.get("int8_unmeasured")),
         )
 
 

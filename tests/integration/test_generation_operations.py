@@ -7,6 +7,7 @@ again, which generations are displaced, which one a retire means, and the typed 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from services.common.encoder_spec import EncoderSpec
-from services.common.errors import NotFound
+from services.common.errors import FailedPrecondition, NotFound
 from services.encoder.base import Encoder
 from services.generations.builder import RolloutBuilder, RolloutOptions
 from services.generations.operations import (
@@ -57,7 +58,9 @@ class _Seen:
         self.at_publish: list[tuple[str | None, frozenset[int] | None]] = []
         self.at_encode: list[str | None] = []
 
-    def publish(self, folder: str, cpus: frozenset[int] | None) -> EncoderSpec:
+    def publish(
+        self, folder: str, cpus: frozenset[int] | None, int8_unmeasured: bool
+    ) -> EncoderSpec:
         self.at_publish.append((_budget(self.client), cpus))
         return NEW
 
@@ -116,6 +119,38 @@ def test_a_recorded_rollout_publishes_again_only_when_it_stopped_publishing(
     intent = intend_rollout(builder, plan_of(None, None, False))
     assert intent.resumes is not None and intent.resumes.phase == phase
     assert intent.publishing is publishing
+
+
+@pytest.mark.parametrize(
+    ("recorded", "asked", "published"),
+    [(True, False, True), (False, True, True), (False, False, False)],
+)
+def test_a_resumed_publish_serves_int8_unmeasured_when_the_plan_or_the_resume_asked(
+    store: Any, tmp_path: Path, recorded: bool, asked: bool, published: bool
+) -> None:
+    """A rollout started with --int8-unmeasured and stopped while publishing publishes the
+    same way when resumed without the flag; a resume may add it."""
+    RolloutStore(store).start(
+        RolloutState(
+            target="g2",
+            source="g1",
+            phase="publish",
+            plan=RecordedPlan(None, 2, False, "/ckpt", int8_unmeasured=recorded),
+            host=socket.gethostname(),
+            pid=2**22 + 7,  # no such process: its builder is gone
+        )
+    )
+    seen: list[bool] = []
+
+    def publisher(folder: str, int8_unmeasured: bool) -> EncoderSpec:
+        seen.append(int8_unmeasured)
+        raise FailedPrecondition("stop here")  # a refused publish ends the rollout
+
+    options = RolloutOptions(index_root=tmp_path)
+    builder = RolloutBuilder(store, hash_encoders, options, publisher=publisher)
+    with pytest.raises(FailedPrecondition, match="stop here"):
+        asyncio.run(builder.rollout(plan_of(None, None, False, None, asked)))
+    assert seen == [published]
 
 
 def test_displaced_names_a_previous_generation_no_rollback_reaches(store: Any) -> None:

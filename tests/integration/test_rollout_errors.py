@@ -275,7 +275,7 @@ def test_a_publish_that_fails_outside_the_domain_errors_ends_the_rollout(
 
     from services.generations.builder import RolloutBuilder, RolloutOptions, RolloutPlan
 
-    def full_disk(folder: str) -> EncoderSpec:
+    def full_disk(folder: str, int8_unmeasured: bool) -> EncoderSpec:
         raise OSError(28, "No space left on device", folder)
 
     options = RolloutOptions(index_root=tmp_path / "generations")

@@ -131,26 +131,48 @@ def _stored(client: Any) -> RolloutState:
 def test_publish_records_the_published_version_in_the_plan_and_the_target(
     store: Any, tmp_path: Path
 ) -> None:
-    published: list[str] = []
+    published: list[tuple[str, bool]] = []
 
-    def publisher(folder: str) -> EncoderSpec:
-        published.append(folder)
+    def publisher(folder: str, int8_unmeasured: bool) -> EncoderSpec:
+        published.append((folder, int8_unmeasured))
         return NEW
 
     ctx = _context(store, tmp_path, "publish", record=False, publisher=publisher)
     ctx.state = ctx.save(plan=RecordedPlan(None, 2, False, "/checkpoints/new"))
     _run(ctx, run_publish)
-    assert published == ["/checkpoints/new"]
+    assert published == [("/checkpoints/new", False)]
     recorded = _stored(store)
     assert recorded.phase == "create" and recorded.plan is not None
     assert recorded.plan.encoder == NEW and recorded.plan.encoder_dir == "/checkpoints/new"
+    assert not recorded.plan.int8_unmeasured
     target = Registry(store).get("g2")
     assert (target.state, target.encoder) == ("building", NEW)
     assert target.index_dir == str(tmp_path.resolve() / "g2")
 
 
+def test_a_publish_passes_the_recorded_int8_unmeasured_and_keeps_it_in_the_plan(
+    store: Any, tmp_path: Path
+) -> None:
+    """A rollout started with --int8-unmeasured and killed while publishing publishes
+    the same way when resumed: the flag is the recorded plan's, not the resume's."""
+    published: list[bool] = []
+
+    def publisher(folder: str, int8_unmeasured: bool) -> EncoderSpec:
+        published.append(int8_unmeasured)
+        return NEW
+
+    ctx = _context(store, tmp_path, "publish", record=False, publisher=publisher)
+    plan = RecordedPlan(None, 2, False, "/checkpoints/new", int8_unmeasured=True)
+    ctx.state = ctx.save(plan=plan)
+    assert _stored(store).plan == plan  # recorded as asked
+    _run(ctx, run_publish)
+    assert published == [True]
+    recorded = _stored(store).plan
+    assert recorded is not None and recorded.int8_unmeasured and recorded.encoder == NEW
+
+
 def test_a_publish_that_fails_leaves_no_rollout_behind(store: Any, tmp_path: Path) -> None:
-    def publisher(folder: str) -> EncoderSpec:
+    def publisher(folder: str, int8_unmeasured: bool) -> EncoderSpec:
         raise FailedPrecondition("embed cannot serve it")
 
     ctx = _context(store, tmp_path, "publish", record=False, publisher=publisher)
