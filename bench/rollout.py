@@ -147,6 +147,7 @@ def int8_export(encoder: Path, onnx_path: Path, gate: bool) -> dict[str, Any]:
         print("exporting the new encoder with int8 queries and documents (gated on SciFact)")
         try:
             export_with_int8_query(encoder, onnx_path, SCIFACT, documents=True)
+            _record_parity(encoder, onnx_path)
             return {"gated": True}
         except FailedPrecondition as exc:
             refused = str(exc)
@@ -162,6 +163,7 @@ def int8_export(encoder: Path, onnx_path: Path, gate: bool) -> dict[str, Any]:
     towers = {"query": INT8_ONNX, "document": INT8_ONNX}
     meta = replace(meta, towers=towers, query_precision="int8", document_precision="int8")
     meta.write(onnx_path.parent)
+    _record_parity(encoder, onnx_path)
     return {
         "gated": False,
         "quality_gate": refused,
@@ -170,6 +172,18 @@ def int8_export(encoder: Path, onnx_path: Path, gate: bool) -> dict[str, Any]:
             "documents": round(float(documents.min()), 4),
         },
     }
+
+
+def _record_parity(encoder: Path, onnx_path: Path) -> None:
+    """The parity check ``encoder export`` runs, and records, after an export: the
+    rollout's publish then takes the record instead of loading the checkpoint in PyTorch
+    on the rollout's CPU (``services/encoder/build/parity_record.py``)."""
+    from services.encoder.build import parity_record
+    from services.encoder.build.export import check_parity
+
+    report = check_parity(encoder, onnx_path)
+    if parity_record.write(encoder, onnx_path, report) is None:
+        raise SystemExit(f"the new encoder's export fails parity: {report.summary()}")
 
 
 def _budget(spec: str, machine: frozenset[int]) -> frozenset[int] | None:
@@ -497,6 +511,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     what.append("--int8-unmeasured")
             else:
                 export_onnx(encoder, onnx_path)
+                _record_parity(encoder, onnx_path)
             whole = inprocess_docs_per_s(onnx_path, texts, args.batch, len(machine))
             print(f"in-process ONNX on every CPU ({len(machine)} threads): {whole:.1f} docs/s")
             inproc = [_inprocess_on(budget, onnx_path, texts, args.batch, threads)]

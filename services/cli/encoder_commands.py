@@ -64,6 +64,7 @@ def _add_plan_gate(p: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from services.encoder.build import parity_record
     from services.encoder.build.export import check_parity, export_onnx
     from services.encoder.build.query_int8 import GATE_FILE, export_with_int8_query
 
@@ -85,7 +86,8 @@ def _export(args: argparse.Namespace) -> int:
     if args.skip_parity:
         return 0
     report = check_parity(_model_dir(args), Path(args.out))
-    print(report.summary())
+    kept = parity_record.write(_model_dir(args), Path(args.out), report)  # publish takes it
+    print(report.summary() + (f"; recorded in {kept.name}" if kept else ""))
     return 0 if report.passed else 1
 
 

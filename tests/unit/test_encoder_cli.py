@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,9 @@ def test_export_parity_repo_round_trip(
     model_dir = ensure_tiny_t5(encoder_base(tmp_path_factory))
     onnx_path = tmp_path / "export" / "model.onnx"
     assert _main(["encoder", "export", "--model-dir", str(model_dir), "--out", str(onnx_path)]) == 0
-    assert "parity OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "parity OK" in out and "recorded in parity.json" in out
+    assert json.loads((onnx_path.parent / "parity.json").read_text())["passed"] is True
     parity = ["encoder", "parity", "--model-dir", str(model_dir), "--onnx", str(onnx_path)]
     assert _main(parity) == 0
     repo = tmp_path / "repo"

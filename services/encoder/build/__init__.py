@@ -12,6 +12,8 @@ Package map:
   model's, ``query_int8_record.json``), for exports made where the data is not.
 - ``int8_recheck``: an export's int8 graphs checked again where they are published
   (parity here, a quality result of these very graphs).
+- ``parity_record``: an export's parity with its checkpoint, recorded (``parity.json``) so
+  that a publish of the same bytes does not run the checkpoint in PyTorch again.
 - ``tensorrt_build``: the TensorRT plan (FP16 with FP32 islands, FP32 fallback, the gate).
 - ``onnx_fp16``: which ONNX nodes stay FP32 in an FP16 engine, and the FP16 cast.
 - ``plan_meta``: a plan's ``<plan>.json`` and the atomic write of both.

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import FailedPrecondition, RetrievalError
+from services.encoder.build import parity_record
 from services.encoder.build.export import (
     PARITY_MIN_COSINE,
     EncoderMeta,
-    check_parity,
     export_onnx,
 )
 from services.encoder.build.int8_recheck import recheck_int8
@@ -163,9 +163,18 @@ def _export(model_dir: Path, work: Path, *, int8_unmeasured: bool = False) -> Ex
 
 
 def _parity(model_dir: Path, onnx_path: Path) -> None:
-    report = check_parity(model_dir, onnx_path, threshold=PARITY_MIN_COSINE)
+    """The export's parity with its checkpoint: its record (``parity.json``) when the same
+    graphs and checkpoint bytes are there again, else checked in PyTorch
+    (:mod:`~services.encoder.build.parity_record`)."""
+    report, from_record = parity_record.checked(model_dir, onnx_path, PARITY_MIN_COSINE)
     if not report.passed:
         raise FailedPrecondition(f"{model_dir}: the ONNX export is refused, {report.summary()}")
+    if from_record:
+        log.info(
+            "%s: %s, as recorded at export (the same graphs and checkpoint)",
+            onnx_path,
+            report.summary(),
+        )
 
 
 def _version_folder(folder: Path, export: Export) -> None:
