@@ -114,6 +114,18 @@ def test_a_changed_graph_or_checkpoint_is_checked_again(
     assert not from_record and len(torch_checks) == 2
 
 
+def test_an_export_inside_its_checkpoint_is_not_part_of_the_checkpoint(
+    fp32_export: Path, checkpoint: Path, torch_checks: list[Path]
+) -> None:
+    """``encoder export --out <checkpoint>/onnx/model.onnx``: its record, written there,
+    does not change the checkpoint it vouches for."""
+    inside = Path(shutil.copytree(fp32_export.parent, checkpoint / "onnx")) / "model.onnx"
+    (inside.parent / parity_record.PARITY_FILE).unlink(missing_ok=True)
+    parity_record.checked(checkpoint, inside, PARITY_MIN_COSINE)
+    _, from_record = parity_record.checked(checkpoint, inside, PARITY_MIN_COSINE)
+    assert from_record and torch_checks == [inside]
+
+
 def test_a_record_at_a_lower_threshold_or_failed_does_not_count(
     export: Path, checkpoint: Path
 ) -> None:

