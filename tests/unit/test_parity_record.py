@@ -55,12 +55,14 @@ def torch_checks(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 def test_a_passing_check_is_recorded_and_then_taken_for_the_same_bytes(
     export: Path, checkpoint: Path, torch_checks: list[Path]
 ) -> None:
+    scratch, _ = parity_record.checked(checkpoint, export, PARITY_MIN_COSINE, keep=False)
+    assert scratch.passed and not (export.parent / parity_record.PARITY_FILE).exists()
     first, from_record = parity_record.checked(checkpoint, export, PARITY_MIN_COSINE)
-    assert first.passed and not from_record and torch_checks == [export]
+    assert first.passed and not from_record and torch_checks == [export, export]
     record = json.loads((export.parent / parity_record.PARITY_FILE).read_text())
     assert record["graphs"] == {"model.onnx": parity_record.export_graphs(export)["model.onnx"]}
     again, from_record = parity_record.checked(checkpoint, export, PARITY_MIN_COSINE)
-    assert from_record and torch_checks == [export]  # not run again
+    assert from_record and torch_checks == [export, export]  # not run again
     assert again.cosines == first.cosines and again.passed
 
 

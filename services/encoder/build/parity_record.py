@@ -112,13 +112,17 @@ def recorded(model_dir: Path, onnx_path: Path, threshold: float) -> ParityReport
     return ParityReport(cosines, threshold)
 
 
-def checked(model_dir: Path, onnx_path: Path, threshold: float) -> tuple[ParityReport, bool]:
+def checked(
+    model_dir: Path, onnx_path: Path, threshold: float, *, keep: bool = True
+) -> tuple[ParityReport, bool]:
     """(the parity of ``model_dir`` against the export at ``onnx_path``, whether it is the
     record's): the record when it holds (:func:`recorded`), else the check in PyTorch,
-    recorded when it passes."""
+    recorded when it passes and ``keep`` (False: an export made for this call only,
+    whose record nobody would read, and whose hashing a GTR-xxl would pay in minutes)."""
     report = recorded(model_dir, onnx_path, threshold)
     if report is not None:
         return report, True
     report = check_parity(model_dir, onnx_path, threshold=threshold)
-    write(model_dir, onnx_path, report)
+    if keep:
+        write(model_dir, onnx_path, report)
     return report, False

@@ -158,15 +158,15 @@ def _export(model_dir: Path, work: Path, *, int8_unmeasured: bool = False) -> Ex
         raise FailedPrecondition(f"no checkpoint or export at {model_dir}")
     onnx_path = work / "model.onnx"
     export_onnx(model_dir, onnx_path)
-    _parity(model_dir, onnx_path)
+    _parity(model_dir, onnx_path, keep=False)  # a scratch export: no record to keep
     return _read_export(work, onnx_path)
 
 
-def _parity(model_dir: Path, onnx_path: Path) -> None:
+def _parity(model_dir: Path, onnx_path: Path, *, keep: bool = True) -> None:
     """The export's parity with its checkpoint: its record (``parity.json``) when the same
-    graphs and checkpoint bytes are there again, else checked in PyTorch
-    (:mod:`~services.encoder.build.parity_record`)."""
-    report, from_record = parity_record.checked(model_dir, onnx_path, PARITY_MIN_COSINE)
+    graphs and checkpoint bytes are there again, else checked in PyTorch and recorded
+    when ``keep`` (:mod:`~services.encoder.build.parity_record`)."""
+    report, from_record = parity_record.checked(model_dir, onnx_path, PARITY_MIN_COSINE, keep=keep)
     if not report.passed:
         raise FailedPrecondition(f"{model_dir}: the ONNX export is refused, {report.summary()}")
     if from_record:
