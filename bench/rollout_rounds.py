@@ -1,0 +1,230 @@
+"""``index rollout --retrain`` under writes, several rollouts pooled (issue #33).
+
+    .venv/bin/python -m bench.rollout_rounds [--rounds 8] [--docs 500] [--writes-per-s 21]
+
+A retrain rollout of ``bench.rollout``'s 500 documents takes ~4 s, so one run's "during"
+window holds ~80 searches: its p99 is their second-slowest, and its 95 % interval spanned
+0.92-1.68 (2026-12-01). This bench rolls out ``--rounds`` retrains in one stack, one after
+the other under the same load as ``bench.rollout`` (searches at 20/s, writes at
+``--writes-per-s``), and pools their searches:
+
+- **before**: the ``--before-s`` seconds before the first rollout, as ``bench.rollout``;
+- **during**: every search that started while one of the rollouts ran (its CLI, from
+  start to exit);
+- between two rounds, outside both windows, the generation the last rollout displaced is
+  retired (``index retire``, as an operator keeps one rollback target), and the stack is
+  left ``--gap-s`` seconds to settle.
+
+Each round's acknowledged writes after its P0 are checked in its new generation, as
+``bench.rollout`` checks them (``bench/rollout_writes.py``: the source's logs are held
+until its round is checked). Prints per round its length, searches, p99 and the writes
+checked and lost, then the pooled ratio with its 95 % block-bootstrap interval
+(``bench/p99_interval.py``); one JSON line last (``--out``, default
+``bench/results/rollout_retrain_rounds.json``). The rollouts get the last CPU as their
+budget, as ``bench.rollout``'s. Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.p99_interval import p99_ratio_interval
+from bench.rollout import SCIFACT, PhaseWatch, _budget, p99
+from bench.rollout_writes import check_writes, hold_source
+from services.process import cpus as cpu_sets
+
+
+def _round(stack: Any, cli_budget: list[str], run_dir: Path, log: Path) -> dict[str, Any]:
+    """One retrain rollout, its source's logs held for the write check: its start, end,
+    the names and P0 the watcher saw."""
+    held = stack.redis()
+    try:
+        hold_source(held)
+    finally:
+        held.close()
+    start = time.monotonic()
+    with PhaseWatch(stack.redis_url) as watch:
+        done = stack.run_cli(
+            "index",
+            "rollout",
+            "--retrain",
+            "--run-dir",
+            str(run_dir),
+            "--yes",
+            *cli_budget,
+            timeout=1800,
+            log=log,
+        )
+    end = time.monotonic()
+    if done.returncode != 0:
+        raise SystemExit(f"index rollout failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return {"start": start, "end": end, "names": watch.names, "p0_at": watch.seen.get("train")}
+
+
+def _check(stack: Any, writes: list[Any], one: dict[str, Any]) -> None:
+    """The round's acknowledged writes after its P0, checked in its new generation
+    before the next round retires its source (and its logs)."""
+    client = stack.redis()
+    try:
+        names = one["names"]
+        after = one["p0_at"] or one["start"]
+        check = check_writes(client, list(writes), names["source"], names["target"], after)
+    finally:
+        client.close()
+    one["writes_checked"], one["lost"] = check.checked, check.lost
+
+
+def _retire(stack: Any, run_dir: Path, log: Path) -> None:
+    done = stack.run_cli("index", "retire", "--run-dir", str(run_dir), "--yes", log=log)
+    if done.returncode != 0:
+        raise SystemExit(f"index retire failed ({done.returncode}):\n{done.stdout}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=8, help="retrain rollouts (8)")
+    parser.add_argument("--docs", type=int, default=500, help="SciFact documents stored (500)")
+    parser.add_argument("--text-chars", type=int, default=1000, help="text cut to (1000)")
+    parser.add_argument("--searches-per-s", type=float, default=20.0)
+    parser.add_argument("--writes-per-s", type=float, default=21.0)
+    parser.add_argument("--before-s", type=float, default=90.0, help="window before (90 s)")
+    parser.add_argument("--gap-s", type=float, default=10.0, help="settling between rounds")
+    parser.add_argument("--cpus", default="last", help="the rollouts' CPU budget, as bench.rollout")
+    parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench/results/rollout_retrain_rounds.json")
+    )
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from tests.support.local_stack import local_stack, queries, small_corpus
+    from tests.support.steady_load import SteadyLoad
+
+    budget = _budget(args.cpus, cpu_sets.available())
+    cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="gtr-bench-rounds-") as tmp_name:
+        tmp = Path(tmp_name)
+        corpus = tmp / "corpus.jsonl"
+        small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
+        run_dir = args.run_dir or tmp / "run"
+        extra = ["--document-precision", "int8"]
+        with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2, extra=extra) as stack:
+            if budget:  # the client stands in for callers on other machines: off the budget
+                cpu_sets.pin_process(os.getpid(), cpu_sets.available() - budget)
+            load = SteadyLoad(
+                stack.gateway,
+                queries(SCIFACT),
+                searches_per_s=args.searches_per_s,
+                writes_per_s=args.writes_per_s,
+                redis_url=stack.redis_url,
+                prefix="bench",
+            )
+
+            async def scenario() -> float:
+                runner = asyncio.ensure_future(load.run())
+                try:
+                    await asyncio.sleep(args.before_s)
+                    first = time.monotonic()
+                    for i in range(args.rounds):
+                        if i:
+                            await asyncio.to_thread(_retire, stack, run_dir, tmp / "retire.log")
+                            await asyncio.sleep(args.gap_s)
+                        log = tmp / f"rollout-{i}.log"
+                        one = await asyncio.to_thread(_round, stack, cli_budget, run_dir, log)
+                        await asyncio.sleep(1.0)  # the last acknowledgements of the source
+                        await asyncio.to_thread(_check, stack, load.record.writes, one)
+                        rounds.append(one)
+                        print(f"round {i + 1}: {one['end'] - one['start']:.1f} s", flush=True)
+                    await asyncio.sleep(3.0)  # writes to the last generation, then stop
+                finally:
+                    load.stop()
+                    await runner
+                return first
+
+            first = asyncio.run(scenario())
+
+    searches = load.record.searches
+    before = [s for s in searches if first - args.before_s <= s.start < first and s.code == "OK"]
+    during: list[Any] = []
+    per_round = []
+    for one in rounds:
+        mine = [s for s in searches if one["start"] <= s.start < one["end"]]
+        during += mine
+        ok = [s.latency for s in mine if s.code == "OK"]
+        per_round.append(
+            {
+                "seconds": round(one["end"] - one["start"], 2),
+                "generation": one["names"].get("target"),
+                "searches": len(mine),
+                "failed": len(mine) - len(ok),
+                "p99_ms": round(1e3 * p99(ok), 1) if ok else None,
+                "writes_checked": one["writes_checked"],
+                "lost_writes": len(one["lost"]),
+            }
+        )
+    ok_during = [s for s in during if s.code == "OK"]
+    p99_before = 1e3 * p99([s.latency for s in before])
+    p99_during = 1e3 * p99([s.latency for s in ok_during])
+    interval = p99_ratio_interval(
+        ([s.start for s in before], [s.latency for s in before]),
+        ([s.start for s in ok_during], [s.latency for s in ok_during]),
+    )
+    acked = [
+        w
+        for w in load.record.writes
+        if w.ok and any(r["start"] <= w.start < r["end"] for r in rounds)
+    ]
+    seconds = sum(r["end"] - r["start"] for r in rounds)
+    result: dict[str, Any] = {
+        "source": {
+            "bench": "rollout_rounds",
+            "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "docs": args.docs,
+        "rounds": per_round,
+        "rollout_seconds": round(seconds, 2),
+        "searches_before": len(before),
+        "searches_during": len(during),
+        "failed_during": len(during) - len(ok_during),
+        "p50_before_ms": round(1e3 * float(np.median([s.latency for s in before])), 2),
+        "p50_during_ms": round(1e3 * float(np.median([s.latency for s in ok_during])), 2),
+        "p99_before_ms": round(p99_before, 2),
+        "p99_during_ms": round(p99_during, 2),
+        "p99_during_over_before": round(p99_during / p99_before, 3),
+        "p99_during_over_before_ci95": [round(v, 3) for v in interval] if interval else None,
+        "writes_per_s": round(len(acked) / seconds, 2) if seconds else None,
+        "writes_checked": sum(r["writes_checked"] for r in per_round),
+        "lost_writes": sum(r["lost_writes"] for r in per_round),
+        "cpu_budget": cpu_sets.format_cpus(budget) if budget else "none",
+    }
+    for r in per_round:
+        print(
+            f"{r['generation']}: {r['seconds']} s, {r['searches']} searches "
+            f"({r['failed']} failed), p99 {r['p99_ms']} ms; writes checked "
+            f"{r['writes_checked']}, lost {r['lost_writes']}"
+        )
+    print(
+        f"search p99: {p99_before:.1f} ms before ({len(before)} searches), {p99_during:.1f} ms "
+        f"during {len(rounds)} retrain rollouts ({len(during)} searches, "
+        f"{result['failed_during']} failed): {result['p99_during_over_before']}x "
+        f"(goal <= 1.5; 95 % interval {result['p99_during_over_before_ci95']}); "
+        f"{result['lost_writes']} of {result['writes_checked']} acknowledged writes lost"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
