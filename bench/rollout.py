@@ -186,6 +186,27 @@ def _record_parity(encoder: Path, onnx_path: Path) -> None:
         raise SystemExit(f"the new encoder's export fails parity: {report.summary()}")
 
 
+def steady_load(
+    stack: Any, searches_per_s: float, writes_per_s: float, budget: frozenset[int] | None
+) -> Any:
+    """The load of the rollout benches (SciFact's queries, upserts and deletes of their
+    own documents), from this process, kept off a rollout's CPU ``budget``: the client
+    stands in for callers on other machines."""
+    from tests.support.local_stack import queries
+    from tests.support.steady_load import SteadyLoad
+
+    if budget:
+        cpu_sets.pin_process(os.getpid(), cpu_sets.available() - budget)
+    return SteadyLoad(
+        stack.gateway,
+        queries(SCIFACT),
+        searches_per_s=searches_per_s,
+        writes_per_s=writes_per_s,
+        redis_url=stack.redis_url,
+        prefix="bench",
+    )
+
+
 def _budget(spec: str, machine: frozenset[int]) -> frozenset[int] | None:
     if spec == "none" or len(machine) < 2:
         return None
@@ -485,8 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from services.encoder.build.export import export_onnx
     from tests.support.encoders import ensure_second_encoder
-    from tests.support.local_stack import local_stack, queries, small_corpus
-    from tests.support.steady_load import SteadyLoad
+    from tests.support.local_stack import local_stack, small_corpus
 
     machine = cpu_sets.available()
     budget = _budget(args.cpus, machine)
@@ -537,16 +557,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ) as stack,
             RoleCpu(os.getpid()) as cpu,
         ):
-            if budget:  # the client stands in for callers on other machines: off the budget
-                cpu_sets.pin_process(os.getpid(), machine - budget)
-            load = SteadyLoad(
-                stack.gateway,
-                queries(SCIFACT),
-                searches_per_s=args.searches_per_s,
-                writes_per_s=args.writes_per_s,
-                redis_url=stack.redis_url,
-                prefix="bench",
-            )
+            load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
             marks: dict[str, float] = {}
             rollout_out = tmp / "rollout.log"
             watch = PhaseWatch(stack.redis_url)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench.p99_interval import p99_ratio_interval
-from bench.rollout import SCIFACT, PhaseWatch, _budget, p99
+from bench.rollout import SCIFACT, PhaseWatch, _budget, p99, steady_load
 from bench.rollout_writes import check_writes, hold_source
 from services.process import cpus as cpu_sets
 
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from tests.support.local_stack import local_stack, queries, small_corpus
-    from tests.support.steady_load import SteadyLoad
+    from tests.support.local_stack import local_stack, small_corpus
 
     budget = _budget(args.cpus, cpu_sets.available())
     cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
@@ -119,16 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_dir = args.run_dir or tmp / "run"
         extra = ["--document-precision", "int8"]
         with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2, extra=extra) as stack:
-            if budget:  # the client stands in for callers on other machines: off the budget
-                cpu_sets.pin_process(os.getpid(), cpu_sets.available() - budget)
-            load = SteadyLoad(
-                stack.gateway,
-                queries(SCIFACT),
-                searches_per_s=args.searches_per_s,
-                writes_per_s=args.writes_per_s,
-                redis_url=stack.redis_url,
-                prefix="bench",
-            )
+            load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
 
             async def scenario() -> float:
                 runner = asyncio.ensure_future(load.run())
