@@ -12,9 +12,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gtr_client import ApiError
 from services.cli.common import uint32
-from services.client.gateway import format_hits, ingest_file, resolve_gateway, search_once
+
+# The SDK and the gateway helpers are imported by the commands that call the gateway,
+# not at parse time: every `gtr-retrieval` process (each shard's, the gateway's) parses
+# its command line through this module, and they cost ~80 ms of CPU to import.
 
 
 def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +155,8 @@ def _rpc_errors(
     file it cannot read (``ingest FILE``) is ``error: ...``, exit status 2."""
 
     def run(args: argparse.Namespace) -> int:
+        from gtr_client import ApiError
+
         try:
             return handler(args)
         except ApiError as exc:
@@ -166,6 +170,8 @@ def _rpc_errors(
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    from services.client.gateway import ingest_file, resolve_gateway
+
     gateway = resolve_gateway(args)
     n = ingest_file(gateway, args.file, args.batch, args.parallel, args.limit, args.timeout)
     print(f"upserted {n} documents through {gateway.address}")
@@ -186,6 +192,8 @@ def _search(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from services.client.gateway import format_hits, resolve_gateway, search_once
+
     response = search_once(
         resolve_gateway(args),
         args.query,
@@ -206,6 +214,8 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _get(args: argparse.Namespace) -> int:
+    from services.client.gateway import resolve_gateway
+
     with resolve_gateway(args).client(args.timeout) as client:
         d = client.get(args.id)
     print(
@@ -219,6 +229,8 @@ def _get(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
+    from services.client.gateway import resolve_gateway
+
     with resolve_gateway(args).client(args.timeout) as client:
         resp = client.delete(args.ids)
     print(f"deleted {resp.deleted}; not found: {list(resp.not_found)}")

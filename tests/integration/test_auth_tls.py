@@ -627,7 +627,7 @@ def test_every_child_reaches_the_locked_redis_and_no_command_line_shows_its_pass
     password; stack.json does not either; the files that do are mode 0600."""
     stack, cfg = locked_stack.stack, locked_stack.cfg
     password = locked_stack.password
-    from services.cli.client_commands import search_once
+    from services.client.gateway import search_once
 
     response = search_once(stack.gateway(), "cells", k=3, timeout=60, consistency="strong")
     assert len(response.hits) == 3 and all(h.text for h in response.hits), response
@@ -728,7 +728,7 @@ def test_a_retrain_rollout_reaches_the_mtls_shards_of_an_auth_tls_stack(
     returns to g1, the state the module's other tests expect."""
     import redis
 
-    from services.cli.client_commands import search_once
+    from services.client.gateway import search_once
     from services.generations.registry import Registry
 
     stack, cfg = locked_stack.stack, locked_stack.cfg
