@@ -30,6 +30,8 @@ from services.encoder.serve.publish import (
     drop_dead_scratch,
     servable_problem,
 )
+from services.process.cpus import running
+from tests.support.processes import wait_until
 
 MINILM = EncoderMeta(
     model_name="all-MiniLM-L6-v2",
@@ -300,8 +302,16 @@ def test_the_scratch_of_a_killed_publish_is_removed_by_the_next(tmp_path: Path) 
     dead = tmp_path / f"{SCRATCH_PREFIX}{int(ended.stdout)}-k3x"
     live = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-a1b"
     older = tmp_path / f"{SCRATCH_PREFIX}vwxvo108"  # named before the pid was in the name
-    for folder in (dead, live, older):
+    # killed and not yet reaped by its parent: a zombie has ended too
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    zombie = tmp_path / f"{SCRATCH_PREFIX}{killed.pid}-z0m"
+    for folder in (dead, live, older, zombie):
         folder.mkdir()
     (dead / "model.onnx").write_bytes(b"half an export")
-    assert drop_dead_scratch(tmp_path) == [dead]
-    assert not dead.exists() and live.is_dir() and older.is_dir()
+    try:
+        wait_until(lambda: not running(killed.pid), "the killed child is a zombie", 10)
+        assert sorted(drop_dead_scratch(tmp_path)) == sorted([dead, zombie])
+    finally:
+        killed.wait()
+    assert not dead.exists() and not zombie.exists() and live.is_dir() and older.is_dir()

@@ -60,7 +60,7 @@ from services.encoder.serve.versions import (
     write_atomically,
     write_budget,
 )
-from services.process.cpus import budget_path
+from services.process.cpus import budget_path, running
 from services.process.private import is_private, make_private
 
 if TYPE_CHECKING:
@@ -278,19 +278,9 @@ def drop_dead_scratch(folder: Path | None = None) -> list[Path]:
     removed = []
     for path in Path(folder or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
         pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)) or not path.is_dir():
+        if not pid.isdigit() or running(int(pid)) or not path.is_dir():
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
             removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
