@@ -207,7 +207,9 @@ def steady_load(
     )
 
 
-def _budget(spec: str, machine: frozenset[int]) -> frozenset[int] | None:
+def rollout_budget(spec: str, machine: frozenset[int]) -> frozenset[int] | None:
+    """The rollout's CPU budget of ``--cpus``: None for 'none' or a one-CPU machine, the
+    last CPU for 'last', else the list given (both rollout benches)."""
     if spec == "none" or len(machine) < 2:
         return None
     return frozenset({max(machine)}) if spec == "last" else cpu_sets.budget_for(spec, machine)
@@ -509,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from tests.support.local_stack import local_stack, small_corpus
 
     machine = cpu_sets.available()
-    budget = _budget(args.cpus, machine)
+    budget = rollout_budget(args.cpus, machine)
     threads = len(budget or machine)  # the in-process baseline gets what the rollout gets
     cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
     with tempfile.TemporaryDirectory(prefix="gtr-bench-rollout-") as tmp_name:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench.p99_interval import p99_ratio_interval
-from bench.rollout import SCIFACT, PhaseWatch, _budget, p99, steady_load
+from bench.rollout import SCIFACT, PhaseWatch, p99, rollout_budget, steady_load
 from bench.rollout_writes import check_writes, hold_source
 from services.process import cpus as cpu_sets
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from tests.support.local_stack import local_stack, small_corpus
 
-    budget = _budget(args.cpus, cpu_sets.available())
+    budget = rollout_budget(args.cpus, cpu_sets.available())
     cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gtr-bench-rounds-") as tmp_name:
