@@ -12,11 +12,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gtr_client import ApiError
 from services.cli.common import uint32
-
-# The SDK and the gateway helpers are imported by the commands that call the gateway,
-# not at parse time: every `gtr-retrieval` process (each shard's, the gateway's) parses
-# its command line through this module, and they cost ~80 ms of CPU to import.
+from services.client.gateway import format_hits, ingest_file, resolve_gateway, search_once
 
 
 def _add_gateway_flag(parser: argparse.ArgumentParser) -> None:
@@ -155,8 +153,6 @@ def _rpc_errors(
     file it cannot read (``ingest FILE``) is ``error: ...``, exit status 2."""
 
     def run(args: argparse.Namespace) -> int:
-        from gtr_client import ApiError
-
         try:
             return handler(args)
         except ApiError as exc:
@@ -170,8 +166,6 @@ def _rpc_errors(
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from services.client.gateway import ingest_file, resolve_gateway
-
     gateway = resolve_gateway(args)
     n = ingest_file(gateway, args.file, args.batch, args.parallel, args.limit, args.timeout)
     print(f"upserted {n} documents through {gateway.address}")
@@ -192,8 +186,6 @@ def _search(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from services.client.gateway import format_hits, resolve_gateway, search_once
-
     response = search_once(
         resolve_gateway(args),
         args.query,
@@ -214,8 +206,6 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _get(args: argparse.Namespace) -> int:
-    from services.client.gateway import resolve_gateway
-
     with resolve_gateway(args).client(args.timeout) as client:
         d = client.get(args.id)
     print(
@@ -229,8 +219,6 @@ def _get(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from services.client.gateway import resolve_gateway
-
     with resolve_gateway(args).client(args.timeout) as client:
         resp = client.delete(args.ids)
     print(f"deleted {resp.deleted}; not found: {list(resp.not_found)}")
