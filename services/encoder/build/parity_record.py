@@ -4,9 +4,10 @@
 tokens and refuses an export under the threshold (:func:`~.export.check_parity`). A
 publish of that export folder (``encoder publish DIR``, ``index rollout --encoder DIR``)
 checked it again whenever the checkpoint was on the publishing machine: PyTorch imported
-and the checkpoint loaded, ~3.8 s of a core for MiniLM (measured 2026-12-01, 0.2 s of it
-the parity run itself), on the rollout's CPU while searches are served; for GTR-xxl an
-11-billion-parameter load, ~44 GB of memory, on a machine that serves.
+and the checkpoint loaded, ~4 s of a core for MiniLM (measured 2026-12-01, ~0.7 s of it
+the load and the check once PyTorch is imported), on the rollout's CPU while searches are
+served; for GTR-xxl a load of its ~4.8-billion-parameter T5 encoder (~19 GB in FP32) on
+a machine that serves.
 
 The record makes that re-check unnecessary when nothing it measured has changed: it names
 the SHA-256 of every graph of the export (``model.onnx`` and the towers ``encoder.json``
