@@ -207,6 +207,24 @@ def steady_load(
     )
 
 
+def add_stack_arguments(parser: argparse.ArgumentParser, *, docs: int, writes_per_s: float) -> None:
+    """The rollout benches' stack, load and budget flags (their defaults: ``docs`` stored,
+    ``writes_per_s``)."""
+    parser.add_argument("--docs", type=int, default=docs, help=f"SciFact documents stored ({docs})")
+    parser.add_argument("--text-chars", type=int, default=1000, help="text cut to (1000)")
+    parser.add_argument("--searches-per-s", type=float, default=20.0)
+    parser.add_argument("--writes-per-s", type=float, default=writes_per_s)
+    parser.add_argument("--before-s", type=float, default=90.0, help="window before (90 s)")
+    parser.add_argument(
+        "--cpus",
+        default="last",
+        help="the rollout's CPU budget (`index rollout --cpus`): 'last' (default: the "
+        "last CPU of this machine), a CPU list, or 'none' (no budget: every process on "
+        "every CPU)",
+    )
+    parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
+
+
 def rollout_budget(spec: str, machine: frozenset[int]) -> frozenset[int] | None:
     """The rollout's CPU budget of ``--cpus``: None for 'none' or a one-CPU machine, the
     last CPU for 'last', else the list given (both rollout benches)."""
@@ -439,11 +457,7 @@ def _writes_during(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--docs", type=int, default=1500, help="SciFact documents stored (1500)")
-    parser.add_argument("--text-chars", type=int, default=1000, help="text cut to (1000)")
-    parser.add_argument("--searches-per-s", type=float, default=20.0)
-    parser.add_argument("--writes-per-s", type=float, default=5.0)
-    parser.add_argument("--before-s", type=float, default=90.0, help="window before (90 s)")
+    add_stack_arguments(parser, docs=1500, writes_per_s=5.0)
     parser.add_argument("--batch", type=int, default=32, help="builder and in-process batch")
     parser.add_argument(
         "--parallel", type=int, default=0, help="`index rollout --parallel` (0: its default)"
@@ -469,13 +483,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bench/results/rollout_retrain_writes.json",
     )
     parser.add_argument(
-        "--cpus",
-        default="last",
-        help="the rollout's CPU budget (`index rollout --cpus`): 'last' (default: the "
-        "last CPU of this machine), a CPU list, or 'none' (no budget: every process on "
-        "every CPU)",
-    )
-    parser.add_argument(
         "--document-precision",
         choices=["int8", "fp32"],
         default="int8",
@@ -498,7 +505,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=("always", "everysec"),
         help="`up --redis-fsync` (default: up's, always)",
     )
-    parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
     parser.add_argument("--out", type=Path, default=None, help="bench/results/rollout.json")
     args = parser.parse_args(argv)
     if args.out is None:

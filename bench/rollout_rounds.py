@@ -38,7 +38,14 @@ from typing import Any
 import numpy as np
 
 from bench.p99_interval import p99_ratio_interval
-from bench.rollout import SCIFACT, PhaseWatch, p99, rollout_budget, steady_load
+from bench.rollout import (
+    SCIFACT,
+    PhaseWatch,
+    add_stack_arguments,
+    p99,
+    rollout_budget,
+    steady_load,
+)
 from bench.rollout_writes import check_writes, hold_source
 from services.process import cpus as cpu_sets
 
@@ -92,14 +99,8 @@ def _retire(stack: Any, run_dir: Path, log: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=8, help="retrain rollouts (8)")
-    parser.add_argument("--docs", type=int, default=500, help="SciFact documents stored (500)")
-    parser.add_argument("--text-chars", type=int, default=1000, help="text cut to (1000)")
-    parser.add_argument("--searches-per-s", type=float, default=20.0)
-    parser.add_argument("--writes-per-s", type=float, default=21.0)
-    parser.add_argument("--before-s", type=float, default=90.0, help="window before (90 s)")
+    add_stack_arguments(parser, docs=500, writes_per_s=21.0)
     parser.add_argument("--gap-s", type=float, default=10.0, help="settling between rounds")
-    parser.add_argument("--cpus", default="last", help="the rollouts' CPU budget, as bench.rollout")
-    parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
     parser.add_argument(
         "--out", type=Path, default=Path("bench/results/rollout_retrain_rounds.json")
     )
