@@ -320,7 +320,7 @@ def switch_searches(record: Any, marks: dict[str, float], end: float) -> dict[st
 POLL_S = 0.1  # the phase watcher's poll
 
 
-def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
+def _watch_phases(redis_url: str, stop: Any, ready: Any, out: Any) -> None:
     """PhaseWatch's poller, in a process of its own: polling Redis every 20 ms from a
     thread of the load generator's process took the GIL from its event loop and showed as
     search latency during the rollout only. Every 100 ms since 2026-11-30: at 20 ms the
@@ -330,6 +330,7 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
     import redis
 
     from services.generations.registry import Registry
+    from services.index.keys import ADDRESSES_KEY
 
     client = redis.Redis.from_url(redis_url)
     reg = Registry(client)
@@ -344,6 +345,9 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
             seen.setdefault(phase, time.monotonic())  # CLOCK_MONOTONIC: one for all processes
         if state is not None and state.p0:
             names = {"source": state.source, "target": state.target, "p0": state.p0}
+        target = state.target if state is not None else ""
+        if target and "published" not in seen and client.hexists(ADDRESSES_KEY, target):
+            seen["published"] = time.monotonic()  # the target's shards started
         if state is not None and phase:
             replayed.setdefault(phase, sum(state.replayed.values()))
         if state is not None and phase == "bulk" and state.target:
@@ -352,6 +356,7 @@ def _watch_phases(redis_url: str, stop: Any, out: Any) -> None:
             if bulk_first is None:
                 bulk_first = appended
             bulk_appended = max(bulk_appended, appended)
+        ready.set()
         time.sleep(POLL_S)
     out.put(
         {
@@ -372,9 +377,11 @@ class PhaseWatch:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        self._stop = ctx.Event()
+        self._stop, self._ready = ctx.Event(), ctx.Event()
         self._out: Any = ctx.Queue()
-        self._proc = ctx.Process(target=_watch_phases, args=(redis_url, self._stop, self._out))
+        self._proc = ctx.Process(
+            target=_watch_phases, args=(redis_url, self._stop, self._ready, self._out)
+        )
         self.seen: dict[str, float] = {}
         self.bulk_appended = 0  # documents in the target's lv hashes while in bulk
         self.bulk_first: int | None = None  # ...when the bulk phase was first seen
@@ -382,7 +389,15 @@ class PhaseWatch:
         self.names: dict[str, Any] = {}  # source, target, p0
 
     def __enter__(self) -> PhaseWatch:
+        """Once the watcher polls: its process's start (an interpreter, redis-py) is
+        not the rollout's, and a window begun after this does not hold it. Entered
+        again (``with`` after a first call), it returns at once."""
+        if self._proc.is_alive() or self._ready.is_set():
+            return self
         self._proc.start()
+        if not self._ready.wait(60):
+            self._proc.kill()
+            raise RuntimeError("the phase watcher did not start polling within 60 s")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -394,6 +409,11 @@ class PhaseWatch:
         self.bulk_first = result["bulk_first"]
         self.replayed = result["replayed"]
         self.names = result["names"]
+
+    def phases(self) -> dict[str, float]:
+        """When each builder phase was first seen (``seen`` without ``published``: when
+        the target's shard addresses were)."""
+        return {k: v for k, v in self.seen.items() if k != "published"}
 
     def catch_up_rate(self) -> tuple[float, int, float]:
         """(entries/s, entries, seconds) the builder replayed in its catch_up phase: from
@@ -408,7 +428,7 @@ class PhaseWatch:
         """From the first sighting of the bulk phase to the first of a later one."""
         if "bulk" not in self.seen:
             return None
-        after = [t for phase, t in self.seen.items() if t > self.seen["bulk"]]
+        after = [t for phase, t in self.phases().items() if t > self.seen["bulk"]]
         return (min(after) - self.seen["bulk"]) if after else None
 
 
@@ -577,6 +597,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     held = stack.redis()
                     hold_source(held)  # the write check reads its logs after the switch
                     held.close()
+                    # the watcher polling first (a blocking wait: not on the load's loop)
+                    await asyncio.to_thread(watch.__enter__)
                     marks["rollout_start"] = time.monotonic()
                     marks["before_start"] = marks["rollout_start"] - args.before_s
                     with watch:
@@ -604,7 +626,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             log=rollout_out,
                         )
                     marks["rollout_end"] = time.monotonic()
-                    marks.update({f"phase_{k}": v for k, v in watch.seen.items()})
+                    marks.update({f"phase_{k}": v for k, v in watch.phases().items()})
                     marks["bulk_seconds"] = watch.bulk_seconds() or float("nan")
                     marks["bulk_appended"] = watch.bulk_appended - (watch.bulk_first or 0)
                     # a few seconds of writes to the new generation, then stop

@@ -15,6 +15,13 @@ the other under the same load as ``bench.rollout`` (searches at 20/s, writes at
   retired (``index retire``, as an operator keeps one rollback target), and the stack is
   left ``--gap-s`` seconds to settle.
 
+Where in a round the latency goes: ``p99_by_segment_ms`` pools every round's searches per
+segment (:data:`SEGMENTS`: the CLI's start, the train phase, the catch-up until the
+target's shards published their addresses, the catch-up after, the switch), each with its
+p99, its count and ``slow``: how many took over 1.5x the p99 before (the pooled p99 is over
+1.5x when more than 1 % of all searches are). ``--up-log`` keeps the stack's output (its
+CPU placement lines).
+
 Each round's acknowledged writes after its P0 are checked in its new generation, as
 ``bench.rollout`` checks them (``bench/rollout_writes.py``: the source's logs are held
 until its round is checked). Prints per round its length, searches, p99 and the writes
@@ -58,8 +65,8 @@ def _round(stack: Any, cli_budget: list[str], run_dir: Path, log: Path) -> dict[
         hold_source(held)
     finally:
         held.close()
-    start = time.monotonic()
     with PhaseWatch(stack.redis_url) as watch:
+        start = time.monotonic()
         done = stack.run_cli(
             "index",
             "rollout",
@@ -74,7 +81,48 @@ def _round(stack: Any, cli_budget: list[str], run_dir: Path, log: Path) -> dict[
     end = time.monotonic()
     if done.returncode != 0:
         raise SystemExit(f"index rollout failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    return {"start": start, "end": end, "names": watch.names, "p0_at": watch.seen.get("train")}
+    return {
+        "start": start,
+        "end": end,
+        "names": watch.names,
+        "p0_at": watch.seen.get("train"),
+        "seen": watch.seen,
+    }
+
+
+# The segments of a retrain rollout, each from its mark to the next one seen: the CLI
+# starting (imports, the lock, P0), the export and the training, the catch-up until the
+# target's shards published their addresses (their start), the catch-up after, the switch.
+SEGMENTS = ("start", "train", "catch_up", "published", "switch")
+
+
+def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float) -> dict[str, Any]:
+    """The OK searches of every round pooled per segment (:data:`SEGMENTS`): their p99
+    (ms), count, how many took over ``slow_s`` (1.5x the p99 before: the pooled p99 is
+    over it when more than 1 % of all did) and the segment's mean length (s): where in a
+    rollout the latency goes."""
+    pooled: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+    lengths: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+    for one in rounds:
+        marks = sorted(
+            [(one["start"], "start")]
+            + [(t, k) for k, t in one["seen"].items() if k in SEGMENTS and k != "start"]
+        )
+        for n, (begin, name) in enumerate(marks):
+            stop = marks[n + 1][0] if n + 1 < len(marks) else one["end"]
+            lengths[name].append(stop - begin)
+            pooled[name] += [
+                s.latency for s in searches if begin <= s.start < stop and s.code == "OK"
+            ]
+    return {
+        name: {
+            "p99_ms": round(1e3 * p99(pooled[name]), 1) if pooled[name] else None,
+            "searches": len(pooled[name]),
+            "slow": sum(1 for x in pooled[name] if x > slow_s),
+            "mean_s": round(float(np.mean(lengths[name])), 2) if lengths[name] else None,
+        }
+        for name in SEGMENTS
+    }
 
 
 def _check(stack: Any, writes: list[Any], one: dict[str, Any]) -> None:
@@ -101,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=8, help="retrain rollouts (8)")
     add_stack_arguments(parser, docs=500, writes_per_s=21.0)
     parser.add_argument("--gap-s", type=float, default=10.0, help="settling between rounds")
+    parser.add_argument("--up-log", type=Path, help="keep the stack's output (`up`) here")
     parser.add_argument(
         "--out", type=Path, default=Path("bench/results/rollout_retrain_rounds.json")
     )
@@ -118,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
         run_dir = args.run_dir or tmp / "run"
         extra = ["--document-precision", "int8"]
-        with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2, extra=extra) as stack:
+        up_log = args.up_log or tmp / "up.log"
+        with local_stack(run_dir, up_log, corpus=corpus, shards=2, extra=extra) as stack:
             load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
 
             async def scenario() -> float:
@@ -197,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "writes_checked": sum(r["writes_checked"] for r in per_round),
         "lost_writes": sum(r["lost_writes"] for r in per_round),
         "cpu_budget": cpu_sets.format_cpus(budget) if budget else "none",
+        "p99_by_segment_ms": by_segment(searches, rounds, 1.5e-3 * p99_before),
     }
     for r in per_round:
         print(
@@ -211,6 +262,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(goal <= 1.5; 95 % interval {result['p99_during_over_before_ci95']}); "
         f"{result['lost_writes']} of {result['writes_checked']} acknowledged writes lost"
     )
+    for name, seg in result["p99_by_segment_ms"].items():
+        print(
+            f"  {name}: p99 {seg['p99_ms']} ms over {seg['searches']} searches "
+            f"({seg['slow']} over 1.5x the p99 before), {seg['mean_s']} s"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
