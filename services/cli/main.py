@@ -17,6 +17,7 @@ Every subcommand has --help.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -62,7 +63,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def pin_early(argv: Sequence[str]) -> bool:
+    """``index rollout --cpus C``: this process on its CPU budget before the command
+    modules are imported (building the parser imports ~0.3 s of them), not from its
+    handler on: the rollout's first CPU-second went to serving's CPUs before (a pooled
+    bench segment, docs/generations.md "The rollout's CLI on its budget from its start").
+    True when pinned; a bad or absent spec pins nothing (the handler refuses it as before)."""
+    args = list(argv)
+    if args[:2] != ["index", "rollout"]:
+        return False
+    spec = next(
+        (
+            nxt if arg == "--cpus" else arg.partition("=")[2]
+            for arg, nxt in zip(args, [*args[1:], ""], strict=True)
+            if arg == "--cpus" or arg.startswith("--cpus=")
+        ),
+        "",
+    )
+    if not spec or not hasattr(os, "sched_setaffinity"):
+        return False
+    from services.common.errors import InvalidArgument
+    from services.process.cpus import budget_for
+
+    try:
+        os.sched_setaffinity(0, budget_for(spec))  # one thread yet: the whole process
+    except (InvalidArgument, OSError):
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # run as the program
+        pin_early(sys.argv[1:])
     parser = build_parser()
     # `<service> serve` passes every flag on to the service's settings class (which
     # prints its own --help); other commands accept no unknown flags.
@@ -96,7 +128,6 @@ def exit_at_once(code: int) -> None:
     needed."""
     import contextlib
     import logging
-    import os
 
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

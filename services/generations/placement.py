@@ -3,8 +3,8 @@ measurements: docs/generations.md "A rollout's CPU budget").
 
 On a machine whose cores serve searches, a rollout at full speed delays them: not for
 want of CPU time but of an idle core to wake up on (a woken thread waits for a busy core
-up to a scheduler tick, whatever the priorities). So a rollout given ``--cpus C`` gets
-those CPUs and serving the others, for as long as the budget is recorded
+up to a scheduler tick, whatever the priorities). So a rollout given ``--cpus C`` keeps
+to those CPUs, leaving the others to serving, for as long as the budget is recorded
 (:data:`~services.index.keys.CPU_BUDGET_KEY`, kept alive by the rollout's CLI):
 
 - **rollout**: the rollout target's shards (named by ``{gtr}:rollout``) and every Triton
@@ -14,30 +14,31 @@ those CPUs and serving the others, for as long as the budget is recorded
   then (at most :data:`PUBLISH_GRACE_S`) a stub with a budget file is left where it
   pinned itself;
 - **serving**: every other child of the stack (Redis, Triton, the gateway, the serving
-  and previous generations' shards, Prometheus) and the other stubs: every CPU but C.
+  and previous generations' shards, Prometheus) and the other stubs: every CPU.
 
-**Serving's load decides.** Keeping serving off the budget's CPUs helps only while what
-is left holds serving's load: on 2 cores with writes at 20/s (each one encoded, twice
-during a dual write), serving needed ~1.4 cores, and confined to one it queued for
-seconds (search p99 118 ms → 2.7 s, 22.9x, against 6.9x with no budget at all;
-docs/generations.md "Serving's load decides the split"). So the stack measures serving's
-CPU use over the last :data:`LOAD_WINDOW_S` (:class:`ServingLoad`, from ``/proc``, on
-every pass, with or without a budget) and splits the CPUs only while serving used at
-most :data:`SPLIT_UP_TO` of the CPUs a budget leaves it; past that serving gets every CPU
-back (the rollout keeps to its budget), and a split resumes once serving's use fell to
-:data:`SPLIT_AGAIN_BELOW` of them (:func:`split`: the gap keeps it from flapping).
+**Serving keeps every CPU.** The budget confines the rollout, not serving: serving's
+processes may run on every CPU, the budget's too, and the scheduler wakes them on the
+CPUs the rollout leaves idle. Until 2026-12-01 serving was kept off the budget's CPUs
+while its measured load fitted in half of the CPUs left (a *split*); on this 2-core
+machine every measurement of it cost the searches more than it saved: a new encoder's
+rollout with serving at ~0.55 of the one CPU left read 1.92x against ~1.45x, and eight
+pooled ``--retrain`` rollouts with serving at ~0.45 of it read 1.64-2.02x against
+1.49-1.52x without the split (docs/generations.md "Serving keeps every CPU"). Confined
+to one CPU, every serving thread's wake-up queues behind the others'; what the budget
+has to guarantee is only that the rollout's work stays off the other CPUs.
 
 **The hand-over.** Once the rollout reaches its switch phase (:data:`HANDED_OVER`) its
-target is about to serve: its shards and its stub go to serving's CPUs, and each pass
+target is about to serve: its shards and its stub go to every CPU, and each pass
 records in :data:`~services.index.keys.CPU_PLACED_KEY` which generation the budget still
 holds; the builder closes the writes and moves the alias only once that no longer names
 its target (at most a poller pass later). Without the hand-over the new serving
-generation's first searches shared the budget's CPU with the builder's end (76 ms p99
-against 27 ms, docs/generations.md "The switch phase, traced").
+generation's first searches ran on the budget's CPU only, beside the builder's end (76
+ms p99 against 27 ms, docs/generations.md "The switch phase, traced").
 
 **The end.** The rollout's CLI marks the budget ending with its pid when the rollout is
 over (:mod:`services.generations.budget`); the budget holds until that process has
-exited, so its end stays on the budget's CPUs.
+exited (the CLI pinned itself: its end stays on the budget's CPUs), though no process of
+the stack is on it by then.
 
 Without a budget every process may use every CPU again (the stubs widen their ONNX
 Runtime thread pools to match). Applied on each pass of the generations poller, thread
@@ -49,8 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
@@ -74,63 +74,6 @@ HANDED_OVER = frozenset({"switch", "done"})
 PLACED_TTL_S = 3
 
 
-# Serving's measured use (cores), as a share of the CPUs a budget leaves it, up to which
-# it is kept off the budget's CPUs, and below which a split that was lifted resumes.
-SPLIT_UP_TO = 0.5
-SPLIT_AGAIN_BELOW = 0.35
-# the window serving's use is measured over (the poller samples every pass, 0.5 s)
-LOAD_WINDOW_S = 5.0
-
-
-class ServingLoad:
-    """Serving's CPU use in cores over the last ``window_s``: :meth:`add` a sample of its
-    processes on each pass, :meth:`cores` reads it (None until a window's worth of second
-    is there). A process's first sample is its baseline; one that ended stops counting."""
-
-    def __init__(
-        self,
-        window_s: float = LOAD_WINDOW_S,
-        read: Callable[[int], float | None] = cpu_sets.cpu_seconds,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.window_s = window_s
-        self._read = read
-        self._clock = clock
-        self._last: dict[int, float] = {}
-        self._steps: deque[tuple[float, float]] = deque()  # (when, CPU s since the last)
-        self._since = clock()
-
-    def add(self, pids: Iterable[int]) -> None:
-        now, used, seen = self._clock(), 0.0, {}
-        for pid in pids:
-            cpu = self._read(pid)
-            if cpu is None:
-                continue
-            used += max(0.0, cpu - self._last.get(pid, cpu))
-            seen[pid] = cpu
-        self._last = seen
-        self._steps.append((now, used))
-        while self._steps and self._steps[0][0] <= now - self.window_s:
-            self._since = self._steps.popleft()[0]
-
-    def cores(self) -> float | None:
-        if not self._steps:
-            return None
-        span = self._steps[-1][0] - self._since
-        if span < min(1.0, self.window_s):
-            return None
-        return sum(used for _, used in self._steps) / span
-
-
-def split(previous: bool, cores: float | None, kept: int) -> bool:
-    """Whether serving keeps to the ``kept`` CPUs a budget leaves it, given its measured
-    use (``cores``; None: not measured yet, keep ``previous``) and whether it did on the
-    pass before (``previous``)."""
-    if cores is None:
-        return previous
-    return cores <= (SPLIT_UP_TO if previous else SPLIT_AGAIN_BELOW) * kept
-
-
 @dataclass(frozen=True)
 class Process:
     pid: int
@@ -141,17 +84,14 @@ def placement(
     processes: Iterable[Process],
     machine: frozenset[int],
     budget: frozenset[int] | None,
-    split_cpus: bool = True,
 ) -> dict[int, frozenset[int]]:
-    """pid → the CPUs it may use: without a budget every process gets ``machine``; with one,
-    the rollout's processes get the budget and the others the rest (all of ``machine``
-    when the budget would leave serving nothing, or when ``split_cpus`` is False: serving's
-    load needs more than the rest, :func:`split`)."""
+    """pid → the CPUs it may use: the rollout's processes get the budget (every CPU
+    without one, or when it would leave serving nothing), every other process every
+    CPU of ``machine``."""
     mine = (budget or frozenset()) & machine
     if not mine or mine == machine:
         return {p.pid: machine for p in processes}
-    serving = machine - mine if split_cpus else machine
-    return {p.pid: mine if p.rollout else serving for p in processes}
+    return {p.pid: mine if p.rollout else machine for p in processes}
 
 
 def stub_budget_age(pid: int) -> float | None:

@@ -113,10 +113,10 @@ class GenerationShards:
         self._client: Any = None
         self._last_error = ""
         self.passes = 0  # registry reads done (a test awaits a pass instead of sleeping)
-        self.machine = cpu_sets.available()  # what serving gets back after a CPU budget
-        self._placed: tuple[frozenset[int] | None, frozenset[int], bool] | None = None
-        self.serving_load = placement.ServingLoad()  # serving's CPU use, every pass
-        self._split = True  # whether a budget's split held on the last pass
+        self.machine = (
+            cpu_sets.available()
+        )  # serving's, always (a budget confines the rollout only)
+        self._placed: tuple[frozenset[int] | None, frozenset[int]] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -244,15 +244,15 @@ class GenerationShards:
 
     def _budgeted_target(self) -> str:
         """The generation whose processes a CPU budget holds: the rollout's target until
-        its switch phase, when they go to serving's CPUs before the alias names it
+        its switch phase, when they go to every CPU before the alias names it
         (:mod:`services.generations.placement`); "" none."""
         return placement.budgeted_target(Registry(self._redis()).running())
 
     def place_cpus(self) -> None:
         """A rollout's CPU budget (:mod:`services.generations.placement`): its processes on its
-        CPUs, serving on the others while serving's measured load fits there (else on every
-        CPU); without one, everything on every CPU. Applied on every pass while a budget
-        holds (new threads, a stub loaded), else when the children changed."""
+        CPUs, serving on every CPU; without one, everything on every CPU. Applied on every
+        pass while a budget holds (new threads, a stub loaded), else when the children
+        changed."""
         budget = self._budget()
         target = self._budgeted_target() if budget else ""
         ours = self.running.get(target)
@@ -270,46 +270,16 @@ class GenerationShards:
                         continue  # published for a rollout that records its budget next
                     # the new version's stub, until the target is handed over
                     processes.append(placement.Process(stub, age is not None and bool(target)))
-        self.serving_load.add(p.pid for p in processes if not p.rollout)
-        split = self._split_serving(budget)
-        state = (budget, frozenset(p.pid for p in processes), split)
+        state = (budget, frozenset(p.pid for p in processes))
         if budget is None and state == self._placed:
             return
-        changed = placement.apply(placement.placement(processes, self.machine, budget, split))
+        changed = placement.apply(placement.placement(processes, self.machine, budget))
         if changed or state != self._placed:
             where = cpu_sets.format_cpus(budget) if budget else "none"
             log.info("CPU budget %s (%s): %d thread(s) moved", where, target or "-", changed)
         self._placed = state
         if budget is not None:  # what the builder's switch waits for
             self._redis().set(CPU_PLACED_KEY, target, ex=placement.PLACED_TTL_S)
-
-    def _split_serving(self, budget: frozenset[int] | None) -> bool:
-        """Whether serving keeps off ``budget``'s CPUs on this pass (its measured load,
-        :func:`~services.generations.placement.split`); said in the log when it changes."""
-        if budget is None:
-            self._split = True
-            return True
-        kept = len(self.machine - budget)
-        cores = self.serving_load.cores()
-        split = placement.split(self._split, cores, kept)
-        if split != self._split:
-            log.warning(
-                "CPU budget %s: serving used %.2f cores over the last %.0f s, %s %d%% of "
-                "the %d CPU(s) the budget leaves it; serving now %s",
-                cpu_sets.format_cpus(budget),
-                cores or 0.0,
-                self.serving_load.window_s,
-                "above" if not split else "below",
-                round(
-                    100 * (placement.SPLIT_UP_TO if self._split else placement.SPLIT_AGAIN_BELOW)
-                ),
-                kept,
-                "runs on every CPU (the rollout keeps to its budget)"
-                if not split
-                else "keeps off the budget's CPUs again",
-            )
-        self._split = split
-        return split
 
     def _start_generation(self, gen: Generation, essential: bool) -> None:
         cfg = self.cfg

@@ -13,14 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
-from services.generations.placement import (
-    SPLIT_AGAIN_BELOW,
-    SPLIT_UP_TO,
-    Process,
-    ServingLoad,
-    placement,
-    split,
-)
+from services.generations.placement import Process, placement
 from services.process import cpus as cpu_sets
 from tests.support.processes import wait_until
 
@@ -52,9 +45,9 @@ def test_a_budget_must_be_available_and_leave_serving_a_cpu() -> None:
         cpu_sets.budget_for("0-3", MACHINE)
 
 
-def test_with_a_budget_the_rollout_gets_it_and_serving_the_rest() -> None:
+def test_with_a_budget_the_rollout_gets_it_and_serving_keeps_every_cpu() -> None:
     placed = placement([Process(10, False), Process(11, True)], MACHINE, frozenset({3}))
-    assert placed == {10: {0, 1, 2}, 11: {3}}
+    assert placed == {10: MACHINE, 11: {3}}
 
 
 @pytest.mark.parametrize("budget", [None, frozenset(), MACHINE, frozenset({7})])
@@ -63,69 +56,6 @@ def test_without_a_usable_budget_every_process_gets_every_cpu(
 ) -> None:
     placed = placement([Process(10, False), Process(11, True)], MACHINE, budget)
     assert placed == {10: MACHINE, 11: MACHINE}
-
-
-def test_when_serving_needs_more_than_the_rest_it_keeps_every_cpu_and_the_rollout_its_own() -> None:
-    placed = placement(
-        [Process(10, False), Process(11, True)], MACHINE, frozenset({3}), split_cpus=False
-    )
-    assert placed == {10: MACHINE, 11: {3}}
-
-
-def test_the_split_is_lifted_past_its_share_and_resumes_only_well_below_it() -> None:
-    kept = 2
-    assert split(True, None, kept) and not split(False, None, kept)  # not measured: as was
-    assert split(True, SPLIT_UP_TO * kept, kept)
-    assert not split(True, SPLIT_UP_TO * kept + 0.01, kept)
-    between = (SPLIT_UP_TO + SPLIT_AGAIN_BELOW) / 2 * kept
-    assert not split(False, between, kept)  # lifted: stays lifted in the gap
-    assert split(True, between, kept)  # split: stays split in the gap
-    assert split(False, SPLIT_AGAIN_BELOW * kept, kept)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_serving_load_is_cpu_seconds_over_wall_seconds_in_its_window() -> None:
-    cpu = {1: 10.0, 2: 50.0}
-    clock = _Clock()
-    load = ServingLoad(window_s=5.0, read=cpu.get, clock=clock)
-    load.add([1, 2])  # baselines
-    assert load.cores() is None  # not a second measured yet
-    for _ in range(10):  # 1.5 cores for 5 s: pid 1 one core, pid 2 half of one
-        clock.now += 0.5
-        cpu[1] += 0.5
-        cpu[2] += 0.25
-        load.add([1, 2])
-    assert load.cores() == pytest.approx(1.5)
-    for _ in range(10):  # then idle for the window's length: the busy seconds age out
-        clock.now += 0.5
-        load.add([1, 2])
-    assert load.cores() == pytest.approx(0.0)
-
-
-def test_a_new_process_counts_from_its_first_sample_and_an_ended_one_stops() -> None:
-    cpu: dict[int, float] = {1: 0.0}
-    clock = _Clock()
-    load = ServingLoad(window_s=5.0, read=cpu.get, clock=clock)
-    load.add([1])
-    clock.now += 0.5
-    cpu[2] = 1000.0  # started with CPU time already spent: its baseline, not this window's
-    load.add([1, 2])
-    for _ in range(3):  # then one core
-        clock.now += 0.5
-        cpu[2] += 0.5
-        load.add([1, 2])
-    assert load.cores() == pytest.approx(1.5 / 2.0)
-    del cpu[2]  # ended: nothing counts for it, nothing negative either
-    clock.now += 0.5
-    load.add([1, 2])
-    assert load.cores() == pytest.approx(1.5 / 2.5)
 
 
 def test_cpu_seconds_of_this_process_grow_and_of_no_process_are_none() -> None:
