@@ -5,6 +5,8 @@ Package map:
 - ``launcher``: ``up`` itself: starts the children in order, ingests, stops.
 - ``config``: what ``up`` starts and where it keeps its files.
 - ``children``: child processes: start, wait until healthy, supervise, stop.
+- ``forking``: the fork server shard processes are forked from (their libraries
+  imported once).
 - ``components``: each component's argv, environment and readiness (Redis, shards,
   rerank, gateway), the run's TLS files and tokens.
 - ``triton_component``: Triton: the ONNX export, the repository, ports, TLS, readiness.
@@ -12,5 +14,6 @@ Package map:
 - ``certs``: the run's throwaway CA and certificates.
 - ``endpoints``: where a running stack listens, and how a client reaches it.
 - ``first_run``: the first ``up`` on a run directory (encode, train, store).
-- ``generations``, ``cpu_budget``: the stack's side of index generations and rollouts.
+- ``generations``: the stack's side of index generations and rollouts (the shards of
+  every running generation, a rollout's CPU budget).
 """

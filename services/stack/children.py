@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.process.cpus import pin_process
 from services.process.ports import listen_port
@@ -93,6 +93,23 @@ class State(Enum):
 Ready = Callable[[], bool]
 
 
+class ChildProcess(Protocol):
+    """What the supervisor uses of a child's process: a :class:`subprocess.Popen`, or a
+    shard forked by the stack's fork server (:class:`services.stack.forking.ForkedProcess`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# Starts a child's process instead of an exec (argv, environment, log file, CPUs):
+# the stack's fork server for shard processes (services/stack/forking.py)
+Spawn = Callable[[Sequence[str], Mapping[str, str], Path, "frozenset[int] | None"], ChildProcess]
+
+
 @dataclass
 class Child:
     name: str
@@ -102,7 +119,7 @@ class Child:
     address: str = ""
     metrics: str = ""  # host:port of its Prometheus endpoint, if it has one
     job: str = ""  # Prometheus job label (gateway, index, rerank, triton)
-    process: subprocess.Popen[bytes] | None = None
+    process: ChildProcess | None = None
     ready: Ready | None = None  # the readiness probe (set by Supervisor.start)
     ready_timeout_s: float = 60.0
     restarts: int = 0
@@ -114,11 +131,17 @@ class Child:
     # the CPUs it starts on (a rollout's CPU budget, services/generations/placement.py); None:
     # the launcher's
     cpus: frozenset[int] | None = None
+    # how its process starts: None exec's ``argv``; the stack's fork server forks shards
+    spawn: Spawn | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        fh = self.log_path.open("ab")
         env = {**os.environ, **self.env}
+        if self.spawn is not None:
+            self.process = self.spawn(self.argv, env, self.log_path, self.cpus)
+            log.debug("forked %s (pid %s): %s", self.name, self.process.pid, " ".join(self.argv))
+            return
+        fh = self.log_path.open("ab")
         self.process = subprocess.Popen(
             list(self.argv),
             stdout=fh,

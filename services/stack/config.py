@@ -103,6 +103,9 @@ class StackConfig:
     otlp_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
     triton_otlp_endpoint: str | None = None
+    # shard processes forked from one that imported their libraries once (the fork server,
+    # services/stack/forking.py) rather than each a fresh interpreter (``--no-fork-shards``)
+    fork_shards: bool = True
 
     @property
     def auth_dir(self) -> Path:

@@ -50,7 +50,7 @@ from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, F
 from services.process import cpus as cpu_sets
 from services.process.private import is_private, make_private
 from services.stack import components
-from services.stack.children import Child, ChildFailed, State, Supervisor
+from services.stack.children import Child, ChildFailed, Spawn, State, Supervisor
 from services.stack.components import ShardGroup
 from services.stack.config import StackConfig
 
@@ -93,8 +93,10 @@ class GenerationShards:
         report: Callable[[str], None] = print,
         on_change: Callable[[], None] | None = None,
         poll_s: float = POLL_S,
+        spawn: Spawn | None = None,
     ) -> None:
         self.cfg = cfg
+        self.spawn = spawn  # how shard processes start (the fork server's), None: exec
         self.supervisor = supervisor
         self.redis_url = redis_url  # the whole URL (password, certificates)
         self.tls = tls  # how the readiness probe reaches a shard
@@ -318,6 +320,7 @@ class GenerationShards:
                     child = components.shard_child(cfg, shard, replica, ports[shard], group)
                     child.essential = essential
                     child.cpus = budget  # a rollout target starts on its CPU budget
+                    child.spawn = self.spawn
                     ready = _probe(child, self.tls)
                     self.supervisor.launch(child, ready, cfg.startup_timeout_s)
                     replicas.append(child)

@@ -34,7 +34,7 @@ from services.process.private import PRIVATE_UMASK, make_private
 from services.process.redis_client import parse_redis_url
 from services.rpc.tls import ClientTLS
 from services.stack import components, first_run, prometheus_component, triton_component
-from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Supervisor
+from services.stack.children import STOP_GRACE_S, Child, ChildFailed, Spawn, Supervisor
 from services.stack.config import StackConfig, example_queries
 from services.stack.endpoints import Endpoints
 from services.stack.generations import GenerationShards
@@ -209,6 +209,17 @@ class Stack:
         _say(f"tls        gateway TLS, mTLS between the services and Triton; CA {certs.ca}")
         return components.internal_tls(cfg)
 
+    def _fork_server(self) -> Spawn | None:
+        """The fork server's spawn for shard processes (``fork_shards``), started now:
+        its imports go on while the rest of the stack starts."""
+        if not self.config.fork_shards:
+            return None
+        from services.stack.forking import ForkServer
+
+        server = ForkServer()
+        server.start()
+        return server.spawn
+
     def start(self) -> None:
         cfg = self.config
         timeout = cfg.startup_timeout_s
@@ -252,6 +263,7 @@ class Stack:
             tls=tls,
             report=_say,
             on_change=self._generations_changed,
+            spawn=self._fork_server(),
         )
         self.generations.start_all()
         self.endpoints.shards = self.generations.gateway_shards()

@@ -294,6 +294,12 @@ def _thread_cpus(pid: int) -> set[frozenset[int]]:
     return found
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        stat = fh.read()
+    return int(stat[stat.rfind(b")") + 2 :].split()[1])
+
+
 def _all_on(children: list[Child], cpus: frozenset[int]) -> bool:
     """Whether every thread of every one of ``children`` may run on ``cpus`` and no other."""
     return all(c.pid is not None and _thread_cpus(c.pid) == {cpus} for c in children)
@@ -315,6 +321,9 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_leaves_serving_eve
     wait_until(lambda: target.name in running.addresses(), "the target's shards", 120)
 
     ours = gens.running[target.name].all()
+    # forked by the stack's fork server (services/stack/forking.py), as up starts shards
+    assert gens.spawn is not None  # the stack runs in this process: not its children
+    assert all(c.pid is not None and _parent(c.pid) != os.getpid() for c in ours)
     mine = {id(c) for c in ours}
     theirs = [c for c in list(running.stack.supervisor.children) if id(c) not in mine]
     names = {c.name for c in theirs}

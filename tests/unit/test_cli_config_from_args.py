@@ -117,3 +117,11 @@ def test_up_defaults_to_an_admission_limit_derived_from_the_cpus_it_may_use() ->
     assert stack_config(parser.parse_args(["up", "--max-in-flight", "7"])).max_in_flight == 7
     with pytest.raises(SystemExit):
         stack_config(parser.parse_args(["up", "--max-in-flight", "-1"]))
+
+
+def test_up_forks_its_shard_processes_unless_told_not_to() -> None:
+    from services.cli.stack_commands import stack_config
+
+    parser = build_parser()
+    assert stack_config(parser.parse_args(["up"])).fork_shards is True
+    assert stack_config(parser.parse_args(["up", "--no-fork-shards"])).fork_shards is False
