@@ -115,9 +115,8 @@ class GenerationShards:
         self._client: Any = None
         self._last_error = ""
         self.passes = 0  # registry reads done (a test awaits a pass instead of sleeping)
-        self.machine = (
-            cpu_sets.available()
-        )  # serving's, always (a budget confines the rollout only)
+        # every CPU this process may use: serving's always (a budget confines the rollout)
+        self.machine = cpu_sets.available()
         self._placed: tuple[frozenset[int] | None, frozenset[int]] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------

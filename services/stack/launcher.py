@@ -210,8 +210,8 @@ class Stack:
         return components.internal_tls(cfg)
 
     def _fork_server(self) -> Spawn | None:
-        """The fork server's spawn for shard processes (``fork_shards``), started now:
-        its imports go on while the rest of the stack starts."""
+        """The fork server's spawn for shard processes (``fork_shards``), started now: it
+        imports in the background, and the first shard's fork waits for that."""
         if not self.config.fork_shards:
             return None
         from services.stack.forking import ForkServer
@@ -223,6 +223,7 @@ class Stack:
     def start(self) -> None:
         cfg = self.config
         timeout = cfg.startup_timeout_s
+        spawn = self._fork_server()  # first: its imports overlap Redis's and Triton's start
         tls = self._security()
         if cfg.otlp_endpoint:
             traced = cfg.triton_otlp_endpoint or "not traced (--triton-otlp-endpoint)"
@@ -263,7 +264,7 @@ class Stack:
             tls=tls,
             report=_say,
             on_change=self._generations_changed,
-            spawn=self._fork_server(),
+            spawn=spawn,
         )
         self.generations.start_all()
         self.endpoints.shards = self.generations.gateway_shards()
