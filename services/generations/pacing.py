@@ -8,28 +8,26 @@ processes; pacing leaves part of the budget idle. Between two encode calls the b
 pauses so that its encoder is busy ``duty`` of the time: after a call of ``t`` seconds,
 ``t * (1 / duty - 1)`` seconds.
 
-``duty`` follows the searches' p99 that the gateways report
-(:mod:`.serving_latency`: their last 5 s), against a target taken before the rollout
-began (its ``baseline``, the p99 of the gateways' last 30 s, times ``ratio``, at least
-``margin_ms`` more): halved when the p99 is over
-the target, raised by a tenth when it is well under (``RELAX``), never below
-``min_duty`` (the rollout always progresses, and the writes' dual encodes bound its
-catch-up whatever its pace). Only the ``train`` and ``bulk`` phases are paced
-(:data:`PACED_PHASES`). A cut is followed by ``settle_s`` without another (the
-reports cover the last seconds, which still hold searches from before the cut). A p99
-that stays over the target for ``rebase_after_s`` with the duty at its floor is not the
-re-embedding's doing: the target is then taken again from the *lowest* p99 of that time
-(a *rebase*, as a latency-based congestion controller re-measures its base delay), so that
-work the builder cannot shed does not hold it at a tenth of its pace for the whole
-rollout, but only by its margin over that p99; once the p99 is back under the first
-target's relaxed share, the first target applies again. A rebase never raises the target
-past ``ceiling`` times the baseline (1.5, the most a rollout may slow the searches:
-docs/generations.md), nor past the first target when that is higher: when what the
-rollout cannot shed already takes the p99 there, the re-embedding stays at its floor
-rather than add its margin on top. A burst shorter than that (a
-target's shard processes starting: ~4 s of two busy cores) only cuts the duty. Without a
-baseline (no gateway reported enough searches at the start) nothing is paced.
-"""
+``duty`` follows the searches' p99 that the gateways report (:mod:`.serving_latency`: their
+last 5 s), against a target taken before the rollout began (its ``baseline``, the p99 of the
+gateways' last 30 s, times ``ratio``, at least ``margin_ms`` more): halved when the p99 is
+over the target, raised by a tenth when it is well under (``RELAX``), never below
+``min_duty`` (the rollout always progresses, and the writes' dual encodes bound its catch-up
+whatever its pace). Only the ``train`` and ``bulk`` phases are paced (:data:`PACED_PHASES`);
+a retrain, which encodes nothing, paces each chunk of the vectors it exports and appends
+instead (:mod:`.retrain`). A cut is followed by ``settle_s`` without another (the reports
+cover the last seconds, which still hold searches from before the cut). A p99 that stays
+over the target for ``rebase_after_s`` with the duty at its floor is not the re-embedding's
+doing: the target is then taken again from the *lowest* p99 of that time (a *rebase*, as a
+latency-based congestion controller re-measures its base delay), so that work the builder
+cannot shed does not hold it at a tenth of its pace for the whole rollout, but only by its
+margin over that p99; once the p99 is back under the first target's relaxed share, the first
+target applies again. A rebase never raises the target past ``ceiling`` times the baseline
+(1.5, the most a rollout may slow the searches: docs/generations.md), nor past the first
+target when that is higher: when what the rollout cannot shed already takes the p99 there,
+the re-embedding stays at its floor rather than add its margin on top. A burst shorter than
+that (a target's shard processes starting: ~4 s of two busy cores) only cuts the duty.
+Without a baseline (no gateway reported enough searches at the start) nothing is paced."""
 
 from __future__ import annotations
 

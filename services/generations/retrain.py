@@ -1,6 +1,8 @@
 """A retrain's sample: every vector the source's replicas hold (``ExportVectors``, once each
 has applied P0), appended to the target as version 0, and a reservoir sample of them for
-the training (the encoder is the same, so nothing is re-embedded)."""
+the training (the encoder is the same, so nothing is re-embedded). Each chunk's reads and
+appends are paced on the searches' p99 as a re-embedding's encode calls are
+(:mod:`services.generations.pacing`): on a large corpus they are the train phase's work."""
 
 from __future__ import annotations
 
@@ -121,6 +123,7 @@ async def _append(
     ids: list[str],
     vectors: np.ndarray,
 ) -> None:
+    began = time.monotonic()
     docs = dict(await asyncio.to_thread(documents.read_docs, ctx.client, src, ids))
     items = []
     for n, doc_id in enumerate(ids):
@@ -141,3 +144,5 @@ async def _append(
     for i in range(0, len(items), 256):
         await asyncio.to_thread(appender.upserts, items[i : i + 256])
     ctx.progress.advance(len(ids))
+    if ctx.pacer is not None:  # paced as the re-embedding's encode calls are
+        await ctx.pacer.after_call(time.monotonic() - began)

@@ -290,3 +290,40 @@ def test_a_rollout_is_paced_unless_told_off_and_a_rollback_never() -> None:
     assert getattr(parser.parse_args(["index", "rollback"]), "pace", None) is None
     with pytest.raises(SystemExit):
         parser.parse_args(["index", "rollout", "--retrain", "--pace", "1"])
+
+
+def test_a_retrain_paces_each_exported_chunk_as_an_encode_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retrain has no encode call to pace: its chunks' reads and appends are its work,
+    and each one goes through the pacer (its pause is the pacer's to take)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from services.generations import retrain
+
+    paced: list[float] = []
+    appended: list[Any] = []
+
+    class Recorded:
+        async def after_call(self, seconds: float) -> None:
+            paced.append(seconds)
+
+    class Appender:
+        def upserts(self, items: list[Any]) -> None:
+            appended.extend(items)
+
+    stored = {b"title": b"t", b"text": b"x", b"meta": b"{}"}
+    monkeypatch.setattr(
+        retrain.documents, "read_docs", lambda _client, _keys, ids: [(i, stored) for i in ids]
+    )
+    ctx: Any = SimpleNamespace(
+        client=None, pacer=Recorded(), progress=SimpleNamespace(advance=lambda _n: None)
+    )
+    sample = retrain._Reservoir(8)
+    for chunk in (["a", "b"], ["c"]):
+        vectors = np.ones((len(chunk), 4), np.float32)
+        asyncio.run(retrain._append(ctx, None, Appender(), sample, chunk, vectors))  # type: ignore[arg-type]
+    assert [item.doc_id for item in appended] == ["a", "b", "c"]
+    assert len(paced) == 2 and all(s >= 0 for s in paced)  # one pacer call per chunk
