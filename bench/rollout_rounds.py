@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
@@ -44,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.output import save
 from bench.p99_interval import p99_ratio_interval
 from bench.rollout import (
     SCIFACT,
@@ -267,9 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"  {name}: p99 {seg['p99_ms']} ms over {seg['searches']} searches "
             f"({seg['slow']} over 1.5x the p99 before), {seg['mean_s']} s"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    save(args.out, result)
     return result
 
 

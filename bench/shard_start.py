@@ -22,7 +22,6 @@ it alone: a restart's CPU and wall time are the machine's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.output import save
 from bench.rollout import SCIFACT
 from services.process import cpus as cpu_sets
 
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"forked over exec'd: CPU {result['cpu_forked_over_execd']}x, start to running "
         f"{result['ready_forked_over_execd']}x"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    save(args.out, result)
     return result
 
 
