@@ -151,6 +151,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gap-s", type=float, default=10.0, help="settling between rounds")
     parser.add_argument("--up-log", type=Path, help="keep the stack's output (`up`) here")
     parser.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        help="one more flag for `up` (repeatable; e.g. --up-arg=--no-fork-shards)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("bench/results/rollout_retrain_rounds.json")
     )
     args = parser.parse_args(argv)
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         corpus = tmp / "corpus.jsonl"
         small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
         run_dir = args.run_dir or tmp / "run"
-        extra = ["--document-precision", "int8"]
+        extra = ["--document-precision", "int8", *args.up_arg]
         up_log = args.up_log or tmp / "up.log"
         with local_stack(run_dir, up_log, corpus=corpus, shards=2, extra=extra) as stack:
             load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)

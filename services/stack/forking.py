@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -65,10 +66,24 @@ PRELOAD = (
 # starts) would leave one of them an EOF, which multiprocessing reports as exit code 255.
 # Every read and every start holds this lock.
 _STATUS = threading.Lock()
+# The exit code of a child whose fork server died before reporting it (multiprocessing's
+# own stand-in for a status it could not read).
+UNKNOWN_EXIT = 255
+# How long an ended child's status may take to arrive from its fork server (it reaps,
+# then writes it).
+REPORT_S = 1.0
 
 
 class ForkedProcess:
-    """A child forked by the fork server, seen as a :class:`subprocess.Popen`."""
+    """A child forked by the fork server, seen as a :class:`subprocess.Popen`.
+
+    Whether it runs is asked of the kernel (a pidfd, readable once the process has
+    ended), not of the fork server: the server reports exit statuses, and a server that
+    died (a SIGTERM to ``up``'s whole process group reaches it: the shards lead sessions
+    of their own) makes multiprocessing report every child as ended with 255, the
+    children running on. Taken for ended, they were never stopped: ``up`` left them
+    running when it exited (found 2026-12-01, a bench stopping its stack that way). Only
+    the exit *code* comes from the server; without one it is :data:`UNKNOWN_EXIT`."""
 
     def __init__(self, process: BaseProcess, args: Sequence[str]) -> None:
         self._process = process
@@ -77,15 +92,38 @@ class ForkedProcess:
         assert pid is not None  # started
         self.pid: int = pid
         self.returncode: int | None = None
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # ended (and reaped) already
+            self._pidfd = None
+
+    def __del__(self) -> None:
+        # closed with the object, not once ended: a wait in another thread may be
+        # selecting on it (a number closed there could be another file's by then)
+        pidfd = getattr(self, "_pidfd", None)
+        if pidfd is not None:
+            os.close(pidfd)
+            self._pidfd = None
+
+    def _ended(self, timeout: float | None) -> bool:
+        if self._pidfd is None:
+            return True
+        ready, _, _ = select.select([self._pidfd], [], [], timeout)
+        return bool(ready)
 
     def poll(self) -> int | None:
         with _STATUS:
-            if self.returncode is None:
-                self.returncode = self._process.exitcode  # reported by the fork server
+            if self.returncode is None and self._ended(0):
+                code = self._process.exitcode  # reported by the fork server
+                if code is None:  # ended a moment ago: the report is on its way
+                    connection.wait([self._process.sentinel], REPORT_S)
+                    code = self._process.exitcode
+                self.returncode = UNKNOWN_EXIT if code is None else code
             return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        connection.wait([self._process.sentinel], timeout)
+        if self.returncode is None:
+            self._ended(timeout)
         code = self.poll()
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)

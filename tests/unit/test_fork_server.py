@@ -15,6 +15,7 @@ import pytest
 
 from services.stack.children import describe_exit
 from services.stack.forking import ForkServer
+from tests.support.processes import wait_until
 
 CLI = [sys.executable, "-m", "services.cli.main"]  # an exec'd child's argv prefix
 
@@ -83,3 +84,40 @@ def test_a_killed_child_reports_its_signal_and_a_wait_times_out_while_it_runs(
         os.killpg(child.pid, signal.SIGKILL)  # what Child.stop sends after its grace
     assert child.wait(60) == -signal.SIGKILL
     assert describe_exit(child.returncode) == "killed by SIGKILL"
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        stat = fh.read()
+    return int(stat[stat.rfind(b")") + 2 :].split()[1])
+
+
+def test_a_child_whose_fork_server_died_is_still_seen_running_and_stopped(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """A SIGTERM to up's process group reaches the fork server, not the shards (sessions
+    of their own). The server's death must not pass for theirs: taken for ended, they
+    were never stopped and outlived up."""
+    child = server.spawn([*CLI, "wait"], dict(os.environ), tmp_path / "child.log")
+    try:
+        wait_until(lambda: (tmp_path / "child.log").exists(), "the child running", 30)
+        fork_server = _parent(child.pid)
+        assert fork_server != os.getpid()
+        os.kill(fork_server, signal.SIGTERM)
+        wait_until(lambda: not _alive(fork_server), "the fork server gone", 30)
+        assert child.poll() is None  # running on, and said so
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(0.2)
+    finally:
+        os.killpg(child.pid, signal.SIGTERM)
+    assert child.wait(30) is not None and child.poll() is not None  # its end is seen
+    assert not _alive(child.pid)
+    # the next spawn starts a fork server again
+    again = server.spawn([*CLI, "0"], dict(os.environ), tmp_path / "again.log")
+    assert again.wait(60) == 0
+
+
+def _alive(pid: int) -> bool:
+    from services.process.cpus import running
+
+    return running(pid)
