@@ -211,7 +211,7 @@ def add_cli(sub: Any) -> None:
         "--no-fork-shards",
         action="store_true",
         help="Start every shard process as a fresh interpreter. Default: shard processes "
-        "are forked from one that imported their libraries once (~0.7 s of CPU less per "
+        "are forked from one that imported their libraries once (~0.5 s of CPU less per "
         "start: a rollout's target shards, a restarted replica; docs/generations.md "
         "'Shard processes forked, not exec'd').",
     )

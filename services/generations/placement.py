@@ -22,8 +22,9 @@ CPUs the rollout leaves idle. Until 2026-12-01 serving was kept off the budget's
 while its measured load fitted in half of the CPUs left (a *split*); on this 2-core
 machine every measurement of it cost the searches more than it saved: a new encoder's
 rollout with serving at ~0.55 of the one CPU left read 1.92x against ~1.45x, and eight
-pooled ``--retrain`` rollouts with serving at ~0.45 of it read 1.64-2.02x against
-1.49-1.52x without the split (docs/generations.md "Serving keeps every CPU"). Confined
+pooled ``--retrain`` rollouts with serving at ~0.45 of it read 1.64-2.02x, against
+1.49-2.08x without the split (within that bench's spread; docs/generations.md "Serving
+keeps every CPU"). Confined
 to one CPU, every serving thread's wake-up queues behind the others'; what the budget
 has to guarantee is only that the rollout's work stays off the other CPUs.
 
