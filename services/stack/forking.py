@@ -159,8 +159,7 @@ class ForkServer:
         """Fork a child that runs ``gtr-retrieval argv[3:]`` (``argv``: an exec'd child's,
         ``python -m services.cli.main ...``) with ``env``, its output appended to
         ``log_path``, on ``cpus`` (None: this process's)."""
-        umask = os.umask(0)
-        os.umask(umask)
+        umask = current_umask()
         process = self._ctx.Process(
             target=run_child,
             args=(self._entry, list(argv[3:]), dict(env), str(log_path), cpus, umask),
@@ -170,6 +169,22 @@ class ForkServer:
         with _STATUS:  # its clean-up polls the children that ended
             process.start()
         return ForkedProcess(process, argv)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``): setting it
+    to read it back would leave it 0 for a moment in which another thread of ``up`` may
+    create a file open to everyone. Where ``/proc`` does not say, the set-and-restore."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o077)  # the strictest for the moment it is read
+    os.umask(umask)
+    return umask
 
 
 def run_child(

@@ -121,3 +121,15 @@ def _alive(pid: int) -> bool:
     from services.process.cpus import running
 
     return running(pid)
+
+
+def test_the_umask_given_to_a_child_is_read_without_changing_it() -> None:
+    """Set to 0 to read it back, the umask of up's other threads would be 0 meanwhile."""
+    from services.stack.forking import current_umask
+
+    old = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027
+        assert os.umask(0o027) == 0o027  # still what it was
+    finally:
+        os.umask(old)
