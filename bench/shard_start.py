@@ -34,19 +34,6 @@ from bench.output import save
 from bench.rollout import SCIFACT
 from services.process import cpus as cpu_sets
 
-CLOCK_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _started_monotonic(pid: int) -> float | None:
-    """When ``pid`` started, on CLOCK_MONOTONIC (its ``/proc`` start time is in ticks
-    since boot, which CLOCK_MONOTONIC counts too, suspend aside)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    return int(stat[stat.rfind(b")") + 2 :].split()[19]) / CLOCK_TICK
-
 
 def _child(stack: Any, name: str) -> dict[str, Any]:
     return next(c for c in stack.state()["children"] if c["name"] == name)
@@ -66,7 +53,7 @@ def _restart(stack: Any, name: str) -> dict[str, float]:
         pid = child.get("pid")
         if pid and pid != old and child.get("state") == "running":
             seen = time.monotonic()
-            cpu, began = cpu_sets.cpu_seconds(pid), _started_monotonic(pid)
+            cpu, began = cpu_sets.cpu_seconds(pid), cpu_sets.started_s(pid)
             if cpu is not None and began is not None:
                 return {"cpu_s": cpu, "ready_s": seen - began}
         time.sleep(0.05)

@@ -6,19 +6,16 @@ budget").
 the publish's export) in
 :data:`~services.index.keys.CPU_BUDGET_KEY` with a TTL of :data:`TTL_S`, renewed every
 :data:`RENEW_S` by a thread of its own until the rollout ends: a builder killed with
-``-9`` leaves serving narrowed for at most the TTL. On exit the budget files of the
-Triton repository's version folders go, and the key says the budget is **ending** with
-this process's id (:func:`ending`, a TTL of :data:`ENDING_TTL_S`): the local stack keeps
-the budget until that process has exited. The process's own end (the interpreter's
-teardown of torch, ONNX Runtime and the rest: ~0.3-0.7 s of CPU) then stays on the
-budget's CPUs, instead of landing on serving's once they were widened (measured:
-docs/generations.md "The switch phase, traced").
+``-9`` leaves its target's shards on the budget for at most the TTL. On exit the key and
+the budget files of the Triton repository's version folders go. (Until 2026-12-01 the key
+said "ending" with the CLI's pid and the stack held the budget until that process had
+exited; once serving kept every CPU, that moved no process: nothing of the stack is on
+the budget after the hand-over, and the CLI pinned itself.)
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -30,22 +27,11 @@ log = logging.getLogger(__name__)
 
 TTL_S = 30
 RENEW_S = 10.0
-# an ending budget's TTL: longer than a process's end, short enough that a CLI whose
-# exit hangs (or that runs where the stack cannot see its pid) narrows serving briefly
-ENDING_TTL_S = 10
-ENDING = " ending "  # "<cpus> ending <pid>"
 
 
-def ending(cpus: frozenset[int], pid: int) -> str:
-    """The key's value once the rollout ended and process ``pid`` is exiting."""
-    return f"{cpu_sets.format_cpus(cpus)}{ENDING}{pid}"
-
-
-def parse(raw: str) -> tuple[frozenset[int], int | None]:
-    """(CPUs, the exiting process's pid or None) of the key's value; InvalidArgument when
-    it is neither form."""
-    spec, _, pid = raw.partition(ENDING)
-    return cpu_sets.parse_cpus(spec), (int(pid) if pid.strip().isdigit() else None)
+def parse(raw: str) -> frozenset[int]:
+    """The CPUs of the key's value; InvalidArgument when it is no CPU list."""
+    return cpu_sets.parse_cpus(raw)
 
 
 class CpuBudget:
@@ -68,8 +54,8 @@ class CpuBudget:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        try:  # held until this process has exited (the stack checks its pid)
-            self.client.set(CPU_BUDGET_KEY, ending(self.cpus, os.getpid()), ex=ENDING_TTL_S)
+        try:
+            self.client.delete(CPU_BUDGET_KEY)
         except Exception as err:  # the TTL ends it anyway
             log.warning("could not end %s (it expires in %d s): %s", CPU_BUDGET_KEY, TTL_S, err)
         if self.triton_repo is not None:

@@ -36,10 +36,9 @@ its target (at most a poller pass later). Without the hand-over the new serving
 generation's first searches ran on the budget's CPU only, beside the builder's end (76
 ms p99 against 27 ms, docs/generations.md "The switch phase, traced").
 
-**The end.** The rollout's CLI marks the budget ending with its pid when the rollout is
-over (:mod:`services.generations.budget`); the budget holds until that process has
-exited (the CLI pinned itself: its end stays on the budget's CPUs), though no process of
-the stack is on it by then.
+**The end.** The rollout's CLI deletes the budget when the rollout is over
+(:mod:`services.generations.budget`); no process of the stack is on it by then, and the
+CLI pinned itself.
 
 Without a budget every process may use every CPU again (the stubs widen their ONNX
 Runtime thread pools to match). Applied on each pass of the generations poller, thread
@@ -112,18 +111,16 @@ def stub_budget_age(pid: int) -> float | None:
 
 def active_budget(raw: bytes | str | None, machine: frozenset[int]) -> frozenset[int] | None:
     """The running rollout's CPU budget on a machine of CPUs ``machine``, from the budget
-    key's value ``raw``: None when there is none, when its rollout ended and its process
-    has exited, or when it would leave serving nothing here."""
+    key's value ``raw``: None when there is none, or when it would leave serving nothing
+    here."""
     if not raw:
         return None
     value = raw.decode() if isinstance(raw, bytes) else raw
     try:
-        budget, exiting = budget_value(value)
+        budget = budget_value(value)
     except InvalidArgument:
         log.warning("%s holds %r, not a CPU list: ignored", CPU_BUDGET_KEY, raw)
         return None
-    if exiting is not None and not cpu_sets.running(exiting):
-        return None  # the rollout ended and its process has exited
     mine = budget & machine
     return mine if mine and mine != machine else None
 

@@ -149,26 +149,43 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """CPU time (user + system, every thread) process ``pid`` has used; None when gone."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[0]`` is field 3, the
+    state: ``proc(5)``'s field N is ``[N - 3]``); None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2 :].split()  # utime, stime: fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, every thread) process ``pid`` has used; None when gone."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def parent_pid(pid: int) -> int | None:
+    """Process ``pid``'s parent; None when it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
+def started_s(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since boot: on CLOCK_MONOTONIC's scale
+    (suspend aside); None when it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def running(pid: int) -> bool:
     """Whether process ``pid`` still runs on this machine: a zombie (ended, not yet
     reaped by its parent) counts as ended."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+    fields = stat_fields(pid)
+    return fields is not None and fields[:1] not in ([b"Z"], [b"X"], [])
 
 
 def cmdline(pid: int) -> list[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from services.process.cpus import running
 from tests.support.local_stack import ROOT, cli_env, small_corpus
 from tests.support.private_files import not_private
 from tests.support.processes import redis_binary
@@ -49,17 +50,6 @@ def _until(condition: Callable[[], bool], what: str, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.0f} s: {what}")
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped) is gone for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.mark.slow
@@ -97,12 +87,12 @@ def test_up_keeps_its_data_private_and_a_sigterm_to_its_starter_stops_every_chil
 
         os.kill(helper.pid, signal.SIGTERM)  # as `timeout` ends a bench
         helper.wait(120)
-        _until(lambda: not any(_alive(p) for p in pids), f"{pids} gone after SIGTERM", 60)
+        _until(lambda: not any(running(p) for p in pids), f"{pids} gone after SIGTERM", 60)
         # the shard's snapshot on its way out (and the AOF's final state) as private
         assert any((run_dir / "snapshots").rglob("*.npz")), "no snapshot written at stop"
         assert not_private(run_dir) == []
     finally:
         for pid in [helper.pid, *pids]:
-            if _alive(pid):
+            if running(pid):
                 os.killpg(pid, signal.SIGKILL)  # the test failed: leave nothing running
         helper.wait(30)

@@ -21,6 +21,7 @@ from services.index.client.router import ShardRouter
 from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import Consistency, IndexQuery
 from services.index.keys import DocKeys
+from services.process.cpus import parent_pid
 from services.stack import components, triton_component
 from services.stack.children import (
     STOP_GRACE_S,
@@ -58,12 +59,6 @@ def start_redis(sup: Supervisor, cfg: StackConfig) -> Child:
     return sup.start(child, lambda: components.redis_ready(child), 30)
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        stat = fh.read()
-    return int(stat[stat.rfind(b")") + 2 :].split()[1])
-
-
 def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig) -> None:
     """The replicas forked by the fork server, as ``up`` starts them: restarted by a fork
     too, and stopped on SIGTERM."""
@@ -82,7 +77,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
             child.spawn = fork.spawn
             sup.start(child, lambda c=child: components.grpc_ready(c), 60)  # type: ignore[misc]
         sup.watch()
-        server = {_parent(c.pid) for c in replicas if c.pid is not None}
+        server = {parent_pid(c.pid) for c in replicas if c.pid is not None}
         assert len(server) == 1 and os.getpid() not in server  # the fork server's children
         victim = replicas[1]
         docs = unit_vectors(40, 1)
@@ -115,7 +110,7 @@ def test_kill_9_of_a_replica_and_of_redis_restarts_them_healthy(cfg: StackConfig
                     45,
                 )
                 assert victim.pid != old_pid and grpc_healthy(victim.address)
-                assert victim.pid is not None and {_parent(victim.pid)} == server  # forked
+                assert victim.pid is not None and {parent_pid(victim.pid)} == server  # forked
                 assert all(c.alive() for c in sup.children)
                 # the router's channel and search stream to that port come back by themselves
                 await await_until(lambda: found(7), "the router searches the restarted replica", 20)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,14 +163,12 @@ def test_the_stack_finds_a_stubs_budget_beside_the_model_folders(tmp_path: Path)
         stub.wait()
 
 
-def test_an_ending_budget_names_the_exiting_process_and_parses_back() -> None:
+def test_a_budget_parses_back_and_anything_else_is_invalid_argument() -> None:
     from services.generations import budget as rollout_budget
 
-    assert rollout_budget.parse("1,3") == (frozenset({1, 3}), None)  # a running rollout's
-    value = rollout_budget.ending(frozenset({2, 3}), 4242)
-    assert rollout_budget.parse(value) == (frozenset({2, 3}), 4242)
+    assert rollout_budget.parse("1,3") == frozenset({1, 3})
     with pytest.raises(InvalidArgument):
-        rollout_budget.parse("x ending 4242")
+        rollout_budget.parse("1,3 ending 4242")  # what a CLI before 2026-12-01 wrote
 
 
 def test_a_process_counts_as_alive_until_it_has_exited() -> None:
@@ -184,3 +183,17 @@ def test_a_process_counts_as_alive_until_it_has_exited() -> None:
     finally:
         child.wait()
     assert not alive(child.pid)
+
+
+def test_a_child_names_its_parent_and_its_start_on_the_monotonic_clock() -> None:
+    before = time.monotonic()
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert cpu_sets.parent_pid(child.pid) == os.getpid()
+        started = cpu_sets.started_s(child.pid)
+        # clock ticks (1/100 s) round the start down
+        assert started is not None and before - 0.02 <= started <= time.monotonic()
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_sets.parent_pid(child.pid) is None and cpu_sets.started_s(child.pid) is None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from services.process.cpus import parent_pid, running
 from services.stack.children import describe_exit
 from services.stack.forking import ForkServer
 from tests.support.processes import wait_until
@@ -86,12 +87,6 @@ def test_a_killed_child_reports_its_signal_and_a_wait_times_out_while_it_runs(
     assert describe_exit(child.returncode) == "killed by SIGKILL"
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        stat = fh.read()
-    return int(stat[stat.rfind(b")") + 2 :].split()[1])
-
-
 def test_a_child_whose_fork_server_died_is_still_seen_running_and_stopped(
     server: ForkServer, tmp_path: Path
 ) -> None:
@@ -101,26 +96,20 @@ def test_a_child_whose_fork_server_died_is_still_seen_running_and_stopped(
     child = server.spawn([*CLI, "wait"], dict(os.environ), tmp_path / "child.log")
     try:
         wait_until(lambda: (tmp_path / "child.log").exists(), "the child running", 30)
-        fork_server = _parent(child.pid)
-        assert fork_server != os.getpid()
+        fork_server = parent_pid(child.pid)
+        assert fork_server is not None and fork_server != os.getpid()
         os.kill(fork_server, signal.SIGTERM)
-        wait_until(lambda: not _alive(fork_server), "the fork server gone", 30)
+        wait_until(lambda: not running(fork_server), "the fork server gone", 30)
         assert child.poll() is None  # running on, and said so
         with pytest.raises(subprocess.TimeoutExpired):
             child.wait(0.2)
     finally:
         os.killpg(child.pid, signal.SIGTERM)
     assert child.wait(30) is not None and child.poll() is not None  # its end is seen
-    assert not _alive(child.pid)
+    assert not running(child.pid)
     # the next spawn starts a fork server again
     again = server.spawn([*CLI, "0"], dict(os.environ), tmp_path / "again.log")
     assert again.wait(60) == 0
-
-
-def _alive(pid: int) -> bool:
-    from services.process.cpus import running
-
-    return running(pid)
 
 
 def test_the_umask_given_to_a_child_is_read_without_changing_it() -> None:
