@@ -42,9 +42,17 @@ from services.generations.lifecycle import retire
 from services.generations.progress import Progress
 from services.generations.registry import EncoderSpec, Registry
 from services.generations.replicas import ReplicaStats, all_stats
+from services.generations.serving_latency import LatencySummary
 from services.generations.state import RolloutStore
 from services.index.client.writer import DocRecord
-from services.index.keys import CLOSED, CPU_PLACED_KEY, LAYOUT_KEY, GenerationKeys, Layout
+from services.index.keys import (
+    CLOSED,
+    CPU_PLACED_KEY,
+    LAYOUT_KEY,
+    SEARCH_LATENCY_KEY,
+    GenerationKeys,
+    Layout,
+)
 from services.process.redis_client import sync_client
 from tests.support.generation_logs import changes, folded
 from tests.support.hash_store import write_async
@@ -425,12 +433,17 @@ def test_a_builder_killed_mid_bulk_resumes_to_the_logs_of_an_uninterrupted_run(
 
 
 class _WritesAfterP0(Progress):
-    """Writes after P0, before the export (their real versions come in by the replay)."""
+    """Writes after P0, before the export (their real versions come in by the replay);
+    keeps the builder's messages."""
 
     def __init__(self, url: str, encoder: Encoder) -> None:
         super().__init__()
         self.url = url
         self.docs = _encoded(encoder, _docs(700, 8) + _docs(5, 4, " edited"))
+        self.messages: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
 
     def phase(self, name: str) -> None:
         super().phase(name)
@@ -453,6 +466,33 @@ def _encoded(encoder: Encoder, docs: list[DocRecord]) -> list[DocRecord]:
 
     vectors = asyncio.run(run())
     return [replace(d, vector=v) for d, v in zip(docs, vectors, strict=True)]
+
+
+class _SlowSearches:
+    """A gateway that reports, every 0.2 s while in use, a p99 ten times its baseline."""
+
+    def __init__(self, url: str) -> None:
+        self.client = sync_client(url)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._report, daemon=True)
+
+    def _report(self) -> None:
+        slow = LatencySummary(200, 10.0, 100.0, baseline_searches=500, baseline_p99_ms=10.0)
+        while True:
+            stamped = replace(slow, at=time.time())
+            self.client.hset(SEARCH_LATENCY_KEY, "gateway-test", stamped.to_json())
+            if self.stop.wait(0.2):
+                return
+
+    def __enter__(self) -> _SlowSearches:
+        self.thread.start()
+        wait_until(lambda: self.client.hlen(SEARCH_LATENCY_KEY) == 1, "the first report", 10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.client.close()
 
 
 def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_p0(
@@ -488,12 +528,18 @@ def test_retrain_appends_the_vectors_the_source_replicas_hold_then_replays_from_
         calls: list[int] = []
         writes = _WritesAfterP0(url, encoder)
         builder = RolloutBuilder(client, _encoders(encoder, calls), options, writes)
-        asyncio.run(builder.rollout(RolloutPlan(retrain=True)))
+        with _SlowSearches(url):
+            asyncio.run(builder.rollout(RolloutPlan(retrain=True)))
         # no encoder call at all: the export's vectors, then the log entries' own
         assert calls == []
     finally:
         for proc in shards:
             proc.stop()
+    # the exported chunks went through the pacer, which slowed them for the slow searches
+    summary = [m for m in writes.messages if m.startswith("pacing summary ")]
+    assert summary, writes.messages
+    paced = json.loads(summary[-1].removeprefix("pacing summary "))
+    assert paced["busy_s"] > 0 and paced["paused_s"] > 0 and paced["cuts"] >= 1, paced
     try:
         g2 = GenerationKeys("g2", Layout(2, 2))
         expected = _store_state(client, G1.layout)
