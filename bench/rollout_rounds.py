@@ -19,7 +19,9 @@ Where in a round the latency goes: ``p99_by_segment_ms`` pools every round's sea
 segment (:data:`SEGMENTS`: the CLI's start, the train phase, the catch-up until the
 target's shards published their addresses, the catch-up after, the switch), each with its
 p99, its count and ``slow``: how many took over 1.5x the p99 before (the pooled p99 is over
-1.5x when more than 1 % of all searches are). ``--up-log`` keeps the stack's output (its
+1.5x when more than 1 % of all searches are), with ``slow_stages_ms``: the mean of those
+slow searches' gateway stages and ``outside`` the gateway's handler, against
+``stages_before_ms`` (every search before). ``--up-log`` keeps the stack's output (its
 CPU placement lines).
 
 Each round's acknowledged writes after its P0 are checked in its new generation, as
@@ -101,7 +103,7 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
     (ms), count, how many took over ``slow_s`` (1.5x the p99 before: the pooled p99 is
     over it when more than 1 % of all did) and the segment's mean length (s): where in a
     rollout the latency goes."""
-    pooled: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+    pooled: dict[str, list[Any]] = {name: [] for name in SEGMENTS}
     lengths: dict[str, list[float]] = {name: [] for name in SEGMENTS}
     for one in rounds:
         marks = sorted(
@@ -111,18 +113,34 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
         for n, (begin, name) in enumerate(marks):
             stop = marks[n + 1][0] if n + 1 < len(marks) else one["end"]
             lengths[name].append(stop - begin)
-            pooled[name] += [
-                s.latency for s in searches if begin <= s.start < stop and s.code == "OK"
-            ]
-    return {
-        name: {
-            "p99_ms": round(1e3 * p99(pooled[name]), 1) if pooled[name] else None,
-            "searches": len(pooled[name]),
-            "slow": sum(1 for x in pooled[name] if x > slow_s),
+            pooled[name] += [s for s in searches if begin <= s.start < stop and s.code == "OK"]
+    out: dict[str, Any] = {}
+    for name in SEGMENTS:
+        latencies = [s.latency for s in pooled[name]]
+        slow = [s for s in pooled[name] if s.latency > slow_s]
+        out[name] = {
+            "p99_ms": round(1e3 * p99(latencies), 1) if latencies else None,
+            "searches": len(latencies),
+            "slow": len(slow),
+            "slow_stages_ms": mean_stages(slow),
             "mean_s": round(float(np.mean(lengths[name])), 2) if lengths[name] else None,
         }
-        for name in SEGMENTS
-    }
+    return out
+
+
+STAGES = ("encode", "search", "fetch", "total")
+
+
+def mean_stages(searches: list[Any]) -> dict[str, float] | None:
+    """The mean of ``searches``' gateway stages (ms) and ``outside``: client latency less
+    the gateway's total (the transport, the load generator, a gateway loop busy before the
+    handler began); None without a timed search."""
+    timed = [s for s in searches if s.stages]
+    if not timed:
+        return None
+    out = {k: round(float(np.mean([s.stages[k] for s in timed])), 1) for k in STAGES}
+    out["outside"] = round(float(np.mean([1e3 * s.latency - s.stages["total"] for s in timed])), 1)
+    return out
 
 
 def _check(stack: Any, writes: list[Any], one: dict[str, Any]) -> None:
@@ -254,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "lost_writes": sum(r["lost_writes"] for r in per_round),
         "cpu_budget": cpu_sets.format_cpus(budget) if budget else "none",
         "p99_by_segment_ms": by_segment(searches, rounds, 1.5e-3 * p99_before),
+        "stages_before_ms": mean_stages(before),
     }
     for r in per_round:
         print(
@@ -271,8 +290,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, seg in result["p99_by_segment_ms"].items():
         print(
             f"  {name}: p99 {seg['p99_ms']} ms over {seg['searches']} searches "
-            f"({seg['slow']} over 1.5x the p99 before), {seg['mean_s']} s"
+            f"({seg['slow']} over 1.5x the p99 before, their stages {seg['slow_stages_ms']}), "
+            f"{seg['mean_s']} s"
         )
+    print(f"  stages before (mean of every search): {result['stages_before_ms']}")
     save(args.out, result)
     return result
 
