@@ -228,11 +228,13 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             default=None,
             metavar="LIST",
             help="A CPU budget ('1', '2-3'): the builder, the new encoder version's Triton "
-            "stub and the new generation's shards run on these CPUs and the local stack's "
-            "serving processes on the others; the new generation's processes join serving's "
-            "CPUs before the switch, and the budget ends once this command has exited "
-            "(docs/generations.md: on shared cores it keeps search latency, at the cost of "
-            "re-embedding speed). Default: no budget, every process on every CPU.",
+            "stub and the new generation's shards run on these CPUs only, the builder and "
+            "the shards at the least scheduling weight (their sessions' autogroups at nice "
+            "19: serving takes these CPUs whenever it wakes on them), while the local "
+            "stack's serving processes keep every CPU; the new generation's processes join "
+            "serving's CPUs and weight before the switch, and the budget ends with this "
+            "command (docs/generations.md: on shared cores it keeps search latency, at the "
+            "cost of re-embedding speed). Default: no budget, every process on every CPU.",
         )
         parser.add_argument(
             "--source-shards",

@@ -17,6 +17,7 @@ Every subcommand has --help.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -89,7 +90,27 @@ def pin_early(argv: Sequence[str]) -> bool:
         os.sched_setaffinity(0, budget_for(spec))  # one thread yet: the whole process
     except (InvalidArgument, OSError):
         return False
+    yield_cpus()
     return True
+
+
+def yield_cpus() -> None:
+    """This process's session (when it leads one) and its threads at the least weight
+    (:mod:`services.process.priority`): serving takes the budget's CPUs whenever it wakes
+    on them. Before any thread is started, so every thread inherits the nice."""
+    import time
+
+    from services.process import priority
+
+    if not priority.yield_enabled():
+        return
+    if priority.autogroup_enabled() and priority.leads_session(os.getpid()):
+        for _ in range(20):  # the kernel's 100 ms between two changes of any autogroup
+            if priority.set_group_nice(os.getpid(), priority.YIELD_NICE) is not None:
+                break
+            time.sleep(0.05)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, priority.YIELD_NICE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

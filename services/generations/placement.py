@@ -28,11 +28,18 @@ keeps every CPU"). Confined
 to one CPU, every serving thread's wake-up queues behind the others'; what the budget
 has to guarantee is only that the rollout's work stays off the other CPUs.
 
+**The rollout yields.** The target's shards (each leads its session) also get the least
+scheduling weight, their autogroups at nice 19 (:func:`weigh`,
+:mod:`services.process.priority`), as the CLI gives itself: a serving thread woken on a
+budget CPU takes it at once. A Triton stub shares Triton's session and is not weighed.
+
 **The hand-over.** Once the rollout reaches its switch phase (:data:`HANDED_OVER`) its
-target is about to serve: its shards and its stub go to every CPU, and each pass
+target is about to serve: its shards go to every CPU and back to nice 0, its stub to
+every CPU, and each pass
 records in :data:`~services.index.keys.CPU_PLACED_KEY` which generation the budget still
-holds; the builder closes the writes and moves the alias only once that no longer names
-its target (at most a poller pass later). Without the hand-over the new serving
+holds (pinned, or yielding: a weight change the kernel deferred); the builder closes the
+writes and moves the alias only once that no longer names its target (at most a poller
+pass later). Without the hand-over the new serving
 generation's first searches ran on the budget's CPU only, beside the builder's end (76
 ms p99 against 27 ms, docs/generations.md "The switch phase, traced").
 
@@ -58,6 +65,7 @@ from services.generations.budget import parse as budget_value
 from services.generations.state import RolloutState
 from services.index.keys import CPU_BUDGET_KEY
 from services.process import cpus as cpu_sets
+from services.process import priority
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +139,23 @@ def budgeted_target(running: RolloutState | None) -> str:
     if running is None or running.phase in HANDED_OVER:
         return ""
     return running.target
+
+
+def weigh(yielded: dict[int, str], wanted: dict[int, str]) -> dict[int, str]:
+    """The rollout's processes ``wanted`` (pid → generation) at the least weight, the ones
+    ``yielded`` before and no longer wanted back at nice 0 (:mod:`services.process.priority`):
+    the processes yielding now. A change the kernel deferred is tried again on the next
+    pass; only a process that leads its session is weighed (its autogroup is its own)."""
+    out: dict[int, str] = {}
+    for pid, name in wanted.items():
+        if pid in yielded:
+            out[pid] = yielded[pid]
+        elif priority.leads_session(pid) and priority.set_group_nice(pid, priority.YIELD_NICE):
+            out[pid] = name
+    for pid, name in yielded.items():
+        if pid not in wanted and priority.set_group_nice(pid, 0) is None:
+            out[pid] = name  # deferred: still yielding, back on the next pass
+    return out
 
 
 def apply(placed: dict[int, frozenset[int]]) -> int:

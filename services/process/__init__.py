@@ -7,6 +7,9 @@
     errors retried, the URL file read.
 ``cpus``
     CPU sets: parse a ``taskset``-style list, pin a process thread by thread.
+``priority``
+    a process's scheduling weight against other sessions (its autogroup's nice): a
+    rollout's processes yield the CPUs to serving.
 ``private``
     files for their owner only (the local stack's umask; what other commands add to its
     run directory is tightened to match).

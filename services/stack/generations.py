@@ -48,6 +48,7 @@ from services.generations import placement
 from services.generations.registry import Alias, Generation, Registry, shards_run
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
 from services.process import cpus as cpu_sets
+from services.process import priority
 from services.process.private import is_private, make_private
 from services.stack import components
 from services.stack.children import Child, ChildFailed, Spawn, State, Supervisor
@@ -118,6 +119,8 @@ class GenerationShards:
         # every CPU this process may use: serving's always (a budget confines the rollout)
         self.machine = cpu_sets.available()
         self._placed: tuple[frozenset[int] | None, frozenset[int]] | None = None
+        self._yielded: dict[int, str] = {}  # pid → generation: processes at the least weight
+        self._yield = priority.yield_enabled()
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -259,6 +262,7 @@ class GenerationShards:
         ours = self.running.get(target)
         rollout_children = {id(c) for c in ours.all()} if ours is not None else set()
         processes: list[placement.Process] = []
+        stubs: set[int] = set()
         for child in list(self.supervisor.children):
             proc = child.process
             if proc is None or proc.poll() is not None:
@@ -271,6 +275,8 @@ class GenerationShards:
                         continue  # published for a rollout that records its budget next
                     # the new version's stub, until the target is handed over
                     processes.append(placement.Process(stub, age is not None and bool(target)))
+                    stubs.add(stub)
+        self._weigh(processes, stubs, target)
         state = (budget, frozenset(p.pid for p in processes))
         if budget is None and state == self._placed:
             return
@@ -280,7 +286,19 @@ class GenerationShards:
             log.info("CPU budget %s (%s): %d thread(s) moved", where, target or "-", changed)
         self._placed = state
         if budget is not None:  # what the builder's switch waits for
-            self._redis().set(CPU_PLACED_KEY, target, ex=placement.PLACED_TTL_S)
+            holding = target or next(iter(self._yielded.values()), "")
+            self._redis().set(CPU_PLACED_KEY, holding, ex=placement.PLACED_TTL_S)
+
+    def _weigh(self, processes: list[placement.Process], stubs: set[int], target: str) -> None:
+        """The rollout's shard processes at the least weight until the hand-over
+        (:func:`placement.weigh`; a Triton stub shares Triton's session: not weighed)."""
+        wanted = (
+            {p.pid: target for p in processes if p.rollout and p.pid not in stubs}
+            if self._yield
+            else {}
+        )
+        if wanted or self._yielded:
+            self._yielded = placement.weigh(self._yielded, wanted)
 
     def _start_generation(self, gen: Generation, essential: bool) -> None:
         cfg = self.cfg

@@ -45,6 +45,7 @@ from services.index.keys import (
     Layout,
 )
 from services.process.cpus import format_cpus, parent_pid
+from services.process.priority import YIELD_NICE, autogroup_enabled, group_nice
 from services.process.private import PRIVATE_UMASK
 from services.stack import first_run, triton_component
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
@@ -292,6 +293,11 @@ def _thread_cpus(pid: int) -> set[frozenset[int]]:
     return found
 
 
+def _weights(children: list[Child]) -> set[int | None]:
+    """The autogroup nice of each of ``children``' sessions."""
+    return {group_nice(c.pid) if c.pid is not None else None for c in children}
+
+
 def _all_on(children: list[Child], cpus: frozenset[int]) -> bool:
     """Whether every thread of every one of ``children`` may run on ``cpus`` and no other."""
     return all(c.pid is not None and _thread_cpus(c.pid) == {cpus} for c in children)
@@ -338,15 +344,21 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_leaves_serving_eve
             "the stack's record that the budget holds the target",
             10,
         )
+        if autogroup_enabled():  # the target's sessions yield the CPUs, serving's not
+            wait_until(lambda: _weights(ours) == {YIELD_NICE}, "the target yielding", 10)
+            assert _weights(theirs) == {0}
 
-        # the switch phase: the target is handed over to every CPU before the alias
-        # names it (the builder waits for the record), while the budget still holds
+        # the switch phase: the target is handed over to every CPU and to its full weight
+        # before the alias names it (the builder waits for the record), while the budget
+        # still holds
         client.hset(ROLLOUT_KEY, "phase", "switch")
         wait_until(
             lambda: _all_on(ours + theirs, every) and client.get(CPU_PLACED_KEY) == b"",
             f"{target.name}'s shards handed over to CPU {format_cpus(every)}",
             30,
         )
+        if autogroup_enabled():
+            assert _weights(ours) == {0} and _weights(theirs) == {0}
 
         # the rollout ended: its CLI deletes the budget; every process stays on every CPU
         # (the stack's passes stop recording a placement: its 3-s record expires)
