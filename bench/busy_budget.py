@@ -1,0 +1,213 @@
+"""The rollout benches' control: the budget's CPU kept busy by plain work, yielding and at
+full weight, in one stack (docs/generations.md "A rollout yields the CPUs").
+
+    .venv/bin/python -m bench.busy_budget [--rounds 8] [--busy-s 5] [--searches-per-s 20]
+
+The same stack and load as ``bench.rollout_rounds`` (500 SciFact documents, searches at
+``--searches-per-s``, writes at 21/s, the client off the budget's CPU), but no rollout:
+``--rounds`` windows of ``--busy-s`` seconds in which a process of its own session,
+pinned to the budget's CPU (the last), works on one thread (``--work``: ``matmul``, a
+512 x 384 float32 matrix by its transpose, a training step's kind of work; ``spin``, the
+interpreter's loop alone, next to no memory traffic; ``--duty`` below 1 works
+``--slice-ms`` then leaves the CPU idle for the rest of the slice's share, as a paced
+rollout would), alternately
+**yielding** (its session's autogroup at nice 19, as ``index rollout --cpus`` gives the
+CLI and the target's shards) and at **full weight** (nice 0), ``--gap-s`` apart. It pools
+the searches of each kind of window against the ``--before-s`` seconds before the first,
+and prints each kind's p99, its ratio to the p99 before with a 95 % block-bootstrap
+interval (``bench/p99_interval.py``) and the CPU seconds the busy process got (what
+yielding costs the work). What it separates: a rollout's p99 during ÷ before that a
+busy CPU explains (this bench's ratio) from what the rollout's other work adds (Redis,
+the serving replicas' export, a new process's start). One JSON line last (``--out``,
+default ``bench/results/busy_budget.json``). Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.output import save
+from bench.p99_interval import p99_ratio_interval
+from bench.rollout import SCIFACT, add_stack_arguments, p99, rollout_budget, steady_load
+from services.process import cpus as cpu_sets
+from services.process import priority
+
+# a slice of work (``--slice-ms``), then a pause that leaves the CPU idle for the rest of
+# the slice's share (``--duty``): a paced rollout's kind of load
+LOOP = (
+    "import sys, time\n"
+    "{setup}"
+    "end = time.monotonic() + float(sys.argv[1])\n"
+    "work_s, duty = float(sys.argv[2]) / 1e3, float(sys.argv[3])\n"
+    "while time.monotonic() < end:\n"
+    "    stop = time.monotonic() + work_s\n"
+    "    while time.monotonic() < stop:\n"
+    "        {step}\n"
+    "    if duty < 1:\n"
+    "        time.sleep(work_s * (1 / duty - 1))\n"
+)
+WORK = {
+    # a training step's kind of work: float32 matrix products, ~1.5 MB touched
+    "matmul": LOOP.format(
+        setup="import numpy as np\na = np.random.default_rng(0).random((512, 384), "
+        "dtype=np.float32)\n",
+        step="a @ a.T",
+    ),
+    # the interpreter's loop alone: next to no memory traffic
+    "spin": LOOP.format(setup="", step="pass"),
+}
+KINDS = ("yielding", "full")
+
+
+def _busy(args: argparse.Namespace, cpus: frozenset[int], yielding: bool) -> tuple[float, float]:
+    """One busy window: (its start, the CPU seconds the busy process got)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            WORK[args.work],
+            str(args.busy_s),
+            str(args.slice_ms),
+            str(args.duty),
+        ],
+        env=env,
+        start_new_session=True,
+    )
+    cpu_sets.pin_process(proc.pid, cpus)
+    if yielding and args.idle_policy:
+        os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
+    if yielding:
+        deadline = time.monotonic() + 2
+        while priority.set_group_nice(proc.pid, priority.YIELD_NICE) is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    start = time.monotonic()
+    used = 0.0
+    while proc.poll() is None:
+        used = cpu_sets.cpu_seconds(proc.pid) or used
+        time.sleep(0.1)
+    return start, used
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=8, help="busy windows, alternating (8)")
+    parser.add_argument("--busy-s", type=float, default=5.0, help="each window (5 s)")
+    parser.add_argument("--gap-s", type=float, default=5.0, help="between windows (5 s)")
+    parser.add_argument(
+        "--work",
+        choices=sorted(WORK),
+        default="matmul",
+        help="matmul: float32 matrix products (default); spin: the interpreter's loop alone",
+    )
+    parser.add_argument(
+        "--duty", type=float, default=1.0, help="share of each slice worked (1: always busy)"
+    )
+    parser.add_argument("--slice-ms", type=float, default=20.0, help="a slice of work (20 ms)")
+    parser.add_argument(
+        "--idle-policy",
+        action="store_true",
+        help="the yielding process also SCHED_IDLE (a CPU running only such tasks counts as "
+        "idle where a woken thread is placed)",
+    )
+    add_stack_arguments(parser, docs=500, writes_per_s=21.0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/busy_budget.json"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not priority.autogroup_enabled():
+        raise SystemExit("this kernel has no autogroup: yielding has no session weight here")
+
+    from tests.support.local_stack import local_stack, small_corpus
+
+    budget = rollout_budget(args.cpus, cpu_sets.available())
+    if budget is None:
+        raise SystemExit("a busy budget CPU needs two CPUs and a budget (--cpus)")
+    windows: list[tuple[str, float, float, float]] = []  # kind, start, end, CPU seconds
+    with tempfile.TemporaryDirectory(prefix="gtr-bench-busy-") as tmp_name:
+        tmp = Path(tmp_name)
+        corpus = tmp / "corpus.jsonl"
+        small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
+        run_dir = args.run_dir or tmp / "run"
+        extra = ["--document-precision", "int8"]
+        with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2, extra=extra) as stack:
+            load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
+
+            async def scenario() -> float:
+                runner = asyncio.ensure_future(load.run())
+                try:
+                    await asyncio.sleep(args.before_s)
+                    first = time.monotonic()
+                    for i in range(args.rounds):
+                        kind = KINDS[i % 2]
+                        begin, used = await asyncio.to_thread(
+                            _busy, args, budget, kind == "yielding"
+                        )
+                        windows.append((kind, begin, time.monotonic(), used))
+                        print(f"window {i + 1} ({kind}): {used:.2f} CPU s", flush=True)
+                        await asyncio.sleep(args.gap_s)
+                finally:
+                    load.stop()
+                    await runner
+                return first
+
+            first = asyncio.run(scenario())
+
+    searches = [s for s in load.record.searches if s.code == "OK"]
+    before = [s for s in searches if first - args.before_s <= s.start < first]
+    p99_before = 1e3 * p99([s.latency for s in before])
+    result: dict[str, Any] = {
+        "source": {
+            "bench": "busy_budget",
+            "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "docs": args.docs,
+        "searches_per_s": args.searches_per_s,
+        "writes_per_s_asked": args.writes_per_s,
+        "busy_s": args.busy_s,
+        "work": args.work,
+        "duty": args.duty,
+        "slice_ms": args.slice_ms,
+        "idle_policy": args.idle_policy,
+        "cpu_budget": cpu_sets.format_cpus(budget),
+        "searches_before": len(before),
+        "p99_before_ms": round(p99_before, 2),
+    }
+    for kind in KINDS:
+        mine = [w for w in windows if w[0] == kind]
+        during = [s for s in searches if any(b <= s.start < e for _, b, e, _ in mine)]
+        p99_during = 1e3 * p99([s.latency for s in during])
+        interval = p99_ratio_interval(
+            ([s.start for s in before], [s.latency for s in before]),
+            ([s.start for s in during], [s.latency for s in during]),
+        )
+        result[kind] = {
+            "windows": len(mine),
+            "searches": len(during),
+            "p99_ms": round(p99_during, 2),
+            "p99_over_before": round(p99_during / p99_before, 3),
+            "p99_over_before_ci95": [round(v, 3) for v in interval] if interval else None,
+            "busy_cpu_s_per_window": round(sum(w[3] for w in mine) / max(1, len(mine)), 2),
+        }
+        print(
+            f"{kind}: search p99 {p99_before:.1f} ms before ({len(before)} searches), "
+            f"{p99_during:.1f} ms while the budget's CPU was busy ({len(during)} searches): "
+            f"{result[kind]['p99_over_before']}x (95 % interval "
+            f"{result[kind]['p99_over_before_ci95']}); the busy process got "
+            f"{result[kind]['busy_cpu_s_per_window']} CPU s of {args.busy_s} s per window"
+        )
+    save(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
