@@ -10,9 +10,9 @@ pinned to the budget's CPU (the last), works on one thread (``--work``: ``matmul
 512 x 384 float32 matrix by its transpose, a training step's kind of work; ``spin``, the
 interpreter's loop alone, next to no memory traffic; ``--duty`` below 1 works
 ``--slice-ms`` then leaves the CPU idle for the rest of the slice's share, as a paced
-rollout would), alternately
-**yielding** (its session's autogroup at nice 19, as ``index rollout --cpus`` gives the
-CLI and the target's shards) and at **full weight** (nice 0), ``--gap-s`` apart. It pools
+rollout would), in turn of each of ``--kinds``: **yielding** (its session's autogroup at
+nice 19, as ``index rollout --cpus`` gives the CLI and the target's shards), **idle**
+(that and the ``SCHED_IDLE`` policy) and **full** weight (nice 0), ``--gap-s`` apart. It pools
 the searches of each kind of window against the ``--before-s`` seconds before the first,
 and prints each kind's p99, its ratio to the p99 before with a 95 % block-bootstrap
 interval (``bench/p99_interval.py``) and the CPU seconds the busy process got (what
@@ -64,10 +64,13 @@ WORK = {
     # the interpreter's loop alone: next to no memory traffic
     "spin": LOOP.format(setup="", step="pass"),
 }
-KINDS = ("yielding", "full")
+# how the busy process runs: its session at nice 19 (as a rollout yields), that and the
+# SCHED_IDLE policy (a CPU running only such tasks counts as idle where a woken thread is
+# placed), or at full weight
+KINDS = ("yielding", "idle", "full")
 
 
-def _busy(args: argparse.Namespace, cpus: frozenset[int], yielding: bool) -> tuple[float, float]:
+def _busy(args: argparse.Namespace, cpus: frozenset[int], kind: str) -> tuple[float, float]:
     """One busy window: (its start, the CPU seconds the busy process got)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.Popen(
@@ -83,9 +86,9 @@ def _busy(args: argparse.Namespace, cpus: frozenset[int], yielding: bool) -> tup
         start_new_session=True,
     )
     cpu_sets.pin_process(proc.pid, cpus)
-    if yielding and args.idle_policy:
+    if kind == "idle":
         os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
-    if yielding:
+    if kind in ("yielding", "idle"):
         deadline = time.monotonic() + 2
         while priority.set_group_nice(proc.pid, priority.YIELD_NICE) is None:
             if time.monotonic() > deadline:
@@ -115,10 +118,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--slice-ms", type=float, default=20.0, help="a slice of work (20 ms)")
     parser.add_argument(
-        "--idle-policy",
-        action="store_true",
-        help="the yielding process also SCHED_IDLE (a CPU running only such tasks counts as "
-        "idle where a woken thread is placed)",
+        "--kinds",
+        default="yielding,full",
+        help="the windows' kinds, taken in turn: yielding (nice 19 session), idle (that and "
+        "SCHED_IDLE), full (default: yielding,full)",
     )
     add_stack_arguments(parser, docs=500, writes_per_s=21.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/busy_budget.json"))
@@ -129,6 +132,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from tests.support.local_stack import local_stack, small_corpus
 
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--kinds: a comma list of {', '.join(KINDS)}")
     budget = rollout_budget(args.cpus, cpu_sets.available())
     if budget is None:
         raise SystemExit("a busy budget CPU needs two CPUs and a budget (--cpus)")
@@ -148,10 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     await asyncio.sleep(args.before_s)
                     first = time.monotonic()
                     for i in range(args.rounds):
-                        kind = KINDS[i % 2]
-                        begin, used = await asyncio.to_thread(
-                            _busy, args, budget, kind == "yielding"
-                        )
+                        kind = kinds[i % len(kinds)]
+                        begin, used = await asyncio.to_thread(_busy, args, budget, kind)
                         windows.append((kind, begin, time.monotonic(), used))
                         print(f"window {i + 1} ({kind}): {used:.2f} CPU s", flush=True)
                         await asyncio.sleep(args.gap_s)
@@ -177,12 +181,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "work": args.work,
         "duty": args.duty,
         "slice_ms": args.slice_ms,
-        "idle_policy": args.idle_policy,
+        "kinds": kinds,
         "cpu_budget": cpu_sets.format_cpus(budget),
         "searches_before": len(before),
         "p99_before_ms": round(p99_before, 2),
     }
-    for kind in KINDS:
+    for kind in kinds:
         mine = [w for w in windows if w[0] == kind]
         during = [s for s in searches if any(b <= s.start < e for _, b, e, _ in mine)]
         p99_during = 1e3 * p99([s.latency for s in during])
