@@ -29,14 +29,13 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.output import save
 from bench.p99_interval import p99_ratio_interval
-from bench.rollout import SCIFACT, add_stack_arguments, p99, rollout_budget, steady_load
+from bench.rollout import add_stack_arguments, loaded_stack, p99, rollout_budget
 from services.process import cpus as cpu_sets
 from services.process import priority
 
@@ -130,8 +129,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not priority.autogroup_enabled():
         raise SystemExit("this kernel has no autogroup: yielding has no session weight here")
 
-    from tests.support.local_stack import local_stack, small_corpus
-
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds: a comma list of {', '.join(KINDS)}")
@@ -139,32 +136,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if budget is None:
         raise SystemExit("a busy budget CPU needs two CPUs and a budget (--cpus)")
     windows: list[tuple[str, float, float, float]] = []  # kind, start, end, CPU seconds
-    with tempfile.TemporaryDirectory(prefix="gtr-bench-busy-") as tmp_name:
-        tmp = Path(tmp_name)
-        corpus = tmp / "corpus.jsonl"
-        small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
-        run_dir = args.run_dir or tmp / "run"
-        extra = ["--document-precision", "int8"]
-        with local_stack(run_dir, tmp / "up.log", corpus=corpus, shards=2, extra=extra) as stack:
-            load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
+    with loaded_stack(args, budget, "gtr-bench-busy-") as (_, load, _, _):
 
-            async def scenario() -> float:
-                runner = asyncio.ensure_future(load.run())
-                try:
-                    await asyncio.sleep(args.before_s)
-                    first = time.monotonic()
-                    for i in range(args.rounds):
-                        kind = kinds[i % len(kinds)]
-                        begin, used = await asyncio.to_thread(_busy, args, budget, kind)
-                        windows.append((kind, begin, time.monotonic(), used))
-                        print(f"window {i + 1} ({kind}): {used:.2f} CPU s", flush=True)
-                        await asyncio.sleep(args.gap_s)
-                finally:
-                    load.stop()
-                    await runner
-                return first
+        async def scenario() -> float:
+            runner = asyncio.ensure_future(load.run())
+            try:
+                await asyncio.sleep(args.before_s)
+                first = time.monotonic()
+                for i in range(args.rounds):
+                    kind = kinds[i % len(kinds)]
+                    begin, used = await asyncio.to_thread(_busy, args, budget, kind)
+                    windows.append((kind, begin, time.monotonic(), used))
+                    print(f"window {i + 1} ({kind}): {used:.2f} CPU s", flush=True)
+                    await asyncio.sleep(args.gap_s)
+            finally:
+                load.stop()
+                await runner
+            return first
 
-            first = asyncio.run(scenario())
+        first = asyncio.run(scenario())
 
     searches = [s for s in load.record.searches if s.code == "OK"]
     before = [s for s in searches if first - args.before_s <= s.start < first]

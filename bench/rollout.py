@@ -74,12 +74,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +207,32 @@ def steady_load(
         redis_url=stack.redis_url,
         prefix="bench",
     )
+
+
+@contextlib.contextmanager
+def loaded_stack(
+    args: argparse.Namespace,
+    budget: frozenset[int] | None,
+    prefix: str,
+    extra: Sequence[str] = (),
+    up_log: Path | None = None,
+) -> Iterator[tuple[Any, Any, Path, Path]]:
+    """The stack of the benches that share :func:`add_stack_arguments` (``bench.rollout_rounds``,
+    ``bench.busy_budget``): ``args.docs`` SciFact documents on 2 shards, int8 documents (as
+    ``up`` serves), ``extra`` more flags for ``up``, and its :func:`steady_load` (not started):
+    (stack, load, a temporary folder, the run dir)."""
+    from tests.support.local_stack import local_stack, small_corpus
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp_name:
+        tmp = Path(tmp_name)
+        corpus = tmp / "corpus.jsonl"
+        small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
+        run_dir = args.run_dir or tmp / "run"
+        flags = ["--document-precision", "int8", *extra]
+        log = up_log or tmp / "up.log"
+        with local_stack(run_dir, log, corpus=corpus, shards=2, extra=flags) as stack:
+            load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
+            yield stack, load, tmp, run_dir
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser, *, docs: int, writes_per_s: float) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,12 +47,11 @@ import numpy as np
 from bench.output import save
 from bench.p99_interval import p99_ratio_interval
 from bench.rollout import (
-    SCIFACT,
     PhaseWatch,
     add_stack_arguments,
+    loaded_stack,
     p99,
     rollout_budget,
-    steady_load,
 )
 from bench.rollout_writes import check_writes, hold_source
 from services.process import cpus as cpu_sets
@@ -180,43 +178,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from tests.support.local_stack import local_stack, small_corpus
-
     budget = rollout_budget(args.cpus, cpu_sets.available())
     cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
     rounds: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="gtr-bench-rounds-") as tmp_name:
-        tmp = Path(tmp_name)
-        corpus = tmp / "corpus.jsonl"
-        small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
-        run_dir = args.run_dir or tmp / "run"
-        extra = ["--document-precision", "int8", *args.up_arg]
-        up_log = args.up_log or tmp / "up.log"
-        with local_stack(run_dir, up_log, corpus=corpus, shards=2, extra=extra) as stack:
-            load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
+    stacked = loaded_stack(args, budget, "gtr-bench-rounds-", args.up_arg, args.up_log)
+    with stacked as (stack, load, tmp, run_dir):
 
-            async def scenario() -> float:
-                runner = asyncio.ensure_future(load.run())
-                try:
-                    await asyncio.sleep(args.before_s)
-                    first = time.monotonic()
-                    for i in range(args.rounds):
-                        if i:
-                            await asyncio.to_thread(_retire, stack, run_dir, tmp / "retire.log")
-                            await asyncio.sleep(args.gap_s)
-                        log = tmp / f"rollout-{i}.log"
-                        one = await asyncio.to_thread(_round, stack, cli_budget, run_dir, log)
-                        await asyncio.sleep(1.0)  # the last acknowledgements of the source
-                        await asyncio.to_thread(_check, stack, load.record.writes, one)
-                        rounds.append(one)
-                        print(f"round {i + 1}: {one['end'] - one['start']:.1f} s", flush=True)
-                    await asyncio.sleep(3.0)  # writes to the last generation, then stop
-                finally:
-                    load.stop()
-                    await runner
-                return first
+        async def scenario() -> float:
+            runner = asyncio.ensure_future(load.run())
+            try:
+                await asyncio.sleep(args.before_s)
+                first = time.monotonic()
+                for i in range(args.rounds):
+                    if i:
+                        await asyncio.to_thread(_retire, stack, run_dir, tmp / "retire.log")
+                        await asyncio.sleep(args.gap_s)
+                    log = tmp / f"rollout-{i}.log"
+                    one = await asyncio.to_thread(_round, stack, cli_budget, run_dir, log)
+                    await asyncio.sleep(1.0)  # the last acknowledgements of the source
+                    await asyncio.to_thread(_check, stack, load.record.writes, one)
+                    rounds.append(one)
+                    print(f"round {i + 1}: {one['end'] - one['start']:.1f} s", flush=True)
+                await asyncio.sleep(3.0)  # writes to the last generation, then stop
+            finally:
+                load.stop()
+                await runner
+            return first
 
-            first = asyncio.run(scenario())
+        first = asyncio.run(scenario())
 
     searches = load.record.searches
     before = [s for s in searches if first - args.before_s <= s.start < first and s.code == "OK"]
