@@ -1,31 +1,44 @@
 """The rollout benches' control: the budget's CPU kept busy by plain work, yielding and at
-full weight, in one stack (docs/generations.md "A rollout yields the CPUs").
+full weight, in one stack (docs/generations.md "A rollout yields the CPUs",
+docs/performance.md "Searches before document encodes").
 
-    .venv/bin/python -m bench.busy_budget [--rounds 8] [--busy-s 5] [--searches-per-s 20]
+    .venv/bin/python -m bench.busy_budget [--rounds 8] [--busy-s 5] [--kinds none,one,yielding]
 
 The same stack and load as ``bench.rollout_rounds`` (500 SciFact documents, searches at
 ``--searches-per-s``, writes at 21/s, the client off the budget's CPU), but no rollout:
-``--rounds`` windows of ``--busy-s`` seconds in which a process of its own session,
-pinned to the budget's CPU (the last), works on one thread (``--work``: ``matmul``, a
-512 x 384 float32 matrix by its transpose, a training step's kind of work; ``spin``, the
-interpreter's loop alone, next to no memory traffic; ``--duty`` below 1 works
-``--slice-ms`` then leaves the CPU idle for the rest of the slice's share, as a paced
-rollout would), in turn of each of ``--kinds``: **yielding** (its session's autogroup at
-nice 19, as ``index rollout --cpus`` gives the CLI and the target's shards), **idle**
-(that and the ``SCHED_IDLE`` policy) and **full** weight (nice 0), ``--gap-s`` apart. It pools
-the searches of each kind of window against the ``--before-s`` seconds before the first,
-and prints each kind's p99, its ratio to the p99 before with a 95 % block-bootstrap
-interval (``bench/p99_interval.py``) and the CPU seconds the busy process got (what
-yielding costs the work). What it separates: a rollout's p99 during ÷ before that a
-busy CPU explains (this bench's ratio) from what the rollout's other work adds (Redis,
-the serving replicas' export, a new process's start). One JSON line last (``--out``,
-default ``bench/results/busy_budget.json``). Run it alone.
+``--rounds`` windows of ``--busy-s`` seconds, ``--gap-s`` apart, each of the next of
+``--kinds`` in turn:
+
+- **none**: nothing busy, the baseline within the run (the stack's own drift over it);
+- **one**: nothing busy, every thread of the stack pinned off the budget's CPU: serving
+  without that CPU at all;
+- **yielding**, **short**, **idle**, **full**: a process of its own session, pinned to the
+  budget's CPU (the last), works on one thread (``--work``: ``matmul``, a 512 x 384 float32
+  matrix by its transpose, a training step's kind of work; ``spin``, the interpreter's
+  loop alone; ``--duty`` below 1 works ``--slice-ms`` then leaves the CPU idle for the
+  rest of the slice's share, as a paced rollout would). Yielding: its session's
+  autogroup at nice 19, as ``index rollout --cpus`` gives the CLI and the target's
+  shards; short: that and a 0.1 ms scheduler slice (``bench/sched_slice.py``); idle: that
+  and the ``SCHED_IDLE`` policy; full: nice 0.
+
+It pools the searches of each kind against the ``--before-s`` seconds before the first
+window and prints each kind's p99, its ratio to the p99 before with a 95 % block-bootstrap
+interval (``bench/p99_interval.py``), the CPU seconds the busy process got, the writes'
+p99, and what the stack's threads (``up`` and its descendants) got from the scheduler
+(``/proc/<pid>/task/<tid>/schedstat``): CPU and time runnable but waiting for a CPU, per
+search. ``--triton-nice`` is ``up``'s (0 to compare with its default 10);
+``--stack-slice-us`` gives every thread of the stack a scheduler slice. What it separates:
+a rollout's p99 during ÷ before that a busy CPU explains (this bench's ratio) from what the
+rollout's other work adds (Redis, the serving replicas' export, a new process's start),
+and where the busy CPU's cost goes. One JSON line last (``--out``, default
+``bench/results/busy_budget.json``). Run it alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -33,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import sched_slice
 from bench.output import save
 from bench.p99_interval import p99_ratio_interval
 from bench.rollout import add_stack_arguments, loaded_stack, p99, rollout_budget
@@ -65,12 +79,62 @@ WORK = {
 }
 # how the busy process runs: its session at nice 19 (as a rollout yields), that and the
 # SCHED_IDLE policy (a CPU running only such tasks counts as idle where a woken thread is
-# placed), or at full weight
-KINDS = ("yielding", "idle", "full")
+# placed), or at full weight; or no busy process at all (the within-run baseline: the
+# stack's own drift over the run, the store growing with the writes, shows there)
+KINDS = ("none", "one", "yielding", "short", "idle", "full")
 
 
-def _busy(args: argparse.Namespace, cpus: frozenset[int], kind: str) -> tuple[float, float]:
+def _stack_tids(root: int) -> list[int]:
+    """Every thread of ``root`` and its descendants."""
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(cpu_sets.children_of(pid))
+        with contextlib.suppress(OSError):
+            out.extend(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    return out
+
+
+def _serving_sched(root: int) -> tuple[float, float, int]:
+    """What the stack's processes (``root`` and its descendants; the busy process is not
+    one) got from the scheduler so far, summed over their threads (``schedstat``): (CPU
+    seconds, seconds waited runnable on a run queue, times run)."""
+    cpu = wait = runs = 0
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(cpu_sets.children_of(pid))
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    ran, waited, slices = (int(v) for v in fh.read().split())
+            except (OSError, ValueError):
+                continue
+            cpu, wait, runs = cpu + ran, wait + waited, runs + slices
+    return cpu / 1e9, wait / 1e9, runs
+
+
+def _busy(
+    args: argparse.Namespace, cpus: frozenset[int], kind: str, root: int
+) -> tuple[float, float]:
     """One busy window: (its start, the CPU seconds the busy process got)."""
+    if kind in ("none", "one"):
+        rest = cpu_sets.machine() - cpus
+        tids = _stack_tids(root) if kind == "one" else []
+        for tid in tids:  # the stack without the budget's CPU, nothing on it
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, rest)
+        start = time.monotonic()
+        time.sleep(args.busy_s)
+        for tid in _stack_tids(root) if kind == "one" else []:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cpu_sets.machine())
+        return start, 0.0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [
@@ -87,7 +151,9 @@ def _busy(args: argparse.Namespace, cpus: frozenset[int], kind: str) -> tuple[fl
     cpu_sets.pin_process(proc.pid, cpus)
     if kind == "idle":
         os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
-    if kind in ("yielding", "idle"):
+    if kind == "short":
+        sched_slice.set_slice(proc.pid, sched_slice.SHORT_SLICE_NS)
+    if kind in ("yielding", "short", "idle"):
         deadline = time.monotonic() + 2
         while priority.set_group_nice(proc.pid, priority.YIELD_NICE) is None:
             if time.monotonic() > deadline:
@@ -119,8 +185,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--kinds",
         default="yielding,full",
-        help="the windows' kinds, taken in turn: yielding (nice 19 session), idle (that and "
-        "SCHED_IDLE), full (default: yielding,full)",
+        help="the windows' kinds, taken in turn: none (no busy process: the baseline within "
+        "the run), yielding (nice 19 session), short (that and a 0.1 ms slice), idle (that "
+        "and SCHED_IDLE), full (default: yielding,full)",
+    )
+    parser.add_argument(
+        "--stack-slice-us",
+        type=int,
+        default=0,
+        help="give every thread of the stack this scheduler slice (us; 0: the kernel's)",
     )
     add_stack_arguments(parser, docs=500, writes_per_s=21.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/busy_budget.json"))
@@ -135,8 +208,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = rollout_budget(args.cpus, cpu_sets.available())
     if budget is None:
         raise SystemExit("a busy budget CPU needs two CPUs and a budget (--cpus)")
-    windows: list[tuple[str, float, float, float]] = []  # kind, start, end, CPU seconds
-    with loaded_stack(args, budget, "gtr-bench-busy-") as (_, load, _, _):
+    # kind, start, end, the busy process's CPU seconds, the stack's (CPU s, s waited, runs)
+    windows: list[tuple[str, float, float, float, tuple[float, ...]]] = []
+    with loaded_stack(args, budget, "gtr-bench-busy-") as (stack, load, _, _):
+        if args.stack_slice_us:
+            tids = _stack_tids(stack.process.pid)
+            done = sum(sched_slice.set_slice(t, 1000 * args.stack_slice_us) for t in tids)
+            print(f"slice {args.stack_slice_us} us: {done} of {len(tids)} threads", flush=True)
 
         async def scenario() -> float:
             runner = asyncio.ensure_future(load.run())
@@ -145,8 +223,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 first = time.monotonic()
                 for i in range(args.rounds):
                     kind = kinds[i % len(kinds)]
-                    begin, used = await asyncio.to_thread(_busy, args, budget, kind)
-                    windows.append((kind, begin, time.monotonic(), used))
+                    sched = _serving_sched(stack.process.pid)
+                    begin, used = await asyncio.to_thread(
+                        _busy, args, budget, kind, stack.process.pid
+                    )
+                    got = _serving_sched(stack.process.pid)
+                    delta = tuple(b - a for a, b in zip(sched, got, strict=True))
+                    windows.append((kind, begin, time.monotonic(), used, delta))
                     print(f"window {i + 1} ({kind}): {used:.2f} CPU s", flush=True)
                     await asyncio.sleep(args.gap_s)
             finally:
@@ -159,6 +242,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     searches = [s for s in load.record.searches if s.code == "OK"]
     before = [s for s in searches if first - args.before_s <= s.start < first]
     p99_before = 1e3 * p99([s.latency for s in before])
+    writes = [w for w in load.record.writes if w.ok]
+
+    def write_p99(start: float, end: float) -> float:
+        return round(1e3 * p99([w.end - w.start for w in writes if start <= w.start < end]), 2)
+
     result: dict[str, Any] = {
         "source": {
             "bench": "busy_budget",
@@ -175,10 +263,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu_budget": cpu_sets.format_cpus(budget),
         "searches_before": len(before),
         "p99_before_ms": round(p99_before, 2),
+        "write_p99_before_ms": write_p99(first - args.before_s, first),
     }
     for kind in kinds:
         mine = [w for w in windows if w[0] == kind]
-        during = [s for s in searches if any(b <= s.start < e for _, b, e, _ in mine)]
+        during = [s for s in searches if any(b <= s.start < e for _, b, e, _, _ in mine)]
+        served = [sum(w[4][i] for w in mine) for i in range(3)]
         p99_during = 1e3 * p99([s.latency for s in during])
         interval = p99_ratio_interval(
             ([s.start for s in before], [s.latency for s in before]),
@@ -191,13 +281,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "p99_over_before": round(p99_during / p99_before, 3),
             "p99_over_before_ci95": [round(v, 3) for v in interval] if interval else None,
             "busy_cpu_s_per_window": round(sum(w[3] for w in mine) / max(1, len(mine)), 2),
+            "write_p99_ms": round(
+                1e3
+                * p99(
+                    [
+                        w.end - w.start
+                        for w in writes
+                        if any(b <= w.start < e for _, b, e, _, _ in mine)
+                    ]
+                ),
+                2,
+            ),
+            # the stack's threads: CPU and run-queue wait per search, wait per time run
+            "stack_cpu_ms_per_search": round(1e3 * served[0] / max(1, len(during)), 2),
+            "stack_wait_ms_per_search": round(1e3 * served[1] / max(1, len(during)), 2),
+            "stack_wait_us_per_run": round(1e6 * served[1] / max(1, served[2]), 1),
         }
         print(
             f"{kind}: search p99 {p99_before:.1f} ms before ({len(before)} searches), "
             f"{p99_during:.1f} ms while the budget's CPU was busy ({len(during)} searches): "
             f"{result[kind]['p99_over_before']}x (95 % interval "
             f"{result[kind]['p99_over_before_ci95']}); the busy process got "
-            f"{result[kind]['busy_cpu_s_per_window']} CPU s of {args.busy_s} s per window"
+            f"{result[kind]['busy_cpu_s_per_window']} CPU s of {args.busy_s} s per window; "
+            f"the stack's threads used {result[kind]['stack_cpu_ms_per_search']} CPU ms and "
+            f"waited {result[kind]['stack_wait_ms_per_search']} ms runnable per search "
+            f"({result[kind]['stack_wait_us_per_run']} us per run); write p99 "
+            f"{result['write_p99_before_ms']} ms before, {result[kind]['write_p99_ms']} ms"
         )
     save(args.out, result)
     return result

@@ -228,7 +228,7 @@ def loaded_stack(
         corpus = tmp / "corpus.jsonl"
         small_corpus(SCIFACT, corpus, args.docs, args.text_chars)
         run_dir = args.run_dir or tmp / "run"
-        flags = ["--document-precision", "int8", *extra]
+        flags = ["--document-precision", "int8", "--triton-nice", str(args.triton_nice), *extra]
         log = up_log or tmp / "up.log"
         with local_stack(run_dir, log, corpus=corpus, shards=2, extra=flags) as stack:
             load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
@@ -251,6 +251,12 @@ def add_stack_arguments(parser: argparse.ArgumentParser, *, docs: int, writes_pe
         "every CPU)",
     )
     parser.add_argument("--run-dir", type=Path, help="keep the stack's run dir here")
+    parser.add_argument(
+        "--triton-nice",
+        type=int,
+        default=10,
+        help="`up --triton-nice`: Triton's session nice (10, up's default; 0 to compare)",
+    )
 
 
 def rollout_budget(spec: str, machine: frozenset[int]) -> frozenset[int] | None:
@@ -608,6 +614,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 extra=[
                     "--document-precision",
                     args.document_precision,
+                    "--triton-nice",
+                    str(args.triton_nice),
                     *(["--redis-fsync", args.redis_fsync] if args.redis_fsync else []),
                 ],
             ) as stack,

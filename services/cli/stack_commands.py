@@ -91,6 +91,19 @@ def add_cli(sub: Any) -> None:
         "fewer per search, docs/performance.md); documents still go to Triton. triton: "
         "Triton embeds queries too.",
     )
+    up.add_argument(
+        "--triton-nice",
+        type=int,
+        choices=range(20),
+        metavar="0-19",
+        default=10,
+        help="Triton's scheduling weight, as its session's nice, while it encodes only "
+        "documents (--query-encoder gateway): at 10 (default) a search's work runs before "
+        "a write's or a rollout's document encode when both want a CPU; searches' p99 with "
+        "one of two CPUs busy fell by a fifth, writes waited longer "
+        '(docs/performance.md, "Searches before document encodes"). 0: the same weight '
+        "as the other processes. Needs the kernel's autogroup (most distributions).",
+    )
     up.add_argument("--no-rerank", action="store_true", help="Do not start the reranker.")
     up.add_argument(
         "--no-prometheus", action="store_true", help="Do not start Prometheus (if installed)."

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 YIELD_NICE = 19  # the least weight: 15 against nice 0's 1024
@@ -74,3 +75,24 @@ def set_group_nice(pid: int, nice: int) -> bool | None:
     except OSError as err:
         return None if err.errno == errno.EAGAIN else False
     return True
+
+
+# the session nice of a process whose work waits behind the searches' when both want a
+# CPU: Triton while it only encodes documents (the stack's --triton-nice; docs/performance.md
+# "Searches before document encodes"); 10 weighs 110 against nice 0's 1024
+BACKGROUND_NICE = 10
+SETTLE_S = 1.0  # how long settle_group_nice retries the kernel's 100 ms limit
+
+
+def settle_group_nice(pid: int, nice: int, timeout_s: float = SETTLE_S) -> bool:
+    """:func:`set_group_nice`, tried again while the kernel defers it (another change in
+    the last 100 ms, anywhere on the machine), for up to ``timeout_s``: True done, False
+    not possible or still deferred."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = set_group_nice(pid, nice)
+        if done is not None:
+            return done
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

@@ -32,6 +32,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from services.process import priority
 from services.process.cpus import pin_process
 from services.process.ports import listen_port
 
@@ -133,6 +134,9 @@ class Child:
     cpus: frozenset[int] | None = None
     # how its process starts: None exec's ``argv``; the stack's fork server forks shards
     spawn: Spawn | None = None
+    # its session's nice (services/process/priority.py): > 0 for a child whose work
+    # waits behind the searches' when both want a CPU (Triton encoding only documents)
+    nice: int = 0
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +144,7 @@ class Child:
         if self.spawn is not None:
             self.process = self.spawn(self.argv, env, self.log_path, self.cpus)
             log.debug("forked %s (pid %s): %s", self.name, self.process.pid, " ".join(self.argv))
+            self._weigh()
             return
         fh = self.log_path.open("ab")
         self.process = subprocess.Popen(
@@ -154,6 +159,19 @@ class Child:
         if self.cpus:  # before its interpreter starts threads: they inherit it
             pin_process(self.process.pid, self.cpus)
         log.debug("started %s (pid %s): %s", self.name, self.process.pid, " ".join(self.argv))
+        self._weigh()
+
+    def _weigh(self) -> None:
+        """Its session at :attr:`nice` (it leads its session: its weight is its own)."""
+        if not self.nice or self.process is None:
+            return
+        if not priority.settle_group_nice(self.process.pid, self.nice):
+            log.warning(
+                "%s: its session's nice stays 0, not %d (no autogroup here, or the kernel "
+                "deferred it)",
+                self.name,
+                self.nice,
+            )
 
     @property
     def pid(self) -> int | None:

@@ -65,6 +65,10 @@ class StackConfig:
     # repository's version Triton serves (services/encoder/runtime/local_queries.py), or
     # Triton; documents always go to Triton
     query_encoder: Literal["gateway", "triton"] = "gateway"
+    # Triton's session nice while it encodes only documents (query_encoder "gateway"):
+    # a search's work runs before a write's encode when both want a CPU (docs/performance.md
+    # "Searches before document encodes"); 0 = the same weight as the rest
+    triton_nice: int = 10
     rerank: bool = True
     rerank_checkpoint: Path | None = None
     rerank_checkpoint_dir: Path | None = (

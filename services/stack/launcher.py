@@ -249,7 +249,8 @@ class Stack:
             self.endpoints.triton_grpc = grpc_address
             self.endpoints.triton_metrics = metrics
             self.endpoints.triton_repository = str(cfg.model_repository.resolve())
-            _say(f"triton     {grpc_address}  (model 'embed')")
+            weight = f", session nice {triton.nice}: searches first" if triton.nice else ""
+            _say(f"triton     {grpc_address}  (model 'embed'{weight})")
 
         self._first_run = self.train_if_needed()
 

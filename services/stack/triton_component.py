@@ -143,6 +143,13 @@ def triton_server(cfg: StackConfig) -> TritonServerConfig:
     )
 
 
+def triton_nice(cfg: StackConfig) -> int:
+    """Triton's session nice: ``cfg.triton_nice`` while the gateway embeds the queries
+    (Triton's work is then documents only: the writers' and a rollout's), else 0: a
+    search's encode is Triton's too."""
+    return cfg.triton_nice if cfg.query_encoder == "gateway" else 0
+
+
 def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str]:
     """(child, gRPC address, metrics address) of a Triton serving ``embed``.
 
@@ -168,6 +175,7 @@ def triton_child(cfg: StackConfig, say: Say) -> tuple[Child, str, str]:
     if server.backend_dir is not None:
         make_private(server.backend_dir)
     child = Child("triton", argv, cfg.logs / "triton.log", env=env, job="triton")
+    child.nice = triton_nice(cfg)
     child.address = server.grpc_url
     child.metrics = f"{cfg.host}:{server.metrics_port}"
     return child, server.grpc_url, child.metrics

@@ -44,8 +44,8 @@ from services.index.keys import (
     GenerationKeys,
     Layout,
 )
-from services.process.cpus import format_cpus, parent_pid
-from services.process.priority import YIELD_NICE, autogroup_enabled, group_nice
+from services.process.cpus import children_of, format_cpus, parent_pid
+from services.process.priority import BACKGROUND_NICE, YIELD_NICE, autogroup_enabled, group_nice
 from services.process.private import PRIVATE_UMASK
 from services.stack import first_run, triton_component
 from services.stack.children import Child, RestartPolicy, State, Supervisor, grpc_healthy
@@ -472,6 +472,13 @@ def test_triton_of_up_loads_a_published_version_and_keeps_it_when_up_restarts(
             sup.start(triton, functools.partial(triton_component.triton_ready, url, "embed"), 240)
         finally:
             os.umask(umask)
+        if autogroup_enabled():  # documents only (the gateway embeds queries): Triton's
+            # session, its Python stubs included, waits behind the searches' work
+            assert triton.pid is not None
+            stubs = children_of(triton.pid)
+            assert stubs, "no Python backend stub under Triton"
+            for pid in (triton.pid, *stubs):
+                assert group_nice(pid) == BACKGROUND_NICE, pid
         return url
 
     sup = Supervisor(cfg.restart)

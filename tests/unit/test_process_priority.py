@@ -1,6 +1,7 @@
 """A rollout's processes yield the CPUs (services/process/priority.py, placement.weigh):
 their session's weight, set and restored without privilege, and what it does to a CPU
-shared with a busy process of another session."""
+shared with a busy process of another session; Triton, encoding only documents, starts
+at a lower weight (``up --triton-nice``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from services.generations import placement
 from services.process import cpus as cpu_sets
 from services.process import priority
+from services.stack.children import Child
+from services.stack.config import StackConfig
+from services.stack.triton_component import triton_nice
 
 needs_autogroup = pytest.mark.skipif(
     not priority.autogroup_enabled(),
@@ -107,3 +112,46 @@ def test_a_yielding_session_gets_almost_none_of_a_cpu_a_busy_session_wants(
         time.sleep(0.05)
     shares = _cpu_shares([serving, rollout], 1.0)
     assert shares[1] < 0.1, shares
+
+
+@needs_autogroup
+def test_settle_group_nice_waits_out_the_kernels_limit_between_changes(
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    """Two changes within the kernel's 100 ms: the second is deferred (EAGAIN), and
+    settle_group_nice tries it again until it is done."""
+    child = _start("import time; time.sleep(60)")
+    children.append(child)
+    assert priority.settle_group_nice(child.pid, 5)
+    assert priority.settle_group_nice(child.pid, priority.BACKGROUND_NICE)  # right after
+    assert priority.group_nice(child.pid) == priority.BACKGROUND_NICE
+    child.kill()
+    child.wait()
+    assert not priority.settle_group_nice(child.pid, 0)  # gone: not possible, no wait
+
+
+@needs_autogroup
+def test_a_stack_child_with_a_nice_starts_in_a_session_of_that_weight(tmp_path: Path) -> None:
+    """``up``'s children lead their sessions; one given a nice (Triton encoding only
+    documents) has its session's weight lowered as it starts, the others keep nice 0."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    background = Child("background", sleeper, tmp_path / "b.log", nice=priority.BACKGROUND_NICE)
+    plain = Child("plain", sleeper, tmp_path / "p.log")
+    try:
+        for child in (background, plain):
+            child.start()
+        assert background.pid is not None and plain.pid is not None
+        assert priority.group_nice(background.pid) == priority.BACKGROUND_NICE
+        assert priority.group_nice(plain.pid) == 0
+    finally:
+        for child in (background, plain):
+            child.stop(grace=1)
+
+
+def test_triton_yields_to_searches_only_while_it_encodes_documents_alone(tmp_path: Path) -> None:
+    """The gateway embeds the queries (the default): Triton's work is the writers' and
+    rollouts' documents, so it runs at ``triton_nice``; with Triton embedding queries too,
+    a search's encode is its work and it keeps full weight."""
+    assert triton_nice(StackConfig(run_dir=tmp_path)) == priority.BACKGROUND_NICE
+    assert triton_nice(StackConfig(run_dir=tmp_path, triton_nice=0)) == 0
+    assert triton_nice(StackConfig(run_dir=tmp_path, query_encoder="triton")) == 0

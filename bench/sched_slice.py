@@ -1,0 +1,65 @@
+"""A thread's scheduler time slice (``sched_setattr(2)``'s ``sched_runtime`` for a fair
+task, Linux 6.12+): ``bench.busy_budget``'s ``short`` kind and ``--stack-slice-us``.
+
+EEVDF protects a running task's slice from a woken one; a short slice (down to 0.1 ms,
+against 0.7-3 ms by default) should let a woken serving thread take the CPU sooner. On
+this machine it did not (docs/generations.md, "What the scheduler can and cannot give
+back"), so nothing in the services sets it: this is the bench's, to measure it again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+# sched_setattr / sched_getattr (no glibc wrapper)
+SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
+SHORT_SLICE_NS = 100_000  # the least slice the kernel takes
+
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("policy", ctypes.c_uint32),
+        ("flags", ctypes.c_uint64),
+        ("nice", ctypes.c_int32),
+        ("priority", ctypes.c_uint32),
+        ("runtime", ctypes.c_uint64),
+        ("deadline", ctypes.c_uint64),
+        ("period", ctypes.c_uint64),
+    ]
+
+
+def _calls() -> tuple[Any, int, int] | None:
+    numbers = SYSCALLS.get(os.uname().machine)
+    return None if numbers is None else (ctypes.CDLL(None, use_errno=True), *numbers)
+
+
+def thread_slice(tid: int) -> int | None:
+    """Thread ``tid``'s slice in ns (0: this thread); None when unknown here."""
+    calls = _calls()
+    if calls is None:
+        return None
+    libc, _, get = calls
+    attr = _SchedAttr()
+    if libc.syscall(get, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
+        return None
+    return int(attr.runtime)
+
+
+def set_slice(tid: int, slice_ns: int) -> bool:
+    """Give thread ``tid`` (0: this one; threads it starts later inherit it) a slice of
+    ``slice_ns``, its policy and nice kept; False when refused or unknown here."""
+    calls = _calls()
+    if calls is None:
+        return False
+    libc, set_, get = calls
+    attr = _SchedAttr()
+    if libc.syscall(get, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
+        return False
+    if attr.policy not in (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE):
+        return False
+    attr.size = ctypes.sizeof(attr)
+    attr.runtime = slice_ns
+    return libc.syscall(set_, tid, ctypes.byref(attr), 0) == 0
