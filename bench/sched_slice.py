@@ -31,33 +31,31 @@ class _SchedAttr(ctypes.Structure):
     ]
 
 
-def _calls() -> tuple[Any, int, int] | None:
+def _read(tid: int) -> tuple[Any, int, _SchedAttr] | None:
+    """(libc, sched_setattr's number, thread ``tid``'s attributes); None when unknown here."""
     numbers = SYSCALLS.get(os.uname().machine)
-    return None if numbers is None else (ctypes.CDLL(None, use_errno=True), *numbers)
+    if numbers is None:
+        return None
+    libc, (set_, get) = ctypes.CDLL(None, use_errno=True), numbers
+    attr = _SchedAttr()
+    if libc.syscall(get, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
+        return None
+    return libc, set_, attr
 
 
 def thread_slice(tid: int) -> int | None:
     """Thread ``tid``'s slice in ns (0: this thread); None when unknown here."""
-    calls = _calls()
-    if calls is None:
-        return None
-    libc, _, get = calls
-    attr = _SchedAttr()
-    if libc.syscall(get, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
-        return None
-    return int(attr.runtime)
+    read = _read(tid)
+    return None if read is None else int(read[2].runtime)
 
 
 def set_slice(tid: int, slice_ns: int) -> bool:
     """Give thread ``tid`` (0: this one; threads it starts later inherit it) a slice of
     ``slice_ns``, its policy and nice kept; False when refused or unknown here."""
-    calls = _calls()
-    if calls is None:
+    read = _read(tid)
+    if read is None:
         return False
-    libc, set_, get = calls
-    attr = _SchedAttr()
-    if libc.syscall(get, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
-        return False
+    libc, set_, attr = read
     if attr.policy not in (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE):
         return False
     attr.size = ctypes.sizeof(attr)
