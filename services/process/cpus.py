@@ -132,7 +132,28 @@ def pin_process(pid: int, cpus: Iterable[int]) -> int:
 
 
 def children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from ``/proc``)."""
+    """The processes whose parent is ``pid``: from each of its threads'
+    ``/proc/<pid>/task/<tid>/children`` (a child is listed under the thread that started
+    it), else, on a kernel without them (``CONFIG_PROC_CHILDREN``), a scan of ``/proc``."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                out.extend(int(child) for child in fh.read().split())
+        except FileNotFoundError:
+            if not os.path.isdir(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended
+            return _scan_children(pid)
+        except OSError:
+            continue
+    return sorted(set(out))
+
+
+def _scan_children(pid: int) -> list[int]:
     out: list[int] = []
     for name in os.listdir("/proc"):
         if not name.isdigit():

@@ -92,6 +92,27 @@ def test_pin_process_moves_every_thread_of_a_running_process() -> None:
         child.wait()
 
 
+def test_children_of_lists_the_children_every_thread_started_as_the_proc_scan_does() -> None:
+    """``children_of`` reads the threads' ``children`` files (no scan of ``/proc`` on the
+    stack's poller pass); a child started by a thread, even one that ended since, counts."""
+    import threading
+
+    started = [subprocess.Popen(["sleep", "60"])]
+    thread = threading.Thread(target=lambda: started.append(subprocess.Popen(["sleep", "60"])))
+    thread.start()
+    thread.join()
+    try:
+        pids = sorted(child.pid for child in started)
+        assert set(pids) <= set(cpu_sets.children_of(os.getpid()))
+        assert cpu_sets.children_of(os.getpid()) == sorted(cpu_sets._scan_children(os.getpid()))
+        assert cpu_sets.children_of(started[0].pid) == []
+    finally:
+        for child in started:
+            child.kill()
+            child.wait()
+    assert cpu_sets.children_of(started[0].pid) == []  # gone
+
+
 def test_the_stub_and_the_stack_name_the_same_budget_file() -> None:
     """The Triton stub cannot import services/: its own constant must match."""
     source = Path("services/encoder/build/triton_models/embed_onnx.py").read_text()
