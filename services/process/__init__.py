@@ -9,7 +9,8 @@
     CPU sets: parse a ``taskset``-style list, pin a process thread by thread.
 ``priority``
     a process's scheduling weight against other sessions (its autogroup's nice): a
-    rollout's processes yield the CPUs to serving.
+    rollout's processes yield the CPUs to serving, and Triton encoding only documents
+    waits behind the searches' work.
 ``private``
     files for their owner only (the local stack's umask; what other commands add to its
     run directory is tightened to match).

@@ -1,5 +1,7 @@
-"""A rollout's processes yield the CPUs to serving: their scheduling weight (docs/generations.md
-"A rollout yields the CPUs").
+"""A process's scheduling weight against other sessions: a rollout's processes yield the
+CPUs to serving (docs/generations.md "A rollout yields the CPUs"), and Triton, while it
+encodes only documents, waits behind the searches' work (:data:`BACKGROUND_NICE`,
+docs/performance.md "Searches before document encodes").
 
 On Linux with autogroup (``kernel.sched_autogroup_enabled``, the default of most
 distributions and of this machine's kernel), the scheduler shares the CPUs between
