@@ -49,7 +49,7 @@ from typing import Any
 from bench import sched_slice
 from bench.output import save
 from bench.p99_interval import p99_ratio_interval
-from bench.rollout import add_stack_arguments, loaded_stack, p99, rollout_budget
+from bench.rollout import add_stack_arguments, loaded_stack, p99, rollout_budget, under_load
 from services.process import cpus as cpu_sets
 from services.process import priority
 
@@ -97,25 +97,17 @@ def _stack_tids(root: int) -> list[int]:
 
 
 def _serving_sched(root: int) -> tuple[float, float, int]:
-    """What the stack's processes (``root`` and its descendants; the busy process is not
-    one) got from the scheduler so far, summed over their threads (``schedstat``): (CPU
-    seconds, seconds waited runnable on a run queue, times run)."""
+    """What the stack's threads (:func:`_stack_tids`; the busy process is not one) got
+    from the scheduler so far, summed (``/proc/<tid>/schedstat``): (CPU seconds, seconds
+    waited runnable on a run queue, times run)."""
     cpu = wait = runs = 0
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        todo.extend(cpu_sets.children_of(pid))
+    for tid in _stack_tids(root):
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
-                    ran, waited, slices = (int(v) for v in fh.read().split())
-            except (OSError, ValueError):
-                continue
-            cpu, wait, runs = cpu + ran, wait + waited, runs + slices
+            with open(f"/proc/{tid}/schedstat") as fh:
+                ran, waited, slices = (int(v) for v in fh.read().split())
+        except (OSError, ValueError):
+            continue  # the thread ended
+        cpu, wait, runs = cpu + ran, wait + waited, runs + slices
     return cpu / 1e9, wait / 1e9, runs
 
 
@@ -216,36 +208,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             done = sum(sched_slice.set_slice(t, 1000 * args.stack_slice_us) for t in tids)
             print(f"slice {args.stack_slice_us} us: {done} of {len(tids)} threads", flush=True)
 
-        async def scenario() -> float:
-            runner = asyncio.ensure_future(load.run())
-            try:
-                await asyncio.sleep(args.before_s)
-                first = time.monotonic()
-                for i in range(args.rounds):
-                    kind = kinds[i % len(kinds)]
-                    sched = _serving_sched(stack.process.pid)
-                    begin, used = await asyncio.to_thread(
-                        _busy, args, budget, kind, stack.process.pid
-                    )
-                    got = _serving_sched(stack.process.pid)
-                    delta = tuple(b - a for a, b in zip(sched, got, strict=True))
-                    windows.append((kind, begin, time.monotonic(), used, delta))
-                    print(f"window {i + 1} ({kind}): {used:.2f} CPU s", flush=True)
-                    await asyncio.sleep(args.gap_s)
-            finally:
-                load.stop()
-                await runner
-            return first
+        async def run_windows() -> None:
+            for i in range(args.rounds):
+                kind = kinds[i % len(kinds)]
+                sched = _serving_sched(stack.process.pid)
+                begin, used = await asyncio.to_thread(_busy, args, budget, kind, stack.process.pid)
+                got = _serving_sched(stack.process.pid)
+                delta = tuple(b - a for a, b in zip(sched, got, strict=True))
+                windows.append((kind, begin, time.monotonic(), used, delta))
+                print(f"window {i + 1} ({kind}): {used:.2f} CPU s", flush=True)
+                await asyncio.sleep(args.gap_s)
 
-        first = asyncio.run(scenario())
+        first = under_load(load, args.before_s, run_windows)
 
     searches = [s for s in load.record.searches if s.code == "OK"]
     before = [s for s in searches if first - args.before_s <= s.start < first]
     p99_before = 1e3 * p99([s.latency for s in before])
     writes = [w for w in load.record.writes if w.ok]
 
-    def write_p99(start: float, end: float) -> float:
-        return round(1e3 * p99([w.end - w.start for w in writes if start <= w.start < end]), 2)
+    def write_p99(spans: list[tuple[float, float]]) -> float:
+        """The p99 (ms) of the acknowledged writes that started within one of ``spans``."""
+        taken = [w.end - w.start for w in writes if any(b <= w.start < e for b, e in spans)]
+        return round(1e3 * p99(taken), 2)
 
     result: dict[str, Any] = {
         "source": {
@@ -263,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu_budget": cpu_sets.format_cpus(budget),
         "searches_before": len(before),
         "p99_before_ms": round(p99_before, 2),
-        "write_p99_before_ms": write_p99(first - args.before_s, first),
+        "write_p99_before_ms": write_p99([(first - args.before_s, first)]),
     }
     for kind in kinds:
         mine = [w for w in windows if w[0] == kind]
@@ -281,17 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "p99_over_before": round(p99_during / p99_before, 3),
             "p99_over_before_ci95": [round(v, 3) for v in interval] if interval else None,
             "busy_cpu_s_per_window": round(sum(w[3] for w in mine) / max(1, len(mine)), 2),
-            "write_p99_ms": round(
-                1e3
-                * p99(
-                    [
-                        w.end - w.start
-                        for w in writes
-                        if any(b <= w.start < e for _, b, e, _, _ in mine)
-                    ]
-                ),
-                2,
-            ),
+            "write_p99_ms": write_p99([(b, e) for _, b, e, _, _ in mine]),
             # the stack's threads: CPU and run-queue wait per search, wait per time run
             "stack_cpu_ms_per_search": round(1e3 * served[0] / max(1, len(during)), 2),
             "stack_wait_ms_per_search": round(1e3 * served[1] / max(1, len(during)), 2),

@@ -81,7 +81,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +233,25 @@ def loaded_stack(
         with local_stack(run_dir, log, corpus=corpus, shards=2, extra=flags) as stack:
             load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
             yield stack, load, tmp, run_dir
+
+
+def under_load(load: Any, before_s: float, rounds: Callable[[], Awaitable[None]]) -> float:
+    """Run ``load`` (:func:`steady_load`) for ``before_s`` seconds, then ``rounds()`` under
+    it, then stop it (``bench.rollout_rounds``, ``bench.busy_budget``): the monotonic time
+    the rounds began, the end of the window before."""
+
+    async def scenario() -> float:
+        runner = asyncio.ensure_future(load.run())
+        try:
+            await asyncio.sleep(before_s)
+            first = time.monotonic()
+            await rounds()
+        finally:
+            load.stop()
+            await runner
+        return first
+
+    return asyncio.run(scenario())
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser, *, docs: int, writes_per_s: float) -> None:

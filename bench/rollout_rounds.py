@@ -52,6 +52,7 @@ from bench.rollout import (
     loaded_stack,
     p99,
     rollout_budget,
+    under_load,
 )
 from bench.rollout_writes import check_writes, hold_source
 from services.process import cpus as cpu_sets
@@ -184,28 +185,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stacked = loaded_stack(args, budget, "gtr-bench-rounds-", args.up_arg, args.up_log)
     with stacked as (stack, load, tmp, run_dir):
 
-        async def scenario() -> float:
-            runner = asyncio.ensure_future(load.run())
-            try:
-                await asyncio.sleep(args.before_s)
-                first = time.monotonic()
-                for i in range(args.rounds):
-                    if i:
-                        await asyncio.to_thread(_retire, stack, run_dir, tmp / "retire.log")
-                        await asyncio.sleep(args.gap_s)
-                    log = tmp / f"rollout-{i}.log"
-                    one = await asyncio.to_thread(_round, stack, cli_budget, run_dir, log)
-                    await asyncio.sleep(1.0)  # the last acknowledgements of the source
-                    await asyncio.to_thread(_check, stack, load.record.writes, one)
-                    rounds.append(one)
-                    print(f"round {i + 1}: {one['end'] - one['start']:.1f} s", flush=True)
-                await asyncio.sleep(3.0)  # writes to the last generation, then stop
-            finally:
-                load.stop()
-                await runner
-            return first
+        async def run_rounds() -> None:
+            for i in range(args.rounds):
+                if i:
+                    await asyncio.to_thread(_retire, stack, run_dir, tmp / "retire.log")
+                    await asyncio.sleep(args.gap_s)
+                log = tmp / f"rollout-{i}.log"
+                one = await asyncio.to_thread(_round, stack, cli_budget, run_dir, log)
+                await asyncio.sleep(1.0)  # the last acknowledgements of the source
+                await asyncio.to_thread(_check, stack, load.record.writes, one)
+                rounds.append(one)
+                print(f"round {i + 1}: {one['end'] - one['start']:.1f} s", flush=True)
+            await asyncio.sleep(3.0)  # writes to the last generation, then stop
 
-        first = asyncio.run(scenario())
+        first = under_load(load, args.before_s, run_rounds)
 
     searches = load.record.searches
     before = [s for s in searches if first - args.before_s <= s.start < first and s.code == "OK"]
