@@ -13,7 +13,12 @@ the other under the same load as ``bench.rollout`` (searches at 20/s, writes at
   start to exit);
 - between two rounds, outside both windows, the generation the last rollout displaced is
   retired (``index retire``, as an operator keeps one rollback target), and the stack is
-  left ``--gap-s`` seconds to settle.
+  left ``--gap-s`` seconds to settle;
+- **between**: the searches of those settling gaps (after the retire, before the next
+  round), a control interleaved with the rounds. The store grows by a quarter of the
+  write rate and the rounds run minutes after the window before, so ``during`` over
+  ``between`` is the rollout's own cost with that drift taken out (printed beside the
+  issue's ratio, during over before, not instead of it).
 
 Where in a round the latency goes: ``p99_by_segment_ms`` pools every round's searches per
 segment (:data:`SEGMENTS`: the CLI's start, the train phase, the catch-up until the
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = rollout_budget(args.cpus, cpu_sets.available())
     cli_budget = ["--cpus", cpu_sets.format_cpus(budget)] if budget else []
     rounds: list[dict[str, Any]] = []
+    gaps: list[tuple[float, float]] = []  # the settling windows between rounds
     stacked = loaded_stack(args, budget, "gtr-bench-rounds-", args.up_arg, args.up_log)
     with stacked as (stack, load, tmp, run_dir):
 
@@ -189,7 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i in range(args.rounds):
                 if i:
                     await asyncio.to_thread(_retire, stack, run_dir, tmp / "retire.log")
+                    settled = time.monotonic()
                     await asyncio.sleep(args.gap_s)
+                    gaps.append((settled, time.monotonic()))
                 log = tmp / f"rollout-{i}.log"
                 one = await asyncio.to_thread(_round, stack, cli_budget, run_dir, log)
                 await asyncio.sleep(1.0)  # the last acknowledgements of the source
@@ -220,11 +228,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
         )
     ok_during = [s for s in during if s.code == "OK"]
+    between = [s for s in searches if s.code == "OK" and any(a <= s.start < b for a, b in gaps)]
     p99_before = 1e3 * p99([s.latency for s in before])
     p99_during = 1e3 * p99([s.latency for s in ok_during])
+    p99_between = 1e3 * p99([s.latency for s in between]) if between else None
     interval = p99_ratio_interval(
         ([s.start for s in before], [s.latency for s in before]),
         ([s.start for s in ok_during], [s.latency for s in ok_during]),
+    )
+    between_interval = (
+        p99_ratio_interval(
+            ([s.start for s in between], [s.latency for s in between]),
+            ([s.start for s in ok_during], [s.latency for s in ok_during]),
+        )
+        if between
+        else None
     )
     acked = [
         w
@@ -249,6 +267,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p99_during_ms": round(p99_during, 2),
         "p99_during_over_before": round(p99_during / p99_before, 3),
         "p99_during_over_before_ci95": [round(v, 3) for v in interval] if interval else None,
+        "searches_between": len(between),
+        "p99_between_ms": round(p99_between, 2) if p99_between else None,
+        "p99_during_over_between": round(p99_during / p99_between, 3) if p99_between else None,
+        "p99_during_over_between_ci95": (
+            [round(v, 3) for v in between_interval] if between_interval else None
+        ),
         "writes_per_s": round(len(acked) / seconds, 2) if seconds else None,
         "writes_checked": sum(r["writes_checked"] for r in per_round),
         "lost_writes": sum(r["lost_writes"] for r in per_round),
@@ -269,6 +293,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(goal <= 1.5; 95 % interval {result['p99_during_over_before_ci95']}); "
         f"{result['lost_writes']} of {result['writes_checked']} acknowledged writes lost"
     )
+    if p99_between:
+        print(
+            f"  between the rounds (the settling gaps, {len(between)} searches): p99 "
+            f"{p99_between:.1f} ms; during over between {result['p99_during_over_between']}x "
+            f"(95 % interval {result['p99_during_over_between_ci95']})"
+        )
     for name, seg in result["p99_by_segment_ms"].items():
         print(
             f"  {name}: p99 {seg['p99_ms']} ms over {seg['searches']} searches "
