@@ -317,7 +317,7 @@ def add_cli(subparsers: Any) -> None:
         choices=["fp32", "int8"],
         default="fp32",
         help="int8 (needs --query-precision int8): documents through the same int8 graph "
-        "(model.int8.onnx), one per run, about a third of the CPU per document; gated like "
+        "(model.int8.onnx), one per run, a third to half the CPU per document; gated like "
         "the query tower (probe documents; dev nDCG@10 of int8 over int8 vs FP32 over FP32)",
     )
     p.add_argument(

@@ -73,7 +73,7 @@ def add_cli(sub: Any) -> None:
         help="Triton's document tower. Unasked: the run dir's (the documents its first `up` "
         "stored), else fp32, the FP32 graph. int8: documents "
         "through the int8 query graph too (`encoder export --document-precision int8`), one "
-        "per run: about a third of the CPU per document encode (every upsert, and a "
+        "per run: a third to half the CPU per document encode (every upsert, and a "
         "rollout's re-embedding); gated like the query tower (dev nDCG@10 of int8 queries "
         "over int8 documents within 0.003 of FP32), refused if a gate fails; figures in "
         "<run-dir>/export-int8-docs/query_int8.json; needs int8 queries. Not the default: "
