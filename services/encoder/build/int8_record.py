@@ -82,7 +82,7 @@ class RecordedGate:
     # the quality gate of int8 queries over int8 documents; empty: not measured
     document_parity_cosines: list[float] = field(default_factory=list)
     document_quality: dict[str, Any] = field(default_factory=dict)
-    cpu: str = ""  # where it was measured (:func:`cpu_name`); "" in the first record
+    cpu: str = ""  # where it was measured (:func:`cpu_name`); "" in records made before it
 
 
 def read_records(path: Path | None = None) -> list[RecordedGate]:
