@@ -44,6 +44,7 @@ from services.stack.certs import CertFiles, make_certs
 from services.stack.config import StackConfig
 from services.stack.launcher import Stack
 from tests.support.http_json import HttpJson
+from tests.support.local_stack import small_corpus
 from tests.support.processes import RedisServer, free_port, pythonpath, redis_binary, wait_until
 from tests.support.rerank import WORDS, tiny_checkpoint
 from tests.support.shards import ROOT, train_test_index
@@ -536,9 +537,7 @@ def locked_stack(
         pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
     tmp = tmp_path_factory.mktemp("locked-stack")
     corpus = tmp / "corpus.jsonl"
-    with (scifact_dir / "corpus.jsonl").open(encoding="utf-8") as fh:
-        rows = [json.loads(line) for _, line in zip(range(300), fh, strict=False)]
-    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    small_corpus(scifact_dir, corpus, 300, text_chars=300)  # whole abstracts: 60 s to encode
     cfg = StackConfig(
         run_dir=tmp / "run",
         corpus=corpus,

@@ -39,6 +39,7 @@ import pytest
 
 from retrieval.v1 import common_pb2, documents_pb2, documents_pb2_grpc, search_pb2, search_pb2_grpc
 from services.common import positions
+from tests.support.local_stack import small_corpus
 from tests.support.processes import free_port, pythonpath
 from tests.support.shards import ROOT
 
@@ -46,6 +47,9 @@ from tests.support.shards import ROOT
 # runs it alone, after the other slow tests.
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
+# texts cut to 120 characters: what is checked is durability and availability, not
+# relevance, and whole abstracts (256 tokens each) took 2 of the setup's 2.5 minutes to
+# encode on CI's two cores
 CORPUS_DOCS = 600
 WORDS = [
     "alpha",
@@ -117,8 +121,7 @@ def _serving(address: str) -> bool:
 @pytest.fixture
 def up(tmp_path: Path, scifact_dir: Path) -> Iterator[Up]:
     corpus = tmp_path / "corpus.jsonl"
-    lines = (scifact_dir / "corpus.jsonl").read_text().splitlines()[:CORPUS_DOCS]
-    corpus.write_text("\n".join(lines) + "\n")
+    small_corpus(scifact_dir, corpus, CORPUS_DOCS, text_chars=120)
     port = free_port()
     run_dir = tmp_path / "run"
     log = tmp_path / "up.log"
