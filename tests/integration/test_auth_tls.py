@@ -537,7 +537,7 @@ def locked_stack(
         pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
     tmp = tmp_path_factory.mktemp("locked-stack")
     corpus = tmp / "corpus.jsonl"
-    small_corpus(scifact_dir, corpus, 300, text_chars=300)  # whole abstracts: 60 s to encode
+    small_corpus(scifact_dir, corpus, 300, text_chars=120)  # whole abstracts: 60 s to encode
     cfg = StackConfig(
         run_dir=tmp / "run",
         corpus=corpus,

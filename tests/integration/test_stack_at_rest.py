@@ -60,7 +60,7 @@ def test_up_keeps_its_data_private_and_a_sigterm_to_its_starter_stops_every_chil
         pytest.fail("redis-server is not installed (scripts/bootstrap.sh installs it)")
     corpus = tmp_path / "corpus" / "corpus.jsonl"
     corpus.parent.mkdir()
-    small_corpus(scifact_dir, corpus, 400)
+    small_corpus(scifact_dir, corpus, 300, text_chars=120)  # what is checked: files, signals
     run_dir, log = tmp_path / "run", tmp_path / "up.log"
     helper = subprocess.Popen(
         [sys.executable, "-c", HELPER, str(run_dir), str(log), str(corpus)],
