@@ -10,6 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The three installs share nothing (Debian's packages, .venv's packages, checkov's venv)
+# and mostly wait on the network: apt's and checkov's run in the background beside the
+# project's, each logging to a file that is printed if it fails (on CI's fresh machine the
+# bootstrap, one after the other, took ~6 of its 35 minutes).
+logs=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
+jobs_started=()
+
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
@@ -19,13 +27,29 @@ if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   echo "bootstrap: apt-get install ${missing[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null
+  {
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}"
+  } >"$logs/apt" 2>&1 &
+  jobs_started+=("$!:apt")
 fi
 
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null 2>&1 || python=python3
+
+# checkov (policy checks of the rendered Helm chart) pins old packaging/networkx: it gets
+# a venv of its own inside .venv/ so that it cannot downgrade the project's packages.
+if [ ! -x .venv/tools/checkov/bin/checkov ]; then
+  echo "bootstrap: installing checkov into .venv/tools/checkov"
+  mkdir -p .venv/tools
+  {
+    "$python" -m venv .venv/tools/checkov
+    .venv/tools/checkov/bin/pip install -q "checkov==3.3.30"
+  } >"$logs/checkov" 2>&1 &
+  jobs_started+=("$!:checkov")
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "bootstrap: creating .venv with $($python --version)"
   "$python" -m venv .venv
@@ -46,10 +70,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# checkov (policy checks of the rendered Helm chart) pins old packaging/networkx: it gets
-# a venv of its own inside .venv/ so that it cannot downgrade the project's packages.
-if [ ! -x .venv/tools/checkov/bin/checkov ]; then
-  echo "bootstrap: installing checkov into .venv/tools/checkov"
-  "$python" -m venv .venv/tools/checkov
-  .venv/tools/checkov/bin/pip install -q "checkov==3.3.30"
-fi
+failed=0
+for job in "${jobs_started[@]}"; do
+  if ! wait "${job%%:*}"; then
+    echo "bootstrap: the ${job#*:} install failed:" >&2
+    tail -n 30 "$logs/${job#*:}" | cut -c1-400 >&2
+    failed=1
+  fi
+done
+exit "$failed"
