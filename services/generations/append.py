@@ -4,10 +4,10 @@
 The rollout builder writes a target generation's logs twice over the same documents: the
 bulk pass (every stored document, with its stored version) and the replay of the source
 logs (every write since P0, with the version the gateway's writer gave it). A builder
-killed mid-batch runs that batch again. One Lua script per target shard makes all of it
-harmless: an upsert or delete of version ``v`` is appended only when ``v`` is newer than
-``lv[id]`` (the hash :meth:`GenerationKeys.logged` of that shard), and ``lv[id] := v`` in
-the same script, so
+killed mid-batch runs that batch again. One Lua script per target shard (per part of a
+long batch: :data:`SCRIPT_ITEMS`) makes all of it harmless: an upsert or delete of
+version ``v`` is appended only when ``v`` is newer than ``lv[id]`` (the hash
+:meth:`GenerationKeys.logged` of that shard), and ``lv[id] := v`` in the same script, so
 
 - re-running any batch appends nothing twice;
 - an older version never overtakes a newer one (a bulk read of version 5 after the replay
@@ -31,7 +31,7 @@ The entries have the format of :mod:`services.index.changelog` (``vers``, ``titl
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,16 @@ from services.index.changelog import text
 from services.index.keys import GenerationKeys
 
 RETRAIN_VERSION = 0  # the version of a vector reused from the source's replicas
+
+# One script holds Redis: every other client's command (the serving gateway's document
+# fetches and writes, the shards' log reads) waits until it ends. So one script appends at
+# most SCRIPT_ITEMS items and about SCRIPT_BYTES of upsert payload; a longer batch is
+# several scripts, each one log entry. 256 retrain upserts of 1,000-character texts and
+# 384-d vectors (~700 KB) in one script held Redis 16-32 ms on a 2-vCPU EPYC VM
+# (SLOWLOG, 2026-12-01), the searches' p99 during a retrain rollout rising with it
+# (docs/generations.md "The builder's appends held Redis").
+SCRIPT_ITEMS = 16
+SCRIPT_BYTES = 64 * 1024
 
 # KEYS: [1] the target shard's log, [2] its lv hash, then (copy) per item its doc key and
 #       version key in the target layout.
@@ -165,29 +175,31 @@ class TargetAppender:
             out.ids += [text(i) for i in reply[1:]]
 
     def upserts(self, items: Sequence[UpsertItem]) -> Appended:
-        """Append the items newer than what this generation's logs hold (one entry per
-        target shard touched, in one script each). An id appears at most once."""
+        """Append the items newer than what this generation's logs hold (per target shard
+        touched, one entry per script of at most :data:`SCRIPT_ITEMS` items and about
+        :data:`SCRIPT_BYTES`). An id appears at most once."""
         out = Appended()
         if not items:
             return out
         _check_unique([i.doc_id for i in items])
         dim = int(np.asarray(items[0].vector).shape[-1])
         for shard, members in sorted(self._by_shard([i.doc_id for i in items]).items()):
-            args: list[str | bytes] = ["u", str(len(members)), self._copy, str(dim)]
-            for n in members:
-                item = items[n]
-                vector = np.asarray(item.vector, dtype="<f4").reshape(-1)
-                if vector.shape[0] != dim:
-                    raise ValueError(f"{item.doc_id!r}: dimension {vector.shape[0]}, not {dim}")
-                args += [
-                    item.doc_id,
-                    str(item.version),
-                    item.title,
-                    item.text,
-                    item.meta,
-                    vector.tobytes(),
-                ]
-            self._run(shard, [items[n].doc_id for n in members], args, out)
+            for part in _bounded(members, lambda n: _payload(items[n])):
+                args: list[str | bytes] = ["u", str(len(part)), self._copy, str(dim)]
+                for n in part:
+                    item = items[n]
+                    vector = np.asarray(item.vector, dtype="<f4").reshape(-1)
+                    if vector.shape[0] != dim:
+                        raise ValueError(f"{item.doc_id!r}: dimension {vector.shape[0]}, not {dim}")
+                    args += [
+                        item.doc_id,
+                        str(item.version),
+                        item.title,
+                        item.text,
+                        item.meta,
+                        vector.tobytes(),
+                    ]
+                self._run(shard, [items[n].doc_id for n in part], args, out)
         return out
 
     def deletes(self, items: Sequence[DeleteItem]) -> Appended:
@@ -197,15 +209,38 @@ class TargetAppender:
             return out
         _check_unique([i.doc_id for i in items])
         for shard, members in sorted(self._by_shard([i.doc_id for i in items]).items()):
-            args: list[str | bytes] = ["d", str(len(members)), self._copy, "0"]
-            for n in members:
-                args += [items[n].doc_id, str(items[n].version)]
-            self._run(shard, [items[n].doc_id for n in members], args, out)
+            for part in _bounded(members, lambda n: len(items[n].doc_id)):
+                args: list[str | bytes] = ["d", str(len(part)), self._copy, "0"]
+                for n in part:
+                    args += [items[n].doc_id, str(items[n].version)]
+                self._run(shard, [items[n].doc_id for n in part], args, out)
         return out
 
     @property
     def _copy(self) -> str:
         return "1" if self.copy_documents else "0"
+
+
+def _payload(item: UpsertItem) -> int:
+    """About the bytes ``item`` adds to a script's arguments and to its log entry."""
+    size = len(item.doc_id) + len(item.title) + len(item.text) + len(item.meta)
+    return size + int(np.asarray(item.vector).size) * 4
+
+
+def _bounded(members: list[int], size: Callable[[int], int]) -> Iterator[list[int]]:
+    """``members`` in order, in parts of at most :data:`SCRIPT_ITEMS` whose sizes add
+    up to at most :data:`SCRIPT_BYTES` (a part of one larger item holds it alone)."""
+    part: list[int] = []
+    total = 0
+    for n in members:
+        grows = size(n)
+        if part and (len(part) == SCRIPT_ITEMS or total + grows > SCRIPT_BYTES):
+            yield part
+            part, total = [], 0
+        part.append(n)
+        total += grows
+    if part:
+        yield part
 
 
 def _check_unique(ids: Sequence[str]) -> None:

@@ -6,6 +6,7 @@ logs as an uninterrupted run does."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,8 @@ import pytest
 
 from services.generations.append import (
     RETRAIN_VERSION,
+    SCRIPT_BYTES,
+    SCRIPT_ITEMS,
     DeleteItem,
     TargetAppender,
     UpsertItem,
@@ -77,6 +80,35 @@ def test_entries_read_as_the_writers_entries(client: Any) -> None:
         [(_, fields)] = client.xrange(SAME.log(shard), min=entry, max=entry)
         for change in decode_entry(fields):
             assert change.version in (5, 6) and change.tags == {"lang": "en"}  # type: ignore[union-attr]
+
+
+def test_a_long_batch_goes_in_as_short_scripts_of_one_entry_each(client: Any) -> None:
+    """A script holds Redis while it runs (every serving command waits): a batch is cut
+    into entries of at most SCRIPT_ITEMS items and about SCRIPT_BYTES, every document
+    appended once. One script of 256 retrain upserts held Redis 16-32 ms."""
+    appender = TargetAppender(client, SAME, copy_documents=False)
+    short = [f"s{i}" for i in range(3 * SCRIPT_ITEMS)]  # the item bound cuts these
+    long = [f"l{i}" for i in range(30)]  # 10,000-character texts: the byte bound cuts these
+    big = "x" * 10_000
+    assert appender.upserts([_up(i, 1, n) for n, i in enumerate(short)]).count == len(short)
+    assert appender.upserts([_up(i, 1, n, text=big) for n, i in enumerate(long)]).count == 30
+    assert appender.deletes([DeleteItem(i, 2) for i in short]).count == len(short)
+    sizes: dict[str, list[int]] = {"short": [], "long": [], "delete": []}
+    for shard in (0, 1):
+        for _, fields in client.xrange(SAME.log(shard)):
+            ids = [str(i) for i in json.loads(fields[b"ids"])]
+            kind = "delete" if fields[b"op"] == b"d" else "long" if ids[0][0] == "l" else "short"
+            sizes[kind].append(len(ids))
+            assert len(ids) <= SCRIPT_ITEMS
+            assert len(fields.get(b"texts", b"")) <= SCRIPT_BYTES
+    # one entry per shard for each batch would be 2 entries of ~24 and of 15
+    assert sum(sizes["short"]) == len(short) and len(sizes["short"]) >= 4
+    assert sum(sizes["long"]) == 30 and max(sizes["long"]) <= SCRIPT_BYTES // len(big)
+    assert sum(sizes["delete"]) == len(short) and len(sizes["delete"]) >= 4
+    logged = changes(client, SAME)
+    assert sorted(logged) == sorted(
+        [(i, "u", 1) for i in short + long] + [(i, "d", 2) for i in short]
+    )
 
 
 def test_deletes_are_ordered_by_version_with_the_upserts(client: Any) -> None:
