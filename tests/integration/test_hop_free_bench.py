@@ -24,7 +24,7 @@ def test_workers_on_one_port_answer_each_connection_with_the_floors_search(
     tmp_path: Path,
 ) -> None:
     corpus = tmp_path / "corpus.jsonl"
-    ids = small_corpus(floor_bench.SCIFACT, corpus, 240)
+    ids = small_corpus(floor_bench.SCIFACT, corpus, 240, text_chars=120)  # short: quick to embed
     titles = {}
     for line in corpus.read_text(encoding="utf-8").splitlines():
         doc = json.loads(line)
