@@ -26,7 +26,9 @@ target's shards published their addresses, the catch-up after, the switch), each
 p99, its count and ``slow``: how many took over 1.5x the p99 before (the pooled p99 is over
 1.5x when more than 1 % of all searches are), with ``slow_stages_ms``: the mean of those
 slow searches' gateway stages and ``outside`` the gateway's handler, against
-``stages_before_ms`` (every search before). ``--up-log`` keeps the stack's output (its
+``stages_before_ms`` (every search before). ``redis_over_1ms``: what Redis's SLOWLOG
+caught over 1 ms during the rounds and outside them (:mod:`bench.redis_stalls`: a
+command running holds every other client). ``--up-log`` keeps the stack's output (its
 CPU placement lines).
 
 Each round's acknowledged writes after its P0 are checked in its new generation, as
@@ -49,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import redis_stalls
 from bench.output import save
 from bench.p99_interval import p99_ratio_interval
 from bench.rollout import (
@@ -72,7 +75,7 @@ def _round(stack: Any, cli_budget: list[str], run_dir: Path, log: Path) -> dict[
     finally:
         held.close()
     with PhaseWatch(stack.redis_url) as watch:
-        start = time.monotonic()
+        start, wall_start = time.monotonic(), time.time()
         done = stack.run_cli(
             "index",
             "rollout",
@@ -84,12 +87,13 @@ def _round(stack: Any, cli_budget: list[str], run_dir: Path, log: Path) -> dict[
             timeout=1800,
             log=log,
         )
-    end = time.monotonic()
+    end, wall_end = time.monotonic(), time.time()
     if done.returncode != 0:
         raise SystemExit(f"index rollout failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return {
         "start": start,
         "end": end,
+        "wall": (wall_start, wall_end),
         "names": watch.names,
         "p0_at": watch.seen.get("train"),
         "seen": watch.seen,
@@ -190,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gaps: list[tuple[float, float]] = []  # the settling windows between rounds
     stacked = loaded_stack(args, budget, "gtr-bench-rounds-", args.up_arg, args.up_log)
     with stacked as (stack, load, tmp, run_dir):
+        client = stack.redis()
+        slowlog = redis_stalls.start(client)
 
         async def run_rounds() -> None:
             for i in range(args.rounds):
@@ -207,6 +213,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             await asyncio.sleep(3.0)  # writes to the last generation, then stop
 
         first = under_load(load, args.before_s, run_rounds)
+        stalls = redis_stalls.summary(
+            redis_stalls.collect(client, slowlog), [r["wall"] for r in rounds]
+        )
+        client.close()
 
     searches = load.record.searches
     before = [s for s in searches if first - args.before_s <= s.start < first and s.code == "OK"]
@@ -279,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu_budget": cpu_sets.format_cpus(budget) if budget else "none",
         "p99_by_segment_ms": by_segment(searches, rounds, 1.5e-3 * p99_before),
         "stages_before_ms": mean_stages(before),
+        "redis_over_1ms": stalls,
     }
     for r in per_round:
         print(
@@ -306,6 +317,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{seg['mean_s']} s"
         )
     print(f"  stages before (mean of every search): {result['stages_before_ms']}")
+    for name, part in stalls.items():
+        print(
+            f"  Redis commands over 1 ms {name} the rounds: {part['commands']}, "
+            f"{part['total_ms']} ms in all, the longest {part['longest_ms']} ms; "
+            f"most: {part['by_command_ms']}"
+        )
     save(args.out, result)
     return result
 
