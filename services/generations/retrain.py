@@ -141,8 +141,7 @@ async def _append(
             )
         )
         sample.offer(vectors[n])
-    for i in range(0, len(items), 256):
-        await asyncio.to_thread(appender.upserts, items[i : i + 256])
+    await asyncio.to_thread(appender.upserts, items)  # short scripts: append.SCRIPT_ITEMS
     ctx.progress.advance(len(ids))
     if ctx.pacer is not None:  # paced as the re-embedding's encode calls are
         await ctx.pacer.after_call(time.monotonic() - began)
