@@ -317,6 +317,10 @@ class Server:
     # servers beside this one that stop with it, with the same grace (the gateway's
     # HTTP/JSON port): each is called with the grace seconds
     also_stop: list[Callable[[float], Awaitable[None]]] = field(default_factory=list)
+    # called as the server begins to stop, before its drain: each ends what would hold the
+    # drain open to its grace (a shard's long-lived search streams, which the router
+    # keeps open for as long as the replica runs)
+    drains: list[Callable[[], None]] = field(default_factory=list)
     _watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def watch(self, check: HealthCheck, interval_s: float, what: str) -> None:
@@ -358,6 +362,8 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         await self.set_serving(False)
+        for drain in self.drains:
+            drain()
         await asyncio.gather(self.grpc_server.stop(grace), *(f(grace) for f in self.also_stop))
         if self.health_server is not None:
             await self.health_server.stop(0)

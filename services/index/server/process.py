@@ -85,15 +85,16 @@ async def start_shard(settings: ShardSettings) -> RunningShard:
 
     admission = Admission(settings.max_in_flight, settings.retry_after_ms)
 
+    servicer = ShardServicer(service, admission)
+
     def register(server: grpc.aio.Server) -> Sequence[str]:
-        index_pb2_grpc.add_IndexShardServiceServicer_to_server(
-            ShardServicer(service, admission), server
-        )
+        index_pb2_grpc.add_IndexShardServiceServicer_to_server(servicer, server)
         return [index_pb2.DESCRIPTOR.services_by_name["IndexShardService"].full_name]
 
     server, port = await create_server(
         settings, register, RpcMetrics.create(registry, "index"), admission=admission
     )
+    server.drains.append(servicer.drain)
     await server.set_serving(False)
     ready = await loop.run_in_executor(None, replica.ready.wait, settings.ready_timeout_s)
     if not ready:

@@ -37,11 +37,26 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
     """``admission``: the server's in-flight limit. A unary call is admitted by the
     interceptor; a ``SearchStream`` is one long call, so each of its searches is admitted
     here (over the limit it answers RESOURCE_EXHAUSTED for itself and the router asks
-    another replica)."""
+    another replica).
+
+    :meth:`drain` (the server's stop begins) ends every ``SearchStream`` once its running
+    searches have answered: a stream is one call that the router keeps open for as long as
+    the replica runs, so without it the server's drain always lasted its whole grace (5 s
+    per shard process; ``up`` stopped a stack's shards one after the other) and ended with
+    the streams cancelled. The router takes a stream's end as UNAVAILABLE for whatever it
+    still waits on, and asks the shard's next replica."""
 
     def __init__(self, service: ShardService, admission: Admission | None = None) -> None:
         self._service = service
         self._admission = admission or Admission()
+        self._draining = False
+        self._readers: set[asyncio.Task[None]] = set()  # streams still taking searches
+
+    def drain(self) -> None:
+        """Take no more searches on any stream; each ends once its running ones answered."""
+        self._draining = True
+        for reader in list(self._readers):
+            reader.cancel()
 
     async def Search(
         self, request: index_pb2.ShardSearchRequest, context: grpc.aio.ServicerContext
@@ -84,20 +99,39 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
 
         async def read() -> None:
             try:
-                async for msg in requests:
-                    task = asyncio.ensure_future(one(msg))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
+                try:
+                    async for msg in requests:
+                        task = asyncio.ensure_future(one(msg))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+                except asyncio.CancelledError:
+                    if not self._draining:
+                        raise
+                    current = asyncio.current_task()
+                    if current is not None:
+                        current.uncancel()  # the searches below still run
+                finally:
+                    self._readers.discard(reader)
                 while running:
                     await asyncio.gather(*running)
             finally:
                 out.put_nowait(None)
 
+        if self._draining:  # opened as the server stops: it takes nothing
+            return
         reader = asyncio.ensure_future(read())
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if task.cancelled():  # by :meth:`drain` before its first step: no ``finally`` ran
+                out.put_nowait(None)
+
+        reader.add_done_callback(ended)
+        self._readers.add(reader)
         try:
             while (reply := await out.get()) is not None:
                 yield reply
-            await reader  # re-raises a failed read (e.g. a malformed message)
+            if not reader.cancelled():
+                await reader  # re-raises a failed read (e.g. a malformed message)
         finally:
             reader.cancel()
             for task in list(running):

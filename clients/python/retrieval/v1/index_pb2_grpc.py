@@ -87,8 +87,10 @@ class IndexShardServiceServicer:
         (a stream message costs a third of a unary call here, docs/index.md). Each request
         gets exactly one response with its tag, in completion order. A search's error
         travels in its response (status_code, status_message) and the stream stays open;
-        the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
-        message (INVALID_ARGUMENT).
+        the stream itself ends only when the replica stops or on a malformed message
+        (INVALID_ARGUMENT). A stopping replica reads no more requests, answers the ones it
+        runs, and ends the stream with OK: a request it did not answer is the caller's to
+        send to another replica.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

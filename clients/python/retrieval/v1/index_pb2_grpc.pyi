@@ -42,8 +42,10 @@ class IndexShardServiceStub:
     (a stream message costs a third of a unary call here, docs/index.md). Each request
     gets exactly one response with its tag, in completion order. A search's error
     travels in its response (status_code, status_message) and the stream stays open;
-    the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
-    message (INVALID_ARGUMENT).
+    the stream itself ends only when the replica stops or on a malformed message
+    (INVALID_ARGUMENT). A stopping replica reads no more requests, answers the ones it
+    runs, and ends the stream with OK: a request it did not answer is the caller's to
+    send to another replica.
     """
     Quantizer: _grpc.UnaryUnaryMultiCallable[_index_pb2.QuantizerRequest, _index_pb2.QuantizerReply]
     """The trained coarse quantizer (the same for every shard of an index), so that a
@@ -86,8 +88,10 @@ class IndexShardServiceAsyncStub(IndexShardServiceStub):
     (a stream message costs a third of a unary call here, docs/index.md). Each request
     gets exactly one response with its tag, in completion order. A search's error
     travels in its response (status_code, status_message) and the stream stays open;
-    the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
-    message (INVALID_ARGUMENT).
+    the stream itself ends only when the replica stops or on a malformed message
+    (INVALID_ARGUMENT). A stopping replica reads no more requests, answers the ones it
+    runs, and ends the stream with OK: a request it did not answer is the caller's to
+    send to another replica.
     """
     Quantizer: _aio.UnaryUnaryMultiCallable[_index_pb2.QuantizerRequest, _index_pb2.QuantizerReply]  # type: ignore[assignment]
     """The trained coarse quantizer (the same for every shard of an index), so that a
@@ -139,8 +143,10 @@ class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
         (a stream message costs a third of a unary call here, docs/index.md). Each request
         gets exactly one response with its tag, in completion order. A search's error
         travels in its response (status_code, status_message) and the stream stays open;
-        the stream itself ends only when the replica stops (UNAVAILABLE) or on a malformed
-        message (INVALID_ARGUMENT).
+        the stream itself ends only when the replica stops or on a malformed message
+        (INVALID_ARGUMENT). A stopping replica reads no more requests, answers the ones it
+        runs, and ends the stream with OK: a request it did not answer is the caller's to
+        send to another replica.
         """
 
     @_abc_1.abstractmethod
