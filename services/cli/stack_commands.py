@@ -250,6 +250,8 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
     for flag in ("shards", "replicas"):  # checked before anything starts or is encoded
         if getattr(args, flag) < 1:
             raise SystemExit(f"error: --{flag} must be at least 1")
+    if args.corpus is not None and not args.corpus.is_file():
+        raise SystemExit(f"error: --corpus {args.corpus}: no such file")
     if args.max_in_flight is not None and args.max_in_flight < 0:
         raise SystemExit("error: --max-in-flight is a count of requests (0 = no limit)")
     if not 0.0 <= args.trace_sample_ratio <= 1.0:

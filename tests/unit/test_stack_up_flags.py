@@ -3,6 +3,7 @@ run as the program ends without the interpreter's teardown once its children sto
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,16 @@ def test_up_refuses_no_shards_or_no_replicas_before_starting_anything(
     with pytest.raises(SystemExit, match=f"error: {flag} must be at least 1"):
         stack_config(args)
     assert not any(tmp_path.iterdir()), "nothing is written for a refused stack"
+
+
+def test_up_refuses_a_corpus_that_is_not_a_file_before_starting_anything(tmp_path: Path) -> None:
+    """Before, Redis and Triton started and the model was exported (~30 s here) first."""
+    run_dir = tmp_path / "run"
+    missing = tmp_path / "none.jsonl"
+    args = build_parser().parse_args(["up", "--run-dir", str(run_dir), "--corpus", str(missing)])
+    with pytest.raises(SystemExit, match=re.escape(f"error: --corpus {missing}: no such file")):
+        stack_config(args)
+    assert not run_dir.exists()
 
 
 def test_up_as_the_program_skips_the_interpreters_teardown(tmp_path: Path) -> None:
