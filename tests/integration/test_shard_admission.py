@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import redis
 
@@ -27,25 +26,16 @@ from services.common.errors import Overloaded
 from services.index import convert
 from services.index.client.replicas import ShardStream
 from services.index.client.router import ShardRouter
-from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import IndexQuery, ShardQuery
 from tests.support.log_end import FUTURE, log_end_moved
 from tests.support.processes import run_redis
-from tests.support.shards import start_shard, train_test_index
+from tests.support.shards import one_fed_shard_index, start_shard
 
 
 def test_streamed_searches_over_the_limit_are_refused_and_fail_over(
     redis_url: str, scifact_dir: Path, tmp_path: Path
 ) -> None:
-    vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:1000].astype(np.float32)
-    index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
-
-    async def ingest() -> None:
-        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
-        await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(200)])
-        await writer.close()
-
-    asyncio.run(ingest())
+    vectors, index_dir = one_fed_shard_index(redis_url, scifact_dir, tmp_path, 200)
     common = {"index_dir": index_dir, "redis_url": redis_url, "shard": 0, "shards": 1}
     full = start_shard(**common, work_dir=tmp_path, replica="full", settings={"max-in-flight": "1"})  # type: ignore[arg-type]
     free = start_shard(**common, work_dir=tmp_path, replica="free")  # type: ignore[arg-type]
@@ -113,15 +103,7 @@ def test_session_searches_share_one_check_of_the_log_end(
     needs none (it used to be one XINFO STREAM per search on the search path); a position
     past every end seen is still read for, and refused."""
     redis_url = own_redis_url
-    vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:1000].astype(np.float32)
-    index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
-
-    async def ingest() -> None:
-        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
-        await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(50)])
-        await writer.close()
-
-    asyncio.run(ingest())
+    vectors, index_dir = one_fed_shard_index(redis_url, scifact_dir, tmp_path, 50)
     shard = start_shard(
         index_dir=index_dir, redis_url=redis_url, shard=0, shards=1, work_dir=tmp_path
     )

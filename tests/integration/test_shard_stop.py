@@ -22,15 +22,13 @@ import signal
 from pathlib import Path
 
 import grpc
-import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.domain import Consistency
 from services.index import convert
-from services.index.client.writer import ChangeLogWriter, DocRecord
 from services.index.core.query import ShardQuery
 from tests.support.log_end import FUTURE, log_end_moved
-from tests.support.shards import start_shard, train_test_index
+from tests.support.shards import one_fed_shard_index, start_shard
 
 GRACE_S = 120.0
 HELD_BUDGET_S = 2.0
@@ -39,15 +37,7 @@ HELD_BUDGET_S = 2.0
 def test_a_stopping_shard_answers_its_running_searches_and_ends_its_streams(
     redis_url: str, scifact_dir: Path, tmp_path: Path
 ) -> None:
-    vectors = np.load(scifact_dir / "corpus.all-MiniLM-L6-v2.npy")[:1000].astype(np.float32)
-    index_dir = train_test_index(vectors, tmp_path / "index", nlist=8)
-
-    async def ingest() -> None:
-        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
-        await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(200)])
-        await writer.close()
-
-    asyncio.run(ingest())
+    vectors, index_dir = one_fed_shard_index(redis_url, scifact_dir, tmp_path, 200)
     shard = start_shard(
         index_dir=index_dir,
         redis_url=redis_url,

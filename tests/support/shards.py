@@ -20,6 +20,7 @@ them into the test module.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -37,6 +38,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.index.client.writer import ChangeLogWriter, DocRecord
 from tests.support.processes import free_port
 
 if TYPE_CHECKING:
@@ -327,6 +329,24 @@ def scifact_vectors(scifact_dir: Path) -> np.ndarray:
     if not path.exists():
         pytest.fail(f"{path} not found: the tests need it (set GTR_DATA_DIR)")
     return np.load(path)
+
+
+def one_fed_shard_index(
+    redis_url: str, scifact_dir: Path, root: Path, docs: int
+) -> tuple[np.ndarray, Path]:
+    """For one replica of a one-shard index: SciFact's first 1,000 embeddings, an index
+    trained on them under ``root`` (8 lists) and the first ``docs`` of them upserted into
+    shard 0's log (``d0``, ``d1``, ...); the vectors and the index folder."""
+    vectors = scifact_vectors(scifact_dir)[:1000].astype(np.float32)
+    index_dir = train_test_index(vectors, root / "index", nlist=8)
+
+    async def ingest() -> None:
+        writer = ChangeLogWriter.connect(redis_url, num_shards=1, dim=vectors.shape[1])
+        await writer.upsert([DocRecord(f"d{i}", vectors[i]) for i in range(docs)])
+        await writer.close()
+
+    asyncio.run(ingest())
+    return vectors, index_dir
 
 
 def shared_test_index(base_tmp: Path, vectors: np.ndarray) -> Path:
