@@ -1,5 +1,5 @@
 """`up`'s flags: counts that make no stack are refused before anything starts, and `up`
-run as the program ends without the interpreter's teardown once its children stopped."""
+asks to end without the interpreter's teardown once its children stopped."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_up_refuses_a_corpus_that_is_not_a_file_before_starting_anything(tmp_pat
     assert not run_dir.exists()
 
 
-def test_up_as_the_program_skips_the_interpreters_teardown(tmp_path: Path) -> None:
+def test_up_asks_to_end_without_the_interpreters_teardown(tmp_path: Path) -> None:
     """`services.cli.main.exit_at_once` (tested on `index rollout` in
     tests/unit/test_cli_exit_at_once.py): after `up` stopped its children, the teardown of
     torch, ONNX Runtime and faiss took 2.5 s of a core (py-spy, a stack of 300 documents)."""
