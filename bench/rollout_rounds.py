@@ -26,10 +26,11 @@ target's shards published their addresses, the catch-up after, the switch), each
 p99, its count and ``slow``: how many took over 1.5x the p99 before (the pooled p99 is over
 1.5x when more than 1 % of all searches are), with ``slow_stages_ms``: the mean of those
 slow searches' gateway stages and ``outside`` the gateway's handler, against
-``stages_before_ms`` (every search before). ``redis_over_1ms``: what Redis's SLOWLOG
-caught over 1 ms during the rounds and outside them (:mod:`bench.redis_stalls`: a
-command running holds every other client). ``--up-log`` keeps the stack's output (its
-CPU placement lines).
+``stages_before_ms`` (every search before), and ``slow_on_target``: how many of them the
+round's new generation answered (in the switch: its first searches). ``redis_over_1ms``:
+what Redis's SLOWLOG caught over 1 ms during the rounds and outside them
+(:mod:`bench.redis_stalls`: a command running holds every other client). ``--up-log``
+keeps the stack's output (its CPU placement lines).
 
 Each round's acknowledged writes after its P0 are checked in its new generation, as
 ``bench.rollout`` checks them (``bench/rollout_writes.py``: the source's logs are held
@@ -113,6 +114,7 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
     rollout the latency goes."""
     pooled: dict[str, list[Any]] = {name: [] for name in SEGMENTS}
     lengths: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+    targets: dict[int, str] = {}  # id(search) → its round's target
     for one in rounds:
         marks = sorted(
             [(one["start"], "start")]
@@ -121,7 +123,9 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
         for n, (begin, name) in enumerate(marks):
             stop = marks[n + 1][0] if n + 1 < len(marks) else one["end"]
             lengths[name].append(stop - begin)
-            pooled[name] += [s for s in searches if begin <= s.start < stop and s.code == "OK"]
+            mine = [s for s in searches if begin <= s.start < stop and s.code == "OK"]
+            pooled[name] += mine
+            targets.update((id(s), one["names"].get("target")) for s in mine)
     out: dict[str, Any] = {}
     for name in SEGMENTS:
         latencies = [s.latency for s in pooled[name]]
@@ -131,6 +135,9 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
             "searches": len(latencies),
             "slow": len(slow),
             "slow_stages_ms": mean_stages(slow),
+            # answered by the round's target (the new generation's first searches, in the
+            # switch), not by the generation that served before
+            "slow_on_target": sum(s.generation == targets[id(s)] for s in slow),
             "mean_s": round(float(np.mean(lengths[name])), 2) if lengths[name] else None,
         }
     return out
@@ -313,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, seg in result["p99_by_segment_ms"].items():
         print(
             f"  {name}: p99 {seg['p99_ms']} ms over {seg['searches']} searches "
-            f"({seg['slow']} over 1.5x the p99 before, their stages {seg['slow_stages_ms']}), "
+            f"({seg['slow']} over 1.5x the p99 before, {seg['slow_on_target']} of them on the "
+            f"target, their stages {seg['slow_stages_ms']}), "
             f"{seg['mean_s']} s"
         )
     print(f"  stages before (mean of every search): {result['stages_before_ms']}")

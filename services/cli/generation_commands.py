@@ -234,7 +234,10 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             "stack's serving processes keep every CPU; the new generation's processes join "
             "serving's CPUs and weight before the switch, and the budget ends with this "
             "command (docs/generations.md: on shared cores it keeps search latency, at the "
-            "cost of re-embedding speed). Default: no budget, every process on every CPU.",
+            "cost of re-embedding speed). On the local stack the budgeted processes (and this "
+            "command when it leads its own session) are also paused while the gateway has a "
+            "search in flight, at most 250 ms at a time (GTR_ROLLOUT_HOLD=0: never). Default: "
+            "no budget, every process on every CPU.",
         )
         parser.add_argument(
             "--source-shards",

@@ -237,6 +237,8 @@ class GenerationMetrics:
     moved_writes: Counter
     refresh_errors: Counter
     dual_encodes: Counter
+    rollout_holds: Counter
+    rollout_held: Counter
     _named: str = ""
 
     @classmethod
@@ -275,7 +277,22 @@ class GenerationMetrics:
                 ["outcome"],
                 registry=registry,
             ),
+            rollout_holds=Counter(
+                "gateway_rollout_holds_total",
+                "Pauses of a rollout's processes while this gateway had searches in flight "
+                "(--hold-file: the local stack's; services/process/hold.py).",
+                registry=registry,
+            ),
+            rollout_held=Counter(
+                "gateway_rollout_held_seconds_total",
+                "Seconds a rollout's processes were paused by this gateway's searches.",
+                registry=registry,
+            ),
         )
+
+    def rollout_held_for(self, seconds: float) -> None:
+        self.rollout_holds.inc()
+        self.rollout_held.inc(seconds)
 
     def serving(self, generation: str, epoch: int, model: str = "") -> None:
         self.epoch.set(epoch)

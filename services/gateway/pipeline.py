@@ -46,6 +46,7 @@ from services.gateway.ports import Reranker
 from services.gateway.query_cache import QueryEmbeddingCache
 from services.gateway.reranking import finish, rerank_plan
 from services.generations.serving_latency import LatencyWindow
+from services.process.hold import Holder
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class SearchPipeline:
     # each answered request's total time (the gateway reports it for a rollout's pacing:
     # services/gateway/latency_report.py)
     latency: LatencyWindow = field(default_factory=LatencyWindow)
+    # a rollout's processes paused while a search runs (--hold-file); None: none
+    hold: Holder | None = None
 
     def retrieval_on(self, serving: Serving) -> RetrievalDefaults:
         """What a query that names no fusion gets on ``serving``'s generation: its
@@ -106,6 +109,14 @@ class SearchPipeline:
     ) -> list[SearchResult]:
         """``timeout``: the client's deadline in seconds; None (the client set none) takes
         ``default_timeout_s``: every wait below is bounded by what is left of it."""
+        if self.hold is None:
+            return await self._search_batch(queries, timeout, batch)
+        with self.hold.searching():
+            return await self._search_batch(queries, timeout, batch)
+
+    async def _search_batch(
+        self, queries: Sequence[SearchQuery], timeout: float | None, batch: bool
+    ) -> list[SearchResult]:
         start = time.perf_counter()
         budget = self.default_timeout_s if timeout is None else timeout
         deadline = Deadline.after(budget)

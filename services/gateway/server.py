@@ -44,6 +44,7 @@ from services.gateway.settings import GatewaySettings
 from services.generations.registry import EncoderSpec, Generation
 from services.index.client.addresses import parse_shard_addresses
 from services.index.core import coarse
+from services.process.hold import Holder
 from services.process.logs import configure_logging
 from services.process.redis_client import async_client, parse_redis_url
 from services.rerank.depths import depth_table
@@ -299,6 +300,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         pressure=admission.pressure,
         query_cache=query_cache,
         retrieval=settings.retrieval_defaults(),
+        hold=_holder(settings, generation_metrics),
     )
     documents = DocumentPipeline(
         source,
@@ -327,7 +329,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     redis_health = RedisHealth(settings.redis_url, settings.health_interval_s)
     closers: list[object] = [
         LatencyReporter.started(store.redis, search.latency, reporter_id(port)),
-        *(encoder, store, source, reranker, query_cache, redis_health),
+        *(encoder, store, source, reranker, query_cache, redis_health, search.hold),
     ]
     redis_name = f"gateway (Redis {parse_redis_url(settings.redis_url).safe_url})"
     server.watch(redis_health.check, settings.health_interval_s, redis_name)
@@ -357,6 +359,18 @@ async def _open_store(settings: GatewaySettings, encoder: Encoder) -> tuple[Stor
         record_first_generation, settings.redis_url, num_shards, encoder_spec(settings, encoder)
     )
     return store, num_shards
+
+
+def _holder(settings: GatewaySettings, metrics: GenerationMetrics) -> Holder | None:
+    """The pause of a rollout's processes while searches run (``--hold-file``); None
+    without one."""
+    if not settings.hold_file:
+        return None
+    return Holder(
+        Path(settings.hold_file),
+        max_hold_s=settings.hold_max_ms / 1000.0,
+        on_release=metrics.rollout_held_for,
+    )
 
 
 def _gateway_metrics(

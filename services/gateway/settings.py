@@ -74,6 +74,19 @@ class GatewaySettings(RedisSettings, ClientTLSSettings):
         "CPU, docs/performance.md). A version it cannot read or that differs (a GPU "
         "repository, a digest mismatch) keeps Triton, logged. Unset: Triton embeds both.",
     )
+    hold_file: str | None = Field(
+        None,
+        description="A file listing a rollout's processes to pause while this gateway has a "
+        "search in flight (the local stack's `up` writes it; services/process/hold.py): each "
+        "is stopped when the first search in flight begins and continued when the last one "
+        "ends, or after --hold-max-ms. Unset: nothing is paused.",
+    )
+    hold_max_ms: float = Field(
+        250.0,
+        gt=0,
+        description="The longest one pause of --hold-file's processes lasts (ms): searches "
+        "that overlap without a gap do not starve the rollout.",
+    )
     model_dir: str | None = Field(
         None, description="In-process encoder: sentence-transformers dir (default model if unset)."
     )

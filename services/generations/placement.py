@@ -158,6 +158,17 @@ def weigh(yielded: dict[int, str], wanted: dict[int, str]) -> dict[int, str]:
     return out
 
 
+def held(processes: Iterable[Process], running: RolloutState | None) -> list[int]:
+    """The processes the gateway pauses while searches run (:mod:`services.process.hold`):
+    the rollout's ones, and its CLI when it runs here and leads its own session (in a
+    terminal's session its shell would report it stopped)."""
+    pids = [p.pid for p in processes if p.rollout]
+    cli = running.pid if running is not None and running.runs_here else None
+    if cli and cli not in pids and priority.leads_session(cli):
+        pids.append(cli)
+    return pids
+
+
 def apply(placed: dict[int, frozenset[int]]) -> int:
     """Pin each process (all its threads) to its CPUs; threads changed."""
     return sum(cpu_sets.pin_process(pid, cpus) for pid, cpus in placed.items())

@@ -17,6 +17,9 @@
 ``ports``
     ports for a local server to listen on, free and below the kernel's ephemeral range
     (never an outgoing connection's local port).
+``hold``
+    a rollout's processes paused while the gateway has a search in flight: the list
+    ``up`` writes, the gateway's pause (``--hold-file``) and its bound.
 ``loop_watch``
     a late event loop seen and named: a heartbeat, and a thread that logs the loop
     thread's stack when it is late (``--loop-watch-ms``).

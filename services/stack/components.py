@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from services.index.keys import FIRST_GENERATION
+from services.process.hold import HOLD_FILE
 from services.stack.children import Child, free_port, grpc_healthy
 from services.stack.config import StackConfig
 
@@ -301,6 +302,7 @@ def gateway_child(cfg: StackConfig, endpoints: Endpoints) -> tuple[Child, str]:
         str(cfg.max_in_flight),
         *(["--http-port", str(http_port)] if http_port is not None else []),
     ]
+    argv += ["--hold-file", str(cfg.run_dir / HOLD_FILE)]  # a rollout paused while searches run
     if cfg.encoder == "triton":
         argv += ["--encoder", "triton", "--triton-url", endpoints.triton_grpc]
         if cfg.query_encoder == "gateway":

@@ -46,9 +46,11 @@ from typing import TYPE_CHECKING, Any
 from services.common.errors import FailedPrecondition
 from services.generations import placement
 from services.generations.registry import Alias, Generation, Registry, shards_run
+from services.generations.state import RolloutState
 from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
 from services.process import cpus as cpu_sets
 from services.process import priority
+from services.process.hold import HOLD_FILE, HoldList, hold_enabled
 from services.process.private import is_private, make_private
 from services.stack import components
 from services.stack.children import Child, ChildFailed, Spawn, State, Supervisor
@@ -61,6 +63,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the registry is read
+
+
+def _await_sessions(children: Iterable[Child], timeout_s: float = 1.0) -> None:
+    """Until each of ``children`` (just launched) leads its own session, its first act
+    (:func:`services.stack.forking.run_child`), for up to ``timeout_s``: weighing it
+    before would weigh its launcher's session (:func:`placement.weigh` skips it)."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        while (
+            child.pid is not None
+            and child.alive()
+            and not priority.leads_session(child.pid)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.005)
 
 
 def spec(replicas: Iterable[Iterable[str]]) -> str:
@@ -120,7 +137,12 @@ class GenerationShards:
         self.machine = cpu_sets.available()
         self._placed: tuple[frozenset[int] | None, frozenset[int]] | None = None
         self._yielded: dict[int, str] = {}  # pid → generation: processes at the least weight
+        # a generation's shards launched and not ready yet (a target's start replays its
+        # logs for seconds: it yields and is held from its launch, not from its readiness)
+        self._starting: dict[str, list[Child]] = {}
         self._yield = priority.yield_enabled()
+        # the rollout's processes the gateway pauses while searches run (--hold-file)
+        self._hold = HoldList(cfg.run_dir / HOLD_FILE) if hold_enabled() else None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -130,6 +152,8 @@ class GenerationShards:
         when the serving one's do not start). The others (a rollout's target, a previous
         generation) follow in the background once :meth:`watch` runs, so a target that
         replays a long log does not hold the gateway back."""
+        if self._hold is not None:
+            self._hold.start()
         self.sync(raise_serving=True, only=lambda gen, serving: gen in (serving, FIRST_GENERATION))
 
     def watch(self) -> None:
@@ -250,7 +274,10 @@ class GenerationShards:
         """The generation whose processes a CPU budget holds: the rollout's target until
         its switch phase, when they go to every CPU before the alias names it
         (:mod:`services.generations.placement`); "" none."""
-        return placement.budgeted_target(Registry(self._redis()).running())
+        return placement.budgeted_target(self._rollout())
+
+    def _rollout(self) -> RolloutState | None:
+        return Registry(self._redis()).running()
 
     def place_cpus(self) -> None:
         """A rollout's CPU budget (:mod:`services.generations.placement`): its processes on its
@@ -258,9 +285,11 @@ class GenerationShards:
         pass while a budget holds (new threads, a stub loaded), else when the children
         changed."""
         budget = self._budget()
-        target = self._budgeted_target() if budget else ""
+        running = self._rollout() if budget else None
+        target = placement.budgeted_target(running)
         ours = self.running.get(target)
         rollout_children = {id(c) for c in ours.all()} if ours is not None else set()
+        rollout_children |= {id(c) for c in self._starting.get(target, [])}
         processes: list[placement.Process] = []
         stubs: set[int] = set()
         for child in list(self.supervisor.children):
@@ -277,6 +306,8 @@ class GenerationShards:
                     processes.append(placement.Process(stub, age is not None and bool(target)))
                     stubs.add(stub)
         self._weigh(processes, stubs, target)
+        if self._hold is not None:
+            self._hold.update(placement.held(processes, running if target else None))
         state = (budget, frozenset(p.pid for p in processes))
         if budget is None and state == self._placed:
             return
@@ -341,6 +372,11 @@ class GenerationShards:
                     ready = _probe(child, self.tls)
                     self.supervisor.launch(child, ready, cfg.startup_timeout_s)
                     replicas.append(child)
+            if budget is not None:
+                starting = [c for reps in children for c in reps]
+                _await_sessions(starting)  # weighed only once it leads its own session
+                self._starting[gen.name] = starting
+                self.place_cpus()
             for child in (c for reps in children for c in reps):
                 self.supervisor.await_ready(child)
         except ChildFailed as exc:
@@ -354,6 +390,8 @@ class GenerationShards:
                     f"{self.cfg.restart.window_s:.0f} s): {exc}"
                 )
             raise
+        finally:
+            self._starting.pop(gen.name, None)
         running = RunningGeneration(gen, children)
         self.running[gen.name] = running
         self.retry_at.pop(gen.name, None)

@@ -22,14 +22,17 @@ import os
 import shutil
 import signal
 import stat
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import redis
 
+from retrieval.v1 import search_pb2, search_pb2_grpc
 from services.generations.registry import EncoderSpec, Generation, Registry
 from services.index.client.addresses import parse_shard_addresses
 from services.index.client.router import ShardRouter
@@ -44,7 +47,8 @@ from services.index.keys import (
     GenerationKeys,
     Layout,
 )
-from services.process.cpus import children_of, format_cpus, parent_pid
+from services.process import hold
+from services.process.cpus import children_of, format_cpus, parent_pid, stat_fields
 from services.process.priority import BACKGROUND_NICE, YIELD_NICE, autogroup_enabled, group_nice
 from services.process.private import PRIVATE_UMASK
 from services.stack import first_run, triton_component
@@ -298,6 +302,29 @@ def _weights(children: list[Child]) -> set[int | None]:
     return {group_nice(c.pid) if c.pid is not None else None for c in children}
 
 
+def _state(pid: int) -> bytes:
+    fields = stat_fields(pid)
+    return fields[0] if fields else b""
+
+
+def _metric(child: Child, name: str) -> float:
+    """``name``'s value on ``child``'s metrics port (0 when it has none yet)."""
+    with urllib.request.urlopen(f"http://{child.metrics}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _search(gateway: Child) -> None:
+    """One search through the stack's gateway, as a client sends it."""
+    port = gateway.argv[gateway.argv.index("--port") + 1]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = search_pb2_grpc.SearchServiceStub(channel)
+        stub.Search(search_pb2.SearchRequest(query="a rollout pauses", k=3), timeout=60)
+
+
 def _all_on(children: list[Child], cpus: frozenset[int]) -> bool:
     """Whether every thread of every one of ``children`` may run on ``cpus`` and no other."""
     return all(c.pid is not None and _thread_cpus(c.pid) == {cpus} for c in children)
@@ -347,6 +374,20 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_leaves_serving_eve
         if autogroup_enabled():  # the target's sessions yield the CPUs, serving's not
             wait_until(lambda: _weights(ours) == {YIELD_NICE}, "the target yielding", 10)
             assert _weights(theirs) == {0}
+        # ...and are listed for the gateway to pause while a search runs (the recorded
+        # rollout names no CLI on this host: none of its own); its searches pause them
+        hold_file = running.cfg.run_dir / hold.HOLD_FILE
+        gateway = next(c for c in theirs if c.name == "gateway")
+        assert list(gateway.argv[gateway.argv.index("--hold-file") :][:2]) == [
+            "--hold-file",
+            str(hold_file),
+        ]
+        wanted = {c.pid: hold.start_time(c.pid) for c in ours if c.pid is not None}
+        wait_until(lambda: hold.read(hold_file) == wanted, "the target's shards listed", 10)
+        holds = _metric(gateway, "gateway_rollout_holds_total")
+        _search(gateway)
+        assert _metric(gateway, "gateway_rollout_holds_total") > holds
+        assert _metric(gateway, "gateway_rollout_held_seconds_total") > 0
 
         # the switch phase: the target is handed over to every CPU and to its full weight
         # before the alias names it (the builder waits for the record), while the budget
@@ -359,6 +400,8 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_leaves_serving_eve
         )
         if autogroup_enabled():
             assert _weights(ours) == {0} and _weights(theirs) == {0}
+        assert hold.read(hold_file) == {}  # serving's now: never paused
+        assert not any(_state(c.pid) == b"T" for c in ours if c.pid is not None)
 
         # the rollout ended: its CLI deletes the budget; every process stays on every CPU
         # (the stack's passes stop recording a placement: its 3-s record expires)
