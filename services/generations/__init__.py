@@ -24,6 +24,7 @@ Package map (module → role):
 - :mod:`.phase_catch_up` phase ``catch_up`` and the log replay the switch shares
 - :mod:`.held`           the source log entries a rollout holds (the lag) and their bound
 - :mod:`.phase_switch`   phase ``switch``: gates, last replay, alias, rollback hold
+- :mod:`.target_replicas` whether T's replicas serve and applied T's logs (their Stats)
 - :mod:`.rollback`       rollback's start and the abort of a rollout
 - :mod:`.operations`     what ``index rollout | rollback | retire | generations`` decide:
                          the plan from options, start or resume, when the CPU budget

@@ -26,6 +26,7 @@ from services.generations.context import RolloutContext
 from services.generations.encoding import Embedder, embedding_text
 from services.generations.held import enforce_bound, lag_and_added, lag_of
 from services.generations.registry import Generation
+from services.generations.target_replicas import replicas_ready
 from services.index.changelog import target_vectors, text
 from services.index.keys import GenerationKeys
 
@@ -75,6 +76,9 @@ async def run_catch_up(ctx: RolloutContext) -> None:
         ctx.progress.lag(lag)
         if lag <= ctx.options.switch_lag:
             break
+    # T's replicas apply their backlog here, while the budget still holds them (and pauses
+    # them while searches run), not after the switch phase hands them to serving's CPUs
+    await replicas_ready(ctx, ctx.target(), lambda: replay(ctx, until=None, bound=bound))
     ctx.save(phase="switch")
 
 

@@ -11,13 +11,12 @@ import asyncio
 import time
 from dataclasses import replace
 
-from services.common import positions
 from services.common.errors import Unavailable
 from services.generations import logs
 from services.generations.context import RolloutContext
 from services.generations.phase_catch_up import replay
 from services.generations.registry import Generation
-from services.generations.replicas import all_stats, parse_addresses
+from services.generations.target_replicas import replicas_ready, target_applied
 from services.index.changelog import text
 from services.index.keys import CLOSED, CPU_PLACED_KEY
 
@@ -26,7 +25,7 @@ async def run_switch(ctx: RolloutContext) -> None:
     target, source = ctx.target(), ctx.source()
     tgt, src = ctx.keys(target), ctx.keys(source)
     if ctx.registry.alias().serving != target.name:
-        await replicas_ready(ctx, target)
+        await replicas_ready(ctx, target, lambda: replay(ctx, until=None))
         await handed_over(ctx, target)
         await _switch_alias(ctx, target, source)
     ctx.registry.set_gates(tgt.layout, target.name)
@@ -91,62 +90,3 @@ async def handed_over(ctx: RolloutContext, target: Generation) -> None:
             )
             return
         await asyncio.sleep(0.05)
-
-
-async def replicas_ready(ctx: RolloutContext, target: Generation) -> None:
-    """Before the source's writes are closed: replay S's logs while T's replicas come up
-    and apply what T's logs hold, for at most ``shard_wait_s``. A new generation's shard
-    processes start once it is trained and take seconds to serve; a reshard reaches its
-    switch sooner than that, and waited for with the writes closed, every write paused
-    as long (2 s, test_generations_e2e's reshard). Not ready in time: the switch waits
-    again with the writes closed, as before."""
-    if not ctx.options.wait_for_shards:
-        return
-    # what T's logs hold now: a mark that stays put while the replay appends the writes
-    # that go on (replicas always a step behind the newest tails would never be ready)
-    mark = logs.tails(ctx.client, ctx.keys(target))
-    deadline = time.monotonic() + ctx.options.shard_wait_s
-    while time.monotonic() < deadline:
-        if await _all_applied(ctx, target, mark):
-            return
-        await asyncio.sleep(0.2)
-        await replay(ctx, until=None)  # the writes meanwhile: the closed replay stays short
-
-
-async def target_applied(ctx: RolloutContext, target: Generation, tails: dict[int, str]) -> bool:
-    """True once every replica of T's shards applied ``tails`` (or, without waiting for
-    shards, at once)."""
-    if not ctx.options.wait_for_shards:
-        return True
-    deadline = time.monotonic() + ctx.options.shard_wait_s
-    while time.monotonic() < deadline:
-        if await _all_applied(ctx, target, tails):
-            return True
-        await asyncio.sleep(0.2)
-    return False
-
-
-async def _all_applied(ctx: RolloutContext, target: Generation, tails: dict[int, str]) -> bool:
-    """Whether every replica of T's shards (by their recorded addresses) applied ``tails``."""
-    spec = ctx.registry.addresses(target.name)
-    if not spec:
-        return False
-    applied = await _applied(ctx, spec)
-    return len(applied) == len(tails) and all(
-        replicas and all(p is not None and positions.at_least(p, tails[s]) for p in replicas)
-        for s, replicas in enumerate(applied)
-    )
-
-
-async def _applied(ctx: RolloutContext, spec: str) -> list[list[str | None]]:
-    if ctx.wiring.applied is not None:
-        return await ctx.wiring.applied(spec)
-    out: list[list[str | None]] = []
-    shards = parse_addresses(spec)
-    stats = await all_stats(spec, ctx.wiring.shard_tls)
-    for addresses, replicas in zip(shards, stats, strict=True):
-        for address, r in zip(addresses, replicas, strict=True):
-            if isinstance(r, Unavailable):
-                await ctx.check_transport(address)
-        out.append([getattr(r, "applied", None) for r in replicas])
-    return out

@@ -539,6 +539,39 @@ def test_switch_replays_the_last_writes_then_moves_the_alias_and_the_gates(
         assert store.hget(G1.snapshots(shard), "rollout:g2") is None  # released
 
 
+def test_the_catch_up_ends_only_once_the_target_replicas_applied_its_logs(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    """T's replicas apply their backlog while the catch-up holds them on the rollout's CPU
+    budget (the local stack hands them over to serving's CPUs in the switch phase): the
+    phase stays ``catch_up`` until they serve and applied T's logs, the writes open and
+    replayed meanwhile."""
+    polls: list[str] = []
+    applied: dict[int, str] = {}
+
+    async def replicas_starting(spec: str) -> list[list[str | None]]:
+        polls.append(Registry(store).running().phase)  # type: ignore[union-attr]
+        if len(polls) == 2:  # a write while they start: replayed before the phase ends
+            await write_async(redis_url, G1, [doc(90, "while T's replicas start")])
+        answer: list[list[str | None]] = [[None], [None]]  # not serving yet
+        if len(polls) > 3:
+            answer = [[applied.get(s)] for s in range(2)]
+        applied.update(logs.tails(store, G2))
+        return answer
+
+    ctx = _context(
+        store, tmp_path, "p0", applied=replicas_starting, wait_for_shards=True, shard_wait_s=10
+    )
+    _run(ctx, run_p0)
+    Registry(store).set_addresses("g2", "127.0.0.1:1;127.0.0.1:2")
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert state.phase == "switch"
+    assert len(polls) > 3 and set(polls) == {"catch_up"}, polls
+    assert "d90" in folded(store, G2)
+    assert {Registry(store).gate(G1.layout, s) for s in range(2)} == {"g1"}  # never closed
+
+
 def test_switch_gives_the_writes_back_when_the_target_replicas_lag(
     store: Any, tmp_path: Path
 ) -> None:
