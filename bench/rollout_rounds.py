@@ -27,7 +27,9 @@ p99, its count and ``slow``: how many took over 1.5x the p99 before (the pooled 
 1.5x when more than 1 % of all searches are), with ``slow_stages_ms``: the mean of those
 slow searches' gateway stages and ``outside`` the gateway's handler, against
 ``stages_before_ms`` (every search before), and ``slow_on_target``: how many of them the
-round's new generation answered (in the switch: its first searches). ``redis_over_1ms``:
+round's new generation answered (in the switch: its first searches) and
+``slow_from_switch_ms``, when each began from the first search the target answered.
+``failures``: each failed search's status, detail, round and phase. ``redis_over_1ms``:
 what Redis's SLOWLOG caught over 1 ms during the rounds and outside them
 (:mod:`bench.redis_stalls`: a command running holds every other client). ``--up-log``
 keeps the stack's output (its CPU placement lines).
@@ -47,6 +49,7 @@ import argparse
 import asyncio
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +118,13 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
     pooled: dict[str, list[Any]] = {name: [] for name in SEGMENTS}
     lengths: dict[str, list[float]] = {name: [] for name in SEGMENTS}
     targets: dict[int, str] = {}  # id(search) → its round's target
+    switched: dict[int, float] = {}  # id(search) → when its round's target answered first
     for one in rounds:
+        target = one["names"].get("target")
+        first = min(
+            (s.start for s in searches if s.generation == target and s.start >= one["start"]),
+            default=one["end"],
+        )
         marks = sorted(
             [(one["start"], "start")]
             + [(t, k) for k, t in one["seen"].items() if k in SEGMENTS and k != "start"]
@@ -125,7 +134,8 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
             lengths[name].append(stop - begin)
             mine = [s for s in searches if begin <= s.start < stop and s.code == "OK"]
             pooled[name] += mine
-            targets.update((id(s), one["names"].get("target")) for s in mine)
+            targets.update((id(s), target) for s in mine)
+            switched.update((id(s), first) for s in mine)
     out: dict[str, Any] = {}
     for name in SEGMENTS:
         latencies = [s.latency for s in pooled[name]]
@@ -138,9 +148,23 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
             # answered by the round's target (the new generation's first searches, in the
             # switch), not by the generation that served before
             "slow_on_target": sum(s.generation == targets[id(s)] for s in slow),
+            # each slow search's start from the first search its round's target answered
+            # (the gateway's switch; negative: before it)
+            "slow_from_switch_ms": sorted(round(1e3 * (s.start - switched[id(s)])) for s in slow),
             "mean_s": round(float(np.mean(lengths[name])), 2) if lengths[name] else None,
         }
     return out
+
+
+def failure(search: Any, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A failed search as the JSON keeps it: status, detail, its round (0-based) and the
+    rollout phase seen last before it began ("start" before any)."""
+    for n, one in enumerate(rounds):
+        if one["start"] <= search.start < one["end"]:
+            seen = [(t, k) for k, t in one["seen"].items() if t <= search.start]
+            phase = max(seen)[1] if seen else "start"
+            return {"code": search.code, "detail": search.detail[:200], "round": n, "phase": phase}
+    return {"code": search.code, "detail": search.detail[:200], "round": None, "phase": None}
 
 
 STAGES = ("encode", "search", "fetch", "total")
@@ -278,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "searches_before": len(before),
         "searches_during": len(during),
         "failed_during": len(during) - len(ok_during),
+        # each failed search: its status, detail, round and the phase it began in
+        "failures": [failure(s, rounds) for s in during if s.code != "OK"],
         "p50_before_ms": round(1e3 * float(np.median([s.latency for s in before])), 2),
         "p50_during_ms": round(1e3 * float(np.median([s.latency for s in ok_during])), 2),
         "p99_before_ms": round(p99_before, 2),
@@ -324,6 +350,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"target, their stages {seg['slow_stages_ms']}), "
             f"{seg['mean_s']} s"
         )
+    failed = Counter((f["code"], f["phase"]) for f in result["failures"])
+    if failed:
+        print(f"  failed searches by status and phase: {dict(failed)}")
     print(f"  stages before (mean of every search): {result['stages_before_ms']}")
     for name, part in stalls.items():
         print(
