@@ -366,7 +366,7 @@ def _holder(settings: GatewaySettings, metrics: GenerationMetrics) -> Holder | N
     without one."""
     if not settings.hold_file:
         return None
-    return Holder(
+    return Holder.opened(
         Path(settings.hold_file),
         max_hold_s=settings.hold_max_ms / 1000.0,
         on_release=metrics.rollout_held_for,

@@ -28,7 +28,7 @@ from services.generations.held import enforce_bound, lag_and_added, lag_of
 from services.generations.registry import Generation
 from services.generations.target_replicas import replicas_ready
 from services.index.changelog import target_vectors, text
-from services.index.keys import GenerationKeys
+from services.index.keys import HOLD_LIFTED_KEY, GenerationKeys
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ class ReplayBound:
         if due > now:
             await self._sleep(due - now)
         self._since = max(due, now)
+
+
+# how long one report of a catch-up that does not gain lifts the local stack's pause of
+# the rollout's processes (renewed at each report while it does not gain)
+HOLD_LIFTED_S = 10
 
 
 async def run_catch_up(ctx: RolloutContext) -> None:
@@ -119,13 +124,13 @@ async def replay(
             ctx.save(positions=dict(done), replayed=dict(replayed))
             ctx.hold(src, {shard: position}, f"rollout:{target.name}")
             ctx.progress.advance(len(entries))  # type: ignore[arg-type]
-            _report(ctx, bounded=until is None)
+            report(ctx, bounded=until is None)
             if bound is not None:
                 await bound.after(len(entries), ctx.progress.write_rate)  # type: ignore[arg-type]
     return count
 
 
-def _report(ctx: RolloutContext, bounded: bool) -> None:
+def report(ctx: RolloutContext, bounded: bool) -> None:
     """The lag and the write rate to the progress, a warning while the replay does not
     gain on the writes, and (``bounded``: not the switch's last replay, when the writes
     are paused) the bound on the entries held."""
@@ -133,6 +138,8 @@ def _report(ctx: RolloutContext, bounded: bool) -> None:
     if got is None:
         return
     ctx.progress.catch_up(*got)
+    if ctx.progress.losing:  # no pause while searches run until it gains again
+        ctx.client.set(HOLD_LIFTED_KEY, ctx.state.target, ex=HOLD_LIFTED_S)
     warning = ctx.progress.behind()
     if warning is not None:
         log.warning("%s", warning)

@@ -73,14 +73,22 @@ class Progress:
         """Entries added to the source's logs per second, last :data:`WINDOW_S` seconds."""
         return _rate(self._added)
 
+    @property
+    def losing(self) -> bool:
+        """Whether the catch-up replays no faster than the source is written (False
+        outside the catch-up, or before there are rates)."""
+        if self.current != "catch_up" or len(self._window) < 2 or len(self._added) < 2:
+            return False
+        return self.rate <= self.write_rate
+
     def behind(self) -> str | None:
         """The warning of a catch-up that does not gain on the writes (None: it does, or
         it was said less than :data:`WARN_EVERY_S` ago, or there is no rate yet)."""
-        if self.current != "catch_up" or len(self._window) < 2 or len(self._added) < 2:
+        if not self.losing:
             return None
         rate, writes = self.rate, self.write_rate
         now = time.monotonic()
-        if rate > writes or now - self._warned < WARN_EVERY_S:
+        if now - self._warned < WARN_EVERY_S:
             return None
         self._warned = now
         return (

@@ -105,6 +105,11 @@ CPU_BUDGET_KEY = f"{REGISTRY_TAG}:cpu-budget"
 # written on each of its passes while a budget holds (short TTL): the builder's switch
 # waits until it no longer names the target (services/generations/placement.py)
 CPU_PLACED_KEY = f"{REGISTRY_TAG}:cpu-placed"
+# string: the target of a rollout whose catch-up does not gain on the writes, with a short
+# TTL its builder renews while so: the local stack pauses none of the rollout's processes
+# while searches run meanwhile (services/process/hold.py), so that the catch-up can outrun
+# the writers at the searches' expense rather than never finish
+HOLD_LIFTED_KEY = f"{REGISTRY_TAG}:hold-lifted"
 # hash: a gateway's id -> the latency of the searches it answered lately (JSON; the key
 # expires unless a gateway writes it again): a rollout's builder paces itself on it
 # (services/generations/serving_latency.py)

@@ -19,9 +19,10 @@ helps: the rollout's processes have to be *off* the CPUs while a search runs. So
   and is never starved.
 - Signals go through a pidfd opened once per process and checked against the recorded
   start time, so a pid the kernel gave to another process is never signalled.
-- Nothing stays stopped: the gateway continues what it holds when it closes, and ``up``
-  continues every process that leaves the list and, at its start, every one listed (a
-  gateway killed while holding). A process the hold cannot open is skipped, not waited for.
+- Nothing stays stopped: the gateway continues what it holds when it closes and, as it
+  starts, every process listed (a gateway killed while holding); ``up`` continues every
+  process that leaves the list and, at its start, every one listed. A process the hold
+  cannot open is skipped, not waited for.
 """
 
 from __future__ import annotations
@@ -138,6 +139,19 @@ class Holder:
     _fds: dict[int, int] = field(default_factory=dict)  # pid → pidfd
     _since: float | None = None  # monotonic start of the hold in force
     _timer: asyncio.TimerHandle | None = None  # ends the hold at max_hold_s
+
+    @classmethod
+    def opened(
+        cls,
+        path: Path,
+        max_hold_s: float = MAX_HOLD_S,
+        on_release: Callable[[float], None] | None = None,
+    ) -> Holder:
+        """A gateway's holder as it starts: whatever the list names is continued first (a
+        gateway killed while holding leaves them stopped; its restart has no search in
+        flight)."""
+        resume(read(path))
+        return cls(path, max_hold_s, on_release)
 
     @contextlib.contextmanager
     def searching(self) -> Iterator[None]:

@@ -47,7 +47,13 @@ from services.common.errors import FailedPrecondition
 from services.generations import placement
 from services.generations.registry import Alias, Generation, Registry, shards_run
 from services.generations.state import RolloutState
-from services.index.keys import ADDRESSES_KEY, CPU_BUDGET_KEY, CPU_PLACED_KEY, FIRST_GENERATION
+from services.index.keys import (
+    ADDRESSES_KEY,
+    CPU_BUDGET_KEY,
+    CPU_PLACED_KEY,
+    FIRST_GENERATION,
+    HOLD_LIFTED_KEY,
+)
 from services.process import cpus as cpu_sets
 from services.process import priority
 from services.process.hold import HOLD_FILE, HoldList, hold_enabled
@@ -306,8 +312,10 @@ class GenerationShards:
                     processes.append(placement.Process(stub, age is not None and bool(target)))
                     stubs.add(stub)
         self._weigh(processes, stubs, target)
-        if self._hold is not None:
-            self._hold.update(placement.held(processes, running if target else None))
+        if self._hold is not None:  # none while the catch-up does not gain on the writes
+            lifted = bool(target) and bool(self._redis().exists(HOLD_LIFTED_KEY))
+            held = placement.held(processes, running if target else None)
+            self._hold.update([] if lifted else held)
         state = (budget, frozenset(p.pid for p in processes))
         if budget is None and state == self._placed:
             return

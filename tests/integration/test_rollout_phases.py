@@ -33,9 +33,10 @@ from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring
 from services.generations.encoding import embedding_text
 from services.generations.errors import HeldEntriesExceeded
+from services.generations.held import lag_and_added
 from services.generations.lifecycle import retire
 from services.generations.phase_bulk import run_bulk
-from services.generations.phase_catch_up import run_catch_up
+from services.generations.phase_catch_up import HOLD_LIFTED_S, report, run_catch_up
 from services.generations.phase_publish import record_target, run_create, run_p0, run_publish
 from services.generations.phase_switch import run_switch
 from services.generations.phase_train import run_train
@@ -44,7 +45,7 @@ from services.generations.registry import Generation, Registry
 from services.generations.state import RecordedPlan, RolloutState, RolloutStore
 from services.index.client.connection import StoreConnection
 from services.index.client.writer import ChangeLogWriter
-from services.index.keys import CLOSED
+from services.index.keys import CLOSED, HOLD_LIFTED_KEY
 from services.process.redis_client import sync_client
 from tests.support.generation_logs import changes, folded
 from tests.support.hash_store import (
@@ -537,6 +538,37 @@ def test_switch_replays_the_last_writes_then_moves_the_alias_and_the_gates(
     for shard in range(2):
         assert store.hget(G2.snapshots(shard), "rollback:g1") == switch_in[str(shard)].encode()
         assert store.hget(G1.snapshots(shard), "rollout:g2") is None  # released
+
+
+@pytest.mark.parametrize(("replayed_per_s", "lifted"), [(5, True), (100, False)])
+def test_a_catch_up_that_does_not_gain_lifts_the_local_stacks_pause_of_the_rollout(
+    store: Any, tmp_path: Path, redis_url: str, monkeypatch: Any, replayed_per_s: int, lifted: bool
+) -> None:
+    """While the replay is no faster than the writes the builder renews a short-lived
+    record that the local stack reads as "pause none of the rollout's processes"
+    (services/process/hold.py): a held catch-up that cannot outrun the writers would
+    otherwise never finish."""
+    ctx = _context(store, tmp_path, "p0")
+    _run(ctx, run_p0)
+    write(redis_url, G1, [doc(i, "late") for i in range(40)])
+    ctx.save(phase="catch_up")
+    got = lag_and_added(ctx)
+    assert got is not None
+    lag, added = got
+    now = [1000.0]
+    monkeypatch.setattr("services.generations.progress.time.monotonic", lambda: now[0])
+    ctx.progress = Progress()
+    ctx.progress.phase("catch_up")
+    for second in range(5):  # the source written at 20 entries/s for 5 s
+        now[0] = 1000.0 + second
+        ctx.progress.advance(replayed_per_s if second else 0)
+        ctx.progress.catch_up(lag, added - 20 * (5 - second))
+    now[0] = 1005.0
+    ctx.progress.advance(replayed_per_s)
+    report(ctx, bounded=False)
+    assert (store.get(HOLD_LIFTED_KEY) == b"g2") is lifted
+    if lifted:
+        assert 0 < store.ttl(HOLD_LIFTED_KEY) <= HOLD_LIFTED_S
 
 
 def test_the_catch_up_ends_only_once_the_target_replicas_applied_its_logs(

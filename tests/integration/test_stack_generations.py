@@ -43,6 +43,7 @@ from services.index.keys import (
     ADDRESSES_KEY,
     CPU_BUDGET_KEY,
     CPU_PLACED_KEY,
+    HOLD_LIFTED_KEY,
     ROLLOUT_KEY,
     GenerationKeys,
     Layout,
@@ -384,6 +385,11 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_leaves_serving_eve
         ]
         wanted = {c.pid: hold.start_time(c.pid) for c in ours if c.pid is not None}
         wait_until(lambda: hold.read(hold_file) == wanted, "the target's shards listed", 10)
+        # a catch-up that does not gain on the writes lifts the pause until it gains again
+        client.set(HOLD_LIFTED_KEY, target.name, ex=60)
+        wait_until(lambda: hold.read(hold_file) == {}, "the pause lifted", 10)
+        client.delete(HOLD_LIFTED_KEY)
+        wait_until(lambda: hold.read(hold_file) == wanted, "the target listed again", 10)
         holds = _metric(gateway, "gateway_rollout_holds_total")
         _search(gateway)
         assert _metric(gateway, "gateway_rollout_holds_total") > holds

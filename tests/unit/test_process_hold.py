@@ -165,3 +165,16 @@ def test_up_continues_what_leaves_the_list_and_what_a_killed_gateway_held(
     listing.update([a.pid])
     assert set(hold.read(path)) == {a.pid}
     wait_until(lambda: not _stopped(b.pid), "b continued once off the list")
+
+
+def test_a_gateway_that_starts_continues_what_a_killed_one_held(children, tmp_path: Path) -> None:
+    a = children()
+    path = _listed(tmp_path, a.pid)
+    os.kill(a.pid, signal.SIGSTOP)  # held by a gateway that was then killed
+    wait_until(lambda: _stopped(a.pid), "stopped")
+    holder = hold.Holder.opened(path, max_hold_s=60.0)
+    try:
+        wait_until(lambda: not _stopped(a.pid), "continued as the new gateway starts")
+        assert holder.holds == 0
+    finally:
+        holder.close()

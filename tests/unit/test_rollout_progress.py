@@ -84,7 +84,7 @@ def test_a_catch_up_that_does_not_gain_on_the_writes_warns_with_no_eta(monkeypat
     monkeypatch.setattr("services.generations.progress.time.monotonic", clock)
     progress = _catch_up(clock, replayed_per_s=9, written_per_s=20, lag=500)
     assert progress.rate == 9 and progress.write_rate == 20
-    assert progress.eta_s is None
+    assert progress.eta_s is None and progress.losing
     warning = progress.behind()
     assert warning == (
         "catch-up is behind: lag 500 entries, replay 9.0/s vs writes 20.0/s, ETA never at this rate"
@@ -99,7 +99,7 @@ def test_a_catch_up_that_gains_has_the_eta_of_its_gain_and_no_warning(monkeypatc
     monkeypatch.setattr("services.generations.progress.time.monotonic", clock)
     progress = _catch_up(clock, replayed_per_s=80, written_per_s=20, lag=600)
     assert progress.eta_s == 600 / (80 - 20)
-    assert progress.behind() is None
+    assert progress.behind() is None and not progress.losing
 
 
 def test_the_metrics_port_serves_the_catch_up_rates(monkeypatch: Any) -> None:
