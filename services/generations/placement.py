@@ -160,13 +160,24 @@ def weigh(yielded: dict[int, str], wanted: dict[int, str]) -> dict[int, str]:
 
 def held(processes: Iterable[Process], running: RolloutState | None) -> list[int]:
     """The processes the gateway pauses while searches run (:mod:`services.process.hold`):
-    the rollout's ones, and its CLI when it runs here and leads its own session (in a
-    terminal's session its shell would report it stopped)."""
+    the rollout's ones, and its CLI when it runs here, leads its own session (in a
+    terminal's session its shell would report it stopped) and is an ``index rollout`` or
+    ``index rollback`` (the recorded pid of a builder that died may name another process
+    now)."""
     pids = [p.pid for p in processes if p.rollout]
     cli = running.pid if running is not None and running.runs_here else None
-    if cli and cli not in pids and priority.leads_session(cli):
+    if cli and cli not in pids and priority.leads_session(cli) and is_rollout_cli(cli):
         pids.append(cli)
     return pids
+
+
+def is_rollout_cli(pid: int) -> bool:
+    """Whether ``pid`` runs ``index rollout`` or ``index rollback`` (its command line)."""
+    argv = cpu_sets.cmdline(pid)
+    return any(
+        word == "index" and argv[n + 1 : n + 2] in (["rollout"], ["rollback"])
+        for n, word in enumerate(argv)
+    )
 
 
 def apply(placed: dict[int, frozenset[int]]) -> int:

@@ -9,8 +9,9 @@ helps: the rollout's processes have to be *off* the CPUs while a search runs. So
 - ``up`` lists, on every pass of its generations poller, the processes of a running
   rollout that may be paused: the target's shards and the new encoder's Triton stub
   (while a CPU budget holds them, until the hand-over), and the rollout's CLI when it
-  runs on this machine and leads its own session (a process in a terminal's session is
-  left alone: its shell would report it stopped). Each as its pid and start time
+  runs on this machine, leads its own session (a process in a terminal's session is
+  left alone: its shell would report it stopped) and runs ``index rollout`` or
+  ``rollback`` (:func:`services.generations.placement.held`). Each as its pid and start time
   (``/proc/<pid>/stat`` field 22), in a file of the run directory (:func:`write`).
 - The gateway (:class:`Holder`) re-reads the file when it changed, as its first search in
   flight begins, and stops those processes (``SIGSTOP``); as its last search in flight

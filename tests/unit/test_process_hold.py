@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from services.generations import placement
+from services.generations.state import RolloutState
 from services.process import cpus as cpu_sets
 from services.process import hold
 from tests.support.processes import await_until, wait_until
@@ -178,3 +181,35 @@ def test_a_gateway_that_starts_continues_what_a_killed_one_held(children, tmp_pa
         assert holder.holds == 0
     finally:
         holder.close()
+
+
+def test_the_rollouts_cli_is_listed_only_in_a_session_of_its_own_and_as_a_rollout() -> None:
+    """``up`` lists the CLI the rollout's record names when it runs here, leads its own
+    session and runs ``index rollout`` (or ``rollback``): the pid of a builder that died
+    may name another process by now, and one in a terminal's session would show as
+    stopped in its shell."""
+    loop = "import time\nwhile True: time.sleep(0.01)\n"
+    started = [
+        subprocess.Popen([sys.executable, "-c", loop, *argv], start_new_session=session)
+        for argv, session in (
+            (["index", "rollout", "--retrain"], True),  # listed
+            (["index", "rollback"], True),  # listed
+            (["serve", "rollout"], True),  # not a rollout's CLI: a recycled pid
+            (["index", "rollout"], False),  # in this (a terminal's) session
+        )
+    ]
+    try:
+        wanted = [p.pid for p in started]
+        wait_until(lambda: all(len(cpu_sets.cmdline(pid)) > 3 for pid in wanted), "their argv set")
+        listed = [
+            pid
+            for pid in wanted
+            if placement.held([], RolloutState(target="g2", host=socket.gethostname(), pid=pid))
+        ]
+        assert listed == wanted[:2]
+        elsewhere = RolloutState(target="g2", host="another-host", pid=wanted[0])
+        assert placement.held([placement.Process(7, True)], elsewhere) == [7]
+    finally:
+        for child in started:
+            child.kill()
+            child.wait()
