@@ -49,6 +49,8 @@ Package map (module → role):
 - :mod:`.budget`         a rollout's CPU budget, the builder's side (the Redis key, TTL)
 - :mod:`.placement`      the CPU budget's decisions: which process on which CPUs, the
                          hand-over, the active budget
+- :mod:`.stack_placed`   the builder's waits on the local stack's placement record:
+                         held before each budgeted phase, handed over in the switch
 - :mod:`.errors`         domain errors a caller words its own way (the CLI adds flags:
                          a refused plan names its option, ``PlanRefused.option``)
 

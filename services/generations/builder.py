@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.common.errors import FailedPrecondition
-from services.generations import logs, pacing, rollback
+from services.generations import logs, pacing, rollback, stack_placed
 from services.generations.context import (
     AppliedProbe,
     Exporter,
@@ -349,6 +349,7 @@ class RolloutBuilder:
             self.progress.phase(phase)
             if ctx.pacer is not None:
                 ctx.pacer.active = phase in pacing.PACED_PHASES
+            await stack_placed.placed(ctx, phase)  # paused while searches run, from here
             await step(ctx)
         self.registry.end_rollout()
         return self.registry.serving()

@@ -7,8 +7,6 @@ source is retired."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import replace
 
 from services.common.errors import Unavailable
@@ -16,9 +14,9 @@ from services.generations import logs
 from services.generations.context import RolloutContext
 from services.generations.phase_catch_up import replay
 from services.generations.registry import Generation
+from services.generations.stack_placed import handed_over
 from services.generations.target_replicas import replicas_ready, target_applied
-from services.index.changelog import text
-from services.index.keys import CLOSED, CPU_PLACED_KEY
+from services.index.keys import CLOSED
 
 
 async def run_switch(ctx: RolloutContext) -> None:
@@ -26,7 +24,7 @@ async def run_switch(ctx: RolloutContext) -> None:
     tgt, src = ctx.keys(target), ctx.keys(source)
     if ctx.registry.alias().serving != target.name:
         await replicas_ready(ctx, target, lambda: replay(ctx, until=None))
-        await handed_over(ctx, target)
+        await handed_over(ctx, target.name)
         await _switch_alias(ctx, target, source)
     ctx.registry.set_gates(tgt.layout, target.name)
     if tgt.layout != src.layout:
@@ -74,19 +72,3 @@ async def _switch_alias(ctx: RolloutContext, target: Generation, source: Generat
         "attempts (are they running? `index generations` shows their addresses); "
         "`index rollout` again resumes"
     )
-
-
-async def handed_over(ctx: RolloutContext, target: Generation) -> None:
-    """Wait, at most ``hand_over_s``, until no CPU budget holds T's processes: in the
-    switch phase a local stack moves them to serving's CPUs, so that T's first searches
-    do not share the budget's CPU with this builder's end. Nothing to wait for without a
-    budget, or without a stack placing one (its record expires)."""
-    deadline = time.monotonic() + ctx.options.hand_over_s
-    while text(ctx.client.get(CPU_PLACED_KEY) or b"") == target.name:  # type: ignore[arg-type]
-        if time.monotonic() > deadline:
-            ctx.progress.message(
-                f"{target.name}'s processes are still on the rollout's CPU budget after "
-                f"{ctx.options.hand_over_s:.0f} s: switching anyway"
-            )
-            return
-        await asyncio.sleep(0.05)

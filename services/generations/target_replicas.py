@@ -16,6 +16,9 @@ from services.generations.context import RolloutContext
 from services.generations.registry import Generation
 from services.generations.replicas import all_stats, parse_addresses
 
+# the first pause between two polls of T's replicas with the writes closed
+CLOSED_POLL_S = 0.01
+
 
 async def replicas_ready(
     ctx: RolloutContext, target: Generation, replay: Callable[[], Awaitable[object]]
@@ -42,14 +45,19 @@ async def replicas_ready(
 
 async def target_applied(ctx: RolloutContext, target: Generation, tails: dict[int, str]) -> bool:
     """True once every replica of T's shards applied ``tails`` (or, without waiting for
-    shards, at once)."""
+    shards, at once). Asked with the writes closed: the replicas apply a tail within
+    milliseconds of its append (their reads block on the log), so the polls start at
+    :data:`CLOSED_POLL_S` and double to 0.2 s; every write waits for the switch meanwhile,
+    and a first poll 0.2 s out held them (and their clients' admission share) for it."""
     if not ctx.options.wait_for_shards:
         return True
     deadline = time.monotonic() + ctx.options.shard_wait_s
+    pause = CLOSED_POLL_S
     while time.monotonic() < deadline:
         if await all_applied(ctx, target, tails):
             return True
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.2)
     return False
 
 

@@ -28,7 +28,7 @@ from services.encoder.base import Embeddings, Encoder
 from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.generation_parts import Bundle, RedisAliasReader
 from services.gateway.generations import GenerationSource
-from services.generations import logs
+from services.generations import logs, stack_placed
 from services.generations.builder import RolloutBuilder
 from services.generations.context import RolloutContext, RolloutOptions, Wiring
 from services.generations.encoding import embedding_text
@@ -45,7 +45,7 @@ from services.generations.registry import Generation, Registry
 from services.generations.state import RecordedPlan, RolloutState, RolloutStore
 from services.index.client.connection import StoreConnection
 from services.index.client.writer import ChangeLogWriter
-from services.index.keys import CLOSED, HOLD_LIFTED_KEY
+from services.index.keys import CLOSED, CPU_BUDGET_KEY, CPU_PLACED_KEY, HOLD_LIFTED_KEY
 from services.process.redis_client import sync_client
 from tests.support.generation_logs import changes, folded
 from tests.support.hash_store import (
@@ -687,6 +687,70 @@ def test_rollback_replays_the_writes_since_the_switch_into_the_previous_generati
     assert in_g1["d90"][2] == expected(since[0])
     assert "d1" not in in_g1 and "d2" in in_g1
     assert RolloutStore(store).load() is None
+
+
+def test_the_builder_asks_for_the_stacks_placement_before_each_phase(
+    store: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """:func:`~services.generations.stack_placed.placed` is the builder's, before every
+    phase it runs (here a rollback's catch-up and switch)."""
+    _switched(store, tmp_path)
+    asked: list[str] = []
+
+    async def placed(ctx: RolloutContext, phase: str) -> None:
+        asked.append(phase)
+
+    monkeypatch.setattr(stack_placed, "placed", placed)
+    builder = RolloutBuilder(
+        store, hash_encoders, RolloutOptions(index_root=tmp_path, batch=8, wait_for_shards=False)
+    )
+    asyncio.run(builder.rollback())
+    assert asked == ["catch_up", "switch"]
+
+
+def test_a_budgeted_phase_begins_only_once_the_local_stack_holds_the_rollout(
+    store: Any, tmp_path: Path
+) -> None:
+    """With a CPU budget recorded, a phase begins only once the stack's pass names its
+    target in ``{gtr}:cpu-placed`` (its processes pinned and listed, the CLI too, for the
+    gateway's pause while searches run): a retrain's training began up to a poller pass
+    before the pause, and every search in flight then stalled."""
+    ctx = _context(store, tmp_path, "train", hand_over_s=30.0)
+    store.set(CPU_BUDGET_KEY, "1", ex=60)
+    store.set(CPU_PLACED_KEY, "", ex=60)  # the stack's passes before it read the rollout
+    waiting: list[bool] = []
+
+    async def go() -> None:
+        task = asyncio.create_task(stack_placed.placed(ctx, "train"))
+        for _ in range(4):
+            await asyncio.sleep(0.1)
+            waiting.append(not task.done())
+        store.set(CPU_PLACED_KEY, "g2", ex=60)  # the pass that placed and listed them
+        await asyncio.wait_for(task, 5.0)
+
+    asyncio.run(go())
+    assert waiting == [True] * 4
+
+
+@pytest.mark.parametrize("case", ["no budget", "handed over", "no stack"])
+def test_the_placement_is_not_waited_for_without_a_budget_a_stack_or_after_the_hand_over(
+    store: Any, tmp_path: Path, case: str
+) -> None:
+    """No budget, or the switch (T handed over to serving): at once, whatever the record
+    says; a budget no local stack places (no record at all): given up after
+    ``NO_STACK_S``, and said."""
+    ctx = _context(store, tmp_path, "train", hand_over_s=30.0)
+    messages: list[str] = []
+    ctx.progress.message = messages.append  # type: ignore[method-assign,assignment]
+    if case != "no budget":
+        store.set(CPU_BUDGET_KEY, "1", ex=60)
+    if case != "no stack":
+        store.set(CPU_PLACED_KEY, "", ex=60)  # a stack that never names g2
+    phase = "switch" if case == "handed over" else "train"
+    bound = stack_placed.NO_STACK_S + 2.0 if case == "no stack" else 0.5
+    asyncio.run(asyncio.wait_for(stack_placed.placed(ctx, phase), bound))
+    said = [m for m in messages if "no local stack placed g2" in m]
+    assert len(said) == (1 if case == "no stack" else 0)
 
 
 def test_abort_gives_the_writes_back_to_the_source_and_fails_the_target(
