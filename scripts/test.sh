@@ -2,12 +2,11 @@
 # The test command: install what is needed, lint, format-check and type-check hand-written
 # code, run the test suite (unit + integration against real Redis, Triton and gRPC servers).
 #
-#   scripts/test.sh           everything, as CI runs it (.ci/run): every test not marked
-#                             `serial` spread over the CPUs as below (the fast and the slow
-#                             tests in one run: two runs each ended on one busy worker and
-#                             one idle), then those marked `serial` one at a time (their
-#                             assertions are about latency or load: a second worker beside
-#                             them would be load they do not budget for)
+#   scripts/test.sh           everything, as CI runs it (.ci/run): the fast tier as below,
+#                             then the tests marked `slow` the same way, then the few also
+#                             marked `serial` one at a time (their assertions are about
+#                             latency or load: a second worker beside them would be load
+#                             they do not budget for)
 #   scripts/test.sh --fast    the inner loop: the same checks, then every test not marked
 #                             `slow`, spread over the CPUs (pytest-xdist, --dist loadfile: a
 #                             module's servers stay shared by its tests)
@@ -47,17 +46,17 @@ run() { .venv/bin/python -m pytest --durations=15 "$@" || { rc=$?; [ "$rc" -eq 5
 
 start=$(date +%s)
 status=0
-if [ "$tier" = fast ]; then
-  run "${parallel[@]}" -m "not slow" "$@" || status=$?
-  echo "scripts/test.sh: the fast tier took $(( $(date +%s) - start )) s of pytest with ${workers} worker(s)"
-  exit "$status"
+run "${parallel[@]}" -m "not slow" "$@" || status=$?
+fast_s=$(( $(date +%s) - start ))
+echo "scripts/test.sh: the fast tier took ${fast_s} s of pytest with ${workers} worker(s)"
+if [ "$tier" = all ]; then
+  # the slow tests mostly wait (restarts, rollouts, timeouts): in parallel too, except the
+  # few marked serial, whose assertions are about latency or load and budget for no
+  # neighbour
+  run "${parallel[@]}" -m "slow and not serial" "$@" || status=$?
+  slow_s=$(( $(date +%s) - start - fast_s ))
+  echo "scripts/test.sh: the slow tier took ${slow_s} s of pytest"
+  run -m serial "$@" || status=$?
+  echo "scripts/test.sh: the serial tier took $(( $(date +%s) - start - fast_s - slow_s )) s"
 fi
-# the slow tests mostly wait (restarts, rollouts, timeouts): in parallel with the fast ones,
-# except the few marked serial, whose assertions are about latency or load and budget for
-# no neighbour
-run "${parallel[@]}" -m "not serial" "$@" || status=$?
-parallel_s=$(( $(date +%s) - start ))
-echo "scripts/test.sh: the fast and slow tests took ${parallel_s} s of pytest with ${workers} worker(s)"
-run -m serial "$@" || status=$?
-echo "scripts/test.sh: the serial tests took $(( $(date +%s) - start - parallel_s )) s"
 exit "$status"
