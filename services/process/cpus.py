@@ -195,11 +195,19 @@ def parent_pid(pid: int) -> int | None:
     return None if fields is None else int(fields[1])
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field
+    22): with the pid, what names one process (a pid is recycled, its start time is not);
+    None when it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None or len(fields) < 20 else int(fields[19])
+
+
 def started_s(pid: int) -> float | None:
     """When process ``pid`` started, in seconds since boot: on CLOCK_MONOTONIC's scale
     (suspend aside); None when it is gone."""
-    fields = stat_fields(pid)
-    return None if fields is None else int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    ticks = start_ticks(pid)
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 def running(pid: int) -> bool:

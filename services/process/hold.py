@@ -48,20 +48,11 @@ log = logging.getLogger(__name__)
 MAX_HOLD_S = 0.25
 
 
-def start_time(pid: int) -> int | None:
-    """``pid``'s start time in clock ticks since boot (``/proc/<pid>/stat`` field 22); None
-    when it is gone."""
-    fields = cpu_sets.stat_fields(pid)
-    if fields is None or len(fields) < 20:
-        return None
-    return int(fields[19])
-
-
 def write(path: Path, pids: Iterable[int]) -> dict[int, int]:
     """List ``pids`` (the living ones, with their start times) in ``path`` for the gateway's
     :class:`Holder`, replacing the file at once (a reader sees the old list or the new);
     the list written, pid → start time."""
-    listed = {pid: t for pid in sorted(set(pids)) if (t := start_time(pid)) is not None}
+    listed = {pid: t for pid in sorted(set(pids)) if (t := cpu_sets.start_ticks(pid)) is not None}
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -83,7 +74,7 @@ def resume(listed: dict[int, int]) -> None:
     """Continue the processes ``listed`` (pid → start time) that still run (``SIGCONT``: a
     no-op for a running process); a pid given to another process since is left alone."""
     for pid, started in listed.items():
-        if start_time(pid) == started:
+        if cpu_sets.start_ticks(pid) == started:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
 
@@ -228,7 +219,7 @@ class Holder:
                 fd = os.pidfd_open(pid)
             except OSError:
                 continue  # gone (or not ours to signal)
-            if start_time(pid) != started:  # the pid is another process's now
+            if cpu_sets.start_ticks(pid) != started:  # the pid is another process's now
                 os.close(fd)
                 continue
             self._fds[pid] = fd

@@ -49,7 +49,13 @@ from services.index.keys import (
     Layout,
 )
 from services.process import hold
-from services.process.cpus import children_of, format_cpus, parent_pid, stat_fields
+from services.process.cpus import (
+    children_of,
+    format_cpus,
+    parent_pid,
+    start_ticks,
+    stat_fields,
+)
 from services.process.priority import BACKGROUND_NICE, YIELD_NICE, autogroup_enabled, group_nice
 from services.process.private import PRIVATE_UMASK
 from services.stack import first_run, triton_component
@@ -383,7 +389,7 @@ def test_a_cpu_budget_puts_the_rollout_target_on_its_cpus_and_leaves_serving_eve
             "--hold-file",
             str(hold_file),
         ]
-        wanted = {c.pid: hold.start_time(c.pid) for c in ours if c.pid is not None}
+        wanted = {c.pid: start_ticks(c.pid) for c in ours if c.pid is not None}
         wait_until(lambda: hold.read(hold_file) == wanted, "the target's shards listed", 10)
         # a catch-up that does not gain on the writes lifts the pause until it gains again
         client.set(HOLD_LIFTED_KEY, target.name, ex=60)

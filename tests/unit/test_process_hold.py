@@ -62,7 +62,7 @@ def test_the_list_names_each_process_with_its_start_time(children, tmp_path: Pat
     a, b = children(), children()
     path = tmp_path / hold.HOLD_FILE
     listed = hold.write(path, [a.pid, b.pid, 2**22 + 7])  # the last: no such process
-    assert listed == {p: hold.start_time(p) for p in (a.pid, b.pid)}
+    assert listed == {p: cpu_sets.start_ticks(p) for p in (a.pid, b.pid)}
     assert hold.read(path) == listed
     assert path.stat().st_mode & 0o777 == 0o600
     assert hold.read(tmp_path / "missing.json") == {}
@@ -113,7 +113,7 @@ def test_a_pid_that_names_another_process_now_is_never_signalled(children, tmp_p
     async def scenario() -> None:
         a = children()
         path = tmp_path / hold.HOLD_FILE
-        started = hold.start_time(a.pid)
+        started = cpu_sets.start_ticks(a.pid)
         assert started is not None
         # the list's start time is not this process's: the pid was recycled since it was listed
         path.write_text(f'{{"processes": [[{a.pid}, {started - 1}]]}}')
