@@ -99,17 +99,21 @@ class HoldList:
 
     path: Path
     listed: dict[int, int] = field(default_factory=dict)
+    # the pids last asked for: a pass that names the same ones rewrites nothing, also
+    # when one of them died meanwhile (the list written left it out)
+    asked: frozenset[int] = frozenset()
 
     def start(self) -> None:
         """At ``up``'s start: continue whatever a previous run's file lists (a gateway
         killed while holding), then list nothing."""
         resume(read(self.path))
-        self.listed = write(self.path, ())
+        self.listed, self.asked = write(self.path, ()), frozenset()
 
     def update(self, pids: Iterable[int]) -> None:
-        wanted = set(pids)
-        if wanted == set(self.listed):
+        wanted = frozenset(pids)
+        if wanted == self.asked:
             return
+        self.asked = wanted
         before = self.listed
         self.listed = write(self.path, wanted)
         resume({p: t for p, t in before.items() if self.listed.get(p) != t})

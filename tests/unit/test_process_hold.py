@@ -170,6 +170,27 @@ def test_up_continues_what_leaves_the_list_and_what_a_killed_gateway_held(
     wait_until(lambda: not _stopped(b.pid), "b continued once off the list")
 
 
+def test_up_rewrites_the_list_only_when_it_asks_for_other_processes(
+    children, tmp_path: Path
+) -> None:
+    """A pass that names the processes the pass before named writes nothing, a dead one
+    among them too (the list written left it out: the file was rewritten on every pass
+    while the poller still named it)."""
+    a, b = children(), children()
+    path = tmp_path / hold.HOLD_FILE
+    listing = hold.HoldList(path)
+    listing.start()
+    b.kill()
+    b.wait()
+    listing.update([a.pid, b.pid])
+    assert set(hold.read(path)) == {a.pid}
+    written = path.stat().st_ino  # each write replaces the file (a new inode)
+    listing.update([b.pid, a.pid])
+    assert path.stat().st_ino == written
+    listing.update([a.pid])
+    assert path.stat().st_ino != written and set(hold.read(path)) == {a.pid}
+
+
 def test_a_gateway_that_starts_continues_what_a_killed_one_held(children, tmp_path: Path) -> None:
     a = children()
     path = _listed(tmp_path, a.pid)
