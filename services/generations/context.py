@@ -129,6 +129,9 @@ class RolloutContext:
     state: RolloutState
     probed: set[str] = field(default_factory=set)  # replicas whose transport was checked
     pacer: Pacer | None = None  # paces the re-embedding on the searches' p99 (None: not)
+    # a CPU budget no local stack placed (services/generations/stack_placed.py): the next
+    # phases do not wait for it again
+    unplaced: bool = False
     _embedder: Embedder | None = None
 
     def save(self, **changes: Any) -> RolloutState:

@@ -13,7 +13,7 @@ by each pass of the stack's generations poller while a budget is recorded;
 - :func:`handed_over`, in the switch: until no budget holds T's processes any more.
 
 Nothing to wait for without a budget; without a stack placing one the record never
-appears and :func:`placed` gives up after :data:`NO_STACK_S`.
+appears and :func:`placed` gives up after :data:`NO_STACK_S`, once per rollout run.
 """
 
 from __future__ import annotations
@@ -40,14 +40,18 @@ def _placed_now(ctx: RolloutContext) -> str | None:
 async def placed(ctx: RolloutContext, phase: str) -> None:
     """Before ``phase``: with a CPU budget recorded and T's processes not yet handed over
     (:data:`~services.generations.placement.HANDED_OVER`), wait until the stack's record
-    names T, at most ``hand_over_s`` (:data:`NO_STACK_S` while there is no record)."""
+    names T, at most ``hand_over_s`` (:data:`NO_STACK_S` while there is no record, after
+    which the builder's next phases do not wait: no stack places its budget)."""
     target = ctx.state.target
-    if not target or phase in HANDED_OVER or not ctx.client.exists(CPU_BUDGET_KEY):
+    if not target or phase in HANDED_OVER or ctx.unplaced:
+        return
+    if not ctx.client.exists(CPU_BUDGET_KEY):
         return
     started = time.monotonic()
     while (now := _placed_now(ctx)) != target:
         waited = time.monotonic() - started
         if waited > ctx.options.hand_over_s or (now is None and waited > NO_STACK_S):
+            ctx.unplaced = now is None  # no stack at all: not waited for again
             ctx.progress.message(
                 f"no local stack placed {target}'s processes on the CPU budget within "
                 f"{waited:.1f} s: phase {phase} goes on without waiting"
