@@ -435,9 +435,11 @@ def test_the_token_is_sent_as_bearer_metadata(tmp_path: Path) -> None:
 
 
 def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
-    """criterion="throughput" ignores latency: against a 100/s server it climbs past the
+    """criterion="throughput" ignores latency: against a 50/s server it climbs past the
     rates that already break a tight budget and stops where the achieved rate falls
-    behind the scheduled one (by 200/s, twice the capacity)."""
+    behind the scheduled one (by 100/s, twice the capacity). A 100/s server failed once in
+    CI (2026-12-02) with the generator itself behind at 200/s, its loop busy with the
+    150 calls queued at the server: then the run measures the generator, not the sweep."""
     cfg = SweepConfig(
         start_rate=12.5,
         slo_ms=1.0,
@@ -448,12 +450,12 @@ def test_a_throughput_sweep_finds_where_the_server_stops_keeping_up() -> None:
         lag_limit_ms=UNREACHABLE_LAG_MS,
         criterion="throughput",
     )
-    result = run_sweep(0.01, cfg)
+    result = run_sweep(0.02, cfg)
     assert result["best_rate"] is None  # nothing meets 1 ms
     assert result["stop_reason"] == "throughput"
     assert [s["offered_rate"] for s in result["steps"]][:2] == [12.5, 25.0]
-    assert 25.0 <= result["max_kept_up_rate"] <= 100.0
-    assert result["first_failing_rate"] <= 200.0
+    assert 25.0 <= result["max_kept_up_rate"] <= 50.0
+    assert result["first_failing_rate"] <= 100.0
 
 
 def test_two_sender_processes_send_the_one_schedule() -> None:
