@@ -52,9 +52,10 @@ async def placed(ctx: RolloutContext, phase: str) -> None:
         waited = time.monotonic() - started
         if waited > ctx.options.hand_over_s or (now is None and waited > NO_STACK_S):
             ctx.unplaced = now is None  # no stack at all: not waited for again
+            who = "no local stack placed" if now is None else "the local stack has not placed"
             ctx.progress.message(
-                f"no local stack placed {target}'s processes on the CPU budget within "
-                f"{waited:.1f} s: phase {phase} goes on without waiting"
+                f"{who} {target}'s processes on the CPU budget within {waited:.1f} s: "
+                f"phase {phase} goes on without waiting"
             )
             return
         await asyncio.sleep(POLL_S)
