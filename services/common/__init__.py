@@ -26,6 +26,9 @@ No I/O and no grpc here (RPC plumbing is :mod:`services.rpc`, a process's host p
     the latency SLO table per encoder size.
 ``encoder_spec``
     which encoder made a generation's vectors.
+``parking``
+    a call's wait that does no work, said to the layer that admitted it (a write paused
+    at a closed writer gate lends its admission units back).
 ``terms``
     the distinct terms of a sparse query as the shards' text analyser counts them (so
     the gateway checks ``max_query_terms`` before encoding, without tantivy).

@@ -26,6 +26,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.limits import Limits
+from services.common.parking import parked
 from services.encoder.texts import cut_for_encoder
 from services.gateway import validation
 from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded
@@ -204,7 +205,8 @@ class DocumentPipeline:
         before another attempt could end with a reserve for the answer (a tenth of the
         time left when the write reached the store, 50 ms to 0.5 s): an attempt cut by
         the deadline would be DEADLINE_EXCEEDED, which does not say that nothing was
-        written."""
+        written. A pause lends the call's admission units back (:mod:`services.common.parking`):
+        the writes a switch pauses do not take the searches' room."""
         serving = self.source.current()
         pause = MOVED_BACKOFF_S
         budget = deadline.remaining()
@@ -229,7 +231,7 @@ class DocumentPipeline:
                 left = deadline.remaining()
                 if left is not None and left <= pause + max(reserve, 2 * attempt_s):
                     raise _not_taken(moved)
-                with step("pause"):
+                with step("pause"), parked():  # its admission units lent back meanwhile
                     await asyncio.sleep(pause)
                 pause = min(2 * pause, MOVED_BACKOFF_MAX_S)
                 serving = await self._reread(moved, deadline)

@@ -14,6 +14,11 @@ A refused call is RESOURCE_EXHAUSTED with a ``retry-after-ms`` hint (the interce
 
 A client is its bearer token when it sends one (every connection of one token is one
 client) and its connection otherwise (:func:`client_key`).
+
+A call that waits without working (:func:`services.common.parking.parked`: a write paused
+while a switch has closed the writer gates) lends its units back for the wait, up to the
+limit's worth of parked units (:meth:`Admission.parked`): a switch's paused writes do not
+refuse every client's searches, and what they hold is still bounded.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from services.common import errors
+from services.common.parking import parking
 
 
 class AdmissionRefused(errors.Overloaded):
@@ -45,6 +52,15 @@ def client_key(peer: str, metadata: Iterable[tuple[str, Any]] | None) -> str:
             text = value.decode() if isinstance(value, bytes) else str(value)
             return "token:" + hashlib.sha256(text.encode()).hexdigest()[:16]
     return "peer:" + peer
+
+
+@dataclass
+class _Call:
+    """One admitted call's hold: what it took, and whether it has ended."""
+
+    units: int
+    client: str | None
+    ended: bool = False
 
 
 class Admission:
@@ -85,6 +101,7 @@ class Admission:
         self.cost = cost
         self.by_client: dict[str, int] = {}
         self.refused_share = 0  # calls refused by a client's share (the rest: the limit)
+        self.parked_units = 0  # lent back by calls waiting without work (at most ``limit``)
 
     @property
     def shares(self) -> bool:
@@ -139,16 +156,43 @@ class Admission:
                 f"{self.client_limit}); retry after {self.retry_after_ms} ms",
                 self.retry_after_ms,
             )
-        self.in_flight += units
-        if client is not None:
-            self.by_client[client] = self.by_client.get(client, 0) + units
+        self._take(units, client)
+        call = _Call(units, client)
+        try:
+            with parking(lambda: self.parked(call)):
+                yield
+        finally:
+            call.ended = True
+            self._give(units, client)
+
+    @contextlib.contextmanager
+    def parked(self, call: _Call) -> Iterator[None]:
+        """An admitted ``call``'s units lent back while it waits without working, and
+        taken again (never refused: the call was admitted) when it goes on. Kept when
+        lending them would park more than ``limit`` units (past that, waiting calls count
+        again, and the server refuses as before), and for a call that has ended (a
+        context that outlived it)."""
+        if call.ended or not self.limit or self.parked_units + call.units > self.limit:
+            yield
+            return
+        self._give(call.units, call.client)
+        self.parked_units += call.units
         try:
             yield
         finally:
-            self.in_flight -= units
-            if client is not None:
-                left = self.by_client[client] - units
-                if left:
-                    self.by_client[client] = left
-                else:
-                    del self.by_client[client]
+            self.parked_units -= call.units
+            self._take(call.units, call.client)
+
+    def _take(self, units: int, client: str | None) -> None:
+        self.in_flight += units
+        if client is not None:
+            self.by_client[client] = self.by_client.get(client, 0) + units
+
+    def _give(self, units: int, client: str | None) -> None:
+        self.in_flight -= units
+        if client is not None:
+            left = self.by_client[client] - units
+            if left:
+                self.by_client[client] = left
+            else:
+                del self.by_client[client]

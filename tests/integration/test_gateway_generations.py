@@ -431,6 +431,55 @@ def test_a_write_whose_gate_stays_closed_is_unavailable_at_its_deadline_and_writ
     assert not world.client.exists(layout.version("never-written"))
 
 
+def test_writes_paused_at_closed_gates_leave_the_searches_their_room(world: World) -> None:
+    """Issue #33: in a bench switch the writes paused at the closed writer gates (21/s over
+    ~1.2 s) held 24 of the gateway's 32 admission units and its searches were refused
+    RESOURCE_EXHAUSTED. A paused write lends its units back (services/common/parking.py):
+    with as many writes paused as the limit, another client's searches are all answered,
+    and the writes are all acknowledged once the gates open. (Without the lending each
+    search is refused: the writes hold the whole limit.)"""
+    serving = world.registry.alias().serving
+    layout = G1.layout if serving == "g1" else G2.layout
+    settings = gateway_settings(world.url, world.g1_shards, 100).model_copy(
+        update={"max_in_flight": 8, "client_share": 1.0}  # the limit alone, no share
+    )
+    gateway = GatewayThread(settings)
+    searcher = grpc.insecure_channel(f"127.0.0.1:{gateway.gateway.port}")  # another client
+    moved = "gateway_generation_moved_writes_total"
+    world.registry.set_gates(layout, CLOSED)
+    writes: list[Any] = []
+    try:
+        for n in range(8):
+            doc = documents_pb2.Document(id=f"paused-{n}", text=f"Paused write number {n}.")
+            seen = gateway.metric(moved) or 0.0
+            writes.append(
+                gateway.docs.Upsert.future(documents_pb2.UpsertRequest(documents=[doc]), timeout=60)
+            )
+
+            # its first attempt and one more retry of any write: staggered, so that their
+            # retries (each holds its unit again for a moment) do not all fall together
+            def retried(seen: float = seen) -> bool:
+                return (gateway.metric(moved) or 0.0) - seen >= 2
+
+            wait_until(retried, f"write {n} paused at the closed gate", 30)
+        stub = search_pb2_grpc.SearchServiceStub(searcher)
+        answered = [
+            stub.Search(search_pb2.SearchRequest(query="glaciers", k=5), timeout=30)
+            for _ in range(10)
+        ]
+        assert all(w.running() for w in writes), "a write ended while the gates were closed"
+    finally:
+        world.registry.set_gates(layout, serving)
+        try:
+            for write in writes:
+                write.result(60)
+        finally:
+            searcher.close()
+            gateway.close()
+    assert len(answered) == 10 and all(a.generation == serving for a in answered)
+    assert all(world.client.exists(layout.doc(f"paused-{n}")) for n in range(8))
+
+
 def test_a_gateway_without_shards_takes_the_base_count_and_g1_from_the_store(
     world: World,
 ) -> None:

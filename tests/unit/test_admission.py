@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.common.parking import parked
 from services.rpc.admission import Admission, AdmissionRefused, client_key
 
 
@@ -87,3 +88,51 @@ def test_only_a_share_below_the_limit_needs_the_client_named() -> None:
     assert Admission(limit=8, client_share=0.5).shares
     assert not Admission(limit=8, client_share=1.0).shares  # internal servers
     assert not Admission(limit=0, client_share=0.5).shares  # no limit
+
+
+def test_a_call_waiting_without_work_lends_its_units_back_and_takes_them_again() -> None:
+    """A write paused at a closed writer gate (issue #33: a switch's paused writes held 24
+    of 32 units and every search was refused): while it is parked, another client's and
+    its own client's calls are admitted; once it goes on it holds its units again, even
+    past the limit (it was admitted), and nothing leaks."""
+    admission = Admission(limit=8, high_water=1.0, client_share=0.5)  # share 4
+    with contextlib.ExitStack() as writes:  # without parking: the limit is reached
+        for _ in range(8):
+            writes.enter_context(admission.admit(client="writer"))
+        with pytest.raises(AdmissionRefused, match="limit 8"):
+            with admission.admit(client="reader"):
+                pass
+    admission = Admission(limit=8, high_water=0.75, client_share=0.5)
+    with contextlib.ExitStack() as calls:
+        parks = contextlib.ExitStack()
+        for _ in range(8):
+            calls.enter_context(admission.admit(client="writer"))
+            parks.enter_context(parked())  # the innermost admitted call parks
+        assert (admission.in_flight, admission.parked_units) == (0, 8)
+        with admission.admit(client="reader"), admission.admit(client="reader"):
+            assert admission.in_flight == 2
+        with admission.admit(client="writer"):  # its own next search is not over its share
+            pass
+        with admission.admit(client="reader"):
+            parks.close()  # the writes go on: their units back, past the limit
+            assert admission.in_flight == 9 and admission.parked_units == 0
+    assert admission.in_flight == 0 and admission.by_client == {}
+
+
+def test_past_a_limits_worth_of_parked_units_a_waiting_call_keeps_its_place() -> None:
+    admission = Admission(limit=4, high_water=1.0, client_share=1.0)
+    with contextlib.ExitStack() as calls:
+        for _ in range(4):
+            calls.enter_context(admission.admit(client="w"))
+            calls.enter_context(parked())
+        assert (admission.in_flight, admission.parked_units) == (0, 4)
+        calls.enter_context(admission.admit(client="w"))
+        calls.enter_context(parked())  # a fifth: no room to park, it counts
+        assert (admission.in_flight, admission.parked_units) == (1, 4)
+    assert (admission.in_flight, admission.parked_units) == (0, 0)
+
+
+def test_parked_outside_an_admitted_call_does_nothing() -> None:
+    admission = Admission(limit=4)
+    with parked():
+        assert admission.in_flight == 0 and admission.parked_units == 0
