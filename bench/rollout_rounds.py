@@ -28,7 +28,8 @@ p99, its count and ``slow``: how many took over 1.5x the p99 before (the pooled 
 slow searches' gateway stages and ``outside`` the gateway's handler, against
 ``stages_before_ms`` (every search before), and ``slow_on_target``: how many of them the
 round's new generation answered (in the switch: its first searches) and
-``slow_from_switch_ms``, when each began from the first search the target answered.
+``slow_from_switch_ms``, when each began from the first search the target answered
+(``slow_wall_s``: on the wall clock, to lay over a probe's timeline).
 ``failures``: each failed search's status, detail, round and phase. ``redis_over_1ms``:
 what Redis's SLOWLOG caught over 1 ms during the rounds and outside them
 (:mod:`bench.redis_stalls`: a command running holds every other client). ``--up-log``
@@ -119,6 +120,7 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
     lengths: dict[str, list[float]] = {name: [] for name in SEGMENTS}
     targets: dict[int, str] = {}  # id(search) → its round's target
     switched: dict[int, float] = {}  # id(search) → when its round's target answered first
+    walls: dict[int, float] = {}  # id(search) → its start, wall clock (UNIX s)
     for one in rounds:
         target = one["names"].get("target")
         first = min(
@@ -136,6 +138,7 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
             pooled[name] += mine
             targets.update((id(s), target) for s in mine)
             switched.update((id(s), first) for s in mine)
+            walls.update((id(s), one["wall"][0] + s.start - one["start"]) for s in mine)
     out: dict[str, Any] = {}
     for name in SEGMENTS:
         latencies = [s.latency for s in pooled[name]]
@@ -151,6 +154,8 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
             # each slow search's start from the first search its round's target answered
             # (the gateway's switch; negative: before it)
             "slow_from_switch_ms": sorted(round(1e3 * (s.start - switched[id(s)])) for s in slow),
+            # ... and on the wall clock (UNIX s), to lay over a probe's timeline
+            "slow_wall_s": sorted(round(walls[id(s)], 3) for s in slow),
             "mean_s": round(float(np.mean(lengths[name])), 2) if lengths[name] else None,
         }
     return out
