@@ -7,6 +7,7 @@ shard (whichever gRPC picks)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.errors import RetrievalError
@@ -32,9 +33,11 @@ def parse_addresses(spec: str) -> list[list[str]]:
 
 
 async def replica_stats(
-    address: str, tls: ClientTLS | None = None, timeout: float = 5.0
+    address: str, tls: ClientTLS | None = None, timeout: float = 5.0, applied_at_least: str = ""
 ) -> ReplicaStats:
-    """One replica's Stats; Unavailable (or the mapped error) when it does not answer."""
+    """One replica's Stats; Unavailable (or the mapped error) when it does not answer.
+    ``applied_at_least``: once it has applied that log position (DeadlineExceeded when
+    ``timeout`` comes first)."""
     import grpc
 
     from retrieval.v1 import index_pb2, index_pb2_grpc
@@ -42,7 +45,7 @@ async def replica_stats(
     async with aio_channel(address, tls) as channel:
         try:
             reply = await index_pb2_grpc.IndexShardServiceStub(channel).Stats(
-                index_pb2.ShardStatsRequest(), timeout=timeout
+                index_pb2.ShardStatsRequest(applied_at_least=applied_at_least), timeout=timeout
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, f"shard replica {address}") from exc
@@ -58,18 +61,26 @@ async def replica_stats(
 
 
 async def all_stats(
-    spec: str, tls: ClientTLS | None = None, timeout: float = 5.0
+    spec: str,
+    tls: ClientTLS | None = None,
+    timeout: float = 5.0,
+    applied_at_least: Sequence[str] = (),
 ) -> list[list[ReplicaStats | RetrievalError]]:
-    """Per shard, per replica of ``spec``: its Stats, or the error asking gave."""
+    """Per shard, per replica of ``spec``: its Stats, or the error asking gave;
+    ``applied_at_least`` (per shard, by index): each replica's once it has applied its
+    shard's position (:func:`replica_stats`)."""
 
-    async def one(address: str) -> ReplicaStats | RetrievalError:
+    async def one(address: str, at_least: str) -> ReplicaStats | RetrievalError:
         try:
-            return await replica_stats(address, tls, timeout)
+            return await replica_stats(address, tls, timeout, at_least)
         except RetrievalError as exc:
             return exc
 
     shards = parse_addresses(spec)
-    flat = await asyncio.gather(*(one(a) for replicas in shards for a in replicas))
+    wanted = list(applied_at_least) + [""] * (len(shards) - len(applied_at_least))
+    flat = await asyncio.gather(
+        *(one(a, wanted[s]) for s, replicas in enumerate(shards) for a in replicas)
+    )
     out: list[list[ReplicaStats | RetrievalError]] = []
     n = 0
     for replicas in shards:

@@ -16,7 +16,9 @@ from services.generations.context import RolloutContext
 from services.generations.registry import Generation
 from services.generations.replicas import all_stats, parse_addresses
 
-# the first pause between two polls of T's replicas with the writes closed
+# With the writes closed: how long one ask of T's replicas waits for them to apply the
+# tails, and the first pause before asking again (a replica that did not answer)
+CLOSED_WAIT_S = 1.0
 CLOSED_POLL_S = 0.01
 
 
@@ -45,40 +47,48 @@ async def replicas_ready(
 
 async def target_applied(ctx: RolloutContext, target: Generation, tails: dict[int, str]) -> bool:
     """True once every replica of T's shards applied ``tails`` (or, without waiting for
-    shards, at once). Asked with the writes closed: the replicas apply a tail within
-    milliseconds of its append (their reads block on the log), so the polls start at
-    :data:`CLOSED_POLL_S` and double to 0.2 s; every write waits for the switch meanwhile,
-    and a first poll 0.2 s out held them (and their clients' admission share) for it."""
+    shards, at once). Asked with the writes closed, when every write waits for the switch
+    (and, paused, lends its admission units back): each replica is asked to answer once it
+    has applied its shard's tail (``Stats`` with ``applied_at_least``), which it makes
+    searchable at once rather than at its next text-index refresh (up to 250 ms later;
+    a Stats poll every 10-200 ms waited for that refresh). A replica that does not answer
+    in :data:`CLOSED_WAIT_S` is asked again, until ``shard_wait_s``."""
     if not ctx.options.wait_for_shards:
         return True
     deadline = time.monotonic() + ctx.options.shard_wait_s
     pause = CLOSED_POLL_S
-    while time.monotonic() < deadline:
-        if await all_applied(ctx, target, tails):
+    while (left := deadline - time.monotonic()) > 0:
+        if await all_applied(ctx, target, tails, wait_s=min(CLOSED_WAIT_S, left)):
             return True
-        await asyncio.sleep(pause)
+        await asyncio.sleep(pause)  # a replica down or restarting: not a busy loop
         pause = min(2 * pause, 0.2)
     return False
 
 
-async def all_applied(ctx: RolloutContext, target: Generation, tails: dict[int, str]) -> bool:
-    """Whether every replica of T's shards (by their recorded addresses) applied ``tails``."""
+async def all_applied(
+    ctx: RolloutContext, target: Generation, tails: dict[int, str], wait_s: float = 0.0
+) -> bool:
+    """Whether every replica of T's shards (by their recorded addresses) applied ``tails``;
+    ``wait_s`` > 0: each replica answers once it has (or DEADLINE_EXCEEDED after that)."""
     spec = ctx.registry.addresses(target.name)
     if not spec:
         return False
-    applied = await _applied(ctx, spec)
+    applied = await _applied(ctx, spec, tails if wait_s > 0 else {}, wait_s)
     return len(applied) == len(tails) and all(
         replicas and all(p is not None and positions.at_least(p, tails[s]) for p in replicas)
         for s, replicas in enumerate(applied)
     )
 
 
-async def _applied(ctx: RolloutContext, spec: str) -> list[list[str | None]]:
+async def _applied(
+    ctx: RolloutContext, spec: str, tails: dict[int, str], wait_s: float
+) -> list[list[str | None]]:
     if ctx.wiring.applied is not None:
         return await ctx.wiring.applied(spec)
     out: list[list[str | None]] = []
     shards = parse_addresses(spec)
-    stats = await all_stats(spec, ctx.wiring.shard_tls)
+    wanted = [tails.get(s, "") for s in range(len(shards))]
+    stats = await all_stats(spec, ctx.wiring.shard_tls, wait_s or 5.0, wanted)
     for addresses, replicas in zip(shards, stats, strict=True):
         for address, r in zip(addresses, replicas, strict=True):
             if isinstance(r, Unavailable):

@@ -18,6 +18,7 @@ import pytest
 
 from retrieval.v1 import common_pb2, index_pb2, index_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.positions import compare
 from services.generations.registry import EncoderSpec, Registry
 from services.index import convert
 from services.index.client.export import export_vectors
@@ -160,6 +161,65 @@ def test_a_g2_shard_applies_new_writes_of_its_generation(store: Store) -> None:
         )
     assert convert.answer_from_pb(reply).top.hits()[0][0][0] == "late"
     store.vectors["late"] = unit(1, 5)[0]
+
+
+def test_stats_asked_for_a_position_answers_once_it_is_searchable_in_both_indexes(
+    store: Store,
+) -> None:
+    """``Stats`` with ``applied_at_least`` (what a rollout's switch waits for with the writes
+    closed): the replica answers once it applied the position, its text searchable, and
+    makes it so at once: this replica refreshes its text index only every 600 s, so an
+    answer that waited for the refresh would be the server's DEADLINE_EXCEEDED. A
+    position it never reaches is the server's DEADLINE_EXCEEDED (naming what it applied)
+    within the call's deadline; a malformed one INVALID_ARGUMENT."""
+    shard = start_shard(
+        index_dir=store.index_dir,
+        redis_url=store.url,
+        shard=0,
+        shards=3,
+        work_dir=store.work,
+        replica="g2-shard-0-slow-refresh",
+        settings={"generation": "g2", "text-refresh-s": "600"},
+    )
+    try:
+        doc_id = next(f"refresh-{n}" for n in range(100) if G2.layout.shard(f"refresh-{n}") == 0)
+
+        async def write() -> dict[int, str]:
+            writer = ChangeLogWriter.connect(store.url, BASE, dim=DIM, keys=G2)
+            try:
+                text = "quokkas sunbathe beside the lighthouse"
+                return await writer.upsert([DocRecord(doc_id, unit(1, 11)[0], text=text)])
+            finally:
+                await writer.close()
+
+        token = asyncio.run(write())
+        channel, shard_stub = stub(shard.address)
+        with channel:
+            stats = shard_stub.Stats(
+                index_pb2.ShardStatsRequest(applied_at_least=token[0]), timeout=10
+            )
+            assert compare(stats.applied_position, token[0]) >= 0
+            reply = shard_stub.Search(
+                index_pb2.ShardSearchRequest(shard=0, texts=["quokkas lighthouse"], sparse_k=3),
+                timeout=10,
+            )
+            sparse = convert.answer_from_pb(reply).sparse
+            assert sparse is not None and doc_id in sparse.ids
+            store.vectors[doc_id] = unit(1, 11)[0]
+
+            ms = int(token[0].split("-")[0])
+            with pytest.raises(grpc.RpcError) as late:
+                shard_stub.Stats(
+                    index_pb2.ShardStatsRequest(applied_at_least=f"{ms + 3_600_000}-0"),
+                    timeout=1.0,
+                )
+            assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "not yet" in (late.value.details() or "")  # the server's, not the client's
+            with pytest.raises(grpc.RpcError) as bad:
+                shard_stub.Stats(index_pb2.ShardStatsRequest(applied_at_least="soon"), timeout=5)
+            assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        shard.stop()
 
 
 def test_export_vectors_streams_what_the_replica_holds(store: Store) -> None:

@@ -11,6 +11,8 @@ import numpy as np
 
 from retrieval.v1 import index_pb2, index_pb2_grpc
 from services.common.errors import RetrievalError
+from services.common.parking import parked
+from services.common.positions import Position
 from services.index import convert
 from services.index.server.service import ShardService
 from services.rpc.admission import Admission
@@ -18,6 +20,10 @@ from services.rpc.status import status_number
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
+
+# A Stats call that waits for a position stops waiting this long (at most a tenth of its
+# time) before its deadline: its DEADLINE_EXCEEDED names what the replica applied.
+ANSWER_RESERVE_S = 0.05
 
 
 # The span of one search that came as a message of a SearchStream (the stream itself, a
@@ -145,6 +151,13 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
     async def Stats(
         self, request: index_pb2.ShardStatsRequest, context: grpc.aio.ServicerContext
     ) -> index_pb2.ShardStats:
+        if request.applied_at_least:  # a waiting call does no work: its unit lent back
+            wanted = Position.parse(request.applied_at_least)
+            left = context.time_remaining()
+            # ...and ends before the caller's deadline, so that the caller reads why
+            wait = None if left is None else max(0.0, left - min(ANSWER_RESERVE_S, left / 10))
+            with parked():
+                await self._service.replica.wait_for(wanted, wait)
         return convert.stats_to_pb(self._service.replica_stats())
 
     async def Snapshot(

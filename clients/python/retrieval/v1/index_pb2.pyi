@@ -315,12 +315,21 @@ Global___ShardStreamResponse: _TypeAlias = ShardStreamResponse  # noqa: Y015
 class ShardStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    APPLIED_AT_LEAST_FIELD_NUMBER: _builtins.int
+    applied_at_least: _builtins.str
+    """Empty: answer at once. A log position ("<ms>-<seq>"): answer once this replica has
+    applied it, searchable in both indexes (the text index refreshed at once rather than
+    at its next --text-refresh-s); DEADLINE_EXCEEDED when the call's deadline comes first.
+    What a rollout's switch waits for with the writes closed.
+    """
     def __init__(
         self,
+        *,
+        applied_at_least: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_at_least", b"applied_at_least"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

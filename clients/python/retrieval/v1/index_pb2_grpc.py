@@ -105,7 +105,8 @@ class IndexShardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Sizes, positions and quantizer health of this replica.
+        """Sizes, positions and quantizer health of this replica; with
+        ShardStatsRequest.applied_at_least, once it has applied that position.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

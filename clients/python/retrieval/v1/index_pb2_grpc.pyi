@@ -52,7 +52,9 @@ class IndexShardServiceStub:
     caller can do the coarse assignment once for all shards (ShardSearchRequest.probes).
     """
     Stats: _grpc.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]
-    """Sizes, positions and quantizer health of this replica."""
+    """Sizes, positions and quantizer health of this replica; with
+    ShardStatsRequest.applied_at_least, once it has applied that position.
+    """
     Snapshot: _grpc.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]
     """Write a snapshot now (temp file, fsync, rename) and report its position. The replica
     first applies its log up to the end read at the call, so the snapshot covers every
@@ -98,7 +100,9 @@ class IndexShardServiceAsyncStub(IndexShardServiceStub):
     caller can do the coarse assignment once for all shards (ShardSearchRequest.probes).
     """
     Stats: _aio.UnaryUnaryMultiCallable[_index_pb2.ShardStatsRequest, _index_pb2.ShardStats]  # type: ignore[assignment]
-    """Sizes, positions and quantizer health of this replica."""
+    """Sizes, positions and quantizer health of this replica; with
+    ShardStatsRequest.applied_at_least, once it has applied that position.
+    """
     Snapshot: _aio.UnaryUnaryMultiCallable[_index_pb2.SnapshotRequest, _index_pb2.SnapshotResponse]  # type: ignore[assignment]
     """Write a snapshot now (temp file, fsync, rename) and report its position. The replica
     first applies its log up to the end read at the call, so the snapshot covers every
@@ -165,7 +169,9 @@ class IndexShardServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _index_pb2.ShardStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_index_pb2.ShardStats, _abc.Awaitable[_index_pb2.ShardStats]]:
-        """Sizes, positions and quantizer health of this replica."""
+        """Sizes, positions and quantizer health of this replica; with
+        ShardStatsRequest.applied_at_least, once it has applied that position.
+        """
 
     @_abc_1.abstractmethod
     def Snapshot(
