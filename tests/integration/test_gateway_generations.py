@@ -121,7 +121,26 @@ class GatewayThread:
 
     def close(self) -> None:
         self.channel.close()
-        self._run(self.gateway.close(0), 60)
+        try:
+            self._run(self.gateway.close(0), 60)
+        except TimeoutError:
+            raise AssertionError(f"the gateway did not close in 60 s: {self._pending()}") from None
+
+    def _pending(self) -> str:
+        """The loop's unfinished tasks and where each waits (what a hung close waits for)."""
+
+        async def stacks() -> list[str]:
+            out = []
+            for task in asyncio.all_tasks():
+                frames = task.get_stack(limit=4)
+                where = " < ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in frames)
+                out.append(f"{task.get_name()} [{task.get_coro()}] at {where}")
+            return out
+
+        try:
+            return "; ".join(asyncio.run_coroutine_threadsafe(stacks(), self.loop).result(10))
+        except TimeoutError:
+            return "its loop does not turn (a call blocks it)"
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()
