@@ -61,6 +61,7 @@ class _Call:
     units: int
     client: str | None
     ended: bool = False
+    parked: bool = False  # its units lent back now (a nested wait lends nothing more)
 
 
 class Admission:
@@ -172,14 +173,17 @@ class Admission:
         lending them would park more than ``limit`` units (past that, waiting calls count
         again, and the server refuses as before), and for a call that has ended (a
         context that outlived it)."""
-        if call.ended or not self.limit or self.parked_units + call.units > self.limit:
+        room = self.parked_units + call.units <= self.limit
+        if call.ended or call.parked or not self.limit or not room:
             yield
             return
         self._give(call.units, call.client)
         self.parked_units += call.units
+        call.parked = True
         try:
             yield
         finally:
+            call.parked = False
             self.parked_units -= call.units
             self._take(call.units, call.client)
 

@@ -136,3 +136,12 @@ def test_parked_outside_an_admitted_call_does_nothing() -> None:
     admission = Admission(limit=4)
     with parked():
         assert admission.in_flight == 0 and admission.parked_units == 0
+
+
+def test_a_wait_inside_a_wait_lends_the_units_once() -> None:
+    admission = Admission(limit=4)
+    with admission.admit(client="w"), parked():
+        with parked():
+            assert (admission.in_flight, admission.parked_units) == (0, 1)
+        assert (admission.in_flight, admission.parked_units) == (0, 1)
+    assert (admission.in_flight, admission.parked_units) == (0, 0)

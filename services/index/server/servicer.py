@@ -153,9 +153,11 @@ class ShardServicer(index_pb2_grpc.IndexShardServiceServicer):
     ) -> index_pb2.ShardStats:
         if request.applied_at_least:  # a waiting call does no work: its unit lent back
             wanted = Position.parse(request.applied_at_least)
+            # a call without a deadline waits as long as a search without one would
             left = context.time_remaining()
+            left = self._service.default_timeout_s if left is None else left
             # ...and ends before the caller's deadline, so that the caller reads why
-            wait = None if left is None else max(0.0, left - min(ANSWER_RESERVE_S, left / 10))
+            wait = max(0.0, left - min(ANSWER_RESERVE_S, left / 10))
             with parked():
                 await self._service.replica.wait_for(wanted, wait)
         return convert.stats_to_pb(self._service.replica_stats())
