@@ -84,6 +84,16 @@ def test_weigh_yields_the_wanted_session_leaders_only_and_restores_the_rest(
     assert priority.group_nice(leader.pid) == 0
 
 
+def _await_running(pinned: list[subprocess.Popen[bytes]], cpu_s: float = 0.05) -> None:
+    """Until each process has had ``cpu_s`` of CPU: a new session's first quarter second
+    can go wholly to the other one (measured: 0 of 0.24 s once in 12 starts), which
+    says nothing about the weights once both run."""
+    deadline = time.monotonic() + 10
+    while any((cpu_sets.cpu_seconds(p.pid) or 0.0) < cpu_s for p in pinned):
+        assert time.monotonic() < deadline, "a pinned process never ran"
+        time.sleep(0.01)
+
+
 def _cpu_shares(pinned: list[subprocess.Popen[bytes]], seconds: float) -> list[float]:
     before = [cpu_sets.cpu_seconds(p.pid) or 0.0 for p in pinned]
     time.sleep(seconds)  # a measurement window, not a wait for a condition
@@ -104,6 +114,7 @@ def test_a_yielding_session_gets_almost_none_of_a_cpu_a_busy_session_wants(
     for child in (serving, rollout):
         cpu_sets.pin_process(child.pid, {cpu})
     os.setpriority(os.PRIO_PROCESS, rollout.pid, 19)  # the thread's nice only
+    _await_running([serving, rollout])
     shares = _cpu_shares([serving, rollout], 1.0)
     assert shares[1] > 0.3, shares
     deadline = time.monotonic() + 5
