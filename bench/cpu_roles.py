@@ -18,6 +18,7 @@ load: a figure read beside one is not a quiet machine's).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -110,7 +111,7 @@ def sample(root: int) -> dict[str, float]:
     return out
 
 
-def _sample_loop(root: int, stop: Any, out: Any) -> None:
+def _sample_loop(root: int, stop: Any, out: Any, every_s: float = EVERY_S) -> None:
     """Sample until ``stop`` is set or the parent is gone. SIGINT and SIGTERM are the
     parent's to handle: `timeout` signals the whole process group, and a sampler killed
     while it waits on ``stop`` left the parent's ``stop.set()`` waiting for it forever
@@ -123,7 +124,7 @@ def _sample_loop(root: int, stop: Any, out: Any) -> None:
     samples: list[tuple[float, dict[str, float]]] = []
     while not stop.is_set() and os.getppid() == parent:
         samples.append((time.monotonic(), sample(root)))  # CLOCK_MONOTONIC: every process's
-        stop.wait(EVERY_S)
+        stop.wait(every_s)
     out.put(samples)
 
 
@@ -138,6 +139,29 @@ def cores(
     (t0, first), (t1, last) = inside[0], inside[-1]
     used = {key: max(0.0, last[key] - first.get(key, 0.0)) / (t1 - t0) for key in sorted(last)}
     return {key: round(value, 3) for key, value in with_other(used).items()}
+
+
+def _at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str, float] | None:
+    """Each role's CPU seconds at ``t``, linear between the samples either side; None
+    outside the samples."""
+    for (t0, a), (t1, b) in itertools.pairwise(samples):
+        if t0 <= t <= t1:
+            w = (t - t0) / (t1 - t0) if t1 > t0 else 0.0
+            return {k: a.get(k, 0.0) + w * (b[k] - a.get(k, 0.0)) for k in b}
+    return None
+
+
+def seconds_used(
+    samples: list[tuple[float, dict[str, float]]], start: float, end: float
+) -> dict[str, float]:
+    """CPU seconds by role from ``start`` to ``end`` (monotonic seconds), each end read
+    between the samples around it, so a window shorter than the sampling interval still
+    gets its share (the rounds' segments, summed over rounds): {} outside the samples;
+    a role whose CPU went down (a process ended) counts 0."""
+    first, last = _at(samples, start), _at(samples, end)
+    if first is None or last is None:
+        return {}
+    return {k: max(0.0, v - first.get(k, 0.0)) for k, v in last.items()}
 
 
 MACHINE_KEYS = ("machine", "steal")  # not processes: the whole machine's figures
@@ -182,13 +206,13 @@ def timeline(
 class RoleCpu:
     """``with RoleCpu(os.getpid()) as cpu: ...`` then ``cpu.cores(start, end)``."""
 
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, every_s: float = EVERY_S) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
         self._out: Any = ctx.Queue()
-        self._proc = ctx.Process(target=_sample_loop, args=(root, self._stop, self._out))
+        self._proc = ctx.Process(target=_sample_loop, args=(root, self._stop, self._out, every_s))
         self.samples: list[tuple[float, dict[str, float]]] = []
 
     def __enter__(self) -> RoleCpu:

@@ -32,7 +32,11 @@ round's new generation answered (in the switch: its first searches) and
 (``slow_wall_s``: on the wall clock, to lay over a probe's timeline).
 ``failures``: each failed search's status, detail, round and phase. ``redis_over_1ms``:
 what Redis's SLOWLOG caught over 1 ms during the rounds and outside them
-(:mod:`bench.redis_stalls`: a command running holds every other client). ``--up-log``
+(:mod:`bench.redis_stalls`: a command running holds every other client). ``cores``: the
+cores each process role used (:mod:`bench.cpu_roles`, sampled every half second; the
+rounds' generations named ``shards source``/``shards target``), the machine's busy cores
+and the hypervisor's ``steal``, in the window before, the gaps between and each segment:
+a slow hour of this VM and a change's own cost told apart. ``--up-log``
 keeps the stack's output (its CPU placement lines).
 
 Each round's acknowledged writes after its P0 are checked in its new generation, as
@@ -56,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import redis_stalls
+from bench import cpu_roles, redis_stalls
 from bench.output import save
 from bench.p99_interval import p99_ratio_interval
 from bench.rollout import (
@@ -109,6 +113,7 @@ def _round(stack: Any, cli_budget: list[str], run_dir: Path, log: Path) -> dict[
 # starting (imports, the lock, P0), the export and the training, the catch-up until the
 # target's shards published their addresses (their start), the catch-up after, the switch.
 SEGMENTS = ("start", "train", "catch_up", "published", "switch")
+CPU_EVERY_S = 0.5  # the role sampler's interval (~3.5 ms of CPU a sample here)
 
 
 def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float) -> dict[str, Any]:
@@ -121,18 +126,13 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
     targets: dict[int, str] = {}  # id(search) → its round's target
     switched: dict[int, float] = {}  # id(search) → when its round's target answered first
     walls: dict[int, float] = {}  # id(search) → its start, wall clock (UNIX s)
-    for one in rounds:
-        target = one["names"].get("target")
-        first = min(
-            (s.start for s in searches if s.generation == target and s.start >= one["start"]),
-            default=one["end"],
-        )
-        marks = sorted(
-            [(one["start"], "start")]
-            + [(t, k) for k, t in one["seen"].items() if k in SEGMENTS and k != "start"]
-        )
-        for n, (begin, name) in enumerate(marks):
-            stop = marks[n + 1][0] if n + 1 < len(marks) else one["end"]
+    for name, windows in segment_windows(rounds).items():
+        for begin, stop, one in windows:
+            target = one["names"].get("target")
+            first = min(
+                (s.start for s in searches if s.generation == target and s.start >= one["start"]),
+                default=one["end"],
+            )
             lengths[name].append(stop - begin)
             mine = [s for s in searches if begin <= s.start < stop and s.code == "OK"]
             pooled[name] += mine
@@ -158,6 +158,47 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
             "slow_wall_s": sorted(round(walls[id(s)], 3) for s in slow),
             "mean_s": round(float(np.mean(lengths[name])), 2) if lengths[name] else None,
         }
+    return out
+
+
+def _generic(role: str, names: dict[str, str]) -> str:
+    """A round's role named across rounds: its source's and target's shards as such."""
+    for kind in ("source", "target"):
+        if names.get(kind) and role == f"shards {names[kind]}":
+            return f"shards {kind}"
+    return "shards other" if role.startswith("shards ") else role
+
+
+def pooled_cores(windows: list[tuple[float, float, Any]], samples: list[Any]) -> Any:
+    """Cores by role over ``windows`` (start, end, the round or None) pooled:
+    CPU seconds summed over them ÷ their summed length; roles under 0.02 of a core left
+    out. None without samples over them."""
+    used: dict[str, float] = {}
+    length = 0.0
+    for start, end, one in windows:
+        names = one["names"] if one else {}
+        got = cpu_roles.seconds_used(samples, start, end)
+        if got:
+            length += end - start
+            for role, seconds in got.items():
+                used[_generic(role, names)] = used.get(_generic(role, names), 0.0) + seconds
+    if not length:
+        return None
+    cores = cpu_roles.with_other({k: v / length for k, v in used.items()})
+    return {k: round(v, 2) for k, v in sorted(cores.items(), key=lambda kv: -kv[1]) if v >= 0.02}
+
+
+def segment_windows(rounds: list[dict[str, Any]]) -> dict[str, list[tuple[float, float, Any]]]:
+    """Each segment's (start, end, round) in every round (:data:`SEGMENTS`)."""
+    out: dict[str, list[tuple[float, float, Any]]] = {name: [] for name in SEGMENTS}
+    for one in rounds:
+        marks = sorted(
+            [(one["start"], "start")]
+            + [(t, k) for k, t in one["seen"].items() if k in SEGMENTS and k != "start"]
+        )
+        for n, (begin, name) in enumerate(marks):
+            stop = marks[n + 1][0] if n + 1 < len(marks) else one["end"]
+            out[name].append((begin, stop, one))
     return out
 
 
@@ -229,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     gaps: list[tuple[float, float]] = []  # the settling windows between rounds
     stacked = loaded_stack(args, budget, "gtr-bench-rounds-", args.up_arg, args.up_log)
-    with stacked as (stack, load, tmp, run_dir):
+    cpu = cpu_roles.RoleCpu(os.getpid(), every_s=CPU_EVERY_S)
+    with cpu, stacked as (stack, load, tmp, run_dir):
         client = stack.redis()
         slowlog = redis_stalls.start(client)
 
@@ -328,6 +370,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p99_by_segment_ms": by_segment(searches, rounds, 1.5e-3 * p99_before),
         "stages_before_ms": mean_stages(before),
         "redis_over_1ms": stalls,
+        # cores by role (the machine's busy ones and the hypervisor's steal too) in the
+        # window before, the gaps between and each segment of the rounds pooled: an hour
+        # of this VM's and a change's own cost told apart
+        "cores": {
+            "before": pooled_cores([(first - args.before_s, first, None)], cpu.samples),
+            "between": pooled_cores([(a, b, None) for a, b in gaps], cpu.samples),
+            **{
+                name: pooled_cores(windows, cpu.samples)
+                for name, windows in segment_windows(rounds).items()
+            },
+        },
     }
     for r in per_round:
         print(
@@ -355,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"target, their stages {seg['slow_stages_ms']}), "
             f"{seg['mean_s']} s"
         )
+    for name, used in result["cores"].items():
+        print(f"  cores {name}: {used}")
     failed = Counter((f["code"], f["phase"]) for f in result["failures"])
     if failed:
         print(f"  failed searches by status and phase: {dict(failed)}")

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from bench import cpu_roles
+from bench.rollout_rounds import pooled_cores, segment_windows
 from tests.support.processes import wait_until
 
 
@@ -28,6 +29,54 @@ def test_a_windows_cores_are_cpu_seconds_over_wall_seconds_between_its_samples()
     }
     assert cpu_roles.cores(samples, 3.0, 9.0)["other"] == pytest.approx(8.5 / 6, abs=1e-3)
     assert cpu_roles.cores(samples, 2.0, 4.0) == {}  # one sample: no window
+
+
+def test_a_window_shorter_than_the_samples_gets_its_share_read_between_them() -> None:
+    samples = [
+        (0.0, {"gateway": 0.0, "machine": 0.0}),
+        (1.0, {"gateway": 0.4, "machine": 1.0, "shards g3": 0.5}),
+        (2.0, {"gateway": 0.6, "machine": 1.8, "shards g3": 0.3}),  # a process of it ended
+    ]
+    used = cpu_roles.seconds_used(samples, 0.25, 0.75)  # between two samples
+    assert used == {  # a role first seen at 1 counts from 0 at the sample before
+        "gateway": pytest.approx(0.2),
+        "machine": pytest.approx(0.5),
+        "shards g3": pytest.approx(0.25),
+    }
+    used = cpu_roles.seconds_used(samples, 0.5, 1.5)
+    assert used["gateway"] == pytest.approx(0.3) and used["machine"] == pytest.approx(0.9)
+    assert used["shards g3"] == pytest.approx(0.15)
+    assert cpu_roles.seconds_used(samples, 1.0, 2.0)["shards g3"] == 0.0  # went down
+    assert cpu_roles.seconds_used(samples, 1.5, 2.5) == {}  # past the last sample
+
+
+def test_the_rounds_segments_pool_their_cores_with_each_rounds_generations_named() -> None:
+    samples = [
+        (float(t), {"shards g2": t * 0.5, "shards g3": t * 0.25, "machine": t * 1.0})
+        for t in range(11)
+    ]
+    rounds = [
+        {
+            "start": 1.0,
+            "end": 4.0,
+            "seen": {"train": 2.0},
+            "names": {"source": "g2", "target": "g3"},
+        },
+        {
+            "start": 6.0,
+            "end": 9.0,
+            "seen": {"train": 8.0},
+            "names": {"source": "g3", "target": "g4"},
+        },
+    ]
+    windows = segment_windows(rounds)
+    assert [(a, b) for a, b, _ in windows["train"]] == [(2.0, 4.0), (8.0, 9.0)]
+    train = pooled_cores(windows["train"], samples)
+    # 3 s in all: g2 as source 2 s at 0.5; g3 as target 2 s at 0.25, as source 1 s at 0.25
+    assert train["shards source"] == pytest.approx((1.0 + 0.25) / 3, abs=0.01)
+    assert train["shards target"] == pytest.approx(0.5 / 3, abs=0.01)
+    assert train["machine"] == 1.0
+    assert pooled_cores([(20.0, 21.0, None)], samples) is None
 
 
 def test_the_timeline_names_the_roles_that_used_a_tenth_of_a_core_in_each_bucket() -> None:
