@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
+from services.common import timeouts
 from services.common.errors import Unavailable
 from services.rpc.discovery import DnsTarget, is_dns_target, parse_dns_target, resolve
 
@@ -73,8 +74,7 @@ class Endpoint:
         raise NotImplementedError
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        await timeouts.cancel_and_wait(self._probe)  # a lost cancel kept it probing
 
     def sent(self) -> None:
         self.outstanding += 1
@@ -279,9 +279,8 @@ class EndpointPool(Generic[E]):
         return [e for e in turn if not e.suspect] + [e for e in turn if e.suspect]
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-        retiring = list(self._retiring)
+        await timeouts.cancel_and_wait(self._watcher)  # a loop: a lost cancel kept it
+        retiring = list(self._retiring)  # each closes its server as it ends: cancelled once
         for task in retiring:
             task.cancel()
         await asyncio.gather(*retiring, return_exceptions=True)

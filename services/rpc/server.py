@@ -33,7 +33,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from services.common import errors
+from services.common import errors, timeouts
 from services.rpc.admission import Admission, client_key
 from services.rpc.interceptors import HandlerInterceptor
 from services.rpc.metrics import RpcMetrics, serve_metrics
@@ -357,10 +357,9 @@ class Server:
             await self.health.set(name, status)
 
     async def stop(self, grace: float) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        # its cancel sent again until it ends: one lost inside redis-py (a Redis health
+        # check answering as the cancel came) left the loop running and this stop waiting
+        await timeouts.cancel_and_wait(self._watcher)
         await self.set_serving(False)
         for drain in self.drains:
             drain()

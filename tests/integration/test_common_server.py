@@ -155,3 +155,32 @@ def test_health_reflection_and_metrics() -> None:
     text = generate_latest(registry).decode()
     handled = 'code="OK",method="Rerank",service="test",transport="grpc"'
     assert f"grpc_server_handled_total{{{handled}}} 1.0" in text
+
+
+def test_a_stop_ends_the_health_watcher_whose_cancel_the_check_lost() -> None:
+    """The watcher's check answering in the instant the stop cancels it (a Redis ping:
+    redis-py sends under 3.11's ``asyncio.wait_for``, which then returns the answer and
+    drops the cancel): the stop sends the cancel again. Cancelled once, the watcher went
+    on checking, and the stop (a gateway's close) waited for it forever."""
+
+    async def scenario() -> None:
+        server, _ = await create_server(ServiceSettings(host="127.0.0.1", port=0), lambda _: [])
+        answers: list[asyncio.Future[bool]] = []
+        checking = asyncio.Event()
+
+        async def check() -> bool:
+            answers.append(asyncio.get_running_loop().create_future())
+            checking.set()
+            return await asyncio.wait_for(answers[-1], 10.0)  # the stdlib's, as redis-py
+
+        server.watch(check, 0.2, "a Redis-like check")
+        await checking.wait()
+        answers[-1].set_result(True)  # answered, and in the same instant ...
+        stopping = asyncio.ensure_future(server.stop(0))  # ... stopped
+        # not cancelled on the way (that would end the wait this test is about): waited for
+        done, _ = await asyncio.wait({stopping}, timeout=5.0)
+        assert done, "the stop still waits for the health watcher after 5 s"
+        health = await server.health.Check(health_pb2.HealthCheckRequest(), None)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    asyncio.run(scenario())

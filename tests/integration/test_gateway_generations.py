@@ -50,6 +50,7 @@ from services.generations.registry import EncoderSpec, Registry
 from services.index.core.ids import shard_of
 from services.index.keys import ADDRESSES_KEY, CLOSED, GenerationKeys, Layout
 from tests.encoder_fixtures import encoder_base, torch_embedder
+from tests.support import loop_dump
 from tests.support.encoders import ensure_second_encoder
 from tests.support.processes import run_redis, wait_until
 from tests.support.shards import ShardCluster, run_shards, scifact_vectors, shared_test_index
@@ -124,23 +125,9 @@ class GatewayThread:
         try:
             self._run(self.gateway.close(0), 60)
         except TimeoutError:
-            raise AssertionError(f"the gateway did not close in 60 s: {self._pending()}") from None
-
-    def _pending(self) -> str:
-        """The loop's unfinished tasks and where each waits (what a hung close waits for)."""
-
-        async def stacks() -> list[str]:
-            out = []
-            for task in asyncio.all_tasks():
-                frames = task.get_stack(limit=4)
-                where = " < ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in frames)
-                out.append(f"{task.get_name()} [{task.get_coro()}] at {where}")
-            return out
-
-        try:
-            return "; ".join(asyncio.run_coroutine_threadsafe(stacks(), self.loop).result(10))
-        except TimeoutError:
-            return "its loop does not turn (a call blocks it)"
+            raise AssertionError(
+                f"the gateway did not close in 60 s; its loop runs:\n{loop_dump.pending(self.loop)}"
+            ) from None
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import pytest
 
+from tests.support import loop_dump
 from tests.support.processes import RedisServer, run_redis
 from tests.support.rerank import rerank_in_background
 from tests.support.shards import scifact_vectors, shared_test_index
@@ -69,7 +70,13 @@ def stack_in_background(
         try:
             yield BackgroundStack(stack, loop)
         finally:
-            asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), loop).result(120)
+            closing = asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), loop)
+            try:
+                closing.result(120)
+            except TimeoutError:
+                raise AssertionError(
+                    f"the stack did not close in 120 s; its loop runs:\n{loop_dump.pending(loop)}"
+                ) from None
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)

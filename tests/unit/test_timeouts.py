@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,5 +44,56 @@ def test_the_timeout_raises_timeout_error_and_cancels_the_awaitable() -> None:
             await timeouts.wait_for(never, 0.01)
         assert never.cancelled()
         assert await timeouts.wait_for(asyncio.sleep(0, "x"), None) == "x"
+
+    asyncio.run(scenario())
+
+
+class _Loop:
+    """A background loop whose every turn waits in 3.11's own ``asyncio.wait_for``, as
+    redis-py's command sends do: :meth:`answer` completes the turn's wait (the next turn
+    begins at once), so a cancel sent in that instant is lost on Python 3.11."""
+
+    def __init__(self) -> None:
+        self.turns: list[asyncio.Future[int]] = []
+        self.waiting = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            turn: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self.turns.append(turn)
+            self.waiting.set()
+            await asyncio.wait_for(turn, 10.0)  # the stdlib's, on purpose
+
+    async def answer(self) -> None:
+        await self.waiting.wait()
+        self.waiting.clear()
+        self.turns[-1].set_result(1)
+
+
+def test_cancel_and_wait_ends_a_loop_whose_first_cancel_is_lost() -> None:
+    async def scenario() -> None:
+        loop = _Loop()
+        task = asyncio.ensure_future(loop.run())
+        await loop.answer()
+        task.cancel()  # in the instant the turn's answer came: lost on 3.11
+        await loop.waiting.wait()  # ... the loop took its next turn
+        lost = not task.done()
+        await timeouts.wait_for(timeouts.cancel_and_wait(task), 5.0)
+        assert task.cancelled()
+        if sys.version_info < (3, 12):
+            assert lost, "the scenario did not lose the cancel: it proves nothing here"
+
+    asyncio.run(scenario())
+
+
+def test_cancel_and_wait_skips_none_and_keeps_a_tasks_error_retrieved() -> None:
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(fails())
+        await asyncio.sleep(0)  # it has ended with its error
+        await timeouts.cancel_and_wait(None, task)
+        assert isinstance(task.exception(), RuntimeError)
 
     asyncio.run(scenario())
