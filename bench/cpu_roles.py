@@ -11,7 +11,10 @@ seconds, i.e. cores; a process that ended within a window loses its last second.
 Roles, from each process's command line: ``client`` (the bench's own processes),
 ``builder`` (``index rollout``), ``gateway``, ``shards <generation>``, ``triton``,
 ``stub <model>/<version>`` (a Triton Python backend stub: the serving version and a
-rollout's new one apart), ``redis``, ``up``, else the program's name; ``machine`` is the
+rollout's new one apart), ``redis``, ``up``, else the program's name. The shards that
+``up`` forks (since 2026-11-30) carry their fork server's command line: they are named
+from ``up``'s ``stack.json`` when the sampler is given it (``stack_file``), else
+``shards`` (until 2026-12-02 they were counted as ``client``). ``machine`` is the
 whole machine's busy cores and ``other`` what the rest of it used meanwhile (another job's
 load: a figure read beside one is not a quiet machine's).
 """
@@ -19,8 +22,11 @@ load: a figure read beside one is not a quiet machine's).
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -61,10 +67,14 @@ def machine_steal_s() -> float:
     return cpu[7] * TICK_S if len(cpu) > 7 else 0.0
 
 
-def role(pid: int, root: int) -> str:
-    """The role of ``pid``, a descendant of the bench's process ``root``."""
+def role(pid: int, root: int, named: dict[int, str] | None = None) -> str:
+    """The role of ``pid``, a descendant of the bench's process ``root``; ``named``: the
+    local stack's children by pid (:func:`stack_children`), which name the shards that
+    ``up`` forks (their command line is the fork server's)."""
     if pid == root:
         return "client"
+    if named and pid in named:
+        return _named_role(named[pid])
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
@@ -77,6 +87,7 @@ def role(pid: int, root: int) -> str:
         version = os.path.dirname(argv[1])
         return f"stub {os.path.basename(os.path.dirname(version))}/{os.path.basename(version)}"
     for marker, name in (
+        ("multiprocessing.forkserver", "shards"),  # up's fork server, or a shard unnamed
         (" index rollout", "builder"),
         (" gateway serve", "gateway"),
         (" up ", "up"),
@@ -90,9 +101,31 @@ def role(pid: int, root: int) -> str:
     return os.path.basename(argv[0]).split(" ")[0]  # redis-server rewrites its argv
 
 
-def sample(root: int) -> dict[str, float]:
+def _named_role(name: str) -> str:
+    """A stack child's role from its name: ``g3-shard-0-replica-0`` is ``shards g3``,
+    ``shard-0-replica-0`` (the first generation's) ``shards g1``, others their name."""
+    match = re.fullmatch(r"(?:(g\d+)-)?shard-\d+-replica-\d+", name)
+    if match:
+        return f"shards {match.group(1) or 'g1'}"
+    return name
+
+
+def stack_children(stack_file: str | None) -> dict[int, str]:
+    """The local stack's children by pid, from ``up``'s ``stack.json`` ({} without one)."""
+    if not stack_file:
+        return {}
+    try:
+        with open(stack_file, encoding="utf-8") as fh:
+            children = json.load(fh).get("children", [])
+    except (OSError, ValueError):  # not written yet, or being rewritten
+        return {}
+    return {int(c["pid"]): str(c["name"]) for c in children if c.get("pid")}
+
+
+def sample(root: int, named: dict[int, str] | None = None) -> dict[str, float]:
     """CPU seconds so far by role over ``root``'s descendants (``root`` included), the
-    machine's busy seconds as ``machine`` and the hypervisor's steal as ``steal``."""
+    machine's busy seconds as ``machine`` and the hypervisor's steal as ``steal``;
+    ``named``: the stack's children by pid (:func:`role`)."""
     parents: dict[int, tuple[int, float]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and (stat := _stat(int(name))) is not None:
@@ -105,13 +138,15 @@ def sample(root: int) -> dict[str, float]:
     while todo:
         pid = todo.pop()
         if pid in parents:
-            key = role(pid, root)
+            key = role(pid, root, named)
             out[key] = out.get(key, 0.0) + parents[pid][1]
         todo.extend(children.get(pid, []))
     return out
 
 
-def _sample_loop(root: int, stop: Any, out: Any, every_s: float = EVERY_S) -> None:
+def _sample_loop(
+    root: int, stop: Any, out: Any, every_s: float = EVERY_S, stack_file: str | None = None
+) -> None:
     """Sample until ``stop`` is set or the parent is gone. SIGINT and SIGTERM are the
     parent's to handle: `timeout` signals the whole process group, and a sampler killed
     while it waits on ``stop`` left the parent's ``stop.set()`` waiting for it forever
@@ -123,7 +158,8 @@ def _sample_loop(root: int, stop: Any, out: Any, every_s: float = EVERY_S) -> No
     parent = os.getppid()
     samples: list[tuple[float, dict[str, float]]] = []
     while not stop.is_set() and os.getppid() == parent:
-        samples.append((time.monotonic(), sample(root)))  # CLOCK_MONOTONIC: every process's
+        named = stack_children(stack_file)
+        samples.append((time.monotonic(), sample(root, named)))  # CLOCK_MONOTONIC: every process's
         stop.wait(every_s)
     out.put(samples)
 
@@ -206,7 +242,7 @@ def timeline(
 class RoleCpu:
     """``with RoleCpu(os.getpid()) as cpu: ...`` then ``cpu.cores(start, end)``."""
 
-    def __init__(self, root: int, every_s: float = EVERY_S) -> None:
+    def __init__(self, root: int, every_s: float = EVERY_S, stack_file: Path | None = None) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")

@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     *(["--redis-fsync", args.redis_fsync] if args.redis_fsync else []),
                 ],
             ) as stack,
-            RoleCpu(os.getpid()) as cpu,
+            RoleCpu(os.getpid(), stack_file=run_dir / "stack.json") as cpu,
         ):
             load = steady_load(stack, args.searches_per_s, args.writes_per_s, budget)
             marks: dict[str, float] = {}

@@ -270,8 +270,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     gaps: list[tuple[float, float]] = []  # the settling windows between rounds
     stacked = loaded_stack(args, budget, "gtr-bench-rounds-", args.up_arg, args.up_log)
-    cpu = cpu_roles.RoleCpu(os.getpid(), every_s=CPU_EVERY_S)
-    with cpu, stacked as (stack, load, tmp, run_dir):
+    with (
+        stacked as (stack, load, tmp, run_dir),
+        cpu_roles.RoleCpu(
+            os.getpid(), every_s=CPU_EVERY_S, stack_file=run_dir / "stack.json"
+        ) as cpu,
+    ):
         client = stack.redis()
         slowlog = redis_stalls.start(client)
 

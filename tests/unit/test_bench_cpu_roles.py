@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +122,26 @@ def test_the_roles_of_real_processes_come_from_their_command_lines() -> None:
 @pytest.mark.parametrize("gone", [2**22 + 7])
 def test_a_process_that_is_gone_has_no_role_worth_counting(gone: int) -> None:
     assert cpu_roles.role(gone, os.getpid()) == "gone"
+
+
+def test_a_forked_shard_is_named_from_the_stacks_children(tmp_path: Path) -> None:
+    """``up`` forks its shards from a fork server: their command line is the server's,
+    and until 2026-12-02 they were counted as the bench's ``client``."""
+    forked = "from multiprocessing.forkserver import main; import time; time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", forked])
+    stack = tmp_path / "stack.json"
+    try:
+        wait_until(lambda: cpu_roles.role(proc.pid, os.getpid()) == "shards", "its role")
+        stack.write_text(
+            json.dumps({"children": [{"name": "g3-shard-1-replica-0", "pid": proc.pid}]})
+        )
+        named = cpu_roles.stack_children(str(stack))
+        assert cpu_roles.role(proc.pid, os.getpid(), named) == "shards g3"
+        assert "shards g3" in cpu_roles.sample(os.getpid(), named)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cpu_roles.role(1, 0, {1: "shard-0-replica-0"}) == "shards g1"
+    assert cpu_roles.role(1, 0, {1: "gateway"}) == "gateway"
+    assert cpu_roles.stack_children(str(tmp_path / "none.json")) == {}
+    assert cpu_roles.stack_children(None) == {}
