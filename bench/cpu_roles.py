@@ -145,7 +145,12 @@ def sample(root: int, named: dict[int, str] | None = None) -> dict[str, float]:
 
 
 def _sample_loop(
-    root: int, stop: Any, out: Any, every_s: float = EVERY_S, stack_file: str | None = None
+    root: int,
+    stop: Any,
+    out: Any,
+    every_s: float = EVERY_S,
+    stack_file: str | None = None,
+    ready: Any = None,
 ) -> None:
     """Sample until ``stop`` is set or the parent is gone. SIGINT and SIGTERM are the
     parent's to handle: `timeout` signals the whole process group, and a sampler killed
@@ -159,7 +164,10 @@ def _sample_loop(
     samples: list[tuple[float, dict[str, float]]] = []
     while not stop.is_set() and os.getppid() == parent:
         named = stack_children(stack_file)
-        samples.append((time.monotonic(), sample(root, named)))  # CLOCK_MONOTONIC: every process's
+        # CLOCK_MONOTONIC, the clock every process of the bench reads its times on
+        samples.append((time.monotonic(), sample(root, named)))
+        if ready is not None:
+            ready.set()
         stop.wait(every_s)
     out.put(samples)
 
@@ -248,11 +256,16 @@ class RoleCpu:
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
         self._out: Any = ctx.Queue()
-        self._proc = ctx.Process(target=_sample_loop, args=(root, self._stop, self._out, every_s))
+        self._ready = ctx.Event()  # set once it has its first sample
+        stack = str(stack_file) if stack_file else None
+        args = (root, self._stop, self._out, every_s, stack, self._ready)
+        self._proc = ctx.Process(target=_sample_loop, args=args)
         self.samples: list[tuple[float, dict[str, float]]] = []
 
     def __enter__(self) -> RoleCpu:
+        """Started, with its first sample taken (a window from now on has both ends)."""
         self._proc.start()
+        self._ready.wait(30)
         return self
 
     def __exit__(self, *exc: object) -> None:
