@@ -34,7 +34,8 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any] | None, resend_s: float = 
     cancel again every ``resend_s`` to one that has not: a cancel can be lost in code
     that is not ours (redis-py sends each command under 3.11's ``asyncio.wait_for``), and
     a background loop that lost it never ends, so a close that awaits it waits forever
-    (a gateway's health watcher did, 1 close in ~3 CI runs). Each task's outcome is
+    (a server's health watcher: the likely cause of two test gateways' closes that hung
+    in CI, docs/architecture.md). Each task's outcome is
     retrieved (an error in it is not reported here); a cancellation of the caller raises.
     For loops and waits without cleanup: a task still cleaning up after the first cancel
     gets the next one too."""
