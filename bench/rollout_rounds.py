@@ -36,7 +36,8 @@ what Redis's SLOWLOG caught over 1 ms during the rounds and outside them
 cores each process role used (:mod:`bench.cpu_roles`, sampled every half second; the
 rounds' generations named ``shards source``/``shards target``), the machine's busy cores
 and the hypervisor's ``steal``, in the window before, the gaps between and each segment:
-a slow hour of this VM and a change's own cost told apart. ``--up-log``
+a slow hour of this VM and a change's own cost told apart; ``machine_speed_ms``: the
+machine's own pace before the load and after it (:mod:`bench.machine_speed`). ``--up-log``
 keeps the stack's output (its CPU placement lines).
 
 Each round's acknowledged writes after its P0 are checked in its new generation, as
@@ -60,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import cpu_roles, redis_stalls
+from bench import cpu_roles, machine_speed, redis_stalls
 from bench.output import save
 from bench.p99_interval import p99_ratio_interval
 from bench.rollout import (
@@ -294,7 +295,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"round {i + 1}: {one['end'] - one['start']:.1f} s", flush=True)
             await asyncio.sleep(3.0)  # writes to the last generation, then stop
 
+        speed = {"before": machine_speed.speed_ms()}  # the stack up, no load yet
         first = under_load(load, args.before_s, run_rounds)
+        speed["after"] = machine_speed.speed_ms()  # the load stopped
         stalls = redis_stalls.summary(
             redis_stalls.collect(client, slowlog), [r["wall"] for r in rounds]
         )
@@ -374,6 +377,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p99_by_segment_ms": by_segment(searches, rounds, 1.5e-3 * p99_before),
         "stages_before_ms": mean_stages(before),
         "redis_over_1ms": stalls,
+        # the machine's own pace before the load and after it (bench/machine_speed.py, ms
+        # for a fixed piece of work; lower is faster): which period of this VM a run is from
+        "machine_speed_ms": speed,
         # cores by role (the machine's busy ones and the hypervisor's steal too) in the
         # window before, the gaps between and each segment of the rounds pooled: an hour
         # of this VM's and a change's own cost told apart
@@ -412,6 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"target, their stages {seg['slow_stages_ms']}), "
             f"{seg['mean_s']} s"
         )
+    print(f"  machine speed (ms for a fixed piece of work, lower is faster): {speed}")
     for name, used in result["cores"].items():
         print(f"  cores {name}: {used}")
     failed = Counter((f["code"], f["phase"]) for f in result["failures"])
