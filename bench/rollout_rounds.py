@@ -127,13 +127,20 @@ def by_segment(searches: list[Any], rounds: list[dict[str, Any]], slow_s: float)
     targets: dict[int, str] = {}  # id(search) → its round's target
     switched: dict[int, float] = {}  # id(search) → when its round's target answered first
     walls: dict[int, float] = {}  # id(search) → its start, wall clock (UNIX s)
+    firsts = {  # id(round) → when its target answered first
+        id(one): min(
+            (
+                s.start
+                for s in searches
+                if s.generation == one["names"].get("target") and s.start >= one["start"]
+            ),
+            default=one["end"],
+        )
+        for one in rounds
+    }
     for name, windows in segment_windows(rounds).items():
         for begin, stop, one in windows:
-            target = one["names"].get("target")
-            first = min(
-                (s.start for s in searches if s.generation == target and s.start >= one["start"]),
-                default=one["end"],
-            )
+            target, first = one["names"].get("target"), firsts[id(one)]
             lengths[name].append(stop - begin)
             mine = [s for s in searches if begin <= s.start < stop and s.code == "OK"]
             pooled[name] += mine
@@ -182,7 +189,8 @@ def pooled_cores(windows: list[tuple[float, float, Any]], samples: list[Any]) ->
         if got:
             length += end - start
             for role, seconds in got.items():
-                used[_generic(role, names)] = used.get(_generic(role, names), 0.0) + seconds
+                key = _generic(role, names)
+                used[key] = used.get(key, 0.0) + seconds
     if not length:
         return None
     cores = cpu_roles.with_other({k: v / length for k, v in used.items()})

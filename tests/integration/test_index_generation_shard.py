@@ -171,7 +171,8 @@ def test_stats_asked_for_a_position_answers_once_it_is_searchable_in_both_indexe
     makes it so at once: this replica refreshes its text index only every 600 s, so an
     answer that waited for the refresh would be the server's DEADLINE_EXCEEDED. A
     position it never reaches is the server's DEADLINE_EXCEEDED (naming what it applied)
-    within the call's deadline; a malformed one INVALID_ARGUMENT."""
+    within the call's deadline, or the shard's default one for a call without a deadline;
+    a malformed one INVALID_ARGUMENT."""
     shard = start_shard(
         index_dir=store.index_dir,
         redis_url=store.url,
@@ -179,7 +180,8 @@ def test_stats_asked_for_a_position_answers_once_it_is_searchable_in_both_indexe
         shards=3,
         work_dir=store.work,
         replica="g2-shard-0-slow-refresh",
-        settings={"generation": "g2", "text-refresh-s": "600"},
+        # a call without a deadline gets this one (as a search without one does)
+        settings={"generation": "g2", "text-refresh-s": "600", "default-timeout-s": "1"},
     )
     try:
         doc_id = next(f"refresh-{n}" for n in range(100) if G2.layout.shard(f"refresh-{n}") == 0)
@@ -215,6 +217,15 @@ def test_stats_asked_for_a_position_answers_once_it_is_searchable_in_both_indexe
                 )
             assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             assert "not yet" in (late.value.details() or "")  # the server's, not the client's
+            # no deadline at all: the shard's default bounds the wait (it waited forever);
+            # the client sends none and only bounds how long this test waits for the answer
+            unbounded = shard_stub.Stats.future(
+                index_pb2.ShardStatsRequest(applied_at_least=f"{ms + 3_600_000}-0")
+            )
+            with pytest.raises(grpc.RpcError) as never:
+                unbounded.result(timeout=30)
+            assert never.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "not yet" in (never.value.details() or "")
             with pytest.raises(grpc.RpcError) as bad:
                 shard_stub.Stats(index_pb2.ShardStatsRequest(applied_at_least="soon"), timeout=5)
             assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from bench import cpu_roles
-from bench.rollout_rounds import pooled_cores, segment_windows
 from tests.support.processes import wait_until
 
 
@@ -50,35 +49,6 @@ def test_a_window_shorter_than_the_samples_gets_its_share_read_between_them() ->
     assert used["shards g3"] == pytest.approx(0.15)
     assert cpu_roles.seconds_used(samples, 1.0, 2.0)["shards g3"] == 0.0  # went down
     assert cpu_roles.seconds_used(samples, 1.5, 2.5) == {}  # past the last sample
-
-
-def test_the_rounds_segments_pool_their_cores_with_each_rounds_generations_named() -> None:
-    samples = [
-        (float(t), {"shards g2": t * 0.5, "shards g3": t * 0.25, "machine": t * 1.0})
-        for t in range(11)
-    ]
-    rounds = [
-        {
-            "start": 1.0,
-            "end": 4.0,
-            "seen": {"train": 2.0},
-            "names": {"source": "g2", "target": "g3"},
-        },
-        {
-            "start": 6.0,
-            "end": 9.0,
-            "seen": {"train": 8.0},
-            "names": {"source": "g3", "target": "g4"},
-        },
-    ]
-    windows = segment_windows(rounds)
-    assert [(a, b) for a, b, _ in windows["train"]] == [(2.0, 4.0), (8.0, 9.0)]
-    train = pooled_cores(windows["train"], samples)
-    # 3 s in all: g2 as source 2 s at 0.5; g3 as target 2 s at 0.25, as source 1 s at 0.25
-    assert train["shards source"] == pytest.approx((1.0 + 0.25) / 3, abs=0.01)
-    assert train["shards target"] == pytest.approx(0.5 / 3, abs=0.01)
-    assert train["machine"] == 1.0
-    assert pooled_cores([(20.0, 21.0, None)], samples) is None
 
 
 def test_the_timeline_names_the_roles_that_used_a_tenth_of_a_core_in_each_bucket() -> None:

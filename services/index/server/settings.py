@@ -62,7 +62,8 @@ class ShardSettings(RedisSettings, ClientTLSSettings):
     default_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Deadline of a search that brings none (its consistency wait included).",
+        description="Deadline of a search that brings none (its consistency wait included), "
+        "and of a Stats call's wait for a log position (applied_at_least).",
     )
     peers: str | None = Field(
         None,
