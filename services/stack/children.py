@@ -475,17 +475,22 @@ class Supervisor:
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt(first: Callable[[], None] | None = None) -> Iterator[None]:
     """Within: SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does, so the
     ``finally`` that stops the children runs. SIGTERM's default action ends a Python
     process at once, and children in sessions of their own (ours, :meth:`Child.start`)
     outlive it: a bench under ``timeout`` left its whole stack running (issue #33).
-    Outside the main thread (where no handler can be set) it does nothing."""
+    ``first`` runs in the handler before the interrupt is raised: what a thread waits on
+    is ended there (a thread cannot be interrupted, and ``asyncio.run`` waits for its
+    executor's threads before the main thread's ``finally`` can run). Outside the main
+    thread (where no handler can be set) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum: int, frame: object) -> None:
+        if first is not None:
+            first()
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, interrupt)

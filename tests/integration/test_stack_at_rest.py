@@ -8,7 +8,11 @@ in-process encoder, 400 SciFact documents), started the way the benches start it
   whatever the bearer tokens;
 - SIGTERM to the helper (a bench under ``timeout``) stops ``up`` and every child it
   recorded in ``<run-dir>/stack.json``; before, the helper died at once and the whole
-  stack, in sessions of its own, kept running.
+  stack, in sessions of its own, kept running. The helper waits, as ``bench.rollout``
+  waits for ``index rollout``, for a CLI command in a thread of ``asyncio.run`` (here
+  ``index drift-watch``, which runs until stopped): that command ends too, and at once;
+  before (2026-12-02), ``asyncio.run`` waited for the thread, the thread for the command,
+  and a bench under ``timeout`` kept its stack running until its rollout ended.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tests.support.private_files import not_private
 from tests.support.processes import redis_binary
 
 HELPER = """
-import signal, sys
+import asyncio, sys
 from pathlib import Path
 from tests.support.local_stack import local_stack
 
@@ -39,8 +43,9 @@ with local_stack(
     run_dir, log, corpus=corpus, shards=1, encoder="inprocess", extra=["--auth"], timeout=600
 ) as stack:
     print(stack.process.pid, flush=True)
-    while True:
-        signal.pause()
+    watch = ["index", "drift-watch", "--run-dir", str(run_dir), "--threshold", "1000",
+             "--window", "1h", "--interval", "3600"]
+    asyncio.run(asyncio.to_thread(stack.run_cli, *watch, timeout=3600))
 """
 
 
@@ -50,6 +55,20 @@ def _until(condition: Callable[[], bool], what: str, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.0f} s: {what}")
         time.sleep(0.05)
+
+
+def _drift_watch(run_dir: Path) -> list[int]:
+    """The pids of the ``index drift-watch`` commands running against ``run_dir``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"drift-watch" in argv and str(run_dir).encode() in argv:
+                found.append(int(entry.name))
+    return found
 
 
 @pytest.mark.slow
@@ -84,9 +103,14 @@ def test_up_keeps_its_data_private_and_a_sigterm_to_its_starter_stops_every_chil
         assert any((run_dir / "redis").rglob("*.aof")), sorted((run_dir / "redis").rglob("*"))
         assert (run_dir / "auth" / "write.tokens").exists()
         assert not_private(run_dir) == []
+        _until(lambda: bool(_drift_watch(run_dir)), "the helper's drift-watch running", 60)
+        pids += _drift_watch(run_dir)
 
         os.kill(helper.pid, signal.SIGTERM)  # as `timeout` ends a bench
-        helper.wait(120)
+        try:
+            helper.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the helper still waits for its CLI command 60 s after SIGTERM")
         _until(lambda: not any(running(p) for p in pids), f"{pids} gone after SIGTERM", 60)
         # the shard's snapshot on its way out (and the AOF's final state) as private
         assert any((run_dir / "snapshots").rglob("*.npz")), "no snapshot written at stop"

@@ -4,7 +4,8 @@ CLI commands a user runs against it (``index rollout --run-dir ...``).
 
 The stack is a child process in a session of its own; :func:`local_stack` stops it
 (SIGTERM to its process group, SIGKILL if it does not stop) however the caller ends,
-a SIGTERM to the caller included (it is turned into KeyboardInterrupt meanwhile).
+a SIGTERM to the caller included (it is turned into KeyboardInterrupt meanwhile, and the
+CLI commands running then get a SIGTERM first).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -46,6 +47,14 @@ class LocalStack:
     # the commands run_cli runs now (from any thread): stopped with the stack, so a
     # SIGTERM to a bench does not leave an `index rollout` retrying a Redis that is gone
     clis: set[subprocess.Popen[str]] = field(default_factory=set)
+
+    def end_clis(self) -> None:
+        """SIGTERM to the process group of every command :meth:`run_cli` runs now, waiting
+        for none (a signal handler's part: the threads waiting on them then return)."""
+        for cli in list(self.clis):
+            if cli.poll() is None:
+                with suppress(ProcessLookupError):
+                    os.killpg(cli.pid, signal.SIGTERM)
 
     def state(self) -> dict[str, Any]:
         return json.loads((self.run_dir / "stack.json").read_text())  # type: ignore[no-any-return]
@@ -187,8 +196,16 @@ def local_stack(
         *extra,
     ]
     log.parent.mkdir(parents=True, exist_ok=True)
-    # SIGTERM to the caller (a bench under `timeout`) stops the stack as Ctrl-C does
-    with sigterm_as_interrupt():
+    started: list[LocalStack] = []
+
+    def end_clis() -> None:
+        for stack in started:
+            stack.end_clis()
+
+    # SIGTERM to the caller (a bench under `timeout`) stops the stack as Ctrl-C does; the
+    # CLIs first: a bench waits for `index rollout` in a thread (asyncio.to_thread), and
+    # asyncio.run waits for that thread before the `finally` below can stop anything
+    with sigterm_as_interrupt(end_clis):
         with log.open("ab") as out:
             proc = subprocess.Popen(
                 [*CLI, *args],
@@ -199,6 +216,7 @@ def local_stack(
                 start_new_session=True,
             )
         stack = LocalStack(proc, run_dir, log)
+        started.append(stack)
         try:
             stack.until(
                 lambda: "[up] serving" in log.read_text(errors="replace"), "up serving", timeout
