@@ -216,20 +216,53 @@ async def _replay_entries(
                 else:
                     need.add((e, n))  # a newer version follows in the log
     await _embed_missing(embedder, parsed)
+    await asyncio.to_thread(_append_runs, appender, _runs(parsed, need))
+
+
+@dataclass
+class _Run:
+    """Consecutive entries of one op, no id twice: one append."""
+
+    op: str
+    items: list[Any]
+
+
+def _runs(parsed: list[_Entry], need: set[tuple[int, int]]) -> list[_Run]:
+    """The items of ``parsed`` in order, in runs of one op without a repeated id: each
+    run is one append (:data:`~services.generations.append.SCRIPT_ITEMS` items a script),
+    not one script per entry. Writes are mostly single-document entries, and a script a
+    document was the replay's cost: a round trip and an AOF write each, over half the
+    builder's time in a catch-up (py-spy, 2026-12-02; ``bench/catch_up_replay.py``). An id
+    seen again, or the other op, starts a new run, so the target's log keeps the source's
+    order for every document."""
+    runs: list[_Run] = []
+    ids: set[str] = set()
     for e, entry in enumerate(parsed):
+        new: list[Any]
         if entry.op == "d":
-            await asyncio.to_thread(
-                appender.deletes,
-                [DeleteItem(i, v) for i, v in zip(entry.ids, entry.versions, strict=True)],
-            )
-            continue
-        assert entry.vectors is not None
-        items = [
-            UpsertItem(doc_id, entry.versions[n], entry.vectors[n], *entry.rows[n], entry.metas[n])
-            for n, doc_id in enumerate(entry.ids)
-            if (e, n) not in need
-        ]
-        await asyncio.to_thread(appender.upserts, items)
+            new = [DeleteItem(i, v) for i, v in zip(entry.ids, entry.versions, strict=True)]
+        else:
+            assert entry.vectors is not None
+            new = [
+                UpsertItem(doc, entry.versions[n], entry.vectors[n], *entry.rows[n], entry.metas[n])
+                for n, doc in enumerate(entry.ids)
+                if (e, n) not in need
+            ]
+        named = {item.doc_id for item in new}
+        if not runs or runs[-1].op != entry.op or not ids.isdisjoint(named):
+            runs.append(_Run(entry.op, []))
+            ids = set()
+        runs[-1].items += new
+        ids |= named
+    return [run for run in runs if run.items]
+
+
+def _append_runs(appender: TargetAppender, runs: list[_Run]) -> None:
+    for run in runs:
+        if run.op == "d":
+            appender.deletes(run.items)
+        else:
+            appender.upserts(run.items)
 
 
 async def _embed_missing(embedder: Embedder, parsed: list[_Entry]) -> None:

@@ -299,6 +299,43 @@ def test_catch_up_replays_the_writes_after_p0_into_the_target(
     assert [c[1] for c in changes(store, G2) if c[0] == "d5"] == ["d"]  # only its delete
 
 
+def test_catch_up_appends_a_run_of_single_document_writes_in_one_script_in_order(
+    store: Any, tmp_path: Path, redis_url: str
+) -> None:
+    """The gateway logs most writes as one document an entry: the replay appends a run of
+    them (one op, no id twice) in one script of up to SCRIPT_ITEMS, not a script each (a
+    round trip and an AOF write a document: the catch-up's cost). An id written again, or
+    the other op, starts a new run: each document's changes keep the source's order."""
+    from services.generations.append import SCRIPT_ITEMS
+
+    ctx = _context(store, tmp_path, "p0", batch=64)
+    _run(ctx, run_p0)
+    before = sum(store.xlen(G1.log(s)) for s in range(2))
+
+    async def writes() -> None:
+        await write_async(redis_url, G1, [doc(i, "one") for i in range(100, 140)], batch=1)
+        await write_async(redis_url, G1, [doc(105, "again")], deletes=["d110"], batch=1)
+        await write_async(redis_url, G1, [doc(110, "back")], batch=1)
+
+    asyncio.run(writes())
+    written = sum(store.xlen(G1.log(s)) for s in range(2)) - before
+    assert written == 43  # one entry a write
+    ctx.save(phase="catch_up")
+    state = _run(ctx, run_catch_up)
+    assert sum(state.replayed.values()) == written
+    appended = sum(store.xlen(G2.log(s)) for s in range(2))
+    # per shard: the first 40 in runs of SCRIPT_ITEMS, then d105 again, the delete, d110 back
+    assert appended <= 2 * -(-40 // (2 * SCRIPT_ITEMS)) + 2 + 3, appended
+    logged = changes(store, G2)
+    assert [(op, v) for i, op, v in logged if i == "d105"] == [("u", 1), ("u", 2)]
+    assert [op for i, op, _ in logged if i == "d110"] == ["u", "d", "u"]
+    replayed = folded(store, G2)
+    assert set(replayed) == {f"d{i}" for i in range(100, 140)}
+    assert replayed["d105"][2] == expected(doc(105, "again"))
+    assert replayed["d110"][2] == expected(doc(110, "back"))
+    assert all(replayed[f"d{i}"][2] == expected(doc(i, "one")) for i in (100, 139))
+
+
 @pytest.mark.parametrize("factor", [4.0, None])
 def test_catch_up_replays_within_its_bound_unless_off(
     store: Any, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch, factor: Any
