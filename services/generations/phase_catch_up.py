@@ -231,7 +231,7 @@ def _runs(parsed: list[_Entry], need: set[tuple[int, int]]) -> list[_Run]:
     """The items of ``parsed`` in order, in runs of one op without a repeated id: each
     run is one append (:data:`~services.generations.append.SCRIPT_ITEMS` items a script),
     not one script per entry. Writes are mostly single-document entries, and a script a
-    document was the replay's cost: a round trip and an AOF write each, over half the
+    document was the replay's cost: a round trip and an AOF write each, a third of the
     builder's time in a catch-up (py-spy, 2026-12-02; ``bench/catch_up_replay.py``). An id
     seen again, or the other op, starts a new run, so the target's log keeps the source's
     order for every document."""
