@@ -25,7 +25,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,20 +70,12 @@ def _parsed(client: Any, source: Any) -> list[list[Any]]:
     ]
 
 
-def _time(append: Callable[[], None]) -> float:
-    started = time.perf_counter()
-    append()
-    return time.perf_counter() - started
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--entries", type=int, default=2000, help="single-document upserts")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per side")
-    parser.add_argument("--dir", default=None, help="where the AOF goes (default: .run/)")
+    parser.add_argument("--dir", type=Path, default=None, help="where the AOF goes (.run/)")
     args = parser.parse_args(argv)
-
-    from pathlib import Path
 
     from services.generations.append import TargetAppender
     from services.generations.phase_catch_up import _append_runs, _runs
@@ -92,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.stack import components
     from services.stack.config import StackConfig
 
-    base = work_dir(Path(args.dir) if args.dir else None, "bench-catch-up-replay-")
+    base = work_dir(args.dir, "bench-catch-up-replay-")
     cfg = StackConfig(run_dir=base / "run")
     child = components.redis_child(cfg)
     child.start()
@@ -111,11 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     work = [_runs([entry], set()) for parsed in shards for entry in parsed]
 
-                def append(work: list[Any] = work, appender: Any = appender) -> None:
-                    for runs in work:
-                        _append_runs(appender, runs)
-
-                seconds[side].append(_time(append))
+                started = time.perf_counter()
+                for runs in work:
+                    _append_runs(appender, runs)
+                seconds[side].append(time.perf_counter() - started)
                 logged = sum(client.xlen(target.log(s)) for s in range(SHARDS))
                 print(f"round {n + 1} {side}: {seconds[side][-1]:.2f} s, {logged} target entries")
         client.close()

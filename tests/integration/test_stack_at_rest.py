@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from services.process.cpus import running
+from services.process.cpus import children_of, cmdline, running
 from tests.support.local_stack import ROOT, cli_env, small_corpus
 from tests.support.private_files import not_private
 from tests.support.processes import redis_binary
@@ -57,18 +57,10 @@ def _until(condition: Callable[[], bool], what: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _drift_watch(run_dir: Path) -> list[int]:
-    """The pids of the ``index drift-watch`` commands running against ``run_dir``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"drift-watch" in argv and str(run_dir).encode() in argv:
-                found.append(int(entry.name))
-    return found
+def _drift_watch(helper: int) -> list[int]:
+    """The ``index drift-watch`` the helper (pid ``helper``) runs: its child whose
+    command line names it."""
+    return [pid for pid in children_of(helper) if "drift-watch" in cmdline(pid)]
 
 
 @pytest.mark.slow
@@ -103,8 +95,8 @@ def test_up_keeps_its_data_private_and_a_sigterm_to_its_starter_stops_every_chil
         assert any((run_dir / "redis").rglob("*.aof")), sorted((run_dir / "redis").rglob("*"))
         assert (run_dir / "auth" / "write.tokens").exists()
         assert not_private(run_dir) == []
-        _until(lambda: bool(_drift_watch(run_dir)), "the helper's drift-watch running", 60)
-        pids += _drift_watch(run_dir)
+        _until(lambda: bool(_drift_watch(helper.pid)), "the helper's drift-watch running", 60)
+        pids += _drift_watch(helper.pid)
 
         os.kill(helper.pid, signal.SIGTERM)  # as `timeout` ends a bench
         try:
