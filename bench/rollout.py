@@ -40,7 +40,8 @@ encoder>`` runs to its switch. Figures (human-readable lines, then one JSON line
   measured; ``writes_per_s_asked`` the load's rate), ``catch_up_entries_per_s`` (entries
   the builder replayed in its catch_up phase ÷ its seconds), ``entries_with_target_vectors``
   of ``upsert_entries_since_p0`` (the gateway's dual write; ``dual_encodes``: its
-  counter of them by outcome, encoded or failed), and ``lost_writes``: the
+  counter of them by outcome: encoded with the write, late (kept beside its entry after
+  the write, for the catch-up) or failed), and ``lost_writes``: the
   acknowledged writes after P0 whose id and version the new generation does not hold
   (``bench/rollout_writes.py``; ``writes_checked`` of them).
 

@@ -99,7 +99,7 @@ def dual_counts(client: Any, source: str, p0: dict[int, str]) -> dict[str, int]:
 
 def dual_encode_outcomes(metrics_address: str) -> dict[str, float]:
     """The gateway's ``gateway_generation_dual_encodes_total`` by outcome (encoded,
-    failed), read from its /metrics at ``host:port``; {} when it has none yet."""
+    late, failed), read from its /metrics at ``host:port``; {} when it has none yet."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families

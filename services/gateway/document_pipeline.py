@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.deadline import Deadline
+from services.common.domain import WriteToken
 from services.common.errors import (
     DeadlineExceeded,
     GenerationMoved,
@@ -31,7 +32,7 @@ from services.encoder.texts import cut_for_encoder
 from services.gateway import validation
 from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded
 from services.gateway.domain import Document, WriteResult
-from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S, DualTarget
+from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S, LATE_ENCODE_S, DualTarget
 from services.gateway.generation_parts import Bundle, Serving
 from services.gateway.generations import GenerationSource
 from services.gateway.ports import DocRecord, Encoder, TargetVectors
@@ -65,6 +66,16 @@ def _not_taken(moved: GenerationMoved) -> Unavailable:
     )
 
 
+@dataclass(eq=False)
+class _SecondEncode:
+    """A write's dual encode: its task, when it began, whether the write went on without
+    it (:meth:`DocumentPipeline._await_dual`)."""
+
+    task: asyncio.Task[tuple[np.ndarray, int]]
+    started: float
+    pending: bool = False
+
+
 @dataclass
 class DocumentPipeline:
     source: GenerationSource
@@ -95,31 +106,41 @@ class DocumentPipeline:
 
         async def write(serving: Serving, parts: Bundle) -> WriteResult:
             dual = self.source.dual.current(serving.generation)
-            jobs: dict[str, Awaitable[tuple[np.ndarray, int] | None]] = {}
             # a write moved by a switch into the target its dual write encoded for
             # takes those vectors (the same generation's encoder)
-            if dual_done.get(serving.generation) is None and parts.encoder_id not in own:
-                jobs["own"] = self._encode(parts.encoder, texts, cuts, deadline)
+            mine = dual_done.get(serving.generation)
+            encode_own = mine is None and parts.encoder_id not in own
+            second = None
             if dual is not None and dual.target not in dual_done:
-                jobs["dual"] = self._dual_encode(dual, texts, cuts, deadline)
-            with tracing.span("encode") as span, step(f"encode {'+'.join(jobs)}", bool(jobs)):
-                if span:
-                    span.set_attribute("gtr.documents", len(texts))
-                got = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
-            if got.get("own") is not None:
-                own[parts.encoder_id] = got["own"]  # type: ignore[assignment]
-            if dual is not None and "dual" in got:
-                dual_done[dual.target] = got["dual"]
-            mine = dual_done.get(serving.generation) or own[parts.encoder_id]
-            vectors, truncated = mine
-            records = [
-                DocRecord(d.id, vectors[i], d.title, d.text, dict(d.metadata))
-                for i, d in enumerate(docs)
-            ]
-            theirs = dual_done.get(dual.target) if dual is not None else None
-            target = TargetVectors(dual.identity, theirs[0]) if dual and theirs else None
-            with step("store"):
-                token = await bounded(parts.writer.upsert(records, target), deadline, "the write")
+                second = self._start_dual(dual, texts, cuts)
+            jobs = ["own"] * encode_own + ["dual"] * (second is not None)
+            try:
+                with tracing.span("encode") as span, step(f"encode {'+'.join(jobs)}", bool(jobs)):
+                    if span:
+                        span.set_attribute("gtr.documents", len(texts))
+                    if encode_own:
+                        own[parts.encoder_id] = await self._encode(
+                            parts.encoder, texts, cuts, deadline
+                        )
+                    theirs = await self._await_dual(second, deadline)
+                if dual is not None and second is not None:
+                    dual_done[dual.target] = theirs
+                vectors, truncated = mine or own[parts.encoder_id]
+                records = [
+                    DocRecord(d.id, vectors[i], d.title, d.text, dict(d.metadata))
+                    for i, d in enumerate(docs)
+                ]
+                target = TargetVectors(dual.identity, theirs[0]) if dual and theirs else None
+                with step("store"):
+                    token = await bounded(
+                        parts.writer.upsert(records, target), deadline, "the write"
+                    )
+            except BaseException:
+                if second is not None:
+                    second.task.cancel()  # nothing logged: nothing to keep its rows for
+                raise
+            if dual is not None and second is not None and theirs is None and second.pending:
+                self._keep_late(second, parts, token, [d.id for d in docs], dual.target)
             return WriteResult(token, len(docs), truncated=truncated, origin=serving.origin)
 
         with trail(f"upsert of {len(docs)}"):
@@ -145,24 +166,36 @@ class DocumentPipeline:
         truncated = sum(f or cut for f, (_, cut) in zip(flags, cuts, strict=True))
         return vectors, truncated
 
-    async def _dual_encode(
-        self,
-        dual: DualTarget,
-        texts: list[str],
-        cuts: list[tuple[str, bool]],
-        deadline: Deadline,
+    def _start_dual(
+        self, dual: DualTarget, texts: list[str], cuts: list[tuple[str, bool]]
+    ) -> _SecondEncode:
+        """:meth:`_encode` with a rollout target's encoder, started beside the write's own
+        and bounded by :data:`~services.gateway.dual_write.LATE_ENCODE_S`, not by the
+        write's deadline: a late one is kept after the write (:meth:`_keep_late`)."""
+        late = Deadline.after(LATE_ENCODE_S)
+        task = self.source.dual.start(dual, lambda e: self._encode(e, texts, cuts, late))
+        return _SecondEncode(task, time.monotonic())
+
+    async def _await_dual(
+        self, second: _SecondEncode | None, deadline: Deadline
     ) -> tuple[np.ndarray, int] | None:
-        """:meth:`_encode` with a rollout target's encoder (held while it runs: switched
-        off meanwhile, it is closed after), bounded by
-        :data:`~services.gateway.dual_write.DUAL_ENCODE_TIMEOUT_S`; None (counted,
-        logged, the write goes on without) when it fails or is late."""
+        """``second``'s vectors when it ends within
+        :data:`~services.gateway.dual_write.DUAL_ENCODE_TIMEOUT_S` of its start (and the
+        write's deadline); None (counted, logged: the write goes on without) when it failed
+        or is still running (``second.pending``)."""
+        if second is None:
+            return None
         left = deadline.remaining()
-        limit = DUAL_ENCODE_TIMEOUT_S if left is None else min(DUAL_ENCODE_TIMEOUT_S, left)
+        bound = DUAL_ENCODE_TIMEOUT_S - (time.monotonic() - second.started)
+        limit = max(0.0, bound if left is None else min(bound, left))
+        done, _ = await asyncio.wait({second.task}, timeout=limit)
+        if not done:
+            second.pending = True
+            return None
         try:
-            with self.source.dual.lease(dual) as encoder:
-                async with asyncio.timeout(limit):
-                    out = await self._encode(encoder, texts, cuts, deadline)
-        except (RetrievalError, TimeoutError) as exc:
+            out = second.task.result()
+        except (RetrievalError, TimeoutError, asyncio.CancelledError) as exc:
+            # (cancelled: its client closed under it, e.g. a gateway closing)
             self.on_dual("failed")
             log.info(
                 "dual write: the rollout target's encode failed (%s: %s); logged without",
@@ -170,16 +203,20 @@ class DocumentPipeline:
                 exc,
             )
             return None
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task.cancelling():  # this write itself is cancelled
-                raise
-            # the call was cancelled under it (its client closed): a failed dual encode
-            self.on_dual("failed")
-            log.warning("dual write: the rollout target's encode was cancelled; logged without")
-            return None
         self.on_dual("encoded")
         return out
+
+    def _keep_late(
+        self, second: _SecondEncode, parts: Bundle, token: WriteToken, ids: list[str], target: str
+    ) -> None:
+        """Once ``second`` ends, its rows kept beside the log entries ``token`` names, for
+        ``target``'s catch-up (counted "late"; "failed" when it fails after all)."""
+        writer = parts.writer
+
+        async def keep(out: tuple[np.ndarray, int]) -> None:
+            await writer.keep_late_vectors(token, ids, target, out[0])
+
+        self.source.dual.keep_late(second.task, keep, self.on_dual)
 
     async def delete(self, ids: Sequence[str], timeout: float | None = None) -> WriteResult:
         deadline = self._deadline(timeout)

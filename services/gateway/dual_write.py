@@ -21,10 +21,15 @@ ends. (It was closed at once, and closing a Triton client cancels its calls in f
 write's handler ended cancelled, gRPC sent its caller nothing, and the caller's upsert
 ran into its own deadline, test_generations_e2e at a switch.)
 
-What a failure costs: the second encode is bounded (:data:`DUAL_ENCODE_TIMEOUT_S`, and
-the write's deadline); when it fails or is late the write is logged without the target's
-vectors and acknowledged as always, never failed for the rollout's sake: the catch-up
-re-embeds such an entry. No acknowledged write depends on it.
+What a late one costs: the write waits for the second encode
+:data:`DUAL_ENCODE_TIMEOUT_S` at most (and never past its deadline); a later one does not
+hold the write, which is logged without the target's vectors and acknowledged as always,
+never failed for the rollout's sake. The encode goes on (:meth:`DualWrites.start`, within
+:data:`LATE_ENCODE_S`) and its rows are kept beside the log entry once it ends
+(:meth:`DualWrites.keep_late`, :mod:`services.index.client.late_vectors`), where the
+catch-up finds them: the target's encoder does the work once, not once here and once
+more in the catch-up. Only an encode that fails (or a gateway gone meanwhile) leaves the
+entry to the catch-up's re-embedding. No acknowledged write depends on it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from services.common.errors import RetrievalError
 from services.gateway.ports import Encoder
@@ -41,9 +47,13 @@ from services.generations.registry import Generation
 
 log = logging.getLogger(__name__)
 
-# The second encode of an upsert waits this long at most (and never past the write's
-# deadline); a later one leaves the entry to the catch-up's re-embedding.
+T = TypeVar("T")
+
+# The write waits this long at most for its second encode (and never past its deadline);
+# a later one goes on without the write and its rows are kept beside the entry
 DUAL_ENCODE_TIMEOUT_S = 1.0
+# ... within this (from its start): a later one leaves the entry to the catch-up
+LATE_ENCODE_S = 30.0
 # A rollout target in one of these states takes the dual write.
 DUAL_STATES = ("building", "catching_up", "switching")
 
@@ -83,6 +93,7 @@ class DualWrites:
         self._encoders = encoders
         self._current: DualTarget | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._late: set[asyncio.Task[None]] = set()  # keepers of late encodes
 
     @contextlib.contextmanager
     def lease(self, dual: DualTarget) -> Iterator[Encoder]:
@@ -95,6 +106,44 @@ class DualWrites:
             dual.users -= 1
             if dual.stopped and dual.users == 0:
                 self._close_later(dual)
+
+    def start(self, dual: DualTarget, encode: Callable[[Encoder], Awaitable[T]]) -> asyncio.Task[T]:
+        """``encode`` with ``dual``'s encoder as a task of its own, the encoder leased
+        (:meth:`lease`) until it ends: the write waits for it within its bound, and a late
+        one goes on (:meth:`keep_late`)."""
+
+        async def run() -> T:
+            with self.lease(dual) as encoder:
+                return await encode(encoder)
+
+        return asyncio.get_running_loop().create_task(run())
+
+    def keep_late(
+        self,
+        encode: asyncio.Task[T],
+        keep: Callable[[T], Awaitable[None]],
+        outcome: Callable[[str], None],
+    ) -> None:
+        """After the write logged without them: ``keep`` the late ``encode``'s result when
+        it ends (``outcome`` "late"), or ``outcome`` "failed" when it or ``keep`` fails.
+        Cancelled when the gateway closes."""
+
+        async def run() -> None:
+            try:
+                await keep(await encode)
+            except (RetrievalError, TimeoutError) as exc:
+                outcome("failed")
+                log.info("dual write: a late encode of the rollout target failed (%s)", exc)
+                return
+            outcome("late")
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self._late.discard(task)
+            encode.cancel()  # the keeper cancelled first (close): the encode too
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._late.add(task)
+        task.add_done_callback(ended)
 
     def current(self, serving: str) -> DualTarget | None:
         """The dual target of upserts written to ``serving`` now (None: no dual write)."""
@@ -157,6 +206,10 @@ class DualWrites:
             log.exception("closing the dual write's encoder of %s", dual.target)
 
     async def close(self) -> None:
+        late = list(self._late)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
         await self._stop()
         if self._closing:
             await asyncio.gather(*list(self._closing), return_exceptions=True)

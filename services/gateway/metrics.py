@@ -273,7 +273,8 @@ class GenerationMetrics:
             dual_encodes=Counter(
                 "gateway_generation_dual_encodes_total",
                 "Upserts encoded with a rollout target's encoder too (the dual write): "
-                "outcome encoded, or failed (logged without; the rollout re-embeds it).",
+                "outcome encoded (logged with the write), late (ended after the write, kept "
+                "beside its log entry), or failed (the rollout re-embeds it).",
                 ["outcome"],
                 registry=registry,
             ),

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from services.common.domain import Document, Hit, IndexResult, WriteToken
 from services.encoder.base import Encoder
 from services.index.changelog import TargetVectors
@@ -55,6 +57,13 @@ class DocumentWriter(Protocol):
     ) -> WriteToken:
         """``target``: the records' vectors by a rollout target's encoder, logged beside
         theirs (the dual write, :mod:`services.gateway.dual_write`)."""
+        ...
+
+    async def keep_late_vectors(
+        self, token: WriteToken, ids: Sequence[str], target: str, vectors: np.ndarray
+    ) -> None:
+        """A dual encode's rows that ended after the upsert ``token`` acknowledged, kept
+        for rollout target ``target``'s catch-up (:mod:`services.index.client.late_vectors`)."""
         ...
 
     async def delete(self, ids: Sequence[str]) -> tuple[WriteToken, list[str], list[str]]:

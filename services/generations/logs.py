@@ -89,3 +89,11 @@ def release(client: SyncRedis, keys: GenerationKeys, name: str) -> None:
     for shard in range(keys.num_shards):
         client.hdel(keys.snapshots(shard), name)
         client.hdel(keys.replicas_seen(shard), name)
+
+
+def drop_late_vectors(client: SyncRedis, keys: GenerationKeys, target: str) -> None:
+    """Delete the dual encodes kept beside ``keys``' logs for rollout target ``target``
+    (:mod:`services.index.client.late_vectors`): its rollout ended. One that ends later
+    still writes its hash, and the hash's TTL ends it."""
+    for shard in range(keys.num_shards):
+        client.delete(keys.late_vectors(shard, target))

@@ -28,6 +28,7 @@ from services.generations.held import enforce_bound, lag_and_added, lag_of
 from services.generations.registry import Generation
 from services.generations.target_replicas import replicas_ready
 from services.index.changelog import target_vectors, text
+from services.index.client import late_vectors
 from services.index.keys import HOLD_LIFTED_KEY, GenerationKeys
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ async def replay(
             )
             if not entries:
                 break
-            await _replay_entries(ctx, entries, src, embedder, appender)  # type: ignore[arg-type]
+            await _replay_entries(ctx, entries, src, shard, embedder, appender)  # type: ignore[arg-type]
             position = text(entries[-1][0])  # type: ignore[index, arg-type]
             done[shard] = position
             replayed[shard] = replayed.get(shard, 0) + len(entries)  # type: ignore[arg-type]
@@ -195,16 +196,20 @@ async def _replay_entries(
     ctx: RolloutContext,
     entries: list[Any],
     src: GenerationKeys,
+    shard: int,
     embedder: Embedder,
     appender: TargetAppender,
 ) -> None:
-    """Append a batch of S's entries in order: each upsert with the vectors the entry
-    carries for T (its own: :func:`reuses_logged_vectors`; or the dual write's by T's
-    encoder), the others re-embedded together."""
+    """Append a batch of S's entries (of ``shard``) in order: each upsert with the vectors
+    the entry carries for T (its own: :func:`reuses_logged_vectors`; or the dual write's
+    by T's encoder, logged or kept after the write), the others re-embedded together."""
     target = ctx.target()
     logged = reuses_logged_vectors(ctx.source(), target)
     identity = target.encoder.identity()
     parsed = [_parse_entry(fields, logged, identity) for _, fields in entries]
+    if not logged:
+        late = src.late_vectors(shard, target.name)
+        await asyncio.to_thread(_late_rows, ctx.client, late, entries, parsed, target.encoder.dim)
     need: set[tuple[int, int]] = set()  # (entry, row) of the upserts whose text is missing
     for e, entry in enumerate(parsed):
         if entry.op == "u" and entry.texts is None:
@@ -217,6 +222,17 @@ async def _replay_entries(
                     need.add((e, n))  # a newer version follows in the log
     await _embed_missing(embedder, parsed)
     await asyncio.to_thread(_append_runs, appender, _runs(parsed, need))
+
+
+def _late_rows(client: Any, key: str, entries: list[Any], parsed: list[_Entry], dim: int) -> None:
+    """The rows of the upserts logged without T's vectors whose dual encode ended after
+    the write (``key``: :mod:`services.index.client.late_vectors`), into ``parsed``."""
+    todo = [e for e, entry in enumerate(parsed) if entry.op == "u" and entry.vectors is None]
+    if not todo:
+        return
+    raw = client.hmget(key, [entries[e][0] for e in todo])
+    for e, packed in zip(todo, raw, strict=True):
+        parsed[e].vectors = late_vectors.unpack(packed, len(parsed[e].ids), dim)
 
 
 @dataclass

@@ -33,6 +33,7 @@ async def run_switch(ctx: RolloutContext) -> None:
     switch_in = {int(s): p for s, p in ctx.registry.get(target.name).switch_in.items()}
     logs.hold(ctx.client, tgt, switch_in, f"rollback:{source.name}", heartbeat=False)
     logs.release(ctx.client, src, f"rollout:{target.name}")
+    logs.drop_late_vectors(ctx.client, src, target.name)
     # The holds on S's logs for a rollback from S (to its previous, or, after a
     # rollback, to T itself): S is the previous generation now, the only target left.
     for gen in ctx.registry.all():

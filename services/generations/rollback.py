@@ -80,6 +80,7 @@ def abort(client: SyncRedis, registry: Registry, running: RolloutState) -> None:
     src = registry.keys(registry.get(source))
     registry.set_gates(src.layout, source)
     logs.release(client, src, f"rollout:{target}")
+    logs.drop_late_vectors(client, src, target)
     try:
         registry.get(target)
     except NotFound:

@@ -170,6 +170,13 @@ class GenerationKeys:
     def replicas_seen(self, shard: int) -> str:
         return f"snapseen:{self.layout.tag(shard)}{self._suffix()}"
 
+    def late_vectors(self, shard: int, target: str) -> str:
+        """Hash entry id → the vectors by rollout target ``target``'s encoder of this log's
+        entry, when the gateway's dual encode finished after the entry was written
+        (services/gateway/dual_write.py); the catch-up reads them instead of encoding
+        again. Deleted when the rollout ends; a TTL besides."""
+        return f"tvl:{self.layout.tag(shard)}{self._suffix()}:{target}"
+
     def logged(self, shard: int) -> str:
         """Hash id → the newest version the rollout builder appended to this log (the
         builder's appends are idempotent by it; the gateway's writes do not use it)."""

@@ -563,6 +563,7 @@ def test_switch_replays_the_last_writes_then_moves_the_alias_and_the_gates(
 ) -> None:
     ctx = _ready_to_switch(store, tmp_path)
     write(redis_url, G1, [doc(80, "last")])  # after the catch-up, before the switch
+    store.hset(G1.late_vectors(1, "g2"), "1-0", b"\0" * 4 * DIM)  # a late dual encode's rows
     state = _run(ctx, run_switch)
     registry = Registry(store)
     alias = registry.alias()
@@ -575,6 +576,7 @@ def test_switch_replays_the_last_writes_then_moves_the_alias_and_the_gates(
     for shard in range(2):
         assert store.hget(G2.snapshots(shard), "rollback:g1") == switch_in[str(shard)].encode()
         assert store.hget(G1.snapshots(shard), "rollout:g2") is None  # released
+    assert not store.exists(G1.late_vectors(1, "g2"))  # gone with the rollout
 
 
 @pytest.mark.parametrize(("replayed_per_s", "lifted"), [(5, True), (100, False)])

@@ -7,6 +7,8 @@ Package map:
 - ``coalescer``: concurrent single-query searches sent to the shards in waves.
 - ``replicas``: a shard's replicas (balancing, failover, hedging, the search stream).
 - ``writer``: the change log's writer (documents and their log entries).
+- ``late_vectors``: a dual encode's rows kept after its upsert was written (the catch-up
+  reads them).
 - ``documents``: the reader of the stored documents.
 - ``tails``: the reader of the logs' tails (what a STRONG search waits for).
 - ``connection``: the Redis connection those three share.

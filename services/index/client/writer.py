@@ -20,6 +20,7 @@ from services.common.domain import WriteToken
 from services.common.errors import GenerationMoved, InvalidArgument, StoreFull, Unavailable
 from services.common.limits import LIMITS
 from services.index.changelog import TargetVectors, text
+from services.index.client import late_vectors
 from services.index.client.connection import REDIS_ERRORS, StoreConnection
 from services.index.keys import CLOSED, FIRST_GENERATION, GenerationKeys, Layout
 from services.telemetry import tracing
@@ -284,13 +285,8 @@ class ChangeLogWriter:
         connection = StoreConnection(
             redis_url, num_shards, max_connections=max_connections, pool_timeout_s=pool_timeout_s
         )
-        writer = cls(
-            connection,
-            dim,
-            keys=keys,
-            wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms,
-        )
+        wait = {"wait_replicas": wait_replicas, "wait_timeout_ms": wait_timeout_ms}
+        writer = cls(connection, dim, keys=keys, **wait)
         writer._owns_connection = True
         return writer
 
@@ -362,6 +358,12 @@ class ChangeLogWriter:
         for t in await asyncio.gather(*(part(g) for g in self._groups(ids))):
             token.update(t)
         return token
+
+    async def keep_late_vectors(
+        self, token: WriteToken, ids: Sequence[str], target: str, vectors: np.ndarray
+    ) -> None:
+        """:func:`~services.index.client.late_vectors.keep` on this store and keys."""
+        await late_vectors.keep(self.connection, self.keys, target, token, ids, vectors)
 
     async def delete(self, ids: Sequence[str]) -> tuple[WriteToken, list[str], list[str]]:
         """Delete the documents that exist: (write token, deleted ids, ids not found)."""
