@@ -32,7 +32,12 @@ from services.encoder.texts import cut_for_encoder
 from services.gateway import validation
 from services.gateway.budget import DEFAULT_TIMEOUT_S, bounded
 from services.gateway.domain import Document, WriteResult
-from services.gateway.dual_write import DUAL_ENCODE_TIMEOUT_S, LATE_ENCODE_S, DualTarget
+from services.gateway.dual_write import (
+    DUAL_ENCODE_TIMEOUT_S,
+    LATE_ENCODE_S,
+    MAX_LATE,
+    DualTarget,
+)
 from services.gateway.generation_parts import Bundle, Serving
 from services.gateway.generations import GenerationSource
 from services.gateway.ports import DocRecord, Encoder, TargetVectors
@@ -182,15 +187,21 @@ class DocumentPipeline:
         """``second``'s vectors when it ends within
         :data:`~services.gateway.dual_write.DUAL_ENCODE_TIMEOUT_S` of its start (and the
         write's deadline); None (counted, logged: the write goes on without) when it failed
-        or is still running (``second.pending``)."""
+        or is still running (``second.pending``; cancelled, "failed", when
+        :data:`~services.gateway.dual_write.MAX_LATE` are late already)."""
         if second is None:
             return None
         left = deadline.remaining()
         bound = DUAL_ENCODE_TIMEOUT_S - (time.monotonic() - second.started)
         limit = max(0.0, bound if left is None else min(bound, left))
         done, _ = await asyncio.wait({second.task}, timeout=limit)
-        if not done:
+        if not done and not self.source.dual.late_full():
             second.pending = True
+            return None
+        if not done:  # MAX_LATE wait already: this one is not kept
+            second.task.cancel()
+            self.on_dual("failed")
+            log.info("dual write: the rollout target's encode is late, and so are %d", MAX_LATE)
             return None
         try:
             out = second.task.result()

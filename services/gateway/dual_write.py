@@ -25,11 +25,12 @@ What a late one costs: the write waits for the second encode
 :data:`DUAL_ENCODE_TIMEOUT_S` at most (and never past its deadline); a later one does not
 hold the write, which is logged without the target's vectors and acknowledged as always,
 never failed for the rollout's sake. The encode goes on (:meth:`DualWrites.start`, within
-:data:`LATE_ENCODE_S`) and its rows are kept beside the log entry once it ends
-(:meth:`DualWrites.keep_late`, :mod:`services.index.client.late_vectors`), where the
-catch-up finds them: the target's encoder does the work once, not once here and once
-more in the catch-up. Only an encode that fails (or a gateway gone meanwhile) leaves the
-entry to the catch-up's re-embedding. No acknowledged write depends on it.
+:data:`LATE_ENCODE_S`, :data:`MAX_LATE` of them at once) and its rows are kept beside the
+log entry once it ends (:meth:`DualWrites.keep_late`,
+:mod:`services.index.client.late_vectors`), where the catch-up finds them: the target's
+encoder does the work once, not once here and once more in the catch-up. Only an encode
+that fails (or one past :data:`MAX_LATE`, or a gateway gone meanwhile) leaves the entry to
+the catch-up's re-embedding. No acknowledged write depends on it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,12 @@ T = TypeVar("T")
 # a later one goes on without the write and its rows are kept beside the entry
 DUAL_ENCODE_TIMEOUT_S = 1.0
 # ... within this (from its start): a later one leaves the entry to the catch-up
-LATE_ENCODE_S = 30.0
+LATE_ENCODE_S = 10.0
+# Late encodes a gateway waits on at most; one more is cancelled at its bound (failed).
+# Triton queues them in arrival order with the builder's calls (one queue by default):
+# while its encoder cannot keep up with the writes, an unbounded number of late encodes
+# would hold the builder back by up to LATE_ENCODE_S and then fail anyway.
+MAX_LATE = 32
 # A rollout target in one of these states takes the dual write.
 DUAL_STATES = ("building", "catching_up", "switching")
 
@@ -117,6 +123,10 @@ class DualWrites:
                 return await encode(encoder)
 
         return asyncio.get_running_loop().create_task(run())
+
+    def late_full(self) -> bool:
+        """Whether :data:`MAX_LATE` late encodes are kept waiting on already."""
+        return len(self._late) >= MAX_LATE
 
     def keep_late(
         self,

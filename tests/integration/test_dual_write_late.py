@@ -11,7 +11,8 @@ pipeline and catch-up; the encoders are the hash stand-ins of test_rollout_phase
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from services.common.domain import Document
 from services.common.encoder_spec import EncoderSpec
 from services.common.errors import Unavailable
 from services.encoder.base import Embeddings, Encoder
-from services.gateway import document_pipeline
+from services.gateway import document_pipeline, dual_write
 from services.gateway.document_pipeline import DocumentPipeline
 from services.gateway.generation_parts import Bundle, RedisAliasReader
 from services.gateway.generations import GenerationSource
@@ -65,34 +66,47 @@ def store(redis_url: str, tmp_path: Path) -> Iterator[Any]:
     client.close()
 
 
-async def _late_writes(redis_url: str, gateway_seen: list[str]) -> dict[str, Any]:
-    """Upserts whose second encode is held past its bound: what the write returned before
-    the encode was let go, and the outcomes once the late encodes ended."""
+@contextlib.asynccontextmanager
+async def _gateway(
+    redis_url: str, seen: list[str], outcome: Callable[[str], None]
+) -> AsyncIterator[tuple[DocumentPipeline, GenerationSource, list[LetGo]]]:
+    """The gateway's GenerationSource and DocumentPipeline over the real registry and
+    writer, its dual write on (the refresh done); the target's encoders it made."""
     connection = StoreConnection(redis_url, 2)
     targets: list[LetGo] = []
-    outcomes: list[str] = []
-    settled = asyncio.Event()
 
     async def bundle(gen: Generation) -> Bundle:
         writer = ChangeLogWriter(connection, DIM, keys=gen.keys(2))
         return Bundle(gen.name, Salted(gen.encoder, []), *[object()] * 3, writer)  # type: ignore[arg-type, call-arg]
 
     async def encoders(gen: Generation) -> tuple[Encoder, bool]:
-        targets.append(LetGo(gen.encoder, gateway_seen))
+        targets.append(LetGo(gen.encoder, seen))
         return targets[-1], True
+
+    source = GenerationSource(
+        RedisAliasReader(connection.redis), bundle, refresh_s=3600, encoders=encoders
+    )
+    try:
+        await source.start()
+        await source.prepare_target()  # the refresh that turns the dual write on
+        yield DocumentPipeline(source, on_dual=outcome), source, targets
+    finally:
+        await source.close()
+        await connection.close()
+
+
+async def _late_writes(redis_url: str, gateway_seen: list[str]) -> dict[str, Any]:
+    """Upserts whose second encode is held past its bound: what the write returned before
+    the encode was let go, and the outcomes once the late encodes ended."""
+    outcomes: list[str] = []
+    settled = asyncio.Event()
 
     def outcome(name: str) -> None:
         outcomes.append(name)
         if len(outcomes) == 2:
             settled.set()
 
-    source = GenerationSource(
-        RedisAliasReader(connection.redis), bundle, refresh_s=3600, encoders=encoders
-    )
-    pipeline = DocumentPipeline(source, on_dual=outcome)
-    try:
-        await source.start()
-        await source.prepare_target()  # the refresh that turns the dual write on
+    async with _gateway(redis_url, gateway_seen, outcome) as (pipeline, _, targets):
         first = await pipeline.upsert(
             [Document(i, LATE[i], f"title {i}") for i in ("d300", "d303")], 5.0
         )
@@ -101,14 +115,11 @@ async def _late_writes(redis_url: str, gateway_seen: list[str]) -> dict[str, Any
         (target,) = targets
         target.let_go.set()
         await asyncio.wait_for(settled.wait(), 10)
-        return {
-            "tokens": [first.write_token, second.write_token],
-            "before": acknowledged_before,
-            "outcomes": outcomes,
-        }
-    finally:
-        await source.close()
-        await connection.close()
+    return {
+        "tokens": [first.write_token, second.write_token],
+        "before": acknowledged_before,
+        "outcomes": outcomes,
+    }
 
 
 def test_a_late_dual_encode_is_kept_and_the_catch_up_takes_it_instead_of_encoding_again(
@@ -153,43 +164,56 @@ def test_a_late_dual_encode_is_kept_and_the_catch_up_takes_it_instead_of_encodin
     assert not any(store.exists(G1.late_vectors(s, "g2")) for s in range(2))
 
 
+def _p0(store: Any, tmp_path: Path) -> None:
+    _run(_context(store, tmp_path, "p0"), run_p0)
+    Registry(store).set_state("g2", "building")
+
+
 def test_the_gateway_closing_cancels_its_late_encodes(
     store: Any, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(document_pipeline, "DUAL_ENCODE_TIMEOUT_S", 0.05)
-    ctx = _context(store, tmp_path, "p0")
-    _run(ctx, run_p0)
-    Registry(store).set_state("g2", "building")
+    _p0(store, tmp_path)
+    outcomes: list[str] = []
 
-    async def scenario() -> tuple[list[asyncio.Task[Any]], list[str]]:
-        connection = StoreConnection(redis_url, 2)
-        targets: list[LetGo] = []
-        outcomes: list[str] = []
-
-        async def bundle(gen: Generation) -> Bundle:
-            writer = ChangeLogWriter(connection, DIM, keys=gen.keys(2))
-            return Bundle(gen.name, Salted(gen.encoder, []), *[object()] * 3, writer)  # type: ignore[arg-type, call-arg]
-
-        async def encoders(gen: Generation) -> tuple[Encoder, bool]:
-            targets.append(LetGo(gen.encoder, []))
-            return targets[-1], True
-
-        source = GenerationSource(
-            RedisAliasReader(connection.redis), bundle, refresh_s=3600, encoders=encoders
-        )
-        pipeline = DocumentPipeline(source, on_dual=outcomes.append)
-        try:
-            await source.start()
-            await source.prepare_target()
+    async def scenario() -> list[asyncio.Task[Any]]:
+        async with _gateway(redis_url, [], outcomes.append) as (pipeline, source, _):
             await pipeline.upsert([Document("d300", LATE["d300"])], 5.0)
             keepers = list(source.dual._late)
             assert len(keepers) == 1, "the late encode goes on after the write"
-        finally:
-            await source.close()  # never let go: closing must not wait for it
-            await connection.close()
-        return keepers, outcomes
+        return keepers  # closed with the encode never let go: closing must not wait
 
-    keepers, outcomes = asyncio.run(asyncio.wait_for(scenario(), 10))
+    keepers = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert all(task.cancelled() for task in keepers)
     assert outcomes == []
     assert not any(store.exists(G1.late_vectors(s, "g2")) for s in range(2))
+
+
+def test_past_max_late_a_late_encode_is_cancelled_at_its_bound_not_kept(
+    store: Any, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton queues late encodes with the builder's calls: while the target's encoder
+    cannot keep up, more of them would only hold the builder back, then fail."""
+    monkeypatch.setattr(document_pipeline, "DUAL_ENCODE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(dual_write, "MAX_LATE", 1)
+    _p0(store, tmp_path)
+    outcomes: list[str] = []
+    seen: list[str] = []
+
+    async def scenario() -> list[str]:
+        async with _gateway(redis_url, seen, outcomes.append) as (pipeline, source, targets):
+            await pipeline.upsert([Document("d300", LATE["d300"])], 5.0)
+            await pipeline.upsert([Document("d303", LATE["d303"])], 5.0)
+            before = list(outcomes)
+            keepers = list(source.dual._late)
+            assert len(keepers) == 1, f"{len(keepers)} late encodes kept, MAX_LATE is 1"
+            targets[0].let_go.set()
+            await keepers[0]
+        return before
+
+    before = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert before == ["failed"]  # the second, cancelled at its bound
+    assert outcomes == ["failed", "late"]
+    assert seen == [embedding_text("", LATE["d300"])]  # the cancelled one never ran
+    assert store.hlen(G1.late_vectors(0, "g2")) == 1
+    assert not store.exists(G1.late_vectors(1, "g2"))
