@@ -141,9 +141,20 @@ class DualWrites:
         async def run() -> None:
             try:
                 await keep(await encode)
-            except (RetrievalError, TimeoutError) as exc:
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is None or me.cancelling():  # the gateway closing
+                    raise
+                outcome("failed")  # the encode cancelled under it (its client closed)
+                return
+            except Exception as exc:  # a task of its own: nobody else would see it
                 outcome("failed")
-                log.info("dual write: a late encode of the rollout target failed (%s)", exc)
+                level = (
+                    logging.INFO
+                    if isinstance(exc, RetrievalError | TimeoutError)
+                    else logging.WARNING
+                )
+                log.log(level, "dual write: a late encode of the rollout target failed (%r)", exc)
                 return
             outcome("late")
 

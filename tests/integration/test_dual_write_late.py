@@ -50,8 +50,10 @@ class LetGo(Salted):
     def __init__(self, spec: EncoderSpec, seen: list[str]) -> None:
         super().__init__(spec, seen)
         self.let_go = asyncio.Event()
+        self.calls: list[asyncio.Task[Any] | None] = []  # the tasks its encodes ran in
 
     async def encode(self, texts: Sequence[str], kind: Any, timeout: float | None = None) -> Any:
+        self.calls.append(asyncio.current_task())
         await self.let_go.wait()
         if any("fails" in t for t in texts):
             raise Unavailable("the target's Triton version refuses")
@@ -217,3 +219,25 @@ def test_past_max_late_a_late_encode_is_cancelled_at_its_bound_not_kept(
     assert seen == [embedding_text("", LATE["d300"])]  # the cancelled one never ran
     assert store.hlen(G1.late_vectors(0, "g2")) == 1
     assert not store.exists(G1.late_vectors(1, "g2"))
+
+
+def test_a_late_encode_cancelled_under_its_keeper_counts_as_failed(
+    store: Any, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As when the target's Triton client closes under a call: counted, nothing kept."""
+    monkeypatch.setattr(document_pipeline, "DUAL_ENCODE_TIMEOUT_S", 0.05)
+    _p0(store, tmp_path)
+    outcomes: list[str] = []
+
+    async def scenario() -> None:
+        async with _gateway(redis_url, [], outcomes.append) as (pipeline, source, targets):
+            await pipeline.upsert([Document("d300", LATE["d300"])], 5.0)
+            (keeper,) = source.dual._late
+            (call,) = targets[0].calls
+            assert call is not None
+            call.cancel()
+            await keeper
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert outcomes == ["failed"]
+    assert not any(store.exists(G1.late_vectors(s, "g2")) for s in range(2))
