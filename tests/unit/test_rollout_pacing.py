@@ -13,7 +13,12 @@ import pytest
 from services.generations import pacing
 from services.generations.pacing import Pacer
 from services.generations.progress import Progress
-from services.generations.serving_latency import LatencySummary, LatencyWindow
+from services.generations.serving_latency import (
+    BASELINE_LAG_S,
+    BASELINE_S,
+    LatencySummary,
+    LatencyWindow,
+)
 from tests.support.clock import Clock
 
 
@@ -210,7 +215,7 @@ def test_the_reports_are_read_at_most_once_a_second() -> None:
 
 def test_the_window_keeps_only_its_last_seconds_and_gives_their_percentiles() -> None:
     clock = Clock()
-    window = LatencyWindow(window_s=5.0, clock=clock, baseline_s=5.0)
+    window = LatencyWindow(window_s=5.0, clock=clock, baseline_s=5.0, baseline_lag_s=0.0)
     assert window.summary() == LatencySummary(0, 0.0, 0.0)
     for ms in range(1, 101):
         window.record(float(ms))
@@ -237,7 +242,7 @@ def test_an_inactive_pacer_lets_calls_pass_and_counts_nothing() -> None:
 
 def test_the_window_also_gives_the_p99_of_its_longer_baseline() -> None:
     clock = Clock()
-    window = LatencyWindow(window_s=5.0, clock=clock, baseline_s=30.0)
+    window = LatencyWindow(window_s=5.0, clock=clock, baseline_s=30.0, baseline_lag_s=0.0)
     for ms in range(1, 201):  # 200 searches, 20 s before the last five seconds
         window.record(float(ms))
     clock.now += 20.0
@@ -252,6 +257,30 @@ def test_the_window_also_gives_the_p99_of_its_longer_baseline() -> None:
     assert window.summary() == LatencySummary(0, 0.0, 0.0)
     old = '{"n": 3, "p50": 1.5, "p99": 9.25, "at": 12.0}'  # a gateway with no baseline
     assert LatencySummary.from_json(old) == LatencySummary(3, 1.5, 9.25, at=12.0)
+
+
+def test_the_baseline_leaves_out_the_last_seconds_where_the_rollout_starts() -> None:
+    """A burst in the last BASELINE_LAG_S (the rollout CLI's own start) is not in the
+    baseline; the 30 s before it are, and the 5-s window still sees the burst."""
+    clock = Clock()
+    window = LatencyWindow(window_s=5.0, clock=clock)
+    assert (window.baseline_s, window.baseline_lag_s) == (BASELINE_S, BASELINE_LAG_S) == (30, 15)
+    for _ in range(50):  # 50 s of steady searches, 20 a second, 20 ms each
+        for _ in range(20):
+            window.record(20.0)
+            clock.now += 0.05
+    for _ in range(60):  # then 3 s of a burst at 300 ms
+        window.record(300.0)
+        clock.now += 0.05
+    summary = window.summary()
+    assert summary.p99_ms == 300.0  # the pacing window sees it
+    assert summary.baseline_p99_ms == 20.0 and 595 <= summary.baseline_searches <= 605
+    clock.now += 15.0  # the burst is now older than the lag: in the baseline
+    assert window.summary().baseline_p99_ms == 300.0
+    unlagged = LatencyWindow(window_s=5.0, clock=clock, baseline_lag_s=0.0)
+    for ms in (20.0,) * 200 + (300.0,) * 60:
+        unlagged.record(ms)
+    assert unlagged.summary().baseline_p99_ms == 300.0  # what the lag is for
 
 
 def test_the_baseline_is_read_from_the_longer_window_the_control_from_the_last() -> None:
