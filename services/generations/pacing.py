@@ -10,7 +10,8 @@ pauses so that its encoder is busy ``duty`` of the time: after a call of ``t`` s
 
 ``duty`` follows the searches' p99 that the gateways report (:mod:`.serving_latency`: their
 last 5 s), against a target taken before the rollout began (its ``baseline``, the p99 of the
-gateways' last 30 s, times ``ratio``, at least ``margin_ms`` more): halved when the p99 is
+gateways' 30 s that ended 15 s before, so the rollout's own start is not in it, times
+``ratio``, at least ``margin_ms`` more): halved when the p99 is
 over the target, raised by a tenth when it is well under (``RELAX``), never below
 ``min_duty`` (the rollout always progresses, and the writes' dual encodes bound its catch-up
 whatever its pace). Only the ``train`` and ``bulk`` phases are paced (:data:`PACED_PHASES`);
@@ -75,7 +76,7 @@ def slowest_p99(client: Any) -> float | None:
 
 
 def slowest_baseline_p99(client: Any) -> float | None:
-    """The highest p99 over the gateways' baseline windows (their last 30 s) of those that
+    """The highest p99 over the gateways' baseline windows (30 s ending 15 s ago) of those that
     answered at least MIN_BASELINE_SEARCHES there; :func:`slowest_p99` when none did (a
     quiet stack, or gateways that report no baseline)."""
     reports = serving_latency.read(client)

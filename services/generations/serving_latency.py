@@ -2,17 +2,19 @@
 it to pace itself (:mod:`.pacing`; docs/generations.md "Pacing on the searches' p99").
 
 Each gateway keeps the total latency of the searches it answered in the last
-``baseline_s`` seconds (:class:`LatencyWindow`: one append per search, no I/O) and writes
+``baseline_s + baseline_lag_s`` seconds (:class:`LatencyWindow`: one append per search, no
+I/O) and writes
 its summary every second into the hash ``{gtr}:search-latency`` under a field of its own
 (:func:`publish`; the key expires unless written again, so a stopped gateway drops out):
 the last ``window_s`` (5 s: what a builder paces on, quick to follow a change) and the
 ``baseline_s`` before the last ``baseline_lag_s`` (30 s ending 15 s ago: the baseline a
 builder takes before it loads the machine; the p99 of ~100 searches is about their slowest
 one, which put one bench rollout's baseline at 20.7 ms while its 30 s before read 30.3 ms).
-The lag keeps the rollout's own start out of its baseline: the CLI's imports and claim, a
-few seconds of CPU before the builder reads it, put a bench rollout's baseline at 41.3 ms
-on a stack whose 90 s before read 27.1 ms (a 1.1-CPU CFS quota, 2026-12-03), and its
-target, 1.2 times that, let the searches reach 2.08x. The builder reads every field
+The lag keeps the rollout's own start out of its baseline: the CLI's first seconds (its
+imports, connections and claim, before the builder reads the baseline; 2-s p99s of 58-77
+ms) put a bench rollout's baseline at 41.3 ms on a stack whose 90 s before read 27.1 ms (a
+1.1-CPU CFS quota, 2026-12-03), and its target, 1.2 times that, let the searches reach
+2.08x. The builder reads every field
 (:func:`read`) and takes the slowest gateway's figure."""
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ BASELINE_LAG_S = 15.0  # ...which end this long before the summary (the module s
 PUBLISH_S = 1.0  # a gateway writes its summary this often
 KEY_TTL_S = 10  # ...and the key outlives its last write by this much
 MAX_AGE_S = 3.0  # a summary older than this is a gateway that stopped reporting
-MAX_KEPT = 20_000  # searches a window keeps at most (a burst does not grow it unbounded)
+# searches a window keeps at most (a burst does not grow it unbounded): 45 s of up to ~670
+# searches/s, as 20,000 were 30 s of them before the lag. Past ~2,000/s a gateway keeps less
+# than the lag, its baseline window is empty, and the builder paces on the 5-s p99
+# (pacing.slowest_baseline_p99).
+MAX_KEPT = 30_000
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ class LatencyWindow:
         # when each search ended (ascending) and its latency: two deques, so that a summary
         # reads each into numpy at C speed (it runs on the gateway's event loop once a
         # second; at 20,000 searches kept: 1.3-1.9 ms, against 2.5-3.1 ms from one deque of
-        # pairs, timed alone)
+        # pairs, timed alone; 2026-12-03, alone: 2.2 ms at 20,000, 3.7 ms at MAX_KEPT)
         self._at: deque[float] = deque(maxlen=MAX_KEPT)
         self._ms: deque[float] = deque(maxlen=MAX_KEPT)
 

@@ -283,6 +283,18 @@ def test_the_baseline_leaves_out_the_last_seconds_where_the_rollout_starts() -> 
     assert unlagged.summary().baseline_p99_ms == 300.0  # what the lag is for
 
 
+def test_a_busy_gateway_still_keeps_its_whole_lagged_baseline() -> None:
+    """At 600 searches a second the window holds the 45 s the lagged baseline needs (the
+    cap of 20,000 from before the lag kept 33 s: 18 of the baseline's 30)."""
+    clock = Clock()
+    window = LatencyWindow(clock=clock)
+    for _ in range(45 * 600):
+        window.record(20.0)
+        clock.now += 1 / 600
+    summary = window.summary()
+    assert summary.baseline_searches >= 30 * 600 - 5, summary
+
+
 def test_the_baseline_is_read_from_the_longer_window_the_control_from_the_last() -> None:
     reads: list[str] = []
 
