@@ -167,8 +167,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, rollout: bool) -> None:
             default=PACE,
             metavar="RATIO|off",
             help="Pace the re-embedding on the searches the gateways answer: pause between "
-            "encode calls whenever their p99 passes RATIO times their p99 over the 30 s "
-            f"before the rollout (and 5 ms more at least; {PACE}). When searches stay "
+            "encode calls whenever their p99 passes RATIO times their p99 over 30 s "
+            "that ended 15 s before the builder started, so that its own start is not in it "
+            f"(and 5 ms more at least; {PACE}). When searches stay "
             "slower with the re-embedding at its floor, the target is raised to their p99, "
             "never past 1.5 times the baseline (or RATIO, if higher). 'off': full "
             "speed, for a rollout whose encoder shares no CPU with serving. On 2 shared "
